@@ -309,7 +309,9 @@ def _load_pickled_model(path: Path, info: BackboneInfo) -> Any:
         ) from error
 
 
-def _load_into(module: nn.Module, state_dict: dict[str, torch.Tensor], path: Path, info: BackboneInfo) -> None:
+def _load_into(
+    module: nn.Module, state_dict: dict[str, torch.Tensor], path: Path, info: BackboneInfo
+) -> None:
     # TorchXRayVision registers op_threshs as a buffer that may be None; it plays no part in features.
     state_dict = {k: v for k, v in state_dict.items() if k != "op_threshs"}
     expected = module.state_dict()
@@ -322,8 +324,11 @@ def _load_into(module: nn.Module, state_dict: dict[str, torch.Tensor], path: Pat
     )
     if missing or unexpected or wrong_shape:
         problems = []
-        for label, items in (("missing keys", missing), ("unexpected keys", unexpected),
-                             ("wrong shapes", wrong_shape)):
+        for label, items in (
+            ("missing keys", missing),
+            ("unexpected keys", unexpected),
+            ("wrong shapes", wrong_shape),
+        ):
             if items:
                 shown = ", ".join(items[:5]) + (f", … ({len(items)} in all)" if len(items) > 5 else "")
                 problems.append(f"{label}: {shown}")
@@ -361,16 +366,27 @@ def _preprocess_for(name: str) -> tuple[Preprocess, Callable[[Image.Image], torc
     if _family(name) == "xrv-densenet":
         spec = Preprocess(
             "xrv-grayscale",
-            (("channels", 1), ("scale", "xrv.datasets.normalize(img, 255) -> [-1024, 1024]"),
-             ("crop", "XRayCenterCrop"), ("resize", XRV_INPUT_SIZE), ("resize_engine", "skimage")),
+            (
+                ("channels", 1),
+                ("scale", "xrv.datasets.normalize(img, 255) -> [-1024, 1024]"),
+                ("crop", "XRayCenterCrop"),
+                ("resize", XRV_INPUT_SIZE),
+                ("resize_engine", "skimage"),
+            ),
         )
         return spec, XRayTransform(XRV_INPUT_SIZE)
     preset = _imagenet_weights_enum(name).transforms(resize_size=IMAGENET_RESIZE, crop_size=IMAGENET_CROP)
     spec = Preprocess(
         "imagenet-rgb",
-        (("channels", 3), ("gray_to_rgb", "PIL convert('RGB')"), ("resize", IMAGENET_RESIZE),
-         ("crop", IMAGENET_CROP), ("interpolation", preset.interpolation.value),
-         ("mean", tuple(preset.mean)), ("std", tuple(preset.std))),
+        (
+            ("channels", 3),
+            ("gray_to_rgb", "PIL convert('RGB')"),
+            ("resize", IMAGENET_RESIZE),
+            ("crop", IMAGENET_CROP),
+            ("interpolation", preset.interpolation.value),
+            ("mean", tuple(preset.mean)),
+            ("std", tuple(preset.std)),
+        ),
     )
     return spec, RGBImageNetTransform(preset)
 
@@ -418,4 +434,3 @@ def load_backbone(
         weights_id=weights_id,
         weights_path=weights_path,
     )
-

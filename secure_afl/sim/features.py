@@ -1,0 +1,394 @@
+"""Batched feature extraction with a resumable on-disk cache (SPEC §4, issue 4).
+
+Public API
+----------
+``extract_features(paths, backbone, *, cache_dir, device="auto", batch_size=64, num_workers=None,
+amp=False, shard_size=2048, progress=True, strict=False) -> ExtractionResult``
+    Features of the images ``paths`` (in that order) from a frozen ``backbone``
+    (:func:`secure_afl.sim.backbones.load_backbone`). Returns an :class:`ExtractionResult`:
+
+    - ``features``: float32 array ``len(paths) x backbone.feature_dim``; the rows of skipped images are
+      NaN, so that a caller who forgets to drop them fails loudly downstream;
+    - ``skipped``: sorted indices (into ``paths``) of unreadable or corrupt PNGs, with the reasons in
+      ``skip_reasons``; the caller drops these rows (their labels too) and reports the count.
+      ``strict=True`` raises :class:`secure_afl.sim.images.CorruptImageError` instead;
+    - ``forward_passes``: batches run through the network in this call (0 on a complete cache);
+    - ``from_cache``: True when every shard came from the cache; ``shards_computed`` /
+      ``shards_reused`` count both kinds, ``cache_path`` is the cache entry's directory.
+
+``feature_cache_key(paths, backbone, *, amp=False) -> str``
+    The cache entry's name: SHA-256 over the backbone name, its weights id (SHA-256 of the weight file,
+    or ``random-init-seed-N``), its preprocessing description, the AMP flag and the ordered list of
+    absolute image paths.
+``resolve_device(device) -> torch.device``
+    ``"auto"`` -> CUDA when available, else CPU; ``"cuda"`` without a GPU raises ``ValueError``.
+``default_num_workers() -> int``
+    DataLoader workers used when ``num_workers`` is None: the usable CPUs, at most 8.
+
+Cache layout: ``cache_dir/<key>/manifest.json`` (key fields, feature dim, shard size, per completed
+shard its file, row count and skipped indices with reasons), ``images.txt`` (the ordered image list)
+and ``shard_00000.npy`` … (float32, ``shard_size`` rows each, the last one shorter). Each shard is
+written to a temporary file and moved into place with ``os.replace``, then recorded in the manifest
+(also replaced atomically), so an interrupted extraction resumes at the first shard it had not
+finished, and a complete cache returns without building a DataLoader or running the network.
+
+Precision: the network runs in float32; ``amp=True`` wraps the forward pass in ``torch.autocast``
+(float16) on CUDA only and is ignored, with a warning, on CPU. Features are stored as float32 either
+way; downstream statistics are accumulated in float64. The AMP flag is part of the cache key;
+the device is not (CPU and GPU float32 features differ only by rounding).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    ProgressColumn,
+    Task,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.text import Text
+from torch.utils.data import DataLoader
+
+from secure_afl.sim.backbones import Backbone
+from secure_afl.sim.images import CorruptImageError, ImageBatch, ImageDataset, collate_images
+
+__all__ = [
+    "CACHE_FORMAT_VERSION",
+    "ExtractionResult",
+    "default_num_workers",
+    "extract_features",
+    "feature_cache_key",
+    "resolve_device",
+]
+
+CACHE_FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+IMAGE_LIST_NAME = "images.txt"
+_MAX_DEFAULT_WORKERS = 8
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ExtractionResult:
+    features: np.ndarray
+    skipped: list[int]
+    skip_reasons: dict[int, str]
+    forward_passes: int
+    from_cache: bool
+    shards_computed: int
+    shards_reused: int
+    cache_path: Path
+    device: str
+
+
+@dataclass
+class _ShardBuffer:
+    """Rows of one shard being filled batch by batch."""
+
+    features: np.ndarray
+    remaining: int
+    skipped: dict[int, str] = field(default_factory=dict)
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but torch finds no CUDA GPU; use --device cpu or auto")
+    return resolved
+
+
+def default_num_workers() -> int:
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    return max(0, min(_MAX_DEFAULT_WORKERS, cpus))
+
+
+def _key_fields(paths: Sequence[Path], backbone: Backbone, amp: bool) -> dict[str, Any]:
+    return {
+        "format": CACHE_FORMAT_VERSION,
+        "backbone": backbone.name,
+        "weights": backbone.weights_id,
+        "preprocess": backbone.preprocess.as_dict(),
+        "feature_dim": backbone.feature_dim,
+        "amp": amp,
+        "n_images": len(paths),
+        "image_list_sha256": _image_list_sha256(paths),
+    }
+
+
+def _image_list_sha256(paths: Sequence[Path]) -> str:
+    digest = hashlib.sha256()
+    for path in paths:
+        digest.update(str(Path(path).resolve()).encode())
+        digest.update(b"\n")
+    return digest.hexdigest()
+
+
+def feature_cache_key(paths: Sequence[Path], backbone: Backbone, *, amp: bool = False) -> str:
+    canonical = json.dumps(_key_fields(paths, backbone, amp), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _atomic_write(target: Path, write: Any) -> None:
+    """Writes via ``write(file_object)`` to a temporary file beside ``target``, then renames it."""
+    fd, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, target)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temporary)
+        raise
+
+
+def _write_json(target: Path, payload: dict[str, Any]) -> None:
+    _atomic_write(target, lambda handle: handle.write(json.dumps(payload, indent=1).encode()))
+
+
+def _shard_file(shard: int) -> str:
+    return f"shard_{shard:05d}.npy"
+
+
+def _read_manifest(entry: Path, key_fields: dict[str, Any]) -> dict[str, Any] | None:
+    """The manifest of a cache entry, or None if absent, unreadable or made for other inputs."""
+    try:
+        manifest = json.loads((entry / MANIFEST_NAME).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as error:
+        logger.warning("ignoring unreadable feature-cache manifest %s: %s", entry / MANIFEST_NAME, error)
+        return None
+    if manifest.get("key_fields") != key_fields:
+        logger.warning("ignoring feature-cache manifest %s: it was written for other inputs", entry)
+        return None
+    return manifest
+
+
+def _completed_shards(entry: Path, manifest: dict[str, Any], feature_dim: int) -> dict[int, dict[str, Any]]:
+    """Shards recorded in the manifest whose file exists with the recorded shape."""
+    completed = {}
+    for shard_text, record in manifest["shards"].items():
+        try:
+            stored = np.load(entry / record["file"], mmap_mode="r")
+        except (OSError, ValueError):
+            continue  # lost or truncated shard: recompute it
+        if stored.shape == (record["rows"], feature_dim) and stored.dtype == np.float32:
+            completed[int(shard_text)] = record
+    return completed
+
+
+class _ImagesPerSecondColumn(ProgressColumn):
+    def render(self, task: Task) -> Text:
+        speed = task.finished_speed or task.speed
+        return Text(f"{speed:,.1f} img/s" if speed else "… img/s", style="progress.data.speed")
+
+
+def _progress_bar(enabled: bool) -> Progress:
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        _ImagesPerSecondColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        disable=not enabled,
+    )
+
+
+def _forward(backbone: Backbone, pixels: torch.Tensor, device: torch.device, amp: bool) -> np.ndarray:
+    """One forward pass of a batch; the only place the network is called."""
+    autocast = torch.autocast("cuda", dtype=torch.float16) if amp else contextlib.nullcontext()
+    with torch.inference_mode(), autocast:
+        out = backbone.embed(pixels.to(device, non_blocking=True))
+    return out.float().cpu().numpy()
+
+
+def _batches(
+    dataset: ImageDataset, indices: list[int], batch_size: int, num_workers: int, device: torch.device
+) -> Iterator[ImageBatch]:
+    loader = DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=indices,  # ordered, only the indices of shards still to compute
+        num_workers=num_workers,
+        collate_fn=collate_images,
+        pin_memory=device.type == "cuda",
+    )
+    yield from loader
+
+
+def extract_features(
+    paths: Sequence[Path],
+    backbone: Backbone,
+    *,
+    cache_dir: Path,
+    device: str = "auto",
+    batch_size: int = 64,
+    num_workers: int | None = None,
+    amp: bool = False,
+    shard_size: int = 2048,
+    progress: bool = True,
+    strict: bool = False,
+) -> ExtractionResult:
+    """Features of ``paths`` from ``backbone``, read from or written to ``cache_dir``; see the module doc."""
+    if batch_size < 1 or shard_size < 1:
+        raise ValueError("batch_size and shard_size must be positive")
+    paths = [Path(p) for p in paths]
+    torch_device = resolve_device(device)
+    if amp and torch_device.type != "cuda":
+        warnings.warn("amp=True has an effect on CUDA only; running in float32", stacklevel=2)
+        amp = False
+    key_fields = _key_fields(paths, backbone, amp)
+    entry = Path(cache_dir) / feature_cache_key(paths, backbone, amp=amp)
+    entry.mkdir(parents=True, exist_ok=True)
+
+    manifest = _read_manifest(entry, key_fields)
+    if manifest is None:
+        manifest = {"key_fields": key_fields, "shard_size": shard_size, "shards": {}}
+        image_list = "".join(f"{p.resolve()}\n" for p in paths).encode()
+        _atomic_write(entry / IMAGE_LIST_NAME, lambda handle: handle.write(image_list))
+        _write_json(entry / MANIFEST_NAME, manifest)
+    shard_size = manifest["shard_size"]  # an existing cache keeps the shard size it was written with
+    n_images, dim = len(paths), backbone.feature_dim
+    n_shards = -(-n_images // shard_size)
+    completed = _completed_shards(entry, manifest, dim)
+    manifest["shards"] = {str(s): record for s, record in completed.items()}
+    pending = [s for s in range(n_shards) if s not in completed]
+
+    features = np.full((n_images, dim), np.nan, dtype=np.float32)
+    skip_reasons: dict[int, str] = {}
+    for shard, record in completed.items():
+        start = shard * shard_size
+        features[start : start + record["rows"]] = np.load(entry / record["file"])
+        skip_reasons.update({int(i): reason for i, reason in record["skipped"].items()})
+    if strict and skip_reasons:
+        raise CorruptImageError(f"unreadable images recorded in the cache {entry}: {_first(skip_reasons)}")
+
+    forward_passes = 0
+    if pending:
+        forward_passes = _compute_shards(
+            paths, backbone, pending, features, skip_reasons, manifest, entry,
+            device=torch_device, batch_size=batch_size, shard_size=shard_size, amp=amp, strict=strict,
+            num_workers=default_num_workers() if num_workers is None else num_workers,
+            progress=progress, rows_done=sum(record["rows"] for record in completed.values()),
+        )
+    for index in sorted(skip_reasons):
+        logger.warning("skipped unreadable image %d: %s", index, skip_reasons[index])
+    return ExtractionResult(
+        features=features,
+        skipped=sorted(skip_reasons),
+        skip_reasons=skip_reasons,
+        forward_passes=forward_passes,
+        from_cache=not pending,
+        shards_computed=len(pending),
+        shards_reused=len(completed),
+        cache_path=entry,
+        device=str(torch_device),
+    )
+
+
+def _first(skip_reasons: dict[int, str]) -> str:
+    index = min(skip_reasons)
+    return f"{len(skip_reasons)} image(s), first index {index}: {skip_reasons[index]}"
+
+
+def _shard_range(shard: int, shard_size: int, n_images: int) -> range:
+    return range(shard * shard_size, min((shard + 1) * shard_size, n_images))
+
+
+def _compute_shards(
+    paths: list[Path],
+    backbone: Backbone,
+    pending: list[int],
+    features: np.ndarray,
+    skip_reasons: dict[int, str],
+    manifest: dict[str, Any],
+    entry: Path,
+    *,
+    device: torch.device,
+    batch_size: int,
+    shard_size: int,
+    amp: bool,
+    strict: bool,
+    num_workers: int,
+    progress: bool,
+    rows_done: int,
+) -> int:
+    """Runs the network over the pending shards, writing each as soon as it is complete."""
+    n_images = len(paths)
+    indices = [i for s in pending for i in _shard_range(s, shard_size, n_images)]
+    buffers: dict[int, _ShardBuffer] = {}
+    forward_passes = 0
+    backbone.module.to(device)
+    dataset = ImageDataset(paths, backbone.transform)
+    with _progress_bar(progress) as bar:
+        task = bar.add_task(f"features {backbone.name}", total=n_images, completed=rows_done)
+        for batch in _batches(dataset, indices, batch_size, num_workers, device):
+            if strict and batch.skipped:
+                raise CorruptImageError(batch.skipped[0][1])
+            rows = np.empty((0, backbone.feature_dim), dtype=np.float32)
+            if batch.pixels is not None:
+                rows = _forward(backbone, batch.pixels, device, amp)
+                forward_passes += 1
+            placed = [(i, rows[j], None) for j, i in enumerate(batch.indices)]
+            placed += [(i, None, reason) for i, reason in batch.skipped]
+            for index, row, reason in placed:
+                shard = index // shard_size
+                buffer = buffers.get(shard)
+                if buffer is None:
+                    rows_in_shard = len(_shard_range(shard, shard_size, n_images))
+                    empty = np.full((rows_in_shard, backbone.feature_dim), np.nan, dtype=np.float32)
+                    buffer = buffers[shard] = _ShardBuffer(empty, rows_in_shard)
+                if row is not None:
+                    buffer.features[index - shard * shard_size] = row
+                else:
+                    buffer.skipped[index] = reason
+                buffer.remaining -= 1
+                if buffer.remaining == 0:
+                    _write_shard(entry, manifest, shard, buffers.pop(shard))
+                    start = shard * shard_size
+                    features[start : start + len(buffer.features)] = buffer.features
+                    skip_reasons.update(buffer.skipped)
+            bar.advance(task, len(batch.indices) + len(batch.skipped))
+    if buffers:  # cannot happen unless the DataLoader dropped indices
+        raise RuntimeError(f"feature extraction left shards {sorted(buffers)} incomplete")
+    return forward_passes
+
+
+def _write_shard(entry: Path, manifest: dict[str, Any], shard: int, buffer: _ShardBuffer) -> None:
+    file_name = _shard_file(shard)
+    _atomic_write(entry / file_name, lambda handle: np.save(handle, buffer.features, allow_pickle=False))
+    manifest["shards"][str(shard)] = {
+        "file": file_name,
+        "rows": len(buffer.features),
+        "skipped": {str(i): reason for i, reason in sorted(buffer.skipped.items())},
+    }
+    _write_json(entry / MANIFEST_NAME, manifest)
