@@ -45,7 +45,7 @@ def test_densenet_xrv_input_is_one_channel_224_in_xrv_range_and_features_are_102
     wide = Image.fromarray(np.tile(np.arange(256, dtype=np.uint8), (64, 1))[:, :200], mode="L")
     pixels = backbone.transform(wide)
     assert pixels.shape == (1, 224, 224) and pixels.dtype == torch.float32
-    assert -1024 <= pixels.min() and pixels.max() <= 1024
+    assert pixels.min() >= -1024 and pixels.max() <= 1024
     black, white = backbone.transform(gray_image(value=0)), backbone.transform(gray_image(value=255))
     assert torch.allclose(black, torch.full_like(black, -1024.0))
     assert torch.allclose(white, torch.full_like(white, 1024.0))
@@ -57,7 +57,8 @@ def test_densenet_xrv_input_is_one_channel_224_in_xrv_range_and_features_are_102
 def test_densenet_xrv_transform_matches_torchxrayvision_pipeline() -> None:
     backbone = load_backbone("densenet121-xrv", None, random_init=True)
     raw = synthetic_pixels(3, 100)
-    reference = xrv.datasets.XRayResizer(224)(xrv.datasets.XRayCenterCrop()(xrv.datasets.normalize(raw, 255)[None]))
+    scaled = xrv.datasets.normalize(raw, 255)[None]
+    reference = xrv.datasets.XRayResizer(224)(xrv.datasets.XRayCenterCrop()(scaled))
     assert np.allclose(backbone.transform(Image.fromarray(raw, mode="L")).numpy(), reference)
 
 
@@ -152,7 +153,8 @@ def test_state_dict_of_another_architecture_is_a_mismatch(tmp_path: Path) -> Non
 def test_state_dict_with_wrong_shapes_is_a_mismatch(tmp_path: Path) -> None:
     weight_file = tmp_path / "resnet18-10-classes.pth"
     torch.save(torchvision.models.resnet18(weights=None, num_classes=10).state_dict(), weight_file)
-    with pytest.raises(WeightsMismatchError, match=r"wrong shapes: fc\.bias: file \(10,\) vs network \(1000,\)"):
+    expected = r"wrong shapes: fc\.bias: file \(10,\) vs network \(1000,\)"
+    with pytest.raises(WeightsMismatchError, match=expected):
         load_backbone("resnet18", weight_file)
 
 
