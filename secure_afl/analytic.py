@@ -1,0 +1,454 @@
+"""The one-round analytic method of the paper (§III), as client statistics and a server-side solve.
+
+Clients turn their features and labels into *contributions*: plain named float64 arrays filed under
+named groups, ``{group: {tensor: array}}``.  The server only ever needs the per-group **sums** of those
+arrays, so the same contributions can be summed in the clear (:func:`sum_contributions`) or by a
+secure-aggregation protocol that knows nothing of what they mean.
+
+Groups and tensors (one name space for the whole federation):
+
+- ``class/<c>``: the clients that label class ``c`` (``S_c``).  Tensors ``b/<c>`` (Eq. 14), and
+  ``gram`` unless ``gram="global"``.  With ``balance="global"`` the class group carries
+  ``pos_sum/<c>``, ``n_pos/<c>``, ``feat_sum`` and ``n`` instead of ``b/<c>``.
+- ``all``: every client; tensor ``gram``.  Present when ``gram="global"`` or round 2 is wanted.
+- ``pseudo/<c>``: the clients that do *not* label ``c``; tensor ``b_pseudo/<c>`` (Eq. 21), zeros from
+  clients that do not qualify (Eq. 20), so the server does not learn who qualified.
+
+A tensor name denotes the same client value wherever it appears: ``gram`` sent to two groups is the
+same ``G_k`` twice.  The privacy audit relies on that to work out what the group sums reveal.
+
+The server adds ``γI`` once (Eq. 15) and solves each class by Cholesky (Eq. 17); it never forms an
+inverse.  Prediction is positive when ``σ(h·w_c) > 0.5``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import scipy.linalg
+import scipy.special
+import torch
+
+Balance = Literal["client", "global"]
+GramScope = Literal["class", "global"]
+Contributions = dict[str, dict[str, np.ndarray]]
+GroupSums = Mapping[str, Mapping[str, np.ndarray]]
+
+ALL_GROUP = "all"
+
+
+class StatisticsError(ValueError):
+    """Features, labels or statistics that cannot be used (wrong shape, non-finite, missing class)."""
+
+
+def class_group(c: int) -> str:
+    return f"class/{c}"
+
+
+def pseudo_group(c: int) -> str:
+    return f"pseudo/{c}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Client side
+# ----------------------------------------------------------------------------------------------
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    """``auto`` means CUDA when present, else CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def _as_batches(features: np.ndarray | Iterable[np.ndarray], batch_size: int) -> Iterable[np.ndarray]:
+    if isinstance(features, np.ndarray):
+        return (features[i : i + batch_size] for i in range(0, len(features), batch_size))
+    return features
+
+
+def _check_batch(batch: np.ndarray, d: int | None) -> None:
+    if batch.ndim != 2:
+        raise StatisticsError(f"features must be a 2-D array (samples × dim), got shape {batch.shape}")
+    if d is not None and batch.shape[1] != d:
+        raise StatisticsError(f"feature batches disagree on the dimension: {batch.shape[1]} after {d}")
+    if not np.issubdtype(batch.dtype, np.floating):
+        raise StatisticsError(f"features must be floating point, got dtype {batch.dtype}")
+    if not np.isfinite(batch).all():
+        raise StatisticsError(
+            "features contain NaN or infinite values; check the backbone output or the feature file"
+        )
+
+
+def _check_labels(labels: np.ndarray, n_rows: int | None = None) -> np.ndarray:
+    labels = np.asarray(labels)
+    if labels.ndim != 2:
+        raise StatisticsError(f"labels must be a 2-D 0/1 array (samples × classes), got shape {labels.shape}")
+    if n_rows is not None and labels.shape[0] != n_rows:
+        raise StatisticsError(
+            f"labels have {labels.shape[0]} rows but the features have {n_rows}: one label row per sample"
+        )
+    if not np.isin(labels, (0, 1)).all():
+        raise StatisticsError("labels must contain only 0 and 1 (multi-hot)")
+    return labels.astype(bool)
+
+
+@dataclass(frozen=True)
+class ClientStatistics:
+    """One client's sufficient statistics, from one streaming float64 pass over its features.
+
+    Everything a client might upload derives from these without touching the features again:
+    ``gram = HᵀH``, ``feat_sum = Hᵀ1``, ``pos_sum = HᵀY`` (per class), the row count and the
+    positive counts.  Columns of classes the client does not label are never uploaded.
+    """
+
+    gram: np.ndarray
+    feat_sum: np.ndarray
+    pos_sum: np.ndarray
+    n: int
+    n_pos: np.ndarray
+
+    @property
+    def dim(self) -> int:
+        return self.feat_sum.shape[0]
+
+    def balanced_projection(self, c: int) -> np.ndarray:
+        """``b_{k,c} = H_kᵀ y_{k,c}`` with the balanced labels of Eq. 9 (Eq. 14)."""
+        return _balanced_projection(self.pos_sum[:, c], self.feat_sum, int(self.n_pos[c]), self.n)
+
+    def contributions(
+        self,
+        active: Sequence[int],
+        *,
+        balance: Balance = "client",
+        gram: GramScope = "class",
+        include_global_gram: bool = False,
+    ) -> Contributions:
+        """What this client uploads in round 1, as ``{group: {tensor: float64 array}}``.
+
+        ``include_global_gram`` adds the ``all`` group (round 2 needs it).
+        """
+        active = _check_active(active, self.pos_sum.shape[1])
+        _check_options(balance, gram)
+        out: Contributions = {}
+        for c in active:
+            tensors: dict[str, np.ndarray] = {}
+            if gram == "class":
+                tensors["gram"] = self.gram
+            if balance == "client":
+                tensors[f"b/{c}"] = self.balanced_projection(c)
+            else:
+                tensors[f"pos_sum/{c}"] = self.pos_sum[:, c].copy()
+                tensors[f"n_pos/{c}"] = np.array([float(self.n_pos[c])])
+                tensors["feat_sum"] = self.feat_sum
+                tensors["n"] = np.array([float(self.n)])
+            out[class_group(c)] = tensors
+        if gram == "global" or include_global_gram:
+            out[ALL_GROUP] = {"gram": self.gram}
+        return out
+
+
+def _check_options(balance: str, gram: str) -> None:
+    if balance not in ("client", "global"):
+        raise StatisticsError(f"balance must be 'client' or 'global', got {balance!r}")
+    if gram not in ("class", "global"):
+        raise StatisticsError(f"gram must be 'class' or 'global', got {gram!r}")
+
+
+def client_statistics(
+    features: np.ndarray | Iterable[np.ndarray],
+    labels: np.ndarray,
+    *,
+    batch_size: int = 4096,
+    device: str = "auto",
+) -> ClientStatistics:
+    """Accumulate a client's statistics in float64, streaming over row batches (CUDA when present).
+
+    ``features`` is an ``N×d`` array or an iterable of row batches (never stacked in memory);
+    ``labels`` is the ``N×C`` 0/1 matrix.
+    """
+    labels = _check_labels(labels)
+    dev = resolve_device(device)
+    gram_t = pos_t = sum_t = None
+    d: int | None = None
+    seen = 0
+    for raw in _as_batches(features, batch_size):
+        batch = np.asarray(raw)
+        _check_batch(batch, d)
+        if d is None:
+            d = batch.shape[1]
+            gram_t = torch.zeros((d, d), dtype=torch.float64, device=dev)
+            pos_t = torch.zeros((d, labels.shape[1]), dtype=torch.float64, device=dev)
+            sum_t = torch.zeros(d, dtype=torch.float64, device=dev)
+        rows = len(batch)
+        if seen + rows > len(labels):
+            raise StatisticsError(f"more feature rows than label rows ({len(labels)})")
+        h = torch.as_tensor(batch, device=dev).to(torch.float64)
+        y = torch.as_tensor(labels[seen : seen + rows], device=dev).to(torch.float64)
+        gram_t.addmm_(h.T, h)
+        pos_t.addmm_(h.T, y)
+        sum_t.add_(h.sum(dim=0))
+        seen += rows
+    if d is None:
+        raise StatisticsError("a client has no samples: every client needs at least one feature row")
+    if seen != len(labels):
+        raise StatisticsError(f"labels have {len(labels)} rows but the features have {seen}")
+    gram = gram_t.cpu().numpy()
+    # addmm leaves rounding asymmetry; the statistic is symmetric by definition
+    gram = (gram + gram.T) / 2
+    return ClientStatistics(
+        gram=gram,
+        feat_sum=sum_t.cpu().numpy(),
+        pos_sum=pos_t.cpu().numpy(),
+        n=seen,
+        n_pos=labels.sum(axis=0).astype(np.int64),
+    )
+
+
+def balanced_labels(labels: np.ndarray, active: Sequence[int]) -> np.ndarray:
+    """Eq. 9: ``+1/N⁺`` for positives, ``−1/N⁻`` for negatives of active classes, 0 for missing ones.
+
+    A class with no positive (or no negative) sample locally has that side's term left at zero.
+    """
+    labels = _check_labels(labels)
+    out = np.zeros(labels.shape, dtype=np.float64)
+    for c in _check_active(active, labels.shape[1]):
+        pos = labels[:, c]
+        n_pos, n_neg = int(pos.sum()), int((~pos).sum())
+        if n_pos:
+            out[pos, c] = 1.0 / n_pos
+        if n_neg:
+            out[~pos, c] = -1.0 / n_neg
+    return out
+
+
+def _balanced_projection(pos_sum: np.ndarray, feat_sum: np.ndarray, n_pos: int, n: int) -> np.ndarray:
+    """``Hᵀy`` for the balanced label vector of Eq. 9, from positive and total feature sums."""
+    b = np.zeros_like(feat_sum)
+    if n_pos:
+        b += pos_sum / n_pos
+    if n - n_pos:
+        b -= (feat_sum - pos_sum) / (n - n_pos)
+    return b
+
+
+def _check_active(active: Sequence[int], n_classes: int) -> list[int]:
+    out = sorted({int(c) for c in active})
+    bad = [c for c in out if not 0 <= c < n_classes]
+    if bad:
+        raise StatisticsError(f"active classes {bad} are outside 0..{n_classes - 1}")
+    return out
+
+
+@dataclass(frozen=True)
+class PseudoLabelConfig:
+    """Round-2 hyperparameters (paper Table IV)."""
+
+    tau: float = 0.7
+    alpha: float = 0.5
+    min_pos: int = 5  # δ⁺
+    min_neg: int = 50  # δ⁻
+
+
+@dataclass(frozen=True)
+class PseudoLabelReport:
+    """What one client found for one missing class in round 2 (kept local; never uploaded)."""
+
+    cls: int
+    n_pseudo_pos: int
+    n_pseudo_neg: int
+    qualified: bool
+
+
+def pseudo_label_contributions(
+    features: np.ndarray | Iterable[np.ndarray],
+    coef: np.ndarray,
+    active: Sequence[int],
+    *,
+    config: PseudoLabelConfig = PseudoLabelConfig(),
+    batch_size: int = 4096,
+    device: str = "auto",
+) -> tuple[Contributions, list[PseudoLabelReport]]:
+    """Round 2 for one client (Eq. 18–21): pseudo-label projections for each missing class.
+
+    Every missing class gets a ``pseudo/<c>`` contribution; a class that fails the minimum counts of
+    Eq. 20 contributes zeros, so an observer of the upload cannot tell who qualified.
+    """
+    coef = np.asarray(coef, dtype=np.float64)
+    if coef.ndim != 2:
+        raise StatisticsError(f"coef must be d×C, got shape {coef.shape}")
+    n_classes = coef.shape[1]
+    active = _check_active(active, n_classes)
+    missing = [c for c in range(n_classes) if c not in active]
+    dev = resolve_device(device)
+    w = torch.as_tensor(coef[:, missing], device=dev)
+    d = coef.shape[0]
+    pp_sum = torch.zeros((d, len(missing)), dtype=torch.float64, device=dev)
+    pn_sum = torch.zeros_like(pp_sum)
+    n_pp = torch.zeros(len(missing), dtype=torch.float64, device=dev)
+    n_pn = torch.zeros_like(n_pp)
+    for batch in _as_batches(features, batch_size):
+        batch = np.asarray(batch)
+        _check_batch(batch, d)
+        h = torch.as_tensor(batch, device=dev).to(torch.float64)
+        p = torch.sigmoid(h @ w)
+        pos = (p > config.tau).to(torch.float64)
+        neg = (p < 1 - config.tau).to(torch.float64)
+        pp_sum.addmm_(h.T, pos)
+        pn_sum.addmm_(h.T, neg)
+        n_pp += pos.sum(dim=0)
+        n_pn += neg.sum(dim=0)
+    out: Contributions = {}
+    reports: list[PseudoLabelReport] = []
+    for j, c in enumerate(missing):
+        npp, npn = int(n_pp[j].item()), int(n_pn[j].item())
+        qualified = npp >= config.min_pos and npn >= config.min_neg
+        b = np.zeros(d)
+        if qualified:
+            b = (pp_sum[:, j] / npp - pn_sum[:, j] / npn).cpu().numpy()
+        out[pseudo_group(c)] = {f"b_pseudo/{c}": b}
+        reports.append(PseudoLabelReport(c, npp, npn, qualified))
+    return out, reports
+
+
+# ----------------------------------------------------------------------------------------------
+# Aggregation and server side
+# ----------------------------------------------------------------------------------------------
+
+
+def sum_contributions(contributions: Iterable[Contributions]) -> Contributions:
+    """Plaintext aggregation: the per-group, per-tensor sums (what secure aggregation also yields)."""
+    sums: Contributions = {}
+    for contribution in contributions:
+        for group, tensors in contribution.items():
+            target = sums.setdefault(group, {})
+            for name, value in tensors.items():
+                if name in target:
+                    if target[name].shape != value.shape:
+                        raise StatisticsError(
+                            f"tensor {name!r} of group {group!r} has shape {value.shape} at one client "
+                            f"and {target[name].shape} at another"
+                        )
+                    target[name] = target[name] + value
+                else:
+                    target[name] = np.array(value, dtype=np.float64, copy=True)
+    return sums
+
+
+def _cholesky(a: np.ndarray, what: str) -> tuple[np.ndarray, bool]:
+    try:
+        return scipy.linalg.cho_factor(a, lower=True, check_finite=True)
+    except (np.linalg.LinAlgError, ValueError) as exc:
+        raise StatisticsError(
+            f"{what}: the regularised Gram matrix is not positive definite ({exc}); "
+            "check the statistics for NaN, or increase gamma"
+        ) from exc
+
+
+def _solve_spd(a: np.ndarray, b: np.ndarray, what: str) -> np.ndarray:
+    return scipy.linalg.cho_solve(_cholesky(a, what), b, check_finite=False)
+
+
+def _tensor(sums: GroupSums, group: str, name: str) -> np.ndarray:
+    try:
+        return np.asarray(sums[group][name], dtype=np.float64)
+    except KeyError:
+        raise StatisticsError(
+            f"no sum for tensor {name!r} of group {group!r}: every class needs at least one "
+            "annotating client (and the 'all' group when gram='global' or round 2 is used)"
+        ) from None
+
+
+class AnalyticClassifier:
+    """The paper's closed-form multi-label classifier, fitted on aggregated statistics.
+
+    >>> model = AnalyticClassifier(n_classes=8, gamma=1.0).fit(sums)   # doctest: +SKIP
+    >>> model.predict(features)                                         # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        n_classes: int,
+        *,
+        gamma: float = 1.0,
+        balance: Balance = "client",
+        gram: GramScope = "class",
+    ) -> None:
+        if not gamma > 0 or not np.isfinite(gamma):
+            raise StatisticsError(f"gamma must be a positive finite number, got {gamma}")
+        _check_options(balance, gram)
+        self.n_classes = n_classes
+        self.gamma = float(gamma)
+        self.balance = balance
+        self.gram = gram
+        self.coef_: np.ndarray | None = None
+
+    def _class_rhs(self, sums: GroupSums, c: int) -> np.ndarray:
+        group = class_group(c)
+        if self.balance == "client":
+            return _tensor(sums, group, f"b/{c}")
+        n_pos = float(_tensor(sums, group, f"n_pos/{c}")[0])
+        n = float(_tensor(sums, group, "n")[0])
+        if round(n_pos) < 1 or round(n - n_pos) < 1:
+            raise StatisticsError(
+                f"class {c} has {n_pos:.0f} positive and {n - n_pos:.0f} negative samples over its "
+                "annotating clients; global balancing needs at least one of each"
+            )
+        pos_sum = _tensor(sums, group, f"pos_sum/{c}")
+        return _balanced_projection(pos_sum, _tensor(sums, group, "feat_sum"), round(n_pos), round(n))
+
+    def _regularised(self, gram: np.ndarray) -> np.ndarray:
+        return gram + self.gamma * np.eye(gram.shape[0])
+
+    def fit(self, sums: GroupSums) -> AnalyticClassifier:
+        """Round 1 (Eq. 15–17): one Cholesky solve per class on the per-group sums."""
+        columns = []
+        shared = None
+        if self.gram == "global":
+            shared = _cholesky(self._regularised(_tensor(sums, ALL_GROUP, "gram")), "the global Gram")
+        for c in range(self.n_classes):
+            rhs = self._class_rhs(sums, c)
+            if shared is not None:
+                columns.append(scipy.linalg.cho_solve(shared, rhs))
+            else:
+                a = self._regularised(_tensor(sums, class_group(c), "gram"))
+                columns.append(_solve_spd(a, rhs, f"class {c}"))
+        self.coef_ = np.stack(columns, axis=1)
+        return self
+
+    def refine(
+        self, round1_sums: GroupSums, pseudo_sums: GroupSums, *, alpha: float = 0.5
+    ) -> AnalyticClassifier:
+        """Round 2 (Eq. 22–24): global Gram, real plus ``α``-weighted pseudo-label projections."""
+        if not 0 <= alpha <= 1:
+            raise StatisticsError(f"alpha must lie in [0, 1], got {alpha}")
+        a = self._regularised(_tensor(round1_sums, ALL_GROUP, "gram"))
+        factor = _cholesky(a, "the global Gram")
+        columns = []
+        for c in range(self.n_classes):
+            rhs = self._class_rhs(round1_sums, c)
+            if pseudo_group(c) in pseudo_sums:
+                rhs = rhs + alpha * _tensor(pseudo_sums, pseudo_group(c), f"b_pseudo/{c}")
+            columns.append(scipy.linalg.cho_solve(factor, rhs))
+        self.coef_ = np.stack(columns, axis=1)
+        return self
+
+    def _coef(self) -> np.ndarray:
+        if self.coef_ is None:
+            raise StatisticsError("the classifier is not fitted: call fit() with aggregated statistics first")
+        return self.coef_
+
+    def decision_function(self, features: np.ndarray) -> np.ndarray:
+        coef = self._coef()
+        features = np.asarray(features)
+        _check_batch(features, coef.shape[0])
+        return features.astype(np.float64) @ coef
+
+    def predict_proba(self, features: np.ndarray) -> np.ndarray:
+        return scipy.special.expit(self.decision_function(features))
+
+    def predict(self, features: np.ndarray) -> np.ndarray:
+        return (self.predict_proba(features) > 0.5).astype(np.int8)
