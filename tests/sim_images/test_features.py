@@ -26,7 +26,8 @@ def counted(backbone: Backbone, fail_at: int | None = None) -> tuple[Backbone, C
 def test_densenet_xrv_features_match_a_direct_forward_pass(flat_paths: list[Path], tmp_path: Path) -> None:
     backbone = load_backbone("densenet121-xrv", None, random_init=True)
     paths = flat_paths[:5]
-    result = extract_features(paths, backbone, cache_dir=tmp_path, batch_size=3, num_workers=2, progress=False)
+    result = extract_features(paths, backbone, cache_dir=tmp_path, batch_size=3, num_workers=2,
+                              progress=False)
     assert result.features.shape == (5, 1024) and result.features.dtype == np.float32
     assert result.forward_passes == 2 and not result.from_cache and result.skipped == []
     with torch.inference_mode():
