@@ -1,0 +1,120 @@
+"""The roster: the pinned list of institutions (ids, names, Ed25519 public keys, fingerprints).
+
+It is shared out of band; every client pins it and accepts only keys signed by a roster member.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from .identity import PUBLIC_KEY_BYTES, fingerprint
+
+ROSTER_FORMAT = "secure-afl-roster/v1"
+MAX_CLIENT_ID_BYTES = 128
+
+
+class RosterError(ValueError):
+    """A roster that is malformed, or has a duplicate id or key, or a fingerprint that does not match."""
+
+
+@dataclass(frozen=True, slots=True)
+class RosterEntry:
+    client_id: str
+    name: str
+    public_key: bytes
+
+    def __post_init__(self) -> None:
+        if not self.client_id or len(self.client_id.encode("utf-8")) > MAX_CLIENT_ID_BYTES:
+            raise RosterError(f"client id must be 1..{MAX_CLIENT_ID_BYTES} UTF-8 bytes: {self.client_id!r}")
+        if len(self.public_key) != PUBLIC_KEY_BYTES:
+            raise RosterError(f"client {self.client_id!r}: public key must have {PUBLIC_KEY_BYTES} bytes")
+
+    @property
+    def fingerprint(self) -> str:
+        return fingerprint(self.public_key)
+
+
+@dataclass(frozen=True, slots=True)
+class Roster:
+    """Roster entries sorted by client id; duplicate ids or public keys are rejected."""
+
+    entries: tuple[RosterEntry, ...]
+
+    def __init__(self, entries: Iterable[RosterEntry]) -> None:
+        ordered = tuple(sorted(entries, key=lambda entry: entry.client_id))
+        ids = [entry.client_id for entry in ordered]
+        duplicates = sorted({i for i in ids if ids.count(i) > 1})
+        if duplicates:
+            raise RosterError(f"duplicate client ids in roster: {duplicates}")
+        keys = [entry.public_key for entry in ordered]
+        if len(set(keys)) != len(keys):
+            raise RosterError("two roster entries share one public key")
+        object.__setattr__(self, "entries", ordered)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __iter__(self) -> Iterator[RosterEntry]:
+        return iter(self.entries)
+
+    def __contains__(self, client_id: object) -> bool:
+        return any(entry.client_id == client_id for entry in self.entries)
+
+    @property
+    def client_ids(self) -> tuple[str, ...]:
+        return tuple(entry.client_id for entry in self.entries)
+
+    def entry(self, client_id: str) -> RosterEntry:
+        for entry in self.entries:
+            if entry.client_id == client_id:
+                return entry
+        raise KeyError(client_id)
+
+    def public_key(self, client_id: str) -> bytes:
+        return self.entry(client_id).public_key
+
+    def share_point(self, client_id: str) -> int:
+        """The Shamir x-coordinate of a client: 1 + its position in the roster."""
+        return 1 + self.client_ids.index(client_id)
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "format": ROSTER_FORMAT,
+                "clients": [
+                    {
+                        "id": entry.client_id,
+                        "name": entry.name,
+                        "public_key": base64.b64encode(entry.public_key).decode("ascii"),
+                        "fingerprint": entry.fingerprint,
+                    }
+                    for entry in self.entries
+                ],
+            },
+            indent=2,
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> Roster:
+        try:
+            document = json.loads(text)
+            if document.get("format") != ROSTER_FORMAT:
+                raise RosterError(f"not a {ROSTER_FORMAT} document")
+            entries = []
+            for item in document["clients"]:
+                entry = RosterEntry(
+                    client_id=str(item["id"]),
+                    name=str(item["name"]),
+                    public_key=base64.b64decode(item["public_key"], validate=True),
+                )
+                if "fingerprint" in item and item["fingerprint"] != entry.fingerprint:
+                    raise RosterError(f"client {entry.client_id!r}: fingerprint does not match its key")
+                entries.append(entry)
+        except RosterError:
+            raise
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise RosterError(f"malformed roster: {exc}") from exc
+        return cls(entries)

@@ -1,0 +1,72 @@
+"""What each signature, commitment and digest binds, in one place for auditors.
+
+Every value is a :func:`~secure_afl.protocol.fields.tagged_fields` encoding under its own domain
+tag, so a signature made for one purpose can never be replayed for another, and every one of them
+includes the session id, so nothing can be replayed from another session.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from .fields import tagged_fields
+from .messages import SessionConfig
+
+CONFIG_DOMAIN = b"secure-afl/v1/session-config"
+ADVERTISE_DOMAIN = b"secure-afl/v1/advertise-keys"
+SURVIVORS_DOMAIN = b"secure-afl/v1/consistency-survivors"
+COMMITMENT_DOMAIN = b"secure-afl/v1/self-mask-commitment"
+
+
+def config_digest(config: SessionConfig) -> bytes:
+    """SHA-256 of the session's config: session id, t, minimum group size, encoding, group layout."""
+    layout = tuple(
+        f"{group.name}\x00{tensor.name}\x00{tensor.length}"
+        for group in config.groups
+        for tensor in group.tensors
+    )
+    group_names = tuple(group.name for group in config.groups)
+    encoded = tagged_fields(
+        CONFIG_DOMAIN,
+        config.session_id,
+        config.threshold,
+        config.min_group_size,
+        config.frac_bits,
+        group_names,
+        layout,
+    )
+    return hashlib.sha256(encoded).digest()
+
+
+def advertise_fields(
+    session_id: bytes,
+    client_id: str,
+    encryption_public_key: bytes,
+    mask_public_key: bytes,
+    self_mask_commitment: bytes,
+    config_digest_value: bytes,
+    groups: tuple[str, ...],
+) -> tuple[bytes, tuple]:
+    """(domain, fields) signed by a client's identity key in R0."""
+    return ADVERTISE_DOMAIN, (
+        session_id,
+        client_id,
+        encryption_public_key,
+        mask_public_key,
+        self_mask_commitment,
+        config_digest_value,
+        groups,
+    )
+
+
+def survivors_fields(session_id: bytes, survivors: tuple[str, ...]) -> tuple[bytes, tuple]:
+    """(domain, fields) signed by a client in R3: the session and the sorted survivor set U3."""
+    return SURVIVORS_DOMAIN, (session_id, tuple(sorted(survivors)))
+
+
+def self_mask_commitment(seed: bytes, session_id: bytes, client_id: str) -> bytes:
+    """A hiding, binding commitment to the 32-byte self-mask seed (the seed is uniformly random).
+
+    It lets the server check a reconstructed seed, so a wrong share is detected, not silently used.
+    """
+    return hashlib.sha256(tagged_fields(COMMITMENT_DOMAIN, session_id, client_id, seed)).digest()

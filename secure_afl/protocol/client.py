@@ -1,0 +1,529 @@
+"""The client's state machine (sans-I/O): it takes a server message and returns the replies.
+
+Every check on a server message runs before anything derived from a secret is built, and the new
+state is committed only after the reply is complete: a failed check leaves the client FAILED
+(never half-updated) with its session secrets dropped, and it returns nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
+from secure_afl.keys.identity import IdentityKey
+from secure_afl.keys.roster import Roster
+
+from . import binding, crypto, encoding, prg, shamir
+from .errors import (
+    BothSharesRequestedError,
+    ClientProtocolError,
+    DuplicateClientError,
+    GroupBelowMinimumError,
+    InconsistentSurvivorsError,
+    InvalidSessionConfigError,
+    InvalidShareError,
+    InvalidSignatureError,
+    LocalProtocolError,
+    OutOfOrderMessageError,
+    ProtocolError,
+    ReplayedMessageError,
+    ServerProtocolError,
+    SurvivorsBelowThresholdError,
+    UnknownClientError,
+)
+from .messages import (
+    AdvertiseKeys,
+    AdvertiseRequest,
+    ClientMessage,
+    ConsistencyCheckRequest,
+    ConsistencyResponse,
+    EncryptedShare,
+    MaskedInput,
+    MaskedInputRequest,
+    MaskedTensor,
+    RevealedShare,
+    SessionConfig,
+    ShareKeys,
+    ShareKeysRequest,
+    UnmaskRequest,
+    UnmaskResponse,
+)
+from .randomness import RandomSource, default_random
+from .state import CLIENT_TRANSITIONS, ClientState
+
+SEED_BYTES = 32
+
+
+@dataclass(frozen=True, slots=True)
+class _HeldShares:
+    """The shares this client holds of one peer's self-mask seed and mask key."""
+
+    self_mask: int
+    mask_key: int
+
+
+def validate_config(config: SessionConfig, roster_size: int) -> None:
+    """Structural checks on a session config (raises :class:`InvalidSessionConfigError`)."""
+    if len(config.session_id) != 32:
+        raise InvalidSessionConfigError("session id must be 32 bytes")
+    if not 1 <= config.threshold <= roster_size:
+        raise InvalidSessionConfigError(f"threshold {config.threshold} outside 1..{roster_size}")
+    if config.min_group_size < 1:
+        raise InvalidSessionConfigError("minimum group size must be at least 1")
+    if not 0 <= config.frac_bits <= encoding.MAX_FRAC_BITS:
+        raise InvalidSessionConfigError(f"frac_bits {config.frac_bits} outside 0..{encoding.MAX_FRAC_BITS}")
+    names = [group.name for group in config.groups]
+    if len(set(names)) != len(names):
+        raise InvalidSessionConfigError("duplicate group names in the session config")
+    for group in config.groups:
+        tensor_names = [tensor.name for tensor in group.tensors]
+        if not tensor_names or len(set(tensor_names)) != len(tensor_names):
+            raise InvalidSessionConfigError(f"group {group.name!r}: tensors must be non-empty and distinct")
+        if any(tensor.length < 1 for tensor in group.tensors):
+            raise InvalidSessionConfigError(f"group {group.name!r}: tensor lengths must be positive")
+
+
+class ClientSession:
+    """One client's side of one secure-aggregation session.
+
+    ``inputs`` maps group name -> tensor name -> 1-D float64 array (pack symmetric matrices with
+    :func:`~secure_afl.protocol.encoding.pack_symmetric` first).  The client joins exactly these
+    groups.  ``min_threshold`` and ``min_group_size`` are this client's own floors: a server that
+    proposes a lower threshold or minimum group size is refused.  ``session_id``, when given, pins
+    the session this client expects.
+    """
+
+    def __init__(
+        self,
+        client_id: str,
+        identity_key: IdentityKey,
+        roster: Roster,
+        inputs: Mapping[str, Mapping[str, np.ndarray]],
+        *,
+        min_threshold: int | None = None,
+        min_group_size: int = 2,
+        session_id: bytes | None = None,
+        random: RandomSource | None = None,
+    ) -> None:
+        if client_id not in roster:
+            raise LocalProtocolError(f"client {client_id!r} is not in the roster")
+        if roster.public_key(client_id) != identity_key.public_key:
+            raise LocalProtocolError(f"the identity key does not match the roster's key for {client_id!r}")
+        self._inputs: dict[str, dict[str, np.ndarray]] = {}
+        for group, tensors in inputs.items():
+            if not tensors:
+                raise LocalProtocolError(f"group {group!r} has no tensors")
+            self._inputs[group] = {
+                name: encoding.check_float_tensor(values, tensor=f"{group}/{name}").copy()
+                for name, values in tensors.items()
+            }
+        self.client_id = client_id
+        self._identity = identity_key
+        self._roster = roster
+        self._min_threshold = len(roster) // 2 + 1 if min_threshold is None else min_threshold
+        if min_group_size < 1:
+            raise LocalProtocolError("min_group_size must be at least 1")
+        self._min_group_size = min_group_size
+        self._expected_session_id = session_id
+        self._random = default_random(random)
+        self._state = ClientState.AWAIT_ADVERTISE_REQUEST
+        self._clear_session()
+
+    # --- public API -------------------------------------------------------------------------------
+
+    @property
+    def state(self) -> ClientState:
+        return self._state
+
+    @property
+    def groups(self) -> tuple[str, ...]:
+        return tuple(sorted(self._inputs))
+
+    def receive(self, message: object) -> list[ClientMessage]:
+        """Handle one server message and return the replies to send to the server."""
+        if self._state in (ClientState.FAILED, ClientState.DONE):
+            raise LocalProtocolError(f"the session is over (state {self._state.name}); start a new one")
+        expected, next_state = CLIENT_TRANSITIONS[self._state]
+        handlers = {
+            AdvertiseRequest: self._on_advertise_request,
+            ShareKeysRequest: self._on_share_keys_request,
+            MaskedInputRequest: self._on_masked_input_request,
+            ConsistencyCheckRequest: self._on_consistency_request,
+            UnmaskRequest: self._on_unmask_request,
+        }
+        if type(message) not in handlers:
+            raise LocalProtocolError(f"not a server message: {type(message).__name__}")
+        try:
+            if type(message) is not expected:
+                raise OutOfOrderMessageError(
+                    f"{type(message).__name__} received while awaiting {expected.__name__}"
+                )
+            reply, commit = handlers[type(message)](message)  # type: ignore[operator]
+        except LocalProtocolError:
+            raise  # local misuse: nothing was sent, nothing changed
+        except ProtocolError:
+            self._fail()
+            raise
+        commit()
+        self._state = next_state
+        if next_state is ClientState.DONE:
+            self._clear_session()
+        return [reply]
+
+    # --- R0 ---------------------------------------------------------------------------------------
+
+    def _on_advertise_request(self, request: AdvertiseRequest):
+        config = request.config
+        if self._expected_session_id is not None and config.session_id != self._expected_session_id:
+            raise ReplayedMessageError("the advertise request belongs to another session")
+        validate_config(config, len(self._roster))
+        if config.threshold < self._min_threshold:
+            raise InvalidSessionConfigError(
+                f"threshold {config.threshold} is below this client's minimum {self._min_threshold}"
+            )
+        if config.min_group_size < self._min_group_size:
+            raise InvalidSessionConfigError(
+                f"minimum group size {config.min_group_size} is below this client's minimum "
+                f"{self._min_group_size}"
+            )
+        for group, tensors in self._inputs.items():
+            try:
+                spec = config.group(group)
+            except KeyError:
+                raise LocalProtocolError(
+                    f"group {group!r} of this client's inputs is not in the session"
+                ) from None
+            layout = {tensor.name: tensor.length for tensor in spec.tensors}
+            actual = {name: values.shape[0] for name, values in tensors.items()}
+            if layout != actual:
+                raise LocalProtocolError(
+                    f"group {group!r}: inputs {actual} do not match the session layout {layout}"
+                )
+        encryption_key = crypto.new_x25519_key(self._random)
+        mask_key = crypto.new_x25519_key(self._random)
+        seed = self._random.token_bytes(SEED_BYTES)
+        commitment = binding.self_mask_commitment(seed, config.session_id, self.client_id)
+        digest = binding.config_digest(config)
+        groups = tuple(sorted(self._inputs))
+        domain, fields = binding.advertise_fields(
+            config.session_id,
+            self.client_id,
+            crypto.x25519_public_bytes(encryption_key),
+            crypto.x25519_public_bytes(mask_key),
+            commitment,
+            digest,
+            groups,
+        )
+        advert = AdvertiseKeys(
+            session_id=config.session_id,
+            client_id=self.client_id,
+            encryption_public_key=fields[2],
+            mask_public_key=fields[3],
+            self_mask_commitment=commitment,
+            config_digest=digest,
+            groups=groups,
+            signature=crypto.sign(self._identity.private_key, domain, *fields),
+        )
+
+        def commit() -> None:
+            self._config = config
+            self._config_digest = digest
+            self._encryption_key = encryption_key
+            self._mask_key = mask_key
+            self._seed = seed
+            self._own_advert = advert
+
+        return advert, commit
+
+    # --- R1 ---------------------------------------------------------------------------------------
+
+    def _on_share_keys_request(self, request: ShareKeysRequest):
+        config = self._require_config()
+        self._check_session(request.session_id)
+        adverts: dict[str, AdvertiseKeys] = {}
+        group_names = {group.name for group in config.groups}
+        for advert in request.advertisements:
+            if advert.session_id != config.session_id:
+                raise ReplayedMessageError(
+                    f"advertisement of {advert.client_id!r} belongs to another session"
+                )
+            if advert.client_id not in self._roster:
+                raise UnknownClientError(f"advertisement from {advert.client_id!r}, who is not in the roster")
+            if advert.client_id in adverts:
+                raise DuplicateClientError(f"two advertisements for client {advert.client_id!r}")
+            domain, fields = binding.advertise_fields(
+                advert.session_id,
+                advert.client_id,
+                advert.encryption_public_key,
+                advert.mask_public_key,
+                advert.self_mask_commitment,
+                advert.config_digest,
+                advert.groups,
+            )
+            public_key = self._roster.public_key(advert.client_id)
+            if not crypto.verify(public_key, advert.signature, domain, *fields):
+                raise InvalidSignatureError(
+                    f"the keys of {advert.client_id!r} are not signed by its roster identity key"
+                )
+            if advert.config_digest != self._config_digest:
+                raise InvalidSessionConfigError(f"{advert.client_id!r} was given a different session config")
+            if len(set(advert.groups)) != len(advert.groups) or not set(advert.groups) <= group_names:
+                raise ClientProtocolError(f"{advert.client_id!r} declared unknown or repeated groups")
+            adverts[advert.client_id] = advert
+        if adverts.get(self.client_id) != self._own_advert:
+            raise ServerProtocolError("the server omitted or altered this client's own advertisement")
+        if len(adverts) < config.threshold:
+            raise SurvivorsBelowThresholdError(
+                f"{len(adverts)} clients advertised keys, fewer than the threshold {config.threshold}"
+            )
+        members = {
+            group.name: tuple(sorted(cid for cid, advert in adverts.items() if group.name in advert.groups))
+            for group in config.groups
+        }
+        self._check_group_sizes(members, set(adverts), own_groups_only=True)
+
+        holders = sorted(adverts)
+        points = [self._roster.share_point(cid) for cid in holders]
+        seed_shares = shamir.split(int.from_bytes(self._seed, "big"), config.threshold, points, self._random)
+        key_shares = shamir.split(
+            int.from_bytes(crypto.x25519_private_bytes(self._mask_key), "big"),
+            config.threshold,
+            points,
+            self._random,
+        )
+        encrypted: list[EncryptedShare] = []
+        own_shares: _HeldShares | None = None
+        for holder, seed_share, key_share in zip(holders, seed_shares, key_shares, strict=True):
+            if holder == self.client_id:
+                own_shares = _HeldShares(seed_share.y, key_share.y)
+                continue
+            secret = crypto.x25519_shared_secret(self._encryption_key, adverts[holder].encryption_public_key)
+            key = crypto.share_encryption_key(secret, config.session_id, self.client_id, holder)
+            nonce = self._random.token_bytes(crypto.NONCE_BYTES)
+            plaintext = shamir.value_to_bytes(seed_share.y) + shamir.value_to_bytes(key_share.y)
+            associated = crypto.share_associated_data(config.session_id, self.client_id, holder)
+            encrypted.append(
+                EncryptedShare(
+                    self.client_id, holder, nonce, crypto.encrypt_share(key, nonce, plaintext, associated)
+                )
+            )
+        assert own_shares is not None  # the own advertisement was checked above
+        reply = ShareKeys(config.session_id, self.client_id, tuple(encrypted))
+
+        def commit() -> None:
+            self._adverts = adverts
+            self._members = members
+            self._held = {self.client_id: own_shares}
+
+        return reply, commit
+
+    # --- R2 ---------------------------------------------------------------------------------------
+
+    def _on_masked_input_request(self, request: MaskedInputRequest):
+        config = self._require_config()
+        self._check_session(request.session_id)
+        senders: set[str] = set()
+        for share in request.shares:
+            if share.sender not in self._adverts or share.sender == self.client_id:
+                raise UnknownClientError(f"shares from {share.sender!r}, who did not advertise keys")
+            if share.sender in senders:
+                raise DuplicateClientError(f"two sets of shares from {share.sender!r}")
+            if share.recipient != self.client_id:
+                raise ServerProtocolError(f"shares addressed to {share.recipient!r} were delivered here")
+            senders.add(share.sender)
+        live = senders | {self.client_id}
+        if len(live) < config.threshold:
+            raise SurvivorsBelowThresholdError(
+                f"{len(live)} clients shared keys, fewer than the threshold {config.threshold}"
+            )
+        self._check_group_sizes(self._members, live, own_groups_only=True)
+        held = dict(self._held)
+        for share in request.shares:
+            secret = crypto.x25519_shared_secret(
+                self._encryption_key, self._adverts[share.sender].encryption_public_key
+            )
+            key = crypto.share_encryption_key(secret, config.session_id, share.sender, self.client_id)
+            associated = crypto.share_associated_data(config.session_id, share.sender, self.client_id)
+            plaintext = crypto.decrypt_share(key, share.nonce, share.ciphertext, associated, share.sender)
+            seed_value = shamir.value_from_bytes(plaintext[: shamir.VALUE_BYTES])
+            key_value = shamir.value_from_bytes(plaintext[shamir.VALUE_BYTES :])
+            if seed_value >= shamir.PRIME or key_value >= shamir.PRIME:
+                raise InvalidShareError(f"shares from {share.sender!r} are not field elements")
+            held[share.sender] = _HeldShares(seed_value, key_value)
+
+        pair_secrets: dict[str, bytes] = {}
+        tensors: list[MaskedTensor] = []
+        for group in sorted(self._inputs):
+            group_size = len(self._members[group])
+            peers = [cid for cid in self._members[group] if cid in live and cid != self.client_id]
+            for peer in peers:
+                if peer not in pair_secrets:
+                    pair_secrets[peer] = crypto.x25519_shared_secret(
+                        self._mask_key, self._adverts[peer].mask_public_key
+                    )
+            for name in sorted(self._inputs[group]):
+                words = encoding.encode(
+                    self._inputs[group][name],
+                    tensor=f"{group}/{name}",
+                    frac_bits=config.frac_bits,
+                    group_size=group_size,
+                )
+                prg.add_mask(
+                    words, prg.self_mask_key(self._seed, config.session_id, group, name, self.client_id), 1
+                )
+                for peer in peers:
+                    key = prg.pair_mask_key(
+                        pair_secrets[peer], config.session_id, group, name, self.client_id, peer
+                    )
+                    prg.add_mask(words, key, prg.pair_sign(self.client_id, peer))
+                tensors.append(MaskedTensor(group, name, words.astype("<u8", copy=False).tobytes()))
+        reply = MaskedInput(config.session_id, self.client_id, tuple(tensors))
+
+        def commit() -> None:
+            self._held = held
+            self._share_senders = frozenset(live)
+
+        return reply, commit
+
+    # --- R3 ---------------------------------------------------------------------------------------
+
+    def _on_consistency_request(self, request: ConsistencyCheckRequest):
+        config = self._require_config()
+        self._check_session(request.session_id)
+        survivors = self._survivor_set(request.survivors)
+        domain, fields = binding.survivors_fields(config.session_id, tuple(survivors))
+        reply = ConsistencyResponse(
+            config.session_id, self.client_id, crypto.sign(self._identity.private_key, domain, *fields)
+        )
+
+        def commit() -> None:
+            self._survivors = frozenset(survivors)
+
+        return reply, commit
+
+    # --- R4 ---------------------------------------------------------------------------------------
+
+    def _on_unmask_request(self, request: UnmaskRequest):
+        config = self._require_config()
+        self._check_session(request.session_id)
+        survivors = self._survivors
+        dropped = self._share_senders - survivors
+        for name, ids in (
+            ("self-mask", request.reveal_self_mask_of),
+            ("mask-key", request.reveal_mask_key_of),
+        ):
+            if len(set(ids)) != len(ids):
+                raise DuplicateClientError(f"the {name} reveal list repeats a client")
+        wanted_seeds = set(request.reveal_self_mask_of)
+        wanted_keys = set(request.reveal_mask_key_of)
+        # The core active-server check: never release both secrets of one client.
+        both = (wanted_seeds & wanted_keys) | (wanted_keys & survivors) | (wanted_seeds & dropped)
+        if both:
+            raise BothSharesRequestedError(
+                f"the server asks for both the self-mask and the mask-key shares of {sorted(both)}"
+            )
+        if set(request.survivors) != survivors or len(request.survivors) != len(survivors):
+            raise InconsistentSurvivorsError(
+                "the unmask request's survivor set differs from the one signed in R3"
+            )
+        if wanted_seeds != survivors or wanted_keys != dropped:
+            raise InconsistentSurvivorsError("the reveal lists do not match the signed survivor set")
+        signers: set[str] = set()
+        domain, fields = binding.survivors_fields(config.session_id, tuple(sorted(survivors)))
+        for item in request.signatures:
+            if item.client_id in signers:
+                raise DuplicateClientError(f"two consistency signatures from {item.client_id!r}")
+            if item.client_id not in survivors:
+                raise UnknownClientError(f"consistency signature from {item.client_id!r}, not a survivor")
+            if not crypto.verify(self._roster.public_key(item.client_id), item.signature, domain, *fields):
+                raise InconsistentSurvivorsError(
+                    f"{item.client_id!r} did not sign this survivor set: clients were shown different sets"
+                )
+            signers.add(item.client_id)
+        if len(signers) < config.threshold:
+            raise SurvivorsBelowThresholdError(
+                f"{len(signers)} consistency signatures, fewer than the threshold {config.threshold}"
+            )
+        self._check_group_sizes(self._members, survivors, own_groups_only=False)
+        reply = UnmaskResponse(
+            config.session_id,
+            self.client_id,
+            tuple(
+                RevealedShare(cid, shamir.value_to_bytes(self._held[cid].self_mask))
+                for cid in sorted(survivors)
+            ),
+            tuple(
+                RevealedShare(cid, shamir.value_to_bytes(self._held[cid].mask_key)) for cid in sorted(dropped)
+            ),
+        )
+        return reply, lambda: None
+
+    # --- helpers ----------------------------------------------------------------------------------
+
+    def _survivor_set(self, survivors: tuple[str, ...]) -> list[str]:
+        config = self._require_config()
+        if len(set(survivors)) != len(survivors):
+            raise DuplicateClientError("the survivor set repeats a client")
+        unknown = set(survivors) - self._share_senders
+        if unknown:
+            raise InconsistentSurvivorsError(
+                f"survivors {sorted(unknown)} never shared keys with this client"
+            )
+        if self.client_id not in survivors:
+            raise InconsistentSurvivorsError(
+                "this client's own masked input is missing from the survivor set"
+            )
+        if len(survivors) < config.threshold:
+            raise SurvivorsBelowThresholdError(
+                f"{len(survivors)} survivors, fewer than the threshold {config.threshold}"
+            )
+        self._check_group_sizes(self._members, set(survivors), own_groups_only=False)
+        return sorted(survivors)
+
+    def _check_group_sizes(
+        self,
+        members: Mapping[str, tuple[str, ...]],
+        live: set[str] | frozenset[str],
+        *,
+        own_groups_only: bool,
+    ) -> None:
+        """Refuse to go on when a group would be unmasked with 1..min_group_size-1 live members."""
+        config = self._require_config()
+        for group, group_members in members.items():
+            if own_groups_only and group not in self._inputs:
+                continue
+            count = sum(1 for cid in group_members if cid in live)
+            if 0 < count < config.min_group_size:
+                raise GroupBelowMinimumError(
+                    f"group {group!r} would have {count} live member(s), below the minimum "
+                    f"{config.min_group_size}"
+                )
+
+    def _check_session(self, session_id: bytes) -> None:
+        if session_id != self._require_config().session_id:
+            raise ReplayedMessageError("message from another session")
+
+    def _require_config(self) -> SessionConfig:
+        assert self._config is not None  # guaranteed by the transition table
+        return self._config
+
+    def _fail(self) -> None:
+        self._state = ClientState.FAILED
+        self._clear_session()
+
+    def _clear_session(self) -> None:
+        # Drop every session secret; Python cannot zeroise memory, but nothing keeps a reference.
+        self._config: SessionConfig | None = None
+        self._config_digest = b""
+        self._encryption_key: X25519PrivateKey | None = None  # type: ignore[assignment]
+        self._mask_key: X25519PrivateKey | None = None  # type: ignore[assignment]
+        self._seed = b""
+        self._own_advert: AdvertiseKeys | None = None
+        self._adverts: dict[str, AdvertiseKeys] = {}
+        self._members: dict[str, tuple[str, ...]] = {}
+        self._held: dict[str, _HeldShares] = {}
+        self._share_senders: frozenset[str] = frozenset()
+        self._survivors: frozenset[str] = frozenset()

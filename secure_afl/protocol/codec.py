@@ -1,0 +1,367 @@
+"""The strict binary wire codec.
+
+Layout: ``version (1 byte) || type tag (1 byte) || fields``.  Integers are big-endian; strings are a
+2-byte length then UTF-8 (1..255 bytes, valid UTF-8); sequences are a 4-byte count then items;
+keys, digests, signatures, nonces, share ciphertexts and revealed shares have exact fixed sizes;
+masked tensors are a 4-byte length (a multiple of 8) then little-endian uint64 words.
+
+Decoding rejects, with :class:`MessageDecodeError`: an unknown version or type, truncated data,
+trailing bytes, wrong fixed sizes, invalid UTF-8, counts that cannot fit in the remaining bytes,
+and anything longer than ``max_message_bytes``.  Every valid encoding is canonical: decoding then
+encoding gives back the same bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from . import shamir
+from .crypto import KEY_BYTES, NONCE_BYTES, SIGNATURE_BYTES, TAG_BYTES
+from .errors import LocalProtocolError, MessageDecodeError
+from .messages import (
+    AdvertiseKeys,
+    AdvertiseRequest,
+    ConsistencyCheckRequest,
+    ConsistencyResponse,
+    EncryptedShare,
+    GroupSpec,
+    MaskedInput,
+    MaskedInputRequest,
+    MaskedTensor,
+    Message,
+    RevealedShare,
+    SessionConfig,
+    ShareKeys,
+    ShareKeysRequest,
+    SurvivorSignature,
+    TensorSpec,
+    UnmaskRequest,
+    UnmaskResponse,
+)
+
+PROTOCOL_VERSION = 1
+SESSION_ID_BYTES = 32
+DIGEST_BYTES = 32
+MAX_STRING_BYTES = 255
+# Shares of the self-mask seed and of the mask key, each one field element.
+SHARE_PLAINTEXT_BYTES = 2 * shamir.VALUE_BYTES
+SHARE_CIPHERTEXT_BYTES = SHARE_PLAINTEXT_BYTES + TAG_BYTES
+DEFAULT_MAX_MESSAGE_BYTES = 1 << 28  # 256 MiB: 8 groups of a 2048-d Gram fit easily
+
+_TYPE_TAGS: dict[type, int] = {
+    AdvertiseRequest: 1,
+    AdvertiseKeys: 2,
+    ShareKeysRequest: 3,
+    ShareKeys: 4,
+    MaskedInputRequest: 5,
+    MaskedInput: 6,
+    ConsistencyCheckRequest: 7,
+    ConsistencyResponse: 8,
+    UnmaskRequest: 9,
+    UnmaskResponse: 10,
+}
+
+
+# --- writing --------------------------------------------------------------------------------------
+
+
+class _Writer:
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+
+    def uint(self, value: int, size: int) -> None:
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << (8 * size):
+            raise LocalProtocolError(f"integer field {value!r} does not fit in {size} bytes")
+        self.parts.append(value.to_bytes(size, "big"))
+
+    def fixed(self, value: bytes, size: int, what: str) -> None:
+        if not isinstance(value, bytes) or len(value) != size:
+            raise LocalProtocolError(f"{what} must be exactly {size} bytes")
+        self.parts.append(value)
+
+    def string(self, value: str) -> None:
+        if not isinstance(value, str):
+            raise LocalProtocolError(f"expected a string, got {type(value).__name__}")
+        raw = value.encode("utf-8")
+        if not 1 <= len(raw) <= MAX_STRING_BYTES:
+            raise LocalProtocolError(f"string {value!r} must be 1..{MAX_STRING_BYTES} UTF-8 bytes")
+        self.uint(len(raw), 2)
+        self.parts.append(raw)
+
+    def words(self, value: bytes) -> None:
+        if not isinstance(value, bytes) or len(value) % 8:
+            raise LocalProtocolError("masked tensor data must be bytes of whole uint64 words")
+        self.uint(len(value), 4)
+        self.parts.append(value)
+
+    def sequence(self, items: tuple, write_item: Callable[[object], None]) -> None:
+        if not isinstance(items, tuple):
+            raise LocalProtocolError("sequence fields must be tuples")
+        self.uint(len(items), 4)
+        for item in items:
+            write_item(item)
+
+
+def encode(message: Message, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> bytes:
+    """The wire bytes of ``message``; malformed fields raise :class:`LocalProtocolError`."""
+    tag = _TYPE_TAGS.get(type(message))
+    if tag is None:
+        raise LocalProtocolError(f"not a protocol message: {type(message).__name__}")
+    w = _Writer()
+    w.uint(PROTOCOL_VERSION, 1)
+    w.uint(tag, 1)
+    _WRITERS[type(message)](w, message)
+    data = b"".join(w.parts)
+    if len(data) > max_message_bytes:
+        raise LocalProtocolError(f"message of {len(data)} bytes exceeds the limit of {max_message_bytes}")
+    return data
+
+
+def _write_config(w: _Writer, config: SessionConfig) -> None:
+    w.fixed(config.session_id, SESSION_ID_BYTES, "session id")
+    w.uint(config.threshold, 4)
+    w.uint(config.min_group_size, 4)
+    w.uint(config.frac_bits, 1)
+    w.sequence(config.groups, lambda group: _write_group(w, group))
+
+
+def _write_group(w: _Writer, group: GroupSpec) -> None:
+    w.string(group.name)
+    w.sequence(group.tensors, lambda tensor: _write_tensor_spec(w, tensor))
+
+
+def _write_tensor_spec(w: _Writer, tensor: TensorSpec) -> None:
+    w.string(tensor.name)
+    w.uint(tensor.length, 4)
+
+
+def _write_advertise_keys(w: _Writer, m: AdvertiseKeys) -> None:
+    w.fixed(m.session_id, SESSION_ID_BYTES, "session id")
+    w.string(m.client_id)
+    w.fixed(m.encryption_public_key, KEY_BYTES, "encryption public key")
+    w.fixed(m.mask_public_key, KEY_BYTES, "mask public key")
+    w.fixed(m.self_mask_commitment, DIGEST_BYTES, "self-mask commitment")
+    w.fixed(m.config_digest, DIGEST_BYTES, "config digest")
+    w.sequence(m.groups, w.string)  # type: ignore[arg-type]
+    w.fixed(m.signature, SIGNATURE_BYTES, "signature")
+
+
+def _write_encrypted_share(w: _Writer, share: EncryptedShare) -> None:
+    w.string(share.sender)
+    w.string(share.recipient)
+    w.fixed(share.nonce, NONCE_BYTES, "nonce")
+    w.fixed(share.ciphertext, SHARE_CIPHERTEXT_BYTES, "share ciphertext")
+
+
+def _write_masked_tensor(w: _Writer, tensor: MaskedTensor) -> None:
+    w.string(tensor.group)
+    w.string(tensor.tensor)
+    w.words(tensor.data)
+
+
+def _write_survivor_signature(w: _Writer, item: SurvivorSignature) -> None:
+    w.string(item.client_id)
+    w.fixed(item.signature, SIGNATURE_BYTES, "signature")
+
+
+def _write_revealed_share(w: _Writer, item: RevealedShare) -> None:
+    w.string(item.owner)
+    w.fixed(item.value, shamir.VALUE_BYTES, "revealed share")
+
+
+def _check_type(item: object, expected: type) -> None:
+    if type(item) is not expected:
+        raise LocalProtocolError(f"expected {expected.__name__}, got {type(item).__name__}")
+
+
+def _typed(expected: type, write: Callable[[_Writer, object], None], w: _Writer) -> Callable[[object], None]:
+    def write_item(item: object) -> None:
+        _check_type(item, expected)
+        write(w, item)
+
+    return write_item
+
+
+_WRITERS: dict[type, Callable[[_Writer, object], None]] = {
+    AdvertiseRequest: lambda w, m: _write_config(w, m.config),
+    AdvertiseKeys: _write_advertise_keys,  # type: ignore[dict-item]
+    ShareKeysRequest: lambda w, m: (
+        w.fixed(m.session_id, SESSION_ID_BYTES, "session id"),
+        w.sequence(m.advertisements, _typed(AdvertiseKeys, _write_advertise_keys, w)),  # type: ignore[arg-type]
+    ),
+    ShareKeys: lambda w, m: (
+        w.fixed(m.session_id, SESSION_ID_BYTES, "session id"),
+        w.string(m.sender),
+        w.sequence(m.shares, _typed(EncryptedShare, _write_encrypted_share, w)),  # type: ignore[arg-type]
+    ),
+    MaskedInputRequest: lambda w, m: (
+        w.fixed(m.session_id, SESSION_ID_BYTES, "session id"),
+        w.sequence(m.shares, _typed(EncryptedShare, _write_encrypted_share, w)),  # type: ignore[arg-type]
+    ),
+    MaskedInput: lambda w, m: (
+        w.fixed(m.session_id, SESSION_ID_BYTES, "session id"),
+        w.string(m.sender),
+        w.sequence(m.tensors, _typed(MaskedTensor, _write_masked_tensor, w)),  # type: ignore[arg-type]
+    ),
+    ConsistencyCheckRequest: lambda w, m: (
+        w.fixed(m.session_id, SESSION_ID_BYTES, "session id"),
+        w.sequence(m.survivors, w.string),  # type: ignore[arg-type]
+    ),
+    ConsistencyResponse: lambda w, m: (
+        w.fixed(m.session_id, SESSION_ID_BYTES, "session id"),
+        w.string(m.sender),
+        w.fixed(m.signature, SIGNATURE_BYTES, "signature"),
+    ),
+    UnmaskRequest: lambda w, m: (
+        w.fixed(m.session_id, SESSION_ID_BYTES, "session id"),
+        w.sequence(m.survivors, w.string),  # type: ignore[arg-type]
+        w.sequence(m.signatures, _typed(SurvivorSignature, _write_survivor_signature, w)),  # type: ignore[arg-type]
+        w.sequence(m.reveal_self_mask_of, w.string),  # type: ignore[arg-type]
+        w.sequence(m.reveal_mask_key_of, w.string),  # type: ignore[arg-type]
+    ),
+    UnmaskResponse: lambda w, m: (
+        w.fixed(m.session_id, SESSION_ID_BYTES, "session id"),
+        w.string(m.sender),
+        w.sequence(m.self_mask_shares, _typed(RevealedShare, _write_revealed_share, w)),  # type: ignore[arg-type]
+        w.sequence(m.mask_key_shares, _typed(RevealedShare, _write_revealed_share, w)),  # type: ignore[arg-type]
+    ),
+}
+
+
+# --- reading --------------------------------------------------------------------------------------
+
+
+class _Reader:
+    def __init__(self, data: bytes) -> None:
+        self.data = memoryview(data)
+        self.position = 0
+
+    def take(self, size: int) -> bytes:
+        end = self.position + size
+        if end > len(self.data):
+            raise MessageDecodeError(f"truncated message: needed {size} bytes at offset {self.position}")
+        chunk = self.data[self.position : end].tobytes()
+        self.position = end
+        return chunk
+
+    def uint(self, size: int) -> int:
+        return int.from_bytes(self.take(size), "big")
+
+    def string(self) -> str:
+        length = self.uint(2)
+        if not 1 <= length <= MAX_STRING_BYTES:
+            raise MessageDecodeError(f"string length {length} outside 1..{MAX_STRING_BYTES}")
+        try:
+            return self.take(length).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise MessageDecodeError("string is not valid UTF-8") from exc
+
+    def words(self) -> bytes:
+        length = self.uint(4)
+        if length % 8:
+            raise MessageDecodeError("masked tensor length is not a whole number of uint64 words")
+        return self.take(length)
+
+    def sequence(self, read_item: Callable[[], object], min_item_bytes: int) -> tuple:
+        count = self.uint(4)
+        # Refuse counts that cannot fit before allocating or looping over them.
+        if count * min_item_bytes > len(self.data) - self.position:
+            raise MessageDecodeError(f"sequence of {count} items cannot fit in the remaining bytes")
+        return tuple(read_item() for _ in range(count))
+
+    def finish(self) -> None:
+        if self.position != len(self.data):
+            raise MessageDecodeError(f"{len(self.data) - self.position} trailing bytes after the message")
+
+
+def decode(data: bytes, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Message:
+    """Parse wire bytes; anything but one exact, well-formed message raises :class:`MessageDecodeError`."""
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise LocalProtocolError(f"decode expects bytes, got {type(data).__name__}")
+    if len(data) > max_message_bytes:
+        raise MessageDecodeError(f"message of {len(data)} bytes exceeds the limit of {max_message_bytes}")
+    r = _Reader(bytes(data))
+    version = r.uint(1)
+    if version != PROTOCOL_VERSION:
+        raise MessageDecodeError(f"unsupported protocol version {version}")
+    tag = r.uint(1)
+    read = _READERS.get(tag)
+    if read is None:
+        raise MessageDecodeError(f"unknown message type {tag}")
+    message = read(r)
+    r.finish()
+    return message
+
+
+def _read_config(r: _Reader) -> SessionConfig:
+    session_id = r.take(SESSION_ID_BYTES)
+    threshold = r.uint(4)
+    min_group_size = r.uint(4)
+    frac_bits = r.uint(1)
+    groups = r.sequence(lambda: _read_group(r), 7)
+    return SessionConfig(session_id, threshold, min_group_size, frac_bits, groups)
+
+
+def _read_group(r: _Reader) -> GroupSpec:
+    name = r.string()
+    return GroupSpec(name, r.sequence(lambda: TensorSpec(r.string(), r.uint(4)), 7))
+
+
+def _read_advertise_keys(r: _Reader) -> AdvertiseKeys:
+    return AdvertiseKeys(
+        session_id=r.take(SESSION_ID_BYTES),
+        client_id=r.string(),
+        encryption_public_key=r.take(KEY_BYTES),
+        mask_public_key=r.take(KEY_BYTES),
+        self_mask_commitment=r.take(DIGEST_BYTES),
+        config_digest=r.take(DIGEST_BYTES),
+        groups=r.sequence(r.string, 3),
+        signature=r.take(SIGNATURE_BYTES),
+    )
+
+
+def _read_encrypted_share(r: _Reader) -> EncryptedShare:
+    return EncryptedShare(r.string(), r.string(), r.take(NONCE_BYTES), r.take(SHARE_CIPHERTEXT_BYTES))
+
+
+def _read_masked_tensor(r: _Reader) -> MaskedTensor:
+    return MaskedTensor(r.string(), r.string(), r.words())
+
+
+def _read_unmask_request(r: _Reader) -> UnmaskRequest:
+    return UnmaskRequest(
+        session_id=r.take(SESSION_ID_BYTES),
+        survivors=r.sequence(r.string, 3),
+        signatures=r.sequence(lambda: SurvivorSignature(r.string(), r.take(SIGNATURE_BYTES)), 67),
+        reveal_self_mask_of=r.sequence(r.string, 3),
+        reveal_mask_key_of=r.sequence(r.string, 3),
+    )
+
+
+def _read_revealed_share(r: _Reader) -> RevealedShare:
+    return RevealedShare(r.string(), r.take(shamir.VALUE_BYTES))
+
+
+_READERS: dict[int, Callable[[_Reader], Message]] = {
+    1: lambda r: AdvertiseRequest(_read_config(r)),
+    2: _read_advertise_keys,
+    3: lambda r: ShareKeysRequest(r.take(SESSION_ID_BYTES), r.sequence(lambda: _read_advertise_keys(r), 200)),
+    4: lambda r: ShareKeys(
+        r.take(SESSION_ID_BYTES), r.string(), r.sequence(lambda: _read_encrypted_share(r), 166)
+    ),
+    5: lambda r: MaskedInputRequest(
+        r.take(SESSION_ID_BYTES), r.sequence(lambda: _read_encrypted_share(r), 166)
+    ),
+    6: lambda r: MaskedInput(
+        r.take(SESSION_ID_BYTES), r.string(), r.sequence(lambda: _read_masked_tensor(r), 10)
+    ),
+    7: lambda r: ConsistencyCheckRequest(r.take(SESSION_ID_BYTES), r.sequence(r.string, 3)),
+    8: lambda r: ConsistencyResponse(r.take(SESSION_ID_BYTES), r.string(), r.take(SIGNATURE_BYTES)),
+    9: _read_unmask_request,
+    10: lambda r: UnmaskResponse(
+        r.take(SESSION_ID_BYTES),
+        r.string(),
+        r.sequence(lambda: _read_revealed_share(r), 69),
+        r.sequence(lambda: _read_revealed_share(r), 69),
+    ),
+}

@@ -1,0 +1,125 @@
+"""Fixed-point encoding of float64 tensors in Z_2^64.
+
+A value x is encoded as round(x * 2^frac_bits) (round half to even, ``numpy.rint``) stored as a
+two's-complement int64 and reinterpreted as uint64, so that numpy's uint64 arithmetic (which wraps
+modulo 2^64) adds encodings exactly.  A sum of encodings is decoded by reinterpreting it as int64
+and dividing by 2^frac_bits.
+
+Overflow: for a group of ``group_size`` members every member checks that each |x| is at most
+``bound = (2^63 - 1) / 2^frac_bits / group_size``; then the group's integer sum lies in
+[-(2^63 - 1), 2^63 - 1] and cannot wrap.  A value above the bound raises
+:class:`EncodingOverflowError`; nothing is ever clipped.  NaN and infinity raise
+:class:`NonFiniteValueError`.
+
+Rounding bound: each member's encoding differs from its value by at most 2^-(frac_bits+1) per entry,
+so a decoded group sum differs from the exact float sum by at most group_size * 2^-(frac_bits+1)
+per entry (plus float64's own rounding when the int64 sum is converted back, a relative 2^-53).
+With the default 32 fractional bits and 8 members that is 8 * 2^-33 < 1e-9.
+
+Symmetric matrices travel as their upper triangle (row-major, diagonal included): d(d+1)/2 words.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import EncodingOverflowError, LocalProtocolError, NonFiniteValueError
+
+DEFAULT_FRAC_BITS = 32
+MAX_FRAC_BITS = 52
+_INT63_MAX = 2**63 - 1
+
+
+def encoding_bound(frac_bits: int, group_size: int) -> float:
+    """Largest |x| a member of a group of ``group_size`` may encode with ``frac_bits`` fractional bits."""
+    _check_frac_bits(frac_bits)
+    if group_size < 1:
+        raise LocalProtocolError(f"group_size must be at least 1, got {group_size}")
+    return _INT63_MAX / 2.0**frac_bits / group_size
+
+
+def rounding_error_bound(frac_bits: int, group_size: int) -> float:
+    """Worst-case absolute error per entry of a decoded sum of ``group_size`` encodings."""
+    _check_frac_bits(frac_bits)
+    return group_size * 2.0 ** -(frac_bits + 1)
+
+
+def encode(
+    values: np.ndarray, *, tensor: str, frac_bits: int = DEFAULT_FRAC_BITS, group_size: int
+) -> np.ndarray:
+    """Encode a float64 array as uint64 fixed point, refusing values whose group sum could wrap."""
+    array = check_float_tensor(values, tensor=tensor)
+    bound = encoding_bound(frac_bits, group_size)
+    max_abs = float(np.max(np.abs(array))) if array.size else 0.0
+    if max_abs > bound:
+        raise EncodingOverflowError(tensor, max_abs, bound, frac_bits, group_size)
+    scaled = np.rint(array * 2.0**frac_bits)
+    # The float check above can pass by a rounding hair at the very edge; check the integers too.
+    limit = _INT63_MAX // group_size
+    if scaled.size and float(np.max(np.abs(scaled))) > limit:
+        raise EncodingOverflowError(tensor, max_abs, bound, frac_bits, group_size)
+    return scaled.astype(np.int64).view(np.uint64).ravel()
+
+
+def decode(words: np.ndarray, *, frac_bits: int = DEFAULT_FRAC_BITS) -> np.ndarray:
+    """Decode a uint64 (sum of) encoding(s) back to float64 via two's complement."""
+    _check_frac_bits(frac_bits)
+    array = np.asarray(words)
+    if array.dtype != np.uint64:
+        raise LocalProtocolError(f"decode expects uint64 words, got {array.dtype}")
+    return array.view(np.int64).astype(np.float64) / 2.0**frac_bits
+
+
+def check_float_tensor(values: np.ndarray, *, tensor: str) -> np.ndarray:
+    """Return ``values`` as a 1-D float64 array, rejecting other dtypes and non-finite entries."""
+    if not isinstance(values, np.ndarray):
+        raise LocalProtocolError(f"tensor {tensor!r} must be a numpy array, got {type(values).__name__}")
+    if values.dtype != np.float64:
+        raise LocalProtocolError(f"tensor {tensor!r} must be float64, got {values.dtype}")
+    if values.ndim != 1:
+        raise LocalProtocolError(
+            f"tensor {tensor!r} must be 1-D (pack matrices first), got shape {values.shape}"
+        )
+    if not np.all(np.isfinite(values)):
+        raise NonFiniteValueError(f"tensor {tensor!r} holds NaN or infinity, which cannot be encoded")
+    return values
+
+
+def upper_triangle_length(d: int) -> int:
+    """Number of entries of a d x d matrix's upper triangle, diagonal included."""
+    return d * (d + 1) // 2
+
+
+def dimension_from_triangle_length(n: int) -> int:
+    """Inverse of :func:`upper_triangle_length`; raises when ``n`` is not a triangular number."""
+    d = int((np.sqrt(8 * n + 1) - 1) // 2)
+    for candidate in (d - 1, d, d + 1):
+        if candidate >= 0 and upper_triangle_length(candidate) == n:
+            return candidate
+    raise LocalProtocolError(f"{n} is not the length of an upper triangle d(d+1)/2")
+
+
+def pack_symmetric(matrix: np.ndarray) -> np.ndarray:
+    """The upper triangle (diagonal included, row-major) of a square matrix as a 1-D array.
+
+    Only the upper triangle is read: a matrix that is symmetric up to float rounding loses nothing.
+    """
+    if matrix.ndim != 2 or matrix.shape[0] != matrix.shape[1]:
+        raise LocalProtocolError(f"a symmetric matrix must be square, got shape {matrix.shape}")
+    rows, cols = np.triu_indices(matrix.shape[0])
+    return np.ascontiguousarray(matrix[rows, cols])
+
+
+def unpack_symmetric(packed: np.ndarray) -> np.ndarray:
+    """The full symmetric matrix whose upper triangle is ``packed``."""
+    d = dimension_from_triangle_length(packed.shape[0])
+    matrix = np.zeros((d, d), dtype=packed.dtype)
+    rows, cols = np.triu_indices(d)
+    matrix[rows, cols] = packed
+    matrix[cols, rows] = packed
+    return matrix
+
+
+def _check_frac_bits(frac_bits: int) -> None:
+    if not isinstance(frac_bits, int) or not 0 <= frac_bits <= MAX_FRAC_BITS:
+        raise LocalProtocolError(f"frac_bits must be an integer in [0, {MAX_FRAC_BITS}], got {frac_bits!r}")

@@ -1,0 +1,58 @@
+"""Masks: AES-256-CTR keystreams from ``cryptography``, one key per (session, group, tensor, owner).
+
+Keys are HKDF-SHA256 outputs with every binding value in ``info`` (length-prefixed and domain
+tagged, see :mod:`.fields`):
+
+* self mask of client u: ikm = u's 32-byte self-mask seed b_u; info = (session, group, tensor, u);
+* pairwise mask of u and v: ikm = X25519(s_u, s_v); info = (session, group, tensor, min(u, v), max(u, v)).
+
+The lower id (Python string order) adds the pairwise mask, the higher subtracts it, so the two
+cancel in the group's sum.  Each key is used for exactly one keystream, so a fixed zero counter
+block is safe.  A mask of n words is one ``update`` call over 8n zero bytes viewed as uint64.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from .fields import tagged_fields
+
+SELF_MASK_DOMAIN = b"secure-afl/v1/self-mask"
+PAIR_MASK_DOMAIN = b"secure-afl/v1/pairwise-mask"
+_ZERO_COUNTER = bytes(16)
+
+
+def self_mask_key(seed: bytes, session_id: bytes, group: str, tensor: str, client_id: str) -> bytes:
+    info = tagged_fields(SELF_MASK_DOMAIN, session_id, group, tensor, client_id)
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=info).derive(seed)
+
+
+def pair_mask_key(shared_secret: bytes, session_id: bytes, group: str, tensor: str, a: str, b: str) -> bytes:
+    low, high = sorted((a, b))
+    info = tagged_fields(PAIR_MASK_DOMAIN, session_id, group, tensor, low, high)
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=info).derive(shared_secret)
+
+
+def pair_sign(own_id: str, peer_id: str) -> int:
+    """+1 when ``own_id`` adds the pairwise mask (it is the lower id), -1 when it subtracts."""
+    if own_id == peer_id:
+        raise ValueError("a client has no pairwise mask with itself")
+    return 1 if own_id < peer_id else -1
+
+
+def mask_words(key: bytes, n_words: int) -> np.ndarray:
+    """A read-only uint64 view of n_words of AES-256-CTR keystream."""
+    encryptor = Cipher(algorithms.AES(key), modes.CTR(_ZERO_COUNTER)).encryptor()
+    return np.frombuffer(encryptor.update(bytes(8 * n_words)), dtype="<u8")
+
+
+def add_mask(accumulator: np.ndarray, key: bytes, sign: int) -> None:
+    """``accumulator += sign * mask(key)`` modulo 2^64, in place."""
+    mask = mask_words(key, accumulator.shape[0])
+    if sign > 0:
+        np.add(accumulator, mask, out=accumulator)
+    else:
+        np.subtract(accumulator, mask, out=accumulator)

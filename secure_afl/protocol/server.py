@@ -1,0 +1,392 @@
+"""The server's state machine (sans-I/O).
+
+``start()`` returns the advertise request; ``receive(message)`` accepts one client message of the
+current round (a rejected message raises and changes nothing: that client is treated as dropped);
+``next_round()`` closes the round and returns the messages to send, keyed by recipient;
+``result()`` returns the unmasked uint64 sums per group and tensor once the session is DONE.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+import numpy as np
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
+from secure_afl.keys.roster import Roster
+
+from . import binding, crypto, prg, shamir
+from .client import validate_config
+from .errors import (
+    ClientProtocolError,
+    DuplicateClientError,
+    GroupTooSmallError,
+    InsufficientParticipantsError,
+    InvalidSessionConfigError,
+    InvalidShareError,
+    InvalidSignatureError,
+    LocalProtocolError,
+    OutOfOrderMessageError,
+    ReplayedMessageError,
+    UnknownClientError,
+)
+from .messages import (
+    AdvertiseKeys,
+    AdvertiseRequest,
+    ConsistencyCheckRequest,
+    ConsistencyResponse,
+    MaskedInput,
+    MaskedInputRequest,
+    SessionConfig,
+    ShareKeys,
+    ShareKeysRequest,
+    SurvivorSignature,
+    UnmaskRequest,
+    UnmaskResponse,
+)
+from .state import SERVER_ACCEPTS, SERVER_NEXT_ROUND, ServerRound
+
+ServerReply = ShareKeysRequest | MaskedInputRequest | ConsistencyCheckRequest | UnmaskRequest
+
+
+@dataclass(frozen=True, slots=True)
+class GroupSum:
+    """What the server learns about one group: its members, its survivors and its tensors' sums."""
+
+    name: str
+    members: tuple[str, ...]
+    survivors: tuple[str, ...]
+    sums: Mapping[str, np.ndarray]  # tensor name -> read-only uint64 sum over the survivors
+
+
+@dataclass(frozen=True, slots=True)
+class AggregationResult:
+    session_id: bytes
+    groups: Mapping[str, GroupSum]
+    survivors: tuple[str, ...]  # U3: the clients whose masked inputs are in the sums
+
+
+class ServerSession:
+    """The server's side of one session over ``config``'s groups, for the clients of ``roster``."""
+
+    def __init__(self, roster: Roster, config: SessionConfig) -> None:
+        try:
+            validate_config(config, len(roster))
+        except InvalidSessionConfigError as exc:
+            raise LocalProtocolError(str(exc)) from exc
+        self._roster = roster
+        self._config = config
+        self._digest = binding.config_digest(config)
+        self._round = ServerRound.NOT_STARTED
+        self._adverts: dict[str, AdvertiseKeys] = {}
+        self._shares: dict[str, ShareKeys] = {}
+        self._masked_senders: set[str] = set()
+        self._sums: dict[tuple[str, str], np.ndarray] = {}
+        self._signatures: dict[str, bytes] = {}
+        self._unmask: dict[str, UnmaskResponse] = {}
+        self._members: dict[str, tuple[str, ...]] = {}
+        self._u2: tuple[str, ...] = ()
+        self._u3: tuple[str, ...] = ()
+        self._u4: tuple[str, ...] = ()
+        self._result: AggregationResult | None = None
+
+    @property
+    def round(self) -> ServerRound:
+        return self._round
+
+    @property
+    def config(self) -> SessionConfig:
+        return self._config
+
+    def start(self) -> AdvertiseRequest:
+        if self._round is not ServerRound.NOT_STARTED:
+            raise LocalProtocolError("the session has already started")
+        self._round = ServerRound.ADVERTISE
+        return AdvertiseRequest(self._config)
+
+    def receive(self, message: object) -> None:
+        """Accept one client message of the current round, or raise and change nothing."""
+        expected = SERVER_ACCEPTS.get(self._round)
+        if expected is None:
+            raise LocalProtocolError(f"the server accepts no client messages in round {self._round.name}")
+        if type(message) is not expected:
+            raise OutOfOrderMessageError(f"{type(message).__name__} received in round {self._round.name}")
+        assert isinstance(
+            message, AdvertiseKeys | ShareKeys | MaskedInput | ConsistencyResponse | UnmaskResponse
+        )
+        if message.session_id != self._config.session_id:
+            raise ReplayedMessageError("message from another session")
+        if isinstance(message, AdvertiseKeys):
+            self._receive_advert(message)
+        elif isinstance(message, ShareKeys):
+            self._receive_shares(message)
+        elif isinstance(message, MaskedInput):
+            self._receive_masked_input(message)
+        elif isinstance(message, ConsistencyResponse):
+            self._receive_consistency(message)
+        else:
+            self._receive_unmask(message)
+
+    def next_round(self) -> dict[str, ServerReply]:
+        """Close the current round; return the messages to send, keyed by recipient."""
+        if self._round not in SERVER_ACCEPTS:
+            raise LocalProtocolError(f"no round to close in {self._round.name}")
+        if self._round is ServerRound.ADVERTISE:
+            replies = self._close_advertise()
+        elif self._round is ServerRound.SHARE_KEYS:
+            replies = self._close_share_keys()
+        elif self._round is ServerRound.MASKED_INPUT:
+            replies = self._close_masked_input()
+        elif self._round is ServerRound.CONSISTENCY:
+            replies = self._close_consistency()
+        else:
+            self._close_unmask()
+            replies = {}
+        self._round = SERVER_NEXT_ROUND[self._round]
+        return replies
+
+    def result(self) -> AggregationResult:
+        if self._result is None:
+            raise LocalProtocolError(f"no result before the session is DONE (round {self._round.name})")
+        return self._result
+
+    # --- receiving --------------------------------------------------------------------------------
+
+    def _check_sender(self, sender: str, allowed: tuple[str, ...] | dict, seen: object) -> None:
+        if sender not in self._roster:
+            raise UnknownClientError(f"{sender!r} is not in the roster")
+        if sender not in allowed:
+            raise UnknownClientError(f"{sender!r} is not a participant of this round")
+        if sender in seen:  # type: ignore[operator]
+            raise DuplicateClientError(f"a second message from {sender!r} in this round")
+
+    def _receive_advert(self, advert: AdvertiseKeys) -> None:
+        self._check_sender(advert.client_id, self._roster.client_ids, self._adverts)
+        domain, fields = binding.advertise_fields(
+            advert.session_id,
+            advert.client_id,
+            advert.encryption_public_key,
+            advert.mask_public_key,
+            advert.self_mask_commitment,
+            advert.config_digest,
+            advert.groups,
+        )
+        if not crypto.verify(self._roster.public_key(advert.client_id), advert.signature, domain, *fields):
+            raise InvalidSignatureError(
+                f"the keys of {advert.client_id!r} are not signed by its identity key"
+            )
+        if advert.config_digest != self._digest:
+            raise ClientProtocolError(f"{advert.client_id!r} signed a different session config")
+        names = {group.name for group in self._config.groups}
+        if len(set(advert.groups)) != len(advert.groups) or not set(advert.groups) <= names:
+            raise ClientProtocolError(f"{advert.client_id!r} declared unknown or repeated groups")
+        self._adverts[advert.client_id] = advert
+
+    def _receive_shares(self, message: ShareKeys) -> None:
+        self._check_sender(message.sender, self._adverts, self._shares)
+        recipients = [share.recipient for share in message.shares]
+        expected = set(self._adverts) - {message.sender}
+        if any(share.sender != message.sender for share in message.shares):
+            raise ClientProtocolError(f"{message.sender!r} sent shares under another sender's name")
+        if len(recipients) != len(set(recipients)) or set(recipients) != expected:
+            raise ClientProtocolError(
+                f"{message.sender!r} did not send exactly one share to every other client"
+            )
+        self._shares[message.sender] = message
+
+    def _receive_masked_input(self, message: MaskedInput) -> None:
+        self._check_sender(message.sender, self._u2, self._masked_senders)
+        declared = self._adverts[message.sender].groups
+        expected = {
+            (group, tensor.name): tensor.length
+            for group in declared
+            for tensor in self._config.group(group).tensors
+        }
+        received = {(item.group, item.tensor): len(item.data) for item in message.tensors}
+        if len(received) != len(message.tensors) or set(received) != set(expected):
+            raise ClientProtocolError(f"{message.sender!r} sent tensors other than those of its groups")
+        for key, length in expected.items():
+            if received[key] != 8 * length:
+                raise ClientProtocolError(f"{message.sender!r}: tensor {key} has the wrong length")
+        # Every check passed: only now touch the sums.
+        for item in message.tensors:
+            np.add(
+                self._sums[(item.group, item.tensor)],
+                np.frombuffer(item.data, dtype="<u8"),
+                out=self._sums[(item.group, item.tensor)],
+            )
+        self._masked_senders.add(message.sender)
+
+    def _receive_consistency(self, message: ConsistencyResponse) -> None:
+        self._check_sender(message.sender, self._u3, self._signatures)
+        domain, fields = binding.survivors_fields(self._config.session_id, self._u3)
+        if not crypto.verify(self._roster.public_key(message.sender), message.signature, domain, *fields):
+            raise InvalidSignatureError(f"{message.sender!r} did not sign the survivor set")
+        self._signatures[message.sender] = message.signature
+
+    def _receive_unmask(self, message: UnmaskResponse) -> None:
+        self._check_sender(message.sender, self._u4, self._unmask)
+        dropped = sorted(set(self._u2) - set(self._u3))
+        if [item.owner for item in message.self_mask_shares] != list(self._u3):
+            raise ClientProtocolError(
+                f"{message.sender!r} did not reveal exactly the survivors' self-mask shares"
+            )
+        if [item.owner for item in message.mask_key_shares] != dropped:
+            raise ClientProtocolError(
+                f"{message.sender!r} did not reveal exactly the dropped clients' key shares"
+            )
+        for item in message.self_mask_shares + message.mask_key_shares:
+            if shamir.value_from_bytes(item.value) >= shamir.PRIME:
+                raise InvalidShareError(f"{message.sender!r} revealed a share that is not a field element")
+        self._unmask[message.sender] = message
+
+    # --- closing rounds ---------------------------------------------------------------------------
+
+    def _require(self, count: int, what: str) -> None:
+        if count < self._config.threshold:
+            raise InsufficientParticipantsError(
+                f"only {count} clients {what}, fewer than the threshold t={self._config.threshold}"
+            )
+
+    def _check_groups(self, members: Mapping[str, tuple[str, ...]], live: set[str], stage: str) -> None:
+        for group, ids in members.items():
+            count = sum(1 for cid in ids if cid in live)
+            if count < self._config.min_group_size:
+                raise GroupTooSmallError(
+                    f"group {group!r} has {count} live member(s) {stage}, below the minimum group size "
+                    f"{self._config.min_group_size}; it is never unmasked"
+                )
+
+    def _close_advertise(self) -> dict[str, ServerReply]:
+        self._require(len(self._adverts), "advertised keys")
+        members = {
+            group.name: tuple(
+                sorted(cid for cid, advert in self._adverts.items() if group.name in advert.groups)
+            )
+            for group in self._config.groups
+        }
+        self._check_groups(members, set(self._adverts), "after R0")
+        self._members = members
+        adverts = tuple(self._adverts[cid] for cid in sorted(self._adverts))
+        request = ShareKeysRequest(self._config.session_id, adverts)
+        return {cid: request for cid in sorted(self._adverts)}
+
+    def _close_share_keys(self) -> dict[str, ServerReply]:
+        u2 = tuple(sorted(self._shares))
+        self._require(len(u2), "shared keys")
+        self._check_groups(self._members, set(u2), "after R1")
+        replies: dict[str, ServerReply] = {}
+        for recipient in u2:
+            forwarded = tuple(
+                share
+                for sender in u2
+                if sender != recipient
+                for share in self._shares[sender].shares
+                if share.recipient == recipient
+            )
+            replies[recipient] = MaskedInputRequest(self._config.session_id, forwarded)
+        self._sums = {
+            (group.name, tensor.name): np.zeros(tensor.length, dtype=np.uint64)
+            for group in self._config.groups
+            for tensor in group.tensors
+        }
+        self._u2 = u2
+        return replies
+
+    def _close_masked_input(self) -> dict[str, ServerReply]:
+        u3 = tuple(sorted(self._masked_senders))
+        self._require(len(u3), "sent masked inputs")
+        self._check_groups(self._members, set(u3), "after R2")
+        self._u3 = u3
+        request = ConsistencyCheckRequest(self._config.session_id, u3)
+        return {cid: request for cid in u3}
+
+    def _close_consistency(self) -> dict[str, ServerReply]:
+        u4 = tuple(sorted(self._signatures))
+        self._require(len(u4), "signed the survivor set")
+        dropped = tuple(sorted(set(self._u2) - set(self._u3)))
+        request = UnmaskRequest(
+            session_id=self._config.session_id,
+            survivors=self._u3,
+            signatures=tuple(SurvivorSignature(cid, self._signatures[cid]) for cid in u4),
+            reveal_self_mask_of=self._u3,
+            reveal_mask_key_of=dropped,
+        )
+        self._u4 = u4
+        return {cid: request for cid in u4}
+
+    def _close_unmask(self) -> None:
+        responders = sorted(self._unmask)
+        self._require(len(responders), "revealed shares")
+        chosen = responders[: self._config.threshold]
+        session_id = self._config.session_id
+        seeds: dict[str, bytes] = {}
+        for owner in self._u3:
+            value = self._reconstruct(chosen, owner, self_mask=True)
+            seed = value.to_bytes(32, "big") if value < 2**256 else b""
+            if (
+                binding.self_mask_commitment(seed, session_id, owner)
+                != self._adverts[owner].self_mask_commitment
+            ):
+                raise InvalidShareError(
+                    f"the self-mask shares of {owner!r} do not reconstruct its committed seed"
+                )
+            seeds[owner] = seed
+        dropped_keys: dict[str, X25519PrivateKey] = {}
+        for owner in sorted(set(self._u2) - set(self._u3)):
+            value = self._reconstruct(chosen, owner, self_mask=False)
+            if value >= 2**256:
+                raise InvalidShareError(f"the mask-key shares of {owner!r} do not reconstruct a key")
+            key = X25519PrivateKey.from_private_bytes(value.to_bytes(32, "big"))
+            if crypto.x25519_public_bytes(key) != self._adverts[owner].mask_public_key:
+                raise InvalidShareError(f"the mask-key shares of {owner!r} do not match its advertised key")
+            dropped_keys[owner] = key
+
+        survivors = set(self._u3)
+        sums = {key: value.copy() for key, value in self._sums.items()}
+        for group in self._config.groups:
+            members = self._members[group.name]
+            live = [cid for cid in members if cid in survivors]
+            gone = [cid for cid in members if cid in dropped_keys]
+            pair_secrets = {
+                (d, v): crypto.x25519_shared_secret(dropped_keys[d], self._adverts[v].mask_public_key)
+                for d in gone
+                for v in live
+            }
+            for tensor in group.tensors:
+                accumulator = sums[(group.name, tensor.name)]
+                for v in live:
+                    prg.add_mask(
+                        accumulator, prg.self_mask_key(seeds[v], session_id, group.name, tensor.name, v), -1
+                    )
+                # A survivor v added pair_sign(v, d) * PRG(s_vd) for each member d that dropped after R1.
+                for (d, v), secret in pair_secrets.items():
+                    key = prg.pair_mask_key(secret, session_id, group.name, tensor.name, v, d)
+                    prg.add_mask(accumulator, key, -prg.pair_sign(v, d))
+                accumulator.setflags(write=False)
+        self._result = AggregationResult(
+            session_id=session_id,
+            groups=MappingProxyType(
+                {
+                    group.name: GroupSum(
+                        name=group.name,
+                        members=self._members[group.name],
+                        survivors=tuple(cid for cid in self._members[group.name] if cid in survivors),
+                        sums=MappingProxyType({t.name: sums[(group.name, t.name)] for t in group.tensors}),
+                    )
+                    for group in self._config.groups
+                }
+            ),
+            survivors=self._u3,
+        )
+
+    def _reconstruct(self, revealers: list[str], owner: str, *, self_mask: bool) -> int:
+        shares = []
+        for revealer in revealers:
+            response = self._unmask[revealer]
+            items = response.self_mask_shares if self_mask else response.mask_key_shares
+            value = next(item.value for item in items if item.owner == owner)
+            shares.append(shamir.Share(self._roster.share_point(revealer), shamir.value_from_bytes(value)))
+        return shamir.reconstruct(shares)

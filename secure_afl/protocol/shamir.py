@@ -1,0 +1,87 @@
+"""t-of-n Shamir secret sharing over the prime field GF(2^521 - 1).
+
+A secret s (here a 32-byte key, so s < 2^256 < p) is the constant term of a random polynomial of
+degree t - 1 whose other coefficients are uniform in the field, drawn from the injected
+:class:`RandomSource` by rejection sampling (no modular bias).  Share i is (x_i, f(x_i)) with
+distinct non-zero x_i.  Any t shares determine f and hence s by Lagrange interpolation at 0; any
+t - 1 shares are consistent with every secret (perfect secrecy), which the tests check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .errors import LocalProtocolError
+from .randomness import RandomSource
+
+PRIME = 2**521 - 1
+VALUE_BYTES = 66  # ceil(521 / 8)
+_VALUE_MASK = (1 << 521) - 1
+
+
+@dataclass(frozen=True, slots=True)
+class Share:
+    """One share: the point (x, y) of the sharing polynomial."""
+
+    x: int
+    y: int
+
+
+def split(secret: int, threshold: int, xs: Sequence[int], random: RandomSource) -> list[Share]:
+    """Shares of ``secret`` at the points ``xs``; any ``threshold`` of them reconstruct it."""
+    if not 0 <= secret < PRIME:
+        raise LocalProtocolError("secret out of the field's range")
+    if threshold < 1:
+        raise LocalProtocolError(f"threshold must be at least 1, got {threshold}")
+    if len(set(xs)) != len(xs) or any(not 0 < x < PRIME for x in xs):
+        raise LocalProtocolError("share points must be distinct and non-zero")
+    if threshold > len(xs):
+        raise LocalProtocolError(f"threshold {threshold} exceeds the number of shares {len(xs)}")
+    coefficients = [secret] + [random_field_element(random) for _ in range(threshold - 1)]
+    return [Share(x, _evaluate(coefficients, x)) for x in xs]
+
+
+def reconstruct(shares: Sequence[Share]) -> int:
+    """The constant term of the unique polynomial of degree < len(shares) through ``shares``."""
+    return interpolate(shares, 0)
+
+
+def interpolate(shares: Sequence[Share], at: int) -> int:
+    """Lagrange interpolation of ``shares`` evaluated at ``at``."""
+    xs = [share.x for share in shares]
+    if not shares or len(set(xs)) != len(xs):
+        raise LocalProtocolError("interpolation needs at least one share and distinct points")
+    total = 0
+    for i, share_i in enumerate(shares):
+        numerator, denominator = 1, 1
+        for j, share_j in enumerate(shares):
+            if i != j:
+                numerator = numerator * (at - share_j.x) % PRIME
+                denominator = denominator * (share_i.x - share_j.x) % PRIME
+        total = (total + share_i.y * numerator * pow(denominator, -1, PRIME)) % PRIME
+    return total
+
+
+def random_field_element(random: RandomSource) -> int:
+    """A uniform element of GF(p) by rejection sampling on 521-bit strings."""
+    while True:
+        candidate = int.from_bytes(random.token_bytes(VALUE_BYTES), "big") & _VALUE_MASK
+        if candidate < PRIME:
+            return candidate
+
+
+def value_to_bytes(value: int) -> bytes:
+    return value.to_bytes(VALUE_BYTES, "big")
+
+
+def value_from_bytes(data: bytes) -> int:
+    """Field element from its fixed-size encoding; values >= p are rejected by the caller's check."""
+    return int.from_bytes(data, "big")
+
+
+def _evaluate(coefficients: Sequence[int], x: int) -> int:
+    result = 0
+    for coefficient in reversed(coefficients):
+        result = (result * x + coefficient) % PRIME
+    return result

@@ -1,0 +1,315 @@
+"""In-process driver of the secure-aggregation protocol (masking backend).
+
+Every client and the server run through their state machines in one process.  Messages are really
+encoded to bytes and decoded again, so the byte counts in ``costs`` are those of the wire format.
+Timings are measured here, with ``time.perf_counter``, never inside ``secure_afl.protocol``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+import numpy as np
+
+from secure_afl.keys.identity import IdentityKey
+from secure_afl.keys.roster import Roster, RosterEntry
+from secure_afl.protocol import codec, encoding
+from secure_afl.protocol.client import ClientSession
+from secure_afl.protocol.messages import GroupSpec, SessionConfig, TensorSpec
+from secure_afl.protocol.randomness import OsRandomSource, RandomSource
+from secure_afl.protocol.server import ServerSession
+
+ROUNDS = ("R0", "R1", "R2", "R3", "R4")
+DROPOUT_STAGES = ("R1", "R2", "R3", "R4")
+SINGLE_SURVIVOR_WARNING = "the server learns this client's statistics exactly"
+
+
+@dataclass(frozen=True, slots=True)
+class GroupAudit:
+    """What the server learned about one group."""
+
+    group: str
+    members: tuple[str, ...]
+    survivors: tuple[str, ...]
+    tensors: tuple[str, ...]  # learned as sums over the survivors
+    warning: str | None  # set when a single client survives: its statistics are learned exactly
+
+
+@dataclass(frozen=True, slots=True)
+class SecureAggregationCosts:
+    """Bytes per client per round (R0..R4), client seconds per client per round, server seconds per round."""
+
+    bytes_sent: Mapping[str, Mapping[str, int]]
+    bytes_received: Mapping[str, Mapping[str, int]]
+    client_seconds: Mapping[str, Mapping[str, float]]
+    server_seconds: Mapping[str, float]
+
+    @property
+    def total_client_seconds(self) -> float:
+        return sum(sum(rounds.values()) for rounds in self.client_seconds.values())
+
+    @property
+    def total_server_seconds(self) -> float:
+        return sum(self.server_seconds.values())
+
+
+@dataclass(frozen=True, slots=True)
+class SecureAggregationResult:
+    """The group sums the server learns, and the audit of what that reveals."""
+
+    sums: Mapping[str, Mapping[str, np.ndarray]]  # group -> tensor -> float64 (full matrix if symmetric)
+    members: Mapping[str, tuple[str, ...]]
+    survivors: Mapping[str, tuple[str, ...]]
+    audit: Mapping[str, GroupAudit]
+    # tensor -> clients whose individual tensor follows from linear combinations of the group sums
+    exposed: Mapping[str, tuple[str, ...]]
+    warnings: tuple[str, ...]  # every loud audit line, for reports
+    costs: SecureAggregationCosts
+    threshold: int
+    frac_bits: int
+    session_id: bytes
+
+
+def default_threshold(n_clients: int) -> int:
+    """t = floor(n/2) + 1: a strict majority (1 for one client, 2 for two, 5 for eight)."""
+    return n_clients // 2 + 1
+
+
+def secure_aggregate(
+    contributions: Mapping[str, Mapping[str, Mapping[str, np.ndarray]]],
+    *,
+    symmetric: Collection[str] = ("gram",),
+    threshold: int | None = None,
+    min_group_size: int = 1,
+    dropouts: Mapping[str, Collection[str]] = MappingProxyType({}),
+    frac_bits: int = encoding.DEFAULT_FRAC_BITS,
+    random: RandomSource | None = None,
+    session_id: bytes | None = None,
+) -> SecureAggregationResult:
+    """Sum ``contributions`` (client -> group -> tensor -> float64 array) per group by secure aggregation.
+
+    ``symmetric`` names tensors that are symmetric matrices (sent as their upper triangle).
+    ``threshold`` defaults to :func:`default_threshold`.  ``dropouts`` maps a stage ("R1".."R4") to
+    the clients that stop answering at that stage.  Raises :class:`GroupTooSmallError` when a group's
+    survivors are fewer than ``min_group_size`` and :class:`InsufficientParticipantsError` when fewer
+    than t clients answer a round.
+    """
+    random = OsRandomSource() if random is None else random
+    client_ids = tuple(sorted(contributions))
+    if not client_ids:
+        raise ValueError("no contributions")
+    n = len(client_ids)
+    threshold = default_threshold(n) if threshold is None else threshold
+    if not 1 <= threshold <= n:
+        raise ValueError(f"threshold must be in 1..{n}, got {threshold}")
+    drop_stage = _dropout_stages(dropouts, client_ids)
+    layout, shapes = _layout(contributions, set(symmetric))
+    members = {
+        group: tuple(cid for cid in client_ids if group in contributions[cid]) for group in sorted(layout)
+    }
+    session_id = random.token_bytes(32) if session_id is None else session_id
+    config = SessionConfig(
+        session_id=session_id,
+        threshold=threshold,
+        min_group_size=min_group_size,
+        frac_bits=frac_bits,
+        groups=tuple(
+            GroupSpec(
+                group, tuple(TensorSpec(name, length) for name, length in sorted(layout[group].items()))
+            )
+            for group in sorted(layout)
+        ),
+    )
+    identities = {cid: IdentityKey.generate(random) for cid in client_ids}
+    roster = Roster(RosterEntry(cid, cid, identities[cid].public_key) for cid in client_ids)
+    clients = {
+        cid: ClientSession(
+            cid,
+            identities[cid],
+            roster,
+            {
+                group: {name: _flatten(values, name in symmetric) for name, values in tensors.items()}
+                for group, tensors in contributions[cid].items()
+            },
+            min_threshold=threshold,
+            min_group_size=min_group_size,
+            session_id=session_id,
+            random=random,
+        )
+        for cid in client_ids
+    }
+    server = ServerSession(roster, config)
+
+    bytes_sent = {cid: dict.fromkeys(ROUNDS, 0) for cid in client_ids}
+    bytes_received = {cid: dict.fromkeys(ROUNDS, 0) for cid in client_ids}
+    client_seconds = {cid: dict.fromkeys(ROUNDS, 0.0) for cid in client_ids}
+    server_seconds = dict.fromkeys(ROUNDS, 0.0)
+
+    started = time.perf_counter()
+    first_request = server.start()
+    requests = dict.fromkeys(client_ids, first_request)
+    server_seconds["R0"] += time.perf_counter() - started
+    dropped: set[str] = set()
+    for round_name in ROUNDS:
+        dropped |= {cid for cid, stage in drop_stage.items() if stage == round_name}
+        started = time.perf_counter()
+        wire: dict[int, bytes] = {}  # a broadcast message is encoded once
+        for request in requests.values():
+            if id(request) not in wire:
+                wire[id(request)] = codec.encode(request)
+        server_seconds[round_name] += time.perf_counter() - started
+        for cid, request in requests.items():
+            if cid in dropped:
+                continue
+            data = wire[id(request)]
+            started = time.perf_counter()
+            replies = clients[cid].receive(codec.decode(data))
+            encoded_replies = [codec.encode(reply) for reply in replies]
+            client_seconds[cid][round_name] += time.perf_counter() - started
+            bytes_received[cid][round_name] += len(data)
+            for reply_bytes in encoded_replies:
+                bytes_sent[cid][round_name] += len(reply_bytes)
+                started = time.perf_counter()
+                server.receive(codec.decode(reply_bytes))
+                server_seconds[round_name] += time.perf_counter() - started
+        started = time.perf_counter()
+        requests = server.next_round()  # type: ignore[assignment]
+        server_seconds[round_name] += time.perf_counter() - started
+
+    result = server.result()
+    sums: dict[str, dict[str, np.ndarray]] = {}
+    for group, group_sum in result.groups.items():
+        sums[group] = {}
+        for name, words in group_sum.sums.items():
+            values = encoding.decode(words, frac_bits=frac_bits)
+            values = encoding.unpack_symmetric(values) if name in symmetric else values.reshape(shapes[name])
+            sums[group][name] = values
+    survivors = {group: result.groups[group].survivors for group in members}
+    audit, exposed, warnings = _audit(contributions, members, survivors, layout)
+    return SecureAggregationResult(
+        sums=sums,
+        members=members,
+        survivors=survivors,
+        audit=audit,
+        exposed=exposed,
+        warnings=warnings,
+        costs=SecureAggregationCosts(bytes_sent, bytes_received, client_seconds, server_seconds),
+        threshold=threshold,
+        frac_bits=frac_bits,
+        session_id=session_id,
+    )
+
+
+def _dropout_stages(dropouts: Mapping[str, Collection[str]], client_ids: tuple[str, ...]) -> dict[str, str]:
+    stage_of: dict[str, str] = {}
+    for stage, ids in dropouts.items():
+        if stage not in DROPOUT_STAGES:
+            raise ValueError(f"unknown dropout stage {stage!r}; expected one of {DROPOUT_STAGES}")
+        for cid in ids:
+            if cid not in client_ids:
+                raise ValueError(f"dropout of unknown client {cid!r}")
+            if cid in stage_of:
+                raise ValueError(f"client {cid!r} drops at two stages")
+            stage_of[cid] = stage
+    return stage_of
+
+
+def _flatten(values: np.ndarray, is_symmetric: bool) -> np.ndarray:
+    array = np.asarray(values, dtype=np.float64)
+    return encoding.pack_symmetric(array) if is_symmetric else np.ascontiguousarray(array).ravel()
+
+
+def _layout(
+    contributions: Mapping[str, Mapping[str, Mapping[str, np.ndarray]]], symmetric: set[str]
+) -> tuple[dict[str, dict[str, int]], dict[str, tuple[int, ...]]]:
+    """Per group the tensors' wire lengths, and each tensor name's shape; every member must agree."""
+    layout: dict[str, dict[str, int]] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for cid, groups in contributions.items():
+        for group, tensors in groups.items():
+            lengths: dict[str, int] = {}
+            for name, values in tensors.items():
+                shape = np.shape(values)
+                if shapes.setdefault(name, shape) != shape:
+                    raise ValueError(
+                        f"tensor {name!r} has shape {shape} at {cid!r} but {shapes[name]} elsewhere"
+                    )
+                if name in symmetric:
+                    if len(shape) != 2 or shape[0] != shape[1]:
+                        raise ValueError(f"symmetric tensor {name!r} must be a square matrix, got {shape}")
+                    lengths[name] = encoding.upper_triangle_length(shape[0])
+                else:
+                    lengths[name] = int(np.prod(shape))
+            if layout.setdefault(group, lengths) != lengths:
+                raise ValueError(f"group {group!r}: {cid!r} sends tensors {lengths}, others {layout[group]}")
+    return layout, shapes
+
+
+def _audit(
+    contributions: Mapping[str, Mapping[str, Mapping[str, np.ndarray]]],
+    members: Mapping[str, tuple[str, ...]],
+    survivors: Mapping[str, tuple[str, ...]],
+    layout: Mapping[str, Mapping[str, int]],
+) -> tuple[dict[str, GroupAudit], dict[str, tuple[str, ...]], tuple[str, ...]]:
+    warnings: list[str] = []
+    audit: dict[str, GroupAudit] = {}
+    for group in members:
+        tensors = tuple(sorted(layout[group]))
+        warning = None
+        if len(survivors[group]) == 1:
+            warning = (
+                f"WARNING: group {group!r} has a single survivor ({survivors[group][0]}): "
+                f"{SINGLE_SURVIVOR_WARNING} ({', '.join(tensors)})."
+            )
+            warnings.append(warning)
+        audit[group] = GroupAudit(group, members[group], survivors[group], tensors, warning)
+
+    # The server learns every linear combination of the group sums.  When one client sends the same
+    # tensor (e.g. its Gram matrix) to several groups, client k's own tensor is exposed whenever the
+    # unit vector e_k lies in the row space of the groups' survivor incidence matrix.
+    client_ids = sorted(contributions)
+    column = {cid: i for i, cid in enumerate(client_ids)}
+    exposed: dict[str, tuple[str, ...]] = {}
+    for name in sorted({t for tensors in layout.values() for t in tensors}):
+        groups = [g for g in members if name in layout[g] and survivors[g]]
+        if _same_tensor_in_all_groups(contributions, name, groups):
+            blocks = [groups]
+        else:
+            blocks = [[g] for g in groups]
+        found: set[str] = set()
+        for block in blocks:
+            incidence = np.zeros((len(block), len(client_ids)))
+            for row, group in enumerate(block):
+                for cid in survivors[group]:
+                    incidence[row, column[cid]] = 1.0
+            rank = np.linalg.matrix_rank(incidence)
+            for cid in client_ids:
+                if incidence[:, column[cid]].any():
+                    unit = np.zeros((1, len(client_ids)))
+                    unit[0, column[cid]] = 1.0
+                    if np.linalg.matrix_rank(np.vstack([incidence, unit])) == rank:
+                        found.add(cid)
+        if found:
+            exposed[name] = tuple(sorted(found))
+            if len(blocks) == 1 and len(groups) > 1:
+                warnings.append(
+                    f"WARNING: tensor {name!r} is summed in {len(groups)} overlapping groups; linear "
+                    f"combinations of their sums give the individual {name!r} of {sorted(found)}: the server "
+                    f"learns these clients' {name!r} exactly. Sum it in one all-clients group "
+                    f"(gram='global') instead."
+                )
+    return audit, exposed, tuple(warnings)
+
+
+def _same_tensor_in_all_groups(
+    contributions: Mapping[str, Mapping[str, Mapping[str, np.ndarray]]], name: str, groups: list[str]
+) -> bool:
+    """Whether every client sends bit-identical values of ``name`` to all its groups among ``groups``."""
+    for tensors_by_group in contributions.values():
+        arrays = [tensors_by_group[g][name] for g in groups if g in tensors_by_group]
+        if any(not np.array_equal(arrays[0], other) for other in arrays[1:]):
+            return False
+    return True
