@@ -1,0 +1,221 @@
+"""The wire codec: round trips, and strict rejection of anything malformed (property-based)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from secure_afl.protocol import codec, shamir
+from secure_afl.protocol.errors import LocalProtocolError, MessageDecodeError
+from secure_afl.protocol.messages import (
+    AdvertiseKeys,
+    AdvertiseRequest,
+    ConsistencyCheckRequest,
+    ConsistencyResponse,
+    EncryptedShare,
+    GroupSpec,
+    MaskedInput,
+    MaskedInputRequest,
+    MaskedTensor,
+    RevealedShare,
+    SessionConfig,
+    ShareKeys,
+    ShareKeysRequest,
+    SurvivorSignature,
+    TensorSpec,
+    UnmaskRequest,
+    UnmaskResponse,
+)
+
+from .helpers import make_federation, play
+
+
+@functools.cache
+def session_messages() -> tuple:
+    """One real message of every type, from a session with a dropout."""
+    fed = make_federation(4, {"a": ("c0", "c1", "c2"), "all": ("c0", "c1", "c2", "c3")}, threshold=3)
+    play(fed, drops={"R2": {"c3"}})
+    return tuple(message for _, _, _, message in fed.log)
+
+
+def fixed(n: int):
+    return st.binary(min_size=n, max_size=n)
+
+
+names = st.text(min_size=1, max_size=12)
+name_tuples = st.lists(names, max_size=4).map(tuple)
+u32 = st.integers(min_value=0, max_value=2**32 - 1)
+session_ids = fixed(32)
+
+configs = st.builds(
+    SessionConfig,
+    session_ids,
+    u32,
+    u32,
+    st.integers(min_value=0, max_value=255),
+    st.lists(
+        st.builds(GroupSpec, names, st.lists(st.builds(TensorSpec, names, u32), max_size=3).map(tuple)),
+        max_size=3,
+    ).map(tuple),
+)
+adverts = st.builds(
+    AdvertiseKeys, session_ids, names, fixed(32), fixed(32), fixed(32), fixed(32), name_tuples, fixed(64)
+)
+encrypted = st.builds(EncryptedShare, names, names, fixed(12), fixed(codec.SHARE_CIPHERTEXT_BYTES))
+revealed = st.lists(st.builds(RevealedShare, names, fixed(shamir.VALUE_BYTES)), max_size=3).map(tuple)
+messages = st.one_of(
+    st.builds(AdvertiseRequest, configs),
+    adverts,
+    st.builds(ShareKeysRequest, session_ids, st.lists(adverts, max_size=3).map(tuple)),
+    st.builds(ShareKeys, session_ids, names, st.lists(encrypted, max_size=3).map(tuple)),
+    st.builds(MaskedInputRequest, session_ids, st.lists(encrypted, max_size=3).map(tuple)),
+    st.builds(
+        MaskedInput,
+        session_ids,
+        names,
+        st.lists(
+            st.builds(MaskedTensor, names, names, st.integers(0, 8).flatmap(lambda n: fixed(8 * n))),
+            max_size=3,
+        ).map(tuple),
+    ),
+    st.builds(ConsistencyCheckRequest, session_ids, name_tuples),
+    st.builds(ConsistencyResponse, session_ids, names, fixed(64)),
+    st.builds(
+        UnmaskRequest,
+        session_ids,
+        name_tuples,
+        st.lists(st.builds(SurvivorSignature, names, fixed(64)), max_size=3).map(tuple),
+        name_tuples,
+        name_tuples,
+    ),
+    st.builds(UnmaskResponse, session_ids, names, revealed, revealed),
+)
+
+
+def test_every_message_type_of_a_real_session_round_trips() -> None:
+    seen = set()
+    for message in session_messages():
+        assert codec.decode(codec.encode(message)) == message
+        seen.add(type(message))
+    assert len(seen) == 10
+
+
+@settings(max_examples=300, deadline=None)
+@given(messages)
+def test_generated_messages_round_trip(message) -> None:
+    data = codec.encode(message)
+    assert codec.decode(data) == message
+    assert codec.encode(codec.decode(data)) == data
+
+
+@settings(max_examples=300, deadline=None)
+@given(messages, st.data())
+def test_truncated_messages_are_rejected(message, data) -> None:
+    encoded = codec.encode(message)
+    cut = data.draw(st.integers(min_value=0, max_value=len(encoded) - 1))
+    with pytest.raises(MessageDecodeError):
+        codec.decode(encoded[:cut])
+
+
+@settings(max_examples=300, deadline=None)
+@given(messages, st.binary(min_size=1, max_size=64))
+def test_extended_messages_are_rejected(message, extra) -> None:
+    with pytest.raises(MessageDecodeError):
+        codec.decode(codec.encode(message) + extra)
+
+
+@settings(max_examples=1000, deadline=None)
+@given(st.binary(max_size=512))
+def test_random_bytes_are_rejected_or_canonical(data) -> None:
+    try:
+        message = codec.decode(data)
+    except MessageDecodeError:
+        return
+    assert codec.encode(message) == data  # only exact, canonical encodings are ever accepted
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.integers(min_value=0, max_value=255), st.integers(min_value=0, max_value=255), st.binary(max_size=300)
+)
+def test_random_bodies_after_any_header_are_rejected_or_canonical(version, tag, body) -> None:
+    data = bytes([version, tag]) + body
+    try:
+        message = codec.decode(data)
+    except MessageDecodeError:
+        return
+    assert version == codec.PROTOCOL_VERSION and codec.encode(message) == data
+
+
+def test_real_messages_truncated_at_every_length_are_rejected() -> None:
+    for message in session_messages():
+        encoded = codec.encode(message)
+        for cut in range(0, len(encoded), max(1, len(encoded) // 200)):
+            with pytest.raises(MessageDecodeError):
+                codec.decode(encoded[:cut])
+
+
+def test_oversized_messages_are_rejected() -> None:
+    masked = next(m for m in session_messages() if isinstance(m, MaskedInput))
+    encoded = codec.encode(masked)
+    with pytest.raises(MessageDecodeError, match="exceeds"):
+        codec.decode(encoded, max_message_bytes=len(encoded) - 1)
+    with pytest.raises(LocalProtocolError, match="exceeds"):
+        codec.encode(masked, max_message_bytes=len(encoded) - 1)
+    assert codec.decode(encoded, max_message_bytes=len(encoded)) == masked
+
+
+def test_unknown_version_and_type_are_rejected() -> None:
+    encoded = codec.encode(session_messages()[0])
+    with pytest.raises(MessageDecodeError, match="version"):
+        codec.decode(bytes([2]) + encoded[1:])
+    with pytest.raises(MessageDecodeError, match="unknown message type"):
+        codec.decode(encoded[:1] + bytes([99]) + encoded[2:])
+
+
+def test_huge_sequence_counts_are_rejected_before_allocation() -> None:
+    data = bytes([codec.PROTOCOL_VERSION, 7]) + bytes(32) + (2**32 - 1).to_bytes(4, "big")
+    with pytest.raises(MessageDecodeError, match="cannot fit"):
+        codec.decode(data)
+
+
+def test_invalid_utf8_and_empty_strings_are_rejected() -> None:
+    good = codec.encode(ConsistencyResponse(bytes(32), "c0", bytes(64)))
+    bad_utf8 = good[:34] + (2).to_bytes(2, "big") + b"\xff\xfe" + good[38:]
+    with pytest.raises(MessageDecodeError, match="UTF-8"):
+        codec.decode(bad_utf8)
+    empty = good[:34] + (0).to_bytes(2, "big") + good[38:]
+    with pytest.raises(MessageDecodeError):
+        codec.decode(empty)
+
+
+def test_masked_tensor_length_must_be_whole_words() -> None:
+    message = MaskedInput(bytes(32), "c0", (MaskedTensor("g", "t", bytes(8)),))
+    encoded = bytearray(codec.encode(message))
+    encoded[-12:-8] = (7).to_bytes(4, "big")
+    with pytest.raises(MessageDecodeError, match="words"):
+        codec.decode(bytes(encoded[:-1]))
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        ConsistencyResponse(bytes(31), "c0", bytes(64)),
+        ConsistencyResponse(bytes(32), "", bytes(64)),
+        ConsistencyResponse(bytes(32), "x" * 256, bytes(64)),
+        ConsistencyCheckRequest(bytes(32), ["c0"]),  # type: ignore[arg-type]
+        MaskedInput(bytes(32), "c0", (MaskedTensor("g", "t", bytes(7)),)),
+        AdvertiseRequest(SessionConfig(bytes(32), -1, 1, 32, ())),
+    ],
+)
+def test_encoding_malformed_messages_is_a_local_error(message) -> None:
+    with pytest.raises(LocalProtocolError):
+        codec.encode(message)
+
+
+def test_non_message_cannot_be_encoded() -> None:
+    with pytest.raises(LocalProtocolError):
+        codec.encode("hello")  # type: ignore[arg-type]
