@@ -41,13 +41,18 @@ class PrivacyAudit:
     exposed: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # tensor -> clients exposed
 
     def warnings(self) -> list[str]:
+        if self.protection == "none":
+            return ["plaintext run: the server receives every client's statistics individually"]
         lines = [g.warning for g in self.groups if g.warning]
+        by_clients: dict[tuple[str, ...], list[str]] = {}
         for tensor, clients in self.exposed.items():
             if clients:
-                lines.append(
-                    f"tensor {tensor!r}: the group sums determine the individual value of "
-                    f"{len(clients)} client(s) ({', '.join(clients)})"
-                )
+                by_clients.setdefault(clients, []).append(tensor)
+        for clients, tensors in by_clients.items():
+            lines.append(
+                f"the group sums determine the individual values of {', '.join(tensors)} for "
+                f"{', '.join(clients)}"
+            )
         return lines
 
     def to_dict(self) -> dict[str, object]:

@@ -1,0 +1,194 @@
+"""Reports of an experiment: a Table II-style console table, results.json and report.md."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from secure_afl.sim.data import CLASSES
+from secure_afl.sim.runner import ExperimentResult, SettingResult
+
+
+def _fmt(metric: str, value: float) -> str:
+    if value != value:  # NaN
+        return "n/a"
+    return f"{value:.4f}" if metric == "map" else f"{100 * value:.2f}"
+
+
+def _methods(result: ExperimentResult) -> list[str]:
+    seen: list[str] = []
+    for setting in result.settings:
+        for name in setting.metrics:
+            if name not in seen:
+                seen.append(name)
+    return seen
+
+
+def results_table_rows(result: ExperimentResult) -> tuple[list[str], list[list[str]]]:
+    """Header and rows: one row per method, BACC / AUC / mAP per missing setting."""
+    header = ["Method"]
+    for s in result.settings:
+        header += [f"M{s.missing} BACC", f"M{s.missing} AUC", f"M{s.missing} mAP"]
+    rows = []
+    for method in _methods(result):
+        row = [method]
+        for s in result.settings:
+            macro = s.metrics[method].macro if method in s.metrics else {}
+            row += [_fmt(m, macro.get(m, float("nan"))) for m in ("bacc", "auc", "map")]
+        rows.append(row)
+    return header, rows
+
+
+def coverage_rows(setting: SettingResult) -> tuple[list[str], list[list[str]]]:
+    """Clients × classes, '✓' where the client labels the class, and |S_c| per class."""
+    header = ["Client", *CLASSES[: setting.assignment.n_classes]]
+    rows = [
+        [f"client-{k}", *("✓" if c in active else "·" for c in range(setting.assignment.n_classes))]
+        for k, active in enumerate(setting.assignment.active)
+    ]
+    rows.append(["|S_c|", *(str(len(s)) for s in setting.assignment.coverage())])
+    return header, rows
+
+
+def _rich_table(title: str, header: list[str], rows: list[list[str]]) -> Table:
+    table = Table(title=title, title_justify="left")
+    for i, name in enumerate(header):
+        table.add_column(name, justify="left" if i == 0 else "right")
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
+def _md_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _cost_rows(result: ExperimentResult) -> tuple[list[str], list[list[str]]]:
+    header = ["Phase", "Seconds"]
+    rows = [[phase, f"{seconds:.2f}"] for phase, seconds in result.seconds.items()]
+    rows.append(["total", f"{sum(result.seconds.values()):.2f}"])
+    return header, rows
+
+
+def _upload_rows(setting: SettingResult) -> tuple[list[str], list[list[str]]]:
+    return ["Client", "Upload (MB)"], [[c, f"{b / 1e6:.2f}"] for c, b in setting.upload_bytes.items()]
+
+
+def _audit_lines(setting: SettingResult) -> list[str]:
+    audit = setting.audit
+    lines = [f"protection: {audit.protection}"]
+    for group in audit.groups:
+        lines.append(
+            f"{group.group}: members {len(group.members)}, survivors {len(group.survivors)}"
+            f" ({', '.join(group.survivors)}); learns sums of {', '.join(group.tensors)}"
+        )
+    lines += [f"WARNING: {w}" for w in audit.warnings()]
+    if setting.dropped:
+        lines.append(f"dropped clients: {', '.join(setting.dropped)}")
+    return lines
+
+
+def print_report(result: ExperimentResult, console: Console) -> None:
+    if result.notice:
+        console.print(f"[bold yellow]{result.notice}[/]")
+    header, rows = results_table_rows(result)
+    console.print(_rich_table("Results (BACC and AUC in %, mAP as a fraction)", header, rows))
+    for setting in result.settings:
+        h, r = coverage_rows(setting)
+        console.print(_rich_table(f"Class coverage, missing {setting.missing}", h, r))
+        h, r = _upload_rows(setting)
+        console.print(_rich_table(f"Bytes each client uploads, missing {setting.missing}", h, r))
+        console.print(f"[bold]Privacy audit, missing {setting.missing}[/]")
+        for line in _audit_lines(setting):
+            style = "bold red" if line.startswith("WARNING") else ""
+            console.print(f"  {line}", style=style, markup=False, highlight=False)
+    h, r = _cost_rows(result)
+    console.print(_rich_table("Seconds per phase", h, r))
+
+
+def result_dict(result: ExperimentResult) -> dict[str, object]:
+    config = result.config
+    return {
+        "notice": result.notice,
+        "dataset": dict(result.dataset),
+        "config": {
+            "missing": list(config.missing),
+            "rounds": config.rounds,
+            "seed": config.seed,
+            "gamma": config.gamma,
+            "n_clients": config.n_clients,
+            "split": config.split,
+            "fraction": config.fraction,
+            "secure": config.secure,
+            "dropout": config.dropout,
+            "dropout_stage": config.dropout_stage,
+            "pseudo": asdict(config.pseudo),
+            "fedavg": asdict(config.fedavg),
+        },
+        "classes": list(CLASSES),
+        "seconds_per_phase": dict(result.seconds),
+        "settings": [
+            {
+                "missing": s.missing,
+                "active_classes": [list(a) for a in s.assignment.active],
+                "coverage": [list(c) for c in s.assignment.coverage()],
+                "metrics": {name: m.to_dict() for name, m in s.metrics.items()},
+                "dropped": list(s.dropped),
+                "upload_bytes": dict(s.upload_bytes),
+                "privacy_audit": s.audit.to_dict(),
+                "pseudo_labels": [
+                    {
+                        "client": client,
+                        "class": CLASSES[r.cls],
+                        "pseudo_positive": r.n_pseudo_pos,
+                        "pseudo_negative": r.n_pseudo_neg,
+                        "qualified": r.qualified,
+                    }
+                    for client, r in s.pseudo_labels
+                ],
+                "protocol_costs": s.protocol_costs,
+            }
+            for s in result.settings
+        ],
+    }
+
+
+def markdown_report(result: ExperimentResult) -> str:
+    parts = ["# secure-afl simulation report", ""]
+    if result.notice:
+        parts += [f"> **{result.notice}**", ""]
+    parts += [f"Dataset: {json.dumps(dict(result.dataset))}", ""]
+    header, rows = results_table_rows(result)
+    parts += ["## Results (BACC and AUC in %, mAP as a fraction)", "", _md_table(header, rows), ""]
+    for setting in result.settings:
+        h, r = coverage_rows(setting)
+        parts += [f"## Missing {setting.missing}", "", "### Class coverage", "", _md_table(h, r), ""]
+        h, r = _upload_rows(setting)
+        parts += ["### Bytes each client uploads", "", _md_table(h, r), ""]
+        parts += ["### Privacy audit", ""] + [f"- {line}" for line in _audit_lines(setting)] + [""]
+    h, r = _cost_rows(result)
+    parts += ["## Seconds per phase", "", _md_table(h, r), ""]
+    return "\n".join(parts)
+
+
+def write_reports(result: ExperimentResult, out_dir: Path) -> tuple[Path, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path = out_dir / "results.json"
+    md_path = out_dir / "report.md"
+    json_path.write_text(json.dumps(result_dict(result), indent=2, default=_json_default) + "\n")
+    md_path.write_text(markdown_report(result))
+    return json_path, md_path
+
+
+def _json_default(value: object) -> object:
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if hasattr(value, "__dict__"):
+        return vars(value)
+    return str(value)

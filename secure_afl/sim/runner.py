@@ -1,0 +1,390 @@
+"""The experiment: cohort → features → clients → statistics → aggregation → solve → metrics.
+
+Every missing setting uses the same split, clients and features; only the label assignment
+changes.  The AFL variants of one setting share one aggregation: each client's statistics are
+computed once (they do not depend on the labels' balancing) and every variant's tensors are summed
+together, in the clear (``secure="none"``) or through the masking protocol (``secure="mask"``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+from secure_afl.analytic import (
+    ALL_GROUP,
+    AnalyticClassifier,
+    ClientStatistics,
+    Contributions,
+    PseudoLabelConfig,
+    PseudoLabelReport,
+    class_group,
+    client_statistics,
+    pseudo_label_contributions,
+    sum_contributions,
+)
+from secure_afl.sim.audit import PrivacyAudit, audit_groups
+from secure_afl.sim.data import CLASSES, Cohort, Split, SplitBy, load_cohort, split_cohort
+from secure_afl.sim.fedavg import FedAvgConfig, missing_as_negative, train_fedavg
+from secure_afl.sim.metrics import Metrics, evaluate
+from secure_afl.sim.partial import LabelAssignment, PartialLabelError, assign_partial_labels
+from secure_afl.sim.synthetic import synthetic_features
+
+Secure = Literal["none", "mask"]
+DropoutStage = Literal["R1", "R2", "R3"]
+MISSING_ALL = (1, 3, 5, 7)
+SYMMETRIC_TENSORS = ("gram",)
+
+AFL_1 = "AFL (1 round)"
+AFL_2 = "AFL (2 rounds)"
+AFL_GLOBAL_BALANCE = "AFL (global balance)"
+AFL_GLOBAL_GRAM = "AFL (global Gram)"
+FEDAVG = "FedAvg"
+
+SYNTHETIC_NOTICE = (
+    "FEATURES ARE SYNTHETIC: the embedded dataset pairs the real ChestXray14 labels and patient ids "
+    "with seeded synthetic features (secure_afl/sim/synthetic.py). The numbers show how the methods "
+    "behave on the real label structure, not how well chest X-rays can be classified."
+)
+
+
+class ExperimentError(ValueError):
+    """A configuration the experiment cannot run (e.g. a class with no surviving annotator)."""
+
+
+def client_id(k: int) -> str:
+    return f"client-{k}"
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    missing: tuple[int, ...] = (7,)
+    rounds: int = 2
+    seed: int = 0
+    gamma: float = 1.0
+    n_clients: int = 8
+    split: SplitBy = "image"
+    fraction: float = 1.0
+    dim: int = 1024
+    secure: Secure = "none"
+    dropout: int = 0
+    dropout_stage: DropoutStage = "R2"
+    threshold: int | None = None
+    min_group_size: int = 1
+    device: str = "auto"
+    pseudo: PseudoLabelConfig = PseudoLabelConfig()
+    fedavg: FedAvgConfig = FedAvgConfig()
+
+    def validate(self) -> None:
+        for m in self.missing:
+            if not isinstance(m, int) or not 0 <= m < len(CLASSES):
+                raise PartialLabelError(
+                    f"unknown missing level {m!r}: use 1, 3, 5, 7 or 'all' (any integer 0..{len(CLASSES) - 1})"
+                )
+        if self.rounds not in (1, 2):
+            raise ExperimentError(f"rounds must be 1 or 2, got {self.rounds}")
+        if not 0 < self.fraction <= 1:
+            raise ExperimentError(f"fraction must lie in (0, 1], got {self.fraction}")
+        if self.secure not in ("none", "mask"):
+            raise ExperimentError(f"secure must be 'none' or 'mask', got {self.secure!r}")
+        if not 0 <= self.dropout < self.n_clients:
+            raise ExperimentError(f"dropout must be from 0 to {self.n_clients - 1}, got {self.dropout}")
+        if self.dropout_stage not in ("R1", "R2", "R3"):
+            raise ExperimentError(f"dropout stage must be R1, R2 or R3, got {self.dropout_stage!r}")
+
+
+@dataclass
+class PhaseTimer:
+    """Wall seconds per named phase, summed over the run."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+
+@dataclass(frozen=True)
+class SettingResult:
+    missing: int
+    assignment: LabelAssignment
+    metrics: Mapping[str, Metrics]
+    dropped: tuple[str, ...]
+    upload_bytes: Mapping[str, int]  # per client, all rounds
+    audit: PrivacyAudit
+    pseudo_labels: tuple[tuple[str, PseudoLabelReport], ...]
+    protocol_costs: Mapping[str, object] | None = None
+
+
+@dataclass(frozen=True)
+class ExperimentResult:
+    config: SimConfig
+    dataset: Mapping[str, object]
+    settings: tuple[SettingResult, ...]
+    seconds: Mapping[str, float]
+    notice: str
+
+
+Progress = Callable[[str, int, int], None]  # (task, done, total)
+
+
+def _no_progress(task: str, done: int, total: int) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class PreparedData:
+    cohort: Cohort
+    features: np.ndarray
+    split: Split
+    description: Mapping[str, object]
+
+
+def prepare_embedded(config: SimConfig, progress: Progress = _no_progress) -> PreparedData:
+    """The embedded default data: real labels and patient ids, synthetic features."""
+    cohort = load_cohort()
+    if config.fraction < 1:
+        rng = np.random.default_rng(config.seed)
+        keep = np.sort(rng.choice(len(cohort), size=max(1, round(config.fraction * len(cohort))), replace=False))
+        cohort = cohort.subset(keep)
+    features = synthetic_features(
+        cohort.labels,
+        cohort.patient_ids,
+        dim=config.dim,
+        seed=config.seed,
+        progress=lambda done: progress("features (synthetic)", done, len(cohort)),
+    )
+    split = split_cohort(cohort, n_clients=config.n_clients, by=config.split, seed=config.seed)
+    return PreparedData(
+        cohort=cohort,
+        features=features,
+        split=split,
+        description={
+            "name": "embedded",
+            "label_source": cohort.source,
+            "rows": len(cohort),
+            "features": f"synthetic, d={config.dim}, seed={config.seed}",
+            "synthetic_features": True,
+        },
+    )
+
+
+def _dropped_clients(config: SimConfig) -> tuple[str, ...]:
+    if not config.dropout:
+        return ()
+    rng = np.random.default_rng([config.seed, 0xD50])
+    return tuple(client_id(k) for k in sorted(rng.choice(config.n_clients, config.dropout, replace=False)))
+
+
+@dataclass(frozen=True)
+class _Aggregate:
+    sums: Contributions
+    members: Mapping[str, tuple[str, ...]]
+    survivors: Mapping[str, tuple[str, ...]]
+    tensors: Mapping[str, tuple[str, ...]]
+    costs: Mapping[str, object] | None
+
+
+def _upload_bytes(contributions: Mapping[str, Contributions]) -> dict[str, int]:
+    """Bytes each client would upload in the clear: float64 values, symmetric matrices as triangles."""
+    out = {}
+    for client, groups in contributions.items():
+        total = 0
+        for tensors in groups.values():
+            for name, value in tensors.items():
+                n = value.shape[0] * (value.shape[0] + 1) // 2 if name in SYMMETRIC_TENSORS else value.size
+                total += 8 * n
+        out[client] = total
+    return out
+
+
+def aggregate(
+    contributions: Mapping[str, Contributions],
+    config: SimConfig,
+    *,
+    dropouts: Mapping[str, tuple[str, ...]],
+    session_seed: int,
+) -> _Aggregate:
+    """Per-group sums over the surviving members, in the clear or through the masking protocol."""
+    members: dict[str, list[str]] = {}
+    tensors: dict[str, set[str]] = {}
+    for client, groups in contributions.items():
+        for group, named in groups.items():
+            members.setdefault(group, []).append(client)
+            tensors.setdefault(group, set()).update(named)
+    if config.secure == "mask":
+        from secure_afl.protocol.randomness import DeterministicRandomSource, OsRandomSource
+        from secure_afl.sim.secure import secure_aggregate
+
+        result = secure_aggregate(
+            contributions,
+            symmetric=SYMMETRIC_TENSORS,
+            threshold=config.threshold,
+            min_group_size=config.min_group_size,
+            dropouts=dropouts,
+            random=OsRandomSource() if session_seed < 0 else DeterministicRandomSource(
+                session_seed.to_bytes(8, "big")
+            ),
+        )
+        return _Aggregate(
+            sums={g: dict(t) for g, t in result.sums.items()},
+            members={g: tuple(m) for g, m in result.members.items()},
+            survivors={g: tuple(s) for g, s in result.survivors.items()},
+            tensors={g: tuple(sorted(t)) for g, t in tensors.items()},
+            costs=result.costs_dict() if hasattr(result, "costs_dict") else None,
+        )
+    # Plaintext: inputs of clients that dropped before sending them (R1, R2) are absent.
+    gone = {c for stage in ("R1", "R2") for c in dropouts.get(stage, ())}
+    alive = {c: groups for c, groups in contributions.items() if c not in gone}
+    survivors = {g: tuple(c for c in m if c not in gone) for g, m in members.items()}
+    return _Aggregate(
+        sums=sum_contributions(alive.values()),
+        members={g: tuple(m) for g, m in members.items()},
+        survivors=survivors,
+        tensors={g: tuple(sorted(t)) for g, t in tensors.items()},
+        costs=None,
+    )
+
+
+def _check_coverage(agg: _Aggregate, n_classes: int) -> None:
+    for c in range(n_classes):
+        if not agg.survivors.get(class_group(c)):
+            raise ExperimentError(
+                f"class {CLASSES[c] if c < len(CLASSES) else c} has no surviving annotating client "
+                "(every client that labels it dropped out); lower --dropout or the missing level"
+            )
+
+
+def run_setting(
+    data: PreparedData,
+    stats: Mapping[str, ClientStatistics],
+    missing: int,
+    config: SimConfig,
+    timer: PhaseTimer,
+    progress: Progress = _no_progress,
+) -> SettingResult:
+    n_classes = data.cohort.labels.shape[1]
+    assignment = assign_partial_labels(config.n_clients, n_classes, missing, seed=config.seed)
+    clients = [client_id(k) for k in range(config.n_clients)]
+    dropped = _dropped_clients(config)
+    dropouts = {config.dropout_stage: dropped} if dropped else {}
+    test_x = data.features[data.split.test]
+    test_y = data.cohort.labels[data.split.test]
+
+    with timer.phase("statistics"):
+        round1 = {}
+        for k, name in enumerate(clients):
+            mine = stats[name].contributions(
+                assignment.active[k], balance="client", include_global_gram=True
+            )
+            balanced_globally = stats[name].contributions(assignment.active[k], balance="global")
+            for group, tensors in balanced_globally.items():
+                mine[group].update(tensors)
+            round1[name] = mine
+    with timer.phase("aggregation"):
+        agg = aggregate(round1, config, dropouts=dropouts, session_seed=config.seed * 1000 + missing)
+    _check_coverage(agg, n_classes)
+    with timer.phase("solve"):
+        afl = AnalyticClassifier(n_classes, gamma=config.gamma).fit(agg.sums)
+        global_balance = AnalyticClassifier(n_classes, gamma=config.gamma, balance="global").fit(agg.sums)
+        global_gram = AnalyticClassifier(n_classes, gamma=config.gamma, gram="global").fit(agg.sums)
+    models = {AFL_1: afl, AFL_GLOBAL_BALANCE: global_balance, AFL_GLOBAL_GRAM: global_gram}
+
+    upload = _upload_bytes(round1)
+    pseudo_reports: list[tuple[str, PseudoLabelReport]] = []
+    audit_members = dict(agg.members)
+    audit_survivors = dict(agg.survivors)
+    audit_tensors = dict(agg.tensors)
+    costs = {"round1": agg.costs} if agg.costs is not None else None
+    if config.rounds == 2:
+        live = [c for c in clients if c in set(agg.survivors[ALL_GROUP])]
+        with timer.phase("statistics"):
+            round2 = {}
+            for name in live:
+                k = clients.index(name)
+                contribution, reports = pseudo_label_contributions(
+                    data.features[data.split.clients[k]],
+                    afl.coef_,
+                    assignment.active[k],
+                    config=config.pseudo,
+                    device=config.device,
+                )
+                round2[name] = contribution
+                pseudo_reports.extend((name, r) for r in reports)
+        with timer.phase("aggregation"):
+            agg2 = aggregate(round2, config, dropouts={}, session_seed=config.seed * 1000 + missing + 500)
+        with timer.phase("solve"):
+            models[AFL_2] = AnalyticClassifier(n_classes, gamma=config.gamma).refine(
+                agg.sums, agg2.sums, alpha=config.pseudo.alpha
+            )
+        for name, size in _upload_bytes(round2).items():
+            upload[name] += size
+        audit_members.update(agg2.members)
+        audit_survivors.update(agg2.survivors)
+        audit_tensors.update(agg2.tensors)
+        if costs is not None:
+            costs["round2"] = agg2.costs
+
+    with timer.phase("fedavg"):
+        head = train_fedavg(
+            [data.features[rows] for rows in data.split.clients],
+            [missing_as_negative(data.cohort.labels[rows], assignment.active[k]) for k, rows in enumerate(
+                data.split.clients)],
+            config.fedavg,
+            progress=lambda done: progress(f"FedAvg, missing {missing}", done, config.fedavg.rounds),
+        )
+    with timer.phase("metrics"):
+        metrics = {name: evaluate(test_y, model.predict_proba(test_x)) for name, model in models.items()}
+        metrics[FEDAVG] = evaluate(test_y, head.predict_proba(test_x))
+    ordered = {m: metrics[m] for m in (AFL_1, AFL_2, AFL_GLOBAL_BALANCE, AFL_GLOBAL_GRAM, FEDAVG) if m in metrics}
+    audit = audit_groups(
+        protection=config.secure, members=audit_members, survivors=audit_survivors, tensors=audit_tensors
+    )
+    return SettingResult(
+        missing=missing,
+        assignment=assignment,
+        metrics=ordered,
+        dropped=dropped,
+        upload_bytes=upload,
+        audit=audit,
+        pseudo_labels=tuple(pseudo_reports),
+        protocol_costs=costs,
+    )
+
+
+def run_experiment(
+    config: SimConfig,
+    *,
+    prepare: Callable[[SimConfig, Progress], PreparedData] = prepare_embedded,
+    progress: Progress = _no_progress,
+) -> ExperimentResult:
+    config.validate()
+    timer = PhaseTimer()
+    with timer.phase("data"):
+        data = prepare(config, progress)
+    with timer.phase("statistics"):
+        stats = {}
+        for k, rows in enumerate(data.split.clients):
+            stats[client_id(k)] = client_statistics(
+                data.features[rows], data.cohort.labels[rows], device=config.device
+            )
+            progress("client statistics", k + 1, config.n_clients)
+    settings = tuple(
+        run_setting(data, stats, missing, config, timer, progress) for missing in config.missing
+    )
+    return ExperimentResult(
+        config=config,
+        dataset=data.description,
+        settings=settings,
+        seconds=dict(timer.seconds),
+        notice=SYNTHETIC_NOTICE if data.description.get("synthetic_features") else "",
+    )
