@@ -128,7 +128,9 @@ def default_num_workers() -> int:
 
 
 def _key_fields(paths: Sequence[Path], backbone: Backbone, amp: bool) -> dict[str, Any]:
-    return {
+    """The inputs that identify a cache entry, in their JSON form (tuples become lists), so that they
+    compare equal to the copy read back from ``manifest.json``."""
+    fields = {
         "format": CACHE_FORMAT_VERSION,
         "backbone": backbone.name,
         "weights": backbone.weights_id,
@@ -138,6 +140,7 @@ def _key_fields(paths: Sequence[Path], backbone: Backbone, amp: bool) -> dict[st
         "n_images": len(paths),
         "image_list_sha256": _image_list_sha256(paths),
     }
+    return json.loads(json.dumps(fields))
 
 
 def _image_list_sha256(paths: Sequence[Path]) -> str:

@@ -140,7 +140,8 @@ def toy_backbone() -> Backbone:
         embed=module,
         feature_dim=8,
         transform=XRayTransform(32),
-        preprocess=Preprocess("xrv-grayscale", (("resize", 32),)),
+        # A tuple-valued parameter, as the ImageNet backbones have (mean, std): JSON turns it into a list.
+        preprocess=Preprocess("xrv-grayscale", (("resize", 32), ("mean", (0.5,)))),
         weights_id="random-init-seed-0",
         weights_path=None,
     )
