@@ -125,13 +125,20 @@ def secure_aggregate(
     )
     identities = {cid: IdentityKey.generate(random) for cid in client_ids}
     roster = Roster(RosterEntry(cid, cid, identities[cid].public_key) for cid in client_ids)
+    flattened: dict[int, np.ndarray] = {}  # a client's Gram shared by several groups is packed once
+
+    def flatten(values: np.ndarray, name: str) -> np.ndarray:
+        if id(values) not in flattened:
+            flattened[id(values)] = _flatten(values, name in symmetric)
+        return flattened[id(values)]
+
     clients = {
         cid: ClientSession(
             cid,
             identities[cid],
             roster,
             {
-                group: {name: _flatten(values, name in symmetric) for name, values in tensors.items()}
+                group: {name: flatten(values, name) for name, values in tensors.items()}
                 for group, tensors in contributions[cid].items()
             },
             min_threshold=threshold,
