@@ -170,7 +170,7 @@ def client_statistics(
     ``features`` is an ``N×d`` array or an iterable of row batches (never stacked in memory);
     ``labels`` is the ``N×C`` 0/1 matrix.
     """
-    labels = _check_labels(labels)
+    labels = _check_labels(labels, len(features) if isinstance(features, np.ndarray) else None)
     dev = resolve_device(device)
     gram_t = pos_t = sum_t = None
     d: int | None = None
@@ -185,7 +185,9 @@ def client_statistics(
             sum_t = torch.zeros(d, dtype=torch.float64, device=dev)
         rows = len(batch)
         if seen + rows > len(labels):
-            raise StatisticsError(f"more feature rows than label rows ({len(labels)})")
+            raise StatisticsError(
+                f"the features have more rows than the {len(labels)} label rows: one label row per sample"
+            )
         h = torch.as_tensor(batch, device=dev).to(torch.float64)
         y = torch.as_tensor(labels[seen : seen + rows], device=dev).to(torch.float64)
         gram_t.addmm_(h.T, h)

@@ -77,14 +77,15 @@ class SimConfig:
     threshold: int | None = None
     min_group_size: int = 1
     device: str = "auto"
-    pseudo: PseudoLabelConfig = PseudoLabelConfig()
-    fedavg: FedAvgConfig = FedAvgConfig()
+    pseudo: PseudoLabelConfig = field(default_factory=PseudoLabelConfig)
+    fedavg: FedAvgConfig = field(default_factory=FedAvgConfig)
 
     def validate(self) -> None:
         for m in self.missing:
             if not isinstance(m, int) or not 0 <= m < len(CLASSES):
                 raise PartialLabelError(
-                    f"unknown missing level {m!r}: use 1, 3, 5, 7 or 'all' (any integer 0..{len(CLASSES) - 1})"
+                    f"unknown missing level {m!r}: use 1, 3, 5, 7 or 'all' "
+                    f"(any integer 0..{len(CLASSES) - 1})"
                 )
         if self.rounds not in (1, 2):
             raise ExperimentError(f"rounds must be 1 or 2, got {self.rounds}")
@@ -154,7 +155,9 @@ def prepare_embedded(config: SimConfig, progress: Progress = _no_progress) -> Pr
     cohort = load_cohort()
     if config.fraction < 1:
         rng = np.random.default_rng(config.seed)
-        keep = np.sort(rng.choice(len(cohort), size=max(1, round(config.fraction * len(cohort))), replace=False))
+        keep = np.sort(
+            rng.choice(len(cohort), size=max(1, round(config.fraction * len(cohort))), replace=False)
+        )
         cohort = cohort.subset(keep)
     features = synthetic_features(
         cohort.labels,
@@ -231,16 +234,16 @@ def aggregate(
             threshold=config.threshold,
             min_group_size=config.min_group_size,
             dropouts=dropouts,
-            random=OsRandomSource() if session_seed < 0 else DeterministicRandomSource(
-                session_seed.to_bytes(8, "big")
-            ),
+            random=DeterministicRandomSource(session_seed.to_bytes(8, "big"))
+            if session_seed >= 0
+            else OsRandomSource(),
         )
         return _Aggregate(
             sums={g: dict(t) for g, t in result.sums.items()},
             members={g: tuple(m) for g, m in result.members.items()},
             survivors={g: tuple(s) for g, s in result.survivors.items()},
             tensors={g: tuple(sorted(t)) for g, t in tensors.items()},
-            costs=result.costs_dict() if hasattr(result, "costs_dict") else None,
+            costs=_costs_dict(result.costs),
         )
     # Plaintext: inputs of clients that dropped before sending them (R1, R2) are absent.
     gone = {c for stage in ("R1", "R2") for c in dropouts.get(stage, ())}
@@ -253,6 +256,15 @@ def aggregate(
         tensors={g: tuple(sorted(t)) for g, t in tensors.items()},
         costs=None,
     )
+
+
+def _costs_dict(costs: object) -> dict[str, object]:
+    """Protocol costs as plain JSON-ready dicts (bytes and seconds per client and round)."""
+    names = ("bytes_sent", "bytes_received", "client_seconds", "server_seconds")
+    return {
+        name: {k: dict(v) if isinstance(v, Mapping) else v for k, v in getattr(costs, name).items()}
+        for name in names
+    }
 
 
 def _check_coverage(agg: _Aggregate, n_classes: int) -> None:
@@ -283,9 +295,7 @@ def run_setting(
     with timer.phase("statistics"):
         round1 = {}
         for k, name in enumerate(clients):
-            mine = stats[name].contributions(
-                assignment.active[k], balance="client", include_global_gram=True
-            )
+            mine = stats[name].contributions(assignment.active[k], balance="client", include_global_gram=True)
             balanced_globally = stats[name].contributions(assignment.active[k], balance="global")
             for group, tensors in balanced_globally.items():
                 mine[group].update(tensors)
@@ -337,15 +347,19 @@ def run_setting(
     with timer.phase("fedavg"):
         head = train_fedavg(
             [data.features[rows] for rows in data.split.clients],
-            [missing_as_negative(data.cohort.labels[rows], assignment.active[k]) for k, rows in enumerate(
-                data.split.clients)],
+            [
+                missing_as_negative(data.cohort.labels[rows], assignment.active[k])
+                for k, rows in enumerate(data.split.clients)
+            ],
             config.fedavg,
             progress=lambda done: progress(f"FedAvg, missing {missing}", done, config.fedavg.rounds),
         )
     with timer.phase("metrics"):
         metrics = {name: evaluate(test_y, model.predict_proba(test_x)) for name, model in models.items()}
         metrics[FEDAVG] = evaluate(test_y, head.predict_proba(test_x))
-    ordered = {m: metrics[m] for m in (AFL_1, AFL_2, AFL_GLOBAL_BALANCE, AFL_GLOBAL_GRAM, FEDAVG) if m in metrics}
+    ordered = {
+        m: metrics[m] for m in (AFL_1, AFL_2, AFL_GLOBAL_BALANCE, AFL_GLOBAL_GRAM, FEDAVG) if m in metrics
+    }
     audit = audit_groups(
         protection=config.secure, members=audit_members, survivors=audit_survivors, tensors=audit_tensors
     )
@@ -378,9 +392,7 @@ def run_experiment(
                 data.features[rows], data.cohort.labels[rows], device=config.device
             )
             progress("client statistics", k + 1, config.n_clients)
-    settings = tuple(
-        run_setting(data, stats, missing, config, timer, progress) for missing in config.missing
-    )
+    settings = tuple(run_setting(data, stats, missing, config, timer, progress) for missing in config.missing)
     return ExperimentResult(
         config=config,
         dataset=data.description,

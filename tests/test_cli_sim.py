@@ -1,0 +1,53 @@
+"""`secure-afl sim` end to end on a reduced embedded dataset."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from secure_afl.cli import main
+
+SMALL = ["--fraction", "0.06", "--dim", "48", "--fedavg-rounds", "2"]
+METHODS = {"AFL (1 round)", "AFL (2 rounds)", "AFL (global balance)", "AFL (global Gram)", "FedAvg"}
+
+
+def _run(args: list[str]):
+    return CliRunner().invoke(main, ["sim", *args], catch_exceptions=False)
+
+
+def test_sim_missing_all_writes_every_method_and_setting(tmp_path: Path) -> None:
+    result = _run(["--missing", "all", "--secure", "none", "--out", str(tmp_path), *SMALL])
+    assert result.exit_code == 0, result.output
+    assert "FEATURES ARE SYNTHETIC" in result.output
+    assert "Class coverage, missing 7" in result.output
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert [s["missing"] for s in data["settings"]] == [1, 3, 5, 7]
+    for setting in data["settings"]:
+        assert set(setting["metrics"]) == METHODS
+        for metrics in setting["metrics"].values():
+            assert 0 <= metrics["macro"]["bacc"] <= 1 and 0 <= metrics["macro"]["auc"] <= 1
+        assert len(setting["coverage"]) == 8 and all(setting["coverage"])
+        assert all(len(a) == 8 - setting["missing"] for a in setting["active_classes"])
+        assert setting["upload_bytes"]["client-0"] > 0
+    assert data["dataset"]["synthetic_features"] is True
+    assert set(data["seconds_per_phase"]) >= {"data", "statistics", "aggregation", "solve", "fedavg", "metrics"}
+    report = (tmp_path / "report.md").read_text()
+    assert "FEATURES ARE SYNTHETIC" in report and "| AFL (1 round) |" in report
+
+
+def test_sim_one_round_leaves_out_round_two(tmp_path: Path) -> None:
+    result = _run(["--missing", "3", "--rounds", "1", "--secure", "none", "--out", str(tmp_path), *SMALL])
+    assert result.exit_code == 0, result.output
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert set(data["settings"][0]["metrics"]) == METHODS - {"AFL (2 rounds)"}
+
+
+@pytest.mark.parametrize("missing", ["8", "two", "0,9"])
+def test_sim_rejects_unknown_missing_level(tmp_path: Path, missing: str) -> None:
+    result = CliRunner().invoke(main, ["sim", "--missing", missing, "--out", str(tmp_path), *SMALL])
+    assert result.exit_code == 2
+    assert "missing level" in result.output
+    assert not (tmp_path / "results.json").exists()  # no partial output

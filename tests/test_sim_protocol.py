@@ -1,0 +1,156 @@
+"""The experiment protocol: cohort, split, partial labels, metrics, synthetic features, FedAvg."""
+
+from __future__ import annotations
+
+import gzip
+from pathlib import Path
+
+import numpy as np
+import pytest
+from sklearn.metrics import average_precision_score, balanced_accuracy_score, roc_auc_score
+
+from secure_afl.sim.audit import exposed_clients
+from secure_afl.sim.data import CLASSES, CohortError, load_cohort, split_cohort
+from secure_afl.sim.fedavg import FedAvgConfig, missing_as_negative, train_fedavg
+from secure_afl.sim.metrics import evaluate
+from secure_afl.sim.partial import PartialLabelError, assign_partial_labels
+from secure_afl.sim.synthetic import synthetic_features
+
+
+@pytest.fixture(scope="module")
+def cohort():
+    return load_cohort()
+
+
+def test_embedded_cohort_is_the_pa_rows_of_chestxray14(cohort) -> None:
+    assert len(cohort) == 67_310
+    assert cohort.labels.shape == (67_310, 8)
+    assert set(np.unique(cohort.labels)) == {0, 1}
+    # Pneumonia is the rarest class (about 0.9 %), Infiltration the most frequent
+    prevalence = cohort.labels.mean(axis=0)
+    assert CLASSES[int(prevalence.argmin())] == "Pneumonia" and 0.008 < prevalence.min() < 0.011
+    assert CLASSES[int(prevalence.argmax())] == "Infiltration"
+
+
+def test_split_sizes_and_determinism(cohort) -> None:
+    split = split_cohort(cohort, seed=0)
+    assert [len(c) for c in split.clients] == [5_889] * 8
+    assert len(split.test) == 20_193 and len(split.unused) == 5
+    rows = np.concatenate([*split.clients, split.test, split.unused])
+    assert len(np.unique(rows)) == len(cohort)  # a partition of the rows
+    again = split_cohort(cohort, seed=0)
+    assert all(np.array_equal(a, b) for a, b in zip(split.clients, again.clients, strict=True))
+
+
+def test_patient_split_has_no_shared_patients(cohort) -> None:
+    split = split_cohort(cohort, by="patient", seed=0)
+    train = np.concatenate(split.clients)
+    assert not set(cohort.patient_ids[train]) & set(cohort.patient_ids[split.test])
+
+
+@pytest.mark.parametrize("missing", [1, 3, 5, 7])
+def test_partial_labels(missing: int) -> None:
+    assignment = assign_partial_labels(8, 8, missing, seed=4)
+    assert all(len(a) == 8 - missing for a in assignment.active)
+    assert all(len(s) >= 1 for s in assignment.coverage())  # every class covered
+    assert assignment == assign_partial_labels(8, 8, missing, seed=4)  # deterministic under a seed
+    assert assignment.mask().sum() == 8 * (8 - missing)
+
+
+def test_missing7_is_the_diagonal() -> None:
+    assignment = assign_partial_labels(8, 8, 7, seed=123)
+    assert assignment.active == tuple((k,) for k in range(8))
+    assert np.array_equal(assignment.mask(), np.eye(8, dtype=bool))
+
+
+def test_different_seeds_give_different_assignments() -> None:
+    draws = {assign_partial_labels(8, 8, 3, seed=s).active for s in range(5)}
+    assert len(draws) > 1
+
+
+@pytest.mark.parametrize("missing", [-1, 8, 2.5, "7"])
+def test_unknown_missing_level(missing) -> None:
+    with pytest.raises(PartialLabelError, match="missing must be an integer"):
+        assign_partial_labels(8, 8, missing)
+
+
+def test_metrics_equal_scikit_learn_and_eq25() -> None:
+    rng = np.random.default_rng(0)
+    labels = (rng.random((400, 3)) < [0.1, 0.4, 0.7]).astype(int)
+    probs = np.clip(labels * 0.3 + rng.random((400, 3)) * 0.7, 0, 1)
+    m = evaluate(labels, probs)
+    for c in range(3):
+        y, p = labels[:, c], probs[:, c]
+        pred = p > 0.5
+        tp, fn = np.sum(pred & (y == 1)), np.sum(~pred & (y == 1))
+        tn, fp = np.sum(~pred & (y == 0)), np.sum(pred & (y == 0))
+        assert m.bacc[c] == pytest.approx(0.5 * (tp / (tp + fn) + tn / (tn + fp)))  # Eq. 25
+        assert m.bacc[c] == pytest.approx(balanced_accuracy_score(y, pred))
+        assert m.auc[c] == pytest.approx(roc_auc_score(y, p))
+        assert m.ap[c] == pytest.approx(average_precision_score(y, p))
+    assert m.macro["bacc"] == pytest.approx(m.bacc.mean())
+    assert m.macro["map"] == pytest.approx(m.ap.mean())
+
+
+def test_metrics_reject_mismatched_shapes() -> None:
+    with pytest.raises(ValueError, match="must both be rows × classes"):
+        evaluate(np.zeros((4, 2)), np.zeros((4, 3)))
+
+
+def test_synthetic_features_are_nonnegative_seeded_and_carry_class_signal(cohort) -> None:
+    rows = np.arange(3000)
+    labels, patients = cohort.labels[rows], cohort.patient_ids[rows]
+    a = synthetic_features(labels, patients, dim=64, seed=1)
+    assert a.dtype == np.float32 and a.shape == (3000, 64) and (a >= 0).all()
+    assert np.array_equal(a, synthetic_features(labels, patients, dim=64, seed=1))
+    assert not np.array_equal(a, synthetic_features(labels, patients, dim=64, seed=2))
+    c = CLASSES.index("Infiltration")
+    gap = a[labels[:, c] == 1].mean(axis=0) - a[labels[:, c] == 0].mean(axis=0)
+    assert np.abs(gap).max() > 0.03  # positives differ from negatives on the signature dimensions
+
+
+def test_fedavg_learns_a_separable_problem() -> None:
+    rng = np.random.default_rng(0)
+    xs, ys = [], []
+    for _ in range(3):
+        y = (rng.random((200, 2)) < 0.5).astype(np.float32)
+        xs.append((rng.normal(size=(200, 5)) + 2 * np.c_[y, -y, np.zeros((200, 1))]).astype(np.float32))
+        ys.append(y)
+    head = train_fedavg(xs, ys, FedAvgConfig(rounds=5, lr=0.05))
+    m = evaluate(np.vstack(ys).astype(int), head.predict_proba(np.vstack(xs)))
+    assert m.macro["auc"] > 0.95
+    assert missing_as_negative(np.ones((2, 3)), [1]).tolist() == [[0, 1, 0], [0, 1, 0]]
+
+
+def test_fedavg_rejects_unequal_clients() -> None:
+    with pytest.raises(ValueError, match="equal size"):
+        train_fedavg([np.zeros((3, 2)), np.zeros((4, 2))], [np.zeros((3, 1)), np.zeros((4, 1))])
+
+
+def test_audit_detects_overlapping_group_leakage() -> None:
+    clients = [f"c{k}" for k in range(4)]
+    all_but_one = [[c for c in clients if c != out] for out in clients]
+    assert exposed_clients(all_but_one, clients) == tuple(clients)  # 4 leave-one-out sums: all exposed
+    assert exposed_clients([clients], clients) == ()  # one group of everyone: nobody exposed
+    assert exposed_clients([clients, clients[:3]], clients) == ("c3",)  # the difference is c3
+
+
+def test_malformed_csvs(tmp_path: Path) -> None:
+    missing_columns = tmp_path / "a.csv"
+    missing_columns.write_text("Image Index,Finding Labels\nx.png,Mass\n")
+    with pytest.raises(CohortError, match=r"lacks the columns \['Patient ID', 'View Position'\]"):
+        load_cohort(missing_columns)
+    no_pa = tmp_path / "b.csv"
+    no_pa.write_text("Image Index,Finding Labels,Patient ID,View Position\nx.png,Mass,1,AP\n")
+    with pytest.raises(CohortError, match="no rows with View Position == 'PA'"):
+        load_cohort(no_pa)
+    bad_patient = tmp_path / "c.csv"
+    bad_patient.write_text("Image Index,Finding Labels,Patient ID,View Position\nx.png,Mass,abc,PA\n")
+    with pytest.raises(CohortError, match="'Patient ID' must be integers"):
+        load_cohort(bad_patient)
+    truncated = tmp_path / "d.csv.gz"
+    truncated.write_bytes(gzip.compress(b"Image Index,Finding Labels\n" * 50)[:40])
+    with pytest.raises(CohortError, match="cannot parse"):
+        load_cohort(truncated)
+    with pytest.raises(CohortError, match="does not exist"):
+        load_cohort(tmp_path / "nope.csv")
