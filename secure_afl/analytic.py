@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
-import scipy.linalg
 import scipy.special
 import torch
 
@@ -340,18 +339,25 @@ def sum_contributions(contributions: Iterable[Contributions]) -> Contributions:
     return sums
 
 
-def _cholesky(a: np.ndarray, what: str) -> tuple[np.ndarray, bool]:
-    try:
-        return scipy.linalg.cho_factor(a, lower=True, check_finite=True)
-    except (np.linalg.LinAlgError, ValueError) as exc:
+def _cholesky(a: np.ndarray, what: str) -> torch.Tensor:
+    """Lower Cholesky factor, in float64 with torch (scipy's LAPACK fights torch's threads for cores)."""
+    matrix = torch.as_tensor(a, dtype=torch.float64)
+    factor, info = torch.linalg.cholesky_ex(matrix)
+    if int(info) != 0 or not torch.isfinite(matrix).all():
         raise StatisticsError(
-            f"{what}: the regularised Gram matrix is not positive definite ({exc}); "
+            f"{what}: the regularised Gram matrix is not positive definite; "
             "check the statistics for NaN, or increase gamma"
-        ) from exc
+        )
+    return factor
+
+
+def _cho_solve(factor: torch.Tensor, b: np.ndarray) -> np.ndarray:
+    rhs = torch.as_tensor(b, dtype=torch.float64).reshape(factor.shape[0], -1)
+    return torch.cholesky_solve(rhs, factor).reshape(np.shape(b)).numpy()
 
 
 def _solve_spd(a: np.ndarray, b: np.ndarray, what: str) -> np.ndarray:
-    return scipy.linalg.cho_solve(_cholesky(a, what), b, check_finite=False)
+    return _cho_solve(_cholesky(a, what), b)
 
 
 def _tensor(sums: GroupSums, group: str, name: str) -> np.ndarray:
@@ -414,7 +420,7 @@ class AnalyticClassifier:
         for c in range(self.n_classes):
             rhs = self._class_rhs(sums, c)
             if shared is not None:
-                columns.append(scipy.linalg.cho_solve(shared, rhs))
+                columns.append(_cho_solve(shared, rhs))
             else:
                 a = self._regularised(_tensor(sums, class_group(c), "gram"))
                 columns.append(_solve_spd(a, rhs, f"class {c}"))
@@ -434,7 +440,7 @@ class AnalyticClassifier:
             rhs = self._class_rhs(round1_sums, c)
             if pseudo_group(c) in pseudo_sums:
                 rhs = rhs + alpha * _tensor(pseudo_sums, pseudo_group(c), f"b_pseudo/{c}")
-            columns.append(scipy.linalg.cho_solve(factor, rhs))
+            columns.append(_cho_solve(factor, rhs))
         self.coef_ = np.stack(columns, axis=1)
         return self
 

@@ -70,7 +70,7 @@ def main() -> None:
 @click.option(
     "--secure",
     type=click.Choice(["none", "mask"]),
-    default="none",
+    default="mask",
     show_default=True,
     help="How client statistics are protected on their way to the server.",
 )

@@ -71,7 +71,7 @@ class SimConfig:
     split: SplitBy = "image"
     fraction: float = 1.0
     dim: int = 1024
-    secure: Secure = "none"
+    secure: Secure = "mask"
     dropout: int = 0
     dropout_stage: DropoutStage = "R2"
     threshold: int | None = None
@@ -215,7 +215,6 @@ def aggregate(
     config: SimConfig,
     *,
     dropouts: Mapping[str, tuple[str, ...]],
-    session_seed: int,
 ) -> _Aggregate:
     """Per-group sums over the surviving members, in the clear or through the masking protocol."""
     members: dict[str, list[str]] = {}
@@ -225,7 +224,6 @@ def aggregate(
             members.setdefault(group, []).append(client)
             tensors.setdefault(group, set()).update(named)
     if config.secure == "mask":
-        from secure_afl.protocol.randomness import DeterministicRandomSource, OsRandomSource
         from secure_afl.sim.secure import secure_aggregate
 
         result = secure_aggregate(
@@ -234,9 +232,6 @@ def aggregate(
             threshold=config.threshold,
             min_group_size=config.min_group_size,
             dropouts=dropouts,
-            random=DeterministicRandomSource(session_seed.to_bytes(8, "big"))
-            if session_seed >= 0
-            else OsRandomSource(),
         )
         return _Aggregate(
             sums={g: dict(t) for g, t in result.sums.items()},
@@ -301,7 +296,7 @@ def run_setting(
                 mine[group].update(tensors)
             round1[name] = mine
     with timer.phase("aggregation"):
-        agg = aggregate(round1, config, dropouts=dropouts, session_seed=config.seed * 1000 + missing)
+        agg = aggregate(round1, config, dropouts=dropouts)
     _check_coverage(agg, n_classes)
     with timer.phase("solve"):
         afl = AnalyticClassifier(n_classes, gamma=config.gamma).fit(agg.sums)
@@ -331,7 +326,7 @@ def run_setting(
                 round2[name] = contribution
                 pseudo_reports.extend((name, r) for r in reports)
         with timer.phase("aggregation"):
-            agg2 = aggregate(round2, config, dropouts={}, session_seed=config.seed * 1000 + missing + 500)
+            agg2 = aggregate(round2, config, dropouts={})
         with timer.phase("solve"):
             models[AFL_2] = AnalyticClassifier(n_classes, gamma=config.gamma).refine(
                 agg.sums, agg2.sums, alpha=config.pseudo.alpha

@@ -21,21 +21,11 @@ from secure_afl.protocol.client import ClientSession
 from secure_afl.protocol.messages import GroupSpec, SessionConfig, TensorSpec
 from secure_afl.protocol.randomness import OsRandomSource, RandomSource
 from secure_afl.protocol.server import ServerSession
+from secure_afl.sim.audit import GroupAudit, exposed_clients
 
 ROUNDS = ("R0", "R1", "R2", "R3", "R4")
 DROPOUT_STAGES = ("R1", "R2", "R3", "R4")
 SINGLE_SURVIVOR_WARNING = "the server learns this client's statistics exactly"
-
-
-@dataclass(frozen=True, slots=True)
-class GroupAudit:
-    """What the server learned about one group."""
-
-    group: str
-    members: tuple[str, ...]
-    survivors: tuple[str, ...]
-    tensors: tuple[str, ...]  # learned as sums over the survivors
-    warning: str | None  # set when a single client survives: its statistics are learned exactly
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,7 +268,6 @@ def _audit(
     # tensor (e.g. its Gram matrix) to several groups, client k's own tensor is exposed whenever the
     # unit vector e_k lies in the row space of the groups' survivor incidence matrix.
     client_ids = sorted(contributions)
-    column = {cid: i for i, cid in enumerate(client_ids)}
     exposed: dict[str, tuple[str, ...]] = {}
     for name in sorted({t for tensors in layout.values() for t in tensors}):
         groups = [g for g in members if name in layout[g] and survivors[g]]
@@ -286,19 +275,9 @@ def _audit(
             blocks = [groups]
         else:
             blocks = [[g] for g in groups]
-        found: set[str] = set()
-        for block in blocks:
-            incidence = np.zeros((len(block), len(client_ids)))
-            for row, group in enumerate(block):
-                for cid in survivors[group]:
-                    incidence[row, column[cid]] = 1.0
-            rank = np.linalg.matrix_rank(incidence)
-            for cid in client_ids:
-                if incidence[:, column[cid]].any():
-                    unit = np.zeros((1, len(client_ids)))
-                    unit[0, column[cid]] = 1.0
-                    if np.linalg.matrix_rank(np.vstack([incidence, unit])) == rank:
-                        found.add(cid)
+        found = {
+            cid for block in blocks for cid in exposed_clients([survivors[g] for g in block], client_ids)
+        }
         if found:
             exposed[name] = tuple(sorted(found))
             if len(blocks) == 1 and len(groups) > 1:
