@@ -14,8 +14,8 @@ from secure_afl.analytic import (
     balanced_labels,
     class_group,
     client_statistics,
-    pseudo_label_contributions,
     pseudo_group,
+    pseudo_label_contributions,
     sum_contributions,
 )
 
@@ -37,10 +37,14 @@ def _random_federation(rng: np.random.Generator, n_clients: int = 5, n_classes: 
 
 def _fit(features, labels, actives, **options):
     contributions = [
-        client_statistics(h, y, device="cpu").contributions(a, **{k: v for k, v in options.items() if k != "gamma"})
+        client_statistics(h, y, device="cpu").contributions(
+            a, **{k: v for k, v in options.items() if k != "gamma"}
+        )
         for h, y, a in zip(features, labels, actives, strict=True)
     ]
-    model = AnalyticClassifier(labels[0].shape[1], gamma=GAMMA, **{k: v for k, v in options.items() if k != "gamma"})
+    model = AnalyticClassifier(
+        labels[0].shape[1], gamma=GAMMA, **{k: v for k, v in options.items() if k != "gamma"}
+    )
     return model.fit(sum_contributions(contributions))
 
 
@@ -90,14 +94,18 @@ def test_global_balance_is_partition_invariant_and_client_balance_is_not() -> No
     for trial in range(3):
         parts = _partition(np.random.default_rng(100 + trial), n, parts=4)
         for balance in coefs:
-            model = _fit([h[p] for p in parts], [y[p] for p in parts], [range(n_classes)] * 4, balance=balance)
+            model = _fit(
+                [h[p] for p in parts], [y[p] for p in parts], [range(n_classes)] * 4, balance=balance
+            )
             coefs[balance].append(model.coef_)
     for other in coefs["global"][1:]:
         np.testing.assert_allclose(other, coefs["global"][0], rtol=1e-9, atol=1e-14)
     # the centralised balanced ridge regression of the pooled rows
     pooled = Ridge(alpha=GAMMA, fit_intercept=False).fit(h, balanced_labels(y, range(n_classes))).coef_.T
     np.testing.assert_allclose(coefs["global"][0], pooled, rtol=1e-8)
-    spread = max(np.linalg.norm(c - coefs["client"][0]) / np.linalg.norm(coefs["client"][0]) for c in coefs["client"])
+    spread = max(
+        np.linalg.norm(c - coefs["client"][0]) / np.linalg.norm(coefs["client"][0]) for c in coefs["client"]
+    )
     assert spread > 1e-3, "per-client balancing should depend on the partition"
 
 
@@ -148,7 +156,9 @@ def test_round2_refine_applies_alpha_and_global_gram() -> None:
     refined = AnalyticClassifier(3, gamma=GAMMA).refine(round1, pseudo, alpha=0.25)
     a_all = round1[ALL_GROUP]["gram"] + GAMMA * np.eye(12)
     for c in range(3):
-        rhs = round1[class_group(c)][f"b/{c}"] + 0.25 * pseudo.get(pseudo_group(c), {}).get(f"b_pseudo/{c}", 0)
+        rhs = round1[class_group(c)][f"b/{c}"] + 0.25 * pseudo.get(pseudo_group(c), {}).get(
+            f"b_pseudo/{c}", 0
+        )
         np.testing.assert_allclose(refined.coef_[:, c], np.linalg.solve(a_all, rhs), rtol=1e-9)
     zero_alpha = AnalyticClassifier(3, gamma=GAMMA).refine(round1, pseudo, alpha=0.0)
     global_gram = AnalyticClassifier(3, gamma=GAMMA, gram="global").fit(round1)
@@ -181,7 +191,7 @@ def test_non_finite_features(bad: float) -> None:
 def test_class_without_annotating_client() -> None:
     stats = client_statistics(np.abs(np.random.default_rng(0).normal(size=(20, 3))), np.eye(20, 2, dtype=int))
     sums = sum_contributions([stats.contributions([0])])
-    with pytest.raises(StatisticsError, match="'class/1'.*at least one annotating client"):
+    with pytest.raises(StatisticsError, match=r"'class/1'.*at least one annotating client"):
         AnalyticClassifier(2).fit(sums)
 
 

@@ -33,7 +33,14 @@ def test_sim_missing_all_writes_every_method_and_setting(tmp_path: Path) -> None
         assert all(len(a) == 8 - setting["missing"] for a in setting["active_classes"])
         assert setting["upload_bytes"]["client-0"] > 0
     assert data["dataset"]["synthetic_features"] is True
-    assert set(data["seconds_per_phase"]) >= {"data", "statistics", "aggregation", "solve", "fedavg", "metrics"}
+    assert set(data["seconds_per_phase"]) >= {
+        "data",
+        "statistics",
+        "aggregation",
+        "solve",
+        "fedavg",
+        "metrics",
+    }
     report = (tmp_path / "report.md").read_text()
     assert "FEATURES ARE SYNTHETIC" in report and "| AFL (1 round) |" in report
 

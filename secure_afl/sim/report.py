@@ -80,6 +80,39 @@ def _upload_rows(setting: SettingResult) -> tuple[list[str], list[list[str]]]:
     return ["Client", "Upload (MB)"], [[c, f"{b / 1e6:.2f}"] for c, b in setting.upload_bytes.items()]
 
 
+PROTOCOL_ROUNDS = ("R0", "R1", "R2", "R3", "R4")
+
+
+def protocol_cost_rows(costs: dict[str, object]) -> tuple[list[str], list[list[str]]]:
+    """Per round: bytes each client sent and received (mean and max over clients), and seconds."""
+    header = ["Round", "sent kB (mean/max)", "received kB (mean/max)", "client s (mean/max)", "server s"]
+    rows = []
+    for r in PROTOCOL_ROUNDS:
+        sent = [per_round.get(r, 0) / 1e3 for per_round in costs["bytes_sent"].values()]
+        received = [per_round.get(r, 0) / 1e3 for per_round in costs["bytes_received"].values()]
+        seconds = [per_round.get(r, 0.0) for per_round in costs["client_seconds"].values()]
+        rows.append(
+            [
+                r,
+                f"{sum(sent) / len(sent):.1f} / {max(sent):.1f}",
+                f"{sum(received) / len(received):.1f} / {max(received):.1f}",
+                f"{sum(seconds) / len(seconds):.3f} / {max(seconds):.3f}",
+                f"{costs['server_seconds'].get(r, 0.0):.3f}",
+            ]
+        )
+    return header, rows
+
+
+def _protocol_tables(setting: SettingResult) -> list[tuple[str, list[str], list[list[str]]]]:
+    if not setting.protocol_costs:
+        return []
+    return [
+        (f"Protocol costs, missing {setting.missing}, {name}", *protocol_cost_rows(costs))
+        for name, costs in setting.protocol_costs.items()
+        if costs
+    ]
+
+
 def _audit_lines(setting: SettingResult) -> list[str]:
     audit = setting.audit
     lines = [f"protection: {audit.protection}"]
@@ -104,6 +137,8 @@ def print_report(result: ExperimentResult, console: Console) -> None:
         console.print(_rich_table(f"Class coverage, missing {setting.missing}", h, r))
         h, r = _upload_rows(setting)
         console.print(_rich_table(f"Bytes each client uploads, missing {setting.missing}", h, r))
+        for title, h, r in _protocol_tables(setting):
+            console.print(_rich_table(title, h, r))
         console.print(f"[bold]Privacy audit, missing {setting.missing}[/]")
         for line in _audit_lines(setting):
             style = "bold red" if line.startswith("WARNING") else ""
@@ -171,6 +206,8 @@ def markdown_report(result: ExperimentResult) -> str:
         parts += [f"## Missing {setting.missing}", "", "### Class coverage", "", _md_table(h, r), ""]
         h, r = _upload_rows(setting)
         parts += ["### Bytes each client uploads", "", _md_table(h, r), ""]
+        for title, h, r in _protocol_tables(setting):
+            parts += [f"### {title}", "", _md_table(h, r), ""]
         parts += ["### Privacy audit", ""] + [f"- {line}" for line in _audit_lines(setting)] + [""]
     h, r = _cost_rows(result)
     parts += ["## Seconds per phase", "", _md_table(h, r), ""]

@@ -224,15 +224,23 @@ def aggregate(
             members.setdefault(group, []).append(client)
             tensors.setdefault(group, set()).update(named)
     if config.secure == "mask":
+        from secure_afl.protocol.errors import SessionAbortedError
         from secure_afl.sim.secure import secure_aggregate
 
-        result = secure_aggregate(
-            contributions,
-            symmetric=SYMMETRIC_TENSORS,
-            threshold=config.threshold,
-            min_group_size=config.min_group_size,
-            dropouts=dropouts,
-        )
+        try:
+            result = secure_aggregate(
+                contributions,
+                symmetric=SYMMETRIC_TENSORS,
+                threshold=config.threshold,
+                min_group_size=config.min_group_size,
+                dropouts=dropouts,
+            )
+        except SessionAbortedError as exc:
+            raise ExperimentError(
+                f"secure aggregation aborted: {exc}. With --dropout {config.dropout}, some group kept too "
+                "few live members (at missing 7 every class has one annotating client, so any dropout "
+                "empties a class); lower --dropout or the missing level"
+            ) from exc
         return _Aggregate(
             sums={g: dict(t) for g, t in result.sums.items()},
             members={g: tuple(m) for g, m in result.members.items()},
