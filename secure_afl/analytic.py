@@ -398,15 +398,11 @@ class AnalyticClassifier:
         group = class_group(c)
         if self.balance == "client":
             return _tensor(sums, group, f"b/{c}")
-        n_pos = float(_tensor(sums, group, f"n_pos/{c}")[0])
-        n = float(_tensor(sums, group, "n")[0])
-        if round(n_pos) < 1 or round(n - n_pos) < 1:
-            raise StatisticsError(
-                f"class {c} has {n_pos:.0f} positive and {n - n_pos:.0f} negative samples over its "
-                "annotating clients; global balancing needs at least one of each"
-            )
+        # As in Eq. 9, a side with no sample (no positive anywhere in S_c) contributes nothing.
+        n_pos = round(float(_tensor(sums, group, f"n_pos/{c}")[0]))
+        n = round(float(_tensor(sums, group, "n")[0]))
         pos_sum = _tensor(sums, group, f"pos_sum/{c}")
-        return _balanced_projection(pos_sum, _tensor(sums, group, "feat_sum"), round(n_pos), round(n))
+        return _balanced_projection(pos_sum, _tensor(sums, group, "feat_sum"), n_pos, n)
 
     def _regularised(self, gram: np.ndarray) -> np.ndarray:
         return gram + self.gamma * np.eye(gram.shape[0])

@@ -11,9 +11,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from secure_afl.analytic import StatisticsError
 from secure_afl.sim.data import CLASSES, CohortError
+from secure_afl.sim.datasets import ImageSource
 from secure_afl.sim.fedavg import FedAvgConfig
 from secure_afl.sim.partial import PartialLabelError
-from secure_afl.sim.report import print_report, write_reports
+from secure_afl.sim.report import print_backbone_table, print_report, write_backbone_table, write_reports
 from secure_afl.sim.runner import MISSING_ALL, ExperimentError, SimConfig, run_experiment
 
 
@@ -32,6 +33,22 @@ def _parse_missing(value: str) -> tuple[int, ...]:
                 f"unknown missing level {level}: use 1, 3, 5, 7 or 'all' (any integer 0..{len(CLASSES) - 1})"
             )
     return tuple(levels)
+
+
+def _sim_errors() -> tuple[type[Exception], ...]:
+    from secure_afl.sim.backbones import UnknownBackboneError, WeightsError
+    from secure_afl.sim.images import CorruptImageError, ImagesNotFoundError
+
+    return (
+        PartialLabelError,
+        ExperimentError,
+        StatisticsError,
+        CohortError,
+        WeightsError,
+        UnknownBackboneError,
+        ImagesNotFoundError,
+        CorruptImageError,
+    )
 
 
 @click.group()
@@ -81,7 +98,47 @@ def main() -> None:
 )
 @click.option("--dim", type=int, default=1024, show_default=True, help="Synthetic feature dimension.")
 @click.option("--fedavg-rounds", type=int, default=50, show_default=True)
-@click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda (statistics).")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda.")
+@click.option(
+    "--dataset",
+    type=click.Choice(["embedded", "nih"]),
+    default="embedded",
+    show_default=True,
+    help="embedded: real labels with synthetic features; nih: ChestXray14 images under --data-dir.",
+)
+@click.option(
+    "--data-dir",
+    type=click.Path(path_type=Path, file_okay=False),
+    help="ChestXray14 images: images_001/images/*.png ... or a flat images/ folder.",
+)
+@click.option(
+    "--csv",
+    "csv_path",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="Label table (default: bundled).",
+)
+@click.option(
+    "--backbone",
+    "--backbones",
+    "backbones",
+    default="densenet121-xrv",
+    show_default=True,
+    help="Backbone, or a comma list for the Table III loop (resnet18,vgg11,efficientnet_b0,...).",
+)
+@click.option(
+    "--weights",
+    "weights",
+    multiple=True,
+    help="Weight file (FILE, or NAME=FILE per backbone; repeatable). Default: the library cache file.",
+)
+@click.option(
+    "--cache-dir",
+    type=click.Path(path_type=Path, file_okay=False),
+    help="Feature cache (default: ~/.cache/secure-afl/features).",
+)
+@click.option("--batch-size", type=int, default=64, show_default=True, help="Images per forward pass.")
+@click.option("--workers", type=int, default=None, help="DataLoader workers (default: CPUs, at most 8).")
+@click.option("--amp/--no-amp", default=False, show_default=True, help="Mixed precision forward pass (CUDA).")
 @click.option(
     "--out", "out_dir", type=click.Path(path_type=Path), default=Path("runs/sim"), show_default=True
 )
@@ -98,44 +155,117 @@ def sim(
     dim: int,
     fedavg_rounds: int,
     device: str,
+    dataset: str,
+    data_dir: Path | None,
+    csv_path: Path | None,
+    backbones: str,
+    weights: tuple[str, ...],
+    cache_dir: Path | None,
+    batch_size: int,
+    workers: int | None,
+    amp: bool,
     out_dir: Path,
 ) -> None:
-    """Run the paper's ChestXray14 experiment (Table II) on the embedded default data."""
-    config = SimConfig(
-        missing=missing,
-        rounds=rounds,
-        seed=seed,
-        gamma=gamma,
-        split=split_by,  # type: ignore[arg-type]
-        secure=secure,  # type: ignore[arg-type]
-        dropout=dropout,
-        dropout_stage=dropout_stage,  # type: ignore[arg-type]
-        fraction=fraction,
-        dim=dim,
-        device=device,
-        fedavg=dataclasses.replace(FedAvgConfig(), rounds=fedavg_rounds, seed=seed),
-    )
+    """Run the paper's ChestXray14 experiment (Table II; Table III over several backbones)."""
+    names = [b.strip() for b in backbones.split(",") if b.strip()]
+    sources: list[ImageSource | None] = [None]
+    if dataset == "nih":
+        if data_dir is None:
+            raise click.UsageError("--dataset nih needs --data-dir DIR (the unpacked ChestXray14 images)")
+        weight_files = _parse_weights(weights, names)
+        sources = [
+            ImageSource(
+                data_dir=data_dir,
+                backbone=name,
+                weights=weight_files.get(name),
+                csv=csv_path,
+                cache_dir=cache_dir,
+                device=device,
+                batch_size=batch_size,
+                num_workers=workers,
+                amp=amp,
+            )
+            for name in names
+        ]
+    elif len(names) > 1 or weights or data_dir:
+        raise click.UsageError("--backbones, --weights and --data-dir need --dataset nih")
     console = Console()
-    progress_bar = Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
-    )
-    tasks: dict[str, int] = {}
+    results = []
+    for source in sources:
+        config = SimConfig(
+            missing=missing,
+            rounds=rounds,
+            seed=seed,
+            gamma=gamma,
+            split=split_by,  # type: ignore[arg-type]
+            secure=secure,  # type: ignore[arg-type]
+            dropout=dropout,
+            dropout_stage=dropout_stage,  # type: ignore[arg-type]
+            fraction=fraction,
+            dim=dim,
+            device=device,
+            images=source,
+            fedavg=dataclasses.replace(FedAvgConfig(), rounds=fedavg_rounds, seed=seed),
+        )
+        try:
+            result = run_experiment(config, progress=_ProgressBars(console))
+        except _sim_errors() as exc:
+            raise click.ClickException(str(exc)) from exc
+        where = out_dir if len(sources) == 1 else out_dir / source.backbone  # type: ignore[union-attr]
+        if len(sources) == 1:
+            print_report(result, console)
+        json_path, md_path = write_reports(result, where)
+        console.print(f"wrote {json_path} and {md_path}")
+        results.append(result)
+    if len(sources) > 1:
+        print_backbone_table(results, console)
+        console.print(f"wrote {write_backbone_table(results, out_dir)}")
 
-    def progress(task: str, done: int, total: int) -> None:
-        if task not in tasks:
-            tasks[task] = progress_bar.add_task(task, total=total)
-        progress_bar.update(tasks[task], completed=done)
 
-    try:
-        with progress_bar:
-            result = run_experiment(config, progress=progress)
-    except (PartialLabelError, ExperimentError, StatisticsError, CohortError) as exc:
-        raise click.ClickException(str(exc)) from exc
-    print_report(result, console)
-    json_path, md_path = write_reports(result, out_dir)
-    console.print(f"wrote {json_path} and {md_path}")
+def _parse_weights(values: tuple[str, ...], backbones: list[str]) -> dict[str, Path]:
+    """``FILE`` (one backbone) or ``NAME=FILE`` entries, checked against the backbones asked for."""
+    out: dict[str, Path] = {}
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not sep:
+            if len(backbones) != 1:
+                raise click.BadParameter(
+                    f"{value!r}: with several backbones give --weights NAME=FILE for each",
+                    param_hint="--weights",
+                )
+            name, path = backbones[0], value
+        if name not in backbones:
+            raise click.BadParameter(
+                f"{name!r} is not among the backbones {backbones}", param_hint="--weights"
+            )
+        out[name] = Path(path)
+    return out
+
+
+class _ProgressBars:
+    """Progress of the long phases; a bar is shown only while its task runs (other bars may follow)."""
+
+    def __init__(self, console: Console) -> None:
+        self._bar = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=console,
+            transient=True,
+        )
+        self._tasks: dict[str, int] = {}
+        self._live = False
+
+    def __call__(self, task: str, done: int, total: int) -> None:
+        if task not in self._tasks:
+            self._tasks[task] = self._bar.add_task(task, total=total)
+            if not self._live:
+                self._bar.start()
+                self._live = True
+        self._bar.update(self._tasks[task], completed=done)
+        if done >= total:
+            self._bar.remove_task(self._tasks.pop(task))
+            if not self._bar.tasks:
+                self._bar.stop()
+                self._live = False

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from secure_afl.sim.data import CLASSES
-from secure_afl.sim.runner import ExperimentResult, SettingResult
+from secure_afl.sim.runner import AFL_1, ExperimentResult, SettingResult
 
 
 def _fmt(metric: str, value: float) -> str:
@@ -229,3 +229,32 @@ def _json_default(value: object) -> object:
     if hasattr(value, "__dict__"):
         return vars(value)
     return str(value)
+
+
+def backbone_table_rows(results: list[ExperimentResult]) -> tuple[list[str], list[list[str]]]:
+    """Table III: one row per backbone, AFL (1 round) BACC / AUC / mAP per missing setting."""
+    header = ["Backbone"]
+    for s in results[0].settings:
+        header += [f"M{s.missing} BACC", f"M{s.missing} AUC", f"M{s.missing} mAP"]
+    rows = []
+    for result in results:
+        row = [str(result.dataset.get("backbone", "?"))]
+        for s in result.settings:
+            macro = s.metrics[AFL_1].macro
+            row += [_fmt(m, macro[m]) for m in ("bacc", "auc", "map")]
+        rows.append(row)
+    return header, rows
+
+
+def print_backbone_table(results: list[ExperimentResult], console: Console) -> None:
+    header, rows = backbone_table_rows(results)
+    console.print(_rich_table("AFL (1 round) per backbone (Table III layout)", header, rows))
+
+
+def write_backbone_table(results: list[ExperimentResult], out_dir: Path) -> Path:
+    header, rows = backbone_table_rows(results)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "table3.md"
+    path.write_text("# AFL (1 round) per backbone (Table III layout)\n\n" + _md_table(header, rows) + "\n")
+    (out_dir / "table3.json").write_text(json.dumps({"header": header, "rows": rows}, indent=2) + "\n")
+    return path

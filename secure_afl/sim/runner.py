@@ -9,7 +9,7 @@ together, in the clear (``secure="none"``) or through the masking protocol (``se
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Literal
@@ -29,11 +29,11 @@ from secure_afl.analytic import (
     sum_contributions,
 )
 from secure_afl.sim.audit import PrivacyAudit, audit_groups
-from secure_afl.sim.data import CLASSES, Cohort, Split, SplitBy, load_cohort, split_cohort
+from secure_afl.sim.data import CLASSES, SplitBy
+from secure_afl.sim.datasets import ImageSource, PreparedData, Progress, prepare
 from secure_afl.sim.fedavg import FedAvgConfig, missing_as_negative, train_fedavg
 from secure_afl.sim.metrics import Metrics, evaluate
 from secure_afl.sim.partial import LabelAssignment, PartialLabelError, assign_partial_labels
-from secure_afl.sim.synthetic import synthetic_features
 
 Secure = Literal["none", "mask"]
 DropoutStage = Literal["R1", "R2", "R3"]
@@ -77,6 +77,7 @@ class SimConfig:
     threshold: int | None = None
     min_group_size: int = 1
     device: str = "auto"
+    images: ImageSource | None = None  # None: the embedded dataset (synthetic features)
     pseudo: PseudoLabelConfig = field(default_factory=PseudoLabelConfig)
     fedavg: FedAvgConfig = field(default_factory=FedAvgConfig)
 
@@ -135,50 +136,8 @@ class ExperimentResult:
     notice: str
 
 
-Progress = Callable[[str, int, int], None]  # (task, done, total)
-
-
 def _no_progress(task: str, done: int, total: int) -> None:
     return None
-
-
-@dataclass(frozen=True)
-class PreparedData:
-    cohort: Cohort
-    features: np.ndarray
-    split: Split
-    description: Mapping[str, object]
-
-
-def prepare_embedded(config: SimConfig, progress: Progress = _no_progress) -> PreparedData:
-    """The embedded default data: real labels and patient ids, synthetic features."""
-    cohort = load_cohort()
-    if config.fraction < 1:
-        rng = np.random.default_rng(config.seed)
-        keep = np.sort(
-            rng.choice(len(cohort), size=max(1, round(config.fraction * len(cohort))), replace=False)
-        )
-        cohort = cohort.subset(keep)
-    features = synthetic_features(
-        cohort.labels,
-        cohort.patient_ids,
-        dim=config.dim,
-        seed=config.seed,
-        progress=lambda done: progress("features (synthetic)", done, len(cohort)),
-    )
-    split = split_cohort(cohort, n_clients=config.n_clients, by=config.split, seed=config.seed)
-    return PreparedData(
-        cohort=cohort,
-        features=features,
-        split=split,
-        description={
-            "name": "embedded",
-            "label_source": cohort.source,
-            "rows": len(cohort),
-            "features": f"synthetic, d={config.dim}, seed={config.seed}",
-            "synthetic_features": True,
-        },
-    )
 
 
 def _dropped_clients(config: SimConfig) -> tuple[str, ...]:
@@ -381,13 +340,20 @@ def run_setting(
 def run_experiment(
     config: SimConfig,
     *,
-    prepare: Callable[[SimConfig, Progress], PreparedData] = prepare_embedded,
     progress: Progress = _no_progress,
 ) -> ExperimentResult:
     config.validate()
     timer = PhaseTimer()
     with timer.phase("data"):
-        data = prepare(config, progress)
+        data = prepare(
+            config.images,
+            fraction=config.fraction,
+            dim=config.dim,
+            seed=config.seed,
+            n_clients=config.n_clients,
+            split=config.split,
+            progress=progress,
+        )
     with timer.phase("statistics"):
         stats = {}
         for k, rows in enumerate(data.split.clients):

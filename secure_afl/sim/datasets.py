@@ -1,0 +1,134 @@
+"""Where the experiment's features come from: the embedded default data or real ChestXray14 images.
+
+Both sources share one code path: the cohort (label table, PA rows, 8 classes), an optional random
+subset, then features, then the split into test rows and equal IID clients.  They differ only in the
+features: seeded synthetic ones (:mod:`secure_afl.sim.synthetic`) or a frozen backbone's on the
+images (:mod:`secure_afl.sim.backbones`, cached by :mod:`secure_afl.sim.features`).  Images that are
+absent from the data directory or unreadable are dropped with their labels *before* the split, and
+counted in the dataset description.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from secure_afl.sim.data import Cohort, Split, SplitBy, load_cohort, split_cohort
+from secure_afl.sim.synthetic import synthetic_features
+
+Progress = Callable[[str, int, int], None]  # (task, done, total)
+
+
+def default_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/secure-afl/features`` (``~/.cache/secure-afl/features``)."""
+    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(root) / "secure-afl" / "features"
+
+
+@dataclass(frozen=True)
+class ImageSource:
+    """Real images: a ChestXray14 directory, a backbone, its weight file and the feature cache."""
+
+    data_dir: Path
+    backbone: str = "densenet121-xrv"
+    weights: Path | None = None  # None: the file in TorchXRayVision's / torch hub's cache directory
+    csv: Path | None = None  # None: the table bundled with torchxrayvision
+    cache_dir: Path | None = None  # None: default_cache_dir()
+    device: str = "auto"
+    batch_size: int = 64
+    num_workers: int | None = None
+    amp: bool = False
+
+
+@dataclass(frozen=True)
+class PreparedData:
+    cohort: Cohort
+    features: np.ndarray
+    split: Split
+    description: Mapping[str, object]
+
+
+def _subset(cohort: Cohort, fraction: float, seed: int) -> Cohort:
+    if fraction >= 1:
+        return cohort
+    rng = np.random.default_rng(seed)
+    size = max(1, round(fraction * len(cohort)))
+    return cohort.subset(np.sort(rng.choice(len(cohort), size=size, replace=False)))
+
+
+def _image_features(source: ImageSource, cohort: Cohort) -> tuple[Cohort, np.ndarray, dict[str, object]]:
+    # Imported here: torchvision and the image stack are only needed for real images.
+    from secure_afl.sim.backbones import load_backbone
+    from secure_afl.sim.features import extract_features
+    from secure_afl.sim.images import resolve_image_paths
+
+    found = resolve_image_paths(source.data_dir, list(cohort.image_names))
+    missing = set(found.missing_names)
+    present = np.array([name not in missing for name in cohort.image_names])
+    cohort = cohort.subset(np.flatnonzero(present))
+    backbone = load_backbone(source.backbone, source.weights)
+    result = extract_features(
+        found.paths,
+        backbone,
+        cache_dir=source.cache_dir or default_cache_dir(),
+        device=source.device,
+        batch_size=source.batch_size,
+        num_workers=source.num_workers,
+        amp=source.amp,
+    )
+    keep = np.setdiff1d(np.arange(len(cohort)), np.asarray(result.skipped, dtype=int))
+    description = {
+        "name": "nih",
+        "data_dir": str(source.data_dir),
+        "backbone": source.backbone,
+        "weights": backbone.weights_id,
+        "images_missing": len(missing),
+        "images_unreadable": len(result.skipped),
+        "features_from_cache": result.from_cache,
+        "forward_passes": result.forward_passes,
+        "cache": str(result.cache_path),
+        "features": f"{source.backbone}, d={backbone.feature_dim}",
+        "synthetic_features": False,
+    }
+    return cohort.subset(keep), result.features[keep], description
+
+
+def prepare(
+    images: ImageSource | None,
+    *,
+    fraction: float = 1.0,
+    dim: int = 1024,
+    seed: int = 0,
+    n_clients: int = 8,
+    split: SplitBy = "image",
+    progress: Progress | None = None,
+) -> PreparedData:
+    """Cohort, features and split.  ``images=None`` is the embedded data with synthetic features."""
+    report = progress or (lambda task, done, total: None)
+    cohort = _subset(load_cohort(images.csv if images else None), fraction, seed)
+    if images is None:
+        features = synthetic_features(
+            cohort.labels,
+            cohort.patient_ids,
+            dim=dim,
+            seed=seed,
+            progress=lambda done: report("features (synthetic)", done, len(cohort)),
+        )
+        description: dict[str, object] = {
+            "name": "embedded",
+            "features": f"synthetic, d={dim}, seed={seed}",
+            "synthetic_features": True,
+        }
+    else:
+        cohort, features, description = _image_features(images, cohort)
+    description = {"label_source": cohort.source, "rows": len(cohort), **description}
+    return PreparedData(
+        cohort=cohort,
+        features=features,
+        split=split_cohort(cohort, n_clients=n_clients, by=split, seed=seed),
+        description=description,
+    )
