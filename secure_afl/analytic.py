@@ -57,10 +57,13 @@ def pseudo_group(c: int) -> str:
 
 
 def resolve_device(device: str = "auto") -> torch.device:
-    """``auto`` means CUDA when present, else CPU."""
+    """``auto`` means CUDA when present, else CPU; asking for CUDA without a GPU is an error."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but torch finds no CUDA GPU; use --device cpu or auto")
+    return resolved
 
 
 def _as_batches(features: np.ndarray | Iterable[np.ndarray], batch_size: int) -> Iterable[np.ndarray]:

@@ -9,7 +9,7 @@ import click
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from secure_afl.analytic import StatisticsError
+from secure_afl.analytic import StatisticsError, resolve_device
 from secure_afl.sim.data import CLASSES, CohortError
 from secure_afl.sim.datasets import ImageSource
 from secure_afl.sim.fedavg import FedAvgConfig
@@ -167,6 +167,10 @@ def sim(
     out_dir: Path,
 ) -> None:
     """Run the paper's ChestXray14 experiment (Table II; Table III over several backbones)."""
+    try:
+        resolve_device(device)
+    except (ValueError, RuntimeError) as exc:
+        raise click.BadParameter(str(exc), param_hint="--device") from exc
     names = [b.strip() for b in backbones.split(",") if b.strip()]
     sources: list[ImageSource | None] = [None]
     if dataset == "nih":

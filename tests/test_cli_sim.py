@@ -58,3 +58,8 @@ def test_sim_rejects_unknown_missing_level(tmp_path: Path, missing: str) -> None
     assert result.exit_code == 2
     assert "missing level" in result.output
     assert not (tmp_path / "results.json").exists()  # no partial output
+
+
+def test_sim_rejects_a_device_it_cannot_use(tmp_path: Path) -> None:
+    result = CliRunner().invoke(main, ["sim", "--device", "tpu9", "--out", str(tmp_path), *SMALL])
+    assert result.exit_code == 2 and "--device" in result.output

@@ -68,6 +68,7 @@ from rich.progress import (
 from rich.text import Text
 from torch.utils.data import DataLoader
 
+from secure_afl.analytic import resolve_device
 from secure_afl.sim.backbones import Backbone
 from secure_afl.sim.images import CorruptImageError, ImageBatch, ImageDataset, collate_images
 
@@ -108,15 +109,6 @@ class _ShardBuffer:
     features: np.ndarray
     remaining: int
     skipped: dict[int, str] = field(default_factory=dict)
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    resolved = torch.device(device)
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} requested but torch finds no CUDA GPU; use --device cpu or auto")
-    return resolved
 
 
 def default_num_workers() -> int:
@@ -298,10 +290,21 @@ def extract_features(
     forward_passes = 0
     if pending:
         forward_passes = _compute_shards(
-            paths, backbone, pending, features, skip_reasons, manifest, entry,
-            device=torch_device, batch_size=batch_size, shard_size=shard_size, amp=amp, strict=strict,
+            paths,
+            backbone,
+            pending,
+            features,
+            skip_reasons,
+            manifest,
+            entry,
+            device=torch_device,
+            batch_size=batch_size,
+            shard_size=shard_size,
+            amp=amp,
+            strict=strict,
             num_workers=default_num_workers() if num_workers is None else num_workers,
-            progress=progress, rows_done=sum(record["rows"] for record in completed.values()),
+            progress=progress,
+            rows_done=sum(record["rows"] for record in completed.values()),
         )
     for index in sorted(skip_reasons):
         logger.warning("skipped unreadable image %d: %s", index, skip_reasons[index])
