@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import hashlib
 
+from . import crypto
 from .fields import tagged_fields
-from .messages import SessionConfig
+from .messages import AdvertiseKeys, SessionConfig
 
 CONFIG_DOMAIN = b"secure-afl/v1/session-config"
 ADVERTISE_DOMAIN = b"secure-afl/v1/advertise-keys"
@@ -57,6 +58,20 @@ def advertise_fields(
         config_digest_value,
         groups,
     )
+
+
+def advertisement_signed_by(advert: AdvertiseKeys, public_key: bytes) -> bool:
+    """Whether ``public_key`` (the roster's identity key of ``advert.client_id``) signed ``advert``."""
+    domain, fields = advertise_fields(
+        advert.session_id,
+        advert.client_id,
+        advert.encryption_public_key,
+        advert.mask_public_key,
+        advert.self_mask_commitment,
+        advert.config_digest,
+        advert.groups,
+    )
+    return crypto.verify(public_key, advert.signature, domain, *fields)
 
 
 def survivors_fields(session_id: bytes, survivors: tuple[str, ...]) -> tuple[bytes, tuple]:

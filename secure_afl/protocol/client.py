@@ -254,17 +254,7 @@ class ClientSession:
                 raise UnknownClientError(f"advertisement from {advert.client_id!r}, who is not in the roster")
             if advert.client_id in adverts:
                 raise DuplicateClientError(f"two advertisements for client {advert.client_id!r}")
-            domain, fields = binding.advertise_fields(
-                advert.session_id,
-                advert.client_id,
-                advert.encryption_public_key,
-                advert.mask_public_key,
-                advert.self_mask_commitment,
-                advert.config_digest,
-                advert.groups,
-            )
-            public_key = self._roster.public_key(advert.client_id)
-            if not crypto.verify(public_key, advert.signature, domain, *fields):
+            if not binding.advertisement_signed_by(advert, self._roster.public_key(advert.client_id)):
                 raise InvalidSignatureError(
                     f"the keys of {advert.client_id!r} are not signed by its roster identity key"
                 )

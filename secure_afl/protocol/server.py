@@ -164,16 +164,7 @@ class ServerSession:
 
     def _receive_advert(self, advert: AdvertiseKeys) -> None:
         self._check_sender(advert.client_id, self._roster.client_ids, self._adverts)
-        domain, fields = binding.advertise_fields(
-            advert.session_id,
-            advert.client_id,
-            advert.encryption_public_key,
-            advert.mask_public_key,
-            advert.self_mask_commitment,
-            advert.config_digest,
-            advert.groups,
-        )
-        if not crypto.verify(self._roster.public_key(advert.client_id), advert.signature, domain, *fields):
+        if not binding.advertisement_signed_by(advert, self._roster.public_key(advert.client_id)):
             raise InvalidSignatureError(
                 f"the keys of {advert.client_id!r} are not signed by its identity key"
             )
