@@ -63,3 +63,35 @@ def test_sim_rejects_unknown_missing_level(tmp_path: Path, missing: str) -> None
 def test_sim_rejects_a_device_it_cannot_use(tmp_path: Path) -> None:
     result = CliRunner().invoke(main, ["sim", "--device", "tpu9", "--out", str(tmp_path), *SMALL])
     assert result.exit_code == 2 and "--device" in result.output
+
+
+def test_sim_secure_mask_with_dropouts_reports_audit_and_costs(tmp_path: Path) -> None:
+    result = _run([
+        "--missing", "1", "--secure", "mask", "--dropout", "2", "--dropout-stage", "R2",
+        "--out", str(tmp_path), *SMALL,
+    ])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    setting = json.loads((tmp_path / "results.json").read_text())["settings"][0]
+    dropped = set(setting["dropped"])
+    assert len(dropped) == 2
+    audit = setting["privacy_audit"]
+    assert audit["protection"] == "mask"
+    for group in audit["groups"]:
+        assert not dropped & set(group["survivors"])  # R2 dropouts are out of every sum
+        assert set(group["survivors"]) <= set(group["members"])
+    # the per-class Gram sums over overlapping groups isolate individual Grams: the audit says so
+    assert audit["individually_exposed"]["gram"], audit["warnings"]
+    assert any("gram" in line for line in audit["warnings"])
+    costs = setting["protocol_costs"]["round1"]
+    alive = sorted(set(costs["bytes_sent"]) - dropped)
+    assert all(costs["bytes_sent"][c]["R2"] > 0 for c in alive)
+    assert all(costs["bytes_sent"][c]["R2"] == 0 for c in dropped)  # dropped before sending input
+    assert "Protocol costs, missing 1" in result.output and "Privacy audit, missing 1" in result.output
+
+
+def test_sim_plaintext_audit_says_everything_is_visible(tmp_path: Path) -> None:
+    result = _run(["--missing", "3", "--secure", "none", "--rounds", "1", "--out", str(tmp_path), *SMALL])
+    assert result.exit_code == 0, result.output
+    audit = json.loads((tmp_path / "results.json").read_text())["settings"][0]["privacy_audit"]
+    assert audit["warnings"] == ["plaintext run: the server receives every client's statistics individually"]
+    assert set(audit["individually_exposed"]["gram"]) == {f"client-{k}" for k in range(8)}
