@@ -25,6 +25,7 @@ from secure_afl.analytic import (
 )
 from secure_afl.protocol import encoding
 from secure_afl.protocol.randomness import DeterministicRandomSource
+from secure_afl.sim.datasets import prepare
 from secure_afl.sim.fedavg import FedAvgConfig
 from secure_afl.sim.metrics import Metrics, evaluate
 from secure_afl.sim.partial import assign_partial_labels
@@ -75,21 +76,14 @@ class Data(NamedTuple):
 @pytest.fixture(scope="module")
 def prepared() -> Data:
     config = SimConfig(**BASE)  # type: ignore[arg-type]
-    try:
-        from secure_afl.sim.datasets import prepare
-    except ImportError:  # the data sources still live in the runner
-        from secure_afl.sim.runner import prepare_embedded  # type: ignore[attr-defined]
-
-        data = prepare_embedded(config)
-    else:
-        data = prepare(
-            None,
-            fraction=config.fraction,
-            dim=config.dim,
-            seed=config.seed,
-            n_clients=config.n_clients,
-            split=config.split,
-        )
+    data = prepare(
+        None,
+        fraction=config.fraction,
+        dim=config.dim,
+        seed=config.seed,
+        n_clients=config.n_clients,
+        split=config.split,
+    )
     return Data(data.features, data.cohort.labels, data.split.clients, data.split.test)
 
 
