@@ -11,7 +11,7 @@ Prints markdown tables:
    ``run_experiment``'s phase timer, full embedded data, one FedAvg round (FedAvg is not in the ratio);
 5. with ``--flower``: Flower's SecAgg+ utilities (quantisation, numpy Mersenne-Twister masks, Shamir
    shares, share encryption, unmasking) driven directly on the same vectors as ours, in a separate
-   virtualenv (``--flower-python``, default /work/flwr-venv/bin/python; flwr is never a dependency of
+   virtualenv (``--flower-python``, default ../flwr-venv/bin/python; flwr is never a dependency of
    this project).
 
 Synthetic federations: every client holds ``--rows`` random non-negative features (exponential) and
@@ -62,7 +62,7 @@ from secure_afl.sim.secure import ROUNDS, default_threshold, secure_aggregate
 N_CLASSES = 8
 ROWS_PER_CLIENT = 5889  # a ChestXray14 client of the paper's protocol (47,117 training rows / 8)
 SYMMETRIC = ("gram",)
-DEFAULT_FLOWER_PYTHON = "/work/flwr-venv/bin/python"
+DEFAULT_FLOWER_PYTHON = "../flwr-venv/bin/python"
 
 
 def median(values: Sequence[float]) -> float:
@@ -628,7 +628,7 @@ def flower_comparison(args: argparse.Namespace) -> str:
     if not python.exists():
         return (
             f"Flower comparison skipped: no Python at {python}. Create it with\n"
-            "`python3 -m venv /work/flwr-venv && /work/flwr-venv/bin/pip install flwr numpy cryptography`."
+            "`python3 -m venv ../flwr-venv && ../flwr-venv/bin/pip install flwr numpy cryptography`."
         )
     probe = subprocess.run([str(python), "-c", "import flwr"], capture_output=True, text=True)
     if probe.returncode != 0:
