@@ -8,7 +8,8 @@ import pytest
 from secure_afl.protocol import encoding
 from secure_afl.protocol.errors import GroupTooSmallError, InsufficientParticipantsError
 from secure_afl.protocol.randomness import DeterministicRandomSource
-from secure_afl.sim.secure import ROUNDS, SINGLE_SURVIVOR_WARNING, default_threshold, secure_aggregate
+from secure_afl.sim.audit import SINGLE_SURVIVOR_WARNING
+from secure_afl.sim.secure import ROUNDS, default_threshold, secure_aggregate
 
 
 def make_contributions(n: int, d: int, groups: dict[str, list[str]], seed: int = 0):
@@ -91,11 +92,11 @@ def test_single_survivor_groups_get_a_loud_warning() -> None:
     groups = {"solo": ["client0"], "all": ["client0", "client1", "client2"]}
     contributions = make_contributions(3, 3, groups)
     result = secure_aggregate(contributions, random=DeterministicRandomSource(b"w"))
-    assert result.audit["solo"].warning is not None
-    assert SINGLE_SURVIVOR_WARNING in result.audit["solo"].warning
-    assert result.audit["all"].warning is None
+    assert result.audit.group("solo").warning is not None
+    assert SINGLE_SURVIVOR_WARNING in result.audit.group("solo").warning
+    assert result.audit.group("all").warning is None
     assert any(SINGLE_SURVIVOR_WARNING in line for line in result.warnings)
-    assert result.audit["solo"].tensors == ("b", "gram")
+    assert result.audit.group("solo").tensors == ("b", "gram")
 
 
 def test_overlapping_groups_expose_individual_grams_and_the_audit_says_so() -> None:
@@ -177,7 +178,7 @@ def test_single_client_federation() -> None:
     contributions = make_contributions(1, 2, {"all": ["client0"]})
     result = secure_aggregate(contributions)
     assert np.allclose(result.sums["all"]["b"], contributions["client0"]["all"]["b"])
-    assert result.audit["all"].warning is not None
+    assert result.audit.group("all").warning is not None
 
 
 def test_deterministic_with_a_seeded_random_source() -> None:

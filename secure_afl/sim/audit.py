@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+SINGLE_SURVIVOR_WARNING = "the server learns this client's statistics exactly"
+
 
 @dataclass(frozen=True)
 class GroupAudit:
@@ -38,7 +40,14 @@ class GroupAudit:
 class PrivacyAudit:
     protection: str
     groups: tuple[GroupAudit, ...]
-    exposed: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # tensor -> clients exposed
+    # tensor -> the clients whose individual value follows from the group sums (non-empty only)
+    exposed: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def group(self, name: str) -> GroupAudit:
+        for group in self.groups:
+            if group.group == name:
+                return group
+        raise KeyError(f"no group {name!r} in the audit")
 
     def warnings(self) -> list[str]:
         if self.protection == "none":
@@ -51,7 +60,8 @@ class PrivacyAudit:
         for clients, tensors in by_clients.items():
             lines.append(
                 f"the group sums determine the individual values of {', '.join(tensors)} for "
-                f"{', '.join(clients)}"
+                f"{', '.join(clients)}: sum a tensor that every client sends to several groups in one "
+                "all-clients group instead (for the Gram: gram='global')"
             )
         return lines
 
@@ -88,29 +98,46 @@ def audit_groups(
     members: Mapping[str, Sequence[str]],
     survivors: Mapping[str, Sequence[str]],
     tensors: Mapping[str, Sequence[str]],
+    contributions: Mapping[str, Mapping[str, Mapping[str, np.ndarray]]] | None = None,
 ) -> PrivacyAudit:
-    """Build the audit from group memberships, survivor sets and the tensors summed per group."""
+    """Build the audit from group memberships, survivor sets and the tensors summed per group.
+
+    A tensor name is taken to denote one client value across groups.  When ``contributions`` are at
+    hand (in the simulator) that is checked: a tensor whose values differ between a client's groups
+    is audited group by group instead.
+    """
     clients = sorted({c for group in members.values() for c in group})
     groups = []
     for name in sorted(members):
         alive = tuple(survivors.get(name, ()))
         warning = None
-        if protection == "none":
-            warning = None
-        elif len(alive) == 1:
+        if protection != "none" and len(alive) == 1:
             warning = (
-                f"group {name!r} has a single surviving member ({alive[0]}): the server learns this "
-                "client's statistics exactly; no aggregation can hide them"
+                f"group {name!r} has a single surviving member ({alive[0]}): {SINGLE_SURVIVOR_WARNING}; "
+                "no aggregation can hide them"
             )
         groups.append(GroupAudit(name, tuple(members[name]), alive, tuple(sorted(tensors[name])), warning))
-    exposed: dict[str, tuple[str, ...]] = {}
+    names = sorted({t for group in groups for t in group.tensors})
     if protection == "none":
-        every = sorted({t for names in tensors.values() for t in names})
-        exposed = {t: tuple(clients) for t in every}
+        exposed = {t: tuple(clients) for t in names}
     else:
-        by_tensor: dict[str, list[tuple[str, ...]]] = {}
-        for group in groups:
-            for tensor in group.tensors:
-                by_tensor.setdefault(tensor, []).append(group.survivors)
-        exposed = {t: exposed_clients(sets, clients) for t, sets in sorted(by_tensor.items())}
+        exposed = {}
+        for tensor in names:
+            holding = [g for g in groups if tensor in g.tensors and g.survivors]
+            same = contributions is None or _same_value_everywhere(contributions, tensor, holding)
+            blocks = [holding] if same else [[g] for g in holding]
+            found = {c for block in blocks for c in exposed_clients([g.survivors for g in block], clients)}
+            if found:
+                exposed[tensor] = tuple(sorted(found))
     return PrivacyAudit(protection=protection, groups=tuple(groups), exposed=exposed)
+
+
+def _same_value_everywhere(
+    contributions: Mapping[str, Mapping[str, Mapping[str, np.ndarray]]], tensor: str, groups: list[GroupAudit]
+) -> bool:
+    """Whether every client sends bit-identical values of ``tensor`` to all its groups."""
+    for by_group in contributions.values():
+        values = [by_group[g.group][tensor] for g in groups if g.group in by_group]
+        if any(not np.array_equal(values[0], other) for other in values[1:]):
+            return False
+    return True

@@ -277,10 +277,10 @@ def run_setting(
     audit_survivors = dict(agg.survivors)
     audit_tensors = dict(agg.tensors)
     costs = {"round1": agg.costs} if agg.costs is not None else None
+    round2: dict[str, Contributions] = {}
     if config.rounds == 2:
         live = [c for c in clients if c in set(agg.survivors[ALL_GROUP])]
         with timer.phase("statistics"):
-            round2 = {}
             for name in live:
                 k = clients.index(name)
                 contribution, reports = pseudo_label_contributions(
@@ -323,7 +323,11 @@ def run_setting(
         m: metrics[m] for m in (AFL_1, AFL_2, AFL_GLOBAL_BALANCE, AFL_GLOBAL_GRAM, FEDAVG) if m in metrics
     }
     audit = audit_groups(
-        protection=config.secure, members=audit_members, survivors=audit_survivors, tensors=audit_tensors
+        protection=config.secure,
+        members=audit_members,
+        survivors=audit_survivors,
+        tensors=audit_tensors,
+        contributions={c: {**groups, **round2.get(c, {})} for c, groups in round1.items()},
     )
     return SettingResult(
         missing=missing,

@@ -21,11 +21,10 @@ from secure_afl.protocol.client import ClientSession
 from secure_afl.protocol.messages import GroupSpec, SessionConfig, TensorSpec
 from secure_afl.protocol.randomness import OsRandomSource, RandomSource
 from secure_afl.protocol.server import ServerSession
-from secure_afl.sim.audit import GroupAudit, exposed_clients
+from secure_afl.sim.audit import PrivacyAudit, audit_groups
 
 ROUNDS = ("R0", "R1", "R2", "R3", "R4")
 DROPOUT_STAGES = ("R1", "R2", "R3", "R4")
-SINGLE_SURVIVOR_WARNING = "the server learns this client's statistics exactly"
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,14 +52,21 @@ class SecureAggregationResult:
     sums: Mapping[str, Mapping[str, np.ndarray]]  # group -> tensor -> float64 (full matrix if symmetric)
     members: Mapping[str, tuple[str, ...]]
     survivors: Mapping[str, tuple[str, ...]]
-    audit: Mapping[str, GroupAudit]
-    # tensor -> clients whose individual tensor follows from linear combinations of the group sums
-    exposed: Mapping[str, tuple[str, ...]]
-    warnings: tuple[str, ...]  # every loud audit line, for reports
+    audit: PrivacyAudit  # per group, and what linear combinations of the sums expose
     costs: SecureAggregationCosts
     threshold: int
     frac_bits: int
     session_id: bytes
+
+    @property
+    def exposed(self) -> Mapping[str, tuple[str, ...]]:
+        """Tensor -> the clients whose individual value follows from linear combinations of the sums."""
+        return self.audit.exposed
+
+    @property
+    def warnings(self) -> tuple[str, ...]:
+        """Every loud audit line, for reports."""
+        return tuple(self.audit.warnings())
 
 
 def default_threshold(n_clients: int) -> int:
@@ -185,14 +191,18 @@ def secure_aggregate(
             values = encoding.unpack_symmetric(values) if name in symmetric else values.reshape(shapes[name])
             sums[group][name] = values
     survivors = {group: result.groups[group].survivors for group in members}
-    audit, exposed, warnings = _audit(contributions, members, survivors, layout)
+    audit = audit_groups(
+        protection="mask",
+        members=members,
+        survivors=survivors,
+        tensors={group: tuple(layout[group]) for group in members},
+        contributions=contributions,
+    )
     return SecureAggregationResult(
         sums=sums,
         members=members,
         survivors=survivors,
         audit=audit,
-        exposed=exposed,
-        warnings=warnings,
         costs=SecureAggregationCosts(bytes_sent, bytes_received, client_seconds, server_seconds),
         threshold=threshold,
         frac_bits=frac_bits,
@@ -243,59 +253,3 @@ def _layout(
             if layout.setdefault(group, lengths) != lengths:
                 raise ValueError(f"group {group!r}: {cid!r} sends tensors {lengths}, others {layout[group]}")
     return layout, shapes
-
-
-def _audit(
-    contributions: Mapping[str, Mapping[str, Mapping[str, np.ndarray]]],
-    members: Mapping[str, tuple[str, ...]],
-    survivors: Mapping[str, tuple[str, ...]],
-    layout: Mapping[str, Mapping[str, int]],
-) -> tuple[dict[str, GroupAudit], dict[str, tuple[str, ...]], tuple[str, ...]]:
-    warnings: list[str] = []
-    audit: dict[str, GroupAudit] = {}
-    for group in members:
-        tensors = tuple(sorted(layout[group]))
-        warning = None
-        if len(survivors[group]) == 1:
-            warning = (
-                f"WARNING: group {group!r} has a single survivor ({survivors[group][0]}): "
-                f"{SINGLE_SURVIVOR_WARNING} ({', '.join(tensors)})."
-            )
-            warnings.append(warning)
-        audit[group] = GroupAudit(group, members[group], survivors[group], tensors, warning)
-
-    # The server learns every linear combination of the group sums.  When one client sends the same
-    # tensor (e.g. its Gram matrix) to several groups, client k's own tensor is exposed whenever the
-    # unit vector e_k lies in the row space of the groups' survivor incidence matrix.
-    client_ids = sorted(contributions)
-    exposed: dict[str, tuple[str, ...]] = {}
-    for name in sorted({t for tensors in layout.values() for t in tensors}):
-        groups = [g for g in members if name in layout[g] and survivors[g]]
-        if _same_tensor_in_all_groups(contributions, name, groups):
-            blocks = [groups]
-        else:
-            blocks = [[g] for g in groups]
-        found = {
-            cid for block in blocks for cid in exposed_clients([survivors[g] for g in block], client_ids)
-        }
-        if found:
-            exposed[name] = tuple(sorted(found))
-            if len(blocks) == 1 and len(groups) > 1:
-                warnings.append(
-                    f"WARNING: tensor {name!r} is summed in {len(groups)} overlapping groups; linear "
-                    f"combinations of their sums give the individual {name!r} of {sorted(found)}: the server "
-                    f"learns these clients' {name!r} exactly. Sum it in one all-clients group "
-                    f"(gram='global') instead."
-                )
-    return audit, exposed, tuple(warnings)
-
-
-def _same_tensor_in_all_groups(
-    contributions: Mapping[str, Mapping[str, Mapping[str, np.ndarray]]], name: str, groups: list[str]
-) -> bool:
-    """Whether every client sends bit-identical values of ``name`` to all its groups among ``groups``."""
-    for tensors_by_group in contributions.values():
-        arrays = [tensors_by_group[g][name] for g in groups if g in tensors_by_group]
-        if any(not np.array_equal(arrays[0], other) for other in arrays[1:]):
-            return False
-    return True
