@@ -257,6 +257,7 @@ class _ProgressBars:
             TimeElapsedColumn(),
             console=console,
             transient=True,
+            disable=not console.is_terminal,
         )
         self._tasks: dict[str, int] = {}
         self._live = False

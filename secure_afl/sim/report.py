@@ -43,9 +43,13 @@ def results_table_rows(result: ExperimentResult) -> tuple[list[str], list[list[s
     return header, rows
 
 
-def coverage_rows(setting: SettingResult) -> tuple[list[str], list[list[str]]]:
+SHORT_NAMES = dict(zip(CLASSES, ("Atel", "Card", "Effu", "Infi", "Mass", "Nodu", "Pna", "Ptx"), strict=True))
+
+
+def coverage_rows(setting: SettingResult, *, short: bool = False) -> tuple[list[str], list[list[str]]]:
     """Clients × classes, '✓' where the client labels the class, and |S_c| per class."""
-    header = ["Client", *CLASSES[: setting.assignment.n_classes]]
+    names = CLASSES[: setting.assignment.n_classes]
+    header = ["Client", *(SHORT_NAMES.get(c, c) if short else c for c in names)]
     rows = [
         [f"client-{k}", *("✓" if c in active else "·" for c in range(setting.assignment.n_classes))]
         for k, active in enumerate(setting.assignment.active)
@@ -113,6 +117,18 @@ def _protocol_tables(setting: SettingResult) -> list[tuple[str, list[str], list[
     ]
 
 
+def _pseudo_label_line(setting: SettingResult) -> str:
+    reports = [r for _, r in setting.pseudo_labels]
+    if not reports:
+        return ""
+    qualified = sum(r.qualified for r in reports)
+    return (
+        f"Round 2, missing {setting.missing}: {qualified} of {len(reports)} (client, missing class) pairs "
+        f"qualified for pseudo-labels; largest counts: {max(r.n_pseudo_pos for r in reports)} "
+        f"pseudo-positive, {max(r.n_pseudo_neg for r in reports)} pseudo-negative"
+    )
+
+
 def _audit_lines(setting: SettingResult) -> list[str]:
     audit = setting.audit
     lines = [f"protection: {audit.protection}"]
@@ -131,10 +147,24 @@ def print_report(result: ExperimentResult, console: Console) -> None:
     if result.notice:
         console.print(f"[bold yellow]{result.notice}[/]")
     header, rows = results_table_rows(result)
-    console.print(_rich_table("Results (BACC and AUC in %, mAP as a fraction)", header, rows))
+    title = "Results (BACC and AUC in %, mAP as a fraction)"
+    if len(header) <= 7:
+        console.print(_rich_table(title, header, rows))
+    else:  # side by side the settings would not fit a terminal: one block of columns per setting
+        for start in range(1, len(header), 3):
+            block = [0, start, start + 1, start + 2]
+            console.print(
+                _rich_table(title, [header[i] for i in block], [[row[i] for i in block] for row in rows])
+            )
+            title = ""
     for setting in result.settings:
-        h, r = coverage_rows(setting)
+        line = _pseudo_label_line(setting)
+        if line:
+            console.print(line, markup=False, highlight=False)
+        h, r = coverage_rows(setting, short=True)
         console.print(_rich_table(f"Class coverage, missing {setting.missing}", h, r))
+        legend = ", ".join(f"{short} = {name}" for name, short in SHORT_NAMES.items())
+        console.print(legend, style="dim", markup=False, highlight=False)
         h, r = _upload_rows(setting)
         console.print(_rich_table(f"Bytes each client uploads, missing {setting.missing}", h, r))
         for title, h, r in _protocol_tables(setting):
@@ -203,7 +233,10 @@ def markdown_report(result: ExperimentResult) -> str:
     parts += ["## Results (BACC and AUC in %, mAP as a fraction)", "", _md_table(header, rows), ""]
     for setting in result.settings:
         h, r = coverage_rows(setting)
-        parts += [f"## Missing {setting.missing}", "", "### Class coverage", "", _md_table(h, r), ""]
+        parts += [f"## Missing {setting.missing}", ""]
+        if _pseudo_label_line(setting):
+            parts += [_pseudo_label_line(setting), ""]
+        parts += ["### Class coverage", "", _md_table(h, r), ""]
         h, r = _upload_rows(setting)
         parts += ["### Bytes each client uploads", "", _md_table(h, r), ""]
         for title, h, r in _protocol_tables(setting):
