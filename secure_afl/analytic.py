@@ -23,7 +23,7 @@ inverse.  Prediction is positive when ``σ(h·w_c) > 0.5``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -316,6 +316,26 @@ def pseudo_label_contributions(
         out[pseudo_group(c)] = {f"b_pseudo/{c}": b}
         reports.append(PseudoLabelReport(c, npp, npn, qualified))
     return out, reports
+
+
+def uploaded_by(
+    *, balance: Balance = "client", gram: GramScope = "class", round2: bool = False
+) -> Callable[[str, str], bool]:
+    """Which (group, tensor) pairs one configuration of the method sums: for audits and cost reports."""
+    _check_options(balance, gram)
+
+    def needed(group: str, tensor: str) -> bool:
+        if group.startswith("pseudo/"):
+            return round2
+        if group == ALL_GROUP:
+            return gram == "global" or round2
+        if tensor == "gram":
+            return gram == "class"
+        if balance == "client":
+            return tensor.startswith("b/")
+        return tensor.startswith(("pos_sum/", "n_pos/")) or tensor in ("feat_sum", "n")
+
+    return needed
 
 
 # ----------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import click
@@ -32,7 +33,7 @@ def _parse_missing(value: str) -> tuple[int, ...]:
             raise click.BadParameter(
                 f"unknown missing level {level}: use 1, 3, 5, 7 or 'all' (any integer 0..{len(CLASSES) - 1})"
             )
-    return tuple(levels)
+    return tuple(dict.fromkeys(levels))  # each setting once, in the order given
 
 
 def _sim_errors() -> tuple[type[Exception], ...]:
@@ -70,7 +71,7 @@ def main() -> None:
 )
 @click.option(
     "--seed",
-    type=int,
+    type=click.IntRange(min=0),
     default=0,
     show_default=True,
     help="Seeds the split, clients, label assignment, features and FedAvg.",
@@ -91,13 +92,25 @@ def main() -> None:
     show_default=True,
     help="How client statistics are protected on their way to the server.",
 )
-@click.option("--dropout", type=int, default=0, show_default=True, help="Random clients that drop out.")
+@click.option(
+    "--dropout",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Random clients that drop out.",
+)
 @click.option("--dropout-stage", type=click.Choice(["R1", "R2", "R3"]), default="R2", show_default=True)
 @click.option(
-    "--fraction", type=float, default=1.0, show_default=True, help="Use this random fraction of the rows."
+    "--fraction",
+    type=click.FloatRange(0, 1, min_open=True),
+    default=1.0,
+    show_default=True,
+    help="Use this random fraction of the rows.",
 )
-@click.option("--dim", type=int, default=1024, show_default=True, help="Synthetic feature dimension.")
-@click.option("--fedavg-rounds", type=int, default=50, show_default=True)
+@click.option(
+    "--dim", type=click.IntRange(min=1), default=1024, show_default=True, help="Synthetic feature dimension."
+)
+@click.option("--fedavg-rounds", type=click.IntRange(min=1), default=50, show_default=True)
 @click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda.")
 @click.option(
     "--dataset",
@@ -136,8 +149,15 @@ def main() -> None:
     type=click.Path(path_type=Path, file_okay=False),
     help="Feature cache (default: ~/.cache/secure-afl/features).",
 )
-@click.option("--batch-size", type=int, default=64, show_default=True, help="Images per forward pass.")
-@click.option("--workers", type=int, default=None, help="DataLoader workers (default: CPUs, at most 8).")
+@click.option(
+    "--batch-size", type=click.IntRange(min=1), default=64, show_default=True, help="Images per forward pass."
+)
+@click.option(
+    "--workers",
+    type=click.IntRange(min=0),
+    default=None,
+    help="DataLoader workers (default: CPUs, at most 8).",
+)
 @click.option("--amp/--no-amp", default=False, show_default=True, help="Mixed precision forward pass (CUDA).")
 @click.option(
     "--out", "out_dir", type=click.Path(path_type=Path), default=Path("runs/sim"), show_default=True
@@ -171,6 +191,7 @@ def sim(
         resolve_device(device)
     except (ValueError, RuntimeError) as exc:
         raise click.BadParameter(str(exc), param_hint="--device") from exc
+    _check_writable(out_dir)
     names = [b.strip() for b in backbones.split(",") if b.strip()]
     sources: list[ImageSource | None] = [None]
     if dataset == "nih":
@@ -224,6 +245,18 @@ def sim(
     if len(sources) > 1:
         print_backbone_table(results, console)
         console.print(f"wrote {write_backbone_table(results, out_dir)}")
+
+
+def _check_writable(out_dir: Path) -> None:
+    """Fail before the experiment, not after it, when the results cannot be written."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise click.BadParameter(
+            f"cannot create {out_dir}: {exc.strerror or exc}", param_hint="--out"
+        ) from exc
+    if not os.access(out_dir, os.W_OK):
+        raise click.BadParameter(f"{out_dir} is not writable", param_hint="--out")
 
 
 def _parse_weights(values: tuple[str, ...], backbones: list[str]) -> dict[str, Path]:

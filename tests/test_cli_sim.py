@@ -86,7 +86,8 @@ def test_sim_secure_mask_with_dropouts_reports_audit_and_costs(tmp_path: Path) -
     alive = sorted(set(costs["bytes_sent"]) - dropped)
     assert all(costs["bytes_sent"][c]["R2"] > 0 for c in alive)
     assert all(costs["bytes_sent"][c]["R2"] == 0 for c in dropped)  # dropped before sending input
-    assert "Protocol costs, missing 1" in result.output and "Privacy audit, missing 1" in result.output
+    assert "Protocol costs, missing 1" in result.output
+    assert "What each method alone reveals, missing 1" in result.output
 
 
 def test_sim_plaintext_audit_says_everything_is_visible(tmp_path: Path) -> None:
@@ -95,3 +96,40 @@ def test_sim_plaintext_audit_says_everything_is_visible(tmp_path: Path) -> None:
     audit = json.loads((tmp_path / "results.json").read_text())["settings"][0]["privacy_audit"]
     assert audit["warnings"] == ["plaintext run: the server receives every client's statistics individually"]
     assert set(audit["individually_exposed"]["gram"]) == {f"client-{k}" for k in range(8)}
+
+
+def test_audit_by_method_shows_what_global_gram_hides(tmp_path: Path) -> None:
+    result = _run(["--missing", "1", "--rounds", "1", "--out", str(tmp_path), *SMALL])
+    assert result.exit_code == 0, result.output
+    by_method = json.loads((tmp_path / "results.json").read_text())["settings"][0]["privacy_by_method"]
+    # the paper's per-class Gram: overlapping "all but a few" groups isolate individual Grams
+    assert by_method["AFL (1 round)"]["exposed_by_overlapping_groups"].get("gram")
+    # one all-clients Gram group: no Gram can be singled out
+    assert "gram" not in by_method["AFL (global Gram)"]["exposed_by_overlapping_groups"]
+    assert by_method["AFL (global Gram)"]["single_member_groups"] == []
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--dim", "0"], "--dim"),
+        (["--seed", "-1"], "--seed"),
+        (["--fedavg-rounds", "0"], "--fedavg-rounds"),
+        (["--fraction", "0"], "--fraction"),
+        (["--fraction", "0.0001"], "use a larger --fraction"),
+        (["--dropout", "7", "--missing", "1"], "at least t clients"),
+        (["--dropout", "1", "--missing", "7"], "lower --dropout"),
+    ],
+)
+def test_sim_bad_options_are_specific_errors(tmp_path: Path, args: list[str], message: str) -> None:
+    result = CliRunner().invoke(main, ["sim", *SMALL, "--out", str(tmp_path / "out"), *args])
+    assert result.exit_code in (1, 2), result.output
+    assert message in result.output
+    assert not (tmp_path / "out" / "results.json").exists()
+
+
+def test_sim_refuses_an_unwritable_out_before_running(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    result = CliRunner().invoke(main, ["sim", *SMALL, "--out", str(blocker / "sub")])
+    assert result.exit_code == 2 and "--out" in result.output

@@ -10,7 +10,7 @@ and a per-class Gram: the 8 "all but one" sums determine every client's Gram ind
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -54,9 +54,8 @@ class PrivacyAudit:
             return ["plaintext run: the server receives every client's statistics individually"]
         lines = [g.warning for g in self.groups if g.warning]
         by_clients: dict[tuple[str, ...], list[str]] = {}
-        for tensor, clients in self.exposed.items():
-            if clients:
-                by_clients.setdefault(clients, []).append(tensor)
+        for tensor, clients in self.exposed_by_overlap().items():
+            by_clients.setdefault(clients, []).append(tensor)
         for clients, tensors in by_clients.items():
             lines.append(
                 f"the group sums determine the individual values of {', '.join(tensors)} for "
@@ -64,6 +63,16 @@ class PrivacyAudit:
                 "all-clients group instead (for the Gram: gram='global')"
             )
         return lines
+
+    def exposed_by_overlap(self) -> dict[str, tuple[str, ...]]:
+        """Exposures that come from combining overlapping groups, not from a lone survivor."""
+        out = {}
+        for tensor, clients in self.exposed.items():
+            alone = {g.survivors[0] for g in self.groups if tensor in g.tensors and len(g.survivors) == 1}
+            rest = tuple(c for c in clients if c not in alone)
+            if rest:
+                out[tensor] = rest
+        return out
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -90,6 +99,19 @@ def exposed_clients(groups: Sequence[Sequence[str]], clients: Sequence[str]) -> 
         if np.linalg.matrix_rank(np.vstack([incidence, unit])) == rank:
             exposed.append(client)
     return tuple(exposed)
+
+
+def restrict(audit: PrivacyAudit, keep: Callable[[str, str], bool], **kwargs: object) -> PrivacyAudit:
+    """The audit of a protocol that summed only the (group, tensor) pairs that ``keep`` accepts."""
+    tensors = {g.group: tuple(t for t in g.tensors if keep(g.group, t)) for g in audit.groups}
+    groups = [g for g in audit.groups if tensors[g.group]]
+    return audit_groups(
+        protection=audit.protection,
+        members={g.group: g.members for g in groups},
+        survivors={g.group: g.survivors for g in groups},
+        tensors={g.group: tensors[g.group] for g in groups},
+        **kwargs,  # type: ignore[arg-type]
+    )
 
 
 def audit_groups(

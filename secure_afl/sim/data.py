@@ -74,7 +74,7 @@ def load_cohort(csv_path: Path | None = None, *, view: str = "PA") -> Cohort:
         raise CohortError(f"label table {path} does not exist")
     try:
         table = pd.read_csv(path)
-    except (pd.errors.ParserError, UnicodeDecodeError, EOFError, OSError) as exc:
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError, EOFError, OSError) as exc:
         raise CohortError(f"cannot parse {path} as a CSV: {exc}") from exc
     missing = [c for c in REQUIRED_COLUMNS if c not in table.columns]
     if missing:
@@ -127,6 +127,10 @@ def split_cohort(
     if n_clients < 1:
         raise CohortError(f"n_clients must be at least 1, got {n_clients}")
     rows = np.arange(len(cohort))
+    if len(rows) < 2 * n_clients:
+        raise CohortError(
+            f"{len(rows)} rows cannot give a test set and {n_clients} clients; use a larger --fraction"
+        )
     if by == "image":
         train, test = train_test_split(rows, test_size=test_fraction, random_state=seed, shuffle=True)
     elif by == "patient":

@@ -129,6 +129,28 @@ def _pseudo_label_line(setting: SettingResult) -> str:
     )
 
 
+def method_exposure_rows(setting: SettingResult) -> tuple[list[str], list[list[str]]]:
+    """Per method: its single-member groups, and what overlapping groups expose, had it run alone."""
+    header = ["Method", "single-member groups", "individual values exposed by overlapping groups"]
+    rows = []
+    for method, audit in setting.method_audits.items():
+        if audit.protection == "none":
+            rows.append([method, "-", "everything (plaintext)"])
+            continue
+        alone = [g.group for g in audit.groups if len(g.survivors) == 1]
+        overlap = audit.exposed_by_overlap()
+        tensors = sorted({t.split("/")[0] for t in overlap})
+        clients = sorted({c for cs in overlap.values() for c in cs})
+        rows.append(
+            [
+                method,
+                str(len(alone)),
+                f"{', '.join(tensors)} of {len(clients)} client(s)" if overlap else "none",
+            ]
+        )
+    return header, rows
+
+
 def _audit_lines(setting: SettingResult) -> list[str]:
     audit = setting.audit
     lines = [f"protection: {audit.protection}"]
@@ -166,10 +188,16 @@ def print_report(result: ExperimentResult, console: Console) -> None:
         legend = ", ".join(f"{short} = {name}" for name, short in SHORT_NAMES.items())
         console.print(legend, style="dim", markup=False, highlight=False)
         h, r = _upload_rows(setting)
-        console.print(_rich_table(f"Bytes each client uploads, missing {setting.missing}", h, r))
+        console.print(
+            _rich_table(f"Bytes each client uploads (all compared methods), missing {setting.missing}", h, r)
+        )
         for title, h, r in _protocol_tables(setting):
             console.print(_rich_table(title, h, r))
-        console.print(f"[bold]Privacy audit, missing {setting.missing}[/]")
+        h, r = method_exposure_rows(setting)
+        console.print(_rich_table(f"What each method alone reveals, missing {setting.missing}", h, r))
+        console.print(
+            f"[bold]Privacy audit of this run (all methods' statistics), missing {setting.missing}[/]"
+        )
         for line in _audit_lines(setting):
             style = "bold red" if line.startswith("WARNING") else ""
             console.print(f"  {line}", style=style, markup=False, highlight=False)
@@ -207,6 +235,15 @@ def result_dict(result: ExperimentResult) -> dict[str, object]:
                 "dropped": list(s.dropped),
                 "upload_bytes": dict(s.upload_bytes),
                 "privacy_audit": s.audit.to_dict(),
+                "privacy_by_method": {
+                    method: {
+                        "single_member_groups": [g.group for g in a.groups if len(g.survivors) == 1],
+                        "exposed_by_overlapping_groups": {
+                            t: list(c) for t, c in a.exposed_by_overlap().items()
+                        },
+                    }
+                    for method, a in s.method_audits.items()
+                },
                 "pseudo_labels": [
                     {
                         "client": client,
@@ -241,7 +278,13 @@ def markdown_report(result: ExperimentResult) -> str:
         parts += ["### Bytes each client uploads", "", _md_table(h, r), ""]
         for title, h, r in _protocol_tables(setting):
             parts += [f"### {title}", "", _md_table(h, r), ""]
-        parts += ["### Privacy audit", ""] + [f"- {line}" for line in _audit_lines(setting)] + [""]
+        h, r = method_exposure_rows(setting)
+        parts += ["### What each method alone reveals", "", _md_table(h, r), ""]
+        parts += (
+            ["### Privacy audit of this run (all methods' statistics in one session)", ""]
+            + [f"- {line}" for line in _audit_lines(setting)]
+            + [""]
+        )
     h, r = _cost_rows(result)
     parts += ["## Seconds per phase", "", _md_table(h, r), ""]
     return "\n".join(parts)
@@ -251,9 +294,22 @@ def write_reports(result: ExperimentResult, out_dir: Path) -> tuple[Path, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path = out_dir / "results.json"
     md_path = out_dir / "report.md"
-    json_path.write_text(json.dumps(result_dict(result), indent=2, default=_json_default) + "\n")
+    json_path.write_text(
+        json.dumps(_nan_to_none(result_dict(result)), indent=2, default=_json_default, allow_nan=False) + "\n"
+    )
     md_path.write_text(markdown_report(result))
     return json_path, md_path
+
+
+def _nan_to_none(value: object) -> object:
+    """Strict JSON has no NaN: undefined metrics (a class absent from the test set) become null."""
+    if isinstance(value, float) and value != value:
+        return None
+    if isinstance(value, dict):
+        return {k: _nan_to_none(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_nan_to_none(v) for v in value]
+    return value
 
 
 def _json_default(value: object) -> object:

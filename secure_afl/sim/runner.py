@@ -27,8 +27,9 @@ from secure_afl.analytic import (
     client_statistics,
     pseudo_label_contributions,
     sum_contributions,
+    uploaded_by,
 )
-from secure_afl.sim.audit import PrivacyAudit, audit_groups
+from secure_afl.sim.audit import PrivacyAudit, audit_groups, restrict
 from secure_afl.sim.data import CLASSES, SplitBy
 from secure_afl.sim.datasets import ImageSource, PreparedData, Progress, prepare
 from secure_afl.sim.fedavg import FedAvgConfig, missing_as_negative, train_fedavg
@@ -45,6 +46,12 @@ AFL_2 = "AFL (2 rounds)"
 AFL_GLOBAL_BALANCE = "AFL (global balance)"
 AFL_GLOBAL_GRAM = "AFL (global Gram)"
 FEDAVG = "FedAvg"
+METHOD_UPLOADS = {
+    AFL_1: uploaded_by(),
+    AFL_2: uploaded_by(round2=True),
+    AFL_GLOBAL_BALANCE: uploaded_by(balance="global"),
+    AFL_GLOBAL_GRAM: uploaded_by(gram="global"),
+}
 
 SYNTHETIC_NOTICE = (
     "FEATURES ARE SYNTHETIC: the embedded dataset pairs the real ChestXray14 labels and patient ids "
@@ -122,7 +129,8 @@ class SettingResult:
     metrics: Mapping[str, Metrics]
     dropped: tuple[str, ...]
     upload_bytes: Mapping[str, int]  # per client, all rounds
-    audit: PrivacyAudit
+    audit: PrivacyAudit  # everything this run summed: all compared methods in one session
+    method_audits: Mapping[str, PrivacyAudit]  # what each method alone would have revealed
     pseudo_labels: tuple[tuple[str, PseudoLabelReport], ...]
     protocol_costs: Mapping[str, object] | None = None
 
@@ -183,7 +191,12 @@ def aggregate(
             members.setdefault(group, []).append(client)
             tensors.setdefault(group, set()).update(named)
     if config.secure == "mask":
-        from secure_afl.protocol.errors import SessionAbortedError
+        from secure_afl.protocol.errors import (
+            EncodingOverflowError,
+            GroupTooSmallError,
+            InsufficientParticipantsError,
+            ProtocolError,
+        )
         from secure_afl.sim.secure import secure_aggregate
 
         try:
@@ -194,12 +207,21 @@ def aggregate(
                 min_group_size=config.min_group_size,
                 dropouts=dropouts,
             )
-        except SessionAbortedError as exc:
+        except InsufficientParticipantsError as exc:
             raise ExperimentError(
-                f"secure aggregation aborted: {exc}. With --dropout {config.dropout}, some group kept too "
-                "few live members (at missing 7 every class has one annotating client, so any dropout "
-                "empties a class); lower --dropout or the missing level"
+                f"secure aggregation aborted: {exc}. The protocol needs at least t clients in every round "
+                f"(t = {config.threshold or 'a majority'}); lower --dropout"
             ) from exc
+        except GroupTooSmallError as exc:
+            raise ExperimentError(
+                f"secure aggregation aborted: {exc}. Every client that labels some class dropped out "
+                "(at missing 7 each class has a single annotating client); "
+                "lower --dropout or the missing level"
+            ) from exc
+        except EncodingOverflowError as exc:
+            raise ExperimentError(f"a statistic does not fit the fixed-point encoding: {exc}") from exc
+        except ProtocolError as exc:
+            raise ExperimentError(f"secure aggregation failed: {exc}") from exc
         return _Aggregate(
             sums={g: dict(t) for g, t in result.sums.items()},
             members={g: tuple(m) for g, m in result.members.items()},
@@ -322,13 +344,19 @@ def run_setting(
     ordered = {
         m: metrics[m] for m in (AFL_1, AFL_2, AFL_GLOBAL_BALANCE, AFL_GLOBAL_GRAM, FEDAVG) if m in metrics
     }
+    uploads = {c: {**groups, **round2.get(c, {})} for c, groups in round1.items()}
     audit = audit_groups(
         protection=config.secure,
         members=audit_members,
         survivors=audit_survivors,
         tensors=audit_tensors,
-        contributions={c: {**groups, **round2.get(c, {})} for c, groups in round1.items()},
+        contributions=uploads,
     )
+    method_audits = {
+        method: restrict(audit, keep, contributions=uploads)
+        for method, keep in METHOD_UPLOADS.items()
+        if method in models
+    }
     return SettingResult(
         missing=missing,
         assignment=assignment,
@@ -336,6 +364,7 @@ def run_setting(
         dropped=dropped,
         upload_bytes=upload,
         audit=audit,
+        method_audits=method_audits,
         pseudo_labels=tuple(pseudo_reports),
         protocol_costs=costs,
     )
