@@ -196,3 +196,40 @@ def test_overflow_is_reported_with_the_tensor_name() -> None:
     contributions["client0"]["all"]["b"] = np.array([1e12, 0.0])
     with pytest.raises(encoding.EncodingOverflowError, match="all/b"):
         secure_aggregate(contributions)
+
+
+def test_message_size_limit_follows_the_layout(monkeypatch) -> None:
+    """A scaled-down VGG session: with a small fixed cap the masked inputs would not fit."""
+    from secure_afl.protocol import codec
+    from secure_afl.protocol.messages import GroupSpec, SessionConfig, TensorSpec
+
+    limits: list[int] = []
+    real_encode, real_decode = codec.encode, codec.decode
+
+    def capped(function):
+        def call(value, *, max_message_bytes: int = 4096):  # a fixed cap far below the layout
+            limits.append(max_message_bytes)
+            return function(value, max_message_bytes=max_message_bytes)
+
+        return call
+
+    monkeypatch.setattr(codec, "encode", capped(real_encode))
+    monkeypatch.setattr(codec, "decode", capped(real_decode))
+    groups = missing_one_groups(4)
+    contributions = make_contributions(4, 24, groups)  # 4 groups x (300 + 24) words: 10 kB uploads
+    result = secure_aggregate(contributions, random=DeterministicRandomSource(b"cap"))
+    assert max(max(rounds.values()) for rounds in result.costs.bytes_sent.values()) > 4096
+    for group, members in groups.items():
+        expected = plaintext_sum(contributions, group, "gram", members)
+        assert np.allclose(result.sums[group]["gram"], expected, atol=1e-8)
+    layout = codec.max_message_bytes(
+        SessionConfig(  # the same layout as the session's
+            bytes(32),
+            3,
+            1,
+            32,
+            tuple(GroupSpec(g, (TensorSpec("b", 24), TensorSpec("gram", 300))) for g in sorted(groups)),
+        ),
+        4,
+    )
+    assert layout in limits and 4096 not in limits

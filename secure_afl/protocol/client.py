@@ -16,7 +16,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from secure_afl.keys.identity import IdentityKey
 from secure_afl.keys.roster import Roster
 
-from . import binding, crypto, encoding, prg, shamir
+from . import binding, codec, crypto, encoding, prg, shamir
 from .errors import (
     BothSharesRequestedError,
     ClientProtocolError,
@@ -84,6 +84,10 @@ def validate_config(config: SessionConfig, roster_size: int) -> None:
             raise InvalidSessionConfigError(f"group {group.name!r}: tensors must be non-empty and distinct")
         if any(tensor.length < 1 for tensor in group.tensors):
             raise InvalidSessionConfigError(f"group {group.name!r}: tensor lengths must be positive")
+        if any(tensor.length > codec.MAX_TENSOR_WORDS for tensor in group.tensors):
+            raise InvalidSessionConfigError(
+                f"group {group.name!r}: a tensor is longer than {codec.MAX_TENSOR_WORDS} words"
+            )
 
 
 class ClientSession:
@@ -130,6 +134,7 @@ class ClientSession:
         self._expected_session_id = session_id
         self._random = default_random(random)
         self._state = ClientState.AWAIT_ADVERTISE_REQUEST
+        self._message_limit = codec.DEFAULT_MAX_MESSAGE_BYTES
         self._clear_session()
 
     # --- public API -------------------------------------------------------------------------------
@@ -141,6 +146,16 @@ class ClientSession:
     @property
     def groups(self) -> tuple[str, ...]:
         return tuple(sorted(self._inputs))
+
+    @property
+    def max_message_bytes(self) -> int:
+        """The size limit for encoding and decoding this session's messages.
+
+        Before the config is known (the advertise request) it is the codec's default; from then on
+        it is :func:`~secure_afl.protocol.codec.max_message_bytes` of the session's layout (kept
+        after the session ends).
+        """
+        return self._message_limit
 
     def receive(self, message: object) -> list[ClientMessage]:
         """Handle one server message and return the replies to send to the server."""
@@ -202,6 +217,7 @@ class ClientSession:
                 raise LocalProtocolError(
                     f"group {group!r}: inputs {actual} do not match the session layout {layout}"
                 )
+        message_limit = codec.max_message_bytes(config, len(self._roster))
         encryption_key = crypto.new_x25519_key(self._random)
         mask_key = crypto.new_x25519_key(self._random)
         seed = self._random.token_bytes(SEED_BYTES)
@@ -231,6 +247,7 @@ class ClientSession:
         def commit() -> None:
             self._config = config
             self._config_digest = digest
+            self._message_limit = message_limit
             self._encryption_key = encryption_key
             self._mask_key = mask_key
             self._seed = seed

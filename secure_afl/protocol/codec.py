@@ -9,6 +9,14 @@ Decoding rejects, with :class:`MessageDecodeError`: an unknown version or type, 
 trailing bytes, wrong fixed sizes, invalid UTF-8, counts that cannot fit in the remaining bytes,
 and anything longer than ``max_message_bytes``.  Every valid encoding is canonical: decoding then
 encoding gives back the same bytes.
+
+The size limit follows the session: :func:`max_message_bytes` derives, from the session's group
+layout and the roster size, the largest message that an honest party of that session can send (in
+practice a :class:`MaskedInput` carrying every tensor of every group).  Drivers pass it to
+:func:`encode` and :func:`decode` (``ClientSession.max_message_bytes`` and
+``ServerSession.max_message_bytes`` give it once the config is known); ``DEFAULT_MAX_MESSAGE_BYTES``
+is only the limit for the first message a client decodes, the :class:`AdvertiseRequest` that
+carries the config.
 """
 
 from __future__ import annotations
@@ -46,7 +54,14 @@ MAX_STRING_BYTES = 255
 # Shares of the self-mask seed and of the mask key, each one field element.
 SHARE_PLAINTEXT_BYTES = 2 * shamir.VALUE_BYTES
 SHARE_CIPHERTEXT_BYTES = SHARE_PLAINTEXT_BYTES + TAG_BYTES
-DEFAULT_MAX_MESSAGE_BYTES = 1 << 28  # 256 MiB: 8 groups of a 2048-d Gram fit easily
+# The limit before a session's layout is known (the AdvertiseRequest that carries it); once it is,
+# use max_message_bytes(config, n_clients), which may be larger (or much smaller).
+DEFAULT_MAX_MESSAGE_BYTES = 1 << 28  # 256 MiB
+_HEADER_BYTES = 2  # version, type tag
+_COUNT_BYTES = 4
+_MAX_STRING_FIELD = 2 + MAX_STRING_BYTES
+# The most uint64 words one masked tensor can carry: its byte length has a 4-byte prefix.
+MAX_TENSOR_WORDS = ((1 << 32) - 1) // 8
 
 _TYPE_TAGS: dict[type, int] = {
     AdvertiseRequest: 1,
@@ -60,6 +75,49 @@ _TYPE_TAGS: dict[type, int] = {
     UnmaskRequest: 9,
     UnmaskResponse: 10,
 }
+
+
+def max_message_bytes(config: SessionConfig, n_clients: int) -> int:
+    """The largest message any honest party of a session over ``config`` with ``n_clients`` sends.
+
+    The maximum over every message type of an upper bound on its encoded size, taking every string
+    at the codec's maximum length: a :class:`MaskedInput` carrying every tensor of every group
+    (a client may belong to all groups), and the per-round messages whose size grows with the
+    number of clients.  A message above this bound cannot be legitimate and is rejected.
+    """
+    if not isinstance(n_clients, int) or n_clients < 1:
+        raise LocalProtocolError(f"n_clients must be a positive integer, got {n_clients!r}")
+    n = n_clients
+    s = _MAX_STRING_FIELD
+    n_groups = len(config.groups)
+    config_bytes = SESSION_ID_BYTES + 4 + 4 + 1 + _COUNT_BYTES
+    masked_tensors = 0
+    for group in config.groups:
+        config_bytes += s + _COUNT_BYTES + len(group.tensors) * (s + 4)
+        for tensor in group.tensors:
+            if not isinstance(tensor.length, int) or tensor.length < 0:
+                raise LocalProtocolError(f"tensor {tensor.name!r}: invalid length {tensor.length!r}")
+            if tensor.length > MAX_TENSOR_WORDS:
+                raise LocalProtocolError(
+                    f"tensor {group.name!r}/{tensor.name!r} of {tensor.length} words does not fit in one "
+                    f"masked-tensor field (at most {MAX_TENSOR_WORDS} words)"
+                )
+            masked_tensors += s + s + 4 + 8 * tensor.length
+    advert = SESSION_ID_BYTES + s + 4 * KEY_BYTES + _COUNT_BYTES + n_groups * s + SIGNATURE_BYTES
+    share = s + s + NONCE_BYTES + SHARE_CIPHERTEXT_BYTES
+    bodies = (
+        config_bytes,  # AdvertiseRequest
+        advert,  # AdvertiseKeys
+        SESSION_ID_BYTES + _COUNT_BYTES + n * advert,  # ShareKeysRequest
+        SESSION_ID_BYTES + s + _COUNT_BYTES + n * share,  # ShareKeys (n - 1 peers; n is an upper bound)
+        SESSION_ID_BYTES + _COUNT_BYTES + n * share,  # MaskedInputRequest
+        SESSION_ID_BYTES + s + _COUNT_BYTES + masked_tensors,  # MaskedInput
+        SESSION_ID_BYTES + _COUNT_BYTES + n * s,  # ConsistencyCheckRequest
+        SESSION_ID_BYTES + s + SIGNATURE_BYTES,  # ConsistencyResponse
+        SESSION_ID_BYTES + 4 * _COUNT_BYTES + n * (3 * s + s + SIGNATURE_BYTES),  # UnmaskRequest
+        SESSION_ID_BYTES + s + 2 * _COUNT_BYTES + 2 * n * (s + shamir.VALUE_BYTES),  # UnmaskResponse
+    )
+    return _HEADER_BYTES + max(bodies)
 
 
 # --- writing --------------------------------------------------------------------------------------

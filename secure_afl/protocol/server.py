@@ -17,7 +17,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from secure_afl.keys.roster import Roster
 
-from . import binding, crypto, prg, shamir
+from . import binding, codec, crypto, prg, shamir
 from .client import validate_config
 from .errors import (
     ClientProtocolError,
@@ -79,6 +79,7 @@ class ServerSession:
         self._roster = roster
         self._config = config
         self._digest = binding.config_digest(config)
+        self._message_limit = codec.max_message_bytes(config, len(roster))
         self._round = ServerRound.NOT_STARTED
         self._adverts: dict[str, AdvertiseKeys] = {}
         self._shares: dict[str, ShareKeys] = {}
@@ -99,6 +100,11 @@ class ServerSession:
     @property
     def config(self) -> SessionConfig:
         return self._config
+
+    @property
+    def max_message_bytes(self) -> int:
+        """The size limit for this session's messages: the largest an honest party can send."""
+        return self._message_limit
 
     def start(self) -> AdvertiseRequest:
         if self._round is not ServerRound.NOT_STARTED:

@@ -145,6 +145,10 @@ def secure_aggregate(
         for cid in client_ids
     }
     server = ServerSession(roster, config)
+    # Message sizes follow the layout (a MaskedInput carries every tensor of a client's groups), so
+    # a large layout (VGG features: one 4096-d Gram triangle is 67 MB, sent to several groups) is
+    # not cut off by a fixed cap, and anything larger than an honest message is still refused.
+    server_limit = server.max_message_bytes
 
     bytes_sent = {cid: dict.fromkeys(ROUNDS, 0) for cid in client_ids}
     bytes_received = {cid: dict.fromkeys(ROUNDS, 0) for cid in client_ids}
@@ -162,21 +166,24 @@ def secure_aggregate(
         wire: dict[int, bytes] = {}  # a broadcast message is encoded once
         for request in requests.values():
             if id(request) not in wire:
-                wire[id(request)] = codec.encode(request)
+                wire[id(request)] = codec.encode(request, max_message_bytes=server_limit)
         server_seconds[round_name] += time.perf_counter() - started
         for cid, request in requests.items():
             if cid in dropped:
                 continue
             data = wire[id(request)]
+            client = clients[cid]
             started = time.perf_counter()
-            replies = clients[cid].receive(codec.decode(data))
-            encoded_replies = [codec.encode(reply) for reply in replies]
+            replies = client.receive(codec.decode(data, max_message_bytes=client.max_message_bytes))
+            encoded_replies = [
+                codec.encode(reply, max_message_bytes=client.max_message_bytes) for reply in replies
+            ]
             client_seconds[cid][round_name] += time.perf_counter() - started
             bytes_received[cid][round_name] += len(data)
             for reply_bytes in encoded_replies:
                 bytes_sent[cid][round_name] += len(reply_bytes)
                 started = time.perf_counter()
-                server.receive(codec.decode(reply_bytes))
+                server.receive(codec.decode(reply_bytes, max_message_bytes=server_limit))
                 server_seconds[round_name] += time.perf_counter() - started
         started = time.perf_counter()
         requests = server.next_round()  # type: ignore[assignment]

@@ -219,3 +219,102 @@ def test_encoding_malformed_messages_is_a_local_error(message) -> None:
 def test_non_message_cannot_be_encoded() -> None:
     with pytest.raises(LocalProtocolError):
         codec.encode("hello")  # type: ignore[arg-type]
+
+
+# --- the size limit follows the session's layout -----------------------------------------------
+
+
+def _layout_config(groups: dict[str, dict[str, int]]) -> SessionConfig:
+    return SessionConfig(
+        bytes(32),
+        2,
+        1,
+        32,
+        tuple(
+            GroupSpec(g, tuple(TensorSpec(t, length) for t, length in tensors.items()))
+            for g, tensors in groups.items()
+        ),
+    )
+
+
+def _masked_input_for(config: SessionConfig, *, sender: str = "c0", extra_words: int = 0) -> MaskedInput:
+    tensors = [
+        MaskedTensor(group.name, tensor.name, bytes(8 * tensor.length))
+        for group in config.groups
+        for tensor in group.tensors
+    ]
+    if extra_words:
+        last = tensors[-1]
+        tensors[-1] = MaskedTensor(last.group, last.tensor, last.data + bytes(8 * extra_words))
+    return MaskedInput(bytes(32), sender, tuple(tensors))
+
+
+def test_every_real_message_fits_the_layout_bound() -> None:
+    messages = session_messages()
+    config = messages[0].config
+    limit = codec.max_message_bytes(config, 4)
+    assert all(len(codec.encode(m, max_message_bytes=limit)) <= limit for m in messages)
+
+
+def test_the_layout_bound_is_exact_for_the_largest_masked_input() -> None:
+    # Longest names everywhere: the bound is exactly the size of a MaskedInput of every tensor.
+    g, t, sender = "g" * 255, "t" * 255, "c" * 255
+    config = _layout_config({g: {t: 1000, "u" * 255: 7}, "h" * 255: {t: 3}})
+    limit = codec.max_message_bytes(config, 4)
+    message = _masked_input_for(config, sender=sender)
+    assert len(codec.encode(message, max_message_bytes=limit)) == limit
+    assert codec.decode(codec.encode(message, max_message_bytes=limit), max_message_bytes=limit) == message
+    # One word more than the layout allows is above the bound and refused.
+    too_long = _masked_input_for(config, sender=sender, extra_words=1)
+    oversize = codec.encode(too_long, max_message_bytes=2 * limit)
+    assert len(oversize) == limit + 8
+    with pytest.raises(MessageDecodeError, match="exceeds"):
+        codec.decode(oversize, max_message_bytes=limit)
+    with pytest.raises(LocalProtocolError, match="exceeds"):
+        codec.encode(too_long, max_message_bytes=limit)
+
+
+def test_the_layout_bound_grows_with_the_roster_for_per_client_messages() -> None:
+    config = _layout_config({"g": {"t": 1}})
+    small, large = codec.max_message_bytes(config, 3), codec.max_message_bytes(config, 300)
+    assert large > small
+    adverts = tuple(
+        AdvertiseKeys(bytes(32), f"{i:0>255}", *(bytes(32),) * 4, ("g",), bytes(64)) for i in range(300)
+    )
+    request = codec.encode(ShareKeysRequest(bytes(32), adverts), max_message_bytes=large)
+    assert len(request) <= large
+
+
+def test_vgg_layout_exceeds_the_old_fixed_cap_and_the_bound_covers_it() -> None:
+    # VGG features: d = 4096, one Gram triangle is 8,390,656 words (67 MB); sent to 4 class groups.
+    d = 4096
+    big = {f"class{c}": {"gram": d * (d + 1) // 2, "b": d} for c in range(4)}
+    limit = codec.max_message_bytes(_layout_config(big), 8)
+    assert limit > codec.DEFAULT_MAX_MESSAGE_BYTES
+    # The exact size of the MaskedInput, extrapolated from a small one with the same names: each
+    # word is 8 bytes and nothing else depends on the lengths.
+    small = {g: {"gram": 3, "b": 2} for g in big}
+    small_size = len(codec.encode(_masked_input_for(_layout_config(small))))
+    words = {
+        name: sum(sum(t.values()) for t in layout.values())
+        for name, layout in (("big", big), ("small", small))
+    }
+    exact = small_size + 8 * (words["big"] - words["small"])
+    assert exact > codec.DEFAULT_MAX_MESSAGE_BYTES
+    assert exact <= limit < exact + 10_000  # framing only: names are bounded at 255 bytes
+
+
+def test_sessions_expose_the_layout_bound() -> None:
+    fed = make_federation(4, lengths={"x": 50})
+    limit = codec.max_message_bytes(fed.config, 4)
+    assert fed.server.max_message_bytes == limit
+    client = fed.clients["c0"]
+    assert client.max_message_bytes == codec.DEFAULT_MAX_MESSAGE_BYTES  # before the config is known
+    play(fed, until="R0")
+    assert client.max_message_bytes == limit
+
+
+def test_a_tensor_too_long_for_one_field_is_refused() -> None:
+    config = _layout_config({"g": {"t": codec.MAX_TENSOR_WORDS + 1}})
+    with pytest.raises(LocalProtocolError, match="does not fit"):
+        codec.max_message_bytes(config, 2)
