@@ -17,6 +17,7 @@ from secure_afl.analytic import (
     pseudo_group,
     pseudo_label_contributions,
     sum_contributions,
+    uploaded_by,
 )
 
 GAMMA = 0.7
@@ -202,3 +203,28 @@ def test_unfitted_and_bad_options() -> None:
         AnalyticClassifier(2, gamma=0)
     with pytest.raises(StatisticsError, match="balance must be"):
         AnalyticClassifier(2, balance="per-site")  # type: ignore[arg-type]
+
+
+def _every_variant(stats, active) -> dict:
+    out = stats.contributions(active, include_global_gram=True)
+    for group, tensors in stats.contributions(active, balance="global").items():
+        out[group].update(tensors)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("balance", "gram"), [("client", "class"), ("global", "class"), ("client", "global")]
+)
+def test_uploaded_by_names_exactly_what_the_solve_needs(balance: str, gram: str) -> None:
+    rng = np.random.default_rng(2)
+    features, labels, actives = _random_federation(rng)
+    stats = [client_statistics(h, y, device="cpu") for h, y in zip(features, labels, strict=True)]
+    every = sum_contributions(_every_variant(s, a) for s, a in zip(stats, actives, strict=True))
+    keep = uploaded_by(balance=balance, gram=gram)  # type: ignore[arg-type]
+    only = {g: {t: v for t, v in ts.items() if keep(g, t)} for g, ts in every.items()}
+    model = AnalyticClassifier(4, gamma=GAMMA, balance=balance, gram=gram)  # type: ignore[arg-type]
+    np.testing.assert_array_equal(model.fit(only).coef_, model.fit(every).coef_)
+    dropped = {(g, t) for g, ts in every.items() for t in ts if not keep(g, t)}
+    assert dropped, "each variant leaves some statistics of the others out"
+    if gram == "global":
+        assert all(t != "gram" or g == ALL_GROUP for g, ts in only.items() for t in ts)
