@@ -33,6 +33,15 @@ def _save(model: torch.nn.Module, path: Path) -> Path:
     return path
 
 
+def _strict_json(path: Path) -> dict:
+    """results.json must be strict JSON: no NaN or Infinity even for undefined metrics."""
+
+    def reject(constant: str) -> None:
+        raise AssertionError(f"{path} holds {constant}, which is not JSON")
+
+    return json.loads(path.read_text(), parse_constant=reject)
+
+
 def _sim(args: list[str]):
     return CliRunner().invoke(
         main, ["sim", "--dataset", "nih", "--workers", "0", "--fedavg-rounds", "1", *args]
@@ -49,16 +58,18 @@ def test_densenet_xrv_end_to_end_then_cache_hit(nih_dir: Path, tmp_path: Path) -
     ]  # fmt: skip
     first = _sim([*common, "--out", str(tmp_path / "run1")])
     assert first.exit_code == 0, first.output
-    run1 = json.loads((tmp_path / "run1" / "results.json").read_text())
+    run1 = _strict_json(tmp_path / "run1" / "results.json")
     assert run1["dataset"]["name"] == "nih" and run1["dataset"]["synthetic_features"] is False
     assert run1["dataset"]["rows"] == 54 and run1["dataset"]["images_missing"] == 0
     assert run1["dataset"]["forward_passes"] > 0 and not run1["dataset"]["features_from_cache"]
     assert "FEATURES ARE SYNTHETIC" not in first.output
     assert {"AFL (1 round)", "FedAvg"} <= set(run1["settings"][0]["metrics"])
+    auc = run1["settings"][0]["metrics"]["AFL (1 round)"]["per_class"]["auc"]
+    assert None in auc  # 17 test rows: some classes have no positive, so their AUC is undefined
 
     second = _sim([*common, "--out", str(tmp_path / "run2")])
     assert second.exit_code == 0, second.output
-    run2 = json.loads((tmp_path / "run2" / "results.json").read_text())
+    run2 = _strict_json(tmp_path / "run2" / "results.json")
     assert run2["dataset"]["forward_passes"] == 0 and run2["dataset"]["features_from_cache"]
     assert run2["settings"][0]["metrics"] == run1["settings"][0]["metrics"]
 
