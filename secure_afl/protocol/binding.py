@@ -10,30 +10,41 @@ from __future__ import annotations
 import hashlib
 
 from . import crypto
-from .fields import tagged_fields
+from .fields import sequence, tagged_fields
 from .messages import AdvertiseKeys, SessionConfig
 
-CONFIG_DOMAIN = b"secure-afl/v1/session-config"
+CONFIG_DOMAIN = b"secure-afl/v1/session-config/nested-layout"
+LAYOUT_GROUP_DOMAIN = b"secure-afl/v1/layout-group"
+LAYOUT_TENSOR_DOMAIN = b"secure-afl/v1/layout-tensor"
 ADVERTISE_DOMAIN = b"secure-afl/v1/advertise-keys"
 SURVIVORS_DOMAIN = b"secure-afl/v1/consistency-survivors"
 COMMITMENT_DOMAIN = b"secure-afl/v1/self-mask-commitment"
 
 
 def config_digest(config: SessionConfig) -> bytes:
-    """SHA-256 of the session's config: session id, t, minimum group size, encoding, group layout."""
-    layout = tuple(
-        f"{group.name}\x00{tensor.name}\x00{tensor.length}"
+    """SHA-256 of the session's config: session id, t, minimum group size, encoding, group layout.
+
+    The layout is nested, never joined with separators: a sequence of groups, each a tagged
+    encoding of its name and the sequence of its tensors, each a tagged encoding of (name, length).
+    Names are length-prefixed, so no two layouts share an encoding whatever characters they hold
+    (config validation refuses control characters in names anyway).
+    """
+    layout = sequence(
+        tagged_fields(
+            LAYOUT_GROUP_DOMAIN,
+            group.name,
+            sequence(
+                tagged_fields(LAYOUT_TENSOR_DOMAIN, tensor.name, tensor.length) for tensor in group.tensors
+            ),
+        )
         for group in config.groups
-        for tensor in group.tensors
     )
-    group_names = tuple(group.name for group in config.groups)
     encoded = tagged_fields(
         CONFIG_DOMAIN,
         config.session_id,
         config.threshold,
         config.min_group_size,
         config.frac_bits,
-        group_names,
         layout,
     )
     return hashlib.sha256(encoded).digest()

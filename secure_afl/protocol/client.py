@@ -7,6 +7,7 @@ state is committed only after the reply is complete: a failed check leaves the c
 
 from __future__ import annotations
 
+import unicodedata
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -65,6 +66,32 @@ class _HeldShares:
     mask_key: int
 
 
+# Characters refused in group and tensor names: control (Cc), format (Cf: bidi overrides,
+# zero-width characters), surrogates (Cs) and line/paragraph separators (Zl, Zp).
+_FORBIDDEN_NAME_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
+
+
+def check_name(kind: str, name: object) -> None:
+    """Refuse a group or tensor name that is empty, over-long or holds control characters."""
+    if not isinstance(name, str):
+        raise InvalidSessionConfigError(f"{kind} name must be a string, got {type(name).__name__}")
+    if not name:
+        raise InvalidSessionConfigError(f"{kind} names must not be empty")
+    try:
+        size = len(name.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise InvalidSessionConfigError(f"{kind} name {name!r} is not valid Unicode text") from None
+    if size > codec.MAX_STRING_BYTES:
+        raise InvalidSessionConfigError(
+            f"{kind} name {name[:32]!r}... is {size} UTF-8 bytes, more than {codec.MAX_STRING_BYTES}"
+        )
+    bad = sorted({f"U+{ord(c):04X}" for c in name if unicodedata.category(c) in _FORBIDDEN_NAME_CATEGORIES})
+    if bad:
+        raise InvalidSessionConfigError(
+            f"{kind} name {name!r} contains control or invisible formatting characters ({', '.join(bad)})"
+        )
+
+
 def validate_config(config: SessionConfig, roster_size: int) -> None:
     """Structural checks on a session config (raises :class:`InvalidSessionConfigError`)."""
     if len(config.session_id) != 32:
@@ -75,6 +102,10 @@ def validate_config(config: SessionConfig, roster_size: int) -> None:
         raise InvalidSessionConfigError("minimum group size must be at least 1")
     if not 0 <= config.frac_bits <= encoding.MAX_FRAC_BITS:
         raise InvalidSessionConfigError(f"frac_bits {config.frac_bits} outside 0..{encoding.MAX_FRAC_BITS}")
+    for group in config.groups:
+        check_name("group", group.name)
+        for tensor in group.tensors:
+            check_name(f"group {group.name!r}: tensor", tensor.name)
     names = [group.name for group in config.groups]
     if len(set(names)) != len(names):
         raise InvalidSessionConfigError("duplicate group names in the session config")

@@ -3,6 +3,8 @@
 ``tagged_fields(domain, f1, f2, ...)`` is ``len(domain) || domain || len(f1) || f1 || ...`` with
 4-byte big-endian lengths, so no two different field lists (or domains) share an encoding.  Every
 signature, HKDF ``info`` and AEAD associated data in the protocol goes through this function.
+Structured values (the group layout, a list of advertisements) are nested: each element is itself a
+``tagged_fields`` encoding, and :func:`sequence` joins them with a count and length prefixes.
 """
 
 from __future__ import annotations
@@ -18,6 +20,12 @@ def tagged_fields(domain: bytes, *fields: Field) -> bytes:
     for field in fields:
         parts.append(_prefixed(_field_bytes(field)))
     return b"".join(parts)
+
+
+def sequence(items: Iterable[bytes]) -> bytes:
+    """A count then each item length-prefixed: nests encodings (pass the result as a bytes field)."""
+    parts = [_prefixed(item) for item in items]
+    return len(parts).to_bytes(4, "big") + b"".join(parts)
 
 
 def string_list(values: Iterable[str]) -> tuple[str, ...]:

@@ -9,6 +9,7 @@ import pytest
 
 from secure_afl.keys.identity import IdentityKey
 from secure_afl.protocol import binding, crypto, encoding
+from secure_afl.protocol.client import validate_config
 from secure_afl.protocol.errors import (
     BothSharesRequestedError,
     ClientProtocolError,
@@ -33,11 +34,14 @@ from secure_afl.protocol.messages import (
     AdvertiseKeys,
     AdvertiseRequest,
     ConsistencyCheckRequest,
+    GroupSpec,
     MaskedInput,
     SurvivorSignature,
+    TensorSpec,
     UnmaskRequest,
 )
 from secure_afl.protocol.randomness import DeterministicRandomSource
+from secure_afl.protocol.server import ServerSession
 from secure_afl.protocol.state import ClientState, ServerRound
 
 from .helpers import make_federation, play, play_round
@@ -92,6 +96,63 @@ def test_out_of_order_message_is_refused() -> None:
     fed = make_federation(3)
     request = UnmaskRequest(fed.config.session_id, ("c0", "c1"), (), ("c0", "c1"), ())
     assert_refuses(fed.clients["c0"], request, OutOfOrderMessageError)
+
+
+def _config_with_layout(template, layout: dict[str, list[tuple[str, int]]]):
+    return dataclasses.replace(
+        template,
+        groups=tuple(
+            GroupSpec(group, tuple(TensorSpec(name, length) for name, length in tensors))
+            for group, tensors in layout.items()
+        ),
+    )
+
+
+def test_config_digest_encodes_the_layout_unambiguously() -> None:
+    # Joined with NUL separators, these two layouts gave one digest: a client that signed one
+    # config could be shown as having accepted the other.
+    fed = make_federation(3)
+    first = _config_with_layout(fed.config, {"a": [("t\0x", 5)], "a\0t": [("y", 3), ("z", 4)]})
+    second = _config_with_layout(fed.config, {"a": [("t\0x", 5), ("t\0y", 3)], "a\0t": [("z", 4)]})
+    assert binding.config_digest(first) != binding.config_digest(second)
+    # Moving a tensor between adjacent groups, or splitting a name, changes the digest.
+    third = _config_with_layout(fed.config, {"a": [("x", 5)], "b": [("y", 3)]})
+    fourth = _config_with_layout(fed.config, {"a": [("x", 5), ("y", 3)], "b": []})
+    assert binding.config_digest(third) != binding.config_digest(fourth)
+    # And the NUL-bearing names are refused outright, by clients and by the server.
+    for config in (first, second):
+        assert_refuses(fed.clients["c0"], AdvertiseRequest(config), InvalidSessionConfigError)
+        fed = make_federation(3)
+        with pytest.raises(LocalProtocolError, match="control"):
+            ServerSession(fed.roster, config)
+
+
+@pytest.mark.parametrize(
+    ("group", "tensor", "match"),
+    [
+        ("all", "x\x00y", "control"),
+        ("all\n", "x", "control"),
+        ("all", "x\u202ey", "control"),  # right-to-left override
+        ("al\u200bl", "x", "control"),  # zero-width space
+        ("", "x", "empty"),
+        ("all", "", "empty"),
+        ("g" * 256, "x", "more than 255"),
+        ("all", "é" * 128, "more than 255"),
+    ],
+)
+def test_bad_group_or_tensor_names_are_refused_with_a_clear_error(group, tensor, match) -> None:
+    fed = make_federation(3)
+    config = _config_with_layout(fed.config, {group: [(tensor, 5)]})
+    with pytest.raises(InvalidSessionConfigError, match=match):
+        validate_config(config, 3)
+    with pytest.raises(LocalProtocolError, match=match):
+        ServerSession(fed.roster, config)
+    assert_refuses(fed.clients["c0"], AdvertiseRequest(config), InvalidSessionConfigError)
+
+
+def test_printable_unicode_names_are_accepted() -> None:
+    fed = make_federation(3)
+    validate_config(_config_with_layout(fed.config, {"class: Pleural thickening / é": [("gram", 3)]}), 3)
 
 
 # --- R1: advertised keys --------------------------------------------------------------------------
