@@ -133,3 +133,14 @@ def test_sim_refuses_an_unwritable_out_before_running(tmp_path: Path) -> None:
     blocker.write_text("not a directory")
     result = CliRunner().invoke(main, ["sim", *SMALL, "--out", str(blocker / "sub")])
     assert result.exit_code == 2 and "--out" in result.output
+
+
+def test_r3_dropouts_count_in_round1_but_sit_out_round2(tmp_path: Path) -> None:
+    result = _run(["--missing", "3", "--dropout", "1", "--dropout-stage", "R3", "--out", str(tmp_path), *SMALL])
+    assert result.exit_code == 0, result.output
+    setting = json.loads((tmp_path / "results.json").read_text())["settings"][0]
+    (dropped,) = setting["dropped"]
+    groups = {g["group"]: g for g in setting["privacy_audit"]["groups"]}
+    assert dropped in groups["all"]["survivors"]  # its masked input arrived before it dropped
+    assert all(dropped not in g["members"] for name, g in groups.items() if name.startswith("pseudo/"))
+    assert all(p["client"] != dropped for p in setting["pseudo_labels"])

@@ -17,7 +17,6 @@ from typing import Literal
 import numpy as np
 
 from secure_afl.analytic import (
-    ALL_GROUP,
     AnalyticClassifier,
     ClientStatistics,
     Contributions,
@@ -301,7 +300,8 @@ def run_setting(
     costs = {"round1": agg.costs} if agg.costs is not None else None
     round2: dict[str, Contributions] = {}
     if config.rounds == 2:
-        live = [c for c in clients if c in set(agg.survivors[ALL_GROUP])]
+        # A client that dropped at any stage of round 1 is offline: round 2 goes on without it.
+        live = [c for c in clients if c not in dropped]
         with timer.phase("statistics"):
             for name in live:
                 k = clients.index(name)
