@@ -136,7 +136,9 @@ def test_sim_refuses_an_unwritable_out_before_running(tmp_path: Path) -> None:
 
 
 def test_r3_dropouts_count_in_round1_but_sit_out_round2(tmp_path: Path) -> None:
-    result = _run(["--missing", "3", "--dropout", "1", "--dropout-stage", "R3", "--out", str(tmp_path), *SMALL])
+    result = _run(
+        ["--missing", "3", "--dropout", "1", "--dropout-stage", "R3", "--out", str(tmp_path), *SMALL]
+    )
     assert result.exit_code == 0, result.output
     setting = json.loads((tmp_path / "results.json").read_text())["settings"][0]
     (dropped,) = setting["dropped"]
