@@ -2,6 +2,9 @@
 
 from .files import (
     KeyFileError,
+    KeyFileExistsError,
+    KeyFilePermissionError,
+    KeyFileTamperedError,
     WrongPassphraseError,
     load_identity_key,
     load_roster,
@@ -14,6 +17,9 @@ from .roster import Roster, RosterEntry, RosterError
 __all__ = [
     "IdentityKey",
     "KeyFileError",
+    "KeyFileExistsError",
+    "KeyFilePermissionError",
+    "KeyFileTamperedError",
     "Roster",
     "RosterEntry",
     "RosterError",
