@@ -7,13 +7,21 @@ from __future__ import annotations
 
 import base64
 import json
+import re
+import unicodedata
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from .identity import PUBLIC_KEY_BYTES, fingerprint
 
 ROSTER_FORMAT = "secure-afl-roster/v1"
-MAX_CLIENT_ID_BYTES = 128
+MAX_CLIENT_ID_LENGTH = 64
+MAX_NAME_LENGTH = 256
+# ASCII letters and digits, then also '.', '_' or '-': no Unicode look-alikes, spaces, control or
+# bidirectional-override characters can make two ids look alike or an id look like another.
+CLIENT_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+# Refused in names: control (Cc), format (Cf: bidi overrides, zero-width), surrogates, line breaks.
+_FORBIDDEN_NAME_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
 
 
 class RosterError(ValueError):
@@ -27,9 +35,26 @@ class RosterEntry:
     public_key: bytes
 
     def __post_init__(self) -> None:
-        if not self.client_id or len(self.client_id.encode("utf-8")) > MAX_CLIENT_ID_BYTES:
-            raise RosterError(f"client id must be 1..{MAX_CLIENT_ID_BYTES} UTF-8 bytes: {self.client_id!r}")
-        if len(self.public_key) != PUBLIC_KEY_BYTES:
+        if not isinstance(self.client_id, str) or not CLIENT_ID_PATTERN.fullmatch(self.client_id):
+            raise RosterError(
+                f"invalid client id {self.client_id!r}: it must be 1..{MAX_CLIENT_ID_LENGTH} ASCII "
+                f"characters, letters, digits, '.', '_' or '-', starting with a letter or digit"
+            )
+        if not isinstance(self.name, str):
+            raise RosterError(f"client {self.client_id!r}: the name must be a string")
+        if len(self.name) > MAX_NAME_LENGTH:
+            raise RosterError(
+                f"client {self.client_id!r}: the name is longer than {MAX_NAME_LENGTH} characters"
+            )
+        bad = sorted(
+            {f"U+{ord(c):04X}" for c in self.name if unicodedata.category(c) in _FORBIDDEN_NAME_CATEGORIES}
+        )
+        if bad:
+            raise RosterError(
+                f"client {self.client_id!r}: the name {self.name!r} contains control or invisible "
+                f"formatting characters ({', '.join(bad)})"
+            )
+        if not isinstance(self.public_key, bytes) or len(self.public_key) != PUBLIC_KEY_BYTES:
             raise RosterError(f"client {self.client_id!r}: public key must have {PUBLIC_KEY_BYTES} bytes")
 
     @property
@@ -105,9 +130,11 @@ class Roster:
                 raise RosterError(f"not a {ROSTER_FORMAT} document")
             entries = []
             for item in document["clients"]:
+                if not isinstance(item["id"], str) or not isinstance(item["name"], str):
+                    raise RosterError(f"malformed roster: id and name must be strings in {item!r}")
                 entry = RosterEntry(
-                    client_id=str(item["id"]),
-                    name=str(item["name"]),
+                    client_id=item["id"],
+                    name=item["name"],
                     public_key=base64.b64decode(item["public_key"], validate=True),
                 )
                 if "fingerprint" in item and item["fingerprint"] != entry.fingerprint:

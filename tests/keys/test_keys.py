@@ -279,3 +279,52 @@ def test_roster_entry_validation() -> None:
         RosterEntry("", "x", bytes(32))
     with pytest.raises(RosterError):
         RosterEntry("h0", "x", bytes(31))
+
+
+@pytest.mark.parametrize(
+    "client_id",
+    [
+        "",
+        "-h0",
+        ".h0",
+        "h 0",
+        "h0\n",
+        "h\x000",
+        "h0\u202e",  # right-to-left override
+        "h\u200b0",  # zero-width space
+        "hоspital",  # Cyrillic 'о'
+        "ｈ0",  # fullwidth 'h'
+        "h/0",
+        "h" * 65,
+    ],
+)
+def test_roster_ids_must_be_plain_ascii(client_id) -> None:
+    with pytest.raises(RosterError, match="invalid client id"):
+        RosterEntry(client_id, "Hospital", bytes(32))
+
+
+@pytest.mark.parametrize("client_id", ["h0", "H", "0", "client-0", "st.mary_s-1", "h" * 64])
+def test_plain_roster_ids_are_accepted(client_id) -> None:
+    assert RosterEntry(client_id, "Hospital", bytes(32)).client_id == client_id
+
+
+@pytest.mark.parametrize("name", ["Saint\u202eMary", "line\nbreak", "tab\there", "nul\x00", "z\u200bw"])
+def test_roster_names_must_not_hold_control_characters(name) -> None:
+    with pytest.raises(RosterError, match="control"):
+        RosterEntry("h0", name, bytes(32))
+
+
+def test_roster_names_may_be_free_text() -> None:
+    entry = RosterEntry("h0", "Hôpital Saint-Louis (Paris) — 東京", bytes(32))
+    assert entry.name.startswith("Hôpital")
+    with pytest.raises(RosterError, match="longer"):
+        RosterEntry("h0", "x" * 257, bytes(32))
+
+
+def test_roster_json_with_a_bad_id_or_name_is_rejected() -> None:
+    roster, _ = make_roster()
+    for field, value in (("id", "h\u202e0"), ("id", 7), ("name", "a\x1bb"), ("name", None)):
+        document = json.loads(roster.to_json())
+        document["clients"][0][field] = value
+        with pytest.raises(RosterError):
+            Roster.from_json(json.dumps(document))
