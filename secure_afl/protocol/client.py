@@ -322,6 +322,16 @@ class ClientSession:
             for group in config.groups
         }
         self._check_group_sizes(members, set(adverts), own_groups_only=True)
+        # The group sizes are known now: refuse inputs that would overflow before sharing anything,
+        # so an overflow never strands this client after its shares are out (R2 checks again).
+        for group in sorted(self._inputs):
+            for name in sorted(self._inputs[group]):
+                encoding.check_encodable(
+                    self._inputs[group][name],
+                    tensor=f"{group}/{name}",
+                    frac_bits=config.frac_bits,
+                    group_size=len(members[group]),
+                )
 
         holders = sorted(adverts)
         points = [self._roster.share_point(cid) for cid in holders]

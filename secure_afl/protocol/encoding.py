@@ -49,16 +49,26 @@ def encode(
 ) -> np.ndarray:
     """Encode a float64 array as uint64 fixed point, refusing values whose group sum could wrap."""
     array = check_float_tensor(values, tensor=tensor)
+    check_encodable(array, tensor=tensor, frac_bits=frac_bits, group_size=group_size)
+    scaled = np.rint(array * 2.0**frac_bits)
+    return scaled.astype(np.int64).view(np.uint64).ravel()
+
+
+def check_encodable(values: np.ndarray, *, tensor: str, frac_bits: int, group_size: int) -> None:
+    """Raise :class:`EncodingOverflowError` unless every entry can be encoded for ``group_size``.
+
+    Exactly the check :func:`encode` makes, without encoding: a client runs it as soon as it knows
+    its groups' sizes (R1), before it shares any secret, so it never commits to a round it cannot
+    finish.
+    """
     bound = encoding_bound(frac_bits, group_size)
-    max_abs = float(np.max(np.abs(array))) if array.size else 0.0
+    max_abs = float(np.max(np.abs(values))) if values.size else 0.0
     if max_abs > bound:
         raise EncodingOverflowError(tensor, max_abs, bound, frac_bits, group_size)
-    scaled = np.rint(array * 2.0**frac_bits)
-    # The float check above can pass by a rounding hair at the very edge; check the integers too.
-    limit = _INT63_MAX // group_size
-    if scaled.size and float(np.max(np.abs(scaled))) > limit:
+    # The float check can pass by a rounding hair at the very edge; check the integer too
+    # (rint is monotone, so the largest |rint(x * 2^f)| is rint(max|x| * 2^f)).
+    if values.size and float(np.rint(max_abs * 2.0**frac_bits)) > _INT63_MAX // group_size:
         raise EncodingOverflowError(tensor, max_abs, bound, frac_bits, group_size)
-    return scaled.astype(np.int64).view(np.uint64).ravel()
 
 
 def decode(words: np.ndarray, *, frac_bits: int = DEFAULT_FRAC_BITS) -> np.ndarray:

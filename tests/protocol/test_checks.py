@@ -36,6 +36,7 @@ from secure_afl.protocol.messages import (
     ConsistencyCheckRequest,
     GroupSpec,
     MaskedInput,
+    ShareKeys,
     SurvivorSignature,
     TensorSpec,
     UnmaskRequest,
@@ -493,10 +494,39 @@ def test_server_rejects_message_of_the_wrong_round() -> None:
 # --- local errors leave the state unchanged -------------------------------------------------------
 
 
-def test_encoding_overflow_is_local_and_leaves_the_client_unchanged() -> None:
+def test_overflow_is_caught_in_r1_before_any_share_is_sent() -> None:
+    # 1e9 fits a group of one (bound 2^31) but not a group of 4 (bound 2^29): only the advertisements
+    # tell the client its group size, and it must refuse before it sends its shares.
+    fed = make_federation(4, threshold=3)
+    fed.clients["c0"]._inputs["all"]["x"][0] = 1e9
+    requests = after(fed, "R0")
+    sent = {}
+    for cid, request in sorted(requests.items()):
+        if cid == "c0":
+            with pytest.raises(EncodingOverflowError, match="all/x") as info:
+                fed.clients[cid].receive(request)
+            assert "group size 4" in str(info.value)
+            assert not isinstance(info.value, RemoteProtocolError)
+            continue
+        (sent[cid],) = fed.clients[cid].receive(request)
+        fed.server.receive(sent[cid])
+    client = fed.clients["c0"]
+    assert client.state is ClientState.AWAIT_SHARE_KEYS_REQUEST  # unchanged: no shares were built
+    assert client._held == {}
+    assert "c0" not in sent and all(isinstance(m, ShareKeys) for m in sent.values())
+    # The others go on without it: c0 is simply a client that dropped before sharing keys.
+    fed.requests = fed.server.next_round()
+    assert "c0" not in fed.requests
+    for round_name in ("R2", "R3", "R4"):
+        play_round(fed, round_name, drop={"c0"})
+    result = fed.server.result()
+    assert result.survivors == ("c1", "c2", "c3")
+
+
+def test_overflow_is_still_checked_when_encoding_in_r2() -> None:
     fed = make_federation(3, threshold=2)
-    fed.clients["c0"]._inputs["all"]["x"][0] = 1e300
     requests = after(fed, "R1")
+    fed.clients["c0"]._inputs["all"]["x"][0] = 1e300  # changed behind the R1 check's back
     with pytest.raises(EncodingOverflowError, match="all/x") as info:
         fed.clients["c0"].receive(requests["c0"])
     assert "bound" in str(info.value) and "fractional bits" in str(info.value)

@@ -75,6 +75,24 @@ def test_overflow_names_the_tensor_and_the_bound() -> None:
     assert info.value.tensor == "class3/gram" and info.value.bound == bound
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    st.integers(min_value=0, max_value=52),
+    st.integers(min_value=1, max_value=64),
+    st.floats(min_value=0.999999, max_value=1.000001),
+    st.booleans(),
+)
+def test_check_encodable_refuses_exactly_what_encode_refuses(frac_bits, group_size, scale, negative) -> None:
+    x = np.array([(-1 if negative else 1) * encoding.encoding_bound(frac_bits, group_size) * scale, 0.5])
+    try:
+        encoding.encode(x, tensor="t", frac_bits=frac_bits, group_size=group_size)
+    except EncodingOverflowError:
+        with pytest.raises(EncodingOverflowError):
+            encoding.check_encodable(x, tensor="t", frac_bits=frac_bits, group_size=group_size)
+    else:
+        encoding.check_encodable(x, tensor="t", frac_bits=frac_bits, group_size=group_size)
+
+
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_non_finite_values_are_rejected(bad) -> None:
     with pytest.raises(NonFiniteValueError, match="b_c"):
