@@ -8,6 +8,7 @@ includes the session id, so nothing can be replayed from another session.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 
 from . import crypto
 from .fields import sequence, tagged_fields
@@ -17,7 +18,9 @@ CONFIG_DOMAIN = b"secure-afl/v1/session-config/nested-layout"
 LAYOUT_GROUP_DOMAIN = b"secure-afl/v1/layout-group"
 LAYOUT_TENSOR_DOMAIN = b"secure-afl/v1/layout-tensor"
 ADVERTISE_DOMAIN = b"secure-afl/v1/advertise-keys"
-SURVIVORS_DOMAIN = b"secure-afl/v1/consistency-survivors"
+SURVIVORS_DOMAIN = b"secure-afl/v1/consistency-transcript"
+ADVERTISEMENTS_DOMAIN = b"secure-afl/v1/accepted-advertisements"
+ADVERTISEMENT_ENTRY_DOMAIN = b"secure-afl/v1/accepted-advertisement"
 COMMITMENT_DOMAIN = b"secure-afl/v1/self-mask-commitment"
 
 
@@ -85,9 +88,48 @@ def advertisement_signed_by(advert: AdvertiseKeys, public_key: bytes) -> bool:
     return crypto.verify(public_key, advert.signature, domain, *fields)
 
 
-def survivors_fields(session_id: bytes, survivors: tuple[str, ...]) -> tuple[bytes, tuple]:
-    """(domain, fields) signed by a client in R3: the session and the sorted survivor set U3."""
-    return SURVIVORS_DOMAIN, (session_id, tuple(sorted(survivors)))
+def advertisements_digest(session_id: bytes, advertisements: Iterable[AdvertiseKeys]) -> bytes:
+    """SHA-256 of every advertisement a client accepted in R1, sorted by client id, signatures included.
+
+    It stands for the keys of the session's transcript: two sessions with one session id but
+    different advertised keys (or a different set of participants) have different digests.
+    """
+    ordered = sorted(advertisements, key=lambda advert: advert.client_id)
+    entries = sequence(
+        tagged_fields(
+            ADVERTISEMENT_ENTRY_DOMAIN,
+            advert.session_id,
+            advert.client_id,
+            advert.encryption_public_key,
+            advert.mask_public_key,
+            advert.self_mask_commitment,
+            advert.config_digest,
+            advert.groups,
+            advert.signature,
+        )
+        for advert in ordered
+    )
+    return hashlib.sha256(tagged_fields(ADVERTISEMENTS_DOMAIN, session_id, entries)).digest()
+
+
+def survivors_fields(
+    session_id: bytes,
+    config_digest_value: bytes,
+    advertisements_digest_value: bytes,
+    survivors: tuple[str, ...],
+) -> tuple[bytes, tuple]:
+    """(domain, fields) signed by a client in R3: the transcript so far and the sorted survivor set U3.
+
+    Besides the session id and U3, the signature covers the config digest and the digest of the
+    advertisements the client accepted in R1 (as Google's fcp does), so it cannot be replayed into a
+    session that has the same id but other keys, participants or layout.
+    """
+    return SURVIVORS_DOMAIN, (
+        session_id,
+        config_digest_value,
+        advertisements_digest_value,
+        tuple(sorted(survivors)),
+    )
 
 
 def self_mask_commitment(seed: bytes, session_id: bytes, client_id: str) -> bytes:

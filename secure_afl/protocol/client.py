@@ -361,8 +361,11 @@ class ClientSession:
         assert own_shares is not None  # the own advertisement was checked above
         reply = ShareKeys(config.session_id, self.client_id, tuple(encrypted))
 
+        adverts_digest = binding.advertisements_digest(config.session_id, adverts.values())
+
         def commit() -> None:
             self._adverts = adverts
+            self._adverts_digest = adverts_digest
             self._members = members
             self._held = {self.client_id: own_shares}
 
@@ -442,7 +445,7 @@ class ClientSession:
         config = self._require_config()
         self._check_session(request.session_id)
         survivors = self._survivor_set(request.survivors)
-        domain, fields = binding.survivors_fields(config.session_id, tuple(survivors))
+        domain, fields = self._transcript_fields(tuple(survivors))
         reply = ConsistencyResponse(
             config.session_id, self.client_id, crypto.sign(self._identity.private_key, domain, *fields)
         )
@@ -480,7 +483,7 @@ class ClientSession:
         if wanted_seeds != survivors or wanted_keys != dropped:
             raise InconsistentSurvivorsError("the reveal lists do not match the signed survivor set")
         signers: set[str] = set()
-        domain, fields = binding.survivors_fields(config.session_id, tuple(sorted(survivors)))
+        domain, fields = self._transcript_fields(tuple(sorted(survivors)))
         for item in request.signatures:
             if item.client_id in signers:
                 raise DuplicateClientError(f"two consistency signatures from {item.client_id!r}")
@@ -488,7 +491,8 @@ class ClientSession:
                 raise UnknownClientError(f"consistency signature from {item.client_id!r}, not a survivor")
             if not crypto.verify(self._roster.public_key(item.client_id), item.signature, domain, *fields):
                 raise InconsistentSurvivorsError(
-                    f"{item.client_id!r} did not sign this survivor set: clients were shown different sets"
+                    f"{item.client_id!r} did not sign this survivor set and transcript: clients were shown "
+                    f"different survivor sets, advertisements or configs"
                 )
             signers.add(item.client_id)
         if len(signers) < config.threshold:
@@ -510,6 +514,12 @@ class ClientSession:
         return reply, lambda: None
 
     # --- helpers ----------------------------------------------------------------------------------
+
+    def _transcript_fields(self, survivors: tuple[str, ...]) -> tuple[bytes, tuple]:
+        config = self._require_config()
+        return binding.survivors_fields(
+            config.session_id, self._config_digest, self._adverts_digest, survivors
+        )
 
     def _survivor_set(self, survivors: tuple[str, ...]) -> list[str]:
         config = self._require_config()
@@ -571,6 +581,7 @@ class ClientSession:
         self._seed = b""
         self._own_advert: AdvertiseKeys | None = None
         self._adverts: dict[str, AdvertiseKeys] = {}
+        self._adverts_digest = b""
         self._members: dict[str, tuple[str, ...]] = {}
         self._held: dict[str, _HeldShares] = {}
         self._share_senders: frozenset[str] = frozenset()

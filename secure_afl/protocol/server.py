@@ -88,6 +88,7 @@ class ServerSession:
         self._signatures: dict[str, bytes] = {}
         self._unmask: dict[str, UnmaskResponse] = {}
         self._members: dict[str, tuple[str, ...]] = {}
+        self._adverts_digest = b""
         self._u2: tuple[str, ...] = ()
         self._u3: tuple[str, ...] = ()
         self._u4: tuple[str, ...] = ()
@@ -218,9 +219,13 @@ class ServerSession:
 
     def _receive_consistency(self, message: ConsistencyResponse) -> None:
         self._check_sender(message.sender, self._u3, self._signatures)
-        domain, fields = binding.survivors_fields(self._config.session_id, self._u3)
+        domain, fields = binding.survivors_fields(
+            self._config.session_id, self._digest, self._adverts_digest, self._u3
+        )
         if not crypto.verify(self._roster.public_key(message.sender), message.signature, domain, *fields):
-            raise InvalidSignatureError(f"{message.sender!r} did not sign the survivor set")
+            raise InvalidSignatureError(
+                f"{message.sender!r} did not sign the survivor set over this session's transcript"
+            )
         self._signatures[message.sender] = message.signature
 
     def _receive_unmask(self, message: UnmaskResponse) -> None:
@@ -267,6 +272,7 @@ class ServerSession:
         self._check_groups(members, set(self._adverts), "after R0")
         self._members = members
         adverts = tuple(self._adverts[cid] for cid in sorted(self._adverts))
+        self._adverts_digest = binding.advertisements_digest(self._config.session_id, adverts)
         request = ShareKeysRequest(self._config.session_id, adverts)
         return {cid: request for cid in sorted(self._adverts)}
 

@@ -9,7 +9,7 @@ import pytest
 
 from secure_afl.keys.identity import IdentityKey
 from secure_afl.protocol import binding, crypto, encoding
-from secure_afl.protocol.client import validate_config
+from secure_afl.protocol.client import ClientSession, validate_config
 from secure_afl.protocol.errors import (
     BothSharesRequestedError,
     ClientProtocolError,
@@ -412,6 +412,82 @@ def test_clients_given_different_survivor_sets_detect_it() -> None:
         ("c4",),
     )
     assert_refuses(fed.clients["c0"], request, InconsistentSurvivorsError)
+
+
+def _same_session_other_keys(n: int, threshold: int):
+    """Two federations with one session id, one roster and one config, but other session keys."""
+    first = make_federation(n, threshold=threshold)
+    second = make_federation(n, threshold=threshold)  # same seed: same identities, config, session id
+    second.clients = {
+        cid: ClientSession(
+            cid,
+            second.identities[cid],
+            second.roster,
+            second.inputs[cid],
+            min_threshold=threshold,
+            min_group_size=1,
+            random=DeterministicRandomSource(b"other keys " + cid.encode()),
+        )
+        for cid in second.clients
+    }
+    assert first.config == second.config and first.roster == second.roster
+    return first, second
+
+
+def test_r3_signature_cannot_be_replayed_into_a_session_with_the_same_id_but_other_keys() -> None:
+    first, second = _same_session_other_keys(4, 3)
+    first_requests, second_requests = after(first, "R2"), after(second, "R2")
+    assert first_requests["c1"] == second_requests["c1"]  # same session id, same U3
+    (replayed,) = first.clients["c1"].receive(first_requests["c1"])
+    (genuine,) = second.clients["c1"].receive(second_requests["c1"])
+    assert replayed.session_id == genuine.session_id and replayed.signature != genuine.signature
+    # The server of the second session refuses the first session's signature...
+    with pytest.raises(InvalidSignatureError, match="transcript"):
+        second.server.receive(replayed)
+    second.server.receive(genuine)
+    # ...and so does a client of the second session, shown it in the unmask request.
+    for cid in ("c0", "c2", "c3"):
+        for reply in second.clients[cid].receive(second_requests[cid]):
+            second.server.receive(reply)
+    request = second.server.next_round()["c0"]
+    swapped = tuple(
+        SurvivorSignature("c1", replayed.signature) if item.client_id == "c1" else item
+        for item in request.signatures
+    )
+    assert_refuses(
+        second.clients["c0"], dataclasses.replace(request, signatures=swapped), InconsistentSurvivorsError
+    )
+
+
+def test_r3_signature_over_a_different_advertisement_set_is_rejected() -> None:
+    fed = make_federation(4, threshold=3)
+    requests = after(fed, "R2")
+    (accepted,) = (m.advertisements for d, r, cid, m in fed.log if (d, r, cid) == ("to-client", "R1", "c0"))
+    survivors = requests["c0"].survivors
+    digest = binding.config_digest(fed.config)
+    # c1 (its real identity key) signs U3 over an advertisement set without c3: what it would sign
+    # had the server shown it a different set of participants' keys.
+    other = binding.advertisements_digest(fed.config.session_id, accepted[:3])
+    domain, fields = binding.survivors_fields(fed.config.session_id, digest, other, survivors)
+    forged = crypto.sign(fed.identities["c1"].private_key, domain, *fields)
+    (genuine,) = fed.clients["c1"].receive(requests["c1"])
+    with pytest.raises(InvalidSignatureError):
+        fed.server.receive(dataclasses.replace(genuine, signature=forged))
+    # Over the accepted set it verifies: the digest is what the signature binds.
+    right = binding.advertisements_digest(fed.config.session_id, accepted)
+    domain, fields = binding.survivors_fields(fed.config.session_id, digest, right, survivors)
+    assert crypto.verify(fed.identities["c1"].public_key, genuine.signature, domain, *fields)
+    fed.server.receive(genuine)
+    for cid in ("c0", "c2", "c3"):
+        for reply in fed.clients[cid].receive(requests[cid]):
+            fed.server.receive(reply)
+    request = fed.server.next_round()["c0"]
+    swapped = tuple(
+        SurvivorSignature("c1", forged) if item.client_id == "c1" else item for item in request.signatures
+    )
+    assert_refuses(
+        fed.clients["c0"], dataclasses.replace(request, signatures=swapped), InconsistentSurvivorsError
+    )
 
 
 def test_unmask_with_a_different_survivor_set_than_signed_is_refused() -> None:
