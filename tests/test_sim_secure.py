@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 import pytest
 
@@ -233,3 +235,47 @@ def test_message_size_limit_follows_the_layout(monkeypatch) -> None:
         4,
     )
     assert layout in limits and 4096 not in limits
+
+
+def test_one_array_sent_as_symmetric_and_as_plain_tensor() -> None:
+    """The packing cache must key on (array, symmetric), not on the array alone."""
+    rng = np.random.default_rng(7)
+    contributions = {}
+    for i in range(3):
+        h = rng.normal(size=(10, 4))
+        gram = h.T @ h
+        # The same object is the symmetric "gram" of one group and a plain (full) matrix in another.
+        contributions[f"client{i}"] = {"a": {"gram": gram}, "b": {"m": gram}}
+    result = secure_aggregate(contributions, random=DeterministicRandomSource(b"sym"))
+    expected = sum(c["a"]["gram"] for c in contributions.values())
+    assert np.allclose(result.sums["a"]["gram"], expected, atol=1e-8)
+    assert result.sums["b"]["m"].shape == (4, 4)
+    assert np.allclose(result.sums["b"]["m"], expected, atol=1e-8)
+
+
+class _FreshArrays(Mapping):
+    """Tensors made on every access, as a lazy loader would: temporaries whose ids Python may reuse."""
+
+    def __init__(self, seeds: dict[str, int], d: int) -> None:
+        self._seeds, self._d = seeds, d
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        h = np.random.default_rng(self._seeds[name]).normal(size=(6, self._d))
+        return h.T @ h
+
+    def __iter__(self):
+        return iter(self._seeds)
+
+    def __len__(self) -> int:
+        return len(self._seeds)
+
+
+def test_packing_cache_survives_recycled_array_ids() -> None:
+    d = 5
+    contributions = {
+        f"client{i}": {f"g{j}": _FreshArrays({"gram": 100 * i + j}, d) for j in range(4)} for i in range(3)
+    }
+    result = secure_aggregate(contributions, random=DeterministicRandomSource(b"ids"))
+    for j in range(4):
+        expected = sum(contributions[cid][f"g{j}"]["gram"] for cid in contributions)
+        assert np.allclose(result.sums[f"g{j}"]["gram"], expected, atol=1e-8)

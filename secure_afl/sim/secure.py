@@ -121,12 +121,18 @@ def secure_aggregate(
     )
     identities = {cid: IdentityKey.generate(random) for cid in client_ids}
     roster = Roster(RosterEntry(cid, cid, identities[cid].public_key) for cid in client_ids)
-    flattened: dict[int, np.ndarray] = {}  # a client's Gram shared by several groups is packed once
+    # A client's Gram shared by several groups is packed once.  The key holds the packing too (one
+    # array may be a symmetric tensor in one group and a plain one in another), and the entry keeps
+    # the original array alive so its id cannot be reused by another array while the cache lives.
+    flattened: dict[tuple[int, bool], tuple[np.ndarray, np.ndarray]] = {}
 
     def flatten(values: np.ndarray, name: str) -> np.ndarray:
-        if id(values) not in flattened:
-            flattened[id(values)] = _flatten(values, name in symmetric)
-        return flattened[id(values)]
+        key = (id(values), name in symmetric)
+        entry = flattened.get(key)
+        if entry is None or entry[0] is not values:
+            entry = (values, _flatten(values, key[1]))
+            flattened[key] = entry
+        return entry[1]
 
     clients = {
         cid: ClientSession(
