@@ -72,11 +72,16 @@ def main() -> None:
 
         rows.append(("PNG decode, 1 process", n / timed(lambda: [load_grayscale(p) for p in paths])))
         tensors: list[torch.Tensor] = []
-        rows.append(("decode + xrv preprocess, 1 process",
-                     n / timed(lambda: tensors.extend(backbone.transform(load_grayscale(p)) for p in paths))))
+        rows.append(
+            (
+                "decode + xrv preprocess, 1 process",
+                n / timed(lambda: tensors.extend(backbone.transform(load_grayscale(p)) for p in paths)),
+            )
+        )
         dataset = ImageDataset(paths, backbone.transform)
-        loader = DataLoader(dataset, batch_size=args.batch_size, num_workers=args.num_workers,
-                            collate_fn=collate_images)
+        loader = DataLoader(
+            dataset, batch_size=args.batch_size, num_workers=args.num_workers, collate_fn=collate_images
+        )
         rows.append((f"DataLoader, {args.num_workers} workers", n / timed(lambda: [b for b in loader])))
 
         backbone.module.to(device)
@@ -91,17 +96,32 @@ def main() -> None:
             backbone.embed(batches[0][:2].to(device))  # warm-up (allocator, kernel selection)
         rows.append((f"model forward only, batch {args.batch_size} on {device}", n / timed(forward_all)))
         result_box: list[object] = []
-        end_to_end = timed(lambda: result_box.append(extract_features(
-            paths, backbone, cache_dir=Path(workdir) / "cache", device=str(device),
-            batch_size=args.batch_size, num_workers=args.num_workers, progress=False)))
+        end_to_end = timed(
+            lambda: result_box.append(
+                extract_features(
+                    paths,
+                    backbone,
+                    cache_dir=Path(workdir) / "cache",
+                    device=str(device),
+                    batch_size=args.batch_size,
+                    num_workers=args.num_workers,
+                    progress=False,
+                )
+            )
+        )
         rows.append(("end to end extract_features (empty cache)", n / end_to_end))
-        cached = timed(lambda: extract_features(paths, backbone, cache_dir=Path(workdir) / "cache",
-                                                device=str(device), progress=False))
+        cached = timed(
+            lambda: extract_features(
+                paths, backbone, cache_dir=Path(workdir) / "cache", device=str(device), progress=False
+            )
+        )
         rows.append(("rerun from the cache", n / cached))
 
-    print(f"DenseNet-121 (xrv, random weights), {n} synthetic {args.image_size}x{args.image_size} PNGs "
-          f"(mean {mean_kb:.0f} KiB), device {device}, torch threads {torch.get_num_threads()}, "
-          f"{args.num_workers} loader workers")
+    print(
+        f"DenseNet-121 (xrv, random weights), {n} synthetic {args.image_size}x{args.image_size} PNGs "
+        f"(mean {mean_kb:.0f} KiB), device {device}, torch threads {torch.get_num_threads()}, "
+        f"{args.num_workers} loader workers"
+    )
     print(f"{'stage':<48} {'images/s':>10} {'ms/image':>10}")
     for stage, rate in rows:
         print(f"{stage:<48} {rate:>10.1f} {1000 / rate:>10.2f}")

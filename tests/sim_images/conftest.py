@@ -19,11 +19,27 @@ IMAGE_SIZE = 64
 # The header of torchxrayvision's bundled Data_Entry_2017_v2020.csv.gz, verbatim: the last two
 # bracketed names contain unquoted commas, so they are four columns.
 NIH_CSV_HEADER = [
-    "Image Index", "Finding Labels", "Follow-up #", "Patient ID", "Patient Age", "Patient Gender",
-    "View Position", "OriginalImage[Width", "Height]", "OriginalImagePixelSpacing[x", "y]",
+    "Image Index",
+    "Finding Labels",
+    "Follow-up #",
+    "Patient ID",
+    "Patient Age",
+    "Patient Gender",
+    "View Position",
+    "OriginalImage[Width",
+    "Height]",
+    "OriginalImagePixelSpacing[x",
+    "y]",
 ]
-FINDINGS = ["No Finding", "Atelectasis", "Cardiomegaly|Effusion", "Infiltration", "Mass|Nodule",
-            "Pneumonia", "Pneumothorax"]
+FINDINGS = [
+    "No Finding",
+    "Atelectasis",
+    "Cardiomegaly|Effusion",
+    "Infiltration",
+    "Mass|Nodule",
+    "Pneumonia",
+    "Pneumothorax",
+]
 
 
 def nih_name(index: int) -> str:
@@ -54,8 +70,21 @@ def write_nih_csv(path: Path, names: list[str]) -> None:
         writer.writerow(NIH_CSV_HEADER)
         for i, name in enumerate(names):
             patient = int(name[:8])
-            writer.writerow([name, FINDINGS[i % len(FINDINGS)], int(name[9:12]), patient, 40 + i,
-                             "MF"[i % 2], "PA" if i % 4 else "AP", 2500, 2048, 0.143, 0.143])
+            writer.writerow(
+                [
+                    name,
+                    FINDINGS[i % len(FINDINGS)],
+                    int(name[9:12]),
+                    patient,
+                    40 + i,
+                    "MF"[i % 2],
+                    "PA" if i % 4 else "AP",
+                    2500,
+                    2048,
+                    0.143,
+                    0.143,
+                ]
+            )
 
 
 @pytest.fixture(scope="session")

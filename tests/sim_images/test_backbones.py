@@ -31,8 +31,12 @@ def gray_image(size: int = 64, value: int | None = None) -> Image.Image:
 
 
 def test_registry_lists_every_backbone_of_the_paper() -> None:
-    expected = {"densenet121-xrv", *(f"resnet{d}" for d in (18, 34, 50, 101, 152)),
-                *(f"vgg{d}" for d in (11, 13, 16, 19)), *(f"efficientnet_b{i}" for i in range(8))}
+    expected = {
+        "densenet121-xrv",
+        *(f"resnet{d}" for d in (18, 34, 50, 101, 152)),
+        *(f"vgg{d}" for d in (11, 13, 16, 19)),
+        *(f"efficientnet_b{i}" for i in range(8)),
+    }
     assert set(BACKBONES) == expected
     assert BACKBONES["densenet121-xrv"].feature_dim == 1024
     assert BACKBONES["resnet50"].feature_dim == 2048
@@ -121,8 +125,12 @@ def test_default_xrv_weights_path_is_torchxrayvision_cache_and_missing_file_is_e
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("HOME", str(tmp_path))
-    expected = tmp_path / ".torchxrayvision" / "models_data" / (
-        "mimic_ch-densenet121-d121-tw-lr001-rot45-tr15-sc15-seed0-best.pt")
+    expected = (
+        tmp_path
+        / ".torchxrayvision"
+        / "models_data"
+        / ("mimic_ch-densenet121-d121-tw-lr001-rot45-tr15-sc15-seed0-best.pt")
+    )
     assert default_weights_path("densenet121-xrv") == expected
     with pytest.raises(WeightsNotFoundError) as caught:
         load_backbone("densenet121-xrv", None)

@@ -26,8 +26,9 @@ def counted(backbone: Backbone, fail_at: int | None = None) -> tuple[Backbone, C
 def test_densenet_xrv_features_match_a_direct_forward_pass(flat_paths: list[Path], tmp_path: Path) -> None:
     backbone = load_backbone("densenet121-xrv", None, random_init=True)
     paths = flat_paths[:5]
-    result = extract_features(paths, backbone, cache_dir=tmp_path, batch_size=3, num_workers=2,
-                              progress=False)
+    result = extract_features(
+        paths, backbone, cache_dir=tmp_path, batch_size=3, num_workers=2, progress=False
+    )
     assert result.features.shape == (5, 1024) and result.features.dtype == np.float32
     assert result.forward_passes == 2 and not result.from_cache and result.skipped == []
     with torch.inference_mode():
@@ -40,8 +41,15 @@ def test_second_run_reads_the_cache_without_a_dataloader_or_forward_pass(
     toy_backbone: Backbone, flat_paths: list[Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     first_backbone, first_counter = counted(toy_backbone)
-    first = extract_features(flat_paths, first_backbone, cache_dir=tmp_path, batch_size=5, shard_size=7,
-                             num_workers=0, progress=False)
+    first = extract_features(
+        flat_paths,
+        first_backbone,
+        cache_dir=tmp_path,
+        batch_size=5,
+        shard_size=7,
+        num_workers=0,
+        progress=False,
+    )
     assert first_counter.calls == first.forward_passes == 5 and first.shards_computed == 4
     manifest = json.loads((first.cache_path / "manifest.json").read_text())
     assert sorted(manifest["shards"]) == ["0", "1", "2", "3"]
@@ -96,10 +104,18 @@ def test_a_lost_shard_file_is_recomputed_alone(
 def test_batches_that_straddle_shards_give_the_same_features(
     toy_backbone: Backbone, flat_paths: list[Path], tmp_path: Path
 ) -> None:
-    straddling = extract_features(flat_paths, toy_backbone, cache_dir=tmp_path / "a", batch_size=3,
-                                  shard_size=5, num_workers=2, progress=False)
-    one_batch = extract_features(flat_paths, toy_backbone, cache_dir=tmp_path / "b", batch_size=64,
-                                 num_workers=0, progress=False)
+    straddling = extract_features(
+        flat_paths,
+        toy_backbone,
+        cache_dir=tmp_path / "a",
+        batch_size=3,
+        shard_size=5,
+        num_workers=2,
+        progress=False,
+    )
+    one_batch = extract_features(
+        flat_paths, toy_backbone, cache_dir=tmp_path / "b", batch_size=64, num_workers=0, progress=False
+    )
     assert straddling.forward_passes == 8 and one_batch.forward_passes == 1
     assert np.isfinite(straddling.features).all()
     assert np.allclose(straddling.features, one_batch.features, atol=1e-6)
@@ -113,13 +129,18 @@ def test_cache_key_depends_on_weights_preprocessing_and_image_order(
     other_preprocess = dataclasses.replace(
         toy_backbone, preprocess=dataclasses.replace(toy_backbone.preprocess, params=(("resize", 64),))
     )
-    assert len({
-        key,
-        feature_cache_key(flat_paths, other_weights),
-        feature_cache_key(flat_paths, other_preprocess),
-        feature_cache_key(flat_paths[::-1], toy_backbone),
-        feature_cache_key(flat_paths, toy_backbone, amp=True),
-    }) == 5
+    assert (
+        len(
+            {
+                key,
+                feature_cache_key(flat_paths, other_weights),
+                feature_cache_key(flat_paths, other_preprocess),
+                feature_cache_key(flat_paths[::-1], toy_backbone),
+                feature_cache_key(flat_paths, toy_backbone, amp=True),
+            }
+        )
+        == 5
+    )
     assert feature_cache_key(list(flat_paths), toy_backbone) == key
 
 
@@ -141,12 +162,14 @@ def test_strict_mode_raises_on_a_corrupt_png_fresh_or_cached(
 ) -> None:
     paths, bad = corrupt_data_dir
     with pytest.raises(CorruptImageError, match=paths[bad].name):
-        extract_features(paths, toy_backbone, cache_dir=tmp_path / "fresh", num_workers=0, progress=False,
-                         strict=True)
+        extract_features(
+            paths, toy_backbone, cache_dir=tmp_path / "fresh", num_workers=0, progress=False, strict=True
+        )
     extract_features(paths, toy_backbone, cache_dir=tmp_path / "cached", num_workers=0, progress=False)
     with pytest.raises(CorruptImageError, match=paths[bad].name):
-        extract_features(paths, toy_backbone, cache_dir=tmp_path / "cached", num_workers=0, progress=False,
-                         strict=True)
+        extract_features(
+            paths, toy_backbone, cache_dir=tmp_path / "cached", num_workers=0, progress=False, strict=True
+        )
 
 
 def test_empty_image_list_needs_no_forward_pass(toy_backbone: Backbone, tmp_path: Path) -> None:
@@ -162,13 +185,15 @@ def test_devices_and_amp_on_a_machine_without_cuda(
     with pytest.raises(ValueError, match="no CUDA GPU"):
         resolve_device("cuda")
     with pytest.warns(UserWarning, match="amp=True has an effect on CUDA only"):
-        result = extract_features(flat_paths[:4], toy_backbone, cache_dir=tmp_path, amp=True, num_workers=0,
-                                  progress=False)
+        result = extract_features(
+            flat_paths[:4], toy_backbone, cache_dir=tmp_path, amp=True, num_workers=0, progress=False
+        )
     assert result.cache_path.name == feature_cache_key(flat_paths[:4], toy_backbone, amp=False)
 
 
-def test_progress_bar_reports_images_per_second(toy_backbone: Backbone, flat_paths: list[Path],
-                                                tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_progress_bar_reports_images_per_second(
+    toy_backbone: Backbone, flat_paths: list[Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     extract_features(flat_paths, toy_backbone, cache_dir=tmp_path, batch_size=4, num_workers=0, progress=True)
     err = capsys.readouterr().err
     assert "img/s" in err and "24/24" in err
