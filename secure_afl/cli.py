@@ -99,7 +99,26 @@ def main() -> None:
     show_default=True,
     help="Random clients that drop out.",
 )
-@click.option("--dropout-stage", type=click.Choice(["R1", "R2", "R3"]), default="R2", show_default=True)
+@click.option(
+    "--dropout-stage",
+    type=click.Choice(["R1", "R2", "R3"]),
+    default="R2",
+    show_default=True,
+    help="R1: before sharing keys; R2: before sending the masked input; R3: after it (input still counts).",
+)
+@click.option(
+    "--threshold",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Shamir threshold t of the masking protocol (default: a majority, n//2 + 1).",
+)
+@click.option(
+    "--min-group-size",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Never unmask a group with fewer survivors (the simulator allows 1, with a loud audit line).",
+)
 @click.option(
     "--fraction",
     type=click.FloatRange(0, 1, min_open=True),
@@ -110,7 +129,9 @@ def main() -> None:
 @click.option(
     "--dim", type=click.IntRange(min=1), default=1024, show_default=True, help="Synthetic feature dimension."
 )
-@click.option("--fedavg-rounds", type=click.IntRange(min=1), default=50, show_default=True)
+@click.option(
+    "--fedavg-rounds", type=click.IntRange(min=1), default=50, show_default=True, help="FedAvg rounds."
+)
 @click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda.")
 @click.option(
     "--dataset",
@@ -160,7 +181,12 @@ def main() -> None:
 )
 @click.option("--amp/--no-amp", default=False, show_default=True, help="Mixed precision forward pass (CUDA).")
 @click.option(
-    "--out", "out_dir", type=click.Path(path_type=Path), default=Path("runs/sim"), show_default=True
+    "--out",
+    "out_dir",
+    type=click.Path(path_type=Path),
+    default=Path("runs/sim"),
+    show_default=True,
+    help="Where results.json and report.md are written.",
 )
 def sim(
     missing: tuple[int, ...],
@@ -171,6 +197,8 @@ def sim(
     secure: str,
     dropout: int,
     dropout_stage: str,
+    threshold: int | None,
+    min_group_size: int,
     fraction: float,
     dim: int,
     fedavg_rounds: int,
@@ -226,6 +254,8 @@ def sim(
             secure=secure,  # type: ignore[arg-type]
             dropout=dropout,
             dropout_stage=dropout_stage,  # type: ignore[arg-type]
+            threshold=threshold,
+            min_group_size=min_group_size,
             fraction=fraction,
             dim=dim,
             device=device,

@@ -146,3 +146,48 @@ def test_r3_dropouts_count_in_round1_but_sit_out_round2(tmp_path: Path) -> None:
     assert dropped in groups["all"]["survivors"]  # its masked input arrived before it dropped
     assert all(dropped not in g["members"] for name, g in groups.items() if name.startswith("pseudo/"))
     assert all(p["client"] != dropped for p in setting["pseudo_labels"])
+
+
+def test_threshold_and_minimum_group_size_reach_the_protocol(tmp_path: Path) -> None:
+    ok = _run(
+        [
+            "--missing",
+            "3",
+            "--rounds",
+            "1",
+            "--threshold",
+            "7",
+            "--min-group-size",
+            "2",
+            "--out",
+            str(tmp_path),
+            *SMALL,
+        ]
+    )
+    assert ok.exit_code == 0, ok.output
+    groups = json.loads((tmp_path / "results.json").read_text())["settings"][0]["privacy_audit"]["groups"]
+    assert min(len(g["survivors"]) for g in groups) >= 2
+    too_few = CliRunner().invoke(
+        main,
+        [
+            "sim",
+            "--missing",
+            "3",
+            "--rounds",
+            "1",
+            "--threshold",
+            "7",
+            "--dropout",
+            "2",
+            "--out",
+            str(tmp_path),
+            *SMALL,
+        ],
+    )
+    assert too_few.exit_code == 1 and "at least t clients" in too_few.output  # 6 survivors < t = 7
+    singletons = CliRunner().invoke(
+        main, ["sim", "--missing", "7", "--min-group-size", "2", "--out", str(tmp_path), *SMALL]
+    )
+    assert singletons.exit_code == 1 and "--min-group-size 2" in singletons.output
+    absurd = CliRunner().invoke(main, ["sim", "--threshold", "9", "--out", str(tmp_path), *SMALL])
+    assert absurd.exit_code == 1 and "threshold must be from 1 to 8" in absurd.output

@@ -102,6 +102,12 @@ class SimConfig:
             raise ExperimentError(f"secure must be 'none' or 'mask', got {self.secure!r}")
         if not 0 <= self.dropout < self.n_clients:
             raise ExperimentError(f"dropout must be from 0 to {self.n_clients - 1}, got {self.dropout}")
+        if self.threshold is not None and not 1 <= self.threshold <= self.n_clients:
+            raise ExperimentError(
+                f"threshold must be from 1 to {self.n_clients} (the clients), got {self.threshold}"
+            )
+        if self.min_group_size < 1:
+            raise ExperimentError(f"min_group_size must be at least 1, got {self.min_group_size}")
         if self.dropout_stage not in ("R1", "R2", "R3"):
             raise ExperimentError(f"dropout stage must be R1, R2 or R3, got {self.dropout_stage!r}")
 
@@ -213,9 +219,10 @@ def aggregate(
             ) from exc
         except GroupTooSmallError as exc:
             raise ExperimentError(
-                f"secure aggregation aborted: {exc}. Every client that labels some class dropped out "
-                "(at missing 7 each class has a single annotating client); "
-                "lower --dropout or the missing level"
+                f"secure aggregation aborted: {exc}. A group kept fewer live members than "
+                f"--min-group-size {config.min_group_size} (dropouts: {config.dropout}; at missing 7 each "
+                "class has a single annotating client); "
+                "lower --min-group-size, --dropout or the missing level"
             ) from exc
         except EncodingOverflowError as exc:
             raise ExperimentError(f"a statistic does not fit the fixed-point encoding: {exc}") from exc
