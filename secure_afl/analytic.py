@@ -321,7 +321,7 @@ def pseudo_label_contributions(
 def uploaded_by(
     *, balance: Balance = "client", gram: GramScope = "class", round2: bool = False
 ) -> Callable[[str, str], bool]:
-    """Which (group, tensor) pairs one configuration of the method sums: for audits and cost reports."""
+    """Which (group, tensor) pairs one configuration of the method sums (the per-method audit uses it)."""
     _check_options(balance, gram)
 
     def needed(group: str, tensor: str) -> bool:
