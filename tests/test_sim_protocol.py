@@ -154,3 +154,20 @@ def test_malformed_csvs(tmp_path: Path) -> None:
         load_cohort(truncated)
     with pytest.raises(CohortError, match="does not exist"):
         load_cohort(tmp_path / "nope.csv")
+
+
+def test_written_out_adam_matches_torch_adam() -> None:
+    import torch
+
+    from secure_afl.sim.fedavg import _Adam
+
+    generator = torch.Generator().manual_seed(0)
+    ours = torch.randn(5, 3, generator=generator, dtype=torch.float64)
+    reference = ours.clone().requires_grad_(True)
+    optimiser, adam = torch.optim.Adam([reference], lr=1e-2), _Adam(ours, 1e-2)
+    for _ in range(20):
+        grad = torch.randn(5, 3, generator=generator, dtype=torch.float64)
+        reference.grad = grad.clone()
+        optimiser.step()
+        adam.step(ours, grad)
+    torch.testing.assert_close(ours, reference.detach(), rtol=1e-12, atol=1e-15)
