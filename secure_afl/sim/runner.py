@@ -218,11 +218,14 @@ def aggregate(
                 f"(t = {config.threshold or 'a majority'}); lower --dropout"
             ) from exc
         except GroupTooSmallError as exc:
+            remedy = (
+                "lower --dropout or the missing level (at missing 7 each class has one annotating client)"
+                if config.dropout
+                else "lower --min-group-size or the missing level"
+            )
             raise ExperimentError(
                 f"secure aggregation aborted: {exc}. A group kept fewer live members than "
-                f"--min-group-size {config.min_group_size} (dropouts: {config.dropout}; at missing 7 each "
-                "class has a single annotating client); "
-                "lower --min-group-size, --dropout or the missing level"
+                f"--min-group-size {config.min_group_size}; {remedy}"
             ) from exc
         except EncodingOverflowError as exc:
             raise ExperimentError(f"a statistic does not fit the fixed-point encoding: {exc}") from exc
