@@ -87,6 +87,9 @@ def test_sim_secure_mask_with_dropouts_reports_audit_and_costs(tmp_path: Path) -
     assert all(costs["bytes_sent"][c]["R2"] > 0 for c in alive)
     assert all(costs["bytes_sent"][c]["R2"] == 0 for c in dropped)  # dropped before sending input
     assert "Protocol costs, missing 1" in result.output
+    report = (tmp_path / "report.md").read_text()
+    assert "### Protocol costs per party, round1" in report
+    assert all(f"| {c} |" in report for c in costs["bytes_sent"])  # every client, every round
     assert "What each method alone reveals, missing 1" in result.output
 
 

@@ -107,6 +107,26 @@ def protocol_cost_rows(costs: dict[str, object]) -> tuple[list[str], list[list[s
     return header, rows
 
 
+def protocol_cost_rows_per_party(costs: dict[str, object]) -> tuple[list[str], list[list[str]]]:
+    """Per client and per round: bytes sent / received and seconds; then the server's seconds."""
+    header = ["Party", *(f"{r} sent / received B, s" for r in PROTOCOL_ROUNDS)]
+    rows = []
+    for client, sent in costs["bytes_sent"].items():
+        received, seconds = costs["bytes_received"][client], costs["client_seconds"][client]
+        rows.append(
+            [
+                client,
+                *(
+                    f"{sent.get(r, 0):,} / {received.get(r, 0):,}, {seconds.get(r, 0.0):.3f}"
+                    for r in PROTOCOL_ROUNDS
+                ),
+            ]
+        )
+    server = costs["server_seconds"]
+    rows.append(["server", *(f"{server.get(r, 0.0):.3f}" for r in PROTOCOL_ROUNDS)])
+    return header, rows
+
+
 def _protocol_tables(setting: SettingResult) -> list[tuple[str, list[str], list[list[str]]]]:
     if not setting.protocol_costs:
         return []
@@ -278,6 +298,10 @@ def markdown_report(result: ExperimentResult) -> str:
         parts += ["### Bytes each client uploads", "", _md_table(h, r), ""]
         for title, h, r in _protocol_tables(setting):
             parts += [f"### {title}", "", _md_table(h, r), ""]
+        for name, costs in (setting.protocol_costs or {}).items():
+            if costs:
+                h, r = protocol_cost_rows_per_party(costs)
+                parts += [f"### Protocol costs per party, {name}", "", _md_table(h, r), ""]
         h, r = method_exposure_rows(setting)
         parts += ["### What each method alone reveals", "", _md_table(h, r), ""]
         parts += (
