@@ -14,11 +14,12 @@ from types import MappingProxyType
 
 import numpy as np
 
+from secure_afl.aggregation.layout import flatten, layout_of
 from secure_afl.keys.identity import IdentityKey
 from secure_afl.keys.roster import Roster, RosterEntry
 from secure_afl.protocol import codec, encoding
 from secure_afl.protocol.client import ClientSession
-from secure_afl.protocol.messages import GroupSpec, SessionConfig, TensorSpec
+from secure_afl.protocol.messages import SessionConfig
 from secure_afl.protocol.randomness import OsRandomSource, RandomSource
 from secure_afl.protocol.server import ServerSession
 from secure_afl.sim.audit import PrivacyAudit, audit_groups
@@ -102,9 +103,10 @@ def secure_aggregate(
     if not 1 <= threshold <= n:
         raise ValueError(f"threshold must be in 1..{n}, got {threshold}")
     drop_stage = _dropout_stages(dropouts, client_ids)
-    layout, shapes = _layout(contributions, set(symmetric))
+    layout = layout_of(contributions, symmetric)
     members = {
-        group: tuple(cid for cid in client_ids if group in contributions[cid]) for group in sorted(layout)
+        group: tuple(cid for cid in client_ids if group in contributions[cid])
+        for group in sorted(layout.groups)
     }
     session_id = random.token_bytes(32) if session_id is None else session_id
     config = SessionConfig(
@@ -112,12 +114,7 @@ def secure_aggregate(
         threshold=threshold,
         min_group_size=min_group_size,
         frac_bits=frac_bits,
-        groups=tuple(
-            GroupSpec(
-                group, tuple(TensorSpec(name, length) for name, length in sorted(layout[group].items()))
-            )
-            for group in sorted(layout)
-        ),
+        groups=layout.group_specs(),
     )
     identities = {cid: IdentityKey.generate(random) for cid in client_ids}
     roster = Roster(RosterEntry(cid, cid, identities[cid].public_key) for cid in client_ids)
@@ -126,11 +123,11 @@ def secure_aggregate(
     # the original array alive so its id cannot be reused by another array while the cache lives.
     flattened: dict[tuple[int, bool], tuple[np.ndarray, np.ndarray]] = {}
 
-    def flatten(values: np.ndarray, name: str) -> np.ndarray:
+    def wire_vector(values: np.ndarray, name: str) -> np.ndarray:
         key = (id(values), name in symmetric)
         entry = flattened.get(key)
         if entry is None or entry[0] is not values:
-            entry = (values, _flatten(values, key[1]))
+            entry = (values, flatten(values, key[1]))
             flattened[key] = entry
         return entry[1]
 
@@ -140,7 +137,7 @@ def secure_aggregate(
             identities[cid],
             roster,
             {
-                group: {name: flatten(values, name) for name, values in tensors.items()}
+                group: {name: wire_vector(values, name) for name, values in tensors.items()}
                 for group, tensors in contributions[cid].items()
             },
             min_threshold=threshold,
@@ -200,15 +197,13 @@ def secure_aggregate(
     for group, group_sum in result.groups.items():
         sums[group] = {}
         for name, words in group_sum.sums.items():
-            values = encoding.decode(words, frac_bits=frac_bits)
-            values = encoding.unpack_symmetric(values) if name in symmetric else values.reshape(shapes[name])
-            sums[group][name] = values
+            sums[group][name] = layout.unflatten(name, encoding.decode(words, frac_bits=frac_bits))
     survivors = {group: result.groups[group].survivors for group in members}
     audit = audit_groups(
         protection="mask",
         members=members,
         survivors=survivors,
-        tensors={group: tuple(layout[group]) for group in members},
+        tensors={group: tuple(layout.groups[group]) for group in members},
         contributions=contributions,
     )
     return SecureAggregationResult(
@@ -235,34 +230,3 @@ def _dropout_stages(dropouts: Mapping[str, Collection[str]], client_ids: tuple[s
                 raise ValueError(f"client {cid!r} drops at two stages")
             stage_of[cid] = stage
     return stage_of
-
-
-def _flatten(values: np.ndarray, is_symmetric: bool) -> np.ndarray:
-    array = np.asarray(values, dtype=np.float64)
-    return encoding.pack_symmetric(array) if is_symmetric else np.ascontiguousarray(array).ravel()
-
-
-def _layout(
-    contributions: Mapping[str, Mapping[str, Mapping[str, np.ndarray]]], symmetric: set[str]
-) -> tuple[dict[str, dict[str, int]], dict[str, tuple[int, ...]]]:
-    """Per group the tensors' wire lengths, and each tensor name's shape; every member must agree."""
-    layout: dict[str, dict[str, int]] = {}
-    shapes: dict[str, tuple[int, ...]] = {}
-    for cid, groups in contributions.items():
-        for group, tensors in groups.items():
-            lengths: dict[str, int] = {}
-            for name, values in tensors.items():
-                shape = np.shape(values)
-                if shapes.setdefault(name, shape) != shape:
-                    raise ValueError(
-                        f"tensor {name!r} has shape {shape} at {cid!r} but {shapes[name]} elsewhere"
-                    )
-                if name in symmetric:
-                    if len(shape) != 2 or shape[0] != shape[1]:
-                        raise ValueError(f"symmetric tensor {name!r} must be a square matrix, got {shape}")
-                    lengths[name] = encoding.upper_triangle_length(shape[0])
-                else:
-                    lengths[name] = int(np.prod(shape))
-            if layout.setdefault(group, lengths) != lengths:
-                raise ValueError(f"group {group!r}: {cid!r} sends tensors {lengths}, others {layout[group]}")
-    return layout, shapes

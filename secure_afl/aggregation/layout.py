@@ -1,0 +1,74 @@
+"""From a client's statistics (group -> tensor -> float64 array) to the protocol's named flat tensors.
+
+One implementation for every driver (the simulator's in-process driver, the Flower apps): the
+protocol sums flat vectors; symmetric matrices travel as their upper triangle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from secure_afl.protocol import encoding
+from secure_afl.protocol.messages import GroupSpec, TensorSpec
+
+Contributions = Mapping[str, Mapping[str, np.ndarray]]  # group -> tensor -> array
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Per group its tensors' wire lengths; per tensor name its array shape; which are symmetric."""
+
+    groups: Mapping[str, Mapping[str, int]]
+    shapes: Mapping[str, tuple[int, ...]]
+    symmetric: frozenset[str]
+
+    def group_specs(self) -> tuple[GroupSpec, ...]:
+        """The session config's groups, sorted by name (tensors sorted by name)."""
+        return tuple(
+            GroupSpec(group, tuple(TensorSpec(name, length) for name, length in sorted(tensors.items())))
+            for group, tensors in sorted(self.groups.items())
+        )
+
+    def flatten(self, name: str, values: np.ndarray) -> np.ndarray:
+        return flatten(values, name in self.symmetric)
+
+    def unflatten(self, name: str, flat: np.ndarray) -> np.ndarray:
+        return unflatten(flat, self.shapes[name], name in self.symmetric)
+
+
+def flatten(values: np.ndarray, is_symmetric: bool) -> np.ndarray:
+    """float64 wire vector: the upper triangle of a symmetric matrix, else the array raveled."""
+    array = np.asarray(values, dtype=np.float64)
+    return encoding.pack_symmetric(array) if is_symmetric else np.ascontiguousarray(array).ravel()
+
+
+def unflatten(flat: np.ndarray, shape: tuple[int, ...], is_symmetric: bool) -> np.ndarray:
+    return encoding.unpack_symmetric(flat) if is_symmetric else np.asarray(flat).reshape(shape)
+
+
+def layout_of(contributions: Mapping[str, Contributions], symmetric: Collection[str] = ("gram",)) -> Layout:
+    """The layout of every client's contributions (client -> group -> tensor); every member must agree."""
+    symmetric = frozenset(symmetric)
+    groups: dict[str, dict[str, int]] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for cid, client_groups in contributions.items():
+        for group, tensors in client_groups.items():
+            lengths: dict[str, int] = {}
+            for name, values in tensors.items():
+                shape = np.shape(values)
+                if shapes.setdefault(name, shape) != shape:
+                    raise ValueError(
+                        f"tensor {name!r} has shape {shape} at {cid!r} but {shapes[name]} elsewhere"
+                    )
+                if name in symmetric:
+                    if len(shape) != 2 or shape[0] != shape[1]:
+                        raise ValueError(f"symmetric tensor {name!r} must be a square matrix, got {shape}")
+                    lengths[name] = encoding.upper_triangle_length(shape[0])
+                else:
+                    lengths[name] = int(np.prod(shape))
+            if groups.setdefault(group, lengths) != lengths:
+                raise ValueError(f"group {group!r}: {cid!r} sends tensors {lengths}, others {groups[group]}")
+    return Layout(groups=groups, shapes=shapes, symmetric=symmetric)

@@ -1,0 +1,1 @@
+"""What aggregate statistics reveal, and what limits it: exposure tests, session ledger, DP noise."""
