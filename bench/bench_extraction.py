@@ -7,7 +7,7 @@ separately:
 2. decoding + TorchXRayVision preprocessing (scale, center crop, skimage resize to 224), one process;
 3. the same through the DataLoader with ``--num-workers`` workers (what feeds the network);
 4. the network alone on preprocessed tensors already in memory (``features2``, batch ``--batch-size``);
-5. end to end: :func:`secure_afl.sim.features.extract_features` into an empty cache.
+5. end to end: :func:`secure_afl.features.extraction.extract_features` into an empty cache.
 
 Run from the repository root (with the package installed, or ``PYTHONPATH=.``):
 ``python bench/bench_extraction.py [--n-images 256] [--device auto] [--num-workers N]``.
@@ -26,9 +26,9 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader
 
-from secure_afl.sim.backbones import load_backbone
-from secure_afl.sim.features import default_num_workers, extract_features, resolve_device
-from secure_afl.sim.images import ImageDataset, collate_images, load_grayscale
+from secure_afl.features.backbones import load_backbone
+from secure_afl.features.extraction import default_num_workers, extract_features, resolve_device
+from secure_afl.features.images import ImageDataset, collate_images, load_grayscale
 
 
 def write_synthetic_pngs(directory: Path, n_images: int, size: int) -> list[Path]:

@@ -37,8 +37,8 @@ def _parse_missing(value: str) -> tuple[int, ...]:
 
 
 def _sim_errors() -> tuple[type[Exception], ...]:
-    from secure_afl.sim.backbones import UnknownBackboneError, WeightsError
-    from secure_afl.sim.images import CorruptImageError, ImagesNotFoundError
+    from secure_afl.features.backbones import UnknownBackboneError, WeightsError
+    from secure_afl.features.images import CorruptImageError, ImagesNotFoundError
 
     return (
         PartialLabelError,

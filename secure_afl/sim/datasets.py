@@ -3,9 +3,9 @@
 Both sources share one code path: the cohort (label table, PA rows, 8 classes), an optional random
 subset, then features, then the split into test rows and equal IID clients.  They differ only in the
 features: seeded synthetic ones (:mod:`secure_afl.sim.synthetic`) or a frozen backbone's on the
-images (:mod:`secure_afl.sim.backbones`, cached by :mod:`secure_afl.sim.features`).  Images that are
-absent from the data directory or unreadable are dropped with their labels *before* the split, and
-counted in the dataset description.
+images (:mod:`secure_afl.features.backbones`, cached by :mod:`secure_afl.features.extraction`).
+Images that are absent from the data directory or unreadable are dropped with their labels *before*
+the split, and counted in the dataset description.
 """
 
 from __future__ import annotations
@@ -62,9 +62,9 @@ def _subset(cohort: Cohort, fraction: float, seed: int) -> Cohort:
 
 def _image_features(source: ImageSource, cohort: Cohort) -> tuple[Cohort, np.ndarray, dict[str, object]]:
     # Imported here: torchvision and the image stack are only needed for real images.
-    from secure_afl.sim.backbones import load_backbone
-    from secure_afl.sim.features import extract_features
-    from secure_afl.sim.images import resolve_image_paths
+    from secure_afl.features.backbones import load_backbone
+    from secure_afl.features.extraction import extract_features
+    from secure_afl.features.images import resolve_image_paths
 
     found = resolve_image_paths(source.data_dir, list(cohort.image_names))
     missing = set(found.missing_names)

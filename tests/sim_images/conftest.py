@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 from torch import nn
 
-from secure_afl.sim.backbones import Backbone, Preprocess, XRayTransform
+from secure_afl.features.backbones import Backbone, Preprocess, XRayTransform
 
 N_IMAGES = 24
 IMAGE_SIZE = 64

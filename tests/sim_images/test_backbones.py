@@ -12,7 +12,7 @@ import torchvision
 import torchxrayvision as xrv
 from PIL import Image
 
-from secure_afl.sim.backbones import (
+from secure_afl.features.backbones import (
     BACKBONES,
     UnknownBackboneError,
     WeightsMismatchError,

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-import secure_afl.sim.features as features_module
-from secure_afl.sim.backbones import Backbone, load_backbone
-from secure_afl.sim.features import extract_features, feature_cache_key, resolve_device
-from secure_afl.sim.images import CorruptImageError, load_grayscale
+import secure_afl.features.extraction as features_module
+from secure_afl.features.backbones import Backbone, load_backbone
+from secure_afl.features.extraction import extract_features, feature_cache_key, resolve_device
+from secure_afl.features.images import CorruptImageError, load_grayscale
 
 from .conftest import CountingEmbed, SimulatedInterruption
 

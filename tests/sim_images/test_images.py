@@ -12,8 +12,8 @@ import torch
 import torchxrayvision as xrv
 from PIL import Image
 
-from secure_afl.sim.backbones import XRayTransform
-from secure_afl.sim.images import (
+from secure_afl.features.backbones import XRayTransform
+from secure_afl.features.images import (
     ImageDataset,
     ImagesNotFoundError,
     collate_images,

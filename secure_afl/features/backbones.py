@@ -134,7 +134,7 @@ class BackboneInfo:
 
 @dataclass(frozen=True, eq=False)
 class Backbone:
-    """A frozen feature extractor ready for :func:`secure_afl.sim.features.extract_features`."""
+    """A frozen feature extractor ready for :func:`secure_afl.features.extraction.extract_features`."""
 
     name: str
     module: nn.Module

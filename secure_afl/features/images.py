@@ -18,7 +18,7 @@ Public API
     A map-style ``torch.utils.data.Dataset`` that returns ``LoadedImage(index, pixels, error)`` and its
     collate function for a ``DataLoader``. An unreadable or corrupt PNG does not stop the run: the
     dataset returns ``pixels=None`` with the reason, ``collate_images`` moves it to
-    ``ImageBatch.skipped``, and :func:`secure_afl.sim.features.extract_features` reports the skipped
+    ``ImageBatch.skipped``, and :func:`secure_afl.features.extraction.extract_features` reports the skipped
     indices so the caller can drop those rows (or raises :class:`CorruptImageError` with ``strict=True``).
 """
 

@@ -5,13 +5,13 @@ Public API
 ``extract_features(paths, backbone, *, cache_dir, device="auto", batch_size=64, num_workers=None,
 amp=False, shard_size=2048, progress=True, strict=False) -> ExtractionResult``
     Features of the images ``paths`` (in that order) from a frozen ``backbone``
-    (:func:`secure_afl.sim.backbones.load_backbone`). Returns an :class:`ExtractionResult`:
+    (:func:`secure_afl.features.backbones.load_backbone`). Returns an :class:`ExtractionResult`:
 
     - ``features``: float32 array ``len(paths) x backbone.feature_dim``; the rows of skipped images are
       NaN, so that a caller who forgets to drop them fails loudly downstream;
     - ``skipped``: sorted indices (into ``paths``) of unreadable or corrupt PNGs, with the reasons in
       ``skip_reasons``; the caller drops these rows (their labels too) and reports the count.
-      ``strict=True`` raises :class:`secure_afl.sim.images.CorruptImageError` instead;
+      ``strict=True`` raises :class:`secure_afl.features.images.CorruptImageError` instead;
     - ``forward_passes``: batches run through the network in this call (0 on a complete cache);
     - ``from_cache``: True when every shard came from the cache; ``shards_computed`` /
       ``shards_reused`` count both kinds, ``cache_path`` is the cache entry's directory.
@@ -69,8 +69,8 @@ from rich.text import Text
 from torch.utils.data import DataLoader
 
 from secure_afl.analytic import resolve_device
-from secure_afl.sim.backbones import Backbone
-from secure_afl.sim.images import CorruptImageError, ImageBatch, ImageDataset, collate_images
+from secure_afl.features.backbones import Backbone
+from secure_afl.features.images import CorruptImageError, ImageBatch, ImageDataset, collate_images
 
 __all__ = [
     "CACHE_FORMAT_VERSION",
