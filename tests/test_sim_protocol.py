@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from sklearn.metrics import average_precision_score, balanced_accuracy_score, roc_auc_score
 
-from secure_afl.sim.audit import exposed_clients
+from secure_afl.privacy.exposure import exposed_clients
 from secure_afl.sim.data import CLASSES, CohortError, load_cohort, split_cohort
 from secure_afl.sim.fedavg import FedAvgConfig, missing_as_negative, train_fedavg
 from secure_afl.sim.metrics import evaluate
@@ -130,9 +130,13 @@ def test_fedavg_rejects_unequal_clients() -> None:
 def test_audit_detects_overlapping_group_leakage() -> None:
     clients = [f"c{k}" for k in range(4)]
     all_but_one = [[c for c in clients if c != out] for out in clients]
-    assert exposed_clients(all_but_one, clients) == tuple(clients)  # 4 leave-one-out sums: all exposed
-    assert exposed_clients([clients], clients) == ()  # one group of everyone: nobody exposed
-    assert exposed_clients([clients, clients[:3]], clients) == ("c3",)  # the difference is c3
+    def exposed(groups: list[list[str]]) -> tuple[str, ...]:
+        layout = {f"g{i}": (members, ("gram",)) for i, members in enumerate(groups)}
+        return exposed_clients(layout).get("gram", ())
+
+    assert exposed(all_but_one) == tuple(clients)  # 4 leave-one-out sums: all exposed
+    assert exposed([clients]) == ()  # one group of everyone: nobody exposed
+    assert exposed([clients, clients[:3]]) == ("c3",)  # the difference is c3
 
 
 def test_malformed_csvs(tmp_path: Path) -> None:

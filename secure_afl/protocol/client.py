@@ -3,6 +3,18 @@
 Every check on a server message runs before anything derived from a secret is built, and the new
 state is committed only after the reply is complete: a failed check leaves the client FAILED
 (never half-updated) with its session secrets dropped, and it returns nothing.
+
+The client defends itself against the server (the party we do not trust), by its own
+:class:`~secure_afl.privacy.policy.ClientPolicy`, never by anything the server sends:
+
+- R0: threshold and minimum group size not below its floors; the config within its size limits.
+- R1 (deployment policy), R3 and R4: the exposure check
+  (:func:`~secure_afl.privacy.exposure.client_exposures`): would the sums over the survivors, with
+  those of earlier sessions over the same input (the ledger), determine one client's value?  The
+  deployment policy refuses (:class:`ExposureRefusedError`); the simulator policy goes on and
+  records the finding in :attr:`ClientSession.exposure_findings`.
+- R3: the session is recorded in the ledger before the signature leaves the client; the server
+  can obtain the sums from then on.
 """
 
 from __future__ import annotations
@@ -10,30 +22,34 @@ from __future__ import annotations
 import unicodedata
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from secure_afl.keys.identity import IdentityKey
 from secure_afl.keys.roster import Roster
+from secure_afl.privacy import exposure
+from secure_afl.privacy.policy import ClientPolicy
 
 from . import binding, codec, crypto, encoding, prg, shamir
 from .errors import (
     BothSharesRequestedError,
-    ClientProtocolError,
-    DuplicateClientError,
+    DuplicateParticipantError,
+    ExposureRefusedError,
     GroupBelowMinimumError,
+    HistoryExposureRefusedError,
     InconsistentSurvivorsError,
     InvalidSessionConfigError,
     InvalidShareError,
-    InvalidSignatureError,
     LocalProtocolError,
     OutOfOrderMessageError,
     ProtocolError,
+    RelayedSignatureError,
     ReplayedMessageError,
     ServerProtocolError,
     SurvivorsBelowThresholdError,
-    UnknownClientError,
+    UnknownParticipantError,
 )
 from .messages import (
     AdvertiseKeys,
@@ -54,6 +70,9 @@ from .messages import (
 )
 from .randomness import RandomSource, default_random
 from .state import CLIENT_TRANSITIONS, ClientState
+
+if TYPE_CHECKING:
+    from secure_afl.privacy.ledger import Ledger
 
 SEED_BYTES = 32
 
@@ -85,6 +104,8 @@ def check_name(kind: str, name: object) -> None:
         raise InvalidSessionConfigError(
             f"{kind} name {name[:32]!r}... is {size} UTF-8 bytes, more than {codec.MAX_STRING_BYTES}"
         )
+    if name.isprintable():  # C-speed fast path: no Cc, Cf, Cs, Zl, Zp character (nor Co, Cn, Zs but space)
+        return
     bad = sorted({f"U+{ord(c):04X}" for c in name if unicodedata.category(c) in _FORBIDDEN_NAME_CATEGORIES})
     if bad:
         raise InvalidSessionConfigError(
@@ -126,9 +147,15 @@ class ClientSession:
 
     ``inputs`` maps group name -> tensor name -> 1-D float64 array (pack symmetric matrices with
     :func:`~secure_afl.protocol.encoding.pack_symmetric` first).  The client joins exactly these
-    groups.  ``min_threshold`` and ``min_group_size`` are this client's own floors: a server that
-    proposes a lower threshold or minimum group size is refused.  ``session_id``, when given, pins
-    the session this client expects.
+    groups.  ``policy`` is this client's own setting (default: :meth:`ClientPolicy.deployment`):
+    its threshold floor (``policy.min_threshold(len(roster))``), its minimum group size, and
+    whether it refuses a session whose sums would determine one client's value.
+    ``min_threshold`` and ``min_group_size``, when given, replace the policy's floors (a server
+    that proposes less is refused).  ``ledger`` keeps the sessions over this input (see
+    :mod:`secure_afl.privacy.ledger`); ``input_digest`` is the key of this input's history, by
+    default :func:`~secure_afl.privacy.exposure.input_digest` of ``inputs`` (pass the digest of the
+    statistics before randomisation when the inputs carry fresh noise).  ``session_id``, when
+    given, pins the session this client expects.
     """
 
     def __init__(
@@ -139,9 +166,12 @@ class ClientSession:
         inputs: Mapping[str, Mapping[str, np.ndarray]],
         *,
         min_threshold: int | None = None,
-        min_group_size: int = 2,
+        min_group_size: int | None = None,
         session_id: bytes | None = None,
         random: RandomSource | None = None,
+        policy: ClientPolicy | None = None,
+        ledger: Ledger | None = None,
+        input_digest: bytes | None = None,
     ) -> None:
         if client_id not in roster:
             raise LocalProtocolError(f"client {client_id!r} is not in the roster")
@@ -155,17 +185,40 @@ class ClientSession:
                 name: encoding.check_float_tensor(values, tensor=f"{group}/{name}").copy()
                 for name, values in tensors.items()
             }
+        policy = ClientPolicy.deployment() if policy is None else policy
+        if not isinstance(policy, ClientPolicy):
+            raise LocalProtocolError(f"policy must be a ClientPolicy, got {type(policy).__name__}")
         self.client_id = client_id
         self._identity = identity_key
         self._roster = roster
-        self._min_threshold = len(roster) // 2 + 1 if min_threshold is None else min_threshold
+        self._policy = policy
+        self._min_threshold = policy.min_threshold(len(roster)) if min_threshold is None else min_threshold
+        min_group_size = policy.min_group_size if min_group_size is None else min_group_size
         if min_group_size < 1:
             raise LocalProtocolError("min_group_size must be at least 1")
         self._min_group_size = min_group_size
         self._expected_session_id = session_id
         self._random = default_random(random)
+        # What this client sends where, by digest: its own unknowns in the exposure check.
+        self._own_values = {
+            (group, name): exposure.value_digest(values)
+            for group, tensors in self._inputs.items()
+            for name, values in tensors.items()
+        }
+        if input_digest is None:
+            input_digest = exposure.input_digest(self._inputs)
+        elif not isinstance(input_digest, bytes) or len(input_digest) != 32:
+            raise LocalProtocolError("input_digest must be 32 bytes (a SHA-256 digest)")
+        self._input_digest = input_digest
+        self._ledger = ledger
+        if ledger is not None:
+            from secure_afl.privacy.ledger import LedgerOwner  # the ledger imports protocol.errors
+
+            self._ledger_owner = LedgerOwner(client_id, identity_key)
+            ledger.history(self._ledger_owner, input_digest)  # refuse a tampered ledger now, not in R3
+        self._findings: list[exposure.ExposureFinding] = []
         self._state = ClientState.AWAIT_ADVERTISE_REQUEST
-        self._message_limit = codec.DEFAULT_MAX_MESSAGE_BYTES
+        self._limits: dict[type, int] = {}
         self._clear_session()
 
     # --- public API -------------------------------------------------------------------------------
@@ -179,14 +232,50 @@ class ClientSession:
         return tuple(sorted(self._inputs))
 
     @property
-    def max_message_bytes(self) -> int:
-        """The size limit for encoding and decoding this session's messages.
+    def policy(self) -> ClientPolicy:
+        return self._policy
 
-        Before the config is known (the advertise request) it is the codec's default; from then on
-        it is :func:`~secure_afl.protocol.codec.max_message_bytes` of the session's layout (kept
-        after the session ends).
+    @property
+    def input_digest(self) -> bytes:
+        """The key of this input's history in the ledger."""
+        return self._input_digest
+
+    @property
+    def exposure_findings(self) -> tuple[exposure.ExposureFinding, ...]:
+        """What the exposure checks found and this client went on past (simulator policy), in order.
+
+        Under a policy that refuses exposure the findings are in the :class:`ExposureRefusedError`
+        instead (and recorded here too).  Kept after the session ends, for the audit.
         """
-        return self._message_limit
+        return tuple(self._findings)
+
+    @property
+    def max_message_bytes(self) -> int:
+        """The size limit for decoding the next server message this client expects.
+
+        Each message type has its own bound (:func:`~secure_afl.protocol.codec.message_limits` over
+        this client's own groups): the advertise request ``policy.max_config_bytes``; the share-keys
+        request grows with the clients and groups, the masked-input, consistency and unmask requests
+        with the clients only.  Tensors of groups this client is not in raise none of them.
+        After the session ends it is the largest of them.
+        """
+        if self._state is ClientState.AWAIT_ADVERTISE_REQUEST:
+            return self._policy.max_config_bytes
+        expected = CLIENT_TRANSITIONS.get(self._state)
+        if expected is None:
+            return max((self._limits[kind] for kind in _SERVER_MESSAGES if kind in self._limits), default=0)
+        return self._limits[expected[0]]
+
+    def reply_limit(self, message: ClientMessage) -> int:
+        """The size limit for encoding one of this client's replies (its own groups only)."""
+        return self._limits[type(message)]
+
+    def receive_bytes(self, data: bytes) -> list[bytes]:
+        """Decode ``data`` under :attr:`max_message_bytes`, handle it, and return the encoded replies."""
+        message = codec.decode(data, max_message_bytes=self.max_message_bytes)
+        return [
+            codec.encode(reply, max_message_bytes=self.reply_limit(reply)) for reply in self.receive(message)
+        ]
 
     def receive(self, message: object) -> list[ClientMessage]:
         """Handle one server message and return the replies to send to the server."""
@@ -225,6 +314,17 @@ class ClientSession:
         config = request.config
         if self._expected_session_id is not None and config.session_id != self._expected_session_id:
             raise ReplayedMessageError("the advertise request belongs to another session")
+        if len(config.groups) > self._policy.max_groups:
+            raise InvalidSessionConfigError(
+                f"the session config has {len(config.groups)} groups, more than this client's limit "
+                f"{self._policy.max_groups}"
+            )
+        n_tensors = sum(len(group.tensors) for group in config.groups)
+        if n_tensors > self._policy.max_layout_tensors:
+            raise InvalidSessionConfigError(
+                f"the session config has {n_tensors} tensors, more than this client's limit "
+                f"{self._policy.max_layout_tensors}"
+            )
         validate_config(config, len(self._roster))
         if config.threshold < self._min_threshold:
             raise InvalidSessionConfigError(
@@ -248,7 +348,14 @@ class ClientSession:
                 raise LocalProtocolError(
                     f"group {group!r}: inputs {actual} do not match the session layout {layout}"
                 )
-        message_limit = codec.max_message_bytes(config, len(self._roster))
+        limits = codec.message_limits(config, len(self._roster), groups=self._inputs)
+        own_tensors = {name for tensors in self._inputs.values() for name in tensors}
+        # The groups whose sums matter to this client's check: those carrying a tensor it sends.
+        relevant = {
+            group.name: tuple(t.name for t in group.tensors)
+            for group in config.groups
+            if own_tensors & {t.name for t in group.tensors}
+        }
         encryption_key = crypto.new_x25519_key(self._random)
         mask_key = crypto.new_x25519_key(self._random)
         seed = self._random.token_bytes(SEED_BYTES)
@@ -278,7 +385,8 @@ class ClientSession:
         def commit() -> None:
             self._config = config
             self._config_digest = digest
-            self._message_limit = message_limit
+            self._limits = limits
+            self._relevant = relevant
             self._encryption_key = encryption_key
             self._mask_key = mask_key
             self._seed = seed
@@ -299,17 +407,25 @@ class ClientSession:
                     f"advertisement of {advert.client_id!r} belongs to another session"
                 )
             if advert.client_id not in self._roster:
-                raise UnknownClientError(f"advertisement from {advert.client_id!r}, who is not in the roster")
+                raise UnknownParticipantError(
+                    f"the server relayed an advertisement from {advert.client_id!r}, who is not in the roster"
+                )
             if advert.client_id in adverts:
-                raise DuplicateClientError(f"two advertisements for client {advert.client_id!r}")
+                raise DuplicateParticipantError(
+                    f"the server relayed two advertisements for {advert.client_id!r}"
+                )
             if not binding.advertisement_signed_by(advert, self._roster.public_key(advert.client_id)):
-                raise InvalidSignatureError(
-                    f"the keys of {advert.client_id!r} are not signed by its roster identity key"
+                raise RelayedSignatureError(
+                    f"the server relayed keys for {advert.client_id!r} that its roster identity key did not "
+                    f"sign (an honest server verifies every advertisement before relaying it)"
                 )
             if advert.config_digest != self._config_digest:
                 raise InvalidSessionConfigError(f"{advert.client_id!r} was given a different session config")
             if len(set(advert.groups)) != len(advert.groups) or not set(advert.groups) <= group_names:
-                raise ClientProtocolError(f"{advert.client_id!r} declared unknown or repeated groups")
+                raise ServerProtocolError(
+                    f"the server relayed an advertisement of {advert.client_id!r} with unknown or repeated "
+                    f"groups (an honest server refuses it)"
+                )
             adverts[advert.client_id] = advert
         if adverts.get(self.client_id) != self._own_advert:
             raise ServerProtocolError("the server omitted or altered this client's own advertisement")
@@ -322,6 +438,9 @@ class ClientSession:
             for group in config.groups
         }
         self._check_group_sizes(members, set(adverts), own_groups_only=True)
+        if self._policy.refuse_exposure:
+            # Refuse a layout that isolates a client even if everyone survives, before any share exists.
+            self._exposure_gate("R1", "share keys (R1)", members, set(adverts), record=False)
         # The group sizes are known now: refuse inputs that would overflow before sharing anything,
         # so an overflow never strands this client after its shares are out (R2 checks again).
         for group in sorted(self._inputs):
@@ -379,9 +498,13 @@ class ClientSession:
         senders: set[str] = set()
         for share in request.shares:
             if share.sender not in self._adverts or share.sender == self.client_id:
-                raise UnknownClientError(f"shares from {share.sender!r}, who did not advertise keys")
+                raise UnknownParticipantError(
+                    f"the server delivered shares from {share.sender!r}, who did not advertise keys"
+                )
             if share.sender in senders:
-                raise DuplicateClientError(f"two sets of shares from {share.sender!r}")
+                raise DuplicateParticipantError(
+                    f"the server delivered two sets of shares from {share.sender!r}"
+                )
             if share.recipient != self.client_id:
                 raise ServerProtocolError(f"shares addressed to {share.recipient!r} were delivered here")
             senders.add(share.sender)
@@ -449,9 +572,12 @@ class ClientSession:
         reply = ConsistencyResponse(
             config.session_id, self.client_id, crypto.sign(self._identity.private_key, domain, *fields)
         )
+        # Last, once the reply is built: check (with the ledger's history) and record this session.
+        findings = self._exposure_gate("R3", "sign the survivor set (R3)", self._members, set(survivors))
 
         def commit() -> None:
             self._survivors = frozenset(survivors)
+            self._findings.extend(findings)
 
         return reply, commit
 
@@ -467,7 +593,7 @@ class ClientSession:
             ("mask-key", request.reveal_mask_key_of),
         ):
             if len(set(ids)) != len(ids):
-                raise DuplicateClientError(f"the {name} reveal list repeats a client")
+                raise DuplicateParticipantError(f"the {name} reveal list repeats a client")
         wanted_seeds = set(request.reveal_self_mask_of)
         wanted_keys = set(request.reveal_mask_key_of)
         # The core active-server check: never release both secrets of one client.
@@ -486,9 +612,11 @@ class ClientSession:
         domain, fields = self._transcript_fields(tuple(sorted(survivors)))
         for item in request.signatures:
             if item.client_id in signers:
-                raise DuplicateClientError(f"two consistency signatures from {item.client_id!r}")
+                raise DuplicateParticipantError(f"two consistency signatures from {item.client_id!r}")
             if item.client_id not in survivors:
-                raise UnknownClientError(f"consistency signature from {item.client_id!r}, not a survivor")
+                raise UnknownParticipantError(
+                    f"consistency signature from {item.client_id!r}, not a survivor"
+                )
             if not crypto.verify(self._roster.public_key(item.client_id), item.signature, domain, *fields):
                 raise InconsistentSurvivorsError(
                     f"{item.client_id!r} did not sign this survivor set and transcript: clients were shown "
@@ -500,6 +628,8 @@ class ClientSession:
                 f"{len(signers)} consistency signatures, fewer than the threshold {config.threshold}"
             )
         self._check_group_sizes(self._members, survivors, own_groups_only=False)
+        # Again before revealing: other sessions over this input may have been recorded since R3.
+        findings = self._exposure_gate("R4", "reveal shares (R4)", self._members, survivors)
         reply = UnmaskResponse(
             config.session_id,
             self.client_id,
@@ -511,7 +641,11 @@ class ClientSession:
                 RevealedShare(cid, shamir.value_to_bytes(self._held[cid].mask_key)) for cid in sorted(dropped)
             ),
         )
-        return reply, lambda: None
+
+        def commit() -> None:
+            self._findings.extend(findings)
+
+        return reply, commit
 
     # --- helpers ----------------------------------------------------------------------------------
 
@@ -524,7 +658,7 @@ class ClientSession:
     def _survivor_set(self, survivors: tuple[str, ...]) -> list[str]:
         config = self._require_config()
         if len(set(survivors)) != len(survivors):
-            raise DuplicateClientError("the survivor set repeats a client")
+            raise DuplicateParticipantError("the survivor set repeats a client")
         unknown = set(survivors) - self._share_senders
         if unknown:
             raise InconsistentSurvivorsError(
@@ -540,6 +674,57 @@ class ClientSession:
             )
         self._check_group_sizes(self._members, set(survivors), own_groups_only=False)
         return sorted(survivors)
+
+    def _exposure_gate(
+        self,
+        round_name: str,
+        action: str,
+        members: Mapping[str, tuple[str, ...]],
+        live: set[str] | frozenset[str],
+        *,
+        record: bool = True,
+    ) -> tuple[exposure.ExposureFinding, ...]:
+        """The exposure check over this session's sums and the ledger's; raise to refuse, else findings.
+
+        With ``record`` the session is appended to the ledger in the same locked step as the check,
+        so two sessions over one input cannot both pass before either is recorded.
+        """
+        config = self._require_config()
+        groups = {
+            name: (tuple(cid for cid in members.get(name, ()) if cid in live), tensors)
+            for name, tensors in self._relevant.items()
+        }
+        found: list[exposure.ExposureFinding] = []
+
+        def check(history: tuple[exposure.SessionRecord, ...]) -> None:
+            findings = exposure.client_exposures(
+                self.client_id, self._own_values, groups, round_name=round_name, history=history
+            )
+            if findings and self._policy.refuse_exposure:
+                self._findings.extend(findings)
+                error = (
+                    HistoryExposureRefusedError
+                    if all(f.with_history for f in findings)
+                    else ExposureRefusedError
+                )
+                raise error(action, findings)
+            found.extend(findings)
+
+        if self._ledger is None:
+            check(())
+        elif not record:
+            check(self._ledger.history(self._ledger_owner, self._input_digest))
+        else:
+            session = exposure.SessionRecord(
+                session_id=config.session_id,
+                groups=tuple(
+                    exposure.GroupRecord(name, survivors, tensors)
+                    for name, (survivors, tensors) in sorted(groups.items())
+                ),
+                own_values=tuple((g, t, d) for (g, t), d in sorted(self._own_values.items())),
+            )
+            self._ledger.check_and_record(self._ledger_owner, self._input_digest, session, check)
+        return tuple(found)
 
     def _check_group_sizes(
         self,
@@ -586,3 +771,13 @@ class ClientSession:
         self._held: dict[str, _HeldShares] = {}
         self._share_senders: frozenset[str] = frozenset()
         self._survivors: frozenset[str] = frozenset()
+        self._relevant: dict[str, tuple[str, ...]] = {}
+
+
+_SERVER_MESSAGES = (
+    AdvertiseRequest,
+    ShareKeysRequest,
+    MaskedInputRequest,
+    ConsistencyCheckRequest,
+    UnmaskRequest,
+)

@@ -21,7 +21,7 @@ carries the config.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from . import shamir
 from .crypto import KEY_BYTES, NONCE_BYTES, SIGNATURE_BYTES, TAG_BYTES
@@ -77,19 +77,24 @@ _TYPE_TAGS: dict[type, int] = {
 }
 
 
-def max_message_bytes(config: SessionConfig, n_clients: int) -> int:
-    """The largest message any honest party of a session over ``config`` with ``n_clients`` sends.
+def message_limits(
+    config: SessionConfig, n_clients: int, *, groups: Collection[str] | None = None
+) -> dict[type, int]:
+    """Per message type, an upper bound on the encoded size an honest party of the session sends.
 
-    The maximum over every message type of an upper bound on its encoded size, taking every string
-    at the codec's maximum length: a :class:`MaskedInput` carrying every tensor of every group
-    (a client may belong to all groups), and the per-round messages whose size grows with the
-    number of clients.  A message above this bound cannot be legitimate and is rejected.
+    Every string is taken at the codec's maximum length.  Only :class:`MaskedInput` grows with the
+    tensors' lengths, and only with those of the groups its sender is in: ``groups`` names them
+    (a client passes its own groups; ``None``, every group, is what the server must accept).  The
+    other types grow with the number of clients and of groups (the group lists of advertisements),
+    never with tensor lengths, so a layout's large tensors in groups a client is not in do not
+    raise any of that client's limits.
     """
     if not isinstance(n_clients, int) or n_clients < 1:
         raise LocalProtocolError(f"n_clients must be a positive integer, got {n_clients!r}")
     n = n_clients
     s = _MAX_STRING_FIELD
     n_groups = len(config.groups)
+    wanted = None if groups is None else set(groups)
     config_bytes = SESSION_ID_BYTES + 4 + 4 + 1 + _COUNT_BYTES
     masked_tensors = 0
     for group in config.groups:
@@ -102,22 +107,33 @@ def max_message_bytes(config: SessionConfig, n_clients: int) -> int:
                     f"tensor {group.name!r}/{tensor.name!r} of {tensor.length} words does not fit in one "
                     f"masked-tensor field (at most {MAX_TENSOR_WORDS} words)"
                 )
-            masked_tensors += s + s + 4 + 8 * tensor.length
+            if wanted is None or group.name in wanted:
+                masked_tensors += s + s + 4 + 8 * tensor.length
     advert = SESSION_ID_BYTES + s + 4 * KEY_BYTES + _COUNT_BYTES + n_groups * s + SIGNATURE_BYTES
     share = s + s + NONCE_BYTES + SHARE_CIPHERTEXT_BYTES
-    bodies = (
-        config_bytes,  # AdvertiseRequest
-        advert,  # AdvertiseKeys
-        SESSION_ID_BYTES + _COUNT_BYTES + n * advert,  # ShareKeysRequest
-        SESSION_ID_BYTES + s + _COUNT_BYTES + n * share,  # ShareKeys (n - 1 peers; n is an upper bound)
-        SESSION_ID_BYTES + _COUNT_BYTES + n * share,  # MaskedInputRequest
-        SESSION_ID_BYTES + s + _COUNT_BYTES + masked_tensors,  # MaskedInput
-        SESSION_ID_BYTES + _COUNT_BYTES + n * s,  # ConsistencyCheckRequest
-        SESSION_ID_BYTES + s + SIGNATURE_BYTES,  # ConsistencyResponse
-        SESSION_ID_BYTES + 4 * _COUNT_BYTES + n * (3 * s + s + SIGNATURE_BYTES),  # UnmaskRequest
-        SESSION_ID_BYTES + s + 2 * _COUNT_BYTES + 2 * n * (s + shamir.VALUE_BYTES),  # UnmaskResponse
-    )
-    return _HEADER_BYTES + max(bodies)
+    bodies = {
+        AdvertiseRequest: config_bytes,
+        AdvertiseKeys: advert,
+        ShareKeysRequest: SESSION_ID_BYTES + _COUNT_BYTES + n * advert,
+        ShareKeys: SESSION_ID_BYTES + s + _COUNT_BYTES + n * share,  # n - 1 peers; n is an upper bound
+        MaskedInputRequest: SESSION_ID_BYTES + _COUNT_BYTES + n * share,
+        MaskedInput: SESSION_ID_BYTES + s + _COUNT_BYTES + masked_tensors,
+        ConsistencyCheckRequest: SESSION_ID_BYTES + _COUNT_BYTES + n * s,
+        ConsistencyResponse: SESSION_ID_BYTES + s + SIGNATURE_BYTES,
+        UnmaskRequest: SESSION_ID_BYTES + 4 * _COUNT_BYTES + n * (3 * s + s + SIGNATURE_BYTES),
+        UnmaskResponse: SESSION_ID_BYTES + s + 2 * _COUNT_BYTES + 2 * n * (s + shamir.VALUE_BYTES),
+    }
+    return {kind: _HEADER_BYTES + body for kind, body in bodies.items()}
+
+
+def max_message_bytes(config: SessionConfig, n_clients: int) -> int:
+    """The largest message any honest party of a session over ``config`` with ``n_clients`` sends.
+
+    The maximum of :func:`message_limits` over every type, in practice a :class:`MaskedInput`
+    carrying every tensor of every group (a client may belong to all groups).  A message above this
+    bound cannot be legitimate and is rejected.  Clients bound each type separately instead.
+    """
+    return max(message_limits(config, n_clients).values())
 
 
 # --- writing --------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from .errors import InvalidShareError
+from .errors import InvalidShareError, ShareAuthenticationError
 from .fields import Field, tagged_fields
 from .randomness import RandomSource
 
@@ -84,4 +84,7 @@ def decrypt_share(key: bytes, nonce: bytes, ciphertext: bytes, associated_data: 
     try:
         return AESGCM(key).decrypt(nonce, ciphertext, associated_data)
     except InvalidTag as exc:
-        raise InvalidShareError(f"encrypted shares from {sender!r} fail authentication") from exc
+        raise ShareAuthenticationError(
+            f"encrypted shares from {sender!r} fail authentication: {sender!r} or the server relaying "
+            f"them altered or garbled them"
+        ) from exc

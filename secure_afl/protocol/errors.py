@@ -10,10 +10,20 @@ An auditor reading a failure should know at once whose behaviour caused it:
     ``MessageDecodeError``      malformed bytes on the wire.
     ``ReplayedMessageError``    a message bound to another session.
     ``OutOfOrderMessageError``  a message that the current round does not accept.
-    ``ServerProtocolError``     the server misbehaved (seen by a client).
-    ``ClientProtocolError``     a client misbehaved (seen by the server or by a peer client).
+    ``ServerProtocolError``     the server misbehaved (seen by a client).  Everything a client
+                                receives comes from the server, and an honest server verifies each
+                                client message before relaying it: a bad signature on a relayed
+                                advertisement, an unknown or repeated id in a list the server built,
+                                a layout or survivor set whose sums would isolate one client's
+                                value, are the server's doing, whoever signed the payload.
+    ``ClientProtocolError``     a client misbehaved (seen by the server).
+    ``ShareAuthenticationError`` an encrypted share that fails authentication at its recipient:
+                                its sender or the server relaying it (the server cannot check it).
   ``SessionAbortedError``       nobody broke the protocol, but too few parties remain to continue
                                 safely (dropouts).  No secret is released.
+
+``MessageDecodeError``, ``ReplayedMessageError`` and ``OutOfOrderMessageError`` name what was wrong;
+who sent it is known to the receiver (at a client: the server; at the server: the client).
 
 Every check that raises happens before any share or masked value leaves the client.
 """
@@ -95,6 +105,44 @@ class GroupBelowMinimumError(ServerProtocolError):
     """The server tried to unmask a group with fewer survivors than the minimum group size."""
 
 
+class RelayedSignatureError(ServerProtocolError):
+    """A signature on something the server relayed (an advertisement) does not verify.
+
+    The honest server verifies every advertisement against the roster before relaying it, so a
+    bad one reaching a client means the server forged, altered or failed to check it.
+    """
+
+
+class UnknownParticipantError(ServerProtocolError):
+    """A list the server built names an id outside the roster or outside the round."""
+
+
+class DuplicateParticipantError(ServerProtocolError):
+    """A list the server built names one client twice."""
+
+
+class ExposureRefusedError(ServerProtocolError):
+    """The session's sums, over the survivors shown, would determine one client's individual value.
+
+    Raised by a client whose policy refuses exposure (``ClientPolicy.deployment()``) before it
+    signs U3 (R3) or reveals shares (R4), and before it shares keys (R1) when the layout alone
+    already isolates a client.  ``findings`` lists what it saw; ``groups`` the groups involved.
+    """
+
+    def __init__(self, action: str, findings: tuple) -> None:
+        self.findings = tuple(findings)
+        self.groups = tuple(sorted({g for f in self.findings for g in f.groups}))
+        lines = "; ".join(f.describe() for f in self.findings)
+        super().__init__(
+            f"refusing to {action}: {lines}. The server chose groups or survivors (or repeated a "
+            f"session) whose sums isolate one client; nothing further is sent and no share is released"
+        )
+
+
+class HistoryExposureRefusedError(ExposureRefusedError):
+    """Only together with earlier sessions over the same input (the ledger) do the sums isolate a client."""
+
+
 class ClientProtocolError(RemoteProtocolError):
     """A client misbehaved (seen by the server or by a peer client)."""
 
@@ -112,7 +160,31 @@ class DuplicateClientError(ClientProtocolError):
 
 
 class InvalidShareError(ClientProtocolError):
-    """An encrypted share fails authentication, or shares reconstruct to a value that does not match."""
+    """Revealed or decrypted shares that are not field elements, or that reconstruct to a value that
+    does not match the owner's commitment or advertised key."""
+
+
+class ShareAuthenticationError(RemoteProtocolError):
+    """An encrypted share fails AEAD authentication at its recipient.
+
+    Either its sender encrypted garbage or the server altered it in transit; the server cannot
+    verify it (it has no key), so the recipient cannot tell which.
+    """
+
+
+# --- the client's ledger of earlier sessions --------------------------------------------------------
+
+
+class LedgerError(LocalProtocolError):
+    """The client's session ledger cannot be used; the client refuses to go on without it."""
+
+
+class LedgerUnreadableError(LedgerError):
+    """The ledger file cannot be read or parsed (I/O error, not JSON, wrong format, too large)."""
+
+
+class LedgerTamperedError(LedgerError):
+    """The ledger file's signature does not verify under this client's identity key."""
 
 
 # --- dropouts -------------------------------------------------------------------------------------

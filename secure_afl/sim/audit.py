@@ -6,6 +6,11 @@ tensor is summed over several overlapping groups the server learns every linear 
 those sums.  Client ``k``'s own value is exposed exactly when the indicator vector ``e_k`` lies in
 the row space of the groups' survivor-incidence matrix.  Example: 8 clients each missing one class
 and a per-class Gram: the 8 "all but one" sums determine every client's Gram individually.
+
+The rank test is :func:`secure_afl.privacy.exposure.exposed_clients`, the one the clients run on
+themselves before they sign or reveal.  Since the audit runs at the server (the party we do not
+trust), it also lists what each *client* found (``client_findings``): a deployed client refuses
+such a session, the simulator's clients go on and report it here.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from secure_afl.privacy.exposure import ExposureFinding, exposed_clients
 
 SINGLE_SURVIVOR_WARNING = "the server learns this client's statistics exactly"
 
@@ -42,6 +49,19 @@ class PrivacyAudit:
     groups: tuple[GroupAudit, ...]
     # tensor -> the clients whose individual value follows from the group sums (non-empty only)
     exposed: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    # client -> what its own exposure check found (R3/R4) and went on past (simulator policy)
+    client_findings: Mapping[str, tuple[ExposureFinding, ...]] = field(default_factory=dict)
+
+    def seen_by_clients(self) -> dict[str, list[str]]:
+        """Client -> one line per tensor its own check found exposed (last round it checked)."""
+        out: dict[str, list[str]] = {}
+        for client, findings in sorted(self.client_findings.items()):
+            last: dict[tuple[str, tuple[str, ...], bool], ExposureFinding] = {}
+            for finding in findings:
+                last[(finding.tensor, finding.clients, finding.with_history)] = finding
+            if last:
+                out[client] = [f.describe() for f in last.values()]
+        return out
 
     def group(self, name: str) -> GroupAudit:
         for group in self.groups:
@@ -79,26 +99,9 @@ class PrivacyAudit:
             "protection": self.protection,
             "groups": [g.to_dict() for g in self.groups],
             "individually_exposed": {t: list(c) for t, c in self.exposed.items()},
+            "seen_by_clients": self.seen_by_clients(),
             "warnings": self.warnings(),
         }
-
-
-def exposed_clients(groups: Sequence[Sequence[str]], clients: Sequence[str]) -> tuple[str, ...]:
-    """Clients whose individual value follows from the sums over ``groups`` (sets of clients)."""
-    if not groups:
-        return ()
-    index = {c: i for i, c in enumerate(clients)}
-    incidence = np.zeros((len(groups), len(clients)))
-    for row, members in enumerate(groups):
-        incidence[row, [index[m] for m in members]] = 1.0
-    rank = np.linalg.matrix_rank(incidence)
-    exposed = []
-    for client, col in index.items():
-        unit = np.zeros((1, len(clients)))
-        unit[0, col] = 1.0
-        if np.linalg.matrix_rank(np.vstack([incidence, unit])) == rank:
-            exposed.append(client)
-    return tuple(exposed)
 
 
 def restrict(audit: PrivacyAudit, keep: Callable[[str, str], bool], **kwargs: object) -> PrivacyAudit:
@@ -121,12 +124,14 @@ def audit_groups(
     survivors: Mapping[str, Sequence[str]],
     tensors: Mapping[str, Sequence[str]],
     contributions: Mapping[str, Mapping[str, Mapping[str, np.ndarray]]] | None = None,
+    client_findings: Mapping[str, Sequence[ExposureFinding]] | None = None,
 ) -> PrivacyAudit:
     """Build the audit from group memberships, survivor sets and the tensors summed per group.
 
     A tensor name is taken to denote one client value across groups.  When ``contributions`` are at
-    hand (in the simulator) that is checked: a tensor whose values differ between a client's groups
-    is audited group by group instead.
+    hand (in the simulator) that is checked: a client that sends different values of one tensor to
+    different groups has one unknown per group for it.  ``client_findings`` are what the clients'
+    own checks found (attributed to the client that saw them).
     """
     clients = sorted({c for group in members.values() for c in group})
     groups = []
@@ -143,23 +148,22 @@ def audit_groups(
     if protection == "none":
         exposed = {t: tuple(clients) for t in names}
     else:
-        exposed = {}
+        distinct = {} if contributions is None else _distinct_values(contributions, names)
+        exposed = exposed_clients({g.group: (g.survivors, g.tensors) for g in groups}, distinct=distinct)
+    findings = {c: tuple(f) for c, f in (client_findings or {}).items() if f}
+    return PrivacyAudit(
+        protection=protection, groups=tuple(groups), exposed=exposed, client_findings=findings
+    )
+
+
+def _distinct_values(
+    contributions: Mapping[str, Mapping[str, Mapping[str, np.ndarray]]], names: Sequence[str]
+) -> dict[str, set[str]]:
+    """Per client, the tensors it sends with values that are not bit-identical in all its groups."""
+    out: dict[str, set[str]] = {}
+    for client, by_group in contributions.items():
         for tensor in names:
-            holding = [g for g in groups if tensor in g.tensors and g.survivors]
-            same = contributions is None or _same_value_everywhere(contributions, tensor, holding)
-            blocks = [holding] if same else [[g] for g in holding]
-            found = {c for block in blocks for c in exposed_clients([g.survivors for g in block], clients)}
-            if found:
-                exposed[tensor] = tuple(sorted(found))
-    return PrivacyAudit(protection=protection, groups=tuple(groups), exposed=exposed)
-
-
-def _same_value_everywhere(
-    contributions: Mapping[str, Mapping[str, Mapping[str, np.ndarray]]], tensor: str, groups: list[GroupAudit]
-) -> bool:
-    """Whether every client sends bit-identical values of ``tensor`` to all its groups."""
-    for by_group in contributions.values():
-        values = [by_group[g.group][tensor] for g in groups if g.group in by_group]
-        if any(not np.array_equal(values[0], other) for other in values[1:]):
-            return False
-    return True
+            values = [tensors[tensor] for tensors in by_group.values() if tensor in tensors]
+            if any(not np.array_equal(values[0], other) for other in values[1:]):
+                out.setdefault(client, set()).add(tensor)
+    return out

@@ -17,6 +17,8 @@ import numpy as np
 from secure_afl.aggregation.layout import flatten, layout_of
 from secure_afl.keys.identity import IdentityKey
 from secure_afl.keys.roster import Roster, RosterEntry
+from secure_afl.privacy.ledger import Ledger
+from secure_afl.privacy.policy import ClientPolicy
 from secure_afl.protocol import codec, encoding
 from secure_afl.protocol.client import ClientSession
 from secure_afl.protocol.messages import SessionConfig
@@ -85,6 +87,8 @@ def secure_aggregate(
     frac_bits: int = encoding.DEFAULT_FRAC_BITS,
     random: RandomSource | None = None,
     session_id: bytes | None = None,
+    client_policy: ClientPolicy | None = None,
+    ledgers: Mapping[str, Ledger] | None = None,
 ) -> SecureAggregationResult:
     """Sum ``contributions`` (client -> group -> tensor -> float64 array) per group by secure aggregation.
 
@@ -92,8 +96,14 @@ def secure_aggregate(
     ``threshold`` defaults to :func:`default_threshold`.  ``dropouts`` maps a stage ("R1".."R4") to
     the clients that stop answering at that stage.  Raises :class:`GroupTooSmallError` when a group's
     survivors are fewer than ``min_group_size`` and :class:`InsufficientParticipantsError` when fewer
-    than t clients answer a round.
+    than t clients answer a round.  ``client_policy`` is every client's own policy (default
+    :meth:`ClientPolicy.simulator`: go on and report exposures, which the audit attributes to the
+    clients that saw them); under :meth:`ClientPolicy.deployment` a client refuses an exposing
+    session with :class:`~secure_afl.protocol.errors.ExposureRefusedError`.  ``ledgers`` gives a
+    client its session ledger (none by default: each call is a fresh history).
     """
+    client_policy = ClientPolicy.simulator() if client_policy is None else client_policy
+    ledgers = {} if ledgers is None else ledgers
     random = OsRandomSource() if random is None else random
     client_ids = tuple(sorted(contributions))
     if not client_ids:
@@ -131,6 +141,13 @@ def secure_aggregate(
             flattened[key] = entry
         return entry[1]
 
+    # The simulator's clients accept what the simulator's server proposes; a client under any other
+    # policy keeps that policy's own floors (a deployed client never takes them from the server).
+    floors = (
+        {"min_threshold": threshold, "min_group_size": min_group_size}
+        if client_policy == ClientPolicy.simulator()
+        else {}
+    )
     clients = {
         cid: ClientSession(
             cid,
@@ -140,10 +157,11 @@ def secure_aggregate(
                 group: {name: wire_vector(values, name) for name, values in tensors.items()}
                 for group, tensors in contributions[cid].items()
             },
-            min_threshold=threshold,
-            min_group_size=min_group_size,
+            **floors,
             session_id=session_id,
             random=random,
+            policy=client_policy,
+            ledger=ledgers.get(cid),
         )
         for cid in client_ids
     }
@@ -177,10 +195,7 @@ def secure_aggregate(
             data = wire[id(request)]
             client = clients[cid]
             started = time.perf_counter()
-            replies = client.receive(codec.decode(data, max_message_bytes=client.max_message_bytes))
-            encoded_replies = [
-                codec.encode(reply, max_message_bytes=client.max_message_bytes) for reply in replies
-            ]
+            encoded_replies = client.receive_bytes(data)  # per-message-type size limits
             client_seconds[cid][round_name] += time.perf_counter() - started
             bytes_received[cid][round_name] += len(data)
             for reply_bytes in encoded_replies:
@@ -205,6 +220,7 @@ def secure_aggregate(
         survivors=survivors,
         tensors={group: tuple(layout.groups[group]) for group in members},
         contributions=contributions,
+        client_findings={cid: client.exposure_findings for cid, client in clients.items()},
     )
     return SecureAggregationResult(
         sums=sums,

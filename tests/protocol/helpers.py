@@ -9,6 +9,7 @@ import numpy as np
 
 from secure_afl.keys.identity import IdentityKey
 from secure_afl.keys.roster import Roster, RosterEntry
+from secure_afl.privacy.policy import ClientPolicy
 from secure_afl.protocol import codec
 from secure_afl.protocol.client import ClientSession
 from secure_afl.protocol.messages import GroupSpec, SessionConfig, TensorSpec
@@ -42,7 +43,10 @@ def make_federation(
     seed: bytes = b"federation",
     session_id: bytes | None = None,
     values: str = "random",
+    policy: ClientPolicy | None = None,
 ) -> Federation:
+    """A federation of ``n`` clients; by default under the simulator's policy (these tests exercise
+    the protocol's checks, not the exposure check: tests/protocol/test_malicious_server.py does)."""
     random = DeterministicRandomSource(seed)
     ids = tuple(f"c{i}" for i in range(n))
     groups = {"all": ids} if groups is None else dict(groups)
@@ -79,6 +83,7 @@ def make_federation(
             min_threshold=threshold,
             min_group_size=min_group_size if client_min_group_size is None else client_min_group_size,
             random=random,
+            policy=ClientPolicy.simulator() if policy is None else policy,
         )
         for cid in ids
     }

@@ -8,12 +8,14 @@ import numpy as np
 import pytest
 
 from secure_afl.keys.identity import IdentityKey
+from secure_afl.privacy.policy import ClientPolicy
 from secure_afl.protocol import binding, crypto, encoding
 from secure_afl.protocol.client import ClientSession, validate_config
 from secure_afl.protocol.errors import (
     BothSharesRequestedError,
     ClientProtocolError,
     DuplicateClientError,
+    DuplicateParticipantError,
     EncodingOverflowError,
     GroupBelowMinimumError,
     GroupTooSmallError,
@@ -24,11 +26,14 @@ from secure_afl.protocol.errors import (
     InvalidSignatureError,
     LocalProtocolError,
     OutOfOrderMessageError,
+    RelayedSignatureError,
     RemoteProtocolError,
     ReplayedMessageError,
     ServerProtocolError,
+    ShareAuthenticationError,
     SurvivorsBelowThresholdError,
     UnknownClientError,
+    UnknownParticipantError,
 )
 from secure_afl.protocol.messages import (
     AdvertiseKeys,
@@ -88,6 +93,7 @@ def test_advertise_request_for_another_session_is_refused() -> None:
         fed.inputs["c0"],
         min_group_size=1,
         session_id=b"\x01" * 32,
+        policy=ClientPolicy.simulator(),
         random=DeterministicRandomSource(b"s"),
     )
     assert_refuses(client, fed.server.start(), ReplayedMessageError)
@@ -168,7 +174,7 @@ def test_forged_keys_are_refused() -> None:
         for a in request.advertisements
     )
     assert_refuses(
-        fed.clients["c0"], dataclasses.replace(request, advertisements=adverts), InvalidSignatureError
+        fed.clients["c0"], dataclasses.replace(request, advertisements=adverts), RelayedSignatureError
     )
 
 
@@ -180,7 +186,7 @@ def test_unsigned_keys_are_refused() -> None:
         for a in request.advertisements
     )
     assert_refuses(
-        fed.clients["c0"], dataclasses.replace(request, advertisements=adverts), InvalidSignatureError
+        fed.clients["c0"], dataclasses.replace(request, advertisements=adverts), RelayedSignatureError
     )
 
 
@@ -204,7 +210,7 @@ def test_client_outside_the_roster_is_refused_by_clients_and_server() -> None:
     mallory = IdentityKey.generate(DeterministicRandomSource(b"mallory"))
     intruder = _advert_signed_by(mallory, "mallory", request.advertisements[1])
     tampered = dataclasses.replace(request, advertisements=(*request.advertisements, intruder))
-    assert_refuses(fed.clients["c0"], tampered, UnknownClientError)
+    assert_refuses(fed.clients["c0"], tampered, UnknownParticipantError)
 
     fed2 = make_federation(4)
     fed2.server.start()
@@ -219,7 +225,7 @@ def test_impersonating_a_roster_member_is_refused() -> None:
     impostor = _advert_signed_by(mallory, "c3", request.advertisements[3])
     adverts = (*request.advertisements[:3], impostor)
     assert_refuses(
-        fed.clients["c0"], dataclasses.replace(request, advertisements=adverts), InvalidSignatureError
+        fed.clients["c0"], dataclasses.replace(request, advertisements=adverts), RelayedSignatureError
     )
 
 
@@ -229,7 +235,7 @@ def test_duplicate_id_is_refused_by_clients_and_server() -> None:
     doubled = dataclasses.replace(
         request, advertisements=(*request.advertisements, request.advertisements[1])
     )
-    assert_refuses(fed.clients["c0"], doubled, DuplicateClientError)
+    assert_refuses(fed.clients["c0"], doubled, DuplicateParticipantError)
 
     fed2 = make_federation(4)
     advert = fed2.clients["c1"].receive(fed2.server.start())[0]
@@ -271,7 +277,7 @@ def test_messages_replayed_from_another_session_are_refused() -> None:
         for a in request_c.advertisements
     )
     assert_refuses(
-        fed_c.clients["c0"], dataclasses.replace(request_c, advertisements=relabelled), InvalidSignatureError
+        fed_c.clients["c0"], dataclasses.replace(request_c, advertisements=relabelled), RelayedSignatureError
     )
 
     # The server refuses it too.
@@ -308,7 +314,7 @@ def test_tampered_share_ciphertext_is_refused() -> None:
     first = request.shares[0]
     flipped = bytes([first.ciphertext[0] ^ 1]) + first.ciphertext[1:]
     shares = (dataclasses.replace(first, ciphertext=flipped), *request.shares[1:])
-    assert_refuses(fed.clients["c0"], dataclasses.replace(request, shares=shares), InvalidShareError)
+    assert_refuses(fed.clients["c0"], dataclasses.replace(request, shares=shares), ShareAuthenticationError)
 
 
 def test_shares_redirected_to_another_recipient_are_refused() -> None:
@@ -427,6 +433,7 @@ def _same_session_other_keys(n: int, threshold: int):
             min_threshold=threshold,
             min_group_size=1,
             random=DeterministicRandomSource(b"other keys " + cid.encode()),
+            policy=ClientPolicy.simulator(),
         )
         for cid in second.clients
     }

@@ -309,9 +309,13 @@ def test_sessions_expose_the_layout_bound() -> None:
     limit = codec.max_message_bytes(fed.config, 4)
     assert fed.server.max_message_bytes == limit
     client = fed.clients["c0"]
-    assert client.max_message_bytes == codec.DEFAULT_MAX_MESSAGE_BYTES  # before the config is known
+    assert client.max_message_bytes == client.policy.max_config_bytes  # before the config is known
     play(fed, until="R0")
-    assert client.max_message_bytes == limit
+    # Per message type: the share-keys request grows with clients and groups, not tensor lengths.
+    limits = codec.message_limits(fed.config, 4, groups=client.groups)
+    assert client.max_message_bytes == limits[ShareKeysRequest] < limit
+    assert limit == max(codec.message_limits(fed.config, 4).values())
+    assert limits[MaskedInput] == codec.message_limits(fed.config, 4)[MaskedInput]  # c0 is in every group
 
 
 def test_a_tensor_too_long_for_one_field_is_refused() -> None:
