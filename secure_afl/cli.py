@@ -39,8 +39,10 @@ def _parse_missing(value: str) -> tuple[int, ...]:
 def _sim_errors() -> tuple[type[Exception], ...]:
     from secure_afl.features.backbones import UnknownBackboneError, WeightsError
     from secure_afl.features.images import CorruptImageError, ImagesNotFoundError
+    from secure_afl.privacy.dp import DpError
 
     return (
+        DpError,
         PartialLabelError,
         ExperimentError,
         StatisticsError,
@@ -181,6 +183,41 @@ def main() -> None:
 )
 @click.option("--amp/--no-amp", default=False, show_default=True, help="Mixed precision forward pass (CUDA).")
 @click.option(
+    "--dp-epsilon",
+    type=float,
+    default=None,
+    help="Differential privacy for the released classifier: the ε each institution may spend "
+    "(clients add distributed discrete Gaussian noise before masking). Off when absent.",
+)
+@click.option("--dp-delta", type=float, default=1e-6, show_default=True, help="The δ of (ε, δ)-DP.")
+@click.option(
+    "--clip",
+    type=float,
+    default=32.0,
+    show_default=True,
+    help="DP: L2 bound every feature row is clipped to (public; choose it without looking at the data).",
+)
+@click.option(
+    "--dp-unit",
+    type=click.Choice(["image", "patient"]),
+    default="image",
+    show_default=True,
+    help="DP: protect one image, or one patient (with at most --dp-max-images-per-patient images).",
+)
+@click.option(
+    "--dp-max-images-per-patient",
+    type=click.IntRange(min=1),
+    default=4,
+    show_default=True,
+    help="DP, --dp-unit patient: images kept per patient (the rest are dropped before the statistics).",
+)
+@click.option(
+    "--dp-sweep",
+    is_flag=True,
+    help="Instead of one run: BACC and AUC against ε ∈ {0.5, 1, 2, 4, 8, ∞} per --missing level; "
+    "writes dp_sweep.png and dp_sweep.json under --out.",
+)
+@click.option(
     "--out",
     "out_dir",
     type=click.Path(path_type=Path),
@@ -212,6 +249,12 @@ def sim(
     batch_size: int,
     workers: int | None,
     amp: bool,
+    dp_epsilon: float | None,
+    dp_delta: float,
+    clip: float,
+    dp_unit: str,
+    dp_max_images_per_patient: int,
+    dp_sweep: bool,
     out_dir: Path,
 ) -> None:
     """Run the paper's ChestXray14 experiment (Table II; Table III over several backbones)."""
@@ -220,6 +263,21 @@ def sim(
     except (ValueError, RuntimeError) as exc:
         raise click.BadParameter(str(exc), param_hint="--device") from exc
     _check_writable(out_dir)
+    dp = None
+    if dp_epsilon is not None or dp_sweep:
+        from secure_afl.privacy.dp import DpConfig, DpError
+
+        dp = DpConfig(
+            epsilon=1.0 if dp_epsilon is None else dp_epsilon,
+            delta=dp_delta,
+            clip=clip,
+            unit=dp_unit,  # type: ignore[arg-type]
+            max_images_per_patient=dp_max_images_per_patient,
+        )
+        try:
+            dp.validate()
+        except DpError as exc:
+            raise click.BadParameter(str(exc)) from exc
     names = [b.strip() for b in backbones.split(",") if b.strip()]
     sources: list[ImageSource | None] = [None]
     if dataset == "nih":
@@ -261,7 +319,11 @@ def sim(
             device=device,
             images=source,
             fedavg=dataclasses.replace(FedAvgConfig(), rounds=fedavg_rounds, seed=seed),
+            dp=dp,
         )
+        if dp_sweep:
+            _run_sweep(config, out_dir, console)
+            return
         try:
             result = run_experiment(config, progress=_ProgressBars(console))
         except _sim_errors() as exc:
@@ -275,6 +337,26 @@ def sim(
     if len(sources) > 1:
         print_backbone_table(results, console)
         console.print(f"wrote {write_backbone_table(results, out_dir)}")
+
+
+def _run_sweep(config: SimConfig, out_dir: Path, console: Console) -> None:
+    from secure_afl.sim.dp_run import run_dp_sweep, write_sweep
+
+    try:
+        config.validate()
+        sweep = run_dp_sweep(config)
+    except _sim_errors() as exc:
+        raise click.ClickException(str(exc)) from exc
+    for p in sweep["points"]:  # type: ignore[union-attr]
+        eps = "∞" if p["epsilon"] is None else f"{p['epsilon']:g}"
+        console.print(
+            f"missing {p['missing']}  ε {eps:>4}  {p['method']}: BACC {100 * p['bacc']:.2f}  "
+            f"AUC {100 * p['auc']:.2f}  mAP {p['map']:.4f}",
+            markup=False,
+            highlight=False,
+        )
+    json_path, png_path = write_sweep(sweep, out_dir)
+    console.print(f"wrote {json_path} and {png_path}")
 
 
 def _check_writable(out_dir: Path) -> None:

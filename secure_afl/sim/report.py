@@ -171,6 +171,14 @@ def method_exposure_rows(setting: SettingResult) -> tuple[list[str], list[list[s
     return header, rows
 
 
+def _privacy_lines(setting: SettingResult) -> list[str]:
+    if not setting.privacy:
+        return []
+    from secure_afl.sim.dp_run import privacy_lines
+
+    return privacy_lines(setting.privacy)
+
+
 def _audit_lines(setting: SettingResult) -> list[str]:
     audit = setting.audit
     lines = [f"protection: {audit.protection}"]
@@ -213,6 +221,8 @@ def print_report(result: ExperimentResult, console: Console) -> None:
         )
         for title, h, r in _protocol_tables(setting):
             console.print(_rich_table(title, h, r))
+        for line in _privacy_lines(setting):
+            console.print(line, markup=False, highlight=False)
         h, r = method_exposure_rows(setting)
         console.print(_rich_table(f"What each method alone reveals, missing {setting.missing}", h, r))
         console.print(
@@ -275,6 +285,7 @@ def result_dict(result: ExperimentResult) -> dict[str, object]:
                     for client, r in s.pseudo_labels
                 ],
                 "protocol_costs": s.protocol_costs,
+                "differential_privacy": s.privacy,
             }
             for s in result.settings
         ],
@@ -302,6 +313,10 @@ def markdown_report(result: ExperimentResult) -> str:
             if costs:
                 h, r = protocol_cost_rows_per_party(costs)
                 parts += [f"### Protocol costs per party, {name}", "", _md_table(h, r), ""]
+        if setting.privacy:
+            parts += (
+                ["### Differential privacy", ""] + [f"- {line}" for line in _privacy_lines(setting)] + [""]
+            )
         h, r = method_exposure_rows(setting)
         parts += ["### What each method alone reveals", "", _md_table(h, r), ""]
         parts += (

@@ -28,6 +28,7 @@ from secure_afl.analytic import (
     sum_contributions,
     uploaded_by,
 )
+from secure_afl.privacy.dp import DpConfig
 from secure_afl.sim.audit import PrivacyAudit, audit_groups, restrict
 from secure_afl.sim.data import CLASSES, SplitBy
 from secure_afl.sim.datasets import ImageSource, PreparedData, Progress, prepare
@@ -84,6 +85,7 @@ class SimConfig:
     min_group_size: int = 1
     device: str = "auto"
     images: ImageSource | None = None  # None: the embedded dataset (synthetic features)
+    dp: DpConfig | None = None  # differential privacy (secure_afl/sim/dp_run.py); None: off
     pseudo: PseudoLabelConfig = field(default_factory=PseudoLabelConfig)
     fedavg: FedAvgConfig = field(default_factory=FedAvgConfig)
 
@@ -110,6 +112,8 @@ class SimConfig:
             raise ExperimentError(f"min_group_size must be at least 1, got {self.min_group_size}")
         if self.dropout_stage not in ("R1", "R2", "R3"):
             raise ExperimentError(f"dropout stage must be R1, R2 or R3, got {self.dropout_stage!r}")
+        if self.dp is not None:
+            self.dp.validate()
 
 
 @dataclass
@@ -138,6 +142,7 @@ class SettingResult:
     method_audits: Mapping[str, PrivacyAudit]  # what each method alone would have revealed
     pseudo_labels: tuple[tuple[str, PseudoLabelReport], ...]
     protocol_costs: Mapping[str, object] | None = None
+    privacy: Mapping[str, object] | None = None  # differential privacy: ε spent, noise, clipping
 
 
 @dataclass(frozen=True)
@@ -277,6 +282,10 @@ def run_setting(
     timer: PhaseTimer,
     progress: Progress = _no_progress,
 ) -> SettingResult:
+    if config.dp is not None:
+        from secure_afl.sim.dp_run import run_private_setting
+
+        return run_private_setting(data, missing, config, timer, progress)
     n_classes = data.cohort.labels.shape[1]
     assignment = assign_partial_labels(config.n_clients, n_classes, missing, seed=config.seed)
     clients = [client_id(k) for k in range(config.n_clients)]
@@ -399,7 +408,7 @@ def run_experiment(
         )
     with timer.phase("statistics"):
         stats = {}
-        for k, rows in enumerate(data.split.clients):
+        for k, rows in enumerate(data.split.clients if config.dp is None else ()):  # DP: clipped, later
             stats[client_id(k)] = client_statistics(
                 data.features[rows], data.cohort.labels[rows], device=config.device
             )

@@ -1,0 +1,629 @@
+"""Differential privacy for the released classifier: the distributed discrete Gaussian mechanism.
+
+Secure aggregation hides one institution's statistics from the server, but the classifier is a
+deterministic function of the data.  Here every client clips its feature rows, rounds its
+statistics randomly and unbiasedly onto a fixed-point grid, and adds discrete Gaussian noise
+(:mod:`secure_afl.privacy.dp_sampler`, exact, from the protocol's injected randomness) **before**
+masking, so no party ever sees an un-noised sum (Kairouz, Liu, Steinke, ICML 2021).
+
+Statistics (``balance="global"`` and ``gram="global"``, as plain sums and counts)
+----------------------------------------------------------------------------------
+Per client, from rows clipped to ``‖h‖₂ ≤ C``:
+
+=============  =========================================  ====================  =====================
+group          tensors                                    one image changes     ℓ2 sensitivity
+=============  =========================================  ====================  =====================
+``all``        ``gram`` = Σ h hᵀ (upper triangle)         by h hᵀ               ‖h‖² ≤ C² (Frobenius)
+``class/c``    ``pos_sum/c``, ``neg_sum/c`` (Σ h)         one of the two by h   C
+``class/c``    ``n_pos/c``, ``n_neg/c``                   one of the two by 1   1
+``pseudo/c``   the same four for round 2's pseudo-labels  at most one by h, 1   C, 1
+=============  =========================================  ====================  =====================
+
+Splitting the feature sum into positive and negative sums (rather than ``pos_sum`` and the total
+``feat_sum`` of the non-private layout) makes one image move exactly one of the two, so the block's
+sensitivity is C, not √2·C; the server rebuilds ``feat_sum = pos + neg`` and ``n = n_pos + n_neg``.
+No tensor is sent to two groups, so no linear combination of group sums singles out a client's
+noisy value (the overlap exposure of SECURITY.md §4 does not arise).  An image at a client that
+labels class c moves ``class/c``; at a client that does not, at most ``pseudo/c`` (round 2); so per
+class at most one block moves.
+
+Why not the paper's per-client balancing: ``b_{k,c} = pos/N⁺_k − neg/N⁻_k`` divides by the client's
+own counts, so one image changes every entry of ``b_{k,c}`` through ``N⁺_k`` and the change grows
+as ``C/N⁺_k`` for a client with few positives (one positive: ``2C``), and it is a ratio of two
+private quantities.  Plain sums and counts have clean, data-independent sensitivities, and the
+server divides after the noise (post-processing).  The per-class Gram (``gram="class"``) would put
+the Gram in every class group: each image would move ``|classes labelled|`` Gram blocks.
+
+Neighbouring relation: add or remove one image (default), or one patient with at most
+``max_images_per_patient`` images (the cap is enforced before the statistics); for a patient every
+sensitivity is multiplied by that cap (Frobenius of a sum of P terms ≤ P·C², sums ≤ P·C, counts
+≤ P, and per class the images split over ``class/c`` and ``pseudo/c`` obey a²+b² ≤ (a+b)²).
+
+Rounding and the grid
+---------------------
+Each block has a grid ``2^-g`` (the same for every client): ``g`` puts a client's noise standard
+deviation near 2^24 grid steps, never finer than the protocol's fractional bits minus 10 (so that
+every value the protocol can encode, at most ``2^(63−f)``, is an integer multiple of ``2^-g``
+below ``2^53``, exactly representable in float64: the protocol then encodes the noisy values
+exactly, bit for bit).  Randomized rounding ``R(y) = ⌊y⌋ + Bernoulli(y − ⌊y⌋)`` is unbiased; since
+``|R(y) − y| < 1``, neighbouring inputs give rounded vectors at ℓ2 distance below
+``Δ·2^g + 2·√D`` (D the block's coordinates), whatever the rounding randomness, and the
+accounting uses that bound (Rényi divergence is quasi-convex in the shared rounding randomness).
+
+Noise and dropouts
+------------------
+Every group sum must carry the target variance even at the fewest survivors with which the
+protocol still unmasks it: ``u = max(M, m − (n − t))`` capped at the group's size ``m`` (M the
+session's minimum group size, n the clients, t the threshold: at least t clients survive, so at
+most n − t members of a group are missing), and 1 when the server sees inputs individually
+(``secure="none"``).  Each member adds ``σ²/u``, rounded *up* to an admissible integer variance
+on the grid; a single-member group gets the whole noise from its member.  A server colluding with
+j members subtracts their noise: the guarantee holds while u honest members survive.
+
+Accounting (``dp-accounting``)
+------------------------------
+Kairouz et al., Proposition 14: the sum of n clients' ``N_Z(0, σ_c²)^D`` noise on a query of ℓ2
+sensitivity Δ (grid units) satisfies ``(α, α·Δ²/(2nσ_c²) + τ·D)``-RDP for all α, with
+``τ = 10·Σ_{k=1}^{n−1} exp(−2π²σ_c²·k/(k+1))``: a ``ZCDpEvent(rho=Δ²/(2nσ_c²), xi=τ·D)``.  We take
+ρ at the fewest survivors u (the most that ρ can be) and τ at all m members (the most that τ can
+be), so the bound holds whoever drops.  Per institution, the events of the blocks its images move
+(the Gram; per class the block that class's images of its institution go to, in each round) are
+composed in an ``RdpAccountant`` and turned into ε at the user's δ.  Calibration: the largest
+total ρ whose ε (with the ξ terms) is at most the target, split over the blocks in the fixed,
+public proportions of :class:`DpConfig` (``rho_shares``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from secure_afl.analytic import (
+    ALL_GROUP,
+    ClientStatistics,
+    Contributions,
+    PseudoLabelConfig,
+    class_group,
+    client_statistics,
+    pseudo_group,
+)
+from secure_afl.privacy.dp_sampler import admissible_variance, noise_words, sample_discrete_gaussian
+from secure_afl.protocol import encoding
+from secure_afl.protocol.randomness import RandomSource
+
+DpUnit = Literal["image", "patient"]
+BlockKind = Literal["gram", "sums", "counts"]
+_TARGET_NOISE_BITS = 24  # a client's noise std, in grid steps, is about 2^24
+_REPRESENTABLE_MARGIN_BITS = 10  # 63 − 53: grid bits at most frac_bits − 10
+
+
+class DpError(ValueError):
+    """A differential-privacy setting or input that cannot be used (with how to fix it)."""
+
+
+@dataclass(frozen=True)
+class DpConfig:
+    """What the user asks for: (ε, δ), the clip bound, the protected unit.
+
+    ``rho_shares``: the public split of the ρ budget between the Gram, the class feature sums and
+    the class counts.  The sums carry the signal the classifier is made of; the Gram only shapes it
+    (its noise is absorbed by the data-independent ridge); counts of thousands tolerate noise of a
+    few units.  Fixed a priori, not tuned on any test split.
+    """
+
+    epsilon: float
+    delta: float = 1e-6
+    clip: float = 32.0
+    unit: DpUnit = "image"
+    max_images_per_patient: int = 4
+    rho_shares: tuple[float, float, float] = (0.3, 0.6, 0.1)  # gram, sums, counts
+    ridge_failure_probability: float = 1e-6
+
+    def validate(self) -> None:
+        if not (self.epsilon > 0 and math.isfinite(self.epsilon)):
+            raise DpError(f"--dp-epsilon must be a positive finite number, got {self.epsilon}")
+        if not 0 < self.delta < 1:
+            raise DpError(f"--dp-delta must lie strictly between 0 and 1, got {self.delta}")
+        if not (self.clip > 0 and math.isfinite(self.clip)):
+            raise DpError(f"--clip must be a positive finite L2 bound on feature rows, got {self.clip}")
+        if self.unit not in ("image", "patient"):
+            raise DpError(f"--dp-unit must be 'image' or 'patient', got {self.unit!r}")
+        if self.max_images_per_patient < 1:
+            raise DpError(
+                f"the cap on images per patient must be at least 1, got {self.max_images_per_patient}"
+            )
+        shares = self.rho_shares
+        if len(shares) != 3 or any(not s > 0 for s in shares) or abs(sum(shares) - 1) > 1e-9:
+            raise DpError(f"rho_shares must be three positive numbers summing to 1, got {shares}")
+        if not 0 < self.ridge_failure_probability < 1:
+            raise DpError("ridge_failure_probability must lie strictly between 0 and 1")
+
+    @property
+    def unit_multiplier(self) -> int:
+        """Images one protected unit may contribute: 1, or the cap per patient."""
+        return 1 if self.unit == "image" else self.max_images_per_patient
+
+
+# ----------------------------------------------------------------------------------------------
+# Client side: clipping, statistics, layout
+# ----------------------------------------------------------------------------------------------
+
+
+def clip_rows(features: np.ndarray, clip: float) -> tuple[np.ndarray, int]:
+    """Rows scaled down to L2 norm ≤ ``clip`` (others unchanged), and how many were clipped."""
+    features = np.asarray(features, dtype=np.float64)
+    if features.ndim != 2:
+        raise DpError(f"features must be a 2-D array (samples × dim), got shape {features.shape}")
+    if not np.isfinite(features).all():
+        raise DpError("features contain NaN or infinite values; check the backbone output")
+    norms = np.linalg.norm(features, axis=1)
+    over = norms > clip
+    scale = np.ones_like(norms)
+    scale[over] = clip / norms[over]
+    clipped = features * scale[:, None]
+    # float rounding can leave a scaled row a hair above the bound: pull it in by one more ulp step
+    still = np.linalg.norm(clipped, axis=1) > clip
+    if still.any():
+        clipped[still] *= np.nextafter(1.0, 0.0) ** 4
+    return clipped, int(over.sum())
+
+
+def cap_images_per_patient(patient_ids: np.ndarray, cap: int) -> np.ndarray:
+    """Boolean mask keeping each patient's first ``cap`` rows (in the given order)."""
+    if cap < 1:
+        raise DpError(f"the cap on images per patient must be at least 1, got {cap}")
+    ids = np.asarray(patient_ids)
+    keep = np.zeros(len(ids), dtype=bool)
+    seen: dict[object, int] = {}
+    for i, pid in enumerate(ids.tolist()):
+        n = seen.get(pid, 0)
+        if n < cap:
+            keep[i] = True
+            seen[pid] = n + 1
+    return keep
+
+
+@dataclass(frozen=True)
+class PrivateStatistics:
+    """A client's statistics on clipped rows: Gram, positive and negative sums per class, counts."""
+
+    gram: np.ndarray
+    pos_sum: np.ndarray  # d × C
+    neg_sum: np.ndarray  # d × C
+    n_pos: np.ndarray
+    n_neg: np.ndarray
+    n_clipped: int
+    n_rows: int
+
+    def round1(self, active: Sequence[int]) -> Contributions:
+        """Round-1 upload: the Gram to ``all``; per labelled class its sums and counts."""
+        out: Contributions = {ALL_GROUP: {"gram": self.gram}}
+        for c in sorted({int(a) for a in active}):
+            out[class_group(c)] = {
+                f"pos_sum/{c}": self.pos_sum[:, c].copy(),
+                f"neg_sum/{c}": self.neg_sum[:, c].copy(),
+                f"n_pos/{c}": np.array([float(self.n_pos[c])]),
+                f"n_neg/{c}": np.array([float(self.n_neg[c])]),
+            }
+        return out
+
+
+def private_statistics(
+    features: np.ndarray, labels: np.ndarray, clip: float, *, device: str = "auto"
+) -> PrivateStatistics:
+    """Clip every row to ``clip``, then one float64 pass (analytic.client_statistics) over ``[Y, 1−Y]``.
+
+    The complement columns give the negative sums directly (not as a difference of two sums).
+    """
+    clipped, n_clipped = clip_rows(features, clip)
+    labels = np.asarray(labels)
+    both = np.concatenate([labels, 1 - labels], axis=1)
+    stats: ClientStatistics = client_statistics(clipped, both, device=device)
+    n_classes = labels.shape[1]
+    return PrivateStatistics(
+        gram=stats.gram,
+        pos_sum=stats.pos_sum[:, :n_classes],
+        neg_sum=stats.pos_sum[:, n_classes:],
+        n_pos=stats.n_pos[:n_classes],
+        n_neg=stats.n_pos[n_classes:],
+        n_clipped=n_clipped,
+        n_rows=stats.n,
+    )
+
+
+def pseudo_label_round(
+    clipped_features: np.ndarray,
+    coef: np.ndarray,
+    active: Sequence[int],
+    config: PseudoLabelConfig | None = None,
+) -> Contributions:
+    """Round 2 under DP: for each class the client does not label, sums and counts of its rows
+    pseudo-labelled positive (``σ(h·w_c) > τ``) and negative (``< 1 − τ``) by the round-1 model.
+
+    The features must already be clipped.  Qualification (Eq. 20's δ⁺, δ⁻) moves to the server,
+    which applies it to the federation's noisy counts: a per-client threshold would switch a whole
+    block on or off for one image (unbounded sensitivity).
+    """
+    config = PseudoLabelConfig() if config is None else config
+    h = np.asarray(clipped_features, dtype=np.float64)
+    coef = np.asarray(coef, dtype=np.float64)
+    active_set = {int(a) for a in active}
+    out: Contributions = {}
+    for c in range(coef.shape[1]):
+        if c in active_set:
+            continue
+        p = 1.0 / (1.0 + np.exp(-(h @ coef[:, c])))
+        pos = p > config.tau
+        neg = p < 1 - config.tau
+        out[pseudo_group(c)] = {
+            f"pseudo_pos_sum/{c}": h[pos].sum(axis=0) if pos.any() else np.zeros(h.shape[1]),
+            f"pseudo_neg_sum/{c}": h[neg].sum(axis=0) if neg.any() else np.zeros(h.shape[1]),
+            f"pseudo_n_pos/{c}": np.array([float(pos.sum())]),
+            f"pseudo_n_neg/{c}": np.array([float(neg.sum())]),
+        }
+    return out
+
+
+def block_kind(tensor: str) -> BlockKind:
+    """Which sensitivity block a DP tensor belongs to."""
+    if tensor == "gram":
+        return "gram"
+    if tensor.startswith(("pos_sum/", "neg_sum/", "pseudo_pos_sum/", "pseudo_neg_sum/")):
+        return "sums"
+    if tensor.startswith(("n_pos/", "n_neg/", "pseudo_n_pos/", "pseudo_n_neg/")):
+        return "counts"
+    raise DpError(f"tensor {tensor!r} is not part of the DP layout (gram, sums and counts only)")
+
+
+# ----------------------------------------------------------------------------------------------
+# Noise plan: per group and block, the grid, the fewest survivors, each client's variance
+# ----------------------------------------------------------------------------------------------
+
+
+def fewest_survivors(
+    members: int, *, n_clients: int, threshold: int, min_group_size: int, masked: bool = True
+) -> int:
+    """The fewest survivors with which a group of ``members`` may still be unmasked.
+
+    At least ``threshold`` of the ``n_clients`` survive every round and no group is unmasked below
+    ``min_group_size``; without masking (``masked=False``) each input is seen alone: 1.
+    """
+    if members < 1:
+        raise DpError(f"a group needs at least one member, got {members}")
+    if not masked:
+        return 1
+    return max(1, min(members, max(min_group_size, members - (n_clients - threshold))))
+
+
+def _tau(members: int, client_variance_steps: float) -> float:
+    return 10.0 * sum(
+        math.exp(-2.0 * math.pi**2 * client_variance_steps * k / (k + 1)) for k in range(1, members)
+    )
+
+
+@dataclass(frozen=True)
+class BlockNoise:
+    """The noise of one block (a group's Gram, sums or counts), the same at every member."""
+
+    group: str
+    kind: BlockKind
+    dim: int  # coordinates on the wire (a Gram as its upper triangle)
+    sensitivity: float  # ℓ2, real units, per protected unit
+    grid_bits: int  # values are integer multiples of 2^-grid_bits
+    members: int
+    fewest: int
+    client_variance: int  # grid steps², admissible for the exact sampler
+    target_rho: float  # what the calibration asked of this block (rho never exceeds it)
+
+    @property
+    def target_variance_steps(self) -> float:
+        """The variance (grid steps²) the group sum must carry at its fewest survivors."""
+        return self.sensitivity_steps**2 / (2.0 * self.target_rho)
+
+    @property
+    def grid(self) -> float:
+        return 2.0**-self.grid_bits
+
+    @property
+    def sensitivity_steps(self) -> float:
+        """ℓ2 sensitivity on the grid after randomized rounding: Δ·2^g + 2√D."""
+        return self.sensitivity * 2.0**self.grid_bits + 2.0 * math.sqrt(self.dim)
+
+    def group_std(self, survivors: int | None = None) -> float:
+        """Standard deviation (real units) of the group sum's noise per coordinate."""
+        n = self.fewest if survivors is None else survivors
+        return math.sqrt(n * self.client_variance) * self.grid
+
+    @property
+    def rho(self) -> float:
+        """ρ at the fewest survivors (the largest ρ any survivor set gives)."""
+        return self.sensitivity_steps**2 / (2.0 * self.fewest * self.client_variance)
+
+    @property
+    def xi(self) -> float:
+        """τ·D with τ at all members (the largest τ any survivor set gives); 0 for one member."""
+        return _tau(self.members, float(self.client_variance)) * self.dim
+
+
+def _grid_bits(group_std: float, fewest: int, frac_bits: int) -> int:
+    client_std = group_std / math.sqrt(fewest)
+    bits = _TARGET_NOISE_BITS - math.ceil(math.log2(client_std))
+    return min(bits, frac_bits - _REPRESENTABLE_MARGIN_BITS)
+
+
+def make_block(
+    group: str,
+    kind: BlockKind,
+    *,
+    dim: int,
+    sensitivity: float,
+    rho: float,
+    members: int,
+    fewest: int,
+    frac_bits: int,
+) -> BlockNoise:
+    """The block whose group sum, at ``fewest`` survivors, gives at most ``rho`` (before ξ)."""
+    if not rho > 0:
+        raise DpError(f"a block's rho must be positive, got {rho}")
+    std = sensitivity / math.sqrt(2.0 * rho)
+    bits = _grid_bits(std, fewest, frac_bits)
+    steps = sensitivity * 2.0**bits + 2.0 * math.sqrt(dim)
+    variance = admissible_variance(steps**2 / (2.0 * rho * fewest))
+    return BlockNoise(group, kind, dim, sensitivity, bits, members, fewest, variance, rho)
+
+
+@dataclass(frozen=True)
+class NoisePlan:
+    """Every group's blocks, and which blocks each institution's images move."""
+
+    config: DpConfig
+    blocks: Mapping[tuple[str, BlockKind], BlockNoise]
+    # institution -> per "slot" (the Gram; per class per round) the blocks that may move together
+    slots: Mapping[str, tuple[tuple[tuple[str, BlockKind], ...], ...]]
+    frac_bits: int
+    rho_total: float  # the calibrated per-institution budget before rounding the variances up
+
+    def block(self, group: str, tensor: str) -> BlockNoise:
+        try:
+            return self.blocks[(group, block_kind(tensor))]
+        except KeyError:
+            raise DpError(f"no noise planned for tensor {tensor!r} of group {group!r}") from None
+
+    def events(self, institution: str) -> list[tuple[float, float]]:
+        """(ρ, ξ) per slot: for a slot whose blocks may move together, the largest ρ of them
+        (a²+b² ≤ (a+b)² with equal sensitivity per image), and every ξ."""
+        out = []
+        for slot in self.slots[institution]:
+            blocks = [self.blocks[key] for key in slot]
+            out.append((max(b.rho for b in blocks), sum(b.xi for b in blocks)))
+        return out
+
+    def epsilon(self, institution: str) -> float:
+        return epsilon_of(self.events(institution), self.config.delta)
+
+    def epsilons(self) -> dict[str, float]:
+        cache: dict[tuple[tuple[float, float], ...], float] = {}
+        out = {}
+        for k in self.slots:
+            events = tuple(self.events(k))
+            if events not in cache:
+                cache[events] = epsilon_of(events, self.config.delta)
+            out[k] = cache[events]
+        return out
+
+
+def epsilon_of(events: Sequence[tuple[float, float]], delta: float) -> float:
+    """ε at ``delta`` of the composition of ``ZCDpEvent(rho, xi)`` events, by ``RdpAccountant``."""
+    import dp_accounting
+    from dp_accounting.rdp import RdpAccountant
+
+    accountant = RdpAccountant()
+    for rho, xi in events:
+        accountant.compose(dp_accounting.ZCDpEvent(rho=float(rho), xi=float(xi)))
+    return float(accountant.get_epsilon(delta))
+
+
+def rho_for_epsilon(epsilon: float, delta: float) -> float:
+    """The largest ρ (bisection, relative 1e-6) whose ρ-zCDP gives ε ≤ ``epsilon`` at ``delta``."""
+    lo, hi = 0.0, 1.0
+    while epsilon_of([(hi, 0.0)], delta) < epsilon:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1e-6 * hi:
+        mid = (lo + hi) / 2
+        if epsilon_of([(mid, 0.0)], delta) <= epsilon:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@dataclass(frozen=True)
+class FederationLayout:
+    """What the noise plan needs to know about the session, all public before any data moves."""
+
+    active: Mapping[str, Sequence[int]]  # institution -> classes it labels
+    n_classes: int
+    dim: int
+    threshold: int
+    min_group_size: int = 1
+    rounds: int = 1
+    masked: bool = True
+    frac_bits: int = encoding.DEFAULT_FRAC_BITS
+
+    def members(self, group: str) -> int:
+        if group == ALL_GROUP:
+            return len(self.active)
+        kind, _, c = group.partition("/")
+        labelled = sum(int(c) in set(map(int, a)) for a in self.active.values())
+        return labelled if kind == "class" else len(self.active) - labelled
+
+    def groups(self) -> list[str]:
+        out = [ALL_GROUP]
+        for c in range(self.n_classes):
+            out.append(class_group(c))
+            if self.rounds == 2 and self.members(pseudo_group(c)) > 0:
+                out.append(pseudo_group(c))
+        return out
+
+
+def plan_noise(config: DpConfig, layout: FederationLayout) -> NoisePlan:
+    """Calibrate the noise to (ε, δ): the largest budget whose worst institution spends at most ε."""
+    config.validate()
+    if layout.rounds not in (1, 2):
+        raise DpError(f"rounds must be 1 or 2, got {layout.rounds}")
+    n_clients = len(layout.active)
+    if not 1 <= layout.threshold <= n_clients:
+        raise DpError(f"threshold must be in 1..{n_clients}, got {layout.threshold}")
+    for c in range(layout.n_classes):
+        if layout.members(class_group(c)) == 0:
+            raise DpError(f"class {c} has no annotating client: every class needs one")
+    p = config.unit_multiplier
+    c2 = config.clip
+    sensitivities = {"gram": p * c2 * c2, "sums": p * c2, "counts": float(p)}
+    dims = {"gram": encoding.upper_triangle_length(layout.dim), "sums": 2 * layout.dim, "counts": 2}
+    # class slots per protected unit: an image moves one block per class it meets (its client's
+    # labelled classes in round 1; every class once both rounds run); a patient may span clients
+    if layout.rounds == 2 or config.unit == "patient":
+        class_slots = layout.n_classes
+    else:
+        class_slots = max(len(set(a)) for a in layout.active.values())
+    slots = _slots(layout, config.unit)
+
+    def build(rho_total: float) -> NoisePlan:
+        share_gram, share_sums, share_counts = config.rho_shares
+        per_kind = {
+            "gram": share_gram * rho_total,
+            "sums": share_sums * rho_total / class_slots,
+            "counts": share_counts * rho_total / class_slots,
+        }
+        blocks: dict[tuple[str, BlockKind], BlockNoise] = {}
+        for group in layout.groups():
+            members = layout.members(group)
+            fewest = fewest_survivors(
+                members,
+                n_clients=n_clients,
+                threshold=layout.threshold,
+                min_group_size=layout.min_group_size,
+                masked=layout.masked,
+            )
+            kinds: tuple[BlockKind, ...] = ("gram",) if group == ALL_GROUP else ("sums", "counts")
+            for kind in kinds:
+                blocks[(group, kind)] = make_block(
+                    group,
+                    kind,
+                    dim=dims[kind],
+                    sensitivity=sensitivities[kind],
+                    rho=per_kind[kind],
+                    members=members,
+                    fewest=fewest,
+                    frac_bits=layout.frac_bits,
+                )
+        return NoisePlan(config, blocks, slots, layout.frac_bits, rho_total)
+
+    rho = rho_for_epsilon(config.epsilon, config.delta)
+    for _ in range(200):  # the ξ terms (τ·D) may push ε up: shrink until the worst fits
+        plan = build(rho)
+        if max(plan.epsilons().values()) <= config.epsilon:
+            return plan
+        rho *= 0.98
+    raise DpError(
+        f"cannot reach epsilon {config.epsilon} at delta {config.delta}: the discrete noise's τ term "
+        "stays too large; use more fractional bits or a larger epsilon"
+    )
+
+
+def _slots(
+    layout: FederationLayout, unit: DpUnit
+) -> dict[str, tuple[tuple[tuple[str, BlockKind], ...], ...]]:
+    """Per institution: the Gram; per class and kind, the blocks its protected unit may move."""
+    out = {}
+    for inst, active in layout.active.items():
+        labelled = set(map(int, active))
+        slots: list[tuple[tuple[str, BlockKind], ...]] = [((ALL_GROUP, "gram"),)]
+        for c in range(layout.n_classes):
+            if unit == "patient":  # a patient's images may sit at clients on either side
+                groups = [class_group(c)] + (
+                    [pseudo_group(c)] if layout.rounds == 2 and layout.members(pseudo_group(c)) else []
+                )
+            elif c in labelled:
+                groups = [class_group(c)]
+            elif layout.rounds == 2:
+                groups = [pseudo_group(c)]
+            else:
+                continue
+            for kind in ("sums", "counts"):
+                slots.append(tuple((g, kind) for g in groups))
+        out[inst] = tuple(slots)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Client side: rounding and noise
+# ----------------------------------------------------------------------------------------------
+
+
+def randomized_round(scaled: np.ndarray, words_source: RandomSource) -> np.ndarray:
+    """Unbiased rounding of ``scaled`` (already in grid steps) to int64: ``⌊y⌋ + [U < y − ⌊y⌋]``.
+
+    ``U`` is a 53-bit uniform fraction from the injected source (bias below 2^-53 of a step).
+    """
+    y = np.asarray(scaled, dtype=np.float64)
+    if not np.isfinite(y).all():
+        raise DpError("a statistic is NaN or infinite; it cannot be put on the grid")
+    if y.size and float(np.max(np.abs(y))) >= 2.0**53:
+        raise DpError(
+            f"a statistic reaches {float(np.max(np.abs(y))):.3g} grid steps, beyond float64's exact "
+            "integers (2^53); lower --clip or use fewer fractional bits"
+        )
+    floor = np.floor(y)
+    frac = y - floor
+    words = noise_words(words_source).take(y.size) >> np.uint64(11)
+    up = words.astype(np.float64) < frac * 2.0**53
+    return floor.astype(np.int64) + up.astype(np.int64)
+
+
+def privatize(
+    contributions: Contributions,
+    plan: NoisePlan,
+    random: RandomSource,
+    *,
+    symmetric: Sequence[str] = ("gram",),
+) -> Contributions:
+    """One client's DP upload: every tensor rounded onto its block's grid, plus its noise share.
+
+    The values returned are integer multiples of ``2^-g`` below ``2^53`` steps: float64 holds them
+    exactly and the protocol's fixed-point encoding (``frac_bits ≥ g``) is exact on them.
+    Symmetric tensors are noised on their upper triangle (what travels) and returned symmetric.
+    """
+    # Round every tensor first, then draw each variance's noise in one call (the sampler's loops
+    # cost per call, and a client's counts are many one-value tensors).
+    pending: list[tuple[str, str, np.ndarray, BlockNoise, tuple[int, ...], bool]] = []
+    for group, tensors in contributions.items():
+        for name, values in tensors.items():
+            block = plan.block(group, name)
+            array = np.asarray(values, dtype=np.float64)
+            is_symmetric = name in symmetric
+            flat = encoding.pack_symmetric(array) if is_symmetric else array.ravel()
+            steps = randomized_round(flat * 2.0**block.grid_bits, random)
+            pending.append((group, name, steps, block, array.shape, is_symmetric))
+    by_variance: dict[int, list[int]] = {}
+    for i, entry in enumerate(pending):
+        by_variance.setdefault(entry[3].client_variance, []).append(i)
+    noise: dict[int, np.ndarray] = {}
+    for variance, indices in by_variance.items():
+        sizes = [pending[i][2].size for i in indices]
+        draws = sample_discrete_gaussian(variance, sum(sizes), random)
+        for i, part in zip(indices, np.split(draws, np.cumsum(sizes)[:-1]), strict=True):
+            noise[i] = part
+    out: Contributions = {group: {} for group in contributions}
+    for i, (group, name, steps, block, shape, is_symmetric) in enumerate(pending):
+        total = steps + noise[i]
+        if total.size and int(np.max(np.abs(total))) >= 2**53:
+            raise DpError(f"tensor {name!r}: noisy value beyond float64's exact range; lower --clip")
+        noisy = total.astype(np.float64) * block.grid
+        out[group][name] = encoding.unpack_symmetric(noisy) if is_symmetric else noisy.reshape(shape)
+    return out

@@ -1,0 +1,371 @@
+"""The simulator under differential privacy: one private method, its ε per institution, the ε sweep.
+
+Under ``--dp-epsilon`` a setting runs only the private method (``balance="global"``,
+``gram="global"``, rounds 1 and 2 as asked): summing the other variants' un-noised statistics in
+the same session would release them.  Each client clips, rounds and noises its own statistics
+(:mod:`secure_afl.privacy.dp`) before they enter the masking protocol; the server solves on the
+noisy sums (:mod:`secure_afl.privacy.dp_solve`).  FedAvg, not private, is not run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from secure_afl.privacy.dp import (
+    DpConfig,
+    FederationLayout,
+    NoisePlan,
+    cap_images_per_patient,
+    clip_rows,
+    plan_noise,
+    private_statistics,
+    privatize,
+    pseudo_label_round,
+)
+from secure_afl.privacy.dp_solve import PrivateSolve, fit_private, refine_private
+from secure_afl.protocol.randomness import OsRandomSource, RandomSource
+from secure_afl.sim.audit import audit_groups
+from secure_afl.sim.datasets import PreparedData, Progress
+from secure_afl.sim.metrics import evaluate
+from secure_afl.sim.partial import assign_partial_labels
+
+AFL_DP_1 = "AFL DP (1 round)"
+AFL_DP_2 = "AFL DP (2 rounds)"
+SWEEP_EPSILONS = (0.5, 1.0, 2.0, 4.0, 8.0, math.inf)
+
+
+def _client_rows(data: PreparedData, dp: DpConfig) -> list[np.ndarray]:
+    """Each client's training rows; for the patient unit, at most the cap per patient overall.
+
+    The simulator knows every patient id, so it enforces the cap across clients (a patient whose
+    images were split over several clients still contributes at most the cap).  A deployment can
+    only enforce it per institution: see SECURITY.md.
+    """
+    rows = [np.asarray(r) for r in data.split.clients]
+    if dp.unit != "patient":
+        return rows
+    keep = cap_images_per_patient(data.cohort.patient_ids[np.concatenate(rows)], dp.max_images_per_patient)
+    out, start = [], 0
+    for r in rows:
+        out.append(r[keep[start : start + len(r)]])
+        start += len(r)
+    return out
+
+
+def run_private_setting(
+    data: PreparedData,
+    missing: int,
+    config: object,
+    timer: object,
+    progress: Progress,
+    *,
+    random: RandomSource | None = None,
+):  # -> runner.SettingResult (imported lazily: the runner imports this module)
+    from secure_afl.sim import runner
+    from secure_afl.sim.secure import default_threshold
+
+    dp: DpConfig = config.dp  # type: ignore[attr-defined]
+    random = OsRandomSource() if random is None else random
+    n_classes = data.cohort.labels.shape[1]
+    assignment = assign_partial_labels(config.n_clients, n_classes, missing, seed=config.seed)
+    clients = [runner.client_id(k) for k in range(config.n_clients)]
+    dropped = runner._dropped_clients(config)
+    dropouts = {config.dropout_stage: dropped} if dropped else {}
+    test_x = data.features[data.split.test]
+    test_y = data.cohort.labels[data.split.test]
+    rows = _client_rows(data, dp)
+    layout = FederationLayout(
+        active={name: assignment.active[k] for k, name in enumerate(clients)},
+        n_classes=n_classes,
+        dim=data.features.shape[1],
+        threshold=config.threshold or default_threshold(config.n_clients),
+        min_group_size=config.min_group_size,
+        rounds=config.rounds,
+        masked=config.secure == "mask",
+    )
+    plan = plan_noise(dp, layout)
+
+    with timer.phase("statistics"):
+        stats = {
+            name: private_statistics(
+                data.features[rows[k]], data.cohort.labels[rows[k]], dp.clip, device=config.device
+            )
+            for k, name in enumerate(clients)
+        }
+    with timer.phase("dp noise"):
+        round1 = {
+            name: privatize(stats[name].round1(assignment.active[k]), plan, random)
+            for k, name in enumerate(clients)
+        }
+    with timer.phase("aggregation"):
+        agg = runner.aggregate(round1, config, dropouts=dropouts)
+    runner._check_coverage(agg, n_classes)
+    with timer.phase("solve"):
+        model, solve, converted = fit_private(
+            agg.sums, plan, n_classes=n_classes, gamma=config.gamma, gram_survivors=len(agg.survivors["all"])
+        )
+    models = {AFL_DP_1: model}
+    members, survivors, tensors = dict(agg.members), dict(agg.survivors), dict(agg.tensors)
+    costs = {"round1": agg.costs} if agg.costs is not None else None
+    uploads = {name: dict(groups) for name, groups in round1.items()}
+    solve2: PrivateSolve | None = None
+    if config.rounds == 2:
+        live = [c for c in clients if c not in dropped]
+        with timer.phase("statistics"):
+            pseudo = {}
+            for name in live:
+                k = clients.index(name)
+                clipped, _ = clip_rows(data.features[rows[k]], dp.clip)
+                pseudo[name] = pseudo_label_round(clipped, model.coef_, assignment.active[k], config.pseudo)
+        with timer.phase("dp noise"):
+            round2 = {name: privatize(groups, plan, random) for name, groups in pseudo.items()}
+        with timer.phase("aggregation"):
+            agg2 = runner.aggregate(round2, config, dropouts={})
+        with timer.phase("solve"):
+            models[AFL_DP_2], solve2 = refine_private(
+                model, converted, agg2.sums, solve, n_classes=n_classes, config=config.pseudo
+            )
+        members.update(agg2.members)
+        survivors.update(agg2.survivors)
+        tensors.update(agg2.tensors)
+        for name, groups in round2.items():
+            uploads[name].update(groups)
+        if costs is not None:
+            costs["round2"] = agg2.costs
+    with timer.phase("metrics"):
+        metrics = {name: evaluate(test_y, m.predict_proba(test_x)) for name, m in models.items()}
+    audit = audit_groups(
+        protection=config.secure, members=members, survivors=survivors, tensors=tensors, contributions=uploads
+    )
+    upload_bytes = runner._upload_bytes(uploads)
+    return runner.SettingResult(
+        missing=missing,
+        assignment=assignment,
+        metrics=metrics,
+        dropped=dropped,
+        upload_bytes=upload_bytes,
+        audit=audit,
+        method_audits={AFL_DP_2 if config.rounds == 2 else AFL_DP_1: audit},
+        pseudo_labels=(),
+        protocol_costs=costs,
+        privacy=privacy_summary(plan, stats, solve, solve2),
+    )
+
+
+def privacy_summary(
+    plan: NoisePlan,
+    stats: Mapping[str, object],
+    solve: PrivateSolve,
+    solve2: PrivateSolve | None,
+) -> dict[str, object]:
+    """What the report says about DP: ε per institution, noise per block, clipping, the solve."""
+    cfg = plan.config
+    blocks = [
+        {
+            "group": b.group,
+            "block": b.kind,
+            "sensitivity": b.sensitivity,
+            "grid_bits": b.grid_bits,
+            "members": b.members,
+            "fewest_survivors": b.fewest,
+            "noise_std_at_fewest": b.group_std(),
+            "client_noise_std": b.group_std(1),
+            "rho": b.rho,
+            "xi": b.xi,
+        }
+        for b in plan.blocks.values()
+    ]
+    return {
+        "epsilon_target": cfg.epsilon,
+        "delta": cfg.delta,
+        "clip": cfg.clip,
+        "unit": cfg.unit,
+        "max_images_per_patient": cfg.max_images_per_patient if cfg.unit == "patient" else None,
+        "rho_shares": list(cfg.rho_shares),
+        "epsilon_spent": plan.epsilons(),
+        "rows_clipped": {k: s.n_clipped for k, s in stats.items()},  # type: ignore[attr-defined]
+        "rows_used": {k: s.n_rows for k, s in stats.items()},  # type: ignore[attr-defined]
+        "blocks": blocks,
+        "ridge": solve.ridge,
+        "gram_noise_std": solve.gram_noise_std,
+        "eigenvalue_floor": solve.eigenvalue_floor,
+        "round2_qualified_classes": list(solve2.qualified) if solve2 is not None else None,
+    }
+
+
+def privacy_lines(privacy: Mapping[str, object]) -> list[str]:
+    """Human-readable DP summary for the console and report.md."""
+    spent = privacy["epsilon_spent"]
+    assert isinstance(spent, Mapping)
+    blocks = privacy["blocks"]
+    assert isinstance(blocks, list)
+    clipped = privacy["rows_clipped"]
+    used = privacy["rows_used"]
+    assert isinstance(clipped, Mapping) and isinstance(used, Mapping)
+    unit = privacy["unit"]
+    if unit == "patient":
+        unit = f"patient (at most {privacy['max_images_per_patient']} images each)"
+    lines = [
+        f"differential privacy: target ε = {privacy['epsilon_target']:g} at δ = {privacy['delta']:g}, "
+        f"unit: one {unit}, rows clipped to L2 norm {privacy['clip']:g}",
+        "ε spent per institution: " + ", ".join(f"{k} {v:.4f}" for k, v in spent.items()),
+        f"rows clipped: {sum(clipped.values())} of {sum(used.values())} "
+        f"({', '.join(f'{k} {v}' for k, v in clipped.items())})",
+    ]
+    for kind in ("gram", "sums", "counts"):
+        ofkind = [b for b in blocks if b["block"] == kind]
+        if not ofkind:
+            continue
+        stds = [b["noise_std_at_fewest"] for b in ofkind]
+        fewest = sorted({b["fewest_survivors"] for b in ofkind})
+        lines.append(
+            f"noise on {kind} (sensitivity {ofkind[0]['sensitivity']:g}): group-sum std "
+            f"{min(stds):.4g}..{max(stds):.4g} at the fewest survivors {fewest}"
+        )
+    lines.append(
+        f"solve: ridge γ + λ with data-independent λ = {privacy['ridge']:.4g} (Gram noise std "
+        f"{privacy['gram_noise_std']:.4g} per entry); eigenvalue floor "
+        f"{'used' if privacy['eigenvalue_floor'] else 'not needed'}"
+    )
+    if privacy.get("round2_qualified_classes") is not None:
+        lines.append(
+            f"round 2: classes qualified on noisy federation counts: {privacy['round2_qualified_classes']}"
+        )
+    return lines
+
+
+# ----------------------------------------------------------------------------------------------
+# The ε sweep
+# ----------------------------------------------------------------------------------------------
+
+
+def run_dp_sweep(
+    config: object,
+    *,
+    epsilons: Sequence[float] = SWEEP_EPSILONS,
+    progress: Progress | None = None,
+) -> dict[str, object]:
+    """BACC and AUC of the private method against ε for each missing level of ``config``.
+
+    ``ε = ∞`` is the same pipeline (clipped rows, ``balance="global"``, ``gram="global"``) with no
+    noise and no DP ridge: the price of privacy alone, not of clipping.
+    """
+    from secure_afl.sim import runner
+    from secure_afl.sim.datasets import prepare
+
+    dp: DpConfig = config.dp  # type: ignore[attr-defined]
+    data = prepare(
+        config.images,
+        fraction=config.fraction,
+        dim=config.dim,
+        seed=config.seed,
+        n_clients=config.n_clients,
+        split=config.split,
+    )
+    points = []
+    for missing in config.missing:
+        for eps in epsilons:
+            timer = runner.PhaseTimer()
+            if math.isinf(eps):
+                metrics = _non_private_metrics(data, missing, config)
+            else:
+                cfg = replace(config, dp=replace(dp, epsilon=eps))
+                setting = run_private_setting(data, missing, cfg, timer, progress or (lambda *a: None))
+                metrics = setting.metrics
+            for method, m in metrics.items():
+                points.append(
+                    {
+                        "missing": missing,
+                        "epsilon": None if math.isinf(eps) else eps,
+                        "method": method,
+                        "bacc": m.macro["bacc"],
+                        "auc": m.macro["auc"],
+                        "map": m.macro["map"],
+                    }
+                )
+    return {"delta": dp.delta, "clip": dp.clip, "unit": dp.unit, "rounds": config.rounds, "points": points}
+
+
+def _non_private_metrics(data: PreparedData, missing: int, config: object) -> dict[str, object]:
+    from secure_afl.analytic import AnalyticClassifier, sum_contributions
+
+    dp: DpConfig = config.dp  # type: ignore[attr-defined]
+    n_classes = data.cohort.labels.shape[1]
+    assignment = assign_partial_labels(config.n_clients, n_classes, missing, seed=config.seed)
+    rows = _client_rows(data, dp)
+    stats = [
+        private_statistics(data.features[r], data.cohort.labels[r], dp.clip, device=config.device)
+        for r in rows
+    ]
+    from secure_afl.privacy.dp_solve import analytic_sums
+
+    sums = analytic_sums(
+        sum_contributions(s.round1(assignment.active[k]) for k, s in enumerate(stats)), n_classes
+    )
+    model = AnalyticClassifier(n_classes, gamma=config.gamma, balance="global", gram="global").fit(sums)
+    name = AFL_DP_1
+    out = {
+        name: evaluate(
+            data.cohort.labels[data.split.test], model.predict_proba(data.features[data.split.test])
+        )
+    }
+    if config.rounds == 2:
+        pseudo = sum_contributions(
+            pseudo_label_round(
+                clip_rows(data.features[r], dp.clip)[0], model.coef_, assignment.active[k], config.pseudo
+            )
+            for k, r in enumerate(rows)
+        )
+        solve = PrivateSolve(0.0, 0.0, False)
+        refined, _ = refine_private(model, sums, pseudo, solve, n_classes=n_classes, config=config.pseudo)
+        out[AFL_DP_2] = evaluate(
+            data.cohort.labels[data.split.test], refined.predict_proba(data.features[data.split.test])
+        )
+    return out
+
+
+def write_sweep(sweep: Mapping[str, object], out_dir: Path) -> tuple[Path, Path]:
+    """``dp_sweep.json`` and ``dp_sweep.png`` (BACC and AUC against ε, one line per missing level)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path = out_dir / "dp_sweep.json"
+    json_path.write_text(json.dumps(sweep, indent=2) + "\n")
+    points = sweep["points"]
+    assert isinstance(points, list)
+    finite = sorted({p["epsilon"] for p in points if p["epsilon"] is not None})
+    inf_x = (finite[-1] * 2) if finite else 1.0
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, metric, label in zip(axes, ("bacc", "auc"), ("BACC (%)", "ROC AUC (%)"), strict=True):
+        for key in sorted({(p["missing"], p["method"]) for p in points}):
+            series = [p for p in points if (p["missing"], p["method"]) == key]
+            xs = [inf_x if p["epsilon"] is None else p["epsilon"] for p in series]
+            ys = [100 * p[metric] for p in series]
+            order = np.argsort(xs)
+            ax.plot(np.array(xs)[order], np.array(ys)[order], marker="o", label=f"missing {key[0]}, {key[1]}")
+        ax.set_xscale("log", base=2)
+        ticks = [*finite, inf_x]
+        ax.set_xticks(ticks)
+        ax.set_xticklabels([f"{t:g}" for t in finite] + ["∞"])
+        ax.set_xlabel(f"ε (δ = {sweep['delta']:g})")
+        ax.set_ylabel(label)
+        ax.axhline(50, color="grey", lw=0.5, ls=":")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(
+        f"Privacy–utility, clip {sweep['clip']:g}, one {sweep['unit']} protected (synthetic features)"
+    )
+    fig.tight_layout()
+    png_path = out_dir / "dp_sweep.png"
+    fig.savefig(png_path, dpi=120)
+    plt.close(fig)
+    return json_path, png_path
