@@ -419,3 +419,9 @@ class _ProgressBars:
             if not self._bar.tasks:
                 self._bar.stop()
                 self._live = False
+
+
+# Deployment commands (issue 8): kept in their own modules so that this file stays the simulator's.
+from secure_afl.keys.commands import keys as _keys_commands  # noqa: E402
+
+main.add_command(_keys_commands)

@@ -6,6 +6,7 @@ It is shared out of band; every client pins it and accepts only keys signed by a
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import re
 import unicodedata
@@ -104,6 +105,24 @@ class Roster:
     def share_point(self, client_id: str) -> int:
         """The Shamir x-coordinate of a client: 1 + its position in the roster."""
         return 1 + self.client_ids.index(client_id)
+
+    def digest(self) -> bytes:
+        """SHA-256 over the roster's content (ids, names, keys in id order), length-prefixed.
+
+        Two institutions compare it (or :attr:`fingerprint`) to know they pinned the same roster;
+        the file's formatting does not enter it.
+        """
+        hasher = hashlib.sha256(ROSTER_FORMAT.encode("ascii"))
+        for entry in self.entries:
+            for part in (entry.client_id.encode("ascii"), entry.name.encode("utf-8"), entry.public_key):
+                hasher.update(len(part).to_bytes(4, "big") + part)
+        return hasher.digest()
+
+    @property
+    def fingerprint(self) -> str:
+        """:meth:`digest` as ``SHA256:ab12 cd34 ...`` (the form of the key fingerprints)."""
+        text = self.digest().hex()
+        return "SHA256:" + " ".join(text[i : i + 4] for i in range(0, len(text), 4))
 
     def to_json(self) -> str:
         return json.dumps(

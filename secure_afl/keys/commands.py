@@ -1,0 +1,362 @@
+"""``secure-afl keys ...``: identity keys and the roster, as each institution's IT team uses them.
+
+An institution runs ``keys init`` once: it writes ``DIR/identity.key`` (the encrypted key file of
+:mod:`secure_afl.keys.files`, mode 0600) and ``DIR/identity.pub.json`` (its roster entry: id, name,
+public key, fingerprint), which it sends to the coordinator.  Everyone compares fingerprints out of
+band (read aloud on a call), the coordinator builds the roster with ``keys roster add``, and every
+institution pins the same roster file and checks it with ``keys roster show`` / ``verify``.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import os
+import secrets
+import stat
+from pathlib import Path
+
+import click
+
+from .files import KeyFileError, load_identity_key, save_identity_key
+from .identity import IdentityKey, fingerprint
+from .roster import Roster, RosterEntry, RosterError
+
+KEY_FILE = "identity.key"
+PUBLIC_FILE = "identity.pub.json"
+PUBLIC_FORMAT = "secure-afl-roster-entry/v1"
+MAX_PASSPHRASE_BYTES = 4096
+
+
+def default_key_dir() -> Path:
+    """``$SECURE_AFL_HOME`` or ``~/.secure-afl``."""
+    return Path(os.environ.get("SECURE_AFL_HOME") or Path.home() / ".secure-afl")
+
+
+def read_passphrase_file(path: Path) -> bytes:
+    """The passphrase: the file's first line (its line break removed); the file must be private."""
+    try:
+        info = path.stat()
+    except OSError as exc:
+        raise click.ClickException(f"{path}: cannot read the passphrase file: {exc.strerror}") from None
+    if os.name == "posix" and info.st_mode & 0o077:
+        raise click.ClickException(
+            f"{path}: permissions {stat.S_IMODE(info.st_mode):04o} are too open for a passphrase file "
+            f"(chmod 600 {path})"
+        )
+    data = path.read_bytes()[: MAX_PASSPHRASE_BYTES + 1]
+    line = data.split(b"\n", 1)[0].rstrip(b"\r")
+    if not line:
+        raise click.ClickException(f"{path}: the passphrase file is empty")
+    if len(line) > MAX_PASSPHRASE_BYTES:
+        raise click.ClickException(f"{path}: the passphrase is longer than {MAX_PASSPHRASE_BYTES} bytes")
+    return line
+
+
+def _passphrase(passphrase_file: Path | None, *, confirm: bool) -> bytes:
+    if passphrase_file is not None:
+        return read_passphrase_file(passphrase_file)
+    text = click.prompt("Passphrase", hide_input=True, confirmation_prompt=confirm)
+    if not text:
+        raise click.ClickException("an empty passphrase cannot protect a private key")
+    return text.encode("utf-8")
+
+
+def load_key(directory: Path, passphrase_file: Path | None) -> IdentityKey:
+    """Decrypt ``DIR/identity.key``; every key-file error becomes a message that names the cause."""
+    path = directory / KEY_FILE
+    if not path.exists():
+        raise click.ClickException(f"{path}: no identity key here; create one with `secure-afl keys init`")
+    try:
+        return load_identity_key(path, _passphrase(passphrase_file, confirm=False))
+    except KeyFileError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def load_public_entry(directory: Path) -> RosterEntry:
+    """The institution's own roster entry, ``DIR/identity.pub.json``."""
+    return read_entry_file(directory / PUBLIC_FILE)
+
+
+def read_entry_file(path: Path) -> RosterEntry:
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise click.ClickException(f"{path}: cannot read the roster entry: {exc.strerror}") from None
+    except ValueError:
+        raise click.ClickException(f"{path}: not a {PUBLIC_FORMAT} file (not JSON)") from None
+    if not isinstance(document, dict) or document.get("format") != PUBLIC_FORMAT:
+        raise click.ClickException(f"{path}: not a {PUBLIC_FORMAT} file")
+    try:
+        entry = RosterEntry(
+            document["id"], document.get("name", document["id"]), _b64(document["public_key"])
+        )
+    except (KeyError, TypeError, RosterError) as exc:
+        raise click.ClickException(f"{path}: malformed roster entry: {exc}") from None
+    if document.get("fingerprint", entry.fingerprint) != entry.fingerprint:
+        raise click.ClickException(f"{path}: the fingerprint does not match the public key")
+    return entry
+
+
+def _b64(text: object) -> bytes:
+    if not isinstance(text, str):
+        raise RosterError("the public key must be a base64 string")
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise RosterError("the public key is not base64") from None
+
+
+def normalise_fingerprint(text: str) -> str:
+    """``SHA256:ab12 cd34 ...`` from any spacing or case, with or without the ``SHA256:`` prefix."""
+    compact = text.strip()
+    if compact.upper().startswith("SHA256:"):
+        compact = compact[7:]
+    compact = "".join(compact.split()).lower()
+    if len(compact) != 64 or any(c not in "0123456789abcdef" for c in compact):
+        raise click.BadParameter(
+            f"{text!r} is not a fingerprint: expected 64 hex digits, as `secure-afl keys show` prints them",
+            param_hint="--fingerprint",
+        )
+    return "SHA256:" + " ".join(compact[i : i + 4] for i in range(0, 64, 4))
+
+
+def load_roster_file(path: Path) -> Roster:
+    try:
+        return Roster.from_json(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise click.ClickException(f"{path}: cannot read the roster: {exc.strerror}") from None
+    except RosterError as exc:
+        raise click.ClickException(f"{path}: {exc}") from None
+
+
+def write_roster_file(path: Path, roster: Roster) -> None:
+    """Atomically: a temporary file beside it, then a rename (never a half-written roster)."""
+    temporary = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
+    try:
+        temporary.write_text(roster.to_json() + "\n", encoding="utf-8")
+        os.replace(temporary, path)
+    finally:
+        if temporary.exists():
+            temporary.unlink()
+
+
+def check_local_key_in(roster: Roster, entry: RosterEntry, roster_path: Path) -> None:
+    """Refuse a roster that lacks this institution's key (or lists its id with another key)."""
+    if entry.client_id not in roster:
+        raise click.ClickException(
+            f"{roster_path}: the roster lacks this institution ({entry.client_id!r}, {entry.fingerprint}); "
+            f"ask the coordinator to add {PUBLIC_FILE} with `secure-afl keys roster add`"
+        )
+    if roster.public_key(entry.client_id) != entry.public_key:
+        raise click.ClickException(
+            f"{roster_path}: the roster lists {entry.client_id!r} with the key "
+            f"{roster.entry(entry.client_id).fingerprint}, but this institution's key is {entry.fingerprint}"
+        )
+
+
+_dir_option = click.option(
+    "--dir",
+    "directory",
+    type=click.Path(path_type=Path, file_okay=False),
+    default=None,
+    help="Key directory (default: $SECURE_AFL_HOME or ~/.secure-afl).",
+)
+_passphrase_option = click.option(
+    "--passphrase-file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="Read the passphrase from this file's first line (mode 0600) instead of prompting.",
+)
+_roster_option = click.option(
+    "--roster",
+    "roster_path",
+    type=click.Path(path_type=Path, dir_okay=False),
+    required=True,
+    help="The roster file (JSON) that every institution pins.",
+)
+
+
+@click.group()
+def keys() -> None:
+    """Identity keys and the roster of institutions."""
+
+
+@keys.command()
+@click.option(
+    "--id", "client_id", required=True, help="This institution's id in the roster (e.g. hospital-a)."
+)
+@click.option("--name", default=None, help="Display name (default: the id).")
+@_passphrase_option
+@_dir_option
+@click.option("--force", is_flag=True, help="Replace an existing key (the old one is lost).")
+def init(
+    client_id: str, name: str | None, passphrase_file: Path | None, directory: Path | None, force: bool
+) -> None:
+    """Create this institution's Ed25519 identity key, encrypted under a passphrase."""
+    directory = directory or default_key_dir()
+    try:
+        entry_check = RosterEntry(client_id, name or client_id, bytes(32))
+    except RosterError as exc:
+        raise click.BadParameter(str(exc), param_hint="--id/--name") from None
+    key_path = directory / KEY_FILE
+    if key_path.exists() and not force:
+        raise click.ClickException(f"{key_path}: a key already exists (use --force to replace it)")
+    passphrase = _passphrase(passphrase_file, confirm=True)
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    key = IdentityKey.generate()
+    try:
+        save_identity_key(key_path, key, passphrase, overwrite=force)
+    except KeyFileError as exc:
+        raise click.ClickException(str(exc)) from None
+    entry = RosterEntry(entry_check.client_id, entry_check.name, key.public_key)
+    document = {
+        "format": PUBLIC_FORMAT,
+        "id": entry.client_id,
+        "name": entry.name,
+        "public_key": base64.b64encode(entry.public_key).decode("ascii"),
+        "fingerprint": entry.fingerprint,
+    }
+    (directory / PUBLIC_FILE).write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
+    click.echo(f"wrote {key_path} (private, 0600) and {directory / PUBLIC_FILE} (send it to the coordinator)")
+    click.echo(f"id:          {entry.client_id}")
+    click.echo(f"fingerprint: {entry.fingerprint}")
+
+
+@keys.command()
+@_passphrase_option
+@_dir_option
+def show(passphrase_file: Path | None, directory: Path | None) -> None:
+    """Print the public key and its fingerprint (decrypting the key proves the passphrase)."""
+    directory = directory or default_key_dir()
+    key = load_key(directory, passphrase_file)
+    entry = load_public_entry(directory)
+    if entry.public_key != key.public_key:
+        raise click.ClickException(
+            f"{directory / PUBLIC_FILE} does not belong to {directory / KEY_FILE} "
+            f"({entry.fingerprint} vs {key.fingerprint}); run `keys init` again"
+        )
+    click.echo(f"id:          {entry.client_id}")
+    click.echo(f"name:        {entry.name}")
+    click.echo(f"public key:  {base64.b64encode(key.public_key).decode('ascii')}")
+    click.echo(f"fingerprint: {key.fingerprint}")
+    click.echo(
+        "Compare the fingerprint with the roster's out of band (read it aloud), never by e-mail alone."
+    )
+
+
+@keys.group()
+def roster() -> None:
+    """Build, inspect and verify the roster every institution pins."""
+
+
+@roster.command("add")
+@_roster_option
+@click.option(
+    "--entry",
+    "entry_file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="An institution's identity.pub.json.",
+)
+@click.option("--id", "client_id", default=None, help="Id (with --public-key, instead of --entry).")
+@click.option("--name", default=None, help="Display name (with --public-key).")
+@click.option("--public-key", default=None, help="Base64 Ed25519 public key (with --id).")
+@click.option(
+    "--fingerprint", default=None, help="The fingerprint heard out of band: the entry must match it."
+)
+def roster_add(
+    roster_path: Path,
+    entry_file: Path | None,
+    client_id: str | None,
+    name: str | None,
+    public_key: str | None,
+    fingerprint: str | None,
+) -> None:
+    """Add an institution (creates the roster if it does not exist)."""
+    if (entry_file is None) == (public_key is None):
+        raise click.UsageError("give either --entry FILE or --id ID --public-key KEY")
+    if entry_file is not None:
+        entry = read_entry_file(entry_file)
+    else:
+        if client_id is None:
+            raise click.UsageError("--public-key needs --id")
+        try:
+            entry = RosterEntry(client_id, name or client_id, _b64(public_key))
+        except RosterError as exc:
+            raise click.BadParameter(str(exc), param_hint="--id/--public-key") from None
+    if fingerprint is not None and normalise_fingerprint(fingerprint) != entry.fingerprint:
+        raise click.ClickException(
+            f"fingerprint mismatch for {entry.client_id!r}: the key's is {entry.fingerprint}, "
+            f"you were given {normalise_fingerprint(fingerprint)}; do not add this key"
+        )
+    current = load_roster_file(roster_path) if roster_path.exists() else Roster(())
+    if entry.client_id in current:
+        raise click.ClickException(
+            f"{roster_path}: {entry.client_id!r} is already in the roster; remove it first to replace its key"
+        )
+    try:
+        updated = Roster((*current.entries, entry))
+    except RosterError as exc:
+        raise click.ClickException(f"{roster_path}: {exc}") from None
+    write_roster_file(roster_path, updated)
+    click.echo(f"added {entry.client_id} ({entry.fingerprint}); the roster has {len(updated)} institution(s)")
+
+
+@roster.command("remove")
+@_roster_option
+@click.option("--id", "client_id", required=True, help="The institution to remove.")
+def roster_remove(roster_path: Path, client_id: str) -> None:
+    """Remove an institution."""
+    current = load_roster_file(roster_path)
+    if client_id not in current:
+        raise click.ClickException(f"{roster_path}: {client_id!r} is not in the roster")
+    write_roster_file(roster_path, Roster(e for e in current.entries if e.client_id != client_id))
+    click.echo(f"removed {client_id}; the roster has {len(current) - 1} institution(s)")
+
+
+def _local_entry(directory: Path | None) -> RosterEntry | None:
+    directory = directory or default_key_dir()
+    return load_public_entry(directory) if (directory / PUBLIC_FILE).exists() else None
+
+
+@roster.command("show")
+@_roster_option
+@_dir_option
+def roster_show(roster_path: Path, directory: Path | None) -> None:
+    """List the institutions, their fingerprints and the roster's own fingerprint."""
+    current = load_roster_file(roster_path)
+    local = _local_entry(directory)
+    for entry in current:
+        mark = "  (this institution)" if local is not None and entry.client_id == local.client_id else ""
+        click.echo(f"{entry.client_id:<20} {entry.fingerprint}  {entry.name}{mark}")
+    click.echo(f"roster fingerprint: {current.fingerprint}")
+    if local is not None:
+        check_local_key_in(current, local, roster_path)
+
+
+@roster.command("verify")
+@_roster_option
+@click.option("--id", "client_id", required=True, help="The institution whose key to check.")
+@click.option("--fingerprint", required=True, help="The fingerprint heard out of band.")
+@_dir_option
+def roster_verify(roster_path: Path, client_id: str, fingerprint: str, directory: Path | None) -> None:
+    """Check one institution's fingerprint (and that the roster holds this institution's key)."""
+    current = load_roster_file(roster_path)
+    expected = normalise_fingerprint(fingerprint)
+    if client_id not in current:
+        raise click.ClickException(f"{roster_path}: {client_id!r} is not in the roster")
+    actual = current.entry(client_id).fingerprint
+    if actual != expected:
+        raise click.ClickException(
+            f"FINGERPRINT MISMATCH for {client_id!r}: the roster holds {actual}, you were given {expected}. "
+            f"Do not use this roster until the institutions agree on the key."
+        )
+    local = _local_entry(directory)
+    if local is not None:
+        check_local_key_in(current, local, roster_path)
+    click.echo(f"{client_id}: fingerprint matches ({actual})")
+
+
+__all__ = ["fingerprint", "keys"]

@@ -1,0 +1,163 @@
+"""``secure-afl keys ...``: init, show, roster add/remove/show/verify and their errors."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from secure_afl.cli import main
+from secure_afl.keys import Roster, load_identity_key, load_roster
+from secure_afl.keys import commands as key_commands
+
+
+@pytest.fixture(autouse=True)
+def fast_scrypt(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The default scrypt cost (2^17) is exercised by tests/keys/test_keys.py; here it only costs time.
+    original = key_commands.save_identity_key
+    monkeypatch.setattr(
+        key_commands, "save_identity_key", lambda *a, **k: original(*a, **{**k, "scrypt_n": 2**10})
+    )
+
+
+def _passfile(tmp_path: Path, text: str = "correct horse battery staple", name: str = "pass") -> Path:
+    path = tmp_path / name
+    path.write_text(text + "\n")
+    path.chmod(0o600)
+    return path
+
+
+def run(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(main, list(args), catch_exceptions=False)
+    return result.exit_code, result.output
+
+
+def init(tmp_path: Path, cid: str, passfile: Path) -> Path:
+    directory = tmp_path / cid
+    code, out = run("keys", "init", "--id", cid, "--passphrase-file", str(passfile), "--dir", str(directory))
+    assert code == 0, out
+    return directory
+
+
+def fingerprint_of(directory: Path) -> str:
+    return json.loads((directory / "identity.pub.json").read_text())["fingerprint"]
+
+
+def test_init_writes_a_private_encrypted_key_and_a_public_entry(tmp_path: Path) -> None:
+    passfile = _passfile(tmp_path)
+    directory = init(tmp_path, "hospital-a", passfile)
+    key_file = directory / "identity.key"
+    assert key_file.stat().st_mode & 0o777 == 0o600
+    key = load_identity_key(key_file, b"correct horse battery staple")
+    entry = json.loads((directory / "identity.pub.json").read_text())
+    assert entry["id"] == "hospital-a" and entry["fingerprint"] == key.fingerprint
+    code, out = run("keys", "show", "--passphrase-file", str(passfile), "--dir", str(directory))
+    assert code == 0 and key.fingerprint in out and "hospital-a" in out
+    # A second init refuses to destroy the key.
+    code, out = run(
+        "keys", "init", "--id", "hospital-a", "--passphrase-file", str(passfile), "--dir", str(directory)
+    )
+    assert code != 0 and "already exists" in out
+
+
+def test_show_names_a_wrong_passphrase_and_an_open_key_file(tmp_path: Path) -> None:
+    directory = init(tmp_path, "hospital-a", _passfile(tmp_path))
+    wrong = _passfile(tmp_path, "wrong", name="wrong")
+    code, out = run("keys", "show", "--passphrase-file", str(wrong), "--dir", str(directory))
+    assert code != 0 and "wrong passphrase" in out
+    (directory / "identity.key").chmod(0o644)
+    code, out = run("keys", "show", "--passphrase-file", str(_passfile(tmp_path)), "--dir", str(directory))
+    assert code != 0 and "too open" in out and "chmod 600" in out
+    open_pass = _passfile(tmp_path, name="open")
+    open_pass.chmod(0o644)
+    code, out = run("keys", "show", "--passphrase-file", str(open_pass), "--dir", str(directory))
+    assert code != 0 and "passphrase file" in out
+
+
+def test_roster_add_show_verify_remove(tmp_path: Path) -> None:
+    passfile = _passfile(tmp_path)
+    dirs = {cid: init(tmp_path, cid, passfile) for cid in ("hospital-a", "hospital-b", "hospital-c")}
+    roster_path = tmp_path / "roster.json"
+    for directory in dirs.values():
+        fp = fingerprint_of(directory)
+        code, out = run(
+            "keys", "roster", "add", "--roster", str(roster_path),
+            "--entry", str(directory / "identity.pub.json"), "--fingerprint", fp.lower().replace(" ", ""),
+        )  # fmt: skip
+        assert code == 0, out
+    roster = load_roster(roster_path)
+    assert roster.client_ids == ("hospital-a", "hospital-b", "hospital-c")
+    code, out = run("keys", "roster", "show", "--roster", str(roster_path), "--dir", str(dirs["hospital-b"]))
+    assert code == 0 and "(this institution)" in out and roster.fingerprint in out
+    fp_c = fingerprint_of(dirs["hospital-c"])
+    code, out = run(
+        "keys", "roster", "verify", "--roster", str(roster_path), "--id", "hospital-c",
+        "--fingerprint", fp_c, "--dir", str(dirs["hospital-a"]),
+    )  # fmt: skip
+    assert code == 0 and "matches" in out
+    code, out = run("keys", "roster", "remove", "--roster", str(roster_path), "--id", "hospital-c")
+    assert code == 0 and load_roster(roster_path).client_ids == ("hospital-a", "hospital-b")
+
+
+def test_roster_errors_are_specific(tmp_path: Path) -> None:
+    passfile = _passfile(tmp_path)
+    a, b = init(tmp_path, "hospital-a", passfile), init(tmp_path, "hospital-b", passfile)
+    roster_path = tmp_path / "roster.json"
+    assert (
+        run("keys", "roster", "add", "--roster", str(roster_path), "--entry", str(a / "identity.pub.json"))[0]
+        == 0
+    )
+    # Duplicate id.
+    code, out = run(
+        "keys", "roster", "add", "--roster", str(roster_path), "--entry", str(a / "identity.pub.json")
+    )
+    assert code != 0 and "already in the roster" in out
+    # A fingerprint heard out of band that does not match the key: nothing is added.
+    code, out = run(
+        "keys", "roster", "add", "--roster", str(roster_path), "--entry", str(b / "identity.pub.json"),
+        "--fingerprint", fingerprint_of(a),
+    )  # fmt: skip
+    assert code != 0 and "fingerprint mismatch" in out
+    assert load_roster(roster_path).client_ids == ("hospital-a",)
+    # verify with a wrong fingerprint.
+    code, out = run(
+        "keys",
+        "roster",
+        "verify",
+        "--roster",
+        str(roster_path),
+        "--id",
+        "hospital-a",
+        "--fingerprint",
+        "ab" * 32,
+    )
+    assert code != 0 and "FINGERPRINT MISMATCH" in out
+    code, out = run(
+        "keys", "roster", "verify", "--roster", str(roster_path), "--id", "hospital-a", "--fingerprint", "xyz"
+    )
+    assert code != 0 and "not a fingerprint" in out
+    # A roster without the local key.
+    code, out = run("keys", "roster", "show", "--roster", str(roster_path), "--dir", str(b))
+    assert code != 0 and "lacks this institution" in out and "hospital-b" in out
+    # A malformed roster.
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"format": "secure-afl-roster/v1", "clients": [{"id": "x"}]}')
+    code, out = run("keys", "roster", "show", "--roster", str(bad))
+    assert code != 0 and "malformed roster" in out
+
+
+def test_roster_fingerprint_ignores_formatting_but_not_content(tmp_path: Path) -> None:
+    passfile = _passfile(tmp_path)
+    a, b = init(tmp_path, "hospital-a", passfile), init(tmp_path, "hospital-b", passfile)
+    path = tmp_path / "roster.json"
+    for d in (a, b):
+        run("keys", "roster", "add", "--roster", str(path), "--entry", str(d / "identity.pub.json"))
+    roster = load_roster(path)
+    reformatted = Roster.from_json(json.dumps(json.loads(path.read_text())))
+    assert reformatted.fingerprint == roster.fingerprint
+    fewer = Roster(e for e in roster.entries if e.client_id == "hospital-a")
+    assert fewer.fingerprint != roster.fingerprint
+    assert os.path.exists(path)
