@@ -1,0 +1,208 @@
+"""The Flower apps: ``server_app`` (drives :class:`FederationServer`) and ``client_app`` (calls
+:func:`secure_afl.deploy.client.handle`).
+
+Component references for a Flower app's ``pyproject.toml``::
+
+    [tool.flwr.app.components]
+    serverapp = "secure_afl.deploy.apps:server_app"
+    clientapp = "secure_afl.deploy.apps:client_app"
+
+Run config (``[tool.flwr.app.config]``, all read by the ServerApp on the server's machine):
+``roster`` (path), ``out-dir`` (where ``classifier.json`` and ``report.json`` go), ``classes``
+(comma-separated), ``dim``, ``backbone``, ``weights-id``, ``preprocessing``, ``gamma``, ``balance``,
+``gram``, ``rounds``, ``threshold`` (0: ⌊2n/3⌋+1), ``min-group-size``, ``frac-bits``,
+``round-timeout`` and ``connect-timeout`` (seconds), ``min-nodes`` (0: the roster's size).
+
+Node config (each SuperNode's ``--node-config``): see :class:`~secure_afl.deploy.client.NodeSettings`.
+Importing this module loads Flower and the protocol, not torch: the analytic method is imported
+only where statistics are computed or solved.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message
+from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid, ServerApp
+
+from secure_afl.keys.roster import Roster
+
+from .client import NodeSettings, handle
+from .errors import ConfigurationError, DeploymentError
+from .server import FederationServer
+from .study import Method, Study
+from .wire import MESSAGE_TYPE, Envelope, from_record_dict, to_record_dict
+
+server_app = ServerApp()
+client_app = ClientApp()
+POLL_SECONDS = 0.2
+
+
+def _log(text: str) -> None:
+    print(f"secure-afl server: {text}", flush=True)
+
+
+class GridTransport:
+    """Push envelopes to nodes, then pull replies until all arrive or the round's timeout passes."""
+
+    def __init__(self, grid: Grid) -> None:
+        self.grid = grid
+
+    def node_ids(self) -> list[int]:
+        return [int(n) for n in self.grid.get_node_ids()]
+
+    def exchange(self, outgoing: Mapping[int, Envelope], group: str, timeout: float) -> dict[int, Envelope]:
+        nodes = list(outgoing)
+        messages = [
+            Message(
+                to_record_dict(outgoing[node]),
+                dst_node_id=node,
+                message_type=MESSAGE_TYPE,
+                group_id=group,
+                ttl=max(timeout * 2, 60.0),
+            )
+            for node in nodes
+        ]
+        ids = list(self.grid.push_messages(messages))
+        node_of = dict(zip(ids, nodes, strict=True))
+        pending = set(ids)
+        replies: dict[int, Envelope] = {}
+        deadline = time.monotonic() + timeout
+        while pending and time.monotonic() < deadline:
+            for reply in self.grid.pull_messages(list(pending)):
+                message_id = reply.metadata.reply_to_message_id
+                if message_id not in pending:
+                    continue
+                pending.discard(message_id)
+                node = node_of[message_id]
+                if reply.has_error():
+                    # Flower's own error (the ClientApp crashed, or the node left): a refusal.
+                    error = reply.error
+                    replies[node] = Envelope(
+                        "refused", {"error": f"FlowerError{error.code}", "message": str(error.reason)}
+                    )
+                    continue
+                try:
+                    replies[node] = from_record_dict(reply.content)
+                except ValueError as exc:
+                    replies[node] = Envelope("refused", {"error": "MalformedReply", "message": str(exc)})
+            if pending:
+                time.sleep(POLL_SECONDS)
+        return replies
+
+
+def study_from_run_config(config: Mapping[str, Any]) -> Study:
+    try:
+        return Study(
+            classes=tuple(c.strip() for c in str(config["classes"]).split(",") if c.strip()),
+            dim=int(config["dim"]),
+            backbone={
+                "name": str(config["backbone"]),
+                "weights_id": str(config["weights-id"]),
+                "preprocessing": str(config["preprocessing"]),
+            },
+            method=Method(
+                gamma=float(config.get("gamma", 1.0)),
+                balance=str(config.get("balance", "client")),
+                gram=str(config.get("gram", "global")),
+                rounds=int(config.get("rounds", 1)),
+            ),
+            threshold=int(config.get("threshold", 0)),
+            min_group_size=int(config.get("min-group-size", 2)),
+            frac_bits=int(config.get("frac-bits", 32)),
+        )
+    except KeyError as exc:
+        raise ConfigurationError(f"the run config lacks {exc.args[0]!r}") from None
+
+
+@server_app.main()
+def server_main(grid: Grid, context: Context) -> None:
+    config = context.run_config
+    out_dir = Path(str(config["out-dir"]))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    roster = Roster.from_json(Path(str(config["roster"])).read_text(encoding="utf-8"))
+    study = study_from_run_config(config)
+    server = FederationServer(
+        GridTransport(grid),
+        roster,
+        study,
+        round_timeout=float(config.get("round-timeout", 120)),
+        connect_timeout=float(config.get("connect-timeout", 300)),
+        min_nodes=int(config.get("min-nodes", 0)) or None,
+        log=_log,
+    )
+    report_path = out_dir / "report.json"
+    try:
+        classifier = server.run()
+        path = out_dir / "classifier.json"
+        classifier.save(path)
+        _log(f"wrote {path}")
+        stored = server.deliver(classifier)
+        _log(f"classifier stored by {list(stored)}")
+    except DeploymentError as exc:
+        report_path.write_text(
+            json.dumps({**server.report.to_dict(), "error": f"{type(exc).__name__}: {exc}"})
+        )
+        _log(f"FAILED: {type(exc).__name__}: {exc}")
+        raise
+    report_path.write_text(json.dumps(server.report.to_dict(), indent=1))
+    _log(f"wrote {report_path}")
+
+
+class FlowerState:
+    """The ClientApp's local state in Flower's ``context.state`` (stays on the SuperNode)."""
+
+    PREFIX = "secure-afl"
+
+    def __init__(self, context: Context) -> None:
+        self.state = context.state
+        self.run = str(context.run_id)
+        # Forget other runs' records: a finished or abandoned run keeps nothing here.
+        for key in list(self.state.keys()):
+            if key.startswith(self.PREFIX + "/") and key.split("/")[1] != self.run:
+                del self.state[key]
+
+    def _key(self, label: str) -> str:
+        return f"{self.PREFIX}/{self.run}/{label}"
+
+    def load(self, label: str) -> dict[str, Any] | None:
+        key = self._key(label)
+        if key not in self.state:
+            return None
+        record = dict(self.state[key])  # a ConfigRecord
+        inputs_key = key + "/inputs"
+        if inputs_key in self.state:
+            record["inputs"] = {name: array.numpy() for name, array in self.state[inputs_key].items()}
+        return record
+
+    def save(self, label: str, record: Mapping[str, Any]) -> None:
+        from flwr.app import Array
+
+        key = self._key(label)
+        plain = {k: v for k, v in record.items() if k != "inputs"}
+        self.state[key] = ConfigRecord(plain)
+        if "inputs" in record:
+            self.state[key + "/inputs"] = ArrayRecord(
+                {name: Array(np.ascontiguousarray(v)) for name, v in record["inputs"].items()}
+            )
+        elif key + "/inputs" in self.state:
+            del self.state[key + "/inputs"]
+
+
+@client_app.query()
+def client_query(message: Message, context: Context) -> Message:
+    try:
+        envelope = from_record_dict(message.content)
+        settings = NodeSettings.from_node_config(context.node_config)
+    except (ValueError, DeploymentError) as exc:
+        print(f"secure-afl client: REFUSED: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        return Message(to_record_dict(Envelope.refusal(exc)), reply_to=message)
+    reply = handle(envelope, FlowerState(context), settings)
+    return Message(to_record_dict(reply), reply_to=message)

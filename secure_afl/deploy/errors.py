@@ -1,0 +1,43 @@
+"""Deployment errors, named after what went wrong and at which party."""
+
+from __future__ import annotations
+
+
+class DeploymentError(Exception):
+    """Base class of the deployment's own errors (protocol errors keep their own classes)."""
+
+
+class ConfigurationError(DeploymentError):
+    """A node or run setting that is missing or invalid (names the setting and how to fix it)."""
+
+
+class IdentityNotInRosterError(DeploymentError):
+    """This institution's identity key is not in the roster it pinned (raised at that institution)."""
+
+
+class RosterMismatchError(DeploymentError):
+    """The server's roster differs from the one this institution pinned (raised at the client)."""
+
+
+class StudyMismatchError(DeploymentError):
+    """The run's study (classes, dimension, backbone, method) does not match this client's data or policy."""
+
+
+class SessionReplayError(DeploymentError):
+    """A session message that belongs to another run, or a session started twice in one run."""
+
+
+class FederationAbortedError(DeploymentError):
+    """The server could not finish: too few clients, a group too small, or every client refused."""
+
+
+class ModelMismatchError(DeploymentError):
+    """``predict``: the features do not come from the model's backbone, weights or preprocessing."""
+
+
+class ClassifierFileError(DeploymentError):
+    """A classifier file that is malformed or fails its integrity digest."""
+
+
+class LocalDeploymentError(DeploymentError):
+    """``deploy local``: a child process failed to start or exited early (its log is named)."""

@@ -1,0 +1,369 @@
+"""The server's side of a deployment, over any transport (Flower's Grid in production).
+
+:class:`FederationServer` runs round 1 (and round 2 when the study asks for it) as secure-aggregation
+sessions, solves the classifier in closed form and sends the classifier file to every participant.
+It is generic over the backend's server session (``start/receive/next_round/result``) and knows
+Flower only through :class:`Transport`.  A node that does not answer a round within ``round_timeout``
+seconds is a dropout; a reply the session rejects is logged with its error class and treated as a
+dropout too.  Flower node ids only route: a client is known by the id its signed advertisement
+carries, and later replies must come from the node that delivered that advertisement.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from secure_afl.aggregation.layout import Layout
+from secure_afl.keys.roster import Roster
+from secure_afl.protocol.errors import ProtocolError, SessionAbortedError
+
+from .backend import Backend, MaskingBackend
+from .classifier import Classifier
+from .errors import FederationAbortedError
+from .study import (
+    Study,
+    class_group,
+    pseudo_members,
+    round1_layout,
+    round2_classes,
+    round2_layout,
+)
+from .wire import Envelope
+
+ROUNDS = ("R0", "R1", "R2", "R3", "R4")
+
+
+class Transport(Protocol):
+    def node_ids(self) -> list[int]: ...
+
+    def exchange(
+        self, outgoing: Mapping[int, Envelope], group: str, timeout: float
+    ) -> dict[int, Envelope]: ...
+
+
+Log = Callable[[str], None]
+
+
+@dataclass
+class SessionRecord:
+    label: str
+    session_id: bytes
+    participants: tuple[str, ...] = ()  # whose advertisement the session accepted
+    survivors: tuple[str, ...] = ()  # whose masked inputs are in the sums
+    completed: tuple[str, ...] = ()  # who answered every round
+    groups: list[dict[str, Any]] = field(default_factory=list)
+    round_seconds: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class FederationReport:
+    sessions: list[SessionRecord] = field(default_factory=list)
+    refusals: list[dict[str, str]] = field(default_factory=list)  # replies that said "refused"
+    rejections: list[dict[str, str]] = field(default_factory=list)  # replies the server rejected
+    dropouts: list[dict[str, str]] = field(default_factory=list)  # no answer within the timeout
+    seconds: dict[str, float] = field(default_factory=dict)
+    acknowledged: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "sessions": [
+                {
+                    "label": s.label,
+                    "session_id": s.session_id.hex(),
+                    "participants": list(s.participants),
+                    "survivors": list(s.survivors),
+                    "completed": list(s.completed),
+                    "round_seconds": s.round_seconds,
+                }
+                for s in self.sessions
+            ],
+            "refusals": self.refusals,
+            "rejections": self.rejections,
+            "dropouts": self.dropouts,
+            "seconds": self.seconds,
+            "acknowledged": list(self.acknowledged),
+        }
+
+
+class FederationServer:
+    def __init__(
+        self,
+        transport: Transport,
+        roster: Roster,
+        study: Study,
+        *,
+        backend: Backend | None = None,
+        round_timeout: float = 120.0,
+        connect_timeout: float = 300.0,
+        min_nodes: int | None = None,
+        log: Log = print,
+        session_ids: Sequence[bytes] | None = None,
+    ) -> None:
+        self.transport = transport
+        self.roster = roster
+        self.study = study
+        self.backend = backend or MaskingBackend()
+        self.round_timeout = round_timeout
+        self.connect_timeout = connect_timeout
+        self.min_nodes = len(roster) if min_nodes is None else min_nodes
+        self.log = log
+        self.report = FederationReport()
+        self._session_ids = list(session_ids or [])
+        self._node_of: dict[str, int] = {}
+
+    # --- the run ------------------------------------------------------------------------------
+
+    def run(self) -> Classifier:
+        from secure_afl.analytic import AnalyticClassifier  # torch: only the server's solve needs it
+
+        started = time.perf_counter()
+        nodes = self._wait_for_nodes()
+        method = self.study.method
+        layout1 = round1_layout(self.study)
+        record1, result1 = self._session("1", nodes, layout1, {})
+        sums1 = self.backend.group_sums(result1, layout1, self.study)
+        solve_started = time.perf_counter()
+        model = AnalyticClassifier(
+            self.study.n_classes, gamma=method.gamma, balance=method.balance, gram=method.gram
+        ).fit(sums1)
+        self.report.seconds["solve"] = time.perf_counter() - solve_started
+        if method.rounds == 2:
+            labelled = {
+                cid: {c for c in range(self.study.n_classes) if cid in self._members(record1, class_group(c))}
+                for cid in record1.participants
+            }
+            members = pseudo_members(labelled, record1.completed, self.study.n_classes)
+            classes = round2_classes(members, self.study.min_group_size)
+            skipped = [c for c in range(self.study.n_classes) if c not in classes]
+            if skipped:
+                self.log(
+                    f"round 2: no pseudo-label group for classes {skipped} (fewer than "
+                    f"{self.study.min_group_size} live clients miss them)"
+                )
+            if classes:
+                layout2 = round2_layout(self.study, classes)
+                targets = [self._node_of[cid] for cid in record1.completed]
+                _, result2 = self._session("2", targets, layout2, {"coef": model.coef_})
+                sums2 = self.backend.group_sums(result2, layout2, self.study)
+                solve_started = time.perf_counter()
+                model = AnalyticClassifier(
+                    self.study.n_classes, gamma=method.gamma, balance=method.balance
+                ).refine(sums1, sums2, alpha=method.alpha)
+                self.report.seconds["solve"] += time.perf_counter() - solve_started
+        classifier = self._classifier(model.coef_)
+        self.report.seconds["federation"] = time.perf_counter() - started
+        return classifier
+
+    def deliver(self, classifier: Classifier) -> tuple[str, ...]:
+        """Send the classifier file to every client that completed the last session; return who stored it."""
+        last = self.report.sessions[-1]
+        data = classifier.to_json().encode("utf-8")
+        outgoing = {
+            self._node_of[cid]: Envelope("classifier", {"round": "classifier"}, data)
+            for cid in last.completed
+        }
+        started = time.perf_counter()
+        replies = self.transport.exchange(outgoing, "classifier", self.round_timeout)
+        self.report.seconds["deliver"] = time.perf_counter() - started
+        client_of = {node: cid for cid, node in self._node_of.items()}
+        stored = []
+        for node, envelope in sorted(replies.items()):
+            if envelope.kind == "ack":
+                stored.append(client_of[node])
+            elif envelope.kind == "refused":
+                self._refused(client_of.get(node, f"node {node}"), "classifier", envelope)
+        self.report.acknowledged = tuple(sorted(stored))
+        return self.report.acknowledged
+
+    # --- sessions -----------------------------------------------------------------------------
+
+    def _wait_for_nodes(self) -> list[int]:
+        started = time.perf_counter()
+        deadline = time.monotonic() + self.connect_timeout
+        nodes: list[int] = []
+        for _ in range(100_000):
+            nodes = sorted(self.transport.node_ids())
+            if len(nodes) >= self.min_nodes or time.monotonic() >= deadline:
+                break
+            time.sleep(0.2)
+        self.report.seconds["wait_for_nodes"] = time.perf_counter() - started
+        threshold = self.study.threshold_for(len(self.roster))
+        if len(nodes) < threshold:
+            raise FederationAbortedError(
+                f"{len(nodes)} SuperNode(s) connected within {self.connect_timeout:.0f} s, fewer than the "
+                f"threshold t={threshold} of a {len(self.roster)}-institution roster"
+            )
+        self.log(f"{len(nodes)} SuperNode(s) connected (roster: {len(self.roster)} institutions)")
+        return nodes
+
+    def _session(
+        self, label: str, nodes: Sequence[int], layout: Layout, arrays: Mapping[str, np.ndarray]
+    ) -> tuple[SessionRecord, Any]:
+        session_id = self._session_ids.pop(0) if self._session_ids else os.urandom(32)
+        session = self.backend.server_session(self.roster, self.study, layout, session_id)
+        record = SessionRecord(label, session_id)
+        self.report.sessions.append(record)
+        first = session.start()
+        meta = {
+            "session": label,
+            "study": self.study.to_json(),
+            "roster": self.roster.fingerprint,
+            "backend": self.backend.name,
+        }
+        first_bytes = self.backend.encode(first, session.max_message_bytes)
+        outgoing = {
+            node: Envelope("advertise", {**meta, "round": "R0"}, first_bytes, dict(arrays)) for node in nodes
+        }
+        answered: dict[str, set[str]] = {}
+        node_of: dict[str, int] = {}
+        for index, round_name in enumerate(ROUNDS):
+            started = time.perf_counter()
+            replies = self.transport.exchange(outgoing, f"s{label}-{round_name}", self.round_timeout)
+            answered[round_name] = set()
+            client_of = {node: cid for cid, node in node_of.items()}
+            for node, envelope in sorted(replies.items()):
+                who = client_of.get(node, f"node {node}")
+                if envelope.kind == "refused":
+                    self._refused(who, f"session {label} {round_name}", envelope)
+                    continue
+                try:
+                    if envelope.kind != "reply":
+                        raise FederationAbortedError(f"unexpected {envelope.kind!r} message")
+                    message = self.backend.decode(envelope.payload, session.max_message_bytes)
+                    sender = self.backend.sender(message)
+                    if round_name == "R0":
+                        if sender in node_of:
+                            from secure_afl.protocol.errors import DuplicateClientError
+
+                            raise DuplicateClientError(f"a second advertisement for {sender!r}")
+                    elif node_of.get(sender) != node:
+                        from secure_afl.protocol.errors import UnknownClientError
+
+                        raise UnknownClientError(
+                            f"node {node} answered as {sender!r}, which advertised elsewhere"
+                        )
+                    session.receive(message)
+                except (ProtocolError, FederationAbortedError, ValueError) as exc:
+                    self.report.rejections.append(
+                        {
+                            "at": f"session {label} {round_name}",
+                            "from": who,
+                            "error": type(exc).__name__,
+                            "message": str(exc),
+                        }
+                    )
+                    self.log(
+                        f"session {label} {round_name}: rejected the reply of {who}: "
+                        f"{type(exc).__name__}: {exc}"
+                    )
+                    continue
+                if round_name == "R0":
+                    node_of[sender] = node
+                answered[round_name].add(sender)
+            expected = (
+                {f"node {n}" for n in outgoing if n not in replies}
+                if round_name == "R0"
+                else {client_of.get(n, f"node {n}") for n in outgoing if n not in replies}
+            )
+            for who in sorted(expected):
+                self.report.dropouts.append({"at": f"session {label} {round_name}", "client": who})
+                self.log(
+                    f"session {label} {round_name}: {who} did not answer within "
+                    f"{self.round_timeout:.0f} s (dropout)"
+                )
+            try:
+                requests = session.next_round()
+            except SessionAbortedError as exc:
+                raise FederationAbortedError(f"session {label} aborted after {round_name}: {exc}") from exc
+            record.round_seconds[round_name] = time.perf_counter() - started
+            self.log(
+                f"session {label} {round_name}: {len(answered[round_name])} answer(s) in "
+                f"{record.round_seconds[round_name]:.1f} s"
+            )
+            if round_name == "R0":
+                self._node_of.update(node_of)
+                record.participants = tuple(sorted(node_of))
+            if index + 1 < len(ROUNDS):
+                next_round = ROUNDS[index + 1]
+                encoded: dict[int, bytes] = {}
+                outgoing = {}
+                for cid, request in requests.items():
+                    if id(request) not in encoded:
+                        encoded[id(request)] = self.backend.encode(request, session.max_message_bytes)
+                    outgoing[node_of[cid]] = Envelope(
+                        "protocol", {"session": label, "round": next_round}, encoded[id(request)]
+                    )
+        result = session.result()
+        record.survivors = tuple(result.survivors)
+        record.completed = tuple(sorted(set.intersection(*(answered[r] for r in ROUNDS))))
+        for name, group in sorted(result.groups.items()):
+            record.groups.append(
+                {
+                    "session": label,
+                    "name": name,
+                    "members": list(group.members),
+                    "survivors": list(group.survivors),
+                    "tensors": sorted(group.sums),
+                }
+            )
+        return record, result
+
+    @staticmethod
+    def _members(record: SessionRecord, group: str) -> tuple[str, ...]:
+        for item in record.groups:
+            if item["name"] == group:
+                return tuple(item["members"])
+        return ()
+
+    def _refused(self, who: str, where: str, envelope: Envelope) -> None:
+        error = str(envelope.meta.get("error", "?"))
+        message = str(envelope.meta.get("message", ""))
+        self.report.refusals.append({"at": where, "from": who, "error": error, "message": message})
+        self.log(f"{where}: {who} refused: {error}: {message}")
+
+    def _classifier(self, coef: np.ndarray) -> Classifier:
+        groups = [g for s in self.report.sessions for g in s.groups]
+        warnings = [
+            f"session {g['session']}, group {g['name']}: a single survivor ({g['survivors'][0]}); the server "
+            f"learned its statistics"
+            for g in groups
+            if len(g["survivors"]) == 1
+        ]
+        return Classifier(
+            weights=np.array(coef, dtype=np.float64),
+            classes=self.study.classes,
+            backbone=dict(self.study.backbone),
+            method={**self.study.method.__dict__},
+            protocol={
+                "backend": self.backend.name,
+                "threshold": self.study.threshold_for(len(self.roster)),
+                "min_group_size": self.study.min_group_size,
+                "frac_bits": self.study.frac_bits,
+            },
+            sessions=tuple(
+                {
+                    "label": s.label,
+                    "session_id": s.session_id.hex(),
+                    "participants": list(s.participants),
+                    "survivors": list(s.survivors),
+                }
+                for s in self.report.sessions
+            ),
+            roster_fingerprint=self.roster.fingerprint,
+            audit={
+                "groups": groups,
+                "warnings": warnings,
+                "refusals": self.report.refusals,
+                "rejections": self.report.rejections,
+                "dropouts": self.report.dropouts,
+            },
+            study_digest=self.study.digest(),
+            created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        )

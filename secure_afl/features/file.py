@@ -1,0 +1,186 @@
+"""The feature file: what a hospital's SuperNode reads, and what ``secure-afl predict`` can score.
+
+A NumPy ``.npz`` archive (a zip of ``.npy`` arrays), always read with ``allow_pickle=False``: no
+object arrays, nothing executable.  Arrays:
+
+=================  =============================  ==================================================
+name               dtype / shape                  meaning
+=================  =============================  ==================================================
+``format``         str scalar                     ``"secure-afl-features/v1"``
+``features``       float32 or float64, N × d      one row per image, from the frozen backbone
+``image_ids``      str, N                         one id per row (file name), used in predict's CSV
+``labels``         uint8, N × C (or 0 × C)        multi-hot labels; all-zero columns for classes the
+                                                  institution does not label; absent rows (0 × C)
+                                                  for a file meant only for prediction
+``classes``        str, C                         class names, in column order
+``active``         int64, k                       indices of the classes this institution labels
+``backbone``       str scalar                     backbone name (``densenet121-xrv``, ``resnet18``...)
+``weights_id``     str scalar                     ``sha256:<hex>`` of the weight file (or another id)
+``preprocessing``  str scalar                     the backbone's preprocessing description (JSON)
+=================  =============================  ==================================================
+
+The backbone fields travel into the classifier file, and ``predict`` refuses features whose
+backbone, weights or preprocessing differ from the model's.
+"""
+
+from __future__ import annotations
+
+import os
+import zipfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+FEATURE_FILE_FORMAT = "secure-afl-features/v1"
+_NAMES = (
+    "format",
+    "features",
+    "image_ids",
+    "labels",
+    "classes",
+    "active",
+    "backbone",
+    "weights_id",
+    "preprocessing",
+)
+
+
+class FeatureFileError(ValueError):
+    """A feature file that is missing, malformed or inconsistent (the message says which field)."""
+
+
+@dataclass(frozen=True)
+class FeatureFile:
+    features: np.ndarray
+    image_ids: tuple[str, ...]
+    labels: np.ndarray | None  # N × C uint8, or None for a prediction-only file
+    classes: tuple[str, ...]
+    active: tuple[int, ...]
+    backbone: str
+    weights_id: str
+    preprocessing: str
+
+    @property
+    def dim(self) -> int:
+        return int(self.features.shape[1])
+
+    def describe_backbone(self) -> dict[str, str]:
+        return {"name": self.backbone, "weights_id": self.weights_id, "preprocessing": self.preprocessing}
+
+
+def save_feature_file(
+    path: str | os.PathLike[str],
+    features: np.ndarray,
+    *,
+    classes: Sequence[str],
+    backbone: str,
+    weights_id: str,
+    preprocessing: str,
+    labels: np.ndarray | None = None,
+    active: Sequence[int] = (),
+    image_ids: Sequence[str] | None = None,
+) -> None:
+    """Write a feature file (checked as it would be read); a temporary file is renamed into place."""
+    features = np.asarray(features)
+    n = features.shape[0] if features.ndim == 2 else 0
+    ids = tuple(image_ids) if image_ids is not None else tuple(f"row-{i}" for i in range(n))
+    label_array = (
+        np.zeros((0, len(classes)), np.uint8) if labels is None else np.asarray(labels).astype(np.uint8)
+    )
+    arrays = {
+        "format": np.array(FEATURE_FILE_FORMAT),
+        "features": features,
+        "image_ids": np.array(ids, dtype=str),
+        "labels": label_array,
+        "classes": np.array(tuple(classes), dtype=str),
+        "active": np.array(sorted(int(c) for c in active), dtype=np.int64),
+        "backbone": np.array(backbone),
+        "weights_id": np.array(weights_id),
+        "preprocessing": np.array(preprocessing),
+    }
+    _validate(Path(path), arrays)
+    path = Path(path)
+    temporary = path.with_name(f".{path.name}.tmp.npz")
+    try:
+        np.savez(temporary, **arrays)
+        os.replace(temporary, path)
+    finally:
+        if temporary.exists():
+            temporary.unlink()
+
+
+def load_feature_file(path: str | os.PathLike[str], *, require_labels: bool = False) -> FeatureFile:
+    """Read and check a feature file (never unpickles; raises :class:`FeatureFileError`)."""
+    path = Path(path)
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            arrays = {name: archive[name] for name in archive.files if name in _NAMES}
+    except FileNotFoundError:
+        raise FeatureFileError(f"{path}: no such feature file") from None
+    except (OSError, ValueError, zipfile.BadZipFile) as exc:
+        raise FeatureFileError(f"{path}: not a {FEATURE_FILE_FORMAT} file ({exc})") from None
+    file = _validate(path, arrays)
+    if require_labels and file.labels is None:
+        raise FeatureFileError(f"{path}: has no labels; a federation member's feature file needs them")
+    return file
+
+
+def _validate(path: Path, arrays: dict[str, np.ndarray]) -> FeatureFile:
+    missing = [name for name in _NAMES if name not in arrays]
+    if missing:
+        raise FeatureFileError(f"{path}: lacks the arrays {missing} of a {FEATURE_FILE_FORMAT} file")
+
+    def text(name: str) -> str:
+        value = arrays[name]
+        if value.shape != () or value.dtype.kind != "U":
+            raise FeatureFileError(f"{path}: {name!r} must be a string")
+        return str(value)
+
+    if text("format") != FEATURE_FILE_FORMAT:
+        raise FeatureFileError(f"{path}: format {text('format')!r}, expected {FEATURE_FILE_FORMAT!r}")
+    features = arrays["features"]
+    if features.ndim != 2 or features.shape[0] < 1 or features.shape[1] < 1:
+        raise FeatureFileError(f"{path}: 'features' must be a non-empty N × d array, got {features.shape}")
+    if features.dtype not in (np.float32, np.float64):
+        raise FeatureFileError(f"{path}: 'features' must be float32 or float64, got {features.dtype}")
+    if not np.isfinite(features).all():
+        raise FeatureFileError(f"{path}: 'features' holds NaN or infinite values (dropped images?)")
+    n = features.shape[0]
+    classes = arrays["classes"]
+    if (
+        classes.ndim != 1
+        or classes.dtype.kind != "U"
+        or len(classes) < 1
+        or len(set(classes.tolist())) != len(classes)
+    ):
+        raise FeatureFileError(f"{path}: 'classes' must be distinct class names")
+    ids = arrays["image_ids"]
+    if ids.shape != (n,) or ids.dtype.kind != "U":
+        raise FeatureFileError(f"{path}: 'image_ids' must hold one string per feature row ({n})")
+    labels = arrays["labels"]
+    if labels.ndim != 2 or labels.shape[1] != len(classes) or labels.shape[0] not in (0, n):
+        raise FeatureFileError(
+            f"{path}: 'labels' must be N × C ({n} × {len(classes)}) or empty, got {labels.shape}"
+        )
+    if labels.dtype.kind not in "uib" or not np.isin(labels, (0, 1)).all():
+        raise FeatureFileError(f"{path}: 'labels' must be 0/1")
+    active = arrays["active"]
+    if active.ndim != 1 or active.dtype.kind not in "iu":
+        raise FeatureFileError(f"{path}: 'active' must be a list of class indices")
+    active_list = sorted({int(c) for c in active})
+    if any(not 0 <= c < len(classes) for c in active_list):
+        raise FeatureFileError(f"{path}: 'active' holds indices outside 0..{len(classes) - 1}")
+    if labels.shape[0] and not active_list:
+        raise FeatureFileError(f"{path}: 'active' is empty: which classes does this institution label?")
+    return FeatureFile(
+        features=features,
+        image_ids=tuple(ids.tolist()),
+        labels=labels.astype(np.uint8) if labels.shape[0] else None,
+        classes=tuple(classes.tolist()),
+        active=tuple(active_list),
+        backbone=text("backbone"),
+        weights_id=text("weights_id"),
+        preprocessing=text("preprocessing"),
+    )

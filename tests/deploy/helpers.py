@@ -1,0 +1,141 @@
+"""An in-process federation: the deployment's server and client code without Flower's processes."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from secure_afl.deploy.client import NodeSettings, handle
+from secure_afl.deploy.study import Method, Study
+from secure_afl.deploy.wire import Envelope, from_record_dict, to_record_dict
+from secure_afl.features.file import save_feature_file
+from secure_afl.keys import IdentityKey, Roster, RosterEntry, save_identity_key
+
+CLASSES = ("A", "B", "C")
+BACKBONE = {"name": "toy", "weights_id": "sha256:00", "preprocessing": "none"}
+PASSPHRASE = b"test passphrase"
+
+
+class DictState:
+    def __init__(self) -> None:
+        self.records: dict[str, dict[str, Any]] = {}
+
+    def load(self, label: str) -> dict[str, Any] | None:
+        record = self.records.get(label)
+        return copy.deepcopy(record) if record is not None else None
+
+    def save(self, label: str, record: Mapping[str, Any]) -> None:
+        self.records[label] = copy.deepcopy(dict(record))
+
+
+@dataclass
+class Node:
+    client_id: str
+    settings: NodeSettings
+    state: DictState = field(default_factory=DictState)
+    dead_from: str | None = None  # a group like "s1-R1": from then on the node does not answer
+
+
+@dataclass
+class Federation:
+    nodes: dict[int, Node]
+    roster: Roster
+    study: Study
+    data: dict[str, tuple[np.ndarray, np.ndarray, tuple[int, ...]]]  # client -> features, labels, active
+
+
+def make_federation(
+    tmp_path: Path,
+    *,
+    n_clients: int = 4,
+    dim: int = 12,
+    rows: int = 60,
+    active: Mapping[str, tuple[int, ...]] | None = None,
+    method: Method | None = None,
+    seed: int = 0,
+) -> Federation:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    identities = {f"client-{k}": IdentityKey.generate() for k in range(n_clients)}
+    roster = Roster(RosterEntry(cid, cid, key.public_key) for cid, key in identities.items())
+    roster_path = tmp_path / "roster.json"
+    roster_path.write_text(roster.to_json())
+    passfile = tmp_path / "pass"
+    passfile.write_bytes(PASSPHRASE + b"\n")
+    passfile.chmod(0o600)
+    nodes: dict[int, Node] = {}
+    data = {}
+    for k, (cid, key) in enumerate(identities.items()):
+        key_path = tmp_path / f"{cid}.key"
+        save_identity_key(key_path, key, PASSPHRASE, scrypt_n=2**10)
+        features = rng.gamma(2.0, 1.0, size=(rows, dim)).astype(np.float32)
+        mine = (active or {}).get(cid, tuple(c for c in range(len(CLASSES)) if c != k))
+        labels = (rng.random((rows, len(CLASSES))) < 0.3).astype(np.uint8)
+        labels[:, [c for c in range(len(CLASSES)) if c not in mine]] = 0
+        features_path = tmp_path / f"{cid}.npz"
+        save_feature_file(
+            features_path, features, labels=labels, active=mine, classes=CLASSES,
+            backbone="toy", weights_id="sha256:00", preprocessing="none",
+        )  # fmt: skip
+        settings = NodeSettings(
+            identity_key=key_path, passphrase_file=passfile, roster=roster_path, features=features_path,
+            out_dir=tmp_path / f"out-{cid}", device="cpu",
+        )  # fmt: skip
+        nodes[1000 + k] = Node(cid, settings)
+        data[cid] = (features, labels, mine)
+    study = Study(classes=CLASSES, dim=dim, backbone=dict(BACKBONE), method=method or Method())
+    return Federation(nodes, roster, study, data)
+
+
+class InProcessTransport:
+    """Calls each node's handler directly, through Flower's record form (as the apps do)."""
+
+    def __init__(
+        self, federation: Federation, *, tamper: Callable[[int, str, Envelope], Envelope] | None = None
+    ):
+        self.federation = federation
+        self.tamper = tamper
+        self.sent: list[tuple[int, str, Envelope]] = []
+        self.received: list[tuple[int, str, Envelope]] = []
+
+    def node_ids(self) -> list[int]:
+        return sorted(self.federation.nodes)
+
+    def exchange(self, outgoing: Mapping[int, Envelope], group: str, timeout: float) -> dict[int, Envelope]:
+        replies = {}
+        for node_id, envelope in outgoing.items():
+            node = self.federation.nodes[node_id]
+            if node.dead_from is not None and _reached(group, node.dead_from):
+                continue
+            if self.tamper is not None:
+                envelope = self.tamper(node_id, group, envelope)
+            self.sent.append((node_id, group, envelope))
+            wired = from_record_dict(to_record_dict(envelope))
+            reply = from_record_dict(to_record_dict(handle(wired, node.state, node.settings)))
+            self.received.append((node_id, group, reply))
+            replies[node_id] = reply
+        return replies
+
+
+ORDER = [
+    "s1-R0",
+    "s1-R1",
+    "s1-R2",
+    "s1-R3",
+    "s1-R4",
+    "s2-R0",
+    "s2-R1",
+    "s2-R2",
+    "s2-R3",
+    "s2-R4",
+    "classifier",
+]
+
+
+def _reached(group: str, dead_from: str) -> bool:
+    return ORDER.index(group) >= ORDER.index(dead_from)

@@ -1,0 +1,178 @@
+"""The deployment's server and client code in one process (Flower's runtime: test_deploy_local.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from secure_afl.cli_deploy import reference_classifier
+from secure_afl.deploy.classifier import Classifier
+from secure_afl.deploy.errors import FederationAbortedError
+from secure_afl.deploy.server import FederationServer
+from secure_afl.deploy.study import Method, round1_layout
+from secure_afl.deploy.wire import Envelope
+from secure_afl.keys import IdentityKey, Roster, RosterEntry, save_identity_key
+
+from .helpers import PASSPHRASE, InProcessTransport, make_federation
+
+
+def _run(federation, transport=None, **kwargs):
+    transport = transport or InProcessTransport(federation)
+    server = FederationServer(
+        transport, federation.roster, federation.study, round_timeout=1, log=lambda s: None, **kwargs
+    )
+    classifier = server.run()
+    server.deliver(classifier)
+    return server, classifier, transport
+
+
+@pytest.mark.parametrize("rounds", [1, 2])
+def test_deployment_equals_the_simulation_over_the_same_survivors_bit_for_bit(
+    tmp_path: Path, rounds: int
+) -> None:
+    # Round 2 needs two live clients that miss one class (pseudo/0: client-0 and client-1); pseudo/1
+    # would hold client-4 alone, so it is not summed (on either side).
+    active = {
+        "client-0": (1, 2),
+        "client-1": (1, 2),
+        "client-2": (0, 1, 2),
+        "client-3": (0, 1, 2),
+        "client-4": (0, 2),
+    }
+    method = Method(rounds=rounds, min_pos=1, min_neg=1, tau=0.5)
+    federation = make_federation(tmp_path, n_clients=5, active=active, method=method)
+    federation.nodes[1002].dead_from = "s1-R1"  # client-2 advertises keys, then is killed
+    server, classifier, _ = _run(federation)
+    session1 = server.report.sessions[0]
+    assert session1.participants == ("client-0", "client-1", "client-2", "client-3", "client-4")
+    assert session1.survivors == ("client-0", "client-1", "client-3", "client-4")
+    if rounds == 2:
+        assert [g["name"] for g in server.report.sessions[1].groups] == ["pseudo/0"]
+    assert [s.label for s in server.report.sessions] == (["1", "2"] if rounds == 2 else ["1"])
+    reference = reference_classifier(
+        federation.data, federation.study, roster_size=5, dropouts={"R1": ["client-2"]}, device="cpu"
+    )
+    assert reference.survivors == session1.survivors
+    assert classifier.weights.dtype == np.float64
+    assert np.array_equal(classifier.weights, reference.coef)  # bit for bit, not approximately
+    assert classifier.weights.tobytes() == reference.coef.tobytes()
+    # Without the dropout the classifier differs: the comparison can fail.
+    everyone = reference_classifier(
+        federation.data, federation.study, roster_size=4, dropouts={}, device="cpu"
+    )
+    assert not np.array_equal(everyone.coef, classifier.weights)
+    # Every survivor stored the same classifier, and the file round-trips exactly.
+    assert server.report.acknowledged == ("client-0", "client-1", "client-3", "client-4")
+    for cid in server.report.acknowledged:
+        (stored,) = (tmp_path / f"out-{cid}").glob("classifier-*.json")
+        assert np.array_equal(Classifier.load(stored).weights, classifier.weights)
+    assert [d["client"] for d in server.report.dropouts] == ["client-2"]
+    # The session's secrets were dropped from every node's local state when it ended.
+    for node in federation.nodes.values():
+        for record in node.state.records.values():
+            assert "seed" not in record or record["status"] == "active"
+
+
+def test_the_round1_layout_is_the_methods_own(tmp_path: Path) -> None:
+    from secure_afl.aggregation.layout import layout_of
+    from secure_afl.analytic import client_statistics
+
+    for method in (Method(), Method(gram="class", balance="global"), Method(rounds=2, gram="class")):
+        federation = make_federation(
+            tmp_path / method.gram / method.balance / str(method.rounds), method=method
+        )
+        features, labels, _ = federation.data["client-0"]
+        stats = client_statistics(features, labels, device="cpu")
+        everything = stats.contributions(
+            range(3), balance=method.balance, gram=method.gram, include_global_gram=method.rounds == 2
+        )
+        expected = layout_of({"c": everything})
+        layout = round1_layout(federation.study)
+        assert layout.group_specs() == expected.group_specs()
+
+
+def test_a_node_whose_key_is_not_in_the_roster_is_refused_at_the_node_and_reported_at_the_server(
+    tmp_path: Path,
+) -> None:
+    federation = make_federation(tmp_path)
+    node = federation.nodes[1003]
+    intruder = IdentityKey.generate()
+    key_path = tmp_path / "intruder.key"
+    save_identity_key(key_path, intruder, PASSPHRASE, scrypt_n=2**10)
+    node.settings = type(node.settings)(**{**node.settings.__dict__, "identity_key": key_path})
+    server, classifier, transport = _run(federation)
+    refusals = [(r["from"], r["error"]) for r in server.report.refusals]
+    assert refusals == [("node 1003", "IdentityNotInRosterError")]
+    assert "not in its roster" in server.report.refusals[0]["message"]
+    assert server.report.sessions[0].participants == ("client-0", "client-1", "client-2")
+    assert classifier.sessions[0]["survivors"] == ["client-0", "client-1", "client-2"]
+    # The refusing node sent nothing but its refusal, and keeps no session secret.
+    assert [r.kind for n, _, r in transport.received if n == 1003] == ["refused"]
+    assert node.state.records["1"] == {"status": "failed: IdentityNotInRosterError"}
+
+
+def test_roster_mismatch_between_two_institutions_is_refused_by_the_one_that_differs(tmp_path: Path) -> None:
+    federation = make_federation(tmp_path)
+    node = federation.nodes[1001]
+    # client-1's IT team pinned a roster where client-3 has another key.
+    other = Roster(
+        RosterEntry(
+            e.client_id,
+            e.name,
+            IdentityKey.generate().public_key if e.client_id == "client-3" else e.public_key,
+        )
+        for e in federation.roster
+    )
+    path = tmp_path / "roster-client-1.json"
+    path.write_text(other.to_json())
+    node.settings = type(node.settings)(**{**node.settings.__dict__, "roster": path})
+    server, _, _ = _run(federation)
+    assert [(r["from"], r["error"]) for r in server.report.refusals] == [("node 1001", "RosterMismatchError")]
+    assert other.fingerprint in server.report.refusals[0]["message"]
+    assert server.report.sessions[0].survivors == ("client-0", "client-2", "client-3")
+
+
+def test_a_message_replayed_from_an_earlier_run_is_refused_by_its_recipient(tmp_path: Path) -> None:
+    federation = make_federation(tmp_path)
+    _, _, first = _run(federation)
+    old_r1 = next(env for node, group, env in first.sent if node == 1000 and group == "s1-R1")
+    old_advert = next(env for node, group, env in first.received if node == 1001 and group == "s1-R0")
+    # A new run: fresh local state on every node (Flower keys it by run).
+    for node in federation.nodes.values():
+        node.state.records.clear()
+
+    def tamper(node_id: int, group: str, envelope: Envelope) -> Envelope:
+        # An attacker on the server's side feeds client-0 the R1 message of the earlier run.
+        return old_r1 if (node_id == 1000 and group == "s1-R1") else envelope
+
+    server, _, _ = _run(federation, InProcessTransport(federation, tamper=tamper))
+    assert "node 1000" not in {r["from"] for r in server.report.refusals}
+    assert [(r["from"], r["error"]) for r in server.report.refusals] == [("client-0", "ReplayedMessageError")]
+    assert server.report.sessions[0].survivors == ("client-1", "client-2", "client-3")
+
+    # And the server refuses a client's advertisement replayed from the earlier run.
+    for node in federation.nodes.values():
+        node.state.records.clear()
+
+    class Replaying(InProcessTransport):
+        def exchange(self, outgoing, group, timeout):
+            replies = super().exchange(outgoing, group, timeout)
+            if group == "s1-R0":
+                replies[1001] = old_advert
+            return replies
+
+    server, _, _ = _run(federation, Replaying(federation))
+    assert [(r["from"], r["error"]) for r in server.report.rejections] == [
+        ("node 1001", "ReplayedMessageError")
+    ]
+    assert "client-1" not in server.report.sessions[0].participants
+
+
+def test_too_few_survivors_abort_with_a_specific_error(tmp_path: Path) -> None:
+    federation = make_federation(tmp_path)
+    federation.nodes[1001].dead_from = "s1-R2"
+    federation.nodes[1002].dead_from = "s1-R2"
+    with pytest.raises(FederationAbortedError, match="session 1 aborted after R2"):
+        _run(federation)
