@@ -421,7 +421,12 @@ class _ProgressBars:
                 self._live = False
 
 
-# Deployment commands (issue 8): kept in their own modules so that this file stays the simulator's.
+
+# Deployment commands (issue 8), kept in their own modules so that this file stays the simulator's.
+from secure_afl.cli_deploy import deploy as _deploy_commands  # noqa: E402
+from secure_afl.cli_deploy import predict as _predict_command  # noqa: E402
 from secure_afl.keys.commands import keys as _keys_commands  # noqa: E402
 
 main.add_command(_keys_commands)
+main.add_command(_deploy_commands)
+main.add_command(_predict_command)

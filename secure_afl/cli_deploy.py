@@ -4,9 +4,12 @@ simulator (data partition, the in-process reference) and the deployment (which n
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import click
 import numpy as np
@@ -100,3 +103,307 @@ def _click_errors(exc: Exception) -> click.ClickException:
 
 
 __all__ = ["DeploymentError", "Reference", "reference_classifier"]
+
+
+# --- secure-afl deploy local ---------------------------------------------------------------------
+
+
+def _parse_drops(values: tuple[str, ...], client_ids: list[str]) -> dict[str, str]:
+    from secure_afl.deploy.local import DROP_ROUNDS
+
+    drops: dict[str, str] = {}
+    for value in values:
+        cid, sep, round_name = value.partition("@")
+        if not sep or cid not in client_ids or round_name not in DROP_ROUNDS:
+            raise click.BadParameter(
+                f"{value!r}: expected CLIENT@ROUND with CLIENT in {client_ids[0]}..{client_ids[-1]} and ROUND "
+                f"one of {', '.join(DROP_ROUNDS)} (e.g. client-2@R1)",
+                param_hint="--drop",
+            )
+        if cid in drops:
+            raise click.BadParameter(f"{cid} is dropped twice", param_hint="--drop")
+        drops[cid] = round_name
+    return drops
+
+
+def _reference_dropouts(report: Mapping, participants: Collection[str]) -> dict[str, list[str]]:
+    """From the server's report: the first round of session 1 each participant failed to answer."""
+    first: dict[str, str] = {}
+    events = [*report["dropouts"], *report["refusals"], *report["rejections"]]
+    for event in sorted(events, key=lambda e: e["at"]):
+        who = event.get("client", event.get("from"))
+        if not event["at"].startswith("session 1 ") or who not in participants:
+            continue
+        first.setdefault(who, event["at"].split()[-1])
+    dropouts: dict[str, list[str]] = {}
+    for cid, round_name in first.items():
+        dropouts.setdefault(round_name, []).append(cid)
+    return dropouts
+
+
+@click.group()
+def deploy() -> None:
+    """Deploy among institutions over Flower (SuperLink, SuperNodes)."""
+
+
+@deploy.command("local")
+@click.option(
+    "--clients", type=click.IntRange(3, 8), default=4, show_default=True, help="SuperNodes (institutions)."
+)
+@click.option("--tls/--no-tls", default=False, show_default=True, help="TLS and SuperNode authentication.")
+@click.option(
+    "--drop",
+    "drops",
+    multiple=True,
+    help="CLIENT@ROUND: kill that SuperNode at that protocol round (R1..R4).",
+)
+@click.option(
+    "--missing", type=click.IntRange(0, 7), default=1, show_default=True, help="Classes withheld per client."
+)
+@click.option(
+    "--rounds", type=click.IntRange(1, 2), default=1, show_default=True, help="2 adds the pseudo-label round."
+)
+@click.option("--gram", type=click.Choice(["global", "class"]), default="global", show_default=True)
+@click.option("--balance", type=click.Choice(["client", "global"]), default="client", show_default=True)
+@click.option("--gamma", type=float, default=1.0, show_default=True)
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
+@click.option("--fraction", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True)
+@click.option(
+    "--dim", type=click.IntRange(min=1), default=1024, show_default=True, help="Synthetic feature dimension."
+)
+@click.option("--round-timeout", type=click.FloatRange(1), default=30.0, show_default=True,
+              help="Seconds after which a node that has not answered a round is a dropout.")  # fmt: skip
+@click.option(
+    "--out", "out_dir", type=click.Path(path_type=Path), default=Path("runs/deploy"), show_default=True
+)
+@click.option("--keep", is_flag=True, help="Keep the temporary directory (keys, logs, certificates).")
+def deploy_local(
+    clients: int,
+    tls: bool,
+    drops: tuple[str, ...],
+    missing: int,
+    rounds: int,
+    gram: str,
+    balance: str,
+    gamma: float,
+    seed: int,
+    fraction: float,
+    dim: int,
+    round_timeout: float,
+    out_dir: Path,
+    keep: bool,
+) -> None:
+    """A federation of N SuperNodes on this machine, compared with the in-process simulation."""
+    import shutil
+    import tempfile
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from secure_afl.deploy.local import run_local
+    from secure_afl.deploy.study import Method, deployment_threshold
+    from secure_afl.features.file import save_feature_file
+    from secure_afl.sim.data import CLASSES
+    from secure_afl.sim.datasets import prepare
+    from secure_afl.sim.metrics import evaluate
+    from secure_afl.sim.partial import PartialLabelError, assign_partial_labels
+
+    console = Console()
+    say = console.print if console.is_terminal else (lambda text: click.echo(text))
+    client_ids = [f"client-{k}" for k in range(clients)]
+    drop_rounds = _parse_drops(drops, client_ids)
+    study = Study(
+        classes=CLASSES,
+        dim=dim,
+        backbone={
+            "name": "embedded-synthetic",
+            "weights_id": f"synthetic-seed-{seed}-dim-{dim}-fraction-{fraction}",
+            "preprocessing": "none (synthetic features of the embedded ChestXray14 cohort)",
+        },
+        method=Method(gamma=gamma, balance=balance, gram=gram, rounds=rounds),
+    )
+    try:
+        assignment = assign_partial_labels(clients, len(CLASSES), missing, seed=seed)
+    except PartialLabelError as exc:
+        raise click.BadParameter(str(exc), param_hint="--missing") from None
+    live = [k for k, cid in enumerate(client_ids) if cid not in drop_rounds]
+    threshold = deployment_threshold(clients)
+    if len(live) < threshold:
+        raise click.UsageError(
+            f"{len(live)} of {clients} institutions would remain, fewer than the threshold t={threshold} "
+            f"(⌊2n/3⌋+1): drop fewer"
+        )
+    for c, name in enumerate(CLASSES):
+        labelling = [client_ids[k] for k in live if c in assignment.active[k]]
+        if len(labelling) < study.min_group_size:
+            raise click.UsageError(
+                f"class {name} would be labelled by {len(labelling)} surviving institution(s) {labelling}, fewer "
+                f"than the minimum group size {study.min_group_size}: use a lower --missing or another --drop"
+            )
+    work_dir = Path(tempfile.mkdtemp(prefix="secure-afl-deploy-"))
+    try:
+        started = time.perf_counter()
+        say(f"preparing the embedded data for {clients} institutions (as `secure-afl sim` partitions it)")
+        data = prepare(None, fraction=fraction, dim=dim, seed=seed, n_clients=clients)
+        (work_dir / "data").mkdir()
+        client_data: dict[str, ClientData] = {}
+        files = {}
+        for k, cid in enumerate(client_ids):
+            rows = data.split.clients[k]
+            labels = data.cohort.labels[rows].astype(np.uint8)
+            labels[:, [c for c in range(len(CLASSES)) if c not in assignment.active[k]]] = 0
+            files[cid] = work_dir / "data" / f"{cid}.npz"
+            save_feature_file(
+                files[cid], data.features[rows], labels=labels, active=assignment.active[k], classes=CLASSES,
+                backbone=study.backbone["name"], weights_id=study.backbone["weights_id"],
+                preprocessing=study.backbone["preprocessing"],
+            )  # fmt: skip
+            client_data[cid] = (data.features[rows], labels, tuple(assignment.active[k]))
+        data_seconds = time.perf_counter() - started
+        say(
+            f"  {len(data.split.test)} test rows; labels per institution: {[list(a) for a in assignment.active]}"
+        )
+        try:
+            result = run_local(
+                work_dir, files, study, tls=tls, drops=drop_rounds, round_timeout=round_timeout, say=say
+            )
+        except DeploymentError as exc:
+            raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
+        session1 = result.report["sessions"][0]
+        participants = session1["participants"]
+        dropouts = _reference_dropouts(result.report, participants)
+        say("computing the in-process simulation over the same survivors")
+        reference = reference_classifier(
+            {cid: client_data[cid] for cid in participants}, study, roster_size=clients, dropouts=dropouts
+        )
+        test_x, test_y = data.features[data.split.test], data.cohort.labels[data.split.test]
+        deployed = evaluate(test_y, result.classifier.predict_proba(test_x)).macro
+        import scipy.special
+
+        simulated = evaluate(test_y, scipy.special.expit(test_x.astype(np.float64) @ reference.coef)).macro
+        identical = result.classifier.weights.tobytes() == reference.coef.tobytes()
+        same_survivors = tuple(session1["survivors"]) == reference.survivors
+        table = Table(title=f"Deployment vs simulation over the same survivors {list(reference.survivors)}")
+        table.add_column("metric")
+        table.add_column("deployment (Flower)", justify="right")
+        table.add_column("simulation (in-process)", justify="right")
+        for key, label, scale in (("bacc", "BACC %", 100), ("auc", "AUC %", 100), ("map", "mAP", 1)):
+            table.add_row(label, f"{scale * deployed[key]:.4f}", f"{scale * simulated[key]:.4f}")
+        console.print(table)
+        digest = hashlib.sha256(result.classifier.weights.tobytes()).hexdigest()[:16]
+        say(f"weights bit for bit equal: {'yes' if identical else 'NO'} (sha256 {digest}...)")
+        say(f"killed: {result.killed or 'none'}; dropouts seen by the server: {dropouts or 'none'}")
+        copies = {
+            cid: Classifier_equal(path, result.classifier) for cid, path in result.node_classifiers.items()
+        }
+        say(f"classifier stored by {sorted(copies)}; identical copies: {all(copies.values())}")
+        seconds = Table(title="Seconds per stage")
+        seconds.add_column("stage")
+        seconds.add_column("s", justify="right")
+        seconds.add_row("data (embedded cohort, partition)", f"{data_seconds:.1f}")
+        for name, value in result.seconds.items():
+            seconds.add_row(name, f"{value:.1f}")
+        for session in result.report["sessions"]:
+            for round_name, value in session["round_seconds"].items():
+                seconds.add_row(f"  session {session['label']} {round_name}", f"{value:.1f}")
+        for name in ("solve", "deliver"):
+            if name in result.report["seconds"]:
+                seconds.add_row(f"  {name} (server)", f"{result.report['seconds'][name]:.2f}")
+        seconds.add_row("simulation (in-process reference)", f"{reference.seconds:.1f}")
+        console.print(seconds)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        result.classifier.save(out_dir / "classifier.json")
+        (out_dir / "report.json").write_text(
+            json.dumps({**result.report, "local_seconds": result.seconds, "killed": result.killed}, indent=1)
+        )
+        say(f"wrote {out_dir / 'classifier.json'} and {out_dir / 'report.json'}")
+        if not (identical and same_survivors):
+            raise click.ClickException(
+                "the deployed classifier differs from the simulation's over the same survivors"
+            )
+    finally:
+        if keep:
+            say(f"kept {work_dir}")
+        else:
+            shutil.rmtree(work_dir, ignore_errors=True)
+
+
+def Classifier_equal(path: Path, classifier: object) -> bool:  # noqa: N802
+    from secure_afl.deploy.classifier import Classifier
+
+    return Classifier.load(path).weights.tobytes() == classifier.weights.tobytes()  # type: ignore[attr-defined]
+
+
+# --- secure-afl predict ----------------------------------------------------------------------------
+
+
+@click.command()
+@click.option("--model", "model_path", type=click.Path(path_type=Path, dir_okay=False), required=True,
+              help="The classifier file (classifier.json).")  # fmt: skip
+@click.option("--features", "features_path", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="A feature file (secure-afl-features/v1).")  # fmt: skip
+@click.option("--data-dir", type=click.Path(path_type=Path, file_okay=False), default=None,
+              help="A directory of PNG images (features are extracted with the model's backbone).")  # fmt: skip
+@click.option("--weights", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="The backbone's weight file (with --data-dir; default: the library cache).")  # fmt: skip
+@click.option("--cache-dir", type=click.Path(path_type=Path, file_okay=False), default=None)
+@click.option("--device", default="auto", show_default=True)
+@click.option("--out", "out_path", type=click.Path(path_type=Path, dir_okay=False), default=Path("predictions.csv"),
+              show_default=True)  # fmt: skip
+def predict(
+    model_path: Path,
+    features_path: Path | None,
+    data_dir: Path | None,
+    weights: Path | None,
+    cache_dir: Path | None,
+    device: str,
+    out_path: Path,
+) -> None:
+    """Per-image probabilities and decisions of a classifier file, as CSV."""
+    from secure_afl.deploy.classifier import Classifier
+    from secure_afl.deploy.errors import ClassifierFileError, ModelMismatchError
+    from secure_afl.features.file import FeatureFileError, load_feature_file
+
+    if (features_path is None) == (data_dir is None):
+        raise click.UsageError("give exactly one of --features FILE or --data-dir DIR")
+    try:
+        model = Classifier.load(model_path)
+        if features_path is not None:
+            data = load_feature_file(features_path)
+            model.check_features(data.describe_backbone(), data.dim, data.classes)
+            features, ids = data.features, data.image_ids
+        else:
+            features, ids = _extract_directory(model, data_dir, weights, cache_dir, device)  # type: ignore[arg-type]
+        probabilities = model.predict_proba(features)
+    except (ClassifierFileError, ModelMismatchError, FeatureFileError) as exc:
+        raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
+    model.write_predictions(out_path, ids, probabilities)
+    positives = (probabilities > model.decision_threshold).sum(axis=0)
+    click.echo(f"wrote {out_path}: {len(ids)} images; positives per class: "
+               + ", ".join(f"{c} {int(n)}" for c, n in zip(model.classes, positives, strict=True)))  # fmt: skip
+
+
+def _extract_directory(model, data_dir: Path, weights: Path | None, cache_dir: Path | None, device: str):
+    from secure_afl.deploy.errors import ModelMismatchError
+    from secure_afl.features.backbones import UnknownBackboneError, WeightsError, load_backbone
+    from secure_afl.features.extraction import extract_features
+    from secure_afl.features.file import describe_preprocessing
+    from secure_afl.features.images import index_images
+
+    try:
+        backbone = load_backbone(model.backbone["name"], weights)
+    except (UnknownBackboneError, WeightsError) as exc:
+        raise ModelMismatchError(f"cannot load the model's backbone: {exc}") from None
+    model.check_features(
+        {"name": backbone.name, "weights_id": backbone.weights_id,
+         "preprocessing": describe_preprocessing(backbone.preprocess)},
+        backbone.feature_dim,
+    )  # fmt: skip
+    images = index_images(data_dir)
+    if not images:
+        raise ModelMismatchError(f"{data_dir}: no PNG images found")
+    names = sorted(images)
+    cache = cache_dir or Path.home() / ".cache" / "secure-afl" / "features"
+    result = extract_features([images[n] for n in names], backbone, cache_dir=cache, device=device)
+    keep = [i for i in range(len(names)) if i not in set(result.skipped)]
+    return result.features[keep], [names[i] for i in keep]

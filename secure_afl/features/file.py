@@ -47,6 +47,14 @@ _NAMES = (
 )
 
 
+def describe_preprocessing(preprocess: object) -> str:
+    """The canonical text of a backbone's preprocessing (``Backbone.preprocess``), as files store it."""
+    import json
+
+    as_dict = getattr(preprocess, "as_dict", None)
+    return json.dumps(as_dict() if callable(as_dict) else str(preprocess), sort_keys=True, default=str)
+
+
 class FeatureFileError(ValueError):
     """A feature file that is missing, malformed or inconsistent (the message says which field)."""
 

@@ -1,0 +1,565 @@
+"""``secure-afl deploy local``: a whole federation on one machine, as child processes on loopback.
+
+In a temporary directory it writes every institution's identity key and passphrase file, the
+roster, (with ``tls``) a CA, the SuperLink's certificate and one ECDSA SuperNode-authentication
+key per node in OpenSSH format (all with ``cryptography``), a Flower app directory and
+``$FLWR_HOME/config.toml``; then it starts a SuperLink, registers the nodes' keys
+(``flwr supernode register``), starts one SuperNode per institution and runs the federation with
+``flwr run APP local --stream``.  It kills a named SuperNode when that node receives the named
+protocol round's message.  Every child runs in its own process group (``flower-superexec`` and the
+app processes it spawns included), and every group is stopped on success, on failure and on Ctrl-C.
+
+The data are not this module's business: the caller writes each institution's feature file
+(:mod:`secure_afl.features.file`) and passes the paths.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import ipaddress
+import json
+import os
+import queue
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import closing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from secure_afl.keys.files import save_identity_key
+from secure_afl.keys.identity import IdentityKey
+from secure_afl.keys.roster import Roster, RosterEntry
+
+from .classifier import Classifier
+from .errors import LocalDeploymentError
+from .study import Study
+
+CONNECTION = "local"
+DROP_ROUNDS = ("R1", "R2", "R3", "R4")
+# Flower's SuperExec polls for tasks every second by default; a tenth keeps each round short.
+CHILD_ENV = {
+    "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.1",
+    "FLWR_TELEMETRY_ENABLED": "0",
+    "FLWR_DISABLE_UPDATE_CHECK": "1",
+    "PYTHONUNBUFFERED": "1",
+}
+READY_SUPERLINK = "Uvicorn running"
+READY_SUPERNODE = "SuperNode ID"
+
+Say = Callable[[str], None]
+
+
+@dataclass
+class LocalResult:
+    classifier: Classifier
+    report: dict
+    seconds: dict[str, float]
+    node_classifiers: dict[str, Path]
+    work_dir: Path
+    killed: dict[str, str] = field(default_factory=dict)
+
+
+def flower_bin(name: str) -> str:
+    """A Flower executable from this interpreter's environment (then ``PATH``)."""
+    beside = Path(sys.executable).parent / name
+    if beside.exists():
+        return str(beside)
+    found = shutil.which(name)
+    if found is None:
+        raise LocalDeploymentError(f"{name} not found: install Flower (pip install 'flwr>=1.42,<1.43')")
+    return found
+
+
+def free_port() -> int:
+    with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+# --- credentials ---------------------------------------------------------------------------------
+
+
+def write_tls_certificates(directory: Path) -> tuple[Path, Path, Path]:
+    """A throwaway CA and a SuperLink certificate for 127.0.0.1/localhost (ECDSA P-384, one day)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ca_key = ec.generate_private_key(ec.SECP384R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "secure-afl deploy local CA")])
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    key = ec.generate_private_key(ec.SECP384R1())
+    certificate = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")]))
+        .issuer_name(ca_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName(
+                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+            ),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
+    ca_path, cert_path, key_path = (
+        directory / "ca.crt",
+        directory / "superlink.pem",
+        directory / "superlink.key",
+    )
+    ca_path.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    cert_path.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+    _write_private(
+        key_path,
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        ),
+    )
+    return ca_path, cert_path, key_path
+
+
+def write_node_auth_key(path: Path) -> Path:
+    """An ECDSA P-384 SuperNode authentication key in OpenSSH format; returns the ``.pub`` path."""
+    key = ec.generate_private_key(ec.SECP384R1())
+    _write_private(
+        path,
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()
+        ),
+    )
+    public = path.with_name(path.name + ".pub")
+    public.write_bytes(
+        key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+    )
+    return public
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(descriptor, "wb") as handle:
+        handle.write(data)
+
+
+def write_identities(
+    directory: Path, client_ids: Sequence[str], *, scrypt_n: int = 2**14
+) -> tuple[Path, Roster]:
+    """One encrypted identity key per institution, one shared passphrase file, and the roster.
+
+    These keys live for one local demonstration, so scrypt runs at 2^14 rather than the default
+    2^17 (every ClientApp process decrypts its key once per message).
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    passphrase = secrets.token_urlsafe(24).encode("ascii")
+    passphrase_file = directory / "passphrase"
+    _write_private(passphrase_file, passphrase + b"\n")
+    entries = []
+    for cid in client_ids:
+        key = IdentityKey.generate()
+        save_identity_key(directory / f"{cid}.key", key, passphrase, scrypt_n=scrypt_n)
+        entries.append(RosterEntry(cid, f"Hospital {cid}", key.public_key))
+    roster = Roster(entries)
+    (directory / "roster.json").write_text(roster.to_json() + "\n", encoding="utf-8")
+    return passphrase_file, roster
+
+
+def write_app(directory: Path, run_config: Mapping[str, object]) -> Path:
+    """A Flower app directory whose components are secure-afl's apps (nothing else is bundled)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    lines = [
+        "[build-system]",
+        'requires = ["setuptools>=68"]',
+        'build-backend = "setuptools.build_meta"',
+        "",
+        "[project]",
+        'name = "secure-afl-federation"',
+        'version = "1.0.0"',
+        'description = "secure-afl: one-round analytic FL with secure aggregation"',
+        'license = "Apache-2.0"',
+        "dependencies = []",
+        "",
+        "[tool.flwr.app]",
+        'publisher = "secure-afl"',
+        "",
+        "[tool.flwr.app.components]",
+        'serverapp = "secure_afl.deploy.apps:server_app"',
+        'clientapp = "secure_afl.deploy.apps:client_app"',
+        "",
+        "[tool.flwr.app.config]",
+    ]
+    for key, value in run_config.items():
+        lines.append(f"{key} = {json.dumps(value)}")
+    (directory / "pyproject.toml").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return directory
+
+
+# --- processes -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Child:
+    name: str
+    process: subprocess.Popen
+    log: Path
+
+    def tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+class ProcessGroups:
+    """Children started in their own process groups, all stopped by :meth:`stop_all`."""
+
+    def __init__(self, env: Mapping[str, str]) -> None:
+        self.env = dict(env)
+        self.children: list[Child] = []
+
+    def start(
+        self,
+        name: str,
+        argv: Sequence[str],
+        log: Path,
+        *,
+        stdout: int | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> Child:
+        handle = open(log, "wb")  # noqa: SIM115  (the child holds its own copy of the descriptor)
+        process = subprocess.Popen(
+            list(argv),
+            stdout=handle if stdout is None else stdout,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=dict(env) if env is not None else self.env,
+            start_new_session=True,  # its own process group: its children go down with it
+        )
+        handle.close()
+        child = Child(name, process, log)
+        self.children.append(child)
+        return child
+
+    def kill(self, child: Child) -> None:
+        _kill_group(child.process.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.process.wait(timeout=10)
+
+    def stop_all(self, grace: float = 5.0) -> None:
+        for child in reversed(self.children):
+            _kill_group(child.process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for child in self.children:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        for child in self.children:
+            _kill_group(child.process.pid, signal.SIGKILL)  # stragglers: superexec, app processes
+        for child in self.children:
+            for _ in range(100):
+                if not _group_alive(child.process.pid):
+                    break
+                time.sleep(0.05)
+            if child.process.poll() is None:  # pragma: no cover
+                child.process.kill()
+                child.process.wait(timeout=5)
+
+    def alive(self) -> list[str]:
+        return [child.name for child in self.children if _group_alive(child.process.pid)]
+
+
+def _kill_group(pgid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # pragma: no cover
+        return True
+    return True
+
+
+def _wait_for(child: Child, marker: str, timeout: float, what: str) -> float:
+    started = time.monotonic()
+    deadline = started + timeout
+    for _ in range(int(timeout / 0.1) + 10):
+        if marker in child.log.read_text(errors="replace"):
+            return time.monotonic() - started
+        if child.process.poll() is not None:
+            raise LocalDeploymentError(
+                f"{what} exited with code {child.process.returncode} before it was ready; its log "
+                f"({child.log}) ends with:\n{child.tail()}"
+            )
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.1)
+    raise LocalDeploymentError(
+        f"{what} was not ready within {timeout:.0f} s; see {child.log}:\n{child.tail()}"
+    )
+
+
+# --- the run -------------------------------------------------------------------------------------
+
+
+def run_local(
+    work_dir: Path,
+    feature_files: Mapping[str, Path],
+    study: Study,
+    *,
+    tls: bool = True,
+    drops: Mapping[str, str] | None = None,
+    round_timeout: float = 30.0,
+    connect_timeout: float = 120.0,
+    start_timeout: float = 120.0,
+    run_timeout: float = 900.0,
+    say: Say = print,
+) -> LocalResult:
+    """Start the federation under ``work_dir``, run it, stop every process; return the classifier."""
+    drops = dict(drops or {})
+    client_ids = sorted(feature_files)
+    for cid, round_name in drops.items():
+        if cid not in feature_files:
+            raise LocalDeploymentError(f"--drop {cid}@{round_name}: no institution {cid!r} ({client_ids})")
+        if round_name not in DROP_ROUNDS:
+            raise LocalDeploymentError(f"--drop {cid}@{round_name}: the round must be one of {DROP_ROUNDS}")
+    seconds: dict[str, float] = {}
+    started = time.perf_counter()
+    keys_dir, logs = work_dir / "keys", work_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    passphrase_file, _ = write_identities(keys_dir, client_ids)
+    roster_path = keys_dir / "roster.json"
+    flwr_home = work_dir / "flwr-home"
+    flwr_home.mkdir(parents=True, exist_ok=True)
+    superlink_port = free_port()
+    if tls:
+        ca, certificate, private_key = write_tls_certificates(work_dir / "tls")
+        auth_keys = {cid: write_node_auth_key(work_dir / "tls" / f"auth-{cid}") for cid in client_ids}
+    connection = ["[superlink]", f'default = "{CONNECTION}"', "", f"[superlink.{CONNECTION}]"]
+    connection.append(f'address = "127.0.0.1:{superlink_port}"')
+    connection.append(f'root-certificates = "{ca}"' if tls else "insecure = true")
+    (flwr_home / "config.toml").write_text("\n".join(connection) + "\n", encoding="utf-8")
+    out_dir = work_dir / "out"
+    app_dir = write_app(
+        work_dir / "app",
+        {
+            "roster": str(roster_path),
+            "out-dir": str(out_dir / "server"),
+            "classes": ",".join(study.classes),
+            "dim": study.dim,
+            "backbone": study.backbone["name"],
+            "weights-id": study.backbone["weights_id"],
+            "preprocessing": study.backbone["preprocessing"],
+            "gamma": study.method.gamma,
+            "balance": study.method.balance,
+            "gram": study.method.gram,
+            "rounds": study.method.rounds,
+            "threshold": study.threshold,
+            "min-group-size": study.min_group_size,
+            "frac-bits": study.frac_bits,
+            "round-timeout": round_timeout,
+            "connect-timeout": connect_timeout,
+        },
+    )
+    seconds["keys, roster, certificates"] = time.perf_counter() - started
+
+    bin_dir = str(Path(sys.executable).parent)
+    env = {**os.environ, **CHILD_ENV, "FLWR_HOME": str(flwr_home)}
+    env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")  # SuperNodes start flower-superexec from PATH
+    children = ProcessGroups(env)
+    killed: dict[str, str] = {}
+    previous_term = signal.getsignal(signal.SIGTERM)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _raise_interrupt)  # a terminated parent still stops its children
+    try:
+        stage = time.perf_counter()
+        mode = "TLS, node authentication" if tls else "insecure"
+        say(f"starting the SuperLink on 127.0.0.1:{superlink_port} ({mode})")
+        link_args = [flower_bin("flower-superlink"), "--disable-runtime-dependency-installation"]
+        link_args += ["--host", "127.0.0.1", "--port", str(superlink_port)]
+        if tls:
+            link_args += ["--ssl-ca-certfile", str(ca), "--ssl-certfile", str(certificate)]
+            link_args += ["--ssl-keyfile", str(private_key), "--enable-supernode-auth"]
+        else:
+            link_args += ["--insecure"]
+        superlink = children.start("superlink", link_args, logs / "superlink.log")
+        _wait_for(superlink, READY_SUPERLINK, start_timeout, "the SuperLink")
+        seconds["SuperLink start"] = time.perf_counter() - stage
+        say(f"  SuperLink ready ({seconds['SuperLink start']:.1f} s)")
+        if tls:
+            stage = time.perf_counter()
+            say(f"registering {len(client_ids)} SuperNode authentication keys (flwr supernode register)")
+            registrations = [
+                children.start(
+                    f"register {cid}",
+                    [flower_bin("flwr"), "supernode", "register", str(auth_keys[cid]), CONNECTION],
+                    logs / f"register-{cid}.log",
+                )
+                for cid in client_ids
+            ]
+            for registration in registrations:
+                try:
+                    code = registration.process.wait(timeout=start_timeout)
+                except subprocess.TimeoutExpired:
+                    raise LocalDeploymentError(
+                        f"{registration.name} did not finish; see {registration.log}"
+                    ) from None
+                if code != 0:
+                    raise LocalDeploymentError(
+                        f"{registration.name} failed (exit {code}):\n{registration.tail()}"
+                    )
+            seconds["node registration"] = time.perf_counter() - stage
+            say(f"  registered ({seconds['node registration']:.1f} s)")
+        stage = time.perf_counter()
+        nodes: dict[str, Child] = {}
+        for cid in client_ids:
+            node_config = {
+                "identity-key": str(keys_dir / f"{cid}.key"),
+                "passphrase-file": str(passphrase_file),
+                "roster": str(roster_path),
+                "features": str(feature_files[cid]),
+                "out-dir": str(out_dir / cid),
+            }
+            node_args = [flower_bin("flower-supernode"), "--superlink", f"127.0.0.1:{superlink_port}"]
+            node_args += ["--host", "127.0.0.1", "--port", str(free_port())]
+            node_args += ["--node-config", " ".join(f"{k}={json.dumps(v)}" for k, v in node_config.items())]
+            if tls:
+                node_args += [
+                    "--root-certificates",
+                    str(ca),
+                    "--auth-supernode-private-key",
+                    str(work_dir / "tls" / f"auth-{cid}"),
+                ]
+            else:
+                node_args += ["--insecure"]
+            node_env = {**env, "FLWR_HOME": str(work_dir / f"flwr-home-{cid}")}
+            nodes[cid] = children.start(cid, node_args, logs / f"supernode-{cid}.log", env=node_env)
+        say(f"starting {len(nodes)} SuperNodes")
+        for cid, child in nodes.items():
+            _wait_for(child, READY_SUPERNODE, start_timeout, f"the SuperNode of {cid}")
+            say(f"  {cid} connected ({time.perf_counter() - stage:.1f} s)")
+        seconds["SuperNodes start"] = time.perf_counter() - stage
+        seconds["startup"] = time.perf_counter() - started
+
+        stage = time.perf_counter()
+        say("running the federation (flwr run)")
+        run_log = logs / "flwr-run.log"
+        runner = children.start(
+            "flwr run",
+            [flower_bin("flwr"), "run", str(app_dir), CONNECTION, "--stream"],
+            run_log,
+            stdout=subprocess.PIPE,
+        )
+        lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=_pump, args=(runner.process.stdout, run_log, lines), daemon=True).start()
+        pending = dict(drops)
+        deadline = time.monotonic() + run_timeout
+        done_reading = False
+        for _ in range(int(run_timeout / 0.1) + 100):
+            for cid, round_name in list(pending.items()):
+                if f"ROUND s1-{round_name}]" in nodes[cid].log.read_text(errors="replace"):
+                    children.kill(nodes[cid])
+                    killed[cid] = round_name
+                    del pending[cid]
+                    say(f"  killed the SuperNode of {cid} as it received round {round_name}")
+            for _ in range(1000):
+                try:
+                    line = lines.get_nowait()
+                except queue.Empty:
+                    break
+                if line is None:
+                    done_reading = True
+                    break
+                if "secure-afl server:" in line:
+                    say("  " + line.split("secure-afl server:", 1)[1].strip())
+            if done_reading and runner.process.poll() is not None:
+                break
+            if time.monotonic() >= deadline:
+                raise LocalDeploymentError(
+                    f"the federation did not finish within {run_timeout:.0f} s; see {run_log}"
+                )
+            time.sleep(0.1)
+        seconds["flwr run"] = time.perf_counter() - stage
+        report_path = out_dir / "server" / "report.json"
+        if not report_path.exists():
+            raise LocalDeploymentError(
+                f"the ServerApp wrote no report (flwr run exit {runner.process.returncode}); see {run_log}:\n"
+                f"{runner.tail(25)}"
+            )
+        report = json.loads(report_path.read_text())
+        if "error" in report:
+            raise LocalDeploymentError(f"the federation failed: {report['error']} (see {run_log})")
+        classifier = Classifier.load(out_dir / "server" / "classifier.json")
+        node_files = {}
+        for cid in client_ids:
+            stored = sorted((out_dir / cid).glob("classifier-*.json")) if (out_dir / cid).exists() else []
+            if stored:
+                node_files[cid] = stored[-1]
+        return LocalResult(classifier, report, seconds, node_files, work_dir, killed)
+    finally:
+        children.stop_all()
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, previous_term)
+        left = children.alive()
+        if left:  # pragma: no cover
+            say(f"WARNING: processes still running in groups {left}")
+
+
+def _pump(stream: IO[bytes] | None, log: Path, lines: queue.Queue[str | None]) -> None:
+    if stream is None:
+        lines.put(None)
+        return
+    with open(log, "ab") as handle:
+        for raw in iter(stream.readline, b""):
+            handle.write(raw)
+            handle.flush()
+            lines.put(_ANSI.sub("", raw.decode("utf-8", errors="replace")).rstrip())
+    lines.put(None)
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
