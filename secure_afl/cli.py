@@ -421,7 +421,6 @@ class _ProgressBars:
                 self._live = False
 
 
-
 # Deployment commands (issue 8), kept in their own modules so that this file stays the simulator's.
 from secure_afl.cli_deploy import deploy as _deploy_commands  # noqa: E402
 from secure_afl.cli_deploy import predict as _predict_command  # noqa: E402

@@ -116,7 +116,8 @@ def _parse_drops(values: tuple[str, ...], client_ids: list[str]) -> dict[str, st
         cid, sep, round_name = value.partition("@")
         if not sep or cid not in client_ids or round_name not in DROP_ROUNDS:
             raise click.BadParameter(
-                f"{value!r}: expected CLIENT@ROUND with CLIENT in {client_ids[0]}..{client_ids[-1]} and ROUND "
+                f"{value!r}: expected CLIENT@ROUND with CLIENT in {client_ids[0]}..{client_ids[-1]} and "
+                f"ROUND "
                 f"one of {', '.join(DROP_ROUNDS)} (e.g. client-2@R1)",
                 param_hint="--drop",
             )
@@ -237,7 +238,8 @@ def deploy_local(
         labelling = [client_ids[k] for k in live if c in assignment.active[k]]
         if len(labelling) < study.min_group_size:
             raise click.UsageError(
-                f"class {name} would be labelled by {len(labelling)} surviving institution(s) {labelling}, fewer "
+                f"class {name} would be labelled by {len(labelling)} surviving institution(s) "
+                f"{labelling}, fewer "
                 f"than the minimum group size {study.min_group_size}: use a lower --missing or another --drop"
             )
     work_dir = Path(tempfile.mkdtemp(prefix="secure-afl-deploy-"))
@@ -261,7 +263,8 @@ def deploy_local(
             client_data[cid] = (data.features[rows], labels, tuple(assignment.active[k]))
         data_seconds = time.perf_counter() - started
         say(
-            f"  {len(data.split.test)} test rows; labels per institution: {[list(a) for a in assignment.active]}"
+            f"  {len(data.split.test)} test rows; classes each institution labels: "
+            f"{[list(a) for a in assignment.active]}"
         )
         try:
             result = run_local(
@@ -294,7 +297,7 @@ def deploy_local(
         say(f"weights bit for bit equal: {'yes' if identical else 'NO'} (sha256 {digest}...)")
         say(f"killed: {result.killed or 'none'}; dropouts seen by the server: {dropouts or 'none'}")
         copies = {
-            cid: Classifier_equal(path, result.classifier) for cid, path in result.node_classifiers.items()
+            cid: _same_weights(path, result.classifier) for cid, path in result.node_classifiers.items()
         }
         say(f"classifier stored by {sorted(copies)}; identical copies: {all(copies.values())}")
         seconds = Table(title="Seconds per stage")
@@ -328,7 +331,7 @@ def deploy_local(
             shutil.rmtree(work_dir, ignore_errors=True)
 
 
-def Classifier_equal(path: Path, classifier: object) -> bool:  # noqa: N802
+def _same_weights(path: Path, classifier: object) -> bool:
     from secure_afl.deploy.classifier import Classifier
 
     return Classifier.load(path).weights.tobytes() == classifier.weights.tobytes()  # type: ignore[attr-defined]
@@ -343,13 +346,13 @@ def Classifier_equal(path: Path, classifier: object) -> bool:  # noqa: N802
 @click.option("--features", "features_path", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="A feature file (secure-afl-features/v1).")  # fmt: skip
 @click.option("--data-dir", type=click.Path(path_type=Path, file_okay=False), default=None,
-              help="A directory of PNG images (features are extracted with the model's backbone).")  # fmt: skip
+              help="A directory of PNG images (features extracted with the model's backbone).")  # fmt: skip
 @click.option("--weights", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="The backbone's weight file (with --data-dir; default: the library cache).")  # fmt: skip
 @click.option("--cache-dir", type=click.Path(path_type=Path, file_okay=False), default=None)
 @click.option("--device", default="auto", show_default=True)
-@click.option("--out", "out_path", type=click.Path(path_type=Path, dir_okay=False), default=Path("predictions.csv"),
-              show_default=True)  # fmt: skip
+@click.option("--out", "out_path", type=click.Path(path_type=Path, dir_okay=False),
+              default=Path("predictions.csv"), show_default=True)  # fmt: skip
 def predict(
     model_path: Path,
     features_path: Path | None,
@@ -379,8 +382,8 @@ def predict(
         raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
     model.write_predictions(out_path, ids, probabilities)
     positives = (probabilities > model.decision_threshold).sum(axis=0)
-    click.echo(f"wrote {out_path}: {len(ids)} images; positives per class: "
-               + ", ".join(f"{c} {int(n)}" for c, n in zip(model.classes, positives, strict=True)))  # fmt: skip
+    counts = ", ".join(f"{c} {int(n)}" for c, n in zip(model.classes, positives, strict=True))
+    click.echo(f"wrote {out_path}: {len(ids)} images; positives per class: {counts}")
 
 
 def _extract_directory(model, data_dir: Path, weights: Path | None, cache_dir: Path | None, device: str):

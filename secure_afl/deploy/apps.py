@@ -11,7 +11,8 @@ Run config (``[tool.flwr.app.config]``, all read by the ServerApp on the server'
 ``roster`` (path), ``out-dir`` (where ``classifier.json`` and ``report.json`` go), ``classes``
 (comma-separated), ``dim``, ``backbone``, ``weights-id``, ``preprocessing``, ``gamma``, ``balance``,
 ``gram``, ``rounds``, ``threshold`` (0: ⌊2n/3⌋+1), ``min-group-size``, ``frac-bits``,
-``round-timeout`` and ``connect-timeout`` (seconds), ``min-nodes`` (0: the roster's size).
+``round-timeout``, ``statistics-timeout`` (a session's first round, where clients compute) and
+``connect-timeout`` (seconds), ``min-nodes`` (0: the roster's size).
 
 Node config (each SuperNode's ``--node-config``): see :class:`~secure_afl.deploy.client.NodeSettings`.
 Importing this module loads Flower and the protocol, not torch: the analytic method is imported
@@ -134,6 +135,7 @@ def server_main(grid: Grid, context: Context) -> None:
         roster,
         study,
         round_timeout=float(config.get("round-timeout", 120)),
+        statistics_timeout=float(config.get("statistics-timeout", 600)),
         connect_timeout=float(config.get("connect-timeout", 300)),
         min_nodes=int(config.get("min-nodes", 0)) or None,
         log=_log,

@@ -351,6 +351,7 @@ def run_local(
     tls: bool = True,
     drops: Mapping[str, str] | None = None,
     round_timeout: float = 30.0,
+    statistics_timeout: float = 180.0,
     connect_timeout: float = 120.0,
     start_timeout: float = 120.0,
     run_timeout: float = 900.0,
@@ -399,6 +400,7 @@ def run_local(
             "min-group-size": study.min_group_size,
             "frac-bits": study.frac_bits,
             "round-timeout": round_timeout,
+            "statistics-timeout": statistics_timeout,
             "connect-timeout": connect_timeout,
         },
     )

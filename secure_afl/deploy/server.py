@@ -101,6 +101,7 @@ class FederationServer:
         *,
         backend: Backend | None = None,
         round_timeout: float = 120.0,
+        statistics_timeout: float | None = None,
         connect_timeout: float = 300.0,
         min_nodes: int | None = None,
         log: Log = print,
@@ -111,6 +112,9 @@ class FederationServer:
         self.study = study
         self.backend = backend or MaskingBackend()
         self.round_timeout = round_timeout
+        # A session's first round is where clients compute their statistics (round 1) or their
+        # pseudo-labels (round 2): it may take much longer than a protocol round.
+        self.statistics_timeout = max(round_timeout, statistics_timeout or 0.0)
         self.connect_timeout = connect_timeout
         self.min_nodes = len(roster) if min_nodes is None else min_nodes
         self.log = log
@@ -225,7 +229,8 @@ class FederationServer:
         node_of: dict[str, int] = {}
         for index, round_name in enumerate(ROUNDS):
             started = time.perf_counter()
-            replies = self.transport.exchange(outgoing, f"s{label}-{round_name}", self.round_timeout)
+            timeout = self.statistics_timeout if round_name == "R0" else self.round_timeout
+            replies = self.transport.exchange(outgoing, f"s{label}-{round_name}", timeout)
             answered[round_name] = set()
             client_of = {node: cid for cid, node in node_of.items()}
             for node, envelope in sorted(replies.items()):
@@ -275,8 +280,7 @@ class FederationServer:
             for who in sorted(expected):
                 self.report.dropouts.append({"at": f"session {label} {round_name}", "client": who})
                 self.log(
-                    f"session {label} {round_name}: {who} did not answer within "
-                    f"{self.round_timeout:.0f} s (dropout)"
+                    f"session {label} {round_name}: {who} did not answer within {timeout:.0f} s (dropout)"
                 )
             try:
                 requests = session.next_round()

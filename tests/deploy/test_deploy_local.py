@@ -1,0 +1,96 @@
+"""``secure-afl deploy local`` over Flower's real runtime: SuperLink, 4 SuperNodes, TLS, node auth.
+
+One run (about two minutes on 2 shared cores): client-2's SuperNode is killed when it receives
+round R1; the deployed classifier must equal the in-process simulation's over the 3 survivors bit
+for bit, every survivor must hold the same classifier, and no process may be left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from secure_afl.deploy.classifier import Classifier
+from secure_afl.deploy.local import ProcessGroups, write_node_auth_key, write_tls_certificates
+
+
+def _processes_mentioning(text: str) -> list[str]:
+    """Live processes whose command line or environment holds ``text`` (our work directories)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            blob = (entry / "cmdline").read_bytes() + (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        if text.encode() in blob:
+            found.append(entry.name)
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc to find leftover processes")
+def test_deploy_local_with_tls_auth_and_a_dropout_equals_the_simulation(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    env = {**os.environ, "TMPDIR": str(tmp_path)}  # the federation's work directory lands in tmp_path
+    command = [
+        sys.executable, "-c", "from secure_afl.cli import main; main()",
+        "deploy", "local", "--clients", "4", "--tls", "--drop", "client-2@R1",
+        "--fraction", "0.08", "--dim", "32", "--round-timeout", "15", "--out", str(out),
+    ]  # fmt: skip
+    started = time.monotonic()
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=420)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    assert "weights bit for bit equal: yes" in output
+    assert "killed the SuperNode of client-2 as it received round R1" in output
+    assert "dropouts seen by the server: {'R1': ['client-2']}" in output
+    assert "classifier stored by ['client-0', 'client-1', 'client-3']; identical copies: True" in output
+    classifier = Classifier.load(out / "classifier.json")
+    assert classifier.sessions[0]["survivors"] == ["client-0", "client-1", "client-3"]
+    assert classifier.sessions[0]["participants"] == ["client-0", "client-1", "client-2", "client-3"]
+    assert classifier.method["gram"] == "global" and classifier.protocol["threshold"] == 3
+    assert np.isfinite(classifier.weights).all() and classifier.weights.shape == (32, 8)
+    # No SuperLink, SuperNode, SuperExec or app process survives the command.
+    assert _processes_mentioning(str(tmp_path)) == []
+    print(f"deploy local took {time.monotonic() - started:.0f} s")
+
+
+def test_process_groups_stop_grandchildren(tmp_path: Path) -> None:
+    groups = ProcessGroups(dict(os.environ))
+    marker = f"secure-afl-test-{os.getpid()}"
+    child = groups.start(
+        "shell", ["sh", "-c", f"sleep 300 & sleep 301 & echo {marker}; wait"], tmp_path / "log"
+    )
+    for _ in range(100):
+        if marker in (tmp_path / "log").read_text():
+            break
+        time.sleep(0.05)
+    assert os.getpgid(child.process.pid) == child.process.pid  # its own group, not ours
+    groups.stop_all(grace=1)
+    assert groups.alive() == []
+    with pytest.raises(ProcessLookupError):
+        os.killpg(child.process.pid, 0)
+
+
+def test_credentials_are_generated_with_cryptography(tmp_path: Path) -> None:
+    from cryptography import x509
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.hazmat.primitives.serialization import load_ssh_private_key, load_ssh_public_key
+
+    ca, certificate, key = write_tls_certificates(tmp_path / "tls")
+    cert = x509.load_pem_x509_certificate(certificate.read_bytes())
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert "localhost" in names.get_values_for_type(x509.DNSName)
+    assert key.stat().st_mode & 0o077 == 0
+    cert.verify_directly_issued_by(x509.load_pem_x509_certificate(ca.read_bytes()))
+    public = write_node_auth_key(tmp_path / "auth")
+    private = load_ssh_private_key((tmp_path / "auth").read_bytes(), password=None)
+    assert isinstance(private, ec.EllipticCurvePrivateKey)
+    assert load_ssh_public_key(public.read_bytes()).public_numbers() == private.public_key().public_numbers()

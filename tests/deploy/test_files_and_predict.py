@@ -1,0 +1,147 @@
+"""The feature file, the classifier file and ``secure-afl predict``."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import scipy.special
+from click.testing import CliRunner
+
+from secure_afl.cli import main
+from secure_afl.deploy.classifier import Classifier
+from secure_afl.deploy.errors import ClassifierFileError, ModelMismatchError
+from secure_afl.features.file import FeatureFileError, load_feature_file, save_feature_file
+
+CLASSES = ("A", "B")
+
+
+def _features(tmp_path: Path, name: str = "f.npz", **overrides) -> Path:
+    rng = np.random.default_rng(1)
+    arguments = dict(
+        features=rng.random((5, 3)).astype(np.float32),
+        classes=CLASSES,
+        backbone="resnet18",
+        weights_id="sha256:aa",
+        preprocessing='{"name": "imagenet"}',
+        labels=np.array([[1, 0], [0, 0], [1, 0], [0, 0], [1, 0]]),
+        active=(0,),
+        image_ids=[f"img{i}.png" for i in range(5)],
+    )
+    arguments.update(overrides)
+    path = tmp_path / name
+    save_feature_file(path, arguments.pop("features"), **arguments)
+    return path
+
+
+def _classifier(**overrides) -> Classifier:
+    fields = dict(
+        weights=np.array([[0.5, -1.0], [2.0, 0.25], [-0.125, 1e-3]]),
+        classes=CLASSES,
+        backbone={"name": "resnet18", "weights_id": "sha256:aa", "preprocessing": '{"name": "imagenet"}'},
+        method={"gamma": 1.0},
+        protocol={"backend": "mask"},
+        sessions=(
+            {"label": "1", "session_id": "00" * 32, "participants": ["h1", "h2"], "survivors": ["h1", "h2"]},
+        ),
+        roster_fingerprint="SHA256:00",
+        audit={"groups": []},
+        study_digest="00",
+        created="2026-11-30T00:00:00+00:00",
+    )
+    fields.update(overrides)
+    return Classifier(**fields)
+
+
+def test_feature_file_round_trips_and_never_unpickles(tmp_path: Path) -> None:
+    path = _features(tmp_path)
+    data = load_feature_file(path, require_labels=True)
+    assert data.features.shape == (5, 3) and data.active == (0,) and data.classes == CLASSES
+    assert data.image_ids[0] == "img0.png" and data.labels is not None and data.labels.sum() == 3
+    # An object array (what a pickle payload needs) is refused by np.load(allow_pickle=False).
+    evil = tmp_path / "evil.npz"
+    arrays = dict(np.load(path, allow_pickle=False))
+    arrays["classes"] = np.array(["A", None], dtype=object)
+    np.savez(evil, **arrays)
+    with pytest.raises(FeatureFileError, match="not a secure-afl-features/v1 file"):
+        load_feature_file(evil)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"features": np.full((5, 3), np.nan, np.float32)}, "NaN"),
+        ({"labels": np.full((5, 2), 2)}, "0/1"),
+        ({"active": (5,)}, "outside"),
+        ({"image_ids": ["a"]}, "one string per feature row"),
+        ({"classes": ("A", "A")}, "distinct"),
+    ],
+)
+def test_feature_file_errors_name_the_field(tmp_path: Path, overrides: dict, message: str) -> None:
+    with pytest.raises(FeatureFileError, match=message):
+        _features(tmp_path, **overrides)
+    assert not (tmp_path / "f.npz").exists()  # nothing half-written
+
+
+def test_classifier_file_round_trips_exactly_and_detects_corruption(tmp_path: Path) -> None:
+    classifier = _classifier()
+    path = tmp_path / "c.json"
+    classifier.save(path)
+    loaded = Classifier.load(path)
+    assert loaded.weights.tobytes() == classifier.weights.tobytes()
+    document = json.loads(path.read_text())
+    assert (
+        document["format"] == "secure-afl-classifier/v1"
+        and document["preprocessing"] == '{"name": "imagenet"}'
+    )
+    document["weights"]["sha256"] = "0" * 64
+    path.write_text(json.dumps(document))
+    with pytest.raises(ClassifierFileError, match="sha256"):
+        Classifier.load(path)
+    path.write_text("not json")
+    with pytest.raises(ClassifierFileError, match="not JSON"):
+        Classifier.load(path)
+
+
+def test_predict_writes_probabilities_and_decisions(tmp_path: Path) -> None:
+    classifier = _classifier()
+    model = tmp_path / "c.json"
+    classifier.save(model)
+    features = _features(tmp_path)
+    out = tmp_path / "p.csv"
+    result = CliRunner().invoke(
+        main, ["predict", "--model", str(model), "--features", str(features), "--out", str(out)]
+    )
+    assert result.exit_code == 0, result.output
+    rows = list(csv.reader(out.open()))
+    assert rows[0] == ["image_id", "p(A)", "p(B)", "positive(A)", "positive(B)"]
+    data = load_feature_file(features)
+    expected = scipy.special.expit(data.features.astype(np.float64) @ classifier.weights)
+    assert [r[0] for r in rows[1:]] == list(data.image_ids)
+    assert np.allclose([[float(x) for x in r[1:3]] for r in rows[1:]], expected, atol=1e-6)
+    assert [[int(x) for x in r[3:]] for r in rows[1:]] == (expected > 0.5).astype(int).tolist()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"backbone": "vgg11"}, "backbone name"),
+        ({"weights_id": "sha256:bb"}, "weights_id"),
+        ({"preprocessing": '{"name": "xrv"}'}, "preprocessing"),
+        ({"features": np.ones((5, 4), np.float32)}, "dimension 4"),
+    ],
+)
+def test_predict_refuses_features_from_another_backbone(
+    tmp_path: Path, overrides: dict, message: str
+) -> None:
+    model = tmp_path / "c.json"
+    _classifier().save(model)
+    features = _features(tmp_path, **overrides)
+    result = CliRunner().invoke(main, ["predict", "--model", str(model), "--features", str(features)])
+    assert result.exit_code != 0 and "ModelMismatchError" in result.output and message in result.output
+    with pytest.raises(ModelMismatchError):
+        data = load_feature_file(features)
+        _classifier().check_features(data.describe_backbone(), data.dim)
