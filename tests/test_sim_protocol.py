@@ -130,6 +130,7 @@ def test_fedavg_rejects_unequal_clients() -> None:
 def test_audit_detects_overlapping_group_leakage() -> None:
     clients = [f"c{k}" for k in range(4)]
     all_but_one = [[c for c in clients if c != out] for out in clients]
+
     def exposed(groups: list[list[str]]) -> tuple[str, ...]:
         layout = {f"g{i}": (members, ("gram",)) for i, members in enumerate(groups)}
         return exposed_clients(layout).get("gram", ())

@@ -23,6 +23,7 @@ import numpy as np
 from secure_afl.aggregation.layout import Layout
 from secure_afl.keys.identity import IdentityKey
 from secure_afl.keys.roster import Roster
+from secure_afl.privacy.policy import ClientPolicy
 from secure_afl.protocol import codec, encoding
 from secure_afl.protocol.client import ClientSession
 from secure_afl.protocol.messages import (
@@ -53,7 +54,7 @@ class Backend(Protocol):
         seed: bytes,
         *,
         min_group_size: int,
-        settings: Mapping[str, object],
+        ledger: Any,
     ) -> Any: ...
 
     def encode(self, message: object, limit: int) -> bytes: ...
@@ -92,21 +93,22 @@ class MaskingBackend:
         seed: bytes,
         *,
         min_group_size: int,
-        settings: Mapping[str, object],
+        ledger: Any,
     ) -> ClientSession:
-        from .study import deployment_threshold
-
-        # The deployment's floors are the client's own: t >= floor(2n/3)+1, groups of at least 2.
-        # The session's randomness is a ChaCha20 stream from the seed, so replaying the server's
+        # The deployment policy is the client's own: t >= floor(2n/3)+1, groups of at least 2, the
+        # exposure check, and the ledger of its earlier sessions over the same statistics.  The
+        # session's randomness is a ChaCha20 stream from the seed, so replaying the server's
         # messages rebuilds exactly the same keys, shares and masks.
+        policy = ClientPolicy.deployment()
         return ClientSession(
             client_id,
             identity,
             roster,
             inputs,
-            min_threshold=deployment_threshold(len(roster)),
-            min_group_size=max(2, min_group_size),
+            min_group_size=max(policy.min_group_size, min_group_size),
             random=DeterministicRandomSource(seed),
+            policy=policy,
+            ledger=ledger,
         )
 
     def encode(self, message: object, limit: int) -> bytes:

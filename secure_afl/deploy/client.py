@@ -64,10 +64,11 @@ class NodeSettings:
     roster: Path
     features: Path
     out_dir: Path
+    ledger_dir: Path
     device: str = "auto"
     allow_class_gram: bool = False
 
-    KEYS = ("identity-key", "passphrase-file", "roster", "features", "out-dir")
+    KEYS = ("identity-key", "passphrase-file", "roster", "features", "ledger-dir", "out-dir")
 
     @classmethod
     def from_node_config(cls, config: Mapping[str, object]) -> NodeSettings:
@@ -75,7 +76,7 @@ class NodeSettings:
         if missing:
             raise ConfigurationError(
                 f"the SuperNode's --node-config lacks {missing}; it needs identity-key, passphrase-file, "
-                f"roster, features and out-dir (paths on this machine)"
+                f"roster, features, ledger-dir and out-dir (paths on this machine)"
             )
         return cls(
             identity_key=Path(str(config["identity-key"])),
@@ -83,9 +84,40 @@ class NodeSettings:
             roster=Path(str(config["roster"])),
             features=Path(str(config["features"])),
             out_dir=Path(str(config["out-dir"])),
+            ledger_dir=Path(str(config["ledger-dir"])),
             device=str(config.get("device", "auto")),
             allow_class_gram=str(config.get("allow-class-gram", "false")).lower() == "true",
         )
+
+
+class ReplayGate:
+    """The ledger as a rebuilt session sees it: silent while the answered messages are replayed.
+
+    Those messages were checked against the ledger (and this session recorded in R3) when they
+    first arrived; replaying them against the ledger would test the session against its own
+    record.  So during the replay the history is empty and nothing is recorded (the replies do not
+    depend on it: a check that passed with a history passes without one); the new message meets
+    the real ledger.
+    """
+
+    def __init__(self, ledger: Any, *, live: bool) -> None:
+        self.ledger = ledger
+        self.live = live
+
+    def history(self, owner: Any, input_digest: bytes) -> tuple:
+        return tuple(self.ledger.history(owner, input_digest)) if self.live else ()
+
+    def check_and_record(self, owner: Any, input_digest: bytes, record: Any, check: Any) -> None:
+        if self.live:
+            self.ledger.check_and_record(owner, input_digest, record, check)
+        else:
+            check(())
+
+
+def _ledger(settings: NodeSettings, *, live: bool) -> ReplayGate:
+    from secure_afl.privacy.ledger import FileLedger
+
+    return ReplayGate(FileLedger(settings.ledger_dir), live=live)
 
 
 def log(settings: NodeSettings | None, text: str) -> None:
@@ -226,8 +258,9 @@ def _start_session(envelope: Envelope, label: str, state: LocalState, settings: 
     inputs = _inputs(label, study, data, envelope, groups, settings)
     seed = os.urandom(32)
     session = backend.client_session(
-        client_id, identity, roster, inputs, seed, min_group_size=study.min_group_size, settings={}
-    )
+        client_id, identity, roster, inputs, seed, min_group_size=study.min_group_size,
+        ledger=_ledger(settings, live=True),
+    )  # fmt: skip
     replies = session.receive(request)
     state.save(
         label,
@@ -266,13 +299,15 @@ def _continue_session(envelope: Envelope, label: str, state: LocalState, setting
     for key, values in saved["inputs"].items():
         group, tensor = key.split("|", 1)
         inputs.setdefault(group, {})[tensor] = np.asarray(values, dtype=np.float64)
+    gate = _ledger(settings, live=False)
     session = backend.client_session(
-        client_id, identity, roster, inputs, saved["seed"], min_group_size=study.min_group_size, settings={}
+        client_id, identity, roster, inputs, saved["seed"], min_group_size=study.min_group_size, ledger=gate
     )
     # Rebuild: the same seed and the same server messages give the same state, secrets included.
     for index, data in enumerate(saved["messages"]):
         limit = backend.first_message_limit if index == 0 else session.max_message_bytes  # type: ignore[attr-defined]
         session.receive(backend.decode(data, limit))
+    gate.live = True
     replies = session.receive(backend.decode(envelope.payload, session.max_message_bytes))
     round_name = str(envelope.meta.get("round", ""))
     if getattr(session, "state", None) is not None and session.state.name == "DONE":

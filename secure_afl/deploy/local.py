@@ -461,6 +461,7 @@ def run_local(
                 "passphrase-file": str(passphrase_file),
                 "roster": str(roster_path),
                 "features": str(feature_files[cid]),
+                "ledger-dir": str(work_dir / "ledgers" / cid),
                 "out-dir": str(out_dir / cid),
             }
             node_args = [flower_bin("flower-supernode"), "--superlink", f"127.0.0.1:{superlink_port}"]

@@ -84,7 +84,7 @@ def make_federation(
         )  # fmt: skip
         settings = NodeSettings(
             identity_key=key_path, passphrase_file=passfile, roster=roster_path, features=features_path,
-            out_dir=tmp_path / f"out-{cid}", device="cpu",
+            out_dir=tmp_path / f"out-{cid}", ledger_dir=tmp_path / f"ledger-{cid}", device="cpu",
         )  # fmt: skip
         nodes[1000 + k] = Node(cid, settings)
         data[cid] = (features, labels, mine)

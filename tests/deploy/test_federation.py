@@ -134,27 +134,43 @@ def test_roster_mismatch_between_two_institutions_is_refused_by_the_one_that_dif
     assert server.report.sessions[0].survivors == ("client-0", "client-2", "client-3")
 
 
+def _fresh_run(federation, ledgers: str | None = None) -> None:
+    """A new Flower run: local state is per run; ``ledgers`` moves every node to new ledger dirs."""
+    for node in federation.nodes.values():
+        node.state.records.clear()
+        if ledgers is not None:
+            ledger_dir = node.settings.ledger_dir.parent / f"{ledgers}-{node.client_id}"
+            node.settings = type(node.settings)(**{**node.settings.__dict__, "ledger_dir": ledger_dir})
+
+
 def test_a_message_replayed_from_an_earlier_run_is_refused_by_its_recipient(tmp_path: Path) -> None:
     federation = make_federation(tmp_path)
     _, _, first = _run(federation)
     old_r1 = next(env for node, group, env in first.sent if node == 1000 and group == "s1-R1")
     old_advert = next(env for node, group, env in first.received if node == 1001 and group == "s1-R0")
-    # A new run: fresh local state on every node (Flower keys it by run).
-    for node in federation.nodes.values():
-        node.state.records.clear()
+
+    # Run 2: a server-side attacker feeds client-0 the R1 message of run 1.
+    _fresh_run(federation)
 
     def tamper(node_id: int, group: str, envelope: Envelope) -> Envelope:
-        # An attacker on the server's side feeds client-0 the R1 message of the earlier run.
         return old_r1 if (node_id == 1000 and group == "s1-R1") else envelope
 
-    server, _, _ = _run(federation, InProcessTransport(federation, tamper=tamper))
-    assert "node 1000" not in {r["from"] for r in server.report.refusals}
-    assert [(r["from"], r["error"]) for r in server.report.refusals] == [("client-0", "ReplayedMessageError")]
-    assert server.report.sessions[0].survivors == ("client-1", "client-2", "client-3")
+    transport = InProcessTransport(federation, tamper=tamper)
+    server = FederationServer(
+        transport, federation.roster, federation.study, round_timeout=1, log=lambda s: None
+    )
+    with pytest.raises(FederationAbortedError, match="aborted after R3"):
+        server.run()
+    refusals = [(r["at"], r["from"], r["error"]) for r in server.report.refusals]
+    assert refusals[0] == ("session 1 R1", "client-0", "ReplayedMessageError")
+    # Without client-0, the same statistics summed again would isolate client-0's (run 1 minus
+    # run 2): every peer's ledger refuses to sign (the issue "Clients defend themselves", attack 2).
+    assert refusals[1:] == [
+        ("session 1 R3", cid, "HistoryExposureRefusedError") for cid in ("client-1", "client-2", "client-3")
+    ]
 
-    # And the server refuses a client's advertisement replayed from the earlier run.
-    for node in federation.nodes.values():
-        node.state.records.clear()
+    # Run 3 (fresh ledgers): the server refuses a client's advertisement replayed from run 1.
+    _fresh_run(federation, ledgers="ledger3")
 
     class Replaying(InProcessTransport):
         def exchange(self, outgoing, group, timeout):
