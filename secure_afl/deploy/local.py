@@ -409,6 +409,9 @@ def run_local(
     bin_dir = str(Path(sys.executable).parent)
     env = {**os.environ, **CHILD_ENV, "FLWR_HOME": str(flwr_home)}
     env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")  # SuperNodes start flower-superexec from PATH
+    # Every Flower process (flwr run's app check, ServerApp, ClientApps) imports this same secure_afl.
+    package_root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
     children = ProcessGroups(env)
     killed: dict[str, str] = {}
     previous_term = signal.getsignal(signal.SIGTERM)
