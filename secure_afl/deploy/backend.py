@@ -4,7 +4,8 @@ The drivers in :mod:`secure_afl.deploy.server` and :mod:`secure_afl.deploy.clien
 
 - a server session: ``start() -> message``, ``receive(message)``, ``next_round() -> {client: message}``
   (empty when the session is done), ``result()``, ``max_message_bytes``;
-- a client session: ``receive(message) -> [replies]``, ``max_message_bytes``;
+- a client session: ``receive_bytes(data) -> [encoded replies]`` (decoding and encoding under the
+  session's own per-message limits);
 - a codec to and from bytes, and the sender id of a client message;
 - the float64 group sums of a finished session, per group and tensor, in the layout's shapes.
 
@@ -23,7 +24,7 @@ import numpy as np
 from secure_afl.aggregation.layout import Layout
 from secure_afl.keys.identity import IdentityKey
 from secure_afl.keys.roster import Roster
-from secure_afl.privacy.policy import ClientPolicy
+from secure_afl.privacy.policy import DEFAULT_MAX_CONFIG_BYTES, ClientPolicy
 from secure_afl.protocol import codec, encoding
 from secure_afl.protocol.client import ClientSession
 from secure_afl.protocol.messages import (
@@ -70,7 +71,8 @@ class MaskingBackend:
     """Pairwise masking (:mod:`secure_afl.protocol`), with the deployment's client floors."""
 
     name = "mask"
-    first_message_limit = codec.DEFAULT_MAX_MESSAGE_BYTES
+    # A client decodes a session's first message (the config) under its policy's bound.
+    first_message_limit = DEFAULT_MAX_CONFIG_BYTES
 
     def server_session(
         self, roster: Roster, study: Study, layout: Layout, session_id: bytes

@@ -261,7 +261,7 @@ def _start_session(envelope: Envelope, label: str, state: LocalState, settings: 
         client_id, identity, roster, inputs, seed, min_group_size=study.min_group_size,
         ledger=_ledger(settings, live=True),
     )  # fmt: skip
-    replies = session.receive(request)
+    replies = session.receive_bytes(envelope.payload)  # decoded again under the session's own limits
     state.save(
         label,
         {
@@ -276,9 +276,7 @@ def _start_session(envelope: Envelope, label: str, state: LocalState, settings: 
         },
     )
     log(settings, f"{client_id}: session {label} R0 answered (groups {sorted(inputs)})")
-    return Envelope(
-        "reply", {"session": label, "round": "R0"}, backend.encode(replies[0], session.max_message_bytes)
-    )
+    return Envelope("reply", {"session": label, "round": "R0"}, replies[0])
 
 
 def _continue_session(envelope: Envelope, label: str, state: LocalState, settings: NodeSettings) -> Envelope:
@@ -304,11 +302,10 @@ def _continue_session(envelope: Envelope, label: str, state: LocalState, setting
         client_id, identity, roster, inputs, saved["seed"], min_group_size=study.min_group_size, ledger=gate
     )
     # Rebuild: the same seed and the same server messages give the same state, secrets included.
-    for index, data in enumerate(saved["messages"]):
-        limit = backend.first_message_limit if index == 0 else session.max_message_bytes  # type: ignore[attr-defined]
-        session.receive(backend.decode(data, limit))
+    for data in saved["messages"]:
+        session.receive_bytes(data)
     gate.live = True
-    replies = session.receive(backend.decode(envelope.payload, session.max_message_bytes))
+    replies = session.receive_bytes(envelope.payload)
     round_name = str(envelope.meta.get("round", ""))
     if getattr(session, "state", None) is not None and session.state.name == "DONE":
         # The session's secrets are no longer needed: keep only what the classifier check uses.
@@ -316,11 +313,7 @@ def _continue_session(envelope: Envelope, label: str, state: LocalState, setting
     else:
         state.save(label, {**saved, "messages": [*saved["messages"], envelope.payload]})
     log(settings, f"{client_id}: session {label} {round_name} answered")
-    return Envelope(
-        "reply",
-        {"session": label, "round": round_name},
-        backend.encode(replies[0], session.max_message_bytes),
-    )
+    return Envelope("reply", {"session": label, "round": round_name}, replies[0])
 
 
 def _backend(envelope: Envelope) -> Backend:

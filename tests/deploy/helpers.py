@@ -53,7 +53,7 @@ def make_federation(
     tmp_path: Path,
     *,
     n_clients: int = 4,
-    dim: int = 12,
+    dim: int = 40,
     rows: int = 60,
     active: Mapping[str, tuple[int, ...]] | None = None,
     method: Method | None = None,

@@ -145,3 +145,16 @@ def test_predict_refuses_features_from_another_backbone(
     with pytest.raises(ModelMismatchError):
         data = load_feature_file(features)
         _classifier().check_features(data.describe_backbone(), data.dim)
+
+
+def test_predict_from_images_refuses_a_model_whose_backbone_cannot_be_built(tmp_path: Path) -> None:
+    model = tmp_path / "c.json"
+    _classifier(backbone={"name": "embedded-synthetic", "weights_id": "x", "preprocessing": "none"}).save(
+        model
+    )
+    images = tmp_path / "images"
+    images.mkdir()
+    result = CliRunner().invoke(main, ["predict", "--model", str(model), "--data-dir", str(images)])
+    assert result.exit_code != 0 and "ModelMismatchError" in result.output and "backbone" in result.output
+    result = CliRunner().invoke(main, ["predict", "--model", str(model)])
+    assert result.exit_code != 0 and "exactly one of --features FILE or --data-dir DIR" in result.output
