@@ -122,6 +122,15 @@ def main() -> None:
     help="Never unmask a group with fewer survivors (the simulator allows 1, with a loud audit line).",
 )
 @click.option(
+    "--client-policy",
+    type=click.Choice(["simulator", "deployment"]),
+    default="simulator",
+    show_default=True,
+    help="deployment: also report, per method, which clients under the deployment policy (t >= 2n/3+1, "
+    "groups >= 2, refuse sums that isolate a client) would refuse its layout, and why. The run's own "
+    "clients always use the simulator policy (go on, report), so the metrics do not change.",
+)
+@click.option(
     "--fraction",
     type=click.FloatRange(0, 1, min_open=True),
     default=1.0,
@@ -236,6 +245,7 @@ def sim(
     dropout_stage: str,
     threshold: int | None,
     min_group_size: int,
+    client_policy: str,
     fraction: float,
     dim: int,
     fedavg_rounds: int,
@@ -314,6 +324,7 @@ def sim(
             dropout_stage=dropout_stage,  # type: ignore[arg-type]
             threshold=threshold,
             min_group_size=min_group_size,
+            client_policy=client_policy,
             fraction=fraction,
             dim=dim,
             device=device,

@@ -17,8 +17,11 @@ threshold floor a majority, floor(n/2) + 1 (honest-but-curious server).
 
 from __future__ import annotations
 
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
+
+from secure_afl.privacy.exposure import client_exposures
 
 ThresholdRule = Literal["majority", "two-thirds"]
 ThreatModel = Literal["active", "honest-but-curious"]
@@ -28,9 +31,9 @@ HONEST_BUT_CURIOUS = "honest-but-curious"
 
 # The largest session config (AdvertiseRequest) a client decodes, and the most groups and tensors
 # it accepts in one: they bound the work an R0 message can cost before anything is known.
-DEFAULT_MAX_CONFIG_BYTES = 1 << 20
+DEFAULT_MAX_CONFIG_BYTES = 1 << 18  # 256 KiB: a 100-class layout needs about 50 KB
 DEFAULT_MAX_GROUPS = 1024
-DEFAULT_MAX_LAYOUT_TENSORS = 16384
+DEFAULT_MAX_LAYOUT_TENSORS = 4096
 
 
 def majority_threshold(n_clients: int) -> int:
@@ -104,3 +107,56 @@ def threat_model(
     if threshold >= active_threshold(n_clients) and min_group_size >= 2 and refuse_exposure:
         return ACTIVE
     return HONEST_BUT_CURIOUS
+
+
+@dataclass(frozen=True, slots=True)
+class LayoutRefusal:
+    """Why one client under a policy would refuse a session layout, and in which round."""
+
+    client: str
+    round: str
+    reason: str
+
+
+def layout_refusals(
+    members: Mapping[str, Sequence[str]],
+    tensors: Mapping[str, Collection[str]],
+    survivors: Mapping[str, Sequence[str]] | None = None,
+    *,
+    policy: ClientPolicy,
+) -> tuple[LayoutRefusal, ...]:
+    """What each client under ``policy`` would refuse in a session over this layout.
+
+    The checks a :class:`~secure_afl.protocol.client.ClientSession` runs on its own groups,
+    applied to a layout before any data moves (the session's threshold is taken to meet the
+    policy's floor): in R1 a group of its own with fewer members than the minimum group size, and
+    (when the policy refuses exposure) a layout whose sums isolate a client with everyone alive;
+    in R3 the same exposure check over ``survivors`` (when given).  Clients send the same value of
+    a tensor to all their groups (the tensor-identity rule).  Empty when the policy accepts it.
+    """
+    out = []
+    for client in sorted({c for group in members.values() for c in group}):
+        own = {group for group, ids in members.items() if client in ids}
+        small = sorted(g for g in own if len(members[g]) < policy.min_group_size)
+        if small:
+            out.append(
+                LayoutRefusal(
+                    client,
+                    "R1",
+                    f"group(s) {', '.join(small)} below the minimum group size {policy.min_group_size}",
+                )
+            )
+            continue
+        if not policy.refuse_exposure:
+            continue
+        own_values = {(g, t): "same value" for g in own for t in tensors[g]}
+        own_tensors = {t for _, t in own_values}
+        relevant = {g: tuple(tensors[g]) for g in members if own_tensors & set(tensors[g])}
+        stages = [("R1", members)] + ([("R3", survivors)] if survivors is not None else [])
+        for round_name, alive in stages:
+            view = {g: (tuple(alive.get(g, ())), relevant[g]) for g in relevant}
+            findings = client_exposures(client, own_values, view, round_name=round_name)
+            if findings:
+                out.append(LayoutRefusal(client, round_name, "; ".join(f.describe() for f in findings)))
+                break
+    return tuple(out)

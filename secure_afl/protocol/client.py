@@ -43,6 +43,7 @@ from .errors import (
     InvalidSessionConfigError,
     InvalidShareError,
     LocalProtocolError,
+    MessageDecodeError,
     OutOfOrderMessageError,
     ProtocolError,
     RelayedSignatureError,
@@ -271,8 +272,21 @@ class ClientSession:
         return self._limits[type(message)]
 
     def receive_bytes(self, data: bytes) -> list[bytes]:
-        """Decode ``data`` under :attr:`max_message_bytes`, handle it, and return the encoded replies."""
-        message = codec.decode(data, max_message_bytes=self.max_message_bytes)
+        """Decode ``data`` under :attr:`max_message_bytes`, handle it, and return the encoded replies.
+
+        Bytes that do not decode (too large for the expected message type, malformed) are the
+        server's doing like any other bad message: the client fails and drops its secrets.
+        """
+        if self._state in (ClientState.FAILED, ClientState.DONE):
+            raise LocalProtocolError(f"the session is over (state {self._state.name}); start a new one")
+        try:
+            message = codec.decode(data, max_message_bytes=self.max_message_bytes)
+        except MessageDecodeError:
+            self._fail()
+            raise
+        if type(message) not in _SERVER_MESSAGES:
+            self._fail()
+            raise OutOfOrderMessageError(f"the server sent a client message ({type(message).__name__})")
         return [
             codec.encode(reply, max_message_bytes=self.reply_limit(reply)) for reply in self.receive(message)
         ]

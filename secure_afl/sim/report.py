@@ -9,8 +9,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from secure_afl.privacy.policy import active_threshold, majority_threshold, threat_model
 from secure_afl.sim.data import CLASSES
-from secure_afl.sim.runner import AFL_1, ExperimentResult, SettingResult
+from secure_afl.sim.runner import AFL_1, ExperimentResult, SettingResult, SimConfig
 
 
 def _fmt(metric: str, value: float) -> str:
@@ -179,6 +180,33 @@ def _privacy_lines(setting: SettingResult) -> list[str]:
     return privacy_lines(setting.privacy)
 
 
+def threat_model_line(config: SimConfig) -> str:
+    """Which server this run's parameters defend against (its clients use the simulator's policy)."""
+    n = config.n_clients
+    t = majority_threshold(n) if config.threshold is None else config.threshold
+    model = threat_model(n, t, config.min_group_size, refuse_exposure=False)
+    return (
+        f"Threat model these parameters defend: {model} server (t = {t} of {n}, minimum group size "
+        f"{config.min_group_size}, clients report exposures instead of refusing). An active server needs "
+        f"t >= {active_threshold(n)}, groups of at least 2 and clients that refuse exposing sessions "
+        f"(ClientPolicy.deployment(); --client-policy deployment shows what they would refuse)."
+    )
+
+
+def client_refusal_rows(setting: SettingResult) -> tuple[list[str], list[list[str]]]:
+    """Per method: whether clients under the deployment policy would take part, and if not why."""
+    header = ["Method", "deployed clients", "why (first refusal)"]
+    rows = []
+    for method, refusals in setting.client_refusals.items():
+        if not refusals:
+            rows.append([method, "accept", "-"])
+            continue
+        first = refusals[0]
+        who = sorted({r.client for r in refusals})
+        rows.append([method, f"{len(who)} refuse ({first.round})", f"{first.client}: {first.reason}"])
+    return header, rows
+
+
 def _audit_lines(setting: SettingResult) -> list[str]:
     audit = setting.audit
     lines = [f"protection: {audit.protection}"]
@@ -188,6 +216,8 @@ def _audit_lines(setting: SettingResult) -> list[str]:
             f" ({', '.join(group.survivors)}); learns sums of {', '.join(group.tensors)}"
         )
     lines += [f"WARNING: {w}" for w in audit.warnings()]
+    for client, seen in audit.seen_by_clients().items():
+        lines += [f"{client}'s own check saw: {line}" for line in seen]
     if setting.dropped:
         lines.append(f"dropped clients: {', '.join(setting.dropped)}")
     return lines
@@ -225,12 +255,16 @@ def print_report(result: ExperimentResult, console: Console) -> None:
             console.print(line, markup=False, highlight=False)
         h, r = method_exposure_rows(setting)
         console.print(_rich_table(f"What each method alone reveals, missing {setting.missing}", h, r))
+        if setting.client_refusals:
+            h, r = client_refusal_rows(setting)
+            console.print(_rich_table(f"Layouts a deployed client refuses, missing {setting.missing}", h, r))
         console.print(
             f"[bold]Privacy audit of this run (all methods' statistics), missing {setting.missing}[/]"
         )
         for line in _audit_lines(setting):
             style = "bold red" if line.startswith("WARNING") else ""
             console.print(f"  {line}", style=style, markup=False, highlight=False)
+    console.print(threat_model_line(result.config), markup=False, highlight=False)
     h, r = _cost_rows(result)
     console.print(_rich_table("Seconds per phase", h, r))
 
@@ -251,6 +285,8 @@ def result_dict(result: ExperimentResult) -> dict[str, object]:
             "secure": config.secure,
             "dropout": config.dropout,
             "dropout_stage": config.dropout_stage,
+            "client_policy": config.client_policy,
+            "threat_model": threat_model_line(config),
             "pseudo": asdict(config.pseudo),
             "fedavg": asdict(config.fedavg),
         },
@@ -286,6 +322,9 @@ def result_dict(result: ExperimentResult) -> dict[str, object]:
                 ],
                 "protocol_costs": s.protocol_costs,
                 "differential_privacy": s.privacy,
+                "deployed_client_refusals": {
+                    method: [asdict(r) for r in refusals] for method, refusals in s.client_refusals.items()
+                },
             }
             for s in result.settings
         ],
@@ -296,7 +335,7 @@ def markdown_report(result: ExperimentResult) -> str:
     parts = ["# secure-afl simulation report", ""]
     if result.notice:
         parts += [f"> **{result.notice}**", ""]
-    parts += [f"Dataset: {json.dumps(dict(result.dataset))}", ""]
+    parts += [f"Dataset: {json.dumps(dict(result.dataset))}", "", threat_model_line(result.config), ""]
     header, rows = results_table_rows(result)
     parts += ["## Results (BACC and AUC in %, mAP as a fraction)", "", _md_table(header, rows), ""]
     for setting in result.settings:
@@ -319,6 +358,9 @@ def markdown_report(result: ExperimentResult) -> str:
             )
         h, r = method_exposure_rows(setting)
         parts += ["### What each method alone reveals", "", _md_table(h, r), ""]
+        if setting.client_refusals:
+            h, r = client_refusal_rows(setting)
+            parts += ["### Layouts a deployed client refuses", "", _md_table(h, r), ""]
         parts += (
             ["### Privacy audit of this run (all methods' statistics in one session)", ""]
             + [f"- {line}" for line in _audit_lines(setting)]

@@ -29,6 +29,7 @@ from secure_afl.analytic import (
     uploaded_by,
 )
 from secure_afl.privacy.dp import DpConfig
+from secure_afl.privacy.policy import ClientPolicy, LayoutRefusal, layout_refusals
 from secure_afl.sim.audit import PrivacyAudit, audit_groups, restrict
 from secure_afl.sim.data import CLASSES, SplitBy
 from secure_afl.sim.datasets import ImageSource, PreparedData, Progress, prepare
@@ -83,6 +84,9 @@ class SimConfig:
     dropout_stage: DropoutStage = "R2"
     threshold: int | None = None
     min_group_size: int = 1
+    # Whose refusals the report shows: "deployment" adds, per method, what clients under
+    # ClientPolicy.deployment() would refuse; the run's own clients always use the simulator's policy.
+    client_policy: str = "simulator"
     device: str = "auto"
     images: ImageSource | None = None  # None: the embedded dataset (synthetic features)
     dp: DpConfig | None = None  # differential privacy (secure_afl/sim/dp_run.py); None: off
@@ -110,6 +114,10 @@ class SimConfig:
             )
         if self.min_group_size < 1:
             raise ExperimentError(f"min_group_size must be at least 1, got {self.min_group_size}")
+        if self.client_policy not in ("simulator", "deployment"):
+            raise ExperimentError(
+                f"client policy must be simulator or deployment, got {self.client_policy!r}"
+            )
         if self.dropout_stage not in ("R1", "R2", "R3"):
             raise ExperimentError(f"dropout stage must be R1, R2 or R3, got {self.dropout_stage!r}")
         if self.dp is not None:
@@ -143,6 +151,8 @@ class SettingResult:
     pseudo_labels: tuple[tuple[str, PseudoLabelReport], ...]
     protocol_costs: Mapping[str, object] | None = None
     privacy: Mapping[str, object] | None = None  # differential privacy: ε spent, noise, clipping
+    # method -> what clients under the deployment policy would refuse (only with client_policy="deployment")
+    client_refusals: Mapping[str, tuple[LayoutRefusal, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -172,6 +182,7 @@ class _Aggregate:
     survivors: Mapping[str, tuple[str, ...]]
     tensors: Mapping[str, tuple[str, ...]]
     costs: Mapping[str, object] | None
+    client_findings: Mapping[str, tuple] = field(default_factory=dict)  # what each client's own check saw
 
 
 def _upload_bytes(contributions: Mapping[str, Contributions]) -> dict[str, int]:
@@ -242,6 +253,7 @@ def aggregate(
             survivors={g: tuple(s) for g, s in result.survivors.items()},
             tensors={g: tuple(sorted(t)) for g, t in tensors.items()},
             costs=_costs_dict(result.costs),
+            client_findings=result.audit.client_findings,
         )
     # Plaintext: inputs of clients that dropped before sending them (R1, R2) are absent.
     gone = {c for stage in ("R1", "R2") for c in dropouts.get(stage, ())}
@@ -317,6 +329,7 @@ def run_setting(
     audit_survivors = dict(agg.survivors)
     audit_tensors = dict(agg.tensors)
     costs = {"round1": agg.costs} if agg.costs is not None else None
+    findings = {c: tuple(f) for c, f in agg.client_findings.items()}
     round2: dict[str, Contributions] = {}
     if config.rounds == 2:
         # A client that dropped at any stage of round 1 is offline: round 2 goes on without it.
@@ -344,6 +357,8 @@ def run_setting(
         audit_members.update(agg2.members)
         audit_survivors.update(agg2.survivors)
         audit_tensors.update(agg2.tensors)
+        for client, seen in agg2.client_findings.items():
+            findings[client] = findings.get(client, ()) + tuple(seen)
         if costs is not None:
             costs["round2"] = agg2.costs
 
@@ -370,12 +385,25 @@ def run_setting(
         survivors=audit_survivors,
         tensors=audit_tensors,
         contributions=uploads,
+        client_findings=findings,
     )
     method_audits = {
         method: restrict(audit, keep, contributions=uploads)
         for method, keep in METHOD_UPLOADS.items()
         if method in models
     }
+    refusals = {}
+    if config.client_policy == "deployment":
+        deployment = ClientPolicy.deployment()
+        refusals = {
+            method: layout_refusals(
+                {g.group: g.members for g in a.groups},
+                {g.group: g.tensors for g in a.groups},
+                {g.group: g.survivors for g in a.groups},
+                policy=deployment,
+            )
+            for method, a in method_audits.items()
+        }
     return SettingResult(
         missing=missing,
         assignment=assignment,
@@ -386,6 +414,7 @@ def run_setting(
         method_audits=method_audits,
         pseudo_labels=tuple(pseudo_reports),
         protocol_costs=costs,
+        client_refusals=refusals,
     )
 
 
