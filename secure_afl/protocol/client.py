@@ -435,6 +435,14 @@ class ClientSession:
                 )
             if advert.config_digest != self._config_digest:
                 raise InvalidSessionConfigError(f"{advert.client_id!r} was given a different session config")
+            if not (
+                crypto.valid_x25519_public_key(advert.encryption_public_key)
+                and crypto.valid_x25519_public_key(advert.mask_public_key)
+            ):
+                raise ServerProtocolError(
+                    f"the server relayed a low-order X25519 key of {advert.client_id!r} (an honest server "
+                    f"refuses it)"
+                )
             if len(set(advert.groups)) != len(advert.groups) or not set(advert.groups) <= group_names:
                 raise ServerProtocolError(
                     f"the server relayed an advertisement of {advert.client_id!r} with unknown or repeated "

@@ -66,6 +66,22 @@ def x25519_shared_secret(private_key: X25519PrivateKey, peer_public_key: bytes) 
         raise InvalidShareError("peer X25519 public key is invalid (low order point)") from exc
 
 
+_PROBE_KEY = bytes([0x40] + [0x11] * 30 + [0x42])  # any fixed scalar: probes a public key's order
+
+
+def valid_x25519_public_key(public_key: bytes) -> bool:
+    """Whether ``public_key`` is 32 bytes and not a low-order point (which gives an all-zero secret)."""
+    if len(public_key) != KEY_BYTES:
+        return False
+    try:
+        X25519PrivateKey.from_private_bytes(_PROBE_KEY).exchange(
+            X25519PublicKey.from_public_bytes(public_key)
+        )
+    except ValueError:
+        return False
+    return True
+
+
 def share_encryption_key(shared_secret: bytes, session_id: bytes, sender: str, recipient: str) -> bytes:
     """The AES-GCM key for shares sent from ``sender`` to ``recipient`` in this session."""
     info = tagged_fields(SHARE_KEY_DOMAIN, session_id, sender, recipient)

@@ -177,6 +177,11 @@ class ServerSession:
             )
         if advert.config_digest != self._digest:
             raise ClientProtocolError(f"{advert.client_id!r} signed a different session config")
+        if not (
+            crypto.valid_x25519_public_key(advert.encryption_public_key)
+            and crypto.valid_x25519_public_key(advert.mask_public_key)
+        ):
+            raise ClientProtocolError(f"{advert.client_id!r} advertised a low-order X25519 public key")
         names = {group.name for group in self._config.groups}
         if len(set(advert.groups)) != len(advert.groups) or not set(advert.groups) <= names:
             raise ClientProtocolError(f"{advert.client_id!r} declared unknown or repeated groups")

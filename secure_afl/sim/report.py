@@ -216,8 +216,14 @@ def _audit_lines(setting: SettingResult) -> list[str]:
             f" ({', '.join(group.survivors)}); learns sums of {', '.join(group.tensors)}"
         )
     lines += [f"WARNING: {w}" for w in audit.warnings()]
-    for client, seen in audit.seen_by_clients().items():
-        lines += [f"{client}'s own check saw: {line}" for line in seen]
+    for client, findings in sorted(audit.client_findings.items()):
+        determined: dict[str, set[str]] = {}
+        for finding in findings:
+            determined.setdefault(finding.tensor, set()).update(finding.clients)
+        seen = "; ".join(f"{t} of {', '.join(sorted(c))}" for t, c in sorted(determined.items()))
+        lines.append(
+            f"{client}'s own check saw values the sums determine (went on: simulator policy): {seen}"
+        )
     if setting.dropped:
         lines.append(f"dropped clients: {', '.join(setting.dropped)}")
     return lines

@@ -23,6 +23,7 @@ from secure_afl.privacy.policy import ClientPolicy
 from secure_afl.protocol import binding, codec, crypto, encoding, prg, shamir
 from secure_afl.protocol.errors import (
     BothSharesRequestedError,
+    ClientProtocolError,
     DuplicateParticipantError,
     ExposureRefusedError,
     GroupBelowMinimumError,
@@ -353,6 +354,22 @@ def _forged_signature(request, fed):
     return dataclasses.replace(request, signatures=signatures)
 
 
+def _low_order_advert(request, fed):
+    """c1 itself (malicious) signs an all-zero, low-order X25519 mask key; an honest server refuses it."""
+    advert = next(a for a in request.advertisements if a.client_id == "c1")
+    return _sign_advert(fed.identities["c1"], "c1", dataclasses.replace(advert, mask_public_key=bytes(32)))
+
+
+def test_the_server_refuses_a_low_order_key_so_a_relayed_one_is_its_fault() -> None:
+    fed = federation(3)
+    server = ServerSession(fed.roster, config_for(fed, threshold=3, min_group_size=2, session_id=b"Z" * 32))
+    requests = run(server, Wire(clients_for(fed, policy=DEPLOYMENT)), until="R0")
+    honest = ServerSession(fed.roster, server.config)
+    honest.start()
+    with pytest.raises(ClientProtocolError, match="low-order"):
+        honest.receive(_low_order_advert(requests["c0"], fed))
+
+
 MALLORY = IdentityKey.generate(DeterministicRandomSource(b"mallory identity"))
 
 CASES = {
@@ -382,6 +399,11 @@ CASES = {
         DuplicateParticipantError,
     ),
     "advertisement replayed from another session": ("R1", _other_session_advert, ReplayedMessageError),
+    "low-order key signed by its owner, relayed": (
+        "R1",
+        lambda r, fed: _replace_advert(r, "c1", _low_order_advert(r, fed)),
+        ServerProtocolError,
+    ),
     "own advertisement omitted": (
         "R1",
         lambda r, fed: dataclasses.replace(r, advertisements=r.advertisements[1:]),
