@@ -251,14 +251,14 @@ class ClientSession:
         return tuple(self._findings)
 
     @property
-    def max_message_bytes(self) -> int:
+    def incoming_message_limit(self) -> int:
         """The size limit for decoding the next server message this client expects.
 
         Each message type has its own bound (:func:`~secure_afl.protocol.codec.message_limits` over
         this client's own groups): the advertise request ``policy.max_config_bytes``; the share-keys
         request grows with the clients and groups, the masked-input, consistency and unmask requests
         with the clients only.  Tensors of groups this client is not in raise none of them.
-        After the session ends it is the largest of them.
+        :meth:`receive_bytes` decodes under it.  After the session ends it is the largest of them.
         """
         if self._state is ClientState.AWAIT_ADVERTISE_REQUEST:
             return self._policy.max_config_bytes
@@ -267,12 +267,25 @@ class ClientSession:
             return max((self._limits[kind] for kind in _SERVER_MESSAGES if kind in self._limits), default=0)
         return self._limits[expected[0]]
 
+    @property
+    def max_message_bytes(self) -> int:
+        """The largest message this client sends or receives in this session (one bound for all types).
+
+        Before the config is known, ``policy.max_config_bytes``; then the largest of the per-type
+        bounds over this client's own groups (its masked input is usually the largest), so tensors
+        of groups it is not in never raise it.  Prefer :meth:`receive_bytes`, which bounds each
+        incoming message by its own type (:attr:`incoming_message_limit`).
+        """
+        if not self._limits:
+            return self._policy.max_config_bytes
+        return max(self._limits.values())
+
     def reply_limit(self, message: ClientMessage) -> int:
         """The size limit for encoding one of this client's replies (its own groups only)."""
         return self._limits[type(message)]
 
     def receive_bytes(self, data: bytes) -> list[bytes]:
-        """Decode ``data`` under :attr:`max_message_bytes`, handle it, and return the encoded replies.
+        """Decode ``data`` under :attr:`incoming_message_limit`, handle it, and return the encoded replies.
 
         Bytes that do not decode (too large for the expected message type, malformed) are the
         server's doing like any other bad message: the client fails and drops its secrets.
@@ -280,7 +293,7 @@ class ClientSession:
         if self._state in (ClientState.FAILED, ClientState.DONE):
             raise LocalProtocolError(f"the session is over (state {self._state.name}); start a new one")
         try:
-            message = codec.decode(data, max_message_bytes=self.max_message_bytes)
+            message = codec.decode(data, max_message_bytes=self.incoming_message_limit)
         except MessageDecodeError:
             self._fail()
             raise

@@ -309,11 +309,12 @@ def test_sessions_expose_the_layout_bound() -> None:
     limit = codec.max_message_bytes(fed.config, 4)
     assert fed.server.max_message_bytes == limit
     client = fed.clients["c0"]
-    assert client.max_message_bytes == client.policy.max_config_bytes  # before the config is known
+    assert client.max_message_bytes == client.incoming_message_limit == client.policy.max_config_bytes
     play(fed, until="R0")
     # Per message type: the share-keys request grows with clients and groups, not tensor lengths.
     limits = codec.message_limits(fed.config, 4, groups=client.groups)
-    assert client.max_message_bytes == limits[ShareKeysRequest] < limit
+    assert client.incoming_message_limit == limits[ShareKeysRequest] < limit
+    assert client.max_message_bytes == max(limits.values())  # one bound for every type: own groups
     assert limit == max(codec.message_limits(fed.config, 4).values())
     assert limits[MaskedInput] == codec.message_limits(fed.config, 4)[MaskedInput]  # c0 is in every group
 

@@ -604,7 +604,7 @@ def test_huge_tensors_of_groups_the_client_is_not_in_do_not_raise_its_limits() -
         wire = Wire(clients_for(fed, policy=DEPLOYMENT, ids=("c0",)))
         client = wire.clients["c0"]
         (_advert,) = wire.deliver("c0", "R0", AdvertiseRequest(config))
-        limits[config is huge] = client.max_message_bytes
+        limits[config is huge] = client.incoming_message_limit
     # The next message (the share-keys request) is bounded by clients and group names, not lengths.
     assert (
         limits[True] - limits[False] == 4 * codec.MAX_STRING_BYTES + 4 * 2
@@ -621,7 +621,7 @@ def test_each_message_type_has_its_own_bound() -> None:
     run(server, wire, until="R2")
     client = wire.clients["c0"]
     assert client.state is ClientState.AWAIT_CONSISTENCY_REQUEST
-    assert client.max_message_bytes < 4 << 10  # the consistency request is O(n), not O(layout)
+    assert client.incoming_message_limit < 4 << 10  # the consistency request is O(n), not O(layout)
     # A consistency request padded past that bound is refused before it is parsed.
     padded = ConsistencyCheckRequest(b"M" * 32, tuple(f"c{i}" for i in range(4)) + ("x" * 200,) * 20)
     assert wire.deliver("c0", "R3", padded) == []
