@@ -6,9 +6,10 @@ sent to two groups is the same ``G_k`` twice), so whoever sees several group sum
 learns every linear combination of them.  Client ``k``'s value is *determined* (exposed) exactly
 when the unit vector ``e_k`` lies in the row space of the groups' survivor-incidence matrix.
 
-The test is exact: Gauss–Jordan elimination over the rationals (:class:`fractions.Fraction`) of the
-small 0/1 incidence matrix, never a floating-point rank.  In reduced row echelon form ``e_k`` lies
-in the row space iff ``k`` is a pivot column whose row has no other non-zero entry.
+The test is exact, never a floating-point rank: Gauss–Jordan elimination of the 0/1 incidence
+matrix modulo a prime larger than the Hadamard bound of its minors, so every rank equals the one
+over the rationals.  In reduced row echelon form ``e_k`` lies in the row space iff ``k`` is a pivot
+column whose row has no other non-zero entry.
 
 Who runs it:
 
@@ -21,9 +22,9 @@ Who runs it:
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Collection, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from fractions import Fraction
 
 import numpy as np
 
@@ -34,26 +35,50 @@ _VALUE_DOMAIN = b"secure-afl/v1/input-value\x00"
 _INPUT_DOMAIN = b"secure-afl/v1/input\x00"
 
 
+# Mersenne prime exponents: the elimination runs modulo the first 2^e - 1 above the Hadamard bound.
+_MERSENNE_EXPONENTS = (521, 607, 1279, 2203, 2281, 3217, 4253, 4423, 9689, 9941, 11213, 19937, 21701, 23209)
+
+
+def _exact_prime(n_variables: int) -> int:
+    """A prime larger than every minor of any 0/1 matrix with ``n_variables`` columns.
+
+    Hadamard: a k x k 0/1 matrix has |det| <= (k+1)^((k+1)/2) / 2^k.  Modulo a larger prime no
+    non-zero minor vanishes, so ranks (and row-space membership) mod p equal those over the rationals.
+    """
+    k = max(n_variables, 1)
+    bits = (k + 1) * math.log2(k + 1) / 2 - k + 2
+    for exponent in _MERSENNE_EXPONENTS:
+        if exponent > bits:
+            return (1 << exponent) - 1
+    raise ValueError(f"{n_variables} unknowns are more than the exact rank test supports")
+
+
 def determined(rows: Iterable[Collection[Hashable]]) -> frozenset[Hashable]:
     """The variables whose value follows from the sums over ``rows``.
 
-    Each row is the set of variables one published sum adds up (every coefficient 1).  Exact
-    rational elimination: a variable is determined iff its unit vector lies in the rows' span.
+    Each row is the set of variables one published sum adds up (every coefficient 1).  A variable
+    is determined iff its unit vector lies in the rows' span over the rationals.  Computed exactly:
+    Gauss-Jordan elimination modulo a prime above the Hadamard bound of the 0/1 matrix (so no
+    non-zero minor vanishes and every rank equals the rational one), stopping once the rows span
+    every variable.
     """
     unique = {frozenset(row) for row in rows if row}
     order: dict[Hashable, int] = {}
     for row in sorted(unique, key=lambda r: (len(r), sorted(map(repr, r)))):
         for variable in sorted(row, key=repr):
             order.setdefault(variable, len(order))
+    prime = _exact_prime(len(order))
     # basis: pivot -> row (sparse, pivot coefficient 1, zero in every other pivot column)
-    basis: dict[int, dict[int, Fraction]] = {}
-    for row in unique:
-        vector = {order[v]: Fraction(1) for v in row}
+    basis: dict[int, dict[int, int]] = {}
+    for row in sorted(unique, key=lambda r: sorted(order[v] for v in r)):
+        if len(basis) == len(order):
+            break  # full rank: every variable is determined
+        vector = dict.fromkeys((order[v] for v in row), 1)
         for pivot, basis_row in basis.items():
             factor = vector.get(pivot)
             if factor:
                 for column, value in basis_row.items():
-                    updated = vector.get(column, Fraction(0)) - factor * value
+                    updated = (vector.get(column, 0) - factor * value) % prime
                     if updated:
                         vector[column] = updated
                     else:
@@ -61,19 +86,21 @@ def determined(rows: Iterable[Collection[Hashable]]) -> frozenset[Hashable]:
         if not vector:
             continue  # a combination of earlier sums: nothing new
         pivot = min(vector)
-        scale = vector[pivot]
-        vector = {column: value / scale for column, value in vector.items()}
+        inverse = pow(vector[pivot], -1, prime)
+        vector = {column: value * inverse % prime for column, value in vector.items()}
         for other in basis.values():  # keep every basis row reduced in the new pivot column
             factor = other.get(pivot)
             if factor:
                 for column, value in vector.items():
-                    updated = other.get(column, Fraction(0)) - factor * value
+                    updated = (other.get(column, 0) - factor * value) % prime
                     if updated:
                         other[column] = updated
                     else:
                         other.pop(column, None)
         basis[pivot] = vector
     names = {index: variable for variable, index in order.items()}
+    if len(basis) == len(order):
+        return frozenset(order)
     return frozenset(names[pivot] for pivot, row in basis.items() if len(row) == 1)
 
 

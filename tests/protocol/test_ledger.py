@@ -8,6 +8,8 @@ import stat
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from secure_afl.keys.identity import IdentityKey
 from secure_afl.privacy.exposure import (
@@ -200,3 +202,36 @@ def test_policies_and_threat_models() -> None:
         ClientPolicy.named("paranoid")
     with pytest.raises(ValueError, match="min_group_size"):
         ClientPolicy("x", True, 0, "majority")
+
+
+def _rational_rank(rows: list[list[int]]) -> int:
+    """A reference: plain Gaussian elimination over Fractions."""
+    from fractions import Fraction
+
+    matrix = [[Fraction(v) for v in row] for row in rows]
+    rank = 0
+    for column in range(len(matrix[0]) if matrix else 0):
+        pivot = next((i for i in range(rank, len(matrix)) if matrix[i][column]), None)
+        if pivot is None:
+            continue
+        matrix[rank], matrix[pivot] = matrix[pivot], matrix[rank]
+        for i in range(len(matrix)):
+            if i != rank and matrix[i][column]:
+                factor = matrix[i][column] / matrix[rank][column]
+                matrix[i] = [a - factor * b for a, b in zip(matrix[i], matrix[rank], strict=True)]
+        rank += 1
+    return rank
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sets(st.integers(min_value=0, max_value=9), min_size=1), min_size=1, max_size=12))
+def test_rank_test_agrees_with_rational_elimination(rows) -> None:
+    variables = sorted(set().union(*rows))
+    dense = [[int(v in row) for v in variables] for row in rows]
+    base = _rational_rank(dense)
+    expected = {
+        v
+        for j, v in enumerate(variables)
+        if _rational_rank([*dense, [int(k == j) for k in range(len(variables))]]) == base
+    }
+    assert determined(rows) == expected
