@@ -89,10 +89,18 @@ def main() -> None:
 )
 @click.option(
     "--secure",
-    type=click.Choice(["none", "mask"]),
+    type=click.Choice(["none", "mask", "ckks", "mask,ckks"]),
     default="mask",
     show_default=True,
-    help="How client statistics are protected on their way to the server.",
+    help="How client statistics are protected on their way to the server: pairwise masking, CKKS "
+    "encryption (TenSEAL), or both side by side (the first fits the reported models).",
+)
+@click.option(
+    "--ckks-degree",
+    type=click.Choice(["8192", "16384"]),
+    default="8192",
+    show_default=True,
+    help="CKKS ring degree N (16384: twice the slots and a larger security margin, slower).",
 )
 @click.option(
     "--dropout",
@@ -241,6 +249,7 @@ def sim(
     gamma: float,
     split_by: str,
     secure: str,
+    ckks_degree: str,
     dropout: int,
     dropout_stage: str,
     threshold: int | None,
@@ -320,6 +329,7 @@ def sim(
             gamma=gamma,
             split=split_by,  # type: ignore[arg-type]
             secure=secure,  # type: ignore[arg-type]
+            ckks_poly_degree=int(ckks_degree),
             dropout=dropout,
             dropout_stage=dropout_stage,  # type: ignore[arg-type]
             threshold=threshold,

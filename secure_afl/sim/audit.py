@@ -23,6 +23,15 @@ import numpy as np
 from secure_afl.privacy.exposure import ExposureFinding, exposed_clients
 
 SINGLE_SURVIVOR_WARNING = "the server learns this client's statistics exactly"
+PLAINTEXT_TRUST_MODEL = "none: the server receives every client's statistics individually"
+
+
+def trust_models(protection: str) -> dict[str, str]:
+    """What each protection of a run ("none", "mask", "ckks" or "mask,ckks") trusts, one line each."""
+    from secure_afl.aggregation.backend import CKKS_TRUST_MODEL, MASK_TRUST_MODEL
+
+    known = {"none": PLAINTEXT_TRUST_MODEL, "mask": MASK_TRUST_MODEL, "ckks": CKKS_TRUST_MODEL}
+    return {name: known[name] for name in protection.split(",") if name in known}
 
 
 @dataclass(frozen=True)
@@ -97,6 +106,7 @@ class PrivacyAudit:
     def to_dict(self) -> dict[str, object]:
         return {
             "protection": self.protection,
+            "trust_model": trust_models(self.protection),
             "groups": [g.to_dict() for g in self.groups],
             "individually_exposed": {t: list(c) for t, c in self.exposed.items()},
             "seen_by_clients": self.seen_by_clients(),

@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from secure_afl.privacy.policy import active_threshold, majority_threshold, threat_model
+from secure_afl.sim.audit import trust_models
 from secure_afl.sim.data import CLASSES
 from secure_afl.sim.runner import AFL_1, ExperimentResult, SettingResult, SimConfig
 
@@ -88,11 +89,17 @@ def _upload_rows(setting: SettingResult) -> tuple[list[str], list[list[str]]]:
 PROTOCOL_ROUNDS = ("R0", "R1", "R2", "R3", "R4")
 
 
+def _rounds(costs: dict[str, object]) -> tuple[str, ...]:
+    """The protocol's rounds as the costs list them (R0..R4 masking, R0..R3 CKKS)."""
+    server = costs.get("server_seconds") or {}
+    return tuple(server) or PROTOCOL_ROUNDS  # type: ignore[arg-type]
+
+
 def protocol_cost_rows(costs: dict[str, object]) -> tuple[list[str], list[list[str]]]:
     """Per round: bytes each client sent and received (mean and max over clients), and seconds."""
     header = ["Round", "sent kB (mean/max)", "received kB (mean/max)", "client s (mean/max)", "server s"]
     rows = []
-    for r in PROTOCOL_ROUNDS:
+    for r in _rounds(costs):
         sent = [per_round.get(r, 0) / 1e3 for per_round in costs["bytes_sent"].values()]
         received = [per_round.get(r, 0) / 1e3 for per_round in costs["bytes_received"].values()]
         seconds = [per_round.get(r, 0.0) for per_round in costs["client_seconds"].values()]
@@ -110,22 +117,63 @@ def protocol_cost_rows(costs: dict[str, object]) -> tuple[list[str], list[list[s
 
 def protocol_cost_rows_per_party(costs: dict[str, object]) -> tuple[list[str], list[list[str]]]:
     """Per client and per round: bytes sent / received and seconds; then the server's seconds."""
-    header = ["Party", *(f"{r} sent / received B, s" for r in PROTOCOL_ROUNDS)]
+    rounds = _rounds(costs)
+    header = ["Party", *(f"{r} sent / received B, s" for r in rounds)]
     rows = []
     for client, sent in costs["bytes_sent"].items():
         received, seconds = costs["bytes_received"][client], costs["client_seconds"][client]
         rows.append(
             [
                 client,
-                *(
-                    f"{sent.get(r, 0):,} / {received.get(r, 0):,}, {seconds.get(r, 0.0):.3f}"
-                    for r in PROTOCOL_ROUNDS
-                ),
+                *(f"{sent.get(r, 0):,} / {received.get(r, 0):,}, {seconds.get(r, 0.0):.3f}" for r in rounds),
             ]
         )
     server = costs["server_seconds"]
-    rows.append(["server", *(f"{server.get(r, 0.0):.3f}" for r in PROTOCOL_ROUNDS)])
+    rows.append(["server", *(f"{server.get(r, 0.0):.3f}" for r in rounds)])
     return header, rows
+
+
+def backend_comparison_rows(setting: SettingResult) -> tuple[list[str], list[list[str]]]:
+    """Per AFL aggregation and protection: bytes up/down per client and seconds, beside plaintext.
+
+    Bytes and client seconds are means over clients; plaintext is each client's float64 upload
+    (symmetric matrices as triangles) with nothing received and no protocol time.
+    """
+    header = ["Aggregation", "Protection", "Round", "up kB/client", "down kB/client", "client s", "server s"]
+    clients = max(1, len(setting.upload_bytes))
+    rows = [
+        ["all", "plaintext", "-", f"{sum(setting.upload_bytes.values()) / clients / 1e3:.1f}", "0", "0", "0"]
+    ]
+    for name, costs in (setting.protocol_costs or {}).items():
+        if not costs:
+            continue
+        protection = str(costs.get("protection", ""))
+        n = max(1, len(costs["bytes_sent"]))  # type: ignore[arg-type]
+        for r in (*_rounds(costs), "total"):
+
+            def mean(key: str, r: str = r, costs: dict = costs, n: int = n) -> float:
+                per_client = costs[key].values()
+                if r == "total":
+                    return sum(sum(v.values()) for v in per_client) / n
+                return sum(v.get(r, 0) for v in per_client) / n
+
+            server = costs["server_seconds"]  # type: ignore[index]
+            rows.append(
+                [
+                    name.split(" (")[0],
+                    protection,
+                    r,
+                    f"{mean('bytes_sent') / 1e3:.1f}",
+                    f"{mean('bytes_received') / 1e3:.1f}",
+                    f"{mean('client_seconds'):.3f}",
+                    f"{(sum(server.values()) if r == 'total' else server.get(r, 0.0)):.3f}",  # type: ignore[attr-defined]
+                ]
+            )
+    return header, rows
+
+
+def _several_protections(setting: SettingResult) -> bool:
+    return len({str(c.get("protection")) for c in (setting.protocol_costs or {}).values() if c}) > 1
 
 
 def _protocol_tables(setting: SettingResult) -> list[tuple[str, list[str], list[list[str]]]]:
@@ -190,6 +238,12 @@ def threat_model_line(config: SimConfig) -> str:
         f"{config.min_group_size}, clients report exposures instead of refusing). An active server needs "
         f"t >= {active_threshold(n)}, groups of at least 2 and clients that refuse exposing sessions "
         f"(ClientPolicy.deployment(); --client-policy deployment shows what they would refuse)."
+        + (
+            " CKKS (--secure ckks) defends an honest-but-curious server colluding with no client, whatever"
+            " t: TenSEAL has no threshold decryption (SECURITY.md section 7)."
+            if "ckks" in config.secure
+            else ""
+        )
     )
 
 
@@ -210,6 +264,7 @@ def client_refusal_rows(setting: SettingResult) -> tuple[list[str], list[list[st
 def _audit_lines(setting: SettingResult) -> list[str]:
     audit = setting.audit
     lines = [f"protection: {audit.protection}"]
+    lines += [f"trust model ({name}): {model}" for name, model in trust_models(audit.protection).items()]
     for group in audit.groups:
         lines.append(
             f"{group.group}: members {len(group.members)}, survivors {len(group.survivors)}"
@@ -259,6 +314,9 @@ def print_report(result: ExperimentResult, console: Console) -> None:
             console.print(_rich_table(title, h, r))
         for line in _privacy_lines(setting):
             console.print(line, markup=False, highlight=False)
+        if _several_protections(setting):
+            h, r = backend_comparison_rows(setting)
+            console.print(_rich_table(f"Protections side by side, missing {setting.missing}", h, r))
         h, r = method_exposure_rows(setting)
         console.print(_rich_table(f"What each method alone reveals, missing {setting.missing}", h, r))
         if setting.client_refusals:
@@ -293,6 +351,7 @@ def result_dict(result: ExperimentResult) -> dict[str, object]:
             "dropout_stage": config.dropout_stage,
             "client_policy": config.client_policy,
             "threat_model": threat_model_line(config),
+            "ckks_poly_degree": config.ckks_poly_degree,
             "pseudo": asdict(config.pseudo),
             "fedavg": asdict(config.fedavg),
         },
@@ -354,6 +413,9 @@ def markdown_report(result: ExperimentResult) -> str:
         parts += ["### Bytes each client uploads", "", _md_table(h, r), ""]
         for title, h, r in _protocol_tables(setting):
             parts += [f"### {title}", "", _md_table(h, r), ""]
+        if _several_protections(setting):
+            h, r = backend_comparison_rows(setting)
+            parts += ["### Protections side by side", "", _md_table(h, r), ""]
         for name, costs in (setting.protocol_costs or {}).items():
             if costs:
                 h, r = protocol_cost_rows_per_party(costs)

@@ -3,7 +3,9 @@
 Every missing setting uses the same split, clients and features; only the label assignment
 changes.  The AFL variants of one setting share one aggregation: each client's statistics are
 computed once (they do not depend on the labels' balancing) and every variant's tensors are summed
-together, in the clear (``secure="none"``) or through the masking protocol (``secure="mask"``).
+together, in the clear (``secure="none"``), through the masking protocol (``secure="mask"``), CKKS
+encryption (``secure="ckks"``) or both (``secure="mask,ckks"``: the first backend's sums fit the
+reported models, the second's are fitted too and its costs sit beside the first's).
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ from secure_afl.sim.fedavg import FedAvgConfig, missing_as_negative, train_fedav
 from secure_afl.sim.metrics import Metrics, evaluate
 from secure_afl.sim.partial import LabelAssignment, PartialLabelError, assign_partial_labels
 
-Secure = Literal["none", "mask"]
+Secure = Literal["none", "mask", "ckks", "mask,ckks"]
+SECURE_CHOICES = ("none", "mask", "ckks", "mask,ckks")
 DropoutStage = Literal["R1", "R2", "R3"]
 MISSING_ALL = (1, 3, 5, 7)
 SYMMETRIC_TENSORS = ("gram",)
@@ -87,6 +90,7 @@ class SimConfig:
     # Whose refusals the report shows: "deployment" adds, per method, what clients under
     # ClientPolicy.deployment() would refuse; the run's own clients always use the simulator's policy.
     client_policy: str = "simulator"
+    ckks_poly_degree: int = 8192  # CKKS ring degree N (8192 or 16384)
     device: str = "auto"
     images: ImageSource | None = None  # None: the embedded dataset (synthetic features)
     dp: DpConfig | None = None  # differential privacy (secure_afl/sim/dp_run.py); None: off
@@ -104,8 +108,10 @@ class SimConfig:
             raise ExperimentError(f"rounds must be 1 or 2, got {self.rounds}")
         if not 0 < self.fraction <= 1:
             raise ExperimentError(f"fraction must lie in (0, 1], got {self.fraction}")
-        if self.secure not in ("none", "mask"):
-            raise ExperimentError(f"secure must be 'none' or 'mask', got {self.secure!r}")
+        if self.secure not in SECURE_CHOICES:
+            raise ExperimentError(f"secure must be one of {', '.join(SECURE_CHOICES)}, got {self.secure!r}")
+        if self.ckks_poly_degree not in (8192, 16384):
+            raise ExperimentError(f"the CKKS ring degree must be 8192 or 16384, got {self.ckks_poly_degree}")
         if not 0 <= self.dropout < self.n_clients:
             raise ExperimentError(f"dropout must be from 0 to {self.n_clients - 1}, got {self.dropout}")
         if self.threshold is not None and not 1 <= self.threshold <= self.n_clients:
@@ -122,6 +128,11 @@ class SimConfig:
             raise ExperimentError(f"dropout stage must be R1, R2 or R3, got {self.dropout_stage!r}")
         if self.dp is not None:
             self.dp.validate()
+            if self.secure not in ("none", "mask"):
+                raise ExperimentError(
+                    f"differential privacy adds its noise inside the masking protocol (or in the clear), "
+                    f"not under --secure {self.secure}; use --secure mask or none with it"
+                )
 
 
 @dataclass
@@ -181,8 +192,10 @@ class _Aggregate:
     members: Mapping[str, tuple[str, ...]]
     survivors: Mapping[str, tuple[str, ...]]
     tensors: Mapping[str, tuple[str, ...]]
-    costs: Mapping[str, object] | None
+    costs: Mapping[str, object] | None  # the first protection's costs (None in the clear)
     client_findings: Mapping[str, tuple] = field(default_factory=dict)  # what each client's own check saw
+    other_sums: Mapping[str, Contributions] = field(default_factory=dict)  # the other backends' sums
+    costs_by_protection: Mapping[str, Mapping[str, object]] = field(default_factory=dict)
 
 
 def _upload_bytes(contributions: Mapping[str, Contributions]) -> dict[str, int]:
@@ -211,49 +224,20 @@ def aggregate(
         for group, named in groups.items():
             members.setdefault(group, []).append(client)
             tensors.setdefault(group, set()).update(named)
-    if config.secure == "mask":
-        from secure_afl.protocol.errors import (
-            EncodingOverflowError,
-            GroupTooSmallError,
-            InsufficientParticipantsError,
-            ProtocolError,
-        )
-        from secure_afl.sim.secure import secure_aggregate
-
-        try:
-            result = secure_aggregate(
-                contributions,
-                symmetric=SYMMETRIC_TENSORS,
-                threshold=config.threshold,
-                min_group_size=config.min_group_size,
-                dropouts=dropouts,
-            )
-        except InsufficientParticipantsError as exc:
-            raise ExperimentError(
-                f"secure aggregation aborted: {exc}. The protocol needs at least t clients in every round "
-                f"(t = {config.threshold or 'a majority'}); lower --dropout"
-            ) from exc
-        except GroupTooSmallError as exc:
-            remedy = (
-                "lower --dropout or the missing level (at missing 7 each class has one annotating client)"
-                if config.dropout
-                else "lower --min-group-size or the missing level"
-            )
-            raise ExperimentError(
-                f"secure aggregation aborted: {exc}. A group kept fewer live members than "
-                f"--min-group-size {config.min_group_size}; {remedy}"
-            ) from exc
-        except EncodingOverflowError as exc:
-            raise ExperimentError(f"a statistic does not fit the fixed-point encoding: {exc}") from exc
-        except ProtocolError as exc:
-            raise ExperimentError(f"secure aggregation failed: {exc}") from exc
+    if config.secure != "none":
+        runs = {
+            name: _protected_sums(name, contributions, config, dropouts) for name in config.secure.split(",")
+        }
+        first = next(iter(runs.values()))
         return _Aggregate(
-            sums={g: dict(t) for g, t in result.sums.items()},
-            members={g: tuple(m) for g, m in result.members.items()},
-            survivors={g: tuple(s) for g, s in result.survivors.items()},
+            sums={g: dict(t) for g, t in first.sums.items()},
+            members={g: tuple(m) for g, m in first.members.items()},
+            survivors={g: tuple(s) for g, s in first.survivors.items()},
             tensors={g: tuple(sorted(t)) for g, t in tensors.items()},
-            costs=_costs_dict(result.costs),
-            client_findings=result.audit.client_findings,
+            costs=_costs_dict(first.costs, next(iter(runs))),
+            client_findings=first.audit.client_findings,
+            costs_by_protection={name: _costs_dict(run.costs, name) for name, run in runs.items()},
+            other_sums={name: run.sums for name, run in list(runs.items())[1:]},
         )
     # Plaintext: inputs of clients that dropped before sending them (R1, R2) are absent.
     gone = {c for stage in ("R1", "R2") for c in dropouts.get(stage, ())}
@@ -268,13 +252,88 @@ def aggregate(
     )
 
 
-def _costs_dict(costs: object) -> dict[str, object]:
+def _protected_sums(
+    protection: str,
+    contributions: Mapping[str, Contributions],
+    config: SimConfig,
+    dropouts: Mapping[str, tuple[str, ...]],
+):  # -> SecureAggregationResult | CkksAggregationRun
+    """Group sums through one protection backend ("mask" or "ckks"); aborts become ExperimentErrors."""
+    from secure_afl.protocol.ckks.errors import KeyHolderDroppedError, NoDecryptorError
+    from secure_afl.protocol.errors import (
+        EncodingOverflowError,
+        GroupTooSmallError,
+        InsufficientParticipantsError,
+        ProtocolError,
+    )
+
+    try:
+        if protection == "ckks":
+            from secure_afl.protocol.ckks.context import CkksParameters
+            from secure_afl.sim.ckks import ckks_aggregate
+
+            return ckks_aggregate(
+                contributions,
+                symmetric=SYMMETRIC_TENSORS,
+                min_group_size=config.min_group_size,
+                dropouts=dropouts,
+                parameters=CkksParameters(poly_modulus_degree=config.ckks_poly_degree),
+            )
+        from secure_afl.sim.secure import secure_aggregate
+
+        return secure_aggregate(
+            contributions,
+            symmetric=SYMMETRIC_TENSORS,
+            threshold=config.threshold,
+            min_group_size=config.min_group_size,
+            dropouts=dropouts,
+        )
+    except InsufficientParticipantsError as exc:
+        raise ExperimentError(
+            f"secure aggregation aborted: {exc}. The protocol needs at least t clients in every round "
+            f"(t = {config.threshold or 'a majority'}); lower --dropout"
+        ) from exc
+    except GroupTooSmallError as exc:
+        remedy = (
+            "lower --dropout or the missing level (at missing 7 each class has one annotating client)"
+            if config.dropout
+            else "lower --min-group-size or the missing level"
+        )
+        raise ExperimentError(
+            f"secure aggregation aborted: {exc}. A group kept fewer live members than "
+            f"--min-group-size {config.min_group_size}; {remedy}"
+        ) from exc
+    except KeyHolderDroppedError as exc:
+        raise ExperimentError(
+            f"CKKS aggregation aborted: {exc}. The dropped clients include the one the session chose to "
+            "generate the key; use another --seed or --dropout-stage R2/R3"
+        ) from exc
+    except NoDecryptorError as exc:
+        raise ExperimentError(f"CKKS aggregation aborted: {exc}; lower --dropout") from exc
+    except EncodingOverflowError as exc:
+        raise ExperimentError(f"a statistic does not fit the fixed-point encoding: {exc}") from exc
+    except ProtocolError as exc:
+        raise ExperimentError(f"secure aggregation failed ({protection}): {exc}") from exc
+
+
+def _costs_dict(costs: object, protection: str) -> dict[str, object]:
     """Protocol costs as plain JSON-ready dicts (bytes and seconds per client and round)."""
     names = ("bytes_sent", "bytes_received", "client_seconds", "server_seconds")
-    return {
+    out: dict[str, object] = {
         name: {k: dict(v) if isinstance(v, Mapping) else v for k, v in getattr(costs, name).items()}
         for name in names
     }
+    out["protection"] = protection
+    return out
+
+
+def _named_costs(stage: str, costs: Mapping[str, object] | None) -> dict[str, object]:
+    """{"round1": costs} for one backend; {"round1 (mask)": ..., "round1 (ckks)": ...} for several."""
+    if not costs:
+        return {}
+    if len(costs) == 1:
+        return {stage: next(iter(costs.values()))}
+    return {f"{stage} ({name})": value for name, value in costs.items()}
 
 
 def _check_coverage(agg: _Aggregate, n_classes: int) -> None:
@@ -322,13 +381,24 @@ def run_setting(
         global_balance = AnalyticClassifier(n_classes, gamma=config.gamma, balance="global").fit(agg.sums)
         global_gram = AnalyticClassifier(n_classes, gamma=config.gamma, gram="global").fit(agg.sums)
     models = {AFL_1: afl, AFL_GLOBAL_BALANCE: global_balance, AFL_GLOBAL_GRAM: global_gram}
+    # With several protections, the others' sums fit the same models, reported as "<method> via <name>".
+    other_models: dict[str, AnalyticClassifier] = {}
+    with timer.phase("solve"):
+        for name, sums in agg.other_sums.items():
+            other_models[f"{AFL_1} via {name}"] = AnalyticClassifier(n_classes, gamma=config.gamma).fit(sums)
+            other_models[f"{AFL_GLOBAL_BALANCE} via {name}"] = AnalyticClassifier(
+                n_classes, gamma=config.gamma, balance="global"
+            ).fit(sums)
+            other_models[f"{AFL_GLOBAL_GRAM} via {name}"] = AnalyticClassifier(
+                n_classes, gamma=config.gamma, gram="global"
+            ).fit(sums)
 
     upload = _upload_bytes(round1)
     pseudo_reports: list[tuple[str, PseudoLabelReport]] = []
     audit_members = dict(agg.members)
     audit_survivors = dict(agg.survivors)
     audit_tensors = dict(agg.tensors)
-    costs = {"round1": agg.costs} if agg.costs is not None else None
+    costs = _named_costs("round1", agg.costs_by_protection) or None
     findings = {c: tuple(f) for c, f in agg.client_findings.items()}
     round2: dict[str, Contributions] = {}
     if config.rounds == 2:
@@ -352,6 +422,11 @@ def run_setting(
             models[AFL_2] = AnalyticClassifier(n_classes, gamma=config.gamma).refine(
                 agg.sums, agg2.sums, alpha=config.pseudo.alpha
             )
+            for name, sums2 in agg2.other_sums.items():
+                refined = AnalyticClassifier(n_classes, gamma=config.gamma)
+                other_models[f"{AFL_2} via {name}"] = refined.refine(
+                    agg.other_sums[name], sums2, alpha=config.pseudo.alpha
+                )
         for name, size in _upload_bytes(round2).items():
             upload[name] += size
         audit_members.update(agg2.members)
@@ -360,7 +435,7 @@ def run_setting(
         for client, seen in agg2.client_findings.items():
             findings[client] = findings.get(client, ()) + tuple(seen)
         if costs is not None:
-            costs["round2"] = agg2.costs
+            costs.update(_named_costs("round2", agg2.costs_by_protection))
 
     with timer.phase("fedavg"):
         head = train_fedavg(
@@ -375,9 +450,12 @@ def run_setting(
     with timer.phase("metrics"):
         metrics = {name: evaluate(test_y, model.predict_proba(test_x)) for name, model in models.items()}
         metrics[FEDAVG] = evaluate(test_y, head.predict_proba(test_x))
+        for name, model in other_models.items():
+            metrics[name] = evaluate(test_y, model.predict_proba(test_x))
     ordered = {
         m: metrics[m] for m in (AFL_1, AFL_2, AFL_GLOBAL_BALANCE, AFL_GLOBAL_GRAM, FEDAVG) if m in metrics
     }
+    ordered.update({m: metrics[m] for m in sorted(other_models)})
     uploads = {c: {**groups, **round2.get(c, {})} for c, groups in round1.items()}
     audit = audit_groups(
         protection=config.secure,

@@ -1,0 +1,161 @@
+"""Costs of CKKS encryption (TenSEAL) against pairwise masking, and CKKS precision (issue 9, item 8).
+
+Prints markdown tables for 8 clients with d = 1024 at missing 1 and missing 7: per client the
+seconds to encrypt (masking: encode and mask), the server's seconds to aggregate, the seconds to
+decrypt (masking: reveal shares and unmask), and the bytes each client sends and receives, for
+masking and for CKKS at N = 8192 and N = 16384 (coefficient moduli [60, 40, 40, 60], scale 2^40);
+then the error of the decrypted sums against float64 plaintext sums.
+
+Synthetic federations as in ``bench_secure.py``: 5,889 rows of random non-negative features per
+client, random labels (prevalence 0.1), its upload ``contributions(active, include_global_gram=True)``
+(per labelled class a group ``class/<c>`` with ``gram`` and ``b/<c>``, plus the ``all`` group with
+``gram``), labelled classes from ``assign_partial_labels(8, 8, m, seed=0)``.  Every client and the
+server run in one process through :func:`secure_afl.aggregation.inprocess.run_in_process` with the
+real wire encoding.  One repetition (CKKS at missing 1 encrypts 8 Grams per client).
+
+Which protocol rounds make up each figure:
+
+=============  ===============================  ======================================================
+figure         masking                          CKKS
+=============  ===============================  ======================================================
+encrypt        client R2 (encode, mask)         client R2 (decrypt the key, encrypt every chunk, sign)
+aggregate      server R2 (add masked words)     server R2 (verify, parse and add ciphertexts)
+decrypt        client R4 + server R4 (reveal    client R3 (the decryptors: parse, decrypt, round, sign;
+               shares, rebuild and remove        summed over decryptors) + server R3 (verify)
+               masks)
+key setup      R0 + R1, all parties             R0 + R1, all parties (the key holder's context and
+                                                its AEAD copies for the peers)
+=============  ===============================  ======================================================
+
+Run from the repository root: ``python bench/bench_ckks.py [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Mapping
+from datetime import date
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_secure import ROWS_PER_CLIENT, fmt_bytes, fmt_s, round1, table, timed_statistics
+
+from secure_afl.aggregation.backend import CkksBackend, MaskingBackend
+from secure_afl.aggregation.inprocess import InProcessRun, run_in_process
+from secure_afl.analytic import sum_contributions
+from secure_afl.privacy.policy import ClientPolicy
+from secure_afl.protocol.ckks.context import CkksParameters
+
+SYMMETRIC = ("gram",)
+
+
+def run(backend: object, contributions: Mapping) -> tuple[InProcessRun, float]:
+    start = time.perf_counter()
+    result = run_in_process(backend, contributions, symmetric=SYMMETRIC)  # type: ignore[arg-type]
+    return result, time.perf_counter() - start
+
+
+def figures(result: InProcessRun, kind: str) -> dict[str, float]:
+    costs = result.costs
+    clients = sorted(costs.client_seconds)
+    per = costs.client_seconds
+
+    def median_client(rounds: tuple[str, ...]) -> float:
+        return statistics.median(sum(per[c][r] for r in rounds) for c in clients)
+
+    def total_clients(rounds: tuple[str, ...]) -> float:
+        return sum(per[c][r] for c in clients for r in rounds)
+
+    server = costs.server_seconds
+    if kind == "mask":
+        decrypt = total_clients(("R4",)) + server["R4"]
+    else:
+        decrypt = total_clients(("R3",)) + server["R3"]
+    return {
+        "encrypt": median_client(("R2",)),
+        "aggregate": server["R2"],
+        "decrypt": decrypt,
+        "setup": total_clients(("R0", "R1")) + server["R0"] + server["R1"],
+        "sent": statistics.median(sum(costs.bytes_sent[c].values()) for c in clients),
+        "received": statistics.median(sum(costs.bytes_received[c].values()) for c in clients),
+        "received_max": max(sum(costs.bytes_received[c].values()) for c in clients),
+    }
+
+
+def errors(result: InProcessRun, plain: Mapping) -> tuple[float, float, float]:
+    """Max |error| over Gram entries, over the other tensors, and the largest |plain value|."""
+    gram = other = largest = 0.0
+    for group, tensors in plain.items():
+        for name, value in tensors.items():
+            error = float(np.max(np.abs(result.outcome.sums[group][name] - value)))
+            largest = max(largest, float(np.max(np.abs(value))))
+            if name == "gram":
+                gram = max(gram, error)
+            else:
+                other = max(other, error)
+    return gram, other, largest
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="d = 128 and 500 rows (a smoke run)")
+    args = parser.parse_args()
+    d, rows = (128, 500) if args.quick else (1024, ROWS_PER_CLIENT)
+    print(f"Run on {date.today()} ({platform.python_version()}, {platform.machine()}); d = {d}, 8 clients\n")
+    stats, _ = timed_statistics(8, d, rows, seed=0)
+    backends = {
+        "mask": MaskingBackend(threshold=5, client_policy=ClientPolicy.simulator()),
+        "CKKS N=8192": CkksBackend(CkksParameters(8192), client_policy=ClientPolicy.simulator()),
+        "CKKS N=16384": CkksBackend(CkksParameters(16384), client_policy=ClientPolicy.simulator()),
+    }
+    cost_rows, error_rows = [], []
+    for missing in (1, 7):
+        contributions = round1(stats, missing)
+        plain = sum_contributions(contributions.values())
+        plain_bytes = statistics.median(
+            sum(
+                8 * (v.shape[0] * (v.shape[0] + 1) // 2 if n in SYMMETRIC else v.size)
+                for t in c.values()
+                for n, v in t.items()
+            )
+            for c in contributions.values()
+        )
+        cost_rows.append([f"{missing}", "plaintext", "", "", "", "", fmt_bytes(plain_bytes), "0", ""])
+        for name, backend in backends.items():
+            result, wall = run(backend, contributions)
+            f = figures(result, "mask" if name == "mask" else "ckks")
+            cost_rows.append(
+                [
+                    f"{missing}",
+                    name,
+                    fmt_s(f["encrypt"]),
+                    fmt_s(f["aggregate"]),
+                    fmt_s(f["decrypt"]),
+                    fmt_s(f["setup"]),
+                    fmt_bytes(f["sent"]),
+                    f"{fmt_bytes(f['received'])} (max {fmt_bytes(f['received_max'])})",
+                    fmt_s(wall),
+                ]
+            )
+            gram, other, largest = errors(result, plain)
+            error_rows.append([f"{missing}", name, f"{gram:.2e}", f"{other:.2e}", f"{largest:.3g}"])
+            print(f"done: missing {missing}, {name} ({wall:.1f} s)", file=sys.stderr, flush=True)
+    print("#### Costs per client (median client; decrypt and setup summed over all parties)\n")
+    header = [
+        "missing", "protection", "encrypt / client", "aggregate (server)", "decrypt", "key setup",
+        "sent / client", "received / client", "wall, all parties",
+    ]  # fmt: skip
+    print(table(header, cost_rows))
+    print("\n#### Error of the decrypted sums against float64 plaintext sums\n")
+    print(table(["missing", "protection", "max |error| Gram", "max |error| other", "max |sum|"], error_rows))
+
+
+if __name__ == "__main__":
+    main()

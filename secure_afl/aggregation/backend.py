@@ -1,0 +1,241 @@
+"""One protection interface, two backends: pairwise masking and CKKS encryption.
+
+A driver (the simulator's in-process driver, the Flower apps) holds a :class:`ProtectionBackend`
+and asks it for a server session, client sessions, the wire codec and, at the end, the float64
+group sums: it never needs to know which backend it has.  Both backends' sessions have one shape:
+
+* server: ``start() -> message`` (broadcast), ``receive(message)``, ``next_round() -> {client: message}``
+  (empty when the session is over), ``round`` (an enum whose ``value`` names the round, "R0".."R4"),
+  ``max_message_bytes``;
+* client: ``receive_bytes(data) -> [encoded replies]`` (maybe none; it decodes under its own
+  per-message limits), ``receive(message) -> [replies]``, ``max_message_bytes``, ``exposure_findings``.
+
+Each client runs under its own :class:`~secure_afl.privacy.policy.ClientPolicy` (refuse or report
+exposing sessions, its floors) and, where given, its session ledger: both backends apply them.
+
+What each backend protects against is in SECURITY.md; ``trust_model`` says it in one line for audits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from secure_afl.keys.identity import IdentityKey
+from secure_afl.keys.roster import Roster
+from secure_afl.privacy.ledger import Ledger
+from secure_afl.privacy.policy import ClientPolicy
+from secure_afl.protocol import codec as masking_codec
+from secure_afl.protocol import encoding
+from secure_afl.protocol.ckks import codec as ckks_codec
+from secure_afl.protocol.ckks.client import CkksClientSession
+from secure_afl.protocol.ckks.context import CkksParameters
+from secure_afl.protocol.ckks.messages import CkksSessionConfig
+from secure_afl.protocol.ckks.server import CkksServerSession
+from secure_afl.protocol.client import ClientSession
+from secure_afl.protocol.messages import SessionConfig
+from secure_afl.protocol.randomness import RandomSource
+from secure_afl.protocol.server import ServerSession
+
+from .layout import Layout
+
+GroupSums = dict[str, dict[str, np.ndarray]]  # group -> tensor -> float64 array (full matrix if symmetric)
+
+MASK_TRUST_MODEL = (
+    "pairwise masking: the server learns only group sums over survivors; it would need t colluding "
+    "clients to read a single contribution; active-server checks (signed survivor sets, no double reveal)"
+)
+CKKS_TRUST_MODEL = (
+    "CKKS (TenSEAL, one shared secret key held by every client): the server learns only group sums while "
+    "it follows the protocol and colludes with no client; any one client colluding with the server reads "
+    "every contribution (no threshold decryption), and an active server can have a single contribution "
+    "decrypted in place of a sum"
+)
+
+
+class ServerSessionLike(Protocol):
+    @property
+    def max_message_bytes(self) -> int: ...
+    @property
+    def round(self) -> object: ...
+    def start(self) -> object: ...
+    def receive(self, message: object) -> None: ...
+    def next_round(self) -> Mapping[str, object]: ...
+
+
+class ClientSessionLike(Protocol):
+    @property
+    def max_message_bytes(self) -> int: ...
+    @property
+    def exposure_findings(self) -> tuple: ...
+    def receive(self, message: object) -> list: ...
+    def receive_bytes(self, data: bytes) -> list[bytes]: ...
+
+
+@dataclass(frozen=True)
+class SessionOutcome:
+    """What a finished session gives the server: per group its members, survivors and float64 sums."""
+
+    sums: GroupSums
+    members: Mapping[str, tuple[str, ...]]
+    survivors: Mapping[str, tuple[str, ...]]
+    details: Mapping[str, object] = field(default_factory=dict)  # backend-specific (e.g. key holder)
+
+
+class ProtectionBackend(Protocol):
+    """What a driver needs from a protection; see the module docstring."""
+
+    name: str
+    trust_model: str
+    rounds: tuple[str, ...]  # round labels in order; a repeated last round keeps its label
+
+    def server_session(
+        self, roster: Roster, layout: Layout, *, session_id: bytes, min_group_size: int
+    ) -> ServerSessionLike: ...
+
+    def client_session(
+        self,
+        client_id: str,
+        identity: IdentityKey,
+        roster: Roster,
+        inputs: Mapping[str, Mapping[str, np.ndarray]],
+        *,
+        session_id: bytes | None,
+        min_group_size: int,
+        random: RandomSource | None,
+    ) -> ClientSessionLike: ...
+
+    def encode(self, message: object, max_message_bytes: int) -> bytes: ...
+
+    def decode(self, data: bytes, max_message_bytes: int) -> object: ...
+
+    def outcome(self, server: ServerSessionLike, layout: Layout) -> SessionOutcome: ...
+
+
+@dataclass(frozen=True)
+class MaskingBackend:
+    """Pairwise-masked secure aggregation (:mod:`secure_afl.protocol`), t-of-n Shamir recovery."""
+
+    threshold: int
+    frac_bits: int = encoding.DEFAULT_FRAC_BITS
+    client_policy: ClientPolicy = field(default_factory=ClientPolicy.deployment)
+    ledgers: Mapping[str, Ledger] = field(default_factory=dict)
+    name: str = "mask"
+    trust_model: str = MASK_TRUST_MODEL
+    rounds: tuple[str, ...] = ("R0", "R1", "R2", "R3", "R4")
+
+    def server_session(
+        self, roster: Roster, layout: Layout, *, session_id: bytes, min_group_size: int
+    ) -> ServerSession:
+        config = SessionConfig(
+            session_id=session_id,
+            threshold=self.threshold,
+            min_group_size=min_group_size,
+            frac_bits=self.frac_bits,
+            groups=layout.group_specs(),
+        )
+        return ServerSession(roster, config)
+
+    def client_session(self, client_id, identity, roster, inputs, *, session_id, min_group_size, random):  # type: ignore[no-untyped-def]
+        # The simulator's clients accept what the simulator's server proposes; a client under any
+        # other policy keeps that policy's own floors (a deployed client never takes them from the server).
+        floors = (
+            {"min_threshold": self.threshold, "min_group_size": min_group_size}
+            if self.client_policy == ClientPolicy.simulator()
+            else {}
+        )
+        return ClientSession(
+            client_id,
+            identity,
+            roster,
+            inputs,
+            **floors,  # type: ignore[arg-type]
+            session_id=session_id,
+            random=random,
+            policy=self.client_policy,
+            ledger=self.ledgers.get(client_id),
+        )
+
+    def encode(self, message: object, max_message_bytes: int) -> bytes:
+        return masking_codec.encode(message, max_message_bytes=max_message_bytes)  # type: ignore[arg-type]
+
+    def decode(self, data: bytes, max_message_bytes: int) -> object:
+        return masking_codec.decode(data, max_message_bytes=max_message_bytes)
+
+    def outcome(self, server: ServerSessionLike, layout: Layout) -> SessionOutcome:
+        result = server.result()  # type: ignore[attr-defined]
+        sums = {
+            group: {
+                name: layout.unflatten(name, encoding.decode(words, frac_bits=self.frac_bits))
+                for name, words in group_sum.sums.items()
+            }
+            for group, group_sum in result.groups.items()
+        }
+        return SessionOutcome(
+            sums=sums,
+            members={g: s.members for g, s in result.groups.items()},
+            survivors={g: s.survivors for g, s in result.groups.items()},
+            details={"threshold": self.threshold, "frac_bits": self.frac_bits},
+        )
+
+
+@dataclass(frozen=True)
+class CkksBackend:
+    """CKKS encryption (TenSEAL) under each client's :class:`ClientPolicy` (and ledger, if given)."""
+
+    parameters: CkksParameters = field(default_factory=CkksParameters)
+    client_policy: ClientPolicy = field(default_factory=ClientPolicy.deployment)
+    ledgers: Mapping[str, Ledger] = field(default_factory=dict)
+    name: str = "ckks"
+    trust_model: str = CKKS_TRUST_MODEL
+    rounds: tuple[str, ...] = ("R0", "R1", "R2", "R3")
+
+    def server_session(
+        self, roster: Roster, layout: Layout, *, session_id: bytes, min_group_size: int
+    ) -> CkksServerSession:
+        config = CkksSessionConfig(session_id, min_group_size, self.parameters, layout.group_specs())
+        return CkksServerSession(roster, config)
+
+    def client_session(self, client_id, identity, roster, inputs, *, session_id, min_group_size, random):  # type: ignore[no-untyped-def]
+        return CkksClientSession(
+            client_id,
+            identity,
+            roster,
+            inputs,
+            min_group_size=min_group_size if self.client_policy == ClientPolicy.simulator() else None,
+            session_id=session_id,
+            policy=self.client_policy,
+            ledger=self.ledgers.get(client_id),
+            random=random,
+        )
+
+    def encode(self, message: object, max_message_bytes: int) -> bytes:
+        return ckks_codec.encode(message, max_message_bytes=max_message_bytes)  # type: ignore[arg-type]
+
+    def decode(self, data: bytes, max_message_bytes: int) -> object:
+        return ckks_codec.decode(data, max_message_bytes=max_message_bytes)
+
+    def outcome(self, server: ServerSessionLike, layout: Layout) -> SessionOutcome:
+        result = server.result()  # type: ignore[attr-defined]
+        sums = {
+            group: {name: layout.unflatten(name, np.array(values)) for name, values in group_sum.sums.items()}
+            for group, group_sum in result.groups.items()
+        }
+        return SessionOutcome(
+            sums=sums,
+            members={g: s.members for g, s in result.groups.items()},
+            survivors={g: s.survivors for g, s in result.groups.items()},
+            details={
+                "key_holder": result.key_holder,
+                "decryptors": {g: s.decryptor for g, s in result.groups.items()},
+                "parameters": {
+                    "poly_modulus_degree": self.parameters.poly_modulus_degree,
+                    "coeff_mod_bit_sizes": list(self.parameters.coeff_mod_bit_sizes),
+                    "scale_bits": self.parameters.scale_bits,
+                    "output_frac_bits": self.parameters.output_frac_bits,
+                },
+            },
+        )

@@ -1,0 +1,177 @@
+"""What each signature, digest and derived key of the CKKS backend binds, in one place for auditors.
+
+Every value is a :func:`~secure_afl.protocol.fields.tagged_fields` encoding under its own domain tag
+(distinct from the masking backend's), and every one includes the session id.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from secure_afl.protocol import crypto
+from secure_afl.protocol.fields import sequence, tagged_fields
+
+from .messages import CkksAdvertise, CkksSessionConfig, DecryptedTensor, EncryptedSum, EncryptedTensor
+
+CONFIG_DOMAIN = b"secure-afl/ckks/v1/session-config"
+LAYOUT_GROUP_DOMAIN = b"secure-afl/ckks/v1/layout-group"
+LAYOUT_TENSOR_DOMAIN = b"secure-afl/ckks/v1/layout-tensor"
+ADVERTISE_DOMAIN = b"secure-afl/ckks/v1/advertise-key"
+ADVERTISEMENTS_DOMAIN = b"secure-afl/ckks/v1/accepted-advertisements"
+ADVERTISEMENT_ENTRY_DOMAIN = b"secure-afl/ckks/v1/accepted-advertisement"
+KEY_HOLDER_DOMAIN = b"secure-afl/ckks/v1/key-holder-choice"
+KEYS_DOMAIN = b"secure-afl/ckks/v1/public-context"
+CONTEXT_KEY_DOMAIN = b"secure-afl/ckks/v1/context-encryption-key"
+CONTEXT_AD_DOMAIN = b"secure-afl/ckks/v1/context-associated-data"
+INPUT_DOMAIN = b"secure-afl/ckks/v1/encrypted-input"
+INPUT_TENSOR_DOMAIN = b"secure-afl/ckks/v1/encrypted-tensor"
+DECRYPTION_DOMAIN = b"secure-afl/ckks/v1/decrypted-group-sum"
+DECRYPTED_TENSOR_DOMAIN = b"secure-afl/ckks/v1/decrypted-tensor"
+
+
+def config_digest(config: CkksSessionConfig) -> bytes:
+    """SHA-256 of the session id, minimum group size, CKKS parameters and the nested group layout."""
+    p = config.parameters
+    layout = sequence(
+        tagged_fields(
+            LAYOUT_GROUP_DOMAIN,
+            group.name,
+            sequence(tagged_fields(LAYOUT_TENSOR_DOMAIN, t.name, t.length) for t in group.tensors),
+        )
+        for group in config.groups
+    )
+    moduli = sequence(tagged_fields(LAYOUT_TENSOR_DOMAIN, "modulus", b) for b in p.coeff_mod_bit_sizes)
+    encoded = tagged_fields(
+        CONFIG_DOMAIN,
+        config.session_id,
+        config.min_group_size,
+        p.poly_modulus_degree,
+        moduli,
+        p.scale_bits,
+        p.output_frac_bits,
+        layout,
+    )
+    return hashlib.sha256(encoded).digest()
+
+
+def advertise_fields(
+    session_id: bytes, client_id: str, encryption_public_key: bytes, digest: bytes, groups: tuple[str, ...]
+) -> tuple[bytes, tuple]:
+    return ADVERTISE_DOMAIN, (session_id, client_id, encryption_public_key, digest, groups)
+
+
+def advertisement_signed_by(advert: CkksAdvertise, public_key: bytes) -> bool:
+    domain, fields = advertise_fields(
+        advert.session_id, advert.client_id, advert.encryption_public_key, advert.config_digest, advert.groups
+    )
+    return crypto.verify(public_key, advert.signature, domain, *fields)
+
+
+def advertisements_digest(session_id: bytes, advertisements: Iterable[CkksAdvertise]) -> bytes:
+    """SHA-256 of every accepted advertisement, sorted by client id, signatures included."""
+    entries = sequence(
+        tagged_fields(
+            ADVERTISEMENT_ENTRY_DOMAIN,
+            a.session_id,
+            a.client_id,
+            a.encryption_public_key,
+            a.config_digest,
+            a.groups,
+            a.signature,
+        )
+        for a in sorted(advertisements, key=lambda advert: advert.client_id)
+    )
+    return hashlib.sha256(tagged_fields(ADVERTISEMENTS_DOMAIN, session_id, entries)).digest()
+
+
+def key_holder(session_id: bytes, adverts_digest: bytes, client_ids: Iterable[str]) -> str:
+    """The client that generates the CKKS key: the smallest hash of (session, advertisements, id).
+
+    Every client computes it from the advertisements it accepted, so the server cannot name it; the
+    advertisements carry each client's fresh random key, so the server cannot predict it either
+    without grinding sessions (and any key holder can decrypt everything anyway: see SECURITY.md).
+    """
+    return min(
+        client_ids,
+        key=lambda cid: hashlib.sha256(
+            tagged_fields(KEY_HOLDER_DOMAIN, session_id, adverts_digest, cid)
+        ).digest(),
+    )
+
+
+def public_context_fields(
+    session_id: bytes, digest: bytes, adverts_digest: bytes, key_holder_id: str, public_context: bytes
+) -> tuple[bytes, tuple]:
+    """(domain, fields) the key holder signs: the transcript and the digest of the public context."""
+    return KEYS_DOMAIN, (
+        session_id,
+        digest,
+        adverts_digest,
+        key_holder_id,
+        hashlib.sha256(public_context).digest(),
+    )
+
+
+def context_encryption_key(shared_secret: bytes, session_id: bytes, sender: str, recipient: str) -> bytes:
+    """AES-256-GCM key for the secret context from ``sender`` to ``recipient`` (HKDF-SHA256 of X25519)."""
+    info = tagged_fields(CONTEXT_KEY_DOMAIN, session_id, sender, recipient)
+    return HKDF(algorithm=hashes.SHA256(), length=crypto.KEY_BYTES, salt=None, info=info).derive(
+        shared_secret
+    )
+
+
+def context_associated_data(session_id: bytes, sender: str, recipient: str, public_context: bytes) -> bytes:
+    """The AEAD's associated data: session, both ends and the public context the secret one belongs to."""
+    return tagged_fields(
+        CONTEXT_AD_DOMAIN, session_id, sender, recipient, hashlib.sha256(public_context).digest()
+    )
+
+
+def input_fields(
+    session_id: bytes, digest: bytes, sender: str, tensors: Iterable[EncryptedTensor]
+) -> tuple[bytes, tuple]:
+    """(domain, fields) a client signs over its upload: every chunk's SHA-256, in order."""
+    entries = sequence(
+        tagged_fields(
+            INPUT_TENSOR_DOMAIN,
+            t.group,
+            t.tensor,
+            sequence(hashlib.sha256(chunk).digest() for chunk in t.chunks),
+        )
+        for t in tensors
+    )
+    return INPUT_DOMAIN, (session_id, digest, sender, entries)
+
+
+def decryption_fields(
+    session_id: bytes,
+    digest: bytes,
+    adverts_digest: bytes,
+    group: str,
+    survivors: tuple[str, ...],
+    ciphertexts: Iterable[EncryptedSum],
+    plaintexts: Iterable[DecryptedTensor],
+) -> tuple[bytes, tuple]:
+    """(domain, fields) a decryptor signs: the group, whose inputs it sums, what it decrypted, the result."""
+    cipher = sequence(
+        tagged_fields(
+            DECRYPTED_TENSOR_DOMAIN, s.tensor, sequence(hashlib.sha256(chunk).digest() for chunk in s.chunks)
+        )
+        for s in ciphertexts
+    )
+    plain = sequence(
+        tagged_fields(DECRYPTED_TENSOR_DOMAIN, t.tensor, hashlib.sha256(t.data).digest()) for t in plaintexts
+    )
+    return DECRYPTION_DOMAIN, (
+        session_id,
+        digest,
+        adverts_digest,
+        group,
+        tuple(sorted(survivors)),
+        cipher,
+        plain,
+    )

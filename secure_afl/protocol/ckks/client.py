@@ -1,0 +1,660 @@
+"""The CKKS client's state machine (sans-I/O): it takes a server message and returns the replies.
+
+Like the masking client, every check on a server message runs before anything derived from a
+secret is built, and the new state is committed only after the reply is complete: a failed check
+leaves the client FAILED with its session secrets (X25519 key, CKKS context) dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from secure_afl.keys.identity import IdentityKey
+from secure_afl.keys.roster import Roster
+from secure_afl.privacy import exposure
+from secure_afl.privacy.policy import ClientPolicy
+from secure_afl.protocol import codec as masking_codec
+from secure_afl.protocol import crypto, encoding
+from secure_afl.protocol.client import check_name
+from secure_afl.protocol.errors import (
+    ClientProtocolError,
+    DuplicateClientError,
+    ExposureRefusedError,
+    GroupBelowMinimumError,
+    HistoryExposureRefusedError,
+    InconsistentSurvivorsError,
+    InvalidSessionConfigError,
+    InvalidShareError,
+    InvalidSignatureError,
+    LocalProtocolError,
+    OutOfOrderMessageError,
+    ProtocolError,
+    ReplayedMessageError,
+    ServerProtocolError,
+    ShareAuthenticationError,
+    UnknownClientError,
+)
+from secure_afl.protocol.randomness import RandomSource, default_random
+
+from . import binding, codec, context
+from .errors import (
+    ExposingDecryptionError,
+    InvalidContextError,
+    InvalidParametersError,
+    InvalidSumCiphertextError,
+    RepeatedDecryptionError,
+)
+from .messages import (
+    CkksAdvertise,
+    CkksAdvertiseRequest,
+    CkksClientMessage,
+    CkksDecryption,
+    CkksDecryptRequest,
+    CkksInput,
+    CkksInputRequest,
+    CkksKeyDistribution,
+    CkksKeyRequest,
+    CkksSessionConfig,
+    DecryptedGroup,
+    DecryptedTensor,
+    EncryptedContext,
+    EncryptedTensor,
+)
+from .state import CLIENT_TRANSITIONS, CkksClientState
+
+if TYPE_CHECKING:
+    from secure_afl.privacy.ledger import Ledger
+
+
+def validate_config(config: CkksSessionConfig, roster_size: int) -> None:
+    """Structural checks on a CKKS session config (raises :class:`InvalidSessionConfigError`)."""
+    if len(config.session_id) != 32:
+        raise InvalidSessionConfigError("session id must be 32 bytes")
+    if not 1 <= config.min_group_size <= roster_size:
+        raise InvalidSessionConfigError(
+            f"minimum group size {config.min_group_size} outside 1..{roster_size}"
+        )
+    try:
+        config.parameters.validate()
+    except InvalidParametersError as exc:
+        raise InvalidSessionConfigError(f"CKKS parameters refused: {exc}") from None
+    names = [group.name for group in config.groups]
+    if not names or len(set(names)) != len(names):
+        raise InvalidSessionConfigError("the session needs distinct group names")
+    for group in config.groups:
+        check_name("group", group.name)
+        tensor_names = [tensor.name for tensor in group.tensors]
+        if not tensor_names or len(set(tensor_names)) != len(tensor_names):
+            raise InvalidSessionConfigError(f"group {group.name!r}: tensors must be non-empty and distinct")
+        for tensor in group.tensors:
+            check_name(f"group {group.name!r}: tensor", tensor.name)
+            if not 1 <= tensor.length <= codec.MAX_TENSOR_VALUES:
+                raise InvalidSessionConfigError(
+                    f"group {group.name!r}: tensor {tensor.name!r} length must be "
+                    f"1..{codec.MAX_TENSOR_VALUES}"
+                )
+
+
+class CkksClientSession:
+    """One client's side of one CKKS session.
+
+    ``inputs`` maps group name -> tensor name -> 1-D float64 array (symmetric matrices packed as
+    their upper triangle).  ``policy`` is the client's own (default
+    :meth:`ClientPolicy.deployment`); ``min_group_size`` overrides its floor.  The exposure checks
+    (:mod:`secure_afl.privacy.exposure`) run where this client can still stop its data:
+
+    - R1, under a refusing policy: the advertised memberships alone isolate this client's values;
+    - R2, before it encrypts anything: the same over the advertised members, with the ledger's
+      earlier sessions over this input; the session is recorded in the ledger then (CKKS has no
+      later point at which the client could still withhold its input);
+    - R3, as a decryptor: the survivor sets of *all* the session's groups would isolate *any*
+      client's value (every member is exposed by the decryption it performs).
+
+    A refusing policy raises (:class:`~secure_afl.protocol.errors.ExposureRefusedError`,
+    :class:`ExposingDecryptionError`); the simulator's reports in :attr:`exposure_findings`.
+    """
+
+    def __init__(
+        self,
+        client_id: str,
+        identity_key: IdentityKey,
+        roster: Roster,
+        inputs: Mapping[str, Mapping[str, np.ndarray]],
+        *,
+        min_group_size: int | None = None,
+        session_id: bytes | None = None,
+        policy: ClientPolicy | None = None,
+        ledger: Ledger | None = None,
+        input_digest: bytes | None = None,
+        random: RandomSource | None = None,
+    ) -> None:
+        if client_id not in roster:
+            raise LocalProtocolError(f"client {client_id!r} is not in the roster")
+        if roster.public_key(client_id) != identity_key.public_key:
+            raise LocalProtocolError(f"the identity key does not match the roster's key for {client_id!r}")
+        policy = ClientPolicy.deployment() if policy is None else policy
+        if not isinstance(policy, ClientPolicy):
+            raise LocalProtocolError(f"policy must be a ClientPolicy, got {type(policy).__name__}")
+        min_group_size = policy.min_group_size if min_group_size is None else min_group_size
+        if min_group_size < 1:
+            raise LocalProtocolError("min_group_size must be at least 1")
+        self._inputs: dict[str, dict[str, np.ndarray]] = {}
+        for group, tensors in inputs.items():
+            if not tensors:
+                raise LocalProtocolError(f"group {group!r} has no tensors")
+            self._inputs[group] = {
+                name: encoding.check_float_tensor(values, tensor=f"{group}/{name}").copy()
+                for name, values in tensors.items()
+            }
+        self.client_id = client_id
+        self._identity = identity_key
+        self._roster = roster
+        self._min_group_size = min_group_size
+        self._expected_session_id = session_id
+        self._policy = policy
+        self._own_values = {
+            (group, name): exposure.value_digest(values)
+            for group, tensors in self._inputs.items()
+            for name, values in tensors.items()
+        }
+        if input_digest is None:
+            input_digest = exposure.input_digest(self._inputs)
+        elif not isinstance(input_digest, bytes) or len(input_digest) != 32:
+            raise LocalProtocolError("input_digest must be 32 bytes (a SHA-256 digest)")
+        self._input_digest = input_digest
+        self._ledger = ledger
+        if ledger is not None:
+            from secure_afl.privacy.ledger import LedgerOwner
+
+            self._ledger_owner = LedgerOwner(client_id, identity_key)
+            ledger.history(self._ledger_owner, input_digest)  # refuse a tampered ledger now
+        self._findings: list[exposure.ExposureFinding] = []
+        self._random = default_random(random)
+        self._state = CkksClientState.AWAIT_ADVERTISE_REQUEST
+        self._message_limit = min(policy.max_config_bytes, masking_codec.DEFAULT_MAX_MESSAGE_BYTES)
+        self._clear_session()
+
+    # --- public API -------------------------------------------------------------------------------
+
+    @property
+    def state(self) -> CkksClientState:
+        return self._state
+
+    @property
+    def groups(self) -> tuple[str, ...]:
+        return tuple(sorted(self._inputs))
+
+    @property
+    def max_message_bytes(self) -> int:
+        return self._message_limit
+
+    @property
+    def policy(self) -> ClientPolicy:
+        return self._policy
+
+    @property
+    def exposure_findings(self) -> tuple[exposure.ExposureFinding, ...]:
+        """What the exposure checks found and this client went on past (or refused), in order."""
+        return tuple(self._findings)
+
+    @property
+    def is_key_holder(self) -> bool:
+        return self._key_holder == self.client_id
+
+    def close(self) -> None:
+        """End the session (no more decryptions) and drop the secret key."""
+        if self._state is not CkksClientState.FAILED:
+            self._state = CkksClientState.DONE
+        self._clear_session()
+
+    def receive_bytes(self, data: bytes) -> list[bytes]:
+        """Decode ``data`` under :attr:`max_message_bytes`, handle it, and return the encoded replies."""
+        message = codec.decode(data, max_message_bytes=self.max_message_bytes)
+        return [
+            codec.encode(reply, max_message_bytes=self.max_message_bytes) for reply in self.receive(message)
+        ]
+
+    def receive(self, message: object) -> list[CkksClientMessage]:
+        """Handle one server message and return the replies to send to the server (maybe none)."""
+        if self._state in (CkksClientState.FAILED, CkksClientState.DONE):
+            raise LocalProtocolError(f"the session is over (state {self._state.name}); start a new one")
+        expected, next_state = CLIENT_TRANSITIONS[self._state]
+        handlers = {
+            CkksAdvertiseRequest: self._on_advertise_request,
+            CkksKeyRequest: self._on_key_request,
+            CkksInputRequest: self._on_input_request,
+            CkksDecryptRequest: self._on_decrypt_request,
+        }
+        if type(message) not in handlers:
+            raise LocalProtocolError(f"not a CKKS server message: {type(message).__name__}")
+        try:
+            if type(message) is not expected:
+                raise OutOfOrderMessageError(
+                    f"{type(message).__name__} received while awaiting {expected.__name__}"
+                )
+            replies, commit = handlers[type(message)](message)  # type: ignore[operator]
+        except LocalProtocolError:
+            raise
+        except ProtocolError:
+            self._fail()
+            raise
+        commit()
+        self._state = next_state
+        return replies
+
+    # --- R0 ---------------------------------------------------------------------------------------
+
+    def _on_advertise_request(self, request: CkksAdvertiseRequest):
+        config = request.config
+        if self._expected_session_id is not None and config.session_id != self._expected_session_id:
+            raise ReplayedMessageError("the advertise request belongs to another session")
+        validate_config(config, len(self._roster))
+        if config.min_group_size < self._min_group_size:
+            raise InvalidSessionConfigError(
+                f"minimum group size {config.min_group_size} is below this client's minimum "
+                f"{self._min_group_size}"
+            )
+        for group, tensors in self._inputs.items():
+            try:
+                spec = config.group(group)
+            except KeyError:
+                raise LocalProtocolError(
+                    f"group {group!r} of this client's inputs is not in the session"
+                ) from None
+            layout = {tensor.name: tensor.length for tensor in spec.tensors}
+            actual = {name: values.shape[0] for name, values in tensors.items()}
+            if layout != actual:
+                raise LocalProtocolError(
+                    f"group {group!r}: inputs {actual} do not match the session layout {layout}"
+                )
+        encryption_key = crypto.new_x25519_key(self._random)
+        digest = binding.config_digest(config)
+        groups = tuple(sorted(self._inputs))
+        public = crypto.x25519_public_bytes(encryption_key)
+        domain, fields = binding.advertise_fields(config.session_id, self.client_id, public, digest, groups)
+        advert = CkksAdvertise(
+            config.session_id,
+            self.client_id,
+            public,
+            digest,
+            groups,
+            crypto.sign(self._identity.private_key, domain, *fields),
+        )
+        limit = codec.max_message_bytes(config, len(self._roster))
+
+        def commit() -> None:
+            self._config = config
+            self._config_digest = digest
+            self._encryption_key = encryption_key
+            self._own_advert = advert
+            self._message_limit = limit
+
+        return [advert], commit
+
+    # --- R1 ---------------------------------------------------------------------------------------
+
+    def _on_key_request(self, request: CkksKeyRequest):
+        config = self._require_config()
+        self._check_session(request.session_id)
+        adverts: dict[str, CkksAdvertise] = {}
+        group_names = {group.name for group in config.groups}
+        for advert in request.advertisements:
+            if advert.session_id != config.session_id:
+                raise ReplayedMessageError(
+                    f"advertisement of {advert.client_id!r} belongs to another session"
+                )
+            if advert.client_id not in self._roster:
+                raise UnknownClientError(f"advertisement from {advert.client_id!r}, who is not in the roster")
+            if advert.client_id in adverts:
+                raise DuplicateClientError(f"two advertisements for client {advert.client_id!r}")
+            if not binding.advertisement_signed_by(advert, self._roster.public_key(advert.client_id)):
+                raise InvalidSignatureError(
+                    f"the key of {advert.client_id!r} is not signed by its roster identity key"
+                )
+            if advert.config_digest != self._config_digest:
+                raise InvalidSessionConfigError(f"{advert.client_id!r} was given a different session config")
+            if len(set(advert.groups)) != len(advert.groups) or not set(advert.groups) <= group_names:
+                raise ClientProtocolError(f"{advert.client_id!r} declared unknown or repeated groups")
+            adverts[advert.client_id] = advert
+        if adverts.get(self.client_id) != self._own_advert:
+            raise ServerProtocolError("the server omitted or altered this client's own advertisement")
+        members = {
+            group.name: tuple(sorted(cid for cid, a in adverts.items() if group.name in a.groups))
+            for group in config.groups
+        }
+        self._check_group_sizes(members, set(adverts), own_groups_only=True)
+        if self._policy.refuse_exposure:  # the layout alone may already isolate this client
+            self._own_exposure_gate("R1", "take part (R1)", members, set(adverts), record=False)
+        adverts_digest = binding.advertisements_digest(config.session_id, adverts.values())
+        holder = binding.key_holder(config.session_id, adverts_digest, adverts)
+        replies: list[CkksClientMessage] = []
+        if holder == self.client_id:
+            # The key holder seals the context for itself too and keeps nothing: in R2 it opens its
+            # copy like every peer.  So a client rebuilt by replaying the server's messages (the
+            # deployment's drivers do) needs no state, although TenSEAL's key generation cannot be
+            # seeded: a replayed R1 makes a new key whose reply the server never takes.
+            secret_context = context.new_secret_context(config.parameters)
+            public = context.public_bytes(secret_context)
+            secret = context.secret_bytes(secret_context)
+            del secret_context
+            sealed = []
+            for peer in sorted(adverts):
+                shared = crypto.x25519_shared_secret(
+                    self._encryption_key, adverts[peer].encryption_public_key
+                )
+                key = binding.context_encryption_key(shared, config.session_id, self.client_id, peer)
+                nonce = self._random.token_bytes(crypto.NONCE_BYTES)
+                associated = binding.context_associated_data(config.session_id, self.client_id, peer, public)
+                sealed.append(
+                    EncryptedContext(
+                        self.client_id, peer, nonce, crypto.encrypt_share(key, nonce, secret, associated)
+                    )
+                )
+            domain, fields = binding.public_context_fields(
+                config.session_id, self._config_digest, adverts_digest, self.client_id, public
+            )
+            signature = crypto.sign(self._identity.private_key, domain, *fields)
+            replies.append(
+                CkksKeyDistribution(config.session_id, self.client_id, public, signature, tuple(sealed))
+            )
+
+        def commit() -> None:
+            self._adverts = adverts
+            self._adverts_digest = adverts_digest
+            self._members = members
+            self._key_holder = holder
+
+        return replies, commit
+
+    # --- R2 ---------------------------------------------------------------------------------------
+
+    def _on_input_request(self, request: CkksInputRequest):
+        config = self._require_config()
+        self._check_session(request.session_id)
+        if request.key_holder != self._key_holder:
+            raise ServerProtocolError(
+                f"the server names {request.key_holder!r} as key holder; "
+                f"the advertisements chose {self._key_holder!r}"
+            )
+        domain, fields = binding.public_context_fields(
+            config.session_id,
+            self._config_digest,
+            self._adverts_digest,
+            self._key_holder,
+            request.public_context,
+        )
+        if not crypto.verify(self._roster.public_key(self._key_holder), request.signature, domain, *fields):
+            raise InvalidSignatureError(
+                f"the public context is not signed by the key holder {self._key_holder!r} for this session"
+            )
+        # Every client, the key holder included, opens its sealed copy of the secret context.
+        sealed = request.context
+        if sealed is None or sealed.sender != self._key_holder or sealed.recipient != self.client_id:
+            raise ServerProtocolError("the secret context from the key holder, addressed here, is missing")
+        shared = crypto.x25519_shared_secret(
+            self._encryption_key, self._adverts[self._key_holder].encryption_public_key
+        )
+        key = binding.context_encryption_key(shared, config.session_id, self._key_holder, self.client_id)
+        associated = binding.context_associated_data(
+            config.session_id, self._key_holder, self.client_id, request.public_context
+        )
+        try:
+            secret = crypto.decrypt_share(key, sealed.nonce, sealed.ciphertext, associated, self._key_holder)
+        except (InvalidShareError, ShareAuthenticationError) as exc:
+            raise InvalidContextError(
+                f"the secret context from {self._key_holder!r} fails authentication"
+            ) from exc
+        try:
+            secret_context = context.load_context(secret)
+        except ValueError as exc:
+            raise InvalidContextError(f"the key holder's secret context: {exc}") from None
+        if not secret_context.is_private():
+            raise InvalidContextError(
+                f"the key holder {self._key_holder!r} sent a context without a secret key"
+            )
+        mismatch = context.parameters_mismatch(secret_context, config.parameters)
+        if mismatch is not None:
+            raise InvalidContextError(f"the key holder's context does not match the session: {mismatch}")
+        if context.public_bytes(secret_context) != request.public_context:
+            raise InvalidContextError("the secret context does not belong to the signed public context")
+        # The point of no return: once encrypted inputs are out, a decryptor can reveal their sums.
+        findings = self._own_exposure_gate(
+            "R2", "upload encrypted inputs (R2)", self._members, set(self._adverts), record=True
+        )
+        tensors: list[EncryptedTensor] = []
+        for group in sorted(self._inputs):
+            for name in sorted(self._inputs[group]):
+                values = self._inputs[group][name]
+                bound = config.parameters.value_bound / len(self._members[group])
+                largest = float(np.max(np.abs(values)))
+                if largest >= bound:
+                    raise LocalProtocolError(
+                        f"tensor {group}/{name}: max |value| {largest:.6g} exceeds the CKKS "
+                        f"range {bound:.6g} for a group of {len(self._members[group])}"
+                    )
+                tensors.append(
+                    EncryptedTensor(group, name, context.encrypt(secret_context, values, config.parameters))
+                )
+        domain, fields = binding.input_fields(config.session_id, self._config_digest, self.client_id, tensors)
+        reply = CkksInput(
+            config.session_id,
+            self.client_id,
+            tuple(tensors),
+            crypto.sign(self._identity.private_key, domain, *fields),
+        )
+
+        def commit() -> None:
+            self._context = secret_context
+            self._findings.extend(findings)
+
+        return [reply], commit
+
+    # --- R3 ---------------------------------------------------------------------------------------
+
+    def _on_decrypt_request(self, request: CkksDecryptRequest):
+        config = self._require_config()
+        self._check_session(request.session_id)
+        survivors = request.survivors
+        if len(set(survivors)) != len(survivors):
+            raise DuplicateClientError("the survivor set repeats a client")
+        unknown = set(survivors) - set(self._adverts)
+        if unknown:
+            raise UnknownClientError(f"survivors {sorted(unknown)} never advertised keys")
+        if self.client_id not in survivors:
+            raise InconsistentSurvivorsError("this client's own input is missing from the survivor set")
+        if self._survivors is not None and set(survivors) != self._survivors:
+            raise InconsistentSurvivorsError(
+                "the survivor set differs from the one of an earlier decryption request"
+            )
+        live = frozenset(survivors)
+        self._check_group_sizes(self._members, live, own_groups_only=False)
+        findings = self._decryption_exposure(live)
+        seen: set[str] = set()
+        out: list[DecryptedGroup] = []
+        for item in request.groups:
+            if item.group in seen or item.group in self._decrypted:
+                raise RepeatedDecryptionError(f"asked twice for the sum of group {item.group!r}")
+            seen.add(item.group)
+            if item.group not in self._inputs:
+                raise ServerProtocolError(
+                    f"asked to decrypt group {item.group!r}, of which this client is not a member"
+                )
+            spec = {t.name: t.length for t in config.group(item.group).tensors}
+            if [s.tensor for s in item.tensors] != sorted(spec):
+                raise ServerProtocolError(
+                    f"group {item.group!r}: the summed tensors are not the group's layout"
+                )
+            plaintexts = []
+            for summed in item.tensors:
+                length = spec[summed.tensor]
+                lengths = context.chunk_lengths(length, config.parameters)
+                if len(summed.chunks) != len(lengths):
+                    raise InvalidSumCiphertextError(
+                        f"{item.group}/{summed.tensor}: {len(summed.chunks)} ciphertexts, "
+                        f"expected {len(lengths)}"
+                    )
+                try:
+                    vectors = [
+                        context.load_ciphertext(self._context, chunk, n, config.parameters)
+                        for chunk, n in zip(summed.chunks, lengths, strict=True)
+                    ]
+                except ValueError as exc:
+                    raise InvalidSumCiphertextError(f"{item.group}/{summed.tensor}: {exc}") from None
+                values = context.decrypt(self._context, vectors, config.parameters)
+                plaintexts.append(DecryptedTensor(summed.tensor, values.astype("<f8").tobytes()))
+            domain, fields = binding.decryption_fields(
+                config.session_id,
+                self._config_digest,
+                self._adverts_digest,
+                item.group,
+                tuple(c for c in self._members[item.group] if c in live),
+                item.tensors,
+                plaintexts,
+            )
+            signature = crypto.sign(self._identity.private_key, domain, *fields)
+            out.append(DecryptedGroup(item.group, tuple(plaintexts), signature))
+        reply = CkksDecryption(config.session_id, self.client_id, tuple(out))
+
+        def commit() -> None:
+            self._survivors = live
+            self._decrypted |= seen
+            self._findings.extend(f for f in findings if f not in self._findings)
+
+        return [reply], commit
+
+    # --- helpers ----------------------------------------------------------------------------------
+
+    def _relevant(self) -> dict[str, tuple[str, ...]]:
+        """The session's groups that carry a tensor this client sends, with their tensors."""
+        config = self._require_config()
+        own = {name for tensors in self._inputs.values() for name in tensors}
+        return {
+            group.name: tuple(t.name for t in group.tensors)
+            for group in config.groups
+            if own & {t.name for t in group.tensors}
+        }
+
+    def _own_exposure_gate(
+        self,
+        round_name: str,
+        action: str,
+        members: Mapping[str, tuple[str, ...]],
+        live: set[str],
+        *,
+        record: bool,
+    ) -> tuple[exposure.ExposureFinding, ...]:
+        """This client's own check (as the masking client's), with the ledger; raise to refuse."""
+        config = self._require_config()
+        groups = {
+            name: (tuple(c for c in members.get(name, ()) if c in live), tensors)
+            for name, tensors in self._relevant().items()
+        }
+        found: list[exposure.ExposureFinding] = []
+
+        def check(history: tuple[exposure.SessionRecord, ...]) -> None:
+            findings = exposure.client_exposures(
+                self.client_id, self._own_values, groups, round_name=round_name, history=history
+            )
+            if findings and self._policy.refuse_exposure:
+                self._findings.extend(findings)
+                error = (
+                    HistoryExposureRefusedError
+                    if all(f.with_history for f in findings)
+                    else ExposureRefusedError
+                )
+                raise error(action, findings)
+            found.extend(findings)
+
+        if self._ledger is None:
+            check(())
+        elif not record:
+            check(self._ledger.history(self._ledger_owner, self._input_digest))
+        else:
+            session = exposure.SessionRecord(
+                session_id=config.session_id,
+                groups=tuple(
+                    exposure.GroupRecord(name, survivors, tensors)
+                    for name, (survivors, tensors) in sorted(groups.items())
+                ),
+                own_values=tuple((g, t, d) for (g, t), d in sorted(self._own_values.items())),
+            )
+            self._ledger.check_and_record(self._ledger_owner, self._input_digest, session, check)
+        return tuple(found)
+
+    def _decryption_exposure(self, live: frozenset[str]) -> tuple[exposure.ExposureFinding, ...]:
+        """Whether the sums over *all* the session's groups, over the survivors shown, isolate any
+        client's value (a tensor name is one value per client across groups: the server cannot be
+        trusted to say otherwise).  A refusing policy raises :class:`ExposingDecryptionError`."""
+        config = self._require_config()
+        groups = {
+            group.name: (
+                tuple(c for c in self._members[group.name] if c in live),
+                tuple(t.name for t in group.tensors),
+            )
+            for group in config.groups
+        }
+        findings = tuple(
+            exposure.ExposureFinding(
+                round="R3",
+                tensor=tensor,
+                clients=clients,
+                groups=tuple(
+                    g
+                    for g, (alive, carried) in groups.items()
+                    if tensor in carried and set(alive) & set(clients)
+                ),
+                with_history=False,
+            )
+            for tensor, clients in exposure.exposed_clients(groups).items()
+        )
+        if findings and self._policy.refuse_exposure:
+            self._findings.extend(findings)
+            raise ExposingDecryptionError("decrypt the group sums (R3)", findings)
+        return findings
+
+    def _check_group_sizes(
+        self,
+        members: Mapping[str, tuple[str, ...]],
+        live: set[str] | frozenset[str],
+        *,
+        own_groups_only: bool,
+    ) -> None:
+        config = self._require_config()
+        for group, group_members in members.items():
+            if own_groups_only and group not in self._inputs:
+                continue
+            count = sum(1 for cid in group_members if cid in live)
+            if 0 < count < config.min_group_size:
+                raise GroupBelowMinimumError(
+                    f"group {group!r} would have {count} live member(s), "
+                    f"below the minimum {config.min_group_size}"
+                )
+
+    def _check_session(self, session_id: bytes) -> None:
+        if session_id != self._require_config().session_id:
+            raise ReplayedMessageError("message from another session")
+
+    def _require_config(self) -> CkksSessionConfig:
+        assert self._config is not None  # guaranteed by the transition table
+        return self._config
+
+    def _fail(self) -> None:
+        self._state = CkksClientState.FAILED
+        self._clear_session()
+
+    def _clear_session(self) -> None:
+        # Drop every session secret; Python cannot zeroise memory, but nothing keeps a reference.
+        self._config: CkksSessionConfig | None = None
+        self._config_digest = b""
+        self._encryption_key = None  # type: ignore[assignment]
+        self._own_advert: CkksAdvertise | None = None
+        self._adverts: dict[str, CkksAdvertise] = {}
+        self._adverts_digest = b""
+        self._members: dict[str, tuple[str, ...]] = {}
+        self._key_holder = ""
+        self._context = None  # the TenSEAL context with the secret key
+        self._survivors: frozenset[str] | None = None
+        self._decrypted: set[str] = set()

@@ -1,0 +1,166 @@
+"""The CKKS backend's messages: immutable plain data, no behaviour.
+
+====  ==========================  =====================================================
+R0    server -> all               :class:`CkksAdvertiseRequest` (the session's config)
+      client -> server            :class:`CkksAdvertise` (signed X25519 key, groups)
+R1    server -> each in U1        :class:`CkksKeyRequest` (every advertisement)
+      key holder -> server        :class:`CkksKeyDistribution` (public context, the secret
+                                  context AEAD-encrypted for each peer, signed); others: nothing
+R2    server -> each in U1        :class:`CkksInputRequest` (the public context, signature and
+                                  this client's encrypted secret context)
+      client -> server            :class:`CkksInput` (ciphertext chunks per group and tensor, signed)
+R3    server -> each decryptor    :class:`CkksDecryptRequest` (survivors U2, summed ciphertexts of
+                                  the groups it decrypts); repeated for groups whose decryptor dropped
+      decryptor -> server         :class:`CkksDecryption` (each group's sums, signed)
+====  ==========================  =====================================================
+
+Group layouts reuse the masking backend's :class:`~secure_afl.protocol.messages.GroupSpec`; a tensor's
+``length`` counts float64 values (the upper triangle for symmetric matrices).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from secure_afl.protocol.messages import GroupSpec
+
+from .context import CkksParameters
+
+
+@dataclass(frozen=True, slots=True)
+class CkksSessionConfig:
+    """Everything the session binds: id, minimum group size, CKKS parameters, group layout."""
+
+    session_id: bytes
+    min_group_size: int
+    parameters: CkksParameters
+    groups: tuple[GroupSpec, ...]
+
+    def group(self, name: str) -> GroupSpec:
+        for group in self.groups:
+            if group.name == name:
+                return group
+        raise KeyError(name)
+
+
+@dataclass(frozen=True, slots=True)
+class CkksAdvertiseRequest:
+    config: CkksSessionConfig
+
+
+@dataclass(frozen=True, slots=True)
+class CkksAdvertise:
+    """A client's session X25519 key, signed by its identity key with the config digest and its groups."""
+
+    session_id: bytes
+    client_id: str
+    encryption_public_key: bytes
+    config_digest: bytes
+    groups: tuple[str, ...]
+    signature: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class CkksKeyRequest:
+    session_id: bytes
+    advertisements: tuple[CkksAdvertise, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class EncryptedContext:
+    """The secret context, AES-256-GCM-encrypted from the key holder to one peer."""
+
+    sender: str
+    recipient: str
+    nonce: bytes
+    ciphertext: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class CkksKeyDistribution:
+    """The key holder's public context (no key) signed over the transcript, and the peers' secret ones."""
+
+    session_id: bytes
+    sender: str
+    public_context: bytes
+    signature: bytes
+    contexts: tuple[EncryptedContext, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class CkksInputRequest:
+    """The key holder's signed public context and the encrypted secret context for this recipient
+    (none for the key holder itself)."""
+
+    session_id: bytes
+    key_holder: str
+    public_context: bytes
+    signature: bytes
+    context: EncryptedContext | None
+
+
+@dataclass(frozen=True, slots=True)
+class EncryptedTensor:
+    """A tensor as serialised CKKS ciphertexts of at most N/2 values each."""
+
+    group: str
+    tensor: str
+    chunks: tuple[bytes, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class CkksInput:
+    session_id: bytes
+    sender: str
+    tensors: tuple[EncryptedTensor, ...]
+    signature: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class EncryptedSum:
+    """One tensor's summed ciphertexts."""
+
+    tensor: str
+    chunks: tuple[bytes, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class EncryptedGroupSum:
+    group: str
+    tensors: tuple[EncryptedSum, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class CkksDecryptRequest:
+    """The clients whose inputs are in the sums (U2) and the summed ciphertexts of the groups to decrypt."""
+
+    session_id: bytes
+    survivors: tuple[str, ...]
+    groups: tuple[EncryptedGroupSum, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class DecryptedTensor:
+    """A tensor's decrypted sum as little-endian float64 bytes."""
+
+    tensor: str
+    data: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class DecryptedGroup:
+    group: str
+    tensors: tuple[DecryptedTensor, ...]
+    signature: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class CkksDecryption:
+    session_id: bytes
+    sender: str
+    groups: tuple[DecryptedGroup, ...]
+
+
+CkksServerMessage = CkksAdvertiseRequest | CkksKeyRequest | CkksInputRequest | CkksDecryptRequest
+CkksClientMessage = CkksAdvertise | CkksKeyDistribution | CkksInput | CkksDecryption
+CkksMessage = CkksServerMessage | CkksClientMessage

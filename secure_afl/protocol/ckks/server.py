@@ -1,0 +1,433 @@
+"""The CKKS server's state machine (sans-I/O).
+
+``start()`` returns the advertise request; ``receive(message)`` accepts one client message of the
+current round (a rejected message raises and changes nothing); ``next_round()`` closes the round and
+returns the messages to send, keyed by recipient (empty once every group has its sum);
+``result()`` returns the decrypted float64 sums per group and tensor.
+
+The server holds the key holder's *public* context only: it refuses one that carries a secret key
+(:class:`InvalidContextError`) and never sees the secret context except AES-GCM-encrypted for a peer.
+It adds ciphertexts in place as they arrive, and for each group asks one surviving member to decrypt
+the sum; a decryptor that does not answer is replaced by another survivor of the group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+import numpy as np
+
+from secure_afl.keys.roster import Roster
+from secure_afl.protocol import crypto
+from secure_afl.protocol.errors import (
+    ClientProtocolError,
+    DuplicateClientError,
+    GroupTooSmallError,
+    InvalidSessionConfigError,
+    InvalidSignatureError,
+    LocalProtocolError,
+    OutOfOrderMessageError,
+    ReplayedMessageError,
+    UnknownClientError,
+)
+
+from . import binding, codec, context
+from .client import validate_config
+from .errors import InvalidCiphertextError, InvalidContextError, KeyHolderDroppedError, NoDecryptorError
+from .messages import (
+    CkksAdvertise,
+    CkksAdvertiseRequest,
+    CkksDecryption,
+    CkksDecryptRequest,
+    CkksInput,
+    CkksInputRequest,
+    CkksKeyDistribution,
+    CkksKeyRequest,
+    CkksServerMessage,
+    CkksSessionConfig,
+    EncryptedGroupSum,
+    EncryptedSum,
+)
+from .state import SERVER_ACCEPTS, SERVER_NEXT_ROUND, CkksServerRound
+
+
+@dataclass(frozen=True, slots=True)
+class CkksGroupSum:
+    """What the server learns about one group: members, survivors, who decrypted, the float64 sums."""
+
+    name: str
+    members: tuple[str, ...]
+    survivors: tuple[str, ...]
+    decryptor: str
+    sums: Mapping[str, np.ndarray]  # tensor name -> read-only float64 sum over the survivors
+
+
+@dataclass(frozen=True, slots=True)
+class CkksAggregationResult:
+    session_id: bytes
+    key_holder: str
+    groups: Mapping[str, CkksGroupSum]
+    survivors: tuple[str, ...]  # U2: the clients whose inputs are in the sums
+
+
+class CkksServerSession:
+    """The server's side of one CKKS session over ``config``'s groups, for the clients of ``roster``."""
+
+    def __init__(self, roster: Roster, config: CkksSessionConfig) -> None:
+        try:
+            validate_config(config, len(roster))
+        except InvalidSessionConfigError as exc:
+            raise LocalProtocolError(str(exc)) from exc
+        self._roster = roster
+        self._config = config
+        self._digest = binding.config_digest(config)
+        self._message_limit = codec.max_message_bytes(config, len(roster))
+        self._round = CkksServerRound.NOT_STARTED
+        self._adverts: dict[str, CkksAdvertise] = {}
+        self._adverts_digest = b""
+        self._members: dict[str, tuple[str, ...]] = {}
+        self._key_holder = ""
+        self._keys: CkksKeyDistribution | None = None
+        self._public_context = None  # TenSEAL context without any key
+        self._sums: dict[tuple[str, str], list] = {}  # (group, tensor) -> summed ciphertext chunks
+        self._input_senders: set[str] = set()
+        self._survivors: tuple[str, ...] = ()
+        self._assigned: dict[str, str] = {}  # group -> its current decryptor
+        self._requested: dict[str, EncryptedGroupSum] = {}  # group -> the ciphertexts sent for decryption
+        self._failed_decryptors: set[str] = set()
+        self._decrypted: dict[str, tuple[str, dict[str, np.ndarray]]] = {}
+        self._result: CkksAggregationResult | None = None
+
+    @property
+    def round(self) -> CkksServerRound:
+        return self._round
+
+    @property
+    def config(self) -> CkksSessionConfig:
+        return self._config
+
+    @property
+    def max_message_bytes(self) -> int:
+        return self._message_limit
+
+    @property
+    def key_holder(self) -> str:
+        return self._key_holder
+
+    @property
+    def public_context(self) -> bytes:
+        """The serialised context the server holds (no key; empty before the key holder sent it)."""
+        return b"" if self._keys is None else self._keys.public_context
+
+    def start(self) -> CkksAdvertiseRequest:
+        if self._round is not CkksServerRound.NOT_STARTED:
+            raise LocalProtocolError("the session has already started")
+        self._round = CkksServerRound.ADVERTISE
+        return CkksAdvertiseRequest(self._config)
+
+    def receive(self, message: object) -> None:
+        """Accept one client message of the current round, or raise and change nothing."""
+        expected = SERVER_ACCEPTS.get(self._round)
+        if expected is None:
+            raise LocalProtocolError(f"the server accepts no client messages in round {self._round.name}")
+        if type(message) is not expected:
+            raise OutOfOrderMessageError(f"{type(message).__name__} received in round {self._round.name}")
+        assert isinstance(message, CkksAdvertise | CkksKeyDistribution | CkksInput | CkksDecryption)
+        if message.session_id != self._config.session_id:
+            raise ReplayedMessageError("message from another session")
+        if isinstance(message, CkksAdvertise):
+            self._receive_advert(message)
+        elif isinstance(message, CkksKeyDistribution):
+            self._receive_keys(message)
+        elif isinstance(message, CkksInput):
+            self._receive_input(message)
+        else:
+            self._receive_decryption(message)
+
+    def next_round(self) -> dict[str, CkksServerMessage]:
+        """Close the current round; return the messages to send, keyed by recipient."""
+        if self._round not in SERVER_ACCEPTS:
+            raise LocalProtocolError(f"no round to close in {self._round.name}")
+        if self._round is CkksServerRound.ADVERTISE:
+            replies = self._close_advertise()
+        elif self._round is CkksServerRound.KEYS:
+            replies = self._close_keys()
+        elif self._round is CkksServerRound.INPUT:
+            replies = self._close_input()
+        else:
+            replies = self._close_decrypt()
+            if not replies:
+                self._round = CkksServerRound.DONE
+            return replies
+        self._round = SERVER_NEXT_ROUND[self._round]
+        return replies
+
+    def result(self) -> CkksAggregationResult:
+        if self._result is None:
+            raise LocalProtocolError(f"no result before the session is DONE (round {self._round.name})")
+        return self._result
+
+    # --- receiving --------------------------------------------------------------------------------
+
+    def _check_sender(self, sender: str, allowed: object, seen: object) -> None:
+        if sender not in self._roster:
+            raise UnknownClientError(f"{sender!r} is not in the roster")
+        if sender not in allowed:  # type: ignore[operator]
+            raise UnknownClientError(f"{sender!r} is not a participant of this round")
+        if sender in seen:  # type: ignore[operator]
+            raise DuplicateClientError(f"a second message from {sender!r} in this round")
+
+    def _receive_advert(self, advert: CkksAdvertise) -> None:
+        self._check_sender(advert.client_id, self._roster.client_ids, self._adverts)
+        if not binding.advertisement_signed_by(advert, self._roster.public_key(advert.client_id)):
+            raise InvalidSignatureError(f"the key of {advert.client_id!r} is not signed by its identity key")
+        if advert.config_digest != self._digest:
+            raise ClientProtocolError(f"{advert.client_id!r} signed a different session config")
+        names = {group.name for group in self._config.groups}
+        if len(set(advert.groups)) != len(advert.groups) or not set(advert.groups) <= names:
+            raise ClientProtocolError(f"{advert.client_id!r} declared unknown or repeated groups")
+        self._adverts[advert.client_id] = advert
+
+    def _receive_keys(self, message: CkksKeyDistribution) -> None:
+        if message.sender != self._key_holder:
+            raise ClientProtocolError(
+                f"{message.sender!r} sent a key, but the advertisements chose {self._key_holder!r}"
+            )
+        self._check_sender(message.sender, self._adverts, () if self._keys is None else (message.sender,))
+        domain, fields = binding.public_context_fields(
+            self._config.session_id,
+            self._digest,
+            self._adverts_digest,
+            message.sender,
+            message.public_context,
+        )
+        if not crypto.verify(self._roster.public_key(message.sender), message.signature, domain, *fields):
+            raise InvalidSignatureError(
+                f"the public context is not signed by the key holder {message.sender!r}"
+            )
+        try:
+            public = context.load_context(message.public_context)
+        except ValueError as exc:
+            raise InvalidContextError(f"the key holder's public context: {exc}") from None
+        if public.is_private():
+            # The server must never hold the secret key: refuse it and keep nothing.
+            del public
+            raise InvalidContextError(
+                f"the key holder {message.sender!r} sent the server a context with the secret key"
+            )
+        mismatch = context.parameters_mismatch(public, self._config.parameters)
+        if mismatch is not None:
+            raise InvalidContextError(f"the key holder's context does not match the session: {mismatch}")
+        recipients = [item.recipient for item in message.contexts]
+        expected = set(self._adverts)  # the key holder's own sealed copy included
+        if any(item.sender != message.sender for item in message.contexts):
+            raise ClientProtocolError(f"{message.sender!r} sent contexts under another sender's name")
+        if len(recipients) != len(set(recipients)) or set(recipients) != expected:
+            raise ClientProtocolError(
+                f"{message.sender!r} did not send one secret context to every client (itself included)"
+            )
+        self._keys = message
+        self._public_context = public
+
+    def _receive_input(self, message: CkksInput) -> None:
+        self._check_sender(message.sender, self._adverts, self._input_senders)
+        declared = self._adverts[message.sender].groups
+        expected = {
+            (group, tensor.name): tensor.length
+            for group in declared
+            for tensor in self._config.group(group).tensors
+        }
+        received = [(item.group, item.tensor) for item in message.tensors]
+        if received != sorted(expected):
+            raise ClientProtocolError(
+                f"{message.sender!r} sent tensors other than those of its groups, in order"
+            )
+        domain, fields = binding.input_fields(
+            self._config.session_id, self._digest, message.sender, message.tensors
+        )
+        if not crypto.verify(self._roster.public_key(message.sender), message.signature, domain, *fields):
+            raise InvalidCiphertextError(
+                f"the ciphertexts of {message.sender!r} do not match its signature (corrupted or forged)"
+            )
+        parameters = self._config.parameters
+        loaded = []
+        for item in message.tensors:
+            lengths = context.chunk_lengths(expected[(item.group, item.tensor)], parameters)
+            if len(item.chunks) != len(lengths):
+                raise InvalidCiphertextError(
+                    f"{message.sender!r}: {item.group}/{item.tensor} has {len(item.chunks)} ciphertexts, "
+                    f"expected {len(lengths)}"
+                )
+            try:
+                vectors = [
+                    context.load_ciphertext(self._public_context, chunk, n, parameters)
+                    for chunk, n in zip(item.chunks, lengths, strict=True)
+                ]
+            except ValueError as exc:
+                raise InvalidCiphertextError(
+                    f"{message.sender!r}: {item.group}/{item.tensor}: {exc}"
+                ) from None
+            loaded.append(((item.group, item.tensor), vectors))
+        # Every check passed: only now touch the sums (in place, one addition per chunk).
+        for key, vectors in loaded:
+            accumulator = self._sums.get(key)
+            if accumulator is None:
+                self._sums[key] = vectors
+            else:
+                for total, vector in zip(accumulator, vectors, strict=True):
+                    total.add_(vector)
+        self._input_senders.add(message.sender)
+
+    def _receive_decryption(self, message: CkksDecryption) -> None:
+        sender = message.sender
+        mine = sorted(g for g, d in self._assigned.items() if d == sender and g not in self._decrypted)
+        self._check_sender(sender, set(self._assigned.values()), ())
+        if [item.group for item in message.groups] != mine:
+            raise ClientProtocolError(f"{sender!r} did not return exactly the group sums it was asked for")
+        results: dict[str, dict[str, np.ndarray]] = {}
+        for item in message.groups:
+            spec = {t.name: t.length for t in self._config.group(item.group).tensors}
+            if [t.tensor for t in item.tensors] != sorted(spec):
+                raise ClientProtocolError(f"{sender!r}: group {item.group!r} has the wrong tensors")
+            survivors = tuple(c for c in self._members[item.group] if c in set(self._survivors))
+            domain, fields = binding.decryption_fields(
+                self._config.session_id,
+                self._digest,
+                self._adverts_digest,
+                item.group,
+                survivors,
+                self._requested[item.group].tensors,
+                item.tensors,
+            )
+            if not crypto.verify(self._roster.public_key(sender), item.signature, domain, *fields):
+                raise InvalidSignatureError(
+                    f"the decryption of group {item.group!r} is not signed by its decryptor {sender!r}"
+                )
+            sums = {}
+            for tensor in item.tensors:
+                if len(tensor.data) != 8 * spec[tensor.tensor]:
+                    raise ClientProtocolError(
+                        f"{sender!r}: {item.group}/{tensor.tensor} has the wrong length"
+                    )
+                values = np.frombuffer(tensor.data, dtype="<f8").astype(np.float64)
+                if not np.all(np.isfinite(values)):
+                    raise ClientProtocolError(f"{sender!r}: {item.group}/{tensor.tensor} is not finite")
+                values.setflags(write=False)
+                sums[tensor.tensor] = values
+            results[item.group] = sums
+        for group, sums in results.items():
+            self._decrypted[group] = (sender, sums)
+
+    # --- closing rounds ---------------------------------------------------------------------------
+
+    def _check_groups(self, live: set[str], stage: str) -> None:
+        for group, ids in self._members.items():
+            count = sum(1 for cid in ids if cid in live)
+            if count < self._config.min_group_size:
+                raise GroupTooSmallError(
+                    f"group {group!r} has {count} live member(s) {stage}, below the minimum group size "
+                    f"{self._config.min_group_size}; it is never decrypted"
+                )
+
+    def _close_advertise(self) -> dict[str, CkksServerMessage]:
+        if not self._adverts:
+            raise GroupTooSmallError("no client advertised a key")
+        members = {
+            group.name: tuple(sorted(cid for cid, a in self._adverts.items() if group.name in a.groups))
+            for group in self._config.groups
+        }
+        self._members = members
+        self._check_groups(set(self._adverts), "after R0")
+        adverts = tuple(self._adverts[cid] for cid in sorted(self._adverts))
+        self._adverts_digest = binding.advertisements_digest(self._config.session_id, adverts)
+        self._key_holder = binding.key_holder(self._config.session_id, self._adverts_digest, self._adverts)
+        request = CkksKeyRequest(self._config.session_id, adverts)
+        return {cid: request for cid in sorted(self._adverts)}
+
+    def _close_keys(self) -> dict[str, CkksServerMessage]:
+        keys = self._keys
+        if keys is None:
+            raise KeyHolderDroppedError(
+                f"the key holder {self._key_holder!r} sent no key; nothing was encrypted, start a new session"
+            )
+        sealed = {item.recipient: item for item in keys.contexts}
+        return {
+            cid: CkksInputRequest(
+                self._config.session_id, keys.sender, keys.public_context, keys.signature, sealed.get(cid)
+            )
+            for cid in sorted(self._adverts)
+        }
+
+    def _close_input(self) -> dict[str, CkksServerMessage]:
+        self._survivors = tuple(sorted(self._input_senders))
+        self._check_groups(set(self._survivors), "after R2")
+        self._requested = {
+            group.name: EncryptedGroupSum(
+                group.name,
+                tuple(
+                    EncryptedSum(
+                        t.name, tuple(chunk.serialize() for chunk in self._sums[(group.name, t.name)])
+                    )
+                    for t in sorted(group.tensors, key=lambda spec: spec.name)
+                ),
+            )
+            for group in self._config.groups
+        }
+        self._sums = {}  # the serialised sums are what the decryptors get and sign
+        return self._assign(sorted(self._requested))
+
+    def _close_decrypt(self) -> dict[str, CkksServerMessage]:
+        pending = sorted(g for g in self._requested if g not in self._decrypted)
+        if not pending:
+            self._finish()
+            return {}
+        # A decryptor that left a group without its sum has dropped: ask another survivor.
+        self._failed_decryptors |= {self._assigned[g] for g in pending}
+        return self._assign(pending)
+
+    def _assign(self, groups: list[str]) -> dict[str, CkksServerMessage]:
+        load: dict[str, int] = {}
+        for group in groups:
+            candidates = [
+                c
+                for c in self._members[group]
+                if c in set(self._survivors) and c not in self._failed_decryptors
+            ]
+            if not candidates:
+                raise NoDecryptorError(
+                    f"no surviving member of group {group!r} is left to decrypt its sum "
+                    f"(tried {sorted(set(self._members[group]) & self._failed_decryptors)})"
+                )
+            chosen = min(candidates, key=lambda c: (load.get(c, 0), c))
+            load[chosen] = load.get(chosen, 0) + 1
+            self._assigned[group] = chosen
+        return {
+            decryptor: CkksDecryptRequest(
+                self._config.session_id,
+                self._survivors,
+                tuple(self._requested[g] for g in groups if self._assigned[g] == decryptor),
+            )
+            for decryptor in sorted(load)
+        }
+
+    def _finish(self) -> None:
+        survivors = set(self._survivors)
+        self._result = CkksAggregationResult(
+            session_id=self._config.session_id,
+            key_holder=self._key_holder,
+            groups=MappingProxyType(
+                {
+                    group.name: CkksGroupSum(
+                        name=group.name,
+                        members=self._members[group.name],
+                        survivors=tuple(c for c in self._members[group.name] if c in survivors),
+                        decryptor=self._decrypted[group.name][0],
+                        sums=MappingProxyType(self._decrypted[group.name][1]),
+                    )
+                    for group in self._config.groups
+                }
+            ),
+            survivors=self._survivors,
+        )

@@ -1,0 +1,100 @@
+"""State transitions of the CKKS client and server, as tables.
+
+Rules
+-----
+1. A client accepts one server message per state, in this order:
+
+   ======================  =====================  ======================  ============================
+   client state            accepts                replies                 next state
+   ======================  =====================  ======================  ============================
+   AWAIT_ADVERTISE_REQUEST CkksAdvertiseRequest   CkksAdvertise           AWAIT_KEY_REQUEST
+   AWAIT_KEY_REQUEST       CkksKeyRequest         CkksKeyDistribution     AWAIT_INPUT_REQUEST
+                                                  (key holder only)
+   AWAIT_INPUT_REQUEST     CkksInputRequest       CkksInput               AWAIT_DECRYPT_REQUEST
+   AWAIT_DECRYPT_REQUEST   CkksDecryptRequest     CkksDecryption          AWAIT_DECRYPT_REQUEST
+   ======================  =====================  ======================  ============================
+
+   A client stays in AWAIT_DECRYPT_REQUEST: the server may ask it again when another group's
+   decryptor dropped; it never decrypts one group twice.  ``close()`` ends the session (DONE).
+2. Any other message, or any failed check, moves the client to FAILED and drops its secrets; a FAILED
+   or DONE client accepts nothing.  A local usage error leaves the state unchanged.
+3. The server collects one message type per round and moves on when the driver calls ``next_round()``:
+
+   ===========  ======================  ===========================  ===========================
+   server       accepts                 next_round() sends           next round
+   ===========  ======================  ===========================  ===========================
+   (start)      -                       CkksAdvertiseRequest         ADVERTISE
+   ADVERTISE    CkksAdvertise           CkksKeyRequest               KEYS
+   KEYS         CkksKeyDistribution     CkksInputRequest             INPUT
+   INPUT        CkksInput               CkksDecryptRequest           DECRYPT
+   DECRYPT      CkksDecryption          CkksDecryptRequest (groups   DECRYPT, or DONE (sends
+                                        still without a sum, to       nothing) when every group
+                                        another survivor)             has its sum
+   ===========  ======================  ===========================  ===========================
+
+4. A client message the server rejects leaves the server's state unchanged.  A round that leaves a
+   group below the minimum group size, a key holder that sends no key, or a group with no survivor
+   left to decrypt raises :class:`~secure_afl.protocol.errors.SessionAbortedError`.
+"""
+
+from __future__ import annotations
+
+import enum
+from types import MappingProxyType
+
+from .messages import (
+    CkksAdvertise,
+    CkksAdvertiseRequest,
+    CkksDecryption,
+    CkksDecryptRequest,
+    CkksInput,
+    CkksInputRequest,
+    CkksKeyDistribution,
+    CkksKeyRequest,
+)
+
+
+class CkksClientState(enum.Enum):
+    AWAIT_ADVERTISE_REQUEST = "R0"
+    AWAIT_KEY_REQUEST = "R1"
+    AWAIT_INPUT_REQUEST = "R2"
+    AWAIT_DECRYPT_REQUEST = "R3"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class CkksServerRound(enum.Enum):
+    NOT_STARTED = "not started"
+    ADVERTISE = "R0"
+    KEYS = "R1"
+    INPUT = "R2"
+    DECRYPT = "R3"
+    DONE = "done"
+
+
+CLIENT_TRANSITIONS = MappingProxyType(
+    {
+        CkksClientState.AWAIT_ADVERTISE_REQUEST: (CkksAdvertiseRequest, CkksClientState.AWAIT_KEY_REQUEST),
+        CkksClientState.AWAIT_KEY_REQUEST: (CkksKeyRequest, CkksClientState.AWAIT_INPUT_REQUEST),
+        CkksClientState.AWAIT_INPUT_REQUEST: (CkksInputRequest, CkksClientState.AWAIT_DECRYPT_REQUEST),
+        CkksClientState.AWAIT_DECRYPT_REQUEST: (CkksDecryptRequest, CkksClientState.AWAIT_DECRYPT_REQUEST),
+    }
+)
+
+SERVER_ACCEPTS = MappingProxyType(
+    {
+        CkksServerRound.ADVERTISE: CkksAdvertise,
+        CkksServerRound.KEYS: CkksKeyDistribution,
+        CkksServerRound.INPUT: CkksInput,
+        CkksServerRound.DECRYPT: CkksDecryption,
+    }
+)
+
+SERVER_NEXT_ROUND = MappingProxyType(
+    {
+        CkksServerRound.NOT_STARTED: CkksServerRound.ADVERTISE,
+        CkksServerRound.ADVERTISE: CkksServerRound.KEYS,
+        CkksServerRound.KEYS: CkksServerRound.INPUT,
+        CkksServerRound.INPUT: CkksServerRound.DECRYPT,
+    }
+)

@@ -1,0 +1,111 @@
+"""In-process run of the CKKS backend, with the simulator's privacy audit.
+
+The counterpart of :mod:`secure_afl.sim.secure` (masking): the same generic driver
+(:func:`secure_afl.aggregation.inprocess.run_in_process`), here over
+:class:`~secure_afl.aggregation.backend.CkksBackend`.  Decryptors follow the simulator's policy:
+an exposing group layout is reported, not refused (``ClientPolicy.simulator()``, the default).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+import numpy as np
+
+from secure_afl.aggregation.backend import CkksBackend
+from secure_afl.aggregation.inprocess import SessionCosts, run_in_process
+from secure_afl.aggregation.layout import layout_of
+from secure_afl.privacy.ledger import Ledger
+from secure_afl.privacy.policy import ClientPolicy
+from secure_afl.protocol.ckks.context import CkksParameters
+from secure_afl.protocol.randomness import RandomSource
+from secure_afl.sim.audit import PrivacyAudit, audit_groups
+
+ROUNDS = CkksBackend.rounds
+DROPOUT_STAGES = ROUNDS[1:]
+
+
+@dataclass(frozen=True, slots=True)
+class CkksAggregationRun:
+    """The group sums the server learns, who held and used the key, the audit and the costs."""
+
+    sums: Mapping[str, Mapping[str, np.ndarray]]  # group -> tensor -> float64 (full matrix if symmetric)
+    members: Mapping[str, tuple[str, ...]]
+    survivors: Mapping[str, tuple[str, ...]]
+    audit: PrivacyAudit
+    costs: SessionCosts
+    key_holder: str
+    decryptors: Mapping[str, str]  # group -> the client that decrypted its sum
+    exposure_findings: tuple[str, ...]  # what the decryptors found and reported (policy "report")
+    parameters: CkksParameters
+    session_id: bytes
+
+    @property
+    def warnings(self) -> tuple[str, ...]:
+        return tuple(self.audit.warnings())
+
+
+def ckks_aggregate(
+    contributions: Mapping[str, Mapping[str, Mapping[str, np.ndarray]]],
+    *,
+    symmetric: Collection[str] = ("gram",),
+    min_group_size: int = 1,
+    dropouts: Mapping[str, Collection[str]] = MappingProxyType({}),
+    parameters: CkksParameters | None = None,
+    client_policy: ClientPolicy | None = None,
+    ledgers: Mapping[str, Ledger] | None = None,
+    random: RandomSource | None = None,
+    session_id: bytes | None = None,
+) -> CkksAggregationRun:
+    """Sum ``contributions`` (client -> group -> tensor -> float64 array) per group under CKKS.
+
+    ``dropouts`` maps a stage ("R1" key distribution, "R2" encrypted inputs, "R3" decryption) to
+    the clients that stop answering from that stage on.  Raises
+    :class:`~secure_afl.protocol.errors.GroupTooSmallError` when a group keeps fewer survivors than
+    ``min_group_size``, :class:`~secure_afl.protocol.ckks.errors.KeyHolderDroppedError` when the key
+    holder drops before sending the key, and :class:`~secure_afl.protocol.ckks.errors.NoDecryptorError`
+    when every surviving member of a group dropped before decrypting.
+    """
+    backend = CkksBackend(
+        parameters=parameters or CkksParameters(),
+        client_policy=ClientPolicy.simulator() if client_policy is None else client_policy,
+        ledgers=ledgers or {},
+    )
+    run = run_in_process(
+        backend,
+        contributions,
+        symmetric=symmetric,
+        min_group_size=min_group_size,
+        dropouts=dropouts,
+        random=random,
+        session_id=session_id,
+    )
+    outcome = run.outcome
+    layout = layout_of(contributions, symmetric)
+    members = {group: tuple(outcome.members[group]) for group in sorted(outcome.members)}
+    survivors = {group: tuple(outcome.survivors[group]) for group in members}
+    audit = audit_groups(
+        protection="ckks",
+        members=members,
+        survivors=survivors,
+        tensors={group: tuple(layout.groups[group]) for group in members},
+        contributions=contributions,
+        client_findings={cid: client.exposure_findings for cid, client in run.clients.items()},  # type: ignore[attr-defined]
+    )
+    findings: list[str] = []
+    for client in run.clients.values():
+        findings.extend(f.describe() for f in client.exposure_findings if f.describe() not in findings)  # type: ignore[attr-defined]
+    return CkksAggregationRun(
+        sums=outcome.sums,
+        members=members,
+        survivors=survivors,
+        audit=audit,
+        costs=run.costs,
+        key_holder=str(outcome.details["key_holder"]),
+        decryptors=dict(outcome.details["decryptors"]),  # type: ignore[call-overload]
+        exposure_findings=tuple(findings),
+        parameters=backend.parameters,
+        session_id=run.session_id,
+    )

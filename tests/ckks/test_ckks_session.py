@@ -1,0 +1,420 @@
+"""The CKKS backend's sessions: sums, key custody, dropouts, and every check that must refuse."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import tenseal as ts
+
+from secure_afl.privacy.ledger import MemoryLedger
+from secure_afl.privacy.policy import ClientPolicy
+from secure_afl.protocol import crypto
+from secure_afl.protocol.ckks import binding, codec, context
+from secure_afl.protocol.ckks.context import CkksParameters
+from secure_afl.protocol.ckks.errors import (
+    ExposingDecryptionError,
+    InvalidCiphertextError,
+    InvalidContextError,
+    InvalidParametersError,
+    InvalidSumCiphertextError,
+    KeyHolderDroppedError,
+    NoDecryptorError,
+    RepeatedDecryptionError,
+)
+from secure_afl.protocol.ckks.messages import (
+    CkksDecryption,
+    CkksDecryptRequest,
+    CkksInput,
+    CkksInputRequest,
+    CkksKeyDistribution,
+    DecryptedGroup,
+    EncryptedTensor,
+)
+from secure_afl.protocol.ckks.state import CkksClientState
+from secure_afl.protocol.errors import (
+    ExposureRefusedError,
+    HistoryExposureRefusedError,
+    InvalidSignatureError,
+    MessageDecodeError,
+    ServerProtocolError,
+)
+
+from .helpers import Federation, plain_sums, small_contributions
+
+
+def _result_sums(fed: Federation) -> dict:
+    result = fed.server.result()
+    return {
+        g: {name: fed.layout.unflatten(name, np.asarray(v)) for name, v in s.sums.items()}
+        for g, s in result.groups.items()
+    }
+
+
+def _max_error(got: dict, want: dict) -> float:
+    return max(float(np.max(np.abs(got[g][t] - want[g][t]))) for g in want for t in want[g])
+
+
+def test_group_sums_match_float64_within_the_output_grid_and_long_vectors_are_chunked(capfd) -> None:
+    contributions = small_contributions(long_length=4096 + 17)  # two ciphertexts at N = 8192
+    fed = Federation(contributions)
+    chunks_seen = []
+
+    def record(sender, message):
+        if isinstance(message, CkksInput):
+            chunks_seen.extend(len(t.chunks) for t in message.tensors if t.tensor == "long")
+        return message
+
+    fed.run(to_server=record)
+    # |error| <= half the output grid (rounding) + CKKS noise (~1e-9, measured): below one grid step.
+    assert _max_error(_result_sums(fed), plain_sums(contributions)) <= 2.0**-fed.parameters.output_frac_bits
+    assert chunks_seen == [2] * 4
+    # TenSEAL prints a warning to stdout when it splits a vector itself: it never had to.
+    assert "does not fit" not in capfd.readouterr().out
+
+
+def test_the_server_never_holds_or_receives_a_secret_key() -> None:
+    fed = Federation(small_contributions())
+    fed.run()
+    holder = fed.clients[fed.server.key_holder]
+    secret_key = holder._context.secret_key()  # the key holder's key, for the search below
+    secret_context = context.secret_bytes(holder._context)
+    assert fed.server.public_context and not context.load_context(fed.server.public_context).is_private()
+    for data in fed.server_received:
+        message = codec.decode(data, max_message_bytes=fed.server.max_message_bytes)
+        if isinstance(message, CkksKeyDistribution):
+            assert not context.load_context(message.public_context).is_private()
+            assert len(message.public_context) < 1000  # parameters only: no key of any kind
+        # Neither the serialised secret context nor any 64-byte window of it appears on the wire.
+        assert secret_context[-4096:-4032] not in data
+    for value in vars(fed.server).values():
+        if isinstance(value, ts.Context):
+            assert not value.is_private()
+    assert secret_key is not None  # the key holder did hold one
+
+
+def test_a_dropped_non_decryptor_does_not_stop_the_session() -> None:
+    contributions = small_contributions()
+    fed = Federation(contributions)
+    fed.run(until="R2")
+    holder = fed.server.key_holder
+    victim = next(c for c in fed.ids if c != holder)
+    fed = Federation(contributions)
+    fed.run(drop={"R2": {victim}})
+    result = fed.server.result()
+    assert victim not in result.survivors
+    assert all(s.decryptor != victim for s in result.groups.values())
+    survivors = set(fed.ids) - {victim}
+    assert _max_error(_result_sums(fed), plain_sums(contributions, survivors)) <= 2.0**-24
+
+
+def test_a_dropped_decryptor_is_replaced_by_another_survivor() -> None:
+    contributions = small_contributions()
+    probe = Federation(contributions)
+    probe.run(until="R3")
+    first = probe.requests_by_round["R3"]
+    decryptor = next(cid for cid, m in first.items() if any(g.group == "all" for g in m.groups))
+    fed = Federation(contributions)
+    fed.run(drop={"R3": {decryptor}})
+    result = fed.server.result()
+    assert result.groups["all"].decryptor not in (decryptor, "")
+    assert decryptor in result.survivors  # its input was sent before it dropped and still counts
+    assert _max_error(_result_sums(fed), plain_sums(contributions)) <= 2.0**-24
+
+
+def test_a_client_rebuilt_by_replaying_the_server_messages_decrypts_as_the_original() -> None:
+    # The deployment rebuilds a client session for every message from its seed and the server
+    # messages so far.  TenSEAL keys cannot be seeded, so the key holder keeps no key: it opens its
+    # own sealed copy in R2 like every peer, and a replayed R1 (a new, unused key) changes nothing.
+    fed = Federation(small_contributions())
+    fed.run()
+    holder = fed.server.key_holder
+    decryptor = fed.server.result().groups["all"].decryptor
+    for cid in {holder, decryptor}:
+        original = fed.requests_by_round["R3"].get(cid)
+        replayed = fed.new_client(cid)
+        for round_name in ("R0", "R1", "R2"):
+            replayed.receive(fed.requests_by_round[round_name][cid])
+        if original is None:
+            continue
+        (again,) = replayed.receive(original)
+        want = {g.group: g for g in again.groups}
+        for group in original.groups:
+            got = fed.server.result().groups[group.group].sums
+            for tensor in want[group.group].tensors:
+                np.testing.assert_array_equal(np.frombuffer(tensor.data, dtype="<f8"), got[tensor.tensor])
+
+
+def test_a_group_with_no_survivor_left_to_decrypt_fails_clearly() -> None:
+    fed = Federation(small_contributions())
+    with pytest.raises(NoDecryptorError, match="class/0"):
+        fed.run(drop={"R3": {"c0", "c2"}})  # both members of class/0
+
+
+def test_a_key_holder_that_drops_before_sending_the_key_aborts() -> None:
+    contributions = small_contributions()
+    probe = Federation(contributions)
+    probe.run(until="R1")
+    fed = Federation(contributions)
+    with pytest.raises(KeyHolderDroppedError, match=probe.server.key_holder):
+        fed.run(drop={"R1": {probe.server.key_holder}})
+
+
+def test_corrupt_ciphertext_bytes_are_refused_by_the_server() -> None:
+    fed = Federation(small_contributions())
+
+    def corrupt(sender, message):
+        if isinstance(message, CkksInput) and sender == "c1":
+            tensor = message.tensors[0]
+            chunk = bytearray(tensor.chunks[0])
+            chunk[len(chunk) // 2] ^= 0x01
+            bad = dataclasses.replace(tensor, chunks=(bytes(chunk), *tensor.chunks[1:]))
+            return dataclasses.replace(message, tensors=(bad, *message.tensors[1:]))
+        return message
+
+    with pytest.raises(InvalidCiphertextError, match="c1"):
+        fed.run(to_server=corrupt)
+
+
+def test_a_signed_blob_that_is_no_ciphertext_is_refused() -> None:
+    fed = Federation(small_contributions())
+
+    def garbage(sender, message):
+        if isinstance(message, CkksInput) and sender == "c1":
+            tensors = tuple(
+                EncryptedTensor(t.group, t.tensor, tuple(b"\x00" * 64 for _ in t.chunks))
+                for t in message.tensors
+            )
+            domain, fields = binding.input_fields(
+                message.session_id, fed.clients["c1"]._config_digest, "c1", tensors
+            )
+            signature = crypto.sign(fed.identities["c1"].private_key, domain, *fields)
+            return CkksInput(message.session_id, "c1", tensors, signature)
+        return message
+
+    with pytest.raises(InvalidCiphertextError, match="not a CKKS ciphertext"):
+        fed.run(to_server=garbage)
+
+
+def _other_parameters(monkeypatch) -> None:
+    other = CkksParameters(coeff_mod_bit_sizes=(60, 40, 60))  # a level fewer than the session's
+    original = context.new_secret_context
+    monkeypatch.setattr(context, "new_secret_context", lambda parameters: original(other))
+
+
+def test_a_context_with_other_parameters_is_refused_by_the_server(monkeypatch) -> None:
+    _other_parameters(monkeypatch)
+    fed = Federation(small_contributions())
+    with pytest.raises(InvalidContextError, match=r"coefficient moduli are \[60, 40, 60\]"):
+        fed.run()
+
+
+def test_a_context_with_other_parameters_is_refused_by_a_peer(monkeypatch) -> None:
+    _other_parameters(monkeypatch)
+    fed = Federation(small_contributions())
+    fed.run(until="R1")
+    holder = fed.server.key_holder
+    (distribution,) = fed.clients[holder].receive(fed.requests_by_round["R1"][holder])
+    peer = next(c for c in fed.ids if c != holder)
+    fed.clients[peer].receive(fed.requests_by_round["R1"][peer])
+    sealed = next(item for item in distribution.contexts if item.recipient == peer)
+    request = CkksInputRequest(
+        distribution.session_id, holder, distribution.public_context, distribution.signature, sealed
+    )
+    with pytest.raises(InvalidContextError, match=r"coefficient moduli are \[60, 40, 60\]"):
+        fed.clients[peer].receive(request)
+    assert fed.clients[peer].state is CkksClientState.FAILED
+
+
+def test_a_public_context_that_carries_the_secret_key_is_refused(monkeypatch) -> None:
+    monkeypatch.setattr(context, "public_bytes", context.secret_bytes)
+    fed = Federation(small_contributions())
+    with pytest.raises(InvalidContextError, match="secret key"):
+        fed.run()
+    assert fed.server.public_context == b""
+
+
+def test_a_tampered_secret_context_fails_authentication_at_the_peer() -> None:
+    fed = Federation(small_contributions())
+
+    def tamper(recipient, message):
+        if isinstance(message, CkksInputRequest) and message.context is not None:
+            sealed = message.context
+            flipped = bytes([sealed.ciphertext[0] ^ 1]) + sealed.ciphertext[1:]
+            return dataclasses.replace(message, context=dataclasses.replace(sealed, ciphertext=flipped))
+        return message
+
+    with pytest.raises(InvalidContextError, match="fails authentication"):
+        fed.run(to_client=tamper)
+
+
+@pytest.mark.parametrize("how", ["unsigned", "other values"])
+def test_an_unsigned_or_wrongly_signed_decryption_is_refused(how: str) -> None:
+    fed = Federation(small_contributions())
+
+    def forge(sender, message):
+        if isinstance(message, CkksDecryption) and message.groups:
+            group = message.groups[0]
+            if how == "unsigned":
+                group = dataclasses.replace(group, signature=bytes(64))
+            else:
+                tensor = group.tensors[0]
+                values = np.frombuffer(tensor.data, dtype="<f8") + 1.0
+                group = dataclasses.replace(
+                    group, tensors=(dataclasses.replace(tensor, data=values.tobytes()), *group.tensors[1:])
+                )
+            return CkksDecryption(message.session_id, message.sender, (group, *message.groups[1:]))
+        return message
+
+    with pytest.raises(InvalidSignatureError, match="not signed by its decryptor"):
+        fed.run(to_server=forge)
+
+
+def test_a_decryptor_refuses_survivor_sets_that_isolate_a_client() -> None:
+    # Groups a = {c0, c1, c3} and b = {c0, c1, c2} over one tensor isolate nobody; once c3 drops
+    # before uploading, a = {c0, c1} and b - a is c2's value.  c2 itself checked before uploading
+    # (nothing to see then): only the decryptor, who sees the survivors, can stop it.
+    rng = np.random.default_rng(1)
+    gram = {cid: (lambda h: h @ h.T)(rng.random((3, 3))) for cid in ("c0", "c1", "c2", "c3")}
+    contributions = {
+        "c0": {"a": {"gram": gram["c0"]}, "b": {"gram": gram["c0"]}},
+        "c1": {"a": {"gram": gram["c1"]}, "b": {"gram": gram["c1"]}},
+        "c2": {"b": {"gram": gram["c2"]}},
+        "c3": {"a": {"gram": gram["c3"]}},
+    }
+    fed = Federation(contributions, policy=ClientPolicy.deployment(), min_group_size=2)
+    with pytest.raises(ExposingDecryptionError, match="c2") as refused:
+        fed.run(drop={"R2": {"c3"}})
+    assert isinstance(refused.value, ExposureRefusedError)
+    assert {c for f in refused.value.findings for c in f.clients} == {"c2"}
+    reporting = Federation(contributions, min_group_size=1)  # the simulator's policy: go on, report
+    reporting.run(drop={"R2": {"c3"}})
+    findings = [
+        f for client in reporting.clients.values() for f in client.exposure_findings if f.round == "R3"
+    ]
+    assert findings and all(f.clients == ("c2",) for f in findings)
+
+
+def test_a_deployed_client_refuses_to_take_part_when_the_layout_isolates_it() -> None:
+    rng = np.random.default_rng(2)
+    gram = {cid: (lambda h: h @ h.T)(rng.random((3, 3))) for cid in ("c0", "c1", "c2")}
+    contributions = {
+        "c0": {"a": {"gram": gram["c0"]}, "b": {"gram": gram["c0"]}},
+        "c1": {"a": {"gram": gram["c1"]}, "b": {"gram": gram["c1"]}},
+        "c2": {"b": {"gram": gram["c2"]}},
+    }
+    fed = Federation(contributions, policy=ClientPolicy.deployment(), min_group_size=2)
+    with pytest.raises(ExposureRefusedError, match="c2"):
+        fed.run()
+    # The first client to see the layout (every member checks every client's values) refused.
+    assert fed.clients["c0"].state is CkksClientState.FAILED
+    assert fed.server.public_context == b""  # refused before any key or input moved
+
+
+def test_the_ledger_refuses_a_second_session_that_completes_an_isolation() -> None:
+    # Session 1 sums c0 + c1; session 2 (c0's same input) c0 + c2 and c1 + c2: alone it isolates
+    # nobody, with session 1 every value.  c0's ledger sees it before c0 sends anything.
+    rng = np.random.default_rng(3)
+    gram = {cid: (lambda h: h @ h.T)(rng.random((3, 3))) for cid in ("c0", "c1", "c2")}
+    ledger = MemoryLedger()
+    first = {"c0": {"a": {"gram": gram["c0"]}}, "c1": {"a": {"gram": gram["c1"]}}}
+    fed = Federation(first, min_group_size=1, ledgers={"c0": ledger})
+    fed.run()
+    second = {
+        "c0": {"a": {"gram": gram["c0"]}},
+        "c1": {"b": {"gram": gram["c1"]}},
+        "c2": {"a": {"gram": gram["c2"]}, "b": {"gram": gram["c2"]}},
+    }
+    refusing = ClientPolicy.deployment()
+    fed = Federation(second, policy=refusing, min_group_size=1, ledgers={"c0": ledger}, seed=b"second")
+    with pytest.raises(HistoryExposureRefusedError, match="c0"):
+        fed.run()
+
+
+def test_a_decryptor_never_decrypts_one_group_twice() -> None:
+    fed = Federation(small_contributions())
+    fed.run(until="R3")
+    decryptor, request = next(iter(fed.requests_by_round["R3"].items()))
+    client = fed.clients[decryptor]
+    client.receive(request)
+    with pytest.raises(RepeatedDecryptionError):
+        client.receive(request)
+
+
+def test_a_decryption_request_with_foreign_bytes_is_refused() -> None:
+    fed = Federation(small_contributions())
+    fed.run(until="R3")
+    decryptor, request = next(iter(fed.requests_by_round["R3"].items()))
+    group = request.groups[0]
+    summed = group.tensors[0]
+    bad = dataclasses.replace(
+        group, tensors=(dataclasses.replace(summed, chunks=(b"junk",)), *group.tensors[1:])
+    )
+    with pytest.raises(InvalidSumCiphertextError):
+        fed.clients[decryptor].receive(CkksDecryptRequest(request.session_id, request.survivors, (bad,)))
+
+
+def test_the_server_cannot_name_the_key_holder() -> None:
+    fed = Federation(small_contributions())
+    fed.run(until="R2")
+    holder = fed.server.key_holder
+    other = next(c for c in fed.ids if c != holder)
+    request = fed.requests_by_round["R2"][other]
+    with pytest.raises(ServerProtocolError, match="key holder"):
+        fed.clients[other].receive(dataclasses.replace(request, key_holder=other))
+
+
+def test_codec_round_trips_every_message_and_rejects_malformed_bytes() -> None:
+    fed = Federation(small_contributions())
+    fed.run()
+    limit = fed.server.max_message_bytes
+    messages = [codec.decode(data, max_message_bytes=limit) for data in fed.server_received]
+    for round_requests in fed.requests_by_round.values():
+        messages.extend(round_requests.values())
+    kinds = {type(m).__name__ for m in messages}
+    assert len(kinds) == 8  # every message type of the protocol
+    for message in messages:
+        data = codec.encode(message, max_message_bytes=limit)
+        assert codec.decode(data, max_message_bytes=limit) == message
+        with pytest.raises(MessageDecodeError):
+            codec.decode(data[:-1], max_message_bytes=limit)
+        with pytest.raises(MessageDecodeError):
+            codec.decode(data + b"\x00", max_message_bytes=limit)
+    masking = bytes([1]) + fed.server_received[0][1:]  # the masking codec's version byte
+    with pytest.raises(MessageDecodeError, match="not a CKKS message"):
+        codec.decode(masking)
+
+
+@pytest.mark.parametrize(
+    ("parameters", "match"),
+    [
+        (CkksParameters(poly_modulus_degree=4096), "poly_modulus_degree"),
+        (CkksParameters(coeff_mod_bit_sizes=(60, 60, 60, 60)), "128-bit security"),
+        (CkksParameters(scale_bits=90), "scale"),
+    ],
+)
+def test_parameters_outside_the_accepted_range_are_refused(parameters: CkksParameters, match: str) -> None:
+    with pytest.raises(InvalidParametersError, match=match):
+        parameters.validate()
+
+
+def test_group_survivors_in_decryption_signatures_bind_the_group() -> None:
+    def relabel(sender, message):
+        # A signature for one group presented for another is refused.
+        if isinstance(message, CkksDecryption) and len(message.groups) >= 2:
+            a, b = message.groups[:2]
+            swapped = (
+                DecryptedGroup(a.group, a.tensors, b.signature),
+                DecryptedGroup(b.group, b.tensors, a.signature),
+            )
+            return CkksDecryption(message.session_id, message.sender, swapped + message.groups[2:])
+        return message
+
+    contributions = small_contributions(n_clients=2)  # one decryptor serves several groups
+    fed = Federation(contributions)
+    fed.run(until="R3")
+    assert any(len(m.groups) >= 2 for m in fed.requests_by_round["R3"].values())
+    fed = Federation(contributions)
+    with pytest.raises(InvalidSignatureError):
+        fed.run(to_server=relabel)
