@@ -365,7 +365,7 @@ def _run_sweep(config: SimConfig, out_dir: Path, console: Console) -> None:
 
     try:
         config.validate()
-        sweep = run_dp_sweep(config)
+        sweep = run_dp_sweep(config, progress=_ProgressBars(console))
     except _sim_errors() as exc:
         raise click.ClickException(str(exc)) from exc
     for p in sweep["points"]:  # type: ignore[union-attr]

@@ -21,6 +21,7 @@ from secure_afl.privacy.dp import (
     DpConfig,
     FederationLayout,
     NoisePlan,
+    PrivateStatistics,
     cap_images_per_patient,
     clip_rows,
     plan_noise,
@@ -66,6 +67,7 @@ def run_private_setting(
     progress: Progress,
     *,
     random: RandomSource | None = None,
+    stats: Mapping[str, PrivateStatistics] | None = None,
 ):  # -> runner.SettingResult (imported lazily: the runner imports this module)
     from secure_afl.sim import runner
     from secure_afl.sim.secure import default_threshold
@@ -91,13 +93,9 @@ def run_private_setting(
     )
     plan = plan_noise(dp, layout)
 
-    with timer.phase("statistics"):
-        stats = {
-            name: private_statistics(
-                data.features[rows[k]], data.cohort.labels[rows[k]], dp.clip, device=config.device
-            )
-            for k, name in enumerate(clients)
-        }
+    if stats is None:
+        with timer.phase("statistics"):
+            stats = client_private_statistics(data, config)
     with timer.phase("dp noise"):
         round1 = {
             name: privatize(stats[name].round1(assignment.active[k]), plan, random)
@@ -156,6 +154,22 @@ def run_private_setting(
         protocol_costs=costs,
         privacy=privacy_summary(plan, stats, solve, solve2),
     )
+
+
+def client_private_statistics(data: PreparedData, config: object) -> dict[str, PrivateStatistics]:
+    """Every client's clipped statistics (they depend on the clip bound and the unit, not on ε)."""
+    from secure_afl.sim import runner
+
+    dp: DpConfig = config.dp  # type: ignore[attr-defined]
+    return {
+        runner.client_id(k): private_statistics(
+            data.features[r],
+            data.cohort.labels[r],
+            dp.clip,
+            device=config.device,  # type: ignore[attr-defined]
+        )
+        for k, r in enumerate(_client_rows(data, dp))
+    }
 
 
 def privacy_summary(
@@ -268,16 +282,23 @@ def run_dp_sweep(
         n_clients=config.n_clients,
         split=config.split,
     )
+    stats = client_private_statistics(data, config)
     points = []
+    done = 0
     for missing in config.missing:
         for eps in epsilons:
             timer = runner.PhaseTimer()
             if math.isinf(eps):
-                metrics = _non_private_metrics(data, missing, config)
+                metrics = _non_private_metrics(data, missing, config, stats)
             else:
                 cfg = replace(config, dp=replace(dp, epsilon=eps))
-                setting = run_private_setting(data, missing, cfg, timer, progress or (lambda *a: None))
+                setting = run_private_setting(
+                    data, missing, cfg, timer, progress or (lambda *a: None), stats=stats
+                )
                 metrics = setting.metrics
+            done += 1
+            if progress is not None:
+                progress("ε sweep", done, len(config.missing) * len(epsilons))
             for method, m in metrics.items():
                 points.append(
                     {
@@ -292,21 +313,20 @@ def run_dp_sweep(
     return {"delta": dp.delta, "clip": dp.clip, "unit": dp.unit, "rounds": config.rounds, "points": points}
 
 
-def _non_private_metrics(data: PreparedData, missing: int, config: object) -> dict[str, object]:
+def _non_private_metrics(
+    data: PreparedData, missing: int, config: object, stats: Mapping[str, PrivateStatistics]
+) -> dict[str, object]:
     from secure_afl.analytic import AnalyticClassifier, sum_contributions
 
     dp: DpConfig = config.dp  # type: ignore[attr-defined]
     n_classes = data.cohort.labels.shape[1]
     assignment = assign_partial_labels(config.n_clients, n_classes, missing, seed=config.seed)
     rows = _client_rows(data, dp)
-    stats = [
-        private_statistics(data.features[r], data.cohort.labels[r], dp.clip, device=config.device)
-        for r in rows
-    ]
+    ordered = list(stats.values())
     from secure_afl.privacy.dp_solve import analytic_sums
 
     sums = analytic_sums(
-        sum_contributions(s.round1(assignment.active[k]) for k, s in enumerate(stats)), n_classes
+        sum_contributions(s.round1(assignment.active[k]) for k, s in enumerate(ordered)), n_classes
     )
     model = AnalyticClassifier(n_classes, gamma=config.gamma, balance="global", gram="global").fit(sums)
     name = AFL_DP_1
