@@ -154,7 +154,12 @@ def main() -> None:
     ]  # fmt: skip
     print(table(header, cost_rows))
     print("\n#### Error of the decrypted sums against float64 plaintext sums\n")
-    print(table(["missing", "protection", "max |error| Gram", "max |error| other", "max |sum|"], error_rows))
+    print(
+        table(
+            ["missing", "protection", "max abs error, Gram", "max abs error, other", "max abs sum"],
+            error_rows,
+        )
+    )
 
 
 if __name__ == "__main__":
