@@ -118,8 +118,16 @@ def refine_private(
     *,
     n_classes: int,
     config: PseudoLabelConfig,
+    count_noise_std: Mapping[int, float] | None = None,
 ) -> tuple[AnalyticClassifier, PrivateSolve]:
-    """Round 2 on noisy pseudo-label sums; Eq. 20's δ⁺/δ⁻ applied to the federation's noisy counts."""
+    """Round 2 on noisy pseudo-label sums; Eq. 20's δ⁺/δ⁻ applied to the federation's noisy counts.
+
+    A class qualifies only when both noisy counts exceed δ⁺ (δ⁻) by three noise standard deviations
+    (``count_noise_std``, per class): otherwise noise alone would often pass the thresholds (a count
+    of 0 with noise of std 40 exceeds 5 almost half the time) and a pure-noise pseudo-label sum,
+    divided by a small noisy count, would be added to the class's right-hand side.
+    """
+    stds = count_noise_std or {}
     pseudo: dict[str, dict[str, np.ndarray]] = {}
     qualified = []
     for c in range(n_classes):
@@ -128,7 +136,8 @@ def refine_private(
             continue
         n_pp = round(float(np.asarray(group[f"pseudo_n_pos/{c}"]).ravel()[0]))
         n_pn = round(float(np.asarray(group[f"pseudo_n_neg/{c}"]).ravel()[0]))
-        if n_pp >= config.min_pos and n_pn >= config.min_neg:
+        margin = 3.0 * stds.get(c, 0.0)
+        if n_pp - margin >= config.min_pos and n_pn - margin >= config.min_neg:
             b = (
                 np.asarray(group[f"pseudo_pos_sum/{c}"]) / n_pp
                 - np.asarray(group[f"pseudo_neg_sum/{c}"]) / n_pn

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from secure_afl.analytic import pseudo_group
 from secure_afl.privacy.dp import (
     DpConfig,
     FederationLayout,
@@ -126,8 +127,19 @@ def run_private_setting(
         with timer.phase("aggregation"):
             agg2 = runner.aggregate(round2, config, dropouts={})
         with timer.phase("solve"):
+            count_std = {
+                c: plan.blocks[(pseudo_group(c), "counts")].group_std(len(agg2.survivors[pseudo_group(c)]))
+                for c in range(n_classes)
+                if pseudo_group(c) in agg2.survivors
+            }
             models[AFL_DP_2], solve2 = refine_private(
-                model, converted, agg2.sums, solve, n_classes=n_classes, config=config.pseudo
+                model,
+                converted,
+                agg2.sums,
+                solve,
+                n_classes=n_classes,
+                config=config.pseudo,
+                count_noise_std=count_std,
             )
         members.update(agg2.members)
         survivors.update(agg2.survivors)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from dp_accounting.rdp import RdpAccountant
 
-from secure_afl.analytic import ALL_GROUP, class_group, pseudo_group
+from secure_afl.analytic import ALL_GROUP, PseudoLabelConfig, class_group, pseudo_group
 from secure_afl.privacy.dp import (
     DpConfig,
     DpError,
@@ -24,7 +24,7 @@ from secure_afl.privacy.dp import (
     randomized_round,
     rho_for_epsilon,
 )
-from secure_afl.privacy.dp_solve import analytic_sums, fit_private, ridge_for_noise
+from secure_afl.privacy.dp_solve import analytic_sums, fit_private, refine_private, ridge_for_noise
 from secure_afl.protocol.randomness import DeterministicRandomSource
 from secure_afl.sim.secure import secure_aggregate
 
@@ -306,3 +306,42 @@ def test_server_rebuilds_global_balance_sums_with_counts_floored() -> None:
     out = analytic_sums(sums, 1)
     np.testing.assert_array_equal(out[class_group(0)]["feat_sum"], [4.0, 6.0])
     assert out[class_group(0)]["n_pos/0"][0] == 1.0 and out[class_group(0)]["n"][0] == 9.0
+
+
+def test_round2_qualifies_only_counts_clear_of_the_noise() -> None:
+    from secure_afl.analytic import sum_contributions
+
+    rng = np.random.default_rng(1)
+    active = {"k0": [0], "k1": [1], "k2": [0, 1]}
+    layout = FederationLayout(active=active, n_classes=2, dim=4, threshold=2, rounds=2)
+    plan = plan_noise(DpConfig(epsilon=1.0, clip=1.0), layout)
+    source = DeterministicRandomSource(b"r2")
+    uploads = [
+        privatize(
+            private_statistics(*_data(rng, n=30, d=4, classes=2), 1.0, device="cpu").round1(c), plan, source
+        )
+        for c in active.values()
+    ]
+    model, solve, converted = fit_private(
+        sum_contributions(uploads), plan, n_classes=2, gamma=1.0, gram_survivors=3
+    )
+
+    def pseudo(n_pos: float) -> dict:
+        tensors = {"pseudo_pos_sum/1": np.ones(4), "pseudo_neg_sum/1": np.ones(4)}
+        return {
+            pseudo_group(1): {
+                **tensors,
+                "pseudo_n_pos/1": np.array([n_pos]),
+                "pseudo_n_neg/1": np.array([900.0]),
+            }
+        }
+
+    config = PseudoLabelConfig()
+    # a noisy count of 20 with noise std 40 could be noise alone: refused; 500 is clear of it
+    _, refused = refine_private(
+        model, converted, pseudo(20.0), solve, n_classes=2, config=config, count_noise_std={1: 40.0}
+    )
+    _, taken = refine_private(
+        model, converted, pseudo(500.0), solve, n_classes=2, config=config, count_noise_std={1: 40.0}
+    )
+    assert refused.qualified == () and taken.qualified == (1,)
