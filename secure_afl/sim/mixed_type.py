@@ -263,7 +263,7 @@ def train_fedmt(
     gradient in the logits is ``f − r`` with ``r = A⊙f / Σ A⊙f``, written out instead of autograd.
     No clients (``client_rows=[]``) trains the centre alone.
     """
-    with _single_thread():
+    with single_torch_thread():
         return _train_fedmt(
             features,
             centre_rows,
@@ -281,7 +281,7 @@ def train_fedmt(
 
 
 @contextmanager
-def _single_thread() -> Iterator[None]:
+def single_torch_thread() -> Iterator[None]:
     """One torch thread while training: the per-step matrices are tiny (64 × 1024 × 9), so thread
     hand-offs cost more than they save (measured: 13 ms per step on one thread, 80 ms on two
     contended cores)."""
