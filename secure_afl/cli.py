@@ -244,7 +244,7 @@ def main() -> None:
 )
 @click.option(
     "--centre-n",
-    default="5,10,20,40,80",
+    default="5,20,80",
     show_default=True,
     help="mixed-type: fine-labelled images per class at the centre (comma list, one run each).",
 )
