@@ -127,6 +127,13 @@ class FedNCAModel:
     params: dict[str, np.ndarray]
 
     def predict_proba(self, source: TokenSource, rows: np.ndarray, *, batch_size: int = 256) -> np.ndarray:
+        """``σ(s·h_cᵀm_c + β_c)`` per row and class."""
+        return 1.0 / (1.0 + np.exp(-self.decision_function(source, rows, batch_size=batch_size)))
+
+    def decision_function(
+        self, source: TokenSource, rows: np.ndarray, *, batch_size: int = 256
+    ) -> np.ndarray:
+        """The class logits ``s·h_cᵀm_c + β_c`` (positive exactly when the probability passes 0.5)."""
         etf = torch.as_tensor(self.etf, dtype=torch.float32)
         pe = torch.as_tensor(self.positional, dtype=torch.float32)
         params = {k: torch.as_tensor(v)[None] for k, v in self.params.items()}
@@ -135,7 +142,7 @@ class FedNCAModel:
             for start in range(0, len(rows), batch_size):
                 tokens = torch.as_tensor(source.tokens(np.asarray(rows[start : start + batch_size])))[None]
                 _, logits = _forward(params, tokens, etf, pe, self.heads)
-                out.append(torch.sigmoid(torch.diagonal(logits[0], dim1=1, dim2=2)).double().numpy())
+                out.append(torch.diagonal(logits[0], dim1=1, dim2=2).double().numpy())
         return np.concatenate(out) if out else np.zeros((0, len(self.etf)))
 
 
@@ -392,3 +399,21 @@ def token_source(data: object, *, seed: int, grid: int = 3) -> TokenSource:
     n_classes = data.cohort.labels.shape[1]  # type: ignore[attr-defined]
     owners = signature_owners(features.shape[1], n_classes, seed)
     return SyntheticTokens(features, owners, n_classes, grid=grid, seed=seed)
+
+
+def fednca_scores(
+    data: object,
+    active: Sequence[Sequence[int]],
+    config: FedNCAConfig = FedNCAConfig(),
+    *,
+    progress: Callable[[int], None] | None = None,
+) -> np.ndarray:
+    """Train FedNCA-ML on the simulator's clients and return its test-set logits (rows × C).
+
+    ``data`` is a :class:`secure_afl.sim.datasets.PreparedData`; ``active[k]`` client k's classes.
+    """
+    source = token_source(data, seed=config.seed)
+    clients = list(data.split.clients)  # type: ignore[attr-defined]
+    labels = [data.cohort.labels[rows] for rows in clients]  # type: ignore[attr-defined]
+    model = train_fednca(source, clients, labels, active, config, progress=progress)
+    return model.decision_function(source, data.split.test)  # type: ignore[attr-defined]
