@@ -36,13 +36,27 @@ def _parse_missing(value: str) -> tuple[int, ...]:
     return tuple(dict.fromkeys(levels))  # each setting once, in the order given
 
 
+def _parse_baselines(value: str) -> tuple[str, ...]:
+    from secure_afl.sim.runner import BASELINES
+
+    by_lower = {name.lower(): name for name in BASELINES}
+    chosen = []
+    for part in filter(None, (p.strip() for p in value.split(","))):
+        if part.lower() not in by_lower:
+            raise click.BadParameter(f"unknown baseline {part!r}: choose from {', '.join(BASELINES)}")
+        chosen.append(by_lower[part.lower()])
+    return tuple(dict.fromkeys(chosen))
+
+
 def _sim_errors() -> tuple[type[Exception], ...]:
     from secure_afl.features.backbones import UnknownBackboneError, WeightsError
     from secure_afl.features.images import CorruptImageError, ImagesNotFoundError
     from secure_afl.privacy.dp import DpError
+    from secure_afl.sim.fednca import FedNCAError
 
     return (
         DpError,
+        FedNCAError,
         PartialLabelError,
         ExperimentError,
         StatisticsError,
@@ -149,7 +163,17 @@ def main() -> None:
     "--dim", type=click.IntRange(min=1), default=1024, show_default=True, help="Synthetic feature dimension."
 )
 @click.option(
-    "--fedavg-rounds", type=click.IntRange(min=1), default=50, show_default=True, help="FedAvg rounds."
+    "--fedavg-rounds",
+    type=click.IntRange(min=1),
+    default=50,
+    show_default=True,
+    help="Rounds of FedAvg and of the --baselines.",
+)
+@click.option(
+    "--baselines",
+    default="",
+    callback=lambda ctx, param, value: _parse_baselines(value),
+    help="Extra gradient methods after FedAvg, a comma list: fednca-ml (FedNCA-ML on spatial tokens).",
 )
 @click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda.")
 @click.option(
@@ -286,6 +310,7 @@ def sim(
     fraction: float,
     dim: int,
     fedavg_rounds: int,
+    baselines: tuple[str, ...],
     device: str,
     dataset: str,
     data_dir: Path | None,
@@ -399,6 +424,7 @@ def sim(
             device=device,
             images=source,
             fedavg=dataclasses.replace(FedAvgConfig(), rounds=fedavg_rounds, seed=seed),
+            baselines=baselines,
             dp=dp,
         )
         if dp_sweep:

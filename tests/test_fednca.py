@@ -178,3 +178,21 @@ def test_fednca_learns_a_class_located_at_one_token() -> None:
     assert min(aucs) > 0.8, aucs
     with pytest.raises(FedNCAError, match="equal size"):
         train_fednca(source, [np.arange(5), np.arange(6)], labels, [[0], [1]], config)
+
+
+def test_sim_baselines_fednca_ml_adds_its_row(tmp_path) -> None:
+    import json
+
+    from click.testing import CliRunner
+
+    from secure_afl.cli import main
+
+    args = ["sim", "--missing", "7", "--secure", "none", "--rounds", "1", "--baselines", "fednca-ml"]
+    args += ["--fraction", "0.05", "--dim", "16", "--fedavg-rounds", "1", "--out", str(tmp_path)]
+    result = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert "FedNCA-ML" in result.output
+    metrics = json.loads((tmp_path / "results.json").read_text())["settings"][0]["metrics"]["FedNCA-ML"]
+    assert 0 <= metrics["macro"]["auc"] <= 1 and 0 <= metrics["macro"]["bacc"] <= 1
+    bad = CliRunner().invoke(main, ["sim", "--baselines", "fednca", "--out", str(tmp_path)])
+    assert bad.exit_code == 2 and "unknown baseline 'fednca'" in bad.output

@@ -50,6 +50,8 @@ AFL_2 = "AFL (2 rounds)"
 AFL_GLOBAL_BALANCE = "AFL (global balance)"
 AFL_GLOBAL_GRAM = "AFL (global Gram)"
 FEDAVG = "FedAvg"
+FEDNCA = "FedNCA-ML"
+BASELINES = (FEDNCA,)  # the extra gradient methods --baselines can add
 METHOD_UPLOADS = {
     AFL_1: uploaded_by(),
     AFL_2: uploaded_by(round2=True),
@@ -96,6 +98,7 @@ class SimConfig:
     dp: DpConfig | None = None  # differential privacy (secure_afl/sim/dp_run.py); None: off
     pseudo: PseudoLabelConfig = field(default_factory=PseudoLabelConfig)
     fedavg: FedAvgConfig = field(default_factory=FedAvgConfig)
+    baselines: tuple[str, ...] = ()  # names from BASELINES, trained after FedAvg
 
     def validate(self) -> None:
         for m in self.missing:
@@ -124,6 +127,9 @@ class SimConfig:
             raise ExperimentError(
                 f"client policy must be simulator or deployment, got {self.client_policy!r}"
             )
+        unknown = [b for b in self.baselines if b not in BASELINES]
+        if unknown:
+            raise ExperimentError(f"unknown baselines {unknown}: choose from {', '.join(BASELINES)}")
         if self.dropout_stage not in ("R1", "R2", "R3"):
             raise ExperimentError(f"dropout stage must be R1, R2 or R3, got {self.dropout_stage!r}")
         if self.dp is not None:
@@ -447,13 +453,29 @@ def run_setting(
             config.fedavg,
             progress=lambda done: progress(f"FedAvg, missing {missing}", done, config.fedavg.rounds),
         )
+    extra: dict[str, np.ndarray] = {}
+    if FEDNCA in config.baselines:
+        from secure_afl.sim.fednca import FedNCAConfig, fednca_scores
+
+        with timer.phase("baselines"):
+            nca = FedNCAConfig(rounds=config.fedavg.rounds, seed=config.seed)
+            scores = fednca_scores(
+                data,
+                assignment.active,
+                nca,
+                progress=lambda done: progress(f"FedNCA-ML, missing {missing}", done, nca.rounds),
+            )
+            extra[FEDNCA] = 1.0 / (1.0 + np.exp(-scores))
     with timer.phase("metrics"):
         metrics = {name: evaluate(test_y, model.predict_proba(test_x)) for name, model in models.items()}
         metrics[FEDAVG] = evaluate(test_y, head.predict_proba(test_x))
         for name, model in other_models.items():
             metrics[name] = evaluate(test_y, model.predict_proba(test_x))
+        metrics.update({name: evaluate(test_y, proba) for name, proba in extra.items()})
     ordered = {
-        m: metrics[m] for m in (AFL_1, AFL_2, AFL_GLOBAL_BALANCE, AFL_GLOBAL_GRAM, FEDAVG) if m in metrics
+        m: metrics[m]
+        for m in (AFL_1, AFL_2, AFL_GLOBAL_BALANCE, AFL_GLOBAL_GRAM, FEDAVG, *BASELINES)
+        if m in metrics
     }
     ordered.update({m: metrics[m] for m in sorted(other_models)})
     uploads = {c: {**groups, **round2.get(c, {})} for c, groups in round1.items()}
