@@ -56,3 +56,31 @@ def test_each_exposure_in_the_audit_was_seen_by_the_exposed_client(default) -> N
             assert any(
                 f"{tensor!r} for" in line and client in line.split(" for ")[-1] for line in seen[client]
             )
+
+
+def test_the_in_process_driver_honours_the_deployment_policy() -> None:
+    """secure_aggregate under ClientPolicy.deployment(): clients refuse an exposing layout themselves."""
+    import numpy as np
+
+    from secure_afl.privacy.policy import ClientPolicy
+    from secure_afl.protocol.errors import ExposureRefusedError, InvalidSessionConfigError
+    from secure_afl.protocol.randomness import DeterministicRandomSource
+    from secure_afl.sim.secure import secure_aggregate
+
+    rng = np.random.default_rng(3)
+    ids = [f"c{i}" for i in range(6)]
+    # Leave-one-out groups over 6 clients: with everyone alive the 6 sums isolate every value.
+    contributions = {
+        c: {f"g{k}": {"x": v} for k in range(6) if ids[k] != c}
+        for c, v in ((c, rng.normal(size=3)) for c in ids)
+    }
+    with pytest.raises(ExposureRefusedError, match="'x'"):
+        secure_aggregate(
+            contributions, threshold=5, min_group_size=2, client_policy=ClientPolicy.deployment(),
+            random=DeterministicRandomSource(b"dep"),
+        )  # fmt: skip
+    with pytest.raises(InvalidSessionConfigError, match="below this client's minimum 5"):
+        secure_aggregate(contributions, threshold=4, client_policy=ClientPolicy.deployment())
+    result = secure_aggregate(contributions, threshold=4, random=DeterministicRandomSource(b"sim"))
+    assert set(result.exposed["x"]) == set(ids)  # the simulator goes on, and its clients say so
+    assert set(result.audit.seen_by_clients()) == set(ids)

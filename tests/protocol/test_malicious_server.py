@@ -662,3 +662,27 @@ def test_oversized_or_overfull_configs_are_refused_in_r0_with_bounded_work() -> 
         assert time.perf_counter() - started < 3.0  # about 0.3 s at worst on one core
         assert type(wire.refusals["c0"].error) is error
         wire.assert_nothing_leaked("c0")
+
+
+def test_two_concurrent_sessions_over_one_input_cannot_both_pass_the_ledger() -> None:
+    """Attack 2 in parallel: both sessions reach R3 before either is recorded; the ledger's check and
+    record are one step, so the second survivor set (without c0) meets the first session's record."""
+    fed = federation(5)
+    ledgers = {cid: MemoryLedger() for cid in fed.ids}
+    config = {
+        sid: config_for(fed, threshold=4, min_group_size=2, session_id=sid * 32) for sid in (b"A", b"B")
+    }
+    first = ServerSession(fed.roster, config[b"A"])
+    second = ServerSession(fed.roster, config[b"B"])
+    wire_a = Wire(clients_for(fed, policy=DEPLOYMENT, ledgers=ledgers, seed=b"a"))
+    wire_b = Wire(clients_for(fed, policy=DEPLOYMENT, ledgers=ledgers, seed=b"b"))
+    requests_a = run(first, wire_a, until="R2")
+    run(second, wire_b, until="R2", discard_masked_input_of={"c0"})  # c0 "dropped after R2" in B
+    for cid, request in sorted(requests_a.items()):  # session A signs U3 = everyone: recorded
+        assert wire_a.deliver(cid, "R3", request)
+    without_c0 = ConsistencyCheckRequest(config[b"B"].session_id, fed.ids[1:])
+    for cid in fed.ids[1:]:
+        assert wire_b.deliver(cid, "R3", without_c0) == []
+        assert wire_b.refusals[cid].round == "R3"
+        assert type(wire_b.refusals[cid].error) is HistoryExposureRefusedError
+        wire_b.assert_nothing_leaked(cid)
