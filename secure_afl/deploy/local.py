@@ -284,26 +284,70 @@ class ProcessGroups:
         with contextlib.suppress(subprocess.TimeoutExpired):
             child.process.wait(timeout=10)
 
+    def groups(self) -> set[int]:
+        """Every process group of the children and of their descendants.
+
+        The SuperLink starts its ``flower-superexec`` in a new session (another group), so the
+        groups of descendants are collected too (from ``/proc`` where there is one).
+        """
+        pgids = {child.process.pid for child in self.children}
+        for pid in _descendants({child.process.pid for child in self.children}):
+            with contextlib.suppress(OSError):
+                pgids.add(os.getpgid(pid))
+        pgids.discard(os.getpgid(0))  # never our own group
+        return pgids
+
     def stop_all(self, grace: float = 5.0) -> None:
-        for child in reversed(self.children):
-            _kill_group(child.process.pid, signal.SIGTERM)
+        groups = self.groups()
+        for pgid in groups:
+            _kill_group(pgid, signal.SIGTERM)
         deadline = time.monotonic() + grace
         for child in self.children:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
-        for child in self.children:
-            _kill_group(child.process.pid, signal.SIGKILL)  # stragglers: superexec, app processes
-        for child in self.children:
+        groups |= self.groups()
+        for pgid in groups:
+            _kill_group(pgid, signal.SIGKILL)  # stragglers: superexec, app processes
+        for pgid in groups:
             for _ in range(100):
-                if not _group_alive(child.process.pid):
+                if not _group_alive(pgid):
                     break
                 time.sleep(0.05)
+        for child in self.children:
             if child.process.poll() is None:  # pragma: no cover
                 child.process.kill()
                 child.process.wait(timeout=5)
+        self._stopped = groups
 
-    def alive(self) -> list[str]:
-        return [child.name for child in self.children if _group_alive(child.process.pid)]
+    def alive(self) -> list[int]:
+        """Process groups (of children or their descendants) with a live process."""
+        known = self.groups() | getattr(self, "_stopped", set())
+        return sorted(pgid for pgid in known if _group_alive(pgid))
+
+
+def _descendants(roots: set[int]) -> set[int]:
+    """Live descendants of ``roots`` (Linux ``/proc``; empty elsewhere)."""
+    parent: dict[int, int] = {}
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return set()
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        parent[int(entry.name)] = int(fields[1])
+    found: set[int] = set()
+    frontier = set(roots)
+    for _ in range(64):  # bounded depth
+        children = {pid for pid, ppid in parent.items() if ppid in frontier and pid not in found}
+        if not children:
+            break
+        found |= children
+        frontier = children
+    return found
 
 
 def _kill_group(pgid: int, sig: signal.Signals) -> None:
@@ -549,7 +593,7 @@ def run_local(
             signal.signal(signal.SIGTERM, previous_term)
         left = children.alive()
         if left:  # pragma: no cover
-            say(f"WARNING: processes still running in groups {left}")
+            say(f"WARNING: processes still running in process groups {left}")
 
 
 def _pump(stream: IO[bytes] | None, log: Path, lines: queue.Queue[str | None]) -> None:

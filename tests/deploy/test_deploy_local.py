@@ -62,17 +62,20 @@ def test_deploy_local_with_tls_auth_and_a_dropout_equals_the_simulation(tmp_path
     print(f"deploy local took {time.monotonic() - started:.0f} s")
 
 
-def test_process_groups_stop_grandchildren(tmp_path: Path) -> None:
+def test_process_groups_stop_grandchildren_even_in_new_sessions(tmp_path: Path) -> None:
     groups = ProcessGroups(dict(os.environ))
     marker = f"secure-afl-test-{os.getpid()}"
-    child = groups.start(
-        "shell", ["sh", "-c", f"sleep 300 & sleep 301 & echo {marker}; wait"], tmp_path / "log"
-    )
-    for _ in range(100):
+    # A grandchild in the same group, and one that starts its own session (as the SuperLink's
+    # flower-superexec does), which a process-group kill alone would miss.
+    escapee = f"import os, time; os.setsid(); print('{marker}', flush=True); time.sleep(300)"
+    script = f'sleep 300 & {sys.executable} -c "{escapee}" & wait'
+    child = groups.start("shell", ["sh", "-c", script], tmp_path / "log")
+    for _ in range(200):
         if marker in (tmp_path / "log").read_text():
             break
         time.sleep(0.05)
     assert os.getpgid(child.process.pid) == child.process.pid  # its own group, not ours
+    assert len(groups.groups()) == 2  # the shell's group and the escapee's
     groups.stop_all(grace=1)
     assert groups.alive() == []
     with pytest.raises(ProcessLookupError):
