@@ -2,8 +2,9 @@
 
 One run (about three minutes on 2 cores shared with other work; R1 waits the 30 s round timeout
 for the killed node, and a shorter timeout let live nodes time out under load): client-2's
-SuperNode is killed when it receives round R1; the deployed classifier must equal the in-process simulation's over the 3 survivors bit
-for bit, every survivor must hold the same classifier, and no process may be left behind.
+SuperNode is killed when it receives round R1; the deployed classifier must equal the in-process
+simulation's over the 3 survivors bit for bit, every survivor must hold the same classifier, and no
+process may be left behind.
 """
 
 from __future__ import annotations
