@@ -3,8 +3,9 @@
 Run by hand:  python bench/bench_sim.py [--repeats 3] [--missing 7] [--secure none,mask]
 
 Prints one markdown row per protection: the median over the repeats of each phase (data,
-statistics, aggregation, solve, FedAvg, metrics) and of the whole run, as `run_experiment` times
-them, plus the wall time of the process-level call.
+statistics, aggregation, solve, the wait for the gradient methods, metrics) and of the whole run, as
+`run_experiment` times them, the wall seconds of FedAvg's training in its worker process (it runs
+beside the AFL phases, see secure_afl/sim/gradient.py), plus the wall time of the process-level call.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import time
 
 from secure_afl.sim.runner import SimConfig, run_experiment
 
-PHASES = ("data", "statistics", "aggregation", "solve", "fedavg", "metrics")
+PHASES = ("data", "statistics", "aggregation", "solve", "gradient methods (wait)", "metrics")
 
 
 def main() -> None:
@@ -28,18 +29,19 @@ def main() -> None:
     args = parser.parse_args()
     missing = tuple(int(m) for m in args.missing.split(","))
     print(f"secure-afl sim --missing {args.missing}: median of {args.repeats} runs, seconds\n")
-    print("| protection | " + " | ".join(PHASES) + " | total | wall |")
-    print("|---|" + "---|" * (len(PHASES) + 2))
+    print("| protection | " + " | ".join(PHASES) + " | total | FedAvg (worker) | wall |")
+    print("|---|" + "---|" * (len(PHASES) + 3))
     for secure in args.secure.split(","):
         runs = []
         for _ in range(args.repeats):
             start = time.perf_counter()
             result = run_experiment(SimConfig(missing=missing, secure=secure))  # type: ignore[arg-type]
-            runs.append({**result.seconds, "wall": time.perf_counter() - start})
-        median = {k: statistics.median(r.get(k, 0.0) for r in runs) for k in (*PHASES, "wall")}
+            fedavg = sum(s.method_seconds.get("FedAvg", 0.0) for s in result.settings)
+            runs.append({**result.seconds, "FedAvg": fedavg, "wall": time.perf_counter() - start})
+        median = {k: statistics.median(r.get(k, 0.0) for r in runs) for k in (*PHASES, "FedAvg", "wall")}
         total = sum(median[p] for p in PHASES)
         cells = " | ".join(f"{median[p]:.2f}" for p in PHASES)
-        print(f"| {secure} | {cells} | {total:.2f} | {median['wall']:.2f} |")
+        print(f"| {secure} | {cells} | {total:.2f} | {median['FedAvg']:.2f} | {median['wall']:.2f} |")
 
 
 if __name__ == "__main__":

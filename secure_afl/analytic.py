@@ -18,17 +18,33 @@ A tensor name denotes the same client value wherever it appears: ``gram`` sent t
 same ``G_k`` twice.  The privacy audit relies on that to work out what the group sums reveal.
 
 The server adds ``γI`` once (Eq. 15) and solves each class by Cholesky (Eq. 17); it never forms an
-inverse.  Prediction is positive when ``σ(h·w_c) > 0.5``.
+inverse.  Prediction is positive when ``σ(h·w_c) > 0.5``, i.e. when the score ``h·w_c > 0``.
+
+Active classes (``AC_k``) are given either as class indices or as a boolean mask of length ``C``
+(:func:`active_class_indices`); anything else is refused.
+
+**Undefined Eq. 9.**  A class that a client labels but where it has no positive (or no negative)
+sample has ``N⁺ = 0`` (or ``N⁻ = 0``) and Eq. 9 divides by zero.  The convention here: the empty
+side's term is dropped (its targets stay 0), so ``b_{k,c}`` is minus the mean of the negatives (or
+the mean of the positives) alone.  When a whole class has no positive across ``S_c`` the class is
+then fitted against negatives only and will be predicted all-negative.  Both cases raise
+:class:`UndefinedBalanceWarning` (the simulator reports them per run).
+
+**Round 2's threshold.**  With the ``±1/N`` targets of Eq. 9 the fitted scores are ``O(1/N)``, so
+``σ(h·w_c)`` stays near 0.5 and never passes the paper's ``τ = 0.7``: round 2 as written adds no
+pseudo-label.  :meth:`AnalyticClassifier.rescaled_scores` gives the documented variant that makes
+``τ`` meaningful without looking at any test data (see there).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
-import scipy.special
 import torch
 
 Balance = Literal["client", "global"]
@@ -41,6 +57,70 @@ ALL_GROUP = "all"
 
 class StatisticsError(ValueError):
     """Features, labels or statistics that cannot be used (wrong shape, non-finite, missing class)."""
+
+
+class UndefinedBalanceWarning(UserWarning):
+    """Eq. 9 is undefined for a labelled class with no positive (or no negative) sample."""
+
+
+def _warn_undefined(c: int, n_pos: int, n: int, where: str) -> None:
+    side = "no positive" if n_pos == 0 else "no negative"
+    consequence = " and the class will be predicted all-negative" if n_pos == 0 else ""
+    warnings.warn(
+        f"{where}: class {c} is labelled but has {side} sample (of {n}), so Eq. 9 is undefined; the "
+        f"empty side's term is dropped{consequence}",
+        UndefinedBalanceWarning,
+        stacklevel=3,
+    )
+
+
+def active_class_indices(active: Sequence[int] | Sequence[bool] | np.ndarray, n_classes: int) -> list[int]:
+    """The sorted class indices of ``active``: class indices, or a boolean mask of length ``n_classes``.
+
+    ``[False, False, True]`` is a mask (class 2), never the classes 0 and 1 that reading each
+    boolean as an integer would give.
+    """
+    if isinstance(active, (set, frozenset)):
+        active = sorted(active)
+    items = list(active) if not isinstance(active, np.ndarray) else None
+    flags = [isinstance(x, (bool, np.bool_)) for x in items or ()]
+    if any(flags) and not all(flags):
+        raise StatisticsError(
+            f"active classes mix booleans and integers ({items!r}): pass class indices or a boolean mask"
+        )
+    array = np.asarray(active if items is None else items)
+    if array.dtype == bool:
+        if array.shape != (n_classes,):
+            raise StatisticsError(
+                f"a boolean mask of active classes needs one entry per class ({n_classes}), got shape "
+                f"{array.shape}; or pass the class indices"
+            )
+        return np.flatnonzero(array).tolist()
+    if array.size == 0:
+        return []
+    if array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):
+        raise StatisticsError(
+            f"active classes must be class indices (integers) or a boolean mask of length {n_classes}, "
+            f"got {active!r}"
+        )
+    out = sorted({int(c) for c in array})
+    bad = [c for c in out if not 0 <= c < n_classes]
+    if bad:
+        raise StatisticsError(f"active classes {bad} are outside 0..{n_classes - 1}")
+    return out
+
+
+@contextmanager
+def _one_thread() -> Iterator[None]:
+    """Small factorisations and skinny products on one torch thread: at 1024×1024 a second OpenMP
+    thread saves little, and on a shared machine waiting for a busy core makes them many times
+    slower.  (The Gram's large products keep every thread.)"""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def class_group(c: int) -> str:
@@ -118,12 +198,28 @@ class ClientStatistics:
         return self.feat_sum.shape[0]
 
     def balanced_projection(self, c: int) -> np.ndarray:
-        """``b_{k,c} = H_kᵀ y_{k,c}`` with the balanced labels of Eq. 9 (Eq. 14)."""
-        return _balanced_projection(self.pos_sum[:, c], self.feat_sum, int(self.n_pos[c]), self.n)
+        """``b_{k,c} = H_kᵀ y_{k,c}`` with the balanced labels of Eq. 9 (Eq. 14).
+
+        Warns (:class:`UndefinedBalanceWarning`) when the class has no positive or no negative here.
+        """
+        n_pos = int(self.n_pos[c])
+        if n_pos in (0, self.n):
+            _warn_undefined(c, n_pos, self.n, "client statistics")
+        return _balanced_projection(self.pos_sum[:, c], self.feat_sum, n_pos, self.n)
+
+    def undefined_classes(self, active: Sequence[int] | Sequence[bool] | np.ndarray) -> dict[int, str]:
+        """Active classes where Eq. 9 is undefined here: ``{c: "no positive" | "no negative"}``."""
+        out = {}
+        for c in active_class_indices(active, self.pos_sum.shape[1]):
+            if int(self.n_pos[c]) == 0:
+                out[c] = "no positive"
+            elif int(self.n_pos[c]) == self.n:
+                out[c] = "no negative"
+        return out
 
     def contributions(
         self,
-        active: Sequence[int],
+        active: Sequence[int] | Sequence[bool] | np.ndarray,
         *,
         balance: Balance = "client",
         gram: GramScope = "class",
@@ -131,9 +227,10 @@ class ClientStatistics:
     ) -> Contributions:
         """What this client uploads in round 1, as ``{group: {tensor: float64 array}}``.
 
-        ``include_global_gram`` adds the ``all`` group (round 2 needs it).
+        ``active``: class indices or a boolean mask of length C.  ``include_global_gram`` adds the
+        ``all`` group (round 2 needs it).
         """
-        active = _check_active(active, self.pos_sum.shape[1])
+        active = active_class_indices(active, self.pos_sum.shape[1])
         _check_options(balance, gram)
         out: Contributions = {}
         for c in active:
@@ -183,7 +280,7 @@ def client_statistics(
         if d is None:
             d = batch.shape[1]
             gram_t = torch.zeros((d, d), dtype=torch.float64, device=dev)
-            pos_t = torch.zeros((d, labels.shape[1]), dtype=torch.float64, device=dev)
+            pos_t = torch.zeros((labels.shape[1], d), dtype=torch.float64, device=dev)  # YᵀH
             sum_t = torch.zeros(d, dtype=torch.float64, device=dev)
         rows = len(batch)
         if seen + rows > len(labels):
@@ -193,7 +290,7 @@ def client_statistics(
         h = torch.as_tensor(batch, device=dev).to(torch.float64)
         y = torch.as_tensor(labels[seen : seen + rows], device=dev).to(torch.float64)
         gram_t.addmm_(h.T, h)
-        pos_t.addmm_(h.T, y)
+        pos_t.addmm_(y.T, h)  # YᵀH keeps the long axis contiguous: several times faster than HᵀY
         sum_t.add_(h.sum(dim=0))
         seen += rows
     if d is None:
@@ -206,22 +303,25 @@ def client_statistics(
     return ClientStatistics(
         gram=gram,
         feat_sum=sum_t.cpu().numpy(),
-        pos_sum=pos_t.cpu().numpy(),
+        pos_sum=pos_t.T.contiguous().cpu().numpy(),
         n=seen,
         n_pos=labels.sum(axis=0).astype(np.int64),
     )
 
 
-def balanced_labels(labels: np.ndarray, active: Sequence[int]) -> np.ndarray:
+def balanced_labels(labels: np.ndarray, active: Sequence[int] | Sequence[bool] | np.ndarray) -> np.ndarray:
     """Eq. 9: ``+1/N⁺`` for positives, ``−1/N⁻`` for negatives of active classes, 0 for missing ones.
 
-    A class with no positive (or no negative) sample locally has that side's term left at zero.
+    A class with no positive (or no negative) sample locally has that side's term left at zero, with
+    an :class:`UndefinedBalanceWarning`.
     """
     labels = _check_labels(labels)
     out = np.zeros(labels.shape, dtype=np.float64)
-    for c in _check_active(active, labels.shape[1]):
+    for c in active_class_indices(active, labels.shape[1]):
         pos = labels[:, c]
         n_pos, n_neg = int(pos.sum()), int((~pos).sum())
+        if not n_pos or not n_neg:
+            _warn_undefined(c, n_pos, len(pos), "balanced labels")
         if n_pos:
             out[pos, c] = 1.0 / n_pos
         if n_neg:
@@ -237,14 +337,6 @@ def _balanced_projection(pos_sum: np.ndarray, feat_sum: np.ndarray, n_pos: int, 
     if n - n_pos:
         b -= (feat_sum - pos_sum) / (n - n_pos)
     return b
-
-
-def _check_active(active: Sequence[int], n_classes: int) -> list[int]:
-    out = sorted({int(c) for c in active})
-    bad = [c for c in out if not 0 <= c < n_classes]
-    if bad:
-        raise StatisticsError(f"active classes {bad} are outside 0..{n_classes - 1}")
-    return out
 
 
 @dataclass(frozen=True)
@@ -267,66 +359,122 @@ class PseudoLabelReport:
     qualified: bool
 
 
+PSEUDO_TENSOR = "b_pseudo"  # the paper's round 2 (Eq. 21)
+PSEUDO_TENSOR_RESCALED = "b_pseudo_rescaled"  # the same rule on rescaled scores (not in the paper)
+
+
+@dataclass(frozen=True)
+class PseudoScoreRule:
+    """What the server sent for round 2: clients score ``h·coef + offset`` and apply Eq. 19.
+
+    The paper: the round-1 classifier, no offset, tensor ``b_pseudo``.  The rescaled-τ variant:
+    :meth:`AnalyticClassifier.rescaled_scores`, tensor ``b_pseudo_rescaled``.
+    """
+
+    coef: np.ndarray
+    offset: np.ndarray | None = None
+    tensor: str = PSEUDO_TENSOR
+
+
 def pseudo_label_contributions(
     features: np.ndarray | Iterable[np.ndarray],
     coef: np.ndarray,
-    active: Sequence[int],
+    active: Sequence[int] | Sequence[bool] | np.ndarray,
     *,
     config: PseudoLabelConfig = PseudoLabelConfig(),
     batch_size: int = 4096,
     device: str = "auto",
+    tensor: str = PSEUDO_TENSOR,
+    offset: np.ndarray | None = None,
 ) -> tuple[Contributions, list[PseudoLabelReport]]:
     """Round 2 for one client (Eq. 18–21): pseudo-label projections for each missing class.
 
-    Every missing class gets a ``pseudo/<c>`` contribution; a class that fails the minimum counts of
-    Eq. 20 contributes zeros, so an observer of the upload cannot tell who qualified.
+    Every missing class gets a ``pseudo/<c>`` contribution (tensor ``<tensor>/<c>``); a class that
+    fails the minimum counts of Eq. 20 contributes zeros, so an observer of the upload cannot tell
+    who qualified.  The client scores ``h·coef + offset`` with what the server sent (see
+    :class:`PseudoScoreRule`).
     """
-    coef = np.asarray(coef, dtype=np.float64)
-    if coef.ndim != 2:
-        raise StatisticsError(f"coef must be d×C, got shape {coef.shape}")
-    n_classes = coef.shape[1]
-    active = _check_active(active, n_classes)
+    out, reports = pseudo_label_rounds(
+        features,
+        [PseudoScoreRule(coef, offset, tensor)],
+        active,
+        config=config,
+        batch_size=batch_size,
+        device=device,
+    )
+    return out, reports[tensor]
+
+
+def pseudo_label_rounds(
+    features: np.ndarray | Iterable[np.ndarray],
+    rules: Sequence[PseudoScoreRule],
+    active: Sequence[int] | Sequence[bool] | np.ndarray,
+    *,
+    config: PseudoLabelConfig = PseudoLabelConfig(),
+    batch_size: int = 4096,
+    device: str = "auto",
+) -> tuple[Contributions, dict[str, list[PseudoLabelReport]]]:
+    """:func:`pseudo_label_contributions` for several rules in one pass over the features.
+
+    Returns the contributions (every rule's tensors in the ``pseudo/<c>`` groups) and the reports
+    per rule's tensor name.
+    """
+    if not rules or len({r.tensor for r in rules}) != len(rules):
+        raise StatisticsError("give at least one rule, each with its own tensor name")
+    coefs = [np.asarray(r.coef, dtype=np.float64) for r in rules]
+    if any(c.ndim != 2 or c.shape != coefs[0].shape for c in coefs):
+        raise StatisticsError(f"coef must be d×C (the same for every rule), got {[c.shape for c in coefs]}")
+    d, n_classes = coefs[0].shape
+    active = active_class_indices(active, n_classes)
     missing = [c for c in range(n_classes) if c not in active]
+    m = len(missing)
     dev = resolve_device(device)
-    w = torch.as_tensor(coef[:, missing], device=dev)
-    d = coef.shape[0]
-    pp_sum = torch.zeros((d, len(missing)), dtype=torch.float64, device=dev)
-    pn_sum = torch.zeros_like(pp_sum)
-    n_pp = torch.zeros(len(missing), dtype=torch.float64, device=dev)
-    n_pn = torch.zeros_like(n_pp)
+    w = torch.as_tensor(np.concatenate([c[:, missing] for c in coefs], axis=1), device=dev)
+    offsets = [np.zeros(n_classes) if r.offset is None else np.asarray(r.offset, np.float64) for r in rules]
+    shift = torch.as_tensor(np.concatenate([o[missing] for o in offsets]), device=dev)
+    # rows: the pseudo-positive then the pseudo-negative feature sums of every (rule, class)
+    sums = torch.zeros((2 * len(rules) * m, d), dtype=torch.float64, device=dev)
+    counts = torch.zeros(2 * len(rules) * m, dtype=torch.float64, device=dev)
     for batch in _as_batches(features, batch_size):
         batch = np.asarray(batch)
         _check_batch(batch, d)
         h = torch.as_tensor(batch, device=dev).to(torch.float64)
-        p = torch.sigmoid(h @ w)
-        pos = (p > config.tau).to(torch.float64)
-        neg = (p < 1 - config.tau).to(torch.float64)
-        pp_sum.addmm_(h.T, pos)
-        pn_sum.addmm_(h.T, neg)
-        n_pp += pos.sum(dim=0)
-        n_pn += neg.sum(dim=0)
-    out: Contributions = {}
-    reports: list[PseudoLabelReport] = []
-    for j, c in enumerate(missing):
-        npp, npn = int(n_pp[j].item()), int(n_pn[j].item())
-        qualified = npp >= config.min_pos and npn >= config.min_neg
-        b = np.zeros(d)
-        if qualified:
-            b = (pp_sum[:, j] / npp - pn_sum[:, j] / npn).cpu().numpy()
-        out[pseudo_group(c)] = {f"b_pseudo/{c}": b}
-        reports.append(PseudoLabelReport(c, npp, npn, qualified))
+        with _one_thread():
+            p = torch.sigmoid(h @ w + shift)
+        chosen = torch.cat([p > config.tau, p < 1 - config.tau], dim=1).to(torch.float64)
+        with _one_thread():
+            sums.addmm_(chosen.T, h)  # (selection)ᵀ·H: the long axis stays contiguous
+        counts += chosen.sum(dim=0)
+    out: Contributions = {pseudo_group(c): {} for c in missing}
+    reports: dict[str, list[PseudoLabelReport]] = {}
+    n_rules = len(rules)
+    for i, rule in enumerate(rules):
+        reports[rule.tensor] = []
+        for j, c in enumerate(missing):
+            pos, neg = i * m + j, n_rules * m + i * m + j
+            npp, npn = int(counts[pos].item()), int(counts[neg].item())
+            qualified = npp >= config.min_pos and npn >= config.min_neg
+            b = np.zeros(d)
+            if qualified:
+                b = (sums[pos] / npp - sums[neg] / npn).cpu().numpy()
+            out[pseudo_group(c)][f"{rule.tensor}/{c}"] = b
+            reports[rule.tensor].append(PseudoLabelReport(c, npp, npn, qualified))
     return out, reports
 
 
 def uploaded_by(
-    *, balance: Balance = "client", gram: GramScope = "class", round2: bool = False
+    *,
+    balance: Balance = "client",
+    gram: GramScope = "class",
+    round2: bool = False,
+    pseudo_tensor: str = PSEUDO_TENSOR,
 ) -> Callable[[str, str], bool]:
     """Which (group, tensor) pairs one configuration of the method sums (the per-method audit uses it)."""
     _check_options(balance, gram)
 
     def needed(group: str, tensor: str) -> bool:
         if group.startswith("pseudo/"):
-            return round2
+            return round2 and tensor.startswith(pseudo_tensor + "/")
         if group == ALL_GROUP:
             return gram == "global" or round2
         if tensor == "gram":
@@ -365,7 +513,8 @@ def sum_contributions(contributions: Iterable[Contributions]) -> Contributions:
 def _cholesky(a: np.ndarray, what: str) -> torch.Tensor:
     """Lower Cholesky factor, in float64 with torch (scipy's LAPACK fights torch's threads for cores)."""
     matrix = torch.as_tensor(a, dtype=torch.float64)
-    factor, info = torch.linalg.cholesky_ex(matrix)
+    with _one_thread():
+        factor, info = torch.linalg.cholesky_ex(matrix)
     if int(info) != 0 or not torch.isfinite(matrix).all():
         raise StatisticsError(
             f"{what}: the regularised Gram matrix is not positive definite; "
@@ -376,7 +525,8 @@ def _cholesky(a: np.ndarray, what: str) -> torch.Tensor:
 
 def _cho_solve(factor: torch.Tensor, b: np.ndarray) -> np.ndarray:
     rhs = torch.as_tensor(b, dtype=torch.float64).reshape(factor.shape[0], -1)
-    return torch.cholesky_solve(rhs, factor).reshape(np.shape(b)).numpy()
+    with _one_thread():
+        return torch.cholesky_solve(rhs, factor).reshape(np.shape(b)).numpy()
 
 
 def _solve_spd(a: np.ndarray, b: np.ndarray, what: str) -> np.ndarray:
@@ -424,6 +574,8 @@ class AnalyticClassifier:
         # As in Eq. 9, a side with no sample (no positive anywhere in S_c) contributes nothing.
         n_pos = round(float(_tensor(sums, group, f"n_pos/{c}")[0]))
         n = round(float(_tensor(sums, group, "n")[0]))
+        if n_pos in (0, n):
+            _warn_undefined(c, n_pos, n, "global balance over S_c")
         pos_sum = _tensor(sums, group, f"pos_sum/{c}")
         return _balanced_projection(pos_sum, _tensor(sums, group, "feat_sum"), n_pos, n)
 
@@ -446,8 +598,63 @@ class AnalyticClassifier:
         self.coef_ = np.stack(columns, axis=1)
         return self
 
+    def training_score_means(self, sums: GroupSums) -> tuple[np.ndarray, np.ndarray]:
+        """Per class, the mean fitted score ``h·w_c`` of the labelled positives and of the labelled
+        negatives of ``S_c``: ``(m⁺, m⁻)``, exactly, from the class group's sums of ``pos_sum/<c>``,
+        ``n_pos/<c>``, ``feat_sum`` and ``n`` (the ``balance="global"`` upload)."""
+        coef = self._coef()
+        m_pos, m_neg = np.empty(self.n_classes), np.empty(self.n_classes)
+        for c in range(self.n_classes):
+            group = class_group(c)
+            try:
+                pos_sum = np.asarray(sums[group][f"pos_sum/{c}"], dtype=np.float64)
+                n_pos = round(float(np.asarray(sums[group][f"n_pos/{c}"])[0]))
+                feat_sum = np.asarray(sums[group]["feat_sum"], dtype=np.float64)
+                n = round(float(np.asarray(sums[group]["n"])[0]))
+            except KeyError:
+                raise StatisticsError(
+                    f"class {c}: the mean training scores need the class group's sums of pos_sum/{c}, "
+                    f"n_pos/{c}, feat_sum and n: upload contributions(..., balance='global') as well"
+                ) from None
+            if n_pos in (0, n):
+                raise StatisticsError(
+                    f"class {c} has no labelled {'positive' if n_pos == 0 else 'negative'} in S_c: "
+                    "its mean training scores are undefined"
+                )
+            m_pos[c] = float(coef[:, c] @ pos_sum) / n_pos
+            m_neg[c] = float(coef[:, c] @ (feat_sum - pos_sum)) / (n - n_pos)
+        return m_pos, m_neg
+
+    def rescaled_scores(self, sums: GroupSums) -> tuple[np.ndarray, np.ndarray]:
+        """``(coef, offset)`` of the rescaled score ``(2·h·w_c − (m⁺ + m⁻)) / (m⁺ − m⁻)``.
+
+        The variant of round 2 that makes ``τ`` meaningful (not in the paper).  With the ``±1/N``
+        targets of Eq. 9 the fitted scores are ``O(1/N)``, so ``σ(h·w_c)`` never passes τ = 0.7.
+        On the rescaled score, +1 is exactly the mean training score of the labelled positives of
+        ``S_c`` and −1 that of its labelled negatives (:meth:`training_score_means`), so the paper's
+        unchanged rule ``σ(·) > τ`` (rescaled score > 0.85) takes samples that score like the
+        average labelled positive, and ``σ(·) < 1 − τ`` those that score like the average labelled
+        negative.  Only training statistics that the server holds enter (no test data, nothing
+        tuned); the server sends ``coef`` and ``offset`` instead of ``W⁽¹⁾``.
+        """
+        coef = self._coef()
+        m_pos, m_neg = self.training_score_means(sums)
+        gap = m_pos - m_neg
+        if not (gap > 0).all():
+            bad = int(np.flatnonzero(~(gap > 0))[0])
+            raise StatisticsError(
+                f"class {bad}: its labelled positives do not score above its negatives on the training "
+                f"data (m+ = {m_pos[bad]:.3g}, m- = {m_neg[bad]:.3g}); the rescaled score is undefined"
+            )
+        return coef * (2 / gap), -(m_pos + m_neg) / gap
+
     def refine(
-        self, round1_sums: GroupSums, pseudo_sums: GroupSums, *, alpha: float = 0.5
+        self,
+        round1_sums: GroupSums,
+        pseudo_sums: GroupSums,
+        *,
+        alpha: float = 0.5,
+        pseudo_tensor: str = PSEUDO_TENSOR,
     ) -> AnalyticClassifier:
         """Round 2 (Eq. 22–24): global Gram, real plus ``α``-weighted pseudo-label projections."""
         if not 0 <= alpha <= 1:
@@ -458,7 +665,7 @@ class AnalyticClassifier:
         for c in range(self.n_classes):
             rhs = self._class_rhs(round1_sums, c)
             if pseudo_group(c) in pseudo_sums:
-                rhs = rhs + alpha * _tensor(pseudo_sums, pseudo_group(c), f"b_pseudo/{c}")
+                rhs = rhs + alpha * _tensor(pseudo_sums, pseudo_group(c), f"{pseudo_tensor}/{c}")
             columns.append(_cho_solve(factor, rhs))
         self.coef_ = np.stack(columns, axis=1)
         return self
@@ -472,10 +679,12 @@ class AnalyticClassifier:
         coef = self._coef()
         features = np.asarray(features)
         _check_batch(features, coef.shape[0])
-        return features.astype(np.float64) @ coef
+        return np.asarray(features, dtype=np.float64) @ coef
 
     def predict_proba(self, features: np.ndarray) -> np.ndarray:
-        return scipy.special.expit(self.decision_function(features))
+        """``σ(h·w_c)``; for ranking metrics use :meth:`decision_function` (σ saturates and ties)."""
+        return torch.sigmoid(torch.as_tensor(self.decision_function(features))).numpy()
 
     def predict(self, features: np.ndarray) -> np.ndarray:
-        return (self.predict_proba(features) > 0.5).astype(np.int8)
+        """``σ(h·w_c) > 0.5``, computed as ``h·w_c > 0`` (the same decision, without rounding)."""
+        return (self.decision_function(features) > 0).astype(np.int8)

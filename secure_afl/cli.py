@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from secure_afl.analytic import StatisticsError, resolve_device
+from secure_afl.sim.baselines import BaselineConfig, BaselineError, parse_baselines
 from secure_afl.sim.data import CLASSES, CohortError
 from secure_afl.sim.datasets import ImageSource
 from secure_afl.sim.fedavg import FedAvgConfig
@@ -37,15 +38,15 @@ def _parse_missing(value: str) -> tuple[int, ...]:
 
 
 def _parse_baselines(value: str) -> tuple[str, ...]:
-    from secure_afl.sim.runner import BASELINES
+    from secure_afl.sim.runner import FEDNCA
 
-    by_lower = {name.lower(): name for name in BASELINES}
-    chosen = []
-    for part in filter(None, (p.strip() for p in value.split(","))):
-        if part.lower() not in by_lower:
-            raise click.BadParameter(f"unknown baseline {part!r}: choose from {', '.join(BASELINES)}")
-        chosen.append(by_lower[part.lower()])
-    return tuple(dict.fromkeys(chosen))
+    parts = [p.strip() for p in value.split(",") if p.strip()]
+    nca = [FEDNCA for p in parts if p.lower() == FEDNCA.lower()]
+    try:
+        table2 = parse_baselines(",".join(p for p in parts if p.lower() != FEDNCA.lower()))
+    except BaselineError as exc:
+        raise click.BadParameter(f"{exc}; or {FEDNCA}") from None
+    return (*table2, *dict.fromkeys(nca))
 
 
 def _sim_errors() -> tuple[type[Exception], ...]:
@@ -100,6 +101,15 @@ def main() -> None:
     default="image",
     show_default=True,
     help="70/30 split image-wise (as the paper) or patient-wise (no leakage).",
+)
+@click.option(
+    "--missing1-draw",
+    "missing1",
+    type=click.Choice(["permutation", "random"]),
+    default="permutation",
+    show_default=True,
+    help="Missing 1: withheld classes a random permutation (every class labelled by 7 clients, as the "
+    "paper) or the earlier random draw with coverage (|S_c| 3..8 by seed).",
 )
 @click.option(
     "--secure",
@@ -173,7 +183,8 @@ def main() -> None:
     "--baselines",
     default="",
     callback=lambda ctx, param, value: _parse_baselines(value),
-    help="Extra gradient methods after FedAvg, a comma list: fednca-ml (FedNCA-ML on spatial tokens).",
+    help="Extra gradient methods after FedAvg, a comma list: Table II's RSCFed,FedFixMatch,FedIRM,"
+    "CBAFed,FedLSR,FedNoRo,FedMLP ('all' = these seven), and fednca-ml (FedNCA-ML on spatial tokens).",
 )
 @click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda.")
 @click.option(
@@ -300,6 +311,7 @@ def sim(
     seed: int,
     gamma: float,
     split_by: str,
+    missing1: str,
     secure: str,
     ckks_degree: str,
     dropout: int,
@@ -412,6 +424,7 @@ def sim(
             seed=seed,
             gamma=gamma,
             split=split_by,  # type: ignore[arg-type]
+            missing1=missing1,  # type: ignore[arg-type]
             secure=secure,  # type: ignore[arg-type]
             ckks_poly_degree=int(ckks_degree),
             dropout=dropout,
@@ -426,6 +439,7 @@ def sim(
             fedavg=dataclasses.replace(FedAvgConfig(), rounds=fedavg_rounds, seed=seed),
             baselines=baselines,
             dp=dp,
+            baseline=dataclasses.replace(BaselineConfig(), rounds=fedavg_rounds, seed=seed),
         )
         if dp_sweep:
             _run_sweep(config, out_dir, console)

@@ -280,10 +280,9 @@ def deploy_local(
             {cid: client_data[cid] for cid in participants}, study, roster_size=clients, dropouts=dropouts
         )
         test_x, test_y = data.features[data.split.test], data.cohort.labels[data.split.test]
-        deployed = evaluate(test_y, result.classifier.predict_proba(test_x)).macro
-        import scipy.special
-
-        simulated = evaluate(test_y, scipy.special.expit(test_x.astype(np.float64) @ reference.coef)).macro
+        # metrics rank the scores (logits), as the simulator's do
+        deployed = evaluate(test_y, test_x.astype(np.float64) @ result.classifier.weights).macro
+        simulated = evaluate(test_y, test_x.astype(np.float64) @ reference.coef).macro
         identical = result.classifier.weights.tobytes() == reference.coef.tobytes()
         same_survivors = tuple(session1["survivors"]) == reference.survivors
         table = Table(title=f"Deployment vs simulation over the same survivors {list(reference.survivors)}")

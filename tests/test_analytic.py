@@ -86,6 +86,8 @@ def _partition(rng: np.random.Generator, n: int, parts: int) -> list[np.ndarray]
     return np.split(rng.permutation(n), cuts)
 
 
+# a 5 % class split four ways leaves some part without a positive: Eq. 9 is undefined there, on purpose
+@pytest.mark.filterwarnings("ignore::secure_afl.analytic.UndefinedBalanceWarning")
 def test_global_balance_is_partition_invariant_and_client_balance_is_not() -> None:
     rng = np.random.default_rng(11)
     n, d, n_classes = 300, 10, 3

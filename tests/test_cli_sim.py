@@ -11,7 +11,14 @@ from click.testing import CliRunner
 from secure_afl.cli import main
 
 SMALL = ["--fraction", "0.06", "--dim", "48", "--fedavg-rounds", "2"]
-METHODS = {"AFL (1 round)", "AFL (2 rounds)", "AFL (global balance)", "AFL (global Gram)", "FedAvg"}
+METHODS = {
+    "AFL (1 round)",
+    "AFL (2 rounds)",
+    "AFL (2 rounds, rescaled τ)",
+    "AFL (global balance)",
+    "AFL (global Gram)",
+    "FedAvg",
+}
 
 
 def _run(args: list[str]):
@@ -38,7 +45,7 @@ def test_sim_missing_all_writes_every_method_and_setting(tmp_path: Path) -> None
         "statistics",
         "aggregation",
         "solve",
-        "fedavg",
+        "gradient methods (wait)",
         "metrics",
     }
     report = (tmp_path / "report.md").read_text()
@@ -49,7 +56,7 @@ def test_sim_one_round_leaves_out_round_two(tmp_path: Path) -> None:
     result = _run(["--missing", "3", "--rounds", "1", "--secure", "none", "--out", str(tmp_path), *SMALL])
     assert result.exit_code == 0, result.output
     data = json.loads((tmp_path / "results.json").read_text())
-    assert set(data["settings"][0]["metrics"]) == METHODS - {"AFL (2 rounds)"}
+    assert set(data["settings"][0]["metrics"]) == METHODS - {"AFL (2 rounds)", "AFL (2 rounds, rescaled τ)"}
 
 
 @pytest.mark.parametrize("missing", ["8", "two", "0,9"])

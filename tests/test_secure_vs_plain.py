@@ -208,7 +208,9 @@ def test_run_experiment_mask_and_none_give_the_same_metrics(prepared: Data) -> N
     # the protocol really ran on one side only
     assert masked_setting.protocol_costs is not None and plain_setting.protocol_costs is None
     assert masked_setting.audit.protection == "mask" and plain_setting.audit.protection == "none"
-    assert len(masked_setting.metrics) == 5  # AFL 1 round, 2 rounds, global balance, global Gram, FedAvg
+    assert (
+        len(masked_setting.metrics) == 6
+    )  # AFL 1 round, 2 rounds (paper τ, rescaled τ), global balance, global Gram, FedAvg
     assert_same_metrics(masked_setting.metrics, plain_setting.metrics)
     # round 2 is fed by the round-1 classifier: the same pseudo labels on both sides
     assert masked_setting.pseudo_labels == plain_setting.pseudo_labels
@@ -250,9 +252,9 @@ def test_dropouts_give_the_plaintext_classifier_of_the_surviving_clients(prepare
     # ... and the masked run's AFL (1 round) is the classifier fitted on the survivors' plaintext sums.
     assert_same_metrics(
         {AFL_1: masked_setting.metrics[AFL_1]},
-        {AFL_1: evaluate(test_y, survivors_model.predict_proba(test_x))},
+        {AFL_1: evaluate(test_y, survivors_model.decision_function(test_x))},
     )
     if gone:  # the check can tell the survivors from everyone: the all-client classifier differs
         everyone_model = AnalyticClassifier(8, gamma=GAMMA).fit(sum_contributions(contributions.values()))
-        everyone = evaluate(test_y, everyone_model.predict_proba(test_x))
+        everyone = evaluate(test_y, everyone_model.decision_function(test_x))
         assert np.max(np.abs(everyone.auc - masked_setting.metrics[AFL_1].auc)) > 1e-4

@@ -77,11 +77,12 @@ def test_unknown_missing_level(missing) -> None:
 def test_metrics_equal_scikit_learn_and_eq25() -> None:
     rng = np.random.default_rng(0)
     labels = (rng.random((400, 3)) < [0.1, 0.4, 0.7]).astype(int)
-    probs = np.clip(labels * 0.3 + rng.random((400, 3)) * 0.7, 0, 1)
-    m = evaluate(labels, probs)
+    scores = labels * 0.3 + rng.random((400, 3)) * 0.7 - 0.5
+    scores[::7] = np.round(scores[::7], 1)  # tied scores, counted ½ by AUC and grouped by AP
+    m = evaluate(labels, scores, scores > 0)
     for c in range(3):
-        y, p = labels[:, c], probs[:, c]
-        pred = p > 0.5
+        y, p = labels[:, c], scores[:, c]
+        pred = p > 0
         tp, fn = np.sum(pred & (y == 1)), np.sum(~pred & (y == 1))
         tn, fp = np.sum(~pred & (y == 0)), np.sum(pred & (y == 0))
         assert m.bacc[c] == pytest.approx(0.5 * (tp / (tp + fn) + tn / (tn + fp)))  # Eq. 25
@@ -95,6 +96,10 @@ def test_metrics_equal_scikit_learn_and_eq25() -> None:
 def test_metrics_reject_mismatched_shapes() -> None:
     with pytest.raises(ValueError, match="must both be rows × classes"):
         evaluate(np.zeros((4, 2)), np.zeros((4, 3)))
+    with pytest.raises(ValueError, match="decisions"):
+        evaluate(np.zeros((4, 2)), np.zeros((4, 2)), np.zeros((4, 3)))
+    with pytest.raises(ValueError, match="look like probabilities"):
+        evaluate(np.eye(4, 2), np.full((4, 2), 0.7))  # σ(score) passed where the score belongs
 
 
 def test_synthetic_features_are_nonnegative_seeded_and_carry_class_signal(cohort) -> None:
@@ -117,7 +122,7 @@ def test_fedavg_learns_a_separable_problem() -> None:
         xs.append((rng.normal(size=(200, 5)) + 2 * np.c_[y, -y, np.zeros((200, 1))]).astype(np.float32))
         ys.append(y)
     head = train_fedavg(xs, ys, FedAvgConfig(rounds=5, lr=0.05))
-    m = evaluate(np.vstack(ys).astype(int), head.predict_proba(np.vstack(xs)))
+    m = evaluate(np.vstack(ys).astype(int), head.decision_function(np.vstack(xs)))
     assert m.macro["auc"] > 0.95
     assert missing_as_negative(np.ones((2, 3)), [1]).tolist() == [[0, 1, 0], [0, 1, 0]]
 

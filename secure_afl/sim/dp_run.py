@@ -76,7 +76,9 @@ def run_private_setting(
     dp: DpConfig = config.dp  # type: ignore[attr-defined]
     random = OsRandomSource() if random is None else random
     n_classes = data.cohort.labels.shape[1]
-    assignment = assign_partial_labels(config.n_clients, n_classes, missing, seed=config.seed)
+    assignment = assign_partial_labels(
+        config.n_clients, n_classes, missing, seed=config.seed, missing1=config.missing1
+    )
     clients = [runner.client_id(k) for k in range(config.n_clients)]
     dropped = runner._dropped_clients(config)
     dropouts = {config.dropout_stage: dropped} if dropped else {}
@@ -149,7 +151,7 @@ def run_private_setting(
         if costs is not None:
             costs["round2"] = agg2.costs
     with timer.phase("metrics"):
-        metrics = {name: evaluate(test_y, m.predict_proba(test_x)) for name, m in models.items()}
+        metrics = {name: evaluate(test_y, m.decision_function(test_x)) for name, m in models.items()}
     audit = audit_groups(
         protection=config.secure, members=members, survivors=survivors, tensors=tensors, contributions=uploads
     )
@@ -332,7 +334,9 @@ def _non_private_metrics(
 
     dp: DpConfig = config.dp  # type: ignore[attr-defined]
     n_classes = data.cohort.labels.shape[1]
-    assignment = assign_partial_labels(config.n_clients, n_classes, missing, seed=config.seed)
+    assignment = assign_partial_labels(
+        config.n_clients, n_classes, missing, seed=config.seed, missing1=config.missing1
+    )
     rows = _client_rows(data, dp)
     ordered = list(stats.values())
     from secure_afl.privacy.dp_solve import analytic_sums
@@ -344,7 +348,7 @@ def _non_private_metrics(
     name = AFL_DP_1
     out = {
         name: evaluate(
-            data.cohort.labels[data.split.test], model.predict_proba(data.features[data.split.test])
+            data.cohort.labels[data.split.test], model.decision_function(data.features[data.split.test])
         )
     }
     if config.rounds == 2:
@@ -357,7 +361,7 @@ def _non_private_metrics(
         solve = PrivateSolve(0.0, 0.0, False)
         refined, _ = refine_private(model, sums, pseudo, solve, n_classes=n_classes, config=config.pseudo)
         out[AFL_DP_2] = evaluate(
-            data.cohort.labels[data.split.test], refined.predict_proba(data.features[data.split.test])
+            data.cohort.labels[data.split.test], refined.decision_function(data.features[data.split.test])
         )
     return out
 

@@ -7,8 +7,8 @@ state between rounds) over shuffled mini-batches of 64, and the server averages 
 by the clients' sample counts.  Labels of classes a client does not annotate are 0, as FedAvg treats
 them in the paper.
 
-Clients of equal size train as one batched computation (a leading client axis): Adam is element-wise
-and the summed loss separates by client, so this is exactly K independent local runs, only faster.
+The K clients train as one batched computation (:mod:`secure_afl.sim.baselines.engine`): exactly K
+independent local runs, only faster.
 """
 
 from __future__ import annotations
@@ -18,6 +18,25 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from secure_afl.analytic import active_class_indices
+from secure_afl.sim.baselines.engine import (
+    Adam,
+    Epoch,
+    LinearHead,
+    bce_gradient,
+    head_from_weights,
+    initial_weights,
+    logits_of,
+    single_torch_thread,
+    stack_clients,
+    weight_gradient,
+    weighted_average,
+)
+
+__all__ = ["FedAvgConfig", "LinearHead", "missing_as_negative", "train_fedavg"]
+
+_Adam = Adam  # the name the tests know
 
 
 @dataclass(frozen=True)
@@ -29,41 +48,17 @@ class FedAvgConfig:
     seed: int = 0
 
 
-@dataclass(frozen=True)
-class LinearHead:
-    coef: np.ndarray  # d × C
-    bias: np.ndarray  # C
+def missing_as_negative(
+    labels: np.ndarray, active: Sequence[int] | Sequence[bool] | np.ndarray
+) -> np.ndarray:
+    """The FedAvg view of a client's labels: unannotated classes become 0.
 
-    def predict_proba(self, features: np.ndarray) -> np.ndarray:
-        logits = np.asarray(features, dtype=np.float64) @ self.coef + self.bias
-        return 1.0 / (1.0 + np.exp(-logits))
-
-
-class _Adam:
-    """Adam (Kingma & Ba) with torch.optim.Adam's defaults, on a tensor updated in place.
-
-    Written out because the gradient is too: autograd's overhead dominates a linear head's step.
+    ``active``: class indices or a boolean mask of length C.
     """
-
-    def __init__(self, like: torch.Tensor, lr: float, betas: tuple[float, float] = (0.9, 0.999)) -> None:
-        self.lr, (self.beta1, self.beta2), self.eps = lr, betas, 1e-8
-        self.m = torch.zeros_like(like)
-        self.v = torch.zeros_like(like)
-        self.t = 0
-
-    def step(self, param: torch.Tensor, grad: torch.Tensor) -> None:
-        self.t += 1
-        self.m.mul_(self.beta1).add_(grad, alpha=1 - self.beta1)
-        self.v.mul_(self.beta2).addcmul_(grad, grad, value=1 - self.beta2)
-        step_size = self.lr / (1 - self.beta1**self.t)
-        denom = (self.v / (1 - self.beta2**self.t)).sqrt_().add_(self.eps)
-        param.addcdiv_(self.m, denom, value=-step_size)
-
-
-def missing_as_negative(labels: np.ndarray, active: Sequence[int]) -> np.ndarray:
-    """The FedAvg view of a client's labels: unannotated classes become 0."""
+    labels = np.asarray(labels)
+    columns = active_class_indices(active, labels.shape[1])
     out = np.zeros_like(labels, dtype=np.float32)
-    out[:, list(active)] = labels[:, list(active)]
+    out[:, columns] = labels[:, columns]
     return out
 
 
@@ -76,42 +71,26 @@ def train_fedavg(
     progress: Callable[[int], None] | None = None,
 ) -> LinearHead:
     """Train the head; ``features[k]`` is client k's rows × d, ``targets[k]`` rows × C in {0, 1}."""
-    sizes = {len(x) for x in features}
     if len(features) != len(targets) or not features:
         raise ValueError("features and targets must list the same, non-zero number of clients")
+    sizes = {len(x) for x in features}
     if len(sizes) != 1:
         raise ValueError(f"FedAvg here expects clients of equal size, got sizes {sorted(sizes)}")
-    n = sizes.pop()
-    generator = torch.Generator().manual_seed(config.seed)
-    x = torch.as_tensor(np.stack(features), dtype=torch.float32, device=device)  # K × N × d
-    y = torch.as_tensor(np.stack(targets), dtype=torch.float32, device=device)  # K × N × C
-    n_clients, _, dim = x.shape
-    n_classes = y.shape[2]
-    weights = torch.full((n_clients,), 1.0 / n_clients, device=device)  # sample-count weights, equal sizes
-    init = torch.nn.Linear(dim, n_classes)
-    with torch.no_grad():
-        torch.nn.init.kaiming_uniform_(init.weight, a=5**0.5, generator=generator)
-        init.bias.zero_()
-    global_w = init.weight.detach().T.contiguous().to(device)  # d × C
-    global_b = init.bias.detach().clone().to(device)
-    client_axis = torch.arange(n_clients, device=device)[:, None]
-    for round_ in range(config.rounds):
-        w = global_w.expand(n_clients, dim, n_classes).clone()
-        b = global_b.expand(n_clients, n_classes).clone()
-        adam_w, adam_b = _Adam(w, config.lr), _Adam(b, config.lr)
-        for _ in range(config.local_epochs):
-            order = torch.argsort(torch.rand((n_clients, n), generator=generator), dim=1).to(device)
-            for start in range(0, n, config.batch_size):
-                idx = order[:, start : start + config.batch_size]
-                xb, yb = x[client_axis, idx], y[client_axis, idx]
-                # Gradient of the mean BCE-with-logits per client, written out: (σ(z) − y) / (B·C).
-                grad_logits = (torch.sigmoid(torch.baddbmm(b[:, None, :], xb, w)) - yb) / (
-                    yb.shape[1] * n_classes
-                )
-                adam_w.step(w, torch.bmm(xb.transpose(1, 2), grad_logits))
-                adam_b.step(b, grad_logits.sum(dim=1))
-        global_w = torch.einsum("k,kdc->dc", weights, w)
-        global_b = weights @ b
-        if progress is not None:
-            progress(round_ + 1)
-    return LinearHead(coef=global_w.cpu().double().numpy(), bias=global_b.cpu().double().numpy())
+    with single_torch_thread():
+        x = stack_clients(features).to(device)  # K × N × (d+1)
+        y = torch.as_tensor(np.stack(targets), dtype=torch.float32, device=device)  # K × N × C
+        n_clients, dim = x.shape[0], x.shape[2] - 1
+        generator = torch.Generator().manual_seed(config.seed)
+        global_w = initial_weights(dim, y.shape[2], generator).to(device)  # C × (d+1)
+        share = torch.full((n_clients,), 1.0 / n_clients, device=device)  # sample-count weights, equal sizes
+        for round_ in range(config.rounds):
+            w = global_w.expand(n_clients, *global_w.shape).clone()
+            adam = Adam(w, config.lr)
+            for _ in range(config.local_epochs):
+                for xb, rows in Epoch(x, config.batch_size, generator):
+                    grad = bce_gradient(logits_of(w, xb), Epoch.take(y, rows))
+                    adam.step(w, weight_gradient(grad, xb))
+            global_w = weighted_average(w, share)
+            if progress is not None:
+                progress(round_ + 1)
+        return head_from_weights(global_w)

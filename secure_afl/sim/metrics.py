@@ -1,13 +1,23 @@
-"""Per-class then macro-averaged BACC (at 0.5), ROC AUC and average precision, from scikit-learn."""
+"""Per-class then macro-averaged BACC (of the decisions), ROC AUC and average precision (of the scores).
+
+AUC and AP are computed from the real-valued **scores** (logits ``h·w``), not from ``σ(score)``:
+``σ`` saturates to exactly 1.0 in float64 above a score of about 37 (and to 0 below about −745), so
+probabilities can tie where the scores do not, and a tie changes both rankings.  Both are rank
+statistics, so on unsaturated scores they equal the values on probabilities.
+
+BACC (Eq. 25) is computed from each method's own 0/1 decisions (``σ(score) > 0.5``).
+
+The formulas are scikit-learn's (``roc_auc_score``: the Mann–Whitney statistic with tied scores
+counted one half; ``average_precision_score``: ``Σ_k (R_k − R_{k−1}) P_k`` over distinct score
+thresholds), written in numpy so that the simulator does not import scikit-learn at start-up; a
+test checks them against scikit-learn.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import numpy as np
-from sklearn.metrics import average_precision_score, balanced_accuracy_score, roc_auc_score
-
-THRESHOLD = 0.5
 
 
 @dataclass(frozen=True)
@@ -37,24 +47,68 @@ class Metrics:
         }
 
 
-def evaluate(labels: np.ndarray, probabilities: np.ndarray) -> Metrics:
-    """``labels`` rows × classes in {0,1}; ``probabilities`` the same shape, in [0, 1]."""
+def roc_auc(labels: np.ndarray, scores: np.ndarray) -> float:
+    """ROC AUC of one class: P(score of a positive > score of a negative), ties counted ½."""
+    positive = np.asarray(labels).astype(bool)
+    n_pos = int(positive.sum())
+    n_neg = len(positive) - n_pos
+    values = np.asarray(scores, dtype=np.float64)
+    _, inverse, counts = np.unique(values, return_inverse=True, return_counts=True)
+    # average rank (1-based) of each distinct score value
+    rank_of_value = np.cumsum(counts) - (counts - 1) / 2.0
+    rank_sum = float(rank_of_value[inverse][positive].sum())
+    return (rank_sum - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg)
+
+
+def average_precision(labels: np.ndarray, scores: np.ndarray) -> float:
+    """Average precision of one class: ``Σ_k (R_k − R_{k−1}) P_k`` over distinct thresholds."""
+    scores = np.asarray(scores, dtype=np.float64)
+    order = np.argsort(scores, kind="mergesort")[::-1]
+    ranked = scores[order]
+    hits = np.asarray(labels)[order].astype(np.float64)
+    last_of_value = np.r_[np.flatnonzero(np.diff(ranked)), len(ranked) - 1]
+    tps = np.cumsum(hits)[last_of_value]
+    precision = tps / (last_of_value + 1)
+    recall = tps / tps[-1]
+    return float(np.sum(np.diff(np.r_[0.0, recall]) * precision))
+
+
+def balanced_accuracy(labels: np.ndarray, decisions: np.ndarray) -> float:
+    """Eq. 25: the mean of sensitivity and specificity of 0/1 decisions."""
+    positive = np.asarray(labels).astype(bool)
+    predicted = np.asarray(decisions).astype(bool)
+    return 0.5 * (float(predicted[positive].mean()) + float((~predicted[~positive]).mean()))
+
+
+def evaluate(labels: np.ndarray, scores: np.ndarray, decisions: np.ndarray | None = None) -> Metrics:
+    """``labels`` rows × classes in {0,1}; ``scores`` real-valued logits of the same shape;
+    ``decisions`` the 0/1 predictions (default: ``scores > 0``, i.e. ``σ(score) > 0.5``)."""
     labels = np.asarray(labels)
-    probabilities = np.asarray(probabilities, dtype=np.float64)
-    if labels.shape != probabilities.shape or labels.ndim != 2:
-        raise ValueError(
-            f"labels {labels.shape} and probabilities {probabilities.shape} must both be rows × classes"
-        )
-    if not np.isfinite(probabilities).all():
-        raise ValueError("probabilities contain NaN or infinite values")
+    scores = np.asarray(scores, dtype=np.float64)
+    if labels.shape != scores.shape or labels.ndim != 2:
+        raise ValueError(f"labels {labels.shape} and scores {scores.shape} must both be rows × classes")
+    if not np.isfinite(scores).all():
+        raise ValueError("scores contain NaN or infinite values")
+    if not np.isin(labels, (0, 1)).all():
+        raise ValueError("labels must contain only 0 and 1")
+    if decisions is None:
+        if scores.size and scores.min() >= 0 and scores.max() <= 1:
+            # σ(score) in place of the score would make every decision positive, silently
+            raise ValueError(
+                "scores all lie in [0, 1]: these look like probabilities; pass the logits "
+                "(decision_function), or give the decisions explicitly"
+            )
+        decisions = scores > 0
+    decisions = np.asarray(decisions)
+    if decisions.shape != labels.shape:
+        raise ValueError(f"decisions {decisions.shape} must have the shape of the labels {labels.shape}")
     n_classes = labels.shape[1]
     bacc, auc, ap = (np.full(n_classes, np.nan) for _ in range(3))
     for c in range(n_classes):
         y = labels[:, c]
         if y.min() == y.max():  # one-sided test labels: these scores are undefined
             continue
-        p = probabilities[:, c]
-        bacc[c] = balanced_accuracy_score(y, p > THRESHOLD)
-        auc[c] = roc_auc_score(y, p)
-        ap[c] = average_precision_score(y, p)
+        bacc[c] = balanced_accuracy(y, decisions[:, c])
+        auc[c] = roc_auc(y, scores[:, c])
+        ap[c] = average_precision(y, scores[:, c])
     return Metrics(bacc=bacc, auc=auc, ap=ap)

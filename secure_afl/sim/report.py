@@ -11,8 +11,18 @@ from rich.table import Table
 
 from secure_afl.privacy.policy import active_threshold, majority_threshold, threat_model
 from secure_afl.sim.audit import trust_models
+from secure_afl.sim.baselines import FAMILY
 from secure_afl.sim.data import CLASSES
-from secure_afl.sim.runner import AFL_1, ExperimentResult, SettingResult, SimConfig
+from secure_afl.sim.runner import AFL_1, FEDAVG, ExperimentResult, SettingResult, SimConfig
+
+FIGURE = "figure.png"
+
+
+def method_type(method: str) -> str:
+    """Table II's "Type" column."""
+    if method == FEDAVG:
+        return "Base"
+    return FAMILY.get(method, "Analytic")
 
 
 def _fmt(metric: str, value: float) -> str:
@@ -31,13 +41,13 @@ def _methods(result: ExperimentResult) -> list[str]:
 
 
 def results_table_rows(result: ExperimentResult) -> tuple[list[str], list[list[str]]]:
-    """Header and rows: one row per method, BACC / AUC / mAP per missing setting."""
-    header = ["Method"]
+    """Table II's layout: Type, Method, then BACC / AUC / mAP per missing setting."""
+    header = ["Type", "Method"]
     for s in result.settings:
         header += [f"M{s.missing} BACC", f"M{s.missing} AUC", f"M{s.missing} mAP"]
     rows = []
     for method in _methods(result):
-        row = [method]
+        row = [method_type(method), method]
         for s in result.settings:
             macro = s.metrics[method].macro if method in s.metrics else {}
             row += [_fmt(m, macro.get(m, float("nan"))) for m in ("bacc", "auc", "map")]
@@ -63,7 +73,7 @@ def coverage_rows(setting: SettingResult, *, short: bool = False) -> tuple[list[
 def _rich_table(title: str, header: list[str], rows: list[list[str]]) -> Table:
     table = Table(title=title, title_justify="left")
     for i, name in enumerate(header):
-        table.add_column(name, justify="left" if i == 0 else "right")
+        table.add_column(name, justify="left" if i == 0 or name == "Method" else "right")
     for row in rows:
         table.add_row(*row)
     return table
@@ -79,6 +89,22 @@ def _cost_rows(result: ExperimentResult) -> tuple[list[str], list[list[str]]]:
     header = ["Phase", "Seconds"]
     rows = [[phase, f"{seconds:.2f}"] for phase, seconds in result.seconds.items()]
     rows.append(["total", f"{sum(result.seconds.values()):.2f}"])
+    return header, rows
+
+
+def method_seconds_rows(result: ExperimentResult) -> tuple[list[str], list[list[str]]]:
+    """Wall seconds of each gradient method per missing setting (baselines: in their worker)."""
+    header = ["Method", *(f"M{s.missing} s" for s in result.settings)]
+    names: list[str] = []
+    for s in result.settings:
+        names += [n for n in s.method_seconds if n not in names]
+    rows = [
+        [
+            name,
+            *(f"{s.method_seconds[name]:.1f}" if name in s.method_seconds else "-" for s in result.settings),
+        ]
+        for name in names
+    ]
     return header, rows
 
 
@@ -186,16 +212,52 @@ def _protocol_tables(setting: SettingResult) -> list[tuple[str, list[str], list[
     ]
 
 
-def _pseudo_label_line(setting: SettingResult) -> str:
-    reports = [r for _, r in setting.pseudo_labels]
-    if not reports:
-        return ""
-    qualified = sum(r.qualified for r in reports)
-    return (
-        f"Round 2, missing {setting.missing}: {qualified} of {len(reports)} (client, missing class) pairs "
-        f"qualified for pseudo-labels; largest counts: {max(r.n_pseudo_pos for r in reports)} "
-        f"pseudo-positive, {max(r.n_pseudo_neg for r in reports)} pseudo-negative"
-    )
+def _pseudo_label_lines(setting: SettingResult) -> list[str]:
+    lines = []
+    for what, pairs in (
+        ("paper's τ on σ(h·w)", setting.pseudo_labels),
+        ("rescaled τ: ±1 = mean training score of S_c's positives/negatives", setting.pseudo_labels_rescaled),
+    ):
+        reports = [r for _, r in pairs]
+        if not reports:
+            continue
+        qualified = sum(r.qualified for r in reports)
+        lines.append(
+            f"Round 2 ({what}), missing {setting.missing}: {qualified} of {len(reports)} (client, missing "
+            f"class) pairs qualified for pseudo-labels; largest counts: "
+            f"{max(r.n_pseudo_pos for r in reports)} pseudo-positive, "
+            f"{max(r.n_pseudo_neg for r in reports)} pseudo-negative"
+        )
+    return lines
+
+
+def _undefined_balance_lines(setting: SettingResult) -> list[str]:
+    """Loud lines for every labelled class where Eq. 9 is undefined (see analytic.py's convention)."""
+    lines = []
+    for client, c, why in setting.undefined_balance:
+        name = CLASSES[c] if c < len(CLASSES) else str(c)
+        if client == "S_c":
+            lines.append(
+                f"WARNING: missing {setting.missing}: {name} has {why} sample across all its annotating "
+                f"clients: Eq. 9 is undefined, the empty side is dropped"
+                + (" and AFL predicts it all-negative" if why == "no positive" else "")
+            )
+        else:
+            lines.append(
+                f"WARNING: missing {setting.missing}: {client} labels {name} but has {why} sample there: "
+                "Eq. 9 is undefined for it, its empty side is dropped"
+            )
+    return lines
+
+
+def coverage_title(setting: SettingResult) -> str:
+    draws = {
+        "diagonal": "client i labels class i",
+        "permutation": "withheld classes a random permutation",
+        "random": "random classes per client, redrawn until every class is covered",
+    }
+    draw = setting.assignment.draw
+    return f"Class coverage, missing {setting.missing} ({draws.get(draw, draw)})"
 
 
 def method_exposure_rows(setting: SettingResult) -> tuple[list[str], list[list[str]]]:
@@ -217,6 +279,9 @@ def method_exposure_rows(setting: SettingResult) -> tuple[list[str], list[list[s
                 f"{', '.join(tensors)} of {len(clients)} client(s)" if overlap else "none",
             ]
         )
+    for method in setting.metrics:
+        if method_type(method) != "Analytic":
+            rows.append([method, "-", gradient_method_exposure(method)])
     return header, rows
 
 
@@ -261,6 +326,17 @@ def client_refusal_rows(setting: SettingResult) -> tuple[list[str], list[list[st
     return header, rows
 
 
+def gradient_method_exposure(method: str) -> str:
+    """What a gradient baseline reveals in this simulator: no secure aggregation protects it."""
+    exposure = (
+        "IN THE CLEAR: every client's head (C×(d+1) weights) after every one of its rounds; "
+        "this simulator does not run gradient methods through secure aggregation"
+    )
+    if method == "FedIRM":
+        exposure += "; also each client's C×C class relation matrix from round 19"
+    return exposure
+
+
 def _audit_lines(setting: SettingResult) -> list[str]:
     audit = setting.audit
     lines = [f"protection: {audit.protection}"]
@@ -289,21 +365,22 @@ def print_report(result: ExperimentResult, console: Console) -> None:
         console.print(f"[bold yellow]{result.notice}[/]")
     header, rows = results_table_rows(result)
     title = "Results (BACC and AUC in %, mAP as a fraction)"
-    if len(header) <= 7:
+    if len(header) <= 8:
         console.print(_rich_table(title, header, rows))
     else:  # side by side the settings would not fit a terminal: one block of columns per setting
-        for start in range(1, len(header), 3):
-            block = [0, start, start + 1, start + 2]
+        for start in range(2, len(header), 3):
+            block = [0, 1, start, start + 1, start + 2]
             console.print(
                 _rich_table(title, [header[i] for i in block], [[row[i] for i in block] for row in rows])
             )
             title = ""
     for setting in result.settings:
-        line = _pseudo_label_line(setting)
-        if line:
+        for line in _pseudo_label_lines(setting):
             console.print(line, markup=False, highlight=False)
+        for line in _undefined_balance_lines(setting):
+            console.print(line, style="bold red", markup=False, highlight=False)
         h, r = coverage_rows(setting, short=True)
-        console.print(_rich_table(f"Class coverage, missing {setting.missing}", h, r))
+        console.print(_rich_table(coverage_title(setting), h, r))
         legend = ", ".join(f"{short} = {name}" for name, short in SHORT_NAMES.items())
         console.print(legend, style="dim", markup=False, highlight=False)
         h, r = _upload_rows(setting)
@@ -331,6 +408,8 @@ def print_report(result: ExperimentResult, console: Console) -> None:
     console.print(threat_model_line(result.config), markup=False, highlight=False)
     h, r = _cost_rows(result)
     console.print(_rich_table("Seconds per phase", h, r))
+    h, r = method_seconds_rows(result)
+    console.print(_rich_table("Seconds per gradient method (baselines run side by side)", h, r))
 
 
 def result_dict(result: ExperimentResult) -> dict[str, object]:
@@ -345,6 +424,7 @@ def result_dict(result: ExperimentResult) -> dict[str, object]:
             "gamma": config.gamma,
             "n_clients": config.n_clients,
             "split": config.split,
+            "missing1": config.missing1,
             "fraction": config.fraction,
             "secure": config.secure,
             "dropout": config.dropout,
@@ -354,12 +434,15 @@ def result_dict(result: ExperimentResult) -> dict[str, object]:
             "ckks_poly_degree": config.ckks_poly_degree,
             "pseudo": asdict(config.pseudo),
             "fedavg": asdict(config.fedavg),
+            "baselines": list(config.baselines),
+            "baseline": asdict(config.baseline),
         },
         "classes": list(CLASSES),
         "seconds_per_phase": dict(result.seconds),
         "settings": [
             {
                 "missing": s.missing,
+                "assignment_draw": s.assignment.draw,
                 "active_classes": [list(a) for a in s.assignment.active],
                 "coverage": [list(c) for c in s.assignment.coverage()],
                 "metrics": {name: m.to_dict() for name, m in s.metrics.items()},
@@ -385,6 +468,21 @@ def result_dict(result: ExperimentResult) -> dict[str, object]:
                     }
                     for client, r in s.pseudo_labels
                 ],
+                "pseudo_labels_rescaled": [
+                    {
+                        "client": client,
+                        "class": CLASSES[r.cls],
+                        "pseudo_positive": r.n_pseudo_pos,
+                        "pseudo_negative": r.n_pseudo_neg,
+                        "qualified": r.qualified,
+                    }
+                    for client, r in s.pseudo_labels_rescaled
+                ],
+                "seconds_per_method": dict(s.method_seconds),
+                "undefined_balance": [
+                    {"client": client, "class": CLASSES[c], "reason": why}
+                    for client, c, why in s.undefined_balance
+                ],
                 "protocol_costs": s.protocol_costs,
                 "differential_privacy": s.privacy,
                 "deployed_client_refusals": {
@@ -403,12 +501,19 @@ def markdown_report(result: ExperimentResult) -> str:
     parts += [f"Dataset: {json.dumps(dict(result.dataset))}", "", threat_model_line(result.config), ""]
     header, rows = results_table_rows(result)
     parts += ["## Results (BACC and AUC in %, mAP as a fraction)", "", _md_table(header, rows), ""]
+    if len(result.settings) > 1:
+        parts += [f"![BACC and AUC against the number of missing classes, per method]({FIGURE})", ""]
+    else:
+        parts += [
+            "(The figure of BACC and AUC against missing classes needs two or more missing levels.)",
+            "",
+        ]
     for setting in result.settings:
         h, r = coverage_rows(setting)
         parts += [f"## Missing {setting.missing}", ""]
-        if _pseudo_label_line(setting):
-            parts += [_pseudo_label_line(setting), ""]
-        parts += ["### Class coverage", "", _md_table(h, r), ""]
+        for line in _pseudo_label_lines(setting) + _undefined_balance_lines(setting):
+            parts += [line, ""]
+        parts += [f"### {coverage_title(setting)}", "", _md_table(h, r), ""]
         h, r = _upload_rows(setting)
         parts += ["### Bytes each client uploads", "", _md_table(h, r), ""]
         for title, h, r in _protocol_tables(setting):
@@ -436,6 +541,16 @@ def markdown_report(result: ExperimentResult) -> str:
         )
     h, r = _cost_rows(result)
     parts += ["## Seconds per phase", "", _md_table(h, r), ""]
+    h, r = method_seconds_rows(result)
+    parts += [
+        "## Seconds per gradient method",
+        "",
+        "Wall seconds of each training; the baselines run side by side, one per CPU core, so they",
+        "overlap and add up to more than the `baselines` phase.",
+        "",
+        _md_table(h, r),
+        "",
+    ]
     return "\n".join(parts)
 
 
@@ -447,7 +562,50 @@ def write_reports(result: ExperimentResult, out_dir: Path) -> tuple[Path, Path]:
         json.dumps(_nan_to_none(result_dict(result)), indent=2, default=_json_default, allow_nan=False) + "\n"
     )
     md_path.write_text(markdown_report(result))
+    if len(result.settings) > 1:
+        write_figure(result, out_dir / FIGURE)
     return json_path, md_path
+
+
+def write_figure(result: ExperimentResult, path: Path) -> Path:
+    """BACC and AUC (%) against the number of missing classes, one line per method (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    from matplotlib import pyplot as plt
+
+    levels = [s.missing for s in result.settings]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), constrained_layout=True)
+    styles = {"Analytic": "-", "Base": "--", "FSSL": ":", "FNLL": "-.", "FMLL": (0, (5, 1, 1, 1))}
+    colours = plt.get_cmap("tab20").colors  # 13 methods: more than the default cycle's 10 colours
+    for i, method in enumerate(_methods(result)):
+        for axis, metric in zip(axes, ("bacc", "auc"), strict=True):
+            values = [
+                100 * s.metrics[method].macro[metric] if method in s.metrics else float("nan")
+                for s in result.settings
+            ]
+            axis.plot(
+                levels,
+                values,
+                marker="o",
+                linestyle=styles[method_type(method)],
+                color=colours[(2 * i) % 20 + (2 * i) // 20],
+                label=method,
+            )
+    for axis, title in zip(axes, ("BACC (%) at 0.5", "ROC AUC (%)"), strict=True):
+        axis.set_xlabel("missing classes per client")
+        axis.set_xticks(levels)
+        axis.set_title(title)
+        axis.axhline(50, color="grey", linewidth=0.8)
+        axis.grid(alpha=0.3)
+    axes[1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    if result.notice:
+        fig.suptitle(
+            "Synthetic features (embedded dataset): method behaviour, not X-ray accuracy", fontsize=9
+        )
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def _nan_to_none(value: object) -> object:

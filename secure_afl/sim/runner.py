@@ -11,6 +11,7 @@ reported models, the second's are fitted too and its costs sit beside the first'
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -19,25 +20,33 @@ from typing import Literal
 import numpy as np
 
 from secure_afl.analytic import (
+    PSEUDO_TENSOR,
+    PSEUDO_TENSOR_RESCALED,
     AnalyticClassifier,
     ClientStatistics,
     Contributions,
     PseudoLabelConfig,
     PseudoLabelReport,
+    PseudoScoreRule,
+    StatisticsError,
+    UndefinedBalanceWarning,
     class_group,
     client_statistics,
-    pseudo_label_contributions,
+    pseudo_label_rounds,
     sum_contributions,
     uploaded_by,
 )
 from secure_afl.privacy.dp import DpConfig
 from secure_afl.privacy.policy import ClientPolicy, LayoutRefusal, layout_refusals
 from secure_afl.sim.audit import PrivacyAudit, audit_groups, restrict
+from secure_afl.sim.baselines import BASELINES as TABLE2_BASELINES
+from secure_afl.sim.baselines import BaselineConfig
 from secure_afl.sim.data import CLASSES, SplitBy
 from secure_afl.sim.datasets import ImageSource, PreparedData, Progress, prepare
-from secure_afl.sim.fedavg import FedAvgConfig, missing_as_negative, train_fedavg
+from secure_afl.sim.fedavg import FedAvgConfig
+from secure_afl.sim.gradient import GradientMethods
 from secure_afl.sim.metrics import Metrics, evaluate
-from secure_afl.sim.partial import LabelAssignment, PartialLabelError, assign_partial_labels
+from secure_afl.sim.partial import LabelAssignment, Missing1Draw, PartialLabelError, assign_partial_labels
 
 Secure = Literal["none", "mask", "ckks", "mask,ckks"]
 SECURE_CHOICES = ("none", "mask", "ckks", "mask,ckks")
@@ -47,14 +56,20 @@ SYMMETRIC_TENSORS = ("gram",)
 
 AFL_1 = "AFL (1 round)"
 AFL_2 = "AFL (2 rounds)"
+AFL_2_RESCALED = "AFL (2 rounds, rescaled τ)"
 AFL_GLOBAL_BALANCE = "AFL (global balance)"
 AFL_GLOBAL_GRAM = "AFL (global Gram)"
 FEDAVG = "FedAvg"
 FEDNCA = "FedNCA-ML"
-BASELINES = (FEDNCA,)  # the extra gradient methods --baselines can add
+BASELINES = (*TABLE2_BASELINES, FEDNCA)  # the extra gradient methods --baselines can add
 METHOD_UPLOADS = {
     AFL_1: uploaded_by(),
     AFL_2: uploaded_by(round2=True),
+    # the rescaled τ also needs the class groups' positive and row counts and feature sums
+    AFL_2_RESCALED: lambda group, tensor: (
+        uploaded_by(round2=True, pseudo_tensor=PSEUDO_TENSOR_RESCALED)(group, tensor)
+        or uploaded_by(balance="global")(group, tensor)
+    ),
     AFL_GLOBAL_BALANCE: uploaded_by(balance="global"),
     AFL_GLOBAL_GRAM: uploaded_by(gram="global"),
 }
@@ -82,6 +97,7 @@ class SimConfig:
     gamma: float = 1.0
     n_clients: int = 8
     split: SplitBy = "image"
+    missing1: Missing1Draw = "permutation"  # "random": the draw used before (|S_c| 3..8 at missing 1)
     fraction: float = 1.0
     dim: int = 1024
     secure: Secure = "mask"
@@ -99,6 +115,7 @@ class SimConfig:
     pseudo: PseudoLabelConfig = field(default_factory=PseudoLabelConfig)
     fedavg: FedAvgConfig = field(default_factory=FedAvgConfig)
     baselines: tuple[str, ...] = ()  # names from BASELINES, trained after FedAvg
+    baseline: BaselineConfig = field(default_factory=BaselineConfig)  # Table II baselines' settings
 
     def validate(self) -> None:
         for m in self.missing:
@@ -107,6 +124,8 @@ class SimConfig:
                     f"unknown missing level {m!r}: use 1, 3, 5, 7 or 'all' "
                     f"(any integer 0..{len(CLASSES) - 1})"
                 )
+        if self.missing1 not in ("permutation", "random"):
+            raise ExperimentError(f"missing1 must be 'permutation' or 'random', got {self.missing1!r}")
         if self.rounds not in (1, 2):
             raise ExperimentError(f"rounds must be 1 or 2, got {self.rounds}")
         if not 0 < self.fraction <= 1:
@@ -170,6 +189,13 @@ class SettingResult:
     privacy: Mapping[str, object] | None = None  # differential privacy: ε spent, noise, clipping
     # method -> what clients under the deployment policy would refuse (only with client_policy="deployment")
     client_refusals: Mapping[str, tuple[LayoutRefusal, ...]] = field(default_factory=dict)
+    # the rescaled-τ variant of round 2 (same clients and classes as pseudo_labels)
+    pseudo_labels_rescaled: tuple[tuple[str, PseudoLabelReport], ...] = ()
+    # (client, class, "no positive" | "no negative"): Eq. 9 undefined for a labelled class at a client;
+    # client "S_c" when the class has no positive (or no negative) across all its annotators
+    undefined_balance: tuple[tuple[str, int, str], ...] = ()
+    # wall seconds per gradient method (the baselines' in their worker processes)
+    method_seconds: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -358,20 +384,26 @@ def run_setting(
     config: SimConfig,
     timer: PhaseTimer,
     progress: Progress = _no_progress,
+    gradient: GradientMethods | None = None,
 ) -> SettingResult:
     if config.dp is not None:
         from secure_afl.sim.dp_run import run_private_setting
 
         return run_private_setting(data, missing, config, timer, progress)
     n_classes = data.cohort.labels.shape[1]
-    assignment = assign_partial_labels(config.n_clients, n_classes, missing, seed=config.seed)
+    assignment = assign_partial_labels(
+        config.n_clients, n_classes, missing, seed=config.seed, missing1=config.missing1
+    )
     clients = [client_id(k) for k in range(config.n_clients)]
+    undefined = _undefined_balance(stats, clients, assignment)
     dropped = _dropped_clients(config)
     dropouts = {config.dropout_stage: dropped} if dropped else {}
-    test_x = data.features[data.split.test]
+    test_x = data.features[data.split.test].astype(np.float64)  # once, not per method
     test_y = data.cohort.labels[data.split.test]
 
-    with timer.phase("statistics"):
+    with timer.phase("statistics"), warnings.catch_warnings():
+        # reported per setting (undefined_balance), not as one Python warning per client
+        warnings.simplefilter("ignore", UndefinedBalanceWarning)
         round1 = {}
         for k, name in enumerate(clients):
             mine = stats[name].contributions(assignment.active[k], balance="client", include_global_gram=True)
@@ -382,7 +414,8 @@ def run_setting(
     with timer.phase("aggregation"):
         agg = aggregate(round1, config, dropouts=dropouts)
     _check_coverage(agg, n_classes)
-    with timer.phase("solve"):
+    with timer.phase("solve"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", UndefinedBalanceWarning)
         afl = AnalyticClassifier(n_classes, gamma=config.gamma).fit(agg.sums)
         global_balance = AnalyticClassifier(n_classes, gamma=config.gamma, balance="global").fit(agg.sums)
         global_gram = AnalyticClassifier(n_classes, gamma=config.gamma, gram="global").fit(agg.sums)
@@ -401,6 +434,7 @@ def run_setting(
 
     upload = _upload_bytes(round1)
     pseudo_reports: list[tuple[str, PseudoLabelReport]] = []
+    rescaled_reports: list[tuple[str, PseudoLabelReport]] = []
     audit_members = dict(agg.members)
     audit_survivors = dict(agg.survivors)
     audit_tensors = dict(agg.tensors)
@@ -410,28 +444,39 @@ def run_setting(
     if config.rounds == 2:
         # A client that dropped at any stage of round 1 is offline: round 2 goes on without it.
         live = [c for c in clients if c not in dropped]
+        # The rescaled-τ variant: the server sends the round-1 scores rescaled so that ±1 are the mean
+        # training scores of S_c's labelled positives / negatives; clients apply Eq. 19 unchanged.
+        rescaled = _rescaled_or_none(afl, agg.sums)
+        rules = [PseudoScoreRule(afl.coef_, None, PSEUDO_TENSOR)]
+        if rescaled is not None:
+            rules.append(PseudoScoreRule(rescaled[0], rescaled[1], PSEUDO_TENSOR_RESCALED))
         with timer.phase("statistics"):
             for name in live:
                 k = clients.index(name)
-                contribution, reports = pseudo_label_contributions(
+                round2[name], reports = pseudo_label_rounds(
                     data.features[data.split.clients[k]],
-                    afl.coef_,
+                    rules,
                     assignment.active[k],
                     config=config.pseudo,
                     device=config.device,
                 )
-                round2[name] = contribution
-                pseudo_reports.extend((name, r) for r in reports)
+                pseudo_reports.extend((name, r) for r in reports[PSEUDO_TENSOR])
+                rescaled_reports.extend((name, r) for r in reports.get(PSEUDO_TENSOR_RESCALED, []))
         with timer.phase("aggregation"):
             agg2 = aggregate(round2, config, dropouts={})
-        with timer.phase("solve"):
+        with timer.phase("solve"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", UndefinedBalanceWarning)
             models[AFL_2] = AnalyticClassifier(n_classes, gamma=config.gamma).refine(
-                agg.sums, agg2.sums, alpha=config.pseudo.alpha
+                agg.sums, agg2.sums, alpha=config.pseudo.alpha, pseudo_tensor=PSEUDO_TENSOR
             )
             for name, sums2 in agg2.other_sums.items():
                 refined = AnalyticClassifier(n_classes, gamma=config.gamma)
                 other_models[f"{AFL_2} via {name}"] = refined.refine(
                     agg.other_sums[name], sums2, alpha=config.pseudo.alpha
+                )
+            if rescaled is not None:
+                models[AFL_2_RESCALED] = AnalyticClassifier(n_classes, gamma=config.gamma).refine(
+                    agg.sums, agg2.sums, alpha=config.pseudo.alpha, pseudo_tensor=PSEUDO_TENSOR_RESCALED
                 )
         for name, size in _upload_bytes(round2).items():
             upload[name] += size
@@ -443,40 +488,39 @@ def run_setting(
         if costs is not None:
             costs.update(_named_costs("round2", agg2.costs_by_protection))
 
-    with timer.phase("fedavg"):
-        head = train_fedavg(
-            [data.features[rows] for rows in data.split.clients],
-            [
-                missing_as_negative(data.cohort.labels[rows], assignment.active[k])
-                for k, rows in enumerate(data.split.clients)
-            ],
-            config.fedavg,
-            progress=lambda done: progress(f"FedAvg, missing {missing}", done, config.fedavg.rounds),
+    # FedAvg and the baselines: trained in worker processes since the data were ready (see
+    # sim/gradient.py), on the same rows, features and label assignment as AFL
+    jobs = gradient or _inline_gradient_methods(data, {missing: assignment}, config)
+    with timer.phase("gradient methods (wait)"):
+        heads, method_seconds = jobs.collect(
+            missing,
+            progress=lambda done, total: progress(f"gradient methods, missing {missing}", done, total),
         )
+    if gradient is None:
+        jobs.close()
     extra: dict[str, np.ndarray] = {}
     if FEDNCA in config.baselines:
         from secure_afl.sim.fednca import FedNCAConfig, fednca_scores
 
         with timer.phase("baselines"):
             nca = FedNCAConfig(rounds=config.fedavg.rounds, seed=config.seed)
-            scores = fednca_scores(
+            extra[FEDNCA] = fednca_scores(  # logits: metrics rank scores
                 data,
                 assignment.active,
                 nca,
                 progress=lambda done: progress(f"FedNCA-ML, missing {missing}", done, nca.rounds),
             )
-            extra[FEDNCA] = 1.0 / (1.0 + np.exp(-scores))
     with timer.phase("metrics"):
-        metrics = {name: evaluate(test_y, model.predict_proba(test_x)) for name, model in models.items()}
-        metrics[FEDAVG] = evaluate(test_y, head.predict_proba(test_x))
+        # AUC and AP rank the scores (logits); BACC counts each method's decisions, score > 0
+        # (= σ(score) > 0.5, what predict() returns)
+        metrics = {name: evaluate(test_y, model.decision_function(test_x)) for name, model in models.items()}
+        for name, trained in heads.items():
+            metrics[name] = evaluate(test_y, trained.decision_function(test_x))
         for name, model in other_models.items():
-            metrics[name] = evaluate(test_y, model.predict_proba(test_x))
-        metrics.update({name: evaluate(test_y, proba) for name, proba in extra.items()})
-    ordered = {
-        m: metrics[m]
-        for m in (AFL_1, AFL_2, AFL_GLOBAL_BALANCE, AFL_GLOBAL_GRAM, FEDAVG, *BASELINES)
-        if m in metrics
-    }
+            metrics[name] = evaluate(test_y, model.decision_function(test_x))
+        metrics.update({name: evaluate(test_y, scores) for name, scores in extra.items()})
+    order = (AFL_1, AFL_2, AFL_2_RESCALED, AFL_GLOBAL_BALANCE, AFL_GLOBAL_GRAM, FEDAVG, *BASELINES)
+    ordered = {m: metrics[m] for m in order if m in metrics}
     ordered.update({m: metrics[m] for m in sorted(other_models)})
     uploads = {c: {**groups, **round2.get(c, {})} for c, groups in round1.items()}
     audit = audit_groups(
@@ -515,6 +559,70 @@ def run_setting(
         pseudo_labels=tuple(pseudo_reports),
         protocol_costs=costs,
         client_refusals=refusals,
+        pseudo_labels_rescaled=tuple(rescaled_reports),
+        undefined_balance=undefined,
+        method_seconds=method_seconds,
+    )
+
+
+def _rescaled_or_none(model: AnalyticClassifier, sums: Contributions) -> tuple[np.ndarray, np.ndarray] | None:
+    """The rescaled round-1 scores, or None when a class's mean training scores are undefined."""
+    try:
+        return model.rescaled_scores(sums)
+    except StatisticsError:
+        return None
+
+
+def _undefined_balance(
+    stats: Mapping[str, ClientStatistics], clients: list[str], assignment: LabelAssignment
+) -> tuple[tuple[str, int, str], ...]:
+    """Where Eq. 9 is undefined: per (client, labelled class), and per class across S_c."""
+    out = []
+    for k, name in enumerate(clients):
+        out += [(name, c, why) for c, why in stats[name].undefined_classes(assignment.active[k]).items()]
+    for c, members in enumerate(assignment.coverage()):
+        n_pos = sum(int(stats[clients[k]].n_pos[c]) for k in members)
+        n = sum(stats[clients[k]].n for k in members)
+        if members and n_pos in (0, n):
+            out.append(("S_c", c, "no positive" if n_pos == 0 else "no negative"))
+    return tuple(out)
+
+
+def _assignments(data: PreparedData, config: SimConfig) -> dict[int, LabelAssignment]:
+    n_classes = data.cohort.labels.shape[1]
+    return {
+        m: assign_partial_labels(config.n_clients, n_classes, m, seed=config.seed, missing1=config.missing1)
+        for m in config.missing
+    }
+
+
+def _gradient_methods(
+    data: PreparedData, config: SimConfig, *, workers: int | None = None
+) -> GradientMethods:
+    """Start FedAvg and the baselines of every level in worker processes (none under DP)."""
+    assignments = _assignments(data, config) if config.dp is None else {}
+    return GradientMethods(
+        [data.features[rows] for rows in data.split.clients],
+        [data.cohort.labels[rows] for rows in data.split.clients],
+        {m: a.active for m, a in assignments.items()},
+        fedavg=config.fedavg,
+        baselines=tuple(b for b in config.baselines if b in TABLE2_BASELINES),
+        baseline=config.baseline,
+        workers=workers,
+    )
+
+
+def _inline_gradient_methods(
+    data: PreparedData, assignments: dict[int, LabelAssignment], config: SimConfig
+) -> GradientMethods:
+    return GradientMethods(
+        [data.features[rows] for rows in data.split.clients],
+        [data.cohort.labels[rows] for rows in data.split.clients],
+        {m: a.active for m, a in assignments.items()},
+        fedavg=config.fedavg,
+        baselines=tuple(b for b in config.baselines if b in TABLE2_BASELINES),
+        baseline=config.baseline,
+        workers=0,
     )
 
 
@@ -535,14 +643,19 @@ def run_experiment(
             split=config.split,
             progress=progress,
         )
-    with timer.phase("statistics"):
-        stats = {}
-        for k, rows in enumerate(data.split.clients if config.dp is None else ()):  # DP: clipped, later
-            stats[client_id(k)] = client_statistics(
-                data.features[rows], data.cohort.labels[rows], device=config.device
-            )
-            progress("client statistics", k + 1, config.n_clients)
-    settings = tuple(run_setting(data, stats, missing, config, timer, progress) for missing in config.missing)
+    # the gradient methods' workers fork now, before any other thread runs, and train while the
+    # main process computes the statistics
+    with _gradient_methods(data, config) as gradient:
+        with timer.phase("statistics"):
+            stats = {}
+            for k, rows in enumerate(data.split.clients if config.dp is None else ()):  # DP: later
+                stats[client_id(k)] = client_statistics(
+                    data.features[rows], data.cohort.labels[rows], device=config.device
+                )
+                progress("client statistics", k + 1, config.n_clients)
+        settings = tuple(
+            run_setting(data, stats, missing, config, timer, progress, gradient) for missing in config.missing
+        )
     return ExperimentResult(
         config=config,
         dataset=data.description,

@@ -29,6 +29,7 @@ It was not tuned to reproduce any published number.
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
@@ -74,16 +75,31 @@ def synthetic_features(
     patient_effect = rng.standard_normal((patient_index.max() + 1, PATIENT_RANK), dtype=np.float32)
 
     out = np.empty((len(labels), dim), dtype=np.float32)
-    for start in range(0, len(labels), CHUNK_ROWS):
-        stop = min(start + CHUNK_ROWS, len(labels))
-        rows = stop - start
-        z = rng.standard_normal((rows, dim), dtype=np.float32)
-        z *= NOISE_SD
-        z += mean
-        z += rng.standard_normal((rows, NUISANCE_RANK), dtype=np.float32) @ nuisance
-        z += patient_effect[patient_index[start:stop]] @ patient_load
-        z += labels[start:stop].astype(np.float32) @ signatures
-        np.logaddexp(np.float32(0), z, out=out[start:stop])
-        if progress is not None:
-            progress(stop)
+    # The random draws must stay in order (one generator stream), but the softplus of a finished
+    # chunk (the costliest step; numpy releases the GIL in it) runs on a second thread while the
+    # next chunk is drawn.  Same operations on the same numbers: the features do not change.
+    with ThreadPoolExecutor(max_workers=1) as softplus:
+        pending: Future[None] | None = None
+        for start in range(0, len(labels), CHUNK_ROWS):
+            stop = min(start + CHUNK_ROWS, len(labels))
+            rows = stop - start
+            z = rng.standard_normal((rows, dim), dtype=np.float32)
+            z *= NOISE_SD
+            z += mean
+            z += rng.standard_normal((rows, NUISANCE_RANK), dtype=np.float32) @ nuisance
+            z += patient_effect[patient_index[start:stop]] @ patient_load
+            z += labels[start:stop].astype(np.float32) @ signatures
+            if pending is not None:
+                pending.result()
+                if progress is not None:
+                    progress(start)
+            pending = softplus.submit(_softplus_into, z, out[start:stop])
+        if pending is not None:
+            pending.result()
+    if progress is not None:
+        progress(len(labels))
     return out
+
+
+def _softplus_into(z: np.ndarray, out: np.ndarray) -> None:
+    np.logaddexp(np.float32(0), z, out=out)

@@ -99,7 +99,7 @@ def test_dp_off_reproduces_the_non_private_pipeline() -> None:
     ]
     model = AnalyticClassifier(8, gamma=1.0, balance="global").fit(sum_contributions(uploads))
     expected = evaluate(
-        data.cohort.labels[data.split.test], model.predict_proba(data.features[data.split.test])
+        data.cohort.labels[data.split.test], model.decision_function(data.features[data.split.test])
     )
     got = result.settings[0].metrics[AFL_GLOBAL_BALANCE]
     assert got.macro == expected.macro

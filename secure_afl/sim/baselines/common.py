@@ -1,0 +1,276 @@
+"""What every gradient baseline shares: configuration, the federation's tensors, feature-level
+augmentation, losses written on logits, and the federated training loop over batched heads."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from secure_afl.analytic import active_class_indices
+from secure_afl.sim.baselines.engine import (
+    Adam,
+    Epoch,
+    LinearHead,
+    head_from_weights,
+    initial_weights,
+    logits_of,
+    single_torch_thread,
+    stack_clients,
+    weight_gradient,
+)
+
+
+@dataclass(frozen=True)
+class BaselineConfig:
+    """Training settings shared by the seven baselines (README: each method's table row).
+
+    ``rounds`` and ``local_epochs``: paper Table I / §IV-E (R = 50, one local epoch).  Adam with
+    betas (0.9, 0.999) and ``weight_decay`` 5e-4: FedMLP's ``local_training*.py`` for every method.
+    ``lr`` and ``batch_size`` are the head's (the same as this repository's FedAvg): FedMLP's
+    ``base_lr`` (3e-5, "ChestXray14 = 3e-6") and batch 32 fine-tune a whole ResNet end to end; a
+    linear head on frozen features barely moves from its initialisation at that rate in 50 epochs.
+    """
+
+    rounds: int = 50
+    local_epochs: int = 1
+    batch_size: int = 64
+    lr: float = 1e-3
+    weight_decay: float = 5e-4
+    seed: int = 0
+
+
+@dataclass
+class Federation:
+    """The clients' cached features and partial labels, as tensors with a leading client axis.
+
+    ``y`` holds the labels of each client's active classes and 0 elsewhere (what a client without
+    an annotation for a class has); ``active`` says which entries are real labels.
+    """
+
+    x: torch.Tensor  # K × N × (d+1), ones column last
+    y: torch.Tensor  # K × N × C in {0, 1}
+    active: torch.Tensor  # K × C bool
+    pos_weight: torch.Tensor  # K × C: N / N⁺ on active classes with positives, else 1
+
+    @property
+    def n_clients(self) -> int:
+        return self.x.shape[0]
+
+    @property
+    def n_classes(self) -> int:
+        return self.y.shape[2]
+
+    @property
+    def dim(self) -> int:
+        return self.x.shape[2] - 1
+
+    @classmethod
+    def build(
+        cls,
+        features: Sequence[np.ndarray],
+        labels: Sequence[np.ndarray],
+        active: Sequence[Sequence[int] | Sequence[bool] | np.ndarray],
+    ) -> Federation:
+        """``features[k]`` rows × d, ``labels[k]`` rows × C (true 0/1), ``active[k]`` its classes."""
+        if not (len(features) == len(labels) == len(active)) or not features:
+            raise ValueError(
+                "features, labels and active classes must list the same, non-zero number of clients"
+            )
+        n_classes = np.asarray(labels[0]).shape[1]
+        mask = np.zeros((len(features), n_classes), dtype=bool)
+        for k, classes in enumerate(active):
+            mask[k, active_class_indices(classes, n_classes)] = True
+        observed = np.stack([np.asarray(y, dtype=np.float32) for y in labels]) * mask[:, None, :]
+        n = observed.shape[1]
+        positives = observed.sum(axis=1)
+        # FedMLP's pos_weight N/N_c (BCEWithLogitsLoss), from what the client observes: a missing
+        # class has no observed positive and weight 1 (FedMLP's code reads the true counts there).
+        pos_weight = np.where(mask & (positives > 0), n / np.maximum(positives, 1), 1.0)
+        return cls(
+            x=stack_clients(features),
+            y=torch.as_tensor(observed),
+            active=torch.as_tensor(mask),
+            pos_weight=torch.as_tensor(pos_weight, dtype=torch.float32),
+        )
+
+
+class FeatureAugmenter:
+    """Feature-level stand-ins for the image augmentations of FedMLP's pipelines.
+
+    The heads see cached features, so image transforms cannot be applied.  Each view multiplies the
+    d feature dimensions (never the bias column) by a noise vector:
+
+    - ``weak``: ``1 + 0.1·ξ``, ξ ~ N(0, I): a mild jitter (the analogue of flips and small shifts);
+    - ``strong``: ``(1 + 0.2·ξ) ⊙ m / 0.8``, m ~ Bernoulli(0.8): more jitter plus erasing a random
+      20 % of the dimensions (the analogue of RandAugment plus Cutout in FixMatch).
+
+    Noise vectors are drawn once into banks of ``BANK`` rows; each step's K·B samples (in shuffled
+    order) take the consecutive rows from a random offset: drawing K·B·d fresh normals per step
+    would cost more than the step itself.
+    """
+
+    BANK = 4096
+
+    def __init__(self, dim: int, generator: torch.Generator) -> None:
+        self.generator = generator
+        noise = torch.randn((2, self.BANK, dim), generator=generator)
+        keep = (torch.rand((self.BANK, dim), generator=generator) < 0.8).float() / 0.8
+        self.banks = {"weak": 1 + 0.1 * noise[0], "strong": (1 + 0.2 * noise[1]) * keep}
+
+    def __call__(self, kind: str, x: torch.Tensor) -> torch.Tensor:
+        n_clients, rows, width = x.shape
+        count = n_clients * rows
+        if count > self.BANK:
+            raise ValueError(f"{count} samples per step exceed the noise bank of {self.BANK} rows")
+        start = int(torch.randint(self.BANK - count + 1, (1,), generator=self.generator))
+        noise = self.banks[kind][start : start + count].view(n_clients, rows, width - 1)
+        out = torch.empty_like(x)
+        torch.mul(x[:, :, :-1], noise, out=out[:, :, :-1])
+        out[:, :, -1] = 1.0
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Losses on logits (summed over clients: every client's loss depends only on its own head)
+# ---------------------------------------------------------------------------------------------
+
+
+def bce(logits: torch.Tensor, targets: torch.Tensor, pos_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Element-wise binary cross-entropy of ``σ(logits)`` (optionally positive-weighted), stable."""
+    positive = F.softplus(-logits) * targets
+    if pos_weight is not None:
+        positive = positive * pos_weight
+    return positive + F.softplus(logits) * (1 - targets)
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, per_client_count: float) -> torch.Tensor:
+    """``Σ_{entries in mask} values / count`` per client, summed over clients (``K × B × C``)."""
+    return (values * mask).sum() / max(per_client_count, 1.0)
+
+
+def sigmoid_rampup(current: float, begin: float, end: float) -> float:
+    """Laine & Aila's ``exp(−5(1 − t)²)`` ramp from ``begin`` to ``end`` (FedIRM, FedNoRo)."""
+    if end <= begin:
+        return 1.0
+    t = (min(max(current, begin), end) - begin) / (end - begin)
+    return math.exp(-5.0 * (1.0 - t) ** 2)
+
+
+@dataclass
+class Batch:
+    """One step's data for every client."""
+
+    rnd: int
+    views: dict[str, torch.Tensor]  # name → K × B × (d+1)
+    y: torch.Tensor  # K × B × C
+    active: torch.Tensor  # K × 1 × C (float 0/1)
+    missing: torch.Tensor  # K × 1 × C
+    pos_weight: torch.Tensor  # K × 1 × C
+    teacher: dict[str, torch.Tensor] = field(default_factory=dict)  # view → teacher logits K × B × C
+
+    @property
+    def size(self) -> int:
+        return self.y.shape[1]
+
+
+@dataclass
+class Method:
+    """One baseline: the views its loss needs, its local loss, hooks and its aggregation.
+
+    ``loss`` gets the current heads' logits for each view in ``views`` (leaves that autograd
+    differentiates: the head is linear, so ``∂loss/∂W`` follows from ``∂loss/∂logits`` by one
+    product per view) and returns the loss summed over clients.  ``teachers()`` names fixed heads
+    (EMA teachers, the round's global head) whose logits the loss needs on a view; they come in
+    ``batch.teacher`` from the same product as the head's own logits.
+    """
+
+    name: str
+    family: str
+    views: tuple[str, ...] = ("plain",)
+    state: dict[str, object] = field(default_factory=dict)
+
+    def start(self, fed: Federation, init: torch.Tensor, generator: torch.Generator) -> None:
+        """Before round 0."""
+
+    def teachers(self) -> dict[str, torch.Tensor]:
+        """View → ``K × C × (d+1)`` heads whose logits (no gradient) the loss needs there."""
+        return {}
+
+    def start_round(self, rnd: int, global_w: torch.Tensor, local_w: torch.Tensor) -> None:
+        """Each round, before local training (``local_w`` is every client's copy of the global)."""
+
+    def loss(self, batch: Batch, logits: dict[str, torch.Tensor], w: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def after_step(self, w: torch.Tensor) -> None:
+        """After each local step (EMA teachers)."""
+
+    def end_round(self, rnd: int, local_w: torch.Tensor) -> None:
+        """After local training, before aggregation (statistics the clients send)."""
+
+    def aggregate(self, rnd: int, local_w: torch.Tensor) -> torch.Tensor:
+        """Server: the next global head from the clients' heads (default: FedAvg, equal sizes)."""
+        return local_w.mean(dim=0)
+
+
+def train(
+    method: Method,
+    fed: Federation,
+    config: BaselineConfig,
+    *,
+    progress: Callable[[int], None] | None = None,
+) -> LinearHead:
+    """Federated training of ``method`` for ``config.rounds`` rounds; returns the global head."""
+    with single_torch_thread():
+        generator = torch.Generator().manual_seed(config.seed)
+        global_w = initial_weights(fed.dim, fed.n_classes, generator)
+        augment = FeatureAugmenter(fed.dim, generator)
+        method.start(fed, global_w, generator)
+        active = fed.active.float()[:, None, :]
+        missing = 1 - active
+        pos_weight = fed.pos_weight[:, None, :]
+        n_classes = fed.n_classes
+        for rnd in range(config.rounds):
+            w = global_w.expand(fed.n_clients, *global_w.shape).clone()
+            method.start_round(rnd, global_w, w)
+            adam = Adam(w, config.lr, weight_decay=config.weight_decay)
+            for _ in range(config.local_epochs):
+                for xb, rows in Epoch(fed.x, config.batch_size, generator):
+                    teachers = method.teachers()
+                    views = {"plain": xb}
+                    for view in (*method.views, *teachers):
+                        if view not in views:
+                            views[view] = augment("strong" if view == "strong" else "weak", xb)
+                    batch = Batch(rnd, views, Epoch.take(fed.y, rows), active, missing, pos_weight)
+                    leaves = {}
+                    for view, x_view in views.items():
+                        own, teacher = view in method.views, teachers.get(view)
+                        if teacher is None:
+                            if own:
+                                leaves[view] = logits_of(w, x_view).requires_grad_()
+                            continue
+                        # the head and its teacher in one product: x is read once
+                        both = logits_of(torch.cat([w, teacher], dim=1) if own else teacher, x_view)
+                        batch.teacher[view] = both[:, :, -n_classes:]
+                        if own:
+                            leaves[view] = both[:, :, :n_classes].requires_grad_()
+                    loss = method.loss(batch, leaves, w)
+                    grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+                    step: torch.Tensor | None = None
+                    for view, grad in zip(leaves, grads, strict=True):
+                        if grad is not None:
+                            part = weight_gradient(grad, views[view])
+                            step = part if step is None else step.add_(part)
+                    if step is not None:
+                        adam.step(w, step)
+                    method.after_step(w)
+            method.end_round(rnd, w)
+            global_w = method.aggregate(rnd, w)
+            if progress is not None:
+                progress(rnd + 1)
+        return head_from_weights(global_w)

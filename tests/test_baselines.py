@@ -1,0 +1,199 @@
+"""The seven gradient baselines of Table II: registry, mechanisms, and learning on partial labels."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from secure_afl.sim.baselines import BASELINES, BaselineConfig, BaselineError, parse_baselines, train_baseline
+from secure_afl.sim.baselines.common import Batch, FeatureAugmenter, Federation
+from secure_afl.sim.baselines.fssl import CBAFed, FedFixMatch, RSCFed, relation_matrix
+from secure_afl.sim.metrics import evaluate
+
+
+def _toy(rng: np.random.Generator, n: int, d: int = 24, n_classes: int = 4, signal=None):
+    y = (rng.random((n, n_classes)) < 0.25).astype(int)
+    x = rng.normal(size=(n, d)) + y @ signal
+    return x.astype(np.float32), y
+
+
+def test_parse_baselines() -> None:
+    assert parse_baselines("all") == tuple(BASELINES) and len(BASELINES) == 7
+    assert parse_baselines("fedmlp, RSCFed") == ("RSCFed", "FedMLP")  # Table II's order, any case
+    assert parse_baselines("") == parse_baselines("none") == ()
+    with pytest.raises(BaselineError, match=r"unknown baseline 'FedProx'.*FedAvg always runs"):
+        parse_baselines("FedProx")
+
+
+def test_federation_shows_only_active_labels() -> None:
+    rng = np.random.default_rng(0)
+    labels = [np.ones((10, 3), dtype=int), np.ones((10, 3), dtype=int)]
+    labels[0][:5, 0] = 0
+    fed = Federation.build([rng.normal(size=(10, 4))] * 2, labels, [[0, 2], np.array([False, True, False])])
+    assert fed.y[0, :, 1].sum() == 0 and fed.y[1, :, 0].sum() == 0 and fed.y[1, :, 1].sum() == 10
+    # FedMLP's pos_weight N/N⁺ on observed positives; 1 where the client has no label
+    torch.testing.assert_close(fed.pos_weight, torch.tensor([[2.0, 1.0, 1.0], [1.0, 1.0, 1.0]]))
+    assert fed.x.shape == (2, 10, 5) and torch.all(fed.x[:, :, -1] == 1)  # bias column
+
+
+@pytest.mark.parametrize("name", list(BASELINES))
+def test_every_baseline_learns_the_labelled_classes(name: str) -> None:
+    rng = np.random.default_rng(1)
+    signal = rng.normal(size=(4, 24))
+    clients = [_toy(rng, 192, signal=signal) for _ in range(4)]
+    test_x, test_y = _toy(rng, 800, signal=signal)
+    active = [[c for c in range(4) if c != k] for k in range(4)]  # missing 1: a permutation
+    config = BaselineConfig(rounds=6, batch_size=32, lr=1e-2)
+    head = train_baseline(name, [x for x, _ in clients], [y for _, y in clients], active, config)
+    again = train_baseline(name, [x for x, _ in clients], [y for _, y in clients], active, config)
+    np.testing.assert_array_equal(head.coef, again.coef)  # seeded
+    assert evaluate(test_y, head.decision_function(test_x)).macro["auc"] > 0.8, name
+
+
+def test_feature_augmentation_leaves_the_bias_column_and_differs_by_strength() -> None:
+    augment = FeatureAugmenter(16, torch.Generator().manual_seed(0))
+    x = torch.ones(2, 300, 17)
+    weak, strong = augment("weak", x), augment("strong", x)
+    assert torch.all(weak[:, :, -1] == 1) and torch.all(strong[:, :, -1] == 1)
+    assert 0.05 < float(weak[:, :, :-1].std()) < 0.15
+    assert float((strong[:, :, :-1] == 0).float().mean()) == pytest.approx(0.2, abs=0.03)  # erased
+
+
+def _batch(y: torch.Tensor, active: torch.Tensor, views: dict[str, torch.Tensor]) -> Batch:
+    a = active.float()[:, None, :]
+    return Batch(0, views, y, a, 1 - a, torch.ones_like(a))
+
+
+def test_fixmatch_pseudo_labels_only_rows_confident_on_every_missing_class() -> None:
+    method = FedFixMatch()
+    y = torch.zeros(1, 3, 3)
+    active = torch.tensor([[True, False, False]])
+    weak = torch.tensor([[[0.0, 3.0, -3.0], [0.0, 3.0, 0.1], [0.0, -3.0, -3.0]]])  # row 1 unsure on class 2
+    strong = torch.zeros(1, 3, 3, requires_grad=True)
+    views = {"weak": torch.zeros(1, 3, 5), "strong": torch.zeros(1, 3, 5)}
+    method.loss(
+        _batch(y, active, views), {"weak": weak.clone().requires_grad_(), "strong": strong}, None
+    ).backward()
+    grad = strong.grad[0]
+    assert torch.all(grad[1] == 0) and torch.all(grad[:, 0] == 0)  # unsure row, active class: no pseudo-label
+    assert grad[0, 1] < 0 and grad[0, 2] > 0 and grad[2, 1] > 0  # pulled towards the weak view's hard labels
+
+
+def test_relation_matrix_is_sigmoid_of_half_the_mean_logits_per_label() -> None:
+    logits = torch.tensor([[[2.0, -2.0], [4.0, 0.0], [0.0, 6.0]]])
+    labels = torch.tensor([[[1.0, 0.0], [1.0, 0.0], [0.0, 1.0]]])
+    expected = torch.sigmoid(torch.tensor([[[3.0, -1.0], [0.0, 6.0]]]) / 2)
+    torch.testing.assert_close(relation_matrix(logits, labels), expected)
+    no_label = relation_matrix(logits, torch.zeros_like(labels))
+    torch.testing.assert_close(no_label, torch.full_like(no_label, 0.5))
+
+
+def test_cbafed_residual_aggregation_every_fifth_round() -> None:
+    method = CBAFed()
+    method.start(None, torch.zeros(1, 1), torch.Generator())  # type: ignore[arg-type]
+    heads = [torch.full((2, 1, 1), float(r)) for r in range(11)]
+    out = [method.aggregate(r, heads[r]) for r in range(11)]
+    assert out[0].item() == 0 and out[3].item() == 3  # plain FedAvg between
+    assert out[5].item() == pytest.approx(0.2 * 5 + 0.8 * 0)
+    assert out[10].item() == pytest.approx(0.2 * 10 + 0.8 * out[5].item())
+
+
+def test_rscfed_sub_consensus_of_identical_heads_is_that_head_and_downweights_outliers() -> None:
+    fed = Federation.build([np.zeros((4, 3))] * 8, [np.zeros((4, 2), dtype=int)] * 8, [[0]] * 8)
+    method = RSCFed()
+    method.start(fed, torch.zeros(2, 4), torch.Generator().manual_seed(0))
+    heads = torch.randn(1, 2, 4).expand(8, 2, 4).clone()
+    torch.testing.assert_close(method.aggregate(0, heads), heads[0])
+    heads[3] += 10.0
+    plain = RSCFed()
+    plain.DISTANCE_SCALE = 0.0  # the same random sub-groups, averaged without distance weights
+    for m in (method, plain):
+        m.start(fed, torch.zeros(2, 4), torch.Generator().manual_seed(1))
+    weighted_shift = (method.aggregate(1, heads) - heads[0]).abs().max()
+    plain_shift = (plain.aggregate(1, heads) - heads[0]).abs().max()
+    assert 0 < weighted_shift < plain_shift
+
+
+def test_sim_with_all_baselines_under_secure_aggregation(tmp_path) -> None:
+    import json
+
+    from click.testing import CliRunner
+
+    from secure_afl.cli import main
+
+    args = ["sim", "--missing", "1,7", "--fraction", "0.04", "--dim", "32", "--fedavg-rounds", "2"]
+    result = CliRunner().invoke(
+        main, [*args, "--baselines", "all", "--out", str(tmp_path)], catch_exceptions=False
+    )
+    assert result.exit_code == 0, result.output
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["config"]["secure"] == "mask" and data["config"]["baselines"] == list(BASELINES)
+    for setting in data["settings"]:
+        assert set(BASELINES) | {"FedAvg", "AFL (1 round)"} <= set(setting["metrics"])
+        assert setting["protocol_costs"]  # AFL still went through the masking protocol
+    assert "gradient methods (wait)" in data["seconds_per_phase"]
+    assert all(set(BASELINES) | {"FedAvg"} <= set(s["seconds_per_method"]) for s in data["settings"])
+    report = (tmp_path / "report.md").read_text()
+    assert "| FNLL | FedNoRo |" in report and "![BACC and AUC" in report and "(figure.png)" in report
+    assert (tmp_path / "figure.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert report.count("IN THE CLEAR") == 2 * 8  # FedAvg and the seven, at both levels
+    bad = CliRunner().invoke(main, [*args, "--baselines", "FedProx", "--out", str(tmp_path / "x")])
+    assert bad.exit_code == 2 and "unknown baseline 'FedProx'" in bad.output
+
+
+WORKER_SCRIPT = """
+import numpy as np
+from secure_afl.sim.baselines import BaselineConfig
+from secure_afl.sim.fedavg import FedAvgConfig
+from secure_afl.sim.gradient import GradientMethods
+
+rng = np.random.default_rng(5)
+signal = rng.normal(size=(4, 24))
+clients = []
+for _ in range(4):
+    y = (rng.random((96, 4)) < 0.25).astype(int)
+    clients.append(((rng.normal(size=(96, 24)) + y @ signal).astype(np.float32), y))
+active = {1: [[0, 1, 2], [1, 2, 3], [2, 3, 0], [3, 0, 1]], 3: [[0], [1], [2], [3]]}
+options = {
+    "fedavg": FedAvgConfig(rounds=2, batch_size=32),
+    "baselines": ("FedIRM", "FedNoRo", "FedMLP"),
+    "baseline": BaselineConfig(rounds=2, batch_size=32),
+}
+args = ([x for x, _ in clients], [y for _, y in clients], active)
+with GradientMethods(*args, **options, workers=2) as forked:
+    assert forked.pool is not None
+    results = {m: forked.collect(m) for m in (3, 1)}  # collected in any order
+with GradientMethods(*args, **options, workers=0) as inline:
+    assert inline.pool is None
+    for missing, (heads, seconds) in results.items():
+        alone, _ = inline.collect(missing)
+        assert list(heads) == ["FedAvg", "FedIRM", "FedNoRo", "FedMLP"]
+        for name, head in heads.items():
+            np.testing.assert_array_equal(alone[name].coef, head.coef)
+            assert seconds[name] > 0
+print("same heads")
+"""
+
+
+def test_worker_processes_give_the_results_of_the_main_process() -> None:
+    # in a fresh interpreter: forking is only safe before a process has run OpenMP code (gradient.py)
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", WORKER_SCRIPT], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0 and "same heads" in done.stdout, done.stderr[-3000:]
+
+
+def test_gradient_workers_are_opt_in(monkeypatch) -> None:
+    from secure_afl.sim.gradient import WORKERS_ENV, _workers_from_environment
+
+    monkeypatch.delenv(WORKERS_ENV, raising=False)
+    assert _workers_from_environment(7) == 0
+    monkeypatch.setenv(WORKERS_ENV, "2")
+    assert _workers_from_environment(7) == 2
+    monkeypatch.setenv(WORKERS_ENV, "two")
+    with pytest.raises(ValueError, match="whole number"):
+        _workers_from_environment(7)
