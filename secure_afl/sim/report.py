@@ -409,7 +409,7 @@ def print_report(result: ExperimentResult, console: Console) -> None:
     h, r = _cost_rows(result)
     console.print(_rich_table("Seconds per phase", h, r))
     h, r = method_seconds_rows(result)
-    console.print(_rich_table("Seconds per gradient method (baselines run side by side)", h, r))
+    console.print(_rich_table("Seconds per gradient method", h, r))
 
 
 def result_dict(result: ExperimentResult) -> dict[str, object]:
@@ -545,8 +545,8 @@ def markdown_report(result: ExperimentResult) -> str:
     parts += [
         "## Seconds per gradient method",
         "",
-        "Wall seconds of each training; the baselines run side by side, one per CPU core, so they",
-        "overlap and add up to more than the `baselines` phase.",
+        "Wall seconds of each training (with SECURE_AFL_GRADIENT_WORKERS they run in worker",
+        "processes beside the AFL pipeline and overlap it).",
         "",
         _md_table(h, r),
         "",

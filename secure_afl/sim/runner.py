@@ -194,7 +194,7 @@ class SettingResult:
     # (client, class, "no positive" | "no negative"): Eq. 9 undefined for a labelled class at a client;
     # client "S_c" when the class has no positive (or no negative) across all its annotators
     undefined_balance: tuple[tuple[str, int, str], ...] = ()
-    # wall seconds per gradient method (the baselines' in their worker processes)
+    # wall seconds per gradient method (in its worker process with SECURE_AFL_GRADIENT_WORKERS)
     method_seconds: Mapping[str, float] = field(default_factory=dict)
 
 
@@ -488,7 +488,7 @@ def run_setting(
         if costs is not None:
             costs.update(_named_costs("round2", agg2.costs_by_protection))
 
-    # FedAvg and the baselines: trained in worker processes since the data were ready (see
+    # FedAvg and the baselines: trained here, or in opt-in worker processes since the data were ready (see
     # sim/gradient.py), on the same rows, features and label assignment as AFL
     jobs = gradient or _inline_gradient_methods(data, {missing: assignment}, config)
     with timer.phase("gradient methods (wait)"):
@@ -599,7 +599,7 @@ def _assignments(data: PreparedData, config: SimConfig) -> dict[int, LabelAssign
 def _gradient_methods(
     data: PreparedData, config: SimConfig, *, workers: int | None = None
 ) -> GradientMethods:
-    """Start FedAvg and the baselines of every level in worker processes (none under DP)."""
+    """FedAvg and the baselines of every level (worker processes only when opted in; none under DP)."""
     assignments = _assignments(data, config) if config.dp is None else {}
     return GradientMethods(
         [data.features[rows] for rows in data.split.clients],
