@@ -367,7 +367,8 @@ class ClientSession:
                 spec = config.group(group)
             except KeyError:
                 raise LocalProtocolError(
-                    f"group {group!r} of this client's inputs is not in the session"
+                    f"group {group!r} of this client's inputs is not in the session layout: "
+                    "check that this client and the server run the same study"
                 ) from None
             layout = {tensor.name: tensor.length for tensor in spec.tensors}
             actual = {name: values.shape[0] for name, values in tensors.items()}
