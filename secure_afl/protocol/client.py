@@ -20,7 +20,7 @@ The client defends itself against the server (the party we do not trust), by its
 from __future__ import annotations
 
 import unicodedata
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -112,6 +112,24 @@ def check_name(kind: str, name: object) -> None:
         raise InvalidSessionConfigError(
             f"{kind} name {name!r} contains control or invisible formatting characters ({', '.join(bad)})"
         )
+
+
+def check_group_sizes(
+    members: Mapping[str, tuple[str, ...]],
+    live: set[str] | frozenset[str],
+    min_group_size: int,
+    *,
+    only: Collection[str] | None = None,
+) -> None:
+    """Refuse to go on when a group (of ``only``, if given) would be summed with 1..min-1 live members."""
+    for group, group_members in members.items():
+        if only is not None and group not in only:
+            continue
+        count = sum(1 for cid in group_members if cid in live)
+        if 0 < count < min_group_size:
+            raise GroupBelowMinimumError(
+                f"group {group!r} would have {count} live member(s), below the minimum {min_group_size}"
+            )
 
 
 def validate_config(config: SessionConfig, roster_size: int) -> None:
@@ -769,17 +787,8 @@ class ClientSession:
         *,
         own_groups_only: bool,
     ) -> None:
-        """Refuse to go on when a group would be unmasked with 1..min_group_size-1 live members."""
-        config = self._require_config()
-        for group, group_members in members.items():
-            if own_groups_only and group not in self._inputs:
-                continue
-            count = sum(1 for cid in group_members if cid in live)
-            if 0 < count < config.min_group_size:
-                raise GroupBelowMinimumError(
-                    f"group {group!r} would have {count} live member(s), below the minimum "
-                    f"{config.min_group_size}"
-                )
+        own = self._inputs if own_groups_only else None
+        check_group_sizes(members, live, self._require_config().min_group_size, only=own)
 
     def _check_session(self, session_id: bytes) -> None:
         if session_id != self._require_config().session_id:

@@ -18,12 +18,11 @@ from secure_afl.privacy import exposure
 from secure_afl.privacy.policy import ClientPolicy
 from secure_afl.protocol import codec as masking_codec
 from secure_afl.protocol import crypto, encoding
-from secure_afl.protocol.client import check_name
+from secure_afl.protocol.client import check_group_sizes, check_name
 from secure_afl.protocol.errors import (
     ClientProtocolError,
     DuplicateClientError,
     ExposureRefusedError,
-    GroupBelowMinimumError,
     HistoryExposureRefusedError,
     InconsistentSurvivorsError,
     InvalidSessionConfigError,
@@ -622,16 +621,8 @@ class CkksClientSession:
         *,
         own_groups_only: bool,
     ) -> None:
-        config = self._require_config()
-        for group, group_members in members.items():
-            if own_groups_only and group not in self._inputs:
-                continue
-            count = sum(1 for cid in group_members if cid in live)
-            if 0 < count < config.min_group_size:
-                raise GroupBelowMinimumError(
-                    f"group {group!r} would have {count} live member(s), "
-                    f"below the minimum {config.min_group_size}"
-                )
+        own = self._inputs if own_groups_only else None
+        check_group_sizes(members, live, self._require_config().min_group_size, only=own)
 
     def _check_session(self, session_id: bytes) -> None:
         if session_id != self._require_config().session_id:
