@@ -144,6 +144,11 @@ class Backbone:
     preprocess: Preprocess
     weights_id: str
     weights_path: Path | None
+    # The same forward pass split at the global pool, for methods that attend over spatial tokens
+    # (FedNCA-ML): ``embed(x)`` equals ``pool(feature_map(x))`` bit for bit, because both run the same
+    # operations.  None where the features are not a pooled map (VGG's fc7).
+    feature_map: Callable[[torch.Tensor], torch.Tensor] | None = None
+    pool: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 class XRayTransform:
@@ -351,6 +356,58 @@ def _build_torchvision(name: str) -> tuple[nn.Module, Callable[[torch.Tensor], t
     return model, model
 
 
+class _XrvFeatureMap:
+    """DenseNet-121 (TorchXRayVision) up to the pool of ``features2``: ReLU of the last dense block."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self.model, "input_resolution"):  # as features2 does
+            x = xrv.models.utils.fix_resolution(x, self.model.input_resolution, self.model)
+            xrv.models.utils.warn_normalization(x)
+        return nn.functional.relu(self.model.features(x))
+
+
+def _xrv_pool(feature_map: torch.Tensor) -> torch.Tensor:
+    return nn.functional.adaptive_avg_pool2d(feature_map, (1, 1)).view(feature_map.size(0), -1)
+
+
+class _ResNetFeatureMap:
+    """A torchvision ResNet's forward pass up to its global average pool (the output of layer4)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        m = self.model
+        x = m.maxpool(m.relu(m.bn1(m.conv1(x))))
+        return m.layer4(m.layer3(m.layer2(m.layer1(x))))
+
+
+class _TorchvisionPool:
+    """The model's own ``avgpool`` then flatten, as its forward pass does after the feature map."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def __call__(self, feature_map: torch.Tensor) -> torch.Tensor:
+        return torch.flatten(self.model.avgpool(feature_map), 1)
+
+
+def _spatial_split(
+    family: str, module: nn.Module
+) -> tuple[Callable[[torch.Tensor], torch.Tensor] | None, Callable[[torch.Tensor], torch.Tensor] | None]:
+    """``(feature_map, pool)`` with ``pool(feature_map(x)) == embed(x)``; (None, None) for VGG."""
+    if family == "xrv-densenet":
+        return _XrvFeatureMap(module), _xrv_pool
+    if family == "resnet":
+        return _ResNetFeatureMap(module), _TorchvisionPool(module)
+    if family == "efficientnet":
+        return module.features, _TorchvisionPool(module)
+    return None, None  # VGG: the features are fc7, a fully connected layer with no spatial layout
+
+
 def _strip_head(name: str, model: nn.Module) -> None:
     """Makes a torchvision classifier return the input of its final Linear layer."""
     family = _family(name)
@@ -424,6 +481,7 @@ def load_backbone(
     module.requires_grad_(False)
     module.eval()
     preprocess, transform = _preprocess_for(name)
+    feature_map, pool = _spatial_split(info.family, module)
     return Backbone(
         name=name,
         module=module,
@@ -433,4 +491,6 @@ def load_backbone(
         preprocess=preprocess,
         weights_id=weights_id,
         weights_path=weights_path,
+        feature_map=feature_map,
+        pool=pool,
     )

@@ -16,7 +16,10 @@ amp=False, shard_size=2048, progress=True, strict=False) -> ExtractionResult``
     - ``from_cache``: True when every shard came from the cache; ``shards_computed`` /
       ``shards_reused`` count both kinds, ``cache_path`` is the cache entry's directory.
 
-``feature_cache_key(paths, backbone, *, amp=False) -> str``
+``spatial=True`` also caches the backbone's feature map before its global pool (DenseNet-121:
+    1024 × 7 × 7 per image) for methods that attend over spatial tokens (FedNCA-ML); the result's
+    ``maps`` (:class:`FeatureMaps`) reads them on demand. See "Feature maps" below.
+``feature_cache_key(paths, backbone, *, amp=False, spatial=False) -> str``
     The cache entry's name: SHA-256 over the backbone name, its weights id (SHA-256 of the weight file,
     or ``random-init-seed-N``), its preprocessing description, the AMP flag and the ordered list of
     absolute image paths.
@@ -31,6 +34,17 @@ and ``shard_00000.npy`` … (float32, ``shard_size`` rows each, the last one sho
 written to a temporary file and moved into place with ``os.replace``, then recorded in the manifest
 (also replaced atomically), so an interrupted extraction resumes at the first shard it had not
 finished, and a complete cache returns without building a DataLoader or running the network.
+
+Feature maps (``spatial=True``): a separate cache entry (``spatial`` is part of the key, so the
+pooled-only entry and its key are unchanged), whose shards carry beside ``shard_NNNNN.npy`` a
+``maps_NNNNN.npy``: float16, ``rows × T × D`` with the ``h × w`` grid flattened row-major into
+``T = h·w`` tokens (``grid`` in the manifest). Both come from one forward pass, split at the pool
+(:attr:`Backbone.feature_map` / :attr:`Backbone.pool`), so the pooled features equal the plain
+extraction's bit for bit. Disk: ``T·D·2`` bytes per image, 100,352 B for DenseNet-121 at 224
+(7 × 7 × 1024), i.e. **6.8 GB for ChestXray14's 67,310 PA images** (the pooled cache: 276 MB);
+memory while extracting: one shard of maps (``shard_size·T·D·2`` B, 205 MB at the default 2048).
+float16 keeps ~3 significant digits, ample for post-ReLU activations feeding an attention head.
+VGG has no feature map (its features are fc7): ``spatial=True`` refuses it.
 
 Precision: the network runs in float32; ``amp=True`` wraps the forward pass in ``torch.autocast``
 (float16) on CUDA only and is ignored, with a warning, on CPU. Features are stored as float32 either
@@ -75,6 +89,7 @@ from secure_afl.features.images import CorruptImageError, ImageBatch, ImageDatas
 __all__ = [
     "CACHE_FORMAT_VERSION",
     "ExtractionResult",
+    "FeatureMaps",
     "default_num_workers",
     "extract_features",
     "feature_cache_key",
@@ -89,6 +104,50 @@ _MAX_DEFAULT_WORKERS = 8
 logger = logging.getLogger(__name__)
 
 
+class FeatureMaps:
+    """The cached pre-pooling feature maps of an extraction, read on demand from memory-mapped shards.
+
+    ``tokens(rows)`` returns ``len(rows) × T × D`` float32 (rows index the extraction's image list,
+    or this view's rows after :meth:`subset`); ``grid`` is the map's ``(h, w)``.  Nothing of size
+    images × T × D is held in memory.
+    """
+
+    def __init__(
+        self, entry: Path, shard_files: dict[int, str], shard_size: int, grid: tuple[int, int], dim: int
+    ) -> None:
+        self.entry = entry
+        self.grid = grid
+        self.dim = dim
+        self._shard_files = shard_files
+        self._shard_size = shard_size
+        self._opened: dict[int, np.ndarray] = {}
+        self._index = np.arange(sum(len(self._open(s)) for s in shard_files), dtype=np.int64)
+
+    def _open(self, shard: int) -> np.ndarray:
+        if shard not in self._opened:
+            self._opened[shard] = np.load(self.entry / self._shard_files[shard], mmap_mode="r")
+        return self._opened[shard]
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def subset(self, rows: np.ndarray) -> FeatureMaps:
+        """A view of the given rows, in that order (e.g. the images that were read and kept)."""
+        view = object.__new__(FeatureMaps)
+        view.__dict__.update(self.__dict__)
+        view._index = self._index[np.asarray(rows, dtype=np.int64)]
+        return view
+
+    def tokens(self, rows: np.ndarray) -> np.ndarray:
+        images = self._index[np.asarray(rows, dtype=np.int64)]
+        out = np.empty((len(images), self.grid[0] * self.grid[1], self.dim), dtype=np.float32)
+        shards = images // self._shard_size
+        for shard in np.unique(shards):
+            where = np.flatnonzero(shards == shard)
+            out[where] = self._open(int(shard))[images[where] - shard * self._shard_size]
+        return out
+
+
 @dataclass(frozen=True)
 class ExtractionResult:
     features: np.ndarray
@@ -100,6 +159,7 @@ class ExtractionResult:
     shards_reused: int
     cache_path: Path
     device: str
+    maps: FeatureMaps | None = None  # with spatial=True
 
 
 @dataclass
@@ -109,6 +169,7 @@ class _ShardBuffer:
     features: np.ndarray
     remaining: int
     skipped: dict[int, str] = field(default_factory=dict)
+    maps: np.ndarray | None = None  # rows × T × D float16 with spatial=True
 
 
 def default_num_workers() -> int:
@@ -119,7 +180,7 @@ def default_num_workers() -> int:
     return max(0, min(_MAX_DEFAULT_WORKERS, cpus))
 
 
-def _key_fields(paths: Sequence[Path], backbone: Backbone, amp: bool) -> dict[str, Any]:
+def _key_fields(paths: Sequence[Path], backbone: Backbone, amp: bool, spatial: bool) -> dict[str, Any]:
     """The inputs that identify a cache entry, in their JSON form (tuples become lists), so that they
     compare equal to the copy read back from ``manifest.json``."""
     fields = {
@@ -132,6 +193,8 @@ def _key_fields(paths: Sequence[Path], backbone: Backbone, amp: bool) -> dict[st
         "n_images": len(paths),
         "image_list_sha256": _image_list_sha256(paths),
     }
+    if spatial:  # only then, so that the pooled-only entries keep their keys
+        fields["feature_map"] = "float16, rows x tokens x dim, grid row-major"
     return json.loads(json.dumps(fields))
 
 
@@ -143,8 +206,10 @@ def _image_list_sha256(paths: Sequence[Path]) -> str:
     return digest.hexdigest()
 
 
-def feature_cache_key(paths: Sequence[Path], backbone: Backbone, *, amp: bool = False) -> str:
-    canonical = json.dumps(_key_fields(paths, backbone, amp), sort_keys=True, separators=(",", ":"))
+def feature_cache_key(
+    paths: Sequence[Path], backbone: Backbone, *, amp: bool = False, spatial: bool = False
+) -> str:
+    canonical = json.dumps(_key_fields(paths, backbone, amp, spatial), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
@@ -171,6 +236,10 @@ def _shard_file(shard: int) -> str:
     return f"shard_{shard:05d}.npy"
 
 
+def _maps_file(shard: int) -> str:
+    return f"maps_{shard:05d}.npy"
+
+
 def _read_manifest(entry: Path, key_fields: dict[str, Any]) -> dict[str, Any] | None:
     """The manifest of a cache entry, or None if absent, unreadable or made for other inputs."""
     try:
@@ -186,16 +255,24 @@ def _read_manifest(entry: Path, key_fields: dict[str, Any]) -> dict[str, Any] | 
     return manifest
 
 
-def _completed_shards(entry: Path, manifest: dict[str, Any], feature_dim: int) -> dict[int, dict[str, Any]]:
-    """Shards recorded in the manifest whose file exists with the recorded shape."""
+def _completed_shards(
+    entry: Path, manifest: dict[str, Any], feature_dim: int, spatial: bool
+) -> dict[int, dict[str, Any]]:
+    """Shards recorded in the manifest whose files exist with the recorded shapes."""
     completed = {}
     for shard_text, record in manifest["shards"].items():
         try:
             stored = np.load(entry / record["file"], mmap_mode="r")
-        except (OSError, ValueError):
+            maps = np.load(entry / record["maps_file"], mmap_mode="r") if spatial else None
+        except (OSError, ValueError, KeyError):
             continue  # lost or truncated shard: recompute it
-        if stored.shape == (record["rows"], feature_dim) and stored.dtype == np.float32:
-            completed[int(shard_text)] = record
+        if stored.shape != (record["rows"], feature_dim) or stored.dtype != np.float32:
+            continue
+        if maps is not None:
+            tokens = manifest["grid"][0] * manifest["grid"][1]
+            if maps.shape != (record["rows"], tokens, feature_dim) or maps.dtype != np.float16:
+                continue
+        completed[int(shard_text)] = record
     return completed
 
 
@@ -218,12 +295,23 @@ def _progress_bar(enabled: bool) -> Progress:
     )
 
 
-def _forward(backbone: Backbone, pixels: torch.Tensor, device: torch.device, amp: bool) -> np.ndarray:
-    """One forward pass of a batch; the only place the network is called."""
+def _forward(
+    backbone: Backbone, pixels: torch.Tensor, device: torch.device, amp: bool, spatial: bool
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """One forward pass of a batch; the only place the network is called.
+
+    Returns the pooled features and, with ``spatial``, the map as ``rows × h × w × D`` float16.
+    """
     autocast = torch.autocast("cuda", dtype=torch.float16) if amp else contextlib.nullcontext()
     with torch.inference_mode(), autocast:
-        out = backbone.embed(pixels.to(device, non_blocking=True))
-    return out.float().cpu().numpy()
+        x = pixels.to(device, non_blocking=True)
+        if not spatial:
+            return backbone.embed(x).float().cpu().numpy(), None
+        assert backbone.feature_map is not None and backbone.pool is not None
+        feature_map = backbone.feature_map(x)
+        pooled = backbone.pool(feature_map)
+        channels_last = feature_map.permute(0, 2, 3, 1)  # N × D × h × w -> N × h × w × D
+    return pooled.float().cpu().numpy(), channels_last.half().cpu().numpy()
 
 
 def _batches(
@@ -252,17 +340,23 @@ def extract_features(
     shard_size: int = 2048,
     progress: bool = True,
     strict: bool = False,
+    spatial: bool = False,
 ) -> ExtractionResult:
     """Features of ``paths`` from ``backbone``, read from or written to ``cache_dir``; see the module doc."""
     if batch_size < 1 or shard_size < 1:
         raise ValueError("batch_size and shard_size must be positive")
+    if spatial and (backbone.feature_map is None or backbone.pool is None):
+        raise ValueError(
+            f"backbone {backbone.name!r} has no spatial feature map (its features are not a pooled "
+            "map); choose densenet121-xrv, a ResNet or an EfficientNet for methods that need spatial tokens"
+        )
     paths = [Path(p) for p in paths]
     torch_device = resolve_device(device)
     if amp and torch_device.type != "cuda":
         warnings.warn("amp=True has an effect on CUDA only; running in float32", stacklevel=2)
         amp = False
-    key_fields = _key_fields(paths, backbone, amp)
-    entry = Path(cache_dir) / feature_cache_key(paths, backbone, amp=amp)
+    key_fields = _key_fields(paths, backbone, amp, spatial)
+    entry = Path(cache_dir) / feature_cache_key(paths, backbone, amp=amp, spatial=spatial)
     entry.mkdir(parents=True, exist_ok=True)
 
     manifest = _read_manifest(entry, key_fields)
@@ -274,7 +368,7 @@ def extract_features(
     shard_size = manifest["shard_size"]  # an existing cache keeps the shard size it was written with
     n_images, dim = len(paths), backbone.feature_dim
     n_shards = -(-n_images // shard_size)
-    completed = _completed_shards(entry, manifest, dim)
+    completed = _completed_shards(entry, manifest, dim, spatial)
     manifest["shards"] = {str(s): record for s, record in completed.items()}
     pending = [s for s in range(n_shards) if s not in completed]
 
@@ -305,6 +399,7 @@ def extract_features(
             num_workers=default_num_workers() if num_workers is None else num_workers,
             progress=progress,
             rows_done=sum(record["rows"] for record in completed.values()),
+            spatial=spatial,
         )
     for index in sorted(skip_reasons):
         logger.warning("skipped unreadable image %d: %s", index, skip_reasons[index])
@@ -318,7 +413,14 @@ def extract_features(
         shards_reused=len(completed),
         cache_path=entry,
         device=str(torch_device),
+        maps=_feature_maps(entry, manifest, dim) if spatial else None,
     )
+
+
+def _feature_maps(entry: Path, manifest: dict[str, Any], dim: int) -> FeatureMaps:
+    shards = {int(s): record["maps_file"] for s, record in manifest["shards"].items()}
+    grid = tuple(manifest.get("grid", (0, 0)))
+    return FeatureMaps(entry, dict(sorted(shards.items())), manifest["shard_size"], grid, dim)  # type: ignore[arg-type]
 
 
 def _first(skip_reasons: dict[int, str]) -> str:
@@ -347,6 +449,7 @@ def _compute_shards(
     num_workers: int,
     progress: bool,
     rows_done: int,
+    spatial: bool,
 ) -> int:
     """Runs the network over the pending shards, writing each as soon as it is complete."""
     n_images = len(paths)
@@ -361,24 +464,33 @@ def _compute_shards(
             if strict and batch.skipped:
                 raise CorruptImageError(batch.skipped[0][1])
             rows = np.empty((0, backbone.feature_dim), dtype=np.float32)
+            maps: np.ndarray | None = None
             if batch.pixels is not None:
-                rows = _forward(backbone, batch.pixels, device, amp)
+                rows, maps = _forward(backbone, batch.pixels, device, amp, spatial)
                 forward_passes += 1
-            placed = [(i, rows[j], None) for j, i in enumerate(batch.indices)]
+                if maps is not None:
+                    maps = _record_grid(manifest, maps)
+            placed = [(i, j, None) for j, i in enumerate(batch.indices)]
             placed += [(i, None, reason) for i, reason in batch.skipped]
-            for index, row, reason in placed:
+            for index, j, reason in placed:
                 shard = index // shard_size
                 buffer = buffers.get(shard)
                 if buffer is None:
                     rows_in_shard = len(_shard_range(shard, shard_size, n_images))
                     empty = np.full((rows_in_shard, backbone.feature_dim), np.nan, dtype=np.float32)
                     buffer = buffers[shard] = _ShardBuffer(empty, rows_in_shard)
-                if row is not None:
-                    buffer.features[index - shard * shard_size] = row
+                if spatial and buffer.maps is None and "grid" in manifest:
+                    buffer.maps = _empty_maps(len(buffer.features), manifest, backbone.feature_dim)
+                if j is not None:
+                    buffer.features[index - shard * shard_size] = rows[j]
+                    if buffer.maps is not None and maps is not None:
+                        buffer.maps[index - shard * shard_size] = maps[j]
                 else:
                     buffer.skipped[index] = reason
                 buffer.remaining -= 1
                 if buffer.remaining == 0:
+                    if spatial and buffer.maps is None:  # every image of the shard was unreadable
+                        buffer.maps = _empty_maps(len(buffer.features), manifest, backbone.feature_dim)
                     _write_shard(entry, manifest, shard, buffers.pop(shard))
                     start = shard * shard_size
                     features[start : start + len(buffer.features)] = buffer.features
@@ -389,12 +501,30 @@ def _compute_shards(
     return forward_passes
 
 
+def _empty_maps(rows: int, manifest: dict[str, Any], dim: int) -> np.ndarray:
+    h, w = manifest.get("grid", (0, 0))  # no grid yet: a 0-token shard, recomputed once one is known
+    return np.full((rows, h * w, dim), np.nan, dtype=np.float16)
+
+
+def _record_grid(manifest: dict[str, Any], maps: np.ndarray) -> np.ndarray:
+    """Records the map's ``h × w`` grid (fixed by the input size) once; returns the maps as tokens."""
+    grid = [int(maps.shape[1]), int(maps.shape[2])]
+    if manifest.setdefault("grid", grid) != grid:
+        raise RuntimeError(f"feature map of grid {grid}, but this cache entry holds {manifest['grid']}")
+    return maps.reshape(len(maps), grid[0] * grid[1], maps.shape[3])
+
+
 def _write_shard(entry: Path, manifest: dict[str, Any], shard: int, buffer: _ShardBuffer) -> None:
     file_name = _shard_file(shard)
     _atomic_write(entry / file_name, lambda handle: np.save(handle, buffer.features, allow_pickle=False))
-    manifest["shards"][str(shard)] = {
+    record: dict[str, Any] = {
         "file": file_name,
         "rows": len(buffer.features),
         "skipped": {str(i): reason for i, reason in sorted(buffer.skipped.items())},
     }
+    if buffer.maps is not None:
+        maps_name = _maps_file(shard)
+        _atomic_write(entry / maps_name, lambda handle: np.save(handle, buffer.maps, allow_pickle=False))
+        record["maps_file"] = maps_name
+    manifest["shards"][str(shard)] = record
     _write_json(entry / MANIFEST_NAME, manifest)

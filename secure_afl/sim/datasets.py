@@ -14,11 +14,15 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from secure_afl.sim.data import Cohort, Split, SplitBy, load_cohort, split_cohort
 from secure_afl.sim.synthetic import synthetic_features
+
+if TYPE_CHECKING:
+    from secure_afl.features.extraction import FeatureMaps
 
 Progress = Callable[[str, int, int], None]  # (task, done, total)
 
@@ -42,6 +46,9 @@ class ImageSource:
     batch_size: int = 64
     num_workers: int | None = None
     amp: bool = False
+    # Also cache the backbone's feature map before pooling, for FedNCA-ML's spatial tokens
+    # (DenseNet-121: 1024 × 7 × 7 float16 per image, ~6.8 GB for ChestXray14's PA images).
+    spatial: bool = False
 
 
 @dataclass(frozen=True)
@@ -50,6 +57,9 @@ class PreparedData:
     features: np.ndarray
     split: Split
     description: Mapping[str, object]
+    # Spatial tokens of the same rows (``tokens(rows)`` -> rows × T × d, ``grid``): the cached feature
+    # maps with ImageSource(spatial=True); None otherwise (FedNCA-ML makes synthetic ones).
+    tokens: FeatureMaps | None = None
 
 
 def _subset(cohort: Cohort, fraction: float, seed: int) -> Cohort:
@@ -60,7 +70,9 @@ def _subset(cohort: Cohort, fraction: float, seed: int) -> Cohort:
     return cohort.subset(np.sort(rng.choice(len(cohort), size=size, replace=False)))
 
 
-def _image_features(source: ImageSource, cohort: Cohort) -> tuple[Cohort, np.ndarray, dict[str, object]]:
+def _image_features(
+    source: ImageSource, cohort: Cohort
+) -> tuple[Cohort, np.ndarray, dict[str, object], FeatureMaps | None]:
     # Imported here: torchvision and the image stack are only needed for real images.
     from secure_afl.features.backbones import load_backbone
     from secure_afl.features.extraction import extract_features
@@ -79,6 +91,7 @@ def _image_features(source: ImageSource, cohort: Cohort) -> tuple[Cohort, np.nda
         batch_size=source.batch_size,
         num_workers=source.num_workers,
         amp=source.amp,
+        spatial=source.spatial,
     )
     keep = np.setdiff1d(np.arange(len(cohort)), np.asarray(result.skipped, dtype=int))
     description = {
@@ -94,7 +107,12 @@ def _image_features(source: ImageSource, cohort: Cohort) -> tuple[Cohort, np.nda
         "features": f"{source.backbone}, d={backbone.feature_dim}",
         "synthetic_features": False,
     }
-    return cohort.subset(keep), result.features[keep], description
+    maps = None
+    if result.maps is not None:
+        maps = result.maps.subset(keep)
+        h, w = maps.grid
+        description["feature_maps"] = f"{h}x{w} tokens of d={maps.dim}, float16, cached"
+    return cohort.subset(keep), result.features[keep], description, maps
 
 
 def prepare(
@@ -109,6 +127,7 @@ def prepare(
 ) -> PreparedData:
     """Cohort, features and split.  ``images=None`` is the embedded data with synthetic features."""
     report = progress or (lambda task, done, total: None)
+    tokens = None
     cohort = _subset(load_cohort(images.csv if images else None), fraction, seed)
     if images is None:
         features = synthetic_features(
@@ -124,11 +143,12 @@ def prepare(
             "synthetic_features": True,
         }
     else:
-        cohort, features, description = _image_features(images, cohort)
+        cohort, features, description, tokens = _image_features(images, cohort)
     description = {"label_source": cohort.source, "rows": len(cohort), **description}
     return PreparedData(
         cohort=cohort,
         features=features,
         split=split_cohort(cohort, n_clients=n_clients, by=split, seed=seed),
         description=description,
+        tokens=tokens,
     )

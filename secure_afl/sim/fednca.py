@@ -38,7 +38,9 @@ is copied here):
 Clients of equal size train as one batched computation (a leading client axis); AdamW is
 element-wise and the summed loss separates by client, so this is exactly K independent local runs.
 The key projection is folded into the fixed queries (``q_hᵀ(W_k t + b_k) = (W_kᵀq_h)ᵀt + const``; the
-constant cancels in the softmax over tokens), which halves the cost and changes nothing.
+constant cancels in the softmax over tokens), and the value projection is applied to the
+attention-weighted token means rather than to every token; both are exact rewritings that change
+only float rounding.
 """
 
 from __future__ import annotations
@@ -150,7 +152,7 @@ def _forward(
     params: dict[str, torch.Tensor], tokens: torch.Tensor, etf: torch.Tensor, pe: torch.Tensor, heads: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Class features ``K×B×C×d`` and all class-prototype logits ``K×B×C×C`` for client-batched params."""
-    n_clients, batch, n_tokens, d = tokens.shape
+    n_clients, batch, _, d = tokens.shape
     n_classes = etf.shape[0]
     e = d // heads
     kv = tokens + pe  # fixed positional encoding on keys and values
@@ -162,8 +164,12 @@ def _forward(
     q_k = torch.einsum("kche,khed->kchd", q, w_k.view(n_clients, heads, e, d))
     scores = torch.einsum("kbtd,kchd->kbhct", kv, q_k) / math.sqrt(e)
     attention = torch.softmax(scores, dim=-1)
-    v = torch.einsum("kbtd,ked->kbte", kv, w_v) + b_v[:, None, None, :]
-    pooled = torch.einsum("kbhct,kbthe->kbche", attention, v.view(n_clients, batch, n_tokens, heads, e))
+    # Attention-weighted tokens first, then the value projection: Σ_t a_t (W_v t + b_v) =
+    # W_v (Σ_t a_t t) + b_v since Σ_t a_t = 1.  C·d² per image and head block instead of T·d²: the
+    # same at 3×3 synthetic tokens, 6× fewer at DenseNet's 7×7 map.
+    mixed = torch.einsum("kbhct,kbtd->kbhcd", attention, kv)
+    w_v_heads = w_v.view(n_clients, heads, e, d)
+    pooled = torch.einsum("kbhcd,khed->kbche", mixed, w_v_heads) + b_v.view(n_clients, 1, 1, heads, e)
     pooled = pooled.reshape(n_clients, batch, n_classes, d)
     features = torch.einsum("kbce,kde->kbcd", pooled, params["out_proj"]) + params["out_bias"][:, None, None]
     logits = params["scale"][:, None, None, None] * torch.einsum("kbcd,jd->kbcj", features, etf)
@@ -384,16 +390,19 @@ class SyntheticTokens:
 def token_source(data: object, *, seed: int, grid: int = 3) -> TokenSource:
     """The spatial tokens of the simulator's prepared data (embedded: synthetic tokens).
 
-    ``data`` is a :class:`secure_afl.sim.datasets.PreparedData`.  On real images the backbone's
-    pre-pooling feature map would be the tokens; that cache is not built yet, so asking for it is a
-    clear error rather than a silent fallback to pooled features.
+    ``data`` is a :class:`secure_afl.sim.datasets.PreparedData`.  On real images the tokens are the
+    backbone's cached pre-pooling feature map (``ImageSource(spatial=True)``, which the simulator
+    asks for when FedNCA-ML is among the baselines); never a silent fallback to pooled features.
     """
     description = data.description  # type: ignore[attr-defined]
+    tokens = getattr(data, "tokens", None)
+    if tokens is not None:
+        return tokens
     if not description.get("synthetic_features"):
         raise FedNCAError(
-            "FedNCA-ML needs the backbone's spatial feature map (before pooling); the image pipeline "
-            "caches pooled features only so far. Run it on the embedded dataset, or leave it out of "
-            "--baselines"
+            "FedNCA-ML needs the backbone's spatial feature map (before pooling), and these features "
+            "were extracted without it: prepare the images with ImageSource(spatial=True) (the "
+            "simulator does so when --baselines includes fednca-ml), or leave it out of --baselines"
         )
     features = data.features  # type: ignore[attr-defined]
     n_classes = data.cohort.labels.shape[1]  # type: ignore[attr-defined]

@@ -14,7 +14,7 @@ import time
 import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import numpy as np
@@ -634,8 +634,11 @@ def run_experiment(
     config.validate()
     timer = PhaseTimer()
     with timer.phase("data"):
+        images = config.images
+        if images is not None and FEDNCA in config.baselines:
+            images = replace(images, spatial=True)  # FedNCA-ML attends over the pre-pooling map
         data = prepare(
-            config.images,
+            images,
             fraction=config.fraction,
             dim=config.dim,
             seed=config.seed,
