@@ -36,9 +36,7 @@ from . import binding, codec, crypto, encoding, prg, shamir
 from .errors import (
     BothSharesRequestedError,
     DuplicateParticipantError,
-    ExposureRefusedError,
     GroupBelowMinimumError,
-    HistoryExposureRefusedError,
     InconsistentSurvivorsError,
     InvalidSessionConfigError,
     InvalidShareError,
@@ -52,6 +50,7 @@ from .errors import (
     SurvivorsBelowThresholdError,
     UnknownParticipantError,
 )
+from .exposure_gate import ExposureGate
 from .messages import (
     AdvertiseKeys,
     AdvertiseRequest,
@@ -59,6 +58,7 @@ from .messages import (
     ConsistencyCheckRequest,
     ConsistencyResponse,
     EncryptedShare,
+    GroupSpec,
     MaskedInput,
     MaskedInputRequest,
     MaskedTensor,
@@ -129,6 +129,32 @@ def check_group_sizes(
         if 0 < count < min_group_size:
             raise GroupBelowMinimumError(
                 f"group {group!r} would have {count} live member(s), below the minimum {min_group_size}"
+            )
+
+
+def check_session_fits_inputs(
+    groups: Collection[GroupSpec],
+    min_group_size: int,
+    own_min_group_size: int,
+    inputs: Mapping[str, Mapping[str, np.ndarray]],
+) -> None:
+    """R0, every backend: the session's minimum group size is not below this client's, and every
+    group this client holds inputs for is in the session's layout with the same tensor lengths."""
+    if min_group_size < own_min_group_size:
+        raise InvalidSessionConfigError(
+            f"minimum group size {min_group_size} is below this client's minimum {own_min_group_size}"
+        )
+    layouts = {group.name: {tensor.name: tensor.length for tensor in group.tensors} for group in groups}
+    for group, tensors in inputs.items():
+        if group not in layouts:
+            raise LocalProtocolError(
+                f"group {group!r} of this client's inputs is not in the session layout: "
+                "check that this client and the server run the same study"
+            )
+        actual = {name: values.shape[0] for name, values in tensors.items()}
+        if layouts[group] != actual:
+            raise LocalProtocolError(
+                f"group {group!r}: inputs {actual} do not match the session layout {layouts[group]}"
             )
 
 
@@ -218,24 +244,7 @@ class ClientSession:
         self._min_group_size = min_group_size
         self._expected_session_id = session_id
         self._random = default_random(random)
-        # What this client sends where, by digest: its own unknowns in the exposure check.
-        self._own_values = {
-            (group, name): exposure.value_digest(values)
-            for group, tensors in self._inputs.items()
-            for name, values in tensors.items()
-        }
-        if input_digest is None:
-            input_digest = exposure.input_digest(self._inputs)
-        elif not isinstance(input_digest, bytes) or len(input_digest) != 32:
-            raise LocalProtocolError("input_digest must be 32 bytes (a SHA-256 digest)")
-        self._input_digest = input_digest
-        self._ledger = ledger
-        if ledger is not None:
-            from secure_afl.privacy.ledger import LedgerOwner  # the ledger imports protocol.errors
-
-            self._ledger_owner = LedgerOwner(client_id, identity_key)
-            ledger.history(self._ledger_owner, input_digest)  # refuse a tampered ledger now, not in R3
-        self._findings: list[exposure.ExposureFinding] = []
+        self._gate = ExposureGate(client_id, identity_key, self._inputs, policy, ledger, input_digest)
         self._state = ClientState.AWAIT_ADVERTISE_REQUEST
         self._limits: dict[type, int] = {}
         self._clear_session()
@@ -257,7 +266,7 @@ class ClientSession:
     @property
     def input_digest(self) -> bytes:
         """The key of this input's history in the ledger."""
-        return self._input_digest
+        return self._gate.input_digest
 
     @property
     def exposure_findings(self) -> tuple[exposure.ExposureFinding, ...]:
@@ -266,7 +275,7 @@ class ClientSession:
         Under a policy that refuses exposure the findings are in the :class:`ExposureRefusedError`
         instead (and recorded here too).  Kept after the session ends, for the audit.
         """
-        return tuple(self._findings)
+        return tuple(self._gate.findings)
 
     @property
     def incoming_message_limit(self) -> int:
@@ -375,25 +384,7 @@ class ClientSession:
             raise InvalidSessionConfigError(
                 f"threshold {config.threshold} is below this client's minimum {self._min_threshold}"
             )
-        if config.min_group_size < self._min_group_size:
-            raise InvalidSessionConfigError(
-                f"minimum group size {config.min_group_size} is below this client's minimum "
-                f"{self._min_group_size}"
-            )
-        for group, tensors in self._inputs.items():
-            try:
-                spec = config.group(group)
-            except KeyError:
-                raise LocalProtocolError(
-                    f"group {group!r} of this client's inputs is not in the session layout: "
-                    "check that this client and the server run the same study"
-                ) from None
-            layout = {tensor.name: tensor.length for tensor in spec.tensors}
-            actual = {name: values.shape[0] for name, values in tensors.items()}
-            if layout != actual:
-                raise LocalProtocolError(
-                    f"group {group!r}: inputs {actual} do not match the session layout {layout}"
-                )
+        check_session_fits_inputs(config.groups, config.min_group_size, self._min_group_size, self._inputs)
         limits = codec.message_limits(config, len(self._roster), groups=self._inputs)
         own_tensors = {name for tensors in self._inputs.values() for name in tensors}
         # The groups whose sums matter to this client's check: those carrying a tensor it sends.
@@ -631,7 +622,7 @@ class ClientSession:
 
         def commit() -> None:
             self._survivors = frozenset(survivors)
-            self._findings.extend(findings)
+            self._gate.findings.extend(findings)
 
         return reply, commit
 
@@ -697,7 +688,7 @@ class ClientSession:
         )
 
         def commit() -> None:
-            self._findings.extend(findings)
+            self._gate.findings.extend(findings)
 
         return reply, commit
 
@@ -738,47 +729,13 @@ class ClientSession:
         *,
         record: bool = True,
     ) -> tuple[exposure.ExposureFinding, ...]:
-        """The exposure check over this session's sums and the ledger's; raise to refuse, else findings.
-
-        With ``record`` the session is appended to the ledger in the same locked step as the check,
-        so two sessions over one input cannot both pass before either is recorded.
-        """
-        config = self._require_config()
+        """The exposure check over this session's sums and the ledger's (:class:`ExposureGate`)."""
         groups = {
             name: (tuple(cid for cid in members.get(name, ()) if cid in live), tensors)
             for name, tensors in self._relevant.items()
         }
-        found: list[exposure.ExposureFinding] = []
-
-        def check(history: tuple[exposure.SessionRecord, ...]) -> None:
-            findings = exposure.client_exposures(
-                self.client_id, self._own_values, groups, round_name=round_name, history=history
-            )
-            if findings and self._policy.refuse_exposure:
-                self._findings.extend(findings)
-                error = (
-                    HistoryExposureRefusedError
-                    if all(f.with_history for f in findings)
-                    else ExposureRefusedError
-                )
-                raise error(action, findings)
-            found.extend(findings)
-
-        if self._ledger is None:
-            check(())
-        elif not record:
-            check(self._ledger.history(self._ledger_owner, self._input_digest))
-        else:
-            session = exposure.SessionRecord(
-                session_id=config.session_id,
-                groups=tuple(
-                    exposure.GroupRecord(name, survivors, tensors)
-                    for name, (survivors, tensors) in sorted(groups.items())
-                ),
-                own_values=tuple((g, t, d) for (g, t), d in sorted(self._own_values.items())),
-            )
-            self._ledger.check_and_record(self._ledger_owner, self._input_digest, session, check)
-        return tuple(found)
+        session_id = self._require_config().session_id
+        return self._gate.check(round_name, action, groups, session_id=session_id, record=record)
 
     def _check_group_sizes(
         self,

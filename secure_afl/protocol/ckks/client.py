@@ -18,12 +18,10 @@ from secure_afl.privacy import exposure
 from secure_afl.privacy.policy import ClientPolicy
 from secure_afl.protocol import codec as masking_codec
 from secure_afl.protocol import crypto, encoding
-from secure_afl.protocol.client import check_group_sizes, check_name
+from secure_afl.protocol.client import check_group_sizes, check_name, check_session_fits_inputs
 from secure_afl.protocol.errors import (
     ClientProtocolError,
     DuplicateClientError,
-    ExposureRefusedError,
-    HistoryExposureRefusedError,
     InconsistentSurvivorsError,
     InvalidSessionConfigError,
     InvalidShareError,
@@ -36,6 +34,7 @@ from secure_afl.protocol.errors import (
     ShareAuthenticationError,
     UnknownClientError,
 )
+from secure_afl.protocol.exposure_gate import ExposureGate
 from secure_afl.protocol.randomness import RandomSource, default_random
 
 from . import binding, codec, context
@@ -154,23 +153,7 @@ class CkksClientSession:
         self._min_group_size = min_group_size
         self._expected_session_id = session_id
         self._policy = policy
-        self._own_values = {
-            (group, name): exposure.value_digest(values)
-            for group, tensors in self._inputs.items()
-            for name, values in tensors.items()
-        }
-        if input_digest is None:
-            input_digest = exposure.input_digest(self._inputs)
-        elif not isinstance(input_digest, bytes) or len(input_digest) != 32:
-            raise LocalProtocolError("input_digest must be 32 bytes (a SHA-256 digest)")
-        self._input_digest = input_digest
-        self._ledger = ledger
-        if ledger is not None:
-            from secure_afl.privacy.ledger import LedgerOwner
-
-            self._ledger_owner = LedgerOwner(client_id, identity_key)
-            ledger.history(self._ledger_owner, input_digest)  # refuse a tampered ledger now
-        self._findings: list[exposure.ExposureFinding] = []
+        self._gate = ExposureGate(client_id, identity_key, self._inputs, policy, ledger, input_digest)
         self._random = default_random(random)
         self._state = CkksClientState.AWAIT_ADVERTISE_REQUEST
         self._message_limit = min(policy.max_config_bytes, masking_codec.DEFAULT_MAX_MESSAGE_BYTES)
@@ -197,7 +180,7 @@ class CkksClientSession:
     @property
     def exposure_findings(self) -> tuple[exposure.ExposureFinding, ...]:
         """What the exposure checks found and this client went on past (or refused), in order."""
-        return tuple(self._findings)
+        return tuple(self._gate.findings)
 
     @property
     def is_key_holder(self) -> bool:
@@ -251,24 +234,7 @@ class CkksClientSession:
         if self._expected_session_id is not None and config.session_id != self._expected_session_id:
             raise ReplayedMessageError("the advertise request belongs to another session")
         validate_config(config, len(self._roster))
-        if config.min_group_size < self._min_group_size:
-            raise InvalidSessionConfigError(
-                f"minimum group size {config.min_group_size} is below this client's minimum "
-                f"{self._min_group_size}"
-            )
-        for group, tensors in self._inputs.items():
-            try:
-                spec = config.group(group)
-            except KeyError:
-                raise LocalProtocolError(
-                    f"group {group!r} of this client's inputs is not in the session"
-                ) from None
-            layout = {tensor.name: tensor.length for tensor in spec.tensors}
-            actual = {name: values.shape[0] for name, values in tensors.items()}
-            if layout != actual:
-                raise LocalProtocolError(
-                    f"group {group!r}: inputs {actual} do not match the session layout {layout}"
-                )
+        check_session_fits_inputs(config.groups, config.min_group_size, self._min_group_size, self._inputs)
         encryption_key = crypto.new_x25519_key(self._random)
         digest = binding.config_digest(config)
         groups = tuple(sorted(self._inputs))
@@ -447,7 +413,7 @@ class CkksClientSession:
 
         def commit() -> None:
             self._context = secret_context
-            self._findings.extend(findings)
+            self._gate.findings.extend(findings)
 
         return [reply], commit
 
@@ -520,7 +486,7 @@ class CkksClientSession:
         def commit() -> None:
             self._survivors = live
             self._decrypted |= seen
-            self._findings.extend(f for f in findings if f not in self._findings)
+            self._gate.findings.extend(f for f in findings if f not in self._gate.findings)
 
         return [reply], commit
 
@@ -545,43 +511,13 @@ class CkksClientSession:
         *,
         record: bool,
     ) -> tuple[exposure.ExposureFinding, ...]:
-        """This client's own check (as the masking client's), with the ledger; raise to refuse."""
-        config = self._require_config()
+        """This client's own check, as the masking client's (:class:`ExposureGate`); raise to refuse."""
         groups = {
             name: (tuple(c for c in members.get(name, ()) if c in live), tensors)
             for name, tensors in self._relevant().items()
         }
-        found: list[exposure.ExposureFinding] = []
-
-        def check(history: tuple[exposure.SessionRecord, ...]) -> None:
-            findings = exposure.client_exposures(
-                self.client_id, self._own_values, groups, round_name=round_name, history=history
-            )
-            if findings and self._policy.refuse_exposure:
-                self._findings.extend(findings)
-                error = (
-                    HistoryExposureRefusedError
-                    if all(f.with_history for f in findings)
-                    else ExposureRefusedError
-                )
-                raise error(action, findings)
-            found.extend(findings)
-
-        if self._ledger is None:
-            check(())
-        elif not record:
-            check(self._ledger.history(self._ledger_owner, self._input_digest))
-        else:
-            session = exposure.SessionRecord(
-                session_id=config.session_id,
-                groups=tuple(
-                    exposure.GroupRecord(name, survivors, tensors)
-                    for name, (survivors, tensors) in sorted(groups.items())
-                ),
-                own_values=tuple((g, t, d) for (g, t), d in sorted(self._own_values.items())),
-            )
-            self._ledger.check_and_record(self._ledger_owner, self._input_digest, session, check)
-        return tuple(found)
+        session_id = self._require_config().session_id
+        return self._gate.check(round_name, action, groups, session_id=session_id, record=record)
 
     def _decryption_exposure(self, live: frozenset[str]) -> tuple[exposure.ExposureFinding, ...]:
         """Whether the sums over *all* the session's groups, over the survivors shown, isolate any
@@ -610,7 +546,7 @@ class CkksClientSession:
             for tensor, clients in exposure.exposed_clients(groups).items()
         )
         if findings and self._policy.refuse_exposure:
-            self._findings.extend(findings)
+            self._gate.findings.extend(findings)
             raise ExposingDecryptionError("decrypt the group sums (R3)", findings)
         return findings
 
