@@ -176,19 +176,66 @@ class _Writer:
             write_item(item)
 
 
-def encode(message: Message, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> bytes:
-    """The wire bytes of ``message``; malformed fields raise :class:`LocalProtocolError`."""
-    tag = _TYPE_TAGS.get(type(message))
+def encode_frame(
+    message: object,
+    *,
+    version: int,
+    tags: dict[type, int],
+    writers: dict[type, Callable[[_Writer, object], object]],
+    max_message_bytes: int,
+    kind: str,
+) -> bytes:
+    """``version || tag || fields`` for any backend's message set (the CKKS codec uses it too)."""
+    tag = tags.get(type(message))
     if tag is None:
-        raise LocalProtocolError(f"not a protocol message: {type(message).__name__}")
+        raise LocalProtocolError(f"not a {kind} message: {type(message).__name__}")
     w = _Writer()
-    w.uint(PROTOCOL_VERSION, 1)
+    w.uint(version, 1)
     w.uint(tag, 1)
-    _WRITERS[type(message)](w, message)
+    writers[type(message)](w, message)
     data = b"".join(w.parts)
     if len(data) > max_message_bytes:
         raise LocalProtocolError(f"message of {len(data)} bytes exceeds the limit of {max_message_bytes}")
     return data
+
+
+def decode_frame(
+    data: bytes,
+    *,
+    version: int,
+    readers: dict[int, Callable[[_Reader], object]],
+    max_message_bytes: int,
+    kind: str,
+) -> object:
+    """Parse ``version || tag || fields``: anything but one exact, well-formed message of this
+    message set raises :class:`MessageDecodeError`, before anything larger than the limit is read."""
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise LocalProtocolError(f"decode expects bytes, got {type(data).__name__}")
+    if len(data) > max_message_bytes:
+        raise MessageDecodeError(f"message of {len(data)} bytes exceeds the limit of {max_message_bytes}")
+    r = _Reader(bytes(data))
+    found = r.uint(1)
+    if found != version:
+        raise MessageDecodeError(f"not a {kind} message (version byte {found:#x}, expected {version:#x})")
+    tag = r.uint(1)
+    read = readers.get(tag)
+    if read is None:
+        raise MessageDecodeError(f"unknown {kind} message type {tag}")
+    message = read(r)
+    r.finish()
+    return message
+
+
+def encode(message: Message, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> bytes:
+    """The wire bytes of ``message``; malformed fields raise :class:`LocalProtocolError`."""
+    return encode_frame(
+        message,
+        version=PROTOCOL_VERSION,
+        tags=_TYPE_TAGS,
+        writers=_WRITERS,  # type: ignore[arg-type]
+        max_message_bytes=max_message_bytes,
+        kind="masking protocol",
+    )
 
 
 def _write_config(w: _Writer, config: SessionConfig) -> None:
@@ -350,21 +397,14 @@ class _Reader:
 
 def decode(data: bytes, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Message:
     """Parse wire bytes; anything but one exact, well-formed message raises :class:`MessageDecodeError`."""
-    if not isinstance(data, bytes | bytearray | memoryview):
-        raise LocalProtocolError(f"decode expects bytes, got {type(data).__name__}")
-    if len(data) > max_message_bytes:
-        raise MessageDecodeError(f"message of {len(data)} bytes exceeds the limit of {max_message_bytes}")
-    r = _Reader(bytes(data))
-    version = r.uint(1)
-    if version != PROTOCOL_VERSION:
-        raise MessageDecodeError(f"unsupported protocol version {version}")
-    tag = r.uint(1)
-    read = _READERS.get(tag)
-    if read is None:
-        raise MessageDecodeError(f"unknown message type {tag}")
-    message = read(r)
-    r.finish()
-    return message
+    message = decode_frame(
+        data,
+        version=PROTOCOL_VERSION,
+        readers=_READERS,  # type: ignore[arg-type]
+        max_message_bytes=max_message_bytes,
+        kind="masking protocol",
+    )
+    return message  # type: ignore[return-value]
 
 
 def _read_config(r: _Reader) -> SessionConfig:

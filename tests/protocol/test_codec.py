@@ -172,7 +172,7 @@ def test_unknown_version_and_type_are_rejected() -> None:
     encoded = codec.encode(session_messages()[0])
     with pytest.raises(MessageDecodeError, match="version"):
         codec.decode(bytes([2]) + encoded[1:])
-    with pytest.raises(MessageDecodeError, match="unknown message type"):
+    with pytest.raises(MessageDecodeError, match="unknown masking protocol message type"):
         codec.decode(encoded[:1] + bytes([99]) + encoded[2:])
 
 

@@ -19,6 +19,8 @@ from secure_afl.protocol.codec import (
     SESSION_ID_BYTES,
     _Reader,
     _Writer,
+    decode_frame,
+    encode_frame,
 )
 from secure_afl.protocol.crypto import KEY_BYTES, NONCE_BYTES, SIGNATURE_BYTES
 from secure_afl.protocol.errors import LocalProtocolError, MessageDecodeError
@@ -212,17 +214,14 @@ _WRITERS: dict[type, Callable[[_Writer, object], None]] = {
 
 def encode(message: CkksMessage, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> bytes:
     """The wire bytes of ``message``; malformed fields raise :class:`LocalProtocolError`."""
-    tag = _TAGS.get(type(message))
-    if tag is None:
-        raise LocalProtocolError(f"not a CKKS protocol message: {type(message).__name__}")
-    w = _Writer()
-    w.uint(WIRE_VERSION, 1)
-    w.uint(tag, 1)
-    _WRITERS[type(message)](w, message)
-    data = b"".join(w.parts)
-    if len(data) > max_message_bytes:
-        raise LocalProtocolError(f"message of {len(data)} bytes exceeds the limit of {max_message_bytes}")
-    return data
+    return encode_frame(
+        message,
+        version=WIRE_VERSION,
+        tags=_TAGS,
+        writers=_WRITERS,  # type: ignore[arg-type]
+        max_message_bytes=max_message_bytes,
+        kind="CKKS",
+    )
 
 
 # --- reading --------------------------------------------------------------------------------------
@@ -321,19 +320,7 @@ _READERS: dict[int, Callable[[_Reader], CkksMessage]] = {
 
 def decode(data: bytes, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> CkksMessage:
     """Parse wire bytes; anything but one exact, well-formed message raises :class:`MessageDecodeError`."""
-    if not isinstance(data, bytes | bytearray | memoryview):
-        raise LocalProtocolError(f"decode expects bytes, got {type(data).__name__}")
-    if len(data) > max_message_bytes:
-        raise MessageDecodeError(f"message of {len(data)} bytes exceeds the limit of {max_message_bytes}")
-    r = _Reader(bytes(data))
-    version = r.uint(1)
-    if version != WIRE_VERSION:
-        raise MessageDecodeError(
-            f"not a CKKS message (version byte {version:#x}, expected {WIRE_VERSION:#x})"
-        )
-    read = _READERS.get(r.uint(1))
-    if read is None:
-        raise MessageDecodeError("unknown CKKS message type")
-    message = read(r)
-    r.finish()
-    return message
+    message = decode_frame(
+        data, version=WIRE_VERSION, readers=_READERS, max_message_bytes=max_message_bytes, kind="CKKS"
+    )
+    return message  # type: ignore[return-value]
