@@ -178,6 +178,19 @@ def test_fednca_learns_a_class_located_at_one_token() -> None:
     assert min(aucs) > 0.8, aucs
     with pytest.raises(FedNCAError, match="equal size"):
         train_fednca(source, [np.arange(5), np.arange(6)], labels, [[0], [1]], config)
+    # the device is the simulator's --device; asking for a GPU that is not there says so
+    with pytest.raises(ValueError, match="no CUDA GPU"), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.cuda, "is_available", lambda: False)
+        train_fednca(source, clients, labels, [[0], [1]], dataclasses.replace(config, device="cuda"))
+    auto = dataclasses.replace(config, rounds=1, device="auto")
+    with single_torch_thread(), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.cuda, "is_available", lambda: False)
+        on_auto = train_fednca(source, clients, labels, [[0, 1, 2], [0, 1, 2]], auto)
+        on_cpu = train_fednca(
+            source, clients, labels, [[0, 1, 2], [0, 1, 2]], dataclasses.replace(auto, device="cpu")
+        )
+    for name, values in on_cpu.params.items():
+        np.testing.assert_array_equal(on_auto.params[name], values)
 
 
 def test_sim_baselines_fednca_ml_adds_its_row(tmp_path) -> None:

@@ -53,6 +53,8 @@ from typing import Literal, Protocol
 import numpy as np
 import torch
 
+from secure_afl.analytic import resolve_device
+
 MissingPolicy = Literal["mask", "negative"]
 
 
@@ -117,6 +119,9 @@ class FedNCAConfig:
     init_scale: float = 10.0  # authors' code
     missing: MissingPolicy = "mask"
     seed: int = 0
+    # "auto": CUDA when torch finds a GPU.  At d = 1024 a round is minutes on a GPU and about five
+    # on one CPU core (README), so the simulator passes its --device here.
+    device: str = "cpu"
 
 
 @dataclass(frozen=True)
@@ -133,18 +138,19 @@ class FedNCAModel:
         return 1.0 / (1.0 + np.exp(-self.decision_function(source, rows, batch_size=batch_size)))
 
     def decision_function(
-        self, source: TokenSource, rows: np.ndarray, *, batch_size: int = 256
+        self, source: TokenSource, rows: np.ndarray, *, batch_size: int = 256, device: str = "cpu"
     ) -> np.ndarray:
         """The class logits ``s·h_cᵀm_c + β_c`` (positive exactly when the probability passes 0.5)."""
-        etf = torch.as_tensor(self.etf, dtype=torch.float32)
-        pe = torch.as_tensor(self.positional, dtype=torch.float32)
-        params = {k: torch.as_tensor(v)[None] for k, v in self.params.items()}
+        on = resolve_device(device)
+        etf = torch.as_tensor(self.etf, dtype=torch.float32, device=on)
+        pe = torch.as_tensor(self.positional, dtype=torch.float32, device=on)
+        params = {k: torch.as_tensor(v, device=on)[None] for k, v in self.params.items()}
         out = []
         with torch.no_grad():
             for start in range(0, len(rows), batch_size):
-                tokens = torch.as_tensor(source.tokens(np.asarray(rows[start : start + batch_size])))[None]
-                _, logits = _forward(params, tokens, etf, pe, self.heads)
-                out.append(torch.diagonal(logits[0], dim1=1, dim2=2).double().numpy())
+                batch = source.tokens(np.asarray(rows[start : start + batch_size]))
+                _, logits = _forward(params, torch.as_tensor(batch, device=on)[None], etf, pe, self.heads)
+                out.append(torch.diagonal(logits[0], dim1=1, dim2=2).double().cpu().numpy())
         return np.concatenate(out) if out else np.zeros((0, len(self.etf)))
 
 
@@ -253,8 +259,9 @@ def train_fednca(
     d = probe.shape[2]
     if d % config.heads:
         raise FedNCAError(f"the token dimension {d} must be divisible by {config.heads} heads")
-    etf = torch.as_tensor(simplex_etf(n_classes, d), dtype=torch.float32)
-    pe = torch.as_tensor(sincos_positional_encoding(*source.grid, d), dtype=torch.float32)
+    on = resolve_device(config.device)
+    etf = torch.as_tensor(simplex_etf(n_classes, d), dtype=torch.float32, device=on)
+    pe = torch.as_tensor(sincos_positional_encoding(*source.grid, d), dtype=torch.float32, device=on)
     if pe.shape[0] != probe.shape[1]:
         raise FedNCAError(f"the source's grid {source.grid} does not match its {probe.shape[1]} tokens")
     known = np.zeros((n_clients, n_classes), dtype=np.float32)
@@ -263,9 +270,9 @@ def train_fednca(
     y = np.stack([np.asarray(lab, dtype=np.float32) * known[k] for k, lab in enumerate(labels)])
     if config.missing == "negative":
         known[:] = 1.0
-    y_t = torch.as_tensor(y)
-    known_t = torch.as_tensor(known)[:, None, :]
-    global_params = _init_params(d, n_classes, config)
+    y_t = torch.as_tensor(y, device=on)
+    known_t = torch.as_tensor(known, device=on)[:, None, :]
+    global_params = {k: v.to(on) for k, v in _init_params(d, n_classes, config).items()}
     generator = np.random.default_rng([config.seed, 0xCA])
     rows = np.stack([np.asarray(r) for r in client_rows])
     for round_ in range(config.rounds):
@@ -278,10 +285,11 @@ def train_fednca(
             for start in range(0, n, config.batch_size):
                 local = order[:, start : start + config.batch_size]
                 batch_rows = np.take_along_axis(rows, local, axis=1)
-                tokens = torch.as_tensor(source.tokens(batch_rows.ravel())).view(
+                tokens = torch.as_tensor(source.tokens(batch_rows.ravel()), device=on).view(
                     n_clients, local.shape[1], *probe.shape[1:]
                 )
-                yb = torch.gather(y_t, 1, torch.as_tensor(local)[:, :, None].expand(-1, -1, n_classes))
+                index = torch.as_tensor(local, device=on)[:, :, None].expand(-1, -1, n_classes)
+                yb = torch.gather(y_t, 1, index)
                 features, logits = _forward(params, tokens, etf, pe, config.heads)
                 loss = fednca_loss(features, logits, yb, known_t.expand_as(yb), etf, config).sum()
                 optimiser.zero_grad(set_to_none=False)
@@ -291,10 +299,10 @@ def train_fednca(
         if progress is not None:
             progress(round_ + 1)
     return FedNCAModel(
-        etf=etf.double().numpy(),
-        positional=pe.double().numpy(),
+        etf=etf.double().cpu().numpy(),
+        positional=pe.double().cpu().numpy(),
         heads=config.heads,
-        params={k: v.numpy() for k, v in global_params.items()},
+        params={k: v.cpu().numpy() for k, v in global_params.items()},
     )
 
 
@@ -425,4 +433,4 @@ def fednca_scores(
     clients = list(data.split.clients)  # type: ignore[attr-defined]
     labels = [data.cohort.labels[rows] for rows in clients]  # type: ignore[attr-defined]
     model = train_fednca(source, clients, labels, active, config, progress=progress)
-    return model.decision_function(source, data.split.test)  # type: ignore[attr-defined]
+    return model.decision_function(source, data.split.test, device=config.device)  # type: ignore[attr-defined]

@@ -503,7 +503,7 @@ def run_setting(
         from secure_afl.sim.fednca import FedNCAConfig, fednca_scores
 
         with timer.phase("baselines"):
-            nca = FedNCAConfig(rounds=config.fedavg.rounds, seed=config.seed)
+            nca = FedNCAConfig(rounds=config.fedavg.rounds, seed=config.seed, device=config.device)
             extra[FEDNCA] = fednca_scores(  # logits: metrics rank scores
                 data,
                 assignment.active,
