@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from secure_afl.analytic import StatisticsError, resolve_device
+from secure_afl.cli_options import dp_options
 from secure_afl.sim.baselines import BaselineConfig, BaselineError, parse_baselines
 from secure_afl.sim.data import CLASSES, CohortError
 from secure_afl.sim.datasets import ImageSource
@@ -234,35 +235,7 @@ def main() -> None:
     help="DataLoader workers (default: CPUs, at most 8).",
 )
 @click.option("--amp/--no-amp", default=False, show_default=True, help="Mixed precision forward pass (CUDA).")
-@click.option(
-    "--dp-epsilon",
-    type=float,
-    default=None,
-    help="Differential privacy for the released classifier: the ε each institution may spend "
-    "(clients add distributed discrete Gaussian noise before masking). Off when absent.",
-)
-@click.option("--dp-delta", type=float, default=1e-6, show_default=True, help="The δ of (ε, δ)-DP.")
-@click.option(
-    "--clip",
-    type=float,
-    default=32.0,
-    show_default=True,
-    help="DP: L2 bound every feature row is clipped to (public; choose it without looking at the data).",
-)
-@click.option(
-    "--dp-unit",
-    type=click.Choice(["image", "patient"]),
-    default="image",
-    show_default=True,
-    help="DP: protect one image, or one patient (with at most --dp-max-images-per-patient images).",
-)
-@click.option(
-    "--dp-max-images-per-patient",
-    type=click.IntRange(min=1),
-    default=4,
-    show_default=True,
-    help="DP, --dp-unit patient: images kept per patient (the rest are dropped before the statistics).",
-)
+@dp_options
 @click.option(
     "--dp-sweep",
     is_flag=True,

@@ -14,6 +14,7 @@ from pathlib import Path
 import click
 import numpy as np
 
+from secure_afl.cli_options import dp_options
 from secure_afl.deploy.errors import DeploymentError
 from secure_afl.deploy.study import Study, pseudo_group, pseudo_members, round2_classes
 
@@ -165,7 +166,8 @@ def deploy() -> None:
     "--rounds", type=click.IntRange(1, 2), default=1, show_default=True, help="2 adds the pseudo-label round."
 )
 @click.option("--gram", type=click.Choice(["global", "class"]), default="global", show_default=True)
-@click.option("--balance", type=click.Choice(["client", "global"]), default="client", show_default=True)
+@click.option("--balance", type=click.Choice(["client", "global"]), default=None,
+              help="[default: client; global under --dp-epsilon, which needs it]")  # fmt: skip
 @click.option("--gamma", type=float, default=1.0, show_default=True)
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
 @click.option("--fraction", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True)
@@ -178,6 +180,7 @@ def deploy() -> None:
     "--out", "out_dir", type=click.Path(path_type=Path), default=Path("runs/deploy"), show_default=True
 )
 @click.option("--keep", is_flag=True, help="Keep the temporary directory (keys, logs, certificates).")
+@dp_options
 def deploy_local(
     clients: int,
     tls: bool,
@@ -185,7 +188,7 @@ def deploy_local(
     missing: int,
     rounds: int,
     gram: str,
-    balance: str,
+    balance: str | None,
     gamma: float,
     seed: int,
     fraction: float,
@@ -193,16 +196,27 @@ def deploy_local(
     round_timeout: float,
     out_dir: Path,
     keep: bool,
+    dp_epsilon: float | None,
+    dp_delta: float,
+    clip: float,
+    dp_unit: str,
+    dp_max_images_per_patient: int,
 ) -> None:
-    """A federation of N SuperNodes on this machine, compared with the in-process simulation."""
+    """A federation of N SuperNodes on this machine, compared with the in-process simulation.
+
+    With --dp-epsilon the institutions noise their statistics before masking (SECURITY.md §10): the
+    classifier then differs from any rerun, so it is compared with the simulation's non-private one
+    (the price of privacy) instead of bit for bit.
+    """
     import shutil
     import tempfile
 
     from rich.console import Console
     from rich.table import Table
 
+    from secure_afl.deploy.errors import ConfigurationError
     from secure_afl.deploy.local import run_local
-    from secure_afl.deploy.study import Method, deployment_threshold
+    from secure_afl.deploy.study import Method, StudyDp, deployment_threshold
     from secure_afl.features.file import save_feature_file
     from secure_afl.sim.data import CLASSES
     from secure_afl.sim.datasets import prepare
@@ -213,20 +227,40 @@ def deploy_local(
     say = console.print if console.is_terminal else (lambda text: click.echo(text))
     client_ids = [f"client-{k}" for k in range(clients)]
     drop_rounds = _parse_drops(drops, client_ids)
-    study = Study(
-        classes=CLASSES,
-        dim=dim,
-        backbone={
-            "name": "embedded-synthetic",
-            "weights_id": f"synthetic-seed-{seed}-dim-{dim}-fraction-{fraction}",
-            "preprocessing": "none (synthetic features of the embedded ChestXray14 cohort)",
-        },
-        method=Method(gamma=gamma, balance=balance, gram=gram, rounds=rounds),
-    )
+    if dp_epsilon is not None and (balance == "client" or gram == "class"):
+        raise click.UsageError(
+            "--dp-epsilon needs --balance global and --gram global (plain sums and counts with clean "
+            "sensitivities, SECURITY.md §10)"
+        )
+    balance = balance or ("global" if dp_epsilon is not None else "client")
     try:
         assignment = assign_partial_labels(clients, len(CLASSES), missing, seed=seed)
     except PartialLabelError as exc:
         raise click.BadParameter(str(exc), param_hint="--missing") from None
+    try:
+        study = Study(
+            classes=CLASSES,
+            dim=dim,
+            backbone={
+                "name": "embedded-synthetic",
+                "weights_id": f"synthetic-seed-{seed}-dim-{dim}-fraction-{fraction}",
+                "preprocessing": "none (synthetic features of the embedded ChestXray14 cohort)",
+            },
+            method=Method(gamma=gamma, balance=balance, gram=gram, rounds=rounds),
+            dp=None
+            if dp_epsilon is None
+            else StudyDp(
+                epsilon=dp_epsilon,
+                delta=dp_delta,
+                clip=clip,
+                unit=dp_unit,
+                max_images_per_patient=dp_max_images_per_patient,
+                # the class lists are public under DP: every client sizes its noise from them
+                class_lists={cid: tuple(assignment.active[k]) for k, cid in enumerate(client_ids)},
+            ),
+        )
+    except ConfigurationError as exc:
+        raise click.BadParameter(str(exc)) from None
     live = [k for k, cid in enumerate(client_ids) if cid not in drop_rounds]
     threshold = deployment_threshold(clients)
     if len(live) < threshold:
@@ -259,6 +293,7 @@ def deploy_local(
                 files[cid], data.features[rows], labels=labels, active=assignment.active[k], classes=CLASSES,
                 backbone=study.backbone["name"], weights_id=study.backbone["weights_id"],
                 preprocessing=study.backbone["preprocessing"],
+                patient_ids=[str(p) for p in data.cohort.patient_ids[rows]],
             )  # fmt: skip
             client_data[cid] = (data.features[rows], labels, tuple(assignment.active[k]))
         data_seconds = time.perf_counter() - started
@@ -285,15 +320,21 @@ def deploy_local(
         simulated = evaluate(test_y, test_x.astype(np.float64) @ reference.coef).macro
         identical = result.classifier.weights.tobytes() == reference.coef.tobytes()
         same_survivors = tuple(session1["survivors"]) == reference.survivors
+        private = study.dp is not None
         table = Table(title=f"Deployment vs simulation over the same survivors {list(reference.survivors)}")
         table.add_column("metric")
-        table.add_column("deployment (Flower)", justify="right")
-        table.add_column("simulation (in-process)", justify="right")
+        table.add_column(f"deployment (Flower{', DP' if private else ''})", justify="right")
+        table.add_column(f"simulation (in-process{', no DP' if private else ''})", justify="right")
         for key, label, scale in (("bacc", "BACC %", 100), ("auc", "AUC %", 100), ("map", "mAP", 1)):
             table.add_row(label, f"{scale * deployed[key]:.4f}", f"{scale * simulated[key]:.4f}")
         console.print(table)
         digest = hashlib.sha256(result.classifier.weights.tobytes()).hexdigest()[:16]
-        say(f"weights bit for bit equal: {'yes' if identical else 'NO'} (sha256 {digest}...)")
+        if private:
+            for line in result.classifier.privacy_lines():
+                say(line)
+            say(f"weights (sha256 {digest}...): noisy, so not compared bit for bit with the simulation")
+        else:
+            say(f"weights bit for bit equal: {'yes' if identical else 'NO'} (sha256 {digest}...)")
         say(f"killed: {result.killed or 'none'}; dropouts seen by the server: {dropouts or 'none'}")
         copies = {
             cid: _same_weights(path, result.classifier) for cid, path in result.node_classifiers.items()
@@ -319,7 +360,7 @@ def deploy_local(
             json.dumps({**result.report, "local_seconds": result.seconds, "killed": result.killed}, indent=1)
         )
         say(f"wrote {out_dir / 'classifier.json'} and {out_dir / 'report.json'}")
-        if not (identical and same_survivors):
+        if not same_survivors or not (identical or private):
             raise click.ClickException(
                 "the deployed classifier differs from the simulation's over the same survivors"
             )
@@ -380,6 +421,8 @@ def predict(
     except (ClassifierFileError, ModelMismatchError, FeatureFileError) as exc:
         raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
     model.write_predictions(out_path, ids, probabilities)
+    for line in model.privacy_lines():
+        click.echo(line)
     positives = (probabilities > model.decision_threshold).sum(axis=0)
     counts = ", ".join(f"{c} {int(n)}" for c, n in zip(model.classes, positives, strict=True))
     click.echo(f"wrote {out_path}: {len(ids)} images; positives per class: {counts}")

@@ -12,7 +12,10 @@ Run config (``[tool.flwr.app.config]``, all read by the ServerApp on the server'
 (comma-separated), ``dim``, ``backbone``, ``weights-id``, ``preprocessing``, ``gamma``, ``balance``,
 ``gram``, ``rounds``, ``threshold`` (0: ⌊2n/3⌋+1), ``min-group-size``, ``frac-bits``,
 ``round-timeout``, ``statistics-timeout`` (a session's first round, where clients compute) and
-``connect-timeout`` (seconds), ``min-nodes`` (0: the roster's size).
+``connect-timeout`` (seconds), ``min-nodes`` (0: the roster's size).  Differential privacy
+(SECURITY.md §10): ``dp-epsilon`` (its presence turns DP on), ``dp-delta`` (1e-6), ``clip`` (32),
+``dp-unit`` (``image`` or ``patient``), ``dp-max-images-per-patient`` (4) and ``class-lists``, every
+roster institution's labelled classes as ``"hospital-a=0,1,2;hospital-b=1,3"`` (class indices).
 
 Node config (each SuperNode's ``--node-config``): see :class:`~secure_afl.deploy.client.NodeSettings`.
 Importing this module loads Flower and the protocol, not torch: the analytic method is imported
@@ -38,7 +41,7 @@ from secure_afl.keys.roster import Roster
 from .client import NodeSettings, handle
 from .errors import ConfigurationError, DeploymentError
 from .server import FederationServer
-from .study import Method, Study
+from .study import Method, Study, StudyDp, parse_class_lists
 from .wire import MESSAGE_TYPE, Envelope, from_record_dict, to_record_dict
 
 server_app = ServerApp()
@@ -111,16 +114,39 @@ def study_from_run_config(config: Mapping[str, Any]) -> Study:
             },
             method=Method(
                 gamma=float(config.get("gamma", 1.0)),
-                balance=str(config.get("balance", "client")),
+                # DP needs plain sums and counts: its default balance is "global"
+                balance=str(config.get("balance", "global" if "dp-epsilon" in config else "client")),
                 gram=str(config.get("gram", "global")),
                 rounds=int(config.get("rounds", 1)),
             ),
             threshold=int(config.get("threshold", 0)),
             min_group_size=int(config.get("min-group-size", 2)),
             frac_bits=int(config.get("frac-bits", 32)),
+            dp=_dp_from_run_config(config),
         )
     except KeyError as exc:
         raise ConfigurationError(f"the run config lacks {exc.args[0]!r}") from None
+
+
+def _dp_from_run_config(config: Mapping[str, Any]) -> StudyDp | None:
+    if "dp-epsilon" not in config:
+        return None
+    if "class-lists" not in config:
+        raise ConfigurationError(
+            "dp-epsilon needs class-lists, every roster institution's classes (e.g. "
+            '"hospital-a=0,1,2;hospital-b=1,3"): a client sizes its noise from its groups\' members'
+        )
+    try:
+        return StudyDp(
+            epsilon=float(config["dp-epsilon"]),
+            delta=float(config.get("dp-delta", 1e-6)),
+            clip=float(config.get("clip", 32.0)),
+            unit=str(config.get("dp-unit", "image")),
+            max_images_per_patient=int(config.get("dp-max-images-per-patient", 4)),
+            class_lists=parse_class_lists(str(config["class-lists"])),
+        )
+    except ValueError as exc:
+        raise ConfigurationError(f"the run config's DP settings: {exc}") from None
 
 
 @server_app.main()

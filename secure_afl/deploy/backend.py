@@ -56,6 +56,7 @@ class Backend(Protocol):
         *,
         min_group_size: int,
         ledger: Any,
+        input_digest: bytes | None = None,
     ) -> Any: ...
 
     def encode(self, message: object, limit: int) -> bytes: ...
@@ -96,11 +97,13 @@ class MaskingBackend:
         *,
         min_group_size: int,
         ledger: Any,
+        input_digest: bytes | None = None,
     ) -> ClientSession:
         # The deployment policy is the client's own: t >= floor(2n/3)+1, groups of at least 2, the
         # exposure check, and the ledger of its earlier sessions over the same statistics.  The
         # session's randomness is a ChaCha20 stream from the seed, so replaying the server's
-        # messages rebuilds exactly the same keys, shares and masks.
+        # messages rebuilds exactly the same keys, shares and masks.  ``input_digest`` (DP) keys the
+        # ledger on the statistics before the noise, so a rerun with fresh noise finds its history.
         policy = ClientPolicy.deployment()
         return ClientSession(
             client_id,
@@ -111,6 +114,7 @@ class MaskingBackend:
             random=DeterministicRandomSource(seed),
             policy=policy,
             ledger=ledger,
+            input_digest=input_digest,
         )
 
     def encode(self, message: object, limit: int) -> bytes:

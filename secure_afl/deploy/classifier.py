@@ -17,8 +17,9 @@ One JSON document (``secure-afl-classifier/v1``), nothing executable, no pickle:
       "audit": {"groups": [{"session", "name", "members", "survivors", "tensors"}],
                 "warnings": [...], "refusals": [...], "dropouts": [...]},
       "study_digest": hex,
-      "created": ISO 8601 time
-    }
+      "created": ISO 8601 time,
+      "differential_privacy": {...}                        # only under DP: ε target and spent per
+    }                                                      # institution, δ, clip, unit, noise per block
 
 The server writes it and sends it to every participant; each checks the roster fingerprint and the
 session ids against its own before saving it.  ``digest`` is an integrity check, not a signature.
@@ -57,6 +58,25 @@ class Classifier:
     study_digest: str
     created: str
     decision_threshold: float = 0.5
+    privacy: Mapping[str, Any] | None = None  # secure_afl.privacy.dp_solve.privacy_record, under DP
+
+    def privacy_lines(self) -> list[str]:
+        """What ``predict`` prints about the release's differential privacy (nothing without DP)."""
+        if self.privacy is None:
+            return []
+        p = self.privacy
+        unit = (
+            "one image" if p["unit"] == "image" else f"one patient (≤ {p['max_images_per_patient']} images)"
+        )
+        spent = p["epsilon_spent"]
+        stds = [b["noise_std_at_fewest"] for b in p["blocks"]]
+        return [
+            f"differentially private: ε = {p['epsilon_target']:g}, δ = {p['delta']:g} for {unit} per "
+            f"institution; feature rows clipped to L2 norm {p['clip']:g}",
+            "ε spent per institution: " + ", ".join(f"{k} {v:.4f}" for k, v in sorted(spent.items())),
+            f"noise std per group sum at its fewest survivors: {min(stds):.4g}..{max(stds):.4g}; "
+            f"solve ridge λ = {p['ridge']:.4g}",
+        ]
 
     @property
     def dim(self) -> int:
@@ -84,6 +104,8 @@ class Classifier:
             "study_digest": self.study_digest,
             "created": self.created,
         }
+        if self.privacy is not None:  # absent without DP: the file is what it was before DP
+            document["differential_privacy"] = dict(self.privacy)
         return json.dumps(document, indent=1, sort_keys=False) + "\n"
 
     @classmethod
@@ -123,6 +145,7 @@ class Classifier:
                 study_digest=str(document["study_digest"]),
                 created=str(document["created"]),
                 decision_threshold=float(document["decision_threshold"]),
+                privacy=_privacy(document.get("differential_privacy"), source),
             )
         except ClassifierFileError:
             raise
@@ -182,3 +205,12 @@ class Classifier:
             )
             for image_id, row, decision in zip(image_ids, probabilities, decisions, strict=True):
                 writer.writerow([image_id, *(f"{p:.6f}" for p in row), *(int(x) for x in decision)])
+
+
+def _privacy(record: object, source: str) -> dict[str, Any] | None:
+    if record is None:
+        return None
+    keys = ("epsilon_target", "delta", "clip", "unit", "epsilon_spent", "blocks", "ridge")
+    if not isinstance(record, dict) or any(key not in record for key in keys):
+        raise ClassifierFileError(f"{source}: malformed differential_privacy record (needs {list(keys)})")
+    return dict(record)

@@ -33,6 +33,7 @@ import numpy as np
 from secure_afl.keys.files import load_identity_key
 from secure_afl.keys.identity import IdentityKey
 from secure_afl.keys.roster import Roster
+from secure_afl.protocol.randomness import RandomSource
 
 from .backend import BACKENDS, Backend
 from .classifier import Classifier
@@ -67,6 +68,11 @@ class NodeSettings:
     ledger_dir: Path
     device: str = "auto"
     allow_class_gram: bool = False
+    # This institution's own DP floor (node config ``dp-epsilon``, ``dp-delta``, ``dp-unit``): it
+    # refuses a study without DP, or with a larger ε or δ, or protecting images where it asks patients.
+    dp_epsilon: float | None = None
+    dp_delta: float | None = None
+    dp_unit: str | None = None
 
     KEYS = ("identity-key", "passphrase-file", "roster", "features", "ledger-dir", "out-dir")
 
@@ -78,6 +84,16 @@ class NodeSettings:
                 f"the SuperNode's --node-config lacks {missing}; it needs identity-key, passphrase-file, "
                 f"roster, features, ledger-dir and out-dir (paths on this machine)"
             )
+        try:
+            dp_epsilon = float(str(config["dp-epsilon"])) if "dp-epsilon" in config else None
+            dp_delta = float(str(config["dp-delta"])) if "dp-delta" in config else None
+        except ValueError:
+            raise ConfigurationError("the node config's dp-epsilon and dp-delta must be numbers") from None
+        dp_unit = str(config["dp-unit"]) if "dp-unit" in config else None
+        if dp_unit not in (None, "image", "patient"):
+            raise ConfigurationError(f"the node config's dp-unit must be image or patient, got {dp_unit!r}")
+        if (dp_delta is not None or dp_unit is not None) and dp_epsilon is None:
+            raise ConfigurationError("the node config sets dp-delta or dp-unit without dp-epsilon")
         return cls(
             identity_key=Path(str(config["identity-key"])),
             passphrase_file=Path(str(config["passphrase-file"])),
@@ -87,6 +103,9 @@ class NodeSettings:
             ledger_dir=Path(str(config["ledger-dir"])),
             device=str(config.get("device", "auto")),
             allow_class_gram=str(config.get("allow-class-gram", "false")).lower() == "true",
+            dp_epsilon=dp_epsilon,
+            dp_delta=dp_delta,
+            dp_unit=dp_unit,
         )
 
 
@@ -190,6 +209,7 @@ def _check_study(study: Study, settings: NodeSettings) -> Any:
                 f"the study's backbone {key} is {study.backbone.get(key)!r}, this feature file's is "
                 f"{data.describe_backbone()[key]!r}: extract the features with the study's backbone"
             )
+    _check_dp_policy(study, settings)
     if study.method.gram == "class" and not settings.allow_class_gram:
         raise StudyMismatchError(
             "the study sums each class's Gram matrix separately (gram='class'), which lets overlapping "
@@ -199,39 +219,188 @@ def _check_study(study: Study, settings: NodeSettings) -> Any:
     return data
 
 
-def _inputs(
-    label: str, study: Study, data: Any, envelope: Envelope, groups: set[str], settings: NodeSettings
-):
-    """This client's protocol inputs for session ``label``: group -> tensor -> flat float64 vector."""
-    from secure_afl.analytic import PseudoLabelConfig, client_statistics, pseudo_label_contributions
+def _check_dp_policy(study: Study, settings: NodeSettings) -> None:
+    """This institution's own DP floor against the study the server sent."""
+    if settings.dp_epsilon is None:
+        return
+    dp = study.dp
+    if dp is None:
+        raise StudyMismatchError(
+            f"this institution takes part only under differential privacy (node config dp-epsilon = "
+            f"{settings.dp_epsilon:g}); the study asks for none"
+        )
+    if dp.epsilon > settings.dp_epsilon:
+        raise StudyMismatchError(
+            f"the study's DP ε = {dp.epsilon:g} exceeds this institution's dp-epsilon {settings.dp_epsilon:g}"
+        )
+    if settings.dp_delta is not None and dp.delta > settings.dp_delta:
+        raise StudyMismatchError(
+            f"the study's DP δ = {dp.delta:g} exceeds this institution's dp-delta {settings.dp_delta:g}"
+        )
+    if settings.dp_unit == "patient" and dp.unit != "patient":
+        raise StudyMismatchError(
+            f"the study protects one {dp.unit}; this institution's dp-unit asks for one patient"
+        )
 
-    method = study.method
+
+def _check_dp_session(
+    study: Study, data: Any, client_id: str, roster: Roster, backend: Backend, request: Any, nonce: str
+) -> None:
+    """Under DP, before the noise is drawn: the study's plan is this session's and fits this client.
+
+    The noise each client adds is sized from the study (class lists, threshold, minimum group size,
+    grid): the session must commit to that study (its id, which every advertisement signs), run
+    the masking protocol (DP with CKKS is refused, SECURITY.md §10) at the study's threshold,
+    minimum group size and fractional bits, and the study must list this client's own classes.
+    """
+    from .study import study_session_id
+
+    dp = study.dp
+    assert dp is not None
+    if backend.name != "mask":
+        raise StudyMismatchError(
+            "differential privacy runs only with the masking protocol (secure 'mask'), not "
+            f"{backend.name!r}: TenSEAL's CKKS has no threshold decryption, so one client's noise could "
+            "be read alone (SECURITY.md §10)"
+        )
+    try:
+        expected = study_session_id(study, bytes.fromhex(nonce))
+    except (ValueError, ConfigurationError):
+        expected = b""
+    config = request.config
+    if config.session_id != expected:
+        raise StudyMismatchError(
+            "the session id does not commit to the study this client received: under DP every participant "
+            "must noise from the same study (the server must derive the id from the study and its nonce)"
+        )
+    threshold = study.threshold_for(len(roster))
+    if (
+        config.threshold < threshold
+        or config.min_group_size < study.min_group_size
+        or config.frac_bits != study.frac_bits
+    ):
+        raise StudyMismatchError(
+            f"the session's threshold {config.threshold}, minimum group size {config.min_group_size} and "
+            f"fractional bits {config.frac_bits} differ from the study's ({threshold}, "
+            f"{study.min_group_size}, {study.frac_bits}) from which the noise is sized"
+        )
+    roster_ids = sorted(entry.client_id for entry in roster)
+    if sorted(dp.class_lists) != roster_ids:
+        raise StudyMismatchError(
+            f"the study's class lists name {sorted(dp.class_lists)}, the roster {roster_ids}"
+        )
+    if tuple(sorted(dp.class_lists[client_id])) != tuple(data.active):
+        raise StudyMismatchError(
+            f"the study lists classes {sorted(dp.class_lists[client_id])} for {client_id}, this feature file "
+            f"labels {list(data.active)}: the noise of every group is sized from these lists"
+        )
+    if dp.unit == "patient" and data.patient_ids is None:
+        raise StudyMismatchError(
+            "the study protects one patient (dp-unit patient) but this feature file has no patient_ids: "
+            "write them with save_feature_file(..., patient_ids=...)"
+        )
+
+
+def _noise_random() -> RandomSource:
+    """The DP noise's randomness: the operating system's CSPRNG (tests inject a seeded stream)."""
+    from secure_afl.protocol.randomness import OsRandomSource
+
+    return OsRandomSource()
+
+
+def _private_inputs(
+    label: str, study: Study, data: Any, envelope: Envelope, groups: set[str], settings: NodeSettings,
+    roster_size: int, client_id: str,
+) -> tuple[Any, Any, Any]:  # fmt: skip
+    """Under DP: (layout, noisy contributions, the clean ones, the ledger's key) of session ``label``."""
+    from secure_afl.privacy.dp import (
+        clip_rows,
+        private_statistics,
+        pseudo_label_upload,
+        round1_upload,
+        rows_of_units,
+    )
+
+    from .study import noise_plan
+
+    assert study.dp is not None
+    config = study.dp.config()
+    plan = noise_plan(study, roster_size)
+    keep = rows_of_units(config, len(data.features), data.patient_ids)
+    features, labels = data.features[keep], data.labels[keep]
     if label == "1":
+        stats = private_statistics(features, labels, config.clip, device=settings.device)
+        log(
+            settings,
+            f"{client_id}: DP: {stats.n_clipped} of {stats.n_rows} rows clipped to norm {config.clip:g}",
+        )
+        noisy, clean = round1_upload(stats, data.active, plan, _noise_random())
+        return round1_layout(study), noisy, clean
+    coef = _round1_coef(study, envelope)
+    pseudo = _pseudo_config(study)
+    classes = [int(g.split("/")[1]) for g in groups if g.startswith("pseudo/")]
+    clipped, _ = clip_rows(features, config.clip)
+    noisy, clean = pseudo_label_upload(
+        clipped, coef, data.active, plan, _noise_random(), pseudo, groups=groups
+    )
+    return round2_layout(study, classes), noisy, clean
+
+
+def _pseudo_config(study: Study) -> Any:
+    from secure_afl.analytic import PseudoLabelConfig
+
+    m = study.method
+    return PseudoLabelConfig(tau=m.tau, alpha=m.alpha, min_pos=m.min_pos, min_neg=m.min_neg)
+
+
+def _round1_coef(study: Study, envelope: Envelope) -> np.ndarray:
+    coef = envelope.arrays.get("coef")
+    if coef is None or coef.shape != (study.dim, study.n_classes):
+        raise StudyMismatchError(f"round 2 needs the round-1 coefficients ({study.dim} × {study.n_classes})")
+    return coef
+
+
+def _inputs(
+    label: str, study: Study, data: Any, envelope: Envelope, groups: set[str], settings: NodeSettings,
+    roster_size: int = 0, client_id: str = "",
+) -> tuple[dict[str, dict[str, np.ndarray]], bytes | None]:  # fmt: skip
+    """This client's protocol inputs for session ``label`` (group -> tensor -> flat float64 vector)
+    and, under DP, the ledger's key: the digest of the statistics before the noise (a rerun draws
+    fresh noise over the same data; its history must still be found)."""
+    from secure_afl.analytic import client_statistics, pseudo_label_contributions
+
+    if label not in ("1", "2"):
+        raise SessionReplayError(f"unknown session {label!r}")
+    method = study.method
+    digest = None
+    if study.dp is not None:
+        from secure_afl.privacy.exposure import input_digest
+
+        layout, contributions, clean = _private_inputs(
+            label, study, data, envelope, groups, settings, roster_size, client_id
+        )
+        digest = input_digest(_flat(layout, clean))
+    elif label == "1":
         layout = round1_layout(study)
         stats = client_statistics(data.features, data.labels, device=settings.device)
         contributions = stats.contributions(
             data.active, balance=method.balance, gram=method.gram, include_global_gram=method.rounds == 2
         )
-    elif label == "2":
-        coef = envelope.arrays.get("coef")
-        if coef is None or coef.shape != (study.dim, study.n_classes):
-            raise StudyMismatchError(
-                f"round 2 needs the round-1 coefficients ({study.dim} × {study.n_classes})"
-            )
-        config = PseudoLabelConfig(
-            tau=method.tau, alpha=method.alpha, min_pos=method.min_pos, min_neg=method.min_neg
-        )
+    else:
+        coef = _round1_coef(study, envelope)
         contributions, _ = pseudo_label_contributions(
-            data.features, coef, data.active, config=config, device=settings.device
+            data.features, coef, data.active, config=_pseudo_config(study), device=settings.device
         )
         classes = [int(g.split("/")[1]) for g in groups if g.startswith("pseudo/")]
         layout = round2_layout(study, classes)
         contributions = {g: t for g, t in contributions.items() if g in groups}
-    else:
-        raise SessionReplayError(f"unknown session {label!r}")
     unknown = set(contributions) - groups
     if unknown:
         raise StudyMismatchError(f"the session lacks this client's groups {sorted(unknown)}")
+    return _flat(layout, contributions), digest
+
+
+def _flat(layout: Any, contributions: Any) -> dict[str, dict[str, np.ndarray]]:
     return {
         group: {name: layout.flatten(name, values) for name, values in tensors.items()}
         for group, tensors in contributions.items()
@@ -255,11 +424,15 @@ def _start_session(envelope: Envelope, label: str, state: LocalState, settings: 
     backend = _backend(envelope)
     request = backend.decode(envelope.payload, backend.first_message_limit)  # type: ignore[attr-defined]
     groups = {group.name for group in request.config.groups}
-    inputs = _inputs(label, study, data, envelope, groups, settings)
+    if study.dp is not None:
+        _check_dp_session(
+            study, data, client_id, roster, backend, request, str(envelope.meta.get("study-nonce", ""))
+        )
+    inputs, digest = _inputs(label, study, data, envelope, groups, settings, len(roster), client_id)
     seed = os.urandom(32)
     session = backend.client_session(
         client_id, identity, roster, inputs, seed, min_group_size=study.min_group_size,
-        ledger=_ledger(settings, live=True),
+        ledger=_ledger(settings, live=True), input_digest=digest,
     )  # fmt: skip
     replies = session.receive_bytes(envelope.payload)  # decoded again under the session's own limits
     state.save(
@@ -273,6 +446,7 @@ def _start_session(envelope: Envelope, label: str, state: LocalState, settings: 
             "seed": seed,
             "messages": [envelope.payload],
             "inputs": {f"{g}|{t}": v for g, tensors in inputs.items() for t, v in tensors.items()},
+            **({"input_digest": digest} if digest is not None else {}),
         },
     )
     log(settings, f"{client_id}: session {label} R0 answered (groups {sorted(inputs)})")
@@ -299,8 +473,9 @@ def _continue_session(envelope: Envelope, label: str, state: LocalState, setting
         inputs.setdefault(group, {})[tensor] = np.asarray(values, dtype=np.float64)
     gate = _ledger(settings, live=False)
     session = backend.client_session(
-        client_id, identity, roster, inputs, saved["seed"], min_group_size=study.min_group_size, ledger=gate
-    )
+        client_id, identity, roster, inputs, saved["seed"], min_group_size=study.min_group_size, ledger=gate,
+        input_digest=saved.get("input_digest"),
+    )  # fmt: skip
     # Rebuild: the same seed and the same server messages give the same state, secrets included.
     for data in saved["messages"]:
         session.receive_bytes(data)

@@ -47,7 +47,7 @@ from secure_afl.keys.roster import Roster, RosterEntry
 
 from .classifier import Classifier
 from .errors import LocalDeploymentError
-from .study import Study
+from .study import Study, format_class_lists
 
 CONNECTION = "local"
 DROP_ROUNDS = ("R1", "R2", "R3", "R4")
@@ -446,6 +446,7 @@ def run_local(
             "round-timeout": round_timeout,
             "statistics-timeout": statistics_timeout,
             "connect-timeout": connect_timeout,
+            **_dp_run_config(study),
         },
     )
     seconds["keys, roster, certificates"] = time.perf_counter() - started
@@ -511,6 +512,8 @@ def run_local(
                 "ledger-dir": str(work_dir / "ledgers" / cid),
                 "out-dir": str(out_dir / cid),
             }
+            if study.dp is not None:  # each hospital insists on the study's privacy itself
+                node_config.update({"dp-epsilon": str(study.dp.epsilon), "dp-delta": str(study.dp.delta)})
             node_args = [flower_bin("flower-supernode"), "--superlink", f"127.0.0.1:{superlink_port}"]
             node_args += ["--host", "127.0.0.1", "--port", str(free_port())]
             node_args += ["--node-config", " ".join(f"{k}={json.dumps(v)}" for k, v in node_config.items())]
@@ -594,6 +597,21 @@ def run_local(
         left = children.alive()
         if left:  # pragma: no cover
             say(f"WARNING: processes still running in process groups {left}")
+
+
+def _dp_run_config(study: Study) -> dict[str, object]:
+    """The run config's DP keys (none without DP): what a coordinator writes for a real federation."""
+    if study.dp is None:
+        return {}
+    dp = study.dp
+    return {
+        "dp-epsilon": dp.epsilon,
+        "dp-delta": dp.delta,
+        "clip": dp.clip,
+        "dp-unit": dp.unit,
+        "dp-max-images-per-patient": dp.max_images_per_patient,
+        "class-lists": format_class_lists(dp.class_lists),
+    }
 
 
 def _pump(stream: IO[bytes] | None, log: Path, lines: queue.Queue[str | None]) -> None:

@@ -26,14 +26,16 @@ from secure_afl.protocol.errors import ProtocolError, SessionAbortedError
 
 from .backend import Backend, MaskingBackend
 from .classifier import Classifier
-from .errors import FederationAbortedError
+from .errors import ConfigurationError, FederationAbortedError
 from .study import (
     Study,
     class_group,
+    noise_plan,
     pseudo_members,
     round1_layout,
     round2_classes,
     round2_layout,
+    study_session_id,
 )
 from .wire import Envelope
 
@@ -119,8 +121,22 @@ class FederationServer:
         self.min_nodes = len(roster) if min_nodes is None else min_nodes
         self.log = log
         self.report = FederationReport()
-        self._session_ids = list(session_ids or [])
+        self._session_ids = list(session_ids or [])  # under DP: the nonces the session ids commit with
         self._node_of: dict[str, int] = {}
+        self.privacy: dict[str, Any] | None = None
+        if study.dp is not None:
+            if self.backend.name != "mask":
+                raise ConfigurationError(
+                    "differential privacy runs only with the masking protocol (secure 'mask'), not "
+                    f"{self.backend.name!r}: TenSEAL's CKKS has no threshold decryption, so a server "
+                    "colluding with the decrypting client could read one client's noisy statistics alone"
+                )
+            roster_ids = sorted(entry.client_id for entry in roster)
+            if sorted(study.dp.class_lists) != roster_ids:
+                raise ConfigurationError(
+                    f"the study's class lists name {sorted(study.dp.class_lists)}, the roster {roster_ids}: "
+                    "list every roster institution's classes (class-lists)"
+                )
 
     # --- the run ------------------------------------------------------------------------------
 
@@ -128,15 +144,26 @@ class FederationServer:
         from secure_afl.analytic import AnalyticClassifier  # torch: only the server's solve needs it
 
         started = time.perf_counter()
+        # Under DP the plan comes first: a study it cannot satisfy stops the run before any session.
+        plan = noise_plan(self.study, len(self.roster)) if self.study.dp is not None else None
         nodes = self._wait_for_nodes()
         method = self.study.method
         layout1 = round1_layout(self.study)
         record1, result1 = self._session("1", nodes, layout1, {})
         sums1 = self.backend.group_sums(result1, layout1, self.study)
         solve_started = time.perf_counter()
-        model = AnalyticClassifier(
-            self.study.n_classes, gamma=method.gamma, balance=method.balance, gram=method.gram
-        ).fit(sums1)
+        if plan is not None:
+            from secure_afl.privacy.dp_solve import fit_private
+
+            gram_survivors = len(self._group(record1, "all")["survivors"])
+            model, solve, sums1 = fit_private(
+                sums1, plan, n_classes=self.study.n_classes, gamma=method.gamma, gram_survivors=gram_survivors
+            )
+            solve2 = None
+        else:
+            model = AnalyticClassifier(
+                self.study.n_classes, gamma=method.gamma, balance=method.balance, gram=method.gram
+            ).fit(sums1)
         self.report.seconds["solve"] = time.perf_counter() - solve_started
         if method.rounds == 2:
             labelled = {
@@ -154,16 +181,40 @@ class FederationServer:
             if classes:
                 layout2 = round2_layout(self.study, classes)
                 targets = [self._node_of[cid] for cid in record1.completed]
-                _, result2 = self._session("2", targets, layout2, {"coef": model.coef_})
+                record2, result2 = self._session("2", targets, layout2, {"coef": model.coef_})
                 sums2 = self.backend.group_sums(result2, layout2, self.study)
                 solve_started = time.perf_counter()
-                model = AnalyticClassifier(
-                    self.study.n_classes, gamma=method.gamma, balance=method.balance
-                ).refine(sums1, sums2, alpha=method.alpha)
+                if plan is not None:
+                    model, solve2 = self._refine_private(model, sums1, sums2, solve, plan, record2)
+                else:
+                    model = AnalyticClassifier(
+                        self.study.n_classes, gamma=method.gamma, balance=method.balance
+                    ).refine(sums1, sums2, alpha=method.alpha)
                 self.report.seconds["solve"] += time.perf_counter() - solve_started
+        if plan is not None:
+            from secure_afl.privacy.dp_solve import privacy_record
+
+            self.privacy = privacy_record(plan, solve, solve2)
         classifier = self._classifier(model.coef_)
         self.report.seconds["federation"] = time.perf_counter() - started
         return classifier
+
+    def _refine_private(self, model: Any, sums1: Any, sums2: Any, solve: Any, plan: Any, record2: Any):
+        """Round 2 under DP: Eq. 20's thresholds on the noisy federation counts (dp_solve)."""
+        from secure_afl.analytic import PseudoLabelConfig
+        from secure_afl.privacy.dp_solve import pseudo_count_noise_std, refine_private
+
+        m = self.study.method
+        survivors = {g["name"]: len(g["survivors"]) for g in record2.groups}
+        return refine_private(
+            model,
+            sums1,
+            sums2,
+            solve,
+            n_classes=self.study.n_classes,
+            config=PseudoLabelConfig(tau=m.tau, alpha=m.alpha, min_pos=m.min_pos, min_neg=m.min_neg),
+            count_noise_std=pseudo_count_noise_std(plan, survivors),
+        )
 
     def deliver(self, classifier: Classifier) -> tuple[str, ...]:
         """Send the classifier file to every client that completed the last session; return who stored it."""
@@ -211,16 +262,20 @@ class FederationServer:
         self, label: str, nodes: Sequence[int], layout: Layout, arrays: Mapping[str, np.ndarray]
     ) -> tuple[SessionRecord, Any]:
         session_id = self._session_ids.pop(0) if self._session_ids else os.urandom(32)
-        session = self.backend.server_session(self.roster, self.study, layout, session_id)
-        record = SessionRecord(label, session_id)
-        self.report.sessions.append(record)
-        first = session.start()
         meta = {
             "session": label,
             "study": self.study.to_json(),
             "roster": self.roster.fingerprint,
             "backend": self.backend.name,
         }
+        if self.study.dp is not None:
+            # The id commits to the study, so every advertisement signs it (clients check the nonce).
+            meta["study-nonce"] = session_id.hex()
+            session_id = study_session_id(self.study, session_id)
+        session = self.backend.server_session(self.roster, self.study, layout, session_id)
+        record = SessionRecord(label, session_id)
+        self.report.sessions.append(record)
+        first = session.start()
         first_bytes = self.backend.encode(first, session.max_message_bytes)
         outgoing = {
             node: Envelope("advertise", {**meta, "round": "R0"}, first_bytes, dict(arrays)) for node in nodes
@@ -326,6 +381,13 @@ class FederationServer:
                 return tuple(item["members"])
         return ()
 
+    @staticmethod
+    def _group(record: SessionRecord, group: str) -> dict[str, Any]:
+        for item in record.groups:
+            if item["name"] == group:
+                return item
+        raise FederationAbortedError(f"session {record.label} has no group {group!r}")
+
     def _refused(self, who: str, where: str, envelope: Envelope) -> None:
         error = str(envelope.meta.get("error", "?"))
         message = str(envelope.meta.get("message", ""))
@@ -334,9 +396,10 @@ class FederationServer:
 
     def _classifier(self, coef: np.ndarray) -> Classifier:
         groups = [g for s in self.report.sessions for g in s.groups]
+        learned = "its noisy statistics (DP)" if self.study.dp is not None else "its statistics"
         warnings = [
             f"session {g['session']}, group {g['name']}: a single survivor ({g['survivors'][0]}); the server "
-            f"learned its statistics"
+            f"learned {learned}"
             for g in groups
             if len(g["survivors"]) == 1
         ]
@@ -370,4 +433,5 @@ class FederationServer:
             },
             study_digest=self.study.digest(),
             created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            privacy=self.privacy,
         )

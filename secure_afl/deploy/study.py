@@ -12,11 +12,16 @@ import hashlib
 import json
 from collections.abc import Collection, Mapping
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from secure_afl.aggregation.layout import Layout
+from secure_afl.privacy.dp_config import DpConfig, DpError
 from secure_afl.protocol.encoding import DEFAULT_FRAC_BITS, upper_triangle_length
 
 from .errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from secure_afl.privacy.dp import NoisePlan
 
 SYMMETRIC_TENSORS = frozenset({"gram"})
 ALL_GROUP = "all"  # the same names as secure_afl.analytic (which imports torch; this module must not)
@@ -60,6 +65,85 @@ class Method:
 
 
 @dataclass(frozen=True)
+class StudyDp:
+    """Differential privacy for the released classifier (SECURITY.md §10), as the study states it.
+
+    ``class_lists``: every roster institution's labelled classes (indices).  They are public
+    before any data moves because a client sizes its noise from the membership of every group it
+    joins (the fewest survivors with which a group may be unmasked); each client checks its own
+    entry against its feature file, and the session id commits to the study (see
+    :func:`study_session_id`), so every participant noises from the same plan.
+    """
+
+    epsilon: float
+    class_lists: Mapping[str, tuple[int, ...]]
+    delta: float = 1e-6
+    clip: float = 32.0
+    unit: str = "image"
+    max_images_per_patient: int = 4
+
+    def config(self) -> DpConfig:
+        """The privacy module's config, validated (:class:`ConfigurationError` names what is wrong)."""
+        config = DpConfig(
+            epsilon=float(self.epsilon),
+            delta=float(self.delta),
+            clip=float(self.clip),
+            unit=self.unit,  # type: ignore[arg-type]
+            max_images_per_patient=int(self.max_images_per_patient),
+        )
+        try:
+            config.validate()
+        except DpError as exc:
+            raise ConfigurationError(str(exc)) from None
+        return config
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "epsilon": self.epsilon,
+            "delta": self.delta,
+            "clip": self.clip,
+            "unit": self.unit,
+            "max_images_per_patient": self.max_images_per_patient,
+            "class_lists": {k: list(v) for k, v in sorted(self.class_lists.items())},
+        }
+
+    @classmethod
+    def from_dict(cls, document: Mapping[str, Any]) -> StudyDp:
+        return cls(
+            epsilon=float(document["epsilon"]),
+            delta=float(document["delta"]),
+            clip=float(document["clip"]),
+            unit=str(document["unit"]),
+            max_images_per_patient=int(document["max_images_per_patient"]),
+            class_lists={str(k): tuple(int(c) for c in v) for k, v in document["class_lists"].items()},
+        )
+
+
+def parse_class_lists(text: str) -> dict[str, tuple[int, ...]]:
+    """``"a=0,1;b=2"`` -> ``{"a": (0, 1), "b": (2,)}`` (the run config's ``class-lists``)."""
+    out: dict[str, tuple[int, ...]] = {}
+    for item in (part.strip() for part in text.split(";")):
+        if not item:
+            continue
+        cid, sep, classes = item.partition("=")
+        try:
+            indices = tuple(sorted({int(c) for c in classes.split(",") if c.strip()}))
+        except ValueError:
+            indices = ()
+        if not sep or not cid.strip() or not indices or cid.strip() in out:
+            raise ConfigurationError(
+                f"class-lists entry {item!r}: expected INSTITUTION=i,j,... (class indices), each "
+                "institution once"
+            )
+        out[cid.strip()] = indices
+    return out
+
+
+def format_class_lists(class_lists: Mapping[str, tuple[int, ...]]) -> str:
+    return ";".join(f"{cid}={','.join(map(str, classes))}" for cid, classes in sorted(class_lists.items()))
+
+
+@dataclass(frozen=True)
 class Study:
     classes: tuple[str, ...]
     dim: int
@@ -68,6 +152,7 @@ class Study:
     threshold: int = 0  # 0: deployment_threshold(roster size)
     min_group_size: int = 2
     frac_bits: int = DEFAULT_FRAC_BITS
+    dp: StudyDp | None = None  # None: no noise, the sums are released exactly (today's deployment)
 
     def __post_init__(self) -> None:
         if not self.classes or len(set(self.classes)) != len(self.classes):
@@ -78,6 +163,33 @@ class Study:
             raise ConfigurationError("the backbone needs exactly name, weights_id and preprocessing")
         if self.min_group_size < 1:
             raise ConfigurationError(f"min_group_size must be at least 1, got {self.min_group_size}")
+        if self.dp is not None:
+            self._check_dp(self.dp)
+
+    def _check_dp(self, dp: StudyDp) -> None:
+        if self.method.balance != "global" or self.method.gram != "global":
+            raise ConfigurationError(
+                "differential privacy needs balance='global' and gram='global' (plain sums and counts with "
+                f"clean sensitivities, SECURITY.md §10); the study has balance={self.method.balance!r}, "
+                f"gram={self.method.gram!r}"
+            )
+        dp.config()
+        if not dp.class_lists:
+            raise ConfigurationError(
+                "differential privacy needs every institution's class list in the study (class-lists): a "
+                "client sizes its noise from the membership of its groups before it masks"
+            )
+        for cid, classes in dp.class_lists.items():
+            if not classes or any(not 0 <= c < len(self.classes) for c in classes):
+                raise ConfigurationError(
+                    f"class list of {cid!r}: {list(classes)} must name at least one class among "
+                    f"0..{len(self.classes) - 1}"
+                )
+        unlabelled = [self.classes[c] for c in range(len(self.classes)) if not any(
+            c in classes for classes in dp.class_lists.values()
+        )]  # fmt: skip
+        if unlabelled:
+            raise ConfigurationError(f"no institution labels {unlabelled}: every class needs one")
 
     @property
     def n_classes(self) -> int:
@@ -90,6 +202,10 @@ class Study:
         document = asdict(self)
         document["classes"] = list(self.classes)
         document["backbone"] = dict(self.backbone)
+        # Without DP the document (and its digest) is what it was before DP existed.
+        del document["dp"]
+        if self.dp is not None:
+            document["dp"] = self.dp.to_dict()
         return json.dumps(document, sort_keys=True, separators=(",", ":"))
 
     @classmethod
@@ -104,6 +220,7 @@ class Study:
                 threshold=int(document["threshold"]),
                 min_group_size=int(document["min_group_size"]),
                 frac_bits=int(document["frac_bits"]),
+                dp=StudyDp.from_dict(document["dp"]) if document.get("dp") is not None else None,
             )
         except ConfigurationError:
             raise
@@ -114,13 +231,62 @@ class Study:
         return hashlib.sha256(self.to_json().encode("utf-8")).hexdigest()
 
 
+def study_session_id(study: Study, nonce: bytes) -> bytes:
+    """A session id that commits to the study: SHA-256 over a domain tag, the study's digest, a nonce.
+
+    Under DP the server sends the nonce with the study and every client recomputes the id.  The
+    protocol signs the session config, session id included, in every advertisement and each client
+    checks that all advertisements carry its own config's digest (R1): so every participant holds
+    the same study, and noises from the same plan (a server cannot hand one client a larger ε or a
+    larger group than another).
+    """
+    if len(nonce) != 32:
+        raise ConfigurationError("the study nonce must be 32 bytes")
+    return hashlib.sha256(b"secure-afl/study-session/v1\0" + bytes.fromhex(study.digest()) + nonce).digest()
+
+
+def noise_plan(study: Study, roster_size: int) -> NoisePlan:
+    """The DP noise plan every party derives from the study alone (server and clients alike)."""
+    from secure_afl.privacy.dp import FederationLayout, plan_noise
+
+    if study.dp is None:
+        raise ConfigurationError("the study asks for no differential privacy")
+    if len(study.dp.class_lists) != roster_size:
+        raise ConfigurationError(
+            f"the study's class lists name {len(study.dp.class_lists)} institutions, the roster "
+            f"{roster_size}: list every roster institution's classes"
+        )
+    layout = FederationLayout(
+        active=dict(study.dp.class_lists),
+        n_classes=study.n_classes,
+        dim=study.dim,
+        threshold=study.threshold_for(roster_size),
+        min_group_size=study.min_group_size,
+        rounds=study.method.rounds,
+        masked=True,  # DP runs only with the masking backend
+        frac_bits=study.frac_bits,
+    )
+    try:
+        return plan_noise(study.dp.config(), layout)
+    except DpError as exc:
+        raise ConfigurationError(str(exc)) from None
+
+
 def round1_layout(study: Study) -> Layout:
     """Every class group and, where the method needs it, the ``all`` group (the names of analytic.py).
 
     Every class is in the layout: a class that fewer than ``min_group_size`` survivors label cannot
     be fitted without revealing a client's statistics, so the session aborts rather than drop it.
+    Under DP: the names of :meth:`secure_afl.privacy.dp.PrivateStatistics.round1` (positive and
+    negative sums and counts per class, the Gram in ``all``).
     """
     d, method = study.dim, study.method
+    if study.dp is not None:
+        return _dp_layout(
+            {ALL_GROUP: {"gram": upper_triangle_length(d)}},
+            {class_group(c): ("pos_sum", "neg_sum", "n_pos", "n_neg") for c in range(study.n_classes)},
+            d,
+        )
     groups: dict[str, dict[str, int]] = {}
     shapes: dict[str, tuple[int, ...]] = {"gram": (d, d)}
     for c in range(study.n_classes):
@@ -160,8 +326,24 @@ def round2_classes(members: Mapping[int, Collection[str]], min_group_size: int) 
 
 def round2_layout(study: Study, classes: Collection[int]) -> Layout:
     d = study.dim
+    if study.dp is not None:  # the names of secure_afl.privacy.dp.pseudo_label_round
+        prefixes = ("pseudo_pos_sum", "pseudo_neg_sum", "pseudo_n_pos", "pseudo_n_neg")
+        return _dp_layout({}, {pseudo_group(c): prefixes for c in sorted(classes)}, d)
     return Layout(
         groups={pseudo_group(c): {f"b_pseudo/{c}": d} for c in sorted(classes)},
         shapes={f"b_pseudo/{c}": (d,) for c in sorted(classes)},
         symmetric=SYMMETRIC_TENSORS,
     )
+
+
+def _dp_layout(groups: dict[str, dict[str, int]], per_class: Mapping[str, tuple[str, ...]], d: int) -> Layout:
+    shapes: dict[str, tuple[int, ...]] = {"gram": (d, d)}
+    for group, prefixes in per_class.items():
+        c = group.split("/")[1]
+        tensors = {}
+        for prefix in prefixes:
+            size = 1 if prefix.endswith(("n_pos", "n_neg")) else d  # counts are scalars
+            tensors[f"{prefix}/{c}"] = size
+            shapes[f"{prefix}/{c}"] = (size,)
+        groups[group] = tensors
+    return Layout(groups=groups, shapes=shapes, symmetric=SYMMETRIC_TENSORS)

@@ -17,6 +17,9 @@ name               dtype / shape                  meaning
 ``backbone``       str scalar                     backbone name (``densenet121-xrv``, ``resnet18``...)
 ``weights_id``     str scalar                     ``sha256:<hex>`` of the weight file (or another id)
 ``preprocessing``  str scalar                     the backbone's preprocessing description (JSON)
+``patient_ids``    str, N (optional)              one patient id per row; needed only by a study that
+                                                  protects patients (``dp-unit = "patient"``), which
+                                                  caps each patient's images before the statistics
 =================  =============================  ==================================================
 
 The backbone fields travel into the classifier file, and ``predict`` refuses features whose
@@ -45,6 +48,7 @@ _NAMES = (
     "weights_id",
     "preprocessing",
 )
+_OPTIONAL_NAMES = ("patient_ids",)
 
 
 def describe_preprocessing(preprocess: object) -> str:
@@ -69,6 +73,7 @@ class FeatureFile:
     backbone: str
     weights_id: str
     preprocessing: str
+    patient_ids: tuple[str, ...] | None = None
 
     @property
     def dim(self) -> int:
@@ -89,6 +94,7 @@ def save_feature_file(
     labels: np.ndarray | None = None,
     active: Sequence[int] = (),
     image_ids: Sequence[str] | None = None,
+    patient_ids: Sequence[str] | None = None,
 ) -> None:
     """Write a feature file (checked as it would be read); a temporary file is renamed into place."""
     features = np.asarray(features)
@@ -108,6 +114,8 @@ def save_feature_file(
         "weights_id": np.array(weights_id),
         "preprocessing": np.array(preprocessing),
     }
+    if patient_ids is not None:
+        arrays["patient_ids"] = np.array([str(p) for p in patient_ids], dtype=str)
     _validate(Path(path), arrays)
     path = Path(path)
     temporary = path.with_name(f".{path.name}.tmp.npz")
@@ -124,7 +132,7 @@ def load_feature_file(path: str | os.PathLike[str], *, require_labels: bool = Fa
     path = Path(path)
     try:
         with np.load(path, allow_pickle=False) as archive:
-            arrays = {name: archive[name] for name in archive.files if name in _NAMES}
+            arrays = {name: archive[name] for name in archive.files if name in _NAMES + _OPTIONAL_NAMES}
     except FileNotFoundError:
         raise FeatureFileError(f"{path}: no such feature file") from None
     except (OSError, ValueError, zipfile.BadZipFile) as exc:
@@ -182,6 +190,9 @@ def _validate(path: Path, arrays: dict[str, np.ndarray]) -> FeatureFile:
         raise FeatureFileError(f"{path}: 'active' holds indices outside 0..{len(classes) - 1}")
     if labels.shape[0] and not active_list:
         raise FeatureFileError(f"{path}: 'active' is empty: which classes does this institution label?")
+    patients = arrays.get("patient_ids")
+    if patients is not None and (patients.shape != (n,) or patients.dtype.kind != "U"):
+        raise FeatureFileError(f"{path}: 'patient_ids' must hold one string per feature row ({n})")
     return FeatureFile(
         features=features,
         image_ids=tuple(ids.tolist()),
@@ -191,4 +202,5 @@ def _validate(path: Path, arrays: dict[str, np.ndarray]) -> FeatureFile:
         backbone=text("backbone"),
         weights_id=text("weights_id"),
         preprocessing=text("preprocessing"),
+        patient_ids=tuple(patients.tolist()) if patients is not None else None,
     )

@@ -76,7 +76,7 @@ public proportions of :class:`DpConfig` (``rho_shares``).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -91,61 +91,14 @@ from secure_afl.analytic import (
     client_statistics,
     pseudo_group,
 )
+from secure_afl.privacy.dp_config import DpConfig, DpError, DpUnit
 from secure_afl.privacy.dp_sampler import admissible_variance, noise_words, sample_discrete_gaussian
 from secure_afl.protocol import encoding
 from secure_afl.protocol.randomness import RandomSource
 
-DpUnit = Literal["image", "patient"]
 BlockKind = Literal["gram", "sums", "counts"]
 _TARGET_NOISE_BITS = 24  # a client's noise std, in grid steps, is about 2^24
 _REPRESENTABLE_MARGIN_BITS = 10  # 63 − 53: grid bits at most frac_bits − 10
-
-
-class DpError(ValueError):
-    """A differential-privacy setting or input that cannot be used (with how to fix it)."""
-
-
-@dataclass(frozen=True)
-class DpConfig:
-    """What the user asks for: (ε, δ), the clip bound, the protected unit.
-
-    ``rho_shares``: the public split of the ρ budget between the Gram, the class feature sums and
-    the class counts.  The sums carry the signal the classifier is made of; the Gram only shapes it
-    (its noise is absorbed by the data-independent ridge); counts of thousands tolerate noise of a
-    few units.  Fixed a priori, not tuned on any test split.
-    """
-
-    epsilon: float
-    delta: float = 1e-6
-    clip: float = 32.0
-    unit: DpUnit = "image"
-    max_images_per_patient: int = 4
-    rho_shares: tuple[float, float, float] = (0.3, 0.6, 0.1)  # gram, sums, counts
-    ridge_failure_probability: float = 1e-6
-
-    def validate(self) -> None:
-        if not (self.epsilon > 0 and math.isfinite(self.epsilon)):
-            raise DpError(f"--dp-epsilon must be a positive finite number, got {self.epsilon}")
-        if not 0 < self.delta < 1:
-            raise DpError(f"--dp-delta must lie strictly between 0 and 1, got {self.delta}")
-        if not (self.clip > 0 and math.isfinite(self.clip)):
-            raise DpError(f"--clip must be a positive finite L2 bound on feature rows, got {self.clip}")
-        if self.unit not in ("image", "patient"):
-            raise DpError(f"--dp-unit must be 'image' or 'patient', got {self.unit!r}")
-        if self.max_images_per_patient < 1:
-            raise DpError(
-                f"the cap on images per patient must be at least 1, got {self.max_images_per_patient}"
-            )
-        shares = self.rho_shares
-        if len(shares) != 3 or any(not s > 0 for s in shares) or abs(sum(shares) - 1) > 1e-9:
-            raise DpError(f"rho_shares must be three positive numbers summing to 1, got {shares}")
-        if not 0 < self.ridge_failure_probability < 1:
-            raise DpError("ridge_failure_probability must lie strictly between 0 and 1")
-
-    @property
-    def unit_multiplier(self) -> int:
-        """Images one protected unit may contribute: 1, or the cap per patient."""
-        return 1 if self.unit == "image" else self.max_images_per_patient
 
 
 # ----------------------------------------------------------------------------------------------
@@ -266,6 +219,46 @@ def pseudo_label_round(
             f"pseudo_n_neg/{c}": np.array([float(neg.sum())]),
         }
     return out
+
+
+def rows_of_units(config: DpConfig, n_rows: int, patient_ids: Sequence[object] | None) -> np.ndarray:
+    """Boolean mask of the rows a client may use: all of them for the image unit; for the patient
+    unit each patient's first ``max_images_per_patient`` (the sensitivities assume that cap)."""
+    if config.unit != "patient":
+        return np.ones(n_rows, dtype=bool)
+    if patient_ids is None or len(patient_ids) != n_rows:
+        raise DpError(
+            "the patient unit needs one patient id per feature row (a feature file's patient_ids) to cap "
+            f"each patient at {config.max_images_per_patient} images"
+        )
+    return cap_images_per_patient(np.asarray(patient_ids), config.max_images_per_patient)
+
+
+def round1_upload(
+    stats: PrivateStatistics, active: Sequence[int], plan: NoisePlan, random: RandomSource
+) -> tuple[Contributions, Contributions]:
+    """One client's round-1 DP upload (the simulator's and the deployment's): the noisy
+    contributions, and the clean ones they came from (the key of the client's ledger history)."""
+    clean = stats.round1(active)
+    return privatize(clean, plan, random), clean
+
+
+def pseudo_label_upload(
+    clipped_features: np.ndarray,
+    coef: np.ndarray,
+    active: Sequence[int],
+    plan: NoisePlan,
+    random: RandomSource,
+    config: PseudoLabelConfig | None = None,
+    *,
+    groups: Collection[str] | None = None,
+) -> tuple[Contributions, Contributions]:
+    """One client's round-2 DP upload: :func:`pseudo_label_round` (restricted to ``groups``, the
+    session's pseudo-label groups, when given) rounded and noised, and the clean contributions."""
+    clean = pseudo_label_round(clipped_features, coef, active, config)
+    if groups is not None:
+        clean = {g: t for g, t in clean.items() if g in groups}
+    return privatize(clean, plan, random), clean
 
 
 def block_kind(tensor: str) -> BlockKind:

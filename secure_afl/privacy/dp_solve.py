@@ -147,3 +147,47 @@ def refine_private(
     refined = AnalyticClassifier(n_classes, gamma=model.gamma, balance="global", gram="global")
     refined.refine(round1, pseudo, alpha=config.alpha)
     return refined, PrivateSolve(solve.ridge, solve.gram_noise_std, solve.eigenvalue_floor, tuple(qualified))
+
+
+def pseudo_count_noise_std(plan: NoisePlan, survivors: Mapping[str, int]) -> dict[int, float]:
+    """Per class, the noise std of round 2's summed counts at the actual survivors of ``pseudo/c``."""
+    out = {}
+    for group, count in survivors.items():
+        if group.startswith("pseudo/"):
+            out[int(group.split("/")[1])] = plan.blocks[(group, "counts")].group_std(count)
+    return out
+
+
+def privacy_record(plan: NoisePlan, solve: PrivateSolve, solve2: PrivateSolve | None) -> dict[str, object]:
+    """What every party may know about the DP of a release: the settings, ε spent per institution,
+    the noise per block, the solve (nothing computed from one institution's data alone)."""
+    cfg = plan.config
+    blocks = [
+        {
+            "group": b.group,
+            "block": b.kind,
+            "sensitivity": b.sensitivity,
+            "grid_bits": b.grid_bits,
+            "members": b.members,
+            "fewest_survivors": b.fewest,
+            "noise_std_at_fewest": b.group_std(),
+            "client_noise_std": b.group_std(1),
+            "rho": b.rho,
+            "xi": b.xi,
+        }
+        for b in plan.blocks.values()
+    ]
+    return {
+        "epsilon_target": cfg.epsilon,
+        "delta": cfg.delta,
+        "clip": cfg.clip,
+        "unit": cfg.unit,
+        "max_images_per_patient": cfg.max_images_per_patient if cfg.unit == "patient" else None,
+        "rho_shares": list(cfg.rho_shares),
+        "epsilon_spent": plan.epsilons(),
+        "blocks": blocks,
+        "ridge": solve.ridge,
+        "gram_noise_std": solve.gram_noise_std,
+        "eigenvalue_floor": solve.eigenvalue_floor,
+        "round2_qualified_classes": list(solve2.qualified) if solve2 is not None else None,
+    }

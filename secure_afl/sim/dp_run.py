@@ -17,7 +17,6 @@ from pathlib import Path
 
 import numpy as np
 
-from secure_afl.analytic import pseudo_group
 from secure_afl.privacy.dp import (
     DpConfig,
     FederationLayout,
@@ -27,10 +26,17 @@ from secure_afl.privacy.dp import (
     clip_rows,
     plan_noise,
     private_statistics,
-    privatize,
     pseudo_label_round,
+    pseudo_label_upload,
+    round1_upload,
 )
-from secure_afl.privacy.dp_solve import PrivateSolve, fit_private, refine_private
+from secure_afl.privacy.dp_solve import (
+    PrivateSolve,
+    fit_private,
+    privacy_record,
+    pseudo_count_noise_std,
+    refine_private,
+)
 from secure_afl.protocol.randomness import OsRandomSource, RandomSource
 from secure_afl.sim.audit import audit_groups
 from secure_afl.sim.datasets import PreparedData, Progress
@@ -101,7 +107,7 @@ def run_private_setting(
             stats = client_private_statistics(data, config)
     with timer.phase("dp noise"):
         round1 = {
-            name: privatize(stats[name].round1(assignment.active[k]), plan, random)
+            name: round1_upload(stats[name], assignment.active[k], plan, random)[0]
             for k, name in enumerate(clients)
         }
     with timer.phase("aggregation"):
@@ -119,21 +125,23 @@ def run_private_setting(
     if config.rounds == 2:
         live = [c for c in clients if c not in dropped]
         with timer.phase("statistics"):
-            pseudo = {}
-            for name in live:
-                k = clients.index(name)
-                clipped, _ = clip_rows(data.features[rows[k]], dp.clip)
-                pseudo[name] = pseudo_label_round(clipped, model.coef_, assignment.active[k], config.pseudo)
+            clipped = {name: clip_rows(data.features[rows[clients.index(name)]], dp.clip)[0] for name in live}
         with timer.phase("dp noise"):
-            round2 = {name: privatize(groups, plan, random) for name, groups in pseudo.items()}
+            round2 = {
+                name: pseudo_label_upload(
+                    clipped[name],
+                    model.coef_,
+                    assignment.active[clients.index(name)],
+                    plan,
+                    random,
+                    config.pseudo,
+                )[0]
+                for name in live
+            }
         with timer.phase("aggregation"):
             agg2 = runner.aggregate(round2, config, dropouts={})
         with timer.phase("solve"):
-            count_std = {
-                c: plan.blocks[(pseudo_group(c), "counts")].group_std(len(agg2.survivors[pseudo_group(c)]))
-                for c in range(n_classes)
-                if pseudo_group(c) in agg2.survivors
-            }
+            count_std = pseudo_count_noise_std(plan, {g: len(ids) for g, ids in agg2.survivors.items()})
             models[AFL_DP_2], solve2 = refine_private(
                 model,
                 converted,
@@ -192,39 +200,15 @@ def privacy_summary(
     solve: PrivateSolve,
     solve2: PrivateSolve | None,
 ) -> dict[str, object]:
-    """What the report says about DP: ε per institution, noise per block, clipping, the solve."""
-    cfg = plan.config
-    blocks = [
-        {
-            "group": b.group,
-            "block": b.kind,
-            "sensitivity": b.sensitivity,
-            "grid_bits": b.grid_bits,
-            "members": b.members,
-            "fewest_survivors": b.fewest,
-            "noise_std_at_fewest": b.group_std(),
-            "client_noise_std": b.group_std(1),
-            "rho": b.rho,
-            "xi": b.xi,
-        }
-        for b in plan.blocks.values()
+    """What the report says about DP: the release's record, plus the rows each client clipped."""
+    summary = privacy_record(plan, solve, solve2)
+    position = list(summary).index("blocks")
+    items = list(summary.items())
+    clipping = [
+        ("rows_clipped", {k: s.n_clipped for k, s in stats.items()}),  # type: ignore[attr-defined]
+        ("rows_used", {k: s.n_rows for k, s in stats.items()}),  # type: ignore[attr-defined]
     ]
-    return {
-        "epsilon_target": cfg.epsilon,
-        "delta": cfg.delta,
-        "clip": cfg.clip,
-        "unit": cfg.unit,
-        "max_images_per_patient": cfg.max_images_per_patient if cfg.unit == "patient" else None,
-        "rho_shares": list(cfg.rho_shares),
-        "epsilon_spent": plan.epsilons(),
-        "rows_clipped": {k: s.n_clipped for k, s in stats.items()},  # type: ignore[attr-defined]
-        "rows_used": {k: s.n_rows for k, s in stats.items()},  # type: ignore[attr-defined]
-        "blocks": blocks,
-        "ridge": solve.ridge,
-        "gram_noise_std": solve.gram_noise_std,
-        "eigenvalue_floor": solve.eigenvalue_floor,
-        "round2_qualified_classes": list(solve2.qualified) if solve2 is not None else None,
-    }
+    return dict(items[:position] + clipping + items[position:])
 
 
 def privacy_lines(privacy: Mapping[str, object]) -> list[str]:

@@ -1,0 +1,399 @@
+"""Differential privacy in the deployment: the server and clients of secure_afl.deploy in one process.
+
+The Flower processes are not started here (see the module docstring of test_deploy_local.py for
+those); the apps' own code paths (run config, envelopes in Flower records) are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from secure_afl.deploy.apps import study_from_run_config
+from secure_afl.deploy.backend import BACKENDS, MaskingBackend
+from secure_afl.deploy.classifier import Classifier
+from secure_afl.deploy.client import NodeSettings
+from secure_afl.deploy.errors import ConfigurationError, FederationAbortedError
+from secure_afl.deploy.server import FederationServer
+from secure_afl.deploy.study import (
+    Method,
+    Study,
+    StudyDp,
+    format_class_lists,
+    noise_plan,
+    parse_class_lists,
+    round1_layout,
+    round2_layout,
+)
+from secure_afl.deploy.wire import Envelope
+from secure_afl.features.file import save_feature_file
+
+from .helpers import InProcessTransport, make_federation
+
+EPSILON = 1.0
+CLIP = 8.0  # toy features: gamma(2, 1) rows of 40 values have norms near 14, so most rows are clipped
+# Round 2 needs two live clients that miss one class: pseudo/0 holds client-0 and client-1.
+ACTIVE = {
+    "client-0": (1, 2),
+    "client-1": (1, 2),
+    "client-2": (0, 1, 2),
+    "client-3": (0, 1, 2),
+    "client-4": (0, 2),
+}
+
+
+def _private_federation(tmp_path: Path, *, rounds: int = 1, active=None, n_clients: int = 5, **dp):
+    method = Method(balance="global", rounds=rounds, min_pos=1, min_neg=1, tau=0.5)
+    federation = make_federation(tmp_path, n_clients=n_clients, active=active, method=method)
+    lists = {cid: tuple(data[2]) for cid, data in federation.data.items()}
+    settings = {"epsilon": EPSILON, "clip": CLIP, **dp}
+    federation.study = dataclasses.replace(federation.study, dp=StudyDp(class_lists=lists, **settings))
+    return federation
+
+
+class Capturing(InProcessTransport):
+    """Keeps each node's protocol inputs (its noisy upload) as saved after a session's first round."""
+
+    def __init__(self, federation) -> None:
+        super().__init__(federation)
+        self.uploads: dict[str, dict[str, dict[str, np.ndarray]]] = {}
+
+    def exchange(self, outgoing, group, timeout):
+        replies = super().exchange(outgoing, group, timeout)
+        if group.endswith("-R0"):
+            label = group[1:].split("-")[0]
+            for node in self.federation.nodes.values():
+                saved = node.state.records.get(label)
+                if saved and "inputs" in saved:
+                    self.uploads.setdefault(label, {})[node.client_id] = saved["inputs"]
+        return replies
+
+
+def _run(federation, transport=None, **kwargs):
+    transport = transport or InProcessTransport(federation)
+    server = FederationServer(
+        transport, federation.roster, federation.study, round_timeout=1, log=lambda s: None, **kwargs
+    )
+    classifier = server.run()
+    server.deliver(classifier)
+    return server, classifier, transport
+
+
+def _contributions(flat: dict[str, np.ndarray], layout) -> dict[str, dict[str, np.ndarray]]:
+    out: dict[str, dict[str, np.ndarray]] = {}
+    for key, values in flat.items():
+        group, tensor = key.split("|", 1)
+        out.setdefault(group, {})[tensor] = layout.unflatten(tensor, np.asarray(values))
+    return out
+
+
+@pytest.mark.parametrize("rounds", [1, 2])
+def test_a_private_deployment_solves_the_noisy_uploads_as_the_simulator_does(
+    tmp_path: Path, rounds: int
+) -> None:
+    from secure_afl.privacy.dp import private_statistics
+    from secure_afl.privacy.dp_solve import fit_private, pseudo_count_noise_std, refine_private
+    from secure_afl.sim.secure import secure_aggregate
+
+    federation = _private_federation(tmp_path, rounds=rounds, active=ACTIVE)
+    federation.nodes[1002].dead_from = "s1-R1"  # client-2 draws its noise, advertises, then is killed
+    transport = Capturing(federation)
+    server, classifier, _ = _run(federation, transport)
+    study = federation.study
+    plan = noise_plan(study, len(federation.roster))
+    assert server.report.sessions[0].survivors == ("client-0", "client-1", "client-3", "client-4")
+
+    # The reference: the simulator's secure aggregation of the same noisy uploads, the same DP solve.
+    layout1 = round1_layout(study)
+    uploads1 = {cid: _contributions(flat, layout1) for cid, flat in transport.uploads["1"].items()}
+    assert sorted(uploads1) == sorted(ACTIVE)
+    round1 = secure_aggregate(
+        uploads1, threshold=study.threshold_for(5), min_group_size=study.min_group_size,
+        dropouts={"R1": ["client-2"]}, frac_bits=study.frac_bits,
+    )  # fmt: skip
+    model, solve, converted = fit_private(
+        round1.sums, plan, n_classes=3, gamma=study.method.gamma, gram_survivors=len(round1.survivors["all"])
+    )
+    if rounds == 2:
+        assert [g["name"] for g in server.report.sessions[1].groups] == ["pseudo/0"]
+        layout2 = round2_layout(study, [0])
+        participants = server.report.sessions[1].participants
+        assert participants == ("client-0", "client-1", "client-3", "client-4")
+        captured = transport.uploads["2"]
+        uploads2 = {cid: _contributions(captured.get(cid, {}), layout2) for cid in participants}
+        # the live clients that miss class 0 (the others take part with no group)
+        assert sorted(cid for cid, groups in uploads2.items() if groups) == ["client-0", "client-1"]
+        round2 = secure_aggregate(uploads2, threshold=study.threshold_for(5), min_group_size=2)
+        count_std = pseudo_count_noise_std(plan, {g: len(ids) for g, ids in round2.survivors.items()})
+        model, _ = refine_private(
+            model,
+            converted,
+            round2.sums,
+            solve,
+            n_classes=3,
+            config=_pseudo(study),
+            count_noise_std=count_std,
+        )
+    assert classifier.weights.tobytes() == np.asarray(model.coef_, dtype=np.float64).tobytes()
+
+    # Each upload is the client's clipped statistics plus its own share of the noise, no more, no less.
+    features, labels, active = federation.data["client-0"]
+    clean = private_statistics(features, labels, CLIP, device="cpu").round1(active)
+    for group, kind, tensor in (("all", "gram", "gram"), ("class/1", "sums", "pos_sum/1")):
+        block = plan.blocks[(group, kind)]
+        noise = uploads1["client-0"][group][tensor] - clean[group][tensor]
+        values = noise[np.triu_indices(noise.shape[0])] if tensor == "gram" else noise
+        assert np.std(values) == pytest.approx(block.group_std(1), rel=0.15)
+    # The classifier's record: ε per institution within the target, and calibrated to it.
+    privacy = classifier.privacy
+    assert privacy is not None and privacy["epsilon_target"] == EPSILON and privacy["clip"] == CLIP
+    spent = privacy["epsilon_spent"]
+    assert sorted(spent) == sorted(ACTIVE)
+    assert all(0 < eps <= EPSILON for eps in spent.values())
+    assert max(spent.values()) >= 0.97 * EPSILON
+    assert privacy["gram_noise_std"] == pytest.approx(plan.blocks[("all", "gram")].group_std(4))
+
+
+def _pseudo(study: Study):
+    from secure_afl.analytic import PseudoLabelConfig
+
+    m = study.method
+    return PseudoLabelConfig(tau=m.tau, alpha=m.alpha, min_pos=m.min_pos, min_neg=m.min_neg)
+
+
+def test_every_group_sum_keeps_the_target_variance_at_the_survivors_the_session_allows(
+    tmp_path: Path,
+) -> None:
+    federation = _private_federation(tmp_path, active=ACTIVE)
+    federation.nodes[1004].dead_from = "s1-R2"  # client-4 advertises and shares keys, then is killed
+    server, classifier, _ = _run(federation)
+    plan = noise_plan(federation.study, 5)
+    # n = 5, t = 4, minimum group 2: the Gram group of 5 may lose one member (u = 4); class/0 (3
+    # labellers) may lose one (u = 2); class/1 (4 labellers) u = 3.
+    assert {g: b.fewest for (g, k), b in plan.blocks.items() if k != "counts"} == {
+        "all": 4, "class/0": 2, "class/1": 3, "class/2": 4,
+    }  # fmt: skip
+    for block in plan.blocks.values():
+        assert block.fewest * block.client_variance >= block.target_variance_steps
+    for group in server.report.sessions[0].groups:
+        for kind in ("gram",) if group["name"] == "all" else ("sums", "counts"):
+            block = plan.blocks[(group["name"], kind)]
+            assert len(group["survivors"]) >= block.fewest  # the session never goes below the plan
+            assert len(group["survivors"]) * block.client_variance >= block.target_variance_steps
+    blocks = {(b["group"], b["block"]): b for b in classifier.privacy["blocks"]}
+    assert blocks[("class/0", "sums")]["fewest_survivors"] == 2
+
+
+def test_the_classifier_file_records_dp_and_predict_prints_it(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from secure_afl.cli import main
+
+    federation = _private_federation(tmp_path / "f", n_clients=4)
+    server, classifier, _ = _run(federation)
+    path = tmp_path / "classifier.json"
+    classifier.save(path)
+    document = json.loads(path.read_text())
+    assert document["differential_privacy"]["delta"] == 1e-6
+    assert Classifier.load(path).privacy == classifier.privacy
+    for cid in server.report.acknowledged:  # every institution stored the same record
+        (stored,) = (tmp_path / "f" / f"out-{cid}").glob("classifier-*.json")
+        assert Classifier.load(stored).privacy == classifier.privacy
+    features = tmp_path / "new.npz"
+    save_feature_file(
+        features, np.ones((3, 40)), classes=("A", "B", "C"), backbone="toy", weights_id="sha256:00",
+        preprocessing="none",
+    )  # fmt: skip
+    result = CliRunner().invoke(
+        main, ["predict", "--model", str(path), "--features", str(features), "--out", str(tmp_path / "p.csv")]
+    )
+    assert result.exit_code == 0, result.output
+    assert "differentially private: ε = 1, δ = 1e-06 for one image" in result.output
+    assert "ε spent per institution: client-0" in result.output
+
+
+def test_without_dp_the_study_and_classifier_documents_are_todays(tmp_path: Path) -> None:
+    federation = make_federation(tmp_path)
+    assert set(json.loads(federation.study.to_json())) == {
+        "backbone", "classes", "dim", "frac_bits", "method", "min_group_size", "threshold",
+    }  # fmt: skip
+    server, classifier, _ = _run(federation)
+    assert classifier.privacy is None and "differential_privacy" not in classifier.to_json()
+    assert all("study-nonce" not in envelope.meta for _, _, envelope in server.transport.sent)
+    # DP on: the study document changes, so its digest does (the session ids commit to it).
+    private = dataclasses.replace(
+        federation.study,
+        method=Method(balance="global"),
+        dp=StudyDp(epsilon=1.0, class_lists={cid: tuple(d[2]) for cid, d in federation.data.items()}),
+    )
+    assert Study.from_json(private.to_json()) == private
+    assert (
+        private.digest()
+        != dataclasses.replace(private, dp=dataclasses.replace(private.dp, epsilon=2.0)).digest()
+    )
+
+
+def _node_setting(federation, node_id: int, **changes) -> None:
+    node = federation.nodes[node_id]
+    node.settings = dataclasses.replace(node.settings, **changes)
+
+
+@pytest.mark.parametrize(
+    ("node_dp", "study_dp", "message"),
+    [
+        ({"dp_epsilon": 0.5}, {}, "the study's DP ε = 1 exceeds this institution's dp-epsilon 0.5"),
+        ({"dp_epsilon": 2.0, "dp_delta": 1e-8}, {}, "the study's DP δ = 1e-06 exceeds this institution's"),
+        ({"dp_epsilon": 2.0, "dp_unit": "patient"}, {}, "this institution's dp-unit asks for one patient"),
+        ({"dp_epsilon": 1.0}, None, "takes part only under differential privacy"),
+    ],
+)
+def test_a_client_whose_own_dp_settings_the_study_does_not_meet_refuses_it(
+    tmp_path: Path, node_dp, study_dp, message
+) -> None:
+    federation = (
+        _private_federation(tmp_path, n_clients=4) if study_dp is not None else make_federation(tmp_path)
+    )
+    _node_setting(federation, 1001, **node_dp)
+    server, classifier, transport = _run(federation)
+    assert [(r["from"], r["error"]) for r in server.report.refusals] == [("node 1001", "StudyMismatchError")]
+    assert message in server.report.refusals[0]["message"]
+    assert [r.kind for n, _, r in transport.received if n == 1001] == ["refused"]  # nothing else left it
+    assert classifier.sessions[0]["participants"] == ["client-0", "client-2", "client-3"]
+
+
+def test_a_study_that_lists_other_classes_for_a_client_is_refused_by_that_client(tmp_path: Path) -> None:
+    federation = _private_federation(tmp_path, n_clients=4)
+    lists = dict(federation.study.dp.class_lists)
+    lists["client-1"] = (0, 1, 2)  # client-1's feature file labels (0, 2)
+    federation.study = dataclasses.replace(
+        federation.study, dp=dataclasses.replace(federation.study.dp, class_lists=lists)
+    )
+    server, _, _ = _run(federation)
+    assert [(r["from"], r["error"]) for r in server.report.refusals] == [("node 1001", "StudyMismatchError")]
+    assert (
+        "the study lists classes [0, 1, 2] for client-1, this feature file labels [0, 2]"
+        in (server.report.refusals[0]["message"])
+    )
+
+
+def test_a_client_refuses_a_patient_study_without_patient_ids(tmp_path: Path) -> None:
+    federation = _private_federation(tmp_path, n_clients=4, unit="patient", max_images_per_patient=2)
+    server = FederationServer(
+        InProcessTransport(federation),
+        federation.roster,
+        federation.study,
+        round_timeout=1,
+        log=lambda s: None,
+    )
+    with pytest.raises(FederationAbortedError, match="aborted after R0"):
+        server.run()
+    assert [r["error"] for r in server.report.refusals] == ["StudyMismatchError"] * 4
+    assert "has no patient_ids" in server.report.refusals[0]["message"]
+
+
+def test_a_client_sent_another_study_than_its_peers_refuses_the_session(tmp_path: Path) -> None:
+    """The session id commits to the study: a server cannot give one client a weaker plan."""
+    federation = _private_federation(tmp_path, n_clients=4)
+    looser = dataclasses.replace(federation.study, dp=dataclasses.replace(federation.study.dp, epsilon=8.0))
+
+    def tamper(node_id: int, group: str, envelope: Envelope) -> Envelope:
+        if node_id == 1001 and envelope.kind == "advertise":
+            return Envelope(envelope.kind, {**envelope.meta, "study": looser.to_json()}, envelope.payload)
+        return envelope
+
+    server, _, _ = _run(federation, InProcessTransport(federation, tamper=tamper))
+    assert [(r["from"], r["error"]) for r in server.report.refusals] == [("node 1001", "StudyMismatchError")]
+    assert "does not commit to the study" in server.report.refusals[0]["message"]
+
+
+def test_a_session_id_that_does_not_commit_to_the_study_is_refused_by_every_client(tmp_path: Path) -> None:
+    federation = _private_federation(tmp_path, n_clients=4)
+
+    def tamper(node_id: int, group: str, envelope: Envelope) -> Envelope:
+        if envelope.kind == "advertise":
+            return Envelope(envelope.kind, {**envelope.meta, "study-nonce": "00" * 32}, envelope.payload)
+        return envelope
+
+    with pytest.raises(FederationAbortedError, match="aborted after R0"):
+        _run(federation, InProcessTransport(federation, tamper=tamper))
+
+
+class _CkksNamed(MaskingBackend):
+    name = "ckks"
+
+
+def test_dp_with_ckks_is_refused_by_the_server_and_by_the_clients(tmp_path: Path, monkeypatch) -> None:
+    federation = _private_federation(tmp_path, n_clients=4)
+    with pytest.raises(ConfigurationError, match="only with the masking protocol"):
+        FederationServer(
+            InProcessTransport(federation), federation.roster, federation.study, backend=_CkksNamed()
+        )
+    # A server that says "ckks" to the clients anyway is refused by each of them.
+    monkeypatch.setitem(BACKENDS, "ckks", _CkksNamed())
+
+    def tamper(node_id: int, group: str, envelope: Envelope) -> Envelope:
+        return Envelope(
+            envelope.kind, {**envelope.meta, "backend": "ckks"}, envelope.payload, envelope.arrays
+        )
+
+    transport = InProcessTransport(federation, tamper=tamper)
+    server = FederationServer(
+        transport, federation.roster, federation.study, round_timeout=1, log=lambda s: None
+    )
+    with pytest.raises(FederationAbortedError, match="aborted after R0"):
+        server.run()
+    assert {(r["error"]) for r in server.report.refusals} == {"StudyMismatchError"}
+    assert len(server.report.refusals) == 4
+    assert all("only with the masking protocol" in r["message"] for r in server.report.refusals)
+
+
+def test_bad_dp_studies_are_refused_with_what_to_fix(tmp_path: Path) -> None:
+    base = make_federation(tmp_path).study
+    lists = {"a": (0,), "b": (1, 2)}
+    with pytest.raises(ConfigurationError, match="balance='global' and gram='global'"):
+        dataclasses.replace(base, dp=StudyDp(epsilon=1.0, class_lists=lists))
+    glob = dataclasses.replace(base, method=Method(balance="global"))
+    with pytest.raises(ConfigurationError, match="--dp-epsilon must be a positive"):
+        dataclasses.replace(glob, dp=StudyDp(epsilon=0.0, class_lists=lists))
+    with pytest.raises(ConfigurationError, match=r"no institution labels \['C'\]"):
+        dataclasses.replace(glob, dp=StudyDp(epsilon=1.0, class_lists={"a": (0,), "b": (1,)}))
+    with pytest.raises(ConfigurationError, match="class list of 'b'"):
+        dataclasses.replace(glob, dp=StudyDp(epsilon=1.0, class_lists={"a": (0, 1, 2), "b": (3,)}))
+    study = dataclasses.replace(glob, dp=StudyDp(epsilon=1.0, class_lists=lists))
+    with pytest.raises(ConfigurationError, match="name 2 institutions, the roster 3"):
+        noise_plan(study, 3)
+    federation = make_federation(tmp_path / "f", n_clients=3)
+    with pytest.raises(ConfigurationError, match="class lists name"):
+        FederationServer(InProcessTransport(federation), federation.roster, study)
+
+
+def test_the_run_config_and_node_config_carry_the_dp_settings() -> None:
+    config = {
+        "classes": "A,B,C", "dim": 8, "backbone": "toy", "weights-id": "sha256:00", "preprocessing": "none",
+        "dp-epsilon": 2.0, "dp-delta": 1e-7, "clip": 4.0, "dp-unit": "patient",
+        "dp-max-images-per-patient": 3, "class-lists": "h-a=0,1; h-b=2,1",
+    }  # fmt: skip
+    study = study_from_run_config(config)
+    assert study.method.balance == "global"  # DP's default
+    assert study.dp == StudyDp(
+        epsilon=2.0, delta=1e-7, clip=4.0, unit="patient", max_images_per_patient=3,
+        class_lists={"h-a": (0, 1), "h-b": (1, 2)},
+    )  # fmt: skip
+    assert parse_class_lists(format_class_lists(study.dp.class_lists)) == study.dp.class_lists
+    with pytest.raises(ConfigurationError, match="needs class-lists"):
+        study_from_run_config({k: v for k, v in config.items() if k != "class-lists"})
+    with pytest.raises(ConfigurationError, match="expected INSTITUTION=i,j"):
+        study_from_run_config({**config, "class-lists": "h-a=0;h-a=1"})
+    plain = study_from_run_config(
+        {k: config[k] for k in ("classes", "dim", "backbone", "weights-id", "preprocessing")}
+    )
+    assert plain.dp is None and plain.method.balance == "client"
+    node = {k: "/x" for k in NodeSettings.KEYS}
+    settings = NodeSettings.from_node_config({**node, "dp-epsilon": "1", "dp-unit": "patient"})
+    assert (settings.dp_epsilon, settings.dp_delta, settings.dp_unit) == (1.0, None, "patient")
+    with pytest.raises(ConfigurationError, match="without dp-epsilon"):
+        NodeSettings.from_node_config({**node, "dp-delta": "1e-6"})
