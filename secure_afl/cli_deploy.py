@@ -204,7 +204,7 @@ def deploy_local(
 ) -> None:
     """A federation of N SuperNodes on this machine, compared with the in-process simulation.
 
-    With --dp-epsilon the institutions noise their statistics before masking (SECURITY.md §10): the
+    With --dp-epsilon the institutions noise their statistics before masking (SECURITY.md §9): the
     classifier then differs from any rerun, so it is compared with the simulation's non-private one
     (the price of privacy) instead of bit for bit.
     """
@@ -230,7 +230,7 @@ def deploy_local(
     if dp_epsilon is not None and (balance == "client" or gram == "class"):
         raise click.UsageError(
             "--dp-epsilon needs --balance global and --gram global (plain sums and counts with clean "
-            "sensitivities, SECURITY.md §10)"
+            "sensitivities, SECURITY.md §9)"
         )
     balance = balance or ("global" if dp_epsilon is not None else "client")
     try:

@@ -11,7 +11,7 @@ F = TypeVar("F", bound=Callable[..., object])
 
 
 def dp_options(command: F) -> F:
-    """``--dp-epsilon --dp-delta --clip --dp-unit --dp-max-images-per-patient`` (SECURITY.md §10)."""
+    """``--dp-epsilon --dp-delta --clip --dp-unit --dp-max-images-per-patient`` (SECURITY.md §9)."""
     for option in reversed(_DP_OPTIONS):
         command = option(command)
     return command

@@ -13,7 +13,7 @@ Run config (``[tool.flwr.app.config]``, all read by the ServerApp on the server'
 ``gram``, ``rounds``, ``threshold`` (0: ⌊2n/3⌋+1), ``min-group-size``, ``frac-bits``,
 ``round-timeout``, ``statistics-timeout`` (a session's first round, where clients compute) and
 ``connect-timeout`` (seconds), ``min-nodes`` (0: the roster's size).  Differential privacy
-(SECURITY.md §10): ``dp-epsilon`` (its presence turns DP on), ``dp-delta`` (1e-6), ``clip`` (32),
+(SECURITY.md §9): ``dp-epsilon`` (its presence turns DP on), ``dp-delta`` (1e-6), ``clip`` (32),
 ``dp-unit`` (``image`` or ``patient``), ``dp-max-images-per-patient`` (4) and ``class-lists``, every
 roster institution's labelled classes as ``"hospital-a=0,1,2;hospital-b=1,3"`` (class indices).
 

@@ -250,7 +250,7 @@ def _check_dp_session(
 
     The noise each client adds is sized from the study (class lists, threshold, minimum group size,
     grid): the session must commit to that study (its id, which every advertisement signs), run
-    the masking protocol (DP with CKKS is refused, SECURITY.md §10) at the study's threshold,
+    the masking protocol (DP with CKKS is refused, SECURITY.md §9) at the study's threshold,
     minimum group size and fractional bits, and the study must list this client's own classes.
     """
     from .study import study_session_id
@@ -261,7 +261,7 @@ def _check_dp_session(
         raise StudyMismatchError(
             "differential privacy runs only with the masking protocol (secure 'mask'), not "
             f"{backend.name!r}: TenSEAL's CKKS has no threshold decryption, so one client's noise could "
-            "be read alone (SECURITY.md §10)"
+            "be read alone (SECURITY.md §9)"
         )
     try:
         expected = study_session_id(study, bytes.fromhex(nonce))

@@ -66,7 +66,7 @@ class Method:
 
 @dataclass(frozen=True)
 class StudyDp:
-    """Differential privacy for the released classifier (SECURITY.md §10), as the study states it.
+    """Differential privacy for the released classifier (SECURITY.md §9), as the study states it.
 
     ``class_lists``: every roster institution's labelled classes (indices).  They are public
     before any data moves because a client sizes its noise from the membership of every group it
@@ -170,7 +170,7 @@ class Study:
         if self.method.balance != "global" or self.method.gram != "global":
             raise ConfigurationError(
                 "differential privacy needs balance='global' and gram='global' (plain sums and counts with "
-                f"clean sensitivities, SECURITY.md §10); the study has balance={self.method.balance!r}, "
+                f"clean sensitivities, SECURITY.md §9); the study has balance={self.method.balance!r}, "
                 f"gram={self.method.gram!r}"
             )
         dp.config()
