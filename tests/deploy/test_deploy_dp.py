@@ -295,6 +295,26 @@ def test_a_client_refuses_a_patient_study_without_patient_ids(tmp_path: Path) ->
     assert "has no patient_ids" in server.report.refusals[0]["message"]
 
 
+def test_the_patient_unit_caps_each_patients_images_at_each_institution(tmp_path: Path, capsys) -> None:
+    federation = _private_federation(tmp_path, n_clients=4, unit="patient", max_images_per_patient=2)
+    for cid, (features, labels, active) in federation.data.items():
+        node = next(n for n in federation.nodes.values() if n.client_id == cid)
+        save_feature_file(
+            node.settings.features, features, labels=labels, active=active, classes=("A", "B", "C"),
+            backbone="toy", weights_id="sha256:00", preprocessing="none",
+            patient_ids=[f"{cid}-patient-{i // 3}" for i in range(len(features))],  # 3 images each
+        )  # fmt: skip
+    _, classifier, _ = _run(federation)
+    logged = capsys.readouterr().err
+    assert logged.count("rows clipped to norm 8") == 4
+    assert "of 40 rows clipped" in logged and "of 60 rows" not in logged  # 20 patients × 2 images
+    privacy = classifier.privacy
+    assert (privacy["unit"], privacy["max_images_per_patient"]) == ("patient", 2)
+    sums = next(b for b in privacy["blocks"] if b["block"] == "sums")
+    assert sums["sensitivity"] == 2 * CLIP  # a patient moves a sum by up to cap × clip
+    assert all(eps <= EPSILON for eps in privacy["epsilon_spent"].values())
+
+
 def test_a_client_sent_another_study_than_its_peers_refuses_the_session(tmp_path: Path) -> None:
     """The session id commits to the study: a server cannot give one client a weaker plan."""
     federation = _private_federation(tmp_path, n_clients=4)
