@@ -417,3 +417,19 @@ def test_the_run_config_and_node_config_carry_the_dp_settings() -> None:
     assert (settings.dp_epsilon, settings.dp_delta, settings.dp_unit) == (1.0, None, "patient")
     with pytest.raises(ConfigurationError, match="without dp-epsilon"):
         NodeSettings.from_node_config({**node, "dp-delta": "1e-6"})
+
+
+def test_deploy_local_refuses_bad_dp_options_before_starting_anything(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from secure_afl.cli import main
+
+    runner = CliRunner()
+    out = ["--out", str(tmp_path / "out")]
+    result = runner.invoke(main, ["deploy", "local", "--dp-epsilon", "1", "--balance", "client", *out])
+    assert result.exit_code == 2 and "--dp-epsilon needs --balance global and --gram global" in result.output
+    result = runner.invoke(main, ["deploy", "local", "--dp-epsilon", "-1", *out])
+    assert result.exit_code == 2 and "--dp-epsilon must be a positive finite number" in result.output
+    result = runner.invoke(main, ["deploy", "local", "--dp-epsilon", "1", "--dp-delta", "2", *out])
+    assert result.exit_code == 2 and "--dp-delta must lie strictly between 0 and 1" in result.output
+    assert not (tmp_path / "out").exists()
