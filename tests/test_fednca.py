@@ -205,6 +205,9 @@ def test_sim_baselines_fednca_ml_adds_its_row(tmp_path) -> None:
     result = CliRunner().invoke(main, args, catch_exceptions=False)
     assert result.exit_code == 0, result.output
     assert "FedNCA-ML" in result.output
+    report = (tmp_path / "report.md").read_text()
+    assert "| Related | FedNCA-ML |" in report  # not typed as an analytic method
+    assert "FedNCA-ML | - | IN THE CLEAR: every client's attention head" in report
     metrics = json.loads((tmp_path / "results.json").read_text())["settings"][0]["metrics"]["FedNCA-ML"]
     assert 0 <= metrics["macro"]["auc"] <= 1 and 0 <= metrics["macro"]["bacc"] <= 1
     bad = CliRunner().invoke(main, ["sim", "--baselines", "fednca", "--out", str(tmp_path)])

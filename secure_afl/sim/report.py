@@ -13,7 +13,7 @@ from secure_afl.privacy.policy import active_threshold, majority_threshold, thre
 from secure_afl.sim.audit import trust_models
 from secure_afl.sim.baselines import FAMILY
 from secure_afl.sim.data import CLASSES
-from secure_afl.sim.runner import AFL_1, FEDAVG, ExperimentResult, SettingResult, SimConfig
+from secure_afl.sim.runner import AFL_1, FEDAVG, FEDNCA, ExperimentResult, SettingResult, SimConfig
 
 FIGURE = "figure.png"
 
@@ -22,6 +22,8 @@ def method_type(method: str) -> str:
     """Table II's "Type" column."""
     if method == FEDAVG:
         return "Base"
+    if method == FEDNCA:
+        return "Related"  # the seeds' related method, not one of Table II's
     return FAMILY.get(method, "Analytic")
 
 
@@ -332,6 +334,12 @@ def gradient_method_exposure(method: str) -> str:
         "IN THE CLEAR: every client's head (C×(d+1) weights) after every one of its rounds; "
         "this simulator does not run gradient methods through secure aggregation"
     )
+    if method == FEDNCA:
+        exposure = (
+            "IN THE CLEAR: every client's attention head (about 4d² weights, logit scale, class biases) "
+            "after every one of its rounds; this simulator does not run gradient methods through "
+            "secure aggregation"
+        )
     if method == "FedIRM":
         exposure += "; also each client's C×C class relation matrix from round 19"
     return exposure
@@ -576,7 +584,14 @@ def write_figure(result: ExperimentResult, path: Path) -> Path:
 
     levels = [s.missing for s in result.settings]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), constrained_layout=True)
-    styles = {"Analytic": "-", "Base": "--", "FSSL": ":", "FNLL": "-.", "FMLL": (0, (5, 1, 1, 1))}
+    styles = {
+        "Analytic": "-",
+        "Base": "--",
+        "FSSL": ":",
+        "FNLL": "-.",
+        "FMLL": (0, (5, 1, 1, 1)),
+        "Related": (0, (1, 3)),
+    }
     colours = plt.get_cmap("tab20").colors  # 13 methods: more than the default cycle's 10 colours
     for i, method in enumerate(_methods(result)):
         for axis, metric in zip(axes, ("bacc", "auc"), strict=True):
