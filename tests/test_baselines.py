@@ -142,58 +142,68 @@ def test_sim_with_all_baselines_under_secure_aggregation(tmp_path) -> None:
     assert bad.exit_code == 2 and "unknown baseline 'FedProx'" in bad.output
 
 
-WORKER_SCRIPT = """
-import numpy as np
-from secure_afl.sim.baselines import BaselineConfig
-from secure_afl.sim.fedavg import FedAvgConfig
-from secure_afl.sim.gradient import GradientMethods
+def _gradient_inputs():
+    rng = np.random.default_rng(5)
+    signal = rng.normal(size=(4, 24))
+    clients = [_toy(rng, 96, signal=signal) for _ in range(4)]
+    active = {1: [[0, 1, 2], [1, 2, 3], [2, 3, 0], [3, 0, 1]], 3: [[0], [1], [2], [3]]}
+    return [x for x, _ in clients], [y for _, y in clients], active
 
-rng = np.random.default_rng(5)
-signal = rng.normal(size=(4, 24))
-clients = []
-for _ in range(4):
-    y = (rng.random((96, 4)) < 0.25).astype(int)
-    clients.append(((rng.normal(size=(96, 24)) + y @ signal).astype(np.float32), y))
-active = {1: [[0, 1, 2], [1, 2, 3], [2, 3, 0], [3, 0, 1]], 3: [[0], [1], [2], [3]]}
-options = {
-    "fedavg": FedAvgConfig(rounds=2, batch_size=32),
-    "baselines": ("FedIRM", "FedNoRo", "FedMLP"),
-    "baseline": BaselineConfig(rounds=2, batch_size=32),
-}
-args = ([x for x, _ in clients], [y for _, y in clients], active)
-with GradientMethods(*args, **options, workers=2) as forked:
-    assert forked.pool is not None
-    results = {m: forked.collect(m) for m in (3, 1)}  # collected in any order
-with GradientMethods(*args, **options, workers=0) as inline:
-    assert inline.pool is None
+
+def test_gradient_jobs_give_the_same_heads_on_a_thread_in_workers_and_inline() -> None:
+    from secure_afl.sim.fedavg import FedAvgConfig
+    from secure_afl.sim.gradient import GradientMethods
+
+    args = _gradient_inputs()
+    fedavg = FedAvgConfig(rounds=2, batch_size=32)
+    baseline = BaselineConfig(rounds=2, batch_size=32)
+    names = ("FedIRM", "FedNoRo", "FedMLP")
+    with GradientMethods(*args, fedavg=fedavg, baselines=names, baseline=baseline, workers=0) as inline:
+        assert inline.mode == "inline" and inline.pool is None
+        alone = {m: inline.collect(m)[0] for m in (1, 3)}
+    # spawned worker processes (two, sharing the memory-mapped features), collected in any order
+    with GradientMethods(*args, fedavg=fedavg, baselines=names, baseline=baseline, workers=2) as spawned:
+        assert spawned.mode == "processes" and spawned.workers == 2 and spawned.pool is not None
+        results = {m: spawned.collect(m) for m in (3, 1)}
+    # FedAvg alone: a background thread, its clients split over threads
+    with GradientMethods(*args, fedavg=fedavg, workers="auto") as threaded:
+        assert threaded.mode == "thread" and threaded.thread is not None
+        fedavg_heads = {m: threaded.collect(m)[0]["FedAvg"] for m in (1, 3)}
     for missing, (heads, seconds) in results.items():
-        alone, _ = inline.collect(missing)
         assert list(heads) == ["FedAvg", "FedIRM", "FedNoRo", "FedMLP"]
         for name, head in heads.items():
-            np.testing.assert_array_equal(alone[name].coef, head.coef)
+            np.testing.assert_array_equal(alone[missing][name].coef, head.coef)
+            np.testing.assert_array_equal(alone[missing][name].bias, head.bias)
             assert seconds[name] > 0
-print("same heads")
-"""
+        np.testing.assert_array_equal(alone[missing]["FedAvg"].coef, fedavg_heads[missing].coef)
+        np.testing.assert_array_equal(alone[missing]["FedAvg"].bias, fedavg_heads[missing].bias)
+    assert not np.array_equal(alone[1]["FedAvg"].coef, alone[3]["FedAvg"].coef)  # the levels differ
 
 
-def test_worker_processes_give_the_results_of_the_main_process() -> None:
-    # in a fresh interpreter: forking is only safe before a process has run OpenMP code (gradient.py)
-    import subprocess
-    import sys
+def test_fedavg_on_several_threads_is_fedavg_on_one() -> None:
+    from secure_afl.sim.fedavg import FedAvgConfig, train_fedavg
 
-    done = subprocess.run(
-        [sys.executable, "-c", WORKER_SCRIPT], capture_output=True, text=True, timeout=300, check=False
-    )
-    assert done.returncode == 0 and "same heads" in done.stdout, done.stderr[-3000:]
+    features, labels, _ = _gradient_inputs()
+    targets = [y.astype(np.float32) for y in labels]
+    config = FedAvgConfig(rounds=3, local_epochs=2, batch_size=40)  # a last batch of 16 rows
+    one = train_fedavg(features, targets, config)
+    for threads in (2, 3, 8):  # 8 threads for 4 clients: one client each
+        many = train_fedavg(features, targets, config, threads=threads)
+        np.testing.assert_array_equal(one.coef, many.coef)
+        np.testing.assert_array_equal(one.bias, many.bias)
+    with pytest.raises(ValueError, match="at least 1"):
+        train_fedavg(features, targets, config, threads=0)
 
 
-def test_gradient_workers_are_opt_in(monkeypatch) -> None:
+def test_gradient_workers_setting(monkeypatch) -> None:
     from secure_afl.sim.gradient import WORKERS_ENV, _workers_from_environment
 
     monkeypatch.delenv(WORKERS_ENV, raising=False)
-    assert _workers_from_environment(7) == 0
+    assert _workers_from_environment() == "auto"
+    monkeypatch.setenv(WORKERS_ENV, "0")
+    assert _workers_from_environment() == 0
     monkeypatch.setenv(WORKERS_ENV, "2")
-    assert _workers_from_environment(7) == 2
+    assert _workers_from_environment() == 2
     monkeypatch.setenv(WORKERS_ENV, "two")
-    with pytest.raises(ValueError, match="whole number"):
-        _workers_from_environment(7)
+    with pytest.raises(ValueError, match="number of worker processes"):
+        _workers_from_environment()

@@ -13,11 +13,12 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 from secure_afl.analytic import (
     PSEUDO_TENSOR,
@@ -47,6 +48,7 @@ from secure_afl.sim.fedavg import FedAvgConfig
 from secure_afl.sim.gradient import GradientMethods
 from secure_afl.sim.metrics import Metrics, evaluate
 from secure_afl.sim.partial import LabelAssignment, Missing1Draw, PartialLabelError, assign_partial_labels
+from secure_afl.torch_threads import one_torch_thread
 
 Secure = Literal["none", "mask", "ckks", "mask,ckks"]
 SECURE_CHOICES = ("none", "mask", "ckks", "mask,ckks")
@@ -646,9 +648,14 @@ def run_experiment(
             split=config.split,
             progress=progress,
         )
-    # the gradient methods' workers fork now, before any other thread runs, and train while the
-    # main process computes the statistics
-    with _gradient_methods(data, config) as gradient:
+    # FedAvg and the baselines start training now (sim/gradient.py), beside the statistics.  Every
+    # torch product of the run uses one thread (the other core trains them), and so does numpy's
+    # BLAS (the Grams) while they train; results do not depend on the thread counts.
+    with (
+        one_torch_thread(),
+        _gradient_methods(data, config) as gradient,
+        threadpool_limits(1, user_api="blas") if gradient.mode != "inline" else nullcontext(),
+    ):
         with timer.phase("statistics"):
             stats = {}
             for k, rows in enumerate(data.split.clients if config.dp is None else ()):  # DP: later

@@ -81,8 +81,23 @@ class Federation:
             raise ValueError(
                 "features, labels and active classes must list the same, non-zero number of clients"
             )
+        return cls.from_stacked(stack_clients(features), labels, active)
+
+    @classmethod
+    def from_stacked(
+        cls,
+        x: torch.Tensor,
+        labels: Sequence[np.ndarray] | np.ndarray,
+        active: Sequence[Sequence[int] | Sequence[bool] | np.ndarray],
+    ) -> Federation:
+        """As :meth:`build`, from features already stacked by :func:`stack_clients` (shared, not
+        copied: several methods can train on one tensor)."""
+        if not (x.shape[0] == len(labels) == len(active)):
+            raise ValueError(
+                "features, labels and active classes must list the same, non-zero number of clients"
+            )
         n_classes = np.asarray(labels[0]).shape[1]
-        mask = np.zeros((len(features), n_classes), dtype=bool)
+        mask = np.zeros((len(labels), n_classes), dtype=bool)
         for k, classes in enumerate(active):
             mask[k, active_class_indices(classes, n_classes)] = True
         observed = np.stack([np.asarray(y, dtype=np.float32) for y in labels]) * mask[:, None, :]
@@ -92,7 +107,7 @@ class Federation:
         # class has no observed positive and weight 1 (FedMLP's code reads the true counts there).
         pos_weight = np.where(mask & (positives > 0), n / np.maximum(positives, 1), 1.0)
         return cls(
-            x=stack_clients(features),
+            x=x,
             y=torch.as_tensor(observed),
             active=torch.as_tensor(mask),
             pos_weight=torch.as_tensor(pos_weight, dtype=torch.float32),

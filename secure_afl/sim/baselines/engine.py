@@ -17,22 +17,14 @@ wait.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from secure_afl.torch_threads import one_torch_thread
 
-@contextmanager
-def single_torch_thread() -> Iterator[None]:
-    """Run a block on one torch thread, then restore the previous count."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
+single_torch_thread = one_torch_thread  # the name the simulator's modules use
 
 
 class Adam:
@@ -111,6 +103,11 @@ def initial_weights(dim: int, n_classes: int, generator: torch.Generator) -> tor
     return torch.cat([weight, torch.zeros(n_classes, 1)], dim=1)
 
 
+def epoch_order(n_clients: int, n: int, generator: torch.Generator) -> torch.Tensor:
+    """One epoch's shuffle of every client's rows (``K × N``): the draw :class:`Epoch` makes."""
+    return torch.argsort(torch.rand((n_clients, n), generator=generator), dim=1)
+
+
 class Epoch:
     """One local epoch of every client: a fresh shuffle per client, then mini-batches.
 
@@ -118,11 +115,26 @@ class Epoch:
     indices per client (``K × B``) for looking up anything else per sample with :meth:`take`.  The
     batch's rows are gathered at each step by one ``index_select`` over the flattened clients into a
     reused buffer, so they are still in cache for the two products that read them.
+
+    ``order`` (``K × N``, from :func:`epoch_order`) replaces the draw from ``generator``: a caller
+    that trains slices of the clients on several threads draws the whole federation's shuffle first,
+    in the generator's order, and gives each slice its rows.
     """
 
-    def __init__(self, x: torch.Tensor, batch_size: int, generator: torch.Generator) -> None:
+    def __init__(
+        self,
+        x: torch.Tensor,
+        batch_size: int,
+        generator: torch.Generator | None = None,
+        *,
+        order: torch.Tensor | None = None,
+    ) -> None:
         n_clients, self.n = x.shape[0], x.shape[1]
-        self.order = torch.argsort(torch.rand((n_clients, self.n), generator=generator), dim=1)
+        if order is None:
+            if generator is None:
+                raise ValueError("Epoch needs a generator to shuffle with, or a drawn order")
+            order = epoch_order(n_clients, self.n, generator)
+        self.order = order
         self.flat_order = self.order + torch.arange(n_clients)[:, None] * self.n
         self.x, self.batch_size = x.view(n_clients * self.n, x.shape[2]), batch_size
         self.buffer = torch.empty((n_clients * batch_size, x.shape[2]), dtype=x.dtype)

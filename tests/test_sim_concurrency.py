@@ -1,0 +1,37 @@
+"""The simulator trains FedAvg beside the AFL pipeline (a background thread, its clients split over
+threads): the report is the one of a run that trains everything in the main thread."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from secure_afl.sim import runner
+from secure_afl.sim.fedavg import FedAvgConfig
+from secure_afl.sim.gradient import WORKERS_ENV, GradientMethods
+from secure_afl.sim.runner import SimConfig, run_experiment
+
+
+def test_default_run_with_fedavg_on_threads_equals_the_main_thread_run(monkeypatch) -> None:
+    modes: list[str] = []
+
+    class Recording(GradientMethods):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            modes.append(self.mode)
+
+    monkeypatch.setattr(runner, "GradientMethods", Recording)
+    config = SimConfig(missing=(1, 7), fraction=0.04, dim=48, secure="none", fedavg=FedAvgConfig(rounds=3))
+    monkeypatch.delenv(WORKERS_ENV, raising=False)
+    threaded = run_experiment(config)
+    monkeypatch.setenv(WORKERS_ENV, "0")
+    inline = run_experiment(config)
+    assert modes == ["thread", "inline"]
+    for a, b in zip(threaded.settings, inline.settings, strict=True):
+        assert list(a.metrics) == list(b.metrics) and "FedAvg" in a.metrics
+        for name in a.metrics:
+            for field in ("bacc", "auc", "ap"):
+                np.testing.assert_array_equal(
+                    getattr(a.metrics[name], field), getattr(b.metrics[name], field)
+                )
+    fedavg = [s.metrics["FedAvg"].macro["auc"] for s in threaded.settings]
+    assert fedavg[0] != fedavg[1]  # two levels, two different FedAvg heads
