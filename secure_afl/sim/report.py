@@ -553,8 +553,9 @@ def markdown_report(result: ExperimentResult) -> str:
     parts += [
         "## Seconds per gradient method",
         "",
-        "Wall seconds of each training (with SECURE_AFL_GRADIENT_WORKERS they run in worker",
-        "processes beside the AFL pipeline and overlap it).",
+        "Wall seconds of each training.  They run beside the AFL pipeline (FedAvg alone on a thread,",
+        "with baselines in worker processes), so they overlap it and each other; the phase",
+        "'gradient methods (wait)' is only the time the report waited for them.",
         "",
         _md_table(h, r),
         "",

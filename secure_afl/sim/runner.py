@@ -196,7 +196,7 @@ class SettingResult:
     # (client, class, "no positive" | "no negative"): Eq. 9 undefined for a labelled class at a client;
     # client "S_c" when the class has no positive (or no negative) across all its annotators
     undefined_balance: tuple[tuple[str, int, str], ...] = ()
-    # wall seconds per gradient method (in its worker process with SECURE_AFL_GRADIENT_WORKERS)
+    # wall seconds per gradient method (on its thread or in its worker process, beside AFL)
     method_seconds: Mapping[str, float] = field(default_factory=dict)
 
 
