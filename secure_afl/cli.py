@@ -5,20 +5,22 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from secure_afl.analytic import StatisticsError, resolve_device
+# Only torch-free modules here: `sim` starts preparing the embedded data on a thread before it
+# imports torch and the training code (about two seconds), so that the two overlap.
 from secure_afl.cli_options import dp_options
-from secure_afl.sim.baselines import BaselineConfig, BaselineError, parse_baselines
-from secure_afl.sim.data import CLASSES, CohortError
-from secure_afl.sim.datasets import ImageSource
-from secure_afl.sim.fedavg import FedAvgConfig
+from secure_afl.sim.data import CLASSES, N_CLIENTS, CohortError
+from secure_afl.sim.datasets import DataRequest, ImageSource, PreparingData
+from secure_afl.sim.methods import FEDNCA, MISSING_ALL, BaselineError, parse_baselines
 from secure_afl.sim.partial import PartialLabelError
-from secure_afl.sim.report import print_backbone_table, print_report, write_backbone_table, write_reports
-from secure_afl.sim.runner import MISSING_ALL, ExperimentError, SimConfig, run_experiment
+
+if TYPE_CHECKING:
+    from secure_afl.sim.runner import SimConfig
 
 
 def _parse_missing(value: str) -> tuple[int, ...]:
@@ -39,8 +41,6 @@ def _parse_missing(value: str) -> tuple[int, ...]:
 
 
 def _parse_baselines(value: str) -> tuple[str, ...]:
-    from secure_afl.sim.runner import FEDNCA
-
     parts = [p.strip() for p in value.split(",") if p.strip()]
     nca = [FEDNCA for p in parts if p.lower() == FEDNCA.lower()]
     try:
@@ -51,10 +51,12 @@ def _parse_baselines(value: str) -> tuple[str, ...]:
 
 
 def _sim_errors() -> tuple[type[Exception], ...]:
+    from secure_afl.analytic import StatisticsError
     from secure_afl.features.backbones import UnknownBackboneError, WeightsError
     from secure_afl.features.images import CorruptImageError, ImagesNotFoundError
     from secure_afl.privacy.dp import DpError
     from secure_afl.sim.fednca import FedNCAError
+    from secure_afl.sim.runner import ExperimentError
 
     return (
         DpError,
@@ -323,10 +325,13 @@ def sim(
     With --scenario mixed-type: FedMT's setting instead (the centre alone, FedMT with M known and
     estimated, and the one-round analytic counterpart), over the --centre-n sweep.
     """
-    try:
-        resolve_device(device)
-    except (ValueError, RuntimeError) as exc:
-        raise click.BadParameter(str(exc), param_hint="--device") from exc
+    if device not in ("auto", "cpu"):  # these two are always valid; checking others imports torch
+        from secure_afl.analytic import resolve_device
+
+        try:
+            resolve_device(device)
+        except (ValueError, RuntimeError) as exc:
+            raise click.BadParameter(str(exc), param_hint="--device") from exc
     _check_writable(out_dir)
     dp = None
     if dp_epsilon is not None or dp_sweep:
@@ -389,6 +394,16 @@ def sim(
             out_dir=out_dir,
         )
         return
+    progress = _ProgressBars(console)
+    preparing = None
+    if sources == [None] and not dp_sweep:
+        request = DataRequest(fraction, dim, seed, N_CLIENTS, split_by)  # type: ignore[arg-type]
+        preparing = PreparingData(request, progress)
+    from secure_afl.sim.baselines import BaselineConfig
+    from secure_afl.sim.fedavg import FedAvgConfig
+    from secure_afl.sim.report import print_backbone_table, print_report, write_backbone_table, write_reports
+    from secure_afl.sim.runner import SimConfig, run_experiment
+
     results = []
     for source in sources:
         config = SimConfig(
@@ -418,7 +433,7 @@ def sim(
             _run_sweep(config, out_dir, console)
             return
         try:
-            result = run_experiment(config, progress=_ProgressBars(console))
+            result = run_experiment(config, progress=progress, preparing=preparing)
         except _sim_errors() as exc:
             raise click.ClickException(str(exc)) from exc
         where = out_dir if len(sources) == 1 else out_dir / source.backbone  # type: ignore[union-attr]

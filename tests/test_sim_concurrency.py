@@ -4,6 +4,7 @@ threads): the report is the one of a run that trains everything in the main thre
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from secure_afl.sim import runner
 from secure_afl.sim.fedavg import FedAvgConfig
@@ -35,3 +36,20 @@ def test_default_run_with_fedavg_on_threads_equals_the_main_thread_run(monkeypat
                 )
     fedavg = [s.metrics["FedAvg"].macro["auc"] for s in threaded.settings]
     assert fedavg[0] != fedavg[1]  # two levels, two different FedAvg heads
+
+
+def test_data_prepared_on_a_thread_are_the_runs_own(monkeypatch) -> None:
+    from secure_afl.sim.datasets import DataRequest, PreparingData
+    from secure_afl.sim.runner import ExperimentError, data_request
+
+    config = SimConfig(missing=(3,), fraction=0.03, dim=32, secure="none", fedavg=FedAvgConfig(rounds=2))
+    request = data_request(config)
+    assert request == DataRequest(0.03, 32, 0, 8, "image")
+    early = run_experiment(config, preparing=PreparingData(request))
+    late = run_experiment(config)
+    assert early.seconds["data"] > 0
+    for name, metrics in late.settings[0].metrics.items():
+        np.testing.assert_array_equal(early.settings[0].metrics[name].auc, metrics.auc)
+    other = PreparingData(DataRequest(0.03, 32, 1, 8, "image"))  # another seed
+    with pytest.raises(ExperimentError, match="not this configuration's"):
+        run_experiment(config, preparing=other)

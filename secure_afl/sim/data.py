@@ -28,6 +28,7 @@ CLASSES: tuple[str, ...] = (
 )
 REQUIRED_COLUMNS = ("Image Index", "Finding Labels", "Patient ID", "View Position")
 BUNDLED_CSV = "Data_Entry_2017_v2020.csv.gz"
+N_CLIENTS = 8  # the paper's IID clients
 
 SplitBy = Literal["image", "patient"]
 
@@ -137,7 +138,7 @@ class Split:
 def split_cohort(
     cohort: Cohort,
     *,
-    n_clients: int = 8,
+    n_clients: int = N_CLIENTS,
     test_fraction: float = 0.3,
     by: SplitBy = "image",
     seed: int = 0,

@@ -11,14 +11,16 @@ the split, and counted in the dataset description.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from secure_afl.sim.data import Cohort, Split, SplitBy, load_cohort, split_cohort
+from secure_afl.sim.data import N_CLIENTS, Cohort, Split, SplitBy, load_cohort, split_cohort
 from secure_afl.sim.synthetic import synthetic_features
 
 if TYPE_CHECKING:
@@ -121,7 +123,7 @@ def prepare(
     fraction: float = 1.0,
     dim: int = 1024,
     seed: int = 0,
-    n_clients: int = 8,
+    n_clients: int = N_CLIENTS,
     split: SplitBy = "image",
     progress: Progress | None = None,
 ) -> PreparedData:
@@ -152,3 +154,47 @@ def prepare(
         description=description,
         tokens=tokens,
     )
+
+
+@dataclass(frozen=True)
+class DataRequest:
+    """The arguments of :func:`prepare` for the embedded data (what a :class:`SimConfig` fixes)."""
+
+    fraction: float = 1.0
+    dim: int = 1024
+    seed: int = 0
+    n_clients: int = N_CLIENTS
+    split: SplitBy = "image"
+
+
+class PreparingData:
+    """The embedded data, prepared on a background thread from the moment this is created.
+
+    The command line starts it before importing torch and the training code: the synthetic features
+    are numpy work that mostly runs outside the GIL, so the imports (about two seconds of one
+    core) overlap it.  :meth:`result` waits and gives the data and the seconds they took.
+    """
+
+    def __init__(self, request: DataRequest, progress: Progress | None = None) -> None:
+        self.request = request
+        executor = ThreadPoolExecutor(1, thread_name_prefix="prepare-data")
+        self._future = executor.submit(self._prepare, request, progress)
+        executor.shutdown(wait=False)  # the thread ends with the job
+
+    @staticmethod
+    def _prepare(request: DataRequest, progress: Progress | None) -> tuple[PreparedData, float]:
+        start = time.perf_counter()
+        data = prepare(
+            None,
+            fraction=request.fraction,
+            dim=request.dim,
+            seed=request.seed,
+            n_clients=request.n_clients,
+            split=request.split,
+            progress=progress,
+        )
+        return data, time.perf_counter() - start
+
+    def result(self) -> tuple[PreparedData, float]:
+        """The prepared data and their wall seconds (raises what :func:`prepare` raised)."""
+        return self._future.result()

@@ -39,8 +39,8 @@ from secure_afl.sim.baselines import BASELINES, BaselineConfig
 from secure_afl.sim.baselines.common import Federation, train
 from secure_afl.sim.baselines.engine import LinearHead, stack_clients
 from secure_afl.sim.fedavg import FedAvgConfig, missing_as_negative, train_fedavg_stacked
+from secure_afl.sim.methods import FEDAVG
 
-FEDAVG = "FedAvg"
 WORKERS_ENV = "SECURE_AFL_GRADIENT_WORKERS"
 # Rough relative cost per round (CPU seconds measured on the embedded data): the longest jobs of a
 # level go to the workers first, so that the last ones to finish are short.

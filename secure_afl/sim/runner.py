@@ -42,10 +42,11 @@ from secure_afl.privacy.policy import ClientPolicy, LayoutRefusal, layout_refusa
 from secure_afl.sim.audit import PrivacyAudit, audit_groups, restrict
 from secure_afl.sim.baselines import BASELINES as TABLE2_BASELINES
 from secure_afl.sim.baselines import BaselineConfig
-from secure_afl.sim.data import CLASSES, SplitBy
-from secure_afl.sim.datasets import ImageSource, PreparedData, Progress, prepare
+from secure_afl.sim.data import CLASSES, N_CLIENTS, SplitBy
+from secure_afl.sim.datasets import DataRequest, ImageSource, PreparedData, PreparingData, Progress, prepare
 from secure_afl.sim.fedavg import FedAvgConfig
 from secure_afl.sim.gradient import GradientMethods
+from secure_afl.sim.methods import FEDAVG, FEDNCA
 from secure_afl.sim.metrics import Metrics, evaluate
 from secure_afl.sim.partial import LabelAssignment, Missing1Draw, PartialLabelError, assign_partial_labels
 from secure_afl.torch_threads import one_torch_thread
@@ -53,7 +54,6 @@ from secure_afl.torch_threads import one_torch_thread
 Secure = Literal["none", "mask", "ckks", "mask,ckks"]
 SECURE_CHOICES = ("none", "mask", "ckks", "mask,ckks")
 DropoutStage = Literal["R1", "R2", "R3"]
-MISSING_ALL = (1, 3, 5, 7)
 SYMMETRIC_TENSORS = ("gram",)
 
 AFL_1 = "AFL (1 round)"
@@ -61,8 +61,6 @@ AFL_2 = "AFL (2 rounds)"
 AFL_2_RESCALED = "AFL (2 rounds, rescaled τ)"
 AFL_GLOBAL_BALANCE = "AFL (global balance)"
 AFL_GLOBAL_GRAM = "AFL (global Gram)"
-FEDAVG = "FedAvg"
-FEDNCA = "FedNCA-ML"
 BASELINES = (*TABLE2_BASELINES, FEDNCA)  # the extra gradient methods --baselines can add
 METHOD_UPLOADS = {
     AFL_1: uploaded_by(),
@@ -97,7 +95,7 @@ class SimConfig:
     rounds: int = 2
     seed: int = 0
     gamma: float = 1.0
-    n_clients: int = 8
+    n_clients: int = N_CLIENTS
     split: SplitBy = "image"
     missing1: Missing1Draw = "permutation"  # "random": the draw used before (|S_c| 3..8 at missing 1)
     fraction: float = 1.0
@@ -628,26 +626,43 @@ def _inline_gradient_methods(
     )
 
 
+def data_request(config: SimConfig) -> DataRequest | None:
+    """What :class:`PreparingData` needs to prepare this run's data early (None: real images)."""
+    if config.images is not None:
+        return None
+    return DataRequest(config.fraction, config.dim, config.seed, config.n_clients, config.split)
+
+
 def run_experiment(
     config: SimConfig,
     *,
     progress: Progress = _no_progress,
+    preparing: PreparingData | None = None,
 ) -> ExperimentResult:
+    """The experiment; ``preparing``: this configuration's embedded data, already being prepared."""
     config.validate()
-    timer = PhaseTimer()
-    with timer.phase("data"):
-        images = config.images
-        if images is not None and FEDNCA in config.baselines:
-            images = replace(images, spatial=True)  # FedNCA-ML attends over the pre-pooling map
-        data = prepare(
-            images,
-            fraction=config.fraction,
-            dim=config.dim,
-            seed=config.seed,
-            n_clients=config.n_clients,
-            split=config.split,
-            progress=progress,
+    if preparing is not None and preparing.request != data_request(config):
+        raise ExperimentError(
+            f"the data being prepared ({preparing.request}) are not this configuration's "
+            f"({data_request(config)}); start PreparingData with data_request(config)"
         )
+    timer = PhaseTimer()
+    if preparing is not None:
+        data, timer.seconds["data"] = preparing.result()
+    else:
+        with timer.phase("data"):
+            images = config.images
+            if images is not None and FEDNCA in config.baselines:
+                images = replace(images, spatial=True)  # FedNCA-ML attends over the pre-pooling map
+            data = prepare(
+                images,
+                fraction=config.fraction,
+                dim=config.dim,
+                seed=config.seed,
+                n_clients=config.n_clients,
+                split=config.split,
+                progress=progress,
+            )
     # FedAvg and the baselines start training now (sim/gradient.py), beside the statistics.  Every
     # torch product of the run uses one thread (the other core trains them), and so does numpy's
     # BLAS (the Grams) while they train; results do not depend on the thread counts.

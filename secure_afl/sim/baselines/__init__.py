@@ -15,6 +15,7 @@ from secure_afl.sim.baselines.engine import LinearHead
 from secure_afl.sim.baselines.fmll import FedMLP
 from secure_afl.sim.baselines.fnll import FedLSR, FedNoRo
 from secure_afl.sim.baselines.fssl import CBAFed, FedFixMatch, FedIRM, RSCFed
+from secure_afl.sim.methods import TABLE2_BASELINES, BaselineError, parse_baselines
 
 # Table II's order
 BASELINES: dict[str, Callable[[], Method]] = {
@@ -26,6 +27,7 @@ BASELINES: dict[str, Callable[[], Method]] = {
     "FedNoRo": FedNoRo,
     "FedMLP": FedMLP,
 }
+assert tuple(BASELINES) == TABLE2_BASELINES  # the names the command line parses without torch
 FAMILY = {name: factory().family for name, factory in BASELINES.items()}
 
 __all__ = [
@@ -36,30 +38,6 @@ __all__ = [
     "parse_baselines",
     "train_baseline",
 ]
-
-
-class BaselineError(ValueError):
-    """An unknown baseline name."""
-
-
-def parse_baselines(text: str) -> tuple[str, ...]:
-    """``"all"``, ``"none"``/``""`` or a comma list of names (any case), in Table II's order."""
-    text = text.strip()
-    if text.lower() == "all":
-        return tuple(BASELINES)
-    if text.lower() in ("", "none"):
-        return ()
-    by_lower = {name.lower(): name for name in BASELINES}
-    chosen = []
-    for part in text.split(","):
-        name = by_lower.get(part.strip().lower())
-        if name is None:
-            raise BaselineError(
-                f"unknown baseline {part.strip()!r}: choose from {', '.join(BASELINES)}, or 'all' "
-                "(FedAvg always runs)"
-            )
-        chosen.append(name)
-    return tuple(name for name in BASELINES if name in chosen)
 
 
 def train_baseline(
