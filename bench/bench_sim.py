@@ -4,7 +4,7 @@ Run by hand:  python bench/bench_sim.py [--repeats 3] [--missing 7] [--secure no
 
 Prints one markdown row per protection: the median over the repeats of each phase (data,
 statistics, aggregation, solve, the wait for the gradient methods, metrics) and of the whole run, as
-`run_experiment` times them, the wall seconds of FedAvg's training in its worker process (it runs
+`run_experiment` times them, the wall seconds of FedAvg's training on its thread (it runs
 beside the AFL phases, see secure_afl/sim/gradient.py), plus the wall time of the process-level call.
 """
 
@@ -29,7 +29,7 @@ def main() -> None:
     args = parser.parse_args()
     missing = tuple(int(m) for m in args.missing.split(","))
     print(f"secure-afl sim --missing {args.missing}: median of {args.repeats} runs, seconds\n")
-    print("| protection | " + " | ".join(PHASES) + " | total | FedAvg (worker) | wall |")
+    print("| protection | " + " | ".join(PHASES) + " | total | FedAvg (thread) | wall |")
     print("|---|" + "---|" * (len(PHASES) + 3))
     for secure in args.secure.split(","):
         runs = []
