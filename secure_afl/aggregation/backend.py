@@ -83,6 +83,7 @@ class SessionOutcome:
     members: Mapping[str, tuple[str, ...]]
     survivors: Mapping[str, tuple[str, ...]]
     details: Mapping[str, object] = field(default_factory=dict)  # backend-specific (e.g. key holder)
+    clients: tuple[str, ...] = ()  # every client whose inputs are in the sums
 
 
 class ProtectionBackend(Protocol):
@@ -106,6 +107,7 @@ class ProtectionBackend(Protocol):
         session_id: bytes | None,
         min_group_size: int,
         random: RandomSource | None,
+        input_digest: bytes | None = None,
     ) -> ClientSessionLike: ...
 
     def encode(self, message: object, max_message_bytes: int) -> bytes: ...
@@ -113,6 +115,30 @@ class ProtectionBackend(Protocol):
     def decode(self, data: bytes, max_message_bytes: int) -> object: ...
 
     def outcome(self, server: ServerSessionLike, layout: Layout) -> SessionOutcome: ...
+
+    def sender(self, message: object) -> str:
+        """The client id a client message claims (its signature is the server session's to check)."""
+        ...
+
+    def client_finished(self, client: ClientSessionLike) -> bool:
+        """Whether the session needs nothing more of this client for sure (its secrets can go when
+        the session ends; a later request, such as CKKS's replacement decryption, is optional)."""
+        ...
+
+
+def _client_floor(policy: ClientPolicy, min_group_size: int) -> int:
+    """A client's minimum group size: the policy's floor, raised (never lowered) by the session's
+    agreed ``min_group_size`` (a deployed client takes it from its study, not from the server)."""
+    return max(policy.min_group_size, min_group_size)
+
+
+def _sender(message: object) -> str:
+    # An advertisement names its client (``client_id``); every later client message its ``sender``.
+    for name in ("client_id", "sender"):
+        value = getattr(message, name, None)
+        if isinstance(value, str):
+            return value
+    raise TypeError(f"not a client message: {type(message).__name__}")
 
 
 @dataclass(frozen=True)
@@ -139,13 +165,15 @@ class MaskingBackend:
         )
         return ServerSession(roster, config)
 
-    def client_session(self, client_id, identity, roster, inputs, *, session_id, min_group_size, random):  # type: ignore[no-untyped-def]
+    def client_session(  # type: ignore[no-untyped-def]
+        self, client_id, identity, roster, inputs, *, session_id, min_group_size, random, input_digest=None
+    ):  # type: ignore[no-untyped-def]
         # The simulator's clients accept what the simulator's server proposes; a client under any
         # other policy keeps that policy's own floors (a deployed client never takes them from the server).
         floors = (
             {"min_threshold": self.threshold, "min_group_size": min_group_size}
             if self.client_policy == ClientPolicy.simulator()
-            else {}
+            else {"min_group_size": _client_floor(self.client_policy, min_group_size)}
         )
         return ClientSession(
             client_id,
@@ -157,6 +185,7 @@ class MaskingBackend:
             random=random,
             policy=self.client_policy,
             ledger=self.ledgers.get(client_id),
+            input_digest=input_digest,
         )
 
     def encode(self, message: object, max_message_bytes: int) -> bytes:
@@ -179,7 +208,15 @@ class MaskingBackend:
             members={g: s.members for g, s in result.groups.items()},
             survivors={g: s.survivors for g, s in result.groups.items()},
             details={"threshold": self.threshold, "frac_bits": self.frac_bits},
+            clients=tuple(result.survivors),
         )
+
+    def sender(self, message: object) -> str:
+        return _sender(message)
+
+    def client_finished(self, client: ClientSessionLike) -> bool:
+        # Every round of masking is needed (R3/R4 unmask the sums): finished means DONE.
+        return getattr(getattr(client, "state", None), "name", "") == "DONE"
 
 
 @dataclass(frozen=True)
@@ -199,17 +236,24 @@ class CkksBackend:
         config = CkksSessionConfig(session_id, min_group_size, self.parameters, layout.group_specs())
         return CkksServerSession(roster, config)
 
-    def client_session(self, client_id, identity, roster, inputs, *, session_id, min_group_size, random):  # type: ignore[no-untyped-def]
+    def client_session(  # type: ignore[no-untyped-def]
+        self, client_id, identity, roster, inputs, *, session_id, min_group_size, random, input_digest=None
+    ):  # type: ignore[no-untyped-def]
         return CkksClientSession(
             client_id,
             identity,
             roster,
             inputs,
-            min_group_size=min_group_size if self.client_policy == ClientPolicy.simulator() else None,
+            min_group_size=(
+                min_group_size
+                if self.client_policy == ClientPolicy.simulator()
+                else _client_floor(self.client_policy, min_group_size)
+            ),
             session_id=session_id,
             policy=self.client_policy,
             ledger=self.ledgers.get(client_id),
             random=random,
+            input_digest=input_digest,
         )
 
     def encode(self, message: object, max_message_bytes: int) -> bytes:
@@ -238,4 +282,14 @@ class CkksBackend:
                     "output_frac_bits": self.parameters.output_frac_bits,
                 },
             },
+            clients=tuple(result.survivors),
         )
+
+    def sender(self, message: object) -> str:
+        return _sender(message)
+
+    def client_finished(self, client: ClientSessionLike) -> bool:
+        # Once its encrypted inputs are out (R2) a client owes nothing: the server may still ask it
+        # to decrypt in place of a decryptor that dropped, but any surviving member can.
+        state = getattr(getattr(client, "state", None), "name", "")
+        return state in ("AWAIT_DECRYPT_REQUEST", "DONE")

@@ -3,8 +3,9 @@
 What each party runs:
 
 - the server: the ServerApp (:mod:`secure_afl.deploy.apps`), which drives
-  :class:`~secure_afl.deploy.server.FederationServer`: protocol sessions over a
-  :class:`~secure_afl.deploy.backend.Backend`, the closed-form solve, the classifier file;
+  :class:`~secure_afl.deploy.server.FederationServer`: protocol sessions over the study's
+  :class:`~secure_afl.aggregation.backend.ProtectionBackend` (pairwise masking or CKKS, the same
+  backends the simulator drives), the closed-form solve, the classifier file;
 - each hospital: a SuperNode whose ClientApp (:mod:`secure_afl.deploy.apps`) hands every server
   message to :func:`secure_afl.deploy.client.handle`, which reads the hospital's feature file
   (:mod:`secure_afl.features.file`), identity key and pinned roster, and answers;

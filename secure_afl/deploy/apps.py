@@ -10,7 +10,9 @@ Component references for a Flower app's ``pyproject.toml``::
 Run config (``[tool.flwr.app.config]``, all read by the ServerApp on the server's machine):
 ``roster`` (path), ``out-dir`` (where ``classifier.json`` and ``report.json`` go), ``classes``
 (comma-separated), ``dim``, ``backbone``, ``weights-id``, ``preprocessing``, ``gamma``, ``balance``,
-``gram``, ``rounds``, ``threshold`` (0: ⌊2n/3⌋+1), ``min-group-size``, ``frac-bits``,
+``gram``, ``rounds``, ``protection`` (``mask``, the default, or ``ckks``), ``ckks-degree`` (8192),
+``ckks-moduli`` (comma-separated bit sizes, ``60,40,40,60``), ``ckks-scale-bits`` (40),
+``threshold`` (0: ⌊2n/3⌋+1; masking only), ``min-group-size``, ``frac-bits`` (masking only),
 ``round-timeout``, ``statistics-timeout`` (a session's first round, where clients compute) and
 ``connect-timeout`` (seconds), ``min-nodes`` (0: the roster's size).  Differential privacy
 (SECURITY.md §9): ``dp-epsilon`` (its presence turns DP on), ``dp-delta`` (1e-6), ``clip`` (32),
@@ -123,9 +125,17 @@ def study_from_run_config(config: Mapping[str, Any]) -> Study:
             min_group_size=int(config.get("min-group-size", 2)),
             frac_bits=int(config.get("frac-bits", 32)),
             dp=_dp_from_run_config(config),
+            protection=str(config.get("protection", "mask")),
+            ckks_degree=int(config.get("ckks-degree", 8192)),
+            ckks_coeff_mod_bit_sizes=tuple(
+                int(b) for b in str(config.get("ckks-moduli", "60,40,40,60")).split(",") if b.strip()
+            ),
+            ckks_scale_bits=int(config.get("ckks-scale-bits", 40)),
         )
     except KeyError as exc:
         raise ConfigurationError(f"the run config lacks {exc.args[0]!r}") from None
+    except ValueError as exc:
+        raise ConfigurationError(f"the run config has a malformed number: {exc}") from None
 
 
 def _dp_from_run_config(config: Mapping[str, Any]) -> StudyDp | None:
@@ -156,6 +166,7 @@ def server_main(grid: Grid, context: Context) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     roster = Roster.from_json(Path(str(config["roster"])).read_text(encoding="utf-8"))
     study = study_from_run_config(config)
+    _log(f"protection: {study.describe_protection()}")
     server = FederationServer(
         GridTransport(grid),
         roster,

@@ -26,7 +26,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -35,7 +35,6 @@ from secure_afl.keys.identity import IdentityKey
 from secure_afl.keys.roster import Roster
 from secure_afl.protocol.randomness import RandomSource
 
-from .backend import BACKENDS, Backend
 from .classifier import Classifier
 from .errors import (
     ConfigurationError,
@@ -44,8 +43,11 @@ from .errors import (
     SessionReplayError,
     StudyMismatchError,
 )
-from .study import Study, round1_layout, round2_layout
+from .study import PROTECTIONS, Study, round1_layout, round2_layout
 from .wire import Envelope
+
+if TYPE_CHECKING:
+    from secure_afl.aggregation.backend import ClientSessionLike, ProtectionBackend
 
 
 class LocalState(Protocol):
@@ -73,6 +75,9 @@ class NodeSettings:
     dp_epsilon: float | None = None
     dp_delta: float | None = None
     dp_unit: str | None = None
+    # The protections this institution agreed to (node config ``protection``, comma-separated):
+    # masking only unless it says otherwise, so a server cannot move it to CKKS's weaker trust model.
+    protections: frozenset[str] = frozenset({"mask"})
 
     KEYS = ("identity-key", "passphrase-file", "roster", "features", "ledger-dir", "out-dir")
 
@@ -106,7 +111,18 @@ class NodeSettings:
             dp_epsilon=dp_epsilon,
             dp_delta=dp_delta,
             dp_unit=dp_unit,
+            protections=_protections(config.get("protection", "mask")),
         )
+
+
+def _protections(value: object) -> frozenset[str]:
+    names = frozenset(p.strip() for p in str(value).split(",") if p.strip())
+    if not names or not names <= set(PROTECTIONS):
+        raise ConfigurationError(
+            f"the SuperNode's --node-config protection={str(value)!r} must name one or more of "
+            f'{", ".join(PROTECTIONS)} (comma-separated), e.g. protection="mask"'
+        )
+    return names
 
 
 class ReplayGate:
@@ -244,7 +260,13 @@ def _check_dp_policy(study: Study, settings: NodeSettings) -> None:
 
 
 def _check_dp_session(
-    study: Study, data: Any, client_id: str, roster: Roster, backend: Backend, request: Any, nonce: str
+    study: Study,
+    data: Any,
+    client_id: str,
+    roster: Roster,
+    backend: ProtectionBackend,
+    request: Any,
+    nonce: str,
 ) -> None:
     """Under DP, before the noise is drawn: the study's plan is this session's and fits this client.
 
@@ -421,19 +443,20 @@ def _start_session(envelope: Envelope, label: str, state: LocalState, settings: 
     client_id, identity = _identity(settings, roster)
     study = Study.from_json(envelope.text("study"))
     data = _check_study(study, settings)
-    backend = _backend(envelope)
-    request = backend.decode(envelope.payload, backend.first_message_limit)  # type: ignore[attr-defined]
-    groups = {group.name for group in request.config.groups}
+    backend = _backend(envelope, study, settings, len(roster))
+    # Decoded once under the client policy's bound on a first message, to read the layout.
+    request = backend.decode(envelope.payload, backend.client_policy.max_config_bytes)  # type: ignore[attr-defined]
+    _check_protocol_parameters(request.config, study)  # type: ignore[attr-defined]
+    groups = {group.name for group in request.config.groups}  # type: ignore[attr-defined]
     if study.dp is not None:
         _check_dp_session(
             study, data, client_id, roster, backend, request, str(envelope.meta.get("study-nonce", ""))
         )
     inputs, digest = _inputs(label, study, data, envelope, groups, settings, len(roster), client_id)
+    _settle_earlier_sessions(label, state)
     seed = os.urandom(32)
-    session = backend.client_session(
-        client_id, identity, roster, inputs, seed, min_group_size=study.min_group_size,
-        ledger=_ledger(settings, live=True), input_digest=digest,
-    )  # fmt: skip
+    gate = _ledger(settings, live=True)
+    session = _client_session(backend, client_id, identity, roster, inputs, seed, study, gate, digest)
     replies = session.receive_bytes(envelope.payload)  # decoded again under the session's own limits
     state.save(
         label,
@@ -442,15 +465,15 @@ def _start_session(envelope: Envelope, label: str, state: LocalState, settings: 
             "client_id": client_id,
             "backend": backend.name,
             "study": study.to_json(),
-            "session_id": request.config.session_id.hex(),
+            "session_id": request.config.session_id.hex(),  # type: ignore[attr-defined]
             "seed": seed,
             "messages": [envelope.payload],
             "inputs": {f"{g}|{t}": v for g, tensors in inputs.items() for t, v in tensors.items()},
             **({"input_digest": digest} if digest is not None else {}),
         },
     )
-    log(settings, f"{client_id}: session {label} R0 answered (groups {sorted(inputs)})")
-    return Envelope("reply", {"session": label, "round": "R0"}, replies[0])
+    log(settings, f"{client_id}: session {label} R0 answered (groups {sorted(inputs)}, {backend.name})")
+    return Envelope("reply", {"session": label, "round": "R0"}, _one_reply(replies))
 
 
 def _continue_session(envelope: Envelope, label: str, state: LocalState, settings: NodeSettings) -> Envelope:
@@ -465,39 +488,130 @@ def _continue_session(envelope: Envelope, label: str, state: LocalState, setting
     client_id, identity = _identity(settings, roster)
     if client_id != saved["client_id"]:
         raise IdentityNotInRosterError("the identity key changed during the session")
-    backend = BACKENDS[str(saved["backend"])]
     study = Study.from_json(str(saved["study"]))
+    backend = study.backend(len(roster))
+    if backend.name != saved["backend"]:
+        raise SessionReplayError(f"session {label} was started under {saved['backend']!r}")
     inputs: dict[str, dict[str, np.ndarray]] = {}
     for key, values in saved["inputs"].items():
         group, tensor = key.split("|", 1)
         inputs.setdefault(group, {})[tensor] = np.asarray(values, dtype=np.float64)
     gate = _ledger(settings, live=False)
-    session = backend.client_session(
-        client_id, identity, roster, inputs, saved["seed"], min_group_size=study.min_group_size, ledger=gate,
-        input_digest=saved.get("input_digest"),
-    )  # fmt: skip
-    # Rebuild: the same seed and the same server messages give the same state, secrets included.
+    session = _client_session(
+        backend, client_id, identity, roster, inputs, saved["seed"], study, gate, saved.get("input_digest")
+    )
+    # Rebuild: the same seed and the same server messages give the same state, secrets included
+    # (CKKS: the secret context is the one the key holder sealed for this client in R2's message;
+    # a replayed R3 decrypts again what was decrypted before, and a new R3 asks for other groups).
     for data in saved["messages"]:
         session.receive_bytes(data)
     gate.live = True
     replies = session.receive_bytes(envelope.payload)
     round_name = str(envelope.meta.get("round", ""))
-    if getattr(session, "state", None) is not None and session.state.name == "DONE":
+    if getattr(session, "state", None) is not None and session.state.name == "DONE":  # type: ignore[attr-defined]
         # The session's secrets are no longer needed: keep only what the classifier check uses.
         state.save(label, {"status": "done", "client_id": client_id, "session_id": saved["session_id"]})
     else:
-        state.save(label, {**saved, "messages": [*saved["messages"], envelope.payload]})
+        # ``finished``: the session needs nothing more of this client for sure (CKKS after R2); its
+        # secrets are kept only for a replacement decryption, and dropped when the session is over.
+        finished = backend.client_finished(session)
+        state.save(label, {**saved, "messages": [*saved["messages"], envelope.payload], "finished": finished})
     log(settings, f"{client_id}: session {label} {round_name} answered")
-    return Envelope("reply", {"session": label, "round": round_name}, replies[0])
+    return Envelope("reply", {"session": label, "round": round_name}, _one_reply(replies))
 
 
-def _backend(envelope: Envelope) -> Backend:
-    name = envelope.text("backend")
-    if name not in BACKENDS:
+def _one_reply(replies: list[bytes]) -> bytes:
+    """The one reply of a round, or no bytes where the client has nothing to send (CKKS's R1 for
+    all but the key holder): the server counts an empty reply as an answer without a message."""
+    if len(replies) > 1:  # pragma: no cover - neither backend sends two messages in one round
+        raise SessionReplayError(f"the protocol produced {len(replies)} replies to one message")
+    return replies[0] if replies else b""
+
+
+def _client_session(
+    backend: ProtectionBackend,
+    client_id: str,
+    identity: IdentityKey,
+    roster: Roster,
+    inputs: Mapping[str, Mapping[str, np.ndarray]],
+    seed: bytes,
+    study: Study,
+    ledger: ReplayGate,
+    input_digest: bytes | None = None,
+) -> ClientSessionLike:
+    # The deployment policy is the client's own (the backend's default): t >= floor(2n/3)+1 with
+    # masking, groups of at least 2 (or the study's larger minimum), the exposure check, and the
+    # ledger of its earlier sessions over the same statistics.  The session's randomness is a
+    # ChaCha20 stream from the seed, so replaying the server's messages rebuilds the same keys
+    # (masking: shares and masks too).  ``input_digest`` (DP) keys the ledger on the statistics
+    # before the noise, so a rerun with fresh noise finds its history.
+    from dataclasses import replace
+
+    from secure_afl.protocol.randomness import DeterministicRandomSource
+
+    own = replace(backend, ledgers={client_id: ledger})  # type: ignore[type-var]
+    return own.client_session(
+        client_id,
+        identity,
+        roster,
+        inputs,
+        session_id=None,
+        min_group_size=study.min_group_size,
+        random=DeterministicRandomSource(seed),
+        input_digest=input_digest,
+    )
+
+
+def _check_protocol_parameters(config: Any, study: Study) -> None:
+    """The session's own parameters are the study's (the server sends both; they must agree)."""
+    if study.protection == "ckks":
+        if config.parameters != study.ckks_parameters():
+            raise StudyMismatchError(
+                f"the session's CKKS parameters {config.parameters} differ from the study's "
+                f"({study.describe_protection()})"
+            )
+    elif config.frac_bits != study.frac_bits:
         raise StudyMismatchError(
-            f"unknown secure-aggregation backend {name!r}; this node has {sorted(BACKENDS)}"
+            f"the session encodes with {config.frac_bits} fractional bits, the study with {study.frac_bits}"
         )
-    return BACKENDS[name]
+    if config.min_group_size != study.min_group_size:
+        raise StudyMismatchError(
+            f"the session's minimum group size {config.min_group_size} differs from the study's "
+            f"{study.min_group_size}"
+        )
+
+
+def _backend(envelope: Envelope, study: Study, settings: NodeSettings, roster_size: int) -> ProtectionBackend:
+    name = envelope.text("backend")
+    if study.protection not in settings.protections:
+        raise StudyMismatchError(
+            f"the study protects the statistics with {study.describe_protection()}, but this institution "
+            f"agreed to {', '.join(sorted(settings.protections))} only (its SuperNode's node config "
+            f'protection="{",".join(sorted(settings.protections))}"); CKKS and masking trust the other '
+            f"clients differently (SECURITY.md §7.2): add the study's protection to the node config "
+            f"only if this institution agreed to it"
+        )
+    if name != study.protection:
+        raise StudyMismatchError(
+            f"the session runs the {name!r} protection, but the study says {study.protection!r}; "
+            f"the server must run the study it sends"
+        )
+    return study.backend(roster_size)
+
+
+def _settle_earlier_sessions(label: str, state: LocalState) -> None:
+    """A new session starts only after the earlier one ended at the server: drop what a finished
+    client still kept of it (CKKS: the secrets held in case it had to replace a decryptor)."""
+    for earlier in ("1",) if label == "2" else ():
+        _settle(earlier, state)
+
+
+def _settle(label: str, state: LocalState) -> dict[str, Any] | None:
+    saved = state.load(label)
+    if saved is not None and saved.get("status") == "active" and saved.get("finished"):
+        saved = {"status": "done", "client_id": saved["client_id"], "session_id": saved["session_id"]}
+        state.save(label, saved)
+    return saved
 
 
 def _store_classifier(envelope: Envelope, state: LocalState, settings: NodeSettings) -> Envelope:
@@ -510,7 +624,7 @@ def _store_classifier(envelope: Envelope, state: LocalState, settings: NodeSetti
         )
     mine = {}
     for session in classifier.sessions:
-        saved = state.load(str(session["label"]))
+        saved = _settle(str(session["label"]), state)  # the classifier ends every session
         if saved is None or saved.get("status") != "done":
             raise SessionReplayError(
                 f"this institution did not complete session {session['label']} of this run"

@@ -2,11 +2,13 @@
 
 :class:`FederationServer` runs round 1 (and round 2 when the study asks for it) as secure-aggregation
 sessions, solves the classifier in closed form and sends the classifier file to every participant.
-It is generic over the backend's server session (``start/receive/next_round/result``) and knows
-Flower only through :class:`Transport`.  A node that does not answer a round within ``round_timeout``
-seconds is a dropout; a reply the session rejects is logged with its error class and treated as a
-dropout too.  Flower node ids only route: a client is known by the id its signed advertisement
-carries, and later replies must come from the node that delivered that advertisement.
+It is generic over the study's protection backend (:mod:`secure_afl.aggregation.backend`: pairwise
+masking or CKKS): it follows the server session's ``next_round()`` until it sends nothing, sending
+each round only to the clients the session addresses, and knows Flower only through
+:class:`Transport`.  A node that does not answer a round within ``round_timeout`` seconds is a
+dropout; a reply the session rejects is logged with its error class and treated as a dropout too.
+Flower node ids only route: a client is known by the id its signed advertisement carries, and later
+replies must come from the node that delivered that advertisement.
 """
 
 from __future__ import annotations
@@ -20,11 +22,16 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from secure_afl.aggregation.backend import ProtectionBackend, SessionOutcome
 from secure_afl.aggregation.layout import Layout
 from secure_afl.keys.roster import Roster
-from secure_afl.protocol.errors import ProtocolError, SessionAbortedError
+from secure_afl.protocol.errors import (
+    DuplicateClientError,
+    ProtocolError,
+    SessionAbortedError,
+    UnknownClientError,
+)
 
-from .backend import Backend, MaskingBackend
 from .classifier import Classifier
 from .errors import ConfigurationError, FederationAbortedError
 from .study import (
@@ -38,8 +45,6 @@ from .study import (
     study_session_id,
 )
 from .wire import Envelope
-
-ROUNDS = ("R0", "R1", "R2", "R3", "R4")
 
 
 class Transport(Protocol):
@@ -62,6 +67,8 @@ class SessionRecord:
     completed: tuple[str, ...] = ()  # who answered every round
     groups: list[dict[str, Any]] = field(default_factory=list)
     round_seconds: dict[str, float] = field(default_factory=dict)
+    key_holder: str = ""  # CKKS: the client that generated the session's key
+    decryptors: dict[str, str] = field(default_factory=dict)  # CKKS: group -> who decrypted its sum
 
 
 @dataclass
@@ -83,6 +90,7 @@ class FederationReport:
                     "survivors": list(s.survivors),
                     "completed": list(s.completed),
                     "round_seconds": s.round_seconds,
+                    **({"key_holder": s.key_holder, "decryptors": s.decryptors} if s.key_holder else {}),
                 }
                 for s in self.sessions
             ],
@@ -101,7 +109,7 @@ class FederationServer:
         roster: Roster,
         study: Study,
         *,
-        backend: Backend | None = None,
+        backend: ProtectionBackend | None = None,
         round_timeout: float = 120.0,
         statistics_timeout: float | None = None,
         connect_timeout: float = 300.0,
@@ -112,7 +120,12 @@ class FederationServer:
         self.transport = transport
         self.roster = roster
         self.study = study
-        self.backend = backend or MaskingBackend()
+        self.backend = backend or study.backend(len(roster))
+        if self.backend.name != study.protection:
+            raise ConfigurationError(
+                f"the study's protection is {study.protection!r}, the server was given the "
+                f"{self.backend.name!r} backend"
+            )
         self.round_timeout = round_timeout
         # A session's first round is where clients compute their statistics (round 1) or their
         # pseudo-labels (round 2): it may take much longer than a protocol round.
@@ -149,8 +162,8 @@ class FederationServer:
         nodes = self._wait_for_nodes()
         method = self.study.method
         layout1 = round1_layout(self.study)
-        record1, result1 = self._session("1", nodes, layout1, {})
-        sums1 = self.backend.group_sums(result1, layout1, self.study)
+        record1, outcome1 = self._session("1", nodes, layout1, {})
+        sums1 = outcome1.sums
         solve_started = time.perf_counter()
         if plan is not None:
             from secure_afl.privacy.dp_solve import fit_private
@@ -181,8 +194,8 @@ class FederationServer:
             if classes:
                 layout2 = round2_layout(self.study, classes)
                 targets = [self._node_of[cid] for cid in record1.completed]
-                record2, result2 = self._session("2", targets, layout2, {"coef": model.coef_})
-                sums2 = self.backend.group_sums(result2, layout2, self.study)
+                record2, outcome2 = self._session("2", targets, layout2, {"coef": model.coef_})
+                sums2 = outcome2.sums
                 solve_started = time.perf_counter()
                 if plan is not None:
                     model, solve2 = self._refine_private(model, sums1, sums2, solve, plan, record2)
@@ -249,18 +262,28 @@ class FederationServer:
                 break
             time.sleep(0.2)
         self.report.seconds["wait_for_nodes"] = time.perf_counter() - started
-        threshold = self.study.threshold_for(len(self.roster))
-        if len(nodes) < threshold:
+        if self.study.protection == "mask":
+            needed = self.study.threshold_for(len(self.roster))
+            what = f"the threshold t={needed} of a {len(self.roster)}-institution roster"
+        else:  # CKKS has no threshold; every group needs min_group_size live members
+            needed = self.study.min_group_size
+            what = f"the minimum group size {needed}"
+        if len(nodes) < needed:
             raise FederationAbortedError(
-                f"{len(nodes)} SuperNode(s) connected within {self.connect_timeout:.0f} s, fewer than the "
-                f"threshold t={threshold} of a {len(self.roster)}-institution roster"
+                f"{len(nodes)} SuperNode(s) connected within {self.connect_timeout:.0f} s, fewer than {what}"
             )
         self.log(f"{len(nodes)} SuperNode(s) connected (roster: {len(self.roster)} institutions)")
         return nodes
 
     def _session(
         self, label: str, nodes: Sequence[int], layout: Layout, arrays: Mapping[str, np.ndarray]
-    ) -> tuple[SessionRecord, Any]:
+    ) -> tuple[SessionRecord, SessionOutcome]:
+        """Run one session: follow the server session's ``next_round()`` until it sends nothing.
+
+        Each round goes only to the clients the session addresses (CKKS's R3 only to decryptors,
+        and again to replacements when one drops); a client that refused, was rejected or did not
+        answer within the timeout is a dropout for the rest of the session and is not asked again.
+        """
         session_id = self._session_ids.pop(0) if self._session_ids else os.urandom(32)
         meta = {
             "session": label,
@@ -272,7 +295,9 @@ class FederationServer:
             # The id commits to the study, so every advertisement signs it (clients check the nonce).
             meta["study-nonce"] = session_id.hex()
             session_id = study_session_id(self.study, session_id)
-        session = self.backend.server_session(self.roster, self.study, layout, session_id)
+        session = self.backend.server_session(
+            self.roster, layout, session_id=session_id, min_group_size=self.study.min_group_size
+        )
         record = SessionRecord(label, session_id)
         self.report.sessions.append(record)
         first = session.start()
@@ -280,99 +305,111 @@ class FederationServer:
         outgoing = {
             node: Envelope("advertise", {**meta, "round": "R0"}, first_bytes, dict(arrays)) for node in nodes
         }
-        answered: dict[str, set[str]] = {}
         node_of: dict[str, int] = {}
-        for index, round_name in enumerate(ROUNDS):
+        failed: set[str] = set()  # participants that refused, were rejected or dropped
+        round_name = "R0"
+        # Bounded: masking has 5 rounds; CKKS 4, plus at most one repeated R3 per client (every
+        # repetition replaces at least one decryptor, who is never asked again).
+        max_rounds = len(self.backend.rounds) + len(self.roster) + 1
+        for _ in range(max_rounds):
+            round_name = str(session.round.value)  # type: ignore[attr-defined]
+            again = round_name in record.round_seconds
             started = time.perf_counter()
             timeout = self.statistics_timeout if round_name == "R0" else self.round_timeout
+            at = f"session {label} {round_name}"
             replies = self.transport.exchange(outgoing, f"s{label}-{round_name}", timeout)
-            answered[round_name] = set()
             client_of = {node: cid for cid, node in node_of.items()}
+            answers = 0
             for node, envelope in sorted(replies.items()):
                 who = client_of.get(node, f"node {node}")
                 if envelope.kind == "refused":
-                    self._refused(who, f"session {label} {round_name}", envelope)
+                    self._refused(who, at, envelope)
+                    failed.add(who)
                     continue
                 try:
                     if envelope.kind != "reply":
                         raise FederationAbortedError(f"unexpected {envelope.kind!r} message")
+                    if not envelope.payload and round_name != "R0":
+                        # Nothing to send this round (CKKS's R1 for all but the key holder): an
+                        # answer, not a message.  The session decides whether it needed one.
+                        answers += 1
+                        continue
                     message = self.backend.decode(envelope.payload, session.max_message_bytes)
                     sender = self.backend.sender(message)
                     if round_name == "R0":
                         if sender in node_of:
-                            from secure_afl.protocol.errors import DuplicateClientError
-
                             raise DuplicateClientError(f"a second advertisement for {sender!r}")
                     elif node_of.get(sender) != node:
-                        from secure_afl.protocol.errors import UnknownClientError
-
                         raise UnknownClientError(
                             f"node {node} answered as {sender!r}, which advertised elsewhere"
                         )
                     session.receive(message)
-                except (ProtocolError, FederationAbortedError, ValueError) as exc:
+                except (ProtocolError, FederationAbortedError, ValueError, TypeError) as exc:
                     self.report.rejections.append(
-                        {
-                            "at": f"session {label} {round_name}",
-                            "from": who,
-                            "error": type(exc).__name__,
-                            "message": str(exc),
-                        }
+                        {"at": at, "from": who, "error": type(exc).__name__, "message": str(exc)}
                     )
-                    self.log(
-                        f"session {label} {round_name}: rejected the reply of {who}: "
-                        f"{type(exc).__name__}: {exc}"
-                    )
+                    self.log(f"{at}: rejected the reply of {who}: {type(exc).__name__}: {exc}")
+                    if who in node_of:
+                        failed.add(who)
                     continue
                 if round_name == "R0":
                     node_of[sender] = node
-                answered[round_name].add(sender)
-            expected = (
+                answers += 1
+            silent = (
                 {f"node {n}" for n in outgoing if n not in replies}
                 if round_name == "R0"
                 else {client_of.get(n, f"node {n}") for n in outgoing if n not in replies}
             )
-            for who in sorted(expected):
-                self.report.dropouts.append({"at": f"session {label} {round_name}", "client": who})
-                self.log(
-                    f"session {label} {round_name}: {who} did not answer within {timeout:.0f} s (dropout)"
-                )
+            for who in sorted(silent):
+                self.report.dropouts.append({"at": at, "client": who})
+                self.log(f"{at}: {who} did not answer within {timeout:.0f} s (dropout)")
+            failed |= silent & set(node_of)
             try:
                 requests = session.next_round()
             except SessionAbortedError as exc:
                 raise FederationAbortedError(f"session {label} aborted after {round_name}: {exc}") from exc
-            record.round_seconds[round_name] = time.perf_counter() - started
+            record.round_seconds[round_name] = record.round_seconds.get(round_name, 0.0) + (
+                time.perf_counter() - started
+            )
             self.log(
-                f"session {label} {round_name}: {len(answered[round_name])} answer(s) in "
-                f"{record.round_seconds[round_name]:.1f} s"
+                f"{at}{' (again: replacing decryptors)' if again else ''}: {answers} answer(s) in "
+                f"{time.perf_counter() - started:.1f} s"
             )
             if round_name == "R0":
                 self._node_of.update(node_of)
                 record.participants = tuple(sorted(node_of))
-            if index + 1 < len(ROUNDS):
-                next_round = ROUNDS[index + 1]
-                encoded: dict[int, bytes] = {}
-                outgoing = {}
-                for cid, request in requests.items():
-                    if id(request) not in encoded:
-                        encoded[id(request)] = self.backend.encode(request, session.max_message_bytes)
-                    outgoing[node_of[cid]] = Envelope(
-                        "protocol", {"session": label, "round": next_round}, encoded[id(request)]
-                    )
-        result = session.result()
-        record.survivors = tuple(result.survivors)
-        record.completed = tuple(sorted(set.intersection(*(answered[r] for r in ROUNDS))))
-        for name, group in sorted(result.groups.items()):
+            if not requests:
+                break
+            next_round = str(session.round.value)  # type: ignore[attr-defined]
+            encoded: dict[int, bytes] = {}  # a broadcast message is encoded once
+            outgoing = {}
+            for cid, request in sorted(requests.items()):
+                if cid in failed:
+                    continue  # a dropout stays one: the session sees it as silent
+                if id(request) not in encoded:
+                    encoded[id(request)] = self.backend.encode(request, session.max_message_bytes)
+                outgoing[node_of[cid]] = Envelope(
+                    "protocol", {"session": label, "round": next_round}, encoded[id(request)]
+                )
+        else:  # pragma: no cover - the session ends within the bound above
+            raise FederationAbortedError(f"session {label} did not finish within {max_rounds} rounds")
+        outcome = self.backend.outcome(session, layout)
+        record.survivors = tuple(sorted(outcome.clients))
+        record.completed = tuple(sorted(set(outcome.clients) - failed))
+        for name in sorted(outcome.sums):
             record.groups.append(
                 {
                     "session": label,
                     "name": name,
-                    "members": list(group.members),
-                    "survivors": list(group.survivors),
-                    "tensors": sorted(group.sums),
+                    "members": list(outcome.members[name]),
+                    "survivors": list(outcome.survivors[name]),
+                    "tensors": sorted(outcome.sums[name]),
                 }
             )
-        return record, result
+        if "key_holder" in outcome.details:
+            record.key_holder = str(outcome.details["key_holder"])
+            record.decryptors = dict(outcome.details.get("decryptors", {}))  # type: ignore[call-overload]
+        return record, outcome
 
     @staticmethod
     def _members(record: SessionRecord, group: str) -> tuple[str, ...]:
@@ -394,6 +431,26 @@ class FederationServer:
         self.report.refusals.append({"at": where, "from": who, "error": error, "message": message})
         self.log(f"{where}: {who} refused: {error}: {message}")
 
+    def _protocol(self) -> dict[str, Any]:
+        if self.study.protection == "mask":
+            return {
+                "backend": self.backend.name,
+                "threshold": self.study.threshold_for(len(self.roster)),
+                "min_group_size": self.study.min_group_size,
+                "frac_bits": self.study.frac_bits,
+            }
+        parameters = self.study.ckks_parameters()
+        return {
+            "backend": self.backend.name,
+            "min_group_size": self.study.min_group_size,
+            "poly_modulus_degree": parameters.poly_modulus_degree,
+            "coeff_mod_bit_sizes": list(parameters.coeff_mod_bit_sizes),
+            "scale_bits": parameters.scale_bits,
+            "output_frac_bits": parameters.output_frac_bits,
+            "key_holders": {s.label: s.key_holder for s in self.report.sessions},
+            "trust_model": self.backend.trust_model,
+        }
+
     def _classifier(self, coef: np.ndarray) -> Classifier:
         groups = [g for s in self.report.sessions for g in s.groups]
         learned = "its noisy statistics (DP)" if self.study.dp is not None else "its statistics"
@@ -408,12 +465,7 @@ class FederationServer:
             classes=self.study.classes,
             backbone=dict(self.study.backbone),
             method={**self.study.method.__dict__},
-            protocol={
-                "backend": self.backend.name,
-                "threshold": self.study.threshold_for(len(self.roster)),
-                "min_group_size": self.study.min_group_size,
-                "frac_bits": self.study.frac_bits,
-            },
+            protocol=self._protocol(),
             sessions=tuple(
                 {
                     "label": s.label,

@@ -1,7 +1,8 @@
 """The study: what every party of a deployment agrees on before any statistic moves.
 
 Classes, feature dimension and backbone (so that every hospital's features mean the same thing),
-the method's options and the protocol's parameters.  The server sends it with each session's first
+the method's options, the protection (pairwise masking or CKKS encryption, with its parameters)
+and the protocol's parameters.  The server sends it with each session's first
 message; every client compares it with its own feature file and its own policy and refuses a
 mismatch (:class:`~secure_afl.deploy.errors.StudyMismatchError`).  The classifier file records it.
 """
@@ -21,10 +22,13 @@ from secure_afl.protocol.encoding import DEFAULT_FRAC_BITS, upper_triangle_lengt
 from .errors import ConfigurationError
 
 if TYPE_CHECKING:
+    from secure_afl.aggregation.backend import ProtectionBackend
     from secure_afl.privacy.dp import NoisePlan
+    from secure_afl.protocol.ckks.context import CkksParameters
 
 SYMMETRIC_TENSORS = frozenset({"gram"})
 ALL_GROUP = "all"  # the same names as secure_afl.analytic (which imports torch; this module must not)
+PROTECTIONS = ("mask", "ckks")  # the backends of secure_afl.aggregation.backend
 
 
 def class_group(c: int) -> str:
@@ -151,8 +155,13 @@ class Study:
     method: Method = field(default_factory=Method)
     threshold: int = 0  # 0: deployment_threshold(roster size)
     min_group_size: int = 2
-    frac_bits: int = DEFAULT_FRAC_BITS
+    frac_bits: int = DEFAULT_FRAC_BITS  # masking's fixed-point bits
     dp: StudyDp | None = None  # None: no noise, the sums are released exactly (today's deployment)
+    protection: str = "mask"  # "mask" (pairwise masking) or "ckks" (TenSEAL CKKS encryption)
+    # CKKS parameters (with protection="ckks"; the study document carries them only then)
+    ckks_degree: int = 8192
+    ckks_coeff_mod_bit_sizes: tuple[int, ...] = (60, 40, 40, 60)
+    ckks_scale_bits: int = 40
 
     def __post_init__(self) -> None:
         if not self.classes or len(set(self.classes)) != len(self.classes):
@@ -163,10 +172,26 @@ class Study:
             raise ConfigurationError("the backbone needs exactly name, weights_id and preprocessing")
         if self.min_group_size < 1:
             raise ConfigurationError(f"min_group_size must be at least 1, got {self.min_group_size}")
+        if self.protection not in PROTECTIONS:
+            raise ConfigurationError(
+                f"protection must be one of {', '.join(PROTECTIONS)}, got {self.protection!r}"
+            )
+        if self.protection == "ckks":
+            from secure_afl.protocol.ckks.errors import InvalidParametersError
+
+            try:
+                self.ckks_parameters().validate()
+            except InvalidParametersError as exc:
+                raise ConfigurationError(f"CKKS parameters: {exc}") from None
         if self.dp is not None:
             self._check_dp(self.dp)
 
     def _check_dp(self, dp: StudyDp) -> None:
+        if self.protection != "mask":
+            raise ConfigurationError(
+                "differential privacy runs only with the masking protocol (protection 'mask'): TenSEAL's "
+                "CKKS has no threshold decryption, so one client's noise could be read alone (SECURITY.md §9)"
+            )
         if self.method.balance != "global" or self.method.gram != "global":
             raise ConfigurationError(
                 "differential privacy needs balance='global' and gram='global' (plain sums and counts with "
@@ -198,6 +223,33 @@ class Study:
     def threshold_for(self, roster_size: int) -> int:
         return self.threshold or deployment_threshold(roster_size)
 
+    def ckks_parameters(self) -> CkksParameters:
+        from secure_afl.protocol.ckks.context import CkksParameters
+
+        return CkksParameters(
+            poly_modulus_degree=self.ckks_degree,
+            coeff_mod_bit_sizes=tuple(self.ckks_coeff_mod_bit_sizes),
+            scale_bits=self.ckks_scale_bits,
+        )
+
+    def backend(self, roster_size: int) -> ProtectionBackend:
+        """The protection backend of this study (:mod:`secure_afl.aggregation.backend`), as both the
+        server and every client build it: the deployment's client policy, no ledgers (a deployed
+        client passes its own)."""
+        from secure_afl.aggregation.backend import CkksBackend, MaskingBackend
+
+        if self.protection == "ckks":
+            return CkksBackend(parameters=self.ckks_parameters())
+        return MaskingBackend(threshold=self.threshold_for(roster_size), frac_bits=self.frac_bits)
+
+    def describe_protection(self) -> str:
+        if self.protection == "ckks":
+            return (
+                f"ckks (N={self.ckks_degree}, moduli {list(self.ckks_coeff_mod_bit_sizes)}, "
+                f"scale 2^{self.ckks_scale_bits})"
+            )
+        return f"mask (frac_bits={self.frac_bits})"
+
     def to_json(self) -> str:
         document = asdict(self)
         document["classes"] = list(self.classes)
@@ -206,6 +258,13 @@ class Study:
         del document["dp"]
         if self.dp is not None:
             document["dp"] = self.dp.to_dict()
+        # Masking (the default) keeps the document of before CKKS existed: the protection and the
+        # CKKS parameters are written only when the study uses CKKS.
+        if self.protection == "mask":
+            for key in ("protection", "ckks_degree", "ckks_coeff_mod_bit_sizes", "ckks_scale_bits"):
+                del document[key]
+        else:
+            document["ckks_coeff_mod_bit_sizes"] = list(self.ckks_coeff_mod_bit_sizes)
         return json.dumps(document, sort_keys=True, separators=(",", ":"))
 
     @classmethod
@@ -221,6 +280,7 @@ class Study:
                 min_group_size=int(document["min_group_size"]),
                 frac_bits=int(document["frac_bits"]),
                 dp=StudyDp.from_dict(document["dp"]) if document.get("dp") is not None else None,
+                **_protection_fields(document),
             )
         except ConfigurationError:
             raise
@@ -229,6 +289,19 @@ class Study:
 
     def digest(self) -> str:
         return hashlib.sha256(self.to_json().encode("utf-8")).hexdigest()
+
+
+def _protection_fields(document: Mapping[str, Any]) -> dict[str, Any]:
+    """The protection and its parameters in a study document (absent: masking)."""
+    protection = str(document.get("protection", "mask"))
+    if protection == "mask":
+        return {"protection": protection}
+    return {
+        "protection": protection,
+        "ckks_degree": int(document["ckks_degree"]),
+        "ckks_coeff_mod_bit_sizes": tuple(int(b) for b in document["ckks_coeff_mod_bit_sizes"]),
+        "ckks_scale_bits": int(document["ckks_scale_bits"]),
+    }
 
 
 def study_session_id(study: Study, nonce: bytes) -> bytes:

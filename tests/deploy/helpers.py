@@ -58,6 +58,7 @@ def make_federation(
     active: Mapping[str, tuple[int, ...]] | None = None,
     method: Method | None = None,
     seed: int = 0,
+    protection: str = "mask",
 ) -> Federation:
     tmp_path.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
@@ -85,10 +86,13 @@ def make_federation(
         settings = NodeSettings(
             identity_key=key_path, passphrase_file=passfile, roster=roster_path, features=features_path,
             out_dir=tmp_path / f"out-{cid}", ledger_dir=tmp_path / f"ledger-{cid}", device="cpu",
+            protections=frozenset({protection}),
         )  # fmt: skip
         nodes[1000 + k] = Node(cid, settings)
         data[cid] = (features, labels, mine)
-    study = Study(classes=CLASSES, dim=dim, backbone=dict(BACKBONE), method=method or Method())
+    study = Study(
+        classes=CLASSES, dim=dim, backbone=dict(BACKBONE), method=method or Method(), protection=protection
+    )
     return Federation(nodes, roster, study, data)
 
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from secure_afl.aggregation.backend import CkksBackend
 from secure_afl.deploy.apps import study_from_run_config
-from secure_afl.deploy.backend import BACKENDS, MaskingBackend
 from secure_afl.deploy.classifier import Classifier
 from secure_afl.deploy.client import NodeSettings
 from secure_afl.deploy.errors import ConfigurationError, FederationAbortedError
@@ -342,18 +342,15 @@ def test_a_session_id_that_does_not_commit_to_the_study_is_refused_by_every_clie
         _run(federation, InProcessTransport(federation, tamper=tamper))
 
 
-class _CkksNamed(MaskingBackend):
-    name = "ckks"
-
-
-def test_dp_with_ckks_is_refused_by_the_server_and_by_the_clients(tmp_path: Path, monkeypatch) -> None:
+def test_dp_with_ckks_is_refused_by_the_study_the_server_and_the_clients(tmp_path: Path) -> None:
     federation = _private_federation(tmp_path, n_clients=4)
     with pytest.raises(ConfigurationError, match="only with the masking protocol"):
+        dataclasses.replace(federation.study, protection="ckks")
+    with pytest.raises(ConfigurationError, match="the server was given the 'ckks' backend"):
         FederationServer(
-            InProcessTransport(federation), federation.roster, federation.study, backend=_CkksNamed()
+            InProcessTransport(federation), federation.roster, federation.study, backend=CkksBackend()
         )
     # A server that says "ckks" to the clients anyway is refused by each of them.
-    monkeypatch.setitem(BACKENDS, "ckks", _CkksNamed())
 
     def tamper(node_id: int, group: str, envelope: Envelope) -> Envelope:
         return Envelope(
@@ -368,7 +365,10 @@ def test_dp_with_ckks_is_refused_by_the_server_and_by_the_clients(tmp_path: Path
         server.run()
     assert {(r["error"]) for r in server.report.refusals} == {"StudyMismatchError"}
     assert len(server.report.refusals) == 4
-    assert all("only with the masking protocol" in r["message"] for r in server.report.refusals)
+    assert all(
+        "the session runs the 'ckks' protection, but the study says 'mask'" in r["message"]
+        for r in server.report.refusals
+    )
 
 
 def test_bad_dp_studies_are_refused_with_what_to_fix(tmp_path: Path) -> None:
