@@ -50,7 +50,8 @@ from .errors import LocalDeploymentError
 from .study import Study, format_class_lists
 
 CONNECTION = "local"
-DROP_ROUNDS = ("R1", "R2", "R3", "R4")
+DROP_ROUNDS = ("R1", "R2", "R3", "R4")  # masking's rounds after R0; CKKS has R1..R3
+DROP_ROUNDS_BY_PROTECTION = {"mask": DROP_ROUNDS, "ckks": ("R1", "R2", "R3")}
 # Flower's SuperExec polls for tasks every second by default; a tenth keeps each round short.
 CHILD_ENV = {
     "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.1",
@@ -407,8 +408,11 @@ def run_local(
     for cid, round_name in drops.items():
         if cid not in feature_files:
             raise LocalDeploymentError(f"--drop {cid}@{round_name}: no institution {cid!r} ({client_ids})")
-        if round_name not in DROP_ROUNDS:
-            raise LocalDeploymentError(f"--drop {cid}@{round_name}: the round must be one of {DROP_ROUNDS}")
+        rounds = DROP_ROUNDS_BY_PROTECTION[study.protection]
+        if round_name not in rounds:
+            raise LocalDeploymentError(
+                f"--drop {cid}@{round_name}: with {study.protection} the round must be one of {rounds}"
+            )
     seconds: dict[str, float] = {}
     started = time.perf_counter()
     keys_dir, logs = work_dir / "keys", work_dir / "logs"
@@ -443,6 +447,10 @@ def run_local(
             "threshold": study.threshold,
             "min-group-size": study.min_group_size,
             "frac-bits": study.frac_bits,
+            "protection": study.protection,
+            "ckks-degree": study.ckks_degree,
+            "ckks-moduli": ",".join(str(b) for b in study.ckks_coeff_mod_bit_sizes),
+            "ckks-scale-bits": study.ckks_scale_bits,
             "round-timeout": round_timeout,
             "statistics-timeout": statistics_timeout,
             "connect-timeout": connect_timeout,
@@ -511,6 +519,7 @@ def run_local(
                 "features": str(feature_files[cid]),
                 "ledger-dir": str(work_dir / "ledgers" / cid),
                 "out-dir": str(out_dir / cid),
+                "protection": study.protection,  # each institution agreed to the study's protection
             }
             if study.dp is not None:  # each hospital insists on the study's privacy itself
                 node_config.update({"dp-epsilon": str(study.dp.epsilon), "dp-delta": str(study.dp.delta)})

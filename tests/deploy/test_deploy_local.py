@@ -1,10 +1,15 @@
 """``secure-afl deploy local`` over Flower's real runtime: SuperLink, 4 SuperNodes, TLS, node auth.
 
-One run (about three minutes on 2 cores shared with other work; R1 waits the 30 s round timeout
+Masking: one run (about three minutes on 2 cores shared with other work; R1 waits the 30 s round timeout
 for the killed node, and a shorter timeout let live nodes time out under load): client-2's
 SuperNode is killed when it receives round R1; the deployed classifier must equal the in-process
 simulation's over the 3 survivors bit for bit, every survivor must hold the same classifier, and no
 process may be left behind.
+
+CKKS: one run without TLS or dropouts (about two minutes here; dropped clients and decryptors are
+tested in process, tests/deploy/test_federation_ckks.py): the classifier must equal the masked
+simulation's within CKKS precision (max |Δw| measured 1e-7 of max |w| at d = 32; the command checks
+1e-4) and every institution must hold the same classifier.
 """
 
 from __future__ import annotations
@@ -62,6 +67,41 @@ def test_deploy_local_with_tls_auth_and_a_dropout_equals_the_simulation(tmp_path
     # No SuperLink, SuperNode, SuperExec or app process survives the command.
     assert _processes_mentioning(str(tmp_path)) == []
     print(f"deploy local took {time.monotonic() - started:.0f} s")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc to find leftover processes")
+def test_deploy_local_with_ckks_equals_the_simulation_within_ckks_precision(tmp_path: Path) -> None:
+    import json
+    import re
+
+    out = tmp_path / "out"
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    command = [
+        sys.executable, "-c", "from secure_afl.cli import main; main()",
+        "deploy", "local", "--clients", "4", "--no-tls", "--secure", "ckks",
+        "--fraction", "0.08", "--dim", "32", "--round-timeout", "30", "--out", str(out),
+    ]  # fmt: skip
+    started = time.monotonic()
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=420)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    assert "protection: ckks (N=8192, moduli [60, 40, 40, 60], scale 2^40)" in output
+    match = re.search(r"weights equal within CKKS precision: yes \(max \|Δw\| (\S+), (\S+) of max", output)
+    assert match, output[-4000:]
+    assert float(match.group(2)) <= 1e-4  # what the command checks, read back
+    everyone = "['client-0', 'client-1', 'client-2', 'client-3']"
+    assert f"classifier stored by {everyone}; identical copies: True" in output
+    classifier = Classifier.load(out / "classifier.json")
+    assert classifier.protocol["backend"] == "ckks" and classifier.protocol["poly_modulus_degree"] == 8192
+    assert classifier.sessions[0]["survivors"] == ["client-0", "client-1", "client-2", "client-3"]
+    report = json.loads((out / "report.json").read_text())
+    session = report["sessions"][0]
+    assert set(session["round_seconds"]) == {"R0", "R1", "R2", "R3"}  # CKKS's rounds, not masking's
+    assert session["key_holder"] in session["participants"]
+    assert set(session["decryptors"].values()) <= set(session["survivors"])
+    assert np.isfinite(classifier.weights).all() and classifier.weights.shape == (32, 8)
+    assert _processes_mentioning(str(tmp_path)) == []
+    print(f"deploy local --secure ckks took {time.monotonic() - started:.0f} s")
 
 
 def test_process_groups_stop_grandchildren_even_in_new_sessions(tmp_path: Path) -> None:
