@@ -274,6 +274,7 @@ class CkksBackend:
             survivors={g: s.survivors for g, s in result.groups.items()},
             details={
                 "key_holder": result.key_holder,
+                "replaced_key_holders": list(result.replaced_key_holders),
                 "decryptors": {g: s.decryptor for g, s in result.groups.items()},
                 "parameters": {
                     "poly_modulus_degree": self.parameters.poly_modulus_degree,

@@ -68,6 +68,7 @@ class SessionRecord:
     groups: list[dict[str, Any]] = field(default_factory=list)
     round_seconds: dict[str, float] = field(default_factory=dict)
     key_holder: str = ""  # CKKS: the client that generated the session's key
+    replaced_key_holders: tuple[str, ...] = ()  # CKKS: key holders that sent no key (re-elected)
     decryptors: dict[str, str] = field(default_factory=dict)  # CKKS: group -> who decrypted its sum
 
 
@@ -90,7 +91,15 @@ class FederationReport:
                     "survivors": list(s.survivors),
                     "completed": list(s.completed),
                     "round_seconds": s.round_seconds,
-                    **({"key_holder": s.key_holder, "decryptors": s.decryptors} if s.key_holder else {}),
+                    **(
+                        {
+                            "key_holder": s.key_holder,
+                            "replaced_key_holders": list(s.replaced_key_holders),
+                            "decryptors": s.decryptors,
+                        }
+                        if s.key_holder
+                        else {}
+                    ),
                 }
                 for s in self.sessions
             ],
@@ -308,8 +317,8 @@ class FederationServer:
         node_of: dict[str, int] = {}
         failed: set[str] = set()  # participants that refused, were rejected or dropped
         round_name = "R0"
-        # Bounded: masking has 5 rounds; CKKS 4, plus at most one repeated R3 per client (every
-        # repetition replaces at least one decryptor, who is never asked again).
+        # Bounded: masking has 5 rounds; CKKS 4, plus at most one repeated R1 or R3 per client (every
+        # repetition replaces a key holder or at least one decryptor, who is never asked again).
         max_rounds = len(self.backend.rounds) + len(self.roster) + 1
         for _ in range(max_rounds):
             round_name = str(session.round.value)  # type: ignore[attr-defined]
@@ -371,10 +380,8 @@ class FederationServer:
             record.round_seconds[round_name] = record.round_seconds.get(round_name, 0.0) + (
                 time.perf_counter() - started
             )
-            self.log(
-                f"{at}{' (again: replacing decryptors)' if again else ''}: {answers} answer(s) in "
-                f"{time.perf_counter() - started:.1f} s"
-            )
+            repeated = " (again: replacing the key holder or decryptors)" if again else ""
+            self.log(f"{at}{repeated}: {answers} answer(s) in {time.perf_counter() - started:.1f} s")
             if round_name == "R0":
                 self._node_of.update(node_of)
                 record.participants = tuple(sorted(node_of))
@@ -408,6 +415,7 @@ class FederationServer:
             )
         if "key_holder" in outcome.details:
             record.key_holder = str(outcome.details["key_holder"])
+            record.replaced_key_holders = tuple(outcome.details.get("replaced_key_holders", ()))  # type: ignore[arg-type]
             record.decryptors = dict(outcome.details.get("decryptors", {}))  # type: ignore[call-overload]
         return record, outcome
 

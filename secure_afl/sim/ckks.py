@@ -64,8 +64,9 @@ def ckks_aggregate(
     ``dropouts`` maps a stage ("R1" key distribution, "R2" encrypted inputs, "R3" decryption) to
     the clients that stop answering from that stage on.  Raises
     :class:`~secure_afl.protocol.errors.GroupTooSmallError` when a group keeps fewer survivors than
-    ``min_group_size``, :class:`~secure_afl.protocol.ckks.errors.KeyHolderDroppedError` when the key
-    holder drops before sending the key, and :class:`~secure_afl.protocol.ckks.errors.NoDecryptorError`
+    ``min_group_size``, :class:`~secure_afl.protocol.ckks.errors.KeyHolderDroppedError` when no advertised
+    client is left to hold the key (a key holder that drops before sending it is replaced by a
+    re-election among the others), and :class:`~secure_afl.protocol.ckks.errors.NoDecryptorError`
     when every surviving member of a group dropped before decrypting.
     """
     backend = CkksBackend(

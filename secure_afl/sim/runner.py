@@ -337,8 +337,8 @@ def _protected_sums(
         ) from exc
     except KeyHolderDroppedError as exc:
         raise ExperimentError(
-            f"CKKS aggregation aborted: {exc}. The dropped clients include the one the session chose to "
-            "generate the key; use another --seed or --dropout-stage R2/R3"
+            f"CKKS aggregation aborted: {exc}. Every client chosen to generate the key dropped before "
+            "sending it (each is replaced while others remain); lower --dropout or use --dropout-stage R2/R3"
         ) from exc
     except NoDecryptorError as exc:
         raise ExperimentError(f"CKKS aggregation aborted: {exc}; lower --dropout") from exc

@@ -35,6 +35,7 @@ from secure_afl.protocol.ckks.messages import (
 from secure_afl.protocol.ckks.state import CkksClientState
 from secure_afl.protocol.errors import (
     ExposureRefusedError,
+    GroupTooSmallError,
     HistoryExposureRefusedError,
     InvalidSignatureError,
     MessageDecodeError,
@@ -152,13 +153,59 @@ def test_a_group_with_no_survivor_left_to_decrypt_fails_clearly() -> None:
         fed.run(drop={"R3": {"c0", "c2"}})  # both members of class/0
 
 
-def test_a_key_holder_that_drops_before_sending_the_key_aborts() -> None:
+def test_a_key_holder_that_drops_before_sending_the_key_is_replaced_by_a_reelection() -> None:
     contributions = small_contributions()
     probe = Federation(contributions)
     probe.run(until="R1")
+    holder = probe.server.key_holder
     fed = Federation(contributions)
-    with pytest.raises(KeyHolderDroppedError, match=probe.server.key_holder):
-        fed.run(drop={"R1": {probe.server.key_holder}})
+    fed.run(drop={"R1": {holder}})
+    result = fed.server.result()
+    assert result.replaced_key_holders == (holder,)
+    assert result.key_holder not in ("", holder)
+    assert holder not in result.survivors and len(result.survivors) == 3
+    survivors = set(fed.ids) - {holder}
+    assert _max_error(_result_sums(fed), plain_sums(contributions, survivors)) <= 2.0**-24
+    # The group the key holder left keeps its other member only: with a minimum group size of 2
+    # the re-election itself aborts, before anything is encrypted.
+    fed = Federation(contributions, min_group_size=2)
+    with pytest.raises(GroupTooSmallError, match=f"without the key holder '{holder}'"):
+        fed.run(drop={"R1": {holder}})
+    # A single client whose key never comes: nobody is left to hold a key.
+    alone = Federation({"c0": contributions["c0"]})
+    with pytest.raises(KeyHolderDroppedError, match="no other advertised client is left"):
+        alone.run(drop={"R1": {"c0"}})
+
+
+def test_a_reelection_may_remove_the_silent_key_holder_and_nobody_else() -> None:
+    fed = Federation(small_contributions())
+    fed.run(until="R1")
+    holder = fed.server.key_holder
+    first = fed.requests_by_round["R1"]
+    peers = [c for c in fed.ids if c != holder]
+    for cid in peers:
+        assert fed.clients[cid].receive(first[cid]) == []  # not the key holder: nothing to send
+    # Removing another client than the key holder (the server choosing who holds the key) is refused.
+    wrong = dataclasses.replace(
+        first[peers[0]],
+        advertisements=tuple(a for a in first[peers[0]].advertisements if a.client_id != peers[1]),
+    )
+    with pytest.raises(ServerProtocolError, match="less the key holder"):
+        fed.clients[peers[0]].receive(wrong)
+    assert fed.clients[peers[0]].state is CkksClientState.FAILED
+    # The key holder itself is never asked again.
+    assert len(fed.clients[holder].receive(first[holder])) == 1  # its key distribution
+    right = dataclasses.replace(
+        first[holder], advertisements=tuple(a for a in first[holder].advertisements if a.client_id != holder)
+    )
+    with pytest.raises(ServerProtocolError, match="not asked for a key again"):
+        fed.clients[holder].receive(right)
+    # Exactly the key holder removed: the remaining advertisements choose the next key holder, the
+    # same one the server computes.
+    replies = fed.clients[peers[1]].receive(right)
+    assert fed.clients[peers[1]].state is CkksClientState.AWAIT_INPUT_REQUEST
+    assert fed.clients[peers[1]]._key_holder != holder  # type: ignore[attr-defined]
+    assert bool(replies) == (fed.clients[peers[1]]._key_holder == peers[1])  # type: ignore[attr-defined]
 
 
 def test_corrupt_ciphertext_bytes_are_refused_by_the_server() -> None:

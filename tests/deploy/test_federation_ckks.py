@@ -188,24 +188,57 @@ def test_the_server_never_receives_a_secret_key(tmp_path: Path) -> None:
     assert not any(type(v).__module__.startswith("tenseal") for v in vars(server).values())
 
 
-def test_the_key_holder_dropping_before_the_key_aborts_with_a_specific_error(tmp_path: Path) -> None:
+def test_a_key_holder_that_drops_before_the_key_is_replaced_or_the_session_aborts(tmp_path: Path) -> None:
     federation = make_federation(tmp_path, dim=DIM, protection="ckks")
 
-    class KeyHolderDies(InProcessTransport):
+    class KeyHoldersDie(InProcessTransport):
+        """The node with a key to send dies before it is sent: the first one, or every one."""
+
+        def __init__(self, federation, every: bool) -> None:
+            super().__init__(federation)
+            self.every = every
+            self.killed: list[str] = []
+
         def exchange(self, outgoing, group, timeout):
             replies = super().exchange(outgoing, group, timeout)
-            if group == "s1-R1":  # the one node with a message to send dies before it is sent
-                replies = {n: env for n, env in replies.items() if not env.payload}
+            if group == "s1-R1" and (self.every or not self.killed):
+                for node, envelope in list(replies.items()):
+                    if envelope.payload:
+                        del replies[node]
+                        node_ = self.federation.nodes[node]
+                        node_.dead_from = "s1-R1"
+                        self.killed.append(node_.client_id)
             return replies
 
+    transport = KeyHoldersDie(federation, every=False)
+    server, classifier, _ = _run(federation, transport)
+    (session,) = server.report.sessions
+    (dropped,) = transport.killed
+    assert session.replaced_key_holders == (dropped,)
+    assert session.key_holder not in ("", dropped)
+    assert server.report.dropouts == [{"at": "session 1 R1", "client": dropped}]
+    assert dropped not in session.survivors and len(session.survivors) == 3
+    assert dropped not in server.report.acknowledged and len(server.report.acknowledged) == 3
+    reference = reference_classifier(
+        federation.data, federation.study, roster_size=4, dropouts={"R1": [dropped]}, device="cpu"
+    )
+    assert reference.survivors == session.survivors
+    error = float(np.max(np.abs(classifier.weights - reference.coef)))
+    assert error <= WEIGHT_TOLERANCE, error
+
+    # Every key holder dies: after two, class groups keep one member (client-k lacks class k) and
+    # the re-election aborts the session before anything is encrypted.
+    federation = make_federation(tmp_path / "again", dim=DIM, protection="ckks")
+    transport = KeyHoldersDie(federation, every=True)
     server = FederationServer(
-        KeyHolderDies(federation), federation.roster, federation.study, round_timeout=1, log=lambda s: None
+        transport, federation.roster, federation.study, round_timeout=1, log=lambda s: None
     )
     with pytest.raises(
-        FederationAbortedError, match=r"session 1 aborted after R1: the key holder .* sent no key"
+        FederationAbortedError, match=r"session 1 aborted after R1: group .* without the key holder"
     ):
         server.run()
-    assert [d["at"] for d in server.report.dropouts] == ["session 1 R1"]
+    assert len(transport.killed) == 2
+    assert [d["client"] for d in server.report.dropouts] == transport.killed
 
 
 def test_a_client_refuses_a_protection_it_did_not_agree_to_or_that_differs_from_the_study(

@@ -61,7 +61,7 @@ from .messages import (
     EncryptedContext,
     EncryptedTensor,
 )
-from .state import CLIENT_TRANSITIONS, CkksClientState
+from .state import CLIENT_REPEATS, CLIENT_TRANSITIONS, CkksClientState
 
 if TYPE_CHECKING:
     from secure_afl.privacy.ledger import Ledger
@@ -204,6 +204,9 @@ class CkksClientSession:
         if self._state in (CkksClientState.FAILED, CkksClientState.DONE):
             raise LocalProtocolError(f"the session is over (state {self._state.name}); start a new one")
         expected, next_state = CLIENT_TRANSITIONS[self._state]
+        repeat = CLIENT_REPEATS.get(self._state)
+        if repeat is not None and type(message) is repeat[0]:
+            expected, next_state = repeat
         handlers = {
             CkksAdvertiseRequest: self._on_advertise_request,
             CkksKeyRequest: self._on_key_request,
@@ -217,7 +220,10 @@ class CkksClientSession:
                 raise OutOfOrderMessageError(
                     f"{type(message).__name__} received while awaiting {expected.__name__}"
                 )
-            replies, commit = handlers[type(message)](message)  # type: ignore[operator]
+            handler = handlers[type(message)]
+            if repeat is not None and expected is repeat[0]:
+                handler = self._on_key_reelection
+            replies, commit = handler(message)  # type: ignore[operator]
         except LocalProtocolError:
             raise
         except ProtocolError:
@@ -286,6 +292,30 @@ class CkksClientSession:
             adverts[advert.client_id] = advert
         if adverts.get(self.client_id) != self._own_advert:
             raise ServerProtocolError("the server omitted or altered this client's own advertisement")
+        return self._elect(config, adverts)
+
+    def _on_key_reelection(self, request: CkksKeyRequest):
+        """A repeated R1: the key holder sent no key, so the server asks again without it.
+
+        The server may only remove the key holder it could not get a key from: the advertisements
+        must be exactly those accepted before, less that key holder (never this client).  The
+        advertisements without it choose the next key holder, as in R1.
+        """
+        config = self._require_config()
+        self._check_session(request.session_id)
+        if self._key_holder == self.client_id:
+            raise ServerProtocolError("this client is the key holder; it is not asked for a key again")
+        expected = {cid: a for cid, a in self._adverts.items() if cid != self._key_holder}
+        received = {advert.client_id: advert for advert in request.advertisements}
+        if len(received) != len(request.advertisements) or received != expected:
+            raise ServerProtocolError(
+                f"a repeated key request must carry the accepted advertisements less the key holder "
+                f"{self._key_holder!r}, and nothing else"
+            )
+        return self._elect(config, expected)
+
+    def _elect(self, config: CkksSessionConfig, adverts: dict[str, CkksAdvertise]):
+        """Group checks over ``adverts``, the key holder they choose, and its key (if it is this client)."""
         members = {
             group.name: tuple(sorted(cid for cid, a in adverts.items() if group.name in a.groups))
             for group in config.groups

@@ -70,6 +70,7 @@ class CkksAggregationResult:
     key_holder: str
     groups: Mapping[str, CkksGroupSum]
     survivors: tuple[str, ...]  # U2: the clients whose inputs are in the sums
+    replaced_key_holders: tuple[str, ...] = ()  # key holders that sent no key (re-elections)
 
 
 class CkksServerSession:
@@ -89,6 +90,7 @@ class CkksServerSession:
         self._adverts_digest = b""
         self._members: dict[str, tuple[str, ...]] = {}
         self._key_holder = ""
+        self._replaced_key_holders: tuple[str, ...] = ()  # key holders that sent no key, in order
         self._keys: CkksKeyDistribution | None = None
         self._public_context = None  # TenSEAL context without any key
         self._sums: dict[tuple[str, str], list] = {}  # (group, tensor) -> summed ciphertext chunks
@@ -115,6 +117,11 @@ class CkksServerSession:
     @property
     def key_holder(self) -> str:
         return self._key_holder
+
+    @property
+    def replaced_key_holders(self) -> tuple[str, ...]:
+        """The key holders that sent no key and were replaced by a re-election, in order."""
+        return self._replaced_key_holders
 
     @property
     def public_context(self) -> bytes:
@@ -152,6 +159,8 @@ class CkksServerSession:
             raise LocalProtocolError(f"no round to close in {self._round.name}")
         if self._round is CkksServerRound.ADVERTISE:
             replies = self._close_advertise()
+        elif self._round is CkksServerRound.KEYS and self._keys is None:
+            return self._reelect()  # R1 again, without the key holder that sent no key
         elif self._round is CkksServerRound.KEYS:
             replies = self._close_keys()
         elif self._round is CkksServerRound.INPUT:
@@ -346,12 +355,34 @@ class CkksServerSession:
         request = CkksKeyRequest(self._config.session_id, adverts)
         return {cid: request for cid in sorted(self._adverts)}
 
+    def _reelect(self) -> dict[str, CkksServerMessage]:
+        """The key holder sent no key: ask the other advertised clients again, without it.
+
+        Every client checks that only the key holder was removed, and the remaining advertisements
+        choose the next key holder as in R1 (the server still cannot name it).  A dropout here costs
+        no secret: nothing has been encrypted yet.  Each re-election removes one client, so there
+        are at most as many as advertised clients.
+        """
+        dropped = self._key_holder
+        remaining = {cid: a for cid, a in self._adverts.items() if cid != dropped}
+        if not remaining:
+            raise KeyHolderDroppedError(
+                f"the key holder {dropped!r} sent no key and no other advertised client is left to "
+                f"hold one; nothing was encrypted, start a new session"
+            )
+        self._check_groups(set(remaining), f"without the key holder {dropped!r}, who sent no key")
+        self._members = {g: tuple(c for c in ids if c != dropped) for g, ids in self._members.items()}
+        self._adverts = remaining
+        self._replaced_key_holders += (dropped,)
+        adverts = tuple(remaining[cid] for cid in sorted(remaining))
+        self._adverts_digest = binding.advertisements_digest(self._config.session_id, adverts)
+        self._key_holder = binding.key_holder(self._config.session_id, self._adverts_digest, remaining)
+        request = CkksKeyRequest(self._config.session_id, adverts)
+        return {cid: request for cid in sorted(remaining)}
+
     def _close_keys(self) -> dict[str, CkksServerMessage]:
         keys = self._keys
-        if keys is None:
-            raise KeyHolderDroppedError(
-                f"the key holder {self._key_holder!r} sent no key; nothing was encrypted, start a new session"
-            )
+        assert keys is not None  # next_round() re-elects while no key came
         sealed = {item.recipient: item for item in keys.contexts}
         return {
             cid: CkksInputRequest(
@@ -430,4 +461,5 @@ class CkksServerSession:
                 }
             ),
             survivors=self._survivors,
+            replaced_key_holders=self._replaced_key_holders,
         )

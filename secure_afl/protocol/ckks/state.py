@@ -16,6 +16,10 @@ Rules
 
    A client stays in AWAIT_DECRYPT_REQUEST: the server may ask it again when another group's
    decryptor dropped; it never decrypts one group twice.  ``close()`` ends the session (DONE).
+   A client in AWAIT_INPUT_REQUEST also accepts a repeated CkksKeyRequest (``CLIENT_REPEATS``):
+   the key holder sent no key, and the server re-elects one among the advertisements accepted
+   before, less that key holder only (the client refuses any other change); the new key holder
+   replies with its CkksKeyDistribution, and the client stays in AWAIT_INPUT_REQUEST.
 2. Any other message, or any failed check, moves the client to FAILED and drops its secrets; a FAILED
    or DONE client accepts nothing.  A local usage error leaves the state unchanged.
 3. The server collects one message type per round and moves on when the driver calls ``next_round()``:
@@ -27,14 +31,17 @@ Rules
    ADVERTISE    CkksAdvertise           CkksKeyRequest               KEYS
    KEYS         CkksKeyDistribution     CkksInputRequest             INPUT
    INPUT        CkksInput               CkksDecryptRequest           DECRYPT
+   KEYS (no     -                       CkksKeyRequest without the   KEYS (re-election; at most
+   key came)                            key holder                   once per advertised client)
    DECRYPT      CkksDecryption          CkksDecryptRequest (groups   DECRYPT, or DONE (sends
                                         still without a sum, to       nothing) when every group
                                         another survivor)             has its sum
    ===========  ======================  ===========================  ===========================
 
 4. A client message the server rejects leaves the server's state unchanged.  A round that leaves a
-   group below the minimum group size, a key holder that sends no key, or a group with no survivor
-   left to decrypt raises :class:`~secure_afl.protocol.errors.SessionAbortedError`.
+   group below the minimum group size (a re-election included), no advertised client left to hold
+   the key, or a group with no survivor left to decrypt raises
+   :class:`~secure_afl.protocol.errors.SessionAbortedError`.
 """
 
 from __future__ import annotations
@@ -79,6 +86,11 @@ CLIENT_TRANSITIONS = MappingProxyType(
         CkksClientState.AWAIT_INPUT_REQUEST: (CkksInputRequest, CkksClientState.AWAIT_DECRYPT_REQUEST),
         CkksClientState.AWAIT_DECRYPT_REQUEST: (CkksDecryptRequest, CkksClientState.AWAIT_DECRYPT_REQUEST),
     }
+)
+
+# A state that also accepts a repeat of the previous round's request: the key re-election.
+CLIENT_REPEATS = MappingProxyType(
+    {CkksClientState.AWAIT_INPUT_REQUEST: (CkksKeyRequest, CkksClientState.AWAIT_INPUT_REQUEST)}
 )
 
 SERVER_ACCEPTS = MappingProxyType(
