@@ -164,7 +164,7 @@ def deploy() -> None:
     "drops",
     multiple=True,
     help="CLIENT@ROUND: kill that SuperNode at that protocol round (R1..R4; with ckks R1..R3, where "
-    "R3 reaches only decryptors and killing the key holder at R1 aborts the session).",
+    "R3 reaches only decryptors; a key holder killed at R1 is replaced by a re-election).",
 )
 @click.option(
     "--secure",
