@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Literal
@@ -671,12 +672,19 @@ def run_experiment(
         _gradient_methods(data, config) as gradient,
         threadpool_limits(1, user_api="blas") if gradient.mode != "inline" else nullcontext(),
     ):
-        with timer.phase("statistics"):
+        threads = gradient.cores if gradient.mode != "inline" else 1
+        with timer.phase("statistics"), ThreadPoolExecutor(threads) as pool:
+            # Beside the gradient methods, the clients' Grams run on one thread per core (numpy's
+            # BLAS releases the GIL; each Gram is the same computation), so that AFL keeps both
+            # cores when FedAvg's threads wait or finish first.
+            def statistics_of(rows: np.ndarray) -> ClientStatistics:
+                return client_statistics(data.features[rows], data.cohort.labels[rows], device=config.device)
+
+            clients = data.split.clients if config.dp is None else ()  # DP: later
+            jobs = [pool.submit(statistics_of, rows) for rows in clients]
             stats = {}
-            for k, rows in enumerate(data.split.clients if config.dp is None else ()):  # DP: later
-                stats[client_id(k)] = client_statistics(
-                    data.features[rows], data.cohort.labels[rows], device=config.device
-                )
+            for k, job in enumerate(jobs):
+                stats[client_id(k)] = job.result()
                 progress("client statistics", k + 1, config.n_clients)
         settings = tuple(
             run_setting(data, stats, missing, config, timer, progress, gradient) for missing in config.missing
