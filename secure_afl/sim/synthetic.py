@@ -76,10 +76,11 @@ def synthetic_features(
 
     out = np.empty((len(labels), dim), dtype=np.float32)
     # The random draws must stay in order (one generator stream), but the softplus of a finished
-    # chunk (the costliest step; numpy releases the GIL in it) runs on a second thread while the
-    # next chunk is drawn.  Same operations on the same numbers: the features do not change.
-    with ThreadPoolExecutor(max_workers=1) as softplus:
-        pending: Future[None] | None = None
+    # chunk (the costliest step: scalar libm calls; numpy releases the GIL in it) runs on other
+    # threads while the next chunk is drawn, each half of the chunk on its own thread so that a
+    # free core takes one.  Same operations on the same numbers: the features do not change.
+    with ThreadPoolExecutor(max_workers=2) as softplus:
+        pending: list[Future[None]] = []
         for start in range(0, len(labels), CHUNK_ROWS):
             stop = min(start + CHUNK_ROWS, len(labels))
             rows = stop - start
@@ -89,13 +90,18 @@ def synthetic_features(
             z += rng.standard_normal((rows, NUISANCE_RANK), dtype=np.float32) @ nuisance
             z += patient_effect[patient_index[start:stop]] @ patient_load
             z += labels[start:stop].astype(np.float32) @ signatures
-            if pending is not None:
-                pending.result()
+            if pending:
+                for job in pending:
+                    job.result()
                 if progress is not None:
                     progress(start)
-            pending = softplus.submit(_softplus_into, z, out[start:stop])
-        if pending is not None:
-            pending.result()
+            half = rows // 2
+            pending = [
+                softplus.submit(_softplus_into, z[:half], out[start : start + half]),
+                softplus.submit(_softplus_into, z[half:], out[start + half : stop]),
+            ]
+        for job in pending:
+            job.result()
     if progress is not None:
         progress(len(labels))
     return out
