@@ -290,6 +290,8 @@ def deploy_local(
     except ConfigurationError as exc:
         raise click.BadParameter(str(exc)) from None
     live = [k for k, cid in enumerate(client_ids) if cid not in drop_rounds]
+    # A client dropped after its upload (R3, R4) is still in the sums: only R1/R2 drops shrink a group.
+    summed = [k for k, cid in enumerate(client_ids) if drop_rounds.get(cid) not in ("R1", "R2")]
     threshold = deployment_threshold(clients)
     if secure == "mask" and len(live) < threshold:
         raise click.UsageError(
@@ -297,7 +299,7 @@ def deploy_local(
             f"(⌊2n/3⌋+1): drop fewer"
         )
     for c, name in enumerate(CLASSES):
-        labelling = [client_ids[k] for k in live if c in assignment.active[k]]
+        labelling = [client_ids[k] for k in summed if c in assignment.active[k]]
         if len(labelling) < study.min_group_size:
             raise click.UsageError(
                 f"class {name} would be labelled by {len(labelling)} surviving institution(s) "

@@ -120,6 +120,11 @@ class ProtectionBackend(Protocol):
         """The client id a client message claims (its signature is the server session's to check)."""
         ...
 
+    def replay(self, client: ClientSessionLike, data: bytes) -> None:
+        """Feed ``client`` a server message it already answered, to rebuild its state (the
+        deployment's clients are rebuilt per message); the replies are not needed again."""
+        ...
+
     def client_finished(self, client: ClientSessionLike) -> bool:
         """Whether the session needs nothing more of this client for sure (its secrets can go when
         the session ends; a later request, such as CKKS's replacement decryption, is optional)."""
@@ -214,6 +219,9 @@ class MaskingBackend:
     def sender(self, message: object) -> str:
         return _sender(message)
 
+    def replay(self, client: ClientSessionLike, data: bytes) -> None:
+        client.receive_bytes(data)  # cheap, and deterministic from the seed
+
     def client_finished(self, client: ClientSessionLike) -> bool:
         # Every round of masking is needed (R3/R4 unmask the sums): finished means DONE.
         return getattr(getattr(client, "state", None), "name", "") == "DONE"
@@ -288,6 +296,9 @@ class CkksBackend:
 
     def sender(self, message: object) -> str:
         return _sender(message)
+
+    def replay(self, client: ClientSessionLike, data: bytes) -> None:
+        client.replay_bytes(data)  # type: ignore[attr-defined]  # no new key, no re-encryption
 
     def client_finished(self, client: ClientSessionLike) -> bool:
         # Once its encrypted inputs are out (R2) a client owes nothing: the server may still ask it

@@ -504,7 +504,7 @@ def _continue_session(envelope: Envelope, label: str, state: LocalState, setting
     # (CKKS: the secret context is the one the key holder sealed for this client in R2's message;
     # a replayed R3 decrypts again what was decrypted before, and a new R3 asks for other groups).
     for data in saved["messages"]:
-        session.receive_bytes(data)
+        backend.replay(session, data)
     gate.live = True
     replies = session.receive_bytes(envelope.payload)
     round_name = str(envelope.meta.get("round", ""))

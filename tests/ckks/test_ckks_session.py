@@ -147,6 +147,49 @@ def test_a_client_rebuilt_by_replaying_the_server_messages_decrypts_as_the_origi
                 np.testing.assert_array_equal(np.frombuffer(tensor.data, dtype="<f8"), got[tensor.tensor])
 
 
+def test_replaying_answered_messages_makes_no_key_and_no_ciphertext_and_decrypts_as_the_original(
+    monkeypatch,
+) -> None:
+    # replay_bytes (what the deployment's rebuilt clients use) moves the state without making the
+    # replies again: no new key for a replayed R1, no encryption for a replayed R2.
+    fed = Federation(small_contributions())
+    fed.run()
+    decryptor = fed.server.result().groups["all"].decryptor
+    holder = fed.server.key_holder
+    limit = fed.server.max_message_bytes
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a replayed message made a key or a ciphertext")
+
+    for cid in {holder, decryptor}:
+        client = fed.new_client(cid)
+        with monkeypatch.context() as patched:
+            patched.setattr(context, "new_secret_context", forbidden)
+            patched.setattr(context, "encrypt", forbidden)
+            for round_name in ("R0", "R1", "R2"):
+                data = codec.encode(fed.requests_by_round[round_name][cid], max_message_bytes=limit)
+                assert client.replay_bytes(data) is None
+        assert client.state is CkksClientState.AWAIT_DECRYPT_REQUEST
+        if cid != decryptor:
+            continue
+        (again,) = client.receive(fed.requests_by_round["R3"][cid])
+        for group in again.groups:
+            got = fed.server.result().groups[group.group].sums
+            for tensor in group.tensors:
+                np.testing.assert_array_equal(np.frombuffer(tensor.data, dtype="<f8"), got[tensor.tensor])
+    # The checks still run on a replay: a tampered R2 message fails the rebuilt client.
+    client = fed.new_client(decryptor)
+    for round_name in ("R0", "R1"):
+        client.replay_bytes(
+            codec.encode(fed.requests_by_round[round_name][decryptor], max_message_bytes=limit)
+        )
+    r2 = fed.requests_by_round["R2"][decryptor]
+    tampered = dataclasses.replace(r2, signature=bytes(64))
+    with pytest.raises(InvalidSignatureError):
+        client.replay_bytes(codec.encode(tampered, max_message_bytes=limit))
+    assert client.state is CkksClientState.FAILED
+
+
 def test_a_group_with_no_survivor_left_to_decrypt_fails_clearly() -> None:
     fed = Federation(small_contributions())
     with pytest.raises(NoDecryptorError, match="class/0"):

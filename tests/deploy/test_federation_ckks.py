@@ -106,14 +106,31 @@ def test_ckks_deployment_equals_the_simulation_within_ckks_precision_with_a_drop
             assert "seed" not in record and "messages" not in record
 
 
-def test_a_dropped_decryptor_is_replaced_and_its_input_still_counts(tmp_path: Path) -> None:
+def test_a_dropped_decryptor_is_replaced_and_its_input_still_counts(tmp_path: Path, monkeypatch) -> None:
     # Four clients, client-k lacks class k.  The server picks the least-loaded surviving member per
     # group in name order: client-0 decrypts "all".  Killed when R3 reaches it, it is replaced by
     # client-1, which had decrypted class/0 in the first R3: its second R3 (a repeated round)
     # is answered by a client rebuilt from the replay of both R3 messages.
     federation = make_federation(tmp_path, dim=DIM, protection="ckks")
     federation.nodes[1000].dead_from = "s1-R3"
+    calls = {"keys": 0, "encryptions": 0}
+    new_secret_context, encrypt = context.new_secret_context, context.encrypt
+
+    def counted_key(*args, **kwargs):
+        calls["keys"] += 1
+        return new_secret_context(*args, **kwargs)
+
+    def counted_encrypt(*args, **kwargs):
+        calls["encryptions"] += 1
+        return encrypt(*args, **kwargs)
+
+    monkeypatch.setattr(context, "new_secret_context", counted_key)
+    monkeypatch.setattr(context, "encrypt", counted_encrypt)
     server, classifier, transport = _run(federation)
+    # Rebuilt clients replay without redoing their replies: one key (the key holder's, in R1) and
+    # one encryption per tensor per client (R2: 3 + 3 + 3 + 4), although the decryptors were
+    # rebuilt from R0..R2 for each R3.
+    assert calls == {"keys": 1, "encryptions": 13}
     (session,) = server.report.sessions
     assert server.report.dropouts == [{"at": "session 1 R3", "client": "client-0"}]
     assert session.survivors == ("client-0", "client-1", "client-2", "client-3")  # its input counts

@@ -155,6 +155,7 @@ class CkksClientSession:
         self._policy = policy
         self._gate = ExposureGate(client_id, identity_key, self._inputs, policy, ledger, input_digest)
         self._random = default_random(random)
+        self._replaying = False  # see replay_bytes
         self._state = CkksClientState.AWAIT_ADVERTISE_REQUEST
         self._message_limit = min(policy.max_config_bytes, masking_codec.DEFAULT_MAX_MESSAGE_BYTES)
         self._clear_session()
@@ -191,6 +192,18 @@ class CkksClientSession:
         if self._state is not CkksClientState.FAILED:
             self._state = CkksClientState.DONE
         self._clear_session()
+
+    def replay_bytes(self, data: bytes) -> None:
+        """Feed a server message this client already answered (a deployed client is rebuilt for
+        every message from its seed and the server's messages).  The state moves exactly as with
+        :meth:`receive_bytes`, every check included, but the replies, already sent, are not made
+        again: R1's key (a new TenSEAL key, sealed under nonces the seeded stream already used) and
+        R2's encryption of every input (the costly part of a decryptor's rebuild)."""
+        self._replaying = True
+        try:
+            self.receive_bytes(data)
+        finally:
+            self._replaying = False
 
     def receive_bytes(self, data: bytes) -> list[bytes]:
         """Decode ``data`` under :attr:`max_message_bytes`, handle it, and return the encoded replies."""
@@ -326,7 +339,7 @@ class CkksClientSession:
         adverts_digest = binding.advertisements_digest(config.session_id, adverts.values())
         holder = binding.key_holder(config.session_id, adverts_digest, adverts)
         replies: list[CkksClientMessage] = []
-        if holder == self.client_id:
+        if holder == self.client_id and not self._replaying:
             # The key holder seals the context for itself too and keeps nothing: in R2 it opens its
             # copy like every peer.  So a client rebuilt by replaying the server's messages (the
             # deployment's drivers do) needs no state, although TenSEAL's key generation cannot be
@@ -420,6 +433,13 @@ class CkksClientSession:
             "R2", "upload encrypted inputs (R2)", self._members, set(self._adverts), record=True
         )
         tensors: list[EncryptedTensor] = []
+        if self._replaying:  # the encrypted inputs were sent when this message first came
+
+            def replayed() -> None:
+                self._context = secret_context
+                self._gate.findings.extend(findings)
+
+            return [], replayed
         for group in sorted(self._inputs):
             for name in sorted(self._inputs[group]):
                 values = self._inputs[group][name]
