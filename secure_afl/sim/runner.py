@@ -489,40 +489,12 @@ def run_setting(
         if costs is not None:
             costs.update(_named_costs("round2", agg2.costs_by_protection))
 
-    # FedAvg and the baselines: trained here, or in opt-in worker processes since the data were ready (see
-    # sim/gradient.py), on the same rows, features and label assignment as AFL
-    jobs = gradient or _inline_gradient_methods(data, {missing: assignment}, config)
-    with timer.phase("gradient methods (wait)"):
-        heads, method_seconds = jobs.collect(
-            missing,
-            progress=lambda done, total: progress(f"gradient methods, missing {missing}", done, total),
-        )
-    if gradient is None:
-        jobs.close()
-    extra: dict[str, np.ndarray] = {}
-    if FEDNCA in config.baselines:
-        from secure_afl.sim.fednca import FedNCAConfig, fednca_scores
-
-        with timer.phase("baselines"):
-            nca = FedNCAConfig(rounds=config.fedavg.rounds, seed=config.seed, device=config.device)
-            extra[FEDNCA] = fednca_scores(  # logits: metrics rank scores
-                data,
-                assignment.active,
-                nca,
-                progress=lambda done: progress(f"FedNCA-ML, missing {missing}", done, nca.rounds),
-            )
     with timer.phase("metrics"):
         # AUC and AP rank the scores (logits); BACC counts each method's decisions, score > 0
-        # (= σ(score) > 0.5, what predict() returns)
+        # (= σ(score) > 0.5, what predict() returns).  AFL's first: the gradient methods may still train.
         metrics = {name: evaluate(test_y, model.decision_function(test_x)) for name, model in models.items()}
-        for name, trained in heads.items():
-            metrics[name] = evaluate(test_y, trained.decision_function(test_x))
         for name, model in other_models.items():
             metrics[name] = evaluate(test_y, model.decision_function(test_x))
-        metrics.update({name: evaluate(test_y, scores) for name, scores in extra.items()})
-    order = (AFL_1, AFL_2, AFL_2_RESCALED, AFL_GLOBAL_BALANCE, AFL_GLOBAL_GRAM, FEDAVG, *BASELINES)
-    ordered = {m: metrics[m] for m in order if m in metrics}
-    ordered.update({m: metrics[m] for m in sorted(other_models)})
     uploads = {c: {**groups, **round2.get(c, {})} for c, groups in round1.items()}
     audit = audit_groups(
         protection=config.secure,
@@ -549,6 +521,35 @@ def run_setting(
             )
             for method, a in method_audits.items()
         }
+    # FedAvg and the baselines: training since the data were ready, beside AFL (sim/gradient.py), on the
+    # same rows, features and label assignment
+    jobs = gradient or _inline_gradient_methods(data, {missing: assignment}, config)
+    with timer.phase("gradient methods (wait)"):
+        heads, method_seconds = jobs.collect(
+            missing,
+            progress=lambda done, total: progress(f"gradient methods, missing {missing}", done, total),
+        )
+    if gradient is None:
+        jobs.close()
+    extra: dict[str, np.ndarray] = {}
+    if FEDNCA in config.baselines:
+        from secure_afl.sim.fednca import FedNCAConfig, fednca_scores
+
+        with timer.phase("baselines"):
+            nca = FedNCAConfig(rounds=config.fedavg.rounds, seed=config.seed, device=config.device)
+            extra[FEDNCA] = fednca_scores(  # logits: metrics rank scores
+                data,
+                assignment.active,
+                nca,
+                progress=lambda done: progress(f"FedNCA-ML, missing {missing}", done, nca.rounds),
+            )
+    with timer.phase("metrics"):
+        for name, trained in heads.items():
+            metrics[name] = evaluate(test_y, trained.decision_function(test_x))
+        metrics.update({name: evaluate(test_y, scores) for name, scores in extra.items()})
+    order = (AFL_1, AFL_2, AFL_2_RESCALED, AFL_GLOBAL_BALANCE, AFL_GLOBAL_GRAM, FEDAVG, *BASELINES)
+    ordered = {m: metrics[m] for m in order if m in metrics}
+    ordered.update({m: metrics[m] for m in sorted(other_models)})
     return SettingResult(
         missing=missing,
         assignment=assignment,
