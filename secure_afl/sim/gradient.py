@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -43,7 +42,6 @@ from secure_afl.sim.fedavg import FedAvgConfig, missing_as_negative, train_fedav
 from secure_afl.sim.methods import FEDAVG
 
 WORKERS_ENV = "SECURE_AFL_GRADIENT_WORKERS"
-SWITCH_INTERVAL = 0.0005  # seconds: Python's GIL switch interval while FedAvg trains on threads
 # Rough relative cost per round (CPU seconds measured on the embedded data): the longest jobs of a
 # level go to the workers first, so that the last ones to finish are short.
 _COST = {
@@ -141,13 +139,7 @@ class GradientMethods:
         self.pool: Pool | None = None
         self.thread: ThreadPoolExecutor | None = None
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
-        self._switch_interval: float | None = None
         if self.mode == "thread":
-            # A FedAvg step takes the GIL back after each of its ~15 kernels; while the main thread
-            # runs Python (the masking protocol, the report) each of those waits up to the switch
-            # interval (5 ms by default), which would stall FedAvg's core.  0.5 ms bounds the wait.
-            self._switch_interval = sys.getswitchinterval()
-            sys.setswitchinterval(min(self._switch_interval, SWITCH_INTERVAL))
             # FedAvg's clients split over every core (each level in turn)
             self.thread = ThreadPoolExecutor(1, thread_name_prefix="fedavg")
             self.futures = {
@@ -206,9 +198,6 @@ class GradientMethods:
                     future.cancel()  # an error elsewhere: jobs not started are dropped
             self.thread.shutdown(wait=True)
             self.thread = None
-        if self._switch_interval is not None:
-            sys.setswitchinterval(self._switch_interval)
-            self._switch_interval = None
         if self.pool is not None:
             self.pool.terminate()  # unfinished jobs (an error elsewhere) are not waited for
             self.pool.join()
