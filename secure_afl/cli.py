@@ -13,7 +13,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 # Only torch-free modules here: `sim` starts preparing the embedded data on a thread before it
 # imports torch and the training code (about two seconds), so that the two overlap.
-from secure_afl.cli_options import dp_options
+from secure_afl.cli_options import ckks_degree_option, dp_options
 from secure_afl.sim.data import CLASSES, N_CLIENTS, CohortError
 from secure_afl.sim.datasets import DataRequest, ImageSource, PreparingData
 from secure_afl.sim.methods import FEDNCA, MISSING_ALL, BaselineError, parse_baselines
@@ -122,13 +122,7 @@ def main() -> None:
     help="How client statistics are protected on their way to the server: pairwise masking, CKKS "
     "encryption (TenSEAL), or both side by side (the first fits the reported models).",
 )
-@click.option(
-    "--ckks-degree",
-    type=click.Choice(["8192", "16384"]),
-    default="8192",
-    show_default=True,
-    help="CKKS ring degree N (16384: twice the slots and a larger security margin, slower).",
-)
+@ckks_degree_option
 @click.option(
     "--dropout",
     type=click.IntRange(min=0),

@@ -14,7 +14,7 @@ from pathlib import Path
 import click
 import numpy as np
 
-from secure_afl.cli_options import dp_options
+from secure_afl.cli_options import ckks_degree_option, dp_options
 from secure_afl.deploy.errors import DeploymentError
 from secure_afl.deploy.study import Study, pseudo_group, pseudo_members, round2_classes
 
@@ -174,13 +174,7 @@ def deploy() -> None:
     help="How the statistics are protected: pairwise masking or CKKS encryption (TenSEAL); every "
     "institution's node config agrees to it.",
 )
-@click.option(
-    "--ckks-degree",
-    type=click.Choice(["8192", "16384"]),
-    default="8192",
-    show_default=True,
-    help="CKKS ring degree N (with --secure ckks).",
-)
+@ckks_degree_option
 @click.option(
     "--missing", type=click.IntRange(0, 7), default=1, show_default=True, help="Classes withheld per client."
 )

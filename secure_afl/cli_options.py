@@ -10,6 +10,17 @@ import click
 F = TypeVar("F", bound=Callable[..., object])
 
 
+# CKKS ring degree N; the two the clients accept by default (protocol/ckks/context.py).
+ckks_degree_option = click.option(
+    "--ckks-degree",
+    type=click.Choice(["8192", "16384"]),
+    default="8192",
+    show_default=True,
+    help="CKKS ring degree N, with --secure ckks (16384: twice the slots and a larger security "
+    "margin, slower).",
+)
+
+
 def dp_options(command: F) -> F:
     """``--dp-epsilon --dp-delta --clip --dp-unit --dp-max-images-per-patient`` (SECURITY.md §9)."""
     for option in reversed(_DP_OPTIONS):

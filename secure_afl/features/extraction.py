@@ -55,6 +55,7 @@ the device is not (CPU and GPU float32 features differ only by rounding).
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import json
 import logging
@@ -133,8 +134,7 @@ class FeatureMaps:
 
     def subset(self, rows: np.ndarray) -> FeatureMaps:
         """A view of the given rows, in that order (e.g. the images that were read and kept)."""
-        view = object.__new__(FeatureMaps)
-        view.__dict__.update(self.__dict__)
+        view = copy.copy(self)  # shares the opened shards
         view._index = self._index[np.asarray(rows, dtype=np.int64)]
         return view
 

@@ -15,12 +15,17 @@ such a session, the simulator's clients go on and report it here.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from secure_afl.aggregation.layout import layout_of
 from secure_afl.privacy.exposure import ExposureFinding, exposed_clients
+
+if TYPE_CHECKING:
+    from secure_afl.aggregation.inprocess import InProcessRun
 
 SINGLE_SURVIVOR_WARNING = "the server learns this client's statistics exactly"
 PLAINTEXT_TRUST_MODEL = "none: the server receives every client's statistics individually"
@@ -125,6 +130,29 @@ def restrict(audit: PrivacyAudit, keep: Callable[[str, str], bool], **kwargs: ob
         tensors={g.group: tensors[g.group] for g in groups},
         **kwargs,  # type: ignore[arg-type]
     )
+
+
+def audit_run(
+    run: InProcessRun,
+    contributions: Mapping[str, Mapping[str, Mapping[str, np.ndarray]]],
+    *,
+    symmetric: Collection[str],
+    protection: str,
+) -> tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]], PrivacyAudit]:
+    """Members, survivors and the audit of an in-process run of any protection backend."""
+    outcome = run.outcome
+    layout = layout_of(contributions, symmetric)
+    members = {group: tuple(outcome.members[group]) for group in sorted(outcome.members)}
+    survivors = {group: tuple(outcome.survivors[group]) for group in members}
+    audit = audit_groups(
+        protection=protection,
+        members=members,
+        survivors=survivors,
+        tensors={group: tuple(layout.groups[group]) for group in members},
+        contributions=contributions,
+        client_findings={cid: client.exposure_findings for cid, client in run.clients.items()},  # type: ignore[attr-defined]
+    )
+    return members, survivors, audit
 
 
 def audit_groups(

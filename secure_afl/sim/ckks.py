@@ -16,12 +16,11 @@ import numpy as np
 
 from secure_afl.aggregation.backend import CkksBackend
 from secure_afl.aggregation.inprocess import SessionCosts, run_in_process
-from secure_afl.aggregation.layout import layout_of
 from secure_afl.privacy.ledger import Ledger
 from secure_afl.privacy.policy import ClientPolicy
 from secure_afl.protocol.ckks.context import CkksParameters
 from secure_afl.protocol.randomness import RandomSource
-from secure_afl.sim.audit import PrivacyAudit, audit_groups
+from secure_afl.sim.audit import PrivacyAudit, audit_run
 
 ROUNDS = CkksBackend.rounds
 DROPOUT_STAGES = ROUNDS[1:]
@@ -84,17 +83,7 @@ def ckks_aggregate(
         session_id=session_id,
     )
     outcome = run.outcome
-    layout = layout_of(contributions, symmetric)
-    members = {group: tuple(outcome.members[group]) for group in sorted(outcome.members)}
-    survivors = {group: tuple(outcome.survivors[group]) for group in members}
-    audit = audit_groups(
-        protection="ckks",
-        members=members,
-        survivors=survivors,
-        tensors={group: tuple(layout.groups[group]) for group in members},
-        contributions=contributions,
-        client_findings={cid: client.exposure_findings for cid, client in run.clients.items()},  # type: ignore[attr-defined]
-    )
+    members, survivors, audit = audit_run(run, contributions, symmetric=symmetric, protection="ckks")
     findings: list[str] = []
     for client in run.clients.values():
         findings.extend(f.describe() for f in client.exposure_findings if f.describe() not in findings)  # type: ignore[attr-defined]

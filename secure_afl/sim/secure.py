@@ -16,12 +16,11 @@ import numpy as np
 
 from secure_afl.aggregation.backend import MaskingBackend
 from secure_afl.aggregation.inprocess import SessionCosts, dropout_stages, run_in_process
-from secure_afl.aggregation.layout import layout_of
 from secure_afl.privacy.ledger import Ledger
 from secure_afl.privacy.policy import ClientPolicy
 from secure_afl.protocol import encoding
 from secure_afl.protocol.randomness import RandomSource
-from secure_afl.sim.audit import PrivacyAudit, audit_groups
+from secure_afl.sim.audit import PrivacyAudit, audit_run
 
 ROUNDS = ("R0", "R1", "R2", "R3", "R4")
 DROPOUT_STAGES = ("R1", "R2", "R3", "R4")
@@ -104,17 +103,7 @@ def secure_aggregate(
         session_id=session_id,
     )
     outcome = run.outcome
-    layout = layout_of(contributions, symmetric)
-    members = {group: tuple(outcome.members[group]) for group in sorted(outcome.members)}
-    survivors = {group: tuple(outcome.survivors[group]) for group in members}
-    audit = audit_groups(
-        protection="mask",
-        members=members,
-        survivors=survivors,
-        tensors={group: tuple(layout.groups[group]) for group in members},
-        contributions=contributions,
-        client_findings={cid: client.exposure_findings for cid, client in run.clients.items()},  # type: ignore[attr-defined]
-    )
+    members, survivors, audit = audit_run(run, contributions, symmetric=symmetric, protection="mask")
     return SecureAggregationResult(
         sums=outcome.sums,
         members=members,
