@@ -550,6 +550,34 @@ def _tensor(sums: GroupSums, group: str, name: str) -> np.ndarray:
         ) from None
 
 
+class GramFactors:
+    """Cholesky factors of one set of sums' regularised Grams ``G + γI``, each computed once.
+
+    Models fitted on the same sums with the same ``γ`` (AFL, its global-balance and global-Gram
+    variants, round 2's refinements) factorise the same matrices: give them one instance.
+    """
+
+    def __init__(self, sums: GroupSums, gamma: float) -> None:
+        self.sums = sums
+        self.gamma = float(gamma)
+        self._factors: dict[str, torch.Tensor] = {}
+
+    def factor(self, group: str, what: str) -> torch.Tensor:
+        """The lower factor of ``group``'s regularised Gram (``what`` names it in errors)."""
+        if group not in self._factors:
+            gram = _tensor(self.sums, group, "gram")
+            self._factors[group] = _cholesky(gram + self.gamma * np.eye(gram.shape[0]), what)
+        return self._factors[group]
+
+    def check_for(self, sums: GroupSums, gamma: float) -> GramFactors:
+        if sums is not self.sums or float(gamma) != self.gamma:
+            raise StatisticsError(
+                "these Gram factors belong to other sums or another gamma: build GramFactors(sums, gamma) "
+                "from the sums being fitted"
+            )
+        return self
+
+
 class AnalyticClassifier:
     """The paper's closed-form multi-label classifier, fitted on aggregated statistics.
 
@@ -586,22 +614,21 @@ class AnalyticClassifier:
         pos_sum = _tensor(sums, group, f"pos_sum/{c}")
         return _balanced_projection(pos_sum, _tensor(sums, group, "feat_sum"), n_pos, n)
 
-    def _regularised(self, gram: np.ndarray) -> np.ndarray:
-        return gram + self.gamma * np.eye(gram.shape[0])
+    def _factors(self, sums: GroupSums, factors: GramFactors | None) -> GramFactors:
+        return GramFactors(sums, self.gamma) if factors is None else factors.check_for(sums, self.gamma)
 
-    def fit(self, sums: GroupSums) -> AnalyticClassifier:
-        """Round 1 (Eq. 15–17): one Cholesky solve per class on the per-group sums."""
+    def fit(self, sums: GroupSums, *, factors: GramFactors | None = None) -> AnalyticClassifier:
+        """Round 1 (Eq. 15–17): one Cholesky solve per class on the per-group sums.
+
+        ``factors``: the sums' :class:`GramFactors`, shared with other models fitted on them.
+        """
+        grams = self._factors(sums, factors)
+        shared = grams.factor(ALL_GROUP, "the global Gram") if self.gram == "global" else None
         columns = []
-        shared = None
-        if self.gram == "global":
-            shared = _cholesky(self._regularised(_tensor(sums, ALL_GROUP, "gram")), "the global Gram")
         for c in range(self.n_classes):
             rhs = self._class_rhs(sums, c)
-            if shared is not None:
-                columns.append(_cho_solve(shared, rhs))
-            else:
-                a = self._regularised(_tensor(sums, class_group(c), "gram"))
-                columns.append(_solve_spd(a, rhs, f"class {c}"))
+            factor = shared if shared is not None else grams.factor(class_group(c), f"class {c}")
+            columns.append(_cho_solve(factor, rhs))
         self.coef_ = np.stack(columns, axis=1)
         return self
 
@@ -662,12 +689,15 @@ class AnalyticClassifier:
         *,
         alpha: float = 0.5,
         pseudo_tensor: str = PSEUDO_TENSOR,
+        factors: GramFactors | None = None,
     ) -> AnalyticClassifier:
-        """Round 2 (Eq. 22–24): global Gram, real plus ``α``-weighted pseudo-label projections."""
+        """Round 2 (Eq. 22–24): global Gram, real plus ``α``-weighted pseudo-label projections.
+
+        ``factors``: ``round1_sums``' :class:`GramFactors`, shared with other models fitted on them.
+        """
         if not 0 <= alpha <= 1:
             raise StatisticsError(f"alpha must lie in [0, 1], got {alpha}")
-        a = self._regularised(_tensor(round1_sums, ALL_GROUP, "gram"))
-        factor = _cholesky(a, "the global Gram")
+        factor = self._factors(round1_sums, factors).factor(ALL_GROUP, "the global Gram")
         columns = []
         for c in range(self.n_classes):
             rhs = self._class_rhs(round1_sums, c)

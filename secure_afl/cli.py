@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -72,7 +73,35 @@ def _sim_errors() -> tuple[type[Exception], ...]:
     )
 
 
-@click.group()
+class _LazyGroup(click.Group):
+    """A group whose listed subcommands are imported only when they run or help lists them.
+
+    ``sim`` starts preparing its data as soon as its options are parsed; importing the deployment
+    and the key commands first (the protocol, cryptography, Flower's helpers) would delay it.
+    """
+
+    def __init__(self, *args: object, lazy: dict[str, str], **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self._lazy = lazy  # command name -> "module:attribute"
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *self._lazy})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name in self._lazy:
+            module, _, attribute = self._lazy[cmd_name].partition(":")
+            return getattr(importlib.import_module(module), attribute)
+        return super().get_command(ctx, cmd_name)
+
+
+@click.group(
+    cls=_LazyGroup,
+    lazy={
+        "keys": "secure_afl.keys.commands:keys",
+        "deploy": "secure_afl.cli_deploy:deploy",
+        "predict": "secure_afl.cli_deploy:predict",
+    },
+)
 @click.version_option(package_name="secure-afl")
 def main() -> None:
     """Privacy-hardened one-round analytic federated learning."""
@@ -558,13 +587,3 @@ class _ProgressBars:
             if not self._bar.tasks:
                 self._bar.stop()
                 self._live = False
-
-
-# Deployment commands (issue 8), kept in their own modules so that this file stays the simulator's.
-from secure_afl.cli_deploy import deploy as _deploy_commands  # noqa: E402
-from secure_afl.cli_deploy import predict as _predict_command  # noqa: E402
-from secure_afl.keys.commands import keys as _keys_commands  # noqa: E402
-
-main.add_command(_keys_commands)
-main.add_command(_deploy_commands)
-main.add_command(_predict_command)

@@ -6,9 +6,11 @@ import numpy as np
 import pytest
 from sklearn.linear_model import Ridge
 
+from secure_afl import analytic
 from secure_afl.analytic import (
     ALL_GROUP,
     AnalyticClassifier,
+    GramFactors,
     PseudoLabelConfig,
     StatisticsError,
     balanced_labels,
@@ -230,3 +232,36 @@ def test_uploaded_by_names_exactly_what_the_solve_needs(balance: str, gram: str)
     assert dropped, "each variant leaves some statistics of the others out"
     if gram == "global":
         assert all(t != "gram" or g == ALL_GROUP for g, ts in only.items() for t in ts)
+
+
+def test_models_sharing_gram_factors_equal_models_that_factorise_alone(monkeypatch) -> None:
+    rng = np.random.default_rng(11)
+    features, labels, actives = _random_federation(rng, n_classes=3)
+    stats = [client_statistics(h, y, device="cpu") for h, y in zip(features, labels, strict=True)]
+    sums = sum_contributions(
+        s.contributions(a, include_global_gram=True, balance=balance)
+        for s, a in zip(stats, actives, strict=True)
+        for balance in ("client", "global")
+    )
+    pseudo = sum_contributions(
+        pseudo_label_contributions(
+            h, np.ones((12, 3)), a, config=PseudoLabelConfig(tau=0.5, min_pos=1, min_neg=1)
+        )[0]
+        for h, a in zip(features, actives, strict=True)
+    )
+    options = ({}, {"balance": "global"}, {"gram": "global"})
+    alone = [AnalyticClassifier(3, gamma=GAMMA, **o).fit(sums).coef_ for o in options]
+    alone.append(AnalyticClassifier(3, gamma=GAMMA).refine(sums, pseudo, alpha=0.5).coef_)
+    factorised: list[str] = []
+    cholesky = analytic._cholesky
+    monkeypatch.setattr(analytic, "_cholesky", lambda a, what: factorised.append(what) or cholesky(a, what))
+    factors = GramFactors(sums, GAMMA)
+    shared = [AnalyticClassifier(3, gamma=GAMMA, **o).fit(sums, factors=factors).coef_ for o in options]
+    shared.append(AnalyticClassifier(3, gamma=GAMMA).refine(sums, pseudo, alpha=0.5, factors=factors).coef_)
+    for a, b in zip(alone, shared, strict=True):
+        np.testing.assert_array_equal(a, b)  # the same factor of the same matrix: bit for bit
+    assert sorted(factorised) == ["class 0", "class 1", "class 2", "the global Gram"]  # each Gram once
+    with pytest.raises(StatisticsError, match="other sums or another gamma"):
+        AnalyticClassifier(3, gamma=2 * GAMMA).fit(sums, factors=factors)
+    with pytest.raises(StatisticsError, match="other sums or another gamma"):
+        AnalyticClassifier(3, gamma=GAMMA).fit(dict(sums), factors=factors)

@@ -193,6 +193,56 @@ def test_fedavg_on_several_threads_is_fedavg_on_one() -> None:
         np.testing.assert_array_equal(one.bias, many.bias)
     with pytest.raises(ValueError, match="at least 1"):
         train_fedavg(features, targets, config, threads=0)
+    asked = iter([1, 3, 2, 8, 1])  # the simulator changes the count between rounds
+    varying = train_fedavg(
+        features, targets, FedAvgConfig(rounds=4, local_epochs=2, batch_size=40), threads=lambda: next(asked)
+    )
+    fixed = train_fedavg(features, targets, FedAvgConfig(rounds=4, local_epochs=2, batch_size=40))
+    np.testing.assert_array_equal(fixed.coef, varying.coef)
+    np.testing.assert_array_equal(fixed.bias, varying.bias)
+
+
+def test_clients_stacked_from_their_rows_equal_clients_stacked_from_copies() -> None:
+    from secure_afl.sim.baselines.engine import stack_clients
+
+    rng = np.random.default_rng(3)
+    features = rng.normal(size=(50, 6))  # float64: the stacked tensor rounds to float32 either way
+    rows = [rng.permutation(50)[:12] for _ in range(3)]
+    stacked = stack_clients(features, rows)
+    assert stacked.shape == (3, 12, 7) and stacked.dtype == torch.float32
+    assert torch.equal(stacked, stack_clients([features[r] for r in rows]))
+    assert torch.equal(stacked[..., -1], torch.ones(3, 12))
+    with pytest.raises(ValueError, match="equal size, got sizes \\[11, 12\\]"):
+        stack_clients(features, [rows[0], rows[1][:11]])
+    with pytest.raises(ValueError, match="at least one client"):
+        stack_clients(features, [])
+
+
+def test_fedavg_takes_the_cores_the_main_thread_leaves(monkeypatch) -> None:
+    from concurrent.futures import Future
+
+    from secure_afl.sim import gradient
+    from secure_afl.sim.fedavg import FedAvgConfig
+    from secure_afl.sim.gradient import GradientMethods
+
+    monkeypatch.setattr(gradient, "available_cores", lambda: 4)
+    args = _gradient_inputs()
+    with GradientMethods(*args, fedavg=FedAvgConfig(rounds=1, batch_size=32), workers="auto") as jobs:
+        assert jobs.mode == "thread" and jobs.statistics_threads == 3
+        assert jobs.fedavg_threads() == 3  # the AFL pipeline holds one core
+        seen: list[int] = []
+
+        class Probe(Future):
+            def result(self, timeout=None):
+                seen.append(jobs.fedavg_threads())  # asked while the main thread waits
+                return super().result(timeout)
+
+        for job, future in list(jobs.futures.items()):
+            probe = Probe()
+            probe.set_result(future.result())
+            jobs.futures[job] = probe
+        jobs.collect(1)
+        assert seen == [4] and jobs.fedavg_threads() == 3
 
 
 def test_gradient_workers_setting(monkeypatch) -> None:

@@ -72,7 +72,7 @@ def train_fedavg(
     *,
     device: str = "cpu",
     progress: Callable[[int], None] | None = None,
-    threads: int = 1,
+    threads: int | Callable[[], int] = 1,
 ) -> LinearHead:
     """Train the head; ``features[k]`` is client k's rows × d, ``targets[k]`` rows × C in {0, 1}.
 
@@ -95,7 +95,7 @@ def train_fedavg_stacked(
     config: FedAvgConfig = FedAvgConfig(),
     *,
     progress: Callable[[int], None] | None = None,
-    threads: int = 1,
+    threads: int | Callable[[], int] = 1,
 ) -> LinearHead:
     """FedAvg on stacked clients: ``x`` is ``K × N × (d+1)`` (ones column last), ``y`` ``K × N × C``.
 
@@ -104,14 +104,19 @@ def train_fedavg_stacked(
     for the whole federation first, in the generator's order): every client's product and update is
     the same computation on the same numbers, so the head is identical to one thread's (tested).
     torch releases the GIL inside its kernels, which is where a step spends its time.
+
+    ``threads`` may be a function, asked at the start of every round: the simulator gives FedAvg
+    one core while the AFL pipeline runs on the other, and every core once it waits.
     """
     n_clients, dim = x.shape[0], x.shape[2] - 1
     generator = torch.Generator().manual_seed(config.seed)
     global_w = initial_weights(dim, y.shape[2], generator).to(x.device)  # C × (d+1)
     share = torch.full((n_clients,), 1.0 / n_clients, device=x.device)  # sample-count weights, equal sizes
-    slices = _client_slices(n_clients, threads)
-    with single_torch_thread(), ThreadPoolExecutor(max(len(slices) - 1, 1)) as pool:
+    threads_now = threads if callable(threads) else (lambda: threads)
+    _client_slices(n_clients, threads_now())  # a bad count fails before any training
+    with single_torch_thread(), ThreadPoolExecutor(max(n_clients - 1, 1)) as pool:
         for round_ in range(config.rounds):
+            slices = _client_slices(n_clients, threads_now())
             w = global_w.expand(n_clients, *global_w.shape).clone()
             orders = [epoch_order(n_clients, x.shape[1], generator) for _ in range(config.local_epochs)]
             jobs = [

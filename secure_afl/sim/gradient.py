@@ -5,9 +5,13 @@ all known once the data are prepared; AFL's statistics, aggregation and solve ne
 thread.  So the training jobs (per missing level: FedAvg, then each baseline) start as soon as the
 data are ready and are collected level by level while the main thread computes AFL:
 
-- **FedAvg alone** (the default run): one background thread trains each level's FedAvg, its
-  clients split over the cores (:func:`secure_afl.sim.fedavg.train_fedavg_stacked`).  torch releases
-  the GIL inside its kernels, where a FedAvg step spends its time.
+- **FedAvg alone** (the default run): one background thread trains each level's FedAvg
+  (:func:`secure_afl.sim.fedavg.train_fedavg_stacked`; torch releases the GIL inside its kernels,
+  where a FedAvg step spends its time).  It takes the cores the main thread leaves: all but one
+  while the AFL pipeline computes, every core (its clients split over threads) while the main
+  thread waits in :meth:`GradientMethods.collect`.  More threads than cores would only take turns:
+  FedAvg's steps are bound by memory bandwidth, and on 2 cores four busy threads cost about a
+  quarter more CPU time than two.
 - **With baselines**: their steps are short autograd graphs, mostly Python under the GIL, so
   threads would take turns; the jobs go to worker processes instead, started with ``spawn`` (a
   fresh interpreter: nothing inherited from a parent that has run OpenMP code or started threads,
@@ -25,6 +29,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -65,7 +70,9 @@ class _Inputs:
     baseline: BaselineConfig
 
 
-def _train_job(inputs: _Inputs, missing: int, name: str, fedavg_threads: int = 1) -> tuple[LinearHead, float]:
+def _train_job(
+    inputs: _Inputs, missing: int, name: str, fedavg_threads: int | Callable[[], int] = 1
+) -> tuple[LinearHead, float]:
     start = time.perf_counter()
     active = inputs.active[missing]
     if name == FEDAVG:
@@ -106,7 +113,7 @@ class GradientMethods:
 
     def __init__(
         self,
-        features: Sequence[np.ndarray],
+        features: Sequence[np.ndarray] | np.ndarray,
         labels: Sequence[np.ndarray],
         active: Mapping[int, Sequence[Sequence[int]]],
         *,
@@ -114,19 +121,25 @@ class GradientMethods:
         baselines: Sequence[str] = (),
         baseline: BaselineConfig | None = None,
         workers: int | str | None = None,
+        client_rows: Sequence[np.ndarray] | None = None,
     ) -> None:
         """``workers``: ``"auto"`` (None: from ``SECURE_AFL_GRADIENT_WORKERS``, default auto), ``0``
-        (main thread, at :meth:`collect`) or the number of spawned worker processes."""
+        (main thread, at :meth:`collect`) or the number of spawned worker processes.
+
+        ``features``: one array per client; or, with ``client_rows``, the whole feature matrix
+        (client k's rows are ``features[client_rows[k]]``).
+        """
         self.names = (FEDAVG, *baselines)
         jobs = [(m, name) for m in active for name in self.names]
         self.inputs = _Inputs(
-            stack_clients(features) if jobs else torch.empty(0),
+            stack_clients(features, client_rows) if jobs else torch.empty(0),
             np.stack([np.asarray(y) for y in labels]) if jobs else np.empty(0),
             active,
             fedavg,
             baseline or BaselineConfig(),
         )
-        self.cores = os.cpu_count() or 1
+        self.cores = available_cores()
+        self._main_waits = threading.Event()  # set while the main thread waits in collect()
         chosen = _workers_from_environment() if workers is None else workers
         if not jobs or chosen == 0:
             self.mode, self.workers = "inline", 0
@@ -140,10 +153,9 @@ class GradientMethods:
         self.thread: ThreadPoolExecutor | None = None
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         if self.mode == "thread":
-            # FedAvg's clients split over every core (each level in turn)
-            self.thread = ThreadPoolExecutor(1, thread_name_prefix="fedavg")
+            self.thread = ThreadPoolExecutor(1, thread_name_prefix="fedavg")  # each level in turn
             self.futures = {
-                job: self.thread.submit(_train_job, self.inputs, *job, self.cores) for job in jobs
+                job: self.thread.submit(_train_job, self.inputs, *job, self.fedavg_threads) for job in jobs
             }
         elif self.mode == "processes":
             self._start_processes(jobs)
@@ -174,21 +186,41 @@ class GradientMethods:
         )
         self.futures = {job: self.pool.apply_async(_worker_job, job) for job in jobs}
 
+    @property
+    def statistics_threads(self) -> int:
+        """Threads for the clients' statistics beside the training jobs.
+
+        FedAvg on its thread: the cores it leaves.  Worker processes: every core (the statistics are
+        seconds beside minutes of training; the OS shares the cores).  Inline: one (numpy's BLAS
+        then uses every core itself).
+        """
+        if self.mode == "thread":
+            return max(self.cores - 1, 1)
+        return self.cores if self.mode == "processes" else 1
+
+    def fedavg_threads(self) -> int:
+        """Threads for FedAvg's next round on the background thread (see the module's docstring)."""
+        return self.cores if self._main_waits.is_set() else max(self.cores - 1, 1)
+
     def collect(
         self, missing: int, progress: Callable[[int, int], None] | None = None
     ) -> tuple[dict[str, LinearHead], dict[str, float]]:
         """Heads and wall seconds of every gradient method at one level (waits for its jobs)."""
         heads, seconds = {}, {}
-        for done, name in enumerate(self.names, 1):
-            future = self.futures.get((missing, name))
-            if future is None:
-                heads[name], seconds[name] = _train_job(self.inputs, missing, name)
-            elif isinstance(future, Future):
-                heads[name], seconds[name] = future.result()
-            else:
-                heads[name], seconds[name] = future.get()
-            if progress is not None:
-                progress(done, len(self.names))
+        self._main_waits.set()
+        try:
+            for done, name in enumerate(self.names, 1):
+                future = self.futures.get((missing, name))
+                if future is None:
+                    heads[name], seconds[name] = _train_job(self.inputs, missing, name)
+                elif isinstance(future, Future):
+                    heads[name], seconds[name] = future.result()
+                else:
+                    heads[name], seconds[name] = future.get()
+                if progress is not None:
+                    progress(done, len(self.names))
+        finally:
+            self._main_waits.clear()
         return heads, seconds
 
     def close(self) -> None:
@@ -211,6 +243,13 @@ class GradientMethods:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its CPU affinity where the OS tells it)."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(len(os.sched_getaffinity(0)), 1)
+    return os.cpu_count() or 1
 
 
 def _workers_from_environment() -> int | str:

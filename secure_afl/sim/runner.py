@@ -27,6 +27,7 @@ from secure_afl.analytic import (
     AnalyticClassifier,
     ClientStatistics,
     Contributions,
+    GramFactors,
     PseudoLabelConfig,
     PseudoLabelReport,
     PseudoScoreRule,
@@ -417,21 +418,30 @@ def run_setting(
     _check_coverage(agg, n_classes)
     with timer.phase("solve"), warnings.catch_warnings():
         warnings.simplefilter("ignore", UndefinedBalanceWarning)
-        afl = AnalyticClassifier(n_classes, gamma=config.gamma).fit(agg.sums)
-        global_balance = AnalyticClassifier(n_classes, gamma=config.gamma, balance="global").fit(agg.sums)
-        global_gram = AnalyticClassifier(n_classes, gamma=config.gamma, gram="global").fit(agg.sums)
+        factors = GramFactors(agg.sums, config.gamma)  # the three models share the Grams' factors
+        afl = AnalyticClassifier(n_classes, gamma=config.gamma).fit(agg.sums, factors=factors)
+        global_balance = AnalyticClassifier(n_classes, gamma=config.gamma, balance="global").fit(
+            agg.sums, factors=factors
+        )
+        global_gram = AnalyticClassifier(n_classes, gamma=config.gamma, gram="global").fit(
+            agg.sums, factors=factors
+        )
     models = {AFL_1: afl, AFL_GLOBAL_BALANCE: global_balance, AFL_GLOBAL_GRAM: global_gram}
     # With several protections, the others' sums fit the same models, reported as "<method> via <name>".
     other_models: dict[str, AnalyticClassifier] = {}
     with timer.phase("solve"):
+        other_factors = {name: GramFactors(sums, config.gamma) for name, sums in agg.other_sums.items()}
         for name, sums in agg.other_sums.items():
-            other_models[f"{AFL_1} via {name}"] = AnalyticClassifier(n_classes, gamma=config.gamma).fit(sums)
+            shared = other_factors[name]
+            other_models[f"{AFL_1} via {name}"] = AnalyticClassifier(n_classes, gamma=config.gamma).fit(
+                sums, factors=shared
+            )
             other_models[f"{AFL_GLOBAL_BALANCE} via {name}"] = AnalyticClassifier(
                 n_classes, gamma=config.gamma, balance="global"
-            ).fit(sums)
+            ).fit(sums, factors=shared)
             other_models[f"{AFL_GLOBAL_GRAM} via {name}"] = AnalyticClassifier(
                 n_classes, gamma=config.gamma, gram="global"
-            ).fit(sums)
+            ).fit(sums, factors=shared)
 
     upload = _upload_bytes(round1)
     pseudo_reports: list[tuple[str, PseudoLabelReport]] = []
@@ -468,16 +478,20 @@ def run_setting(
         with timer.phase("solve"), warnings.catch_warnings():
             warnings.simplefilter("ignore", UndefinedBalanceWarning)
             models[AFL_2] = AnalyticClassifier(n_classes, gamma=config.gamma).refine(
-                agg.sums, agg2.sums, alpha=config.pseudo.alpha, pseudo_tensor=PSEUDO_TENSOR
+                agg.sums, agg2.sums, alpha=config.pseudo.alpha, pseudo_tensor=PSEUDO_TENSOR, factors=factors
             )
             for name, sums2 in agg2.other_sums.items():
                 refined = AnalyticClassifier(n_classes, gamma=config.gamma)
                 other_models[f"{AFL_2} via {name}"] = refined.refine(
-                    agg.other_sums[name], sums2, alpha=config.pseudo.alpha
+                    agg.other_sums[name], sums2, alpha=config.pseudo.alpha, factors=other_factors[name]
                 )
             if rescaled is not None:
                 models[AFL_2_RESCALED] = AnalyticClassifier(n_classes, gamma=config.gamma).refine(
-                    agg.sums, agg2.sums, alpha=config.pseudo.alpha, pseudo_tensor=PSEUDO_TENSOR_RESCALED
+                    agg.sums,
+                    agg2.sums,
+                    alpha=config.pseudo.alpha,
+                    pseudo_tensor=PSEUDO_TENSOR_RESCALED,
+                    factors=factors,
                 )
         for name, size in _upload_bytes(round2).items():
             upload[name] += size
@@ -604,13 +618,14 @@ def _gradient_methods(
     """FedAvg and the baselines of every level (worker processes only when opted in; none under DP)."""
     assignments = _assignments(data, config) if config.dp is None else {}
     return GradientMethods(
-        [data.features[rows] for rows in data.split.clients],
+        data.features,
         [data.cohort.labels[rows] for rows in data.split.clients],
         {m: a.active for m, a in assignments.items()},
         fedavg=config.fedavg,
         baselines=tuple(b for b in config.baselines if b in TABLE2_BASELINES),
         baseline=config.baseline,
         workers=workers,
+        client_rows=data.split.clients,
     )
 
 
@@ -618,13 +633,14 @@ def _inline_gradient_methods(
     data: PreparedData, assignments: dict[int, LabelAssignment], config: SimConfig
 ) -> GradientMethods:
     return GradientMethods(
-        [data.features[rows] for rows in data.split.clients],
+        data.features,
         [data.cohort.labels[rows] for rows in data.split.clients],
         {m: a.active for m, a in assignments.items()},
         fedavg=config.fedavg,
         baselines=tuple(b for b in config.baselines if b in TABLE2_BASELINES),
         baseline=config.baseline,
         workers=0,
+        client_rows=data.split.clients,
     )
 
 
@@ -673,11 +689,9 @@ def run_experiment(
         _gradient_methods(data, config) as gradient,
         threadpool_limits(1, user_api="blas") if gradient.mode != "inline" else nullcontext(),
     ):
-        threads = gradient.cores if gradient.mode != "inline" else 1
-        with timer.phase("statistics"), ThreadPoolExecutor(threads) as pool:
-            # Beside the gradient methods, the clients' Grams run on one thread per core (numpy's
-            # BLAS releases the GIL; each Gram is the same computation), so that AFL keeps both
-            # cores when FedAvg's threads wait or finish first.
+        with timer.phase("statistics"), ThreadPoolExecutor(gradient.statistics_threads) as pool:
+            # Beside the gradient methods, the clients' Grams run on the threads they leave (numpy's
+            # BLAS releases the GIL; each Gram is the same computation whatever the thread).
             def statistics_of(rows: np.ndarray) -> ClientStatistics:
                 return client_statistics(data.features[rows], data.cohort.labels[rows], device=config.device)
 

@@ -82,17 +82,29 @@ def head_from_weights(weights: torch.Tensor) -> LinearHead:
     return LinearHead(coef=w[:, :-1].T.contiguous().numpy(), bias=w[:, -1].contiguous().numpy())
 
 
-def stack_clients(features: Sequence[np.ndarray]) -> torch.Tensor:
-    """Equal-size clients' features as one ``K × N × (d+1)`` float32 tensor with a ones column."""
-    if not features:
+def stack_clients(
+    features: Sequence[np.ndarray] | np.ndarray, rows: Sequence[np.ndarray] | None = None
+) -> torch.Tensor:
+    """Equal-size clients' features as one ``K × N × (d+1)`` float32 tensor with a ones column.
+
+    ``features``: one array per client; or, with ``rows``, the whole feature matrix, client k's
+    rows being ``features[rows[k]]`` (gathered straight into the tensor, without a copy per client).
+    """
+    if rows is None:
+        clients: Sequence[np.ndarray] = features  # type: ignore[assignment]
+        sizes = [len(x) for x in clients]
+        dim = clients[0].shape[1] if len(clients) else 0
+    else:
+        sizes = [len(r) for r in rows]
+        dim = np.shape(features)[1]
+    if not sizes:
         raise ValueError("at least one client is needed")
-    sizes = {len(x) for x in features}
-    if len(sizes) != 1:
-        raise ValueError(f"the batched heads expect clients of equal size, got sizes {sorted(sizes)}")
-    n_clients, n, dim = len(features), sizes.pop(), features[0].shape[1]
-    out = torch.ones((n_clients, n, dim + 1), dtype=torch.float32)
-    for k, x in enumerate(features):
-        out[k, :, :dim] = torch.as_tensor(np.asarray(x), dtype=torch.float32)
+    if len(set(sizes)) != 1:
+        raise ValueError(f"the batched heads expect clients of equal size, got sizes {sorted(set(sizes))}")
+    out = torch.ones((len(sizes), sizes[0], dim + 1), dtype=torch.float32)
+    target = out.numpy()
+    for k in range(len(sizes)):
+        target[k, :, :dim] = np.asarray(clients[k]) if rows is None else np.asarray(features)[rows[k]]
     return out
 
 
