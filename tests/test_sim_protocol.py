@@ -114,6 +114,23 @@ def test_synthetic_features_are_nonnegative_seeded_and_carry_class_signal(cohort
     assert np.abs(gap).max() > 0.03  # positives differ from negatives on the signature dimensions
 
 
+def test_synthetic_features_do_not_depend_on_the_machines_blas_threads(cohort, monkeypatch) -> None:
+    from threadpoolctl import threadpool_limits
+
+    from secure_afl.sim import synthetic
+
+    rows = np.arange(9000)  # two chunks
+    labels, patients = cohort.labels[rows], cohort.patient_ids[rows]
+    with threadpool_limits(1, user_api="blas"):
+        one = synthetic_features(labels, patients, dim=128)
+    with threadpool_limits(4, user_api="blas"):
+        four = synthetic_features(labels, patients, dim=128)
+    assert np.array_equal(one, four)
+    # what the pinned count prevents: OpenBLAS's float32 products differ in the last bits by thread count
+    monkeypatch.setattr(synthetic, "SYNTHETIC_BLAS_THREADS", 1)
+    assert not np.array_equal(one, synthetic_features(labels, patients, dim=128))
+
+
 def test_fedavg_learns_a_separable_problem() -> None:
     rng = np.random.default_rng(0)
     xs, ys = [], []
