@@ -21,8 +21,8 @@ from secure_afl.sim.fednca import (
     sincos_positional_encoding,
     train_fednca,
 )
-from secure_afl.sim.mixed_type import single_torch_thread
 from secure_afl.sim.synthetic import synthetic_features
+from secure_afl.torch_threads import one_torch_thread
 
 
 @pytest.mark.parametrize(("n_classes", "dim"), [(2, 2), (8, 8), (8, 1024), (14, 64)])
@@ -169,7 +169,7 @@ def test_fednca_learns_a_class_located_at_one_token() -> None:
     labels = [source.labels[r] for r in clients]
     config = FedNCAConfig(rounds=6, lr=3e-3, batch_size=16, seed=1)
     test = np.arange(2 * n, 2 * n + 200)
-    with single_torch_thread():  # tiny matrices: one thread is faster on shared cores
+    with one_torch_thread():  # tiny matrices: one thread is faster on shared cores
         model = train_fednca(source, clients, labels, [[0, 1, 2], [0, 1, 2]], config)
         proba = model.predict_proba(source, test)
     from sklearn.metrics import roc_auc_score
@@ -183,7 +183,7 @@ def test_fednca_learns_a_class_located_at_one_token() -> None:
         patch.setattr(torch.cuda, "is_available", lambda: False)
         train_fednca(source, clients, labels, [[0], [1]], dataclasses.replace(config, device="cuda"))
     auto = dataclasses.replace(config, rounds=1, device="auto")
-    with single_torch_thread(), pytest.MonkeyPatch.context() as patch:
+    with one_torch_thread(), pytest.MonkeyPatch.context() as patch:
         patch.setattr(torch.cuda, "is_available", lambda: False)
         on_auto = train_fednca(source, clients, labels, [[0, 1, 2], [0, 1, 2]], auto)
         on_cpu = train_fednca(

@@ -76,8 +76,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -90,6 +89,7 @@ from rich.table import Table
 from secure_afl.analytic import _solve_spd, sum_contributions
 from secure_afl.sim.data import CLASSES, SplitBy
 from secure_afl.sim.datasets import ImageSource, PreparedData, Progress, prepare
+from secure_afl.torch_threads import one_torch_thread
 
 FINE_CLASSES: tuple[str, ...] = (*CLASSES, "No Finding")
 COARSE_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -267,7 +267,9 @@ def train_fedmt(
     gradient in the logits is ``f − r`` with ``r = A⊙f / Σ A⊙f``, written out instead of autograd.
     No clients (``client_rows=[]``) trains the centre alone.
     """
-    with single_torch_thread():
+    # one torch thread while training: the per-step matrices are tiny (64 × 1024 × 9), so thread
+    # hand-offs cost more than they save (measured: 13 ms per step on one thread, 80 ms on two)
+    with one_torch_thread():
         return _train_fedmt(
             features,
             centre_rows,
@@ -282,19 +284,6 @@ def train_fedmt(
             steps_per_round=steps_per_round,
             progress=progress,
         )
-
-
-@contextmanager
-def single_torch_thread() -> Iterator[None]:
-    """One torch thread while training: the per-step matrices are tiny (64 × 1024 × 9), so thread
-    hand-offs cost more than they save (measured: 13 ms per step on one thread, 80 ms on two
-    contended cores)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _train_fedmt(
