@@ -1,6 +1,11 @@
 """Seconds per phase of `secure-afl sim --missing 7` on the full embedded dataset.
 
 Run by hand:  python bench/bench_sim.py [--repeats 3] [--missing 7] [--secure none,mask]
+              python bench/bench_sim.py --cli [--repeats 5]
+
+With --cli: the console script itself, as a user runs it (`secure-afl sim --missing 7` in a
+fresh process each time, output discarded): its wall seconds and its CPU seconds (user + sys of
+the process and its children), every run listed, on a machine that should be otherwise idle.
 
 Prints one markdown row per protection: the median over the repeats of each phase (data,
 statistics, aggregation, solve, the wait for the gradient methods, metrics) and of the whole run, as
@@ -11,7 +16,12 @@ beside the AFL phases, see secure_afl/sim/gradient.py), plus the wall time of th
 from __future__ import annotations
 
 import argparse
+import os
+import resource
+import shutil
 import statistics
+import subprocess
+import tempfile
 import time
 
 from secure_afl.sim.runner import SimConfig, run_experiment
@@ -26,7 +36,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--missing", default="7", help="comma list of missing levels")
     parser.add_argument("--secure", default="none,mask", help="comma list of protections")
+    parser.add_argument("--cli", action="store_true", help="time the console script in fresh processes")
     args = parser.parse_args()
+    if args.cli:
+        time_console_script(args.repeats, args.missing)
+        return
     missing = tuple(int(m) for m in args.missing.split(","))
     print(f"secure-afl sim --missing {args.missing}: median of {args.repeats} runs, seconds\n")
     print("| protection | " + " | ".join(PHASES) + " | total | FedAvg (thread) | wall |")
@@ -42,6 +56,28 @@ def main() -> None:
         total = sum(median[p] for p in PHASES)
         cells = " | ".join(f"{median[p]:.2f}" for p in PHASES)
         print(f"| {secure} | {cells} | {total:.2f} | {median['FedAvg']:.2f} | {median['wall']:.2f} |")
+
+
+def time_console_script(repeats: int, missing: str) -> None:
+    script = shutil.which("secure-afl")
+    if script is None:
+        raise SystemExit("secure-afl is not on PATH: activate the environment where it is installed")
+    load = os.getloadavg()[0]
+    print(f"secure-afl sim --missing {missing}, {repeats} fresh processes (load average {load:.2f})")
+    walls = []
+    for run in range(repeats):
+        with tempfile.TemporaryDirectory() as out:
+            before = resource.getrusage(resource.RUSAGE_CHILDREN)
+            start = time.perf_counter()
+            subprocess.run(
+                [script, "sim", "--missing", missing, "--out", out], check=True, stdout=subprocess.DEVNULL
+            )
+            wall = time.perf_counter() - start
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+        walls.append(wall)
+        print(f"run {run + 1}: {wall:.2f} s wall, {cpu:.2f} CPU-seconds")
+    print(f"median {statistics.median(walls):.2f} s wall")
 
 
 if __name__ == "__main__":
