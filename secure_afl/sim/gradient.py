@@ -9,9 +9,9 @@ data are ready and are collected level by level while the main thread computes A
   (:func:`secure_afl.sim.fedavg.train_fedavg_stacked`; torch releases the GIL inside its kernels,
   where a FedAvg step spends its time).  It takes the cores the main thread leaves: all but one
   while the AFL pipeline computes, every core (its clients split over threads) while the main
-  thread waits in :meth:`GradientMethods.collect`.  More threads than cores would only take turns:
-  FedAvg's steps are bound by memory bandwidth, and on 2 cores four busy threads cost about a
-  quarter more CPU time than two.
+  thread waits in :meth:`GradientMethods.collect`.  More busy threads than cores only take turns
+  and evict each other's caches: on 2 cores, FedAvg's two threads beside the pipeline cost the
+  default run 3 CPU-seconds more than one.
 - **With baselines**: their steps are short autograd graphs, mostly Python under the GIL, so
   threads would take turns; the jobs go to worker processes instead, started with ``spawn`` (a
   fresh interpreter: nothing inherited from a parent that has run OpenMP code or started threads,
