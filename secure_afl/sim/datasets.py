@@ -166,6 +166,18 @@ class DataRequest:
     n_clients: int = N_CLIENTS
     split: SplitBy = "image"
 
+    def prepare(self, images: ImageSource | None = None, progress: Progress | None = None) -> PreparedData:
+        """:func:`prepare` with these arguments."""
+        return prepare(
+            images,
+            fraction=self.fraction,
+            dim=self.dim,
+            seed=self.seed,
+            n_clients=self.n_clients,
+            split=self.split,
+            progress=progress,
+        )
+
 
 class PreparingData:
     """The embedded data, prepared on a background thread from the moment this is created.
@@ -184,15 +196,7 @@ class PreparingData:
     @staticmethod
     def _prepare(request: DataRequest, progress: Progress | None) -> tuple[PreparedData, float]:
         start = time.perf_counter()
-        data = prepare(
-            None,
-            fraction=request.fraction,
-            dim=request.dim,
-            seed=request.seed,
-            n_clients=request.n_clients,
-            split=request.split,
-            progress=progress,
-        )
+        data = request.prepare(None, progress)
         return data, time.perf_counter() - start
 
     def result(self) -> tuple[PreparedData, float]:

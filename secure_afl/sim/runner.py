@@ -45,7 +45,7 @@ from secure_afl.sim.audit import PrivacyAudit, audit_groups, restrict
 from secure_afl.sim.baselines import BASELINES as TABLE2_BASELINES
 from secure_afl.sim.baselines import BaselineConfig
 from secure_afl.sim.data import CLASSES, N_CLIENTS, SplitBy
-from secure_afl.sim.datasets import DataRequest, ImageSource, PreparedData, PreparingData, Progress, prepare
+from secure_afl.sim.datasets import DataRequest, ImageSource, PreparedData, PreparingData, Progress
 from secure_afl.sim.fedavg import FedAvgConfig
 from secure_afl.sim.gradient import GradientMethods
 from secure_afl.sim.methods import FEDAVG, FEDNCA
@@ -537,7 +537,7 @@ def run_setting(
         }
     # FedAvg and the baselines: training since the data were ready, beside AFL (sim/gradient.py), on the
     # same rows, features and label assignment
-    jobs = gradient or _inline_gradient_methods(data, {missing: assignment}, config)
+    jobs = gradient or _gradient_methods(data, config, {missing: assignment}, workers=0)
     with timer.phase("gradient methods (wait)"):
         heads, method_seconds = jobs.collect(
             missing,
@@ -613,10 +613,15 @@ def _assignments(data: PreparedData, config: SimConfig) -> dict[int, LabelAssign
 
 
 def _gradient_methods(
-    data: PreparedData, config: SimConfig, *, workers: int | None = None
+    data: PreparedData,
+    config: SimConfig,
+    assignments: Mapping[int, LabelAssignment] | None = None,
+    *,
+    workers: int | None = None,
 ) -> GradientMethods:
-    """FedAvg and the baselines of every level (worker processes only when opted in; none under DP)."""
-    assignments = _assignments(data, config) if config.dp is None else {}
+    """FedAvg and the baselines of ``assignments``' levels (default: every level; none under DP)."""
+    if assignments is None:
+        assignments = _assignments(data, config) if config.dp is None else {}
     return GradientMethods(
         data.features,
         [data.cohort.labels[rows] for rows in data.split.clients],
@@ -629,25 +634,14 @@ def _gradient_methods(
     )
 
 
-def _inline_gradient_methods(
-    data: PreparedData, assignments: dict[int, LabelAssignment], config: SimConfig
-) -> GradientMethods:
-    return GradientMethods(
-        data.features,
-        [data.cohort.labels[rows] for rows in data.split.clients],
-        {m: a.active for m, a in assignments.items()},
-        fedavg=config.fedavg,
-        baselines=tuple(b for b in config.baselines if b in TABLE2_BASELINES),
-        baseline=config.baseline,
-        workers=0,
-        client_rows=data.split.clients,
-    )
-
-
 def data_request(config: SimConfig) -> DataRequest | None:
     """What :class:`PreparingData` needs to prepare this run's data early (None: real images)."""
     if config.images is not None:
         return None
+    return _request(config)
+
+
+def _request(config: SimConfig) -> DataRequest:
     return DataRequest(config.fraction, config.dim, config.seed, config.n_clients, config.split)
 
 
@@ -672,15 +666,7 @@ def run_experiment(
             images = config.images
             if images is not None and FEDNCA in config.baselines:
                 images = replace(images, spatial=True)  # FedNCA-ML attends over the pre-pooling map
-            data = prepare(
-                images,
-                fraction=config.fraction,
-                dim=config.dim,
-                seed=config.seed,
-                n_clients=config.n_clients,
-                split=config.split,
-                progress=progress,
-            )
+            data = _request(config).prepare(images, progress)
     # FedAvg and the baselines start training now (sim/gradient.py), beside the statistics.  Every
     # torch product of the run uses one thread (the other core trains them), and so does numpy's
     # BLAS (the Grams) while they train; results do not depend on the thread counts.
