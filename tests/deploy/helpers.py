@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from secure_afl.deploy.client import NodeSettings, handle
+from secure_afl.deploy.server import FederationServer
 from secure_afl.deploy.study import Method, Study
 from secure_afl.deploy.wire import Envelope, from_record_dict, to_record_dict
 from secure_afl.features.file import save_feature_file
@@ -143,3 +144,16 @@ ORDER = [
 
 def _reached(group: str, dead_from: str) -> bool:
     return ORDER.index(group) >= ORDER.index(dead_from)
+
+
+def run_server(federation: Federation, transport: InProcessTransport | None = None, **kwargs: Any):
+    """The server over ``federation`` (in process, 1 s rounds, quiet); its classifier is delivered.
+
+    Returns ``(server, classifier, transport)``."""
+    transport = transport or InProcessTransport(federation)
+    server = FederationServer(
+        transport, federation.roster, federation.study, round_timeout=1, log=lambda s: None, **kwargs
+    )
+    classifier = server.run()
+    server.deliver(classifier)
+    return server, classifier, transport

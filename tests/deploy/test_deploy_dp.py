@@ -33,7 +33,7 @@ from secure_afl.deploy.study import (
 from secure_afl.deploy.wire import Envelope
 from secure_afl.features.file import save_feature_file
 
-from .helpers import InProcessTransport, make_federation
+from .helpers import InProcessTransport, make_federation, run_server
 
 EPSILON = 1.0
 CLIP = 8.0  # toy features: gamma(2, 1) rows of 40 values have norms near 14, so most rows are clipped
@@ -74,16 +74,6 @@ class Capturing(InProcessTransport):
         return replies
 
 
-def _run(federation, transport=None, **kwargs):
-    transport = transport or InProcessTransport(federation)
-    server = FederationServer(
-        transport, federation.roster, federation.study, round_timeout=1, log=lambda s: None, **kwargs
-    )
-    classifier = server.run()
-    server.deliver(classifier)
-    return server, classifier, transport
-
-
 def _contributions(flat: dict[str, np.ndarray], layout) -> dict[str, dict[str, np.ndarray]]:
     out: dict[str, dict[str, np.ndarray]] = {}
     for key, values in flat.items():
@@ -103,7 +93,7 @@ def test_a_private_deployment_solves_the_noisy_uploads_as_the_simulator_does(
     federation = _private_federation(tmp_path, rounds=rounds, active=ACTIVE)
     federation.nodes[1002].dead_from = "s1-R1"  # client-2 draws its noise, advertises, then is killed
     transport = Capturing(federation)
-    server, classifier, _ = _run(federation, transport)
+    server, classifier, _ = run_server(federation, transport)
     study = federation.study
     plan = noise_plan(study, len(federation.roster))
     assert server.report.sessions[0].survivors == ("client-0", "client-1", "client-3", "client-4")
@@ -182,7 +172,7 @@ def test_every_group_sum_keeps_the_target_variance_at_the_survivors_the_session_
 ) -> None:
     federation = _private_federation(tmp_path, active=ACTIVE)
     federation.nodes[1004].dead_from = "s1-R2"  # client-4 advertises and shares keys, then is killed
-    server, classifier, _ = _run(federation)
+    server, classifier, _ = run_server(federation)
     plan = noise_plan(federation.study, 5)
     # n = 5, t = 4, minimum group 2: the Gram group of 5 may lose one member (u = 4); class/0 (3
     # labellers) may lose one (u = 2); class/1 (4 labellers) u = 3.
@@ -206,7 +196,7 @@ def test_the_classifier_file_records_dp_and_predict_prints_it(tmp_path: Path) ->
     from secure_afl.cli import main
 
     federation = _private_federation(tmp_path / "f", n_clients=4)
-    server, classifier, _ = _run(federation)
+    server, classifier, _ = run_server(federation)
     path = tmp_path / "classifier.json"
     classifier.save(path)
     document = json.loads(path.read_text())
@@ -233,7 +223,7 @@ def test_without_dp_the_study_and_classifier_documents_are_todays(tmp_path: Path
     assert set(json.loads(federation.study.to_json())) == {
         "backbone", "classes", "dim", "frac_bits", "method", "min_group_size", "threshold",
     }  # fmt: skip
-    server, classifier, _ = _run(federation)
+    server, classifier, _ = run_server(federation)
     assert classifier.privacy is None and "differential_privacy" not in classifier.to_json()
     assert all("study-nonce" not in envelope.meta for _, _, envelope in server.transport.sent)
     # DP on: the study document changes, so its digest does (the session ids commit to it).
@@ -270,7 +260,7 @@ def test_a_client_whose_own_dp_settings_the_study_does_not_meet_refuses_it(
         _private_federation(tmp_path, n_clients=4) if study_dp is not None else make_federation(tmp_path)
     )
     _node_setting(federation, 1001, **node_dp)
-    server, classifier, transport = _run(federation)
+    server, classifier, transport = run_server(federation)
     assert [(r["from"], r["error"]) for r in server.report.refusals] == [("node 1001", "StudyMismatchError")]
     assert message in server.report.refusals[0]["message"]
     assert [r.kind for n, _, r in transport.received if n == 1001] == ["refused"]  # nothing else left it
@@ -284,7 +274,7 @@ def test_a_study_that_lists_other_classes_for_a_client_is_refused_by_that_client
     federation.study = dataclasses.replace(
         federation.study, dp=dataclasses.replace(federation.study.dp, class_lists=lists)
     )
-    server, _, _ = _run(federation)
+    server, _, _ = run_server(federation)
     assert [(r["from"], r["error"]) for r in server.report.refusals] == [("node 1001", "StudyMismatchError")]
     assert (
         "the study lists classes [0, 1, 2] for client-1, this feature file labels [0, 2]"
@@ -316,7 +306,7 @@ def test_the_patient_unit_caps_each_patients_images_at_each_institution(tmp_path
             backbone="toy", weights_id="sha256:00", preprocessing="none",
             patient_ids=[f"{cid}-patient-{i // 3}" for i in range(len(features))],  # 3 images each
         )  # fmt: skip
-    _, classifier, _ = _run(federation)
+    _, classifier, _ = run_server(federation)
     logged = capsys.readouterr().err
     assert logged.count("rows clipped to norm 8") == 4
     assert "of 40 rows clipped" in logged and "of 60 rows" not in logged  # 20 patients × 2 images
@@ -337,7 +327,7 @@ def test_a_client_sent_another_study_than_its_peers_refuses_the_session(tmp_path
             return Envelope(envelope.kind, {**envelope.meta, "study": looser.to_json()}, envelope.payload)
         return envelope
 
-    server, _, _ = _run(federation, InProcessTransport(federation, tamper=tamper))
+    server, _, _ = run_server(federation, InProcessTransport(federation, tamper=tamper))
     assert [(r["from"], r["error"]) for r in server.report.refusals] == [("node 1001", "StudyMismatchError")]
     assert "does not commit to the study" in server.report.refusals[0]["message"]
 
@@ -351,7 +341,7 @@ def test_a_session_id_that_does_not_commit_to_the_study_is_refused_by_every_clie
         return envelope
 
     with pytest.raises(FederationAbortedError, match="aborted after R0"):
-        _run(federation, InProcessTransport(federation, tamper=tamper))
+        run_server(federation, InProcessTransport(federation, tamper=tamper))
 
 
 def test_dp_with_ckks_is_refused_by_the_study_the_server_and_the_clients(tmp_path: Path) -> None:

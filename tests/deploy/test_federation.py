@@ -15,17 +15,7 @@ from secure_afl.deploy.study import Method, round1_layout
 from secure_afl.deploy.wire import Envelope
 from secure_afl.keys import IdentityKey, Roster, RosterEntry, save_identity_key
 
-from .helpers import PASSPHRASE, InProcessTransport, make_federation
-
-
-def _run(federation, transport=None, **kwargs):
-    transport = transport or InProcessTransport(federation)
-    server = FederationServer(
-        transport, federation.roster, federation.study, round_timeout=1, log=lambda s: None, **kwargs
-    )
-    classifier = server.run()
-    server.deliver(classifier)
-    return server, classifier, transport
+from .helpers import PASSPHRASE, InProcessTransport, make_federation, run_server
 
 
 @pytest.mark.parametrize("rounds", [1, 2])
@@ -44,7 +34,7 @@ def test_deployment_equals_the_simulation_over_the_same_survivors_bit_for_bit(
     method = Method(rounds=rounds, min_pos=1, min_neg=1, tau=0.5)
     federation = make_federation(tmp_path, n_clients=5, active=active, method=method)
     federation.nodes[1002].dead_from = "s1-R1"  # client-2 advertises keys, then is killed
-    server, classifier, _ = _run(federation)
+    server, classifier, _ = run_server(federation)
     session1 = server.report.sessions[0]
     assert session1.participants == ("client-0", "client-1", "client-2", "client-3", "client-4")
     assert session1.survivors == ("client-0", "client-1", "client-3", "client-4")
@@ -102,7 +92,7 @@ def test_a_node_whose_key_is_not_in_the_roster_is_refused_at_the_node_and_report
     key_path = tmp_path / "intruder.key"
     save_identity_key(key_path, intruder, PASSPHRASE, scrypt_n=2**10)
     node.settings = type(node.settings)(**{**node.settings.__dict__, "identity_key": key_path})
-    server, classifier, transport = _run(federation)
+    server, classifier, transport = run_server(federation)
     refusals = [(r["from"], r["error"]) for r in server.report.refusals]
     assert refusals == [("node 1003", "IdentityNotInRosterError")]
     assert "not in its roster" in server.report.refusals[0]["message"]
@@ -128,7 +118,7 @@ def test_roster_mismatch_between_two_institutions_is_refused_by_the_one_that_dif
     path = tmp_path / "roster-client-1.json"
     path.write_text(other.to_json())
     node.settings = type(node.settings)(**{**node.settings.__dict__, "roster": path})
-    server, _, _ = _run(federation)
+    server, _, _ = run_server(federation)
     assert [(r["from"], r["error"]) for r in server.report.refusals] == [("node 1001", "RosterMismatchError")]
     assert other.fingerprint in server.report.refusals[0]["message"]
     assert server.report.sessions[0].survivors == ("client-0", "client-2", "client-3")
@@ -145,7 +135,7 @@ def _fresh_run(federation, ledgers: str | None = None) -> None:
 
 def test_a_message_replayed_from_an_earlier_run_is_refused_by_its_recipient(tmp_path: Path) -> None:
     federation = make_federation(tmp_path)
-    _, _, first = _run(federation)
+    _, _, first = run_server(federation)
     old_r1 = next(env for node, group, env in first.sent if node == 1000 and group == "s1-R1")
     old_advert = next(env for node, group, env in first.received if node == 1001 and group == "s1-R0")
 
@@ -179,7 +169,7 @@ def test_a_message_replayed_from_an_earlier_run_is_refused_by_its_recipient(tmp_
                 replies[1001] = old_advert
             return replies
 
-    server, _, _ = _run(federation, Replaying(federation))
+    server, _, _ = run_server(federation, Replaying(federation))
     assert [(r["from"], r["error"]) for r in server.report.rejections] == [
         ("node 1001", "ReplayedMessageError")
     ]
@@ -191,4 +181,4 @@ def test_too_few_survivors_abort_with_a_specific_error(tmp_path: Path) -> None:
     federation.nodes[1001].dead_from = "s1-R2"
     federation.nodes[1002].dead_from = "s1-R2"
     with pytest.raises(FederationAbortedError, match="session 1 aborted after R2"):
-        _run(federation)
+        run_server(federation)

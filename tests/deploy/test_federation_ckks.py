@@ -26,20 +26,10 @@ from secure_afl.protocol.ckks import codec, context
 from secure_afl.protocol.ckks.context import CkksParameters
 from secure_afl.protocol.ckks.messages import CkksAdvertiseRequest, CkksKeyDistribution
 
-from .helpers import PASSPHRASE, InProcessTransport, make_federation
+from .helpers import PASSPHRASE, InProcessTransport, make_federation, run_server
 
 WEIGHT_TOLERANCE = 1e-6  # max |CKKS weights - masked weights|; measured 5e-11 (module docstring)
 DIM = 6
-
-
-def _run(federation, transport=None):
-    transport = transport or InProcessTransport(federation)
-    server = FederationServer(
-        transport, federation.roster, federation.study, round_timeout=1, log=lambda s: None
-    )
-    classifier = server.run()
-    server.deliver(classifier)
-    return server, classifier, transport
 
 
 def _groups(transport: InProcessTransport, direction: str) -> list[str]:
@@ -64,7 +54,7 @@ def test_ckks_deployment_equals_the_simulation_within_ckks_precision_with_a_drop
         tmp_path, n_clients=5, dim=DIM, active=active, method=method, protection="ckks"
     )
     federation.nodes[1002].dead_from = "s1-R2"
-    server, classifier, transport = _run(federation)
+    server, classifier, transport = run_server(federation)
     session1, session2 = server.report.sessions
     assert session1.participants == ("client-0", "client-1", "client-2", "client-3", "client-4")
     assert session1.survivors == ("client-0", "client-1", "client-3", "client-4")
@@ -126,7 +116,7 @@ def test_a_dropped_decryptor_is_replaced_and_its_input_still_counts(tmp_path: Pa
 
     monkeypatch.setattr(context, "new_secret_context", counted_key)
     monkeypatch.setattr(context, "encrypt", counted_encrypt)
-    server, classifier, transport = _run(federation)
+    server, classifier, transport = run_server(federation)
     # Rebuilt clients replay without redoing their replies: one key (the key holder's, in R1) and
     # one encryption per tensor per client (R2: 3 + 3 + 3 + 4), although the decryptors were
     # rebuilt from R0..R2 for each R3.
@@ -163,7 +153,7 @@ def test_the_server_never_receives_a_secret_key(tmp_path: Path) -> None:
                 snapshots.update({n: node.state.load("1") for n, node in federation.nodes.items()})
             return replies
 
-    server, _, transport = _run(federation, Snapshotting(federation))
+    server, _, transport = run_server(federation, Snapshotting(federation))
     (session,) = server.report.sessions
     # Rebuild the key holder's session from its local state to learn the secret context, then look
     # for it in every byte the server received.
@@ -228,7 +218,7 @@ def test_a_key_holder_that_drops_before_the_key_is_replaced_or_the_session_abort
             return replies
 
     transport = KeyHoldersDie(federation, every=False)
-    server, classifier, _ = _run(federation, transport)
+    server, classifier, _ = run_server(federation, transport)
     (session,) = server.report.sessions
     (dropped,) = transport.killed
     assert session.replaced_key_holders == (dropped,)
@@ -280,7 +270,7 @@ def test_a_client_refuses_a_protection_it_did_not_agree_to_or_that_differs_from_
             return Envelope(envelope.kind, envelope.meta, codec.encode(changed, max_message_bytes=1 << 20))
         return envelope
 
-    server, _, _ = _run(federation, InProcessTransport(federation, tamper=tamper))
+    server, _, _ = run_server(federation, InProcessTransport(federation, tamper=tamper))
     refusals = {r["from"]: (r["error"], r["message"]) for r in server.report.refusals}
     assert set(refusals) == {"node 1002", "node 1003", "node 1004"}
     assert all(error == "StudyMismatchError" for error, _ in refusals.values())
