@@ -31,11 +31,11 @@ from secure_afl.sim.baselines.engine import (
     head_from_weights,
     initial_weights,
     logits_of,
-    single_torch_thread,
     stack_clients,
     weight_gradient,
     weighted_average,
 )
+from secure_afl.torch_threads import one_torch_thread
 
 __all__ = ["FedAvgConfig", "LinearHead", "missing_as_negative", "train_fedavg", "train_fedavg_stacked"]
 
@@ -114,7 +114,7 @@ def train_fedavg_stacked(
     share = torch.full((n_clients,), 1.0 / n_clients, device=x.device)  # sample-count weights, equal sizes
     threads_now = threads if callable(threads) else (lambda: threads)
     _client_slices(n_clients, threads_now())  # a bad count fails before any training
-    with single_torch_thread(), ThreadPoolExecutor(max(n_clients - 1, 1)) as pool:
+    with one_torch_thread(), ThreadPoolExecutor(max(n_clients - 1, 1)) as pool:
         for round_ in range(config.rounds):
             slices = _client_slices(n_clients, threads_now())
             w = global_w.expand(n_clients, *global_w.shape).clone()

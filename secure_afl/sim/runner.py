@@ -418,30 +418,15 @@ def run_setting(
     _check_coverage(agg, n_classes)
     with timer.phase("solve"), warnings.catch_warnings():
         warnings.simplefilter("ignore", UndefinedBalanceWarning)
-        factors = GramFactors(agg.sums, config.gamma)  # the three models share the Grams' factors
-        afl = AnalyticClassifier(n_classes, gamma=config.gamma).fit(agg.sums, factors=factors)
-        global_balance = AnalyticClassifier(n_classes, gamma=config.gamma, balance="global").fit(
-            agg.sums, factors=factors
-        )
-        global_gram = AnalyticClassifier(n_classes, gamma=config.gamma, gram="global").fit(
-            agg.sums, factors=factors
-        )
-    models = {AFL_1: afl, AFL_GLOBAL_BALANCE: global_balance, AFL_GLOBAL_GRAM: global_gram}
+        models, factors = _round1_models(agg.sums, n_classes, config.gamma)
+    afl = models[AFL_1]
     # With several protections, the others' sums fit the same models, reported as "<method> via <name>".
     other_models: dict[str, AnalyticClassifier] = {}
+    other_factors: dict[str, GramFactors] = {}
     with timer.phase("solve"):
-        other_factors = {name: GramFactors(sums, config.gamma) for name, sums in agg.other_sums.items()}
         for name, sums in agg.other_sums.items():
-            shared = other_factors[name]
-            other_models[f"{AFL_1} via {name}"] = AnalyticClassifier(n_classes, gamma=config.gamma).fit(
-                sums, factors=shared
-            )
-            other_models[f"{AFL_GLOBAL_BALANCE} via {name}"] = AnalyticClassifier(
-                n_classes, gamma=config.gamma, balance="global"
-            ).fit(sums, factors=shared)
-            other_models[f"{AFL_GLOBAL_GRAM} via {name}"] = AnalyticClassifier(
-                n_classes, gamma=config.gamma, gram="global"
-            ).fit(sums, factors=shared)
+            fitted, other_factors[name] = _round1_models(sums, n_classes, config.gamma)
+            other_models.update({f"{method} via {name}": model for method, model in fitted.items()})
 
     upload = _upload_bytes(round1)
     pseudo_reports: list[tuple[str, PseudoLabelReport]] = []
@@ -579,6 +564,22 @@ def run_setting(
         undefined_balance=undefined,
         method_seconds=method_seconds,
     )
+
+
+def _round1_models(
+    sums: Contributions, n_classes: int, gamma: float
+) -> tuple[dict[str, AnalyticClassifier], GramFactors]:
+    """AFL and its global-balance and global-Gram variants on one set of sums, and the Grams'
+    factors they share (round 2's refinements reuse them)."""
+    factors = GramFactors(sums, gamma)
+    models = {
+        AFL_1: AnalyticClassifier(n_classes, gamma=gamma).fit(sums, factors=factors),
+        AFL_GLOBAL_BALANCE: AnalyticClassifier(n_classes, gamma=gamma, balance="global").fit(
+            sums, factors=factors
+        ),
+        AFL_GLOBAL_GRAM: AnalyticClassifier(n_classes, gamma=gamma, gram="global").fit(sums, factors=factors),
+    }
+    return models, factors
 
 
 def _rescaled_or_none(model: AnalyticClassifier, sums: Contributions) -> tuple[np.ndarray, np.ndarray] | None:

@@ -19,10 +19,10 @@ from secure_afl.sim.baselines.engine import (
     head_from_weights,
     initial_weights,
     logits_of,
-    single_torch_thread,
     stack_clients,
     weight_gradient,
 )
+from secure_afl.torch_threads import one_torch_thread
 
 
 @dataclass(frozen=True)
@@ -241,7 +241,7 @@ def train(
     progress: Callable[[int], None] | None = None,
 ) -> LinearHead:
     """Federated training of ``method`` for ``config.rounds`` rounds; returns the global head."""
-    with single_torch_thread():
+    with one_torch_thread():
         generator = torch.Generator().manual_seed(config.seed)
         global_w = initial_weights(fed.dim, fed.n_classes, generator)
         augment = FeatureAugmenter(fed.dim, generator)

@@ -22,10 +22,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from secure_afl.torch_threads import one_torch_thread
-
-single_torch_thread = one_torch_thread  # the name the simulator's modules use
-
 
 class Adam:
     """Adam (Kingma & Ba) with torch.optim.Adam's defaults, on a tensor updated in place.
