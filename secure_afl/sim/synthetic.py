@@ -77,45 +77,18 @@ def synthetic_features(
     patient_effect = rng.standard_normal((patient_index.max() + 1, PATIENT_RANK), dtype=np.float32)
 
     out = np.empty((len(labels), dim), dtype=np.float32)
-    # OpenBLAS splits a product differently for each thread count, and the float32 sums differ in
-    # their last bits: the products run on exactly SYNTHETIC_BLAS_THREADS threads on every machine,
-    # the count of the 2-core machine where the published tables were made.
-    with threadpool_limits(SYNTHETIC_BLAS_THREADS, user_api="blas"):
-        _draw_chunks(
-            rng,
-            labels,
-            patient_index,
-            patient_effect,
-            mean,
-            nuisance,
-            patient_load,
-            signatures,
-            out,
-            progress,
-        )
-    if progress is not None:
-        progress(len(labels))
-    return out
-
-
-def _draw_chunks(
-    rng: np.random.Generator,
-    labels: np.ndarray,
-    patient_index: np.ndarray,
-    patient_effect: np.ndarray,
-    mean: np.ndarray,
-    nuisance: np.ndarray,
-    patient_load: np.ndarray,
-    signatures: np.ndarray,
-    out: np.ndarray,
-    progress: Callable[[int], None] | None,
-) -> None:
-    dim = out.shape[1]
     # The random draws must stay in order (one generator stream), but the softplus of a finished
     # chunk (the costliest step: scalar libm calls; numpy releases the GIL in it) runs on other
     # threads while the next chunk is drawn, each half of the chunk on its own thread so that a
     # free core takes one.  Same operations on the same numbers: the features do not change.
-    with ThreadPoolExecutor(max_workers=2) as softplus:
+    #
+    # OpenBLAS splits a product differently for each thread count, and the float32 sums differ in
+    # their last bits: the products run on exactly SYNTHETIC_BLAS_THREADS threads on every machine,
+    # the count of the 2-core machine where the published tables were made.
+    with (
+        threadpool_limits(SYNTHETIC_BLAS_THREADS, user_api="blas"),
+        ThreadPoolExecutor(max_workers=2) as softplus,
+    ):
         pending: list[Future[None]] = []
         for start in range(0, len(labels), CHUNK_ROWS):
             stop = min(start + CHUNK_ROWS, len(labels))
@@ -138,6 +111,9 @@ def _draw_chunks(
             ]
         for job in pending:
             job.result()
+    if progress is not None:
+        progress(len(labels))
+    return out
 
 
 def _softplus_into(z: np.ndarray, out: np.ndarray) -> None:
