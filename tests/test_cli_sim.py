@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 from pathlib import Path
 
@@ -201,3 +202,40 @@ def test_threshold_and_minimum_group_size_reach_the_protocol(tmp_path: Path) -> 
     assert singletons.exit_code == 1 and "--min-group-size 2" in singletons.output
     absurd = CliRunner().invoke(main, ["sim", "--threshold", "9", "--out", str(tmp_path), *SMALL])
     assert absurd.exit_code == 1 and "threshold must be from 1 to 8" in absurd.output
+
+
+def test_imports_pause_the_collector_and_restore_it() -> None:
+    from secure_afl.cli import _imports_without_gc
+
+    assert gc.isenabled()
+    with _imports_without_gc():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(ImportError), _imports_without_gc():
+        import secure_afl.no_such_module  # noqa: F401
+    assert gc.isenabled(), "an import that fails must not leave the collector off"
+    gc.disable()
+    try:
+        with _imports_without_gc():
+            pass
+        assert not gc.isenabled(), "a collector the caller had turned off stays off"
+    finally:
+        gc.enable()
+
+
+def test_sim_runs_the_experiment_with_the_collector_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import secure_afl.sim.runner as runner
+
+    seen: list[bool] = []
+    real = runner.run_experiment
+
+    def recording(*args, **kwargs):
+        seen.append(gc.isenabled())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "run_experiment", recording)
+    result = _run(["--missing", "7", "--secure", "none", "--rounds", "1", "--out", str(tmp_path), *SMALL])
+    assert result.exit_code == 0, result.output
+    assert seen == [True]
