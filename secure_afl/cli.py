@@ -442,6 +442,7 @@ def sim(
     if sources == [None] and not dp_sweep:
         request = DataRequest(fraction, dim, seed, N_CLIENTS, split_by)  # type: ignore[arg-type]
         preparing = PreparingData(request, progress)
+        preparing.wait_for_cohort()  # its parsing and our imports both need the GIL: one after the other
     with _imports_without_gc():
         from secure_afl.sim.baselines import BaselineConfig
         from secure_afl.sim.fedavg import FedAvgConfig

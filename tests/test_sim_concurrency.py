@@ -3,6 +3,8 @@ threads): the report is the one of a run that trains everything in the main thre
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -53,3 +55,44 @@ def test_data_prepared_on_a_thread_are_the_runs_own(monkeypatch) -> None:
     other = PreparingData(DataRequest(0.03, 32, 1, 8, "image"))  # another seed
     with pytest.raises(ExperimentError, match="not this configuration's"):
         run_experiment(config, preparing=other)
+
+
+def test_waiting_for_the_cohort_does_not_wait_for_the_features(monkeypatch) -> None:
+    import secure_afl.sim.datasets as datasets
+
+    release = threading.Event()
+    real = datasets.synthetic_features
+
+    def held_features(*args, **kwargs):
+        assert release.wait(30), "the test never released the features"
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(datasets, "synthetic_features", held_features)
+    preparing = datasets.PreparingData(datasets.DataRequest(0.03, 32, 0, 8, "image"))
+    try:
+        waiter = threading.Thread(target=preparing.wait_for_cohort, daemon=True)
+        waiter.start()
+        waiter.join(timeout=30)
+        assert not waiter.is_alive(), "wait_for_cohort waited for the features"
+        assert not preparing._future.done()
+    finally:
+        release.set()
+    data, _ = preparing.result()
+    assert data.features.shape[1] == 32
+
+
+def test_a_failure_before_the_cohort_releases_its_waiters(monkeypatch) -> None:
+    import secure_afl.sim.datasets as datasets
+    from secure_afl.sim.data import CohortError
+
+    def unreadable(*args, **kwargs):
+        raise CohortError("label table unreadable")
+
+    monkeypatch.setattr(datasets, "load_cohort", unreadable)
+    preparing = datasets.PreparingData(datasets.DataRequest(0.03, 32, 0, 8, "image"))
+    waiter = threading.Thread(target=preparing.wait_for_cohort, daemon=True)
+    waiter.start()
+    waiter.join(timeout=30)
+    assert not waiter.is_alive(), "a failed preparation left wait_for_cohort blocked"
+    with pytest.raises(CohortError, match="unreadable"):
+        preparing.result()

@@ -11,6 +11,7 @@ the split, and counted in the dataset description.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -126,11 +127,17 @@ def prepare(
     n_clients: int = N_CLIENTS,
     split: SplitBy = "image",
     progress: Progress | None = None,
+    cohort_read: Callable[[], None] | None = None,
 ) -> PreparedData:
-    """Cohort, features and split.  ``images=None`` is the embedded data with synthetic features."""
+    """Cohort, features and split.  ``images=None`` is the embedded data with synthetic features.
+
+    ``cohort_read`` is called once the label table is read, before the features.
+    """
     report = progress or (lambda task, done, total: None)
     tokens = None
     cohort = _subset(load_cohort(images.csv if images else None), fraction, seed)
+    if cohort_read is not None:
+        cohort_read()
     if images is None:
         features = synthetic_features(
             cohort.labels,
@@ -166,7 +173,12 @@ class DataRequest:
     n_clients: int = N_CLIENTS
     split: SplitBy = "image"
 
-    def prepare(self, images: ImageSource | None = None, progress: Progress | None = None) -> PreparedData:
+    def prepare(
+        self,
+        images: ImageSource | None = None,
+        progress: Progress | None = None,
+        cohort_read: Callable[[], None] | None = None,
+    ) -> PreparedData:
         """:func:`prepare` with these arguments."""
         return prepare(
             images,
@@ -176,6 +188,7 @@ class DataRequest:
             n_clients=self.n_clients,
             split=self.split,
             progress=progress,
+            cohort_read=cohort_read,
         )
 
 
@@ -184,20 +197,30 @@ class PreparingData:
 
     The command line starts it before importing torch and the training code: the synthetic features
     are numpy work that mostly runs outside the GIL, so the imports (about two seconds of one
-    core) overlap it.  :meth:`result` waits and gives the data and the seconds they took.
+    core) overlap it.  Reading the label table is Python work that needs the GIL as much as an
+    import does: the command waits for it (:meth:`wait_for_cohort`) before importing, so that the
+    features start about 0.8 s sooner.  :meth:`result` waits and gives the data and the seconds they
+    took.
     """
 
     def __init__(self, request: DataRequest, progress: Progress | None = None) -> None:
         self.request = request
+        self._cohort_read = threading.Event()
         executor = ThreadPoolExecutor(1, thread_name_prefix="prepare-data")
         self._future = executor.submit(self._prepare, request, progress)
         executor.shutdown(wait=False)  # the thread ends with the job
 
-    @staticmethod
-    def _prepare(request: DataRequest, progress: Progress | None) -> tuple[PreparedData, float]:
+    def _prepare(self, request: DataRequest, progress: Progress | None) -> tuple[PreparedData, float]:
         start = time.perf_counter()
-        data = request.prepare(None, progress)
+        try:
+            data = request.prepare(None, progress, cohort_read=self._cohort_read.set)
+        finally:
+            self._cohort_read.set()  # a failure before the table was read releases the waiters too
         return data, time.perf_counter() - start
+
+    def wait_for_cohort(self) -> None:
+        """Return once the label table is read (or preparing has failed: :meth:`result` raises it)."""
+        self._cohort_read.wait()
 
     def result(self) -> tuple[PreparedData, float]:
         """The prepared data and their wall seconds (raises what :func:`prepare` raised)."""
