@@ -257,3 +257,60 @@ def test_gradient_workers_setting(monkeypatch) -> None:
     monkeypatch.setenv(WORKERS_ENV, "two")
     with pytest.raises(ValueError, match="number of worker processes"):
         _workers_from_environment()
+
+
+def test_batches_with_targets_are_the_batches_and_their_taken_targets() -> None:
+    from secure_afl.sim.baselines.engine import Epoch, epoch_order
+
+    generator = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 50, 7, generator=generator)
+    y = torch.randn(3, 50, 5, generator=generator)
+    order = epoch_order(3, 50, generator)
+    plain = [(xb.clone(), Epoch.take(y, rows)) for xb, rows in Epoch(x, 16, order=order)]
+    paired = [(xb.clone(), yb.clone()) for xb, yb in Epoch(x, 16, order=order).with_targets(y)]
+    assert [b[0].shape[1] for b in paired] == [16, 16, 16, 2]  # the last batch is short
+    for (x_plain, y_plain), (x_paired, y_paired) in zip(plain, paired, strict=True):
+        assert torch.equal(x_plain, x_paired) and torch.equal(y_plain, y_paired)
+
+
+def test_fedavg_with_reused_buffers_is_the_plain_loop_bit_for_bit() -> None:
+    """FedAvg's loop reuses its buffers (batch, targets, gradient, Adam's denominator) and computes
+    σ(z) − y in place: the head must be the one of fresh tensors at every step."""
+    from secure_afl.sim.baselines.engine import (
+        Epoch,
+        epoch_order,
+        head_from_weights,
+        initial_weights,
+        stack_clients,
+        weighted_average,
+    )
+    from secure_afl.sim.fedavg import FedAvgConfig, train_fedavg_stacked
+
+    features, labels, _ = _gradient_inputs()
+    x = stack_clients(features)
+    y = torch.as_tensor(np.stack(labels), dtype=torch.float32)
+    config = FedAvgConfig(rounds=3, local_epochs=2, batch_size=40)  # a last batch of 16 rows
+    fast = train_fedavg_stacked(x, y, config)
+
+    generator = torch.Generator().manual_seed(config.seed)
+    global_w = initial_weights(x.shape[2] - 1, y.shape[2], generator)
+    for _ in range(config.rounds):
+        w = global_w.expand(x.shape[0], *global_w.shape).clone()
+        m, v = torch.zeros_like(w), torch.zeros_like(w)
+        orders = [epoch_order(x.shape[0], x.shape[1], generator) for _ in range(config.local_epochs)]
+        step = 0
+        for order in orders:
+            for xb, rows in Epoch(x, config.batch_size, order=order):
+                targets = Epoch.take(y, rows)
+                logits = torch.bmm(w, xb.transpose(1, 2)).transpose(1, 2)
+                grad_logits = (torch.sigmoid(logits) - targets) / (targets.shape[1] * targets.shape[2])
+                grad = torch.bmm(grad_logits.transpose(1, 2), xb)
+                step += 1
+                m.mul_(0.9).add_(grad, alpha=1 - 0.9)
+                v.mul_(0.999).addcmul_(grad, grad, value=1 - 0.999)
+                denominator = (v / (1 - 0.999**step)).sqrt_().add_(1e-8)
+                w.addcdiv_(m, denominator, value=-config.lr / (1 - 0.9**step))
+        global_w = weighted_average(w, torch.full((x.shape[0],), 1.0 / x.shape[0]))
+    plain = head_from_weights(global_w)
+    np.testing.assert_array_equal(fast.coef, plain.coef)
+    np.testing.assert_array_equal(fast.bias, plain.bias)

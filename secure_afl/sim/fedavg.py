@@ -146,7 +146,7 @@ def _local_training(
     """One round's local epochs of a slice of the clients; updates ``w`` (a view of the round's heads)
     in place."""
     adam = Adam(w, config.lr)
+    gradient = torch.empty_like(w)  # reused at every step (as Adam's buffers and the batches are)
     for order in orders:
-        for xb, rows in Epoch(x, config.batch_size, order=order):
-            grad = bce_gradient(logits_of(w, xb), Epoch.take(y, rows))
-            adam.step(w, weight_gradient(grad, xb))
+        for xb, yb in Epoch(x, config.batch_size, order=order).with_targets(y):
+            adam.step(w, weight_gradient(bce_gradient(logits_of(w, xb), yb), xb, out=gradient))

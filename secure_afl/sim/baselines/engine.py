@@ -40,6 +40,7 @@ class Adam:
         self.weight_decay = weight_decay
         self.m = torch.zeros_like(like)
         self.v = torch.zeros_like(like)
+        self._denominator = torch.empty_like(like)  # reused at every step: no allocation, a warm cache
         self.t = 0
 
     def step(self, param: torch.Tensor, grad: torch.Tensor) -> None:
@@ -49,7 +50,7 @@ class Adam:
         self.m.mul_(self.beta1).add_(grad, alpha=1 - self.beta1)
         self.v.mul_(self.beta2).addcmul_(grad, grad, value=1 - self.beta2)
         step_size = self.lr / (1 - self.beta1**self.t)
-        denom = (self.v / (1 - self.beta2**self.t)).sqrt_().add_(self.eps)
+        denom = torch.div(self.v, 1 - self.beta2**self.t, out=self._denominator).sqrt_().add_(self.eps)
         param.addcdiv_(self.m, denom, value=-step_size)
 
 
@@ -149,12 +150,32 @@ class Epoch:
         self.n_clients = n_clients
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for start, stop, flat_rows in self._batches():
+            yield self._gather(flat_rows), self.order[:, start:stop]
+
+    def with_targets(self, targets: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The batches with their targets: ``for x, y in epoch.with_targets(targets)``.
+
+        ``targets`` is ``K × N × C``; each batch's ``y`` (``K × B × C``) is gathered with the rows'
+        own indices into a reused buffer (what :meth:`take` gives, without building the indices
+        again at every step).
+        """
+        flat_targets = targets.reshape(self.n_clients * self.n, -1)
+        buffer = torch.empty((self.n_clients * self.batch_size, flat_targets.shape[1]), dtype=targets.dtype)
+        for _, _, flat_rows in self._batches():
+            out = buffer[: len(flat_rows)]
+            torch.index_select(flat_targets, 0, flat_rows, out=out)
+            yield self._gather(flat_rows), out.view(self.n_clients, -1, flat_targets.shape[1])
+
+    def _batches(self) -> Iterator[tuple[int, int, torch.Tensor]]:
         for start in range(0, self.n, self.batch_size):
             stop = min(start + self.batch_size, self.n)
-            size = stop - start
-            out = self.buffer[: self.n_clients * size]
-            torch.index_select(self.x, 0, self.flat_order[:, start:stop].reshape(-1), out=out)
-            yield out.view(self.n_clients, size, -1), self.order[:, start:stop]
+            yield start, stop, self.flat_order[:, start:stop].reshape(-1)
+
+    def _gather(self, flat_rows: torch.Tensor) -> torch.Tensor:
+        out = self.buffer[: len(flat_rows)]
+        torch.index_select(self.x, 0, flat_rows, out=out)
+        return out.view(self.n_clients, len(flat_rows) // self.n_clients, -1)
 
     @staticmethod
     def take(values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -167,14 +188,18 @@ def logits_of(weights: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return torch.bmm(weights, x.transpose(1, 2)).transpose(1, 2)
 
 
-def weight_gradient(grad_logits: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``∂loss/∂W`` from ``∂loss/∂logits`` (``K × B × C``) and the rows: ``K × C × (d+1)``."""
-    return torch.bmm(grad_logits.transpose(1, 2), x)
+def weight_gradient(
+    grad_logits: torch.Tensor, x: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``∂loss/∂W`` from ``∂loss/∂logits`` (``K × B × C``) and the rows: ``K × C × (d+1)``, into
+    ``out`` when given (a buffer reused at every step)."""
+    return torch.bmm(grad_logits.transpose(1, 2), x, out=out)
 
 
 def bce_gradient(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Gradient of the mean BCE-with-logits per client: ``(σ(z) − y) / (B·C)``."""
-    return (torch.sigmoid(logits) - targets) / (targets.shape[1] * targets.shape[2])
+    """Gradient of the mean BCE-with-logits per client: ``(σ(z) − y) / (B·C)`` (in place on σ(z):
+    the same operations, one tensor allocated instead of three)."""
+    return torch.sigmoid(logits).sub_(targets).div_(targets.shape[1] * targets.shape[2])
 
 
 def weighted_average(heads: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
