@@ -7,6 +7,11 @@ With --cli: the console script itself, as a user runs it (`secure-afl sim --miss
 fresh process each time, output discarded): its wall seconds and its CPU seconds (user + sys of
 the process and its children), every run listed, on a machine that should be otherwise idle.
 
+With --cli, a calibration follows in a fresh process: FedAvg's rounds alone on the embedded data, on
+one thread and on every core. This machine's speed drifts by the hour (the same run has taken
+15 s and 19 s on the same day): compare wall times only beside the calibration of the same hour.
+`--calibrate` prints the calibration alone.
+
 Prints one markdown row per protection: the median over the repeats of each phase (data,
 statistics, aggregation, solve, the wait for the gradient methods, metrics) and of the whole run, as
 `run_experiment` times them, the wall seconds of FedAvg's training on its thread (it runs
@@ -21,6 +26,7 @@ import resource
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -37,9 +43,14 @@ def main() -> None:
     parser.add_argument("--missing", default="7", help="comma list of missing levels")
     parser.add_argument("--secure", default="none,mask", help="comma list of protections")
     parser.add_argument("--cli", action="store_true", help="time the console script in fresh processes")
+    parser.add_argument("--calibrate", action="store_true", help="time FedAvg's rounds alone, then stop")
     args = parser.parse_args()
+    if args.calibrate:
+        calibrate()
+        return
     if args.cli:
         time_console_script(args.repeats, args.missing)
+        subprocess.run([sys.executable, __file__, "--calibrate"], check=True)
         return
     missing = tuple(int(m) for m in args.missing.split(","))
     print(f"secure-afl sim --missing {args.missing}: median of {args.repeats} runs, seconds\n")
@@ -78,6 +89,29 @@ def time_console_script(repeats: int, missing: str) -> None:
         walls.append(wall)
         print(f"run {run + 1}: {wall:.2f} s wall, {cpu:.2f} CPU-seconds")
     print(f"median {statistics.median(walls):.2f} s wall")
+
+
+def calibrate(rounds: int = 6) -> None:
+    """FedAvg's seconds per round on the embedded data (missing 7), alone, after one warm-up round."""
+    import numpy as np
+    import torch
+
+    from secure_afl.sim.baselines.engine import stack_clients
+    from secure_afl.sim.datasets import prepare
+    from secure_afl.sim.fedavg import FedAvgConfig, missing_as_negative, train_fedavg_stacked
+    from secure_afl.sim.gradient import available_cores
+
+    data = prepare(None)
+    x = stack_clients(data.features, data.split.clients)
+    labels = [data.cohort.labels[rows] for rows in data.split.clients]
+    y = torch.as_tensor(np.stack([missing_as_negative(labels[k], [k]) for k in range(len(labels))]))
+    cores = available_cores()
+    print(f"calibration: FedAvg alone on the embedded data, {x.shape[0]} clients of {x.shape[1]} rows")
+    for threads in sorted({1, cores}):
+        train_fedavg_stacked(x, y, FedAvgConfig(rounds=1), threads=threads)  # warm-up
+        start = time.perf_counter()
+        train_fedavg_stacked(x, y, FedAvgConfig(rounds=rounds), threads=threads)
+        print(f"  {threads} thread(s): {(time.perf_counter() - start) / rounds:.3f} s per round")
 
 
 if __name__ == "__main__":
