@@ -269,6 +269,8 @@ def test_batches_with_targets_are_the_batches_and_their_taken_targets() -> None:
     plain = [(xb.clone(), Epoch.take(y, rows)) for xb, rows in Epoch(x, 16, order=order)]
     paired = [(xb.clone(), yb.clone()) for xb, yb in Epoch(x, 16, order=order).with_targets(y)]
     assert [b[0].shape[1] for b in paired] == [16, 16, 16, 2]  # the last batch is short
+    with pytest.raises(ValueError, match="3 × 50 like the features, got shape \\(3, 49, 5\\)"):
+        next(Epoch(x, 16, order=order).with_targets(y[:, :49]))
     for (x_plain, y_plain), (x_paired, y_paired) in zip(plain, paired, strict=True):
         assert torch.equal(x_plain, x_paired) and torch.equal(y_plain, y_paired)
 

@@ -160,6 +160,11 @@ class Epoch:
         own indices into a reused buffer (what :meth:`take` gives, without building the indices
         again at every step).
         """
+        if tuple(targets.shape[:2]) != (self.n_clients, self.n):
+            raise ValueError(
+                f"targets must be clients × rows × C with {self.n_clients} × {self.n} like the features, "
+                f"got shape {tuple(targets.shape)}"
+            )
         flat_targets = targets.reshape(self.n_clients * self.n, -1)
         buffer = torch.empty((self.n_clients * self.batch_size, flat_targets.shape[1]), dtype=targets.dtype)
         for _, _, flat_rows in self._batches():
