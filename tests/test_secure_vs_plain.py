@@ -25,7 +25,6 @@ from secure_afl.analytic import (
 )
 from secure_afl.protocol import encoding
 from secure_afl.protocol.randomness import DeterministicRandomSource
-from secure_afl.sim.datasets import prepare
 from secure_afl.sim.fedavg import FedAvgConfig
 from secure_afl.sim.metrics import Metrics, evaluate
 from secure_afl.sim.partial import assign_partial_labels
@@ -35,6 +34,7 @@ from secure_afl.sim.runner import (
     ExperimentResult,
     SimConfig,
     client_id,
+    data_request,
     run_experiment,
 )
 from secure_afl.sim.secure import secure_aggregate
@@ -76,14 +76,7 @@ class Data(NamedTuple):
 @pytest.fixture(scope="module")
 def prepared() -> Data:
     config = SimConfig(**BASE)  # type: ignore[arg-type]
-    data = prepare(
-        None,
-        fraction=config.fraction,
-        dim=config.dim,
-        seed=config.seed,
-        n_clients=config.n_clients,
-        split=config.split,
-    )
+    data = data_request(config).prepare()  # the embedded data: a request, never None
     return Data(data.features, data.cohort.labels, data.split.clients, data.split.test)
 
 

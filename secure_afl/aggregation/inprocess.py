@@ -20,7 +20,7 @@ from secure_afl.keys.roster import Roster, RosterEntry
 from secure_afl.protocol.randomness import OsRandomSource, RandomSource
 
 from .backend import ProtectionBackend, SessionOutcome
-from .layout import flatten, layout_of
+from .layout import Layout, flatten, layout_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +47,7 @@ class InProcessRun:
     costs: SessionCosts
     session_id: bytes
     clients: Mapping[str, object]  # the client sessions, for checks after the run
+    layout: Layout  # the session's groups and tensors
 
 
 def run_in_process(
@@ -151,6 +152,7 @@ def run_in_process(
         costs=SessionCosts(bytes_sent, bytes_received, client_seconds, server_seconds),
         session_id=session_id,
         clients=clients,
+        layout=layout,
     )
 
 

@@ -15,13 +15,12 @@ such a session, the simulator's clients go on and report it here.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from secure_afl.aggregation.layout import layout_of
 from secure_afl.privacy.exposure import ExposureFinding, exposed_clients
 
 if TYPE_CHECKING:
@@ -136,19 +135,17 @@ def audit_run(
     run: InProcessRun,
     contributions: Mapping[str, Mapping[str, Mapping[str, np.ndarray]]],
     *,
-    symmetric: Collection[str],
     protection: str,
 ) -> tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]], PrivacyAudit]:
     """Members, survivors and the audit of an in-process run of any protection backend."""
     outcome = run.outcome
-    layout = layout_of(contributions, symmetric)
     members = {group: tuple(outcome.members[group]) for group in sorted(outcome.members)}
     survivors = {group: tuple(outcome.survivors[group]) for group in members}
     audit = audit_groups(
         protection=protection,
         members=members,
         survivors=survivors,
-        tensors={group: tuple(layout.groups[group]) for group in members},
+        tensors={group: tuple(run.layout.groups[group]) for group in members},
         contributions=contributions,
         client_findings={cid: client.exposure_findings for cid, client in run.clients.items()},  # type: ignore[attr-defined]
     )

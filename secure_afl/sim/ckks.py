@@ -83,7 +83,7 @@ def ckks_aggregate(
         session_id=session_id,
     )
     outcome = run.outcome
-    members, survivors, audit = audit_run(run, contributions, symmetric=symmetric, protection="ckks")
+    members, survivors, audit = audit_run(run, contributions, protection="ckks")
     findings: list[str] = []
     for client in run.clients.values():
         findings.extend(f.describe() for f in client.exposure_findings if f.describe() not in findings)  # type: ignore[attr-defined]

@@ -88,7 +88,7 @@ from rich.table import Table
 
 from secure_afl.analytic import _solve_spd, sum_contributions
 from secure_afl.sim.data import CLASSES, SplitBy
-from secure_afl.sim.datasets import ImageSource, PreparedData, Progress, prepare
+from secure_afl.sim.datasets import DataRequest, ImageSource, PreparedData, Progress
 from secure_afl.torch_threads import one_torch_thread
 
 FINE_CLASSES: tuple[str, ...] = (*CLASSES, "No Finding")
@@ -538,15 +538,8 @@ def run_mixed_type(config: MixedTypeConfig, *, progress: Progress | None = None)
         seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - started
 
     started = time.perf_counter()
-    data = prepare(
-        config.images,
-        fraction=config.fraction,
-        dim=config.dim,
-        seed=config.seed,
-        n_clients=config.n_clients,
-        split=config.split,
-        progress=report,
-    )
+    request = DataRequest(config.fraction, config.dim, config.seed, config.n_clients, config.split)
+    data = request.prepare(config.images, report)
     split = mixed_type_split(data, max(config.centre_n), config.seed)
     m = correspondence_matrix()
     priors = {"prevalence": prevalence_priors(split.fine), "uniform": uniform_priors()}

@@ -103,7 +103,7 @@ def secure_aggregate(
         session_id=session_id,
     )
     outcome = run.outcome
-    members, survivors, audit = audit_run(run, contributions, symmetric=symmetric, protection="mask")
+    members, survivors, audit = audit_run(run, contributions, protection="mask")
     return SecureAggregationResult(
         sums=outcome.sums,
         members=members,
