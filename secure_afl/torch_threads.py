@@ -10,6 +10,7 @@ restores it.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,6 +20,16 @@ import torch
 _lock = threading.Lock()
 _holders = 0
 _saved = 1
+
+
+def _fresh_lock_in_child() -> None:
+    # A process forked while another thread held the lock (sim/gradient.py forks FedAvg's process)
+    # would otherwise wait for a thread that does not exist there.
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_fresh_lock_in_child)
 
 
 @contextmanager

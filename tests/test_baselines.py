@@ -150,7 +150,7 @@ def _gradient_inputs():
     return [x for x, _ in clients], [y for _, y in clients], active
 
 
-def test_gradient_jobs_give_the_same_heads_on_a_thread_in_workers_and_inline() -> None:
+def test_gradient_jobs_give_the_same_heads_forked_on_a_thread_in_workers_and_inline() -> None:
     from secure_afl.sim.fedavg import FedAvgConfig
     from secure_afl.sim.gradient import GradientMethods
 
@@ -165,18 +165,24 @@ def test_gradient_jobs_give_the_same_heads_on_a_thread_in_workers_and_inline() -
     with GradientMethods(*args, fedavg=fedavg, baselines=names, baseline=baseline, workers=2) as spawned:
         assert spawned.mode == "processes" and spawned.workers == 2 and spawned.pool is not None
         results = {m: spawned.collect(m) for m in (3, 1)}
-    # FedAvg alone: a background thread, its clients split over threads
-    with GradientMethods(*args, fedavg=fedavg, workers="auto") as threaded:
-        assert threaded.mode == "thread" and threaded.thread is not None
-        fedavg_heads = {m: threaded.collect(m)[0]["FedAvg"] for m in (1, 3)}
+    # FedAvg alone: a forked process (auto, on Linux) or a background thread, clients split over threads
+    background = {}
+    for workers in ("auto", "fork", "thread"):
+        with GradientMethods(*args, fedavg=fedavg, workers=workers) as jobs:
+            assert jobs.mode == ("fork" if workers == "auto" else workers)
+            assert (jobs.forked is not None) == (jobs.mode == "fork")
+            assert (jobs.thread is not None) == (jobs.mode == "thread")
+            background[workers] = {m: jobs.collect(m)[0]["FedAvg"] for m in (1, 3)}
+        assert jobs.forked is None  # closed: the child has exited
     for missing, (heads, seconds) in results.items():
         assert list(heads) == ["FedAvg", "FedIRM", "FedNoRo", "FedMLP"]
         for name, head in heads.items():
             np.testing.assert_array_equal(alone[missing][name].coef, head.coef)
             np.testing.assert_array_equal(alone[missing][name].bias, head.bias)
             assert seconds[name] > 0
-        np.testing.assert_array_equal(alone[missing]["FedAvg"].coef, fedavg_heads[missing].coef)
-        np.testing.assert_array_equal(alone[missing]["FedAvg"].bias, fedavg_heads[missing].bias)
+        for fedavg_heads in background.values():
+            np.testing.assert_array_equal(alone[missing]["FedAvg"].coef, fedavg_heads[missing].coef)
+            np.testing.assert_array_equal(alone[missing]["FedAvg"].bias, fedavg_heads[missing].bias)
     assert not np.array_equal(alone[1]["FedAvg"].coef, alone[3]["FedAvg"].coef)  # the levels differ
 
 
@@ -227,7 +233,7 @@ def test_fedavg_takes_the_cores_the_main_thread_leaves(monkeypatch) -> None:
 
     monkeypatch.setattr(gradient, "available_cores", lambda: 4)
     args = _gradient_inputs()
-    with GradientMethods(*args, fedavg=FedAvgConfig(rounds=1, batch_size=32), workers="auto") as jobs:
+    with GradientMethods(*args, fedavg=FedAvgConfig(rounds=1, batch_size=32), workers="thread") as jobs:
         assert jobs.mode == "thread" and jobs.statistics_threads == 3
         assert jobs.fedavg_threads() == 3  # the AFL pipeline holds one core
         seen: list[int] = []
@@ -254,8 +260,14 @@ def test_gradient_workers_setting(monkeypatch) -> None:
     assert _workers_from_environment() == 0
     monkeypatch.setenv(WORKERS_ENV, "2")
     assert _workers_from_environment() == 2
+    for mode in ("fork", "thread", " Fork "):
+        monkeypatch.setenv(WORKERS_ENV, mode)
+        assert _workers_from_environment() == mode.strip().lower()
     monkeypatch.setenv(WORKERS_ENV, "two")
-    with pytest.raises(ValueError, match="number of worker processes"):
+    with pytest.raises(ValueError, match=r"'fork', 'thread', 0 .* number of worker processes"):
+        _workers_from_environment()
+    monkeypatch.setenv(WORKERS_ENV, "-1")
+    with pytest.raises(ValueError, match="or more, got -1"):
         _workers_from_environment()
 
 

@@ -1,4 +1,4 @@
-"""The simulator trains FedAvg beside the AFL pipeline (a background thread, its clients split over
+"""The simulator trains FedAvg beside the AFL pipeline (a forked process, its clients split over
 threads): the report is the one of a run that trains everything in the main thread."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from secure_afl.sim.gradient import WORKERS_ENV, GradientMethods
 from secure_afl.sim.runner import SimConfig, run_experiment
 
 
-def test_default_run_with_fedavg_on_threads_equals_the_main_thread_run(monkeypatch) -> None:
+def test_default_run_with_fedavg_forked_equals_the_main_thread_run(monkeypatch) -> None:
     modes: list[str] = []
 
     class Recording(GradientMethods):
@@ -28,7 +28,7 @@ def test_default_run_with_fedavg_on_threads_equals_the_main_thread_run(monkeypat
     threaded = run_experiment(config)
     monkeypatch.setenv(WORKERS_ENV, "0")
     inline = run_experiment(config)
-    assert modes == ["thread", "inline"]
+    assert modes == ["fork", "inline"]
     for a, b in zip(threaded.settings, inline.settings, strict=True):
         assert list(a.metrics) == list(b.metrics) and "FedAvg" in a.metrics
         for name in a.metrics:

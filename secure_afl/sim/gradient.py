@@ -1,39 +1,50 @@
-"""FedAvg and the ``--baselines``: trained beside the AFL pipeline, on a thread or in spawned workers.
+"""FedAvg and the ``--baselines``: trained beside the AFL pipeline, in a forked process, on a thread or
+in spawned workers.
 
 The gradient methods need only the clients' features, labels and each level's label assignment,
 all known once the data are prepared; AFL's statistics, aggregation and solve need the main
 thread.  So the training jobs (per missing level: FedAvg, then each baseline) start as soon as the
 data are ready and are collected level by level while the main thread computes AFL:
 
-- **FedAvg alone** (the default run): one background thread trains each level's FedAvg
-  (:func:`secure_afl.sim.fedavg.train_fedavg_stacked`; torch releases the GIL inside its kernels,
-  where a FedAvg step spends its time).  It takes the cores the main thread leaves: all but one
-  while the AFL pipeline computes, every core (its clients split over threads) while the main
-  thread waits in :meth:`GradientMethods.collect`.  More busy threads than cores only take turns
-  and evict each other's caches: on 2 cores, FedAvg's two threads beside the pipeline cost the
-  default run 3 CPU-seconds more than one.
+- **FedAvg alone** (the default run), on Linux: one forked child process trains each level's FedAvg
+  in turn (:func:`secure_afl.sim.fedavg.train_fedavg_stacked`) and sends each head back through a
+  pipe.  A step is about twenty small torch calls, each giving up and taking back the GIL; on a
+  thread of the main process they waited for the masking protocol's Python, and rounds took twice
+  as long while it ran (measured: 0.4–0.5 s instead of 0.22–0.25).  A forked child shares the
+  features with the parent page by page, without a copy, and has a GIL of its own.  It takes the
+  cores the main thread leaves: all but one while the AFL pipeline computes, every core (its
+  clients split over threads) while the main thread waits in :meth:`GradientMethods.collect`.
+  More busy threads than cores only take turns and evict each other's caches.
+- **Elsewhere** (macOS, Windows: forking there is unsafe or absent), the same on a background
+  thread of the main process (torch releases the GIL inside its kernels).
 - **With baselines**: their steps are short autograd graphs, mostly Python under the GIL, so
   threads would take turns; the jobs go to worker processes instead, started with ``spawn`` (a
-  fresh interpreter: nothing inherited from a parent that has run OpenMP code or started threads,
-  which is what made forked workers hang).  The stacked features go to them through one
-  memory-mapped file, not through a pipe.
+  fresh interpreter for a pool of long-lived workers that take jobs one after another).  The
+  stacked features go to them through one memory-mapped file, not through a pipe.
 
 Every job runs on one torch thread with its own seeded generator, so its head is the one a run in
 the main thread gives (tests check each mode against it).  ``SECURE_AFL_GRADIENT_WORKERS``: unset
-or ``auto`` chooses as above; ``0`` trains everything in the main thread when its level is
-collected (no concurrency); ``N`` ≥ 1 uses N spawned worker processes for every job.
+or ``auto`` chooses as above; ``fork`` or ``thread`` choose that way for FedAvg alone; ``0`` trains
+everything in the main thread when its level is collected (no concurrency); ``N`` ≥ 1 uses N spawned
+worker processes for every job.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
+import signal
+import sys
 import tempfile
 import threading
 import time
+import traceback
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from multiprocessing.pool import AsyncResult, Pool
 from pathlib import Path
 
@@ -47,6 +58,9 @@ from secure_afl.sim.fedavg import FedAvgConfig, missing_as_negative, train_fedav
 from secure_afl.sim.methods import FEDAVG
 
 WORKERS_ENV = "SECURE_AFL_GRADIENT_WORKERS"
+# The forked trainer reports every round; this long without one, it is taken for hung (a round of
+# the embedded run takes a quarter of a second).
+STALL_SECONDS = 600.0
 # Rough relative cost per round (CPU seconds measured on the embedded data): the longest jobs of a
 # level go to the workers first, so that the last ones to finish are short.
 _COST = {
@@ -71,19 +85,122 @@ class _Inputs:
 
 
 def _train_job(
-    inputs: _Inputs, missing: int, name: str, fedavg_threads: int | Callable[[], int] = 1
+    inputs: _Inputs,
+    missing: int,
+    name: str,
+    fedavg_threads: int | Callable[[], int] = 1,
+    progress: Callable[[int], None] | None = None,
 ) -> tuple[LinearHead, float]:
     start = time.perf_counter()
     active = inputs.active[missing]
     if name == FEDAVG:
         targets = np.stack([missing_as_negative(y, a) for y, a in zip(inputs.labels, active, strict=True)])
         head = train_fedavg_stacked(
-            inputs.x, torch.from_numpy(targets), inputs.fedavg, threads=fedavg_threads
+            inputs.x, torch.from_numpy(targets), inputs.fedavg, threads=fedavg_threads, progress=progress
         )
     else:
         federation = Federation.from_stacked(inputs.x, inputs.labels, active)
-        head = train(BASELINES[name](), federation, inputs.baseline)
+        head = train(BASELINES[name](), federation, inputs.baseline, progress=progress)
     return head, time.perf_counter() - start
+
+
+class TrainingProcessError(RuntimeError):
+    """The forked process training the gradient methods failed, died or stalled."""
+
+
+class _ForkedJobs:
+    """Jobs trained one after another in a forked child process; each head comes back through a pipe.
+
+    The child reports every round, so a parent waiting for a head can tell a stalled child from a
+    slow one (:data:`STALL_SECONDS`), and it stops by itself once its parent has gone.
+    """
+
+    def __init__(self, inputs: _Inputs, jobs: Sequence[tuple[int, str]], threads: Callable[[], int]) -> None:
+        context = multiprocessing.get_context("fork")
+        receiver, sender = context.Pipe(duplex=False)
+        self.jobs = tuple(jobs)
+        self.process = context.Process(
+            target=_forked_main,
+            args=(inputs, self.jobs, threads, sender, os.getpid()),
+            name="secure-afl-fedavg",
+            daemon=True,
+        )
+        with warnings.catch_warnings():
+            # Python >= 3.12 warns on any fork of a process that has threads.  Here the others are
+            # OpenBLAS's pool (which handles fork) and idle executor threads holding no lock the
+            # child takes; torch_threads makes its lock anew in the child.
+            warnings.filterwarnings("ignore", r".*fork\(\) may lead to deadlocks", DeprecationWarning)
+            self.process.start()
+        sender.close()  # the child holds the only writing end: its exit is an EOF here
+        self._receiver = receiver
+        self._done: dict[tuple[int, str], tuple[LinearHead, float]] = {}
+
+    def result(self, job: tuple[int, str], stall_seconds: float = STALL_SECONDS) -> tuple[LinearHead, float]:
+        """The head and seconds of ``job``, waiting for the child as long as it reports rounds."""
+        while job not in self._done:
+            if not self._receiver.poll(stall_seconds):
+                self.close()
+                raise TrainingProcessError(
+                    f"the process training FedAvg reported nothing for {stall_seconds:.0f} s and was "
+                    f"stopped; set {WORKERS_ENV}=thread to train on a thread of this process instead"
+                )
+            try:
+                kind, *payload = self._receiver.recv()
+            except EOFError:
+                self.process.join(10)
+                raise TrainingProcessError(
+                    f"the process training FedAvg ended (exit code {self.process.exitcode}) before "
+                    f"sending the head of {job[1]} at missing {job[0]}"
+                ) from None
+            if kind == "failed":
+                raise TrainingProcessError(f"{payload[0]} in the process training FedAvg:\n{payload[1]}")
+            if kind == "head":
+                done, head, seconds = payload
+                self._done[done] = (head, seconds)
+        return self._done.pop(job)
+
+    def close(self) -> None:
+        """Stop the child if it still runs (an error elsewhere) and wait for it."""
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(10)
+            if self.process.is_alive():
+                self.process.kill()
+        self.process.join()
+        self._receiver.close()
+
+
+class _Orphaned(Exception):
+    pass
+
+
+def _forked_main(
+    inputs: _Inputs,
+    jobs: Sequence[tuple[int, str]],
+    threads: Callable[[], int],
+    sender: Connection,
+    parent: int,
+) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it stops this one
+    # One torch thread, so no OpenMP region ever starts here: an OpenMP pool the parent may have
+    # started does not survive a fork (what made forked baseline workers hang).
+    torch.set_num_threads(1)
+
+    def threads_now() -> int:  # asked at the start of every FedAvg round
+        if os.getppid() != parent:
+            raise _Orphaned  # nobody is left to collect the heads
+        return threads()
+
+    try:
+        for job in jobs:
+            head, seconds = _train_job(inputs, *job, threads_now, progress=lambda _: sender.send(("round",)))
+            sender.send(("head", job, head, seconds))
+    except (_Orphaned, BrokenPipeError):
+        return
+    except Exception as exc:
+        with contextlib.suppress(OSError):  # the parent may be gone already
+            sender.send(("failed", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        sys.exit(1)
 
 
 # A spawned worker's inputs, set once by its initializer.
@@ -139,20 +256,28 @@ class GradientMethods:
             baseline or BaselineConfig(),
         )
         self.cores = available_cores()
-        self._main_waits = threading.Event()  # set while the main thread waits in collect()
         chosen = _workers_from_environment() if workers is None else workers
         if not jobs or chosen == 0:
             self.mode, self.workers = "inline", 0
+        elif chosen in ("fork", "thread"):
+            self.mode, self.workers = str(chosen), 1
         elif chosen == "auto" and not baselines:
-            self.mode, self.workers = "thread", 1
+            self.mode, self.workers = _background_mode(), 1
         else:
             count = min(self.cores, len(jobs)) if chosen == "auto" else int(chosen)
             self.mode, self.workers = "processes", min(count, len(jobs))
         self.futures: dict[tuple[int, str], Future[tuple[LinearHead, float]] | AsyncResult] = {}
         self.pool: Pool | None = None
         self.thread: ThreadPoolExecutor | None = None
+        self.forked: _ForkedJobs | None = None
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
-        if self.mode == "thread":
+        # set while the main thread waits in collect(); the forked child reads it too
+        self._main_waits: threading.Event | multiprocessing.synchronize.Event = (
+            multiprocessing.get_context("fork").Event() if self.mode == "fork" else threading.Event()
+        )
+        if self.mode == "fork":
+            self.forked = _ForkedJobs(self.inputs, jobs, self.fedavg_threads)
+        elif self.mode == "thread":
             self.thread = ThreadPoolExecutor(1, thread_name_prefix="fedavg")  # each level in turn
             self.futures = {
                 job: self.thread.submit(_train_job, self.inputs, *job, self.fedavg_threads) for job in jobs
@@ -190,16 +315,16 @@ class GradientMethods:
     def statistics_threads(self) -> int:
         """Threads for the clients' statistics beside the training jobs.
 
-        FedAvg on its thread: the cores it leaves.  Worker processes: every core (the statistics are
-        seconds beside minutes of training; the OS shares the cores).  Inline: one (numpy's BLAS
-        then uses every core itself).
+        FedAvg in its forked process or on its thread: the cores it leaves.  Worker processes: every
+        core (the statistics are seconds beside minutes of training; the OS shares the cores).
+        Inline: one (numpy's BLAS then uses every core itself).
         """
-        if self.mode == "thread":
+        if self.mode in ("fork", "thread"):
             return max(self.cores - 1, 1)
         return self.cores if self.mode == "processes" else 1
 
     def fedavg_threads(self) -> int:
-        """Threads for FedAvg's next round on the background thread (see the module's docstring)."""
+        """Threads for FedAvg's next round in the background (see the module's docstring)."""
         return self.cores if self._main_waits.is_set() else max(self.cores - 1, 1)
 
     def collect(
@@ -211,7 +336,9 @@ class GradientMethods:
         try:
             for done, name in enumerate(self.names, 1):
                 future = self.futures.get((missing, name))
-                if future is None:
+                if self.forked is not None and (missing, name) in self.forked.jobs:
+                    heads[name], seconds[name] = self.forked.result((missing, name))
+                elif future is None:
                     heads[name], seconds[name] = _train_job(self.inputs, missing, name)
                 elif isinstance(future, Future):
                     heads[name], seconds[name] = future.result()
@@ -224,6 +351,9 @@ class GradientMethods:
         return heads, seconds
 
     def close(self) -> None:
+        if self.forked is not None:
+            self.forked.close()
+            self.forked = None
         if self.thread is not None:
             for future in self.futures.values():
                 if isinstance(future, Future):
@@ -252,17 +382,31 @@ def available_cores() -> int:
     return os.cpu_count() or 1
 
 
+def _background_mode() -> str:
+    """FedAvg's background worker when none is named: a forked process on Linux, a thread elsewhere
+    (macOS's system libraries are not fork-safe; Windows cannot fork)."""
+    return "fork" if sys.platform.startswith("linux") else "thread"
+
+
 def _workers_from_environment() -> int | str:
-    """``SECURE_AFL_GRADIENT_WORKERS``: unset or ``auto``, ``0`` (main thread) or N worker processes."""
+    """``SECURE_AFL_GRADIENT_WORKERS``: unset or ``auto``, ``fork``, ``thread``, ``0`` (main thread) or N
+    worker processes."""
     value = os.environ.get(WORKERS_ENV, "auto").strip().lower()
     if value in ("", "auto"):
         return "auto"
+    if value == "fork" and "fork" not in multiprocessing.get_all_start_methods():
+        raise ValueError(f"{WORKERS_ENV}=fork: this platform cannot fork; use 'thread' or 'auto'")
+    if value in ("fork", "thread"):
+        return value
     try:
         workers = int(value)
     except ValueError:
         raise ValueError(
-            f"{WORKERS_ENV} must be 'auto', 0 (main thread) or a number of worker processes, got {value!r}"
+            f"{WORKERS_ENV} must be 'auto', 'fork', 'thread', 0 (main thread) or a number of worker "
+            f"processes, got {value!r}"
         ) from None
     if workers < 0:
-        raise ValueError(f"{WORKERS_ENV} must be 'auto', 0 (main thread) or more, got {workers}")
+        raise ValueError(
+            f"{WORKERS_ENV} must be 'auto', 'fork', 'thread', 0 (main thread) or more, got {workers}"
+        )
     return workers
