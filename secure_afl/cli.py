@@ -7,6 +7,7 @@ import dataclasses
 import gc
 import importlib
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -71,26 +72,28 @@ def _parse_baselines(value: str) -> tuple[str, ...]:
     return (*table2, *dict.fromkeys(nca))
 
 
-def _sim_errors() -> tuple[type[Exception], ...]:
-    from secure_afl.analytic import StatisticsError
-    from secure_afl.features.backbones import UnknownBackboneError, WeightsError
-    from secure_afl.features.images import CorruptImageError, ImagesNotFoundError
-    from secure_afl.privacy.dp import DpError
-    from secure_afl.sim.fednca import FedNCAError
-    from secure_afl.sim.runner import ExperimentError
+# The sim's errors that are the user's to fix (printed as one line), by module: only the modules
+# already imported are looked at, because an error class whose module never loaded cannot have been
+# raised, and the ``except`` clause naming them runs for every exception, Ctrl-C included (importing
+# them all there cost 2–3 s: torchvision, then torch._dynamo).
+_SIM_ERRORS = {
+    "secure_afl.privacy.dp": ("DpError",),
+    "secure_afl.sim.fednca": ("FedNCAError",),
+    "secure_afl.sim.runner": ("ExperimentError",),
+    "secure_afl.analytic": ("StatisticsError",),
+    "secure_afl.features.backbones": ("WeightsError", "UnknownBackboneError"),
+    "secure_afl.features.images": ("ImagesNotFoundError", "CorruptImageError"),
+}
 
-    return (
-        DpError,
-        FedNCAError,
-        PartialLabelError,
-        ExperimentError,
-        StatisticsError,
-        CohortError,
-        WeightsError,
-        UnknownBackboneError,
-        ImagesNotFoundError,
-        CorruptImageError,
-    )
+
+def _sim_errors() -> tuple[type[Exception], ...]:
+    loaded = [
+        getattr(module, name)
+        for module_name, names in _SIM_ERRORS.items()
+        if (module := sys.modules.get(module_name)) is not None
+        for name in names
+    ]
+    return (PartialLabelError, CohortError, *loaded)
 
 
 class _LazyGroup(click.Group):

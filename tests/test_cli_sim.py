@@ -239,3 +239,45 @@ def test_sim_runs_the_experiment_with_the_collector_on(
     result = _run(["--missing", "7", "--secure", "none", "--rounds", "1", "--out", str(tmp_path), *SMALL])
     assert result.exit_code == 0, result.output
     assert seen == [True]
+
+
+def test_matching_the_sim_errors_imports_nothing() -> None:
+    # The except clause that names them runs for every exception, Ctrl-C included: importing the
+    # image backbones there (torchvision) cost seconds before "Aborted!".
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, secure_afl.cli as cli\n"
+        "before = set(sys.modules)\n"
+        "names = [e.__name__ for e in cli._sim_errors()]\n"
+        "assert set(sys.modules) == before, sorted(set(sys.modules) - before)\n"
+        "assert 'torchvision' not in sys.modules and 'WeightsError' not in names, names\n"
+        "import secure_afl.features.backbones\n"
+        "names = [e.__name__ for e in cli._sim_errors()]\n"
+        "assert {'CohortError', 'WeightsError', 'UnknownBackboneError'} <= set(names), names\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+def test_a_failed_client_statistic_drops_the_grams_not_yet_started(monkeypatch: pytest.MonkeyPatch) -> None:
+    import secure_afl.sim.gradient as gradient
+    import secure_afl.sim.runner as runner
+    from secure_afl.analytic import StatisticsError
+    from secure_afl.sim.fedavg import FedAvgConfig
+
+    monkeypatch.setattr(gradient, "available_cores", lambda: 2)  # one thread for the statistics
+    calls: list[int] = []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        raise StatisticsError("a client's features are broken")
+
+    monkeypatch.setattr(runner, "client_statistics", failing)
+    config = runner.SimConfig(
+        missing=(7,), fraction=0.03, dim=32, secure="none", fedavg=FedAvgConfig(rounds=1)
+    )
+    with pytest.raises(StatisticsError, match="broken"):
+        runner.run_experiment(config)
+    assert 1 <= len(calls) <= 2 < config.n_clients  # the one that failed, perhaps the next one

@@ -685,9 +685,14 @@ def run_experiment(
             clients = data.split.clients if config.dp is None else ()  # DP: later
             jobs = [pool.submit(statistics_of, rows) for rows in clients]
             stats = {}
-            for k, job in enumerate(jobs):
-                stats[client_id(k)] = job.result()
-                progress("client statistics", k + 1, config.n_clients)
+            try:
+                for k, job in enumerate(jobs):
+                    stats[client_id(k)] = job.result()
+                    progress("client statistics", k + 1, config.n_clients)
+            except BaseException:
+                for job in jobs:  # an error or Ctrl-C: the Grams not yet started are dropped
+                    job.cancel()
+                raise
         settings = tuple(
             run_setting(data, stats, missing, config, timer, progress, gradient) for missing in config.missing
         )
