@@ -98,8 +98,9 @@ def stack_clients(
         raise ValueError("at least one client is needed")
     if len(set(sizes)) != 1:
         raise ValueError(f"the batched heads expect clients of equal size, got sizes {sorted(set(sizes))}")
-    out = torch.ones((len(sizes), sizes[0], dim + 1), dtype=torch.float32)
+    out = torch.empty((len(sizes), sizes[0], dim + 1), dtype=torch.float32)  # every element written below
     target = out.numpy()
+    target[:, :, dim] = 1.0
     for k in range(len(sizes)):
         target[k, :, :dim] = np.asarray(clients[k]) if rows is None else np.asarray(features)[rows[k]]
     return out
