@@ -174,12 +174,18 @@ def test_gradient_jobs_give_the_same_heads_forked_on_a_thread_in_workers_and_inl
             assert (jobs.thread is not None) == (jobs.mode == "thread")
             background[workers] = {m: jobs.collect(m)[0]["FedAvg"] for m in (1, 3)}
         assert jobs.forked is None  # closed: the child has exited
+    # every method, one after another, in one forked process
+    with GradientMethods(*args, fedavg=fedavg, baselines=names, baseline=baseline, workers="fork") as forked:
+        assert forked.mode == "fork" and forked.pool is None
+        every = {m: forked.collect(m)[0] for m in (1, 3)}
     for missing, (heads, seconds) in results.items():
         assert list(heads) == ["FedAvg", "FedIRM", "FedNoRo", "FedMLP"]
         for name, head in heads.items():
             np.testing.assert_array_equal(alone[missing][name].coef, head.coef)
             np.testing.assert_array_equal(alone[missing][name].bias, head.bias)
             assert seconds[name] > 0
+        for name, head in every[missing].items():
+            np.testing.assert_array_equal(alone[missing][name].coef, head.coef)
         for fedavg_heads in background.values():
             np.testing.assert_array_equal(alone[missing]["FedAvg"].coef, fedavg_heads[missing].coef)
             np.testing.assert_array_equal(alone[missing]["FedAvg"].bias, fedavg_heads[missing].bias)

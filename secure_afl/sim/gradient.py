@@ -24,15 +24,16 @@ data are ready and are collected level by level while the main thread computes A
 
 Every job runs on one torch thread with its own seeded generator, so its head is the one a run in
 the main thread gives (tests check each mode against it).  ``SECURE_AFL_GRADIENT_WORKERS``: unset
-or ``auto`` chooses as above; ``fork`` or ``thread`` choose that way for FedAvg alone; ``0`` trains
-everything in the main thread when its level is collected (no concurrency); ``N`` ≥ 1 uses N spawned
-worker processes for every job.
+or ``auto`` chooses as above; ``fork`` or ``thread`` train every job, one after another, in one
+background worker of that kind; ``0`` trains everything in the main thread when its level is
+collected (no concurrency); ``N`` ≥ 1 uses N spawned worker processes for every job.
 """
 
 from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import multiprocessing.synchronize
 import os
 import signal
 import sys
@@ -108,6 +109,9 @@ class TrainingProcessError(RuntimeError):
     """The forked process training the gradient methods failed, died or stalled."""
 
 
+_PROCESS = "the process training the gradient methods"
+
+
 class _ForkedJobs:
     """Jobs trained one after another in a forked child process; each head comes back through a pipe.
 
@@ -141,19 +145,19 @@ class _ForkedJobs:
             if not self._receiver.poll(stall_seconds):
                 self.close()
                 raise TrainingProcessError(
-                    f"the process training FedAvg reported nothing for {stall_seconds:.0f} s and was "
-                    f"stopped; set {WORKERS_ENV}=thread to train on a thread of this process instead"
+                    f"{_PROCESS} reported nothing for {stall_seconds:.0f} s and was stopped; set "
+                    f"{WORKERS_ENV}=thread to train on a thread of this process instead"
                 )
             try:
                 kind, *payload = self._receiver.recv()
             except EOFError:
                 self.process.join(10)
                 raise TrainingProcessError(
-                    f"the process training FedAvg ended (exit code {self.process.exitcode}) before "
-                    f"sending the head of {job[1]} at missing {job[0]}"
+                    f"{_PROCESS} ended (exit code {self.process.exitcode}) before sending the head of "
+                    f"{job[1]} at missing {job[0]}"
                 ) from None
             if kind == "failed":
-                raise TrainingProcessError(f"{payload[0]} in the process training FedAvg:\n{payload[1]}")
+                raise TrainingProcessError(f"{payload[0]} in {_PROCESS}:\n{payload[1]}")
             if kind == "head":
                 done, head, seconds = payload
                 self._done[done] = (head, seconds)
@@ -240,8 +244,9 @@ class GradientMethods:
         workers: int | str | None = None,
         client_rows: Sequence[np.ndarray] | None = None,
     ) -> None:
-        """``workers``: ``"auto"`` (None: from ``SECURE_AFL_GRADIENT_WORKERS``, default auto), ``0``
-        (main thread, at :meth:`collect`) or the number of spawned worker processes.
+        """``workers``: ``"auto"`` (None: from ``SECURE_AFL_GRADIENT_WORKERS``, default auto),
+        ``"fork"`` or ``"thread"`` (one background worker of that kind trains every job in turn),
+        ``0`` (main thread, at :meth:`collect`) or the number of spawned worker processes.
 
         ``features``: one array per client; or, with ``client_rows``, the whole feature matrix
         (client k's rows are ``features[client_rows[k]]``).
