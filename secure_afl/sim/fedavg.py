@@ -145,8 +145,11 @@ def _local_training(
 ) -> None:
     """One round's local epochs of a slice of the clients; updates ``w`` (a view of the round's heads)
     in place."""
-    adam = Adam(w, config.lr)
-    gradient = torch.empty_like(w)  # reused at every step (as Adam's buffers and the batches are)
-    for order in orders:
-        for xb, yb in Epoch(x, config.batch_size, order=order).with_targets(y):
-            adam.step(w, weight_gradient(bce_gradient(logits_of(w, xb), yb), xb, out=gradient))
+    # Inference mode: the gradient is written out, so autograd's bookkeeping (dispatch, version
+    # counters) is pure cost, about 15 % of a step's fixed cost; the kernels are the same.
+    with torch.inference_mode():
+        adam = Adam(w, config.lr)
+        gradient = torch.empty_like(w)  # reused at every step (as Adam's buffers and the batches are)
+        for order in orders:
+            for xb, yb in Epoch(x, config.batch_size, order=order).with_targets(y):
+                adam.step(w, weight_gradient(bce_gradient(logits_of(w, xb), yb), xb, out=gradient))

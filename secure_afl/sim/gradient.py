@@ -157,6 +157,7 @@ class _ForkedJobs:
                     f"{job[1]} at missing {job[0]}"
                 ) from None
             if kind == "failed":
+                self.process.join(10)  # it exits right after saying so
                 raise TrainingProcessError(f"{payload[0]} in {_PROCESS}:\n{payload[1]}")
             if kind == "head":
                 done, head, seconds = payload
