@@ -445,56 +445,62 @@ def sim(
     if sources == [None] and not dp_sweep:
         request = DataRequest(fraction, dim, seed, N_CLIENTS, split_by)  # type: ignore[arg-type]
         preparing = PreparingData(request, progress)
-        preparing.wait_for_cohort()  # its parsing and our imports both need the GIL: one after the other
-    with _imports_without_gc():
-        from secure_afl.sim.baselines import BaselineConfig
-        from secure_afl.sim.fedavg import FedAvgConfig
-        from secure_afl.sim.report import (
-            print_backbone_table,
-            print_report,
-            write_backbone_table,
-            write_reports,
-        )
-        from secure_afl.sim.runner import SimConfig, run_experiment
+    try:
+        if preparing is not None:
+            preparing.wait_for_cohort()  # its parsing and our imports both need the GIL: one after the other
+        with _imports_without_gc():
+            from secure_afl.sim.baselines import BaselineConfig
+            from secure_afl.sim.fedavg import FedAvgConfig
+            from secure_afl.sim.report import (
+                print_backbone_table,
+                print_report,
+                write_backbone_table,
+                write_reports,
+            )
+            from secure_afl.sim.runner import SimConfig, run_experiment
 
-    results = []
-    for source in sources:
-        config = SimConfig(
-            missing=missing,
-            rounds=rounds,
-            seed=seed,
-            gamma=gamma,
-            split=split_by,  # type: ignore[arg-type]
-            missing1=missing1,  # type: ignore[arg-type]
-            secure=secure,  # type: ignore[arg-type]
-            ckks_poly_degree=int(ckks_degree),
-            dropout=dropout,
-            dropout_stage=dropout_stage,  # type: ignore[arg-type]
-            threshold=threshold,
-            min_group_size=min_group_size,
-            client_policy=client_policy,
-            fraction=fraction,
-            dim=dim,
-            device=device,
-            images=source,
-            fedavg=dataclasses.replace(FedAvgConfig(), rounds=fedavg_rounds, seed=seed),
-            baselines=baselines,
-            dp=dp,
-            baseline=dataclasses.replace(BaselineConfig(), rounds=fedavg_rounds, seed=seed),
-        )
-        if dp_sweep:
-            _run_sweep(config, out_dir, console)
-            return
-        try:
-            result = run_experiment(config, progress=progress, preparing=preparing)
-        except _sim_errors() as exc:
-            raise click.ClickException(str(exc)) from exc
-        where = out_dir if len(sources) == 1 else out_dir / source.backbone  # type: ignore[union-attr]
-        if len(sources) == 1:
-            print_report(result, console)
-        json_path, md_path = write_reports(result, where)
-        console.print(f"wrote {json_path} and {md_path}")
-        results.append(result)
+        results = []
+        for source in sources:
+            config = SimConfig(
+                missing=missing,
+                rounds=rounds,
+                seed=seed,
+                gamma=gamma,
+                split=split_by,  # type: ignore[arg-type]
+                missing1=missing1,  # type: ignore[arg-type]
+                secure=secure,  # type: ignore[arg-type]
+                ckks_poly_degree=int(ckks_degree),
+                dropout=dropout,
+                dropout_stage=dropout_stage,  # type: ignore[arg-type]
+                threshold=threshold,
+                min_group_size=min_group_size,
+                client_policy=client_policy,
+                fraction=fraction,
+                dim=dim,
+                device=device,
+                images=source,
+                fedavg=dataclasses.replace(FedAvgConfig(), rounds=fedavg_rounds, seed=seed),
+                baselines=baselines,
+                dp=dp,
+                baseline=dataclasses.replace(BaselineConfig(), rounds=fedavg_rounds, seed=seed),
+            )
+            if dp_sweep:
+                _run_sweep(config, out_dir, console)
+                return
+            try:
+                result = run_experiment(config, progress=progress, preparing=preparing)
+            except _sim_errors() as exc:
+                raise click.ClickException(str(exc)) from exc
+            where = out_dir if len(sources) == 1 else out_dir / source.backbone  # type: ignore[union-attr]
+            if len(sources) == 1:
+                print_report(result, console)
+            json_path, md_path = write_reports(result, where)
+            console.print(f"wrote {json_path} and {md_path}")
+            results.append(result)
+    except BaseException:
+        if preparing is not None:
+            preparing.cancel()  # Ctrl-C or an error: the feature thread stops at its next chunk
+        raise
     if len(sources) > 1:
         print_backbone_table(results, console)
         console.print(f"wrote {write_backbone_table(results, out_dir)}")

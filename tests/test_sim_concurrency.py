@@ -96,3 +96,29 @@ def test_a_failure_before_the_cohort_releases_its_waiters(monkeypatch) -> None:
     assert not waiter.is_alive(), "a failed preparation left wait_for_cohort blocked"
     with pytest.raises(CohortError, match="unreadable"):
         preparing.result()
+
+
+def test_cancelling_stops_the_features_at_their_next_chunk(monkeypatch) -> None:
+    import time
+
+    import secure_afl.sim.datasets as datasets
+
+    chunks: list[int] = []
+
+    def endless_features(labels, patient_ids, *, dim, seed, progress):
+        for chunk in range(1000):  # bounded: 10 s
+            chunks.append(chunk)
+            progress(chunk)
+            time.sleep(0.01)
+        raise AssertionError("the features were never cancelled")
+
+    monkeypatch.setattr(datasets, "synthetic_features", endless_features)
+    preparing = datasets.PreparingData(datasets.DataRequest(0.03, 32, 0, 8, "image"))
+    preparing.wait_for_cohort()
+    deadline = time.monotonic() + 30
+    while not chunks and time.monotonic() < deadline:
+        time.sleep(0.01)
+    preparing.cancel()
+    with pytest.raises(datasets.PreparationCancelled, match="cancelled"):
+        preparing.result()
+    assert len(chunks) < 1000

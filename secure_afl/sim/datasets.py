@@ -192,6 +192,10 @@ class DataRequest:
         )
 
 
+class PreparationCancelled(RuntimeError):
+    """:meth:`PreparingData.cancel` stopped the preparation before the data were ready."""
+
+
 class PreparingData:
     """The embedded data, prepared on a background thread from the moment this is created.
 
@@ -206,17 +210,29 @@ class PreparingData:
     def __init__(self, request: DataRequest, progress: Progress | None = None) -> None:
         self.request = request
         self._cohort_read = threading.Event()
+        self._cancelled = threading.Event()
         executor = ThreadPoolExecutor(1, thread_name_prefix="prepare-data")
         self._future = executor.submit(self._prepare, request, progress)
         executor.shutdown(wait=False)  # the thread ends with the job
 
     def _prepare(self, request: DataRequest, progress: Progress | None) -> tuple[PreparedData, float]:
+        def report(task: str, done: int, total: int) -> None:  # called after every chunk of features
+            if self._cancelled.is_set():
+                raise PreparationCancelled("preparing the data was cancelled")
+            if progress is not None:
+                progress(task, done, total)
+
         start = time.perf_counter()
         try:
-            data = request.prepare(None, progress, cohort_read=self._cohort_read.set)
+            data = request.prepare(None, report, cohort_read=self._cohort_read.set)
         finally:
             self._cohort_read.set()  # a failure before the table was read releases the waiters too
         return data, time.perf_counter() - start
+
+    def cancel(self) -> None:
+        """Stop at the next chunk of features (Ctrl-C or an error elsewhere), so that a process that
+        waits for its threads before exiting does not wait for data nobody will use."""
+        self._cancelled.set()
 
     def wait_for_cohort(self) -> None:
         """Return once the label table is read (or preparing has failed: :meth:`result` raises it)."""
