@@ -14,7 +14,7 @@ one thread and on every core. This machine's speed drifts by the hour (the same 
 
 Prints one markdown row per protection: the median over the repeats of each phase (data,
 statistics, aggregation, solve, the wait for the gradient methods, metrics) and of the whole run, as
-`run_experiment` times them, the wall seconds of FedAvg's training on its thread (it runs
+`run_experiment` times them, the wall seconds of FedAvg's training in its forked process (it runs
 beside the AFL phases, see secure_afl/sim/gradient.py), plus the wall time of the process-level call.
 """
 
@@ -54,7 +54,7 @@ def main() -> None:
         return
     missing = tuple(int(m) for m in args.missing.split(","))
     print(f"secure-afl sim --missing {args.missing}: median of {args.repeats} runs, seconds\n")
-    print("| protection | " + " | ".join(PHASES) + " | total | FedAvg (thread) | wall |")
+    print("| protection | " + " | ".join(PHASES) + " | total | FedAvg (own) | wall |")
     print("|---|" + "---|" * (len(PHASES) + 3))
     for secure in args.secure.split(","):
         runs = []
