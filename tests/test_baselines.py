@@ -291,6 +291,12 @@ def test_batches_with_targets_are_the_batches_and_their_taken_targets() -> None:
         next(Epoch(x, 16, order=order).with_targets(y[:, :49]))
     for (x_plain, y_plain), (x_paired, y_paired) in zip(plain, paired, strict=True):
         assert torch.equal(x_plain, x_paired) and torch.equal(y_plain, y_paired)
+    for batch_size in (25, 64):  # batches that fill the epoch exactly; one batch larger than it
+        plain = [(xb.clone(), Epoch.take(y, rows)) for xb, rows in Epoch(x, batch_size, order=order)]
+        paired = [(xb.clone(), yb.clone()) for xb, yb in Epoch(x, batch_size, order=order).with_targets(y)]
+        assert len(paired) == len(plain) == -(-50 // batch_size)
+        for (x_plain, y_plain), (x_paired, y_paired) in zip(plain, paired, strict=True):
+            assert torch.equal(x_plain, x_paired) and torch.equal(y_plain, y_paired)
 
 
 def test_fedavg_with_reused_buffers_is_the_plain_loop_bit_for_bit() -> None:
