@@ -8,6 +8,9 @@ running interpreter get neither the settings nor the exit.
   it (about 0.7 CPU-seconds in ``sim``'s synthetic features).  It changes when idle threads sleep,
   not how a product is split, so every result is the same.  OpenBLAS reads it when numpy is first
   imported, hence before any import here.
+- ``_SECURE_AFL_FRESH_PROCESS`` (this process's pid): no torch work has run here yet, so ``sim`` may
+  train FedAvg in a forked child (see :mod:`secure_afl.sim.gradient`); children, which have
+  other pids, ignore it.
 - The exit: once the command has returned, its threads have ended and the ``atexit`` handlers have
   run (temporary files removed, logs flushed), the process ends with ``os._exit`` instead of
   tearing the interpreter down, which takes torch most of a second.
@@ -22,6 +25,8 @@ import sys
 import threading
 
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
+# This process has run no torch work yet: `sim` may fork FedAvg's trainer (sim/gradient.py).
+os.environ["_SECURE_AFL_FRESH_PROCESS"] = str(os.getpid())
 
 
 def run() -> None:

@@ -1,5 +1,6 @@
-"""The simulator trains FedAvg beside the AFL pipeline (a forked process, its clients split over
-threads): the report is the one of a run that trains everything in the main thread."""
+"""The simulator trains FedAvg beside the AFL pipeline (a background thread here; a forked process in
+a fresh console-script process), its clients split over threads: the report is the one of a run
+that trains everything in the main thread."""
 
 from __future__ import annotations
 
@@ -14,13 +15,15 @@ from secure_afl.sim.gradient import WORKERS_ENV, GradientMethods
 from secure_afl.sim.runner import SimConfig, run_experiment
 
 
-def test_default_run_with_fedavg_forked_equals_the_main_thread_run(monkeypatch) -> None:
+def test_default_run_with_fedavg_in_the_background_equals_the_main_thread_run(monkeypatch) -> None:
     modes: list[str] = []
+    fork_ok: list[bool] = []
 
     class Recording(GradientMethods):
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **kwargs)
             modes.append(self.mode)
+            fork_ok.append(kwargs["fork_ok"])
 
     monkeypatch.setattr(runner, "GradientMethods", Recording)
     config = SimConfig(missing=(1, 7), fraction=0.04, dim=48, secure="none", fedavg=FedAvgConfig(rounds=3))
@@ -28,7 +31,8 @@ def test_default_run_with_fedavg_forked_equals_the_main_thread_run(monkeypatch) 
     threaded = run_experiment(config)
     monkeypatch.setenv(WORKERS_ENV, "0")
     inline = run_experiment(config)
-    assert modes == ["fork", "inline"]
+    assert modes == ["thread", "inline"]  # this test process is not a fresh console process
+    assert fork_ok == [True, True]  # the embedded data ran no torch work before
     for a, b in zip(threaded.settings, inline.settings, strict=True):
         assert list(a.metrics) == list(b.metrics) and "FedAvg" in a.metrics
         for name in a.metrics:
@@ -122,3 +126,17 @@ def test_cancelling_stops_the_features_at_their_next_chunk(monkeypatch) -> None:
     with pytest.raises(datasets.PreparationCancelled, match="cancelled"):
         preparing.result()
     assert len(chunks) < 1000
+
+
+def test_the_console_script_marks_its_own_process_as_fresh() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import os, secure_afl.console\n"
+        "from secure_afl.sim.gradient import FRESH_PROCESS_ENV, _claim_fresh_process\n"
+        "assert os.environ[FRESH_PROCESS_ENV] == str(os.getpid())\n"
+        "assert _claim_fresh_process() and not _claim_fresh_process()  # taken once\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr

@@ -6,17 +6,25 @@ all known once the data are prepared; AFL's statistics, aggregation and solve ne
 thread.  So the training jobs (per missing level: FedAvg, then each baseline) start as soon as the
 data are ready and are collected level by level while the main thread computes AFL:
 
-- **FedAvg alone** (the default run), on Linux: one forked child process trains each level's FedAvg
-  in turn (:func:`secure_afl.sim.fedavg.train_fedavg_stacked`) and sends each head back through a
-  pipe.  A step is about twenty small torch calls, each giving up and taking back the GIL; on a
-  thread of the main process they waited for the masking protocol's Python, and rounds took twice
-  as long while it ran (measured: 0.4–0.5 s instead of 0.22–0.25).  A forked child shares the
-  features with the parent page by page, without a copy, and has a GIL of its own.  It takes the
-  cores the main thread leaves: all but one while the AFL pipeline computes, every core (its
-  clients split over threads) while the main thread waits in :meth:`GradientMethods.collect`.
-  More busy threads than cores only take turns and evict each other's caches.
-- **Elsewhere** (macOS, Windows: forking there is unsafe or absent), the same on a background
-  thread of the main process (torch releases the GIL inside its kernels).
+- **FedAvg alone** (the default run) in the ``secure-afl`` command on Linux, on the embedded data:
+  one forked child process trains each level's FedAvg in turn
+  (:func:`secure_afl.sim.fedavg.train_fedavg_stacked`) and sends each head back through a pipe.
+  A step is about twenty small torch calls, each giving up and taking back the GIL; on a thread of
+  the main process they waited for the masking protocol's Python, and rounds took twice as long
+  while it ran (measured: 0.4–0.5 s instead of 0.22–0.25).  A forked child shares the features
+  with the parent page by page, without a copy, and has a GIL of its own.  It takes the cores the
+  main thread leaves: all but one while the AFL pipeline computes, every core (its clients split
+  over threads) while the main thread waits in :meth:`GradientMethods.collect`.  More busy threads
+  than cores only take turns and evict each other's caches.
+- **Everywhere else** (a library call, a test, a notebook, real images, a second run in one
+  process, macOS, Windows): the same on a background thread of the main process (torch releases
+  the GIL inside its kernels).  A fork is only safe before the process has run any MKL or OpenMP
+  work: MKL's buffer allocator does not survive a fork made after it was used (seen in CI: both
+  threads of a child spinning in ``mkl_serv_allocate`` for minutes).  The console script marks its
+  process as fresh (:data:`FRESH_PROCESS_ENV`, its pid); the first :class:`GradientMethods` of that
+  process takes the mark, and forks only if its caller says no torch work ran before
+  (``fork_ok``: the embedded data are numpy only; real images ran a backbone).  Verified with
+  ``MKL_VERBOSE=1``: in ``secure-afl sim --missing 7`` the first MKL call comes from the child.
 - **With baselines**: their steps are short autograd graphs, mostly Python under the GIL, so
   threads would take turns; the jobs go to worker processes instead, started with ``spawn`` (a
   fresh interpreter for a pool of long-lived workers that take jobs one after another).  The
@@ -25,8 +33,9 @@ data are ready and are collected level by level while the main thread computes A
 Every job runs on one torch thread with its own seeded generator, so its head is the one a run in
 the main thread gives (tests check each mode against it).  ``SECURE_AFL_GRADIENT_WORKERS``: unset
 or ``auto`` chooses as above; ``fork`` or ``thread`` train every job, one after another, in one
-background worker of that kind; ``0`` trains everything in the main thread when its level is
-collected (no concurrency); ``N`` ≥ 1 uses N spawned worker processes for every job.
+background worker of that kind (``fork`` whatever the process has run: see above); ``0`` trains
+everything in the main thread when its level is collected (no concurrency); ``N`` ≥ 1 uses N
+spawned worker processes for every job.
 """
 
 from __future__ import annotations
@@ -59,6 +68,8 @@ from secure_afl.sim.fedavg import FedAvgConfig, missing_as_negative, train_fedav
 from secure_afl.sim.methods import FEDAVG
 
 WORKERS_ENV = "SECURE_AFL_GRADIENT_WORKERS"
+# Set by the console script to its own pid: a process that has run no torch work yet (see above).
+FRESH_PROCESS_ENV = "_SECURE_AFL_FRESH_PROCESS"
 # The forked trainer reports every round; this long without one, it is taken for hung (a round of
 # the embedded run takes a quarter of a second).
 STALL_SECONDS = 600.0
@@ -244,10 +255,13 @@ class GradientMethods:
         baseline: BaselineConfig | None = None,
         workers: int | str | None = None,
         client_rows: Sequence[np.ndarray] | None = None,
+        fork_ok: bool = False,
     ) -> None:
         """``workers``: ``"auto"`` (None: from ``SECURE_AFL_GRADIENT_WORKERS``, default auto),
         ``"fork"`` or ``"thread"`` (one background worker of that kind trains every job in turn),
         ``0`` (main thread, at :meth:`collect`) or the number of spawned worker processes.
+        ``fork_ok``: no torch work has run in this process before (auto forks only then, and only in
+        a process the console script marked as fresh).
 
         ``features``: one array per client; or, with ``client_rows``, the whole feature matrix
         (client k's rows are ``features[client_rows[k]]``).
@@ -262,13 +276,14 @@ class GradientMethods:
             baseline or BaselineConfig(),
         )
         self.cores = available_cores()
+        fresh = _claim_fresh_process()  # the first GradientMethods of a process only
         chosen = _workers_from_environment() if workers is None else workers
         if not jobs or chosen == 0:
             self.mode, self.workers = "inline", 0
         elif chosen in ("fork", "thread"):
             self.mode, self.workers = str(chosen), 1
         elif chosen == "auto" and not baselines:
-            self.mode, self.workers = _background_mode(), 1
+            self.mode, self.workers = ("fork" if fresh and fork_ok and _can_fork_safely() else "thread"), 1
         else:
             count = min(self.cores, len(jobs)) if chosen == "auto" else int(chosen)
             self.mode, self.workers = "processes", min(count, len(jobs))
@@ -388,10 +403,15 @@ def available_cores() -> int:
     return os.cpu_count() or 1
 
 
-def _background_mode() -> str:
-    """FedAvg's background worker when none is named: a forked process on Linux, a thread elsewhere
-    (macOS's system libraries are not fork-safe; Windows cannot fork)."""
-    return "fork" if sys.platform.startswith("linux") else "thread"
+def _can_fork_safely() -> bool:
+    """Linux: macOS's system libraries are not fork-safe; Windows cannot fork."""
+    return sys.platform.startswith("linux")
+
+
+def _claim_fresh_process() -> bool:
+    """Whether the console script marked this very process as fresh; the mark is taken (a second
+    run in the same process has run torch work)."""
+    return os.environ.pop(FRESH_PROCESS_ENV, None) == str(os.getpid())
 
 
 def _workers_from_environment() -> int | str:

@@ -632,6 +632,7 @@ def _gradient_methods(
         baseline=config.baseline,
         workers=workers,
         client_rows=data.split.clients,
+        fork_ok=config.images is None,  # real images ran a backbone (MKL, OpenMP) in this process
     )
 
 
