@@ -14,8 +14,9 @@ one thread and on every core. This machine's speed drifts by the hour (the same 
 
 Prints one markdown row per protection: the median over the repeats of each phase (data,
 statistics, aggregation, solve, the wait for the gradient methods, metrics) and of the whole run, as
-`run_experiment` times them, the wall seconds of FedAvg's training in its forked process (it runs
-beside the AFL phases, see secure_afl/sim/gradient.py), plus the wall time of the process-level call.
+`run_experiment` times them, the wall seconds of FedAvg's training (beside the AFL phases, on a thread
+here: only the console script forks it, see secure_afl/sim/gradient.py), plus the wall time of the
+process-level call.
 """
 
 from __future__ import annotations
