@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import numpy as np
@@ -226,17 +225,10 @@ print("forked heads equal inline heads")
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="FedAvg forks on Linux only")
-def test_forked_jobs_in_a_fresh_process_give_the_inline_heads(tmp_path) -> None:
+def test_forked_jobs_in_a_fresh_process_give_the_inline_heads(fresh_python, tmp_path) -> None:
     # In a process of its own: forking is safe only before the process has run MKL work, and this
     # test process has run plenty.
-    done = subprocess.run(
-        [sys.executable, "-c", _FORKED_EQUALS_INLINE],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-    )
-    assert done.returncode == 0, done.stderr
+    done = fresh_python(_FORKED_EQUALS_INLINE, cwd=tmp_path)
     assert "forked heads equal inline heads" in done.stdout
 
 

@@ -242,12 +242,9 @@ def test_sim_runs_the_experiment_with_the_collector_on(
     assert seen == [True]
 
 
-def test_matching_the_sim_errors_imports_nothing() -> None:
+def test_matching_the_sim_errors_imports_nothing(fresh_python) -> None:
     # The except clause that names them runs for every exception, Ctrl-C included: importing the
     # image backbones there (torchvision) cost seconds before "Aborted!".
-    import subprocess
-    import sys
-
     code = (
         "import sys, secure_afl.cli as cli\n"
         "before = set(sys.modules)\n"
@@ -258,8 +255,7 @@ def test_matching_the_sim_errors_imports_nothing() -> None:
         "names = [e.__name__ for e in cli._sim_errors()]\n"
         "assert {'CohortError', 'WeightsError', 'UnknownBackboneError'} <= set(names), names\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
+    fresh_python(code)
 
 
 def test_a_failed_client_statistic_drops_the_grams_not_yet_started(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -128,15 +128,11 @@ def test_cancelling_stops_the_features_at_their_next_chunk(monkeypatch) -> None:
     assert len(chunks) < 1000
 
 
-def test_the_console_script_marks_its_own_process_as_fresh() -> None:
-    import subprocess
-    import sys
-
+def test_the_console_script_marks_its_own_process_as_fresh(fresh_python) -> None:
     code = (
         "import os, secure_afl.console\n"
         "from secure_afl.sim.gradient import FRESH_PROCESS_ENV, _claim_fresh_process\n"
         "assert os.environ[FRESH_PROCESS_ENV] == str(os.getpid())\n"
         "assert _claim_fresh_process() and not _claim_fresh_process()  # taken once\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
+    fresh_python(code)

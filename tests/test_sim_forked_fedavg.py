@@ -8,7 +8,6 @@ runs.  Every wait is bounded.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import textwrap
 import time
@@ -124,7 +123,7 @@ def test_closing_early_stops_a_running_child(monkeypatch) -> None:
     assert process.exitcode == -15  # terminated (SIGTERM)
 
 
-def test_the_child_stops_once_its_parent_is_gone(tmp_path) -> None:
+def test_the_child_stops_once_its_parent_is_gone(fresh_python, tmp_path) -> None:
     # The parent is a separate Python that forks the child and exits at once, without closing it.
     script = textwrap.dedent(
         """
@@ -148,11 +147,7 @@ def test_the_child_stops_once_its_parent_is_gone(tmp_path) -> None:
         os._exit(0)
         """
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=tmp_path
-    )
-    assert done.returncode == 0, done.stderr
-    child = int(done.stdout.strip())
+    child = int(fresh_python(script, timeout=120, cwd=tmp_path).stdout.strip())
     deadline = time.monotonic() + 30
     while not _gone(child) and time.monotonic() < deadline:
         time.sleep(0.1)
