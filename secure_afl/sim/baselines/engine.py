@@ -151,8 +151,8 @@ class Epoch:
         self.n_clients = n_clients
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for start, stop, flat_rows in self._batches():
-            yield self._gather(flat_rows), self.order[:, start:stop]
+        for start, size, x, _ in self._gathered(self._batch_major_rows()):
+            yield x, self.order[:, start : start + size]
 
     def with_targets(self, targets: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """The batches with their targets: ``for x, y in epoch.with_targets(targets)``.
@@ -167,9 +167,20 @@ class Epoch:
                 f"targets must be clients × rows × C with {self.n_clients} × {self.n} like the features, "
                 f"got shape {tuple(targets.shape)}"
             )
-        flat_targets = targets.reshape(self.n_clients * self.n, -1)
         batch_rows = self._batch_major_rows()
-        epoch_targets = flat_targets.index_select(0, batch_rows)
+        epoch_targets = targets.reshape(self.n_clients * self.n, -1).index_select(0, batch_rows)
+        for _, size, x, offset in self._gathered(batch_rows):
+            yield x, epoch_targets[offset : offset + size * self.n_clients].view(self.n_clients, size, -1)
+
+    def _batch_major_rows(self) -> torch.Tensor:
+        """Every batch's flat row indices, batch after batch (client-major within a batch)."""
+        full = self.n // self.batch_size * self.batch_size
+        blocks = self.flat_order[:, :full].reshape(self.n_clients, -1, self.batch_size).transpose(0, 1)
+        return torch.cat([blocks.reshape(-1), self.flat_order[:, full:].reshape(-1)])
+
+    def _gathered(self, batch_rows: torch.Tensor) -> Iterator[tuple[int, int, torch.Tensor, int]]:
+        """Each batch's rows gathered into the reused buffer: ``(start, size, x, offset)``, ``offset``
+        being where the batch's rows begin in ``batch_rows``."""
         views: dict[int, torch.Tensor] = {}  # the buffer's view for each batch size (two at most)
         offset = 0
         for start in range(0, self.n, self.batch_size):
@@ -179,24 +190,8 @@ class Epoch:
             if x is None:
                 x = views[size] = self.buffer[:rows].view(self.n_clients, size, -1)
             torch.index_select(self.x, 0, batch_rows[offset : offset + rows], out=x.view(rows, -1))
-            yield x, epoch_targets[offset : offset + rows].view(self.n_clients, size, -1)
+            yield start, size, x, offset
             offset += rows
-
-    def _batch_major_rows(self) -> torch.Tensor:
-        """Every batch's flat row indices, batch after batch (client-major within a batch)."""
-        full = self.n // self.batch_size * self.batch_size
-        blocks = self.flat_order[:, :full].reshape(self.n_clients, -1, self.batch_size).transpose(0, 1)
-        return torch.cat([blocks.reshape(-1), self.flat_order[:, full:].reshape(-1)])
-
-    def _batches(self) -> Iterator[tuple[int, int, torch.Tensor]]:
-        for start in range(0, self.n, self.batch_size):
-            stop = min(start + self.batch_size, self.n)
-            yield start, stop, self.flat_order[:, start:stop].reshape(-1)
-
-    def _gather(self, flat_rows: torch.Tensor) -> torch.Tensor:
-        out = self.buffer[: len(flat_rows)]
-        torch.index_select(self.x, 0, flat_rows, out=out)
-        return out.view(self.n_clients, len(flat_rows) // self.n_clients, -1)
 
     @staticmethod
     def take(values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
