@@ -279,3 +279,33 @@ def test_packing_cache_survives_recycled_array_ids() -> None:
     for j in range(4):
         expected = sum(contributions[cid][f"g{j}"]["gram"] for cid in contributions)
         assert np.allclose(result.sums[f"g{j}"]["gram"], expected, atol=1e-8)
+
+
+def test_masking_never_loads_tenseal_and_ckks_loads_it_on_first_use(fresh_python) -> None:
+    code = (
+        "import sys\n"
+        "import numpy as np\n"
+        "from secure_afl.protocol.randomness import DeterministicRandomSource\n"
+        "from secure_afl.sim import runner\n"
+        "from secure_afl.sim.secure import secure_aggregate\n"
+        "from secure_afl.protocol.ckks.errors import NoDecryptorError  # what the runner catches\n"
+        "h = {f'client{i}': np.eye(3) * (i + 1) for i in range(3)}\n"
+        "result = secure_aggregate({c: {'all': {'gram': g}} for c, g in h.items()},\n"
+        "                          random=DeterministicRandomSource(b't'))\n"
+        "assert np.allclose(result.sums['all']['gram'], np.eye(3) * 6)\n"
+        "assert 'tenseal' not in sys.modules, 'a masking run loaded TenSEAL'\n"
+        "from secure_afl.aggregation.backend import CkksBackend\n"
+        "assert 'tenseal' not in sys.modules\n"
+        "assert CkksBackend().parameters.poly_modulus_degree == 8192\n"
+        "assert 'tenseal' in sys.modules\n"
+        "from secure_afl.protocol.ckks import CkksServerSession, codec\n"
+        "import secure_afl.protocol.ckks as ckks\n"
+        "assert codec is ckks.codec and CkksServerSession is ckks.server.CkksServerSession\n"
+        "try:\n"
+        "    ckks.no_such_name\n"
+        "except AttributeError:\n"
+        "    pass\n"
+        "else:\n"
+        "    raise AssertionError('an unknown name resolved')\n"
+    )
+    fresh_python(code)

@@ -6,22 +6,57 @@ replies, encoded with :mod:`secure_afl.protocol.ckks.codec`; the round structure
 :mod:`~secure_afl.protocol.ckks.binding`, and every TenSEAL call in :mod:`~secure_afl.protocol.ckks.context`.
 """
 
-from . import binding, codec, context, errors, messages, state
-from .client import CkksClientSession
-from .context import CkksParameters
-from .errors import (
-    ExposingDecryptionError,
-    InvalidCiphertextError,
-    InvalidContextError,
-    InvalidParametersError,
-    InvalidSumCiphertextError,
-    KeyHolderDroppedError,
-    NoDecryptorError,
-    RepeatedDecryptionError,
-)
-from .messages import CkksSessionConfig
-from .server import CkksAggregationResult, CkksGroupSum, CkksServerSession
-from .state import CkksClientState, CkksServerRound
+import importlib
+from typing import TYPE_CHECKING
+
+# Loaded on first use (PEP 562): importing the package, or its TenSEAL-free ``errors``, must not load
+# TenSEAL, so that a masking run (which only catches these errors) never pays for it.
+_SUBMODULES = ("binding", "client", "codec", "context", "errors", "messages", "server", "state")
+_EXPORTS = {
+    "CkksAggregationResult": "server",
+    "CkksClientSession": "client",
+    "CkksClientState": "state",
+    "CkksGroupSum": "server",
+    "CkksParameters": "context",
+    "CkksServerRound": "state",
+    "CkksServerSession": "server",
+    "CkksSessionConfig": "messages",
+    "ExposingDecryptionError": "errors",
+    "InvalidCiphertextError": "errors",
+    "InvalidContextError": "errors",
+    "InvalidParametersError": "errors",
+    "InvalidSumCiphertextError": "errors",
+    "KeyHolderDroppedError": "errors",
+    "NoDecryptorError": "errors",
+    "RepeatedDecryptionError": "errors",
+}
+
+if TYPE_CHECKING:
+    from . import binding, codec, context, errors, messages, state
+    from .client import CkksClientSession
+    from .context import CkksParameters
+    from .errors import (
+        ExposingDecryptionError,
+        InvalidCiphertextError,
+        InvalidContextError,
+        InvalidParametersError,
+        InvalidSumCiphertextError,
+        KeyHolderDroppedError,
+        NoDecryptorError,
+        RepeatedDecryptionError,
+    )
+    from .messages import CkksSessionConfig
+    from .server import CkksAggregationResult, CkksGroupSum, CkksServerSession
+    from .state import CkksClientState, CkksServerRound
+
+
+def __getattr__(name: str) -> object:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "CkksAggregationResult",
