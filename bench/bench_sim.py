@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 from secure_afl.sim.runner import SimConfig, run_experiment
 
@@ -51,6 +52,7 @@ def main() -> None:
         return
     if args.cli:
         time_console_script(args.repeats, args.missing)
+        sys.stdout.flush()  # before the calibration's process writes to the same stream
         subprocess.run([sys.executable, __file__, "--calibrate"], check=True)
         return
     missing = tuple(int(m) for m in args.missing.split(","))
@@ -71,9 +73,14 @@ def main() -> None:
 
 
 def time_console_script(repeats: int, missing: str) -> None:
-    script = shutil.which("secure-afl")
+    # the console script of this interpreter's environment first (run as .venv/bin/python), then PATH
+    beside = Path(sys.executable).parent / "secure-afl"
+    script = str(beside) if beside.is_file() else shutil.which("secure-afl")
     if script is None:
-        raise SystemExit("secure-afl is not on PATH: activate the environment where it is installed")
+        raise SystemExit(
+            f"no secure-afl console script beside {sys.executable} or on PATH: run this with the "
+            "environment's python after `pip install -e .`, or activate that environment"
+        )
     load = os.getloadavg()[0]
     print(f"secure-afl sim --missing {missing}, {repeats} fresh processes (load average {load:.2f})")
     walls = []
