@@ -20,8 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from types import ModuleType
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import numpy as np
 
@@ -29,18 +28,17 @@ from secure_afl.keys.identity import IdentityKey
 from secure_afl.keys.roster import Roster
 from secure_afl.privacy.ledger import Ledger
 from secure_afl.privacy.policy import ClientPolicy
+from secure_afl.protocol import (
+    ckks,  # loads TenSEAL only when a CKKS name is first used
+    encoding,
+)
 from secure_afl.protocol import codec as masking_codec
-from secure_afl.protocol import encoding
 from secure_afl.protocol.client import ClientSession
 from secure_afl.protocol.messages import SessionConfig
 from secure_afl.protocol.randomness import RandomSource
 from secure_afl.protocol.server import ServerSession
 
 from .layout import Layout
-
-if TYPE_CHECKING:  # CKKS loads TenSEAL: imported where a CkksBackend uses it, never by a masking run
-    from secure_afl.protocol.ckks.context import CkksParameters
-    from secure_afl.protocol.ckks.server import CkksServerSession
 
 GroupSums = dict[str, dict[str, np.ndarray]]  # group -> tensor -> float64 array (full matrix if symmetric)
 
@@ -129,15 +127,6 @@ class ProtectionBackend(Protocol):
         """Whether the session needs nothing more of this client for sure (its secrets can go when
         the session ends; a later request, such as CKKS's replacement decryption, is optional)."""
         ...
-
-
-def _ckks() -> ModuleType:
-    """The CKKS package with the submodules a :class:`CkksBackend` uses (TenSEAL loads here)."""
-    import secure_afl.protocol.ckks.client
-    import secure_afl.protocol.ckks.codec
-    import secure_afl.protocol.ckks.server
-
-    return secure_afl.protocol.ckks
 
 
 def _client_floor(policy: ClientPolicy, min_group_size: int) -> int:
@@ -240,7 +229,8 @@ class MaskingBackend:
 class CkksBackend:
     """CKKS encryption (TenSEAL) under each client's :class:`ClientPolicy` (and ledger, if given)."""
 
-    parameters: CkksParameters = field(default_factory=lambda: _ckks().context.CkksParameters())
+    # a lambda: naming ckks.CkksParameters here would load TenSEAL when this module is imported
+    parameters: ckks.CkksParameters = field(default_factory=lambda: ckks.CkksParameters())
     client_policy: ClientPolicy = field(default_factory=ClientPolicy.deployment)
     ledgers: Mapping[str, Ledger] = field(default_factory=dict)
     name: str = "ckks"
@@ -249,16 +239,14 @@ class CkksBackend:
 
     def server_session(
         self, roster: Roster, layout: Layout, *, session_id: bytes, min_group_size: int
-    ) -> CkksServerSession:
-        ckks = _ckks()
-        groups = layout.group_specs()
-        config = ckks.messages.CkksSessionConfig(session_id, min_group_size, self.parameters, groups)
-        return ckks.server.CkksServerSession(roster, config)
+    ) -> ckks.CkksServerSession:
+        config = ckks.CkksSessionConfig(session_id, min_group_size, self.parameters, layout.group_specs())
+        return ckks.CkksServerSession(roster, config)
 
     def client_session(  # type: ignore[no-untyped-def]
         self, client_id, identity, roster, inputs, *, session_id, min_group_size, random, input_digest=None
     ):  # type: ignore[no-untyped-def]
-        return _ckks().client.CkksClientSession(
+        return ckks.CkksClientSession(
             client_id,
             identity,
             roster,
@@ -276,10 +264,10 @@ class CkksBackend:
         )
 
     def encode(self, message: object, max_message_bytes: int) -> bytes:
-        return _ckks().codec.encode(message, max_message_bytes=max_message_bytes)  # type: ignore[arg-type]
+        return ckks.codec.encode(message, max_message_bytes=max_message_bytes)  # type: ignore[arg-type]
 
     def decode(self, data: bytes, max_message_bytes: int) -> object:
-        return _ckks().codec.decode(data, max_message_bytes=max_message_bytes)
+        return ckks.codec.decode(data, max_message_bytes=max_message_bytes)
 
     def outcome(self, server: ServerSessionLike, layout: Layout) -> SessionOutcome:
         result = server.result()  # type: ignore[attr-defined]
