@@ -12,9 +12,9 @@ one thread and on every core. This machine's speed drifts by the hour (the same 
 15 s and 19 s on the same day): compare wall times only beside the calibration of the same hour.
 `--calibrate` prints the calibration alone.
 
-With --cli --ab: each repeat runs the committed code and then `bench/fedavg_last_bits.py` (FedAvg's
-float32 arithmetic changed in its last bits: issue 10's open choice), alternately, and compares
-their `results.json` value by value (seconds left out).
+With --ab (which implies --cli): each repeat runs the committed code and then
+`bench/fedavg_last_bits.py` (FedAvg's float32 arithmetic changed in its last bits: issue 10's open
+choice), alternately, and compares their `results.json` value by value (seconds left out).
 
 Prints one markdown row per protection: the median over the repeats of each phase (data,
 statistics, aggregation, solve, the wait for the gradient methods, metrics) and of the whole run, as
@@ -53,13 +53,13 @@ def main() -> None:
     parser.add_argument("--cli", action="store_true", help="time the console script in fresh processes")
     parser.add_argument("--calibrate", action="store_true", help="time FedAvg's rounds alone, then stop")
     parser.add_argument(
-        "--ab", action="store_true", help="with --cli: alternate with FedAvg's last bits changed, and compare"
+        "--ab", action="store_true", help="--cli, alternating with FedAvg's last bits changed, and compare"
     )
     args = parser.parse_args()
     if args.calibrate:
         calibrate()
         return
-    if args.cli:
+    if args.cli or args.ab:
         if args.ab:
             compare_last_bits(args.repeats, args.missing)
         else:
