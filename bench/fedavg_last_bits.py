@@ -30,14 +30,17 @@ def patch(fedavg: ModuleType) -> None:
     base = fedavg.Adam
 
     class FusedAdam(base):  # type: ignore[misc, valid-type]
+        def __init__(self, like: torch.Tensor, lr: float, **kwargs: object) -> None:
+            super().__init__(like, lr, **kwargs)
+            self._step = torch.zeros(())  # the kernel reads the step count from a tensor
+
         def step(self, param: torch.Tensor, grad: torch.Tensor) -> None:
-            if self.weight_decay:
-                raise NotImplementedError("FedAvg uses no weight decay; this patch does not either")
             self.t += 1
+            self._step.fill_(self.t)
             torch._fused_adam_(
-                [param], [grad], [self.m], [self.v], [], [torch.tensor(float(self.t))],
-                lr=self.lr, beta1=self.beta1, beta2=self.beta2, weight_decay=0.0, eps=self.eps,
-                amsgrad=False, maximize=False,
+                [param], [grad], [self.m], [self.v], [], [self._step],
+                lr=self.lr, beta1=self.beta1, beta2=self.beta2, weight_decay=self.weight_decay,
+                eps=self.eps, amsgrad=False, maximize=False,
             )  # fmt: skip
 
     def logits_of(weights: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
