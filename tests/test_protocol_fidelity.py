@@ -156,9 +156,9 @@ def test_auc_and_ap_rank_scores_not_saturated_probabilities() -> None:
     scores = np.array([[38.0], [39.0], [40.0], [41.0], [-3.0], [42.0]])
     probabilities = scipy.special.expit(scores)
     assert len(np.unique(probabilities[:4])) == 1  # σ saturates: 38..42 all give exactly 1.0
-    on_scores = evaluate(labels, scores)
+    on_scores = evaluate(labels, scores, kind="logits")
     assert on_scores.auc[0] == pytest.approx(1.0) and on_scores.ap[0] == pytest.approx(1.0)
-    on_probabilities = evaluate(labels, probabilities, probabilities > 0.5)
+    on_probabilities = evaluate(labels, probabilities, kind="probabilities")
     assert on_probabilities.auc[0] < 0.9  # the ties that the scores do not have
     assert on_scores.bacc[0] == on_probabilities.bacc[0]  # decisions are the same
 
@@ -170,7 +170,7 @@ def test_rank_metrics_match_scikit_learn_with_ties() -> None:
         y = (rng.random(n) < rng.uniform(0.05, 0.9)).astype(int)
         y[0], y[1] = 0, 1
         s = np.round(rng.normal(size=n), int(rng.integers(0, 3)))
-        m = evaluate(y[:, None], s[:, None])
+        m = evaluate(y[:, None], s[:, None], kind="logits")
         assert m.auc[0] == pytest.approx(roc_auc_score(y, s), abs=1e-12)
         assert m.ap[0] == pytest.approx(average_precision_score(y, s), abs=1e-12)
 

@@ -79,7 +79,7 @@ def test_metrics_equal_scikit_learn_and_eq25() -> None:
     labels = (rng.random((400, 3)) < [0.1, 0.4, 0.7]).astype(int)
     scores = labels * 0.3 + rng.random((400, 3)) * 0.7 - 0.5
     scores[::7] = np.round(scores[::7], 1)  # tied scores, counted ½ by AUC and grouped by AP
-    m = evaluate(labels, scores, scores > 0)
+    m = evaluate(labels, scores, scores > 0, kind="logits")
     for c in range(3):
         y, p = labels[:, c], scores[:, c]
         pred = p > 0
@@ -95,11 +95,28 @@ def test_metrics_equal_scikit_learn_and_eq25() -> None:
 
 def test_metrics_reject_mismatched_shapes() -> None:
     with pytest.raises(ValueError, match="must both be rows × classes"):
-        evaluate(np.zeros((4, 2)), np.zeros((4, 3)))
+        evaluate(np.zeros((4, 2)), np.zeros((4, 3)), kind="logits")
     with pytest.raises(ValueError, match="decisions"):
-        evaluate(np.zeros((4, 2)), np.zeros((4, 2)), np.zeros((4, 3)))
-    with pytest.raises(ValueError, match="look like probabilities"):
-        evaluate(np.eye(4, 2), np.full((4, 2), 0.7))  # σ(score) passed where the score belongs
+        evaluate(np.zeros((4, 2)), np.zeros((4, 2)), np.zeros((4, 3)), kind="logits")
+    with pytest.raises(ValueError, match="outside \\[0, 1\\]: these look like logits"):
+        evaluate(np.eye(4, 2), np.full((4, 2), 1.5), kind="probabilities")
+    with pytest.raises(ValueError, match="kind must be 'logits'"):
+        evaluate(np.eye(4, 2), np.full((4, 2), 0.5), kind="scores")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="kind"):
+        evaluate(np.eye(4, 2), np.full((4, 2), 0.5))  # type: ignore[call-arg]
+
+
+def test_logits_inside_0_1_are_logits_and_probabilities_are_thresholded_at_one_half() -> None:
+    """The kind is the caller's word, never read from the values (issue 23)."""
+    labels = np.array([[1, 0], [0, 1], [1, 1], [0, 0]])
+    weak = np.array([[0.9, 0.2], [0.1, 0.8], [0.7, 0.6], [0.3, 0.1]])  # logits of a weak model
+    as_logits = evaluate(labels, weak, kind="logits")  # every logit > 0: every decision positive
+    assert as_logits.bacc.tolist() == [0.5, 0.5]
+    as_probabilities = evaluate(labels, weak, kind="probabilities")  # > 0.5: the right decisions
+    assert as_probabilities.bacc.tolist() == [1.0, 1.0]
+    assert as_logits.auc.tolist() == as_probabilities.auc.tolist() == [1.0, 1.0]  # ranks agree
+    logits = np.log(weak / (1 - weak))
+    assert evaluate(labels, logits, kind="logits").to_dict() == as_probabilities.to_dict()
 
 
 def test_synthetic_features_are_nonnegative_seeded_and_carry_class_signal(cohort) -> None:
@@ -139,7 +156,7 @@ def test_fedavg_learns_a_separable_problem() -> None:
         xs.append((rng.normal(size=(200, 5)) + 2 * np.c_[y, -y, np.zeros((200, 1))]).astype(np.float32))
         ys.append(y)
     head = train_fedavg(xs, ys, FedAvgConfig(rounds=5, lr=0.05))
-    m = evaluate(np.vstack(ys).astype(int), head.decision_function(np.vstack(xs)))
+    m = evaluate(np.vstack(ys).astype(int), head.decision_function(np.vstack(xs)), kind="logits")
     assert m.macro["auc"] > 0.95
     assert missing_as_negative(np.ones((2, 3)), [1]).tolist() == [[0, 1, 0], [0, 1, 0]]
 

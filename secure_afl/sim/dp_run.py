@@ -159,7 +159,9 @@ def run_private_setting(
         if costs is not None:
             costs["round2"] = agg2.costs
     with timer.phase("metrics"):
-        metrics = {name: evaluate(test_y, m.decision_function(test_x)) for name, m in models.items()}
+        metrics = {
+            name: evaluate(test_y, m.decision_function(test_x), kind="logits") for name, m in models.items()
+        }
     audit = audit_groups(
         protection=config.secure, members=members, survivors=survivors, tensors=tensors, contributions=uploads
     )
@@ -332,7 +334,9 @@ def _non_private_metrics(
     name = AFL_DP_1
     out = {
         name: evaluate(
-            data.cohort.labels[data.split.test], model.decision_function(data.features[data.split.test])
+            data.cohort.labels[data.split.test],
+            model.decision_function(data.features[data.split.test]),
+            kind="logits",
         )
     }
     if config.rounds == 2:
@@ -345,7 +349,9 @@ def _non_private_metrics(
         solve = PrivateSolve(0.0, 0.0, False)
         refined, _ = refine_private(model, sums, pseudo, solve, n_classes=n_classes, config=config.pseudo)
         out[AFL_DP_2] = evaluate(
-            data.cohort.labels[data.split.test], refined.decision_function(data.features[data.split.test])
+            data.cohort.labels[data.split.test],
+            refined.decision_function(data.features[data.split.test]),
+            kind="logits",
         )
     return out
 

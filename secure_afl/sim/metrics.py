@@ -16,6 +16,7 @@ test checks them against scikit-learn.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 
@@ -80,9 +81,26 @@ def balanced_accuracy(labels: np.ndarray, decisions: np.ndarray) -> float:
     return 0.5 * (float(predicted[positive].mean()) + float((~predicted[~positive]).mean()))
 
 
-def evaluate(labels: np.ndarray, scores: np.ndarray, decisions: np.ndarray | None = None) -> Metrics:
-    """``labels`` rows × classes in {0,1}; ``scores`` real-valued logits of the same shape;
-    ``decisions`` the 0/1 predictions (default: ``scores > 0``, i.e. ``σ(score) > 0.5``)."""
+ScoreKind = Literal["logits", "probabilities"]
+SCORE_KINDS: tuple[ScoreKind, ...] = ("logits", "probabilities")
+
+
+def evaluate(
+    labels: np.ndarray, scores: np.ndarray, decisions: np.ndarray | None = None, *, kind: ScoreKind
+) -> Metrics:
+    """``labels`` rows × classes in {0,1}; ``scores`` of the same shape, of the ``kind`` the caller
+    states: ``"logits"`` (real-valued ``h·w``, the default decision ``score > 0``) or
+    ``"probabilities"`` (``σ(h·w)`` in [0, 1], the default decision ``score > 0.5``).
+    ``decisions``: the 0/1 predictions, when they are not the default threshold of the scores.
+
+    The kind is never guessed from the values: logits may all lie in [0, 1] (a weak model's), and
+    probabilities read as logits would make every decision positive.  AUC and AP are rank
+    statistics, the same for both kinds except where σ saturates (see the module docstring).
+    """
+    if kind not in SCORE_KINDS:
+        raise ValueError(
+            f"kind must be 'logits' (decision_function's h·w) or 'probabilities' (σ of them), got {kind!r}"
+        )
     labels = np.asarray(labels)
     scores = np.asarray(scores, dtype=np.float64)
     if labels.shape != scores.shape or labels.ndim != 2:
@@ -91,14 +109,13 @@ def evaluate(labels: np.ndarray, scores: np.ndarray, decisions: np.ndarray | Non
         raise ValueError("scores contain NaN or infinite values")
     if not np.isin(labels, (0, 1)).all():
         raise ValueError("labels must contain only 0 and 1")
+    if kind == "probabilities" and scores.size and (scores.min() < 0 or scores.max() > 1):
+        raise ValueError(
+            f"kind='probabilities' but the scores range over [{scores.min():.4g}, {scores.max():.4g}], "
+            "outside [0, 1]: these look like logits; pass kind='logits'"
+        )
     if decisions is None:
-        if scores.size and scores.min() >= 0 and scores.max() <= 1:
-            # σ(score) in place of the score would make every decision positive, silently
-            raise ValueError(
-                "scores all lie in [0, 1]: these look like probabilities; pass the logits "
-                "(decision_function), or give the decisions explicitly"
-            )
-        decisions = scores > 0
+        decisions = scores > (0.0 if kind == "logits" else 0.5)
     decisions = np.asarray(decisions)
     if decisions.shape != labels.shape:
         raise ValueError(f"decisions {decisions.shape} must have the shape of the labels {labels.shape}")

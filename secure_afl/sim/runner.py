@@ -491,9 +491,12 @@ def run_setting(
     with timer.phase("metrics"):
         # AUC and AP rank the scores (logits); BACC counts each method's decisions, score > 0
         # (= σ(score) > 0.5, what predict() returns).  AFL's first: the gradient methods may still train.
-        metrics = {name: evaluate(test_y, model.decision_function(test_x)) for name, model in models.items()}
+        metrics = {
+            name: evaluate(test_y, model.decision_function(test_x), kind="logits")
+            for name, model in models.items()
+        }
         for name, model in other_models.items():
-            metrics[name] = evaluate(test_y, model.decision_function(test_x))
+            metrics[name] = evaluate(test_y, model.decision_function(test_x), kind="logits")
     uploads = {c: {**groups, **round2.get(c, {})} for c, groups in round1.items()}
     audit = audit_groups(
         protection=config.secure,
@@ -544,8 +547,8 @@ def run_setting(
             )
     with timer.phase("metrics"):
         for name, trained in heads.items():
-            metrics[name] = evaluate(test_y, trained.decision_function(test_x))
-        metrics.update({name: evaluate(test_y, scores) for name, scores in extra.items()})
+            metrics[name] = evaluate(test_y, trained.decision_function(test_x), kind="logits")
+        metrics.update({name: evaluate(test_y, scores, kind="logits") for name, scores in extra.items()})
     order = (AFL_1, AFL_2, AFL_2_RESCALED, AFL_GLOBAL_BALANCE, AFL_GLOBAL_GRAM, FEDAVG, *BASELINES)
     ordered = {m: metrics[m] for m in order if m in metrics}
     ordered.update({m: metrics[m] for m in sorted(other_models)})

@@ -99,7 +99,9 @@ def test_dp_off_reproduces_the_non_private_pipeline() -> None:
     ]
     model = AnalyticClassifier(8, gamma=1.0, balance="global").fit(sum_contributions(uploads))
     expected = evaluate(
-        data.cohort.labels[data.split.test], model.decision_function(data.features[data.split.test])
+        data.cohort.labels[data.split.test],
+        model.decision_function(data.features[data.split.test]),
+        kind="logits",
     )
     got = result.settings[0].metrics[AFL_GLOBAL_BALANCE]
     assert got.macro == expected.macro
