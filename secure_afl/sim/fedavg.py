@@ -1,11 +1,13 @@
 """FedAvg baseline (paper Table I): a linear head on the same frozen features, missing labels as negatives.
 
-Head: ``Linear(d, C)`` with bias, trained with binary cross-entropy on logits.  Each of the
-``rounds`` rounds, every client starts from the global head, runs ``local_epochs`` epochs of Adam
-(learning rate 1e-3, betas (0.9, 0.999), fresh optimiser state each round, as FedAvg clients keep no
-state between rounds) over shuffled mini-batches of 64, and the server averages the heads weighted
-by the clients' sample counts.  Labels of classes a client does not annotate are 0, as FedAvg treats
-them in the paper.
+Head: ``Linear(d, C)`` with bias, trained as FedMLP's released code trains FedAvg (``train()`` of
+``utils/local_training.py``): binary cross-entropy on logits with ``pos_weight`` N/N_c (the client's
+rows over its true positives of class c, mean over the batch's B·C entries), Adam with weight decay
+5e-4.  Each of the ``rounds`` rounds, every client starts from the global head, runs
+``local_epochs`` epochs of Adam (learning rate 1e-3, betas (0.9, 0.999), fresh optimiser state each
+round, as FedAvg clients keep no state between rounds) over shuffled mini-batches of 64, and the
+server averages the heads weighted by the clients' sample counts.  Labels of classes a client does
+not annotate are 0, as FedAvg treats them in the paper (their pos_weight then weighs nothing).
 
 The K clients train as one batched computation (:mod:`secure_afl.sim.baselines.engine`): exactly K
 independent local runs, only faster.
@@ -37,7 +39,14 @@ from secure_afl.sim.baselines.engine import (
 )
 from secure_afl.torch_threads import one_torch_thread
 
-__all__ = ["FedAvgConfig", "LinearHead", "missing_as_negative", "train_fedavg", "train_fedavg_stacked"]
+__all__ = [
+    "FedAvgConfig",
+    "LinearHead",
+    "missing_as_negative",
+    "train_fedavg",
+    "train_fedavg_stacked",
+    "true_count_pos_weight",
+]
 
 _Adam = Adam  # the name the tests know
 
@@ -49,6 +58,17 @@ class FedAvgConfig:
     batch_size: int = 64
     lr: float = 1e-3
     seed: int = 0
+    weight_decay: float = 5e-4  # FedMLP's Adam for every method
+
+
+def true_count_pos_weight(labels: np.ndarray | Sequence[np.ndarray]) -> np.ndarray:
+    """FedMLP's ``pos_weight`` N/N_c per client and class from the clients' *true* labels
+    (``K × N × C`` → ``K × C``); 1 for a class without positives (the reference would divide by 0)."""
+    stacked = np.stack([np.asarray(y, dtype=np.float64) for y in labels])
+    if stacked.ndim != 3:
+        raise ValueError(f"labels must be clients × rows × classes, got shape {stacked.shape}")
+    positives = stacked.sum(axis=1)
+    return np.where(positives > 0, stacked.shape[1] / np.maximum(positives, 1.0), 1.0)
 
 
 def missing_as_negative(
@@ -73,11 +93,13 @@ def train_fedavg(
     device: str = "cpu",
     progress: Callable[[int], None] | None = None,
     threads: int | Callable[[], int] = 1,
+    pos_weight: np.ndarray | None = None,
 ) -> LinearHead:
     """Train the head; ``features[k]`` is client k's rows × d, ``targets[k]`` rows × C in {0, 1}.
 
     ``threads`` > 1 trains slices of the clients on that many threads each round (see
-    :func:`train_fedavg_stacked`); the head is the same.
+    :func:`train_fedavg_stacked`); the head is the same.  ``pos_weight``: ``K × C`` (FedMLP's
+    N/N_c from the true labels: :func:`true_count_pos_weight`); None weighs positives 1.
     """
     if len(features) != len(targets) or not features:
         raise ValueError("features and targets must list the same, non-zero number of clients")
@@ -86,7 +108,8 @@ def train_fedavg(
         raise ValueError(f"FedAvg here expects clients of equal size, got sizes {sorted(sizes)}")
     x = stack_clients(features).to(device)  # K × N × (d+1)
     y = torch.as_tensor(np.stack(targets), dtype=torch.float32, device=device)  # K × N × C
-    return train_fedavg_stacked(x, y, config, progress=progress, threads=threads)
+    weights = None if pos_weight is None else torch.as_tensor(pos_weight, dtype=torch.float32, device=device)
+    return train_fedavg_stacked(x, y, config, progress=progress, threads=threads, pos_weight=weights)
 
 
 def train_fedavg_stacked(
@@ -96,8 +119,10 @@ def train_fedavg_stacked(
     *,
     progress: Callable[[int], None] | None = None,
     threads: int | Callable[[], int] = 1,
+    pos_weight: torch.Tensor | None = None,
 ) -> LinearHead:
-    """FedAvg on stacked clients: ``x`` is ``K × N × (d+1)`` (ones column last), ``y`` ``K × N × C``.
+    """FedAvg on stacked clients: ``x`` is ``K × N × (d+1)`` (ones column last), ``y`` ``K × N × C``,
+    ``pos_weight`` ``K × C`` or None (1).
 
     A round's K local runs are independent until the server averages them, so with ``threads`` > 1
     each thread trains a contiguous slice of the clients (its own Adam state, the shuffles drawn
@@ -109,8 +134,19 @@ def train_fedavg_stacked(
     one core while the AFL pipeline runs on the other, and every core once it waits.
     """
     n_clients, dim = x.shape[0], x.shape[2] - 1
+    if pos_weight is not None:
+        if tuple(pos_weight.shape) != (n_clients, y.shape[2]):
+            raise ValueError(
+                f"pos_weight must be clients × classes = {n_clients} × {y.shape[2]}, got shape "
+                f"{tuple(pos_weight.shape)}"
+            )
+        # the weighted BCE's gradient σ(z)·(1 + (w − 1)·y) − w·y, its two factors side by side so
+        # that one gather per epoch takes both
+        weighted = pos_weight[:, None, :].to(y.dtype) * y
+        y = torch.cat([1 + weighted - y, weighted], dim=2)
     generator = torch.Generator().manual_seed(config.seed)
-    global_w = initial_weights(dim, y.shape[2], generator).to(x.device)  # C × (d+1)
+    n_classes = y.shape[2] // 2 if pos_weight is not None else y.shape[2]
+    global_w = initial_weights(dim, n_classes, generator).to(x.device)  # C × (d+1)
     share = torch.full((n_clients,), 1.0 / n_clients, device=x.device)  # sample-count weights, equal sizes
     threads_now = threads if callable(threads) else (lambda: threads)
     _client_slices(n_clients, threads_now())  # a bad count fails before any training
@@ -148,8 +184,19 @@ def _local_training(
     # Inference mode: the gradient is written out, so autograd's bookkeeping (dispatch, version
     # counters) is pure cost, about 15 % of a step's fixed cost; the kernels are the same.
     with torch.inference_mode():
-        adam = Adam(w, config.lr)
+        adam = Adam(w, config.lr, weight_decay=config.weight_decay)
         gradient = torch.empty_like(w)  # reused at every step (as Adam's buffers and the batches are)
+        weighted = y.shape[2] != w.shape[1]  # targets carry the pos_weight factors (see above)
         for order in orders:
             for xb, yb in Epoch(x, config.batch_size, order=order).with_targets(y):
-                adam.step(w, weight_gradient(bce_gradient(logits_of(w, xb), yb), xb, out=gradient))
+                logits = logits_of(w, xb)
+                grad = weighted_bce_gradient(logits, yb) if weighted else bce_gradient(logits, yb)
+                adam.step(w, weight_gradient(grad, xb, out=gradient))
+
+
+def weighted_bce_gradient(logits: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
+    """Gradient of the mean positive-weighted BCE-with-logits per client: ``(σ(z)·(1 + (w − 1)y) −
+    w·y) / (B·C)``, ``factors`` holding ``1 + (w − 1)y`` and ``w·y`` side by side (``K × B × 2C``)."""
+    n_classes = logits.shape[2]
+    out = torch.sigmoid(logits).mul_(factors[:, :, :n_classes]).sub_(factors[:, :, n_classes:])
+    return out.div_(logits.shape[1] * n_classes)

@@ -64,7 +64,12 @@ import torch
 from secure_afl.sim.baselines import BASELINES, BaselineConfig
 from secure_afl.sim.baselines.common import Federation, train
 from secure_afl.sim.baselines.engine import LinearHead, stack_clients
-from secure_afl.sim.fedavg import FedAvgConfig, missing_as_negative, train_fedavg_stacked
+from secure_afl.sim.fedavg import (
+    FedAvgConfig,
+    missing_as_negative,
+    train_fedavg_stacked,
+    true_count_pos_weight,
+)
 from secure_afl.sim.methods import FEDAVG
 
 WORKERS_ENV = "SECURE_AFL_GRADIENT_WORKERS"
@@ -107,8 +112,15 @@ def _train_job(
     active = inputs.active[missing]
     if name == FEDAVG:
         targets = np.stack([missing_as_negative(y, a) for y, a in zip(inputs.labels, active, strict=True)])
+        # FedMLP's train(): pos_weight N/N_c from the true counts
+        pos_weight = torch.as_tensor(true_count_pos_weight(inputs.labels), dtype=torch.float32)
         head = train_fedavg_stacked(
-            inputs.x, torch.from_numpy(targets), inputs.fedavg, threads=fedavg_threads, progress=progress
+            inputs.x,
+            torch.from_numpy(targets),
+            inputs.fedavg,
+            threads=fedavg_threads,
+            progress=progress,
+            pos_weight=pos_weight,
         )
     else:
         federation = Federation.from_stacked(inputs.x, inputs.labels, active)
