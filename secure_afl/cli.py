@@ -21,7 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from secure_afl.cli_options import ckks_degree_option, dp_options
 from secure_afl.sim.data import CLASSES, N_CLIENTS, CohortError
 from secure_afl.sim.datasets import DataRequest, ImageSource, PreparingData
-from secure_afl.sim.methods import FEDNCA, MISSING_ALL, BaselineError, parse_baselines
+from secure_afl.sim.methods import FEDNCA, MISSING_ALL, SCHEDULES, BaselineError, parse_baselines
 from secure_afl.sim.partial import PartialLabelError
 
 if TYPE_CHECKING:
@@ -222,11 +222,19 @@ def main() -> None:
     "--dim", type=click.IntRange(min=1), default=1024, show_default=True, help="Synthetic feature dimension."
 )
 @click.option(
+    "--schedule",
+    type=click.Choice(sorted(SCHEDULES)),
+    default="paper",
+    show_default=True,
+    help="Rounds of FedAvg and the --baselines: paper = 50 (each method's stage boundaries scaled by "
+    "50/500 so that every stage runs), reference = FedMLP's code's own 500 (a long run).",
+)
+@click.option(
     "--fedavg-rounds",
     type=click.IntRange(min=1),
-    default=50,
-    show_default=True,
-    help="Rounds of FedAvg and of the --baselines.",
+    default=None,
+    help="Rounds of FedAvg and of the --baselines instead of the schedule's (stage boundaries scale "
+    "with rounds/500).",
 )
 @click.option(
     "--baselines",
@@ -342,7 +350,8 @@ def sim(
     client_policy: str,
     fraction: float,
     dim: int,
-    fedavg_rounds: int,
+    schedule: str,
+    fedavg_rounds: int | None,
     baselines: tuple[str, ...],
     device: str,
     dataset: str,
@@ -440,6 +449,8 @@ def sim(
             out_dir=out_dir,
         )
         return
+    gradient_rounds = SCHEDULES[schedule] if fedavg_rounds is None else fedavg_rounds
+    schedule_name = schedule if gradient_rounds == SCHEDULES[schedule] else "custom"
     progress = _ProgressBars(console)
     preparing = None
     if sources == [None] and not dp_sweep:
@@ -479,10 +490,12 @@ def sim(
                 dim=dim,
                 device=device,
                 images=source,
-                fedavg=dataclasses.replace(FedAvgConfig(), rounds=fedavg_rounds, seed=seed),
+                fedavg=dataclasses.replace(FedAvgConfig(), rounds=gradient_rounds, seed=seed),
                 baselines=baselines,
                 dp=dp,
-                baseline=dataclasses.replace(BaselineConfig(), rounds=fedavg_rounds, seed=seed),
+                baseline=dataclasses.replace(
+                    BaselineConfig(), rounds=gradient_rounds, seed=seed, schedule=schedule_name
+                ),
             )
             if dp_sweep:
                 _run_sweep(config, out_dir, console)

@@ -50,7 +50,7 @@ def test_every_baseline_learns_the_labelled_classes(name: str) -> None:
     head = train_baseline(name, [x for x, _ in clients], [y for _, y in clients], active, config)
     again = train_baseline(name, [x for x, _ in clients], [y for _, y in clients], active, config)
     np.testing.assert_array_equal(head.coef, again.coef)  # seeded
-    assert evaluate(test_y, head.decision_function(test_x)).macro["auc"] > 0.8, name
+    assert evaluate(test_y, head.decision_function(test_x), kind="logits").macro["auc"] > 0.8, name
 
 
 def test_feature_augmentation_leaves_the_bias_column_and_differs_by_strength() -> None:
@@ -92,8 +92,10 @@ def test_relation_matrix_is_sigmoid_of_half_the_mean_logits_per_label() -> None:
 
 
 def test_cbafed_residual_aggregation_every_fifth_round() -> None:
+    fed = Federation.build([np.zeros((4, 1))] * 2, [np.zeros((4, 1), dtype=int)] * 2, [[0]] * 2)
     method = CBAFed()
-    method.start(None, torch.zeros(1, 1), torch.Generator())  # type: ignore[arg-type]
+    method.stage_scale = 1.0  # the reference's 500 rounds: the warm-up lasts 50
+    method.start(fed, torch.zeros(1, 2), torch.Generator())
     heads = [torch.full((2, 1, 1), float(r)) for r in range(11)]
     out = [method.aggregate(r, heads[r]) for r in range(11)]
     assert out[0].item() == 0 and out[3].item() == 3  # plain FedAvg between
@@ -341,22 +343,29 @@ def test_batches_with_targets_are_the_batches_and_their_taken_targets() -> None:
 
 def test_fedavg_with_reused_buffers_is_the_plain_loop_bit_for_bit() -> None:
     """FedAvg's loop reuses its buffers (batch, targets, gradient, Adam's denominator) and computes
-    σ(z) − y in place: the head must be the one of fresh tensors at every step."""
-    from secure_afl.sim.baselines.engine import (
-        Epoch,
-        epoch_order,
-        head_from_weights,
-        initial_weights,
-        stack_clients,
-        weighted_average,
-    )
-    from secure_afl.sim.fedavg import FedAvgConfig, train_fedavg_stacked
+    σ(z) − y (with pos_weight: σ(z)·(1 + (w − 1)y) − w·y) in place: the head must be the one of fresh
+    tensors at every step.  Weight decay 5e-4 and pos_weight are FedMLP's train() (issue 23)."""
+    from secure_afl.sim.baselines.engine import stack_clients
+    from secure_afl.sim.fedavg import FedAvgConfig, train_fedavg_stacked, true_count_pos_weight
 
     features, labels, _ = _gradient_inputs()
     x = stack_clients(features)
     y = torch.as_tensor(np.stack(labels), dtype=torch.float32)
     config = FedAvgConfig(rounds=3, local_epochs=2, batch_size=40)  # a last batch of 16 rows
-    fast = train_fedavg_stacked(x, y, config)
+    for pos_weight in (None, torch.tensor(true_count_pos_weight(labels), dtype=torch.float32)):
+        _fedavg_as_a_plain_loop(
+            x, y, config, pos_weight, train_fedavg_stacked(x, y, config, pos_weight=pos_weight)
+        )
+
+
+def _fedavg_as_a_plain_loop(x, y, config, pos_weight, fast) -> None:
+    from secure_afl.sim.baselines.engine import (
+        Epoch,
+        epoch_order,
+        head_from_weights,
+        initial_weights,
+        weighted_average,
+    )
 
     generator = torch.Generator().manual_seed(config.seed)
     global_w = initial_weights(x.shape[2] - 1, y.shape[2], generator)
@@ -369,8 +378,13 @@ def test_fedavg_with_reused_buffers_is_the_plain_loop_bit_for_bit() -> None:
             for xb, rows in Epoch(x, config.batch_size, order=order):
                 targets = Epoch.take(y, rows)
                 logits = torch.bmm(w, xb.transpose(1, 2)).transpose(1, 2)
-                grad_logits = (torch.sigmoid(logits) - targets) / (targets.shape[1] * targets.shape[2])
-                grad = torch.bmm(grad_logits.transpose(1, 2), xb)
+                if pos_weight is None:
+                    error = torch.sigmoid(logits) - targets
+                else:  # FedMLP's BCEWithLogitsLoss(pos_weight), differentiated
+                    weighted = pos_weight[:, None, :] * targets
+                    error = torch.sigmoid(logits) * (1 + weighted - targets) - weighted
+                grad_logits = error / (targets.shape[1] * targets.shape[2])
+                grad = torch.bmm(grad_logits.transpose(1, 2), xb).add(w, alpha=config.weight_decay)  # L2
                 step += 1
                 m.mul_(0.9).add_(grad, alpha=1 - 0.9)
                 v.mul_(0.999).addcmul_(grad, grad, value=1 - 0.999)
@@ -380,3 +394,38 @@ def test_fedavg_with_reused_buffers_is_the_plain_loop_bit_for_bit() -> None:
     plain = head_from_weights(global_w)
     np.testing.assert_array_equal(fast.coef, plain.coef)
     np.testing.assert_array_equal(fast.bias, plain.bias)
+
+
+def test_weighted_fedavg_gradient_is_bce_with_logits_pos_weight() -> None:
+    """FedAvg's written-out gradient is autograd's of torch's BCEWithLogitsLoss(pos_weight), mean."""
+    from secure_afl.sim.fedavg import weighted_bce_gradient
+
+    generator = torch.Generator().manual_seed(2)
+    logits = torch.randn(3, 10, 4, generator=generator, requires_grad=True)
+    targets = (torch.rand(3, 10, 4, generator=generator) < 0.3).float()
+    pos_weight = 1 + 9 * torch.rand(3, 1, 4, generator=generator)
+    loss = sum(
+        torch.nn.functional.binary_cross_entropy_with_logits(
+            logits[k], targets[k], pos_weight=pos_weight[k, 0]
+        )
+        for k in range(3)
+    )
+    (expected,) = torch.autograd.grad(loss, logits)
+    weighted = pos_weight * targets
+    factors = torch.cat([1 + weighted - targets, weighted], dim=2)
+    torch.testing.assert_close(weighted_bce_gradient(logits.detach(), factors), expected)
+
+
+def test_fedavg_pos_weight_comes_from_the_true_counts_and_is_checked() -> None:
+    from secure_afl.sim.fedavg import FedAvgConfig, train_fedavg, true_count_pos_weight
+
+    labels = [np.array([[1, 0], [0, 0], [0, 0], [1, 0]]), np.array([[1, 1], [0, 0], [0, 0], [0, 0]])]
+    np.testing.assert_array_equal(true_count_pos_weight(labels), [[2.0, 1.0], [4.0, 4.0]])  # no positive: 1
+    features = [np.ones((4, 3), dtype=np.float32)] * 2
+    with pytest.raises(ValueError, match=r"pos_weight must be clients × classes = 2 × 2, got shape \(2, 3\)"):
+        train_fedavg(features, labels, FedAvgConfig(rounds=1), pos_weight=np.ones((2, 3)))
+    plain = train_fedavg(features, labels, FedAvgConfig(rounds=2))
+    weighted = train_fedavg(
+        features, labels, FedAvgConfig(rounds=2), pos_weight=true_count_pos_weight(labels)
+    )
+    assert not np.array_equal(plain.coef, weighted.coef)  # the weights reach the training

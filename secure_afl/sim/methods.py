@@ -11,6 +11,12 @@ FEDAVG = "FedAvg"
 # paper Table II's gradient baselines, in its order (sim/baselines/ trains them)
 TABLE2_BASELINES = ("RSCFed", "FedFixMatch", "FedIRM", "CBAFed", "FedLSR", "FedNoRo", "FedMLP")
 FEDNCA = "FedNCA-ML"  # not in Table II; --baselines can add it (sim/fednca.py)
+# FedMLP's released code (``utils/options.py``: ``rounds_warmup``) runs every method for 500 rounds;
+# its stage boundaries and ramps are counted in those rounds.
+REFERENCE_ROUNDS = 500
+# ``--schedule``: the rounds of FedAvg and the baselines.  ``paper``: R = 50 (paper §IV-E), every
+# stage boundary scaled by 50/500 so that every stage runs; ``reference``: the released code's 500.
+SCHEDULES = {"paper": 50, "reference": REFERENCE_ROUNDS}
 
 
 class BaselineError(ValueError):

@@ -22,6 +22,7 @@ from secure_afl.sim.baselines.engine import (
     stack_clients,
     weight_gradient,
 )
+from secure_afl.sim.methods import REFERENCE_ROUNDS
 from secure_afl.torch_threads import one_torch_thread
 
 
@@ -34,6 +35,13 @@ class BaselineConfig:
     ``lr`` and ``batch_size`` are the head's (the same as this repository's FedAvg): FedMLP's
     ``base_lr`` (3e-5, "ChestXray14 = 3e-6") and batch 32 fine-tune a whole ResNet end to end; a
     linear head on frozen features barely moves from its initialisation at that rate in 50 epochs.
+
+    Stage boundaries and ramps, which FedMLP's code counts in its 500 rounds (``rounds_warmup``),
+    scale by ``rounds / 500`` (:attr:`stage_scale`): at ``schedule`` ``"paper"`` (R = 50) FedMLP's
+    stage 1 ends after round 5 instead of 50, CBAFed's warm-up after 5, FedIRM's supervised stage
+    after 2, FedNoRo's distillation ramp runs from round 1 to 49.9 instead of 10 to 499; at
+    ``"reference"`` (R = 500) they are the released code's own.  ``schedule`` only names the choice
+    (results.json records it); ``rounds`` sets the scale.
     """
 
     rounds: int = 50
@@ -42,6 +50,11 @@ class BaselineConfig:
     lr: float = 1e-3
     weight_decay: float = 5e-4
     seed: int = 0
+    schedule: str = "paper"
+
+    @property
+    def stage_scale(self) -> float:
+        return self.rounds / REFERENCE_ROUNDS
 
 
 @dataclass
@@ -187,6 +200,7 @@ class Batch:
     missing: torch.Tensor  # K × 1 × C
     pos_weight: torch.Tensor  # K × 1 × C
     teacher: dict[str, torch.Tensor] = field(default_factory=dict)  # view → teacher logits K × B × C
+    rows: torch.Tensor | None = None  # K × B: each sample's row in its client's data (Epoch.take)
 
     @property
     def size(self) -> int:
@@ -208,6 +222,12 @@ class Method:
     family: str
     views: tuple[str, ...] = ("plain",)
     state: dict[str, object] = field(default_factory=dict)
+    stage_scale: float = 0.1  # rounds / 500, set by train() from its config
+
+    def stage_round(self, reference_round: float) -> int:
+        """A stage boundary the reference counts in its 500 rounds, at this run's scale (≥ 1, so a
+        first stage always runs one round)."""
+        return max(1, round(reference_round * self.stage_scale))
 
     def start(self, fed: Federation, init: torch.Tensor, generator: torch.Generator) -> None:
         """Before round 0."""
@@ -245,6 +265,7 @@ def train(
         generator = torch.Generator().manual_seed(config.seed)
         global_w = initial_weights(fed.dim, fed.n_classes, generator)
         augment = FeatureAugmenter(fed.dim, generator)
+        method.stage_scale = config.stage_scale
         method.start(fed, global_w, generator)
         active = fed.active.float()[:, None, :]
         missing = 1 - active
@@ -261,7 +282,7 @@ def train(
                     for view in (*method.views, *teachers):
                         if view not in views:
                             views[view] = augment("strong" if view == "strong" else "weak", xb)
-                    batch = Batch(rnd, views, Epoch.take(fed.y, rows), active, missing, pos_weight)
+                    batch = Batch(rnd, views, Epoch.take(fed.y, rows), active, missing, pos_weight, rows=rows)
                     leaves = {}
                     for view, x_view in views.items():
                         own, teacher = view in method.views, teachers.get(view)

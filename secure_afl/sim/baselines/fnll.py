@@ -18,7 +18,8 @@ class FedLSR(Method):
     mixture is sharpened (``σ(2·logit(p))``) and fitted to the labels by BCE with FedMLP's
     pos_weight over *all* classes (missing ones as negatives: the noisy labels), mean over B·C; a
     Jensen–Shannon term between the two views' outputs sharpened at temperature 1/3 (``σ(3z)``)
-    is added with weight ``β = 0.4·min(round / 40, 1)`` (``t_w`` = 40).  Server: FedAvg.
+    is added with weight ``β = 0.4·min(round / t_w, 1)`` (``t_w`` = 40 of the reference's 500
+    rounds, scaled with R: 4 at R = 50).  Server: FedAvg.
 
     FedMLP's code passes the sharpened *probability* into ``BCEWithLogitsLoss`` (a second sigmoid);
     here the BCE is of the sharpened probability itself, as FedLSR intends.
@@ -48,7 +49,7 @@ class FedLSR(Method):
             (p1 * (torch.log(p1) - middle)).mean(dim=(1, 2))
             + (p2 * (torch.log(p2) - middle)).mean(dim=(1, 2))
         ) / 2
-        beta = self.BETA * min(batch.rnd / self.WARMUP_ROUNDS, 1.0)
+        beta = self.BETA * min(batch.rnd / (self.WARMUP_ROUNDS * self.stage_scale), 1.0)
         return supervised + beta * js.sum()
 
 
@@ -58,8 +59,11 @@ class FedNoRo(Method):
     Every client is "noisy" here (each lacks labels), so the distillation branch applies to all:
     ``(1 − w)·BCE(σ(z), y)`` on the active classes (mean over B·|AC|) plus ``w·MSE(σ(z),
     σ(z_teacher / 0.8))`` on the missing ones (mean over B·|MC|), the teacher being the global head
-    of the round, ``w = 0.8·exp(−5(1 − t)²)`` with t the round's position between 10 and 499
-    (FedMLP's ``begin``/``end``/``a``).  Server: FedAvg — FedNoRo's distance-aware aggregation
+    of the round, ``w = 0.8·exp(−5(1 − t)²)`` with t the round's position between ``begin`` = 10
+    and ``end`` = 499 of the reference's 500 rounds (FedMLP's ``begin``/``end``/``a``), scaled with
+    R: from 1 to 49.9 at R = 50, so w reaches 0.8 by the last round as in the reference.  Student
+    and teacher see the same augmented view (the reference's RandomAffine + flip; here the weak
+    feature jitter).  Server: FedAvg — FedNoRo's distance-aware aggregation
     (DaAgg) weights noisy clients by their distance to the nearest *clean* client, and with every
     client noisy there is none; FedMLP's ``main.py`` also aggregates with FedAvg.
     """
@@ -67,18 +71,19 @@ class FedNoRo(Method):
     RAMP_BEGIN, RAMP_END, KD_MAX, TEMPERATURE = 10, 499, 0.8, 0.8
 
     def __init__(self) -> None:
-        super().__init__("FedNoRo", "FNLL", views=("plain",))
+        super().__init__("FedNoRo", "FNLL", views=("weak",))
 
     def start_round(self, rnd: int, global_w: torch.Tensor, local_w: torch.Tensor) -> None:
         self.teacher = local_w.clone()
-        self.kd_weight = self.KD_MAX * sigmoid_rampup(rnd, self.RAMP_BEGIN, self.RAMP_END)
+        begin, end = self.RAMP_BEGIN * self.stage_scale, self.RAMP_END * self.stage_scale
+        self.kd_weight = self.KD_MAX * sigmoid_rampup(rnd, begin, end)
 
     def teachers(self) -> dict[str, torch.Tensor]:
-        return {"plain": self.teacher}
+        return {"weak": self.teacher}
 
     def loss(self, batch: Batch, logits: dict[str, torch.Tensor], w: torch.Tensor) -> torch.Tensor:
-        z = logits["plain"]
-        soft = torch.sigmoid(batch.teacher["plain"] / self.TEMPERATURE)
+        z = logits["weak"]
+        soft = torch.sigmoid(batch.teacher["weak"] / self.TEMPERATURE)
         n_active, n_missing = float(batch.active[0].sum()), float(batch.missing[0].sum())
         supervised = masked_mean(bce(z, batch.y), batch.active, batch.size * n_active)
         distill = masked_mean((torch.sigmoid(z) - soft) ** 2, batch.missing, batch.size * n_missing)
