@@ -92,11 +92,21 @@ def save_feature_file(
     weights_id: str,
     preprocessing: str,
     labels: np.ndarray | None = None,
-    active: Sequence[int] = (),
+    active: Sequence[int] | Sequence[bool] | np.ndarray = (),
     image_ids: Sequence[str] | None = None,
     patient_ids: Sequence[str] | None = None,
 ) -> None:
-    """Write a feature file (checked as it would be read); a temporary file is renamed into place."""
+    """Write a feature file (checked as it would be read); a temporary file is renamed into place.
+
+    ``active``: the labelled classes as indices, or a boolean mask with one entry per class
+    (:func:`secure_afl.analytic.active_class_indices`); anything else raises :class:`FeatureFileError`.
+    """
+    from secure_afl.analytic import StatisticsError, active_class_indices  # torch: only when writing
+
+    try:
+        active_indices = active_class_indices(active, len(classes))
+    except StatisticsError as exc:
+        raise FeatureFileError(f"active: {exc}") from None
     features = np.asarray(features)
     n = features.shape[0] if features.ndim == 2 else 0
     ids = tuple(image_ids) if image_ids is not None else tuple(f"row-{i}" for i in range(n))
@@ -109,7 +119,7 @@ def save_feature_file(
         "image_ids": np.array(ids, dtype=str),
         "labels": label_array,
         "classes": np.array(tuple(classes), dtype=str),
-        "active": np.array(sorted(int(c) for c in active), dtype=np.int64),
+        "active": np.array(active_indices, dtype=np.int64),
         "backbone": np.array(backbone),
         "weights_id": np.array(weights_id),
         "preprocessing": np.array(preprocessing),

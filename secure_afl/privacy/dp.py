@@ -87,6 +87,8 @@ from secure_afl.analytic import (
     ClientStatistics,
     Contributions,
     PseudoLabelConfig,
+    StatisticsError,
+    active_class_indices,
     class_group,
     client_statistics,
     pseudo_group,
@@ -97,6 +99,8 @@ from secure_afl.protocol import encoding
 from secure_afl.protocol.randomness import RandomSource
 
 BlockKind = Literal["gram", "sums", "counts"]
+# class indices, or a boolean mask with one entry per class (analytic.active_class_indices)
+ActiveClasses = Sequence[int] | Sequence[bool] | np.ndarray
 _TARGET_NOISE_BITS = 24  # a client's noise std, in grid steps, is about 2^24
 _REPRESENTABLE_MARGIN_BITS = 10  # 63 − 53: grid bits at most frac_bits − 10
 
@@ -152,10 +156,13 @@ class PrivateStatistics:
     n_clipped: int
     n_rows: int
 
-    def round1(self, active: Sequence[int]) -> Contributions:
-        """Round-1 upload: the Gram to ``all``; per labelled class its sums and counts."""
+    def round1(self, active: ActiveClasses) -> Contributions:
+        """Round-1 upload: the Gram to ``all``; per labelled class its sums and counts.
+
+        ``active``: class indices or a boolean mask of length C (:func:`active_class_indices`).
+        """
         out: Contributions = {ALL_GROUP: {"gram": self.gram}}
-        for c in sorted({int(a) for a in active}):
+        for c in active_class_indices(active, self.pos_sum.shape[1]):
             out[class_group(c)] = {
                 f"pos_sum/{c}": self.pos_sum[:, c].copy(),
                 f"neg_sum/{c}": self.neg_sum[:, c].copy(),
@@ -191,7 +198,7 @@ def private_statistics(
 def pseudo_label_round(
     clipped_features: np.ndarray,
     coef: np.ndarray,
-    active: Sequence[int],
+    active: ActiveClasses,
     config: PseudoLabelConfig | None = None,
 ) -> Contributions:
     """Round 2 under DP: for each class the client does not label, sums and counts of its rows
@@ -204,7 +211,7 @@ def pseudo_label_round(
     config = PseudoLabelConfig() if config is None else config
     h = np.asarray(clipped_features, dtype=np.float64)
     coef = np.asarray(coef, dtype=np.float64)
-    active_set = {int(a) for a in active}
+    active_set = set(active_class_indices(active, coef.shape[1]))
     out: Contributions = {}
     for c in range(coef.shape[1]):
         if c in active_set:
@@ -235,7 +242,7 @@ def rows_of_units(config: DpConfig, n_rows: int, patient_ids: Sequence[object] |
 
 
 def round1_upload(
-    stats: PrivateStatistics, active: Sequence[int], plan: NoisePlan, random: RandomSource
+    stats: PrivateStatistics, active: ActiveClasses, plan: NoisePlan, random: RandomSource
 ) -> tuple[Contributions, Contributions]:
     """One client's round-1 DP upload (the simulator's and the deployment's): the noisy
     contributions, and the clean ones they came from (the key of the client's ledger history)."""
@@ -246,7 +253,7 @@ def round1_upload(
 def pseudo_label_upload(
     clipped_features: np.ndarray,
     coef: np.ndarray,
-    active: Sequence[int],
+    active: ActiveClasses,
     plan: NoisePlan,
     random: RandomSource,
     config: PseudoLabelConfig | None = None,
@@ -438,7 +445,7 @@ def rho_for_epsilon(epsilon: float, delta: float) -> float:
 class FederationLayout:
     """What the noise plan needs to know about the session, all public before any data moves."""
 
-    active: Mapping[str, Sequence[int]]  # institution -> classes it labels
+    active: Mapping[str, ActiveClasses]  # institution -> classes it labels (indices or a mask)
     n_classes: int
     dim: int
     threshold: int
@@ -446,6 +453,17 @@ class FederationLayout:
     rounds: int = 1
     masked: bool = True
     frac_bits: int = encoding.DEFAULT_FRAC_BITS
+
+    def __post_init__(self) -> None:
+        # Each institution's classes as sorted indices: a boolean mask is read as a mask, never as
+        # the classes 0 and 1; indices outside 0..C−1 and non-integers are refused.
+        active: dict[str, tuple[int, ...]] = {}
+        for inst, classes in self.active.items():
+            try:
+                active[inst] = tuple(active_class_indices(classes, self.n_classes))
+            except StatisticsError as exc:
+                raise DpError(f"institution {inst!r}: {exc}") from None
+        object.__setattr__(self, "active", active)
 
     def members(self, group: str) -> int:
         if group == ALL_GROUP:
