@@ -369,13 +369,21 @@ def _fedavg_as_a_plain_loop(x, y, config, pos_weight, fast) -> None:
 
     generator = torch.Generator().manual_seed(config.seed)
     global_w = initial_weights(x.shape[2] - 1, y.shape[2], generator)
+    augment = FeatureAugmenter(x.shape[2] - 1, generator)  # FedMLP's RandomAffine + flip → weak jitter
     for _ in range(config.rounds):
         w = global_w.expand(x.shape[0], *global_w.shape).clone()
         m, v = torch.zeros_like(w), torch.zeros_like(w)
         orders = [epoch_order(x.shape[0], x.shape[1], generator) for _ in range(config.local_epochs)]
+        starts = [augment.epoch_starts(x.shape[0], x.shape[1], config.batch_size) for _ in orders]
         step = 0
-        for order in orders:
-            for xb, rows in Epoch(x, config.batch_size, order=order):
+        for order, offsets in zip(orders, starts, strict=True):
+            for (xb, rows), (start, size) in zip(
+                Epoch(x, config.batch_size, order=order), offsets, strict=True
+            ):
+                xb = torch.cat(
+                    [xb[:, :, :-1] * augment.noise("weak", start, size, slice(0, x.shape[0])), xb[:, :, -1:]],
+                    2,
+                )
                 targets = Epoch.take(y, rows)
                 logits = torch.bmm(w, xb.transpose(1, 2)).transpose(1, 2)
                 if pos_weight is None:

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from secure_afl.analytic import active_class_indices
+from secure_afl.sim.baselines.common import FeatureAugmenter
 from secure_afl.sim.baselines.engine import (
     Adam,
     Epoch,
@@ -59,6 +60,9 @@ class FedAvgConfig:
     lr: float = 1e-3
     seed: int = 0
     weight_decay: float = 5e-4  # FedMLP's Adam for every method
+    # FedMLP trains FedAvg on RandomAffine + flip images; on frozen features, the weak feature
+    # jitter of the baselines (common.FeatureAugmenter: each feature times 1 + 0.1·N(0, 1))
+    augment: bool = True
 
 
 def true_count_pos_weight(labels: np.ndarray | Sequence[np.ndarray]) -> np.ndarray:
@@ -147,6 +151,7 @@ def train_fedavg_stacked(
     generator = torch.Generator().manual_seed(config.seed)
     n_classes = y.shape[2] // 2 if pos_weight is not None else y.shape[2]
     global_w = initial_weights(dim, n_classes, generator).to(x.device)  # C × (d+1)
+    augment = FeatureAugmenter(dim, generator) if config.augment else None
     share = torch.full((n_clients,), 1.0 / n_clients, device=x.device)  # sample-count weights, equal sizes
     threads_now = threads if callable(threads) else (lambda: threads)
     _client_slices(n_clients, threads_now())  # a bad count fails before any training
@@ -155,18 +160,48 @@ def train_fedavg_stacked(
             slices = _client_slices(n_clients, threads_now())
             w = global_w.expand(n_clients, *global_w.shape).clone()
             orders = [epoch_order(n_clients, x.shape[1], generator) for _ in range(config.local_epochs)]
+            # the augmentation's offsets for every step, drawn here in one order whatever the slices
+            starts = (
+                None
+                if augment is None
+                else [augment.epoch_starts(n_clients, x.shape[1], config.batch_size) for _ in orders]
+            )
             jobs = [
-                pool.submit(_local_training, x[part], y[part], w[part], [o[part] for o in orders], config)
+                pool.submit(
+                    _local_training,
+                    x[part],
+                    y[part],
+                    w[part],
+                    [o[part] for o in orders],
+                    config,
+                    _slice_noise(augment, starts, part),
+                )
                 for part in slices[1:]
             ]
             part = slices[0]  # the calling thread trains the first slice itself
-            _local_training(x[part], y[part], w[part], [o[part] for o in orders], config)
+            _local_training(
+                x[part],
+                y[part],
+                w[part],
+                [o[part] for o in orders],
+                config,
+                _slice_noise(augment, starts, part),
+            )
             for job in jobs:
                 job.result()
             global_w = weighted_average(w, share)
             if progress is not None:
                 progress(round_ + 1)
     return head_from_weights(global_w)
+
+
+def _slice_noise(
+    augment: FeatureAugmenter | None, starts: Sequence[Sequence[tuple[int, int]]] | None, part: slice
+) -> list[list[torch.Tensor]] | None:
+    """The weak view's multipliers of the clients ``part`` at every step of the round's epochs."""
+    if augment is None or starts is None:
+        return None
+    return [[augment.noise("weak", start, size, part) for start, size in epoch] for epoch in starts]
 
 
 def _client_slices(n_clients: int, threads: int) -> list[slice]:
@@ -177,18 +212,25 @@ def _client_slices(n_clients: int, threads: int) -> list[slice]:
 
 
 def _local_training(
-    x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, orders: Sequence[torch.Tensor], config: FedAvgConfig
+    x: torch.Tensor,
+    y: torch.Tensor,
+    w: torch.Tensor,
+    orders: Sequence[torch.Tensor],
+    config: FedAvgConfig,
+    noise: Sequence[Sequence[torch.Tensor]] | None = None,
 ) -> None:
     """One round's local epochs of a slice of the clients; updates ``w`` (a view of the round's heads)
-    in place."""
+    in place.  ``noise[e][s]``: the feature multipliers of epoch e's step s (augmentation), or None."""
     # Inference mode: the gradient is written out, so autograd's bookkeeping (dispatch, version
     # counters) is pure cost, about 15 % of a step's fixed cost; the kernels are the same.
     with torch.inference_mode():
         adam = Adam(w, config.lr, weight_decay=config.weight_decay)
         gradient = torch.empty_like(w)  # reused at every step (as Adam's buffers and the batches are)
         weighted = y.shape[2] != w.shape[1]  # targets carry the pos_weight factors (see above)
-        for order in orders:
-            for xb, yb in Epoch(x, config.batch_size, order=order).with_targets(y):
+        for epoch, order in enumerate(orders):
+            for step, (xb, yb) in enumerate(Epoch(x, config.batch_size, order=order).with_targets(y)):
+                if noise is not None:  # in the gathered batch (a reused buffer), bias column untouched
+                    xb[:, :, :-1].mul_(noise[epoch][step])
                 logits = logits_of(w, xb)
                 grad = weighted_bce_gradient(logits, yb) if weighted else bce_gradient(logits, yb)
                 adam.step(w, weight_gradient(grad, xb, out=gradient))

@@ -150,6 +150,26 @@ class FeatureAugmenter:
         keep = (torch.rand((self.BANK, dim), generator=generator) < 0.8).float() / 0.8
         self.banks = {"weak": 1 + 0.1 * noise[0], "strong": (1 + 0.2 * noise[1]) * keep}
 
+    def epoch_starts(self, n_clients: int, rows: int, batch_size: int) -> list[tuple[int, int]]:
+        """``(bank offset, batch size)`` of each step of one epoch of ``n_clients`` clients, drawn
+        as :meth:`__call__` draws them: a caller that trains slices of the clients on several
+        threads draws them first, and each slice reads its clients' rows with :meth:`noise`."""
+        sizes = [min(batch_size, rows - start) for start in range(0, rows, batch_size)]
+        if n_clients * max(sizes) > self.BANK:
+            raise ValueError(
+                f"{n_clients * max(sizes)} samples per step exceed the noise bank of {self.BANK} rows"
+            )
+        draws = [
+            int(torch.randint(self.BANK - n_clients * size + 1, (1,), generator=self.generator))
+            for size in sizes
+        ]
+        return list(zip(draws, sizes, strict=True))
+
+    def noise(self, kind: str, start: int, size: int, clients: slice) -> torch.Tensor:
+        """Clients ``clients``' multipliers (``k × size × d``) of the step whose offset is ``start``."""
+        first, stop = clients.start or 0, clients.stop
+        return self.banks[kind][start + first * size : start + stop * size].view(stop - first, size, -1)
+
     def __call__(self, kind: str, x: torch.Tensor) -> torch.Tensor:
         n_clients, rows, width = x.shape
         count = n_clients * rows
