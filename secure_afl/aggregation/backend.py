@@ -27,6 +27,7 @@ import numpy as np
 from secure_afl.keys.identity import IdentityKey
 from secure_afl.keys.roster import Roster
 from secure_afl.privacy.ledger import Ledger
+from secure_afl.privacy.release import Release
 from secure_afl.privacy.policy import ClientPolicy
 from secure_afl.protocol import (
     ckks,  # loads TenSEAL only when a CKKS name is first used
@@ -105,7 +106,7 @@ class ProtectionBackend(Protocol):
         session_id: bytes | None,
         min_group_size: int,
         random: RandomSource | None,
-        input_digest: bytes | None = None,
+        release: Release | None = None,
     ) -> ClientSessionLike: ...
 
     def encode(self, message: object, max_message_bytes: int) -> bytes: ...
@@ -169,7 +170,7 @@ class MaskingBackend:
         return ServerSession(roster, config)
 
     def client_session(  # type: ignore[no-untyped-def]
-        self, client_id, identity, roster, inputs, *, session_id, min_group_size, random, input_digest=None
+        self, client_id, identity, roster, inputs, *, session_id, min_group_size, random, release=None
     ):  # type: ignore[no-untyped-def]
         # The simulator's clients accept what the simulator's server proposes; a client under any
         # other policy keeps that policy's own floors (a deployed client never takes them from the server).
@@ -188,7 +189,7 @@ class MaskingBackend:
             random=random,
             policy=self.client_policy,
             ledger=self.ledgers.get(client_id),
-            input_digest=input_digest,
+            release=release,
         )
 
     def encode(self, message: object, max_message_bytes: int) -> bytes:
@@ -244,7 +245,7 @@ class CkksBackend:
         return ckks.CkksServerSession(roster, config)
 
     def client_session(  # type: ignore[no-untyped-def]
-        self, client_id, identity, roster, inputs, *, session_id, min_group_size, random, input_digest=None
+        self, client_id, identity, roster, inputs, *, session_id, min_group_size, random, release=None
     ):  # type: ignore[no-untyped-def]
         return ckks.CkksClientSession(
             client_id,
@@ -260,7 +261,7 @@ class CkksBackend:
             policy=self.client_policy,
             ledger=self.ledgers.get(client_id),
             random=random,
-            input_digest=input_digest,
+            release=release,
         )
 
     def encode(self, message: object, max_message_bytes: int) -> bytes:

@@ -32,7 +32,6 @@ import numpy as np
 OwnValues = Mapping[tuple[str, str], str]
 
 _VALUE_DOMAIN = b"secure-afl/v1/input-value\x00"
-_INPUT_DOMAIN = b"secure-afl/v1/input\x00"
 
 
 # Mersenne prime exponents: the elimination runs modulo the first 2^e - 1 above the Hadamard bound.
@@ -140,39 +139,25 @@ def exposed_clients(
 
 
 @dataclass(frozen=True, slots=True)
-class GroupRecord:
-    """One group of one session: who survived and which tensors it summed (what the server learned)."""
-
-    name: str
-    survivors: tuple[str, ...]
-    tensors: tuple[str, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class SessionRecord:
-    """What one session revealed, as a client saw it: the groups that carry its tensors, their
-    survivors, and (per group and tensor) a digest of the value this client sent there."""
-
-    session_id: bytes
-    groups: tuple[GroupRecord, ...]
-    own_values: tuple[tuple[str, str, str], ...]  # (group, tensor, hex SHA-256 of the value)
-
-
-@dataclass(frozen=True, slots=True)
 class ExposureFinding:
-    """One tensor whose value, for ``clients``, the sums determine; seen by a client in ``round``."""
+    """One tensor whose value, for ``clients``, the sums determine; seen by a client in ``round``.
+
+    ``colluders`` is empty when the sums alone determine it, else one set of at most c peers whose
+    values, known to the server, complete it (the active model's colluder bound).
+    """
 
     round: str
     tensor: str
     clients: tuple[str, ...]
     groups: tuple[str, ...]  # this session's groups whose sums take part
-    with_history: bool  # True when only the sums of earlier sessions (the ledger) complete it
+    with_history: bool = False  # kept for the audit's records; the ledger no longer adds sums
+    colluders: tuple[str, ...] = ()
 
     def describe(self) -> str:
         where = ", ".join(repr(g) for g in self.groups) or "(none of this session's groups)"
-        history = " together with earlier sessions over the same input" if self.with_history else ""
+        helped = f" once the values of {', '.join(self.colluders)} are known" if self.colluders else ""
         return (
-            f"{self.round}: the sums of {where}{history} determine the individual value of "
+            f"{self.round}: the sums of {where}{helped} determine the individual value of "
             f"{self.tensor!r} for {', '.join(self.clients)}"
         )
 
@@ -186,87 +171,240 @@ def value_digest(values: np.ndarray) -> str:
     return digest.hexdigest()
 
 
-def input_digest(inputs: Mapping[str, Mapping[str, np.ndarray]]) -> bytes:
-    """SHA-256 of a client's whole input (group -> tensor -> array): the key of its ledger history.
-
-    Take it over the statistics *before* any randomisation (DP noise), so that two sessions over
-    the same data share one history.
-    """
-    digest = hashlib.sha256(_INPUT_DOMAIN)
-    for group in sorted(inputs):
-        for tensor in sorted(inputs[group]):
-            for part in (group, tensor, value_digest(inputs[group][tensor])):
-                raw = part.encode("utf-8")
-                digest.update(len(raw).to_bytes(4, "big") + raw)
-    return digest.digest()
-
-
 def client_exposures(
     client_id: str,
     own_values: OwnValues,
     groups: Mapping[str, tuple[Collection[str], Collection[str]]],
     *,
     round_name: str,
-    history: Sequence[SessionRecord] = (),
+    colluders: int = 0,
 ) -> tuple[ExposureFinding, ...]:
-    """What a client sees before it signs (R3) or reveals (R4): every value its tensors' sums determine.
+    """What a client sees before it shares keys (R1), signs (R3) or reveals (R4): the values its
+    tensors' sums determine, with up to ``colluders`` peers' values known to the server.
 
     ``own_values``: (group, tensor) -> digest of this client's value there; the tensors it sends.
-    ``groups``: this session's groups -> (survivors, tensors).  ``history``: earlier sessions over
-    the same input.  Unknowns: this client's own values (by digest, so a value it sends unchanged
-    to several groups is one unknown, and different values are different unknowns); a peer's tensor
-    is one unknown across groups and sessions (the tensor-identity rule, and the conservative
-    assumption that a peer's input did not change between sessions over this client's input).
-    Only tensors this client sends are examined: the others' members check them.
+    ``groups``: this session's groups -> (survivors, tensors).  Unknowns: this client's own values
+    (by digest, so a value it sends unchanged to several groups, *or under several names*, is one
+    unknown, and different values are different unknowns); a peer's tensor is one unknown across
+    groups (the tensor-identity rule).  Tensors that share one of this client's values are examined
+    together.  With ``colluders = 0`` every client the sums determine is reported; with c > 0 this
+    client's own values are tested against every set of at most c colluding peers as well (exact:
+    :func:`isolating_colluders`); the peers test their own.
     """
-    tensors = sorted({tensor for _, tensor in own_values})
     findings = []
-    for tensor in tensors:
+    for component in _components(own_values):
         current = [
-            (name, tuple(survivors))
+            (name, tuple(survivors), tensor)
+            for tensor in component
             for name, (survivors, carried) in sorted(groups.items())
             if tensor in carried and survivors
         ]
-        now = _rows(client_id, tensor, current, own_values)
-        past = [
-            row
-            for record in history
-            for row in _rows(
-                client_id,
-                tensor,
-                [(g.name, g.survivors) for g in record.groups if tensor in g.tensors and g.survivors],
-                {(g, t): d for g, t, d in record.own_values},
-            )
-        ]
-        alone = {var[0] for var in determined(now)}
-        combined = {var[0] for var in determined(now + past)} if past else alone
-        for clients, with_history in ((alone, False), (combined - alone, True)):
-            if not clients:
-                continue
-            involved = tuple(name for name, survivors in current if set(survivors) & clients)
+        rows = _rows(client_id, current, own_values)
+        label = " + ".join(component)
+        alone = determined(rows)
+        exposed = sorted({var[0] for var in alone})
+        if exposed:
             findings.append(
                 ExposureFinding(
                     round=round_name,
-                    tensor=tensor,
-                    clients=tuple(sorted(clients)),
-                    groups=involved or tuple(name for name, _ in current),
-                    with_history=with_history,
+                    tensor=label,
+                    clients=tuple(exposed),
+                    groups=_involved(current, set(exposed)),
                 )
             )
+            continue
+        if colluders <= 0:
+            continue
+        own = sorted({var for row in rows for var in row if var[0] == client_id})
+        for target in own:
+            witness = isolating_colluders(rows, target, client_id, colluders)
+            if witness is not None:
+                findings.append(
+                    ExposureFinding(
+                        round=round_name,
+                        tensor=label,
+                        clients=(client_id,),
+                        groups=_involved(current, {client_id}),
+                        colluders=witness,
+                    )
+                )
+                break
     return tuple(findings)
 
 
+def _components(own_values: OwnValues) -> list[tuple[str, ...]]:
+    """This client's tensors, linked where it sends one value under several names."""
+    parent: dict[str, str] = {}
+
+    def find(x: str) -> str:
+        while parent.setdefault(x, x) != x:
+            x = parent[x]
+        return x
+
+    by_digest: dict[str, str] = {}
+    for (_, tensor), digest in sorted(own_values.items()):
+        find(tensor)
+        if digest in by_digest:
+            parent[find(tensor)] = find(by_digest[digest])
+        else:
+            by_digest[digest] = tensor
+    out: dict[str, list[str]] = {}
+    for tensor in sorted(parent):
+        out.setdefault(find(tensor), []).append(tensor)
+    return [tuple(v) for v in out.values()]
+
+
+def _involved(current: Sequence[tuple[str, tuple[str, ...], str]], clients: set[str]) -> tuple[str, ...]:
+    involved = tuple(dict.fromkeys(name for name, survivors, _ in current if set(survivors) & clients))
+    return involved or tuple(dict.fromkeys(name for name, _, _ in current))
+
+
 def _rows(
-    client_id: str, tensor: str, groups: Sequence[tuple[str, Sequence[str]]], own_values: OwnValues
+    client_id: str, groups: Sequence[tuple[str, Sequence[str], str]], own_values: OwnValues
 ) -> list[set[tuple[str, ...]]]:
     rows = []
-    for group, survivors in groups:
+    for group, survivors, tensor in groups:
         row = set()
         for cid in survivors:
             if cid == client_id:
-                # This client's value in that group (a group it is in always has a digest).
-                row.add((cid, tensor, own_values.get((group, tensor), f"unknown:{group}")))
+                # This client's value in that group, by digest (a group it is in always has one).
+                row.add((cid, own_values.get((group, tensor), f"unknown:{group}/{tensor}")))
             else:
                 row.add((cid, tensor))
         rows.append(row)
     return rows
+
+
+# --- colluders ------------------------------------------------------------------------------------
+
+_SPAN_PRIME = (1 << 31) - 1  # products of two residues fit in int64
+_SPAN_MAX_COLUMNS = 22  # Hadamard: every minor of a 0/1 matrix this wide is below the prime
+_BATCH = 2048
+
+
+def isolating_colluders(
+    rows: Sequence[Collection[tuple[str, ...]]], target: tuple[str, ...], owner: str, budget: int
+) -> tuple[str, ...] | None:
+    """A set of at most ``budget`` peers whose values, known to the server, let the sums over
+    ``rows`` determine ``target``; None when no such set exists.
+
+    Variables are ``(client, ...)`` tuples; a colluding peer makes all its variables known, and
+    known variables leave the sums, so ``target`` is determined iff its column is outside the span
+    of the remaining unknowns' columns.  Exact: peers with identical columns form one type
+    (colluding with only some of a type changes no span), types with more members than ``budget``
+    are never all known, and every maximal choice of the other types within the budget is tested
+    (exposure only grows with the colluders), in batches of exact eliminations modulo 2^31 - 1
+    (above the Hadamard bound of every minor up to 22 columns; wider systems fall back to
+    :func:`determined`).  Cost: one small elimination per maximal choice, at most C(types, budget)
+    of them (bench/bench_exposure.py measures it).
+    """
+    if budget <= 0:
+        return None
+    columns: dict[tuple[str, ...], set[int]] = {}
+    for i, row in enumerate(rows):
+        for var in row:
+            columns.setdefault(var, set()).add(i)
+    if target not in columns:
+        return None
+    by_peer: dict[str, list[tuple[str, ...]]] = {}
+    for var in columns:
+        if var[0] != owner:
+            by_peer.setdefault(var[0], []).append(var)
+    types: dict[tuple, list[str]] = {}
+    for client, variables in sorted(by_peer.items()):
+        key = tuple(sorted((var[1:], tuple(sorted(columns[var]))) for var in variables))
+        types.setdefault(key, []).append(client)
+    removable = [clients for clients in types.values() if len(clients) <= budget]
+    movable = {c for clients in removable for c in clients}
+    fixed = [v for v in columns if v != target and v[0] not in movable]
+    others = [v for v in columns if v[0] in movable]
+    variables = [*fixed, *others, target]
+    base = np.zeros((len(rows), len(variables)), dtype=np.int64)
+    for j, var in enumerate(variables):
+        base[sorted(columns[var]), j] = 1
+    only_fixed = base.copy()
+    only_fixed[:, len(fixed) : len(fixed) + len(others)] = 0
+    if not _outside_span(only_fixed[None], rows, set(others), target)[0]:
+        return None  # the values no colluder set can make known already hide the target
+    choices = _maximal_choices([len(c) for c in removable], budget)
+    position = {var: j for j, var in enumerate(variables)}
+    for start in range(0, len(choices), _BATCH):
+        batch_choices = choices[start : start + _BATCH]
+        batch = np.repeat(base[None], len(batch_choices), axis=0)
+        known_sets = []
+        for b, choice in enumerate(batch_choices):
+            known = {c for k in choice for c in removable[k]}
+            gone = {var for var in others if var[0] in known}
+            batch[b][:, [position[var] for var in gone]] = 0
+            known_sets.append(gone)
+        outside = _outside_span(batch, rows, known_sets, target)
+        hits = np.flatnonzero(outside)
+        if hits.size:
+            return tuple(sorted(c for k in batch_choices[int(hits[0])] for c in removable[k]))
+    return None
+
+
+def _maximal_choices(sizes: Sequence[int], budget: int) -> list[tuple[int, ...]]:
+    """Every set of type indices whose sizes sum to at most ``budget`` and to which no further
+    type fits."""
+    out: list[tuple[int, ...]] = []
+
+    def extend(chosen: tuple[int, ...], next_at: int, left: int) -> None:
+        for k in range(next_at, len(sizes)):
+            if sizes[k] <= left:
+                extend((*chosen, k), k + 1, left - sizes[k])
+        if all(sizes[k] > left for k in range(len(sizes)) if k not in chosen):
+            out.append(chosen)
+
+    extend((), 0, budget)
+    return out
+
+
+def _outside_span(
+    matrices: np.ndarray,
+    rows: Sequence[Collection[tuple[str, ...]]],
+    known: set | Sequence[set],
+    target: tuple[str, ...],
+) -> np.ndarray:
+    """Per matrix of a batch (B, rows, columns): whether its last column is outside the span of the
+    others, by row echelon elimination modulo 2^31 - 1 in column order.  ``rows``/``known`` (the
+    variables zeroed in each matrix, or one set for all) serve the exact fallback for wide systems."""
+    batch, n_rows, width = matrices.shape
+    if min(n_rows, width) > _SPAN_MAX_COLUMNS:
+        sets = [known] * batch if isinstance(known, set) else list(known)
+        return np.array([target in determined([set(row) - gone for row in rows]) for gone in sets])
+    m = matrices % _SPAN_PRIME
+    rank = np.zeros(batch, dtype=np.int64)
+    row_ids = np.arange(n_rows)
+    for j in range(width - 1):
+        candidates = (m[:, :, j] != 0) & (row_ids[None, :] >= rank[:, None])
+        has = candidates.any(axis=1)
+        if not has.any():
+            continue
+        b = np.flatnonzero(has)
+        pivot = np.argmax(candidates[b], axis=1)
+        r = rank[b]
+        pivot_rows = m[b, pivot, :].copy()
+        m[b, pivot, :] = m[b, r, :]
+        m[b, r, :] = pivot_rows
+        inverse = _inverse_mod(pivot_rows[:, j])
+        pivot_rows = (pivot_rows * inverse[:, None]) % _SPAN_PRIME
+        m[b, r, :] = pivot_rows
+        below = (row_ids[None, :] > r[:, None]).astype(np.int64)
+        factors = (m[b, :, j] * below) % _SPAN_PRIME
+        m[b] = (m[b] - (factors[:, :, None] * pivot_rows[:, None, :]) % _SPAN_PRIME) % _SPAN_PRIME
+        rank[b] += 1
+    last = m[:, :, width - 1]
+    return ((last != 0) & (row_ids[None, :] >= rank[:, None])).any(axis=1)
+
+
+def _inverse_mod(values: np.ndarray) -> np.ndarray:
+    result = np.ones_like(values)
+    base = values % _SPAN_PRIME
+    exponent = _SPAN_PRIME - 2
+    while exponent:
+        if exponent & 1:
+            result = (result * base) % _SPAN_PRIME
+        base = (base * base) % _SPAN_PRIME
+        exponent >>= 1
+    return result

@@ -1,31 +1,31 @@
-"""The session ledger: what a client's earlier sessions over the same input revealed.
+"""The client's ledger: which values it released, and which message it answered in each round.
 
-A server that runs two sessions over the same inputs (one with client c0, one without it) learns
-c0's value as the difference of the two sums, although each session alone hides it.  So a client
-keeps, per input (a digest of its statistics before any randomisation, see
-:func:`~secure_afl.privacy.exposure.input_digest`), the groups and survivor sets of every session in
-which it signed a survivor set, and before signing (R3) or revealing (R4) in a new session it runs
-the rank test over the old and the new sums together (:func:`~secure_afl.privacy.exposure.client_exposures`).
+Two rules a client keeps across sessions and across restarts (SECURITY.md, "One contribution per
+value, one answer per round"):
 
-What a client assumes about its peers: that their inputs did not change between sessions over
-*its* input (the conservative assumption; protocol v1 has no way for a peer to sign that its input
-is new).  A new input of its own (new data) starts a new history: the assumption is then dropped.
+- **One contribution per value.**  A value (by content, :mod:`secure_afl.privacy.release`) is
+  released in at most one completed session: the session in which the client signed the survivor
+  set (masking R3) or uploaded its ciphertexts (CKKS R2).  A later session asking for a released
+  value, a part of one, or a statistic of a released source is refused in R0, before any key leaves
+  the client.  A session that ends before that point spends nothing.
+- **One answer per round.**  Before a client replies to a round of a session it records the digest
+  of the message it answers; a different message for that round (a forked or rebuilt client state
+  shown two survivor sets) is refused, and so is a second survivor set for one session id.
 
-Two stores, one interface (:class:`Ledger`):
+Two stores, one interface (:class:`Ledger`): :class:`MemoryLedger` (the simulator's, tests) and
+:class:`FileLedger`: one signed JSON file per client, updated under an exclusive lock (load, check,
+change, write to a temporary file, fsync, rename, fsync the directory; mode 0600), **signed with the
+client's Ed25519 identity key**, so that a file modified outside secure-afl is refused
+(:class:`LedgerTamperedError`).  Beside it a generation marker: a ledger that was used and is now
+missing, or older than the last one written (restored from a backup), is refused
+(:class:`LedgerMissingError`) until an operator resets it explicitly (:meth:`FileLedger.reset`,
+``secure-afl keys ledger reset``), which archives the old file and logs the reset.
 
-- :class:`MemoryLedger`: in memory, for the simulator and tests.
-- :class:`FileLedger`: one small JSON file per client in a directory the institution chooses,
-  written atomically (temporary file, fsync, rename, fsync of the directory; mode 0600), locked
-  during check-and-record so that two sessions of one client cannot both pass the check before
-  either is recorded, and **signed with the client's Ed25519 identity key**.  It refuses to load a
-  file whose signature does not verify (:class:`LedgerTamperedError`) or that cannot be read or
-  parsed (:class:`LedgerUnreadableError`).  A signature rather than a digest chain because whoever
-  can write the directory can recompute a chain; a signature rather than an HMAC because an auditor
-  can then check the file with the roster's public key alone.
-
-Limits (see SECURITY.md): a missing file is an empty history (first use), so an institution that
-deletes its ledger, or restores an older signed copy, loses the protection for the sessions it no
-longer lists; the identity key signs the ledger, so whoever holds that key can rewrite it.
+Hygiene: a session's record holds only what the rules need (the ids of the values this client
+sends, their anchors, the survivor set it signed, one digest per round answered) and is capped at
+:data:`MAX_SESSION_RECORD_BYTES`; sessions that released nothing are kept for their answers, at most
+:data:`MAX_OPEN_SESSIONS` of them (the oldest go first).  A change that would take the ledger past
+its cap refuses that session (:class:`LedgerFullError`) and leaves the file as it was.
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ import contextlib
 import fcntl
 import json
 import os
+import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -43,62 +44,154 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from secure_afl.keys.identity import IdentityKey
-from secure_afl.privacy.exposure import GroupRecord, SessionRecord, input_digest
-from secure_afl.protocol.errors import LedgerTamperedError, LedgerUnreadableError
+from secure_afl.protocol.errors import (
+    LedgerFullError,
+    LedgerMissingError,
+    LedgerTamperedError,
+    LedgerUnreadableError,
+)
 
-FORMAT = "secure-afl-ledger/v1"
-_SIGNATURE_DOMAIN = b"secure-afl/v1/session-ledger\x00"
+FORMAT = "secure-afl-ledger/v2"
+_SIGNATURE_DOMAIN = b"secure-afl/v2/client-ledger\x00"
 MAX_LEDGER_BYTES = 64 << 20  # refuse to parse anything larger
-
-Check = Callable[[tuple[SessionRecord, ...]], None]
+MAX_SESSION_RECORD_BYTES = 256 << 10  # one session's record: a 100-class DP layout needs about 30 KB
+MAX_OPEN_SESSIONS = 64  # sessions that released nothing, kept for their one-answer records
 
 __all__ = [
     "FileLedger",
     "Ledger",
     "LedgerOwner",
+    "LedgerState",
     "MemoryLedger",
-    "input_digest",
+    "SessionEntry",
 ]
 
 
 @dataclass(frozen=True)
 class LedgerOwner:
-    """The client whose history it is, and the identity key that signs it."""
+    """The client whose ledger it is, and the identity key that signs it."""
 
     client_id: str
     identity: IdentityKey
 
 
+@dataclass
+class SessionEntry:
+    """What one session holds in the ledger."""
+
+    answers: dict[str, str] = field(default_factory=dict)  # round -> hex SHA-256 of the message answered
+    survivors: tuple[str, ...] | None = None  # the survivor set signed (the release point), if reached
+    released: tuple[str, ...] = ()  # value and source ids spent in it
+    anchors: tuple[str, ...] = ()  # prefix/suffix anchors of those values
+
+    def to_json(self) -> dict:
+        return {
+            "answers": dict(sorted(self.answers.items())),
+            "survivors": None if self.survivors is None else list(self.survivors),
+            "released": list(self.released),
+            "anchors": list(self.anchors),
+        }
+
+    @classmethod
+    def from_json(cls, item: dict) -> SessionEntry:
+        answers = item["answers"]
+        if not isinstance(answers, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in answers.items()
+        ):
+            raise ValueError("answers must map rounds to digests")
+        survivors = item["survivors"]
+        return cls(
+            answers=dict(answers),
+            survivors=None if survivors is None else _strings(survivors),
+            released=_strings(item["released"]),
+            anchors=_strings(item["anchors"]),
+        )
+
+
+@dataclass
+class LedgerState:
+    """A client's whole ledger: its sessions, oldest first, and a generation counter."""
+
+    sessions: dict[str, SessionEntry] = field(default_factory=dict)  # hex session id -> entry
+    generation: int = 0
+
+    def released_in(self, session_id: bytes) -> tuple[dict[str, str], dict[str, str]]:
+        """(id -> session, anchor -> session) over every *other* session that released something."""
+        own = session_id.hex()
+        ids: dict[str, str] = {}
+        anchors: dict[str, str] = {}
+        for sid, entry in self.sessions.items():
+            if sid == own or entry.survivors is None:
+                continue
+            ids.update(dict.fromkeys(entry.released, sid))
+            anchors.update(dict.fromkeys(entry.anchors, sid))
+        return ids, anchors
+
+    def entry(self, session_id: bytes) -> SessionEntry:
+        return self.sessions.setdefault(session_id.hex(), SessionEntry())
+
+    def copy(self) -> LedgerState:
+        return LedgerState(
+            {
+                sid: SessionEntry(dict(e.answers), e.survivors, e.released, e.anchors)
+                for sid, e in self.sessions.items()
+            },
+            self.generation,
+        )
+
+
+Change = Callable[[LedgerState], None]
+
+
 class Ledger(Protocol):
-    """Where a client keeps the sessions it took part in, per input digest."""
+    """Where a client keeps its releases and answers."""
 
-    def history(self, owner: LedgerOwner, input_digest: bytes) -> tuple[SessionRecord, ...]:
-        """Every recorded session over this input (raises ``LedgerError`` when unusable)."""
+    def load(self, owner: LedgerOwner) -> LedgerState:
+        """A snapshot (raises ``LedgerError`` when the ledger cannot be used)."""
         ...
 
-    def check_and_record(
-        self, owner: LedgerOwner, input_digest: bytes, record: SessionRecord, check: Check
-    ) -> None:
-        """Atomically: run ``check`` on the history (it raises to refuse), then append ``record``."""
+    def update(self, owner: LedgerOwner, change: Change) -> None:
+        """Atomically: load, apply ``change`` (it raises to refuse, leaving the ledger unchanged),
+        enforce the caps, store."""
         ...
+
+
+def _session_bytes(entry: SessionEntry) -> int:
+    return len(json.dumps(entry.to_json(), separators=(",", ":")))
+
+
+def _apply(state: LedgerState, change: Change, owner: LedgerOwner) -> LedgerState | None:
+    """``change`` on a copy of ``state``, with the caps; the new state, or None when unchanged."""
+    new = state.copy()
+    change(new)
+    if new.sessions == state.sessions:
+        return None
+    for sid, entry in new.sessions.items():
+        if state.sessions.get(sid) != entry and _session_bytes(entry) > MAX_SESSION_RECORD_BYTES:
+            raise LedgerFullError(
+                f"the record of session {sid[:16]}... would exceed {MAX_SESSION_RECORD_BYTES} bytes in "
+                f"{owner.client_id}'s ledger: the session is refused (the ledger is unchanged)"
+            )
+    open_sessions = [sid for sid, e in new.sessions.items() if e.survivors is None]
+    for sid in open_sessions[: max(0, len(open_sessions) - MAX_OPEN_SESSIONS)]:
+        del new.sessions[sid]  # the oldest sessions that released nothing
+    new.generation = state.generation + 1
+    return new
 
 
 class MemoryLedger:
-    """An in-memory ledger (the simulator's; lost when the process ends)."""
+    """An in-memory ledger (the simulator's and tests'; lost when the process ends)."""
 
     def __init__(self) -> None:
-        self._records: dict[tuple[str, bytes], list[SessionRecord]] = {}
+        self._states: dict[str, LedgerState] = {}
 
-    def history(self, owner: LedgerOwner, input_digest: bytes) -> tuple[SessionRecord, ...]:
-        return tuple(self._records.get((owner.client_id, input_digest), ()))
+    def load(self, owner: LedgerOwner) -> LedgerState:
+        return self._states.get(owner.client_id, LedgerState()).copy()
 
-    def check_and_record(
-        self, owner: LedgerOwner, input_digest: bytes, record: SessionRecord, check: Check
-    ) -> None:
-        records = self._records.setdefault((owner.client_id, input_digest), [])
-        check(tuple(records))
-        if record not in records:
-            records.append(record)
+    def update(self, owner: LedgerOwner, change: Change) -> None:
+        new = _apply(self._states.get(owner.client_id, LedgerState()), change, owner)
+        if new is not None:
+            self._states[owner.client_id] = new
 
 
 class FileLedger:
@@ -110,19 +203,46 @@ class FileLedger:
     def path(self, client_id: str) -> Path:
         return self.directory / f"{client_id}.ledger.json"
 
-    def history(self, owner: LedgerOwner, input_digest: bytes) -> tuple[SessionRecord, ...]:
-        return tuple(self._load(owner).get(input_digest.hex(), ()))
+    def marker(self, client_id: str) -> Path:
+        """The generation of the last ledger written (a deleted or restored ledger is then noticed)."""
+        return self.directory / f"{client_id}.ledger.generation"
 
-    def check_and_record(
-        self, owner: LedgerOwner, input_digest: bytes, record: SessionRecord, check: Check
-    ) -> None:
+    def load(self, owner: LedgerOwner) -> LedgerState:
+        return self._load(owner)
+
+    def update(self, owner: LedgerOwner, change: Change) -> None:
         with self._locked(owner):
-            inputs = self._load(owner)
-            records = inputs.setdefault(input_digest.hex(), [])
-            check(tuple(records))
-            if record not in records:
-                records.append(record)
-                self._write(owner, inputs)
+            state = self._load(owner)
+            new = _apply(state, change, owner)
+            if new is None:
+                return
+            self._write(owner, new)
+
+    def reset(self, client_id: str, reason: str) -> Path | None:
+        """Start an empty history: archive the ledger (if any) beside it, drop the marker, log it.
+
+        Returns the archive's path.  The operator's decision, never the client's: a reset forgets
+        which values were released, so the server may obtain a second sum of them.
+        """
+        if not reason.strip():
+            raise ValueError("a ledger reset needs a reason (it is logged)")
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        archived = None
+        path = self.path(client_id)
+        if path.exists():
+            archived = path.with_name(f"{path.name}.reset-{stamp}")
+            os.replace(path, archived)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.marker(client_id))
+        line = json.dumps(
+            {"time": stamp, "client_id": client_id, "archived": str(archived), "reason": reason}
+        )
+        with open(self.directory / "ledger-resets.log", "a", encoding="utf-8") as log:
+            log.write(line + "\n")
+            log.flush()
+            os.fsync(log.fileno())
+        return archived
 
     # --- file format ------------------------------------------------------------------------------
 
@@ -139,13 +259,34 @@ class FileLedger:
         finally:
             os.close(handle)  # closing releases the lock
 
-    def _load(self, owner: LedgerOwner) -> dict[str, list[SessionRecord]]:
+    def _marked_generation(self, client_id: str) -> int | None:
+        try:
+            return int(self.marker(client_id).read_text(encoding="ascii").strip())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:
+            raise LedgerUnreadableError(
+                f"cannot read the ledger marker {self.marker(client_id)}: {exc}"
+            ) from exc
+
+    def _load(self, owner: LedgerOwner) -> LedgerState:
         path = self.path(owner.client_id)
+        marked = self._marked_generation(owner.client_id)
+        reset = (
+            f"if you know why, archive it and start an empty history with `secure-afl keys ledger reset "
+            f"--ledger-dir {self.directory} --client-id {owner.client_id} --reason ...` (logged; the server "
+            f"may then obtain a second sum of values already released)"
+        )
         try:
             with open(path, "rb") as handle:
                 raw = handle.read(MAX_LEDGER_BYTES + 1)
         except FileNotFoundError:
-            return {}  # first use (or a deleted ledger: SECURITY.md says what that costs)
+            if marked is not None:
+                raise LedgerMissingError(
+                    f"the ledger {path} is missing although generation {marked} was written: restore it "
+                    f"from a backup; {reset}"
+                ) from None
+            return LedgerState()  # first use
         except OSError as exc:
             raise LedgerUnreadableError(f"cannot read the ledger {path}: {exc}") from exc
         if len(raw) > MAX_LEDGER_BYTES:
@@ -157,8 +298,7 @@ class FileLedger:
                 raise ValueError(f"format {document.get('format')!r}, expected {FORMAT!r}")
         except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise LedgerUnreadableError(
-                f"the ledger {path} is not a {FORMAT} file ({exc}); restore it from a backup or move it "
-                f"away to start an empty history (which gives up the protection of the sessions it lists)"
+                f"the ledger {path} is not a {FORMAT} file ({exc}); restore it from a backup, or {reset}"
             ) from exc
         if document.get("client_id") != owner.client_id:
             raise LedgerTamperedError(f"the ledger {path} belongs to {document.get('client_id')!r}")
@@ -172,74 +312,67 @@ class FileLedger:
                 f"outside secure-afl. Restore it from a backup; do not delete it to go on"
             ) from None
         try:
-            return {
-                digest: [_record_from_json(item) for item in items]
-                for digest, items in document["inputs"].items()
-            }
+            state = LedgerState(
+                {sid: SessionEntry.from_json(item) for sid, item in document["sessions"].items()},
+                int(document["generation"]),
+            )
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise LedgerUnreadableError(f"the ledger {path} has a malformed record: {exc}") from exc
+        if marked is not None and state.generation < marked:
+            raise LedgerMissingError(
+                f"the ledger {path} is generation {state.generation}, older than generation {marked} "
+                f"written last (restored from an old backup?): restore the newest copy; {reset}"
+            )
+        return state
 
-    def _write(self, owner: LedgerOwner, inputs: dict[str, list[SessionRecord]]) -> None:
+    def _write(self, owner: LedgerOwner, state: LedgerState) -> None:
         document = {
             "format": FORMAT,
             "client_id": owner.client_id,
             "public_key": owner.identity.public_key.hex(),
-            "inputs": {digest: [_record_to_json(r) for r in records] for digest, records in inputs.items()},
+            "generation": state.generation,
+            "sessions": {sid: entry.to_json() for sid, entry in state.sessions.items()},
         }
         signature = owner.identity.private_key.sign(_SIGNATURE_DOMAIN + _canonical(document))
         data = json.dumps({**document, "signature": signature.hex()}, indent=1, sort_keys=True).encode()
+        if len(data) > MAX_LEDGER_BYTES:
+            raise LedgerFullError(
+                f"{owner.client_id}'s ledger would exceed {MAX_LEDGER_BYTES} bytes: this session is refused "
+                f"(the ledger is unchanged)"
+            )
         path = self.path(owner.client_id)
-        temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         try:
-            handle = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                with os.fdopen(handle, "wb") as out:
-                    out.write(data)
-                    out.flush()
-                    os.fsync(out.fileno())
-                os.replace(temporary, path)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(temporary)
-                raise
-            directory = os.open(self.directory, os.O_RDONLY)
-            try:
-                os.fsync(directory)
-            finally:
-                os.close(directory)
+            _write_atomically(path, data)
+            _write_atomically(self.marker(owner.client_id), f"{state.generation}\n".encode())
         except OSError as exc:
             raise LedgerUnreadableError(f"cannot write the ledger {path}: {exc}") from exc
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    handle = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(handle, "wb") as out:
+            out.write(data)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
 
 
 def _canonical(document: dict) -> bytes:
     return json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
 
 
-def _record_to_json(record: SessionRecord) -> dict:
-    return {
-        "session_id": record.session_id.hex(),
-        "groups": [
-            {"name": g.name, "survivors": list(g.survivors), "tensors": list(g.tensors)}
-            for g in record.groups
-        ],
-        "own_values": [list(item) for item in record.own_values],
-    }
-
-
-def _record_from_json(item: dict) -> SessionRecord:
-    def strings(values: object) -> tuple[str, ...]:
-        if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
-            raise ValueError("expected a list of strings")
-        return tuple(values)
-
-    own = item["own_values"]
-    if not isinstance(own, list):
-        raise ValueError("own_values must be a list")
-    return SessionRecord(
-        session_id=bytes.fromhex(item["session_id"]),
-        groups=tuple(
-            GroupRecord(str(g["name"]), strings(g["survivors"]), strings(g["tensors"]))
-            for g in item["groups"]
-        ),
-        own_values=tuple(tuple(strings(v)) for v in own),  # type: ignore[misc]
-    )
+def _strings(values: object) -> tuple[str, ...]:
+    if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+        raise ValueError("expected a list of strings")
+    return tuple(values)

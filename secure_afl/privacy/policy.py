@@ -4,8 +4,9 @@ The policy is the client's setting, never the server's: a server cannot lower it
 propose a session that the client then refuses.  Two presets:
 
 ``ClientPolicy.deployment()`` (a hospital in a real federation; the server is the party we do not
-trust): refuse any session whose sums would determine one client's value (the exposure check, with
-the ledger of earlier sessions); minimum group size >= 2; threshold t >= floor(2n/3) + 1, the bound
+trust): release each value in at most one completed session and answer each round once (the
+ledger); refuse any session whose sums would determine one client's value with up to c = n - t
+peers colluding (the exposure check); minimum group size >= 2; threshold t >= floor(2n/3) + 1, the bound
 under which Bonawitz et al. prove security against an *active* server colluding with fewer than n/3
 clients (below it a server that shows two halves of the clients different survivor sets, with a
 few colluders signing both, rebuilds both secrets of a target; see SECURITY.md).
@@ -57,6 +58,12 @@ class ClientPolicy:
     max_config_bytes: int = DEFAULT_MAX_CONFIG_BYTES
     max_groups: int = DEFAULT_MAX_GROUPS
     max_layout_tensors: int = DEFAULT_MAX_LAYOUT_TENSORS
+    # One contribution per value and one answer per round (the ledger's two rules, SECURITY.md).
+    one_contribution: bool = False
+    # The exposure check assumes up to c = n - t peers collude with the server (their values known),
+    # or at most ``max_colluders`` of them where the institution sets a lower bound of its own.
+    assume_colluders: bool = False
+    max_colluders: int | None = None
 
     def __post_init__(self) -> None:
         if self.min_group_size < 1:
@@ -65,14 +72,24 @@ class ClientPolicy:
             raise ValueError(
                 f"threshold_rule must be 'majority' or 'two-thirds', got {self.threshold_rule!r}"
             )
+        if self.max_colluders is not None and self.max_colluders < 0:
+            raise ValueError(f"max_colluders must be 0 or more, got {self.max_colluders}")
         for name in ("max_config_bytes", "max_groups", "max_layout_tensors"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive")
 
     @classmethod
     def deployment(cls) -> ClientPolicy:
-        """Refuse exposure; min group size 2; t >= floor(2n/3) + 1 (defends against an active server)."""
-        return cls(name="deployment", refuse_exposure=True, min_group_size=2, threshold_rule="two-thirds")
+        """Refuse exposure (with up to n - t colluders); min group size 2; t >= floor(2n/3) + 1; one
+        contribution per value and one answer per round (defends against an active server)."""
+        return cls(
+            name="deployment",
+            refuse_exposure=True,
+            min_group_size=2,
+            threshold_rule="two-thirds",
+            one_contribution=True,
+            assume_colluders=True,
+        )
 
     @classmethod
     def simulator(cls) -> ClientPolicy:
@@ -87,6 +104,13 @@ class ClientPolicy:
         if name == "simulator":
             return cls.simulator()
         raise ValueError(f"unknown client policy {name!r}: use 'deployment' or 'simulator'")
+
+    def colluders(self, n_clients: int, threshold: int) -> int:
+        """How many peers the exposure check assumes collude: c = n - t (capped by ``max_colluders``)."""
+        if not self.assume_colluders:
+            return 0
+        bound = max(0, n_clients - threshold)
+        return bound if self.max_colluders is None else min(bound, self.max_colluders)
 
     def min_threshold(self, n_clients: int) -> int:
         """The lowest threshold t this client accepts in a federation of ``n_clients``."""
@@ -131,11 +155,14 @@ def layout_refusals(
     applied to a layout before any data moves (the session's threshold is taken to meet the
     policy's floor): in R1 a group of its own with fewer members than the minimum group size, and
     (when the policy refuses exposure) a layout whose sums isolate a client with everyone alive;
-    in R3 the same exposure check over ``survivors`` (when given).  Clients send the same value of
-    a tensor to all their groups (the tensor-identity rule).  Empty when the policy accepts it.
+    in R3 the same exposure check over ``survivors`` (when given), both with the policy's colluders
+    (c = n - t at the policy's threshold floor).  Clients send the same value of a tensor to all
+    their groups (the tensor-identity rule).  Empty when the policy accepts it.
     """
     out = []
-    for client in sorted({c for group in members.values() for c in group}):
+    everyone = sorted({c for group in members.values() for c in group})
+    colluders = policy.colluders(len(everyone), policy.min_threshold(len(everyone)))
+    for client in everyone:
         own = {group for group, ids in members.items() if client in ids}
         small = sorted(g for g in own if len(members[g]) < policy.min_group_size)
         if small:
@@ -149,13 +176,13 @@ def layout_refusals(
             continue
         if not policy.refuse_exposure:
             continue
-        own_values = {(g, t): "same value" for g in own for t in tensors[g]}
+        own_values = {(g, t): f"the value of {t}" for g in own for t in tensors[g]}
         own_tensors = {t for _, t in own_values}
         relevant = {g: tuple(tensors[g]) for g in members if own_tensors & set(tensors[g])}
         stages = [("R1", members)] + ([("R3", survivors)] if survivors is not None else [])
         for round_name, alive in stages:
             view = {g: (tuple(alive.get(g, ())), relevant[g]) for g in relevant}
-            findings = client_exposures(client, own_values, view, round_name=round_name)
+            findings = client_exposures(client, own_values, view, round_name=round_name, colluders=colluders)
             if findings:
                 out.append(LayoutRefusal(client, round_name, "; ".join(f.describe() for f in findings)))
                 break

@@ -8,13 +8,17 @@ The client defends itself against the server (the party we do not trust), by its
 :class:`~secure_afl.privacy.policy.ClientPolicy`, never by anything the server sends:
 
 - R0: threshold and minimum group size not below its floors; the config within its size limits.
+- R0 (deployment policy): one contribution per value: a value already released in another
+  completed session (by content, :mod:`secure_afl.privacy.release`) is refused before any key leaves.
+- Every round (deployment policy): one answer per round: the digest of the message answered is
+  recorded in the ledger before the reply leaves; a different message for that round is refused.
 - R1 (deployment policy), R3 and R4: the exposure check
-  (:func:`~secure_afl.privacy.exposure.client_exposures`): would the sums over the survivors, with
-  those of earlier sessions over the same input (the ledger), determine one client's value?  The
+  (:func:`~secure_afl.privacy.exposure.client_exposures`): would the sums over the survivors
+  determine one client's value, with up to c = n - t colluding peers' values known?  The
   deployment policy refuses (:class:`ExposureRefusedError`); the simulator policy goes on and
   records the finding in :attr:`ClientSession.exposure_findings`.
-- R3: the session is recorded in the ledger before the signature leaves the client; the server
-  can obtain the sums from then on.
+- R3: the release (and the survivor set signed) is recorded in the ledger before the signature
+  leaves the client; the server can obtain the sums from then on.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from secure_afl.keys.identity import IdentityKey
 from secure_afl.keys.roster import Roster
 from secure_afl.privacy import exposure
 from secure_afl.privacy.policy import ClientPolicy
+from secure_afl.privacy.release import Release
 
 from . import binding, codec, crypto, encoding, prg, shamir
 from .errors import (
@@ -50,7 +55,7 @@ from .errors import (
     SurvivorsBelowThresholdError,
     UnknownParticipantError,
 )
-from .exposure_gate import ExposureGate
+from .exposure_gate import ExposureGate, message_digest
 from .messages import (
     AdvertiseKeys,
     AdvertiseRequest,
@@ -196,11 +201,11 @@ class ClientSession:
     its threshold floor (``policy.min_threshold(len(roster))``), its minimum group size, and
     whether it refuses a session whose sums would determine one client's value.
     ``min_threshold`` and ``min_group_size``, when given, replace the policy's floors (a server
-    that proposes less is refused).  ``ledger`` keeps the sessions over this input (see
-    :mod:`secure_afl.privacy.ledger`); ``input_digest`` is the key of this input's history, by
-    default :func:`~secure_afl.privacy.exposure.input_digest` of ``inputs`` (pass the digest of the
-    statistics before randomisation when the inputs carry fresh noise).  ``session_id``, when
-    given, pins the session this client expects.
+    that proposes less is refused).  ``ledger`` keeps this client's releases and answers (see
+    :mod:`secure_afl.privacy.ledger`); ``release`` names what the session releases, by default
+    :meth:`Release.of(inputs) <secure_afl.privacy.release.Release.of>` (pass the release of the
+    statistics before randomisation when the inputs carry fresh noise, with source ids).
+    ``session_id``, when given, pins the session this client expects.
     """
 
     def __init__(
@@ -216,7 +221,7 @@ class ClientSession:
         random: RandomSource | None = None,
         policy: ClientPolicy | None = None,
         ledger: Ledger | None = None,
-        input_digest: bytes | None = None,
+        release: Release | None = None,
     ) -> None:
         if client_id not in roster:
             raise LocalProtocolError(f"client {client_id!r} is not in the roster")
@@ -244,7 +249,7 @@ class ClientSession:
         self._min_group_size = min_group_size
         self._expected_session_id = session_id
         self._random = default_random(random)
-        self._gate = ExposureGate(client_id, identity_key, self._inputs, policy, ledger, input_digest)
+        self._gate = ExposureGate(client_id, identity_key, self._inputs, policy, ledger, release)
         self._state = ClientState.AWAIT_ADVERTISE_REQUEST
         self._limits: dict[type, int] = {}
         self._clear_session()
@@ -264,9 +269,9 @@ class ClientSession:
         return self._policy
 
     @property
-    def input_digest(self) -> bytes:
-        """The key of this input's history in the ledger."""
-        return self._gate.input_digest
+    def release(self) -> Release:
+        """What this client releases in the session (the one-contribution rule's unit)."""
+        return self._gate.release
 
     @property
     def exposure_findings(self) -> tuple[exposure.ExposureFinding, ...]:
@@ -327,12 +332,20 @@ class ClientSession:
         if type(message) not in _SERVER_MESSAGES:
             self._fail()
             raise OutOfOrderMessageError(f"the server sent a client message ({type(message).__name__})")
-        return [
-            codec.encode(reply, max_message_bytes=self.reply_limit(reply)) for reply in self.receive(message)
-        ]
+        replies = self._receive(message, message_digest(data))
+        return [codec.encode(reply, max_message_bytes=self.reply_limit(reply)) for reply in replies]
 
     def receive(self, message: object) -> list[ClientMessage]:
         """Handle one server message and return the replies to send to the server."""
+        if type(message) not in _SERVER_MESSAGES:
+            raise LocalProtocolError(f"not a server message: {type(message).__name__}")
+        try:
+            data = codec.encode(message)  # type: ignore[arg-type]
+        except ProtocolError:  # a message no codec would carry: the checks below refuse it anyway
+            data = repr(message).encode()
+        return self._receive(message, message_digest(data))
+
+    def _receive(self, message: object, digest: str) -> list[ClientMessage]:
         if self._state in (ClientState.FAILED, ClientState.DONE):
             raise LocalProtocolError(f"the session is over (state {self._state.name}); start a new one")
         expected, next_state = CLIENT_TRANSITIONS[self._state]
@@ -351,6 +364,8 @@ class ClientSession:
                     f"{type(message).__name__} received while awaiting {expected.__name__}"
                 )
             reply, commit = handlers[type(message)](message)  # type: ignore[operator]
+            # One answer per round: recorded (durably, with a file ledger) before the reply leaves.
+            self._gate.answer(self._message_session(message), _ROUND_OF[type(message)], digest)
         except LocalProtocolError:
             raise  # local misuse: nothing was sent, nothing changed
         except ProtocolError:
@@ -385,6 +400,8 @@ class ClientSession:
                 f"threshold {config.threshold} is below this client's minimum {self._min_threshold}"
             )
         check_session_fits_inputs(config.groups, config.min_group_size, self._min_group_size, self._inputs)
+        # One contribution per value: refuse before any key leaves this client.
+        self._gate.start(config.session_id)
         limits = codec.message_limits(config, len(self._roster), groups=self._inputs)
         own_tensors = {name for tensors in self._inputs.values() for name in tensors}
         # The groups whose sums matter to this client's check: those carrying a tensor it sends.
@@ -485,7 +502,7 @@ class ClientSession:
         self._check_group_sizes(members, set(adverts), own_groups_only=True)
         if self._policy.refuse_exposure:
             # Refuse a layout that isolates a client even if everyone survives, before any share exists.
-            self._exposure_gate("R1", "share keys (R1)", members, set(adverts), record=False)
+            self._exposure_gate("R1", "share keys (R1)", members, set(adverts))
         # The group sizes are known now: refuse inputs that would overflow before sharing anything,
         # so an overflow never strands this client after its shares are out (R2 checks again).
         for group in sorted(self._inputs):
@@ -617,8 +634,10 @@ class ClientSession:
         reply = ConsistencyResponse(
             config.session_id, self.client_id, crypto.sign(self._identity.private_key, domain, *fields)
         )
-        # Last, once the reply is built: check (with the ledger's history) and record this session.
-        findings = self._exposure_gate("R3", "sign the survivor set (R3)", self._members, set(survivors))
+        # Last, once the reply is built: the check with colluders, and the release recorded.
+        findings = self._exposure_gate(
+            "R3", "sign the survivor set (R3)", self._members, set(survivors), release=True
+        )
 
         def commit() -> None:
             self._survivors = frozenset(survivors)
@@ -673,7 +692,7 @@ class ClientSession:
                 f"{len(signers)} consistency signatures, fewer than the threshold {config.threshold}"
             )
         self._check_group_sizes(self._members, survivors, own_groups_only=False)
-        # Again before revealing: other sessions over this input may have been recorded since R3.
+        # Again before revealing (the same survivors: a cheap guard against a changed policy or layout).
         findings = self._exposure_gate("R4", "reveal shares (R4)", self._members, survivors)
         reply = UnmaskResponse(
             config.session_id,
@@ -727,15 +746,29 @@ class ClientSession:
         members: Mapping[str, tuple[str, ...]],
         live: set[str] | frozenset[str],
         *,
-        record: bool = True,
+        release: bool = False,
     ) -> tuple[exposure.ExposureFinding, ...]:
-        """The exposure check over this session's sums and the ledger's (:class:`ExposureGate`)."""
+        """The exposure check over this session's sums, with the policy's colluders
+        (:class:`ExposureGate`); with ``release`` the release point (R3)."""
         groups = {
             name: (tuple(cid for cid in members.get(name, ()) if cid in live), tensors)
             for name, tensors in self._relevant.items()
         }
-        session_id = self._require_config().session_id
-        return self._gate.check(round_name, action, groups, session_id=session_id, record=record)
+        config = self._require_config()
+        return self._gate.check(
+            round_name,
+            action,
+            groups,
+            session_id=config.session_id,
+            colluders=self._policy.colluders(len(self._roster), config.threshold),
+            release_survivors=tuple(sorted(live)) if release else None,
+        )
+
+    @staticmethod
+    def _message_session(message: object) -> bytes:
+        if isinstance(message, AdvertiseRequest):
+            return message.config.session_id
+        return message.session_id  # type: ignore[attr-defined]
 
     def _check_group_sizes(
         self,
@@ -775,6 +808,14 @@ class ClientSession:
         self._survivors: frozenset[str] = frozenset()
         self._relevant: dict[str, tuple[str, ...]] = {}
 
+
+_ROUND_OF = {
+    AdvertiseRequest: "R0",
+    ShareKeysRequest: "R1",
+    MaskedInputRequest: "R2",
+    ConsistencyCheckRequest: "R3",
+    UnmaskRequest: "R4",
+}
 
 _SERVER_MESSAGES = (
     AdvertiseRequest,

@@ -143,6 +143,50 @@ class HistoryExposureRefusedError(ExposureRefusedError):
     """Only together with earlier sessions over the same input (the ledger) do the sums isolate a client."""
 
 
+class ColluderExposureRefusedError(ExposureRefusedError):
+    """The sums isolate this client's value once the values of up to c = n - t colluding peers are
+    known to the server (the active model's colluder bound); ``colluders`` names one such set."""
+
+    def __init__(self, action: str, findings: tuple, colluders: tuple[str, ...]) -> None:
+        self.colluders = tuple(colluders)
+        super().__init__(action, findings)
+        self.args = (
+            f"{self.args[0]} (with the values of colluding peers {', '.join(self.colluders)} known to the "
+            f"server; this client assumes up to n - t peers may collude)",
+        )
+
+
+class ValueAlreadyReleasedError(ServerProtocolError):
+    """The one-contribution rule: the session asks for a value (or a part of one, or a statistic of
+    the same source) that this client already released in another completed session.
+
+    The method needs one aggregation per input, so a second one can only serve to subtract sums.
+    Raised in R0, before any key is advertised, or at the release point (R3 masking, R2 CKKS) when
+    another session released the value in between.  ``values`` names the tensors concerned and
+    ``session_id`` the earlier session.
+    """
+
+    def __init__(self, values: tuple[str, ...], session_id: bytes, how: str = "already released") -> None:
+        self.values = tuple(values)
+        self.session_id = session_id
+        super().__init__(
+            f"refusing the session: {', '.join(self.values)} {how} in session {session_id.hex()[:16]}...; "
+            f"each value this client holds is released in at most one completed session (SECURITY.md, "
+            f"one contribution per value). A new study needs new data; an operator who knows the earlier "
+            f"session never completed can archive the ledger with `secure-afl keys ledger reset`"
+        )
+
+
+class ConflictingAnswerError(ServerProtocolError):
+    """One answer per round: this client already answered a different message for this round of
+    this session (a forked or replayed client state), or signed another survivor set for it."""
+
+
+class LedgerFullError(ServerProtocolError):
+    """Recording this session would take the ledger past its cap: this session is refused, the ledger
+    is left as it was, and later sessions of ordinary size still go through."""
+
+
 class ClientProtocolError(RemoteProtocolError):
     """A client misbehaved (seen by the server or by a peer client)."""
 
@@ -185,6 +229,11 @@ class LedgerUnreadableError(LedgerError):
 
 class LedgerTamperedError(LedgerError):
     """The ledger file's signature does not verify under this client's identity key."""
+
+
+class LedgerMissingError(LedgerError):
+    """The ledger was used before (its marker says so) but its file is gone or older than the last
+    one written: a deleted or restored ledger would silently forget released values."""
 
 
 # --- dropouts -------------------------------------------------------------------------------------

@@ -1,13 +1,23 @@
-"""A client's own exposure check with its session ledger: one implementation for every backend.
+"""A client's own release rules, with its ledger: one implementation for every backend.
 
 Both protection backends' clients (masking, :mod:`secure_afl.protocol.client`; CKKS,
-:mod:`secure_afl.protocol.ckks.client`) ask the same question before a step that lets the server
-learn sums: would the sums over the live members, with those of earlier sessions over the same input
-(the ledger), determine one client's value?  Written once so that the two cannot drift apart.
+:mod:`secure_afl.protocol.ckks.client`) ask the same questions, written once so that the two cannot
+drift apart:
+
+- **R0, one contribution per value**: does the session ask for a value this client already released
+  in another completed session (by content, a part of one, or a statistic of a released source:
+  :mod:`secure_afl.privacy.release`), or for a value that is a part of another in this session?
+- **every round, one answer per round**: was a *different* message of this round of this session
+  answered before (a forked or rebuilt client)?  The answer is recorded before the reply leaves.
+- **before a step that lets the server learn sums**: would the sums over the live members determine
+  a client's value, with up to c = n - t colluding peers' values known (deployment policy)?
+- **at the release point** (masking R3, CKKS R2), atomically with the last check: record the
+  release and the survivor set signed; a second survivor set for one session id is refused.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -16,18 +26,30 @@ import numpy as np
 from secure_afl.keys.identity import IdentityKey
 from secure_afl.privacy import exposure
 from secure_afl.privacy.policy import ClientPolicy
+from secure_afl.privacy.release import Release
 
-from .errors import ExposureRefusedError, HistoryExposureRefusedError, LocalProtocolError
+from .errors import (
+    ColluderExposureRefusedError,
+    ConflictingAnswerError,
+    ExposureRefusedError,
+    LocalProtocolError,
+    ValueAlreadyReleasedError,
+)
 
 if TYPE_CHECKING:
-    from secure_afl.privacy.ledger import Ledger
+    from secure_afl.privacy.ledger import Ledger, LedgerState
 
 # group -> (live members, tensor names)
 LiveGroups = Mapping[str, tuple[tuple[str, ...], tuple[str, ...]]]
 
 
+def message_digest(data: bytes) -> str:
+    """Hex SHA-256 of a server message's bytes: what the one-answer record keeps."""
+    return hashlib.sha256(b"secure-afl/v2/answered\x00" + data).hexdigest()
+
+
 class ExposureGate:
-    """One client's exposure check: its own values (by digest), its policy, its ledger."""
+    """One client's release rules: its own values (by digest), its release, policy and ledger."""
 
     def __init__(
         self,
@@ -36,8 +58,10 @@ class ExposureGate:
         inputs: Mapping[str, Mapping[str, np.ndarray]],
         policy: ClientPolicy,
         ledger: Ledger | None,
-        input_digest: bytes | None,
+        release: Release | None,
     ) -> None:
+        from secure_afl.privacy.ledger import LedgerOwner, MemoryLedger  # the ledger imports protocol.errors
+
         self.client_id = client_id
         self.policy = policy
         # What this client sends where, by digest: its own unknowns in the exposure check.
@@ -46,19 +70,50 @@ class ExposureGate:
             for group, tensors in inputs.items()
             for name, values in tensors.items()
         }
-        if input_digest is None:
-            input_digest = exposure.input_digest(inputs)
-        elif not isinstance(input_digest, bytes) or len(input_digest) != 32:
-            raise LocalProtocolError("input_digest must be 32 bytes (a SHA-256 digest)")
-        self.input_digest = input_digest
-        self._ledger = ledger
-        if ledger is not None:
-            from secure_afl.privacy.ledger import LedgerOwner  # the ledger imports protocol.errors
-
-            self._ledger_owner = LedgerOwner(client_id, identity_key)
-            ledger.history(self._ledger_owner, input_digest)  # refuse a tampered ledger now, not later
+        if release is None:
+            release = Release.of(inputs)
+        elif not isinstance(release, Release):
+            raise LocalProtocolError(f"release must be a Release, got {type(release).__name__}")
+        elif set(release.values) != set(self.own_values):
+            raise LocalProtocolError("the release names other tensors than the inputs")
+        self.release = release
+        # Without a ledger the rules hold within this object only (a fork of it is not seen):
+        # deployed clients always have a FileLedger.
+        self._ledger: Ledger = MemoryLedger() if ledger is None else ledger
+        self._owner = LedgerOwner(client_id, identity_key)
+        self._ledger.load(self._owner)  # refuse a tampered or missing ledger now, not later
         # What the checks found: went on past (simulator policy) or refused (recorded too).
         self.findings: list[exposure.ExposureFinding] = []
+
+    def start(self, session_id: bytes) -> None:
+        """R0, before anything leaves: the one-contribution rule (deployment policy)."""
+        if not self.policy.one_contribution:
+            return
+        parts = self.release.parts
+        if parts:
+            raise ValueAlreadyReleasedError(
+                tuple(f"{part} (a part of {whole})" for part, whole in parts),
+                session_id,
+                how="would be sent beside the values they are parts of",
+            )
+        self._check_unreleased(self._ledger.load(self._owner), session_id)
+
+    def answer(self, session_id: bytes, round_key: str, digest: str) -> None:
+        """Record that this client answers ``digest`` in ``round_key``; refuse a different one."""
+        if not self.policy.one_contribution:
+            return
+
+        def change(state: LedgerState) -> None:
+            entry = state.entry(session_id)
+            earlier = entry.answers.get(round_key)
+            if earlier is not None and earlier != digest:
+                raise ConflictingAnswerError(
+                    f"this client already answered a different {round_key} message in session "
+                    f"{session_id.hex()[:16]}... (a forked or replayed client state): one answer per round"
+                )
+            entry.answers[round_key] = digest
+
+        self._ledger.update(self._owner, change)
 
     def check(
         self,
@@ -67,41 +122,59 @@ class ExposureGate:
         groups: LiveGroups,
         *,
         session_id: bytes,
-        record: bool,
+        colluders: int,
+        release_survivors: tuple[str, ...] | None = None,
     ) -> tuple[exposure.ExposureFinding, ...]:
-        """Check ``groups`` with the ledger's history; raise to refuse, else return the findings.
+        """The exposure check over ``groups`` (raise to refuse, else return the findings).
 
-        With ``record`` the session is appended to the ledger in the same locked step as the check,
-        so two sessions over one input cannot both pass before either is recorded.
+        With ``release_survivors`` this is the release point: in one locked ledger update the
+        values must still be unreleased elsewhere, no other survivor set may have been signed in
+        this session, the check must pass, and then the release is recorded.
         """
         found: list[exposure.ExposureFinding] = []
 
-        def check(history: tuple[exposure.SessionRecord, ...]) -> None:
+        def run_check() -> None:
             findings = exposure.client_exposures(
-                self.client_id, self.own_values, groups, round_name=round_name, history=history
+                self.client_id, self.own_values, groups, round_name=round_name, colluders=colluders
             )
             if findings and self.policy.refuse_exposure:
                 self.findings.extend(findings)
-                error = (
-                    HistoryExposureRefusedError
-                    if all(f.with_history for f in findings)
-                    else ExposureRefusedError
-                )
-                raise error(action, findings)
+                helped = [f for f in findings if f.colluders]
+                if helped and len(helped) == len(findings):
+                    raise ColluderExposureRefusedError(action, findings, helped[0].colluders)
+                raise ExposureRefusedError(action, findings)
             found.extend(findings)
 
-        if self._ledger is None:
-            check(())
-        elif not record:
-            check(self._ledger.history(self._ledger_owner, self.input_digest))
-        else:
-            session = exposure.SessionRecord(
-                session_id=session_id,
-                groups=tuple(
-                    exposure.GroupRecord(name, survivors, tensors)
-                    for name, (survivors, tensors) in sorted(groups.items())
-                ),
-                own_values=tuple((g, t, d) for (g, t), d in sorted(self.own_values.items())),
-            )
-            self._ledger.check_and_record(self._ledger_owner, self.input_digest, session, check)
+        if release_survivors is None or not self.policy.one_contribution:
+            run_check()
+            return tuple(found)
+        survivors = tuple(sorted(release_survivors))
+
+        def change(state: LedgerState) -> None:
+            entry = state.entry(session_id)
+            if entry.survivors is not None and entry.survivors != survivors:
+                raise ConflictingAnswerError(
+                    f"this client already signed the survivor set {list(entry.survivors)} of session "
+                    f"{session_id.hex()[:16]}...; a second one ({list(survivors)}) is refused"
+                )
+            self._check_unreleased(state, session_id)
+            run_check()
+            entry.survivors = survivors
+            entry.released = tuple(sorted(self.release.ids))
+            entry.anchors = tuple(sorted(self.release.anchors))
+
+        self._ledger.update(self._owner, change)
         return tuple(found)
+
+    def _check_unreleased(self, state: LedgerState, session_id: bytes) -> None:
+        ids, anchors = state.released_in(session_id)
+        spent = sorted(self.release.ids & set(ids))
+        if spent:
+            raise ValueAlreadyReleasedError(self.release.names(spent), bytes.fromhex(ids[spent[0]]))
+        shared = sorted(self.release.anchors & set(anchors))
+        if shared:
+            raise ValueAlreadyReleasedError(
+                self.release.names(shared),
+                bytes.fromhex(anchors[shared[0]]),
+                how="start or end like a value (are parts of a value) released",
+            )

@@ -36,10 +36,10 @@ from secure_afl.protocol.ckks.state import CkksClientState
 from secure_afl.protocol.errors import (
     ExposureRefusedError,
     GroupTooSmallError,
-    HistoryExposureRefusedError,
     InvalidSignatureError,
     MessageDecodeError,
     ServerProtocolError,
+    ValueAlreadyReleasedError,
 )
 
 from .helpers import Federation, plain_sums, small_contributions
@@ -373,7 +373,9 @@ def test_a_decryptor_refuses_survivor_sets_that_isolate_a_client() -> None:
         "c2": {"b": {"gram": gram["c2"]}},
         "c3": {"a": {"gram": gram["c3"]}},
     }
-    fed = Federation(contributions, policy=ClientPolicy.deployment(), min_group_size=2)
+    # Without the colluder bound (with it, c2 refuses in R1 already: b - a - c3 = c2 once c3 colludes).
+    no_colluders = dataclasses.replace(ClientPolicy.deployment(), assume_colluders=False)
+    fed = Federation(contributions, policy=no_colluders, min_group_size=2)
     with pytest.raises(ExposingDecryptionError, match="c2") as refused:
         fed.run(drop={"R2": {"c3"}})
     assert isinstance(refused.value, ExposureRefusedError)
@@ -402,24 +404,29 @@ def test_a_deployed_client_refuses_to_take_part_when_the_layout_isolates_it() ->
     assert fed.server.public_context == b""  # refused before any key or input moved
 
 
-def test_the_ledger_refuses_a_second_session_that_completes_an_isolation() -> None:
-    # Session 1 sums c0 + c1; session 2 (c0's same input) c0 + c2 and c1 + c2: alone it isolates
-    # nobody, with session 1 every value.  c0's ledger sees it before c0 sends anything.
+def test_the_ledger_refuses_a_second_session_over_a_released_value() -> None:
+    # Session 1 sums c0 + c1; session 2 asks c0 for the same Gram again (c0 + c2 and c1 + c2 would,
+    # with session 1, give every value).  One contribution per value: c0 refuses in R0, before
+    # anything leaves it, whatever the second layout is.
     rng = np.random.default_rng(3)
     gram = {cid: (lambda h: h @ h.T)(rng.random((3, 3))) for cid in ("c0", "c1", "c2")}
     ledger = MemoryLedger()
+    no_colluders = dataclasses.replace(ClientPolicy.deployment(), assume_colluders=False)
     first = {"c0": {"a": {"gram": gram["c0"]}}, "c1": {"a": {"gram": gram["c1"]}}}
-    fed = Federation(first, min_group_size=1, ledgers={"c0": ledger})
+    fed = Federation(first, policy=no_colluders, min_group_size=2, ledgers={"c0": ledger})
     fed.run()
+    first_session = fed.config.session_id
     second = {
         "c0": {"a": {"gram": gram["c0"]}},
         "c1": {"b": {"gram": gram["c1"]}},
         "c2": {"a": {"gram": gram["c2"]}, "b": {"gram": gram["c2"]}},
     }
-    refusing = ClientPolicy.deployment()
-    fed = Federation(second, policy=refusing, min_group_size=1, ledgers={"c0": ledger}, seed=b"second")
-    with pytest.raises(HistoryExposureRefusedError, match="c0"):
+    fed = Federation(second, policy=no_colluders, min_group_size=2, ledgers={"c0": ledger}, seed=b"second")
+    with pytest.raises(ValueAlreadyReleasedError, match="a/gram") as refused:
         fed.run()
+    assert refused.value.session_id == first_session
+    # c0 answers R0 first (sorted ids): it refused before anything reached the server.
+    assert fed.clients["c0"].state is CkksClientState.FAILED and fed.server_received == []
 
 
 def test_a_decryptor_never_decrypts_one_group_twice() -> None:

@@ -6,30 +6,30 @@ import json
 import os
 import stat
 
-import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from secure_afl.keys.identity import IdentityKey
-from secure_afl.privacy.exposure import (
-    GroupRecord,
-    SessionRecord,
-    client_exposures,
-    determined,
-    exposed_clients,
-    input_digest,
+from secure_afl.privacy.exposure import client_exposures, determined, exposed_clients
+from secure_afl.privacy.ledger import (
+    MAX_OPEN_SESSIONS,
+    MAX_SESSION_RECORD_BYTES,
+    FileLedger,
+    LedgerOwner,
+    LedgerState,
+    MemoryLedger,
 )
-from secure_afl.privacy.ledger import FileLedger, LedgerOwner, MemoryLedger
 from secure_afl.privacy.policy import ClientPolicy, active_threshold, majority_threshold, threat_model
-from secure_afl.protocol.errors import LedgerTamperedError, LedgerUnreadableError
+from secure_afl.protocol.errors import (
+    LedgerFullError,
+    LedgerMissingError,
+    LedgerTamperedError,
+    LedgerUnreadableError,
+)
 from secure_afl.protocol.randomness import DeterministicRandomSource
 
-from .hostile import Wire, clients_for, config_for, federation, run
-
-
-def _record(session: bytes, survivors: tuple[str, ...]) -> SessionRecord:
-    return SessionRecord(session * 32, (GroupRecord("all", survivors, ("gram",)),), (("all", "gram", "ab"),))
+from .hostile import clients_for, federation
 
 
 def _owner(name: str = "c1") -> LedgerOwner:
@@ -56,89 +56,85 @@ def test_distinct_values_are_separate_unknowns() -> None:
     assert exposed_clients(groups, distinct={"c1": {"t"}}) == {"t": ("c1",)}
 
 
-def test_client_check_uses_the_history_and_names_the_groups() -> None:
-    own = {("all", "gram"): "ab"}
-    now = {"all": (("c1", "c2", "c3"), ("gram",))}
-    assert client_exposures("c1", own, now, round_name="R3") == ()
-    (finding,) = client_exposures(
-        "c1", own, now, round_name="R3", history=[_record(b"1", ("c0", "c1", "c2", "c3"))]
-    )
-    assert finding.clients == ("c0",) and finding.with_history and finding.groups == ("all",)
-    # Had the client's own value changed (another digest), it would be a new unknown, and the two
-    # sums would no longer isolate c0 (in a ledger, one history is one input, so this does not occur).
-    other = SessionRecord(
-        b"1" * 32, (GroupRecord("all", ("c0", "c1", "c2", "c3"), ("gram",)),), (("all", "gram", "cd"),)
-    )
-    assert client_exposures("c1", own, now, round_name="R3", history=[other]) == ()
-
-
-def test_input_digest_depends_on_every_value() -> None:
-    inputs = {"g": {"t": np.arange(3.0)}}
-    assert input_digest(inputs) == input_digest({"g": {"t": np.arange(3.0)}})
-    assert input_digest(inputs) != input_digest({"g": {"t": np.array([0.0, 1.0, 2.5])}})
-    assert input_digest(inputs) != input_digest({"h": {"t": np.arange(3.0)}})
+def test_client_check_names_colluders_and_links_one_value_under_two_names() -> None:
+    own = {("A", "x"): "v", ("B", "y"): "v"}  # one value sent as x to A and as y to B
+    groups = {"A": (("c1", "c2", "c3"), ("x",)), "B": (("c1", "c2", "c3"), ("y",))}
+    # Per name nothing is isolated; linked by the value, A - B = c2's x - c2's y, still nothing for c1.
+    assert client_exposures("c1", own, groups, round_name="R1") == ()
+    groups["B"] = (("c1", "c2"), ("y",))
+    # x: c1 + c2 + c3, y: c1 + c2 (the same c1 value): c3 is isolated only if c2's x and y are one value;
+    # c1's value with one colluder (c2): from B.
+    (finding,) = client_exposures("c1", own, groups, round_name="R3", colluders=1)
+    assert finding.clients == ("c1",) and finding.colluders == ("c2",) and finding.tensor == "x + y"
 
 
 # --- ledgers --------------------------------------------------------------------------------------
 
 
+def _release(session: bytes, survivors: tuple[str, ...], ids: tuple[str, ...] = ("v1",)):
+    def change(state: LedgerState) -> None:
+        entry = state.entry(session * 32)
+        entry.survivors, entry.released = survivors, ids
+
+    return change
+
+
 def test_file_ledger_survives_a_restart_and_is_private(tmp_path) -> None:
     owner = _owner()
     ledger = FileLedger(tmp_path / "ledger")
-    ledger.check_and_record(owner, b"d" * 32, _record(b"1", ("c0", "c1")), lambda history: None)
+    ledger.update(owner, _release(b"1", ("c0", "c1")))
     again = FileLedger(tmp_path / "ledger")  # a new process: only the file remains
-    assert again.history(owner, b"d" * 32) == (_record(b"1", ("c0", "c1")),)
-    assert again.history(owner, b"e" * 32) == ()  # another input: another history
+    state = again.load(owner)
+    assert state.sessions[(b"1" * 32).hex()].survivors == ("c0", "c1")
+    assert state.released_in(b"2" * 32)[0] == {"v1": (b"1" * 32).hex()}
+    assert state.released_in(b"1" * 32)[0] == {}  # a session is never "another" one to itself
     mode = stat.S_IMODE(os.stat(again.path("c1")).st_mode)
     assert mode == 0o600
     assert not [p for p in (tmp_path / "ledger").iterdir() if p.name.endswith(".tmp")]
 
 
-def test_check_and_record_is_atomic_with_the_check(tmp_path) -> None:
+def test_update_is_atomic_with_the_check(tmp_path) -> None:
     for ledger in (MemoryLedger(), FileLedger(tmp_path)):
         owner = _owner()
-        seen = []
-        ledger.check_and_record(owner, b"d" * 32, _record(b"1", ("c0",)), seen.append)
+        ledger.update(owner, _release(b"1", ("c0",)))
 
-        def refuse(history, seen=seen):
-            seen.append(history)
+        def refuse(state):
+            state.entry(b"2" * 32).survivors = ("c1",)
             raise RuntimeError("refused")
 
         with pytest.raises(RuntimeError):
-            ledger.check_and_record(owner, b"d" * 32, _record(b"2", ("c1",)), refuse)
-        assert seen == [(), (_record(b"1", ("c0",)),)]
-        assert ledger.history(owner, b"d" * 32) == (_record(b"1", ("c0",)),)  # the refused one is not kept
+            ledger.update(owner, refuse)
+        assert list(ledger.load(owner).sessions) == [(b"1" * 32).hex()]  # the refused one is not kept
 
 
-@pytest.mark.parametrize("edit", ["rewrite survivors", "drop one input's history", "drop a session"])
+@pytest.mark.parametrize("edit", ["rewrite survivors", "drop a release", "drop a session"])
 def test_tampered_ledger_is_refused(tmp_path, edit) -> None:
     owner = _owner()
     ledger = FileLedger(tmp_path)
-    ledger.check_and_record(owner, b"d" * 32, _record(b"1", ("c0", "c1")), lambda history: None)
-    ledger.check_and_record(owner, b"d" * 32, _record(b"2", ("c1", "c2")), lambda history: None)
-    ledger.check_and_record(owner, b"e" * 32, _record(b"3", ("c0", "c1")), lambda history: None)
+    ledger.update(owner, _release(b"1", ("c0", "c1")))
+    ledger.update(owner, _release(b"2", ("c1", "c2"), ("v2",)))
     path = ledger.path("c1")
     document = json.loads(path.read_text())
-    inputs = document["inputs"]
+    sessions = document["sessions"]
     if edit == "rewrite survivors":
-        inputs[(b"d" * 32).hex()][0]["groups"][0]["survivors"] = ["c1"]
-    elif edit == "drop one input's history":
-        del inputs[(b"e" * 32).hex()]
+        sessions[(b"1" * 32).hex()]["survivors"] = ["c1"]
+    elif edit == "drop a release":
+        sessions[(b"2" * 32).hex()]["released"] = []
     else:
-        inputs[(b"d" * 32).hex()].pop()
+        del sessions[(b"1" * 32).hex()]
     path.write_text(json.dumps(document))
     with pytest.raises(LedgerTamperedError, match="not signed"):
-        ledger.history(owner, b"d" * 32)
+        ledger.load(owner)
 
 
 def test_a_ledger_signed_by_another_key_is_refused(tmp_path) -> None:
     ledger = FileLedger(tmp_path)
-    ledger.check_and_record(_owner(), b"d" * 32, _record(b"1", ("c0", "c1")), lambda history: None)
+    ledger.update(_owner(), _release(b"1", ("c0", "c1")))
     with pytest.raises(LedgerTamperedError):
-        ledger.history(LedgerOwner("c1", _owner("c9").identity), b"d" * 32)
+        ledger.load(LedgerOwner("c1", _owner("c9").identity))
     ledger.path("c1").rename(ledger.path("c2"))
     with pytest.raises(LedgerTamperedError, match="belongs to"):
-        ledger.history(_owner("c2"), b"d" * 32)
+        ledger.load(_owner("c2"))
 
 
 @pytest.mark.parametrize(
@@ -148,7 +144,7 @@ def test_unreadable_ledger_is_refused(tmp_path, content) -> None:
     ledger = FileLedger(tmp_path)
     ledger.path("c1").write_bytes(content)
     with pytest.raises(LedgerUnreadableError, match="restore it from a backup"):
-        ledger.history(_owner(), b"d" * 32)
+        ledger.load(_owner())
 
 
 def test_a_client_refuses_to_start_on_a_tampered_ledger(tmp_path) -> None:
@@ -158,30 +154,46 @@ def test_a_client_refuses_to_start_on_a_tampered_ledger(tmp_path) -> None:
         clients_for(fed, policy=ClientPolicy.deployment(), ledgers={"c0": FileLedger(tmp_path)}, ids=("c0",))
 
 
-def test_file_ledger_refuses_the_repeat_session_after_a_restart(tmp_path) -> None:
-    """Attack 2 across a restart: the ledger is read back from disk by new client objects."""
-    from secure_afl.protocol.errors import HistoryExposureRefusedError
-    from secure_afl.protocol.server import ServerSession
+def test_a_deleted_or_rolled_back_ledger_is_refused_until_an_operator_resets_it(tmp_path) -> None:
+    owner = _owner()
+    ledger = FileLedger(tmp_path)
+    ledger.update(owner, _release(b"1", ("c0", "c1")))
+    old = ledger.path("c1").read_bytes()  # a backup of generation 1
+    ledger.update(owner, _release(b"2", ("c1", "c2"), ("v2",)))
+    ledger.path("c1").write_bytes(old)  # restored: signed, but older than the last one written
+    with pytest.raises(LedgerMissingError, match="older than generation 2"):
+        ledger.load(owner)
+    ledger.path("c1").unlink()  # deleted
+    with pytest.raises(LedgerMissingError, match="missing although generation 2 was written"):
+        ledger.load(owner)
+    with pytest.raises(ValueError, match="reason"):
+        ledger.reset("c1", " ")
+    ledger.reset("c1", "migrated to a new server, ticket 42")
+    assert ledger.load(owner).sessions == {}  # a new, empty history, and the reset is logged
+    (line,) = (tmp_path / "ledger-resets.log").read_text().splitlines()
+    assert json.loads(line)["client_id"] == "c1" and "ticket 42" in json.loads(line)["reason"]
 
-    fed = federation(5)
-    policy = ClientPolicy.deployment()
-    first = ServerSession(fed.roster, config_for(fed, threshold=4, min_group_size=2, session_id=b"1" * 32))
-    run(first, Wire(clients_for(fed, policy=policy, ledgers={c: FileLedger(tmp_path / c) for c in fed.ids})))
-    assert first.result().groups["all"].survivors == fed.ids
-    second = ServerSession(fed.roster, config_for(fed, threshold=4, min_group_size=2, session_id=b"2" * 32))
-    ledgers = {c: FileLedger(tmp_path / c) for c in fed.ids}
-    wire = Wire(clients_for(fed, policy=policy, ledgers=ledgers, ids=fed.ids[1:], seed=b"again"))
-    run(second, wire, absent={"c0"})
-    assert {c: type(r.error) for c, r in wire.refusals.items()} == dict.fromkeys(
-        fed.ids[1:], HistoryExposureRefusedError
-    )
-    # A new input starts a new history: the same layout over new data goes through.
-    fresh = federation(5, seed=b"new data")
-    fresh.identities, fresh.roster = fed.identities, fed.roster
-    third = ServerSession(fed.roster, config_for(fed, threshold=4, min_group_size=2, session_id=b"3" * 32))
-    wire = Wire(clients_for(fresh, policy=policy, ledgers=ledgers, ids=fed.ids[1:], seed=b"third"))
-    run(third, wire, absent={"c0"})
-    assert wire.refusals == {} and third.result().groups["all"].survivors == fed.ids[1:]
+
+def test_a_session_record_over_its_cap_refuses_that_session_only(tmp_path) -> None:
+    owner = _owner()
+    ledger = FileLedger(tmp_path)
+    huge = tuple(f"{i:064x}" for i in range(MAX_SESSION_RECORD_BYTES // 60))
+    with pytest.raises(LedgerFullError, match="the session is refused"):
+        ledger.update(owner, _release(b"1", ("c0", "c1"), huge))
+    assert not ledger.path("c1").exists()  # nothing written
+    ledger.update(owner, _release(b"2", ("c0", "c1")))  # an ordinary session still goes through
+    assert list(ledger.load(owner).sessions) == [(b"2" * 32).hex()]
+
+
+def test_sessions_that_released_nothing_are_kept_for_their_answers_up_to_a_cap() -> None:
+    owner, ledger = _owner(), MemoryLedger()
+    ledger.update(owner, _release(b"r", ("c0", "c1")))
+    for k in range(MAX_OPEN_SESSIONS + 10):
+        ledger.update(owner, lambda state, k=k: state.entry(k.to_bytes(32, "big")).answers.update(R0="d"))
+    sessions = ledger.load(owner).sessions
+    assert (b"r" * 32).hex() in sessions  # a release is never dropped
+    assert len(sessions) == MAX_OPEN_SESSIONS + 1
+    assert (10).to_bytes(32, "big").hex() in sessions and (9).to_bytes(32, "big").hex() not in sessions
 
 
 # --- policy ---------------------------------------------------------------------------------------

@@ -23,11 +23,11 @@ from secure_afl.privacy.policy import ClientPolicy
 from secure_afl.protocol import binding, codec, crypto, encoding, prg, shamir
 from secure_afl.protocol.errors import (
     BothSharesRequestedError,
+    ColluderExposureRefusedError,
     ClientProtocolError,
     DuplicateParticipantError,
     ExposureRefusedError,
     GroupBelowMinimumError,
-    HistoryExposureRefusedError,
     InconsistentSurvivorsError,
     InvalidSessionConfigError,
     LocalProtocolError,
@@ -40,6 +40,7 @@ from secure_afl.protocol.errors import (
     ShareAuthenticationError,
     SurvivorsBelowThresholdError,
     UnknownParticipantError,
+    ValueAlreadyReleasedError,
 )
 from secure_afl.protocol.messages import (
     AdvertiseRequest,
@@ -58,6 +59,8 @@ from .hostile import Refusal, Wire, clients_for, config_for, federation, run
 
 DEPLOYMENT = ClientPolicy.deployment()
 SIMULATOR = ClientPolicy.simulator()
+# The deployment policy without the colluder assumption: the checks that came before it, in isolation.
+NO_COLLUDERS = dataclasses.replace(DEPLOYMENT, assume_colluders=False)
 
 
 def encoded(fed, cid: str, tensor: str = "gram") -> np.ndarray:
@@ -91,8 +94,21 @@ def test_overlapping_groups_recover_an_input_when_clients_do_not_check() -> None
         assert finding.clients == ("c0",) and finding.round == "R3" and finding.groups == ("A",)
 
 
-def test_overlapping_groups_attack_is_refused_in_r3_under_deployment_defaults() -> None:
+def test_overlapping_groups_are_refused_in_r1_when_one_colluder_is_assumed() -> None:
+    """n = 5, t = 4: c = 1 colluder.  Knowing c4's value, A - B gives c0's; knowing c0's, c4's."""
     _fed, server, wire = _overlap_attack(DEPLOYMENT, threshold=4)  # floor(2*5/3) + 1 = 4
+    assert set(wire.refusals) == {"c0", "c4"}
+    for cid, other in (("c0", "c4"), ("c4", "c0")):
+        refusal = wire.refusals[cid]
+        assert refusal.round == "R1" and type(refusal.error) is ColluderExposureRefusedError
+        assert refusal.error.colluders == (other,) and f"for {cid}" in str(refusal.error)
+        wire.assert_nothing_leaked(cid)
+    with pytest.raises(LocalProtocolError, match="no result"):
+        server.result()
+
+
+def test_overlapping_groups_attack_is_refused_in_r3_without_colluders() -> None:
+    _fed, server, wire = _overlap_attack(NO_COLLUDERS, threshold=4)  # floor(2*5/3) + 1 = 4
     assert set(wire.refusals) == {"c0", "c1", "c2", "c3"}
     for cid, refusal in wire.refusals.items():
         assert refusal.round == "R3"
@@ -133,11 +149,12 @@ def test_second_session_without_the_victim_is_refused_by_its_peers() -> None:
     assert first.result().groups["all"].survivors == fed.ids  # the first session was honest
     assert set(wire.refusals) == {"c1", "c2", "c3", "c4"}
     for cid, refusal in wire.refusals.items():
-        # The layout alone (everyone alive) already isolates c0 against the first session: R1.
-        assert refusal.round == "R1"
-        assert type(refusal.error) is HistoryExposureRefusedError
-        assert "c0" in str(refusal.error) and "earlier sessions" in str(refusal.error)
+        # One contribution per value: the Gram was released in the first session; refused in R0.
+        assert refusal.round == "R0"
+        assert type(refusal.error) is ValueAlreadyReleasedError
+        assert refusal.error.session_id == b"1" * 32 and "all/gram" in str(refusal.error)
         wire.assert_nothing_leaked(cid)
+        assert wire.sent.get(cid, []) == []  # not even a key advertisement left it
 
 
 # --- attack 4: a group cut down to one member -----------------------------------------------------
@@ -168,7 +185,7 @@ def test_min_group_size_one_is_refused_in_r0_under_deployment_defaults() -> None
 def test_group_cut_to_one_member_is_refused_in_r3_when_the_config_says_two() -> None:
     fed = federation(4, LONE)
     server = ServerSession(fed.roster, config_for(fed, threshold=3, min_group_size=2, session_id=b"1" * 32))
-    wire = Wire(clients_for(fed, policy=DEPLOYMENT))
+    wire = Wire(clients_for(fed, policy=NO_COLLUDERS))
     requests = run(server, wire, until="R2")  # honest so far: the R3 requests name all four
     # The hostile server declares c1 dropped, which leaves c0 alone in "pair" (an honest one aborts).
     cut = ConsistencyCheckRequest(requests["c0"].session_id, ("c0", "c2", "c3"))
@@ -177,6 +194,22 @@ def test_group_cut_to_one_member_is_refused_in_r3_when_the_config_says_two() -> 
         assert wire.refusals[cid].round == "R3"
         assert type(wire.refusals[cid].error) is GroupBelowMinimumError
         wire.assert_nothing_leaked(cid)
+
+
+def test_a_pair_group_is_refused_in_r1_under_the_colluder_bound() -> None:
+    """n = 4, t = 3: one colluder.  In {c0, c1} the colluder c1 subtracts its own value from the sum:
+    c0 refuses the layout before any share exists (and so does c1, symmetrically); c2 and c3 too,
+    as all - pair - c3 = c2."""
+    fed = federation(4, LONE)
+    server = ServerSession(fed.roster, config_for(fed, threshold=3, min_group_size=2, session_id=b"1" * 32))
+    wire = Wire(clients_for(fed, policy=DEPLOYMENT))
+    run(server, wire)
+    assert set(wire.refusals) == set(fed.ids)
+    assert {cid: r.round for cid, r in wire.refusals.items()} == dict.fromkeys(fed.ids, "R1")
+    assert wire.refusals["c0"].error.colluders == ("c1",)
+    assert wire.refusals["c2"].error.colluders == ("c3",)
+    assert type(wire.refusals["c0"].error) is ColluderExposureRefusedError
+    wire.assert_nothing_leaked("c0")
 
 
 # --- attack 3: split survivor views with colluders ------------------------------------------------
@@ -686,5 +719,5 @@ def test_two_concurrent_sessions_over_one_input_cannot_both_pass_the_ledger() ->
     for cid in fed.ids[1:]:
         assert wire_b.deliver(cid, "R3", without_c0) == []
         assert wire_b.refusals[cid].round == "R3"
-        assert type(wire_b.refusals[cid].error) is HistoryExposureRefusedError
+        assert type(wire_b.refusals[cid].error) is ValueAlreadyReleasedError
         wire_b.assert_nothing_leaked(cid)

@@ -16,6 +16,7 @@ from secure_afl.keys.identity import IdentityKey
 from secure_afl.keys.roster import Roster
 from secure_afl.privacy import exposure
 from secure_afl.privacy.policy import ClientPolicy
+from secure_afl.privacy.release import Release
 from secure_afl.protocol import codec as masking_codec
 from secure_afl.protocol import crypto, encoding
 from secure_afl.protocol.client import check_group_sizes, check_name, check_session_fits_inputs
@@ -34,7 +35,7 @@ from secure_afl.protocol.errors import (
     ShareAuthenticationError,
     UnknownClientError,
 )
-from secure_afl.protocol.exposure_gate import ExposureGate
+from secure_afl.protocol.exposure_gate import ExposureGate, message_digest
 from secure_afl.protocol.randomness import RandomSource, default_random
 
 from . import binding, codec, context
@@ -126,7 +127,7 @@ class CkksClientSession:
         session_id: bytes | None = None,
         policy: ClientPolicy | None = None,
         ledger: Ledger | None = None,
-        input_digest: bytes | None = None,
+        release: Release | None = None,
         random: RandomSource | None = None,
     ) -> None:
         if client_id not in roster:
@@ -153,7 +154,7 @@ class CkksClientSession:
         self._min_group_size = min_group_size
         self._expected_session_id = session_id
         self._policy = policy
-        self._gate = ExposureGate(client_id, identity_key, self._inputs, policy, ledger, input_digest)
+        self._gate = ExposureGate(client_id, identity_key, self._inputs, policy, ledger, release)
         self._random = default_random(random)
         self._replaying = False  # see replay_bytes
         self._state = CkksClientState.AWAIT_ADVERTISE_REQUEST
@@ -208,12 +209,18 @@ class CkksClientSession:
     def receive_bytes(self, data: bytes) -> list[bytes]:
         """Decode ``data`` under :attr:`max_message_bytes`, handle it, and return the encoded replies."""
         message = codec.decode(data, max_message_bytes=self.max_message_bytes)
-        return [
-            codec.encode(reply, max_message_bytes=self.max_message_bytes) for reply in self.receive(message)
-        ]
+        replies = self._receive(message, message_digest(data))
+        return [codec.encode(reply, max_message_bytes=self.max_message_bytes) for reply in replies]
 
     def receive(self, message: object) -> list[CkksClientMessage]:
         """Handle one server message and return the replies to send to the server (maybe none)."""
+        try:
+            data = codec.encode(message, max_message_bytes=masking_codec.DEFAULT_MAX_MESSAGE_BYTES)  # type: ignore[arg-type]
+        except ProtocolError:  # a message no codec would carry: the checks below refuse it anyway
+            data = repr(message).encode()
+        return self._receive(message, message_digest(data))
+
+    def _receive(self, message: object, digest: str) -> list[CkksClientMessage]:
         if self._state in (CkksClientState.FAILED, CkksClientState.DONE):
             raise LocalProtocolError(f"the session is over (state {self._state.name}); start a new one")
         expected, next_state = CLIENT_TRANSITIONS[self._state]
@@ -237,6 +244,9 @@ class CkksClientSession:
             if repeat is not None and expected is repeat[0]:
                 handler = self._on_key_reelection
             replies, commit = handler(message)  # type: ignore[operator]
+            # One answer per round, recorded before the reply leaves (a replayed message is the same).
+            if not self._replaying:
+                self._gate.answer(self._session_of(message), self._round_key(message), digest)
         except LocalProtocolError:
             raise
         except ProtocolError:
@@ -254,6 +264,7 @@ class CkksClientSession:
             raise ReplayedMessageError("the advertise request belongs to another session")
         validate_config(config, len(self._roster))
         check_session_fits_inputs(config.groups, config.min_group_size, self._min_group_size, self._inputs)
+        self._gate.start(config.session_id)  # one contribution per value: before any key leaves
         encryption_key = crypto.new_x25519_key(self._random)
         digest = binding.config_digest(config)
         groups = tuple(sorted(self._inputs))
@@ -335,7 +346,7 @@ class CkksClientSession:
         }
         self._check_group_sizes(members, set(adverts), own_groups_only=True)
         if self._policy.refuse_exposure:  # the layout alone may already isolate this client
-            self._own_exposure_gate("R1", "take part (R1)", members, set(adverts), record=False)
+            self._own_exposure_gate("R1", "take part (R1)", members, set(adverts))
         adverts_digest = binding.advertisements_digest(config.session_id, adverts.values())
         holder = binding.key_holder(config.session_id, adverts_digest, adverts)
         replies: list[CkksClientMessage] = []
@@ -430,7 +441,7 @@ class CkksClientSession:
             raise InvalidContextError("the secret context does not belong to the signed public context")
         # The point of no return: once encrypted inputs are out, a decryptor can reveal their sums.
         findings = self._own_exposure_gate(
-            "R2", "upload encrypted inputs (R2)", self._members, set(self._adverts), record=True
+            "R2", "upload encrypted inputs (R2)", self._members, set(self._adverts), release=True
         )
         tensors: list[EncryptedTensor] = []
         if self._replaying:  # the encrypted inputs were sent when this message first came
@@ -559,15 +570,40 @@ class CkksClientSession:
         members: Mapping[str, tuple[str, ...]],
         live: set[str],
         *,
-        record: bool,
+        release: bool = False,
     ) -> tuple[exposure.ExposureFinding, ...]:
-        """This client's own check, as the masking client's (:class:`ExposureGate`); raise to refuse."""
+        """This client's own check, as the masking client's (:class:`ExposureGate`); raise to refuse.
+
+        CKKS has no threshold: the colluders assumed are the deployment's c = n - t at the active
+        threshold floor (any peer may be a decryptor).  ``release``: the release point (R2)."""
         groups = {
             name: (tuple(c for c in members.get(name, ()) if c in live), tensors)
             for name, tensors in self._relevant().items()
         }
-        session_id = self._require_config().session_id
-        return self._gate.check(round_name, action, groups, session_id=session_id, record=record)
+        n = len(self._roster)
+        return self._gate.check(
+            round_name,
+            action,
+            groups,
+            session_id=self._require_config().session_id,
+            colluders=self._policy.colluders(n, self._policy.min_threshold(n)),
+            release_survivors=tuple(sorted(live)) if release else None,
+        )
+
+    @staticmethod
+    def _session_of(message: object) -> bytes:
+        if isinstance(message, CkksAdvertiseRequest):
+            return message.config.session_id
+        return message.session_id  # type: ignore[attr-defined]
+
+    def _round_key(self, message: object) -> str:
+        """The one-answer record's key: R3 is asked once per group (a replacement decryptor is asked
+        again for other groups), and a re-election repeats R1 once."""
+        if isinstance(message, CkksDecryptRequest):
+            return "R3/" + ",".join(sorted(item.group for item in message.groups))
+        if isinstance(message, CkksKeyRequest):
+            return "R1/re-election" if self._state is not CkksClientState.AWAIT_KEY_REQUEST else "R1"
+        return {CkksAdvertiseRequest: "R0", CkksInputRequest: "R2"}[type(message)]
 
     def _decryption_exposure(self, live: frozenset[str]) -> tuple[exposure.ExposureFinding, ...]:
         """Whether the sums over *all* the session's groups, over the survivors shown, isolate any

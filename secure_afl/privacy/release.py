@@ -1,0 +1,160 @@
+"""What a client releases in a session, identified by content: the unit of the one-contribution rule.
+
+The paper's method needs one aggregation per input, so a client releases each value it holds in at
+most one completed session (the ledger keeps which).  A value is named by what it *is*, not by what
+the server calls it:
+
+- its **value id**: SHA-256 of its shape and float64 bytes before any randomisation (DP noise),
+  independent of its tensor name, group, study or session; so the same Gram sent under another
+  name, in another study, or with fresh noise is the same value;
+- its **anchors**: digests of its first and of its last :data:`ANCHOR_WORDS` words (values of at
+  least ``2 * ANCHOR_WORDS`` words).  A value that starts or ends like a released one is a part of
+  it (the halves attack: ``x`` released whole, then ``x[:k]`` and ``x[k:]`` under other names);
+- **source ids** the caller adds: what the values are computed from (the deployment adds the
+  digest of its feature file and the round), so that two studies over the same data (per-class
+  vs global balance: other bytes, one linear function of the other) are one release.
+
+Within one session, an input that is a contiguous part of another input is refused outright
+(:func:`contained_parts`).  What is *not* recognised (SECURITY.md): parts shorter than
+``2 * ANCHOR_WORDS`` words or interior windows released across sessions, and other linear maps of a
+released value (scaled, permuted) computed by the caller; the deployment's clients compute their
+inputs themselves from the study's fixed layout, so a server cannot ask them for such parts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+ANCHOR_WORDS = 4
+_VALUE_DOMAIN = b"secure-afl/v2/value\x00"
+_PREFIX_DOMAIN = b"secure-afl/v2/value-prefix\x00"
+_SUFFIX_DOMAIN = b"secure-afl/v2/value-suffix\x00"
+_SOURCE_DOMAIN = b"secure-afl/v2/source\x00"
+
+
+def _words(values: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(values, dtype=np.float64).astype("<f8", copy=False)
+
+
+def value_id(values: np.ndarray) -> str:
+    """Hex SHA-256 of a value's shape and little-endian float64 bytes."""
+    array = _words(values)
+    digest = hashlib.sha256(_VALUE_DOMAIN)
+    digest.update(repr(array.shape).encode())
+    digest.update(array.tobytes())
+    return digest.hexdigest()
+
+
+def anchors(values: np.ndarray) -> tuple[str, ...]:
+    """The prefix and suffix anchors of a value long enough to have them (else none)."""
+    flat = _words(values).reshape(-1)
+    if flat.size < 2 * ANCHOR_WORDS:
+        return ()
+    return (
+        hashlib.sha256(_PREFIX_DOMAIN + flat[:ANCHOR_WORDS].tobytes()).hexdigest(),
+        hashlib.sha256(_SUFFIX_DOMAIN + flat[-ANCHOR_WORDS:].tobytes()).hexdigest(),
+    )
+
+
+def source_id(*parts: str) -> str:
+    """A caller's name for what values are computed from (e.g. a feature file's digest and a round)."""
+    digest = hashlib.sha256(_SOURCE_DOMAIN)
+    for part in parts:
+        raw = part.encode("utf-8")
+        digest.update(len(raw).to_bytes(4, "big") + raw)
+    return "source:" + digest.hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """Everything one session would release of one client: value ids (per group and tensor), the
+    anchors of those values, and the caller's source ids."""
+
+    values: Mapping[tuple[str, str], str]  # (group, tensor) -> value id
+    value_anchors: Mapping[tuple[str, str], tuple[str, ...]]  # (group, tensor) -> its anchors
+    sources: frozenset[str]
+    parts: tuple[tuple[str, str], ...] = ()  # (part, whole) inside this release (contained_parts)
+
+    @classmethod
+    def of(cls, inputs: Mapping[str, Mapping[str, np.ndarray]], *, sources: Iterable[str] = ()) -> Release:
+        """The release of ``inputs`` (the statistics *before* randomisation) plus ``sources``."""
+        values = {}
+        found = {}
+        for group, tensors in inputs.items():
+            for name, array in tensors.items():
+                values[(group, name)] = value_id(array)
+                found[(group, name)] = anchors(array)
+        return cls(values, found, frozenset(sources), contained_parts(inputs))
+
+    @property
+    def anchors(self) -> frozenset[str]:
+        return frozenset(a for found in self.value_anchors.values() for a in found)
+
+    def to_json(self) -> dict:
+        """The release as JSON (a deployed client keeps it between its per-message rebuilds)."""
+        return {
+            "values": [[g, t, v] for (g, t), v in sorted(self.values.items())],
+            "anchors": [[g, t, *a] for (g, t), a in sorted(self.value_anchors.items())],
+            "sources": sorted(self.sources),
+            "parts": [list(p) for p in self.parts],
+        }
+
+    @classmethod
+    def from_json(cls, document: dict) -> Release:
+        return cls(
+            {(str(g), str(t)): str(v) for g, t, v in document["values"]},
+            {(str(item[0]), str(item[1])): tuple(map(str, item[2:])) for item in document["anchors"]},
+            frozenset(map(str, document["sources"])),
+            tuple((str(a), str(b)) for a, b in document["parts"]),
+        )
+
+    @property
+    def ids(self) -> frozenset[str]:
+        """Every identity this release spends: value ids and source ids (anchors are kept apart)."""
+        return frozenset(self.values.values()) | self.sources
+
+    def names(self, ids: Collection[str]) -> tuple[str, ...]:
+        """The tensors (``group/tensor``) or sources behind ``ids``, for an error message."""
+        out = sorted(f"{g}/{t}" for (g, t), v in self.values.items() if v in ids)
+        out += sorted(f"the source {s[7:23]}..." for s in self.sources if s in ids)
+        out += sorted(f"{g}/{t}" for (g, t), a in self.value_anchors.items() if set(a) & set(ids))
+        return tuple(dict.fromkeys(out))
+
+
+def contained_parts(inputs: Mapping[str, Mapping[str, np.ndarray]]) -> tuple[tuple[str, str], ...]:
+    """Pairs (part, whole) of this session's inputs where one value's bytes are a contiguous,
+    word-aligned, strictly shorter part of another value of a different name (the halves attack
+    inside one session).
+
+    Values of fewer than two words are left out: a count that happens to equal an entry of a sum
+    is not a part of it.  The same value under the same tensor name in several groups is the
+    tensor-identity rule, not a part.
+    """
+    flat = {
+        f"{group}/{name}": _words(array).reshape(-1)
+        for group, tensors in inputs.items()
+        for name, array in tensors.items()
+    }
+    names = {key: key.split("/", 1)[1] for key in flat}
+    out = []
+    for part, small in flat.items():
+        if small.size < 2:
+            continue
+        needle = small.tobytes()
+        for whole, large in flat.items():
+            # An equal value under another name is one unknown in the exposure check (it links the
+            # tensors by the value's digest), not a part.
+            if whole == part or names[whole] == names[part] or large.size <= small.size:
+                continue
+            haystack = large.tobytes()
+            start = haystack.find(needle)
+            while start != -1:
+                if start % 8 == 0:
+                    out.append((part, whole))
+                    break
+                start = haystack.find(needle, start + 1)
+    return tuple(out)
