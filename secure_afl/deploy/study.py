@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from secure_afl.aggregation.layout import Layout
-from secure_afl.privacy.dp_config import DpConfig, DpError
+from secure_afl.privacy.dp_config import DEFAULT_MAX_ROWS, DpConfig, DpError, check_pseudo_label_threshold
 from secure_afl.protocol.encoding import DEFAULT_FRAC_BITS, upper_triangle_length
 
 from .errors import ConfigurationError
@@ -85,6 +85,10 @@ class StudyDp:
     clip: float = 32.0
     unit: str = "image"
     max_images_per_patient: int = 4
+    # The most feature rows one institution may use (after the patient cap): the plan checks from it,
+    # the clip and the group sizes that no upload can overflow the fixed-point encoding; a client
+    # with more rows refuses the study.
+    max_rows: int = DEFAULT_MAX_ROWS
 
     def config(self) -> DpConfig:
         """The privacy module's config, validated (:class:`ConfigurationError` names what is wrong)."""
@@ -94,6 +98,7 @@ class StudyDp:
             clip=float(self.clip),
             unit=self.unit,  # type: ignore[arg-type]
             max_images_per_patient=int(self.max_images_per_patient),
+            max_rows=self.max_rows,
         )
         try:
             config.validate()
@@ -108,6 +113,7 @@ class StudyDp:
             "clip": self.clip,
             "unit": self.unit,
             "max_images_per_patient": self.max_images_per_patient,
+            "max_rows": self.max_rows,
             "class_lists": {k: list(v) for k, v in sorted(self.class_lists.items())},
         }
 
@@ -119,6 +125,7 @@ class StudyDp:
             clip=float(document["clip"]),
             unit=str(document["unit"]),
             max_images_per_patient=int(document["max_images_per_patient"]),
+            max_rows=int(document.get("max_rows", DEFAULT_MAX_ROWS)),
             class_lists={str(k): tuple(int(c) for c in v) for k, v in document["class_lists"].items()},
         )
 
@@ -324,6 +331,11 @@ def noise_plan(study: Study, roster_size: int) -> NoisePlan:
 
     if study.dp is None:
         raise ConfigurationError("the study asks for no differential privacy")
+    if study.method.rounds == 2:
+        try:
+            check_pseudo_label_threshold(study.method.tau)
+        except DpError as exc:
+            raise ConfigurationError(f"the study's method: {exc}") from None
     if len(study.dp.class_lists) != roster_size:
         raise ConfigurationError(
             f"the study's class lists name {len(study.dp.class_lists)} institutions, the roster "

@@ -93,7 +93,13 @@ from secure_afl.analytic import (
     client_statistics,
     pseudo_group,
 )
-from secure_afl.privacy.dp_config import DpConfig, DpError, DpUnit
+from secure_afl.privacy.dp_config import (
+    DpConfig,
+    DpError,
+    DpUnit,
+    PseudoLabelThresholdError,  # noqa: F401  (re-exported: round 2's refusal of τ < 0.5)
+    check_pseudo_label_threshold,
+)
 from secure_afl.privacy.dp_sampler import admissible_variance, noise_words, sample_discrete_gaussian
 from secure_afl.protocol import encoding
 from secure_afl.protocol.randomness import RandomSource
@@ -209,6 +215,7 @@ def pseudo_label_round(
     block on or off for one image (unbounded sensitivity).
     """
     config = PseudoLabelConfig() if config is None else config
+    check_pseudo_label_threshold(config.tau)  # the two sets must be disjoint (sensitivity C, not √2·C)
     h = np.asarray(clipped_features, dtype=np.float64)
     coef = np.asarray(coef, dtype=np.float64)
     active_set = set(active_class_indices(active, coef.shape[1]))
@@ -246,6 +253,7 @@ def round1_upload(
 ) -> tuple[Contributions, Contributions]:
     """One client's round-1 DP upload (the simulator's and the deployment's): the noisy
     contributions, and the clean ones they came from (the key of the client's ledger history)."""
+    check_rows(stats.n_rows, plan.config)
     clean = stats.round1(active)
     return privatize(clean, plan, random), clean
 
@@ -262,6 +270,7 @@ def pseudo_label_upload(
 ) -> tuple[Contributions, Contributions]:
     """One client's round-2 DP upload: :func:`pseudo_label_round` (restricted to ``groups``, the
     session's pseudo-label groups, when given) rounded and noised, and the clean contributions."""
+    check_rows(len(clipped_features), plan.config)
     clean = pseudo_label_round(clipped_features, coef, active, config)
     if groups is not None:
         clean = {g: t for g, t in clean.items() if g in groups}
@@ -539,12 +548,90 @@ def plan_noise(config: DpConfig, layout: FederationLayout) -> NoisePlan:
     for _ in range(200):  # the ξ terms (τ·D) may push ε up: shrink until the worst fits
         plan = build(rho)
         if max(plan.epsilons().values()) <= config.epsilon:
+            check_plan_encodable(plan, masked=layout.masked)
             return plan
         rho *= 0.98
     raise DpError(
         f"cannot reach epsilon {config.epsilon} at delta {config.delta}: the discrete noise's τ term "
         "stays too large; use more fractional bits or a larger epsilon"
     )
+
+
+# ----------------------------------------------------------------------------------------------
+# The fixed-point range, checked from the plan alone (no data)
+# ----------------------------------------------------------------------------------------------
+
+_FLOAT_MARGIN = 1e-6  # relative: float64 rounding of a sum of at most max_rows clipped rows
+_NOISE_TAIL_BITS = 128  # a client's noise exceeds the bound below with probability < 2^-128 per block
+_PER_ROW = {"gram": "clip²", "sums": "clip", "counts": "1"}
+
+
+def noise_tail_multiple(dim: int) -> float:
+    """k such that, over ``dim`` draws of ``N_Z(0, σ²)``, ``P(max |X| > kσ) < 2^-128``.
+
+    The discrete Gaussian is σ-sub-Gaussian (Canonne, Kamath, Steinke 2020, Cor. 9):
+    ``P(|X| ≥ kσ) ≤ 2·exp(−k²/2)``; a union bound over the coordinates gives
+    ``k = √(2·(ln(2·dim) + 128·ln 2))``, about 14.3 for a 1024-d Gram's 524,800 coordinates.
+    """
+    return math.sqrt(2.0 * (math.log(2.0 * max(dim, 1)) + _NOISE_TAIL_BITS * math.log(2.0)))
+
+
+def _block_limit_steps(block: BlockNoise, frac_bits: int, *, masked: bool) -> int:
+    """The largest |value| (grid steps) a member of ``block``'s group may upload: below 2^53 (exact
+    in float64) and, masked, its fixed-point word ``steps·2^(f−g)`` at most ``(2^63 − 1) // m``."""
+    limit = 2**53 - 1
+    if masked:
+        limit = min(limit, ((2**63 - 1) // block.members) >> (frac_bits - block.grid_bits))
+    return limit
+
+
+def encodable_rows(block: BlockNoise, config: DpConfig, frac_bits: int, *, masked: bool = True) -> int:
+    """The most rows a client may hold so that its value of ``block``, rounded and noised, always
+    encodes (noise beyond :func:`noise_tail_multiple` standard deviations: probability < 2^-128).
+
+    A coordinate of the Gram is at most ``rows·clip²`` (Cauchy–Schwarz), of a sum ``rows·clip``, a
+    count ``rows``; randomized rounding adds at most one step.  Data-independent: the plan's grid,
+    noise and group size, the clip and ``frac_bits``.
+    """
+    per_row = {"gram": config.clip**2, "sums": config.clip, "counts": 1.0}[block.kind]
+    noise = math.ceil(noise_tail_multiple(block.dim) * math.sqrt(block.client_variance))
+    room = _block_limit_steps(block, frac_bits, masked=masked) - 1 - noise
+    if room <= 0:
+        return 0
+    return int(room / (per_row * (1.0 + _FLOAT_MARGIN) * 2.0**block.grid_bits))
+
+
+def check_plan_encodable(plan: NoisePlan, *, masked: bool = True) -> None:
+    """Refuse a plan under which a client within its bounds (``max_rows`` rows clipped to ``clip``)
+    could overflow the fixed-point encoding, naming the parameter to change."""
+    config = plan.config
+    worst = min(plan.blocks.values(), key=lambda b: encodable_rows(b, config, plan.frac_bits, masked=masked))
+    fits = encodable_rows(worst, config, plan.frac_bits, masked=masked)
+    if config.max_rows <= fits:
+        return
+    where = f"group {worst.group!r} ({worst.members} members, {plan.frac_bits} fractional bits)"
+    if fits == 0:
+        raise DpError(
+            f"the fixed-point encoding can overflow: in {where} the {worst.kind} noise alone may exceed "
+            "the encodable range; use fewer fractional bits or a larger epsilon"
+        )
+    per_row = {"gram": f"{config.clip:g}²", "sums": f"{config.clip:g}", "counts": "1"}[worst.kind]
+    raise DpError(
+        f"the fixed-point encoding can overflow: in {where} a client's {worst.kind} may reach max_rows "
+        f"× {_PER_ROW[worst.kind]} = {config.max_rows} × {per_row} plus its noise, more than "
+        f"{worst.members} members' values can sum to; set --dp-max-rows (max_rows, the most rows per "
+        f"client) to at most {fits}, or lower --clip, or use fewer fractional bits"
+    )
+
+
+def check_rows(n_rows: int, config: DpConfig) -> None:
+    """Refuse a client holding more rows than the plan's bound (its encoding was checked for that)."""
+    if n_rows > config.max_rows:
+        raise DpError(
+            f"this client has {n_rows} feature rows (after the patient cap), more than the plan's bound "
+            f"max_rows = {config.max_rows}: the noise plan checked the fixed-point range for that many; "
+            "raise --dp-max-rows (the plan refuses a bound that could overflow) or use fewer rows"
+        )
 
 
 def _slots(

@@ -11,6 +11,12 @@ from dataclasses import dataclass
 from typing import Literal
 
 DpUnit = Literal["image", "patient"]
+# A client's rows (after the patient cap) at most: the plan checks from it, the clip and the group
+# sizes that no statistic can overflow the fixed-point encoding.  100,000 fits groups of up to 20
+# institutions at the default clip 32 and 32 fractional bits (2^31 / 20 / 32² ≈ 104,857 rows).
+DEFAULT_MAX_ROWS = 100_000
+# Under DP, round 2's pseudo-label threshold must keep the two pseudo-label sets disjoint.
+MIN_PSEUDO_TAU = 0.5
 
 
 class DpError(ValueError):
@@ -34,6 +40,7 @@ class DpConfig:
     max_images_per_patient: int = 4
     rho_shares: tuple[float, float, float] = (0.3, 0.6, 0.1)  # gram, sums, counts
     ridge_failure_probability: float = 1e-6
+    max_rows: int = DEFAULT_MAX_ROWS  # rows per client at most (public, part of the plan)
 
     def validate(self) -> None:
         if not (self.epsilon > 0 and math.isfinite(self.epsilon)):
@@ -53,8 +60,37 @@ class DpConfig:
             raise DpError(f"rho_shares must be three positive numbers summing to 1, got {shares}")
         if not 0 < self.ridge_failure_probability < 1:
             raise DpError("ridge_failure_probability must lie strictly between 0 and 1")
+        if isinstance(self.max_rows, bool) or not isinstance(self.max_rows, int) or self.max_rows < 1:
+            raise DpError(
+                f"--dp-max-rows (the most rows one client may hold) must be a positive integer, got "
+                f"{self.max_rows!r}"
+            )
 
     @property
     def unit_multiplier(self) -> int:
         """Images one protected unit may contribute: 1, or the cap per patient."""
         return 1 if self.unit == "image" else self.max_images_per_patient
+
+
+class PseudoLabelThresholdError(DpError):
+    """Round 2's pseudo-label threshold τ breaks the sensitivity the DP noise was sized for."""
+
+
+def check_pseudo_label_threshold(tau: float) -> None:
+    """Refuse a round-2 threshold ``τ`` outside ``[0.5, 1)`` under differential privacy.
+
+    A client's round-2 block for class c holds the sums and counts of its rows scored pseudo-positive
+    (``σ > τ``) and pseudo-negative (``σ < 1 − τ``).  The noise gives that block the sensitivity of
+    one image moving **one** of the two (C for the sums, 1 for the counts); with ``τ ≥ 0.5`` the two
+    sets are disjoint.  Below 0.5 an image scored between ``1 − τ`` and ``τ`` is in both: the
+    sensitivity becomes √2·C and the block spends twice the ρ it was planned for.  (``τ ≥ 1`` labels
+    nothing.)  The other round-2 settings, α and the thresholds δ⁺, δ⁻, are applied by the server to
+    the noisy federation sums (post-processing): the noise assumes nothing about them.
+    """
+    if not (math.isfinite(tau) and MIN_PSEUDO_TAU <= tau < 1):
+        raise PseudoLabelThresholdError(
+            f"the pseudo-label threshold tau = {tau!r} is not in [0.5, 1): under differential privacy "
+            "an image scored between 1 − tau and tau would be both pseudo-positive and pseudo-negative, "
+            "moving both sums of its block (sensitivity √2·clip, twice the ρ the noise was sized for); "
+            "use tau >= 0.5 (the paper's 0.7)"
+        )

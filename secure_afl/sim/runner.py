@@ -39,7 +39,7 @@ from secure_afl.analytic import (
     sum_contributions,
     uploaded_by,
 )
-from secure_afl.privacy.dp import DpConfig
+from secure_afl.privacy.dp import DpConfig, check_pseudo_label_threshold
 from secure_afl.privacy.policy import ClientPolicy, LayoutRefusal, layout_refusals
 from secure_afl.sim.audit import PrivacyAudit, audit_groups, restrict
 from secure_afl.sim.baselines import BASELINES as TABLE2_BASELINES
@@ -155,6 +155,8 @@ class SimConfig:
             raise ExperimentError(f"dropout stage must be R1, R2 or R3, got {self.dropout_stage!r}")
         if self.dp is not None:
             self.dp.validate()
+            if self.rounds == 2:  # the noise's sensitivity needs disjoint pseudo-label sets
+                check_pseudo_label_threshold(self.pseudo.tau)
             if self.secure not in ("none", "mask"):
                 raise ExperimentError(
                     f"differential privacy adds its noise inside the masking protocol (or in the clear), "

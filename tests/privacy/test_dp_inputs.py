@@ -8,14 +8,23 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from secure_afl.analytic import ALL_GROUP, StatisticsError, class_group, pseudo_group
+from secure_afl.analytic import ALL_GROUP, PseudoLabelConfig, StatisticsError, class_group, pseudo_group
 from secure_afl.features.file import FeatureFileError, load_feature_file, save_feature_file
 from secure_afl.privacy.dp import (
+    DpConfig,
     DpError,
     FederationLayout,
+    encodable_rows,
+    plan_noise,
     private_statistics,
     pseudo_label_round,
+    pseudo_label_upload,
+    round1_upload,
 )
+from secure_afl.privacy.dp_config import DEFAULT_MAX_ROWS, PseudoLabelThresholdError
+from secure_afl.protocol import encoding
+from secure_afl.protocol.errors import EncodingOverflowError
+from secure_afl.protocol.randomness import DeterministicRandomSource
 
 CLIP = 3.0
 
@@ -112,3 +121,129 @@ def test_a_feature_file_refuses_bad_active_classes(tmp_path: Path, active, messa
     with pytest.raises(FeatureFileError, match=message):
         _write(tmp_path / "bad.npz", active)
     assert not (tmp_path / "bad.npz").exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# Round 2's threshold τ: the noise assumes disjoint pseudo-positive and pseudo-negative sets
+# ------------------------------------------------------------------------------------------------
+
+
+def test_at_tau_below_one_half_an_image_would_be_in_both_sets_so_round_2_refuses_it() -> None:
+    x, _, _ = _stats()
+    coef = np.random.default_rng(1).normal(size=(5, 4)) * 0.05  # scores near 0: σ near 0.5
+    p = 1 / (1 + np.exp(-(x @ coef[:, 0])))
+    assert ((p > 0.3) & (p < 0.7)).any()  # at τ = 0.3 these rows would move both sums of pseudo/0
+    for tau in (0.3, 0.49, float("nan"), 1.0):
+        with pytest.raises(PseudoLabelThresholdError, match=r"tau = .* is not in \[0\.5, 1\)"):
+            pseudo_label_round(x, coef, [1], PseudoLabelConfig(tau=tau))
+    assert issubclass(PseudoLabelThresholdError, DpError) and issubclass(DpError, ValueError)
+    upload = pseudo_label_round(x, coef, [1], PseudoLabelConfig(tau=0.5))
+    for c in (0, 2, 3):  # at τ = 0.5 every row is in at most one set
+        counts = upload[pseudo_group(c)]
+        assert counts[f"pseudo_n_pos/{c}"][0] + counts[f"pseudo_n_neg/{c}"][0] <= len(x)
+        both = np.sum(1 / (1 + np.exp(-(x @ coef[:, c]))) > 0.5) + np.sum(
+            1 / (1 + np.exp(-(x @ coef[:, c]))) < 0.5
+        )
+        assert counts[f"pseudo_n_pos/{c}"][0] + counts[f"pseudo_n_neg/{c}"][0] == both
+
+
+def test_alpha_and_the_qualification_thresholds_do_not_reach_the_clients_dp_upload() -> None:
+    """α, δ⁺ and δ⁻ are the server's post-processing of noisy sums: the noise assumes nothing of them."""
+    x, _, _ = _stats()
+    coef = np.random.default_rng(2).normal(size=(5, 4))
+    base = pseudo_label_round(x, coef, [0], PseudoLabelConfig(tau=0.7))
+    other = pseudo_label_round(x, coef, [0], PseudoLabelConfig(tau=0.7, alpha=0.9, min_pos=500, min_neg=0))
+    assert base.keys() == other.keys()
+    for group, tensors in base.items():
+        for name, values in tensors.items():
+            assert np.array_equal(values, other[group][name])
+
+
+def test_the_simulator_refuses_a_dp_round_2_below_tau_one_half_before_running() -> None:
+    from secure_afl.sim.runner import SimConfig
+
+    dp = DpConfig(epsilon=1.0)
+    with pytest.raises(PseudoLabelThresholdError, match=r"use tau >= 0\.5"):
+        SimConfig(rounds=2, dp=dp, pseudo=PseudoLabelConfig(tau=0.3)).validate()
+    SimConfig(rounds=2, dp=dp, pseudo=PseudoLabelConfig(tau=0.5)).validate()
+    SimConfig(rounds=1, dp=dp, pseudo=PseudoLabelConfig(tau=0.3)).validate()  # no round 2: no such set
+    SimConfig(rounds=2, pseudo=PseudoLabelConfig(tau=0.3)).validate()  # no DP: no sensitivity
+
+
+# ------------------------------------------------------------------------------------------------
+# The fixed-point range: checked from the plan (clip, max_rows, group sizes), not from the data
+# ------------------------------------------------------------------------------------------------
+
+BIG_CLIP = 32.0
+
+
+def _plan(max_rows: int, members: int = 8, epsilon: float = 1.0):
+    layout = FederationLayout(
+        active={f"c{k}": (0,) for k in range(members)},
+        n_classes=1,
+        dim=4,
+        threshold=(2 * members) // 3 + 1,
+        min_group_size=2,
+    )
+    return plan_noise(DpConfig(epsilon=epsilon, clip=BIG_CLIP, max_rows=max_rows), layout)
+
+
+def test_the_plan_refuses_a_row_bound_that_could_overflow_and_says_what_to_change() -> None:
+    plan = _plan(1)
+    fits = min(encodable_rows(b, plan.config, plan.frac_bits) for b in plan.blocks.values())
+    # 8 members, 32 fractional bits: (2^63 − 1) / 2^32 / 8 / 32² = 262,144 rows, less the noise's room
+    assert 261_000 < fits < 262_144
+    _plan(fits)
+    with pytest.raises(
+        DpError, match=rf"set --dp-max-rows \(max_rows, .*\) to at most {fits}, or lower --clip"
+    ):
+        _plan(fits + 1)
+    with pytest.raises(DpError, match=r"in group 'all' \(8 members, 32 fractional bits\)"):
+        _plan(262_300)
+    with pytest.raises(DpError, match="must be a positive integer"):
+        _plan(0)
+    assert DpConfig(epsilon=1.0).max_rows == DEFAULT_MAX_ROWS
+    _plan(DEFAULT_MAX_ROWS, members=20)  # the default fits federations of up to 20 institutions
+    with pytest.raises(DpError, match="at most"):
+        _plan(DEFAULT_MAX_ROWS, members=21)
+
+
+def test_within_the_plans_bounds_the_encoding_check_cannot_fire() -> None:
+    """The worst data the bounds allow: every row on the clip bound along one axis, all positive."""
+    plan = _plan(1)
+    fits = min(encodable_rows(b, plan.config, plan.frac_bits) for b in plan.blocks.values())
+    plan = _plan(fits)
+    x = np.zeros((fits, 4))
+    x[:, 0] = BIG_CLIP  # Gram[0, 0] = rows·clip², pos_sum[0] = rows·clip, n_pos = rows
+    stats = private_statistics(x, np.ones((fits, 1), dtype=int), BIG_CLIP, device="cpu")
+    assert stats.gram[0, 0] == fits * BIG_CLIP**2
+    for seed in range(3):
+        noisy, _ = round1_upload(stats, [0], plan, DeterministicRandomSource(bytes([seed]) * 32))
+        for tensors in noisy.values():
+            for name, values in tensors.items():
+                flat = encoding.pack_symmetric(values) if name == "gram" else np.ravel(values)
+                encoding.check_encodable(flat, tensor=name, frac_bits=plan.frac_bits, group_size=8)
+    # Beyond the bound the whole federation's encoding could wrap: refused before any noise is drawn.
+    more = private_statistics(
+        np.vstack([x, x[:1]]), np.ones((fits + 1, 1), dtype=int), BIG_CLIP, device="cpu"
+    )
+    with pytest.raises(DpError, match=rf"has {fits + 1} feature rows .* max_rows = {fits}: .*--dp-max-rows"):
+        round1_upload(more, [0], plan, DeterministicRandomSource(b"\0" * 32))
+    with pytest.raises(DpError, match=rf"max_rows = {fits}"):
+        pseudo_label_upload(
+            np.vstack([x, x[:1]]), np.zeros((4, 2)), [0], plan, DeterministicRandomSource(b"\0" * 32)
+        )
+
+
+def test_without_the_plans_bound_the_same_rows_overflow_at_encoding() -> None:
+    """What the plan's check prevents: the data-dependent refusal at encode time (issue 21)."""
+    plan = _plan(1)
+    x = np.zeros((263_000, 4))
+    x[:, 0] = BIG_CLIP
+    stats = private_statistics(x, np.ones((len(x), 1), dtype=int), BIG_CLIP, device="cpu")
+    with pytest.raises(EncodingOverflowError):
+        encoding.check_encodable(
+            encoding.pack_symmetric(stats.gram), tensor="gram", frac_bits=plan.frac_bits, group_size=8
+        )
+    with pytest.raises(DpError, match="max_rows = 1:"):
+        round1_upload(stats, [0], plan, DeterministicRandomSource(b"\0" * 32))
