@@ -1,0 +1,229 @@
+"""``secure-afl deploy run``: the coordinator's ``flwr run``, with an exit code that tells the truth.
+
+``flwr run APP CONNECTION --stream`` exits 0 when the ServerApp fails (a session aborted below the
+threshold, every client refused, a bad run config): only the stream and ``report.json`` say so.
+:func:`run_federation` runs it, relays the ServerApp's progress lines (which name the hospitals),
+prints the elapsed time while a round waits for answers, and decides from the report written by
+this run (and the stream) whether the run succeeded.  Before it starts, any ``classifier.json`` and
+``report.json`` already in the run's out-dir are renamed (``classifier.before-<UTC time>.json``),
+so a stale classifier is never mistaken for the new one; when the ServerApp wrote no report, this
+module writes one holding the error.  ``deploy local`` runs the same function.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import queue
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigurationError
+from .local import ProcessGroups, _pump, flower_bin
+
+Say = Callable[[str], None]
+SERVER_PREFIX = "secure-afl server:"
+MOVED_NAMES = ("classifier.json", "report.json")
+
+
+@dataclass
+class RunOutcome:
+    """What one ``flwr run`` produced, and whether it succeeded."""
+
+    ok: bool
+    out_dir: Path
+    report_path: Path
+    log_path: Path
+    report: dict[str, Any] | None = None
+    error: str | None = None
+    exit_code: int | None = None
+    moved: list[Path] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def classifier_path(self) -> Path:
+        return self.out_dir / "classifier.json"
+
+
+def read_run_config(app_dir: Path, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """The app's ``[tool.flwr.app.config]`` with ``--run-config`` overrides (Flower's own parser)."""
+    import tomllib
+    from flwr.common.config import parse_config_args
+
+    toml = app_dir / "pyproject.toml"
+    try:
+        document = tomllib.loads(toml.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigurationError(
+            f"{toml}: cannot read the app's pyproject.toml ({exc.strerror}); give the app directory"
+        ) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigurationError(f"{toml}: not TOML: {exc}") from None
+    config = document.get("tool", {}).get("flwr", {}).get("app", {}).get("config")
+    if not isinstance(config, dict):
+        raise ConfigurationError(f"{toml} has no [tool.flwr.app.config] section (the study and out-dir)")
+    merged = dict(config)
+    for text in overrides:
+        merged.update(parse_config_args([text]))
+    if not isinstance(merged.get("out-dir"), str) or not merged["out-dir"]:
+        raise ConfigurationError(f"{toml}: the run config lacks out-dir (where the ServerApp writes)")
+    return merged
+
+
+def move_aside(out_dir: Path, stamp: str | None = None) -> list[Path]:
+    """Rename an earlier run's classifier and report in ``out_dir``; return the new names."""
+    stamp = stamp or datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
+    moved = []
+    for name in MOVED_NAMES:
+        path = out_dir / name
+        if path.is_file():
+            target = path.with_name(f"{path.stem}.before-{stamp}{path.suffix}")
+            os.replace(path, target)
+            moved.append(target)
+    return moved
+
+
+def run_federation(
+    app_dir: Path,
+    connection: str,
+    *,
+    env: Mapping[str, str] | None = None,
+    run_config: Sequence[str] = (),
+    log_path: Path | None = None,
+    children: ProcessGroups | None = None,
+    run_timeout: float = 24 * 3600.0,
+    tick: float = 10.0,
+    say: Say = print,
+    on_poll: Callable[[], None] | None = None,
+) -> RunOutcome:
+    """Run ``flwr run APP CONNECTION --stream``; return whether the federation produced a classifier.
+
+    ``on_poll`` is called about ten times a second while the run goes on (``deploy local`` kills
+    nodes from it).  Every process started here is stopped before returning unless ``children`` (the
+    caller's) is given.
+    """
+    config = read_run_config(app_dir, run_config)
+    out_dir = Path(str(config["out-dir"])).expanduser()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_path or out_dir / "flwr-run.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    report_path = out_dir / "report.json"
+    moved = move_aside(out_dir)
+    for path in moved:
+        say(f"moved the earlier {path.name.split('.before-')[0]}.json aside: {path}")
+    own = children is None
+    children = children or ProcessGroups({**os.environ, **(env or {})})
+    argv = [flower_bin("flwr"), "run", str(app_dir), connection, "--stream"]
+    for text in run_config:
+        argv += ["--run-config", text]
+    started = time.perf_counter()
+    outcome = RunOutcome(False, out_dir, report_path, log_path, moved=moved)
+    failure: str | None = None
+    try:
+        runner = children.start("flwr run", argv, log_path, stdout=subprocess.PIPE)
+        lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=_pump, args=(runner.process.stdout, log_path, lines), daemon=True).start()
+        progress = _Progress(say, tick)
+        deadline = time.monotonic() + run_timeout
+        done_reading = False
+        for _ in range(int(run_timeout / 0.1) + 100):
+            if on_poll is not None:
+                on_poll()
+            for _ in range(1000):
+                try:
+                    line = lines.get_nowait()
+                except queue.Empty:
+                    break
+                if line is None:
+                    done_reading = True
+                    break
+                failure = progress.line(line) or failure
+            if done_reading and runner.process.poll() is not None:
+                break
+            if time.monotonic() >= deadline:
+                failure = f"the federation did not finish within {run_timeout:.0f} s (flwr run was stopped)"
+                break
+            progress.wait()
+            time.sleep(0.1)
+        outcome.exit_code = runner.process.poll()
+    finally:
+        if own:
+            children.stop_all()
+    outcome.seconds = time.perf_counter() - started
+    return _decide(outcome, failure, started_wall=time.time() - outcome.seconds)
+
+
+def _decide(outcome: RunOutcome, failure: str | None, *, started_wall: float) -> RunOutcome:
+    """Success needs a report written by this run without an error, a classifier and exit 0."""
+    report = None
+    path = outcome.report_path
+    if path.is_file() and path.stat().st_mtime >= started_wall - 1:
+        try:
+            report = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            failure = failure or f"the ServerApp's report {path} is unreadable ({exc})"
+    outcome.report = report if isinstance(report, dict) else None
+    if outcome.report is not None and "error" in outcome.report:
+        failure = f"the ServerApp failed: {outcome.report['error']}"
+    elif outcome.exit_code not in (0, None):
+        failure = failure or f"flwr run exited with code {outcome.exit_code}"
+    elif outcome.report is None:
+        failure = failure or (
+            f"the ServerApp wrote no report (flwr run exit {outcome.exit_code}): it failed before or "
+            f"outside a session; its output is in {outcome.log_path}"
+        )
+    elif not outcome.classifier_path.is_file():
+        failure = failure or f"the ServerApp wrote a report but no classifier in {outcome.out_dir}"
+    if failure is None:
+        outcome.ok = True
+        return outcome
+    outcome.error = failure
+    if outcome.report is None or "error" not in outcome.report:
+        # The ServerApp's own report, if any, with the error; else one that holds the error.
+        document = {**(outcome.report or {}), "error": failure, "flwr_run_exit": outcome.exit_code}
+        document["log"] = str(outcome.log_path)
+        path.write_text(json.dumps(document, indent=1) + "\n", encoding="utf-8")
+        outcome.report = document
+    if outcome.classifier_path.is_file():  # written before the failure (e.g. delivery): not the result
+        target = outcome.classifier_path.with_name("classifier.failed-run.json")
+        os.replace(outcome.classifier_path, target)
+    return outcome
+
+
+class _Progress:
+    """Relays the ServerApp's lines; while a round waits, says how long every ``tick`` seconds."""
+
+    def __init__(self, say: Say, tick: float) -> None:
+        self.say, self.tick = say, tick
+        self.round: str | None = None
+        self.round_started = 0.0
+        self.last_output = time.monotonic()
+
+    def line(self, line: str) -> str | None:
+        """Relay one line of the stream; return the failure it reports, if it reports one."""
+        if SERVER_PREFIX not in line:
+            return None
+        text = line.split(SERVER_PREFIX, 1)[1].strip()
+        self.say("  " + text)
+        self.last_output = time.monotonic()
+        if ": sent to " in text:  # "session 1 R2: sent to hospital-a, ...": a round starts
+            self.round = text.split(":", 1)[0]
+            self.round_started = self.last_output
+        elif " answer(s) in " in text:
+            self.round = None
+        if text.startswith("FAILED: "):
+            self.round = None
+            return f"the ServerApp failed: {text.removeprefix('FAILED: ')}"
+        return None
+
+    def wait(self) -> None:
+        now = time.monotonic()
+        if self.tick > 0 and self.round is not None and now - self.last_output >= self.tick:
+            self.say(f"  {self.round}: waiting for answers, {now - self.round_started:.0f} s")
+            self.last_output = now
