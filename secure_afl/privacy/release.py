@@ -8,7 +8,9 @@ the server calls it:
   independent of its tensor name, group, study or session; so the same Gram sent under another
   name, in another study, or with fresh noise is the same value;
 - its **anchors**: digests of its first and of its last :data:`ANCHOR_WORDS` words (values of at
-  least ``2 * ANCHOR_WORDS`` words).  A value that starts or ends like a released one is a part of
+  least ``ANCHOR_WORDS`` words; constant windows such as runs of zeros are none).  Constant values
+  (scalars, zero vectors) have no value id: equal counts or empty sums in two rounds are not one
+  value; the caller's source ids spend them (the deployment's do).  A value that starts or ends like a released one is a part of
   it (the halves attack: ``x`` released whole, then ``x[:k]`` and ``x[k:]`` under other names);
 - **source ids** the caller adds: what the values are computed from (the deployment adds the
   digest of its feature file and the round), so that two studies over the same data (per-class
@@ -16,7 +18,8 @@ the server calls it:
 
 Within one session, an input that is a contiguous part of another input is refused outright
 (:func:`contained_parts`).  What is *not* recognised (SECURITY.md): parts shorter than
-``2 * ANCHOR_WORDS`` words or interior windows released across sessions, and other linear maps of a
+``ANCHOR_WORDS`` words or interior windows released across sessions, constant values (counts)
+at the protocol level, and other linear maps of a
 released value (scaled, permuted) computed by the caller; the deployment's clients compute their
 inputs themselves from the study's fixed layout, so a server cannot ask them for such parts.
 """
@@ -49,15 +52,27 @@ def value_id(values: np.ndarray) -> str:
     return digest.hexdigest()
 
 
-def anchors(values: np.ndarray) -> tuple[str, ...]:
-    """The prefix and suffix anchors of a value long enough to have them (else none)."""
+def is_constant(values: np.ndarray) -> bool:
+    """A value whose words are all equal (a scalar, a zero vector): it has no identity of its own.
+
+    Two statistics that are both zero (a class without positives in two rounds) are not one value
+    released twice; a caller that must spend such values too names their source (:func:`source_id`).
+    """
     flat = _words(values).reshape(-1)
-    if flat.size < 2 * ANCHOR_WORDS:
+    return bool(flat.size == 0 or (flat == flat[0]).all() or np.isnan(flat).all())
+
+
+def anchors(values: np.ndarray) -> tuple[str, ...]:
+    """The prefix and suffix anchors of a value of at least :data:`ANCHOR_WORDS` words (a constant
+    window, such as a run of zeros, is no anchor)."""
+    flat = _words(values).reshape(-1)
+    if flat.size < ANCHOR_WORDS:
         return ()
-    return (
-        hashlib.sha256(_PREFIX_DOMAIN + flat[:ANCHOR_WORDS].tobytes()).hexdigest(),
-        hashlib.sha256(_SUFFIX_DOMAIN + flat[-ANCHOR_WORDS:].tobytes()).hexdigest(),
-    )
+    out = []
+    for domain, window in ((_PREFIX_DOMAIN, flat[:ANCHOR_WORDS]), (_SUFFIX_DOMAIN, flat[-ANCHOR_WORDS:])):
+        if not is_constant(window):
+            out.append(hashlib.sha256(domain + window.tobytes()).hexdigest())
+    return tuple(out)
 
 
 def source_id(*parts: str) -> str:
@@ -74,7 +89,7 @@ class Release:
     """Everything one session would release of one client: value ids (per group and tensor), the
     anchors of those values, and the caller's source ids."""
 
-    values: Mapping[tuple[str, str], str]  # (group, tensor) -> value id
+    values: Mapping[tuple[str, str], str | None]  # (group, tensor) -> value id (None: constant)
     value_anchors: Mapping[tuple[str, str], tuple[str, ...]]  # (group, tensor) -> its anchors
     sources: frozenset[str]
     parts: tuple[tuple[str, str], ...] = ()  # (part, whole) inside this release (contained_parts)
@@ -86,7 +101,7 @@ class Release:
         found = {}
         for group, tensors in inputs.items():
             for name, array in tensors.items():
-                values[(group, name)] = value_id(array)
+                values[(group, name)] = None if is_constant(array) else value_id(array)
                 found[(group, name)] = anchors(array)
         return cls(values, found, frozenset(sources), contained_parts(inputs))
 
@@ -97,7 +112,7 @@ class Release:
     def to_json(self) -> dict:
         """The release as JSON (a deployed client keeps it between its per-message rebuilds)."""
         return {
-            "values": [[g, t, v] for (g, t), v in sorted(self.values.items())],
+            "values": [[g, t, v] for (g, t), v in sorted(self.values.items())],  # v may be null
             "anchors": [[g, t, *a] for (g, t), a in sorted(self.value_anchors.items())],
             "sources": sorted(self.sources),
             "parts": [list(p) for p in self.parts],
@@ -106,7 +121,7 @@ class Release:
     @classmethod
     def from_json(cls, document: dict) -> Release:
         return cls(
-            {(str(g), str(t)): str(v) for g, t, v in document["values"]},
+            {(str(g), str(t)): None if v is None else str(v) for g, t, v in document["values"]},
             {(str(item[0]), str(item[1])): tuple(map(str, item[2:])) for item in document["anchors"]},
             frozenset(map(str, document["sources"])),
             tuple((str(a), str(b)) for a, b in document["parts"]),
@@ -115,7 +130,7 @@ class Release:
     @property
     def ids(self) -> frozenset[str]:
         """Every identity this release spends: value ids and source ids (anchors are kept apart)."""
-        return frozenset(self.values.values()) | self.sources
+        return frozenset(v for v in self.values.values() if v is not None) | self.sources
 
     def names(self, ids: Collection[str]) -> tuple[str, ...]:
         """The tensors (``group/tensor``) or sources behind ``ids``, for an error message."""
