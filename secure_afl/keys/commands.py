@@ -266,6 +266,11 @@ def roster() -> None:
 @click.option(
     "--fingerprint", default=None, help="The fingerprint heard out of band: the entry must match it."
 )
+@click.option(
+    "--coordinator",
+    is_flag=True,
+    help="Add this key as the roster's coordinator (it signs the classifier file), not as an institution.",
+)
 def roster_add(
     roster_path: Path,
     entry_file: Path | None,
@@ -273,8 +278,14 @@ def roster_add(
     name: str | None,
     public_key: str | None,
     fingerprint: str | None,
+    coordinator: bool,
 ) -> None:
-    """Add an institution (creates the roster if it does not exist)."""
+    """Add an institution, or with --coordinator the coordinator (creates the roster if needed).
+
+    The coordinator runs the server and signs the classifier file; it creates its key with
+    `secure-afl keys init --id coordinator` in its own key directory and its identity.pub.json is
+    added here with --coordinator.  Every institution verifies the classifier against this key.
+    """
     if (entry_file is None) == (public_key is None):
         raise click.UsageError("give either --entry FILE or --id ID --public-key KEY")
     if entry_file is not None:
@@ -296,23 +307,39 @@ def roster_add(
         raise click.ClickException(
             f"{roster_path}: {entry.client_id!r} is already in the roster; remove it first to replace its key"
         )
+    if coordinator and current.coordinator is not None:
+        raise click.ClickException(
+            f"{roster_path}: the roster already names the coordinator {current.coordinator.client_id!r}; "
+            f"remove it first (keys roster remove --id {current.coordinator.client_id}) to replace it"
+        )
     try:
-        updated = Roster((*current.entries, entry))
+        if coordinator:
+            updated = Roster(current.entries, entry)
+        else:
+            updated = Roster((*current.entries, entry), current.coordinator)
     except RosterError as exc:
         raise click.ClickException(f"{roster_path}: {exc}") from None
     write_roster_file(roster_path, updated)
-    click.echo(f"added {entry.client_id} ({entry.fingerprint}); the roster has {len(updated)} institution(s)")
+    role = " as the coordinator" if coordinator else ""
+    click.echo(
+        f"added {entry.client_id}{role} ({entry.fingerprint}); the roster has {len(updated)} institution(s)"
+    )
 
 
 @roster.command("remove")
 @_roster_option
-@click.option("--id", "client_id", required=True, help="The institution to remove.")
+@click.option("--id", "client_id", required=True, help="The institution (or the coordinator) to remove.")
 def roster_remove(roster_path: Path, client_id: str) -> None:
-    """Remove an institution."""
+    """Remove an institution, or the coordinator."""
     current = load_roster_file(roster_path)
+    if current.coordinator is not None and client_id == current.coordinator.client_id:
+        write_roster_file(roster_path, Roster(current.entries))
+        click.echo(f"removed the coordinator {client_id}; the roster names no coordinator now")
+        return
     if client_id not in current:
         raise click.ClickException(f"{roster_path}: {client_id!r} is not in the roster")
-    write_roster_file(roster_path, Roster(e for e in current.entries if e.client_id != client_id))
+    updated = Roster((e for e in current.entries if e.client_id != client_id), current.coordinator)
+    write_roster_file(roster_path, updated)
     click.echo(f"removed {client_id}; the roster has {len(current) - 1} institution(s)")
 
 
@@ -331,6 +358,11 @@ def roster_show(roster_path: Path, directory: Path | None) -> None:
     for entry in current:
         mark = "  (this institution)" if local is not None and entry.client_id == local.client_id else ""
         click.echo(f"{entry.client_id:<20} {entry.fingerprint}  {entry.name}{mark}")
+    if current.coordinator is not None:
+        c = current.coordinator
+        click.echo(f"{c.client_id:<20} {c.fingerprint}  {c.name}  (coordinator: signs the classifier)")
+    else:
+        click.echo("no coordinator: add one (keys roster add --coordinator) before a deployment")
     click.echo(f"roster fingerprint: {current.fingerprint}")
     if local is not None:
         check_local_key_in(current, local, roster_path)
@@ -338,16 +370,22 @@ def roster_show(roster_path: Path, directory: Path | None) -> None:
 
 @roster.command("verify")
 @_roster_option
-@click.option("--id", "client_id", required=True, help="The institution whose key to check.")
+@click.option(
+    "--id", "client_id", required=True, help="The institution (or the coordinator) whose key to check."
+)
 @click.option("--fingerprint", required=True, help="The fingerprint heard out of band.")
 @_dir_option
 def roster_verify(roster_path: Path, client_id: str, fingerprint: str, directory: Path | None) -> None:
     """Check one institution's fingerprint (and that the roster holds this institution's key)."""
     current = load_roster_file(roster_path)
     expected = normalise_fingerprint(fingerprint)
-    if client_id not in current:
+    coordinator = current.coordinator
+    if client_id not in current and (coordinator is None or coordinator.client_id != client_id):
         raise click.ClickException(f"{roster_path}: {client_id!r} is not in the roster")
-    actual = current.entry(client_id).fingerprint
+    if coordinator is not None and coordinator.client_id == client_id:
+        actual = coordinator.fingerprint
+    else:
+        actual = current.entry(client_id).fingerprint
     if actual != expected:
         raise click.ClickException(
             f"FINGERPRINT MISMATCH for {client_id!r}: the roster holds {actual}, you were given {expected}. "
@@ -360,3 +398,8 @@ def roster_verify(roster_path: Path, client_id: str, fingerprint: str, directory
 
 
 __all__ = ["fingerprint", "keys"]
+
+
+from secure_afl.keys.ledger_command import ledger as _ledger_group  # noqa: E402
+
+keys.add_command(_ledger_group)

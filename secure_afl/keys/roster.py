@@ -1,6 +1,10 @@
 """The roster: the pinned list of institutions (ids, names, Ed25519 public keys, fingerprints).
 
 It is shared out of band; every client pins it and accepts only keys signed by a roster member.
+It may also name the **coordinator** (``"coordinator": {id, name, public_key, fingerprint}``): the
+party that runs the server and signs the classifier file every institution receives.  The
+coordinator is not an institution: it takes no part in sessions (no share point, not counted in
+``len(roster)``), and its key must differ from every institution's.
 """
 
 from __future__ import annotations
@@ -68,8 +72,9 @@ class Roster:
     """Roster entries sorted by client id; duplicate ids or public keys are rejected."""
 
     entries: tuple[RosterEntry, ...]
+    coordinator: RosterEntry | None
 
-    def __init__(self, entries: Iterable[RosterEntry]) -> None:
+    def __init__(self, entries: Iterable[RosterEntry], coordinator: RosterEntry | None = None) -> None:
         ordered = tuple(sorted(entries, key=lambda entry: entry.client_id))
         ids = [entry.client_id for entry in ordered]
         duplicates = sorted({i for i in ids if ids.count(i) > 1})
@@ -78,7 +83,19 @@ class Roster:
         keys = [entry.public_key for entry in ordered]
         if len(set(keys)) != len(keys):
             raise RosterError("two roster entries share one public key")
+        if coordinator is not None:
+            if coordinator.client_id in ids:
+                raise RosterError(
+                    f"the coordinator's id {coordinator.client_id!r} is also an institution's: give the "
+                    "coordinator its own id (secure-afl keys init --id coordinator)"
+                )
+            if coordinator.public_key in keys:
+                raise RosterError(
+                    "the coordinator's public key is also an institution's: the coordinator needs its own "
+                    "identity key (secure-afl keys init --id coordinator in another directory)"
+                )
         object.__setattr__(self, "entries", ordered)
+        object.__setattr__(self, "coordinator", coordinator)
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -110,10 +127,16 @@ class Roster:
         """SHA-256 over the roster's content (ids, names, keys in id order), length-prefixed.
 
         Two institutions compare it (or :attr:`fingerprint`) to know they pinned the same roster;
-        the file's formatting does not enter it.
+        the file's formatting does not enter it.  The coordinator, when the roster names one, enters
+        after the institutions behind a marker (a roster without one keeps the digest it always had).
         """
         hasher = hashlib.sha256(ROSTER_FORMAT.encode("ascii"))
         for entry in self.entries:
+            for part in (entry.client_id.encode("ascii"), entry.name.encode("utf-8"), entry.public_key):
+                hasher.update(len(part).to_bytes(4, "big") + part)
+        if self.coordinator is not None:
+            hasher.update(b"\xffcoordinator")  # no id length prefix is 0xff...: cannot collide with an entry
+            entry = self.coordinator
             for part in (entry.client_id.encode("ascii"), entry.name.encode("utf-8"), entry.public_key):
                 hasher.update(len(part).to_bytes(4, "big") + part)
         return hasher.digest()
@@ -125,21 +148,13 @@ class Roster:
         return "SHA256:" + " ".join(text[i : i + 4] for i in range(0, len(text), 4))
 
     def to_json(self) -> str:
-        return json.dumps(
-            {
-                "format": ROSTER_FORMAT,
-                "clients": [
-                    {
-                        "id": entry.client_id,
-                        "name": entry.name,
-                        "public_key": base64.b64encode(entry.public_key).decode("ascii"),
-                        "fingerprint": entry.fingerprint,
-                    }
-                    for entry in self.entries
-                ],
-            },
-            indent=2,
-        )
+        document: dict[str, object] = {
+            "format": ROSTER_FORMAT,
+            "clients": [_entry_json(entry) for entry in self.entries],
+        }
+        if self.coordinator is not None:
+            document["coordinator"] = _entry_json(self.coordinator)
+        return json.dumps(document, indent=2)
 
     @classmethod
     def from_json(cls, text: str) -> Roster:
@@ -147,20 +162,35 @@ class Roster:
             document = json.loads(text)
             if document.get("format") != ROSTER_FORMAT:
                 raise RosterError(f"not a {ROSTER_FORMAT} document")
-            entries = []
-            for item in document["clients"]:
-                if not isinstance(item["id"], str) or not isinstance(item["name"], str):
-                    raise RosterError(f"malformed roster: id and name must be strings in {item!r}")
-                entry = RosterEntry(
-                    client_id=item["id"],
-                    name=item["name"],
-                    public_key=base64.b64decode(item["public_key"], validate=True),
-                )
-                if "fingerprint" in item and item["fingerprint"] != entry.fingerprint:
-                    raise RosterError(f"client {entry.client_id!r}: fingerprint does not match its key")
-                entries.append(entry)
+            entries = [_entry_from_json(item) for item in document["clients"]]
+            coordinator = document.get("coordinator")
+            coordinator_entry = None if coordinator is None else _entry_from_json(coordinator)
         except RosterError:
             raise
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise RosterError(f"malformed roster: {exc}") from exc
-        return cls(entries)
+        return cls(entries, coordinator_entry)
+
+
+def _entry_json(entry: RosterEntry) -> dict[str, str]:
+    return {
+        "id": entry.client_id,
+        "name": entry.name,
+        "public_key": base64.b64encode(entry.public_key).decode("ascii"),
+        "fingerprint": entry.fingerprint,
+    }
+
+
+def _entry_from_json(item: dict[str, object]) -> RosterEntry:
+    if not isinstance(item["id"], str) or not isinstance(item["name"], str):
+        raise RosterError(f"malformed roster: id and name must be strings in {item!r}")
+    if not isinstance(item["public_key"], str):
+        raise RosterError(f"malformed roster: the public key of {item['id']!r} must be a base64 string")
+    entry = RosterEntry(
+        client_id=item["id"],
+        name=item["name"],
+        public_key=base64.b64decode(item["public_key"], validate=True),
+    )
+    if "fingerprint" in item and item["fingerprint"] != entry.fingerprint:
+        raise RosterError(f"client {entry.client_id!r}: fingerprint does not match its key")
+    return entry
