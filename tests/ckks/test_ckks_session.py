@@ -34,8 +34,10 @@ from secure_afl.protocol.ckks.messages import (
 )
 from secure_afl.protocol.ckks.state import CkksClientState
 from secure_afl.protocol.errors import (
+    DuplicateClientError,
     ExposureRefusedError,
     GroupTooSmallError,
+    InconsistentSurvivorsError,
     InvalidSignatureError,
     MessageDecodeError,
     ServerProtocolError,
@@ -310,7 +312,12 @@ def test_a_context_with_other_parameters_is_refused_by_a_peer(monkeypatch) -> No
     fed.clients[peer].receive(fed.requests_by_round["R1"][peer])
     sealed = next(item for item in distribution.contexts if item.recipient == peer)
     request = CkksInputRequest(
-        distribution.session_id, holder, distribution.public_context, distribution.signature, sealed
+        distribution.session_id,
+        holder,
+        distribution.public_context,
+        distribution.secret_digest,
+        distribution.signature,
+        sealed,
     )
     with pytest.raises(InvalidContextError, match=r"coefficient moduli are \[60, 40, 60\]"):
         fed.clients[peer].receive(request)
@@ -444,12 +451,80 @@ def test_a_decryption_request_with_foreign_bytes_is_refused() -> None:
     fed.run(until="R3")
     decryptor, request = next(iter(fed.requests_by_round["R3"].items()))
     group = request.groups[0]
-    summed = group.tensors[0]
-    bad = dataclasses.replace(
-        group, tensors=(dataclasses.replace(summed, chunks=(b"junk",)), *group.tensors[1:])
+    upload = group.uploads[0]
+    tensor = upload.tensors[0]
+    junk = dataclasses.replace(
+        upload, tensors=(dataclasses.replace(tensor, chunks=(b"junk",)), *upload.tensors[1:])
     )
-    with pytest.raises(InvalidSumCiphertextError):
+    bad = dataclasses.replace(group, uploads=(junk, *group.uploads[1:]))
+    with pytest.raises(InvalidSumCiphertextError, match="not the ones it signed"):
         fed.clients[decryptor].receive(CkksDecryptRequest(request.session_id, request.survivors, (bad,)))
+
+
+@pytest.mark.parametrize("how", ["one upload alone", "one upload twice", "another group's chunks"])
+def test_a_decryptor_decrypts_only_a_sum_it_computed_from_every_survivors_signed_upload(how: str) -> None:
+    """Issue 21.5: the server sends one client's ciphertext in place of a group sum.  The decryptor
+    now receives the signed uploads and sums them itself: it refuses anything but all of them."""
+    contributions = {
+        cid: {"a": {"gram": np.eye(3) * (k + 1)}, "b": {"gram": np.eye(3) * (k + 1)}}
+        for k, cid in enumerate(("c0", "c1", "c2"))
+    }
+    fed = Federation(contributions, min_group_size=2)
+    fed.run(until="R3")
+    decryptor, request = next(iter(fed.requests_by_round["R3"].items()))
+    group = request.groups[0]
+    victim = next(u for u in group.uploads if u.sender != decryptor)
+    if how == "one upload alone":
+        forged, error = dataclasses.replace(group, uploads=(victim,)), InconsistentSurvivorsError
+    elif how == "one upload twice":
+        forged, error = dataclasses.replace(group, uploads=(victim, victim, victim)), DuplicateClientError
+    else:  # the victim's chunks of the other group, under this group's name: not what it signed here
+        other = next(g for name, g in fed.server._requested.items() if name != group.group)
+        theirs = next(u for u in other.uploads if u.sender == victim.sender)
+        moved = tuple(dataclasses.replace(t, group=group.group) for t in theirs.tensors)
+        swapped = dataclasses.replace(victim, tensors=moved)
+        forged = dataclasses.replace(
+            group, uploads=tuple(swapped if u.sender == victim.sender else u for u in group.uploads)
+        )
+        error = InvalidSumCiphertextError
+    client = fed.clients[decryptor]
+    with pytest.raises(error):
+        client.receive(CkksDecryptRequest(request.session_id, request.survivors, (forged,)))
+    assert client.state is CkksClientState.FAILED and client._context is None  # the key is dropped
+
+
+def test_a_key_holder_that_seals_another_secret_context_for_one_peer_is_caught_by_that_peer() -> None:
+    """Issue 21.5: a malicious key holder gives one peer a different secret key (its public context
+    and signature unchanged).  The key holder signs a digest of the secret context it seals; the
+    peer checks its copy against it and refuses before encrypting anything."""
+    from secure_afl.protocol.ckks.messages import CkksKeyDistribution
+
+    fed = Federation(small_contributions())
+    victims = []
+
+    def other_context(sender, message):
+        if not isinstance(message, CkksKeyDistribution):
+            return message
+        holder, keyholder = sender, fed.clients[sender]
+        peer = next(c for c in fed.ids if c != holder)
+        victims.append(peer)
+        secret = context.secret_bytes(context.new_secret_context(fed.parameters))
+        sealed = next(item for item in message.contexts if item.recipient == peer)
+        shared = crypto.x25519_shared_secret(
+            keyholder._encryption_key, keyholder._adverts[peer].encryption_public_key
+        )
+        key = binding.context_encryption_key(shared, message.session_id, holder, peer)
+        associated = binding.context_associated_data(message.session_id, holder, peer, message.public_context)
+        resealed = dataclasses.replace(
+            sealed, ciphertext=crypto.encrypt_share(key, sealed.nonce, secret, associated)
+        )
+        return dataclasses.replace(
+            message, contexts=tuple(resealed if c.recipient == peer else c for c in message.contexts)
+        )
+
+    with pytest.raises(InvalidContextError, match="not the one it committed to"):
+        fed.run(to_server=other_context)
+    assert fed.clients[victims[0]].state is CkksClientState.FAILED
 
 
 def test_the_server_cannot_name_the_key_holder() -> None:

@@ -9,6 +9,7 @@ to 2^-24 (SECURITY.md §7.3); the weights differ by 5e-11 here (measured), the t
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -16,12 +17,14 @@ import numpy as np
 import pytest
 
 from secure_afl.cli_deploy import reference_classifier
-from secure_afl.deploy.client import NodeSettings, ReplayGate, _client_session
+from secure_afl.deploy.client import NodeSettings, _client_session
 from secure_afl.deploy.errors import ConfigurationError, FederationAbortedError
 from secure_afl.deploy.server import FederationServer
 from secure_afl.deploy.study import Method, Study
 from secure_afl.deploy.wire import Envelope
 from secure_afl.keys import Roster, load_identity_key
+from secure_afl.privacy.ledger import MemoryLedger
+from secure_afl.privacy.release import Release
 from secure_afl.protocol.ckks import codec, context
 from secure_afl.protocol.ckks.context import CkksParameters
 from secure_afl.protocol.ckks.messages import CkksAdvertiseRequest, CkksKeyDistribution
@@ -165,10 +168,10 @@ def test_the_server_never_receives_a_secret_key(tmp_path: Path) -> None:
     for key, values in saved["inputs"].items():
         group, tensor = key.split("|", 1)
         inputs.setdefault(group, {})[tensor] = np.asarray(values)
-    gate = ReplayGate(None, live=False)
+    release = Release.from_json(json.loads(saved["release"]))
     client = _client_session(
         federation.study.backend(4), node.client_id, identity, roster, inputs, saved["seed"],
-        federation.study, gate,
+        federation.study, MemoryLedger(), release, 0,
     )  # fmt: skip
     for data in saved["messages"]:
         client.receive_bytes(data)

@@ -15,7 +15,14 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from secure_afl.protocol import crypto
 from secure_afl.protocol.fields import sequence, tagged_fields
 
-from .messages import CkksAdvertise, CkksSessionConfig, DecryptedTensor, EncryptedSum, EncryptedTensor
+from .messages import (
+    CkksAdvertise,
+    CkksSessionConfig,
+    DecryptedTensor,
+    EncryptedTensor,
+    SignedUpload,
+    TensorDigests,
+)
 
 CONFIG_DOMAIN = b"secure-afl/ckks/v1/session-config"
 LAYOUT_GROUP_DOMAIN = b"secure-afl/ckks/v1/layout-group"
@@ -104,16 +111,28 @@ def key_holder(session_id: bytes, adverts_digest: bytes, client_ids: Iterable[st
 
 
 def public_context_fields(
-    session_id: bytes, digest: bytes, adverts_digest: bytes, key_holder_id: str, public_context: bytes
+    session_id: bytes,
+    digest: bytes,
+    adverts_digest: bytes,
+    key_holder_id: str,
+    public_context: bytes,
+    secret_digest: bytes,
 ) -> tuple[bytes, tuple]:
-    """(domain, fields) the key holder signs: the transcript and the digest of the public context."""
+    """(domain, fields) the key holder signs: the transcript, the digest of the public context and
+    the digest of the secret context it seals for every peer (each peer checks its copy)."""
     return KEYS_DOMAIN, (
         session_id,
         digest,
         adverts_digest,
         key_holder_id,
         hashlib.sha256(public_context).digest(),
+        secret_digest,
     )
+
+
+def secret_context_digest(secret: bytes) -> bytes:
+    """SHA-256 of the serialised secret context (the key holder commits to it)."""
+    return hashlib.sha256(b"secure-afl/ckks/v1/secret-context\x00" + secret).digest()
 
 
 def context_encryption_key(shared_secret: bytes, session_id: bytes, sender: str, recipient: str) -> bytes:
@@ -131,18 +150,27 @@ def context_associated_data(session_id: bytes, sender: str, recipient: str, publ
     )
 
 
+def tensor_digests(tensors: Iterable[EncryptedTensor]) -> tuple[TensorDigests, ...]:
+    """Every chunk's SHA-256, per tensor, in order: what an upload's signature covers."""
+    return tuple(
+        TensorDigests(t.group, t.tensor, tuple(hashlib.sha256(chunk).digest() for chunk in t.chunks))
+        for t in tensors
+    )
+
+
 def input_fields(
     session_id: bytes, digest: bytes, sender: str, tensors: Iterable[EncryptedTensor]
 ) -> tuple[bytes, tuple]:
     """(domain, fields) a client signs over its upload: every chunk's SHA-256, in order."""
+    return input_fields_of_digests(session_id, digest, sender, tensor_digests(tensors))
+
+
+def input_fields_of_digests(
+    session_id: bytes, digest: bytes, sender: str, digests: Iterable[TensorDigests]
+) -> tuple[bytes, tuple]:
+    """:func:`input_fields` from the chunk digests alone (a decryptor checks an upload by them)."""
     entries = sequence(
-        tagged_fields(
-            INPUT_TENSOR_DOMAIN,
-            t.group,
-            t.tensor,
-            sequence(hashlib.sha256(chunk).digest() for chunk in t.chunks),
-        )
-        for t in tensors
+        tagged_fields(INPUT_TENSOR_DOMAIN, d.group, d.tensor, sequence(d.chunk_digests)) for d in digests
     )
     return INPUT_DOMAIN, (session_id, digest, sender, entries)
 
@@ -153,15 +181,23 @@ def decryption_fields(
     adverts_digest: bytes,
     group: str,
     survivors: tuple[str, ...],
-    ciphertexts: Iterable[EncryptedSum],
+    uploads: Iterable[SignedUpload],
     plaintexts: Iterable[DecryptedTensor],
 ) -> tuple[bytes, tuple]:
-    """(domain, fields) a decryptor signs: the group, whose inputs it sums, what it decrypted, the result."""
+    """(domain, fields) a decryptor signs: the group, whose signed uploads it summed (each one's
+    chunk digests for this group), and the result."""
     cipher = sequence(
         tagged_fields(
-            DECRYPTED_TENSOR_DOMAIN, s.tensor, sequence(hashlib.sha256(chunk).digest() for chunk in s.chunks)
+            DECRYPTED_TENSOR_DOMAIN,
+            u.sender,
+            sequence(
+                tagged_fields(
+                    DECRYPTED_TENSOR_DOMAIN, t.tensor, sequence(hashlib.sha256(c).digest() for c in t.chunks)
+                )
+                for t in u.tensors
+            ),
         )
-        for s in ciphertexts
+        for u in sorted(uploads, key=lambda upload: upload.sender)
     )
     plain = sequence(
         tagged_fields(DECRYPTED_TENSOR_DOMAIN, t.tensor, hashlib.sha256(t.data).digest()) for t in plaintexts

@@ -7,6 +7,7 @@ leaves the client FAILED with its session secrets (X25519 key, CKKS context) dro
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -61,6 +62,7 @@ from .messages import (
     DecryptedTensor,
     EncryptedContext,
     EncryptedTensor,
+    GroupUploads,
 )
 from .state import CLIENT_REPEATS, CLIENT_TRANSITIONS, CkksClientState
 
@@ -358,6 +360,7 @@ class CkksClientSession:
             secret_context = context.new_secret_context(config.parameters)
             public = context.public_bytes(secret_context)
             secret = context.secret_bytes(secret_context)
+            secret_digest = binding.secret_context_digest(secret)  # every peer checks its copy against it
             del secret_context
             sealed = []
             for peer in sorted(adverts):
@@ -373,11 +376,13 @@ class CkksClientSession:
                     )
                 )
             domain, fields = binding.public_context_fields(
-                config.session_id, self._config_digest, adverts_digest, self.client_id, public
+                config.session_id, self._config_digest, adverts_digest, self.client_id, public, secret_digest
             )
             signature = crypto.sign(self._identity.private_key, domain, *fields)
             replies.append(
-                CkksKeyDistribution(config.session_id, self.client_id, public, signature, tuple(sealed))
+                CkksKeyDistribution(
+                    config.session_id, self.client_id, public, secret_digest, signature, tuple(sealed)
+                )
             )
 
         def commit() -> None:
@@ -404,6 +409,7 @@ class CkksClientSession:
             self._adverts_digest,
             self._key_holder,
             request.public_context,
+            request.secret_digest,
         )
         if not crypto.verify(self._roster.public_key(self._key_holder), request.signature, domain, *fields):
             raise InvalidSignatureError(
@@ -426,6 +432,11 @@ class CkksClientSession:
             raise InvalidContextError(
                 f"the secret context from {self._key_holder!r} fails authentication"
             ) from exc
+        if binding.secret_context_digest(secret) != request.secret_digest:
+            raise InvalidContextError(
+                f"the secret context {self._key_holder!r} sealed for this client is not the one it committed "
+                f"to in its signed key message: the key holder gave peers different keys"
+            )
         try:
             secret_context = context.load_context(secret)
         except ValueError as exc:
@@ -509,35 +520,18 @@ class CkksClientSession:
                     f"asked to decrypt group {item.group!r}, of which this client is not a member"
                 )
             spec = {t.name: t.length for t in config.group(item.group).tensors}
-            if [s.tensor for s in item.tensors] != sorted(spec):
-                raise ServerProtocolError(
-                    f"group {item.group!r}: the summed tensors are not the group's layout"
-                )
+            summed = self._verified_sum(config, item, spec, live)
             plaintexts = []
-            for summed in item.tensors:
-                length = spec[summed.tensor]
-                lengths = context.chunk_lengths(length, config.parameters)
-                if len(summed.chunks) != len(lengths):
-                    raise InvalidSumCiphertextError(
-                        f"{item.group}/{summed.tensor}: {len(summed.chunks)} ciphertexts, "
-                        f"expected {len(lengths)}"
-                    )
-                try:
-                    vectors = [
-                        context.load_ciphertext(self._context, chunk, n, config.parameters)
-                        for chunk, n in zip(summed.chunks, lengths, strict=True)
-                    ]
-                except ValueError as exc:
-                    raise InvalidSumCiphertextError(f"{item.group}/{summed.tensor}: {exc}") from None
-                values = context.decrypt(self._context, vectors, config.parameters)
-                plaintexts.append(DecryptedTensor(summed.tensor, values.astype("<f8").tobytes()))
+            for tensor in sorted(spec):
+                values = context.decrypt(self._context, summed[tensor], config.parameters)
+                plaintexts.append(DecryptedTensor(tensor, values.astype("<f8").tobytes()))
             domain, fields = binding.decryption_fields(
                 config.session_id,
                 self._config_digest,
                 self._adverts_digest,
                 item.group,
                 tuple(c for c in self._members[item.group] if c in live),
-                item.tensors,
+                item.uploads,
                 plaintexts,
             )
             signature = crypto.sign(self._identity.private_key, domain, *fields)
@@ -550,6 +544,65 @@ class CkksClientSession:
             self._gate.findings.extend(f for f in findings if f not in self._gate.findings)
 
         return [reply], commit
+
+    def _verified_sum(
+        self, config: CkksSessionConfig, item: GroupUploads, spec: Mapping[str, int], live: frozenset[str]
+    ) -> dict[str, list]:
+        """The group's sum, computed here from its survivors' signed uploads (never a ciphertext the
+        server summed): exactly one upload from each surviving member, each signed by its sender over
+        the digests of all its chunks, the chunks given matching those digests."""
+        expected = tuple(c for c in self._members[item.group] if c in live)
+        senders = [upload.sender for upload in item.uploads]
+        if len(set(senders)) != len(senders):
+            raise DuplicateClientError(f"group {item.group!r}: two uploads from one client")
+        if sorted(senders) != sorted(expected):
+            raise InconsistentSurvivorsError(
+                f"group {item.group!r}: the uploads are from {sorted(senders)}, its survivors are "
+                f"{sorted(expected)}: a decryptor sums every survivor's upload, never fewer"
+            )
+        if len(expected) < config.min_group_size:  # also checked on the survivor set; never decrypt less
+            raise InconsistentSurvivorsError(f"group {item.group!r} has {len(expected)} survivors")
+        totals: dict[str, list] = {}
+        for upload in item.uploads:
+            domain, fields = binding.input_fields_of_digests(
+                config.session_id, self._config_digest, upload.sender, upload.digests
+            )
+            if not crypto.verify(self._roster.public_key(upload.sender), upload.signature, domain, *fields):
+                raise InvalidSignatureError(
+                    f"group {item.group!r}: the upload of {upload.sender!r} is not signed by it"
+                )
+            listed = {(d.group, d.tensor): d.chunk_digests for d in upload.digests}
+            if [(t.group, t.tensor) for t in upload.tensors] != [(item.group, name) for name in sorted(spec)]:
+                raise ServerProtocolError(
+                    f"group {item.group!r}: the upload of {upload.sender!r} lacks the group's tensors"
+                )
+            for tensor in upload.tensors:
+                digests = tuple(hashlib.sha256(chunk).digest() for chunk in tensor.chunks)
+                if listed.get((tensor.group, tensor.tensor)) != digests:
+                    raise InvalidSumCiphertextError(
+                        f"{item.group}/{tensor.tensor}: the ciphertexts of {upload.sender!r} are not the "
+                        f"ones it signed"
+                    )
+                lengths = context.chunk_lengths(spec[tensor.tensor], config.parameters)
+                if len(tensor.chunks) != len(lengths):
+                    raise InvalidSumCiphertextError(
+                        f"{item.group}/{tensor.tensor}: {len(tensor.chunks)} ciphertexts, "
+                        f"expected {len(lengths)}"
+                    )
+                try:
+                    vectors = [
+                        context.load_ciphertext(self._context, chunk, n, config.parameters)
+                        for chunk, n in zip(tensor.chunks, lengths, strict=True)
+                    ]
+                except ValueError as exc:
+                    raise InvalidSumCiphertextError(f"{item.group}/{tensor.tensor}: {exc}") from None
+                total = totals.get(tensor.tensor)
+                if total is None:
+                    totals[tensor.tensor] = vectors
+                else:
+                    for accumulated, vector in zip(total, vectors, strict=True):
+                        accumulated.add_(vector)
+        return totals
 
     # --- helpers ----------------------------------------------------------------------------------
 

@@ -41,12 +41,13 @@ from .messages import (
     DecryptedGroup,
     DecryptedTensor,
     EncryptedContext,
-    EncryptedGroupSum,
-    EncryptedSum,
     EncryptedTensor,
+    GroupUploads,
+    SignedUpload,
+    TensorDigests,
 )
 
-WIRE_VERSION = 0xC1
+WIRE_VERSION = 0xC2  # 0xC1 sent group sums for decryption; 0xC2 the signed uploads
 MAX_TENSOR_VALUES = ((1 << 32) - 1) // 8
 _TAGS: dict[type, int] = {
     CkksAdvertiseRequest: 1,
@@ -69,23 +70,33 @@ def max_message_bytes(config: CkksSessionConfig, n_clients: int) -> int:
     ct = _BLOB_PREFIX + p.max_ciphertext_bytes()
     sealed_context = s + s + NONCE_BYTES + _BLOB_PREFIX + p.max_context_bytes() + _AEAD_TAG
     public_context = _BLOB_PREFIX + p.max_context_bytes()
-    encrypted = plain = 0
+    encrypted = plain = digests = uploads = 0
     config_bytes = SESSION_ID_BYTES + 4 + 4 + 4 + 16 + 2 + 4
     for group in config.groups:
         config_bytes += s + 4 + len(group.tensors) * (s + 4)
         encrypted += s + 4 + SIGNATURE_BYTES
         for tensor in group.tensors:
             encrypted += s + s + 4 + p.chunks(tensor.length) * ct
+            digests += s + s + 4 + p.chunks(tensor.length) * DIGEST_BYTES
             plain += s + _BLOB_PREFIX + 8 * tensor.length
+    for group in config.groups:  # every survivor's upload of every group, with its digests
+        group_bytes = 4 + sum(s + s + 4 + p.chunks(t.length) * ct for t in group.tensors)
+        uploads += s + 4 + n_clients * (s + 4 + digests + SIGNATURE_BYTES + group_bytes)
     advert = SESSION_ID_BYTES + s + KEY_BYTES + DIGEST_BYTES + 4 + len(config.groups) * s + SIGNATURE_BYTES
     bodies = (
         config_bytes,
         advert,
         SESSION_ID_BYTES + 4 + n_clients * advert,
-        SESSION_ID_BYTES + s + public_context + SIGNATURE_BYTES + 4 + n_clients * sealed_context,
-        SESSION_ID_BYTES + s + public_context + SIGNATURE_BYTES + 1 + sealed_context,
+        SESSION_ID_BYTES
+        + s
+        + public_context
+        + DIGEST_BYTES
+        + SIGNATURE_BYTES
+        + 4
+        + n_clients * sealed_context,
+        SESSION_ID_BYTES + s + public_context + DIGEST_BYTES + SIGNATURE_BYTES + 1 + sealed_context,
         SESSION_ID_BYTES + s + 4 + encrypted + SIGNATURE_BYTES,  # CkksInput
-        SESSION_ID_BYTES + 4 + n_clients * s + 4 + encrypted,  # CkksDecryptRequest
+        SESSION_ID_BYTES + 4 + n_clients * s + 4 + uploads,  # CkksDecryptRequest
         SESSION_ID_BYTES + s + 4 + plain + len(config.groups) * (s + 4 + SIGNATURE_BYTES),
     )
     return 2 + max(bodies)
@@ -151,6 +162,7 @@ def _write_input_request(w: _Writer, m: CkksInputRequest) -> None:
     w.fixed(m.session_id, SESSION_ID_BYTES, "session id")
     w.string(m.key_holder)
     _blob(w, m.public_context, "public context")
+    w.fixed(m.secret_digest, DIGEST_BYTES, "secret context digest")
     w.fixed(m.signature, SIGNATURE_BYTES, "signature")
     w.uint(0 if m.context is None else 1, 1)
     if m.context is not None:
@@ -163,11 +175,22 @@ def _write_encrypted_tensor(w: _Writer, m: EncryptedTensor) -> None:
     _write_chunks(w, m.chunks)
 
 
-def _write_group_sum(w: _Writer, m: EncryptedGroupSum) -> None:
+def _write_digests(w: _Writer, m: TensorDigests) -> None:
     w.string(m.group)
-    w.sequence(
-        m.tensors, _typed(EncryptedSum, lambda w, s: (w.string(s.tensor), _write_chunks(w, s.chunks)), w)
-    )  # type: ignore[arg-type,union-attr]
+    w.string(m.tensor)
+    w.sequence(m.chunk_digests, lambda d: w.fixed(d, DIGEST_BYTES, "chunk digest"))  # type: ignore[arg-type]
+
+
+def _write_upload(w: _Writer, m: SignedUpload) -> None:
+    w.string(m.sender)
+    w.sequence(m.digests, _typed(TensorDigests, _write_digests, w))  # type: ignore[arg-type]
+    w.fixed(m.signature, SIGNATURE_BYTES, "signature")
+    w.sequence(m.tensors, _typed(EncryptedTensor, _write_encrypted_tensor, w))  # type: ignore[arg-type]
+
+
+def _write_group_uploads(w: _Writer, m: GroupUploads) -> None:
+    w.string(m.group)
+    w.sequence(m.uploads, _typed(SignedUpload, _write_upload, w))  # type: ignore[arg-type]
 
 
 def _write_decrypted_group(w: _Writer, m: DecryptedGroup) -> None:
@@ -189,6 +212,7 @@ _WRITERS: dict[type, Callable[[_Writer, object], None]] = {
         w.fixed(m.session_id, SESSION_ID_BYTES, "session id"),
         w.string(m.sender),
         _blob(w, m.public_context, "public context"),
+        w.fixed(m.secret_digest, DIGEST_BYTES, "secret context digest"),
         w.fixed(m.signature, SIGNATURE_BYTES, "signature"),
         w.sequence(m.contexts, _typed(EncryptedContext, _write_sealed, w)),  # type: ignore[arg-type]
     ),
@@ -202,7 +226,7 @@ _WRITERS: dict[type, Callable[[_Writer, object], None]] = {
     CkksDecryptRequest: lambda w, m: (
         w.fixed(m.session_id, SESSION_ID_BYTES, "session id"),
         w.sequence(m.survivors, w.string),  # type: ignore[arg-type]
-        w.sequence(m.groups, _typed(EncryptedGroupSum, _write_group_sum, w)),  # type: ignore[arg-type]
+        w.sequence(m.groups, _typed(GroupUploads, _write_group_uploads, w)),  # type: ignore[arg-type]
     ),
     CkksDecryption: lambda w, m: (
         w.fixed(m.session_id, SESSION_ID_BYTES, "session id"),
@@ -263,16 +287,36 @@ def _read_chunks(r: _Reader) -> tuple[bytes, ...]:
 
 
 def _read_input_request(r: _Reader) -> CkksInputRequest:
-    session_id, holder, public, signature = (
+    session_id, holder, public, secret_digest, signature = (
         r.take(SESSION_ID_BYTES),
         r.string(),
         _read_blob(r),
+        r.take(DIGEST_BYTES),
         r.take(SIGNATURE_BYTES),
     )
     flag = r.uint(1)
     if flag not in (0, 1):
         raise MessageDecodeError(f"context flag must be 0 or 1, got {flag}")
-    return CkksInputRequest(session_id, holder, public, signature, _read_sealed(r) if flag else None)
+    sealed = _read_sealed(r) if flag else None
+    return CkksInputRequest(session_id, holder, public, secret_digest, signature, sealed)
+
+
+def _read_tensor(r: _Reader) -> EncryptedTensor:
+    return EncryptedTensor(r.string(), r.string(), _read_chunks(r))
+
+
+def _read_upload(r: _Reader) -> SignedUpload:
+    return SignedUpload(
+        r.string(),
+        r.sequence(
+            lambda: TensorDigests(
+                r.string(), r.string(), r.sequence(lambda: r.take(DIGEST_BYTES), DIGEST_BYTES)
+            ),
+            10,
+        ),
+        r.take(SIGNATURE_BYTES),
+        r.sequence(lambda: _read_tensor(r), 10),
+    )
 
 
 _READERS: dict[int, Callable[[_Reader], CkksMessage]] = {
@@ -283,6 +327,7 @@ _READERS: dict[int, Callable[[_Reader], CkksMessage]] = {
         r.take(SESSION_ID_BYTES),
         r.string(),
         _read_blob(r),
+        r.take(DIGEST_BYTES),
         r.take(SIGNATURE_BYTES),
         r.sequence(lambda: _read_sealed(r), 20),
     ),
@@ -296,12 +341,7 @@ _READERS: dict[int, Callable[[_Reader], CkksMessage]] = {
     7: lambda r: CkksDecryptRequest(
         r.take(SESSION_ID_BYTES),
         r.sequence(r.string, 3),
-        r.sequence(
-            lambda: EncryptedGroupSum(
-                r.string(), r.sequence(lambda: EncryptedSum(r.string(), _read_chunks(r)), 7)
-            ),
-            7,
-        ),
+        r.sequence(lambda: GroupUploads(r.string(), r.sequence(lambda: _read_upload(r), 75)), 7),
     ),
     8: lambda r: CkksDecryption(
         r.take(SESSION_ID_BYTES),

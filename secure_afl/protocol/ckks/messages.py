@@ -9,9 +9,11 @@ R1    server -> each in U1        :class:`CkksKeyRequest` (every advertisement)
 R2    server -> each in U1        :class:`CkksInputRequest` (the public context, signature and
                                   this client's encrypted secret context)
       client -> server            :class:`CkksInput` (ciphertext chunks per group and tensor, signed)
-R3    server -> each decryptor    :class:`CkksDecryptRequest` (survivors U2, summed ciphertexts of
-                                  the groups it decrypts); repeated for groups whose decryptor dropped
-      decryptor -> server         :class:`CkksDecryption` (each group's sums, signed)
+R3    server -> each decryptor    :class:`CkksDecryptRequest` (survivors U2 and, per group it decrypts,
+                                  every surviving member's signed upload of that group); repeated for
+                                  groups whose decryptor dropped
+      decryptor -> server         :class:`CkksDecryption` (each group's sums, which it computed
+                                  itself from the signed uploads, signed)
 ====  ==========================  =====================================================
 
 Group layouts reuse the masking backend's :class:`~secure_afl.protocol.messages.GroupSpec`; a tensor's
@@ -78,11 +80,13 @@ class EncryptedContext:
 
 @dataclass(frozen=True, slots=True)
 class CkksKeyDistribution:
-    """The key holder's public context (no key) signed over the transcript, and the peers' secret ones."""
+    """The key holder's public context (no key) and the SHA-256 of the secret context it seals for
+    every peer, both signed over the transcript, and the peers' sealed secret contexts."""
 
     session_id: bytes
     sender: str
     public_context: bytes
+    secret_digest: bytes
     signature: bytes
     contexts: tuple[EncryptedContext, ...]
 
@@ -95,6 +99,7 @@ class CkksInputRequest:
     session_id: bytes
     key_holder: str
     public_context: bytes
+    secret_digest: bytes  # what every peer's unwrapped secret context must hash to (signed)
     signature: bytes
     context: EncryptedContext | None
 
@@ -117,26 +122,41 @@ class CkksInput:
 
 
 @dataclass(frozen=True, slots=True)
-class EncryptedSum:
-    """One tensor's summed ciphertexts."""
+class TensorDigests:
+    """The SHA-256 of each ciphertext chunk of one tensor of an upload (what its signature covers)."""
 
+    group: str
     tensor: str
-    chunks: tuple[bytes, ...]
+    chunk_digests: tuple[bytes, ...]
 
 
 @dataclass(frozen=True, slots=True)
-class EncryptedGroupSum:
+class SignedUpload:
+    """One survivor's upload as a decryptor checks it: the digests of *all* its tensors with its
+    signature over them (as in :class:`CkksInput`), and the ciphertexts of one group's tensors."""
+
+    sender: str
+    digests: tuple[TensorDigests, ...]
+    signature: bytes
+    tensors: tuple[EncryptedTensor, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class GroupUploads:
+    """A group to decrypt: every surviving member's signed upload of it."""
+
     group: str
-    tensors: tuple[EncryptedSum, ...]
+    uploads: tuple[SignedUpload, ...]
 
 
 @dataclass(frozen=True, slots=True)
 class CkksDecryptRequest:
-    """The clients whose inputs are in the sums (U2) and the summed ciphertexts of the groups to decrypt."""
+    """The clients whose inputs count (U2) and, per group to decrypt, the survivors' signed uploads:
+    the decryptor sums them itself, so it never decrypts anything but a group sum."""
 
     session_id: bytes
     survivors: tuple[str, ...]
-    groups: tuple[EncryptedGroupSum, ...]
+    groups: tuple[GroupUploads, ...]
 
 
 @dataclass(frozen=True, slots=True)

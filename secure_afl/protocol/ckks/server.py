@@ -47,8 +47,8 @@ from .messages import (
     CkksKeyRequest,
     CkksServerMessage,
     CkksSessionConfig,
-    EncryptedGroupSum,
-    EncryptedSum,
+    GroupUploads,
+    SignedUpload,
 )
 from .state import SERVER_ACCEPTS, SERVER_NEXT_ROUND, CkksServerRound
 
@@ -93,11 +93,11 @@ class CkksServerSession:
         self._replaced_key_holders: tuple[str, ...] = ()  # key holders that sent no key, in order
         self._keys: CkksKeyDistribution | None = None
         self._public_context = None  # TenSEAL context without any key
-        self._sums: dict[tuple[str, str], list] = {}  # (group, tensor) -> summed ciphertext chunks
+        self._uploads: dict[str, CkksInput] = {}  # sender -> its checked, signed upload
         self._input_senders: set[str] = set()
         self._survivors: tuple[str, ...] = ()
         self._assigned: dict[str, str] = {}  # group -> its current decryptor
-        self._requested: dict[str, EncryptedGroupSum] = {}  # group -> the ciphertexts sent for decryption
+        self._requested: dict[str, GroupUploads] = {}  # group -> the signed uploads sent for decryption
         self._failed_decryptors: set[str] = set()
         self._decrypted: dict[str, tuple[str, dict[str, np.ndarray]]] = {}
         self._result: CkksAggregationResult | None = None
@@ -211,6 +211,7 @@ class CkksServerSession:
             self._adverts_digest,
             message.sender,
             message.public_context,
+            message.secret_digest,
         )
         if not crypto.verify(self._roster.public_key(message.sender), message.signature, domain, *fields):
             raise InvalidSignatureError(
@@ -261,7 +262,6 @@ class CkksServerSession:
                 f"the ciphertexts of {message.sender!r} do not match its signature (corrupted or forged)"
             )
         parameters = self._config.parameters
-        loaded = []
         for item in message.tensors:
             lengths = context.chunk_lengths(expected[(item.group, item.tensor)], parameters)
             if len(item.chunks) != len(lengths):
@@ -269,24 +269,15 @@ class CkksServerSession:
                     f"{message.sender!r}: {item.group}/{item.tensor} has {len(item.chunks)} ciphertexts, "
                     f"expected {len(lengths)}"
                 )
-            try:
-                vectors = [
+            try:  # a ciphertext that does not load is refused now, not at its decryptor
+                for chunk, n in zip(item.chunks, lengths, strict=True):
                     context.load_ciphertext(self._public_context, chunk, n, parameters)
-                    for chunk, n in zip(item.chunks, lengths, strict=True)
-                ]
             except ValueError as exc:
                 raise InvalidCiphertextError(
                     f"{message.sender!r}: {item.group}/{item.tensor}: {exc}"
                 ) from None
-            loaded.append(((item.group, item.tensor), vectors))
-        # Every check passed: only now touch the sums (in place, one addition per chunk).
-        for key, vectors in loaded:
-            accumulator = self._sums.get(key)
-            if accumulator is None:
-                self._sums[key] = vectors
-            else:
-                for total, vector in zip(accumulator, vectors, strict=True):
-                    total.add_(vector)
+        # Every check passed: keep the signed upload (each decryptor sums its group's itself).
+        self._uploads[message.sender] = message
         self._input_senders.add(message.sender)
 
     def _receive_decryption(self, message: CkksDecryption) -> None:
@@ -307,7 +298,7 @@ class CkksServerSession:
                 self._adverts_digest,
                 item.group,
                 survivors,
-                self._requested[item.group].tensors,
+                self._requested[item.group].uploads,
                 item.tensors,
             )
             if not crypto.verify(self._roster.public_key(sender), item.signature, domain, *fields):
@@ -386,7 +377,12 @@ class CkksServerSession:
         sealed = {item.recipient: item for item in keys.contexts}
         return {
             cid: CkksInputRequest(
-                self._config.session_id, keys.sender, keys.public_context, keys.signature, sealed.get(cid)
+                self._config.session_id,
+                keys.sender,
+                keys.public_context,
+                keys.secret_digest,
+                keys.signature,
+                sealed.get(cid),
             )
             for cid in sorted(self._adverts)
         }
@@ -394,19 +390,24 @@ class CkksServerSession:
     def _close_input(self) -> dict[str, CkksServerMessage]:
         self._survivors = tuple(sorted(self._input_senders))
         self._check_groups(set(self._survivors), "after R2")
+        survivors = set(self._survivors)
         self._requested = {
-            group.name: EncryptedGroupSum(
+            group.name: GroupUploads(
                 group.name,
                 tuple(
-                    EncryptedSum(
-                        t.name, tuple(chunk.serialize() for chunk in self._sums[(group.name, t.name)])
+                    SignedUpload(
+                        sender,
+                        binding.tensor_digests(self._uploads[sender].tensors),
+                        self._uploads[sender].signature,
+                        tuple(t for t in self._uploads[sender].tensors if t.group == group.name),
                     )
-                    for t in sorted(group.tensors, key=lambda spec: spec.name)
+                    for sender in self._members[group.name]
+                    if sender in survivors
                 ),
             )
             for group in self._config.groups
         }
-        self._sums = {}  # the serialised sums are what the decryptors get and sign
+        self._uploads = {}  # the signed uploads, per group, are what the decryptors get
         return self._assign(sorted(self._requested))
 
     def _close_decrypt(self) -> dict[str, CkksServerMessage]:
