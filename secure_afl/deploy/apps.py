@@ -8,7 +8,10 @@ Component references for a Flower app's ``pyproject.toml``::
     clientapp = "secure_afl.deploy.apps:client_app"
 
 Run config (``[tool.flwr.app.config]``, all read by the ServerApp on the server's machine):
-``roster`` (path), ``out-dir`` (where ``classifier.json`` and ``report.json`` go), ``classes``
+``roster`` (path; it must name the coordinator), ``identity-key`` and ``passphrase-file`` (paths:
+the coordinator's encrypted identity key, whose public key is the roster's ``coordinator``, and the
+file holding its passphrase; the classifier file is signed with it), ``out-dir`` (where
+``classifier.json`` and ``report.json`` go), ``classes``
 (comma-separated), ``dim``, ``backbone``, ``weights-id``, ``preprocessing``, ``gamma``, ``balance``,
 ``gram``, ``rounds``, ``protection`` (``mask``, the default, or ``ckks``), ``ckks-degree`` (8192),
 ``ckks-moduli`` (comma-separated bit sizes, ``60,40,40,60``), ``ckks-scale-bits`` (40),
@@ -40,6 +43,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from secure_afl.keys.roster import Roster
 
+from .classifier import ClassifierSigner, write_classifier_file
 from .client import NodeSettings, handle
 from .errors import ConfigurationError, DeploymentError
 from .server import FederationServer
@@ -138,6 +142,32 @@ def study_from_run_config(config: Mapping[str, Any]) -> Study:
         raise ConfigurationError(f"the run config has a malformed number: {exc}") from None
 
 
+def coordinator_signer(config: Mapping[str, Any], roster: Roster) -> ClassifierSigner:
+    """The coordinator's identity from the run config (``identity-key``, ``passphrase-file``)."""
+    import click
+
+    from secure_afl.keys.commands import read_passphrase_file
+    from secure_afl.keys.files import KeyFileError, load_identity_key
+
+    missing = [key for key in ("identity-key", "passphrase-file") if not str(config.get(key, ""))]
+    if missing:
+        raise ConfigurationError(
+            f"the run config lacks {missing}: the coordinator signs the classifier file with its roster "
+            "identity. Create it with `secure-afl keys init --id coordinator --dir DIR`, add "
+            "DIR/identity.pub.json to the roster with `secure-afl keys roster add --coordinator --entry "
+            "...`, and set identity-key (DIR/identity.key) and passphrase-file in the run config"
+        )
+    try:
+        passphrase = read_passphrase_file(Path(str(config["passphrase-file"])))
+    except click.ClickException as exc:  # a missing file or open permissions
+        raise ConfigurationError(f"the run config's passphrase-file: {exc.message}") from None
+    try:
+        key = load_identity_key(Path(str(config["identity-key"])), passphrase)
+    except KeyFileError as exc:
+        raise ConfigurationError(f"the run config's identity-key: {exc}") from None
+    return ClassifierSigner.for_roster(roster, key)
+
+
 def _dp_from_run_config(config: Mapping[str, Any]) -> StudyDp | None:
     if "dp-epsilon" not in config:
         return None
@@ -165,6 +195,8 @@ def server_main(grid: Grid, context: Context) -> None:
     out_dir = Path(str(config["out-dir"]))
     out_dir.mkdir(parents=True, exist_ok=True)
     roster = Roster.from_json(Path(str(config["roster"])).read_text(encoding="utf-8"))
+    signer = coordinator_signer(config, roster)  # before any session: a bad key stops the run here
+    _log(f"signing the classifier as {signer.coordinator_id} ({signer.key.fingerprint})")
     study = study_from_run_config(config)
     _log(f"protection: {study.describe_protection()}")
     server = FederationServer(
@@ -176,13 +208,14 @@ def server_main(grid: Grid, context: Context) -> None:
         connect_timeout=float(config.get("connect-timeout", 300)),
         min_nodes=int(config.get("min-nodes", 0)) or None,
         log=_log,
+        signer=signer,
     )
     report_path = out_dir / "report.json"
     try:
         classifier = server.run()
         path = out_dir / "classifier.json"
-        classifier.save(path)
-        _log(f"wrote {path}")
+        write_classifier_file(path, server.sign(classifier))
+        _log(f"wrote {path} (signed by {signer.coordinator_id})")
         stored = server.deliver(classifier)
         _log(f"classifier stored by {list(stored)}")
     except DeploymentError as exc:

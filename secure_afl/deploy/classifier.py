@@ -1,9 +1,9 @@
 """The classifier file and the predictions ``secure-afl predict`` makes with it.
 
-One JSON document (``secure-afl-classifier/v1``), nothing executable, no pickle::
+One JSON document (``secure-afl-classifier/v2``), nothing executable, no pickle::
 
     {
-      "format": "secure-afl-classifier/v1",
+      "format": "secure-afl-classifier/v2",
       "classes": ["Atelectasis", ...],                    # column order of the weights
       "weights": {"dtype": "<f8", "shape": [d, C],         # w_c as columns, little-endian float64
                   "data": base64, "sha256": hex},          # exact bits, and their digest
@@ -18,11 +18,23 @@ One JSON document (``secure-afl-classifier/v1``), nothing executable, no pickle:
                 "warnings": [...], "refusals": [...], "dropouts": [...]},
       "study_digest": hex,
       "created": ISO 8601 time,
-      "differential_privacy": {...}                        # only under DP: ε target and spent per
-    }                                                      # institution, δ, clip, unit, noise per block
+      "differential_privacy": {...},                       # only under DP: ε target and spent per
+                                                           # institution, δ, clip, unit, noise per block
+      "content_sha256": hex,                               # SHA-256 of the canonical content
+      "signature": {"algorithm": "ed25519", "signer", "fingerprint", "value": base64}
+    }
 
-The server writes it and sends it to every participant; each checks the roster fingerprint and the
-session ids against its own before saving it.  ``digest`` is an integrity check, not a signature.
+**The content** is every field but ``content_sha256`` and ``signature`` (unknown extra fields
+included), as canonical JSON (:func:`canonical_content`: keys sorted, no spaces, UTF-8), so the
+digest covers everything that changes a prediction: the weights, the threshold, the classes, the
+backbone and preprocessing, the method, the DP record, the sessions and the roster fingerprint.
+**The signature** is the coordinator's Ed25519 signature (its key is the roster's ``coordinator``
+entry, :class:`~secure_afl.keys.roster.Roster`) over :data:`SIGNATURE_CONTEXT`, the signer's id
+and the content digest.  The server signs the file; every participant verifies the signature against
+its pinned roster, and checks the roster fingerprint and the session ids against its own, before
+saving the exact bytes it received; ``secure-afl predict --roster`` verifies it again.  A reader
+that cannot check (``roster=None``) still checks the digest; only the signature authenticates.
+Files of the unsigned ``secure-afl-classifier/v1`` are refused.
 """
 
 from __future__ import annotations
@@ -33,16 +45,148 @@ import hashlib
 import json
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from .errors import ClassifierFileError, ModelMismatchError
+from secure_afl.keys.identity import IdentityKey
+from secure_afl.keys.roster import Roster
 
-CLASSIFIER_FORMAT = "secure-afl-classifier/v1"
+from .errors import (
+    ClassifierFileError,
+    ClassifierSignatureError,
+    ClassifierTamperedError,
+    ConfigurationError,
+    ModelMismatchError,
+    RosterMismatchError,
+    UnsignedClassifierError,
+)
+
+CLASSIFIER_FORMAT = "secure-afl-classifier/v2"
+UNSIGNED_FORMATS = ("secure-afl-classifier/v1",)
 MAX_CLASSIFIER_BYTES = 512 * 1024 * 1024
+SIGNATURE_CONTEXT = b"secure-afl classifier signature/v2\x00"
+UNCOVERED = ("content_sha256", "signature")  # the fields the content digest cannot cover
+
+
+def canonical_content(document: Mapping[str, Any]) -> bytes:
+    """Every field but ``content_sha256`` and ``signature``, as canonical JSON (UTF-8 bytes).
+
+    Keys sorted, no whitespace, floats as Python's shortest round-trip form: parsing a file and
+    canonicalising it gives the same bytes as canonicalising what the server wrote.
+    """
+    content = {key: value for key, value in document.items() if key not in UNCOVERED}
+    return json.dumps(content, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
+def content_digest(document: Mapping[str, Any]) -> str:
+    return hashlib.sha256(canonical_content(document)).hexdigest()
+
+
+def _signed_message(signer: str, digest_hex: str) -> bytes:
+    return SIGNATURE_CONTEXT + signer.encode("ascii") + b"\x00" + bytes.fromhex(digest_hex)
+
+
+@dataclass(frozen=True)
+class ClassifierSigner:
+    """The coordinator's identity: the roster's ``coordinator`` entry and its private key."""
+
+    coordinator_id: str
+    key: IdentityKey
+
+    @classmethod
+    def for_roster(cls, roster: Roster, key: IdentityKey) -> ClassifierSigner:
+        """Refuse a key that is not the roster's coordinator (before any session starts)."""
+        coordinator = roster.coordinator
+        if coordinator is None:
+            raise ConfigurationError(
+                f"the roster ({roster.fingerprint}) names no coordinator, so no institution could verify the "
+                "classifier: add the coordinator's identity.pub.json with `secure-afl keys roster add "
+                "--coordinator --entry FILE` and give every institution the new roster"
+            )
+        if coordinator.public_key != key.public_key:
+            raise ConfigurationError(
+                f"the coordinator's identity key ({key.fingerprint}) is not the roster's coordinator "
+                f"{coordinator.client_id!r} ({coordinator.fingerprint}): set the run config's identity-key "
+                "and passphrase-file to the key the roster names"
+            )
+        return cls(coordinator.client_id, key)
+
+    def sign(self, document: Mapping[str, Any]) -> dict[str, str]:
+        digest = content_digest(document)
+        value = self.key.private_key.sign(_signed_message(self.coordinator_id, digest))
+        return {
+            "algorithm": "ed25519",
+            "signer": self.coordinator_id,
+            "fingerprint": self.key.fingerprint,
+            "value": base64.b64encode(value).decode("ascii"),
+        }
+
+
+def verify_signature(document: Mapping[str, Any], roster: Roster, *, source: str = "classifier") -> str:
+    """Check ``document``'s signature against ``roster``'s coordinator; return the signer's id.
+
+    The content digest must already have been checked (:meth:`Classifier.from_json` does).
+    """
+    coordinator = roster.coordinator
+    if coordinator is None:
+        raise ClassifierSignatureError(
+            f"{source}: the roster ({roster.fingerprint}) names no coordinator, so the classifier's "
+            "signature cannot be checked: pin the roster that names the coordinator (the coordinator adds "
+            "itself with `secure-afl keys roster add --coordinator`)"
+        )
+    signature = document.get("signature")
+    if signature is None:
+        raise UnsignedClassifierError(
+            f"{source}: the classifier is not signed, so nothing shows that the coordinator made it: ask "
+            f"the coordinator ({coordinator.client_id}, {coordinator.fingerprint}) for the signed file its "
+            "run wrote"
+        )
+    try:
+        if signature["algorithm"] != "ed25519":
+            raise ClassifierSignatureError(
+                f"{source}: unknown signature algorithm {signature['algorithm']!r} (expected ed25519)"
+            )
+        signer = str(signature["signer"])
+        value = base64.b64decode(signature["value"], validate=True)
+    except (KeyError, TypeError, ValueError, binascii.Error) as exc:
+        raise ClassifierSignatureError(f"{source}: malformed signature: {exc}") from None
+    if signer != coordinator.client_id:
+        raise ClassifierSignatureError(
+            f"{source}: signed by {signer!r} ({signature.get('fingerprint', '?')}), not by the roster's "
+            f"coordinator {coordinator.client_id!r} ({coordinator.fingerprint}): do not use this file; ask "
+            "the coordinator for the file it signed, or check that you pinned the right roster"
+        )
+    try:
+        Ed25519PublicKey.from_public_bytes(coordinator.public_key).verify(
+            value, _signed_message(signer, str(document["content_sha256"]))
+        )
+    except (InvalidSignature, ValueError):
+        raise ClassifierSignatureError(
+            f"{source}: the signature does not verify with the key of the roster's coordinator "
+            f"{coordinator.client_id!r} ({coordinator.fingerprint}): the file was changed after it was "
+            "signed, or signed with another key; do not use it, ask the coordinator for the file again"
+        ) from None
+    if document.get("roster_fingerprint") != roster.fingerprint:
+        raise RosterMismatchError(
+            f"{source}: the classifier was made with roster {document.get('roster_fingerprint')}, not "
+            f"with the roster you gave ({roster.fingerprint}): verify it with the roster of the run that "
+            "made it"
+        )
+    return signer
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [key for key, _ in pairs]
+    duplicates = sorted({key for key in keys if keys.count(key) > 1})
+    if duplicates:
+        # Two readers could take different copies of one field; the digest covers only one of them.
+        raise ClassifierTamperedError(f"duplicate field(s) {duplicates} in the classifier file")
+    return dict(pairs)
 
 
 @dataclass(frozen=True)
@@ -59,6 +203,7 @@ class Classifier:
     created: str
     decision_threshold: float = 0.5
     privacy: Mapping[str, Any] | None = None  # secure_afl.privacy.dp_solve.privacy_record, under DP
+    signer: str | None = field(default=None, compare=False)  # who signed the file it was read from
 
     def privacy_lines(self) -> list[str]:
         """What ``predict`` prints about the release's differential privacy (nothing without DP)."""
@@ -82,7 +227,16 @@ class Classifier:
     def dim(self) -> int:
         return int(self.weights.shape[0])
 
-    def to_json(self) -> str:
+    def to_json(self, signer: ClassifierSigner | None = None) -> str:
+        """The file's text: with ``signer``, signed by the coordinator; without, unsigned (refused by
+        every verifying reader)."""
+        document = self._document()
+        document["content_sha256"] = content_digest(document)
+        if signer is not None:
+            document["signature"] = signer.sign(document)
+        return json.dumps(document, indent=1, sort_keys=False) + "\n"
+
+    def _document(self) -> dict[str, Any]:
         data = np.ascontiguousarray(self.weights, dtype="<f8").tobytes()
         document = {
             "format": CLASSIFIER_FORMAT,
@@ -106,16 +260,35 @@ class Classifier:
         }
         if self.privacy is not None:  # absent without DP: the file is what it was before DP
             document["differential_privacy"] = dict(self.privacy)
-        return json.dumps(document, indent=1, sort_keys=False) + "\n"
+        return document
 
     @classmethod
-    def from_json(cls, text: str | bytes, *, source: str = "classifier") -> Classifier:
+    def from_json(cls, text: str | bytes, *, roster: Roster | None, source: str = "classifier") -> Classifier:
+        """Parse and check a classifier file: its content digest always; with ``roster``, also the
+        coordinator's signature and the roster fingerprint (``roster=None`` skips only those)."""
         try:
-            document = json.loads(text)
+            document = json.loads(text, object_pairs_hook=_no_duplicate_keys)
+        except ClassifierTamperedError as exc:
+            raise ClassifierTamperedError(f"{source}: {exc}") from None
         except ValueError:
             raise ClassifierFileError(f"{source}: not a {CLASSIFIER_FORMAT} file (not JSON)") from None
+        if isinstance(document, dict) and document.get("format") in UNSIGNED_FORMATS:
+            raise UnsignedClassifierError(
+                f"{source}: a {document['format']} file, written before classifier files were signed: "
+                "nothing protects its threshold or shows who made it; use the signed "
+                f"{CLASSIFIER_FORMAT} file of a new run"
+            )
         if not isinstance(document, dict) or document.get("format") != CLASSIFIER_FORMAT:
             raise ClassifierFileError(f"{source}: not a {CLASSIFIER_FORMAT} file")
+        if not isinstance(document.get("content_sha256"), str):
+            raise ClassifierTamperedError(f"{source}: the file has no content_sha256 digest")
+        if content_digest(document) != document["content_sha256"]:
+            raise ClassifierTamperedError(
+                f"{source}: the content does not match its sha256 digest: a field (the decision threshold, "
+                "the weights, the classes, ...) was changed after the coordinator wrote it; do not use this "
+                "file, ask the coordinator for it again"
+            )
+        signer = None if roster is None else verify_signature(document, roster, source=source)
         try:
             spec = document["weights"]
             if spec["dtype"] != "<f8":
@@ -144,27 +317,27 @@ class Classifier:
                 audit=dict(document["audit"]),
                 study_digest=str(document["study_digest"]),
                 created=str(document["created"]),
-                decision_threshold=float(document["decision_threshold"]),
+                decision_threshold=_threshold(document["decision_threshold"], source),
                 privacy=_privacy(document.get("differential_privacy"), source),
+                signer=signer,
             )
         except ClassifierFileError:
             raise
         except (KeyError, TypeError, ValueError, binascii.Error) as exc:
             raise ClassifierFileError(f"{source}: malformed classifier file: {exc}") from None
 
-    def save(self, path: str | os.PathLike[str]) -> None:
-        path = Path(path)
-        temporary = path.with_name(f".{path.name}.tmp")
-        temporary.write_text(self.to_json(), encoding="utf-8")
-        os.replace(temporary, path)
+    def save(self, path: str | os.PathLike[str], signer: ClassifierSigner | None = None) -> None:
+        write_classifier_file(path, self.to_json(signer).encode("utf-8"))
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> Classifier:
+    def load(cls, path: str | os.PathLike[str], *, roster: Roster | None) -> Classifier:
+        """Read and check a classifier file (see :meth:`from_json`; ``roster`` is required so that
+        every caller says whether it verifies the signature)."""
         path = Path(path)
         try:
             if path.stat().st_size > MAX_CLASSIFIER_BYTES:
                 raise ClassifierFileError(f"{path}: larger than {MAX_CLASSIFIER_BYTES} bytes")
-            return cls.from_json(path.read_bytes(), source=str(path))
+            return cls.from_json(path.read_bytes(), roster=roster, source=str(path))
         except OSError as exc:
             raise ClassifierFileError(f"{path}: cannot read the classifier: {exc.strerror}") from None
 
@@ -185,19 +358,39 @@ class Classifier:
         if classes is not None and tuple(classes) != self.classes:
             raise ModelMismatchError(f"the feature file's classes {tuple(classes)} differ from the model's")
 
-    def predict_proba(self, features: np.ndarray) -> np.ndarray:
-        import scipy.special
-
+    def decision_function(self, features: np.ndarray) -> np.ndarray:
+        """The scores (logits) ``h · w_c`` in float64, N × C."""
         features = np.asarray(features)
         if features.ndim != 2 or features.shape[1] != self.dim:
             raise ModelMismatchError(f"features must be N × {self.dim}, got {features.shape}")
-        return scipy.special.expit(features.astype(np.float64) @ self.weights)
+        return features.astype(np.float64) @ self.weights
 
-    def write_predictions(self, path: Path, image_ids: Sequence[str], probabilities: np.ndarray) -> None:
-        """CSV: ``image_id``, one probability column per class, then one 0/1 decision column per class."""
+    def predict_proba(self, features: np.ndarray) -> np.ndarray:
+        import scipy.special
+
+        return scipy.special.expit(self.decision_function(features))
+
+    def decide(self, scores: np.ndarray) -> np.ndarray:
+        """0/1 decisions from the scores: ``σ(score) > threshold``, computed as ``score > logit(threshold)``
+        (exactly ``score > 0`` at 0.5, the simulator's rule, where σ would round tiny scores to 0.5)."""
+        import scipy.special
+
+        return np.asarray(scores) > scipy.special.logit(self.decision_threshold)
+
+    def write_predictions(
+        self,
+        path: Path,
+        image_ids: Sequence[str],
+        probabilities: np.ndarray,
+        decisions: np.ndarray | None = None,
+    ) -> None:
+        """CSV: ``image_id``, one probability column per class, then one 0/1 decision column per class
+        (``decisions``, default ``probabilities > threshold``)."""
         import csv
 
-        decisions = (probabilities > self.decision_threshold).astype(int)
+        if decisions is None:
+            decisions = probabilities > self.decision_threshold
+        decisions = np.asarray(decisions).astype(int)
         with open(path, "w", newline="", encoding="utf-8") as handle:
             writer = csv.writer(handle)
             writer.writerow(
@@ -205,6 +398,22 @@ class Classifier:
             )
             for image_id, row, decision in zip(image_ids, probabilities, decisions, strict=True):
                 writer.writerow([image_id, *(f"{p:.6f}" for p in row), *(int(x) for x in decision)])
+
+
+def write_classifier_file(path: str | os.PathLike[str], data: bytes) -> None:
+    """Atomically (a temporary file beside it, then a rename): the exact bytes, never re-serialised."""
+    path = Path(path)
+    temporary = path.with_name(f".{path.name}.tmp")
+    temporary.write_bytes(data)
+    os.replace(temporary, path)
+
+
+def _threshold(value: object, source: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 < float(value) < 1.0:
+        raise ClassifierFileError(
+            f"{source}: decision_threshold must be a probability in (0, 1), got {value!r}"
+        )
+    return float(value)
 
 
 def _privacy(record: object, source: str) -> dict[str, Any] | None:

@@ -21,6 +21,7 @@ dropped and every later message of that session is refused.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import sys
 from collections.abc import Mapping
@@ -33,6 +34,7 @@ import numpy as np
 from secure_afl.keys.files import load_identity_key
 from secure_afl.keys.identity import IdentityKey
 from secure_afl.keys.roster import Roster
+from secure_afl.privacy.release import Release, source_id
 from secure_afl.protocol.randomness import RandomSource
 
 from .classifier import Classifier
@@ -78,6 +80,10 @@ class NodeSettings:
     # The protections this institution agreed to (node config ``protection``, comma-separated):
     # masking only unless it says otherwise, so a server cannot move it to CKKS's weaker trust model.
     protections: frozenset[str] = frozenset({"mask"})
+    # How many other institutions this one assumes may collude with the coordinator (node config
+    # ``colluders``): "n-t" (None, the default: the active model's bound) or a smaller number, which
+    # weakens its exposure check (SECURITY.md, "Colluders"); the server cannot change it.
+    colluders: int | None = None
 
     KEYS = ("identity-key", "passphrase-file", "roster", "features", "ledger-dir", "out-dir")
 
@@ -112,7 +118,20 @@ class NodeSettings:
             dp_delta=dp_delta,
             dp_unit=dp_unit,
             protections=_protections(config.get("protection", "mask")),
+            colluders=_colluders(config.get("colluders", "n-t")),
         )
+
+
+def _colluders(value: object) -> int | None:
+    text = str(value).strip()
+    if text == "n-t":
+        return None
+    if not text.isdigit():
+        raise ConfigurationError(
+            f'the SuperNode\'s --node-config colluders={text!r} must be "n-t" (the default: as many '
+            f"institutions as the threshold allows may collude with the coordinator) or a number of them"
+        )
+    return int(text)
 
 
 def _protections(value: object) -> frozenset[str]:
@@ -125,34 +144,14 @@ def _protections(value: object) -> frozenset[str]:
     return names
 
 
-class ReplayGate:
-    """The ledger as a rebuilt session sees it: silent while the answered messages are replayed.
-
-    Those messages were checked against the ledger (and this session recorded in R3) when they
-    first arrived; replaying them against the ledger would test the session against its own
-    record.  So during the replay the history is empty and nothing is recorded (the replies do not
-    depend on it: a check that passed with a history passes without one); the new message meets
-    the real ledger.
-    """
-
-    def __init__(self, ledger: Any, *, live: bool) -> None:
-        self.ledger = ledger
-        self.live = live
-
-    def history(self, owner: Any, input_digest: bytes) -> tuple:
-        return tuple(self.ledger.history(owner, input_digest)) if self.live else ()
-
-    def check_and_record(self, owner: Any, input_digest: bytes, record: Any, check: Any) -> None:
-        if self.live:
-            self.ledger.check_and_record(owner, input_digest, record, check)
-        else:
-            check(())
-
-
-def _ledger(settings: NodeSettings, *, live: bool) -> ReplayGate:
+def _ledger(settings: NodeSettings) -> Any:
+    """The node's ledger (its releases and answers).  A rebuilt session replays messages it answered
+    before: the answers are the same digests (recorded once), the release the same (its own session
+    is not "another" one), so the replay needs no special ledger; a *different* message for an
+    answered round (a forked context state) meets the record and is refused."""
     from secure_afl.privacy.ledger import FileLedger
 
-    return ReplayGate(FileLedger(settings.ledger_dir), live=live)
+    return FileLedger(settings.ledger_dir)
 
 
 def log(settings: NodeSettings | None, text: str) -> None:
@@ -274,11 +273,21 @@ def _check_dp_session(
     grid): the session must commit to that study (its id, which every advertisement signs), run
     the masking protocol (DP with CKKS is refused, SECURITY.md §9) at the study's threshold,
     minimum group size and fractional bits, and the study must list this client's own classes.
+    The noise's sensitivity and the plan's fixed-point check also assume round 2's threshold
+    τ ≥ 0.5 (disjoint pseudo-label sets) and at most ``max_rows`` rows here: a study that breaks
+    either is refused before anything is computed.
     """
+    from secure_afl.privacy.dp_config import DpError, check_pseudo_label_threshold
+
     from .study import study_session_id
 
     dp = study.dp
     assert dp is not None
+    if study.method.rounds == 2:
+        try:
+            check_pseudo_label_threshold(study.method.tau)
+        except DpError as exc:
+            raise StudyMismatchError(f"the study's round 2 breaks the noise's sensitivity: {exc}") from None
     if backend.name != "mask":
         raise StudyMismatchError(
             "differential privacy runs only with the masking protocol (secure 'mask'), not "
@@ -320,6 +329,16 @@ def _check_dp_session(
         raise StudyMismatchError(
             "the study protects one patient (dp-unit patient) but this feature file has no patient_ids: "
             "write them with save_feature_file(..., patient_ids=...)"
+        )
+    from secure_afl.privacy.dp import rows_of_units
+
+    rows = int(rows_of_units(dp.config(), len(data.features), data.patient_ids).sum())
+    if rows > dp.max_rows:
+        raise StudyMismatchError(
+            f"this feature file has {rows} rows{' (after the patient cap)' if dp.unit == 'patient' else ''}, "
+            f"more than the study's max_rows = {dp.max_rows} for which the noise plan checked the "
+            "fixed-point range: the study must raise dp-max-rows (its plan refuses a bound that could "
+            "overflow), or this institution must use fewer rows"
         )
 
 
@@ -385,23 +404,22 @@ def _round1_coef(study: Study, envelope: Envelope) -> np.ndarray:
 def _inputs(
     label: str, study: Study, data: Any, envelope: Envelope, groups: set[str], settings: NodeSettings,
     roster_size: int = 0, client_id: str = "",
-) -> tuple[dict[str, dict[str, np.ndarray]], bytes | None]:  # fmt: skip
+) -> tuple[dict[str, dict[str, np.ndarray]], Release]:  # fmt: skip
     """This client's protocol inputs for session ``label`` (group -> tensor -> flat float64 vector)
-    and, under DP, the ledger's key: the digest of the statistics before the noise (a rerun draws
-    fresh noise over the same data; its history must still be found)."""
+    and what they release (the one-contribution rule's unit): the values before any noise (a rerun
+    draws fresh noise over the same data: the same values), and the source, this feature file's
+    digest and the round, so that another study over the same data (another balance, another
+    Gram scope: other bytes, linear functions of the same statistics) is the same release."""
     from secure_afl.analytic import client_statistics, pseudo_label_contributions
 
     if label not in ("1", "2"):
         raise SessionReplayError(f"unknown session {label!r}")
     method = study.method
-    digest = None
+    clean = None
     if study.dp is not None:
-        from secure_afl.privacy.exposure import input_digest
-
         layout, contributions, clean = _private_inputs(
             label, study, data, envelope, groups, settings, roster_size, client_id
         )
-        digest = input_digest(_flat(layout, clean))
     elif label == "1":
         layout = round1_layout(study)
         stats = client_statistics(data.features, data.labels, device=settings.device)
@@ -419,7 +437,18 @@ def _inputs(
     unknown = set(contributions) - groups
     if unknown:
         raise StudyMismatchError(f"the session lacks this client's groups {sorted(unknown)}")
-    return _flat(layout, contributions), digest
+    inputs = _flat(layout, contributions)
+    source = source_id("feature-file", _file_digest(settings.features), f"round {label}")
+    release = Release.of(inputs if clean is None else _flat(layout, clean), sources=[source])
+    return inputs, release
+
+
+def _file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _flat(layout: Any, contributions: Any) -> dict[str, dict[str, np.ndarray]]:
@@ -452,11 +481,13 @@ def _start_session(envelope: Envelope, label: str, state: LocalState, settings: 
         _check_dp_session(
             study, data, client_id, roster, backend, request, str(envelope.meta.get("study-nonce", ""))
         )
-    inputs, digest = _inputs(label, study, data, envelope, groups, settings, len(roster), client_id)
+    inputs, release = _inputs(label, study, data, envelope, groups, settings, len(roster), client_id)
     _settle_earlier_sessions(label, state)
     seed = os.urandom(32)
-    gate = _ledger(settings, live=True)
-    session = _client_session(backend, client_id, identity, roster, inputs, seed, study, gate, digest)
+    ledger, colluders = _ledger(settings), settings.colluders
+    session = _client_session(
+        backend, client_id, identity, roster, inputs, seed, study, ledger, release, colluders
+    )
     replies = session.receive_bytes(envelope.payload)  # decoded again under the session's own limits
     state.save(
         label,
@@ -469,7 +500,7 @@ def _start_session(envelope: Envelope, label: str, state: LocalState, settings: 
             "seed": seed,
             "messages": [envelope.payload],
             "inputs": {f"{g}|{t}": v for g, tensors in inputs.items() for t, v in tensors.items()},
-            **({"input_digest": digest} if digest is not None else {}),
+            "release": json.dumps(release.to_json()),
         },
     )
     log(settings, f"{client_id}: session {label} R0 answered (groups {sorted(inputs)}, {backend.name})")
@@ -496,16 +527,24 @@ def _continue_session(envelope: Envelope, label: str, state: LocalState, setting
     for key, values in saved["inputs"].items():
         group, tensor = key.split("|", 1)
         inputs.setdefault(group, {})[tensor] = np.asarray(values, dtype=np.float64)
-    gate = _ledger(settings, live=False)
+    release = Release.from_json(json.loads(str(saved["release"])))
     session = _client_session(
-        backend, client_id, identity, roster, inputs, saved["seed"], study, gate, saved.get("input_digest")
+        backend,
+        client_id,
+        identity,
+        roster,
+        inputs,
+        saved["seed"],
+        study,
+        _ledger(settings),
+        release,
+        settings.colluders,
     )
     # Rebuild: the same seed and the same server messages give the same state, secrets included
     # (CKKS: the secret context is the one the key holder sealed for this client in R2's message;
     # a replayed R3 decrypts again what was decrypted before, and a new R3 asks for other groups).
     for data in saved["messages"]:
         backend.replay(session, data)
-    gate.live = True
     replies = session.receive_bytes(envelope.payload)
     round_name = str(envelope.meta.get("round", ""))
     if getattr(session, "state", None) is not None and session.state.name == "DONE":  # type: ignore[attr-defined]
@@ -536,20 +575,22 @@ def _client_session(
     inputs: Mapping[str, Mapping[str, np.ndarray]],
     seed: bytes,
     study: Study,
-    ledger: ReplayGate,
-    input_digest: bytes | None = None,
+    ledger: Any,
+    release: Release,
+    colluders: int | None = None,
 ) -> ClientSessionLike:
     # The deployment policy is the client's own (the backend's default): t >= floor(2n/3)+1 with
     # masking, groups of at least 2 (or the study's larger minimum), the exposure check, and the
     # ledger of its earlier sessions over the same statistics.  The session's randomness is a
     # ChaCha20 stream from the seed, so replaying the server's messages rebuilds the same keys
-    # (masking: shares and masks too).  ``input_digest`` (DP) keys the ledger on the statistics
-    # before the noise, so a rerun with fresh noise finds its history.
+    # (masking: shares and masks too).  ``release`` names the values (before any DP noise) and the
+    # source: the ledger refuses a second session over them and a second answer to one round.
     from dataclasses import replace
 
     from secure_afl.protocol.randomness import DeterministicRandomSource
 
-    own = replace(backend, ledgers={client_id: ledger})  # type: ignore[type-var]
+    policy = replace(backend.client_policy, max_colluders=colluders)  # type: ignore[attr-defined]
+    own = replace(backend, ledgers={client_id: ledger}, client_policy=policy)  # type: ignore[type-var]
     return own.client_session(
         client_id,
         identity,
@@ -558,7 +599,7 @@ def _client_session(
         session_id=None,
         min_group_size=study.min_group_size,
         random=DeterministicRandomSource(seed),
-        input_digest=input_digest,
+        release=release,
     )
 
 
@@ -615,13 +656,15 @@ def _settle(label: str, state: LocalState) -> dict[str, Any] | None:
 
 
 def _store_classifier(envelope: Envelope, state: LocalState, settings: NodeSettings) -> Envelope:
-    classifier = Classifier.from_json(envelope.payload, source="the server's classifier")
+    """Verify the classifier file (content digest, the roster coordinator's signature, the roster
+    fingerprint, this institution's sessions), then save the exact bytes received as
+    ``OUT_DIR/classifier.json``."""
+    from .classifier import write_classifier_file
+
     roster = _roster(settings)
-    if classifier.roster_fingerprint != roster.fingerprint:
-        raise RosterMismatchError(
-            f"the classifier was made with roster {classifier.roster_fingerprint}, not this institution's "
-            f"{roster.fingerprint}"
-        )
+    # Raises ClassifierTamperedError, UnsignedClassifierError, ClassifierSignatureError (also when the
+    # pinned roster names no coordinator) or RosterMismatchError (made with another roster).
+    classifier = Classifier.from_json(envelope.payload, roster=roster, source="the server's classifier")
     mine = {}
     for session in classifier.sessions:
         saved = _settle(str(session["label"]), state)  # the classifier ends every session
@@ -636,8 +679,12 @@ def _store_classifier(envelope: Envelope, state: LocalState, settings: NodeSetti
             )
         mine[session["label"]] = saved["client_id"]
     settings.out_dir.mkdir(parents=True, exist_ok=True)
-    path = settings.out_dir / f"classifier-{classifier.sessions[0]['session_id'][:16]}.json"
-    classifier.save(path)
+    path = settings.out_dir / "classifier.json"
+    write_classifier_file(path, envelope.payload)  # the signed bytes, as every institution received them
     digest = hashlib.sha256(envelope.payload).hexdigest()
-    log(settings, f"stored the classifier in {path}")
+    log(
+        settings,
+        f"stored the classifier in {path} (signed by the coordinator {classifier.signer}; sha256 "
+        f"{digest[:16]}..., session {classifier.sessions[0]['session_id'][:16]}...)",
+    )
     return Envelope("ack", {"path": str(path), "sha256": digest})

@@ -39,5 +39,17 @@ class ClassifierFileError(DeploymentError):
     """A classifier file that is malformed or fails its integrity digest."""
 
 
+class ClassifierTamperedError(ClassifierFileError):
+    """A classifier file whose content (threshold, weights, classes, ...) does not match its digest."""
+
+
+class UnsignedClassifierError(ClassifierFileError):
+    """A classifier file that carries no coordinator signature (or an old, unsigned format)."""
+
+
+class ClassifierSignatureError(ClassifierFileError):
+    """A classifier file signed by someone other than the roster's coordinator, or not verifying."""
+
+
 class LocalDeploymentError(DeploymentError):
     """``deploy local``: a child process failed to start or exited early (its log is named)."""

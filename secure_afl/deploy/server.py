@@ -32,7 +32,7 @@ from secure_afl.protocol.errors import (
     UnknownClientError,
 )
 
-from .classifier import Classifier
+from .classifier import Classifier, ClassifierSigner
 from .errors import ConfigurationError, FederationAbortedError
 from .study import (
     Study,
@@ -125,8 +125,13 @@ class FederationServer:
         min_nodes: int | None = None,
         log: Log = print,
         session_ids: Sequence[bytes] | None = None,
+        signer: ClassifierSigner | None = None,
     ) -> None:
         self.transport = transport
+        # The coordinator's roster identity: it signs the classifier file (deliver refuses without).
+        if signer is not None:
+            ClassifierSigner.for_roster(roster, signer.key)
+        self.signer = signer
         self.roster = roster
         self.study = study
         self.backend = backend or study.backend(len(roster))
@@ -238,10 +243,21 @@ class FederationServer:
             count_noise_std=pseudo_count_noise_std(plan, survivors),
         )
 
+    def sign(self, classifier: Classifier) -> bytes:
+        """The classifier file, signed by the coordinator (Ed25519 is deterministic: same bytes each time)."""
+        if self.signer is None:
+            raise ConfigurationError(
+                "the server has no coordinator identity to sign the classifier with, and every institution "
+                "refuses an unsigned one: give it the roster coordinator's key (run config identity-key and "
+                "passphrase-file)"
+            )
+        return classifier.to_json(self.signer).encode("utf-8")
+
     def deliver(self, classifier: Classifier) -> tuple[str, ...]:
-        """Send the classifier file to every client that completed the last session; return who stored it."""
+        """Send the signed classifier file to every client that completed the last session; return who
+        stored it."""
         last = self.report.sessions[-1]
-        data = classifier.to_json().encode("utf-8")
+        data = self.sign(classifier)
         outgoing = {
             self._node_of[cid]: Envelope("classifier", {"round": "classifier"}, data)
             for cid in last.completed
@@ -326,9 +342,12 @@ class FederationServer:
             started = time.perf_counter()
             timeout = self.statistics_timeout if round_name == "R0" else self.round_timeout
             at = f"session {label} {round_name}"
-            replies = self.transport.exchange(outgoing, f"s{label}-{round_name}", timeout)
             client_of = {node: cid for cid, node in node_of.items()}
+            addressed = [client_of.get(n, f"node {n}") for n in outgoing] if node_of else []
+            self.log(f"{at}: sent to {', '.join(addressed) if addressed else f'{len(outgoing)} node(s)'}")
+            replies = self.transport.exchange(outgoing, f"s{label}-{round_name}", timeout)
             answers = 0
+            answered: list[str] = []
             for node, envelope in sorted(replies.items()):
                 who = client_of.get(node, f"node {node}")
                 if envelope.kind == "refused":
@@ -364,6 +383,7 @@ class FederationServer:
                 if round_name == "R0":
                     node_of[sender] = node
                 answers += 1
+                answered.append(sender if round_name == "R0" else who)
             silent = (
                 {f"node {n}" for n in outgoing if n not in replies}
                 if round_name == "R0"
@@ -381,7 +401,8 @@ class FederationServer:
                 time.perf_counter() - started
             )
             repeated = " (again: replacing the key holder or decryptors)" if again else ""
-            self.log(f"{at}{repeated}: {answers} answer(s) in {time.perf_counter() - started:.1f} s")
+            names = f" ({', '.join(sorted(answered))})" if answered else ""
+            self.log(f"{at}{repeated}: {answers} answer(s) in {time.perf_counter() - started:.1f} s{names}")
             if round_name == "R0":
                 self._node_of.update(node_of)
                 record.participants = tuple(sorted(node_of))

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from secure_afl.deploy.classifier import ClassifierSigner
 from secure_afl.deploy.client import NodeSettings, handle
 from secure_afl.deploy.server import FederationServer
 from secure_afl.deploy.study import Method, Study
@@ -20,6 +21,7 @@ from secure_afl.keys import IdentityKey, Roster, RosterEntry, save_identity_key
 CLASSES = ("A", "B", "C")
 BACKBONE = {"name": "toy", "weights_id": "sha256:00", "preprocessing": "none"}
 PASSPHRASE = b"test passphrase"
+COORDINATOR = "coordinator"
 
 
 class DictState:
@@ -48,6 +50,7 @@ class Federation:
     roster: Roster
     study: Study
     data: dict[str, tuple[np.ndarray, np.ndarray, tuple[int, ...]]]  # client -> features, labels, active
+    signer: ClassifierSigner | None = None  # the roster's coordinator: signs the classifier
 
 
 def make_federation(
@@ -60,11 +63,19 @@ def make_federation(
     method: Method | None = None,
     seed: int = 0,
     protection: str = "mask",
+    colluders: int | None = 0,
 ) -> Federation:
+    """``colluders``: each node's own bound (0 here: these federations of three to five institutions,
+    each missing a class, keep groups of two, which one colluder would break; None is the
+    deployment's default n - t, which tests of the colluder check ask for)."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     identities = {f"client-{k}": IdentityKey.generate() for k in range(n_clients)}
-    roster = Roster(RosterEntry(cid, cid, key.public_key) for cid, key in identities.items())
+    coordinator = IdentityKey.generate()
+    roster = Roster(
+        (RosterEntry(cid, cid, key.public_key) for cid, key in identities.items()),
+        RosterEntry(COORDINATOR, "Coordinator", coordinator.public_key),
+    )
     roster_path = tmp_path / "roster.json"
     roster_path.write_text(roster.to_json())
     passfile = tmp_path / "pass"
@@ -87,14 +98,14 @@ def make_federation(
         settings = NodeSettings(
             identity_key=key_path, passphrase_file=passfile, roster=roster_path, features=features_path,
             out_dir=tmp_path / f"out-{cid}", ledger_dir=tmp_path / f"ledger-{cid}", device="cpu",
-            protections=frozenset({protection}),
+            protections=frozenset({protection}), colluders=colluders,
         )  # fmt: skip
         nodes[1000 + k] = Node(cid, settings)
         data[cid] = (features, labels, mine)
     study = Study(
         classes=CLASSES, dim=dim, backbone=dict(BACKBONE), method=method or Method(), protection=protection
     )
-    return Federation(nodes, roster, study, data)
+    return Federation(nodes, roster, study, data, ClassifierSigner(COORDINATOR, coordinator))
 
 
 class InProcessTransport:
@@ -151,6 +162,7 @@ def run_server(federation: Federation, transport: InProcessTransport | None = No
 
     Returns ``(server, classifier, transport)``."""
     transport = transport or InProcessTransport(federation)
+    kwargs.setdefault("signer", federation.signer)
     server = FederationServer(
         transport, federation.roster, federation.study, round_timeout=1, log=lambda s: None, **kwargs
     )

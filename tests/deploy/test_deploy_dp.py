@@ -198,21 +198,23 @@ def test_the_classifier_file_records_dp_and_predict_prints_it(tmp_path: Path) ->
     federation = _private_federation(tmp_path / "f", n_clients=4)
     server, classifier, _ = run_server(federation)
     path = tmp_path / "classifier.json"
-    classifier.save(path)
+    classifier.save(path, federation.signer)
     document = json.loads(path.read_text())
     assert document["differential_privacy"]["delta"] == 1e-6
-    assert Classifier.load(path).privacy == classifier.privacy
+    assert Classifier.load(path, roster=federation.roster).privacy == classifier.privacy
     for cid in server.report.acknowledged:  # every institution stored the same record
-        (stored,) = (tmp_path / "f" / f"out-{cid}").glob("classifier-*.json")
-        assert Classifier.load(stored).privacy == classifier.privacy
+        stored = tmp_path / "f" / f"out-{cid}" / "classifier.json"
+        assert Classifier.load(stored, roster=federation.roster).privacy == classifier.privacy
     features = tmp_path / "new.npz"
     save_feature_file(
         features, np.ones((3, 40)), classes=("A", "B", "C"), backbone="toy", weights_id="sha256:00",
         preprocessing="none",
     )  # fmt: skip
     result = CliRunner().invoke(
-        main, ["predict", "--model", str(path), "--features", str(features), "--out", str(tmp_path / "p.csv")]
-    )
+        main,
+        ["predict", "--model", str(path), "--roster", str(tmp_path / "f" / "roster.json"),
+         "--features", str(features), "--out", str(tmp_path / "p.csv")],
+    )  # fmt: skip
     assert result.exit_code == 0, result.output
     assert "differentially private: ε = 1, δ = 1e-06 for one image" in result.output
     assert "ε spent per institution: client-0" in result.output

@@ -56,8 +56,8 @@ def test_deployment_equals_the_simulation_over_the_same_survivors_bit_for_bit(
     # Every survivor stored the same classifier, and the file round-trips exactly.
     assert server.report.acknowledged == ("client-0", "client-1", "client-3", "client-4")
     for cid in server.report.acknowledged:
-        (stored,) = (tmp_path / f"out-{cid}").glob("classifier-*.json")
-        assert np.array_equal(Classifier.load(stored).weights, classifier.weights)
+        stored = tmp_path / f"out-{cid}" / "classifier.json"
+        assert np.array_equal(Classifier.load(stored, roster=federation.roster).weights, classifier.weights)
     assert [d["client"] for d in server.report.dropouts] == ["client-2"]
     # The session's secrets were dropped from every node's local state when it ended.
     for node in federation.nodes.values():
@@ -139,8 +139,12 @@ def test_a_message_replayed_from_an_earlier_run_is_refused_by_its_recipient(tmp_
     old_r1 = next(env for node, group, env in first.sent if node == 1000 and group == "s1-R1")
     old_advert = next(env for node, group, env in first.received if node == 1001 and group == "s1-R0")
 
-    # Run 2: a server-side attacker feeds client-0 the R1 message of run 1.
+    # Run 2: a server-side attacker feeds client-0 the R1 message of run 1.  Only client-0 gets a
+    # fresh ledger (else it too would refuse in R0, its values released in run 1).
     _fresh_run(federation)
+    node = federation.nodes[1000]
+    fresh = node.settings.ledger_dir.parent / "ledger2-client-0"
+    node.settings = type(node.settings)(**{**node.settings.__dict__, "ledger_dir": fresh})
 
     def tamper(node_id: int, group: str, envelope: Envelope) -> Envelope:
         return old_r1 if (node_id == 1000 and group == "s1-R1") else envelope
@@ -149,14 +153,24 @@ def test_a_message_replayed_from_an_earlier_run_is_refused_by_its_recipient(tmp_
     server = FederationServer(
         transport, federation.roster, federation.study, round_timeout=1, log=lambda s: None
     )
-    with pytest.raises(FederationAbortedError, match="aborted after R3"):
+    with pytest.raises(FederationAbortedError, match="aborted after R0"):
         server.run()
-    refusals = [(r["at"], r["from"], r["error"]) for r in server.report.refusals]
-    assert refusals[0] == ("session 1 R1", "client-0", "ReplayedMessageError")
-    # Without client-0, the same statistics summed again would isolate client-0's (run 1 minus
-    # run 2): every peer's ledger refuses to sign (the issue "Clients defend themselves", attack 2).
-    assert refusals[1:] == [
-        ("session 1 R3", cid, "HistoryExposureRefusedError") for cid in ("client-1", "client-2", "client-3")
+    refusals = {(r["at"], r["from"], r["error"]) for r in server.report.refusals}
+    # The same statistics summed again without client-0 would isolate client-0's (run 1 minus run 2):
+    # every peer released them in run 1 and refuses in R0 (one contribution per value, issue 21).
+    peers = (1001, 1002, 1003)
+    assert refusals == {("session 1 R0", f"node {k}", "ValueAlreadyReleasedError") for k in peers}
+
+    # Run 2b, every ledger fresh (the documented limit: a lost ledger forgets run 1): client-0 still
+    # refuses the replayed R1 by itself.
+    _fresh_run(federation, ledgers="ledger2b")
+    server = FederationServer(
+        InProcessTransport(federation, tamper=tamper), federation.roster, federation.study, round_timeout=1,
+        log=lambda s: None, signer=federation.signer,
+    )  # fmt: skip
+    server.run()
+    assert [(r["at"], r["from"], r["error"]) for r in server.report.refusals] == [
+        ("session 1 R1", "client-0", "ReplayedMessageError")
     ]
 
     # Run 3 (fresh ledgers): the server refuses a client's advertisement replayed from run 1.

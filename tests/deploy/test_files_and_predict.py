@@ -12,11 +12,25 @@ import scipy.special
 from click.testing import CliRunner
 
 from secure_afl.cli import main
-from secure_afl.deploy.classifier import Classifier
+from secure_afl.deploy.classifier import Classifier, ClassifierSigner
 from secure_afl.deploy.errors import ClassifierFileError, ModelMismatchError
 from secure_afl.features.file import FeatureFileError, load_feature_file, save_feature_file
+from secure_afl.keys import IdentityKey, Roster, RosterEntry
 
 CLASSES = ("A", "B")
+COORDINATOR_KEY = IdentityKey.generate()
+ROSTER = Roster(
+    (RosterEntry(h, h, IdentityKey.generate().public_key) for h in ("h1", "h2")),
+    RosterEntry("coordinator", "Coordinator", COORDINATOR_KEY.public_key),
+)
+SIGNER = ClassifierSigner("coordinator", COORDINATOR_KEY)
+
+
+def _save(tmp_path: Path, classifier: Classifier, name: str = "c.json") -> Path:
+    """The coordinator's signed file, and the roster that verifies it in ``tmp_path/roster.json``."""
+    (tmp_path / "roster.json").write_text(ROSTER.to_json())
+    classifier.save(tmp_path / name, SIGNER)
+    return tmp_path / name
 
 
 def _features(tmp_path: Path, name: str = "f.npz", **overrides) -> Path:
@@ -47,7 +61,7 @@ def _classifier(**overrides) -> Classifier:
         sessions=(
             {"label": "1", "session_id": "00" * 32, "participants": ["h1", "h2"], "survivors": ["h1", "h2"]},
         ),
-        roster_fingerprint="SHA256:00",
+        roster_fingerprint=ROSTER.fingerprint,
         audit={"groups": []},
         study_digest="00",
         created="2026-11-30T00:00:00+00:00",
@@ -88,33 +102,33 @@ def test_feature_file_errors_name_the_field(tmp_path: Path, overrides: dict, mes
 
 def test_classifier_file_round_trips_exactly_and_detects_corruption(tmp_path: Path) -> None:
     classifier = _classifier()
-    path = tmp_path / "c.json"
-    classifier.save(path)
-    loaded = Classifier.load(path)
-    assert loaded.weights.tobytes() == classifier.weights.tobytes()
+    path = _save(tmp_path, classifier)
+    loaded = Classifier.load(path, roster=ROSTER)
+    assert loaded.weights.tobytes() == classifier.weights.tobytes() and loaded.signer == "coordinator"
     document = json.loads(path.read_text())
     assert (
-        document["format"] == "secure-afl-classifier/v1"
+        document["format"] == "secure-afl-classifier/v2"
         and document["preprocessing"] == '{"name": "imagenet"}'
     )
     document["weights"]["sha256"] = "0" * 64
     path.write_text(json.dumps(document))
     with pytest.raises(ClassifierFileError, match="sha256"):
-        Classifier.load(path)
+        Classifier.load(path, roster=None)
     path.write_text("not json")
     with pytest.raises(ClassifierFileError, match="not JSON"):
-        Classifier.load(path)
+        Classifier.load(path, roster=ROSTER)
 
 
 def test_predict_writes_probabilities_and_decisions(tmp_path: Path) -> None:
     classifier = _classifier()
-    model = tmp_path / "c.json"
-    classifier.save(model)
+    model = _save(tmp_path, classifier)
     features = _features(tmp_path)
     out = tmp_path / "p.csv"
     result = CliRunner().invoke(
-        main, ["predict", "--model", str(model), "--features", str(features), "--out", str(out)]
-    )
+        main,
+        ["predict", "--model", str(model), "--roster", str(tmp_path / "roster.json"),
+         "--features", str(features), "--out", str(out)],
+    )  # fmt: skip
     assert result.exit_code == 0, result.output
     rows = list(csv.reader(out.open()))
     assert rows[0] == ["image_id", "p(A)", "p(B)", "positive(A)", "positive(B)"]
@@ -137,10 +151,12 @@ def test_predict_writes_probabilities_and_decisions(tmp_path: Path) -> None:
 def test_predict_refuses_features_from_another_backbone(
     tmp_path: Path, overrides: dict, message: str
 ) -> None:
-    model = tmp_path / "c.json"
-    _classifier().save(model)
+    model = _save(tmp_path, _classifier())
     features = _features(tmp_path, **overrides)
-    result = CliRunner().invoke(main, ["predict", "--model", str(model), "--features", str(features)])
+    roster = str(tmp_path / "roster.json")
+    result = CliRunner().invoke(
+        main, ["predict", "--model", str(model), "--roster", roster, "--features", str(features)]
+    )
     assert result.exit_code != 0 and "ModelMismatchError" in result.output and message in result.output
     with pytest.raises(ModelMismatchError):
         data = load_feature_file(features)
@@ -148,13 +164,16 @@ def test_predict_refuses_features_from_another_backbone(
 
 
 def test_predict_from_images_refuses_a_model_whose_backbone_cannot_be_built(tmp_path: Path) -> None:
-    model = tmp_path / "c.json"
-    _classifier(backbone={"name": "embedded-synthetic", "weights_id": "x", "preprocessing": "none"}).save(
-        model
+    model = _save(
+        tmp_path,
+        _classifier(backbone={"name": "embedded-synthetic", "weights_id": "x", "preprocessing": "none"}),
     )
     images = tmp_path / "images"
     images.mkdir()
-    result = CliRunner().invoke(main, ["predict", "--model", str(model), "--data-dir", str(images)])
+    roster = str(tmp_path / "roster.json")
+    result = CliRunner().invoke(
+        main, ["predict", "--model", str(model), "--roster", roster, "--data-dir", str(images)]
+    )
     assert result.exit_code != 0 and "ModelMismatchError" in result.output and "backbone" in result.output
-    result = CliRunner().invoke(main, ["predict", "--model", str(model)])
+    result = CliRunner().invoke(main, ["predict", "--model", str(model), "--roster", roster])
     assert result.exit_code != 0 and "exactly one of --features FILE or --data-dir DIR" in result.output
