@@ -27,8 +27,8 @@ import numpy as np
 from secure_afl.keys.identity import IdentityKey
 from secure_afl.keys.roster import Roster
 from secure_afl.privacy.ledger import Ledger
-from secure_afl.privacy.release import Release
 from secure_afl.privacy.policy import ClientPolicy
+from secure_afl.privacy.release import Release
 from secure_afl.protocol import (
     ckks,  # loads TenSEAL only when a CKKS name is first used
     encoding,

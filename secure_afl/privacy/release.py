@@ -10,8 +10,9 @@ the server calls it:
 - its **anchors**: digests of its first and of its last :data:`ANCHOR_WORDS` words (values of at
   least ``ANCHOR_WORDS`` words; constant windows such as runs of zeros are none).  Constant values
   (scalars, zero vectors) have no value id: equal counts or empty sums in two rounds are not one
-  value; the caller's source ids spend them (the deployment's do).  A value that starts or ends like a released one is a part of
-  it (the halves attack: ``x`` released whole, then ``x[:k]`` and ``x[k:]`` under other names);
+  value; the caller's source ids spend them (the deployment's do).  A value that starts or ends
+  like a released one is a part of it (the halves attack: ``x`` released whole, then ``x[:k]`` and
+  ``x[k:]`` under other names);
 - **source ids** the caller adds: what the values are computed from (the deployment adds the
   digest of its feature file and the round), so that two studies over the same data (per-class
   vs global balance: other bytes, one linear function of the other) are one release.

@@ -23,8 +23,8 @@ from secure_afl.privacy.policy import ClientPolicy
 from secure_afl.protocol import binding, codec, crypto, encoding, prg, shamir
 from secure_afl.protocol.errors import (
     BothSharesRequestedError,
-    ColluderExposureRefusedError,
     ClientProtocolError,
+    ColluderExposureRefusedError,
     DuplicateParticipantError,
     ExposureRefusedError,
     GroupBelowMinimumError,
