@@ -154,9 +154,71 @@ def deploy() -> None:
     """Deploy among institutions over Flower (SuperLink, SuperNodes)."""
 
 
+@deploy.command("tls")
+@click.option("--host", "hosts", multiple=True, metavar="NAME",
+              help="A DNS name SuperNodes use to reach the SuperLink (repeatable).")  # fmt: skip
+@click.option("--ip", "ips", multiple=True, metavar="ADDR",
+              help="An IPv4/IPv6 address SuperNodes use to reach the SuperLink (repeatable).")  # fmt: skip
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(path_type=Path, file_okay=False),
+    required=True,
+    help="Directory for ca.crt, ca.key, superlink.pem and superlink.key (created if absent).",
+)
+@click.option("--days", type=click.IntRange(1, 3650), default=365, show_default=True,
+              help="Validity of the CA and of the SuperLink certificate, in days.")  # fmt: skip
+@click.option("--force", is_flag=True, help="Replace those files if they exist (the old CA is lost).")
+def deploy_tls(hosts: tuple[str, ...], ips: tuple[str, ...], out_dir: Path, days: int, force: bool) -> None:
+    """Write a CA and the SuperLink's TLS certificate (ECDSA P-384, made with `cryptography`).
+
+    \b
+    Writes under --out:
+      ca.crt         the CA certificate: give it to every hospital
+      ca.key         the CA's private key (0600): keep it offline, nobody needs it at run time
+      superlink.pem  the SuperLink's certificate, signed by the CA
+      superlink.key  its private key (0600): stays on the coordinator host
+    \b
+    Flower flags that take them:
+      flower-superlink --ssl-ca-certfile ca.crt --ssl-certfile superlink.pem --ssl-keyfile superlink.key
+      flower-supernode --root-certificates ca.crt   (each hospital; and root-certificates in
+                       $FLWR_HOME/config.toml for `flwr run`)
+
+    The certificate's subjectAltName lists every --host and --ip: it must cover the exact name or IP
+    address hospitals put in --superlink, or their TLS handshake fails.  Existing files are never
+    overwritten without --force.
+    """
+    from secure_afl.deploy.tls import (
+        TlsError,
+        TlsFilesExistError,
+        parse_host_name,
+        parse_ip_address,
+        write_tls_material,
+    )
+
+    try:
+        names = [*(parse_host_name(h) for h in hosts), *(str(parse_ip_address(a)) for a in ips)]
+        files = write_tls_material(out_dir, hosts=hosts, ips=ips, days=days, force=force)
+    except TlsFilesExistError as exc:
+        raise click.ClickException(str(exc)) from None
+    except TlsError as exc:
+        raise click.UsageError(str(exc)) from None
+    click.echo(f"wrote {files.ca_certificate} (give it to every hospital), {files.certificate},")
+    click.echo(f"      {files.key} (0600) and {files.ca_key} (0600, keep it offline)")
+    click.echo(f"valid for {days} days for: {', '.join(names)}")
+    target = f"[{names[0]}]" if ":" in names[0] else names[0]  # an IPv6 address needs brackets
+    click.echo(
+        f"SuperLink: flower-superlink --ssl-ca-certfile {files.ca_certificate} "
+        f"--ssl-certfile {files.certificate} --ssl-keyfile {files.key} ..."
+    )
+    click.echo(f"SuperNode: flower-supernode --root-certificates ca.crt --superlink {target}:9092 ...")
+
+
 @deploy.command("local")
 @click.option(
-    "--clients", type=click.IntRange(3, 8), default=4, show_default=True, help="SuperNodes (institutions)."
+    "--clients", type=click.IntRange(3, 8), default=5, show_default=True,
+    help="SuperNodes (institutions). 5 is the fewest at which every class group of the default seed keeps "
+    "the 3 members that one assumed colluder requires.",
 )
 @click.option("--tls/--no-tls", default=False, show_default=True, help="TLS and SuperNode authentication.")
 @click.option(
@@ -195,7 +257,20 @@ def deploy() -> None:
 @click.option(
     "--out", "out_dir", type=click.Path(path_type=Path), default=Path("runs/deploy"), show_default=True
 )
+@click.option(
+    "--colluders",
+    default="n-t",
+    show_default=True,
+    help='How many other institutions each one assumes may collude with the coordinator ("n-t", the '
+    "active model's bound, or a number): its exposure check refuses any group that this many "
+    "colluders would reduce to one honest member. 0 weakens the check; a dropout can otherwise leave "
+    "a class group too small and abort the session (SECURITY.md §3).",
+)
 @click.option("--keep", is_flag=True, help="Keep the temporary directory (keys, logs, certificates).")
+@click.option("--rehearse-abort", is_flag=True,
+              help="After the run, kill SuperNodes until too few remain and run again: the session must "
+              "abort, the coordinator's command exit 1 and the earlier classifier be moved aside "
+              "(written to OUT/abort-rehearsal/).")  # fmt: skip
 @dp_options
 def deploy_local(
     clients: int,
@@ -214,6 +289,8 @@ def deploy_local(
     round_timeout: float,
     out_dir: Path,
     keep: bool,
+    colluders: str,
+    rehearse_abort: bool,
     dp_epsilon: float | None,
     dp_delta: float,
     clip: float,
@@ -292,14 +369,32 @@ def deploy_local(
             f"{len(live)} of {clients} institutions would remain, fewer than the threshold t={threshold} "
             f"(⌊2n/3⌋+1): drop fewer"
         )
+    # Each node refuses a class group that its assumed colluders would reduce to one honest member
+    # (SECURITY.md §3): such a run is known to abort, so it is refused here, before any process starts.
+    assumed = _assumed_colluders(colluders, clients, threshold)
+    needed = max(study.min_group_size, assumed + 2)
     for c, name in enumerate(CLASSES):
         labelling = [client_ids[k] for k in summed if c in assignment.active[k]]
-        if len(labelling) < study.min_group_size:
+        if len(labelling) < needed:
+            why = (
+                f"the minimum group size {study.min_group_size}"
+                if needed == study.min_group_size
+                else f"the {needed} that each institution's exposure check needs with {assumed} "
+                f"colluder(s) assumed (--colluders {colluders})"
+            )
             raise click.UsageError(
                 f"class {name} would be labelled by {len(labelling)} surviving institution(s) "
-                f"{labelling}, fewer "
-                f"than the minimum group size {study.min_group_size}: use a lower --missing or another --drop"
+                f"{labelling}, fewer than {why}: use more --clients, a lower --missing, another --seed "
+                "or another --drop"
             )
+    # --out gets everything worth keeping (report, classifier, every process's log, a feature file
+    # predict accepts), also when the run fails; keys, certificates and ledgers stay in a temporary
+    # directory deleted at the end, so no line printed names a file in it (unless --keep).
+    out_dir = out_dir.resolve()
+    logs_dir = out_dir / "logs"
+    if logs_dir.is_dir():
+        shutil.rmtree(logs_dir)  # an earlier run's logs: one run's logs only
+    logs_dir.mkdir(parents=True)
     work_dir = Path(tempfile.mkdtemp(prefix="secure-afl-deploy-"))
     try:
         started = time.perf_counter()
@@ -320,6 +415,14 @@ def deploy_local(
                 patient_ids=[str(p) for p in data.cohort.patient_ids[rows]],
             )  # fmt: skip
             client_data[cid] = (data.features[rows], labels, tuple(assignment.active[k]))
+        test_rows = data.split.test
+        test_features = out_dir / "test-features.npz"
+        save_feature_file(
+            test_features, data.features[test_rows], labels=data.cohort.labels[test_rows].astype(np.uint8),
+            active=range(len(CLASSES)), classes=CLASSES, backbone=study.backbone["name"],
+            weights_id=study.backbone["weights_id"], preprocessing=study.backbone["preprocessing"],
+        )  # fmt: skip
+        say(f"wrote {test_features}: the {len(test_rows)} held-out images' features, labelled (for predict)")
         data_seconds = time.perf_counter() - started
         say(
             f"  {len(data.split.test)} test rows; classes each institution labels: "
@@ -327,8 +430,10 @@ def deploy_local(
         )
         try:
             result = run_local(
-                work_dir, files, study, tls=tls, drops=drop_rounds, round_timeout=round_timeout, say=say
-            )
+                work_dir, files, study, tls=tls, drops=drop_rounds, round_timeout=round_timeout, say=say,
+                colluders=colluders,
+                server_dir=out_dir, logs_dir=logs_dir, rehearse_abort=rehearse_abort,
+            )  # fmt: skip
         except DeploymentError as exc:
             raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
         session1 = result.report["sessions"][0]
@@ -340,8 +445,10 @@ def deploy_local(
         )
         test_x, test_y = data.features[data.split.test], data.cohort.labels[data.split.test]
         # metrics rank the scores (logits), as the simulator's do
-        deployed = evaluate(test_y, test_x.astype(np.float64) @ result.classifier.weights).macro
-        simulated = evaluate(test_y, test_x.astype(np.float64) @ reference.coef).macro
+        deployed = evaluate(
+            test_y, test_x.astype(np.float64) @ result.classifier.weights, kind="logits"
+        ).macro
+        simulated = evaluate(test_y, test_x.astype(np.float64) @ reference.coef, kind="logits").macro
         identical = result.classifier.weights.tobytes() == reference.coef.tobytes()
         same_survivors = tuple(session1["survivors"]) == reference.survivors
         private = study.dp is not None
@@ -376,7 +483,7 @@ def deploy_local(
             say(f"key holder: {session1.get('key_holder')}; decryptors: {session1.get('decryptors')}")
         say(f"killed: {result.killed or 'none'}; dropouts seen by the server: {dropouts or 'none'}")
         copies = {
-            cid: _same_weights(path, result.classifier) for cid, path in result.node_classifiers.items()
+            cid: _same_bytes(path, result.classifier_path) for cid, path in result.node_classifiers.items()
         }
         say(f"classifier stored by {sorted(copies)}; identical copies: {all(copies.values())}")
         seconds = Table(title="Seconds per stage")
@@ -393,27 +500,189 @@ def deploy_local(
                 seconds.add_row(f"  {name} (server)", f"{result.report['seconds'][name]:.2f}")
         seconds.add_row("simulation (in-process reference)", f"{reference.seconds:.1f}")
         console.print(seconds)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        result.classifier.save(out_dir / "classifier.json")
+        # classifier.json is the ServerApp's own file, written in --out as `deploy run` leaves it
         (out_dir / "report.json").write_text(
             json.dumps({**result.report, "local_seconds": result.seconds, "killed": result.killed}, indent=1)
         )
         say(f"wrote {out_dir / 'classifier.json'} and {out_dir / 'report.json'}")
+        rehearsal = result.abort_rehearsal
+        if rehearsal is not None:
+            moved = [p for p in rehearsal.moved if p.name.startswith("classifier.")]
+            code = 0 if rehearsal.ok else 1
+            say(f"abort rehearsal: `secure-afl deploy run` exits {code}: {rehearsal.error}")
+            say(f"  earlier classifier moved aside: {moved[0] if moved else 'NO'}")
+            say(f"  report: {rehearsal.report_path}")
+            if rehearsal.ok or not moved or rehearsal.classifier_path.exists():
+                raise click.ClickException(
+                    "the abort rehearsal did not fail as it must (the coordinator's command would have "
+                    f"exited 0 or left a classifier.json); see {rehearsal.log_path}"
+                )
         if not (agree and same_survivors):
             raise click.ClickException(
                 "the deployed classifier differs from the simulation's over the same survivors"
             )
     finally:
+        roster_file = work_dir / "keys" / "roster.json"
+        if roster_file.is_file():  # public; verifies the classifier's signature, also after a failure
+            shutil.copyfile(roster_file, out_dir / "roster.json")
         if keep:
             say(f"kept {work_dir}")
         else:
             shutil.rmtree(work_dir, ignore_errors=True)
 
 
-def _same_weights(path: Path, classifier: object) -> bool:
-    from secure_afl.deploy.classifier import Classifier
+def _assumed_colluders(value: str, clients: int, threshold: int) -> int:
+    """The colluders a node assumes under ``--colluders`` (its node config's ``colluders``)."""
+    text = value.strip()
+    if text == "n-t":
+        return max(0, clients - threshold)
+    if not text.isdigit():
+        raise click.BadParameter(f'{value!r}: give "n-t" or a number of institutions', param_hint="--colluders")
+    return min(int(text), max(0, clients - threshold))
 
-    return Classifier.load(path).weights.tobytes() == classifier.weights.tobytes()  # type: ignore[attr-defined]
+
+def _same_bytes(path: Path, reference: Path | None) -> bool:
+    """A node's classifier.json is the coordinator's signed file, byte for byte."""
+    return reference is not None and path.read_bytes() == reference.read_bytes()
+
+
+# --- secure-afl deploy check / deploy run ----------------------------------------------------------
+
+
+class _NodeConfigKeysCommand(click.Command):
+    """A command whose help ends with every node-config key and what it means."""
+
+    def format_epilog(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        from secure_afl.deploy.check import NODE_CONFIG_KEYS
+
+        with formatter.section("Node-config keys (flower-supernode --node-config, and this command's)"):
+            formatter.write_dl(list(NODE_CONFIG_KEYS.items()))
+        super().format_epilog(ctx, formatter)
+
+
+@deploy.command("check", cls=_NodeConfigKeysCommand)
+@click.option("--node-config", "node_config", default=None, metavar="'KEY=\"VALUE\" ...'",
+              help="The SuperNode's --node-config, exactly as it will be given to flower-supernode "
+              "(or the path of a .toml file with the same keys).")  # fmt: skip
+@click.option("--config", "config_file", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="Read the node config from this file: a .toml file, or KEY=\"VALUE\" pairs.")  # fmt: skip
+@click.option("--study", type=click.Path(path_type=Path, exists=True), default=None,
+              help="The coordinator's Flower app directory (or its pyproject.toml): check the feature "
+              "file and this node's policy (protection, DP, per-class Gram) against its study.")  # fmt: skip
+@click.option("--superlink", default=None, metavar="HOST:PORT",
+              help="The SuperLink address given to flower-supernode --superlink: connect to it.")  # fmt: skip
+@click.option("--root-certificates", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="With --superlink: the CA certificate (ca.crt); the SuperLink's certificate must verify "
+              "against it and name HOST.")  # fmt: skip
+@click.option("--insecure", is_flag=True, help="With --superlink: the SuperLink has no TLS (TCP only).")
+@click.option("--timeout", type=click.FloatRange(0.1), default=10.0, show_default=True,
+              help="Seconds to wait for the SuperLink.")  # fmt: skip
+def deploy_check(
+    node_config: str | None,
+    config_file: Path | None,
+    study: Path | None,
+    superlink: str | None,
+    root_certificates: Path | None,
+    insecure: bool,
+    timeout: float,
+) -> None:
+    """Check a hospital's node before the coordinator starts (run it on the hospital's machine).
+
+    Loads the identity key with its passphrase, the roster and this hospital's entry in it, the
+    feature file (against the study with --study), the ledger and the output directory, with the
+    ClientApp's own code: a failure here is the refusal the SuperNode would send during the run,
+    with the same message, named by hospital.  With --superlink it connects to the SuperLink (TLS
+    handshake with --root-certificates).  Reads only; writes nothing.  Exit 0 when every check
+    passes, 1 at the first that fails.
+    """
+    from secure_afl.deploy.check import NodeCheckError, check_node, parse_node_config, study_from_file
+    from secure_afl.deploy.errors import ConfigurationError
+
+    if superlink is not None and (root_certificates is None) == (not insecure):
+        raise click.UsageError("with --superlink give --root-certificates ca.crt (TLS) or --insecure")
+    if superlink is None and (root_certificates is not None or insecure):
+        raise click.UsageError("--root-certificates and --insecure go with --superlink HOST:PORT")
+    try:
+        config = parse_node_config(node_config, config_file)
+        parsed_study = study_from_file(study) if study is not None else None
+    except (ConfigurationError, click.ClickException) as exc:
+        raise click.UsageError(getattr(exc, "message", None) or str(exc)) from None
+    try:
+        result = check_node(
+            config, study=parsed_study, superlink=superlink, root_certificates=root_certificates,
+            timeout=timeout, say=click.echo,
+        )  # fmt: skip
+    except NodeCheckError as exc:
+        raise click.ClickException(f"FAILED {exc}") from None
+    click.echo(f"{result.client_id}: every check passed; start its SuperNode with this node config")
+
+
+@deploy.command("run")
+@click.argument("app_dir", type=click.Path(path_type=Path, file_okay=False, exists=True))
+@click.argument("federation")
+@click.option("--flwr-home", type=click.Path(path_type=Path, file_okay=False), default=None,
+              envvar="FLWR_HOME", show_envvar=True,
+              help="Directory whose config.toml names FEDERATION's SuperLink (address, CA).")  # fmt: skip
+@click.option("--run-config", "run_config", multiple=True, metavar="'KEY=VALUE ...'",
+              help="Override run-config keys of APP_DIR/pyproject.toml (passed to flwr run).")  # fmt: skip
+@click.option("--timeout", type=click.FloatRange(1), default=24 * 3600.0, show_default=True,
+              help="Stop waiting (and stop flwr run) after this many seconds.")  # fmt: skip
+@click.option("--tick", type=click.FloatRange(0), default=10.0, show_default=True,
+              help="While a round waits, print the elapsed time this often (0: never).")  # fmt: skip
+def deploy_run(
+    app_dir: Path, federation: str, flwr_home: Path | None, run_config: tuple[str, ...], timeout: float,
+    tick: float,
+) -> None:  # fmt: skip
+    """Run the federation (the coordinator): `flwr run APP_DIR FEDERATION --stream`, honestly.
+
+    \b
+    Reads APP_DIR/pyproject.toml ([tool.flwr.app.config]: the study, roster, out-dir) and
+    $FLWR_HOME/config.toml ([superlink.FEDERATION]: address, root-certificates).
+    Writes in the run config's out-dir: classifier.json and report.json (the ServerApp's),
+    flwr-run.log (the whole stream); an earlier classifier.json or report.json there is first
+    renamed classifier.before-<UTC time>.json (report.before-...), so a stale classifier is never
+    taken for the new one.
+
+    Prints each round as the ServerApp logs it, with the hospitals addressed and answering, and the
+    elapsed time while a round waits.  `flwr run` exits 0 even when the ServerApp fails; this
+    command exits 1 when the session aborts, a hospital's refusals stop it, or the ServerApp fails
+    (then report.json holds the error), and 0 only when a classifier was written.
+    """
+    import os
+
+    from secure_afl.deploy.coordinator import run_federation
+    from secure_afl.deploy.errors import ConfigurationError
+
+    env = dict(os.environ)
+    if flwr_home is not None:
+        env["FLWR_HOME"] = str(flwr_home.resolve())
+    config_toml = Path(env.get("FLWR_HOME", Path.home() / ".flwr")) / "config.toml"
+    if not config_toml.is_file():
+        raise click.UsageError(
+            f"{config_toml} does not exist: flwr run reads FEDERATION's SuperLink from it; set "
+            f"--flwr-home (or export FLWR_HOME) to the directory holding it"
+        )
+    try:
+        outcome = run_federation(
+            app_dir.resolve(), federation, env=env, run_config=run_config, run_timeout=timeout, tick=tick,
+            say=click.echo,
+        )  # fmt: skip
+    except (ConfigurationError, DeploymentError) as exc:
+        raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
+    report = outcome.report or {}
+    if not outcome.ok:
+        raise click.ClickException(
+            f"the federation failed after {outcome.seconds:.0f} s: {outcome.error}\n"
+            f"report: {outcome.report_path}; flwr run's output: {outcome.log_path}; no classifier.json "
+            f"was left in {outcome.out_dir}"
+        )
+    for session in report.get("sessions", []):
+        click.echo(
+            f"session {session['label']}: participants {session['participants']}, survivors "
+            f"{session['survivors']}"
+        )
+    click.echo(f"classifier stored by {report.get('acknowledged', [])}")
+    click.echo(f"wrote {outcome.classifier_path} and {outcome.report_path} ({outcome.seconds:.0f} s)")
 
 
 # --- secure-afl predict ----------------------------------------------------------------------------
@@ -421,7 +690,13 @@ def _same_weights(path: Path, classifier: object) -> bool:
 
 @click.command()
 @click.option("--model", "model_path", type=click.Path(path_type=Path, dir_okay=False), required=True,
-              help="The classifier file (classifier.json).")  # fmt: skip
+              help="The classifier file (classifier.json, as the coordinator signed it).")  # fmt: skip
+@click.option("--roster", "roster_path", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="The roster this institution pinned (it names the coordinator): the classifier's "
+                   "signature is verified against it. Required unless --no-verify.")  # fmt: skip
+@click.option("--no-verify", "no_verify", is_flag=True,
+              help="INSECURE: do not verify the coordinator's signature (the content digest is still "
+                   "checked). Anyone could have written a file used this way.")  # fmt: skip
 @click.option("--features", "features_path", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="A feature file (secure-afl-features/v1).")  # fmt: skip
 @click.option("--data-dir", type=click.Path(path_type=Path, file_okay=False), default=None,
@@ -432,39 +707,135 @@ def _same_weights(path: Path, classifier: object) -> bool:
 @click.option("--device", default="auto", show_default=True)
 @click.option("--out", "out_path", type=click.Path(path_type=Path, dir_okay=False),
               default=Path("predictions.csv"), show_default=True)  # fmt: skip
+@click.option("--evaluate", is_flag=True,
+              help="Also score the classifier on the labels of --features (a labelled feature file): "
+                   "BACC, AUC and mAP over the classes the file labels, computed as the simulator "
+                   "computes them.")  # fmt: skip
+@click.option("--metrics-out", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="With --evaluate: also write the metrics to this JSON file.")  # fmt: skip
 def predict(
     model_path: Path,
+    roster_path: Path | None,
+    no_verify: bool,
     features_path: Path | None,
     data_dir: Path | None,
     weights: Path | None,
     cache_dir: Path | None,
     device: str,
     out_path: Path,
+    evaluate: bool,
+    metrics_out: Path | None,
 ) -> None:
-    """Per-image probabilities and decisions of a classifier file, as CSV."""
+    """Per-image probabilities and decisions of a signed classifier file, as CSV.
+
+    \b
+    Reads: --model (classifier.json), --roster (verifies the coordinator's signature), and either
+    --features (a feature file) or --data-dir (PNG images, features extracted here).
+    Writes: --out, a CSV with one row per image: image_id, then p(CLASS) for every class (the
+    probability σ(h·w)), then positive(CLASS) for every class (1 when p > the file's threshold).
+    With --evaluate (labelled --features only): prints BACC, AUC and mAP; --metrics-out writes them.
+    """
+    import scipy.special
+
     from secure_afl.deploy.classifier import Classifier
-    from secure_afl.deploy.errors import ClassifierFileError, ModelMismatchError
+    from secure_afl.deploy.errors import ClassifierFileError, ModelMismatchError, RosterMismatchError
     from secure_afl.features.file import FeatureFileError, load_feature_file
+    from secure_afl.keys.commands import load_roster_file
 
     if (features_path is None) == (data_dir is None):
         raise click.UsageError("give exactly one of --features FILE or --data-dir DIR")
+    if roster_path is None and not no_verify:
+        raise click.UsageError(
+            "give --roster FILE, the roster your institution pinned: the classifier's signature is checked "
+            "against its coordinator (or --no-verify to skip that check, at your own risk)"
+        )
+    if roster_path is not None and no_verify:
+        raise click.UsageError("give --roster or --no-verify, not both")
+    if metrics_out is not None and not evaluate:
+        raise click.UsageError("--metrics-out needs --evaluate")
+    if evaluate and features_path is None:
+        raise click.UsageError("--evaluate needs a labelled --features file (images have no labels)")
+    roster = load_roster_file(roster_path) if roster_path is not None else None
+    labels, active = None, ()
     try:
-        model = Classifier.load(model_path)
+        model = Classifier.load(model_path, roster=roster)
         if features_path is not None:
-            data = load_feature_file(features_path)
+            data = load_feature_file(features_path, require_labels=evaluate)
             model.check_features(data.describe_backbone(), data.dim, data.classes)
-            features, ids = data.features, data.image_ids
+            features, ids, labels, active = data.features, data.image_ids, data.labels, data.active
         else:
             features, ids = _extract_directory(model, data_dir, weights, cache_dir, device)  # type: ignore[arg-type]
-        probabilities = model.predict_proba(features)
-    except (ClassifierFileError, ModelMismatchError, FeatureFileError) as exc:
+        scores = model.decision_function(features)
+    except (ClassifierFileError, RosterMismatchError, ModelMismatchError, FeatureFileError) as exc:
         raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
-    model.write_predictions(out_path, ids, probabilities)
+    if roster is not None:
+        coordinator = roster.coordinator
+        click.echo(f"verified: signed by the coordinator {model.signer} ({coordinator.fingerprint})")  # type: ignore[union-attr]
+    else:
+        click.echo("WARNING: --no-verify: the coordinator's signature was NOT checked", err=True)
+    probabilities = scipy.special.expit(scores)
+    decisions = model.decide(scores)
+    model.write_predictions(out_path, ids, probabilities, decisions)
     for line in model.privacy_lines():
         click.echo(line)
-    positives = (probabilities > model.decision_threshold).sum(axis=0)
+    positives = decisions.sum(axis=0)
     counts = ", ".join(f"{c} {int(n)}" for c, n in zip(model.classes, positives, strict=True))
     click.echo(f"wrote {out_path}: {len(ids)} images; positives per class: {counts}")
+    if evaluate and labels is not None and features_path is not None:  # require_labels: never None
+        result = evaluate_classifier(model, scores, labels, active)
+        _print_metrics(result, features_path)
+        if metrics_out is not None:
+            metrics_out.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+            click.echo(f"wrote {metrics_out}")
+
+
+def evaluate_classifier(
+    model: object, scores: np.ndarray, labels: np.ndarray, active: Collection[int]
+) -> dict[str, object]:
+    """The simulator's metrics (:func:`secure_afl.sim.metrics.evaluate`) of a classifier's scores on
+    the classes a feature file labels (the others' columns are all zeros: unlabelled, not negative).
+
+    AUC and AP rank the scores (logits); BACC scores the file's own decisions (σ(score) > threshold,
+    which is the simulator's ``score > 0`` at the default threshold 0.5).
+    """
+    from secure_afl.sim.metrics import evaluate
+
+    columns = sorted(int(c) for c in active)
+    if not columns:
+        raise click.ClickException("the feature file labels no class (its 'active' list is empty)")
+    classes = [model.classes[c] for c in columns]  # type: ignore[attr-defined]
+    decisions = model.decide(scores)  # type: ignore[attr-defined]
+    try:
+        metrics = evaluate(labels[:, columns], scores[:, columns], decisions[:, columns], kind="logits")
+    except ValueError as exc:
+        raise click.ClickException(f"cannot evaluate: {exc}") from None
+    per_class = metrics.to_dict()["per_class"]
+    return {
+        "images": int(labels.shape[0]),
+        "classes": classes,
+        "decision_threshold": model.decision_threshold,  # type: ignore[attr-defined]
+        "macro": metrics.macro,
+        "per_class": {
+            name: {key: per_class[key][i] for key in ("bacc", "auc", "ap")} for i, name in enumerate(classes)
+        },
+        "positives": {name: int(labels[:, c].sum()) for name, c in zip(classes, columns, strict=True)},
+    }
+
+
+def _print_metrics(result: Mapping[str, object], source: Path) -> None:
+    macro = result["macro"]
+    per_class = result["per_class"]
+    assert isinstance(macro, dict) and isinstance(per_class, dict)
+    click.echo(
+        f"metrics on {source} ({result['images']} images, {len(per_class)} labelled classes; NaN: a class "
+        "with only positives or only negatives here): "
+        f"BACC {100 * macro['bacc']:.2f} %, AUC {100 * macro['auc']:.2f} %, mAP {macro['map']:.4f}"
+    )
+    for name, values in per_class.items():
+        click.echo(
+            f"  {name:<24} BACC {100 * values['bacc']:6.2f} %  AUC {100 * values['auc']:6.2f} %  "
+            f"AP {values['ap']:.4f}  ({result['positives'][name]} positive)"  # type: ignore[index]
+        )
 
 
 def _extract_directory(model, data_dir: Path, weights: Path | None, cache_dir: Path | None, device: str):

@@ -16,8 +16,6 @@ The data are not this module's business: the caller writes each institution's fe
 from __future__ import annotations
 
 import contextlib
-import datetime
-import ipaddress
 import json
 import os
 import queue
@@ -34,12 +32,10 @@ from collections.abc import Callable, Mapping, Sequence
 from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
 from secure_afl.keys.files import save_identity_key
 from secure_afl.keys.identity import IdentityKey
@@ -48,8 +44,10 @@ from secure_afl.keys.roster import Roster, RosterEntry
 from .classifier import Classifier
 from .errors import LocalDeploymentError
 from .study import Study, format_class_lists
+from .tls import write_tls_material
 
 CONNECTION = "local"
+COORDINATOR = "coordinator"  # the roster id of the key that signs the classifier
 DROP_ROUNDS = ("R1", "R2", "R3", "R4")  # masking's rounds after R0; CKKS has R1..R3
 DROP_ROUNDS_BY_PROTECTION = {"mask": DROP_ROUNDS, "ckks": ("R1", "R2", "R3")}
 # Flower's SuperExec polls for tasks every second by default; a tenth keeps each round short.
@@ -73,6 +71,9 @@ class LocalResult:
     node_classifiers: dict[str, Path]
     work_dir: Path
     killed: dict[str, str] = field(default_factory=dict)
+    classifier_path: Path | None = None  # the signed file the ServerApp wrote (under work_dir)
+    roster_path: Path | None = None  # the roster that verifies it (names the coordinator)
+    abort_rehearsal: Any = None  # with rehearse_abort: the second run's RunOutcome (it must fail)
 
 
 def flower_bin(name: str) -> str:
@@ -96,68 +97,12 @@ def free_port() -> int:
 
 
 def write_tls_certificates(directory: Path) -> tuple[Path, Path, Path]:
-    """A throwaway CA and a SuperLink certificate for 127.0.0.1/localhost (ECDSA P-384, one day)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    now = datetime.datetime.now(datetime.timezone.utc)
-    ca_key = ec.generate_private_key(ec.SECP384R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "secure-afl deploy local CA")])
-    ca = (
-        x509.CertificateBuilder()
-        .subject_name(ca_name)
-        .issuer_name(ca_name)
-        .public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                key_cert_sign=True,
-                crl_sign=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
-        .sign(ca_key, hashes.SHA256())
-    )
-    key = ec.generate_private_key(ec.SECP384R1())
-    certificate = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")]))
-        .issuer_name(ca_name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(
-            x509.SubjectAlternativeName(
-                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-            ),
-            critical=False,
-        )
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .sign(ca_key, hashes.SHA256())
-    )
-    ca_path, cert_path, key_path = (
-        directory / "ca.crt",
-        directory / "superlink.pem",
-        directory / "superlink.key",
-    )
-    ca_path.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    cert_path.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
-    _write_private(
-        key_path,
-        key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        ),
-    )
-    return ca_path, cert_path, key_path
+    """A throwaway CA and a SuperLink certificate for 127.0.0.1/localhost (one day; see deploy/tls.py)."""
+    files = write_tls_material(
+        directory, hosts=["localhost"], ips=["127.0.0.1"], days=1, keep_ca_key=False,
+        ca_common_name="secure-afl deploy local CA",
+    )  # fmt: skip
+    return files.ca_certificate, files.certificate, files.key
 
 
 def write_node_auth_key(path: Path) -> Path:
@@ -185,7 +130,8 @@ def _write_private(path: Path, data: bytes) -> None:
 def write_identities(
     directory: Path, client_ids: Sequence[str], *, scrypt_n: int = 2**14
 ) -> tuple[Path, Roster]:
-    """One encrypted identity key per institution, one shared passphrase file, and the roster.
+    """One encrypted identity key per institution and one for the coordinator (``COORDINATOR.key``:
+    it signs the classifier), one shared passphrase file, and the roster naming the coordinator.
 
     These keys live for one local demonstration, so scrypt runs at 2^14 rather than the default
     2^17 (every ClientApp process decrypts its key once per message).
@@ -199,7 +145,9 @@ def write_identities(
         key = IdentityKey.generate()
         save_identity_key(directory / f"{cid}.key", key, passphrase, scrypt_n=scrypt_n)
         entries.append(RosterEntry(cid, f"Hospital {cid}", key.public_key))
-    roster = Roster(entries)
+    coordinator = IdentityKey.generate()
+    save_identity_key(directory / f"{COORDINATOR}.key", coordinator, passphrase, scrypt_n=scrypt_n)
+    roster = Roster(entries, RosterEntry(COORDINATOR, "Coordinator", coordinator.public_key))
     (directory / "roster.json").write_text(roster.to_json() + "\n", encoding="utf-8")
     return passphrase_file, roster
 
@@ -400,9 +348,22 @@ def run_local(
     connect_timeout: float = 120.0,
     start_timeout: float = 120.0,
     run_timeout: float = 900.0,
+    colluders: str = "n-t",
     say: Say = print,
+    server_dir: Path | None = None,
+    logs_dir: Path | None = None,
+    rehearse_abort: bool = False,
 ) -> LocalResult:
-    """Start the federation under ``work_dir``, run it, stop every process; return the classifier."""
+    """Start the federation under ``work_dir``, run it, stop every process; return the classifier.
+
+    ``server_dir`` (default ``work_dir/out/server``) is the ServerApp's out-dir (report.json,
+    classifier.json) and ``logs_dir`` (default ``work_dir/logs``) holds every process's log: give
+    directories outside ``work_dir`` to keep them after it is deleted.  Every node's config passes
+    ``secure-afl deploy check`` before its SuperNode starts, and the federation runs through
+    ``secure-afl deploy run``'s code (:func:`~secure_afl.deploy.coordinator.run_federation`).
+    ``rehearse_abort``: then kill SuperNodes until too few remain and run again (see
+    :func:`_rehearse_abort`); the second run's outcome is ``LocalResult.abort_rehearsal``.
+    """
     drops = dict(drops or {})
     client_ids = sorted(feature_files)
     for cid, round_name in drops.items():
@@ -415,7 +376,7 @@ def run_local(
             )
     seconds: dict[str, float] = {}
     started = time.perf_counter()
-    keys_dir, logs = work_dir / "keys", work_dir / "logs"
+    keys_dir, logs = work_dir / "keys", logs_dir or work_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     passphrase_file, _ = write_identities(keys_dir, client_ids)
     roster_path = keys_dir / "roster.json"
@@ -430,11 +391,14 @@ def run_local(
     connection.append(f'root-certificates = "{ca}"' if tls else "insecure = true")
     (flwr_home / "config.toml").write_text("\n".join(connection) + "\n", encoding="utf-8")
     out_dir = work_dir / "out"
+    server_dir = server_dir or out_dir / "server"
     app_dir = write_app(
         work_dir / "app",
         {
             "roster": str(roster_path),
-            "out-dir": str(out_dir / "server"),
+            "identity-key": str(keys_dir / f"{COORDINATOR}.key"),
+            "passphrase-file": str(passphrase_file),
+            "out-dir": str(server_dir),
             "classes": ",".join(study.classes),
             "dim": study.dim,
             "backbone": study.backbone["name"],
@@ -520,12 +484,15 @@ def run_local(
                 "ledger-dir": str(work_dir / "ledgers" / cid),
                 "out-dir": str(out_dir / cid),
                 "protection": study.protection,  # each institution agreed to the study's protection
+                "colluders": colluders,  # each institution's own colluder bound (SECURITY.md §3)
             }
             if study.dp is not None:  # each hospital insists on the study's privacy itself
                 node_config.update({"dp-epsilon": str(study.dp.epsilon), "dp-delta": str(study.dp.delta)})
+            node_config_text = " ".join(f"{k}={json.dumps(v)}" for k, v in node_config.items())
+            _check_node(cid, node_config_text, study, f"127.0.0.1:{superlink_port}", ca if tls else None, say)
             node_args = [flower_bin("flower-supernode"), "--superlink", f"127.0.0.1:{superlink_port}"]
             node_args += ["--host", "127.0.0.1", "--port", str(free_port())]
-            node_args += ["--node-config", " ".join(f"{k}={json.dumps(v)}" for k, v in node_config.items())]
+            node_args += ["--node-config", node_config_text]
             if tls:
                 node_args += [
                     "--root-certificates",
@@ -545,60 +512,47 @@ def run_local(
         seconds["startup"] = time.perf_counter() - started
 
         stage = time.perf_counter()
-        say("running the federation (flwr run)")
+        say("running the federation (flwr run, as `secure-afl deploy run` runs it)")
         run_log = logs / "flwr-run.log"
-        runner = children.start(
-            "flwr run",
-            [flower_bin("flwr"), "run", str(app_dir), CONNECTION, "--stream"],
-            run_log,
-            stdout=subprocess.PIPE,
-        )
-        lines: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=_pump, args=(runner.process.stdout, run_log, lines), daemon=True).start()
         pending = dict(drops)
-        deadline = time.monotonic() + run_timeout
-        done_reading = False
-        for _ in range(int(run_timeout / 0.1) + 100):
+
+        def kill_dropped() -> None:
             for cid, round_name in list(pending.items()):
                 if f"ROUND s1-{round_name}]" in nodes[cid].log.read_text(errors="replace"):
                     children.kill(nodes[cid])
                     killed[cid] = round_name
                     del pending[cid]
                     say(f"  killed the SuperNode of {cid} as it received round {round_name}")
-            for _ in range(1000):
-                try:
-                    line = lines.get_nowait()
-                except queue.Empty:
-                    break
-                if line is None:
-                    done_reading = True
-                    break
-                if "secure-afl server:" in line:
-                    say("  " + line.split("secure-afl server:", 1)[1].strip())
-            if done_reading and runner.process.poll() is not None:
-                break
-            if time.monotonic() >= deadline:
-                raise LocalDeploymentError(
-                    f"the federation did not finish within {run_timeout:.0f} s; see {run_log}"
-                )
-            time.sleep(0.1)
+
+        from .coordinator import run_federation
+
+        outcome = run_federation(
+            app_dir, CONNECTION, children=children, log_path=run_log, run_timeout=run_timeout, say=say,
+            on_poll=kill_dropped,
+        )  # fmt: skip
         seconds["flwr run"] = time.perf_counter() - stage
-        report_path = out_dir / "server" / "report.json"
-        if not report_path.exists():
+        if not outcome.ok or outcome.report is None:
             raise LocalDeploymentError(
-                f"the ServerApp wrote no report (flwr run exit {runner.process.returncode}); see {run_log}:\n"
-                f"{runner.tail(25)}"
+                f"the federation failed: {outcome.error}; see {outcome.report_path}, flwr run's output "
+                f"{run_log} and the nodes' logs in {logs}"
             )
-        report = json.loads(report_path.read_text())
-        if "error" in report:
-            raise LocalDeploymentError(f"the federation failed: {report['error']} (see {run_log})")
-        classifier = Classifier.load(out_dir / "server" / "classifier.json")
-        node_files = {}
-        for cid in client_ids:
-            stored = sorted((out_dir / cid).glob("classifier-*.json")) if (out_dir / cid).exists() else []
-            if stored:
-                node_files[cid] = stored[-1]
-        return LocalResult(classifier, report, seconds, node_files, work_dir, killed)
+        report = outcome.report
+        classifier_path = server_dir / "classifier.json"
+        roster = Roster.from_json(roster_path.read_text(encoding="utf-8"))
+        classifier = Classifier.load(classifier_path, roster=roster)  # signed by the coordinator
+        node_files = {
+            cid: out_dir / cid / "classifier.json"
+            for cid in client_ids
+            if (out_dir / cid / "classifier.json").exists()
+        }
+        result = LocalResult(
+            classifier, report, seconds, node_files, work_dir, killed, classifier_path, roster_path
+        )
+        if rehearse_abort:
+            result.abort_rehearsal = _rehearse_abort(
+                app_dir, children, nodes, killed, study, server_dir, logs, say, run_timeout
+            )
+        return result
     finally:
         children.stop_all()
         if threading.current_thread() is threading.main_thread():
@@ -606,6 +560,61 @@ def run_local(
         left = children.alive()
         if left:  # pragma: no cover
             say(f"WARNING: processes still running in process groups {left}")
+
+
+def _rehearse_abort(
+    app_dir: Path,
+    children: ProcessGroups,
+    nodes: Mapping[str, Child],
+    killed: dict[str, str],
+    study: Study,
+    server_dir: Path,
+    logs: Path,
+    say: Say,
+    run_timeout: float,
+    timeout: float = 10.0,
+) -> Any:
+    """A second run after killing SuperNodes until fewer than the session needs remain.
+
+    It must fail: the server aborts (too few nodes, or too few answers within ``timeout`` s) and
+    ``deploy run``'s code must say so, and move aside the classifier that its out-dir,
+    ``server_dir/abort-rehearsal``, holds from the first run.
+    """
+    from .coordinator import run_federation
+
+    live = [cid for cid in sorted(nodes) if cid not in killed]
+    needed = study.threshold_for(len(nodes)) if study.protection == "mask" else study.min_group_size
+    victims = live[: max(0, len(live) - needed + 1)]
+    for cid in victims:
+        children.kill(nodes[cid])
+        killed[cid] = "abort rehearsal"
+    say(
+        f"rehearsing an abort: killed the SuperNodes of {victims}; {len(live) - len(victims)} of "
+        f"{len(nodes)} remain, fewer than the {needed} a session needs; running the federation again"
+    )
+    directory = server_dir / "abort-rehearsal"
+    directory.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(server_dir / "classifier.json", directory / "classifier.json")
+    overrides = [
+        f"out-dir={json.dumps(str(directory))} connect-timeout={timeout:.1f} "
+        f"statistics-timeout={timeout:.1f} round-timeout={timeout:.1f}"
+    ]
+    return run_federation(
+        app_dir, CONNECTION, children=children, run_config=overrides, run_timeout=run_timeout,
+        log_path=logs / "flwr-run-abort-rehearsal.log", say=lambda text: say("  " + text),
+    )  # fmt: skip
+
+
+def _check_node(cid: str, node_config: str, study: Study, superlink: str, ca: Path | None, say: Say) -> None:
+    """``secure-afl deploy check`` on the node config its SuperNode is about to be given."""
+    from .check import NodeCheckError, check_node, parse_node_config
+
+    try:
+        check_node(parse_node_config(node_config), study=study, superlink=superlink, root_certificates=ca,
+                   say=lambda text: None)  # fmt: skip
+    except NodeCheckError as exc:
+        raise LocalDeploymentError(f"deploy check failed: {exc}") from None
+    say(f"  {cid}: deploy check passed (key, roster, features against the study, ledger, SuperLink)")
 
 
 def _dp_run_config(study: Study) -> dict[str, object]:

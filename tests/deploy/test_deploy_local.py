@@ -25,6 +25,7 @@ import pytest
 
 from secure_afl.deploy.classifier import Classifier
 from secure_afl.deploy.local import ProcessGroups, write_node_auth_key, write_tls_certificates
+from secure_afl.keys import load_roster
 
 
 def _processes_mentioning(text: str) -> list[str]:
@@ -48,7 +49,9 @@ def test_deploy_local_with_tls_auth_and_a_dropout_equals_the_simulation(tmp_path
     env = {**os.environ, "TMPDIR": str(tmp_path)}  # the federation's work directory lands in tmp_path
     command = [
         sys.executable, "-c", "from secure_afl.cli import main; main()",
-        "deploy", "local", "--clients", "4", "--tls", "--drop", "client-2@R1",
+        # --colluders 0: with one colluder assumed (n = 4, t = 3) the dropout leaves a class group of
+        # two, which every node would (rightly) refuse; this test is about TLS and the dropout.
+        "deploy", "local", "--clients", "4", "--tls", "--drop", "client-2@R1", "--colluders", "0",
         "--fraction", "0.08", "--dim", "32", "--round-timeout", "30", "--out", str(out),
     ]  # fmt: skip
     started = time.monotonic()
@@ -59,7 +62,9 @@ def test_deploy_local_with_tls_auth_and_a_dropout_equals_the_simulation(tmp_path
     assert "killed the SuperNode of client-2 as it received round R1" in output
     assert "dropouts seen by the server: {'R1': ['client-2']}" in output
     assert "classifier stored by ['client-0', 'client-1', 'client-3']; identical copies: True" in output
-    classifier = Classifier.load(out / "classifier.json")
+    # signed by the coordinator; --out holds the roster that verifies it (predict --roster)
+    classifier = Classifier.load(out / "classifier.json", roster=load_roster(out / "roster.json"))
+    assert classifier.signer == "coordinator"
     assert classifier.sessions[0]["survivors"] == ["client-0", "client-1", "client-3"]
     assert classifier.sessions[0]["participants"] == ["client-0", "client-1", "client-2", "client-3"]
     assert classifier.method["gram"] == "global" and classifier.protocol["threshold"] == 3
@@ -78,7 +83,9 @@ def test_deploy_local_with_ckks_equals_the_simulation_within_ckks_precision(tmp_
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     command = [
         sys.executable, "-c", "from secure_afl.cli import main; main()",
-        "deploy", "local", "--clients", "4", "--no-tls", "--secure", "ckks",
+        # seed 2: every class is labelled by 3 or more of the 4 (seed 0 leaves a class group of two,
+        # which the nodes' exposure check refuses with one colluder assumed; deploy local says so)
+        "deploy", "local", "--clients", "4", "--seed", "2", "--no-tls", "--secure", "ckks",
         "--fraction", "0.08", "--dim", "32", "--round-timeout", "30", "--out", str(out),
     ]  # fmt: skip
     started = time.monotonic()
@@ -91,7 +98,7 @@ def test_deploy_local_with_ckks_equals_the_simulation_within_ckks_precision(tmp_
     assert float(match.group(2)) <= 1e-4  # what the command checks, read back
     everyone = "['client-0', 'client-1', 'client-2', 'client-3']"
     assert f"classifier stored by {everyone}; identical copies: True" in output
-    classifier = Classifier.load(out / "classifier.json")
+    classifier = Classifier.load(out / "classifier.json", roster=load_roster(out / "roster.json"))
     assert classifier.protocol["backend"] == "ckks" and classifier.protocol["poly_modulus_degree"] == 8192
     assert classifier.sessions[0]["survivors"] == ["client-0", "client-1", "client-2", "client-3"]
     report = json.loads((out / "report.json").read_text())

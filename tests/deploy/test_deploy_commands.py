@@ -1,0 +1,329 @@
+"""``secure-afl deploy check`` (a hospital's node, before the run) and ``secure-afl deploy run`` (the
+coordinator's ``flwr run``, whose exit code must say when the ServerApp failed).
+
+Fast: the checks run in process on a toy federation's files (tests/deploy/helpers.py); the SuperLink
+is a loopback TLS listener on a free port; ``deploy run`` drives a stand-in ``flwr`` script that
+streams what the ServerApp prints and exits 0 as ``flwr run`` does, whatever happened.  The real
+Flower run (round 2, an aborted session) is tests/deploy/test_deploy_round2.py.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import ssl
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import closing, contextmanager
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from secure_afl.cli_deploy import deploy
+from secure_afl.deploy.check import NODE_CONFIG_KEYS
+from secure_afl.deploy.local import free_port, write_tls_certificates
+from secure_afl.features.file import save_feature_file
+from secure_afl.keys import Roster
+
+from .helpers import CLASSES, Federation, make_federation
+
+
+def _node_config(federation: Federation, node: int = 1000, **changes: str) -> str:
+    settings = federation.nodes[node].settings
+    config = {
+        "identity-key": str(settings.identity_key),
+        "passphrase-file": str(settings.passphrase_file),
+        "roster": str(settings.roster),
+        "features": str(settings.features),
+        "ledger-dir": str(settings.ledger_dir),
+        "out-dir": str(settings.out_dir),
+        **changes,
+    }
+    return " ".join(f"{key}={json.dumps(value)}" for key, value in config.items())
+
+
+def _study_app(directory: Path, **changes: object) -> Path:
+    """A coordinator's app directory whose run config is the toy federation's study."""
+    config: dict[str, object] = {
+        "roster": "roster.json",
+        "out-dir": str(directory / "server"),
+        "classes": ",".join(CLASSES),
+        "dim": 40,
+        "backbone": "toy",
+        "weights-id": "sha256:00",
+        "preprocessing": "none",
+        **changes,
+    }
+    directory.mkdir(parents=True, exist_ok=True)
+    lines = ["[tool.flwr.app.config]", *(f"{key} = {json.dumps(value)}" for key, value in config.items())]
+    (directory / "pyproject.toml").write_text("\n".join(lines) + "\n")
+    return directory
+
+
+def _check(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(deploy, ["check", *args])
+    return result.exit_code, result.output
+
+
+# --- deploy check ---------------------------------------------------------------------------------
+
+
+def test_check_passes_a_good_node_and_names_every_check(tmp_path: Path) -> None:
+    federation = make_federation(tmp_path / "fed")
+    app = _study_app(tmp_path / "app")
+    code, output = _check("--node-config", _node_config(federation), "--study", str(app))
+    assert code == 0, output
+    for check in ("node config", "roster", "identity key", "feature file", "ledger", "out-dir"):
+        assert f"ok  {check}" in output
+    assert "client-0 (" in output and "matches the study" in output
+    assert "client-0: every check passed" in output
+    # The same keys from a file: a TOML file and a file of key="value" pairs.
+    toml = tmp_path / "node.toml"
+    toml.write_text(_node_config(federation).replace('" ', '"\n') + "\n")
+    plain = tmp_path / "node.conf"
+    plain.write_text(_node_config(federation) + "\n")
+    for path in (toml, plain):
+        code, output = _check("--config", str(path))
+        assert code == 0 and "client-0: every check passed" in output, output
+    # The check reads only: no ledger or out-dir was created.
+    settings = federation.nodes[1000].settings
+    assert not settings.ledger_dir.exists() and not settings.out_dir.exists()
+
+
+def test_check_fails_with_the_runs_own_error_naming_the_hospital(tmp_path: Path) -> None:
+    federation = make_federation(tmp_path / "fed")
+    app = _study_app(tmp_path / "app")
+    wrong = tmp_path / "wrong-passphrase"
+    wrong.write_bytes(b"not the passphrase at all\n")
+    wrong.chmod(0o600)
+    code, output = _check("--node-config", _node_config(federation, **{"passphrase-file": str(wrong)}))
+    assert code == 1
+    assert "FAILED client-0: identity key: WrongPassphraseError:" in output  # named although locked
+    # Open permissions on the passphrase file: the ClientApp's own message.
+    wrong.chmod(0o644)
+    code, output = _check("--node-config", _node_config(federation, **{"passphrase-file": str(wrong)}))
+    assert code == 1 and "ConfigurationError" in output and "chmod 600" in output
+    # A roster without this hospital's entry.
+    roster = Roster.from_json((tmp_path / "fed" / "roster.json").read_text())
+    others = tmp_path / "others.json"
+    others.write_text(Roster([e for e in roster if e.client_id != "client-0"]).to_json())
+    code, output = _check("--node-config", _node_config(federation, roster=str(others)))
+    assert code == 1 and "identity key: IdentityNotInRosterError:" in output
+    assert "client-0.key" in output and "is not in its roster" in output
+    # A feature file of another backbone, against the study.
+    features = tmp_path / "other-backbone.npz"
+    rng = np.random.default_rng(1)
+    save_feature_file(
+        features, rng.random((10, 40)), labels=np.ones((10, 3), np.uint8), active=(0, 1, 2),
+        classes=CLASSES, backbone="resnet50", weights_id="sha256:00", preprocessing="none",
+    )  # fmt: skip
+    config = _node_config(federation, features=str(features))
+    assert _check("--node-config", config)[0] == 0  # without the study there is nothing to compare
+    code, output = _check("--node-config", config, "--study", str(app))
+    assert code == 1
+    assert "FAILED client-0: feature file against the study: StudyMismatchError:" in output
+    assert "backbone name is 'toy', this feature file's is 'resnet50'" in output
+    # A study protected by CKKS, which this node did not agree to (its default is mask only).
+    code, output = _check("--node-config", _node_config(federation), "--study", str(_study_app(
+        tmp_path / "ckks-app", protection="ckks")))  # fmt: skip
+    assert code == 1 and "protection: StudyMismatchError:" in output and 'protection="mask"' in output
+    # Missing keys and a missing roster.
+    code, output = _check("--node-config", 'identity-key="/nowhere"')
+    assert code == 1 and "node config: ConfigurationError" in output and "passphrase-file" in output
+    code, output = _check("--node-config", _node_config(federation, roster=str(tmp_path / "none.json")))
+    assert code == 1 and "roster: ConfigurationError:" in output and "cannot read the roster" in output
+
+
+def test_check_refuses_a_ledger_or_out_dir_it_cannot_write(tmp_path: Path) -> None:
+    federation = make_federation(tmp_path / "fed")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    code, output = _check("--node-config", _node_config(federation, **{"out-dir": str(blocker / "out")}))
+    assert code == 1 and "out-dir: ConfigurationError:" in output and "is not a directory" in output
+    code, output = _check("--node-config", _node_config(federation, **{"ledger-dir": str(blocker)}))
+    assert code == 1 and "ledger: ConfigurationError:" in output and "is not a directory" in output
+
+
+@contextmanager
+def _tls_listener(cert: Path, key: Path) -> Iterator[int]:
+    """A loopback TLS server on a free port that completes handshakes until closed."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(0.2)
+    stop = threading.Event()
+
+    def serve() -> None:
+        for _ in range(10_000):  # bounded: 0.2 s per idle turn
+            if stop.is_set():
+                return
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                continue
+            with closing(conn):
+                conn.settimeout(5)
+                try:
+                    with context.wrap_socket(conn, server_side=True):
+                        pass
+                except (ssl.SSLError, OSError):
+                    pass
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield server.getsockname()[1]
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+        server.close()
+
+
+def test_check_connects_to_the_superlink_with_tls(tmp_path: Path) -> None:
+    federation = make_federation(tmp_path / "fed")
+    config = _node_config(federation)
+    ca, cert, key = write_tls_certificates(tmp_path / "tls")
+    other_ca, _, _ = write_tls_certificates(tmp_path / "other")
+    with _tls_listener(cert, key) as port:
+        code, output = _check("--node-config", config, "--superlink", f"127.0.0.1:{port}",
+                              "--root-certificates", str(ca))  # fmt: skip
+        assert code == 0, output
+        assert f"ok  SuperLink 127.0.0.1:{port}: TLSv1" in output and "127.0.0.1" in output
+        code, output = _check("--node-config", config, "--superlink", f"127.0.0.1:{port}",
+                              "--root-certificates", str(other_ca))  # fmt: skip
+        assert code == 1 and "FAILED client-0: SuperLink: ConfigurationError:" in output
+        assert "does not verify against" in output
+        code, output = _check("--node-config", config, "--superlink", f"127.0.0.1:{port}", "--insecure")
+        assert code == 0 and "TCP connection accepted" in output
+    closed = free_port()
+    code, output = _check("--node-config", config, "--superlink", f"127.0.0.1:{closed}", "--insecure")
+    assert code == 1 and f"nothing listens on 127.0.0.1:{closed}" in output
+    code, output = _check("--node-config", config, "--superlink", "127.0.0.1:1")
+    assert code == 2 and "--root-certificates ca.crt (TLS) or --insecure" in output
+    code, output = _check("--node-config", config, "--superlink", "no-port", "--insecure")
+    assert code == 1 and "expected HOST:PORT" in output
+
+
+def test_check_help_names_every_node_config_key() -> None:
+    code, output = _check("--help")
+    assert code == 0
+    for key in NODE_CONFIG_KEYS:
+        assert f"\n  {key} " in output, key
+    assert set(NODE_CONFIG_KEYS) >= {"identity-key", "passphrase-file", "roster", "features", "ledger-dir",
+                                     "out-dir", "protection", "dp-epsilon", "dp-delta", "dp-unit",
+                                     "allow-class-gram", "device"}  # fmt: skip
+
+
+# --- deploy run -----------------------------------------------------------------------------------
+
+# What ``flwr run --stream`` prints of a ServerApp, and its exit code 0 whatever happened.
+FAKE_FLWR = """\
+import json, os, sys, time, tomllib
+from pathlib import Path
+args = sys.argv[1:]
+assert args[:1] == ["run"] and "--stream" in args, args
+config = tomllib.loads((Path(args[1]) / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+out = Path(config["out-dir"])
+scenario = os.environ["FAKE_FLWR_SCENARIO"]
+def say(text):
+    print("INFO :      secure-afl server: " + text, flush=True)
+say("session 1 R0: sent to 3 node(s)")
+say("session 1 R0: 3 answer(s) in 0.1 s (hospital-a, hospital-b, hospital-c)")
+say("session 1 R1: sent to hospital-a, hospital-b, hospital-c")
+time.sleep(0.5)
+if scenario == "abort":
+    say("session 1 R1: hospital-c did not answer within 1 s (dropout)")
+    error = "FederationAbortedError: session 1 aborted after R1: 2 clients remain, fewer than t=3"
+    (out / "report.json").write_text(json.dumps({"sessions": [], "error": error}))
+    say("FAILED: " + error)
+elif scenario == "crash":
+    print("ERROR :     ServerApp raised an exception: KeyError: 'classes'", flush=True)
+else:
+    say("session 1 R1: 3 answer(s) in 0.5 s (hospital-a, hospital-b, hospital-c)")
+    (out / "classifier.json").write_text("{}")
+    sessions = [{"label": "1", "participants": ["hospital-a", "hospital-b", "hospital-c"],
+                 "survivors": ["hospital-a", "hospital-b", "hospital-c"]}]
+    (out / "report.json").write_text(json.dumps({"sessions": sessions, "acknowledged": ["hospital-a"]}))
+    say("wrote " + str(out / "report.json"))
+sys.exit(0)
+"""
+
+
+@pytest.fixture
+def coordinator(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path]:
+    """An app directory, a FLWR_HOME, a stand-in flwr, and an earlier run's classifier in out-dir."""
+    script = tmp_path / "flwr"
+    script.write_text(f"#!{sys.executable}\n{FAKE_FLWR}")
+    script.chmod(0o700)
+    monkeypatch.setattr("secure_afl.deploy.coordinator.flower_bin", lambda name: str(script))
+    out = tmp_path / "server"
+    out.mkdir()
+    (out / "classifier.json").write_text('{"earlier": true}')
+    (out / "report.json").write_text('{"earlier": true}')
+    app = _study_app(tmp_path / "app", **{"out-dir": str(out)})
+    home = tmp_path / "flwr-home"
+    home.mkdir()
+    (home / "config.toml").write_text('[superlink]\ndefault = "federation"\n')
+    return app, home
+
+
+def _run(app: Path, home: Path, scenario: str) -> tuple[int, str]:
+    result = CliRunner().invoke(
+        deploy,
+        ["run", str(app), "federation", "--flwr-home", str(home), "--tick", "0.2"],
+        env={"FAKE_FLWR_SCENARIO": scenario},
+    )
+    return result.exit_code, result.output
+
+
+def test_run_exits_non_zero_when_the_session_aborts_and_leaves_no_classifier(
+    coordinator: tuple[Path, Path],
+) -> None:
+    app, home = coordinator
+    out = app.parent / "server"
+    code, output = _run(app, home, "abort")
+    assert code == 1, output
+    assert (
+        "the federation failed" in output and "FederationAbortedError: session 1 aborted after R1" in output
+    )
+    # Progress with hospital names, and the elapsed time while R1 waits.
+    assert "session 1 R1: sent to hospital-a, hospital-b, hospital-c" in output
+    assert "session 1 R1: waiting for answers," in output
+    assert "hospital-c did not answer" in output
+    # The earlier classifier was moved aside, not left beside the failing report.
+    assert not (out / "classifier.json").exists()
+    (earlier,) = out.glob("classifier.before-*.json")
+    assert json.loads(earlier.read_text()) == {"earlier": True}
+    assert "FederationAbortedError" in json.loads((out / "report.json").read_text())["error"]
+    assert (out / "flwr-run.log").read_text().count("secure-afl server:") >= 4
+
+
+def test_run_exits_non_zero_when_the_serverapp_writes_no_report(coordinator: tuple[Path, Path]) -> None:
+    app, home = coordinator
+    out = app.parent / "server"
+    code, output = _run(app, home, "crash")
+    assert code == 1, output
+    assert "the ServerApp wrote no report (flwr run exit 0)" in output
+    report = json.loads((out / "report.json").read_text())  # written by deploy run, with the error
+    assert "wrote no report" in report["error"] and report["flwr_run_exit"] == 0
+    assert not (out / "classifier.json").exists()
+
+
+def test_run_exits_zero_with_a_new_classifier(coordinator: tuple[Path, Path]) -> None:
+    app, home = coordinator
+    out = app.parent / "server"
+    code, output = _run(app, home, "ok")
+    assert code == 0, output
+    assert json.loads((out / "classifier.json").read_text()) == {}  # this run's, not the earlier one
+    assert "session 1: participants ['hospital-a', 'hospital-b', 'hospital-c']" in output
+    assert f"wrote {out / 'classifier.json'}" in output
+    assert len(list(out.glob("classifier.before-*.json"))) == 1
+
+
+def test_run_needs_the_flower_connection_file(coordinator: tuple[Path, Path], tmp_path: Path) -> None:
+    app, _ = coordinator
+    code, output = _run(app, tmp_path / "nowhere", "ok")
+    assert code == 2 and "config.toml does not exist" in output and "FLWR_HOME" in output
