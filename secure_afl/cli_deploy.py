@@ -537,7 +537,9 @@ def _assumed_colluders(value: str, clients: int, threshold: int) -> int:
     if text == "n-t":
         return max(0, clients - threshold)
     if not text.isdigit():
-        raise click.BadParameter(f'{value!r}: give "n-t" or a number of institutions', param_hint="--colluders")
+        raise click.BadParameter(
+            f'{value!r}: give "n-t" or a number of institutions', param_hint="--colluders"
+        )
     return min(int(text), max(0, clients - threshold))
 
 
