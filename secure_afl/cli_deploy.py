@@ -216,7 +216,10 @@ def deploy_tls(hosts: tuple[str, ...], ips: tuple[str, ...], out_dir: Path, days
 
 @deploy.command("local")
 @click.option(
-    "--clients", type=click.IntRange(3, 8), default=5, show_default=True,
+    "--clients",
+    type=click.IntRange(3, 8),
+    default=5,
+    show_default=True,
     help="SuperNodes (institutions). 5 is the fewest at which every class group of the default seed keeps "
     "the 3 members that one assumed colluder requires.",
 )
