@@ -146,21 +146,30 @@ def coordinator_signer(config: Mapping[str, Any], roster: Roster) -> ClassifierS
     """The coordinator's identity from the run config (``identity-key``, ``passphrase-file``)."""
     import click
 
-    from secure_afl.keys.commands import read_passphrase_file
+    from secure_afl.keys.commands import read_passphrase
     from secure_afl.keys.files import KeyFileError, load_identity_key
 
-    missing = [key for key in ("identity-key", "passphrase-file") if not str(config.get(key, ""))]
+    sources = [key for key in ("passphrase-file", "passphrase-env") if str(config.get(key, ""))]
+    missing = [] if str(config.get("identity-key", "")) else ["identity-key"]
+    if not sources:
+        missing.append("passphrase-file")
     if missing:
         raise ConfigurationError(
             f"the run config lacks {missing}: the coordinator signs the classifier file with its roster "
             "identity. Create it with `secure-afl keys init --id coordinator --dir DIR`, add "
             "DIR/identity.pub.json to the roster with `secure-afl keys roster add --coordinator --entry "
-            "...`, and set identity-key (DIR/identity.key) and passphrase-file in the run config"
+            "...`, and set identity-key (DIR/identity.key) and passphrase-file (or passphrase-env, an "
+            "environment variable of the SuperLink's process) in the run config"
         )
+    if len(sources) > 1:
+        raise ConfigurationError("the run config sets both passphrase-file and passphrase-env: keep one")
     try:
-        passphrase = read_passphrase_file(Path(str(config["passphrase-file"])))
-    except click.ClickException as exc:  # a missing file or open permissions
-        raise ConfigurationError(f"the run config's passphrase-file: {exc.message}") from None
+        passphrase = read_passphrase(
+            Path(str(config["passphrase-file"])) if "passphrase-file" in sources else None,
+            str(config["passphrase-env"]) if "passphrase-env" in sources else None,
+        )
+    except click.ClickException as exc:  # a missing file, open permissions, an unset variable
+        raise ConfigurationError(f"the run config's {sources[0]}: {exc.message}") from None
     try:
         key = load_identity_key(Path(str(config["identity-key"])), passphrase)
     except KeyFileError as exc:

@@ -28,8 +28,10 @@ from .study import Study
 NODE_CONFIG_KEYS: dict[str, str] = {
     "identity-key": "(required) this hospital's encrypted identity key file (`secure-afl keys init`, "
     "mode 0600)",
-    "passphrase-file": "(required) a file, mode 0600, whose first line is that key's passphrase, in the "
-    "clear",
+    "passphrase-file": "(this or passphrase-env) a file, mode 0600, whose first line is that key's "
+    "passphrase, in the clear",
+    "passphrase-env": "(this or passphrase-file) the name of an environment variable of the SuperNode's "
+    "process that holds the passphrase (export it in the shell or service that starts the SuperNode)",
     "roster": "(required) the roster.json every institution pinned (from the coordinator)",
     "features": "(required) this hospital's labelled feature file (.npz, secure-afl-features/v1)",
     "ledger-dir": "(required) directory of this hospital's signed session history (created 0700; keep "

@@ -65,7 +65,7 @@ class NodeSettings:
     """A hospital's SuperNode settings (``flower-supernode --node-config 'key="value" ...'``)."""
 
     identity_key: Path
-    passphrase_file: Path
+    passphrase_file: Path | None  # exactly one of the file (0600) and the variable holds the passphrase
     roster: Path
     features: Path
     out_dir: Path
@@ -84,16 +84,24 @@ class NodeSettings:
     # ``colluders``): "n-t" (None, the default: the active model's bound) or a smaller number, which
     # weakens its exposure check (SECURITY.md, "Colluders"); the server cannot change it.
     colluders: int | None = None
+    passphrase_env: str | None = None  # node config ``passphrase-env``: the SuperNode's variable
 
-    KEYS = ("identity-key", "passphrase-file", "roster", "features", "ledger-dir", "out-dir")
+    KEYS = ("identity-key", "roster", "features", "ledger-dir", "out-dir")
 
     @classmethod
     def from_node_config(cls, config: Mapping[str, object]) -> NodeSettings:
         missing = [key for key in cls.KEYS if not isinstance(config.get(key), str) or not config.get(key)]
         if missing:
             raise ConfigurationError(
-                f"the SuperNode's --node-config lacks {missing}; it needs identity-key, passphrase-file, "
-                f"roster, features, ledger-dir and out-dir (paths on this machine)"
+                f"the SuperNode's --node-config lacks {missing}; it needs identity-key, passphrase-file "
+                f"(or passphrase-env), roster, features, ledger-dir and out-dir (paths on this machine)"
+            )
+        passphrase_sources = [key for key in ("passphrase-file", "passphrase-env") if config.get(key)]
+        if len(passphrase_sources) != 1:
+            raise ConfigurationError(
+                "the SuperNode's --node-config needs exactly one of passphrase-file (a 0600 file holding "
+                "the key's passphrase) and passphrase-env (the name of an environment variable of the "
+                f"SuperNode's process that holds it); it has {passphrase_sources or 'neither'}"
             )
         try:
             dp_epsilon = float(str(config["dp-epsilon"])) if "dp-epsilon" in config else None
@@ -107,7 +115,8 @@ class NodeSettings:
             raise ConfigurationError("the node config sets dp-delta or dp-unit without dp-epsilon")
         return cls(
             identity_key=Path(str(config["identity-key"])),
-            passphrase_file=Path(str(config["passphrase-file"])),
+            passphrase_file=Path(str(config["passphrase-file"])) if config.get("passphrase-file") else None,
+            passphrase_env=str(config["passphrase-env"]) if config.get("passphrase-env") else None,
             roster=Path(str(config["roster"])),
             features=Path(str(config["features"])),
             out_dir=Path(str(config["out-dir"])),
@@ -183,11 +192,11 @@ def handle(envelope: Envelope, state: LocalState, settings: NodeSettings) -> Env
 
 
 def _identity(settings: NodeSettings, roster: Roster) -> tuple[str, IdentityKey]:
-    from secure_afl.keys.commands import read_passphrase_file
+    from secure_afl.keys.commands import read_passphrase
 
     try:
-        passphrase = read_passphrase_file(settings.passphrase_file)
-    except Exception as exc:  # click.ClickException: bad permissions, missing file
+        passphrase = read_passphrase(settings.passphrase_file, settings.passphrase_env)
+    except Exception as exc:  # click.ClickException: bad permissions, missing file, unset variable
         raise ConfigurationError(getattr(exc, "message", str(exc))) from None
     identity = load_identity_key(settings.identity_key, passphrase)
     for entry in roster:

@@ -27,6 +27,9 @@ KEY_FILE = "identity.key"
 PUBLIC_FILE = "identity.pub.json"
 PUBLIC_FORMAT = "secure-afl-roster-entry/v1"
 MAX_PASSPHRASE_BYTES = 4096
+# A new key's passphrase is what stands between a stolen key file and the institution's identity;
+# scrypt slows each guess, it cannot make a short passphrase long.
+MIN_PASSPHRASE_CHARS = 12
 
 
 def default_key_dir() -> Path:
@@ -54,22 +57,67 @@ def read_passphrase_file(path: Path) -> bytes:
     return line
 
 
-def _passphrase(passphrase_file: Path | None, *, confirm: bool) -> bytes:
+def read_passphrase_env(variable: str) -> bytes:
+    """The passphrase from the environment variable ``variable`` (a SuperNode started by a service
+    manager, or ``read -s`` in a shell: never on a command line, where ``ps`` shows it)."""
+    value = os.environ.get(variable)
+    if value is None:
+        raise click.ClickException(
+            f"the environment variable {variable} is not set: export it (e.g. `read -rs {variable} && "
+            f"export {variable}`) or use a passphrase file"
+        )
+    if not value:
+        raise click.ClickException(f"the environment variable {variable} is empty")
+    data = value.encode("utf-8")
+    if len(data) > MAX_PASSPHRASE_BYTES:
+        raise click.ClickException(f"{variable}: the passphrase is longer than {MAX_PASSPHRASE_BYTES} bytes")
+    return data
+
+
+def read_passphrase(passphrase_file: Path | None = None, passphrase_env: str | None = None) -> bytes:
+    """The passphrase from exactly one of a private file and an environment variable."""
+    if (passphrase_file is None) == (passphrase_env is None):
+        raise click.ClickException("give exactly one of a passphrase file and a passphrase variable")
     if passphrase_file is not None:
         return read_passphrase_file(passphrase_file)
-    text = click.prompt("Passphrase", hide_input=True, confirmation_prompt=confirm)
-    if not text:
-        raise click.ClickException("an empty passphrase cannot protect a private key")
-    return text.encode("utf-8")
+    return read_passphrase_env(passphrase_env)  # type: ignore[arg-type]
 
 
-def load_key(directory: Path, passphrase_file: Path | None) -> IdentityKey:
+def check_new_passphrase(passphrase: bytes) -> bytes:
+    """Refuse a passphrase too short to protect a new key (fewer than MIN_PASSPHRASE_CHARS)."""
+    length = len(passphrase.decode("utf-8", errors="replace"))
+    if length < MIN_PASSPHRASE_CHARS:
+        raise click.ClickException(
+            f"the passphrase has {length} character(s); a new key needs at least {MIN_PASSPHRASE_CHARS}: "
+            "use a few random words (e.g. 'correct horse battery staple')"
+        )
+    return passphrase
+
+
+def _passphrase(
+    passphrase_file: Path | None, *, confirm: bool, passphrase_env: str | None = None, new: bool = False
+) -> bytes:
+    if passphrase_file is not None and passphrase_env is not None:
+        raise click.UsageError("give --passphrase-file or --passphrase-env, not both")
+    if passphrase_file is not None or passphrase_env is not None:
+        passphrase = read_passphrase(passphrase_file, passphrase_env)
+    else:
+        text = click.prompt("Passphrase", hide_input=True, confirmation_prompt=confirm)
+        if not text:
+            raise click.ClickException("an empty passphrase cannot protect a private key")
+        passphrase = text.encode("utf-8")
+    return check_new_passphrase(passphrase) if new else passphrase
+
+
+def load_key(directory: Path, passphrase_file: Path | None, passphrase_env: str | None = None) -> IdentityKey:
     """Decrypt ``DIR/identity.key``; every key-file error becomes a message that names the cause."""
     path = directory / KEY_FILE
     if not path.exists():
         raise click.ClickException(f"{path}: no identity key here; create one with `secure-afl keys init`")
     try:
-        return load_identity_key(path, _passphrase(passphrase_file, confirm=False))
+        return load_identity_key(
+            path, _passphrase(passphrase_file, confirm=False, passphrase_env=passphrase_env)
+        )
     except KeyFileError as exc:
         raise click.ClickException(str(exc)) from None
 
@@ -163,12 +211,24 @@ _dir_option = click.option(
     default=None,
     help="Key directory (default: $SECURE_AFL_HOME or ~/.secure-afl).",
 )
-_passphrase_option = click.option(
-    "--passphrase-file",
-    type=click.Path(path_type=Path, dir_okay=False),
-    default=None,
-    help="Read the passphrase from this file's first line (mode 0600) instead of prompting.",
-)
+
+
+def _passphrase_option(function):  # type: ignore[no-untyped-def]
+    function = click.option(
+        "--passphrase-env",
+        metavar="VAR",
+        default=None,
+        help="Read the passphrase from the environment variable VAR instead of prompting.",
+    )(function)
+    return click.option(
+        "--passphrase-file",
+        type=click.Path(path_type=Path, dir_okay=False),
+        default=None,
+        help="Read the passphrase from this file's first line instead of prompting. The file holds the "
+        "passphrase in the clear: mode 0600 (refused otherwise), on the key's machine only.",
+    )(function)
+
+
 _roster_option = click.option(
     "--roster",
     "roster_path",
@@ -192,9 +252,20 @@ def keys() -> None:
 @_dir_option
 @click.option("--force", is_flag=True, help="Replace an existing key (the old one is lost).")
 def init(
-    client_id: str, name: str | None, passphrase_file: Path | None, directory: Path | None, force: bool
+    client_id: str,
+    name: str | None,
+    passphrase_file: Path | None,
+    passphrase_env: str | None,
+    directory: Path | None,
+    force: bool,
 ) -> None:
-    """Create this institution's Ed25519 identity key, encrypted under a passphrase."""
+    """Create this institution's Ed25519 identity key, encrypted under a passphrase.
+
+    \b
+    Writes DIR/identity.key (the encrypted key, 0600) and DIR/identity.pub.json (the roster entry
+    to send to the coordinator).  The passphrase (prompted, or --passphrase-file/--passphrase-env)
+    must have at least 12 characters.
+    """
     directory = directory or default_key_dir()
     try:
         entry_check = RosterEntry(client_id, name or client_id, bytes(32))
@@ -203,7 +274,7 @@ def init(
     key_path = directory / KEY_FILE
     if key_path.exists() and not force:
         raise click.ClickException(f"{key_path}: a key already exists (use --force to replace it)")
-    passphrase = _passphrase(passphrase_file, confirm=True)
+    passphrase = _passphrase(passphrase_file, confirm=True, passphrase_env=passphrase_env, new=True)
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
     key = IdentityKey.generate()
     try:
@@ -227,10 +298,10 @@ def init(
 @keys.command()
 @_passphrase_option
 @_dir_option
-def show(passphrase_file: Path | None, directory: Path | None) -> None:
+def show(passphrase_file: Path | None, passphrase_env: str | None, directory: Path | None) -> None:
     """Print the public key and its fingerprint (decrypting the key proves the passphrase)."""
     directory = directory or default_key_dir()
-    key = load_key(directory, passphrase_file)
+    key = load_key(directory, passphrase_file, passphrase_env)
     entry = load_public_entry(directory)
     if entry.public_key != key.public_key:
         raise click.ClickException(

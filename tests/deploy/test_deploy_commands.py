@@ -137,6 +137,32 @@ def test_check_fails_with_the_runs_own_error_naming_the_hospital(tmp_path: Path)
     assert code == 1 and "roster: ConfigurationError:" in output and "cannot read the roster" in output
 
 
+def test_check_reads_the_passphrase_from_the_nodes_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    federation = make_federation(tmp_path / "fed")
+    settings = federation.nodes[1000].settings
+    assert settings.passphrase_file is not None
+    passphrase = settings.passphrase_file.read_text().splitlines()[0]
+    config = _node_config(federation, **{"passphrase-env": "NODE_PASSPHRASE"}).replace(
+        f"passphrase-file={json.dumps(str(settings.passphrase_file))} ", ""
+    )
+    assert "passphrase-file" not in config
+    monkeypatch.setenv("NODE_PASSPHRASE", passphrase)
+    code, output = _check("--node-config", config)
+    assert code == 0 and "client-0: every check passed" in output, output
+    monkeypatch.setenv("NODE_PASSPHRASE", passphrase + "x")
+    code, output = _check("--node-config", config)
+    assert code == 1 and "identity key: WrongPassphraseError" in output
+    monkeypatch.delenv("NODE_PASSPHRASE")
+    code, output = _check("--node-config", config)
+    assert code == 1 and "NODE_PASSPHRASE is not set" in output
+    # Both sources, or neither: the node config is refused with what to keep.
+    both = _node_config(federation, **{"passphrase-env": "NODE_PASSPHRASE"})
+    code, output = _check("--node-config", both)
+    assert code == 1 and "exactly one of passphrase-file" in output
+
+
 def test_check_refuses_a_ledger_or_out_dir_it_cannot_write(tmp_path: Path) -> None:
     federation = make_federation(tmp_path / "fed")
     blocker = tmp_path / "a-file"

@@ -416,7 +416,7 @@ def test_the_run_config_and_node_config_carry_the_dp_settings() -> None:
         {k: config[k] for k in ("classes", "dim", "backbone", "weights-id", "preprocessing")}
     )
     assert plain.dp is None and plain.method.balance == "client"
-    node = {k: "/x" for k in NodeSettings.KEYS}
+    node = {**{k: "/x" for k in NodeSettings.KEYS}, "passphrase-file": "/x"}
     settings = NodeSettings.from_node_config({**node, "dp-epsilon": "1", "dp-unit": "patient"})
     assert (settings.dp_epsilon, settings.dp_delta, settings.dp_unit) == (1.0, None, "patient")
     with pytest.raises(ConfigurationError, match="without dp-epsilon"):

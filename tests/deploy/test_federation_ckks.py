@@ -302,7 +302,9 @@ def test_the_study_records_the_protection_and_refuses_bad_ckks_parameters() -> N
     with pytest.raises(ConfigurationError, match="protection must be one of mask, ckks"):
         replace(study, protection="paillier")
     with pytest.raises(ConfigurationError, match="protection='rsa'"):
-        NodeSettings.from_node_config({k: "x" for k in NodeSettings.KEYS} | {"protection": "rsa"})
+        NodeSettings.from_node_config(
+            {k: "x" for k in NodeSettings.KEYS} | {"passphrase-file": "x"} | {"protection": "rsa"}
+        )
     assert NodeSettings.from_node_config(
-        {k: "x" for k in NodeSettings.KEYS} | {"protection": "mask, ckks"}
+        {k: "x" for k in NodeSettings.KEYS} | {"passphrase-file": "x"} | {"protection": "mask, ckks"}
     ).protections == {"mask", "ckks"}

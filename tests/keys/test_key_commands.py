@@ -161,3 +161,37 @@ def test_roster_fingerprint_ignores_formatting_but_not_content(tmp_path: Path) -
     fewer = Roster(e for e in roster.entries if e.client_id == "hospital-a")
     assert fewer.fingerprint != roster.fingerprint
     assert os.path.exists(path)
+
+
+def test_init_refuses_a_short_passphrase_from_every_source(tmp_path: Path, monkeypatch) -> None:
+    short = _passfile(tmp_path, "eleven char", name="short")  # 11 characters
+    code, out = run(
+        "keys", "init", "--id", "h", "--passphrase-file", str(short), "--dir", str(tmp_path / "a")
+    )
+    assert code != 0 and "has 11 character(s); a new key needs at least 12" in out
+    assert not (tmp_path / "a").exists()  # nothing written
+    monkeypatch.setenv("SHORT_PASS", "tiny")
+    code, out = run(
+        "keys", "init", "--id", "h", "--passphrase-env", "SHORT_PASS", "--dir", str(tmp_path / "b")
+    )
+    assert code != 0 and "has 4 character(s)" in out and not (tmp_path / "b").exists()
+    result = CliRunner().invoke(main, ["keys", "init", "--id", "h", "--dir", str(tmp_path / "c")],
+                                input="short\nshort\n")  # fmt: skip
+    assert result.exit_code != 0 and "has 5 character(s)" in result.output
+    assert not (tmp_path / "c" / "identity.key").exists()
+
+
+def test_the_passphrase_from_an_environment_variable(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("HOSPITAL_A_PASS", "correct horse battery staple")
+    directory = tmp_path / "a"
+    code, out = run("keys", "init", "--id", "hospital-a", "--passphrase-env", "HOSPITAL_A_PASS",
+                    "--dir", str(directory))  # fmt: skip
+    assert code == 0, out
+    key = load_identity_key(directory / "identity.key", b"correct horse battery staple")
+    code, out = run("keys", "show", "--passphrase-env", "HOSPITAL_A_PASS", "--dir", str(directory))
+    assert code == 0 and key.fingerprint in out
+    code, out = run("keys", "show", "--passphrase-env", "NOT_SET_ANYWHERE", "--dir", str(directory))
+    assert code != 0 and "NOT_SET_ANYWHERE is not set" in out
+    code, out = run("keys", "show", "--passphrase-env", "HOSPITAL_A_PASS", "--passphrase-file",
+                    str(_passfile(tmp_path)), "--dir", str(directory))  # fmt: skip
+    assert code != 0 and "not both" in out
