@@ -246,19 +246,47 @@ def deploy_tls(hosts: tuple[str, ...], ips: tuple[str, ...], out_dir: Path, days
 @click.option(
     "--rounds", type=click.IntRange(1, 2), default=1, show_default=True, help="2 adds the pseudo-label round."
 )
-@click.option("--gram", type=click.Choice(["global", "class"]), default="global", show_default=True)
+@click.option(
+    "--gram",
+    type=click.Choice(["global", "class"]),
+    default="global",
+    show_default=True,
+    help="global: one Gram summed over all institutions (paper Eq. 8); class: one per class, "
+    "summed over the institutions labelling it (needs allow-class-gram in every node config).",
+)
 @click.option("--balance", type=click.Choice(["client", "global"]), default=None,
-              help="[default: client; global under --dp-epsilon, which needs it]")  # fmt: skip
-@click.option("--gamma", type=float, default=1.0, show_default=True)
-@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
-@click.option("--fraction", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True)
+              help="How b_c balances positives and negatives: per institution (paper Eq. 9) or from the "
+              "global counts. [default: client; global under --dp-epsilon, which needs it]")  # fmt: skip
+@click.option("--gamma", type=float, default=1.0, show_default=True,
+              help="The ridge γ of the closed-form solve (W = (G + γI)^-1 B).")  # fmt: skip
+@click.option(
+    "--seed",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Seeds the split, which classes each institution labels, and the synthetic features.",
+)
+@click.option(
+    "--fraction",
+    type=click.FloatRange(0, 1, min_open=True),
+    default=1.0,
+    show_default=True,
+    help="Share of the embedded cohort to use (0.1: a tenth of the images, a faster run).",
+)
 @click.option(
     "--dim", type=click.IntRange(min=1), default=1024, show_default=True, help="Synthetic feature dimension."
 )
 @click.option("--round-timeout", type=click.FloatRange(1), default=30.0, show_default=True,
               help="Seconds after which a node that has not answered a round is a dropout.")  # fmt: skip
 @click.option(
-    "--out", "out_dir", type=click.Path(path_type=Path), default=Path("runs/deploy"), show_default=True
+    "--out",
+    "out_dir",
+    type=click.Path(path_type=Path),
+    default=Path("runs/deploy"),
+    show_default=True,
+    help="Writes here, also when the run fails: report.json, classifier.json (signed), roster.json (verifies "
+    "it), test-features.npz (the held-out images, labelled: predict --evaluate) and logs/ (every process's "
+    "log; replaced each run).",
 )
 @click.option(
     "--colluders",
@@ -708,10 +736,22 @@ def deploy_run(
               help="A directory of PNG images (features extracted with the model's backbone).")  # fmt: skip
 @click.option("--weights", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="The backbone's weight file (with --data-dir; default: the library cache).")  # fmt: skip
-@click.option("--cache-dir", type=click.Path(path_type=Path, file_okay=False), default=None)
-@click.option("--device", default="auto", show_default=True)
+@click.option(
+    "--cache-dir",
+    type=click.Path(path_type=Path, file_okay=False),
+    default=None,
+    help="With --data-dir: where extracted features are cached, so a rerun on the same images "
+    "reads them instead of running the backbone again (default: ~/.cache/secure-afl/features).",
+)
+@click.option(
+    "--device",
+    default="auto",
+    show_default=True,
+    help="With --data-dir: where the backbone runs: auto (CUDA when available), cpu or cuda.",
+)
 @click.option("--out", "out_path", type=click.Path(path_type=Path, dir_okay=False),
-              default=Path("predictions.csv"), show_default=True)  # fmt: skip
+              default=Path("predictions.csv"), show_default=True,
+              help="The predictions CSV (see above).")  # fmt: skip
 @click.option("--evaluate", is_flag=True,
               help="Also score the classifier on the labels of --features (a labelled feature file): "
                    "BACC, AUC and mAP over the classes the file labels, computed as the simulator "
