@@ -123,6 +123,7 @@ class _LazyGroup(click.Group):
         "keys": "secure_afl.keys.commands:keys",
         "deploy": "secure_afl.cli_deploy:deploy",
         "predict": "secure_afl.cli_deploy:predict",
+        "features": "secure_afl.features.commands:features",
     },
 )
 @click.version_option(package_name="secure-afl")
