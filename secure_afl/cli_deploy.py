@@ -16,7 +16,13 @@ import numpy as np
 
 from secure_afl.cli_options import ckks_degree_option, dp_options
 from secure_afl.deploy.errors import DeploymentError
-from secure_afl.deploy.study import Study, pseudo_group, pseudo_members, round2_classes
+from secure_afl.deploy.study import (
+    Study,
+    pseudo_group,
+    pseudo_members,
+    round2_classes,
+    round2_min_group_size,
+)
 
 ClientData = tuple[np.ndarray, np.ndarray, tuple[int, ...]]  # features, labels, active classes
 # ``deploy local --secure ckks`` against the masked simulation: CKKS rounds every decrypted sum to
@@ -43,6 +49,7 @@ def reference_classifier(
     roster_size: int,
     dropouts: Mapping[str, Collection[str]],
     device: str = "auto",
+    colluders: str = "n-t",
 ) -> Reference:
     """The simulator's secure aggregation (``sim.secure.secure_aggregate``) and the same solve.
 
@@ -81,7 +88,8 @@ def reference_classifier(
         dropped = {c for ids in dropouts.values() for c in ids}
         live = [cid for cid in sorted(clients) if cid not in dropped]
         members = pseudo_members({cid: clients[cid][2] for cid in live}, live, study.n_classes)
-        kept = {pseudo_group(c) for c in round2_classes(members, study.min_group_size)}
+        minimum = round2_min_group_size(study, roster_size, colluders)  # the server's rule
+        kept = {pseudo_group(c) for c in round2_classes(members, minimum)}
         if kept:
             config = PseudoLabelConfig(
                 tau=method.tau, alpha=method.alpha, min_pos=method.min_pos, min_neg=method.min_neg
@@ -472,8 +480,9 @@ def deploy_local(
         dropouts = _reference_dropouts(result.report, participants)
         say("computing the in-process simulation over the same survivors")
         reference = reference_classifier(
-            {cid: client_data[cid] for cid in participants}, study, roster_size=clients, dropouts=dropouts
-        )
+            {cid: client_data[cid] for cid in participants}, study, roster_size=clients, dropouts=dropouts,
+            colluders=colluders,
+        )  # fmt: skip
         test_x, test_y = data.features[data.split.test], data.cohort.labels[data.split.test]
         # metrics rank the scores (logits), as the simulator's do
         deployed = evaluate(

@@ -10,14 +10,17 @@ Component references for a Flower app's ``pyproject.toml``::
 Run config (``[tool.flwr.app.config]``, all read by the ServerApp on the server's machine):
 ``roster`` (path; it must name the coordinator), ``identity-key`` and ``passphrase-file`` (paths:
 the coordinator's encrypted identity key, whose public key is the roster's ``coordinator``, and the
-file holding its passphrase; the classifier file is signed with it), ``out-dir`` (where
+file holding its passphrase, or ``passphrase-env``, the environment variable holding it; the
+classifier file is signed with it), ``out-dir`` (where
 ``classifier.json`` and ``report.json`` go), ``classes``
 (comma-separated), ``dim``, ``backbone``, ``weights-id``, ``preprocessing``, ``gamma``, ``balance``,
 ``gram``, ``rounds``, ``protection`` (``mask``, the default, or ``ckks``), ``ckks-degree`` (8192),
 ``ckks-moduli`` (comma-separated bit sizes, ``60,40,40,60``), ``ckks-scale-bits`` (40),
 ``threshold`` (0: ⌊2n/3⌋+1; masking only), ``min-group-size``, ``frac-bits`` (masking only),
 ``round-timeout``, ``statistics-timeout`` (a session's first round, where clients compute) and
-``connect-timeout`` (seconds), ``min-nodes`` (0: the roster's size).  Differential privacy
+``connect-timeout`` (seconds), ``min-nodes`` (0: the roster's size), ``colluders`` (``n-t``, the
+default, or the number the nodes' own ``colluders`` assume: round 2 forms only pseudo-label groups
+of at least that many + 2 members, which their exposure checks accept).  Differential privacy
 (SECURITY.md §9): ``dp-epsilon`` (its presence turns DP on), ``dp-delta`` (1e-6), ``clip`` (32),
 ``dp-unit`` (``image`` or ``patient``), ``dp-max-images-per-patient`` (4) and ``class-lists``, every
 roster institution's labelled classes as ``"hospital-a=0,1,2;hospital-b=1,3"`` (class indices).
@@ -218,6 +221,7 @@ def server_main(grid: Grid, context: Context) -> None:
         min_nodes=int(config.get("min-nodes", 0)) or None,
         log=_log,
         signer=signer,
+        colluders=config.get("colluders", "n-t"),
     )
     report_path = out_dir / "report.json"
     try:

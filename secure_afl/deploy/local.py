@@ -396,6 +396,7 @@ def run_local(
         work_dir / "app",
         {
             "roster": str(roster_path),
+            "colluders": colluders,  # the server forms round 2's groups as the nodes will check them
             "identity-key": str(keys_dir / f"{COORDINATOR}.key"),
             "passphrase-file": str(passphrase_file),
             "out-dir": str(server_dir),

@@ -42,6 +42,7 @@ from .study import (
     round1_layout,
     round2_classes,
     round2_layout,
+    round2_min_group_size,
     study_session_id,
 )
 from .wire import Envelope
@@ -126,8 +127,12 @@ class FederationServer:
         log: Log = print,
         session_ids: Sequence[bytes] | None = None,
         signer: ClassifierSigner | None = None,
+        colluders: object = "n-t",
     ) -> None:
         self.transport = transport
+        # The colluders the nodes' exposure checks assume (run config ``colluders``, the same value as
+        # theirs): round 2 forms only pseudo-label groups they would accept.
+        self.round2_min_group_size = round2_min_group_size(study, len(roster), colluders)
         # The coordinator's roster identity: it signs the classifier file (deliver refuses without).
         if signer is not None:
             ClassifierSigner.for_roster(roster, signer.key)
@@ -198,12 +203,12 @@ class FederationServer:
                 for cid in record1.participants
             }
             members = pseudo_members(labelled, record1.completed, self.study.n_classes)
-            classes = round2_classes(members, self.study.min_group_size)
+            classes = round2_classes(members, self.round2_min_group_size)
             skipped = [c for c in range(self.study.n_classes) if c not in classes]
             if skipped:
                 self.log(
                     f"round 2: no pseudo-label group for classes {skipped} (fewer than "
-                    f"{self.study.min_group_size} live clients miss them)"
+                    f"{self.round2_min_group_size} live clients miss them)"
                 )
             if classes:
                 layout2 = round2_layout(self.study, classes)

@@ -409,6 +409,26 @@ def round2_classes(members: Mapping[int, Collection[str]], min_group_size: int) 
     return tuple(c for c, ids in sorted(members.items()) if len(ids) >= max(min_group_size, 1))
 
 
+def parse_colluders(value: object, roster_size: int, threshold: int) -> int:
+    """How many colluding institutions a node's exposure check assumes (its ``colluders`` config):
+    "n-t" (the default, the active model's bound c = n - t) or a smaller number."""
+    bound = max(0, roster_size - threshold)
+    text = str(value).strip()
+    if text == "n-t":
+        return bound
+    if not text.isdigit():
+        raise ConfigurationError(f'colluders={text!r} must be "n-t" or a number of institutions')
+    return min(int(text), bound)
+
+
+def round2_min_group_size(study: Study, roster_size: int, colluders: object = "n-t") -> int:
+    """The fewest members a pseudo-label group keeps: the study's minimum, and c + 2 for the c
+    colluders every node's exposure check assumes (a smaller group would be refused in R1: with c
+    of its members colluding, the sum gives away the last one's projection)."""
+    c = parse_colluders(colluders, roster_size, study.threshold_for(roster_size))
+    return max(study.min_group_size, c + 2)
+
+
 def round2_layout(study: Study, classes: Collection[int]) -> Layout:
     d = study.dim
     if study.dp is not None:  # the names of secure_afl.privacy.dp.pseudo_label_round

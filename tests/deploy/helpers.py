@@ -51,6 +51,7 @@ class Federation:
     study: Study
     data: dict[str, tuple[np.ndarray, np.ndarray, tuple[int, ...]]]  # client -> features, labels, active
     signer: ClassifierSigner | None = None  # the roster's coordinator: signs the classifier
+    colluders: int | None = 0  # every node's own bound; the server plans round 2 with the same
 
 
 def make_federation(
@@ -105,7 +106,7 @@ def make_federation(
     study = Study(
         classes=CLASSES, dim=dim, backbone=dict(BACKBONE), method=method or Method(), protection=protection
     )
-    return Federation(nodes, roster, study, data, ClassifierSigner(COORDINATOR, coordinator))
+    return Federation(nodes, roster, study, data, ClassifierSigner(COORDINATOR, coordinator), colluders)
 
 
 class InProcessTransport:
@@ -163,6 +164,7 @@ def run_server(federation: Federation, transport: InProcessTransport | None = No
     Returns ``(server, classifier, transport)``."""
     transport = transport or InProcessTransport(federation)
     kwargs.setdefault("signer", federation.signer)
+    kwargs.setdefault("colluders", "n-t" if federation.colluders is None else federation.colluders)
     server = FederationServer(
         transport, federation.roster, federation.study, round_timeout=1, log=lambda s: None, **kwargs
     )

@@ -18,6 +18,33 @@ from secure_afl.keys import IdentityKey, Roster, RosterEntry, save_identity_key
 from .helpers import PASSPHRASE, InProcessTransport, make_federation, run_server
 
 
+@pytest.mark.parametrize("colluders", [None, 0])
+def test_round2_forms_only_the_pseudo_label_groups_the_nodes_colluder_bound_accepts(
+    tmp_path: Path, colluders: int | None
+) -> None:
+    # n = 6, t = 5: one colluder under the default bound. Class 0 is missed by clients 3-5 (a group of
+    # three), class 1 by clients 4-5 (two: with one colluder the other's projection is exposed, so the
+    # nodes would refuse the session if the server formed it).
+    active = {"client-0": (0, 1, 2), "client-1": (0, 1, 2), "client-2": (0, 1, 2), "client-3": (1, 2),
+              "client-4": (2,), "client-5": (2,)}  # fmt: skip
+    method = Method(rounds=2, min_pos=1, min_neg=1, tau=0.5)
+    federation = make_federation(
+        tmp_path, n_clients=6, active=active, method=method, colluders=colluders, rows=40
+    )
+    server, classifier, _ = run_server(federation)
+    session2 = server.report.sessions[1]
+    expected = ["pseudo/0"] if colluders is None else ["pseudo/0", "pseudo/1"]
+    assert [g["name"] for g in session2.groups] == expected
+    assert session2.survivors == tuple(f"client-{k}" for k in range(6))  # nobody refused
+    minimum = 3 if colluders is None else 2
+    reference = reference_classifier(
+        federation.data, federation.study, roster_size=6, dropouts={}, device="cpu",
+        colluders="n-t" if colluders is None else str(colluders),
+    )  # fmt: skip
+    assert np.array_equal(reference.coef, classifier.weights)
+    assert server.round2_min_group_size == minimum
+
+
 @pytest.mark.parametrize("rounds", [1, 2])
 def test_deployment_equals_the_simulation_over_the_same_survivors_bit_for_bit(
     tmp_path: Path, rounds: int
@@ -42,7 +69,12 @@ def test_deployment_equals_the_simulation_over_the_same_survivors_bit_for_bit(
         assert [g["name"] for g in server.report.sessions[1].groups] == ["pseudo/0"]
     assert [s.label for s in server.report.sessions] == (["1", "2"] if rounds == 2 else ["1"])
     reference = reference_classifier(
-        federation.data, federation.study, roster_size=5, dropouts={"R1": ["client-2"]}, device="cpu"
+        federation.data,
+        federation.study,
+        roster_size=5,
+        dropouts={"R1": ["client-2"]},
+        device="cpu",
+        colluders="0",
     )
     assert reference.survivors == session1.survivors
     assert classifier.weights.dtype == np.float64
@@ -50,7 +82,7 @@ def test_deployment_equals_the_simulation_over_the_same_survivors_bit_for_bit(
     assert classifier.weights.tobytes() == reference.coef.tobytes()
     # Without the dropout the classifier differs: the comparison can fail.
     everyone = reference_classifier(
-        federation.data, federation.study, roster_size=4, dropouts={}, device="cpu"
+        federation.data, federation.study, roster_size=4, dropouts={}, device="cpu", colluders="0"
     )
     assert not np.array_equal(everyone.coef, classifier.weights)
     # Every survivor stored the same classifier, and the file round-trips exactly.

@@ -75,14 +75,19 @@ def test_ckks_deployment_equals_the_simulation_within_ckks_precision_with_a_drop
         assert session1.decryptors[group["name"]] in group["survivors"]
 
     reference = reference_classifier(
-        federation.data, federation.study, roster_size=5, dropouts={"R2": ["client-2"]}, device="cpu"
+        federation.data,
+        federation.study,
+        roster_size=5,
+        dropouts={"R2": ["client-2"]},
+        device="cpu",
+        colluders="0",
     )
     error = float(np.max(np.abs(classifier.weights - reference.coef)))
     assert error <= WEIGHT_TOLERANCE, error
     assert not np.array_equal(classifier.weights, reference.coef)  # CKKS, not the masked sums
     # Without the dropout the classifier is far from this one: the comparison can fail.
     everyone = reference_classifier(
-        federation.data, federation.study, roster_size=5, dropouts={}, device="cpu"
+        federation.data, federation.study, roster_size=5, dropouts={}, device="cpu", colluders="0"
     )
     assert float(np.max(np.abs(everyone.coef - classifier.weights))) > 100 * WEIGHT_TOLERANCE
 
@@ -138,7 +143,12 @@ def test_a_dropped_decryptor_is_replaced_and_its_input_still_counts(tmp_path: Pa
     assert session.completed == ("client-1", "client-2", "client-3")
     assert server.report.acknowledged == ("client-1", "client-2", "client-3")
     reference = reference_classifier(
-        federation.data, federation.study, roster_size=4, dropouts={"R3": ["client-0"]}, device="cpu"
+        federation.data,
+        federation.study,
+        roster_size=4,
+        dropouts={"R3": ["client-0"]},
+        device="cpu",
+        colluders="0",
     )
     assert reference.survivors == session.survivors
     error = float(np.max(np.abs(classifier.weights - reference.coef)))
@@ -230,7 +240,12 @@ def test_a_key_holder_that_drops_before_the_key_is_replaced_or_the_session_abort
     assert dropped not in session.survivors and len(session.survivors) == 3
     assert dropped not in server.report.acknowledged and len(server.report.acknowledged) == 3
     reference = reference_classifier(
-        federation.data, federation.study, roster_size=4, dropouts={"R1": [dropped]}, device="cpu"
+        federation.data,
+        federation.study,
+        roster_size=4,
+        dropouts={"R1": [dropped]},
+        device="cpu",
+        colluders="0",
     )
     assert reference.survivors == session.survivors
     error = float(np.max(np.abs(classifier.weights - reference.coef)))
