@@ -18,7 +18,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 # Only torch-free modules here: `sim` starts preparing the embedded data on a thread before it
 # imports torch and the training code (about two seconds), so that the two overlap.
-from secure_afl.cli_options import ckks_degree_option, dp_options
+from secure_afl.cli_options import (
+    check_dp_mechanism_options,
+    ckks_degree_option,
+    dp_options,
+    resolve_dp_ridge,
+)
 from secure_afl.sim.data import CLASSES, N_CLIENTS, CohortError
 from secure_afl.sim.datasets import DataRequest, ImageSource, PreparingData
 from secure_afl.sim.methods import FEDNCA, MISSING_ALL, SCHEDULES, BaselineError, parse_baselines
@@ -123,7 +128,7 @@ class _LazyGroup(click.Group):
         "keys": "secure_afl.keys.commands:keys",
         "deploy": "secure_afl.cli_deploy:deploy",
         "predict": "secure_afl.cli_deploy:predict",
-        "features": "secure_afl.features.commands:features",
+        "features": "secure_afl.cli_features:features",
     },
 )
 @click.version_option(package_name="secure-afl")
@@ -296,8 +301,9 @@ def main() -> None:
 @click.option(
     "--dp-sweep",
     is_flag=True,
-    help="Instead of one run: BACC and AUC against ε ∈ {0.5, 1, 2, 4, 8, ∞} per --missing level; "
-    "writes dp_sweep.png and dp_sweep.json under --out.",
+    help="Instead of one run: BACC and AUC against ε ∈ {0.5, 1, 2, 4, 8, ∞} per --missing level, for "
+    "today's mechanism (d dims, bound ridge) and the projected one (--dp-dim, default 64, and "
+    "--dp-ridge) side by side; writes dp_sweep.png and dp_sweep.json under --out.",
 )
 @click.option(
     "--scenario",
@@ -369,6 +375,9 @@ def sim(
     clip: float,
     dp_unit: str,
     dp_max_images_per_patient: int,
+    dp_dim: int | None,
+    dp_projection_seed: int,
+    dp_ridge: str | None,
     dp_sweep: bool,
     scenario: str,
     centre_n: str,
@@ -390,18 +399,27 @@ def sim(
             raise click.BadParameter(str(exc), param_hint="--device") from exc
     _check_writable(out_dir)
     dp = None
+    check_dp_mechanism_options(dp_epsilon is not None or dp_sweep, dp_dim, dp_ridge, dp_projection_seed)
     if dp_epsilon is not None or dp_sweep:
         from secure_afl.privacy.dp import DpConfig, DpError
+        from secure_afl.privacy.dp_config import DEFAULT_DP_DIM
 
+        # The sweep compares today's mechanism with a projected one: K = DEFAULT_DP_DIM unless given.
+        projection_dim = DEFAULT_DP_DIM if dp_sweep and dp_dim is None else dp_dim
         dp = DpConfig(
             epsilon=1.0 if dp_epsilon is None else dp_epsilon,
             delta=dp_delta,
             clip=clip,
             unit=dp_unit,  # type: ignore[arg-type]
             max_images_per_patient=dp_max_images_per_patient,
+            projection_dim=projection_dim,
+            projection_seed=dp_projection_seed,
+            ridge=resolve_dp_ridge(dp_ridge, projection_dim),  # type: ignore[arg-type]
         )
         try:
             dp.validate()
+            if dataset != "nih":  # the embedded data's dimension is --dim (real features: once known)
+                dp.statistics_dim(dim)
         except DpError as exc:
             raise click.BadParameter(str(exc)) from exc
     names = [b.strip() for b in backbones.split(",") if b.strip()]
@@ -530,9 +548,10 @@ def _run_sweep(config: SimConfig, out_dir: Path, console: Console) -> None:
         raise click.ClickException(str(exc)) from exc
     for p in sweep["points"]:  # type: ignore[union-attr]
         eps = "∞" if p["epsilon"] is None else f"{p['epsilon']:g}"
+        ridge = "" if p.get("ridge") is None else f"  λ {p['ridge']:.4g}"
         console.print(
-            f"missing {p['missing']}  ε {eps:>4}  {p['method']}: BACC {100 * p['bacc']:.2f}  "
-            f"AUC {100 * p['auc']:.2f}  mAP {p['map']:.4f}",
+            f"missing {p['missing']}  ε {eps:>4}  {p['method']} [{p.get('mechanism', '')}]: "
+            f"BACC {100 * p['bacc']:.2f}  AUC {100 * p['auc']:.2f}  mAP {p['map']:.4f}{ridge}",
             markup=False,
             highlight=False,
         )

@@ -35,7 +35,7 @@ from secure_afl.features.backbones import (
     load_backbone,
     weights_sha256,
 )
-from secure_afl.features.commands import LabelsCsvError, read_labels_csv
+from secure_afl.cli_features import LabelsCsvError, read_labels_csv
 from secure_afl.features.file import (
     FeatureFileError,
     describe_preprocessing,
