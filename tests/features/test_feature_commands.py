@@ -27,6 +27,7 @@ from torch import nn
 
 import secure_afl.features.backbones as backbones_module
 from secure_afl.cli import main
+from secure_afl.cli_features import LabelsCsvError, read_labels_csv
 from secure_afl.features.backbones import (
     BACKBONES,
     Backbone,
@@ -35,7 +36,6 @@ from secure_afl.features.backbones import (
     load_backbone,
     weights_sha256,
 )
-from secure_afl.cli_features import LabelsCsvError, read_labels_csv
 from secure_afl.features.file import (
     FeatureFileError,
     describe_preprocessing,
