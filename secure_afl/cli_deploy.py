@@ -222,6 +222,313 @@ def deploy_tls(hosts: tuple[str, ...], ips: tuple[str, ...], out_dir: Path, days
     click.echo(f"SuperNode: flower-supernode --root-certificates ca.crt --superlink {target}:9092 ...")
 
 
+@deploy.command("node-key")
+@click.argument("path", type=click.Path(path_type=Path, dir_okay=False))
+@click.option("--force", is_flag=True, help="Replace an existing key (its registration is then lost).")
+def deploy_node_key(path: Path, force: bool) -> None:
+    """Write a SuperNode authentication key pair: PATH (private, 0600) and PATH.pub (OpenSSH).
+
+    \b
+    Each hospital makes one, keeps PATH for `flower-supernode --auth-supernode-private-key PATH`,
+    and sends PATH.pub to the coordinator, who registers it:
+      FLWR_HOME=... flwr supernode register PATH.pub FEDERATION
+    An unregistered SuperNode is refused by a SuperLink started with --enable-supernode-auth.
+    (Flower's own transport identity, distinct from the roster's identity key.)
+    """
+    from secure_afl.deploy.local import write_node_auth_key
+
+    public = path.with_name(path.name + ".pub")
+    existing = [str(p) for p in (path, public) if p.exists()]
+    if existing and not force:
+        raise click.ClickException(f"{', '.join(existing)} already exist(s): pass --force to replace")
+    for old in (path, public):
+        old.unlink(missing_ok=True)  # --force (the key is written with O_EXCL)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_node_auth_key(path)
+    click.echo(
+        f"wrote {path} (0600, stays on this SuperNode's host) and {public} (send it to the coordinator)"
+    )
+
+
+@deploy.command("app")
+@click.option(
+    "--out",
+    "app_dir",
+    type=click.Path(path_type=Path, file_okay=False),
+    required=True,
+    help="The app directory to write: APP_DIR/pyproject.toml (give APP_DIR to `deploy run`).",
+)
+@click.option(
+    "--roster",
+    "roster_path",
+    type=click.Path(path_type=Path, dir_okay=False, exists=True),
+    required=True,
+    help="The roster every hospital pinned; it must name the coordinator.",
+)
+@click.option(
+    "--identity-key",
+    type=click.Path(path_type=Path, dir_okay=False, exists=True),
+    required=True,
+    help="The coordinator's identity key (`keys init --id coordinator`): signs the classifier.",
+)
+@click.option(
+    "--passphrase-file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="The key's passphrase file (0600) on the SuperLink's host.",
+)
+@click.option(
+    "--passphrase-env",
+    metavar="VAR",
+    default=None,
+    help="Or: the environment variable that holds it, exported where flower-superlink starts.",
+)
+@click.option(
+    "--out-dir",
+    "server_out",
+    type=click.Path(path_type=Path, file_okay=False),
+    required=True,
+    help="Where the ServerApp writes classifier.json and report.json.",
+)
+@click.option(
+    "--features",
+    "features_path",
+    type=click.Path(path_type=Path, dir_okay=False, exists=True),
+    default=None,
+    help="Take classes, dim, backbone, weights-id and preprocessing from this feature "
+    "file (one made with the agreed backbone; only its header is read).",
+)
+@click.option("--backbone", default=None, help="Or: the agreed backbone's name (with --weights).")
+@click.option(
+    "--weights",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="With --backbone: the agreed weight file (its SHA-256 is the study's weights-id).",
+)
+@click.option(
+    "--rounds", type=click.IntRange(1, 2), default=1, show_default=True, help="2 adds the pseudo-label round."
+)
+@click.option(
+    "--gram",
+    type=click.Choice(["global", "class"]),
+    default="global",
+    show_default=True,
+    help="global (paper Eq. 8) or one Gram per class (nodes must allow-class-gram).",
+)
+@click.option(
+    "--balance",
+    type=click.Choice(["client", "global"]),
+    default=None,
+    help="b_c's balancing: per hospital (paper Eq. 9) or global. [default: client; global with DP]",
+)
+@click.option("--gamma", type=float, default=1.0, show_default=True, help="The ridge γ of the solve.")
+@click.option(
+    "--protection",
+    type=click.Choice(["mask", "ckks"]),
+    default="mask",
+    show_default=True,
+    help="Pairwise masking or CKKS; every hospital's node config must agree (protection=...).",
+)
+@click.option(
+    "--round-timeout",
+    type=click.FloatRange(1),
+    default=120.0,
+    show_default=True,
+    help="Seconds after which a hospital that has not answered a round is a dropout.",
+)
+@click.option(
+    "--colluders",
+    default="n-t",
+    show_default=True,
+    help="The colluders the hospitals' nodes assume (their node config's colluders): round 2 "
+    "forms only groups they accept.",
+)
+@click.option(
+    "--set",
+    "extra",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Any other run-config key (repeatable): e.g. dp-epsilon=1, class-lists=..., "
+    "statistics-timeout=600, min-nodes=3 (secure_afl/deploy/apps.py lists them).",
+)
+@click.option(
+    "--superlink",
+    metavar="HOST:PORT",
+    default=None,
+    help="Also write FLWR_HOME/config.toml: the federation's SuperLink address, as `flwr run` "
+    "and `flwr supernode register` read it.",
+)
+@click.option(
+    "--root-certificates",
+    type=click.Path(path_type=Path, dir_okay=False, exists=True),
+    default=None,
+    help="With --superlink: ca.crt (`deploy tls`); stored as an absolute path.",
+)
+@click.option("--insecure", is_flag=True, help="With --superlink: no TLS (a test on one machine only).")
+@click.option(
+    "--flwr-home",
+    type=click.Path(path_type=Path, file_okay=False),
+    default=None,
+    envvar="FLWR_HOME",
+    show_envvar=True,
+    help="Where config.toml goes (default ~/.flwr). Export the same FLWR_HOME for flwr commands.",
+)
+@click.option(
+    "--federation",
+    default="federation",
+    show_default=True,
+    help="The federation's name in config.toml (`deploy run APP_DIR FEDERATION`).",
+)
+@click.option("--force", is_flag=True, help="Replace an existing APP_DIR/pyproject.toml or config.toml.")
+def deploy_app(
+    app_dir: Path,
+    roster_path: Path,
+    identity_key: Path,
+    passphrase_file: Path | None,
+    passphrase_env: str | None,
+    server_out: Path,
+    features_path: Path | None,
+    backbone: str | None,
+    weights: Path | None,
+    rounds: int,
+    gram: str,
+    balance: str | None,
+    gamma: float,
+    protection: str,
+    round_timeout: float,
+    colluders: str,
+    extra: tuple[str, ...],
+    superlink: str | None,
+    root_certificates: Path | None,
+    insecure: bool,
+    flwr_home: Path | None,
+    federation: str,
+    force: bool,
+) -> None:
+    """Write the coordinator's Flower app: the study, the roster and the signing key (the coordinator).
+
+    \b
+    Reads:  --roster, --identity-key (decrypted once, to check it is the roster's coordinator),
+            the study's backbone record from --features or --backbone/--weights.
+    Writes: APP_DIR/pyproject.toml ([tool.flwr.app.config]: the run config the ServerApp reads) and,
+            with --superlink, FLWR_HOME/config.toml ([superlink.FEDERATION]).
+    Every value is checked as the ServerApp will check it (the study, the coordinator's key and
+    passphrase), so a run does not fail minutes later on a typo.
+    """
+    from secure_afl.deploy.apps import coordinator_signer, study_from_run_config
+    from secure_afl.deploy.errors import ConfigurationError
+    from secure_afl.deploy.local import write_app
+    from secure_afl.deploy.study import parse_colluders
+    from secure_afl.keys.commands import load_roster_file
+
+    if (features_path is None) == (backbone is None):
+        raise click.UsageError("give --features FILE, or --backbone NAME with --weights FILE")
+    if (passphrase_file is None) == (passphrase_env is None):
+        raise click.UsageError("give exactly one of --passphrase-file and --passphrase-env")
+    if superlink is None and (root_certificates is not None or insecure):
+        raise click.UsageError("--root-certificates and --insecure go with --superlink HOST:PORT")
+    if superlink is not None and (root_certificates is None) == (not insecure):
+        raise click.UsageError("with --superlink give --root-certificates ca.crt (TLS) or --insecure")
+    record = _backbone_record(features_path, backbone, weights)
+    config: dict[str, object] = {
+        "roster": str(roster_path.resolve()),
+        "identity-key": str(identity_key.resolve()),
+        **({"passphrase-file": str(passphrase_file.resolve())} if passphrase_file else {}),
+        **({"passphrase-env": passphrase_env} if passphrase_env else {}),
+        "out-dir": str(server_out.resolve()),
+        **record,
+        "gamma": gamma,
+        "gram": gram,
+        "rounds": rounds,
+        "protection": protection,
+        "round-timeout": round_timeout,
+        "colluders": colluders,
+    }
+    if balance is not None:
+        config["balance"] = balance
+    for item in extra:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise click.BadParameter(f"{item!r}: expected KEY=VALUE", param_hint="--set")
+        config[key.strip()] = _run_config_value(value.strip())
+    roster = load_roster_file(roster_path)
+    try:
+        study = study_from_run_config(config)
+        signer = coordinator_signer(config, roster)
+        parse_colluders(colluders, len(roster), study.threshold_for(len(roster)))
+    except ConfigurationError as exc:
+        raise click.ClickException(f"ConfigurationError: {exc}") from None
+    target = app_dir / "pyproject.toml"
+    if target.exists() and not force:
+        raise click.ClickException(f"{target} exists: choose another --out or pass --force")
+    home = (flwr_home or Path.home() / ".flwr").resolve()
+    connection = home / "config.toml"
+    if superlink is not None and connection.exists() and not force:
+        raise click.ClickException(f"{connection} exists: pass --force to replace it, or another --flwr-home")
+    write_app(app_dir, config)
+    click.echo(f"wrote {target}: {study.describe_protection()}, {rounds} round(s), {len(roster)} hospitals")
+    click.echo(f"  backbone {record['backbone']} ({record['weights-id']}), dim {record['dim']}")
+    click.echo(f"  signed by {signer.coordinator_id} ({signer.key.fingerprint})")
+    if superlink is not None:
+        lines = ["[superlink]", f'default = "{federation}"', "", f"[superlink.{federation}]"]
+        lines.append(f'address = "{superlink}"')
+        if root_certificates is not None:
+            lines.append(f"root-certificates = {json.dumps(str(root_certificates.resolve()))}")
+        else:
+            lines.append("insecure = true")
+        home.mkdir(parents=True, exist_ok=True)
+        connection.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        click.echo(f"wrote {connection} (export FLWR_HOME={home} for flwr supernode register)")
+    click.echo(f"next: secure-afl deploy run {app_dir} {federation} --flwr-home {home}")
+
+
+def _run_config_value(text: str) -> object:
+    """A --set value as TOML types it: an integer, a float, true/false, else a string."""
+    for convert in (int, float):
+        try:
+            return convert(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(text.lower(), text)
+
+
+def _backbone_record(features: Path | None, backbone: str | None, weights: Path | None) -> dict[str, object]:
+    """The study's classes, dim, backbone, weights-id and preprocessing (run-config keys)."""
+    from secure_afl.features.file import FeatureFileError, describe_preprocessing, load_feature_file
+    from secure_afl.sim.data import CLASSES
+
+    if features is not None:
+        try:
+            data = load_feature_file(features)
+        except FeatureFileError as exc:
+            raise click.ClickException(f"FeatureFileError: {exc}") from None
+        described = data.describe_backbone()
+        return {
+            "classes": ",".join(data.classes),
+            "dim": int(data.dim),
+            "backbone": described["name"],
+            "weights-id": described["weights_id"],
+            "preprocessing": described["preprocessing"],
+        }
+    from secure_afl.features.backbones import UnknownBackboneError, WeightsError, load_backbone
+
+    if weights is None:
+        raise click.UsageError(
+            "--backbone needs --weights FILE (the agreed weight file; nothing is downloaded)"
+        )
+    try:
+        loaded = load_backbone(str(backbone), weights)
+    except (UnknownBackboneError, WeightsError) as exc:
+        raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
+    return {
+        "classes": ",".join(CLASSES),
+        "dim": int(loaded.feature_dim),
+        "backbone": loaded.name,
+        "weights-id": loaded.weights_id,
+        "preprocessing": describe_preprocessing(loaded.preprocess),
+    }
+
+
 @deploy.command("local")
 @click.option(
     "--clients",
