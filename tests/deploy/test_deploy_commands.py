@@ -353,3 +353,101 @@ def test_run_needs_the_flower_connection_file(coordinator: tuple[Path, Path], tm
     app, _ = coordinator
     code, output = _run(app, tmp_path / "nowhere", "ok")
     assert code == 2 and "config.toml does not exist" in output and "FLWR_HOME" in output
+
+
+# --- deploy app / deploy node-key -------------------------------------------------------------------
+
+
+def _coordinator_key(federation: Federation, directory: Path) -> Path:
+    """The toy federation's coordinator key, saved as `keys init --id coordinator` would."""
+    from secure_afl.keys import save_identity_key
+
+    from .helpers import PASSPHRASE
+
+    assert federation.signer is not None
+    path = directory / "coordinator.key"
+    save_identity_key(path, federation.signer.key, PASSPHRASE, scrypt_n=2**10)
+    return path
+
+
+def test_app_writes_a_run_config_the_serverapp_accepts(tmp_path: Path) -> None:
+    import tomllib
+
+    from secure_afl.deploy.apps import coordinator_signer, study_from_run_config
+
+    federation = make_federation(tmp_path / "fed")
+    key = _coordinator_key(federation, tmp_path)
+    settings = federation.nodes[1000].settings
+    ca, _, _ = write_tls_certificates(tmp_path / "tls")
+    args = [
+        "app", "--out", str(tmp_path / "app"), "--roster", str(tmp_path / "fed" / "roster.json"),
+        "--identity-key", str(key), "--passphrase-file", str(settings.passphrase_file),
+        "--out-dir", str(tmp_path / "server"), "--features", str(settings.features), "--rounds", "2",
+        "--set", "min-nodes=3", "--superlink", "10.0.0.5:9092", "--root-certificates", str(ca),
+        "--flwr-home", str(tmp_path / "flwr"),
+    ]  # fmt: skip
+    result = CliRunner().invoke(deploy, args)
+    assert result.exit_code == 0, result.output
+    config = tomllib.loads((tmp_path / "app" / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    study = study_from_run_config(config)
+    assert study.backbone == federation.study.backbone and study.dim == 40 and study.method.rounds == 2
+    assert config["min-nodes"] == 3 and Path(config["roster"]).is_absolute()
+    roster = Roster.from_json((tmp_path / "fed" / "roster.json").read_text())
+    assert coordinator_signer(config, roster).coordinator_id == "coordinator"
+    connection = tomllib.loads((tmp_path / "flwr" / "config.toml").read_text())
+    federation_entry = connection["superlink"]["federation"]
+    assert federation_entry == {"address": "10.0.0.5:9092", "root-certificates": str(ca.resolve())}
+    # Written once: a second run without --force is refused and changes nothing.
+    before = (tmp_path / "app" / "pyproject.toml").read_bytes()
+    again = CliRunner().invoke(deploy, [*args[:-6], "--rounds", "1"])
+    assert again.exit_code == 1 and "exists" in again.output
+    assert (tmp_path / "app" / "pyproject.toml").read_bytes() == before
+
+
+def test_app_refuses_a_key_the_roster_does_not_name_and_a_wrong_passphrase(tmp_path: Path) -> None:
+    from secure_afl.keys import IdentityKey, save_identity_key
+
+    federation = make_federation(tmp_path / "fed")
+    settings = federation.nodes[1000].settings
+    base = [
+        "app", "--out", str(tmp_path / "app"), "--roster", str(tmp_path / "fed" / "roster.json"),
+        "--out-dir", str(tmp_path / "server"), "--features", str(settings.features),
+    ]  # fmt: skip
+    # A hospital's key in place of the coordinator's: the ServerApp would refuse it before any session.
+    result = CliRunner().invoke(deploy, [*base, "--identity-key", str(settings.identity_key),
+                                         "--passphrase-file", str(settings.passphrase_file)])  # fmt: skip
+    assert result.exit_code == 1 and "ConfigurationError" in result.output and "coordinator" in result.output
+    other = tmp_path / "other.key"
+    save_identity_key(other, IdentityKey.generate(), b"test passphrase", scrypt_n=2**10)
+    wrong = tmp_path / "wrong"
+    wrong.write_text("not the passphrase\n")
+    wrong.chmod(0o600)
+    result = CliRunner().invoke(deploy, [*base, "--identity-key", str(_coordinator_key(federation, tmp_path)),
+                                         "--passphrase-file", str(wrong)])  # fmt: skip
+    assert result.exit_code == 1 and "identity-key" in result.output and "passphrase" in result.output
+    assert not (tmp_path / "app").exists()
+    bad_set = ["--identity-key", str(other), "--passphrase-file", str(settings.passphrase_file)]
+    result = CliRunner().invoke(deploy, [*base, *bad_set, "--set", "no-equals-sign"])
+    assert result.exit_code == 2 and "expected KEY=VALUE" in result.output
+
+
+def test_node_key_writes_an_openssh_pair_once(tmp_path: Path) -> None:
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.hazmat.primitives.serialization import load_ssh_private_key, load_ssh_public_key
+
+    path = tmp_path / "node" / "supernode-auth"
+    result = CliRunner().invoke(deploy, ["node-key", str(path)])
+    assert result.exit_code == 0, result.output
+    assert path.stat().st_mode & 0o777 == 0o600
+    private = load_ssh_private_key(path.read_bytes(), password=None)
+    public = load_ssh_public_key(path.with_name("supernode-auth.pub").read_bytes())
+    assert isinstance(private, ec.EllipticCurvePrivateKey) and private.public_key() == public
+    again = CliRunner().invoke(deploy, ["node-key", str(path)])
+    assert again.exit_code == 1 and "already exist" in again.output
+    assert (
+        load_ssh_private_key(path.read_bytes(), password=None).private_numbers() == private.private_numbers()
+    )
+    assert CliRunner().invoke(deploy, ["node-key", str(path), "--force"]).exit_code == 0
+    assert (
+        load_ssh_private_key(path.read_bytes(), password=None).private_numbers() != private.private_numbers()
+    )
