@@ -44,34 +44,68 @@ def _processes_mentioning(text: str) -> list[str]:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc to find leftover processes")
-def test_deploy_local_with_tls_auth_and_a_dropout_equals_the_simulation(tmp_path: Path) -> None:
+def test_deploy_local_tls_a_dropout_round2_and_an_abort_that_deploy_run_reports(tmp_path: Path) -> None:
+    """One real federation (the suite's slowest test, so it carries several things): TLS and node
+    authentication; a SuperNode killed as it receives session 1's R4 (its masked input is already in
+    the sums); round 2's pseudo-label group through Flower processes, equal bit for bit to the
+    simulation's two rounds; then --rehearse-abort: SuperNodes killed until too few remain, and the
+    coordinator's command (deploy run's code) must fail and move the earlier classifier aside.
+    predict --evaluate then verifies and scores what --out holds."""
+    import json
+
+    from click.testing import CliRunner
+
+    from secure_afl.cli import main
+
     out = tmp_path / "out"
     env = {**os.environ, "TMPDIR": str(tmp_path)}  # the federation's work directory lands in tmp_path
     command = [
         sys.executable, "-c", "from secure_afl.cli import main; main()",
-        # --colluders 0: with one colluder assumed (n = 4, t = 3) the dropout leaves a class group of
-        # two, which every node would (rightly) refuse; this test is about TLS and the dropout.
-        "deploy", "local", "--clients", "4", "--tls", "--drop", "client-2@R1", "--colluders", "0",
+        # 4 clients, seed 0: class 2 is labelled by client-0 and client-1 and missed by client-2 and
+        # client-3 (round 2's only pseudo-label group): groups of two, which one assumed colluder
+        # (n = 4, t = 3) would forbid, so --colluders 0 (deploy local refuses the default up front).
+        "deploy", "local", "--clients", "4", "--tls", "--drop", "client-0@R4", "--colluders", "0",
+        "--rounds", "2", "--rehearse-abort",
         "--fraction", "0.08", "--dim", "32", "--round-timeout", "30", "--out", str(out),
     ]  # fmt: skip
     started = time.monotonic()
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=420)
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=560)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
-    assert "weights bit for bit equal: yes" in output
-    assert "killed the SuperNode of client-2 as it received round R1" in output
-    assert "dropouts seen by the server: {'R1': ['client-2']}" in output
-    assert "classifier stored by ['client-0', 'client-1', 'client-3']; identical copies: True" in output
+    assert "weights bit for bit equal: yes" in output  # against the simulation's two rounds
+    assert "killed the SuperNode of client-0 as it received round R4" in output
+    assert "round 2: no pseudo-label group for classes [0, 1, 3, 4, 5, 6, 7]" in output  # pseudo/2 runs
+    assert "classifier stored by ['client-1', 'client-2', 'client-3']; identical copies: True" in output
     # signed by the coordinator; --out holds the roster that verifies it (predict --roster)
     classifier = Classifier.load(out / "classifier.json", roster=load_roster(out / "roster.json"))
     assert classifier.signer == "coordinator"
-    assert classifier.sessions[0]["survivors"] == ["client-0", "client-1", "client-3"]
-    assert classifier.sessions[0]["participants"] == ["client-0", "client-1", "client-2", "client-3"]
+    everyone = ["client-0", "client-1", "client-2", "client-3"]
+    assert classifier.sessions[0]["participants"] == everyone
+    assert classifier.sessions[0]["survivors"] == everyone  # client-0's input was in before R4
+    assert classifier.sessions[1]["participants"] == ["client-1", "client-2", "client-3"]
     assert classifier.method["gram"] == "global" and classifier.protocol["threshold"] == 3
+    assert classifier.method["rounds"] == 2
     assert np.isfinite(classifier.weights).all() and classifier.weights.shape == (32, 8)
+    # The rehearsal: deploy run's code exits 1 and leaves no classifier.json beside its report.
+    assert "abort rehearsal: `secure-afl deploy run` exits 1" in output
+    rehearsal = out / "abort-rehearsal"
+    assert not (rehearsal / "classifier.json").exists()
+    assert len(list(rehearsal.glob("classifier.before-*.json"))) == 1
+    assert "error" in json.loads((rehearsal / "report.json").read_text())
+    # Every process's log is in --out, and the labelled test features score the signed classifier.
+    assert (out / "logs" / "flwr-run.log").is_file() and (out / "logs" / "superlink.log").is_file()
+    metrics = tmp_path / "metrics.json"
+    predicted = CliRunner().invoke(main, [
+        "predict", "--model", str(out / "classifier.json"), "--roster", str(out / "roster.json"),
+        "--features", str(out / "test-features.npz"), "--out", str(tmp_path / "p.csv"),
+        "--evaluate", "--metrics-out", str(metrics),
+    ])  # fmt: skip
+    assert predicted.exit_code == 0, predicted.output
+    assert "verified: signed by the coordinator coordinator" in predicted.output
+    assert json.loads(metrics.read_text())["images"] > 0
     # No SuperLink, SuperNode, SuperExec or app process survives the command.
     assert _processes_mentioning(str(tmp_path)) == []
-    print(f"deploy local took {time.monotonic() - started:.0f} s")
+    print(f"deploy local --tls --rounds 2 --rehearse-abort took {time.monotonic() - started:.0f} s")
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc to find leftover processes")
