@@ -1142,6 +1142,14 @@ def predict(
     positives = decisions.sum(axis=0)
     counts = ", ".join(f"{c} {int(n)}" for c, n in zip(model.classes, positives, strict=True))
     click.echo(f"wrote {out_path}: {len(ids)} images; positives per class: {counts}")
+    spread = float(np.max(np.abs(probabilities - 0.5))) if probabilities.size else 0.0
+    if spread < 0.01:
+        click.echo(
+            f"note: every probability lies within {spread:.4f} of 0.5. The closed-form solve's scores "
+            "h·w are small when the features' class signal is weak (as in the embedded synthetic "
+            "features) or γ is large; p = σ(h·w) is a monotone score, not a calibrated risk: decisions "
+            "(p > threshold, i.e. h·w > 0 at 0.5) and rankings (AUC) are what to read."
+        )
     if evaluate and labels is not None and features_path is not None:  # require_labels: never None
         result = evaluate_classifier(model, scores, labels, active)
         _print_metrics(result, features_path)

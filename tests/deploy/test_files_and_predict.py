@@ -139,6 +139,18 @@ def test_predict_writes_probabilities_and_decisions(tmp_path: Path) -> None:
     assert [[int(x) for x in r[3:]] for r in rows[1:]] == (expected > 0.5).astype(int).tolist()
 
 
+def test_predict_explains_probabilities_that_all_sit_at_one_half(tmp_path: Path) -> None:
+    features = _features(tmp_path)
+    for scale, noted in ((1.0, False), (1e-4, True)):
+        model = _save(tmp_path, _classifier(weights=scale * _classifier().weights), name=f"{scale}.json")
+        result = CliRunner().invoke(main, ["predict", "--model", str(model), "--roster",
+                                           str(tmp_path / "roster.json"), "--features", str(features),
+                                           "--out", str(tmp_path / "p.csv")])  # fmt: skip
+        assert result.exit_code == 0, result.output
+        assert ("note: every probability lies within" in result.output) is noted
+        assert ("not a calibrated risk" in result.output) is noted
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
