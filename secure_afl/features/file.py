@@ -146,7 +146,17 @@ def load_feature_file(path: str | os.PathLike[str], *, require_labels: bool = Fa
     except FileNotFoundError:
         raise FeatureFileError(f"{path}: no such feature file") from None
     except (OSError, ValueError, zipfile.BadZipFile) as exc:
-        raise FeatureFileError(f"{path}: not a {FEATURE_FILE_FORMAT} file ({exc})") from None
+        # numpy's own message for a non-npz file suggests allow_pickle=True, which must never be
+        # followed for a file from elsewhere: say what the file should be instead
+        detail = str(exc)
+        if "Object arrays" in detail:
+            detail = "it holds an object array, i.e. a pickle, which is never loaded"
+        elif "allow_pickle" in detail:
+            detail = "not a NumPy .npz archive"
+        raise FeatureFileError(
+            f"{path}: not a {FEATURE_FILE_FORMAT} file ({detail}); make one with `secure-afl features "
+            "extract` and check it with `secure-afl features show`"
+        ) from None
     file = _validate(path, arrays)
     if require_labels and file.labels is None:
         raise FeatureFileError(f"{path}: has no labels; a federation member's feature file needs them")

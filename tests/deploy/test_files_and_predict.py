@@ -80,8 +80,14 @@ def test_feature_file_round_trips_and_never_unpickles(tmp_path: Path) -> None:
     arrays = dict(np.load(path, allow_pickle=False))
     arrays["classes"] = np.array(["A", None], dtype=object)
     np.savez(evil, **arrays)
-    with pytest.raises(FeatureFileError, match="not a secure-afl-features/v1 file"):
+    with pytest.raises(FeatureFileError, match=r"v1 file \(it holds an object array"):
         load_feature_file(evil)
+    # A CSV given by mistake: the message says what to make instead, not numpy's allow_pickle advice.
+    text = tmp_path / "labels.csv"
+    text.write_text("image,A\nimg0.png,1\n")
+    with pytest.raises(FeatureFileError, match=r"not a NumPy \.npz archive.*features extract") as caught:
+        load_feature_file(text)
+    assert "allow_pickle" not in str(caught.value)
 
 
 @pytest.mark.parametrize(
