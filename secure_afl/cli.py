@@ -302,7 +302,7 @@ def main() -> None:
     "--dp-sweep",
     is_flag=True,
     help="Instead of one run: BACC and AUC against ε ∈ {0.5, 1, 2, 4, 8, ∞} per --missing level, for "
-    "today's mechanism (d dims, bound ridge) and the projected one (--dp-dim, default 64, and "
+    "today's mechanism (d dims, bound ridge) and the projected one (--dp-dim, default 128, and "
     "--dp-ridge) side by side; writes dp_sweep.png and dp_sweep.json under --out.",
 )
 @click.option(
@@ -554,6 +554,7 @@ def _run_sweep(config: SimConfig, out_dir: Path, console: Console) -> None:
             f"BACC {100 * p['bacc']:.2f}  AUC {100 * p['auc']:.2f}  mAP {p['map']:.4f}{ridge}",
             markup=False,
             highlight=False,
+            soft_wrap=True,  # one line per point, whatever the terminal's width
         )
     json_path, png_path = write_sweep(sweep, out_dir)
     console.print(f"wrote {json_path} and {png_path}")

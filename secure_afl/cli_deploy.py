@@ -14,7 +14,12 @@ from pathlib import Path
 import click
 import numpy as np
 
-from secure_afl.cli_options import ckks_degree_option, dp_options
+from secure_afl.cli_options import (
+    check_dp_mechanism_options,
+    ckks_degree_option,
+    dp_options,
+    resolve_dp_ridge,
+)
 from secure_afl.deploy.errors import DeploymentError
 from secure_afl.deploy.study import (
     Study,
@@ -642,6 +647,9 @@ def deploy_local(
     clip: float,
     dp_unit: str,
     dp_max_images_per_patient: int,
+    dp_dim: int | None,
+    dp_projection_seed: int,
+    dp_ridge: str | None,
 ) -> None:
     """A federation of N SuperNodes on this machine, compared with the in-process simulation.
 
@@ -670,6 +678,7 @@ def deploy_local(
     say = console.print if console.is_terminal else (lambda text: click.echo(text))
     client_ids = [f"client-{k}" for k in range(clients)]
     drop_rounds = _parse_drops(drops, client_ids, secure)
+    check_dp_mechanism_options(dp_epsilon is not None, dp_dim, dp_ridge, dp_projection_seed)
     if dp_epsilon is not None and (balance == "client" or gram == "class"):
         raise click.UsageError(
             "--dp-epsilon needs --balance global and --gram global (plain sums and counts with clean "
@@ -702,6 +711,9 @@ def deploy_local(
                 max_images_per_patient=dp_max_images_per_patient,
                 # the class lists are public under DP: every client sizes its noise from them
                 class_lists={cid: tuple(assignment.active[k]) for k, cid in enumerate(client_ids)},
+                projection_dim=dp_dim,
+                projection_seed=dp_projection_seed,
+                ridge=resolve_dp_ridge(dp_ridge, dp_dim),
             ),
         )
     except ConfigurationError as exc:

@@ -7,6 +7,8 @@ from typing import TypeVar
 
 import click
 
+from secure_afl.privacy.dp_config import DEFAULT_DP_DIM, default_ridge
+
 F = TypeVar("F", bound=Callable[..., object])
 
 
@@ -22,7 +24,8 @@ ckks_degree_option = click.option(
 
 
 def dp_options(command: F) -> F:
-    """``--dp-epsilon --dp-delta --clip --dp-unit --dp-max-images-per-patient`` (SECURITY.md §9)."""
+    """``--dp-epsilon --dp-delta --clip --dp-unit --dp-max-images-per-patient --dp-dim
+    --dp-projection-seed --dp-ridge`` (SECURITY.md §9)."""
     for option in reversed(_DP_OPTIONS):
         command = option(command)
     return command
@@ -58,4 +61,48 @@ _DP_OPTIONS = [
         show_default=True,
         help="DP, --dp-unit patient: images kept per patient (the rest are dropped before the statistics).",
     ),
+    click.option(
+        "--dp-dim",
+        type=int,
+        default=None,
+        help="DP: project every feature row to K dimensions with a public, data-independent random "
+        "projection before clipping (statistics K×K and K instead of d×d and d; the classifier is "
+        f"mapped back to the d features). Off when absent (--dp-sweep: compares with K = {DEFAULT_DP_DIM}).",
+    ),
+    click.option(
+        "--dp-projection-seed",
+        type=int,
+        default=0,
+        show_default=True,
+        help="DP, --dp-dim: the public seed the projection is derived from (part of the study).",
+    ),
+    click.option(
+        "--dp-ridge",
+        type=click.Choice(["bound", "adaptive", "adassp"]),
+        default=None,
+        help="DP: the solve's ridge. bound: the Gram noise's high-probability bound (data-independent); "
+        "adaptive: that bound less a lower bound on the Gram's smallest eigenvalue read off the noisy "
+        "Gram (post-processing); adassp: the same from a separately noised release of the clients' "
+        "smallest eigenvalues (its own share of the budget). [default: adaptive with --dp-dim, else bound]",
+    ),
 ]
+
+
+def resolve_dp_ridge(dp_ridge: str | None, dp_dim: int | None) -> str:
+    """``--dp-ridge``'s default: the adaptive ridge with ``--dp-dim`` (the new mechanism), else today's."""
+    return default_ridge(dp_ridge, dp_dim)
+
+
+def check_dp_mechanism_options(dp_on: bool, dp_dim: int | None, dp_ridge: str | None, seed: int) -> None:
+    """``--dp-dim``, ``--dp-ridge`` and ``--dp-projection-seed`` only make sense under DP."""
+    if dp_on:
+        return
+    given = [name for name, value in (("--dp-dim", dp_dim), ("--dp-ridge", dp_ridge)) if value is not None]
+    if seed != 0:
+        given.append("--dp-projection-seed")
+    if given:
+        raise click.UsageError(
+            f"{' and '.join(given)} {'shape' if len(given) > 1 else 'shapes'} the differential-privacy "
+            "mechanism: add --dp-epsilon (or --dp-sweep), or drop "
+            f"{'them' if len(given) > 1 else 'it'} (without DP the statistics are exact and never projected)"
+        )

@@ -22,7 +22,9 @@ classifier file is signed with it), ``out-dir`` (where
 default, or the number the nodes' own ``colluders`` assume: round 2 forms only pseudo-label groups
 of at least that many + 2 members, which their exposure checks accept).  Differential privacy
 (SECURITY.md §9): ``dp-epsilon`` (its presence turns DP on), ``dp-delta`` (1e-6), ``clip`` (32),
-``dp-unit`` (``image`` or ``patient``), ``dp-max-images-per-patient`` (4) and ``class-lists``, every
+``dp-unit`` (``image`` or ``patient``), ``dp-max-images-per-patient`` (4), ``dp-dim`` (K: the public
+random projection of the rows, absent: none), ``dp-projection-seed`` (0), ``dp-ridge`` (``bound``,
+``adaptive``, the default with ``dp-dim``, or ``adassp``) and ``class-lists``, every
 roster institution's labelled classes as ``"hospital-a=0,1,2;hospital-b=1,3"`` (class indices).
 
 Node config (each SuperNode's ``--node-config``): see :class:`~secure_afl.deploy.client.NodeSettings`.
@@ -45,6 +47,7 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
 from secure_afl.keys.roster import Roster
+from secure_afl.privacy.dp_config import default_ridge
 
 from .classifier import ClassifierSigner, write_classifier_file
 from .client import NodeSettings, handle
@@ -196,6 +199,12 @@ def _dp_from_run_config(config: Mapping[str, Any]) -> StudyDp | None:
             unit=str(config.get("dp-unit", "image")),
             max_images_per_patient=int(config.get("dp-max-images-per-patient", 4)),
             class_lists=parse_class_lists(str(config["class-lists"])),
+            projection_dim=int(config["dp-dim"]) if "dp-dim" in config else None,
+            projection_seed=int(config.get("dp-projection-seed", 0)),
+            ridge=default_ridge(
+                str(config["dp-ridge"]) if "dp-ridge" in config else None,
+                int(config["dp-dim"]) if "dp-dim" in config else None,
+            ),
         )
     except ValueError as exc:
         raise ConfigurationError(f"the run config's DP settings: {exc}") from None

@@ -215,12 +215,20 @@ class Classifier:
         )
         spent = p["epsilon_spent"]
         stds = [b["noise_std_at_fewest"] for b in p["blocks"]]
+        projection = p.get("projection")  # --dp-dim (absent from records made before it existed)
+        rows = (
+            "rows not projected"
+            if not projection
+            else f"rows projected to K = {projection['dim']} by the public projection of seed "
+            f"{projection['seed']} before clipping (the weights are W = P W_K)"
+        )
         return [
             f"differentially private: ε = {p['epsilon_target']:g}, δ = {p['delta']:g} for {unit} per "
             f"institution; feature rows clipped to L2 norm {p['clip']:g}",
             "ε spent per institution: " + ", ".join(f"{k} {v:.4f}" for k, v in sorted(spent.items())),
             f"noise std per group sum at its fewest survivors: {min(stds):.4g}..{max(stds):.4g}; "
-            f"solve ridge λ = {p['ridge']:.4g}",
+            f"solve ridge λ = {p['ridge']:.4g} ({p.get('ridge_kind', 'bound')})",
+            f"mechanism: {rows}",
         ]
 
     @property

@@ -45,7 +45,7 @@ from .errors import (
     SessionReplayError,
     StudyMismatchError,
 )
-from .study import PROTECTIONS, Study, round1_layout, round2_layout
+from .study import PROTECTIONS, Study, dp_projection, round1_layout, round2_layout, statistics_dim
 from .wire import Envelope
 
 if TYPE_CHECKING:
@@ -364,7 +364,7 @@ def _private_inputs(
 ) -> tuple[Any, Any, Any]:  # fmt: skip
     """Under DP: (layout, noisy contributions, the clean ones, the ledger's key) of session ``label``."""
     from secure_afl.privacy.dp import (
-        clip_rows,
+        private_rows,
         private_statistics,
         pseudo_label_upload,
         round1_upload,
@@ -376,20 +376,26 @@ def _private_inputs(
     assert study.dp is not None
     config = study.dp.config()
     plan = noise_plan(study, roster_size)
+    # --dp-dim: the study's public projection, derived here from (dim, K, seed) as at every peer
+    projection = dp_projection(study)
     keep = rows_of_units(config, len(data.features), data.patient_ids)
     features, labels = data.features[keep], data.labels[keep]
     if label == "1":
-        stats = private_statistics(features, labels, config.clip, device=settings.device)
+        stats = private_statistics(
+            features, labels, config.clip, projection=projection, device=settings.device
+        )
+        projected = "" if projection is None else f" (projected to K = {projection.shape[1]})"
         log(
             settings,
-            f"{client_id}: DP: {stats.n_clipped} of {stats.n_rows} rows clipped to norm {config.clip:g}",
+            f"{client_id}: DP: {stats.n_clipped} of {stats.n_rows} rows{projected} clipped to norm "
+            f"{config.clip:g}",
         )
         noisy, clean = round1_upload(stats, data.active, plan, _noise_random())
         return round1_layout(study), noisy, clean
     coef = _round1_coef(study, envelope)
     pseudo = _pseudo_config(study)
     classes = [int(g.split("/")[1]) for g in groups if g.startswith("pseudo/")]
-    clipped, _ = clip_rows(features, config.clip)
+    clipped, _ = private_rows(features, config.clip, projection)
     noisy, clean = pseudo_label_upload(
         clipped, coef, data.active, plan, _noise_random(), pseudo, groups=groups
     )
@@ -404,9 +410,10 @@ def _pseudo_config(study: Study) -> Any:
 
 
 def _round1_coef(study: Study, envelope: Envelope) -> np.ndarray:
+    dim = statistics_dim(study)  # under --dp-dim the server sends W_K: round 2 scores projected rows
     coef = envelope.arrays.get("coef")
-    if coef is None or coef.shape != (study.dim, study.n_classes):
-        raise StudyMismatchError(f"round 2 needs the round-1 coefficients ({study.dim} × {study.n_classes})")
+    if coef is None or coef.shape != (dim, study.n_classes):
+        raise StudyMismatchError(f"round 2 needs the round-1 coefficients ({dim} × {study.n_classes})")
     return coef
 
 

@@ -630,6 +630,12 @@ def _dp_run_config(study: Study) -> dict[str, object]:
         "dp-unit": dp.unit,
         "dp-max-images-per-patient": dp.max_images_per_patient,
         "class-lists": format_class_lists(dp.class_lists),
+        "dp-ridge": dp.ridge,
+        **(
+            {}
+            if dp.projection_dim is None
+            else {"dp-dim": dp.projection_dim, "dp-projection-seed": dp.projection_seed}
+        ),
     }
 
 

@@ -37,6 +37,7 @@ from .errors import ConfigurationError, FederationAbortedError
 from .study import (
     Study,
     class_group,
+    dp_projection,
     noise_plan,
     pseudo_members,
     round1_layout,
@@ -223,11 +224,16 @@ class FederationServer:
                         self.study.n_classes, gamma=method.gamma, balance=method.balance
                     ).refine(sums1, sums2, alpha=method.alpha)
                 self.report.seconds["solve"] += time.perf_counter() - solve_started
+        weights = model.coef_
         if plan is not None:
             from secure_afl.privacy.dp_solve import privacy_record
+            from secure_afl.privacy.projection import lift_weights
 
-            self.privacy = privacy_record(plan, solve, solve2)
-        classifier = self._classifier(model.coef_)
+            self.privacy = privacy_record(plan, solve, solve2, feature_dim=self.study.dim)
+            projection = dp_projection(self.study)  # --dp-dim: the classifier holds W = P W_K
+            if projection is not None:
+                weights = lift_weights(projection, weights)
+        classifier = self._classifier(weights)
         self.report.seconds["federation"] = time.perf_counter() - started
         return classifier
 

@@ -22,12 +22,15 @@ from secure_afl.protocol.encoding import DEFAULT_FRAC_BITS, upper_triangle_lengt
 from .errors import ConfigurationError
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from secure_afl.aggregation.backend import ProtectionBackend
     from secure_afl.privacy.dp import NoisePlan
     from secure_afl.protocol.ckks.context import CkksParameters
 
 SYMMETRIC_TENSORS = frozenset({"gram"})
 ALL_GROUP = "all"  # the same names as secure_afl.analytic (which imports torch; this module must not)
+EIGEN_TENSOR = "gram_min_eig"  # secure_afl.privacy.dp.EIGEN_TENSOR (dp imports torch)
 PROTECTIONS = ("mask", "ckks")  # the backends of secure_afl.aggregation.backend
 
 
@@ -89,6 +92,12 @@ class StudyDp:
     # the clip and the group sizes that no upload can overflow the fixed-point encoding; a client
     # with more rows refuses the study.
     max_rows: int = DEFAULT_MAX_ROWS
+    # --dp-dim: every client projects its rows with the public matrix derived from (dim, K, seed)
+    # (secure_afl/privacy/projection.py) before clipping; the server solves in K dimensions and the
+    # classifier holds W = P W_K.  None: no projection.  ridge: DpConfig.ridge.
+    projection_dim: int | None = None
+    projection_seed: int = 0
+    ridge: str = "bound"
 
     def config(self) -> DpConfig:
         """The privacy module's config, validated (:class:`ConfigurationError` names what is wrong)."""
@@ -99,6 +108,9 @@ class StudyDp:
             unit=self.unit,  # type: ignore[arg-type]
             max_images_per_patient=int(self.max_images_per_patient),
             max_rows=self.max_rows,
+            projection_dim=self.projection_dim,
+            projection_seed=self.projection_seed,
+            ridge=self.ridge,  # type: ignore[arg-type]
         )
         try:
             config.validate()
@@ -107,7 +119,7 @@ class StudyDp:
         return config
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "epsilon": self.epsilon,
             "delta": self.delta,
             "clip": self.clip,
@@ -116,9 +128,17 @@ class StudyDp:
             "max_rows": self.max_rows,
             "class_lists": {k: list(v) for k, v in sorted(self.class_lists.items())},
         }
+        # Today's mechanism keeps its document (and digest); the projection and ridge only when used.
+        if self.projection_dim is not None:
+            out["projection_dim"] = self.projection_dim
+            out["projection_seed"] = self.projection_seed
+        if self.ridge != "bound":
+            out["ridge"] = self.ridge
+        return out
 
     @classmethod
     def from_dict(cls, document: Mapping[str, Any]) -> StudyDp:
+        k = document.get("projection_dim")
         return cls(
             epsilon=float(document["epsilon"]),
             delta=float(document["delta"]),
@@ -127,6 +147,9 @@ class StudyDp:
             max_images_per_patient=int(document["max_images_per_patient"]),
             max_rows=int(document.get("max_rows", DEFAULT_MAX_ROWS)),
             class_lists={str(k): tuple(int(c) for c in v) for k, v in document["class_lists"].items()},
+            projection_dim=None if k is None else int(k),
+            projection_seed=int(document.get("projection_seed", 0)),
+            ridge=str(document.get("ridge", "bound")),
         )
 
 
@@ -205,7 +228,10 @@ class Study:
                 f"clean sensitivities, SECURITY.md §9); the study has balance={self.method.balance!r}, "
                 f"gram={self.method.gram!r}"
             )
-        dp.config()
+        try:
+            dp.config().statistics_dim(self.dim)  # --dp-dim at most the features' dimension
+        except DpError as exc:
+            raise ConfigurationError(str(exc)) from None
         if not dp.class_lists:
             raise ConfigurationError(
                 "differential privacy needs every institution's class list in the study (class-lists): a "
@@ -344,7 +370,7 @@ def noise_plan(study: Study, roster_size: int) -> NoisePlan:
     layout = FederationLayout(
         active=dict(study.dp.class_lists),
         n_classes=study.n_classes,
-        dim=study.dim,
+        dim=statistics_dim(study),
         threshold=study.threshold_for(roster_size),
         min_group_size=study.min_group_size,
         rounds=study.method.rounds,
@@ -357,20 +383,42 @@ def noise_plan(study: Study, roster_size: int) -> NoisePlan:
         raise ConfigurationError(str(exc)) from None
 
 
+def statistics_dim(study: Study) -> int:
+    """The dimension of the statistics: ``--dp-dim``'s K under a projected DP study, else ``dim``."""
+    if study.dp is None or study.dp.projection_dim is None:
+        return study.dim
+    return study.dp.projection_dim
+
+
+def dp_projection(study: Study) -> np.ndarray | None:
+    """The study's public projection matrix (``dim × K``), which every party derives alike; None
+    without ``--dp-dim``."""
+    if study.dp is None or study.dp.projection_dim is None:
+        return None
+    from secure_afl.privacy.projection import projection_matrix
+
+    return projection_matrix(study.dim, study.dp.projection_dim, study.dp.projection_seed)
+
+
 def round1_layout(study: Study) -> Layout:
     """Every class group and, where the method needs it, the ``all`` group (the names of analytic.py).
 
     Every class is in the layout: a class that fewer than ``min_group_size`` survivors label cannot
     be fitted without revealing a client's statistics, so the session aborts rather than drop it.
     Under DP: the names of :meth:`secure_afl.privacy.dp.PrivateStatistics.round1` (positive and
-    negative sums and counts per class, the Gram in ``all``).
+    negative sums and counts per class, the Gram in ``all``; in ``K`` dimensions under ``--dp-dim``,
+    and with each client's smallest Gram eigenvalue in ``all`` under ``ridge="adassp"``).
     """
     d, method = study.dim, study.method
     if study.dp is not None:
+        k = statistics_dim(study)
+        everyone = {"gram": upper_triangle_length(k)}
+        if study.dp.ridge == "adassp":
+            everyone[EIGEN_TENSOR] = 1
         return _dp_layout(
-            {ALL_GROUP: {"gram": upper_triangle_length(d)}},
+            {ALL_GROUP: everyone},
             {class_group(c): ("pos_sum", "neg_sum", "n_pos", "n_neg") for c in range(study.n_classes)},
-            d,
+            k,
         )
     groups: dict[str, dict[str, int]] = {}
     shapes: dict[str, tuple[int, ...]] = {"gram": (d, d)}
@@ -433,7 +481,7 @@ def round2_layout(study: Study, classes: Collection[int]) -> Layout:
     d = study.dim
     if study.dp is not None:  # the names of secure_afl.privacy.dp.pseudo_label_round
         prefixes = ("pseudo_pos_sum", "pseudo_neg_sum", "pseudo_n_pos", "pseudo_n_neg")
-        return _dp_layout({}, {pseudo_group(c): prefixes for c in sorted(classes)}, d)
+        return _dp_layout({}, {pseudo_group(c): prefixes for c in sorted(classes)}, statistics_dim(study))
     return Layout(
         groups={pseudo_group(c): {f"b_pseudo/{c}": d} for c in sorted(classes)},
         shapes={f"b_pseudo/{c}": (d,) for c in sorted(classes)},
@@ -442,7 +490,7 @@ def round2_layout(study: Study, classes: Collection[int]) -> Layout:
 
 
 def _dp_layout(groups: dict[str, dict[str, int]], per_class: Mapping[str, tuple[str, ...]], d: int) -> Layout:
-    shapes: dict[str, tuple[int, ...]] = {"gram": (d, d)}
+    shapes: dict[str, tuple[int, ...]] = {"gram": (d, d), EIGEN_TENSOR: (1,)}
     for group, prefixes in per_class.items():
         c = group.split("/")[1]
         tensors = {}

@@ -17,7 +17,15 @@ group          tensors                                    one image changes     
 ``class/c``    ``pos_sum/c``, ``neg_sum/c`` (Σ h)         one of the two by h   C
 ``class/c``    ``n_pos/c``, ``n_neg/c``                   one of the two by 1   1
 ``pseudo/c``   the same four for round 2's pseudo-labels  at most one by h, 1   C, 1
+``all``        ``gram_min_eig`` = λ_min(G_k) (adassp)     by [0, ‖h‖²] (Weyl)   C²
 =============  =========================================  ====================  =====================
+
+With ``--dp-dim K`` every row is first mapped to ``Pᵀh`` by the public, data-independent matrix of
+:mod:`secure_afl.privacy.projection` (``±1/√K``, derived from a public seed) and *then* clipped, so
+the same sensitivities hold for the K-dimensional statistics; the noise plan, the fixed-point range
+check and the accounting all run on K.  The last row is the AdaSSP-style ridge's own release
+(``ridge="adassp"``, :mod:`secure_afl.privacy.dp_solve`): one number per client in ``all``, its own
+ρ share (``eigen_share``), composed with the other blocks.
 
 Splitting the feature sum into positive and negative sums (rather than ``pos_sum`` and the total
 ``feat_sum`` of the non-private layout) makes one image move exactly one of the two, so the block's
@@ -101,10 +109,13 @@ from secure_afl.privacy.dp_config import (
     check_pseudo_label_threshold,
 )
 from secure_afl.privacy.dp_sampler import admissible_variance, noise_words, sample_discrete_gaussian
+from secure_afl.privacy.projection import project_rows
 from secure_afl.protocol import encoding
 from secure_afl.protocol.randomness import RandomSource
 
-BlockKind = Literal["gram", "sums", "counts"]
+BlockKind = Literal["gram", "sums", "counts", "eigen"]
+# ridge="adassp": each client's λ_min of its own Gram, in the ``all`` group (dp_solve)
+EIGEN_TENSOR = "gram_min_eig"
 # class indices, or a boolean mask with one entry per class (analytic.active_class_indices)
 ActiveClasses = Sequence[int] | Sequence[bool] | np.ndarray
 _TARGET_NOISE_BITS = 24  # a client's noise std, in grid steps, is about 2^24
@@ -162,12 +173,25 @@ class PrivateStatistics:
     n_clipped: int
     n_rows: int
 
-    def round1(self, active: ActiveClasses) -> Contributions:
+    def min_eigenvalue(self) -> float:
+        """The smallest eigenvalue of this client's Gram (floored at 0: the Gram is PSD).
+
+        Adding or removing a row h changes it by at most ‖h‖² ≤ C² (Weyl: ``G + hhᵀ ⪰ G`` and
+        ``λ_min(G + hhᵀ) ≤ λ_min(G) + ‖h‖²``), and the sum over clients is a lower bound on the
+        federation Gram's (``λ_min(A + B) ≥ λ_min(A) + λ_min(B)``): a sum secure aggregation can carry.
+        """
+        gram = (self.gram + self.gram.T) / 2
+        return max(0.0, float(np.linalg.eigvalsh(gram)[0])) if gram.size else 0.0
+
+    def round1(self, active: ActiveClasses, *, eigen: bool = False) -> Contributions:
         """Round-1 upload: the Gram to ``all``; per labelled class its sums and counts.
 
         ``active``: class indices or a boolean mask of length C (:func:`active_class_indices`).
+        ``eigen``: also the Gram's smallest eigenvalue (``ridge="adassp"``), to ``all``.
         """
         out: Contributions = {ALL_GROUP: {"gram": self.gram}}
+        if eigen:
+            out[ALL_GROUP][EIGEN_TENSOR] = np.array([self.min_eigenvalue()])
         for c in active_class_indices(active, self.pos_sum.shape[1]):
             out[class_group(c)] = {
                 f"pos_sum/{c}": self.pos_sum[:, c].copy(),
@@ -178,14 +202,30 @@ class PrivateStatistics:
         return out
 
 
+def private_rows(
+    features: np.ndarray, clip: float, projection: np.ndarray | None = None
+) -> tuple[np.ndarray, int]:
+    """The rows the DP statistics are made of: projected (``--dp-dim``, the public matrix of
+    :mod:`secure_afl.privacy.projection`) when a projection is given, then clipped to ``clip``."""
+    if projection is not None:
+        features = project_rows(features, projection)
+    return clip_rows(features, clip)
+
+
 def private_statistics(
-    features: np.ndarray, labels: np.ndarray, clip: float, *, device: str = "auto"
+    features: np.ndarray,
+    labels: np.ndarray,
+    clip: float,
+    *,
+    projection: np.ndarray | None = None,
+    device: str = "auto",
 ) -> PrivateStatistics:
-    """Clip every row to ``clip``, then one float64 pass (analytic.client_statistics) over ``[Y, 1−Y]``.
+    """Project (``projection``, if any) and clip every row to ``clip``, then one float64 pass
+    (analytic.client_statistics) over ``[Y, 1−Y]``.
 
     The complement columns give the negative sums directly (not as a difference of two sums).
     """
-    clipped, n_clipped = clip_rows(features, clip)
+    clipped, n_clipped = private_rows(features, clip, projection)
     labels = np.asarray(labels)
     both = np.concatenate([labels, 1 - labels], axis=1)
     stats: ClientStatistics = client_statistics(clipped, both, device=device)
@@ -254,7 +294,7 @@ def round1_upload(
     """One client's round-1 DP upload (the simulator's and the deployment's): the noisy
     contributions, and the clean ones they came from (the key of the client's ledger history)."""
     check_rows(stats.n_rows, plan.config)
-    clean = stats.round1(active)
+    clean = stats.round1(active, eigen=plan.config.ridge == "adassp")
     return privatize(clean, plan, random), clean
 
 
@@ -281,11 +321,13 @@ def block_kind(tensor: str) -> BlockKind:
     """Which sensitivity block a DP tensor belongs to."""
     if tensor == "gram":
         return "gram"
+    if tensor == EIGEN_TENSOR:
+        return "eigen"
     if tensor.startswith(("pos_sum/", "neg_sum/", "pseudo_pos_sum/", "pseudo_neg_sum/")):
         return "sums"
     if tensor.startswith(("n_pos/", "n_neg/", "pseudo_n_pos/", "pseudo_n_neg/")):
         return "counts"
-    raise DpError(f"tensor {tensor!r} is not part of the DP layout (gram, sums and counts only)")
+    raise DpError(f"tensor {tensor!r} is not part of the DP layout (gram, sums, counts, {EIGEN_TENSOR} only)")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -503,22 +545,32 @@ def plan_noise(config: DpConfig, layout: FederationLayout) -> NoisePlan:
             raise DpError(f"class {c} has no annotating client: every class needs one")
     p = config.unit_multiplier
     c2 = config.clip
-    sensitivities = {"gram": p * c2 * c2, "sums": p * c2, "counts": float(p)}
-    dims = {"gram": encoding.upper_triangle_length(layout.dim), "sums": 2 * layout.dim, "counts": 2}
+    # "eigen" (ridge="adassp"): a client's λ_min moves by at most ‖h‖² ≤ C² per image (Weyl)
+    sensitivities = {"gram": p * c2 * c2, "sums": p * c2, "counts": float(p), "eigen": p * c2 * c2}
+    dims = {
+        "gram": encoding.upper_triangle_length(layout.dim),
+        "sums": 2 * layout.dim,
+        "counts": 2,
+        "eigen": 1,
+    }
+    eigen = config.ridge == "adassp"
     # class slots per protected unit: an image moves one block per class it meets (its client's
     # labelled classes in round 1; every class once both rounds run); a patient may span clients
     if layout.rounds == 2 or config.unit == "patient":
         class_slots = layout.n_classes
     else:
         class_slots = max(len(set(a)) for a in layout.active.values())
-    slots = _slots(layout, config.unit)
+    slots = _slots(layout, config.unit, eigen=eigen)
 
     def build(rho_total: float) -> NoisePlan:
         share_gram, share_sums, share_counts = config.rho_shares
+        # ridge="adassp": the λ_min release takes eigen_share of the total first
+        rest = rho_total * (1.0 - config.eigen_share) if eigen else rho_total
         per_kind = {
-            "gram": share_gram * rho_total,
-            "sums": share_sums * rho_total / class_slots,
-            "counts": share_counts * rho_total / class_slots,
+            "gram": share_gram * rest,
+            "sums": share_sums * rest / class_slots,
+            "counts": share_counts * rest / class_slots,
+            "eigen": config.eigen_share * rho_total,
         }
         blocks: dict[tuple[str, BlockKind], BlockNoise] = {}
         for group in layout.groups():
@@ -530,7 +582,9 @@ def plan_noise(config: DpConfig, layout: FederationLayout) -> NoisePlan:
                 min_group_size=layout.min_group_size,
                 masked=layout.masked,
             )
-            kinds: tuple[BlockKind, ...] = ("gram",) if group == ALL_GROUP else ("sums", "counts")
+            kinds: tuple[BlockKind, ...] = (
+                (("gram", "eigen") if eigen else ("gram",)) if group == ALL_GROUP else ("sums", "counts")
+            )
             for kind in kinds:
                 blocks[(group, kind)] = make_block(
                     group,
@@ -563,7 +617,7 @@ def plan_noise(config: DpConfig, layout: FederationLayout) -> NoisePlan:
 
 _FLOAT_MARGIN = 1e-6  # relative: float64 rounding of a sum of at most max_rows clipped rows
 _NOISE_TAIL_BITS = 128  # a client's noise exceeds the bound below with probability < 2^-128 per block
-_PER_ROW = {"gram": "clip²", "sums": "clip", "counts": "1"}
+_PER_ROW = {"gram": "clip²", "sums": "clip", "counts": "1", "eigen": "clip²"}
 
 
 def noise_tail_multiple(dim: int) -> float:
@@ -590,10 +644,14 @@ def encodable_rows(block: BlockNoise, config: DpConfig, frac_bits: int, *, maske
     encodes (noise beyond :func:`noise_tail_multiple` standard deviations: probability < 2^-128).
 
     A coordinate of the Gram is at most ``rows·clip²`` (Cauchy–Schwarz), of a sum ``rows·clip``, a
-    count ``rows``; randomized rounding adds at most one step.  Data-independent: the plan's grid,
-    noise and group size, the clip and ``frac_bits``.
+    count ``rows``, the Gram's smallest eigenvalue ``rows·clip²`` (at most its trace over K);
+    randomized rounding adds at most one step.  Data-independent: the plan's grid, noise and group
+    size, the clip and ``frac_bits``.  The dimension enters through the noise's tail
+    (:func:`noise_tail_multiple` of the block's coordinates: K(K+1)/2 for a projected Gram).
     """
-    per_row = {"gram": config.clip**2, "sums": config.clip, "counts": 1.0}[block.kind]
+    per_row = {"gram": config.clip**2, "sums": config.clip, "counts": 1.0, "eigen": config.clip**2}[
+        block.kind
+    ]
     noise = math.ceil(noise_tail_multiple(block.dim) * math.sqrt(block.client_variance))
     room = _block_limit_steps(block, frac_bits, masked=masked) - 1 - noise
     if room <= 0:
@@ -615,7 +673,12 @@ def check_plan_encodable(plan: NoisePlan, *, masked: bool = True) -> None:
             f"the fixed-point encoding can overflow: in {where} the {worst.kind} noise alone may exceed "
             "the encodable range; use fewer fractional bits or a larger epsilon"
         )
-    per_row = {"gram": f"{config.clip:g}²", "sums": f"{config.clip:g}", "counts": "1"}[worst.kind]
+    per_row = {
+        "gram": f"{config.clip:g}²",
+        "sums": f"{config.clip:g}",
+        "counts": "1",
+        "eigen": f"{config.clip:g}²",
+    }[worst.kind]
     raise DpError(
         f"the fixed-point encoding can overflow: in {where} a client's {worst.kind} may reach max_rows "
         f"× {_PER_ROW[worst.kind]} = {config.max_rows} × {per_row} plus its noise, more than "
@@ -635,13 +698,16 @@ def check_rows(n_rows: int, config: DpConfig) -> None:
 
 
 def _slots(
-    layout: FederationLayout, unit: DpUnit
+    layout: FederationLayout, unit: DpUnit, *, eigen: bool = False
 ) -> dict[str, tuple[tuple[tuple[str, BlockKind], ...], ...]]:
-    """Per institution: the Gram; per class and kind, the blocks its protected unit may move."""
+    """Per institution: the Gram (and, ``eigen``, the λ_min release); per class and kind, the
+    blocks its protected unit may move."""
     out = {}
     for inst, active in layout.active.items():
         labelled = set(map(int, active))
         slots: list[tuple[tuple[str, BlockKind], ...]] = [((ALL_GROUP, "gram"),)]
+        if eigen:
+            slots.append(((ALL_GROUP, "eigen"),))
         for c in range(layout.n_classes):
             if unit == "patient":  # a patient's images may sit at clients on either side
                 groups = [class_group(c)] + (

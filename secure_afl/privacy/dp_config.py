@@ -11,6 +11,28 @@ from dataclasses import dataclass
 from typing import Literal
 
 DpUnit = Literal["image", "patient"]
+# How the server makes the noisy Gram solvable (secure_afl/privacy/dp_solve.py):
+#   "bound":    λ = a high-probability bound on the Gram noise's spectral norm, data-independent;
+#   "adaptive": λ = max(0, bound − λ̃_min), λ̃_min a lower bound on the Gram's smallest eigenvalue
+#               read off the already-noised Gram (post-processing: no budget);
+#   "adassp":   the same with λ̃_min from a separately noised release of Σ_k λ_min(G_k) (its own ρ share).
+DpRidge = Literal["bound", "adaptive", "adassp"]
+DP_RIDGES: tuple[str, ...] = ("bound", "adaptive", "adassp")
+# The K that --dp-sweep compares with today's mechanism when --dp-dim is not given: the best mean AUC
+# of the K sweep on the embedded data (bench/README.md, "DP: a projection before the statistics"),
+# where no K beats the unprojected statistics; --dp-dim itself has no default (off).
+DEFAULT_DP_DIM = 128
+# The ridge when --dp-ridge is not given: the adaptive one with a projection, today's without.
+DEFAULT_RIDGE_WITH_DIM = "adaptive"
+
+
+def default_ridge(ridge: str | None, projection_dim: int | None) -> str:
+    """``ridge``, or its default: :data:`DEFAULT_RIDGE_WITH_DIM` under ``--dp-dim``, else "bound"."""
+    if ridge is not None:
+        return ridge
+    return DEFAULT_RIDGE_WITH_DIM if projection_dim is not None else "bound"
+
+
 # A client's rows (after the patient cap) at most: the plan checks from it, the clip and the group
 # sizes that no statistic can overflow the fixed-point encoding.  100,000 fits groups of up to 20
 # institutions at the default clip 32 and 32 fractional bits (2^31 / 20 / 32² ≈ 104,857 rows).
@@ -41,6 +63,14 @@ class DpConfig:
     rho_shares: tuple[float, float, float] = (0.3, 0.6, 0.1)  # gram, sums, counts
     ridge_failure_probability: float = 1e-6
     max_rows: int = DEFAULT_MAX_ROWS  # rows per client at most (public, part of the plan)
+    # A public, data-independent random projection of every feature row to K dimensions before
+    # clipping (secure_afl/privacy/projection.py); None: the rows keep their d dimensions.
+    projection_dim: int | None = None
+    projection_seed: int = 0
+    ridge: DpRidge = "bound"
+    # ridge="adassp": the share of the total ρ spent on the release of Σ_k λ_min(G_k), taken before
+    # rho_shares split the rest (fixed a priori: the release is one number).
+    eigen_share: float = 0.05
 
     def validate(self) -> None:
         if not (self.epsilon > 0 and math.isfinite(self.epsilon)):
@@ -65,6 +95,40 @@ class DpConfig:
                 f"--dp-max-rows (the most rows one client may hold) must be a positive integer, got "
                 f"{self.max_rows!r}"
             )
+        k = self.projection_dim
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise DpError(
+                f"--dp-dim (the dimension K the rows are projected to) must be a positive integer, got {k!r}"
+            )
+        seed = self.projection_seed
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+            raise DpError(f"--dp-projection-seed must be an integer in 0..2^64-1, got {seed!r}")
+        if self.ridge not in DP_RIDGES:
+            raise DpError(f"--dp-ridge must be one of {', '.join(DP_RIDGES)}, got {self.ridge!r}")
+        if not 0 < self.eigen_share < 1:
+            raise DpError(f"eigen_share must lie strictly between 0 and 1, got {self.eigen_share}")
+
+    def statistics_dim(self, dim: int) -> int:
+        """The dimension of the statistics for ``dim``-dimensional features: K, or ``dim``."""
+        k = self.projection_dim
+        if k is None:
+            return dim
+        if k > dim:
+            raise DpError(
+                f"--dp-dim {k} exceeds the feature dimension {dim}: a projection reduces the dimension "
+                f"(use at most {dim}, or leave --dp-dim off)"
+            )
+        return k
+
+    @property
+    def mechanism(self) -> str:
+        """One line naming the mechanism (the reports and the sweep say which one ran)."""
+        rows = (
+            "rows in d dims"
+            if self.projection_dim is None
+            else (f"rows projected to K = {self.projection_dim} (seed {self.projection_seed})")
+        )
+        return f"{rows}, {self.ridge} ridge"
 
     @property
     def unit_multiplier(self) -> int:

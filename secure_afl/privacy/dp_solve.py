@@ -15,13 +15,36 @@ Everything here is post-processing of the noisy sums, so it costs no privacy.
 - Should that high-probability bound fail (Cholesky refuses), the Gram's eigenvalues are floored
   at 0 (its projection onto the positive semidefinite cone) before adding ``(γ + λ)I``; the report
   says which was used.  Still a Cholesky solve, never an inverse.
+
+The adaptive ridge (``DpConfig.ridge``), in the style of AdaSSP (Wang 2018, Algorithm 2)
+------------------------------------------------------------------------------------------
+The bound ``B`` above is what it takes to make ``G + E`` positive semidefinite when nothing is
+known about ``G``.  A Gram whose smallest eigenvalue is already large needs less:
+``G + E + λI ⪰ (λ_min(G) + λ − ‖E‖)I ⪰ 0`` as soon as ``λ ≥ B − λ_min(G)``.  AdaSSP therefore
+takes ``λ = max(0, B − λ̃_min)`` with ``λ̃_min`` a high-probability *lower* bound on
+``λ_min(G)`` (the same guarantee as ``λ = B``: PSD before ``γ``, positive definite after).  Here
+``λ_min(G)`` is a function of every client's rows, which no party holds, and secure aggregation
+releases only sums.  Two ways to get ``λ̃_min``:
+
+- ``"adaptive"`` (post-processing, free): from the noisy Gram itself.  By Weyl,
+  ``λ_min(G) ≥ λ_min(G + E) − ‖E‖ ≥ λ_min(G + E) − B``, so ``λ̃_min = max(0, λ_min(G + E) − B)``.
+  Costs no budget, but the estimate is off by up to ``‖E‖`` (the whole Gram noise), so it only
+  lowers the ridge once ``λ_min(G)`` exceeds about ``2B``.
+- ``"adassp"`` (AdaSSP's noise-on-λ_min form): each client also sends ``λ_min(G_k)`` of its own
+  Gram (one number, sensitivity ``C²`` by Weyl, its own ρ share ``eigen_share`` composed with the
+  other blocks in the accountant).  The sum ``S = Σ_k λ_min(G_k) ≤ λ_min(Σ_k G_k)`` (superadditivity
+  of λ_min over PSD matrices) is a lower bound secure aggregation can carry; with noise ``Z`` of std
+  ``s_λ`` (at the Gram's survivors, the same group), ``λ̃_min = max(0, S + Z − s_λ·√(2 ln(1/β)))``
+  is below ``λ_min(G)`` except with probability about β.  For IID clients ``S`` is close to
+  ``λ_min(G)`` (each client's smallest eigenvalue is a share of the whole), and its noise is a
+  scalar's, not a matrix's: it adapts where the post-processing form cannot.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -34,7 +57,8 @@ from secure_afl.analytic import (
     class_group,
     pseudo_group,
 )
-from secure_afl.privacy.dp import NoisePlan
+from secure_afl.privacy.dp import EIGEN_TENSOR, NoisePlan
+from secure_afl.privacy.projection import lift_weights, projection_digest
 
 
 @dataclass(frozen=True)
@@ -45,6 +69,9 @@ class PrivateSolve:
     gram_noise_std: float  # per entry of the summed Gram, at the actual survivors
     eigenvalue_floor: bool  # True when the PSD projection was needed
     qualified: tuple[int, ...] = ()  # round 2: classes whose federation counts passed δ⁺, δ⁻
+    ridge_kind: str = "bound"  # DpConfig.ridge
+    noise_bound: float = 0.0  # B: the high-probability bound on the Gram noise's spectral norm
+    min_eigenvalue_bound: float | None = None  # λ̃_min (adaptive ridges), a lower bound on λ_min(G)
 
 
 def _noisy_count(value: np.ndarray) -> int:
@@ -85,6 +112,30 @@ def _psd_floor(gram: np.ndarray) -> np.ndarray:
     return (vectors * np.maximum(values, 0.0)) @ vectors.T
 
 
+def tail_multiple(failure_probability: float) -> float:
+    """``√(2 ln(1/β))``: a σ-sub-Gaussian scalar exceeds this many σ with probability at most β."""
+    return math.sqrt(2.0 * math.log(1.0 / failure_probability))
+
+
+def min_eigenvalue_bound(
+    sums: GroupSums, plan: NoisePlan, gram: np.ndarray, bound: float, survivors: int
+) -> float:
+    """λ̃_min, a lower bound on the Gram's smallest eigenvalue (except with probability about β),
+    from the noisy release alone (post-processing): see the module docstring."""
+    beta = plan.config.ridge_failure_probability
+    if plan.config.ridge == "adassp":
+        try:
+            noisy = float(np.asarray(sums[ALL_GROUP][EIGEN_TENSOR]).ravel()[0])
+        except KeyError:
+            raise StatisticsError(
+                f"ridge 'adassp' needs the sum of every client's {EIGEN_TENSOR} in the 'all' group"
+            ) from None
+        std = plan.blocks[(ALL_GROUP, "eigen")].group_std(survivors)
+        return max(0.0, noisy - std * tail_multiple(beta))
+    values = np.linalg.eigvalsh((gram + gram.T) / 2)
+    return max(0.0, float(values[0]) - bound)
+
+
 def fit_private(
     sums: GroupSums,
     plan: NoisePlan,
@@ -93,12 +144,22 @@ def fit_private(
     gamma: float,
     gram_survivors: int,
 ) -> tuple[AnalyticClassifier, PrivateSolve, dict[str, dict[str, np.ndarray]]]:
-    """Round 1 on noisy sums: the model, how it was made solvable, and the sums it used."""
+    """Round 1 on noisy sums: the model, how it was made solvable, and the sums it used.
+
+    The model lives in the statistics' space (K dimensions under ``--dp-dim``: :func:`lift`
+    maps it back to the features').  The ridge is ``plan.config.ridge``'s (module docstring).
+    """
     converted = analytic_sums(sums, n_classes)
     block = plan.blocks[(ALL_GROUP, "gram")]
     std = block.group_std(gram_survivors)
     dim = converted[ALL_GROUP]["gram"].shape[0]
-    ridge = ridge_for_noise(std, dim, plan.config.ridge_failure_probability)
+    bound = ridge_for_noise(std, dim, plan.config.ridge_failure_probability)
+    kind = plan.config.ridge
+    lower = None
+    ridge = bound
+    if kind != "bound":
+        lower = min_eigenvalue_bound(sums, plan, converted[ALL_GROUP]["gram"], bound, gram_survivors)
+        ridge = max(0.0, bound - lower)
     model = AnalyticClassifier(n_classes, gamma=gamma + ridge, balance="global", gram="global")
     floored = False
     try:
@@ -107,7 +168,21 @@ def fit_private(
         converted[ALL_GROUP]["gram"] = _psd_floor(converted[ALL_GROUP]["gram"])
         model.fit(converted)
         floored = True
-    return model, PrivateSolve(ridge, std, floored), converted
+    solve = PrivateSolve(ridge, std, floored, ridge_kind=kind, noise_bound=bound, min_eigenvalue_bound=lower)
+    return model, solve, converted
+
+
+def lift(model: AnalyticClassifier, projection: np.ndarray | None) -> AnalyticClassifier:
+    """The classifier on the original features: ``W = P W_K`` under ``--dp-dim`` (else ``model``).
+
+    ``lift(model, P).decision_function(x)`` equals ``model.decision_function(x @ P)`` up to float64
+    rounding, so predictions need no knowledge of the projection.
+    """
+    if projection is None:
+        return model
+    out = AnalyticClassifier(model.n_classes, gamma=model.gamma, balance=model.balance, gram=model.gram)
+    out.coef_ = lift_weights(projection, model._coef())
+    return out
 
 
 def refine_private(
@@ -146,7 +221,7 @@ def refine_private(
             qualified.append(c)
     refined = AnalyticClassifier(n_classes, gamma=model.gamma, balance="global", gram="global")
     refined.refine(round1, pseudo, alpha=config.alpha)
-    return refined, PrivateSolve(solve.ridge, solve.gram_noise_std, solve.eigenvalue_floor, tuple(qualified))
+    return refined, replace(solve, qualified=tuple(qualified))
 
 
 def pseudo_count_noise_std(plan: NoisePlan, survivors: Mapping[str, int]) -> dict[int, float]:
@@ -158,10 +233,26 @@ def pseudo_count_noise_std(plan: NoisePlan, survivors: Mapping[str, int]) -> dic
     return out
 
 
-def privacy_record(plan: NoisePlan, solve: PrivateSolve, solve2: PrivateSolve | None) -> dict[str, object]:
+def privacy_record(
+    plan: NoisePlan, solve: PrivateSolve, solve2: PrivateSolve | None, *, feature_dim: int | None = None
+) -> dict[str, object]:
     """What every party may know about the DP of a release: the settings, ε spent per institution,
-    the noise per block, the solve (nothing computed from one institution's data alone)."""
+    the noise per block, the solve (nothing computed from one institution's data alone).
+
+    ``feature_dim``: the features' dimension d, for the projection's record (under ``--dp-dim``).
+    """
     cfg = plan.config
+    projection = None
+    if cfg.projection_dim is not None:
+        if feature_dim is None:
+            raise StatisticsError("the privacy record of a projected release needs the feature dimension")
+        projection = {
+            "kind": "rademacher ±1/√K from SHAKE-256 (secure_afl/privacy/projection.py)",
+            "feature_dim": feature_dim,
+            "dim": cfg.projection_dim,
+            "seed": cfg.projection_seed,
+            "sha256": projection_digest(feature_dim, cfg.projection_dim, cfg.projection_seed),
+        }
     blocks = [
         {
             "group": b.group,
@@ -185,8 +276,14 @@ def privacy_record(plan: NoisePlan, solve: PrivateSolve, solve2: PrivateSolve | 
         "max_images_per_patient": cfg.max_images_per_patient if cfg.unit == "patient" else None,
         "rho_shares": list(cfg.rho_shares),
         "epsilon_spent": plan.epsilons(),
+        "mechanism": cfg.mechanism,
+        "projection": projection,
+        "ridge_kind": solve.ridge_kind,
+        "eigen_share": cfg.eigen_share if solve.ridge_kind == "adassp" else None,
         "blocks": blocks,
         "ridge": solve.ridge,
+        "ridge_noise_bound": solve.noise_bound,
+        "min_eigenvalue_lower_bound": solve.min_eigenvalue_bound,
         "gram_noise_std": solve.gram_noise_std,
         "eigenvalue_floor": solve.eigenvalue_floor,
         "round2_qualified_classes": list(solve2.qualified) if solve2 is not None else None,

@@ -5,6 +5,11 @@ Under ``--dp-epsilon`` a setting runs only the private method (``balance="global
 the same session would release them.  Each client clips, rounds and noises its own statistics
 (:mod:`secure_afl.privacy.dp`) before they enter the masking protocol; the server solves on the
 noisy sums (:mod:`secure_afl.privacy.dp_solve`).  FedAvg, not private, is not run.
+
+With ``--dp-dim K`` every client first projects its rows with the public matrix of
+:mod:`secure_afl.privacy.projection` (derived from ``--dp-projection-seed``), the statistics are
+``K``-dimensional, the server solves in that space (round 2 scores its pseudo-labels there too) and
+the released (and evaluated) classifier holds ``W = P W_K`` for the original features.
 """
 
 from __future__ import annotations
@@ -23,8 +28,8 @@ from secure_afl.privacy.dp import (
     NoisePlan,
     PrivateStatistics,
     cap_images_per_patient,
-    clip_rows,
     plan_noise,
+    private_rows,
     private_statistics,
     pseudo_label_round,
     pseudo_label_upload,
@@ -33,10 +38,12 @@ from secure_afl.privacy.dp import (
 from secure_afl.privacy.dp_solve import (
     PrivateSolve,
     fit_private,
+    lift,
     privacy_record,
     pseudo_count_noise_std,
     refine_private,
 )
+from secure_afl.privacy.projection import projection_matrix
 from secure_afl.protocol.randomness import OsRandomSource, RandomSource
 from secure_afl.sim.audit import audit_groups
 from secure_afl.sim.datasets import PreparedData, Progress
@@ -46,6 +53,12 @@ from secure_afl.sim.partial import assign_partial_labels
 AFL_DP_1 = "AFL DP (1 round)"
 AFL_DP_2 = "AFL DP (2 rounds)"
 SWEEP_EPSILONS = (0.5, 1.0, 2.0, 4.0, 8.0, math.inf)
+
+
+def dp_projection(dp: DpConfig, feature_dim: int) -> np.ndarray | None:
+    """The public projection of ``--dp-dim`` for ``feature_dim``-dimensional rows (None without)."""
+    k = dp.statistics_dim(feature_dim)  # refuses K > d
+    return None if dp.projection_dim is None else projection_matrix(feature_dim, k, dp.projection_seed)
 
 
 def _client_rows(data: PreparedData, dp: DpConfig) -> list[np.ndarray]:
@@ -91,10 +104,12 @@ def run_private_setting(
     test_x = data.features[data.split.test]
     test_y = data.cohort.labels[data.split.test]
     rows = _client_rows(data, dp)
+    feature_dim = data.features.shape[1]
+    projection = dp_projection(dp, feature_dim)
     layout = FederationLayout(
         active={name: assignment.active[k] for k, name in enumerate(clients)},
         n_classes=n_classes,
-        dim=data.features.shape[1],
+        dim=dp.statistics_dim(feature_dim),
         threshold=config.threshold or default_threshold(config.n_clients),
         min_group_size=config.min_group_size,
         rounds=config.rounds,
@@ -117,7 +132,7 @@ def run_private_setting(
         model, solve, converted = fit_private(
             agg.sums, plan, n_classes=n_classes, gamma=config.gamma, gram_survivors=len(agg.survivors["all"])
         )
-    models = {AFL_DP_1: model}
+    models = {AFL_DP_1: lift(model, projection)}  # the released classifier: original features
     members, survivors, tensors = dict(agg.members), dict(agg.survivors), dict(agg.tensors)
     costs = {"round1": agg.costs} if agg.costs is not None else None
     uploads = {name: dict(groups) for name, groups in round1.items()}
@@ -125,7 +140,10 @@ def run_private_setting(
     if config.rounds == 2:
         live = [c for c in clients if c not in dropped]
         with timer.phase("statistics"):
-            clipped = {name: clip_rows(data.features[rows[clients.index(name)]], dp.clip)[0] for name in live}
+            clipped = {
+                name: private_rows(data.features[rows[clients.index(name)]], dp.clip, projection)[0]
+                for name in live
+            }
         with timer.phase("dp noise"):
             round2 = {
                 name: pseudo_label_upload(
@@ -142,7 +160,7 @@ def run_private_setting(
             agg2 = runner.aggregate(round2, config, dropouts={})
         with timer.phase("solve"):
             count_std = pseudo_count_noise_std(plan, {g: len(ids) for g, ids in agg2.survivors.items()})
-            models[AFL_DP_2], solve2 = refine_private(
+            refined, solve2 = refine_private(
                 model,
                 converted,
                 agg2.sums,
@@ -151,6 +169,7 @@ def run_private_setting(
                 config=config.pseudo,
                 count_noise_std=count_std,
             )
+            models[AFL_DP_2] = lift(refined, projection)
         members.update(agg2.members)
         survivors.update(agg2.survivors)
         tensors.update(agg2.tensors)
@@ -176,20 +195,23 @@ def run_private_setting(
         method_audits={AFL_DP_2 if config.rounds == 2 else AFL_DP_1: audit},
         pseudo_labels=(),
         protocol_costs=costs,
-        privacy=privacy_summary(plan, stats, solve, solve2),
+        privacy=privacy_summary(plan, stats, solve, solve2, feature_dim=feature_dim),
     )
 
 
 def client_private_statistics(data: PreparedData, config: object) -> dict[str, PrivateStatistics]:
-    """Every client's clipped statistics (they depend on the clip bound and the unit, not on ε)."""
+    """Every client's clipped statistics (they depend on the clip bound, the unit and the
+    projection, not on ε or the ridge)."""
     from secure_afl.sim import runner
 
     dp: DpConfig = config.dp  # type: ignore[attr-defined]
+    projection = dp_projection(dp, data.features.shape[1])
     return {
         runner.client_id(k): private_statistics(
             data.features[r],
             data.cohort.labels[r],
             dp.clip,
+            projection=projection,
             device=config.device,  # type: ignore[attr-defined]
         )
         for k, r in enumerate(_client_rows(data, dp))
@@ -201,9 +223,11 @@ def privacy_summary(
     stats: Mapping[str, object],
     solve: PrivateSolve,
     solve2: PrivateSolve | None,
+    *,
+    feature_dim: int | None = None,
 ) -> dict[str, object]:
     """What the report says about DP: the release's record, plus the rows each client clipped."""
-    summary = privacy_record(plan, solve, solve2)
+    summary = privacy_record(plan, solve, solve2, feature_dim=feature_dim)
     position = list(summary).index("blocks")
     items = list(summary.items())
     clipping = [
@@ -225,14 +249,24 @@ def privacy_lines(privacy: Mapping[str, object]) -> list[str]:
     unit = privacy["unit"]
     if unit == "patient":
         unit = f"patient (at most {privacy['max_images_per_patient']} images each)"
+    projection = privacy.get("projection")
+    if isinstance(projection, Mapping):
+        rows = (
+            f"rows projected from d = {projection['feature_dim']} to K = {projection['dim']} by the public "
+            f"random projection of seed {projection['seed']} (sha256 {str(projection['sha256'])[:16]}…), "
+            "then clipped"
+        )
+    else:
+        rows = "rows not projected (statistics in the features' d dimensions)"
     lines = [
         f"differential privacy: target ε = {privacy['epsilon_target']:g} at δ = {privacy['delta']:g}, "
         f"unit: one {unit}, rows clipped to L2 norm {privacy['clip']:g}",
+        f"mechanism: {rows}; ridge: {privacy.get('ridge_kind', 'bound')}",
         "ε spent per institution: " + ", ".join(f"{k} {v:.4f}" for k, v in spent.items()),
         f"rows clipped: {sum(clipped.values())} of {sum(used.values())} "
         f"({', '.join(f'{k} {v}' for k, v in clipped.items())})",
     ]
-    for kind in ("gram", "sums", "counts"):
+    for kind in ("gram", "eigen", "sums", "counts"):
         ofkind = [b for b in blocks if b["block"] == kind]
         if not ofkind:
             continue
@@ -242,11 +276,25 @@ def privacy_lines(privacy: Mapping[str, object]) -> list[str]:
             f"noise on {kind} (sensitivity {ofkind[0]['sensitivity']:g}): group-sum std "
             f"{min(stds):.4g}..{max(stds):.4g} at the fewest survivors {fewest}"
         )
-    lines.append(
-        f"solve: ridge γ + λ with data-independent λ = {privacy['ridge']:.4g} (Gram noise std "
-        f"{privacy['gram_noise_std']:.4g} per entry); eigenvalue floor "
-        f"{'used' if privacy['eigenvalue_floor'] else 'not needed'}"
-    )
+    kind = privacy.get("ridge_kind", "bound")
+    floor = "used" if privacy["eigenvalue_floor"] else "not needed"
+    noise = f"Gram noise std {privacy['gram_noise_std']:.4g} per entry"
+    if kind == "bound":
+        lines.append(
+            f"solve: ridge γ + λ with data-independent λ = {privacy['ridge']:.4g} ({noise}); "
+            f"eigenvalue floor {floor}"
+        )
+    else:
+        source = (
+            "the noisy Gram (post-processing, no budget)"
+            if kind == "adaptive"
+            else f"the noised sum of the clients' λ_min (its own ρ share {privacy.get('eigen_share')})"
+        )
+        lines.append(
+            f"solve: ridge γ + λ, adaptive λ = max(0, B − λ̃_min) = {privacy['ridge']:.4g} with the noise "
+            f"bound B = {privacy['ridge_noise_bound']:.4g} ({noise}) and λ̃_min = "
+            f"{privacy['min_eigenvalue_lower_bound']:.4g} from {source}; eigenvalue floor {floor}"
+        )
     if privacy.get("round2_qualified_classes") is not None:
         lines.append(
             f"round 2: classes qualified on noisy federation counts: {privacy['round2_qualified_classes']}"
@@ -259,16 +307,33 @@ def privacy_lines(privacy: Mapping[str, object]) -> list[str]:
 # ----------------------------------------------------------------------------------------------
 
 
+def sweep_mechanisms(dp: DpConfig) -> dict[str, DpConfig]:
+    """The mechanisms the ε sweep puts side by side: today's (``old``: the rows' d dimensions, the
+    data-independent ridge) and ``dp`` as given (``new``), when it differs."""
+    old = replace(dp, projection_dim=None, ridge="bound")
+    out = {mechanism_label(old): old}
+    if dp != old:
+        out[mechanism_label(dp)] = dp
+    return out
+
+
+def mechanism_label(dp: DpConfig) -> str:
+    dims = "d dims" if dp.projection_dim is None else f"K = {dp.projection_dim}"
+    return f"{dims}, {dp.ridge} ridge"
+
+
 def run_dp_sweep(
     config: object,
     *,
     epsilons: Sequence[float] = SWEEP_EPSILONS,
     progress: Progress | None = None,
 ) -> dict[str, object]:
-    """BACC and AUC of the private method against ε for each missing level of ``config``.
+    """BACC and AUC of the private method against ε for each missing level of ``config``, for each
+    mechanism of :func:`sweep_mechanisms` (today's, and ``config.dp``'s projection and ridge).
 
-    ``ε = ∞`` is the same pipeline (clipped rows, ``balance="global"``, ``gram="global"``) with no
-    noise and no DP ridge: the price of privacy alone, not of clipping.
+    ``ε = ∞`` is the same pipeline (clipped rows, projected under ``--dp-dim``,
+    ``balance="global"``, ``gram="global"``) with no noise and no DP ridge: the price of privacy
+    alone, not of clipping or of the projection (which the ∞ points of the two mechanisms compare).
     """
     from secure_afl.sim import runner
     from secure_afl.sim.datasets import prepare
@@ -282,82 +347,95 @@ def run_dp_sweep(
         n_clients=config.n_clients,
         split=config.split,
     )
-    stats = client_private_statistics(data, config)
+    mechanisms = sweep_mechanisms(dp)
     points = []
-    done = 0
-    for missing in config.missing:
-        for eps in epsilons:
-            timer = runner.PhaseTimer()
-            if math.isinf(eps):
-                metrics = _non_private_metrics(data, missing, config, stats)
-            else:
-                cfg = replace(config, dp=replace(dp, epsilon=eps))
-                setting = run_private_setting(
-                    data, missing, cfg, timer, progress or (lambda *a: None), stats=stats
-                )
-                metrics = setting.metrics
-            done += 1
-            if progress is not None:
-                progress("ε sweep", done, len(config.missing) * len(epsilons))
-            for method, m in metrics.items():
-                points.append(
-                    {
-                        "missing": missing,
-                        "epsilon": None if math.isinf(eps) else eps,
-                        "method": method,
-                        "bacc": m.macro["bacc"],
-                        "auc": m.macro["auc"],
-                        "map": m.macro["map"],
-                    }
-                )
-    return {"delta": dp.delta, "clip": dp.clip, "unit": dp.unit, "rounds": config.rounds, "points": points}
+    done, total = 0, len(mechanisms) * len(config.missing) * len(epsilons)
+    for label, mechanism in mechanisms.items():
+        mech_config = replace(config, dp=mechanism)
+        stats = client_private_statistics(data, mech_config)
+        for missing in config.missing:
+            for eps in epsilons:
+                timer = runner.PhaseTimer()
+                ridge = None
+                if math.isinf(eps):
+                    metrics = _non_private_metrics(data, missing, mech_config, stats)
+                else:
+                    cfg = replace(mech_config, dp=replace(mechanism, epsilon=eps))
+                    setting = run_private_setting(
+                        data, missing, cfg, timer, progress or (lambda *a: None), stats=stats
+                    )
+                    metrics = setting.metrics
+                    ridge = setting.privacy["ridge"]  # type: ignore[index]
+                done += 1
+                if progress is not None:
+                    progress("ε sweep", done, total)
+                for method, m in metrics.items():
+                    points.append(
+                        {
+                            "missing": missing,
+                            "epsilon": None if math.isinf(eps) else eps,
+                            "mechanism": label,
+                            "projection_dim": mechanism.projection_dim,
+                            "ridge_kind": mechanism.ridge,
+                            "ridge": ridge,
+                            "method": method,
+                            "bacc": m.macro["bacc"],
+                            "auc": m.macro["auc"],
+                            "map": m.macro["map"],
+                        }
+                    )
+    return {
+        "delta": dp.delta,
+        "clip": dp.clip,
+        "unit": dp.unit,
+        "rounds": config.rounds,
+        "feature_dim": int(data.features.shape[1]),
+        "projection_seed": dp.projection_seed,
+        "mechanisms": list(mechanisms),
+        "points": points,
+    }
 
 
 def _non_private_metrics(
     data: PreparedData, missing: int, config: object, stats: Mapping[str, PrivateStatistics]
 ) -> dict[str, object]:
     from secure_afl.analytic import AnalyticClassifier, sum_contributions
+    from secure_afl.privacy.dp_solve import analytic_sums
 
     dp: DpConfig = config.dp  # type: ignore[attr-defined]
+    projection = dp_projection(dp, data.features.shape[1])
     n_classes = data.cohort.labels.shape[1]
     assignment = assign_partial_labels(
         config.n_clients, n_classes, missing, seed=config.seed, missing1=config.missing1
     )
     rows = _client_rows(data, dp)
     ordered = list(stats.values())
-    from secure_afl.privacy.dp_solve import analytic_sums
-
     sums = analytic_sums(
         sum_contributions(s.round1(assignment.active[k]) for k, s in enumerate(ordered)), n_classes
     )
     model = AnalyticClassifier(n_classes, gamma=config.gamma, balance="global", gram="global").fit(sums)
-    name = AFL_DP_1
-    out = {
-        name: evaluate(
-            data.cohort.labels[data.split.test],
-            model.decision_function(data.features[data.split.test]),
-            kind="logits",
-        )
-    }
+    test_x = data.features[data.split.test]
+    test_y = data.cohort.labels[data.split.test]
+    out = {AFL_DP_1: evaluate(test_y, lift(model, projection).decision_function(test_x), kind="logits")}
     if config.rounds == 2:
         pseudo = sum_contributions(
             pseudo_label_round(
-                clip_rows(data.features[r], dp.clip)[0], model.coef_, assignment.active[k], config.pseudo
+                private_rows(data.features[r], dp.clip, projection)[0],
+                model.coef_,
+                assignment.active[k],
+                config.pseudo,
             )
             for k, r in enumerate(rows)
         )
         solve = PrivateSolve(0.0, 0.0, False)
         refined, _ = refine_private(model, sums, pseudo, solve, n_classes=n_classes, config=config.pseudo)
-        out[AFL_DP_2] = evaluate(
-            data.cohort.labels[data.split.test],
-            refined.decision_function(data.features[data.split.test]),
-            kind="logits",
-        )
+        out[AFL_DP_2] = evaluate(test_y, lift(refined, projection).decision_function(test_x), kind="logits")
     return out
 
 
 def write_sweep(sweep: Mapping[str, object], out_dir: Path) -> tuple[Path, Path]:
-    """``dp_sweep.json`` and ``dp_sweep.png`` (BACC and AUC against ε, one line per missing level)."""
+    """``dp_sweep.json`` and ``dp_sweep.png`` (BACC and AUC against ε: one colour per missing
+    level, one line style per mechanism)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -370,14 +448,22 @@ def write_sweep(sweep: Mapping[str, object], out_dir: Path) -> tuple[Path, Path]
     assert isinstance(points, list)
     finite = sorted({p["epsilon"] for p in points if p["epsilon"] is not None})
     inf_x = (finite[-1] * 2) if finite else 1.0
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    mechanisms = list(sweep.get("mechanisms") or sorted({p.get("mechanism", "") for p in points}))
+    levels = sorted({p["missing"] for p in points})
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    styles = ["-", "--", ":", "-."]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
     for ax, metric, label in zip(axes, ("bacc", "auc"), ("BACC (%)", "ROC AUC (%)"), strict=True):
-        for key in sorted({(p["missing"], p["method"]) for p in points}):
-            series = [p for p in points if (p["missing"], p["method"]) == key]
+        keys = sorted({(p["missing"], p.get("mechanism", ""), p["method"]) for p in points})
+        for key in keys:
+            series = [p for p in points if (p["missing"], p.get("mechanism", ""), p["method"]) == key]
             xs = [inf_x if p["epsilon"] is None else p["epsilon"] for p in series]
             ys = [100 * p[metric] for p in series]
             order = np.argsort(xs)
-            ax.plot(np.array(xs)[order], np.array(ys)[order], marker="o", label=f"missing {key[0]}, {key[1]}")
+            colour = colours[levels.index(key[0]) % len(colours)]
+            style = styles[mechanisms.index(key[1]) % len(styles)] if key[1] in mechanisms else "-"
+            name = f"missing {key[0]}, {key[1]}" + (f", {key[2]}" if "2 rounds" in key[2] else "")
+            ax.plot(np.array(xs)[order], np.array(ys)[order], marker="o", ls=style, color=colour, label=name)
         ax.set_xscale("log", base=2)
         ticks = [*finite, inf_x]
         ax.set_xticks(ticks)
@@ -386,9 +472,12 @@ def write_sweep(sweep: Mapping[str, object], out_dir: Path) -> tuple[Path, Path]
         ax.set_ylabel(label)
         ax.axhline(50, color="grey", lw=0.5, ls=":")
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
+    axes[0].legend(fontsize=7)
+    dim = sweep.get("feature_dim")
     fig.suptitle(
-        f"Privacy–utility, clip {sweep['clip']:g}, one {sweep['unit']} protected (synthetic features)"
+        f"Privacy–utility, clip {sweep['clip']:g}, one {sweep['unit']} protected, d = {dim} "
+        f"(synthetic features); K: public random projection, seed {sweep.get('projection_seed', 0)}",
+        fontsize=10,
     )
     fig.tight_layout()
     png_path = out_dir / "dp_sweep.png"

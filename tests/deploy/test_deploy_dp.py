@@ -437,3 +437,144 @@ def test_deploy_local_refuses_bad_dp_options_before_starting_anything(tmp_path: 
     result = runner.invoke(main, ["deploy", "local", "--dp-epsilon", "1", "--dp-delta", "2", *out])
     assert result.exit_code == 2 and "--dp-delta must lie strictly between 0 and 1" in result.output
     assert not (tmp_path / "out").exists()
+
+
+class CapturingReleases(Capturing):
+    """Also keeps each node's round-1 release (the digests of its clean values, for its ledger)."""
+
+    def __init__(self, federation) -> None:
+        super().__init__(federation)
+        self.releases: dict[str, object] = {}
+
+    def exchange(self, outgoing, group, timeout):
+        replies = super().exchange(outgoing, group, timeout)
+        if group == "s1-R0":
+            for node in self.federation.nodes.values():
+                saved = node.state.records.get("1")
+                if saved and "release" in saved:
+                    self.releases[node.client_id] = saved["release"]
+        return replies
+
+
+@pytest.mark.parametrize("ridge", ["adaptive", "adassp"])
+def test_a_projected_private_deployment_solves_as_the_simulator_does_and_releases_weights_in_d(
+    tmp_path: Path, ridge: str
+) -> None:
+    """--dp-dim in the deployment: the study carries K and the seed, each client projects its own rows
+    with the matrix it derives from them, the server solves in K dimensions (round 2's coefficients
+    go out as W_K) with the study's ridge, and the classifier file holds W = P W_K."""
+    from secure_afl.privacy.dp import EIGEN_TENSOR, private_statistics
+    from secure_afl.privacy.dp_solve import fit_private, lift, pseudo_count_noise_std, refine_private
+    from secure_afl.privacy.projection import projection_digest, projection_matrix
+    from secure_afl.privacy.release import Release, value_id
+    from secure_afl.sim.secure import secure_aggregate
+
+    federation = _private_federation(
+        tmp_path, rounds=2, active=ACTIVE, projection_dim=8, projection_seed=5, ridge=ridge
+    )
+    federation.nodes[1002].dead_from = "s1-R1"
+    transport = CapturingReleases(federation)
+    server, classifier, _ = run_server(federation, transport)
+    study = federation.study
+    plan = noise_plan(study, 5)
+    matrix = projection_matrix(40, 8, 5)
+    eigen = ridge == "adassp"
+    layout1 = round1_layout(study)
+    assert dict(layout1.groups["all"]) == ({"gram": 36, EIGEN_TENSOR: 1} if eigen else {"gram": 36})
+    assert dict(layout1.groups["class/0"]) == {"pos_sum/0": 8, "neg_sum/0": 8, "n_pos/0": 1, "n_neg/0": 1}
+
+    uploads1 = {cid: _contributions(flat, layout1) for cid, flat in transport.uploads["1"].items()}
+    round1 = secure_aggregate(
+        uploads1, threshold=study.threshold_for(5), min_group_size=study.min_group_size,
+        dropouts={"R1": ["client-2"]}, frac_bits=study.frac_bits,
+    )  # fmt: skip
+    model, solve, converted = fit_private(
+        round1.sums, plan, n_classes=3, gamma=study.method.gamma, gram_survivors=len(round1.survivors["all"])
+    )
+    layout2 = round2_layout(study, [0])
+    participants = server.report.sessions[1].participants
+    uploads2 = {cid: _contributions(transport.uploads["2"].get(cid, {}), layout2) for cid in participants}
+    round2 = secure_aggregate(uploads2, threshold=study.threshold_for(5), min_group_size=2)
+    count_std = pseudo_count_noise_std(plan, {g: len(ids) for g, ids in round2.survivors.items()})
+    model, _ = refine_private(
+        model, converted, round2.sums, solve, n_classes=3, config=_pseudo(study), count_noise_std=count_std
+    )
+    assert model.coef_.shape == (8, 3) and classifier.weights.shape == (40, 3)
+    assert classifier.weights.tobytes() == lift(model, matrix).coef_.tobytes()
+    coefs = [e.arrays["coef"] for _, _, e in transport.sent if "coef" in e.arrays]
+    assert coefs and all(c.shape == (8, 3) for c in coefs)  # round 2 scores the projected rows
+
+    # Every client projected its rows with the study's matrix, exactly: the ledger names each clean
+    # value by its digest, and each client's equals that of its own rows projected (seed 5) and
+    # clipped; with another seed's matrix it would not.  Its upload is that plus one noise share.
+    for cid, (features, labels, active) in federation.data.items():
+        release = Release.from_json(json.loads(str(transport.releases[cid])))
+        for seed, same in ((5, True), (6, False)):
+            other = projection_matrix(40, 8, seed)
+            clean = private_statistics(features, labels, CLIP, projection=other, device="cpu").round1(
+                active, eigen=eigen
+            )
+            c = active[0]
+            for group, tensor in (("all", "gram"), (f"class/{c}", f"pos_sum/{c}")):
+                wire = layout1.flatten(tensor, clean[group][tensor])
+                assert (release.values[(group, tensor)] == value_id(wire)) == same, (cid, seed, tensor)
+            if same:  # the noise is one share's (scalars such as λ_min carry no digest: checked here)
+                for kind, tensor in (
+                    (("gram", "gram"), ("eigen", EIGEN_TENSOR)) if eigen else (("gram", "gram"),)
+                ):
+                    noise = uploads1[cid]["all"][tensor] - clean["all"][tensor]
+                    assert np.abs(noise).max() < 12 * plan.blocks[("all", kind)].group_std(1)
+
+    # `predict` on the d features decides as scoring the projected features with W_K
+    features = np.vstack([data[0] for data in federation.data.values()])
+    projected = (features.astype(np.float64) @ matrix) @ model.coef_
+    assert np.array_equal(classifier.decide(classifier.decision_function(features)), projected > 0)
+    privacy = classifier.privacy
+    assert privacy["projection"]["dim"] == 8 and privacy["projection"]["seed"] == 5
+    assert privacy["projection"]["sha256"] == projection_digest(40, 8, 5)
+    assert privacy["ridge_kind"] == ridge and privacy["ridge"] == solve.ridge
+    assert all(0 < eps <= EPSILON for eps in privacy["epsilon_spent"].values())
+    assert any(b["block"] == "eigen" for b in privacy["blocks"]) == eigen
+    printed = " ".join(classifier.privacy_lines())  # what `secure-afl predict` prints
+    assert "rows projected to K = 8 by the public projection of seed 5 before clipping" in printed
+    assert f"({ridge})" in printed
+
+
+def test_the_study_carries_the_projection_and_refuses_a_bad_one(tmp_path: Path) -> None:
+    federation = _private_federation(tmp_path, n_clients=4)
+    study = federation.study
+    projected = dataclasses.replace(
+        study, dp=dataclasses.replace(study.dp, projection_dim=8, projection_seed=3, ridge="adaptive")
+    )
+    assert Study.from_json(projected.to_json()) == projected
+    assert json.loads(projected.to_json())["dp"]["projection_dim"] == 8
+    assert "projection_dim" not in json.loads(study.to_json())["dp"]  # today's study keeps its document
+    reseeded = dataclasses.replace(projected, dp=dataclasses.replace(projected.dp, projection_seed=4))
+    assert reseeded.digest() != projected.digest()  # the session ids commit to K and the seed
+    assert noise_plan(projected, 4).blocks[("all", "gram")].dim == 36
+    with pytest.raises(ConfigurationError, match="--dp-dim 41 exceeds the feature dimension 40"):
+        dataclasses.replace(study, dp=dataclasses.replace(study.dp, projection_dim=41))
+    with pytest.raises(ConfigurationError, match=r"--dp-dim .* must be a positive integer, got 0"):
+        dataclasses.replace(study, dp=dataclasses.replace(study.dp, projection_dim=0))
+    config = {
+        "classes": "A,B,C", "dim": 8, "backbone": "toy", "weights-id": "sha256:00", "preprocessing": "none",
+        "dp-epsilon": 2.0, "class-lists": "h-a=0,1; h-b=2,1", "dp-dim": 4, "dp-projection-seed": 9,
+    }  # fmt: skip
+    run_study = study_from_run_config(config)
+    assert (run_study.dp.projection_dim, run_study.dp.projection_seed, run_study.dp.ridge) == (
+        4,
+        9,
+        "adaptive",
+    )
+    assert study_from_run_config({**config, "dp-ridge": "adassp"}).dp.ridge == "adassp"
+
+
+def test_deploy_local_refuses_dp_dim_without_dp(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from secure_afl.cli import main
+
+    out = ["--out", str(tmp_path / "out")]
+    result = CliRunner().invoke(main, ["deploy", "local", "--dp-dim", "16", *out])
+    assert result.exit_code == 2 and "--dp-dim shapes the differential-privacy mechanism" in result.output
+    assert not (tmp_path / "out").exists()

@@ -109,14 +109,84 @@ def test_dp_off_reproduces_the_non_private_pipeline() -> None:
 
 
 def test_epsilon_sweep_writes_the_figure(tmp_path: Path) -> None:
-    config = SimConfig(
-        missing=(1, 7), rounds=1, fraction=0.05, dim=16, secure="none", device="cpu", dp=DpConfig(epsilon=1.0)
-    )
+    dp = DpConfig(epsilon=1.0, projection_dim=8, ridge="adaptive")
+    config = SimConfig(missing=(1, 7), rounds=1, fraction=0.05, dim=16, secure="none", device="cpu", dp=dp)
     sweep = run_dp_sweep(config, epsilons=(1.0, float("inf")))
     points = sweep["points"]
-    assert {(p["missing"], p["epsilon"]) for p in points} == {(1, 1.0), (1, None), (7, 1.0), (7, None)}
+    # today's mechanism and the projected one, side by side, at every (missing, ε)
+    assert sweep["mechanisms"] == ["d dims, bound ridge", "K = 8, adaptive ridge"]
+    for mechanism, k in (("d dims, bound ridge", None), ("K = 8, adaptive ridge", 8)):
+        ours = [p for p in points if p["mechanism"] == mechanism]
+        assert {(p["missing"], p["epsilon"]) for p in ours} == {(1, 1.0), (1, None), (7, 1.0), (7, None)}
+        assert all(p["projection_dim"] == k for p in ours)
+        assert all((p["ridge"] is None) == (p["epsilon"] is None) for p in ours)
     assert all(0 <= p["auc"] <= 1 for p in points)
     json_path, png_path = write_sweep(sweep, tmp_path)
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads(json_path.read_text())["points"] == json.loads(json.dumps(points))
     assert np.isfinite([p["bacc"] for p in points]).all()
+
+
+def test_sim_dp_dim_runs_under_masking_and_reports_the_mechanism(tmp_path: Path) -> None:
+    from secure_afl.privacy.projection import projection_digest
+
+    result = _run(
+        ["--missing", "1", "--rounds", "2", "--dp-epsilon", "4", "--dp-dim", "8", "--dp-ridge", "adassp",
+         "--dp-projection-seed", "7", "--out", str(tmp_path), *SMALL]
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    output = " ".join(result.output.split())
+    assert (
+        "mechanism: rows projected from d = 24 to K = 8 by the public random projection of seed 7" in output
+    )
+    assert "ridge: adassp" in output and "λ̃_min" in output and "adaptive λ = max(0, B − λ̃_min)" in output
+    data = json.loads((tmp_path / "results.json").read_text())
+    setting = data["settings"][0]
+    assert setting["protocol_costs"]["round1"]["bytes_sent"] and setting["protocol_costs"]["round2"]
+    assert set(setting["metrics"]) == {AFL_DP_1, AFL_DP_2}
+    dp = setting["differential_privacy"]
+    assert dp["projection"]["dim"] == 8 and dp["projection"]["seed"] == 7
+    assert dp["projection"]["feature_dim"] == 24 and dp["projection"]["sha256"] == projection_digest(24, 8, 7)
+    assert dp["ridge_kind"] == "adassp" and dp["eigen_share"] == 0.05
+    assert 0 <= dp["ridge"] <= dp["ridge_noise_bound"] and dp["min_eigenvalue_lower_bound"] >= 0
+    gram = next(b for b in dp["blocks"] if b["block"] == "gram")
+    assert gram["sensitivity"] == 32.0**2  # the projected rows are clipped to the same bound
+    assert [b["group"] for b in dp["blocks"] if b["block"] == "eigen"] == ["all"]
+    assert all(0.9 * 4 < e <= 4 for e in dp["epsilon_spent"].values())  # the λ_min release included
+
+
+def test_the_simulators_clients_project_with_the_studys_matrix() -> None:
+    from secure_afl.privacy.dp import private_statistics
+    from secure_afl.privacy.projection import projection_matrix
+    from secure_afl.sim.dp_run import client_private_statistics
+
+    dp = DpConfig(epsilon=1.0, clip=20.0, projection_dim=6, projection_seed=3)
+    config = SimConfig(missing=(1,), rounds=1, fraction=0.05, dim=24, device="cpu", dp=dp)
+    data = prepare(None, fraction=0.05, dim=24, seed=0, n_clients=8, split="image")
+    stats = client_private_statistics(data, config)
+    matrix = projection_matrix(24, 6, 3)
+    for k, rows in enumerate(data.split.clients):
+        own = private_statistics(
+            data.features[rows], data.cohort.labels[rows], 20.0, projection=matrix, device="cpu"
+        )
+        assert np.array_equal(stats[f"client-{k}"].gram, own.gram) and own.gram.shape == (6, 6)
+
+
+def test_dp_dim_and_ridge_without_dp_or_out_of_range_are_refused(tmp_path: Path) -> None:
+    out = ["--out", str(tmp_path), *SMALL]
+    alone = _run(["--dp-dim", "8", *out])
+    assert alone.exit_code == 2
+    assert (
+        "--dp-dim shapes the differential-privacy mechanism: add --dp-epsilon (or --dp-sweep)" in alone.output
+    )
+    ridge = _run(["--dp-ridge", "adaptive", "--dp-projection-seed", "2", *out])
+    assert ridge.exit_code == 2 and "--dp-ridge and --dp-projection-seed shape the differential-privacy" in (
+        " ".join(ridge.output.split())
+    )
+    zero = _run(["--dp-epsilon", "1", "--dp-dim", "0", *out])
+    assert zero.exit_code == 2 and "must be a positive integer, got 0" in zero.output
+    above = _run(["--dp-epsilon", "1", "--dp-dim", "32", *out])  # SMALL has --dim 24
+    assert above.exit_code == 2 and "--dp-dim 32 exceeds the feature dimension 24" in " ".join(
+        above.output.split()
+    )
+    assert not (tmp_path / "results.json").exists()
