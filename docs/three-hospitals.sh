@@ -11,7 +11,14 @@ W=$(realpath -m "${1:-$(mktemp -d)}")
 mkdir -p "$W"
 cd "$W"
 pids=()
-cleanup() { for pid in "${pids[@]}"; do kill -- "-$pid" 2>/dev/null || kill "$pid" 2>/dev/null || true; done; }
+cleanup() {  # SIGTERM every process group, wait up to 20 s for them to stop, then SIGKILL the rest
+  for pid in "${pids[@]}"; do kill -- "-$pid" 2>/dev/null || true; done
+  for _ in $(seq 100); do
+    alive=0; for pid in "${pids[@]}"; do kill -0 -- "-$pid" 2>/dev/null && alive=1; done
+    [ "$alive" = 0 ] && return; sleep 0.2
+  done
+  for pid in "${pids[@]}"; do kill -9 -- "-$pid" 2>/dev/null || true; done
+}
 trap cleanup EXIT
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 LINK_PORT=${LINK_PORT:-$(free_port)}
