@@ -34,8 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
+from secure_afl.core.randomness import DeterministicRandomSource
 from secure_afl.privacy.dp import DpConfig
-from secure_afl.protocol.randomness import DeterministicRandomSource
 from secure_afl.sim.datasets import prepare
 from secure_afl.sim.dp_run import (
     AFL_DP_1,

@@ -54,8 +54,9 @@ from secure_afl.analytic import (
     client_statistics,
     sum_contributions,
 )
-from secure_afl.protocol import crypto, encoding, prg, shamir
-from secure_afl.protocol.randomness import OsRandomSource
+from secure_afl.core import encoding
+from secure_afl.core.randomness import OsRandomSource
+from secure_afl.protocol import crypto, prg, shamir
 from secure_afl.sim.partial import assign_partial_labels
 from secure_afl.sim.secure import ROUNDS, default_threshold, secure_aggregate
 

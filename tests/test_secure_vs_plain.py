@@ -2,7 +2,7 @@
 
 The masking protocol returns the exact sum of the members' fixed-point encodings, so a decoded group
 sum differs from the float sum by at most ``members × 2^-(frac_bits+1)`` per entry
-(:func:`secure_afl.protocol.encoding.rounding_error_bound`), and the classifiers fitted on the two sets
+(:func:`secure_afl.core.encoding.rounding_error_bound`), and the classifiers fitted on the two sets
 of sums differ by a perturbation of that size.  Every check here compares against an independent
 plaintext computation, so a missing unmasking (sums off by ~2^32), a wrong survivor set or a dropped
 tensor makes it fail.
@@ -23,8 +23,8 @@ from secure_afl.analytic import (
     client_statistics,
     sum_contributions,
 )
-from secure_afl.protocol import encoding
-from secure_afl.protocol.randomness import DeterministicRandomSource
+from secure_afl.core import encoding
+from secure_afl.core.randomness import DeterministicRandomSource
 from secure_afl.sim.fedavg import FedAvgConfig
 from secure_afl.sim.metrics import Metrics, evaluate
 from secure_afl.sim.partial import assign_partial_labels

@@ -62,9 +62,9 @@ def test_the_in_process_driver_honours_the_deployment_policy() -> None:
     """secure_aggregate under ClientPolicy.deployment(): clients refuse an exposing layout themselves."""
     import numpy as np
 
+    from secure_afl.core.errors import ExposureRefusedError, InvalidSessionConfigError
+    from secure_afl.core.randomness import DeterministicRandomSource
     from secure_afl.privacy.policy import ClientPolicy
-    from secure_afl.protocol.errors import ExposureRefusedError, InvalidSessionConfigError
-    from secure_afl.protocol.randomness import DeterministicRandomSource
     from secure_afl.sim.secure import secure_aggregate
 
     rng = np.random.default_rng(3)

@@ -7,9 +7,9 @@ from collections.abc import Mapping
 import numpy as np
 import pytest
 
-from secure_afl.protocol import encoding
-from secure_afl.protocol.errors import GroupTooSmallError, InsufficientParticipantsError
-from secure_afl.protocol.randomness import DeterministicRandomSource
+from secure_afl.core import encoding
+from secure_afl.core.errors import GroupTooSmallError, InsufficientParticipantsError
+from secure_afl.core.randomness import DeterministicRandomSource
 from secure_afl.sim.audit import SINGLE_SURVIVOR_WARNING
 from secure_afl.sim.secure import ROUNDS, default_threshold, secure_aggregate
 
@@ -285,7 +285,7 @@ def test_masking_never_loads_tenseal_and_ckks_loads_it_on_first_use(fresh_python
     code = (
         "import sys\n"
         "import numpy as np\n"
-        "from secure_afl.protocol.randomness import DeterministicRandomSource\n"
+        "from secure_afl.core.randomness import DeterministicRandomSource\n"
         "from secure_afl.sim import runner\n"
         "from secure_afl.sim.secure import secure_aggregate\n"
         "from secure_afl.protocol.ckks.errors import NoDecryptorError  # what the runner catches\n"

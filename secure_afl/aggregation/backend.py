@@ -24,6 +24,7 @@ from typing import Protocol
 
 import numpy as np
 
+from secure_afl.core.randomness import RandomSource
 from secure_afl.keys.identity import IdentityKey
 from secure_afl.keys.roster import Roster
 from secure_afl.privacy.ledger import Ledger
@@ -36,7 +37,6 @@ from secure_afl.protocol import (
 from secure_afl.protocol import codec as masking_codec
 from secure_afl.protocol.client import ClientSession
 from secure_afl.protocol.messages import SessionConfig
-from secure_afl.protocol.randomness import RandomSource
 from secure_afl.protocol.server import ServerSession
 
 from .layout import Layout

@@ -15,9 +15,9 @@ from types import MappingProxyType
 
 import numpy as np
 
+from secure_afl.core.randomness import OsRandomSource, RandomSource
 from secure_afl.keys.identity import IdentityKey
 from secure_afl.keys.roster import Roster, RosterEntry
-from secure_afl.protocol.randomness import OsRandomSource, RandomSource
 
 from .backend import ProtectionBackend, SessionOutcome
 from .layout import Layout, flatten, layout_of

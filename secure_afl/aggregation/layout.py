@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from secure_afl.protocol import encoding
+from secure_afl.core import encoding
 from secure_afl.protocol.messages import GroupSpec, TensorSpec
 
 Contributions = Mapping[str, Mapping[str, np.ndarray]]  # group -> tensor -> array

@@ -31,11 +31,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from secure_afl.core.randomness import RandomSource
 from secure_afl.keys.files import load_identity_key
 from secure_afl.keys.identity import IdentityKey
 from secure_afl.keys.roster import Roster
 from secure_afl.privacy.release import Release, source_id
-from secure_afl.protocol.randomness import RandomSource
 
 from .classifier import Classifier
 from .errors import (
@@ -353,7 +353,7 @@ def _check_dp_session(
 
 def _noise_random() -> RandomSource:
     """The DP noise's randomness: the operating system's CSPRNG (tests inject a seeded stream)."""
-    from secure_afl.protocol.randomness import OsRandomSource
+    from secure_afl.core.randomness import OsRandomSource
 
     return OsRandomSource()
 
@@ -603,7 +603,7 @@ def _client_session(
     # source: the ledger refuses a second session over them and a second answer to one round.
     from dataclasses import replace
 
-    from secure_afl.protocol.randomness import DeterministicRandomSource
+    from secure_afl.core.randomness import DeterministicRandomSource
 
     policy = replace(backend.client_policy, max_colluders=colluders)  # type: ignore[attr-defined]
     own = replace(backend, ledgers={client_id: ledger}, client_policy=policy)  # type: ignore[type-var]

@@ -24,13 +24,13 @@ import numpy as np
 
 from secure_afl.aggregation.backend import ProtectionBackend, SessionOutcome
 from secure_afl.aggregation.layout import Layout
-from secure_afl.keys.roster import Roster
-from secure_afl.protocol.errors import (
+from secure_afl.core.errors import (
     DuplicateClientError,
     ProtocolError,
     SessionAbortedError,
     UnknownClientError,
 )
+from secure_afl.keys.roster import Roster
 
 from .classifier import Classifier, ClassifierSigner
 from .errors import ConfigurationError, FederationAbortedError

@@ -16,8 +16,8 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from secure_afl.aggregation.layout import Layout
+from secure_afl.core.encoding import DEFAULT_FRAC_BITS, upper_triangle_length
 from secure_afl.privacy.dp_config import DEFAULT_MAX_ROWS, DpConfig, DpError, check_pseudo_label_threshold
-from secure_afl.protocol.encoding import DEFAULT_FRAC_BITS, upper_triangle_length
 
 from .errors import ConfigurationError
 

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-if TYPE_CHECKING:  # the protocol package imports this module; avoid an import cycle at run time
-    from secure_afl.protocol.randomness import RandomSource
+if TYPE_CHECKING:
+    from secure_afl.core.randomness import RandomSource
 
 PUBLIC_KEY_BYTES = 32
 

@@ -101,6 +101,8 @@ from secure_afl.analytic import (
     client_statistics,
     pseudo_group,
 )
+from secure_afl.core import encoding
+from secure_afl.core.randomness import RandomSource
 from secure_afl.privacy.dp_config import (
     DpConfig,
     DpError,
@@ -110,8 +112,6 @@ from secure_afl.privacy.dp_config import (
 )
 from secure_afl.privacy.dp_sampler import admissible_variance, noise_words, sample_discrete_gaussian
 from secure_afl.privacy.projection import project_rows
-from secure_afl.protocol import encoding
-from secure_afl.protocol.randomness import RandomSource
 
 BlockKind = Literal["gram", "sums", "counts", "eigen"]
 # ridge="adassp": each client's λ_min of its own Gram, in the ``all`` group (dp_solve)

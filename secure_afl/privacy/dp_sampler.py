@@ -2,7 +2,7 @@
 
 Canonne, Kamath and Steinke (NeurIPS 2020, "The discrete Gaussian for differential privacy"),
 Algorithms 1–3, in integer arithmetic only: every decision is a comparison of a uniform integer
-(rejection-sampled from the bytes of a :class:`~secure_afl.protocol.randomness.RandomSource`) with
+(rejection-sampled from the bytes of a :class:`~secure_afl.core.randomness.RandomSource`) with
 an integer, so no floating-point rounding ever enters the output distribution (Mironov's attack on
 floating-point noise does not apply).  numpy and Python's ``random`` are never used for randomness.
 
@@ -32,7 +32,7 @@ import math
 
 import numpy as np
 
-from secure_afl.protocol.randomness import DeterministicRandomSource, RandomSource
+from secure_afl.core.randomness import DeterministicRandomSource, RandomSource
 
 _MAX_VARIANCE = 2**60  # 2·σ² must fit in int64 with room for the K factor of Algorithm 1
 _SAFE_SQUARE = 2**62

@@ -43,13 +43,13 @@ from typing import Protocol
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from secure_afl.keys.identity import IdentityKey
-from secure_afl.protocol.errors import (
+from secure_afl.core.errors import (
     LedgerFullError,
     LedgerMissingError,
     LedgerTamperedError,
     LedgerUnreadableError,
 )
+from secure_afl.keys.identity import IdentityKey
 
 FORMAT = "secure-afl-ledger/v2"
 _SIGNATURE_DOMAIN = b"secure-afl/v2/client-ledger\x00"

@@ -5,10 +5,9 @@ No sockets, files, clocks, threads or global random state: drivers feed messages
 :mod:`secure_afl.protocol.codec`.
 """
 
-from . import codec, encoding, errors, messages, prg, shamir
-from .client import ClientSession
-from .encoding import decode, encode, pack_symmetric, rounding_error_bound, unpack_symmetric
-from .errors import (
+from secure_afl.core import encoding, errors
+from secure_afl.core.encoding import decode, encode, pack_symmetric, rounding_error_bound, unpack_symmetric
+from secure_afl.core.errors import (
     BothSharesRequestedError,
     ClientProtocolError,
     DuplicateClientError,
@@ -41,8 +40,11 @@ from .errors import (
     UnknownClientError,
     UnknownParticipantError,
 )
+from secure_afl.core.randomness import DeterministicRandomSource, OsRandomSource, RandomSource
+
+from . import codec, messages, prg, shamir
+from .client import ClientSession
 from .messages import GroupSpec, SessionConfig, TensorSpec
-from .randomness import DeterministicRandomSource, OsRandomSource, RandomSource
 from .server import AggregationResult, GroupSum, ServerSession
 from .state import ClientState, ServerRound
 

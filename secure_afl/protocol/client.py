@@ -31,14 +31,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
-from secure_afl.keys.identity import IdentityKey
-from secure_afl.keys.roster import Roster
-from secure_afl.privacy import exposure
-from secure_afl.privacy.policy import ClientPolicy
-from secure_afl.privacy.release import Release
-
-from . import binding, codec, crypto, encoding, prg, shamir
-from .errors import (
+from secure_afl.core import encoding
+from secure_afl.core.errors import (
     BothSharesRequestedError,
     DuplicateParticipantError,
     GroupBelowMinimumError,
@@ -55,6 +49,14 @@ from .errors import (
     SurvivorsBelowThresholdError,
     UnknownParticipantError,
 )
+from secure_afl.core.randomness import RandomSource, default_random
+from secure_afl.keys.identity import IdentityKey
+from secure_afl.keys.roster import Roster
+from secure_afl.privacy import exposure
+from secure_afl.privacy.policy import ClientPolicy
+from secure_afl.privacy.release import Release
+
+from . import binding, codec, crypto, prg, shamir
 from .exposure_gate import ExposureGate, message_digest
 from .messages import (
     AdvertiseKeys,
@@ -74,7 +76,6 @@ from .messages import (
     UnmaskRequest,
     UnmaskResponse,
 )
-from .randomness import RandomSource, default_random
 from .state import CLIENT_TRANSITIONS, ClientState
 
 if TYPE_CHECKING:
@@ -196,7 +197,7 @@ class ClientSession:
     """One client's side of one secure-aggregation session.
 
     ``inputs`` maps group name -> tensor name -> 1-D float64 array (pack symmetric matrices with
-    :func:`~secure_afl.protocol.encoding.pack_symmetric` first).  The client joins exactly these
+    :func:`~secure_afl.core.encoding.pack_symmetric` first).  The client joins exactly these
     groups.  ``policy`` is this client's own setting (default: :meth:`ClientPolicy.deployment`):
     its threshold floor (``policy.min_threshold(len(roster))``), its minimum group size, and
     whether it refuses a session whose sums would determine one client's value.

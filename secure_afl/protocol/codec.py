@@ -23,9 +23,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection
 
+from secure_afl.core.errors import LocalProtocolError, MessageDecodeError
+
 from . import shamir
 from .crypto import KEY_BYTES, NONCE_BYTES, SIGNATURE_BYTES, TAG_BYTES
-from .errors import LocalProtocolError, MessageDecodeError
 from .messages import (
     AdvertiseKeys,
     AdvertiseRequest,

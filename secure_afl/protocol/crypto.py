@@ -16,9 +16,10 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from .errors import InvalidShareError, ShareAuthenticationError
+from secure_afl.core.errors import InvalidShareError, ShareAuthenticationError
+from secure_afl.core.randomness import RandomSource
+
 from .fields import Field, tagged_fields
-from .randomness import RandomSource
 
 KEY_BYTES = 32
 SIGNATURE_BYTES = 64

@@ -19,25 +19,21 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from secure_afl.keys.identity import IdentityKey
-from secure_afl.privacy import exposure
-from secure_afl.privacy.policy import ClientPolicy
-from secure_afl.privacy.release import Release
-
-from .errors import (
+from secure_afl.core.errors import (
     ColluderExposureRefusedError,
     ConflictingAnswerError,
     ExposureRefusedError,
     LocalProtocolError,
     ValueAlreadyReleasedError,
 )
-
-if TYPE_CHECKING:
-    from secure_afl.privacy.ledger import Ledger, LedgerState
+from secure_afl.keys.identity import IdentityKey
+from secure_afl.privacy import exposure
+from secure_afl.privacy.ledger import Ledger, LedgerOwner, LedgerState, MemoryLedger
+from secure_afl.privacy.policy import ClientPolicy
+from secure_afl.privacy.release import Release
 
 # group -> (live members, tensor names)
 LiveGroups = Mapping[str, tuple[tuple[str, ...], tuple[str, ...]]]
@@ -60,8 +56,6 @@ class ExposureGate:
         ledger: Ledger | None,
         release: Release | None,
     ) -> None:
-        from secure_afl.privacy.ledger import LedgerOwner, MemoryLedger  # the ledger imports protocol.errors
-
         self.client_id = client_id
         self.policy = policy
         # What this client sends where, by digest: its own unknowns in the exposure check.

@@ -15,11 +15,7 @@ from types import MappingProxyType
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
-from secure_afl.keys.roster import Roster
-
-from . import binding, codec, crypto, prg, shamir
-from .client import validate_config
-from .errors import (
+from secure_afl.core.errors import (
     ClientProtocolError,
     DuplicateClientError,
     GroupTooSmallError,
@@ -32,6 +28,10 @@ from .errors import (
     ReplayedMessageError,
     UnknownClientError,
 )
+from secure_afl.keys.roster import Roster
+
+from . import binding, codec, crypto, prg, shamir
+from .client import validate_config
 from .messages import (
     AdvertiseKeys,
     AdvertiseRequest,

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .errors import LocalProtocolError
-from .randomness import RandomSource
+from secure_afl.core.errors import LocalProtocolError
+from secure_afl.core.randomness import RandomSource
 
 PRIME = 2**521 - 1
 VALUE_BYTES = 66  # ceil(521 / 8)

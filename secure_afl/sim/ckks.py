@@ -16,10 +16,10 @@ import numpy as np
 
 from secure_afl.aggregation.backend import CkksBackend
 from secure_afl.aggregation.inprocess import SessionCosts, run_in_process
+from secure_afl.core.randomness import RandomSource
 from secure_afl.privacy.ledger import Ledger
 from secure_afl.privacy.policy import ClientPolicy
 from secure_afl.protocol.ckks.context import CkksParameters
-from secure_afl.protocol.randomness import RandomSource
 from secure_afl.sim.audit import PrivacyAudit, audit_run
 
 ROUNDS = CkksBackend.rounds
@@ -62,7 +62,7 @@ def ckks_aggregate(
 
     ``dropouts`` maps a stage ("R1" key distribution, "R2" encrypted inputs, "R3" decryption) to
     the clients that stop answering from that stage on.  Raises
-    :class:`~secure_afl.protocol.errors.GroupTooSmallError` when a group keeps fewer survivors than
+    :class:`~secure_afl.core.errors.GroupTooSmallError` when a group keeps fewer survivors than
     ``min_group_size``, :class:`~secure_afl.protocol.ckks.errors.KeyHolderDroppedError` when no advertised
     client is left to hold the key (a key holder that drops before sending it is replaced by a
     re-election among the others), and :class:`~secure_afl.protocol.ckks.errors.NoDecryptorError`

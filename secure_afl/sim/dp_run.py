@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from secure_afl.core.randomness import OsRandomSource, RandomSource
 from secure_afl.privacy.dp import (
     DpConfig,
     FederationLayout,
@@ -44,7 +45,6 @@ from secure_afl.privacy.dp_solve import (
     refine_private,
 )
 from secure_afl.privacy.projection import projection_matrix
-from secure_afl.protocol.randomness import OsRandomSource, RandomSource
 from secure_afl.sim.audit import audit_groups
 from secure_afl.sim.datasets import PreparedData, Progress
 from secure_afl.sim.metrics import evaluate

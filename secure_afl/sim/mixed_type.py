@@ -502,7 +502,7 @@ def _aggregate_clients(
 ) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, object]]:
     if config.secure == "none":
         return sum_contributions(contributions.values()), {"protection": "none", "warnings": []}
-    from secure_afl.protocol.errors import ProtocolError
+    from secure_afl.core.errors import ProtocolError
     from secure_afl.sim.secure import secure_aggregate
 
     try:

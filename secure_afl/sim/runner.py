@@ -295,13 +295,13 @@ def _protected_sums(
     dropouts: Mapping[str, tuple[str, ...]],
 ):  # -> SecureAggregationResult | CkksAggregationRun
     """Group sums through one protection backend ("mask" or "ckks"); aborts become ExperimentErrors."""
-    from secure_afl.protocol.ckks.errors import KeyHolderDroppedError, NoDecryptorError
-    from secure_afl.protocol.errors import (
+    from secure_afl.core.errors import (
         EncodingOverflowError,
         GroupTooSmallError,
         InsufficientParticipantsError,
         ProtocolError,
     )
+    from secure_afl.protocol.ckks.errors import KeyHolderDroppedError, NoDecryptorError
 
     try:
         if protection == "ckks":

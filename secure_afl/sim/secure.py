@@ -16,10 +16,10 @@ import numpy as np
 
 from secure_afl.aggregation.backend import MaskingBackend
 from secure_afl.aggregation.inprocess import SessionCosts, dropout_stages, run_in_process
+from secure_afl.core import encoding
+from secure_afl.core.randomness import RandomSource
 from secure_afl.privacy.ledger import Ledger
 from secure_afl.privacy.policy import ClientPolicy
-from secure_afl.protocol import encoding
-from secure_afl.protocol.randomness import RandomSource
 from secure_afl.sim.audit import PrivacyAudit, audit_run
 
 ROUNDS = ("R0", "R1", "R2", "R3", "R4")
@@ -79,7 +79,7 @@ def secure_aggregate(
     than t clients answer a round.  ``client_policy`` is every client's own policy (default
     :meth:`ClientPolicy.simulator`: go on and report exposures, which the audit attributes to the
     clients that saw them); under :meth:`ClientPolicy.deployment` a client refuses an exposing
-    session with :class:`~secure_afl.protocol.errors.ExposureRefusedError`.  ``ledgers`` gives a
+    session with :class:`~secure_afl.core.errors.ExposureRefusedError`.  ``ledgers`` gives a
     client its session ledger (none by default: each call is a fresh history).
     """
     client_policy = ClientPolicy.simulator() if client_policy is None else client_policy

@@ -7,6 +7,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from secure_afl.aggregation.layout import flatten, layout_of
+from secure_afl.core.randomness import DeterministicRandomSource
 from secure_afl.keys.identity import IdentityKey
 from secure_afl.keys.roster import Roster, RosterEntry
 from secure_afl.privacy.policy import ClientPolicy
@@ -15,7 +16,6 @@ from secure_afl.protocol.ckks.client import CkksClientSession
 from secure_afl.protocol.ckks.context import CkksParameters
 from secure_afl.protocol.ckks.messages import CkksSessionConfig
 from secure_afl.protocol.ckks.server import CkksServerSession
-from secure_afl.protocol.randomness import DeterministicRandomSource
 
 D = 6  # Gram dimension of the small federation: the properties tested do not depend on it
 

@@ -8,6 +8,16 @@ import numpy as np
 import pytest
 import tenseal as ts
 
+from secure_afl.core.errors import (
+    DuplicateClientError,
+    ExposureRefusedError,
+    GroupTooSmallError,
+    InconsistentSurvivorsError,
+    InvalidSignatureError,
+    MessageDecodeError,
+    ServerProtocolError,
+    ValueAlreadyReleasedError,
+)
 from secure_afl.privacy.ledger import MemoryLedger
 from secure_afl.privacy.policy import ClientPolicy
 from secure_afl.protocol import crypto
@@ -33,16 +43,6 @@ from secure_afl.protocol.ckks.messages import (
     EncryptedTensor,
 )
 from secure_afl.protocol.ckks.state import CkksClientState
-from secure_afl.protocol.errors import (
-    DuplicateClientError,
-    ExposureRefusedError,
-    GroupTooSmallError,
-    InconsistentSurvivorsError,
-    InvalidSignatureError,
-    MessageDecodeError,
-    ServerProtocolError,
-    ValueAlreadyReleasedError,
-)
 
 from .helpers import Federation, plain_sums, small_contributions
 

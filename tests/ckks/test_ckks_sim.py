@@ -11,8 +11,8 @@ from click.testing import CliRunner
 from secure_afl.aggregation.backend import CkksBackend, MaskingBackend
 from secure_afl.aggregation.inprocess import run_in_process
 from secure_afl.cli import main
+from secure_afl.core.randomness import DeterministicRandomSource
 from secure_afl.privacy.policy import ClientPolicy
-from secure_afl.protocol.randomness import DeterministicRandomSource
 from secure_afl.sim.fedavg import FedAvgConfig
 from secure_afl.sim.runner import SimConfig, run_experiment
 

@@ -37,3 +37,14 @@ def test_the_flower_apps_import_neither_torch_nor_the_simulator() -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+def test_core_is_the_floor_below_protocol_and_privacy() -> None:
+    # core/ (errors, fixed-point encoding, randomness) imports nothing else of secure_afl; privacy/
+    # builds on core/ and never on protocol/, which builds on both.
+    assert not {
+        m
+        for m in _imports(PACKAGE / "core")
+        if m.startswith("secure_afl.") and not m.startswith("secure_afl.core")
+    }
+    assert not {m for m in _imports(PACKAGE / "privacy") if m.startswith("secure_afl.protocol")}

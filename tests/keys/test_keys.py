@@ -10,6 +10,7 @@ import stat
 import pytest
 from cryptography.hazmat.primitives import serialization
 
+from secure_afl.core.randomness import DeterministicRandomSource
 from secure_afl.keys import (
     IdentityKey,
     KeyFileError,
@@ -26,7 +27,6 @@ from secure_afl.keys import (
     save_identity_key,
     save_roster,
 )
-from secure_afl.protocol.randomness import DeterministicRandomSource
 
 
 def make_roster(n: int = 3) -> tuple[Roster, dict[str, IdentityKey]]:

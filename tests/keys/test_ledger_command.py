@@ -8,9 +8,9 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from secure_afl.cli import main
+from secure_afl.core.errors import LedgerMissingError
 from secure_afl.keys.identity import IdentityKey
 from secure_afl.privacy.ledger import FileLedger, LedgerOwner
-from secure_afl.protocol.errors import LedgerMissingError
 
 
 def _used_ledger(directory: Path) -> tuple[FileLedger, LedgerOwner]:

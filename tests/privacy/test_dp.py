@@ -10,6 +10,7 @@ import pytest
 from dp_accounting.rdp import RdpAccountant
 
 from secure_afl.analytic import ALL_GROUP, PseudoLabelConfig, class_group, pseudo_group
+from secure_afl.core.randomness import DeterministicRandomSource
 from secure_afl.privacy.dp import (
     DpConfig,
     DpError,
@@ -25,7 +26,6 @@ from secure_afl.privacy.dp import (
     rho_for_epsilon,
 )
 from secure_afl.privacy.dp_solve import analytic_sums, fit_private, refine_private, ridge_for_noise
-from secure_afl.protocol.randomness import DeterministicRandomSource
 from secure_afl.sim.secure import secure_aggregate
 
 CLIP = 3.0

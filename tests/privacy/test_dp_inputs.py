@@ -9,6 +9,9 @@ import numpy as np
 import pytest
 
 from secure_afl.analytic import ALL_GROUP, PseudoLabelConfig, StatisticsError, class_group, pseudo_group
+from secure_afl.core import encoding
+from secure_afl.core.errors import EncodingOverflowError
+from secure_afl.core.randomness import DeterministicRandomSource
 from secure_afl.features.file import FeatureFileError, load_feature_file, save_feature_file
 from secure_afl.privacy.dp import (
     DpConfig,
@@ -22,9 +25,6 @@ from secure_afl.privacy.dp import (
     round1_upload,
 )
 from secure_afl.privacy.dp_config import DEFAULT_MAX_ROWS, PseudoLabelThresholdError
-from secure_afl.protocol import encoding
-from secure_afl.protocol.errors import EncodingOverflowError
-from secure_afl.protocol.randomness import DeterministicRandomSource
 
 CLIP = 3.0
 

@@ -10,6 +10,7 @@ import pytest
 from dp_accounting.rdp import RdpAccountant
 
 from secure_afl.analytic import ALL_GROUP, AnalyticClassifier, class_group, sum_contributions
+from secure_afl.core.randomness import DeterministicRandomSource
 from secure_afl.privacy.dp import (
     EIGEN_TENSOR,
     DpConfig,
@@ -27,7 +28,6 @@ from secure_afl.privacy.projection import (
     projection_digest,
     projection_matrix,
 )
-from secure_afl.protocol.randomness import DeterministicRandomSource
 from secure_afl.sim.metrics import evaluate
 
 # ------------------------------------------------------------------------------------------------

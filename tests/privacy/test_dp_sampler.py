@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from secure_afl.core.randomness import DeterministicRandomSource
 from secure_afl.privacy import dp_sampler
 from secure_afl.privacy.dp_sampler import (
     SamplerError,
@@ -17,7 +18,6 @@ from secure_afl.privacy.dp_sampler import (
     laplace_scale,
     sample_discrete_gaussian,
 )
-from secure_afl.protocol.randomness import DeterministicRandomSource
 
 
 class CountingSource:

@@ -7,13 +7,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from secure_afl.core.randomness import DeterministicRandomSource
 from secure_afl.keys.identity import IdentityKey
 from secure_afl.keys.roster import Roster, RosterEntry
 from secure_afl.privacy.policy import ClientPolicy
 from secure_afl.protocol import codec
 from secure_afl.protocol.client import ClientSession
 from secure_afl.protocol.messages import GroupSpec, SessionConfig, TensorSpec
-from secure_afl.protocol.randomness import DeterministicRandomSource
 from secure_afl.protocol.server import ServerSession
 
 ROUND_NAMES = ("R0", "R1", "R2", "R3", "R4")

@@ -14,14 +14,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from secure_afl.core import encoding
+from secure_afl.core.errors import ProtocolError
+from secure_afl.core.randomness import DeterministicRandomSource
 from secure_afl.keys.identity import IdentityKey
 from secure_afl.keys.roster import Roster, RosterEntry
 from secure_afl.privacy.policy import ClientPolicy
-from secure_afl.protocol import codec, crypto, encoding, shamir
+from secure_afl.protocol import codec, crypto, shamir
 from secure_afl.protocol.client import ClientSession
-from secure_afl.protocol.errors import ProtocolError
 from secure_afl.protocol.messages import GroupSpec, SessionConfig, TensorSpec, UnmaskResponse
-from secure_afl.protocol.randomness import DeterministicRandomSource
 from secure_afl.protocol.server import ServerSession
 from secure_afl.protocol.state import ClientState
 

@@ -7,11 +7,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from secure_afl.keys.identity import IdentityKey
-from secure_afl.privacy.policy import ClientPolicy
-from secure_afl.protocol import binding, crypto, encoding
-from secure_afl.protocol.client import ClientSession, validate_config
-from secure_afl.protocol.errors import (
+from secure_afl.core import encoding
+from secure_afl.core.errors import (
     BothSharesRequestedError,
     ClientProtocolError,
     DuplicateClientError,
@@ -35,6 +32,11 @@ from secure_afl.protocol.errors import (
     UnknownClientError,
     UnknownParticipantError,
 )
+from secure_afl.core.randomness import DeterministicRandomSource
+from secure_afl.keys.identity import IdentityKey
+from secure_afl.privacy.policy import ClientPolicy
+from secure_afl.protocol import binding, crypto
+from secure_afl.protocol.client import ClientSession, validate_config
 from secure_afl.protocol.messages import (
     AdvertiseKeys,
     AdvertiseRequest,
@@ -46,7 +48,6 @@ from secure_afl.protocol.messages import (
     TensorSpec,
     UnmaskRequest,
 )
-from secure_afl.protocol.randomness import DeterministicRandomSource
 from secure_afl.protocol.server import ServerSession
 from secure_afl.protocol.state import ClientState, ServerRound
 

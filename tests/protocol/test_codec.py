@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from secure_afl.core.errors import LocalProtocolError, MessageDecodeError
 from secure_afl.protocol import codec, shamir
-from secure_afl.protocol.errors import LocalProtocolError, MessageDecodeError
 from secure_afl.protocol.messages import (
     AdvertiseKeys,
     AdvertiseRequest,

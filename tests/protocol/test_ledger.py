@@ -10,6 +10,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from secure_afl.core.errors import (
+    LedgerFullError,
+    LedgerMissingError,
+    LedgerTamperedError,
+    LedgerUnreadableError,
+)
+from secure_afl.core.randomness import DeterministicRandomSource
 from secure_afl.keys.identity import IdentityKey
 from secure_afl.privacy.exposure import client_exposures, determined, exposed_clients
 from secure_afl.privacy.ledger import (
@@ -21,13 +28,6 @@ from secure_afl.privacy.ledger import (
     MemoryLedger,
 )
 from secure_afl.privacy.policy import ClientPolicy, active_threshold, majority_threshold, threat_model
-from secure_afl.protocol.errors import (
-    LedgerFullError,
-    LedgerMissingError,
-    LedgerTamperedError,
-    LedgerUnreadableError,
-)
-from secure_afl.protocol.randomness import DeterministicRandomSource
 
 from .hostile import clients_for, federation
 

@@ -17,11 +17,8 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from secure_afl.keys.identity import IdentityKey
-from secure_afl.privacy.ledger import MemoryLedger
-from secure_afl.privacy.policy import ClientPolicy
-from secure_afl.protocol import binding, codec, crypto, encoding, prg, shamir
-from secure_afl.protocol.errors import (
+from secure_afl.core import encoding
+from secure_afl.core.errors import (
     BothSharesRequestedError,
     ClientProtocolError,
     ColluderExposureRefusedError,
@@ -42,6 +39,11 @@ from secure_afl.protocol.errors import (
     UnknownParticipantError,
     ValueAlreadyReleasedError,
 )
+from secure_afl.core.randomness import DeterministicRandomSource
+from secure_afl.keys.identity import IdentityKey
+from secure_afl.privacy.ledger import MemoryLedger
+from secure_afl.privacy.policy import ClientPolicy
+from secure_afl.protocol import binding, codec, crypto, prg, shamir
 from secure_afl.protocol.messages import (
     AdvertiseRequest,
     ConsistencyCheckRequest,
@@ -51,7 +53,6 @@ from secure_afl.protocol.messages import (
     TensorSpec,
     UnmaskRequest,
 )
-from secure_afl.protocol.randomness import DeterministicRandomSource
 from secure_afl.protocol.server import ServerSession
 from secure_afl.protocol.state import ClientState
 

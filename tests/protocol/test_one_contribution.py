@@ -12,13 +12,13 @@ import json
 
 import pytest
 
-from secure_afl.privacy.ledger import FileLedger, MemoryLedger
-from secure_afl.privacy.policy import ClientPolicy
-from secure_afl.protocol.errors import (
+from secure_afl.core.errors import (
     ColluderExposureRefusedError,
     ConflictingAnswerError,
     ValueAlreadyReleasedError,
 )
+from secure_afl.privacy.ledger import FileLedger, MemoryLedger
+from secure_afl.privacy.policy import ClientPolicy
 from secure_afl.protocol.messages import ConsistencyCheckRequest
 from secure_afl.protocol.server import ServerSession
 

@@ -9,10 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from secure_afl.protocol import encoding, prg, shamir
-from secure_afl.protocol.errors import EncodingOverflowError, LocalProtocolError, NonFiniteValueError
+from secure_afl.core import encoding
+from secure_afl.core.errors import EncodingOverflowError, LocalProtocolError, NonFiniteValueError
+from secure_afl.core.randomness import DeterministicRandomSource, OsRandomSource, RandomSource
+from secure_afl.protocol import prg, shamir
 from secure_afl.protocol.fields import tagged_fields
-from secure_afl.protocol.randomness import DeterministicRandomSource, OsRandomSource, RandomSource
 
 # --- fixed-point encoding -------------------------------------------------------------------------
 

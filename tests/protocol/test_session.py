@@ -7,8 +7,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from secure_afl.protocol import encoding, shamir
-from secure_afl.protocol.errors import GroupTooSmallError, InsufficientParticipantsError
+from secure_afl.core import encoding
+from secure_afl.core.errors import GroupTooSmallError, InsufficientParticipantsError
+from secure_afl.protocol import shamir
 from secure_afl.protocol.messages import MaskedInput, UnmaskResponse
 from secure_afl.protocol.state import ClientState, ServerRound
 

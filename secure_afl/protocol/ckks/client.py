@@ -13,15 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from secure_afl.keys.identity import IdentityKey
-from secure_afl.keys.roster import Roster
-from secure_afl.privacy import exposure
-from secure_afl.privacy.policy import ClientPolicy
-from secure_afl.privacy.release import Release
-from secure_afl.protocol import codec as masking_codec
-from secure_afl.protocol import crypto, encoding
-from secure_afl.protocol.client import check_group_sizes, check_name, check_session_fits_inputs
-from secure_afl.protocol.errors import (
+from secure_afl.core.errors import (
     ClientProtocolError,
     DuplicateClientError,
     InconsistentSurvivorsError,
@@ -36,8 +28,16 @@ from secure_afl.protocol.errors import (
     ShareAuthenticationError,
     UnknownClientError,
 )
+from secure_afl.core.randomness import RandomSource, default_random
+from secure_afl.keys.identity import IdentityKey
+from secure_afl.keys.roster import Roster
+from secure_afl.privacy import exposure
+from secure_afl.privacy.policy import ClientPolicy
+from secure_afl.privacy.release import Release
+from secure_afl.protocol import codec as masking_codec
+from secure_afl.protocol import crypto, encoding
+from secure_afl.protocol.client import check_group_sizes, check_name, check_session_fits_inputs
 from secure_afl.protocol.exposure_gate import ExposureGate, message_digest
-from secure_afl.protocol.randomness import RandomSource, default_random
 
 from . import binding, codec, context
 from .errors import (
@@ -114,7 +114,7 @@ class CkksClientSession:
     - R3, as a decryptor: the survivor sets of *all* the session's groups would isolate *any*
       client's value (every member is exposed by the decryption it performs).
 
-    A refusing policy raises (:class:`~secure_afl.protocol.errors.ExposureRefusedError`,
+    A refusing policy raises (:class:`~secure_afl.core.errors.ExposureRefusedError`,
     :class:`ExposingDecryptionError`); the simulator's reports in :attr:`exposure_findings`.
     """
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from secure_afl.core.errors import LocalProtocolError, MessageDecodeError
 from secure_afl.protocol.codec import (
     _MAX_STRING_FIELD,
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -23,7 +24,6 @@ from secure_afl.protocol.codec import (
     encode_frame,
 )
 from secure_afl.protocol.crypto import KEY_BYTES, NONCE_BYTES, SIGNATURE_BYTES
-from secure_afl.protocol.errors import LocalProtocolError, MessageDecodeError
 from secure_afl.protocol.messages import GroupSpec, TensorSpec
 
 from .context import CkksParameters

@@ -1,4 +1,4 @@
-"""Errors of the CKKS backend, split by who is at fault like :mod:`secure_afl.protocol.errors`.
+"""Errors of the CKKS backend, split by who is at fault like :mod:`secure_afl.core.errors`.
 
 They subclass the masking backend's classes, so a driver that catches ``RemoteProtocolError`` or
 ``SessionAbortedError`` handles both backends alike.
@@ -6,7 +6,7 @@ They subclass the masking backend's classes, so a driver that catches ``RemotePr
 
 from __future__ import annotations
 
-from secure_afl.protocol.errors import (
+from secure_afl.core.errors import (
     ClientProtocolError,
     ExposureRefusedError,
     LocalProtocolError,

@@ -19,9 +19,7 @@ from types import MappingProxyType
 
 import numpy as np
 
-from secure_afl.keys.roster import Roster
-from secure_afl.protocol import crypto
-from secure_afl.protocol.errors import (
+from secure_afl.core.errors import (
     ClientProtocolError,
     DuplicateClientError,
     GroupTooSmallError,
@@ -32,6 +30,8 @@ from secure_afl.protocol.errors import (
     ReplayedMessageError,
     UnknownClientError,
 )
+from secure_afl.keys.roster import Roster
+from secure_afl.protocol import crypto
 
 from . import binding, codec, context
 from .client import validate_config

@@ -41,7 +41,7 @@ Rules
 4. A client message the server rejects leaves the server's state unchanged.  A round that leaves a
    group below the minimum group size (a re-election included), no advertised client left to hold
    the key, or a group with no survivor left to decrypt raises
-   :class:`~secure_afl.protocol.errors.SessionAbortedError`.
+   :class:`~secure_afl.core.errors.SessionAbortedError`.
 """
 
 from __future__ import annotations
