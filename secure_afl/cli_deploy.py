@@ -20,9 +20,10 @@ from secure_afl.cli_options import (
     dp_options,
     resolve_dp_ridge,
 )
-from secure_afl.deploy.errors import DeploymentError
+from secure_afl.deploy.errors import ConfigurationError, DeploymentError
 from secure_afl.deploy.study import (
     Study,
+    parse_colluders,
     pseudo_group,
     pseudo_members,
     round2_classes,
@@ -421,9 +422,7 @@ def deploy_app(
     passphrase), so a run does not fail minutes later on a typo.
     """
     from secure_afl.deploy.apps import coordinator_signer, study_from_run_config
-    from secure_afl.deploy.errors import ConfigurationError
     from secure_afl.deploy.local import write_app
-    from secure_afl.deploy.study import parse_colluders
     from secure_afl.keys.commands import load_roster_file
 
     if (features_path is None) == (backbone is None):
@@ -665,7 +664,6 @@ def deploy_local(
     from rich.console import Console
     from rich.table import Table
 
-    from secure_afl.deploy.errors import ConfigurationError
     from secure_afl.deploy.local import run_local
     from secure_afl.deploy.study import Method, StudyDp, deployment_threshold
     from secure_afl.features.file import save_feature_file
@@ -892,14 +890,12 @@ def deploy_local(
 
 def _assumed_colluders(value: str, clients: int, threshold: int) -> int:
     """The colluders a node assumes under ``--colluders`` (its node config's ``colluders``)."""
-    text = value.strip()
-    if text == "n-t":
-        return max(0, clients - threshold)
-    if not text.isdigit():
+    try:
+        return parse_colluders(value, clients, threshold)
+    except ConfigurationError:
         raise click.BadParameter(
             f'{value!r}: give "n-t" or a number of institutions', param_hint="--colluders"
-        )
-    return min(int(text), max(0, clients - threshold))
+        ) from None
 
 
 def _same_bytes(path: Path, reference: Path | None) -> bool:
@@ -957,7 +953,6 @@ def deploy_check(
     passes, 1 at the first that fails.
     """
     from secure_afl.deploy.check import NodeCheckError, check_node, parse_node_config, study_from_file
-    from secure_afl.deploy.errors import ConfigurationError
 
     if superlink is not None and (root_certificates is None) == (not insecure):
         raise click.UsageError("with --superlink give --root-certificates ca.crt (TLS) or --insecure")
@@ -1012,7 +1007,6 @@ def deploy_run(
     import os
 
     from secure_afl.deploy.coordinator import run_federation
-    from secure_afl.deploy.errors import ConfigurationError
 
     env = dict(os.environ)
     if flwr_home is not None:
