@@ -43,6 +43,7 @@ from secure_afl.sim.dp_run import (
     client_private_statistics,
     run_private_setting,
 )
+from secure_afl.sim.partial import assign_partial_labels
 from secure_afl.sim.runner import PhaseTimer, SimConfig
 
 
@@ -62,13 +63,20 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="the projection's seed")
     parser.add_argument("--decompose", action="store_true")
     parser.add_argument("--center", type=float, default=None, help="diagnostic: centre the rows, clip C")
+    parser.add_argument("--class-sums", default="split", help="comma list: split, positives")
+    parser.add_argument("--shares", default=None, help="ρ shares gram,sums,counts (default: DpConfig's)")
+    parser.add_argument("--threshold", type=int, default=None, help="masking threshold t (default: n−3)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     ks = [_parse_k(k) for k in args.ks.split(",")]
     epsilons = [math.inf if e.strip() == "inf" else float(e) for e in args.epsilons.split(",")]
     missing = [int(m) for m in args.missing.split(",")]
     ridges = args.ridges.split(",")
-    base = SimConfig(missing=tuple(missing), rounds=1, dp=DpConfig(epsilon=1.0), device="cpu")
+    shares = {} if args.shares is None else {"rho_shares": tuple(float(x) for x in args.shares.split(","))}
+    base = SimConfig(
+        missing=tuple(missing), rounds=1, dp=DpConfig(epsilon=1.0, **shares), device="cpu",
+        threshold=args.threshold,
+    )  # fmt: skip
     data = prepare(None, fraction=base.fraction, dim=base.dim, seed=base.seed, n_clients=base.n_clients)
     if args.center is not None:
         train = np.concatenate([np.asarray(r) for r in data.split.clients])
@@ -79,13 +87,18 @@ def main() -> None:
         decompose(data, base, ks, [e for e in epsilons if math.isfinite(e)], missing, args.repeats, args.seed)
         return
     rows = []
-    for k in ks:
-        dp_k = replace(base.dp, projection_dim=k, projection_seed=args.seed)
+    for k, sums in ((k, sums) for sums in args.class_sums.split(",") for k in ks):
+        dp_k = replace(base.dp, projection_dim=k, projection_seed=args.seed, class_sums=sums)
         started = time.perf_counter()
-        stats = client_private_statistics(data, replace(base, dp=dp_k))
         for m in missing:
+            active = assign_partial_labels(
+                base.n_clients, 8, m, seed=base.seed, missing1=base.missing1
+            ).active
+            stats = client_private_statistics(data, replace(base, dp=dp_k), active)
             ceiling = _non_private_metrics(data, m, replace(base, dp=dp_k), stats)[AFL_DP_1]
-            rows.append(_row(k, "-", m, math.inf, [ceiling.macro["bacc"]], [ceiling.macro["auc"]], [None]))
+            rows.append(
+                _row(k, "-", m, math.inf, [ceiling.macro["bacc"]], [ceiling.macro["auc"]], [None], sums)
+            )
             for eps in (e for e in epsilons if math.isfinite(e)):
                 for ridge in ridges:
                     bacc, auc, lam = [], [], []
@@ -99,21 +112,22 @@ def main() -> None:
                         bacc.append(metric.macro["bacc"])
                         auc.append(metric.macro["auc"])
                         lam.append(setting.privacy["ridge"])  # type: ignore[index]
-                    rows.append(_row(k, ridge, m, eps, bacc, auc, lam))
+                    rows.append(_row(k, ridge, m, eps, bacc, auc, lam, sums))
                     print(_line(rows[-1]), flush=True)
-        print(f"# K {k}: {time.perf_counter() - started:.0f} s", flush=True)
+        print(f"# K {k}, class sums {sums}: {time.perf_counter() - started:.0f} s", flush=True)
     print()
-    print("| K | ridge | missing | ε | BACC | AUC | λ |")
-    print("|---|---|---|---|---|---|---|")
+    print("| K | class sums | ridge | missing | ε | BACC | AUC | λ |")
+    print("|---|---|---|---|---|---|---|---|")
     for row in rows:
         print(_markdown(row))
     if args.json is not None:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
 
 
-def _row(k, ridge, m, eps, bacc, auc, lam) -> dict[str, object]:
+def _row(k, ridge, m, eps, bacc, auc, lam, sums="split") -> dict[str, object]:
     return {
         "K": k,
+        "class_sums": sums,
         "ridge": ridge,
         "missing": m,
         "epsilon": None if math.isinf(eps) else eps,
@@ -132,7 +146,7 @@ def _stat(values: list[float]) -> str:
 def _line(row) -> str:
     eps = "∞" if row["epsilon"] is None else f"{row['epsilon']:g}"
     return (
-        f"K {row['K'] or 'd'} ridge {row['ridge']} missing {row['missing']} ε {eps}: "
+        f"K {row['K'] or 'd'} {row['class_sums']} ridge {row['ridge']} missing {row['missing']} ε {eps}: "
         f"BACC {_stat(row['bacc'])} AUC {_stat(row['auc'])}"
     )
 
@@ -142,7 +156,8 @@ def _markdown(row) -> str:
     lam = row["lambda"][0]
     lam_text = "" if lam is None else f"{statistics.mean(row['lambda']):.3g}"
     return (
-        f"| {row['K'] or 'd = 1024'} | {row['ridge']} | {row['missing']} | {eps} | {_stat(row['bacc'])} | "
+        f"| {row['K'] or 'd = 1024'} | {row['class_sums']} | {row['ridge']} | {row['missing']} | {eps} | "
+        f"{_stat(row['bacc'])} | "
         f"{_stat(row['auc'])} | {lam_text} |"
     )
 

@@ -302,8 +302,9 @@ def main() -> None:
     "--dp-sweep",
     is_flag=True,
     help="Instead of one run: BACC and AUC against ε ∈ {0.5, 1, 2, 4, 8, ∞} per --missing level, for "
-    "today's mechanism (d dims, bound ridge) and the projected one (--dp-dim, default 128, and "
-    "--dp-ridge) side by side; writes dp_sweep.png and dp_sweep.json under --out.",
+    "today's mechanism (d dims, split class sums, bound ridge) and another side by side: the one "
+    "--dp-dim/--dp-ridge/--dp-class-sums describe, else the positive class sums; writes dp_sweep.png "
+    "and dp_sweep.json under --out.",
 )
 @click.option(
     "--scenario",
@@ -378,6 +379,7 @@ def sim(
     dp_dim: int | None,
     dp_projection_seed: int,
     dp_ridge: str | None,
+    dp_class_sums: str | None,
     dp_sweep: bool,
     scenario: str,
     centre_n: str,
@@ -399,13 +401,16 @@ def sim(
             raise click.BadParameter(str(exc), param_hint="--device") from exc
     _check_writable(out_dir)
     dp = None
-    check_dp_mechanism_options(dp_epsilon is not None or dp_sweep, dp_dim, dp_ridge, dp_projection_seed)
+    check_dp_mechanism_options(
+        dp_epsilon is not None or dp_sweep, dp_dim, dp_ridge, dp_projection_seed, dp_class_sums
+    )
     if dp_epsilon is not None or dp_sweep:
         from secure_afl.privacy.dp import DpConfig, DpError
-        from secure_afl.privacy.dp_config import DEFAULT_DP_DIM
 
-        # The sweep compares today's mechanism with a projected one: K = DEFAULT_DP_DIM unless given.
-        projection_dim = DEFAULT_DP_DIM if dp_sweep and dp_dim is None else dp_dim
+        projection_dim = dp_dim
+        # The sweep compares today's mechanism with another: the positive sums unless one is given.
+        unchanged = dp_dim is None and dp_ridge is None and dp_class_sums is None
+        class_sums = "positives" if dp_sweep and unchanged else (dp_class_sums or "split")
         dp = DpConfig(
             epsilon=1.0 if dp_epsilon is None else dp_epsilon,
             delta=dp_delta,
@@ -415,6 +420,7 @@ def sim(
             projection_dim=projection_dim,
             projection_seed=dp_projection_seed,
             ridge=resolve_dp_ridge(dp_ridge, projection_dim),  # type: ignore[arg-type]
+            class_sums=class_sums,  # type: ignore[arg-type]
         )
         try:
             dp.validate()

@@ -649,6 +649,7 @@ def deploy_local(
     dp_dim: int | None,
     dp_projection_seed: int,
     dp_ridge: str | None,
+    dp_class_sums: str | None,
 ) -> None:
     """A federation of N SuperNodes on this machine, compared with the in-process simulation.
 
@@ -676,7 +677,7 @@ def deploy_local(
     say = console.print if console.is_terminal else (lambda text: click.echo(text))
     client_ids = [f"client-{k}" for k in range(clients)]
     drop_rounds = _parse_drops(drops, client_ids, secure)
-    check_dp_mechanism_options(dp_epsilon is not None, dp_dim, dp_ridge, dp_projection_seed)
+    check_dp_mechanism_options(dp_epsilon is not None, dp_dim, dp_ridge, dp_projection_seed, dp_class_sums)
     if dp_epsilon is not None and (balance == "client" or gram == "class"):
         raise click.UsageError(
             "--dp-epsilon needs --balance global and --gram global (plain sums and counts with clean "
@@ -712,6 +713,7 @@ def deploy_local(
                 projection_dim=dp_dim,
                 projection_seed=dp_projection_seed,
                 ridge=resolve_dp_ridge(dp_ridge, dp_dim),
+                class_sums=dp_class_sums or "split",
             ),
         )
     except ConfigurationError as exc:

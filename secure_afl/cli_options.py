@@ -77,6 +77,16 @@ _DP_OPTIONS = [
         help="DP, --dp-dim: the public seed the projection is derived from (part of the study).",
     ),
     click.option(
+        "--dp-class-sums",
+        type=click.Choice(["split", "positives"]),
+        default=None,
+        help="DP: what each class group carries. split: positive and negative sums per class (an image "
+        "moves every labelled class's block, so the noise grows with the classes a hospital labels); "
+        "positives: label-normalised positive sums per class plus one total sum for the negatives' mean "
+        "(one block's noise for all classes; exact for IID hospitals, biased when the annotators' rows "
+        "differ from the federation's). [default: split; --dp-sweep compares split with positives]",
+    ),
+    click.option(
         "--dp-ridge",
         type=click.Choice(["bound", "adaptive", "adassp"]),
         default=None,
@@ -93,11 +103,15 @@ def resolve_dp_ridge(dp_ridge: str | None, dp_dim: int | None) -> str:
     return default_ridge(dp_ridge, dp_dim)
 
 
-def check_dp_mechanism_options(dp_on: bool, dp_dim: int | None, dp_ridge: str | None, seed: int) -> None:
-    """``--dp-dim``, ``--dp-ridge`` and ``--dp-projection-seed`` only make sense under DP."""
+def check_dp_mechanism_options(
+    dp_on: bool, dp_dim: int | None, dp_ridge: str | None, seed: int, class_sums: str | None = None
+) -> None:
+    """``--dp-dim``, ``--dp-ridge``, ``--dp-class-sums`` and ``--dp-projection-seed`` only make sense
+    under DP."""
     if dp_on:
         return
-    given = [name for name, value in (("--dp-dim", dp_dim), ("--dp-ridge", dp_ridge)) if value is not None]
+    options = (("--dp-dim", dp_dim), ("--dp-ridge", dp_ridge), ("--dp-class-sums", class_sums))
+    given = [name for name, value in options if value is not None]
     if seed != 0:
         given.append("--dp-projection-seed")
     if given:

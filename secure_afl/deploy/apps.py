@@ -24,7 +24,8 @@ of at least that many + 2 members, which their exposure checks accept).  Differe
 (SECURITY.md §9): ``dp-epsilon`` (its presence turns DP on), ``dp-delta`` (1e-6), ``clip`` (32),
 ``dp-unit`` (``image`` or ``patient``), ``dp-max-images-per-patient`` (4), ``dp-dim`` (K: the public
 random projection of the rows, absent: none), ``dp-projection-seed`` (0), ``dp-ridge`` (``bound``,
-``adaptive``, the default with ``dp-dim``, or ``adassp``) and ``class-lists``, every
+``adaptive``, the default with ``dp-dim``, or ``adassp``), ``dp-class-sums`` (``split`` or
+``positives``, secure_afl/privacy/dp.py) and ``class-lists``, every
 roster institution's labelled classes as ``"hospital-a=0,1,2;hospital-b=1,3"`` (class indices).
 
 Node config (each SuperNode's ``--node-config``): see :class:`~secure_afl.deploy.client.NodeSettings`.
@@ -201,6 +202,7 @@ def _dp_from_run_config(config: Mapping[str, Any]) -> StudyDp | None:
             class_lists=parse_class_lists(str(config["class-lists"])),
             projection_dim=int(config["dp-dim"]) if "dp-dim" in config else None,
             projection_seed=int(config.get("dp-projection-seed", 0)),
+            class_sums=str(config.get("dp-class-sums", "split")),
             ridge=default_ridge(
                 str(config["dp-ridge"]) if "dp-ridge" in config else None,
                 int(config["dp-dim"]) if "dp-dim" in config else None,

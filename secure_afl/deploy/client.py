@@ -382,7 +382,7 @@ def _private_inputs(
     features, labels = data.features[keep], data.labels[keep]
     if label == "1":
         stats = private_statistics(
-            features, labels, config.clip, projection=projection, device=settings.device
+            features, labels, config.clip, projection=projection, device=settings.device, active=data.active
         )
         projected = "" if projection is None else f" (projected to K = {projection.shape[1]})"
         log(

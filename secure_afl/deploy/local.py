@@ -631,6 +631,7 @@ def _dp_run_config(study: Study) -> dict[str, object]:
         "dp-max-images-per-patient": dp.max_images_per_patient,
         "class-lists": format_class_lists(dp.class_lists),
         "dp-ridge": dp.ridge,
+        "dp-class-sums": dp.class_sums,
         **(
             {}
             if dp.projection_dim is None

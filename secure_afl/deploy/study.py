@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 SYMMETRIC_TENSORS = frozenset({"gram"})
 ALL_GROUP = "all"  # the same names as secure_afl.analytic (which imports torch; this module must not)
 EIGEN_TENSOR = "gram_min_eig"  # secure_afl.privacy.dp.EIGEN_TENSOR (dp imports torch)
+# class_sums="positives": secure_afl.privacy.dp's TOTAL_SUM, TOTAL_COUNT, POSITIVE_SUM, POSITIVE_COUNT
+TOTAL_SUM, TOTAL_COUNT, POSITIVE_SUM, POSITIVE_COUNT = "total_sum", "n_total", "wpos_sum", "wpos_n"
 PROTECTIONS = ("mask", "ckks")  # the backends of secure_afl.aggregation.backend
 
 
@@ -98,6 +100,7 @@ class StudyDp:
     projection_dim: int | None = None
     projection_seed: int = 0
     ridge: str = "bound"
+    class_sums: str = "split"  # DpConfig.class_sums
 
     def config(self) -> DpConfig:
         """The privacy module's config, validated (:class:`ConfigurationError` names what is wrong)."""
@@ -111,6 +114,7 @@ class StudyDp:
             projection_dim=self.projection_dim,
             projection_seed=self.projection_seed,
             ridge=self.ridge,  # type: ignore[arg-type]
+            class_sums=self.class_sums,  # type: ignore[arg-type]
         )
         try:
             config.validate()
@@ -134,6 +138,8 @@ class StudyDp:
             out["projection_seed"] = self.projection_seed
         if self.ridge != "bound":
             out["ridge"] = self.ridge
+        if self.class_sums != "split":
+            out["class_sums"] = self.class_sums
         return out
 
     @classmethod
@@ -150,6 +156,7 @@ class StudyDp:
             projection_dim=None if k is None else int(k),
             projection_seed=int(document.get("projection_seed", 0)),
             ridge=str(document.get("ridge", "bound")),
+            class_sums=str(document.get("class_sums", "split")),
         )
 
 
@@ -415,6 +422,15 @@ def round1_layout(study: Study) -> Layout:
         everyone = {"gram": upper_triangle_length(k)}
         if study.dp.ridge == "adassp":
             everyone[EIGEN_TENSOR] = 1
+        if study.dp.class_sums == "positives":
+            everyone.update({TOTAL_SUM: k, TOTAL_COUNT: 1})
+            layout = _dp_layout(
+                {ALL_GROUP: everyone},
+                {class_group(c): (POSITIVE_SUM, POSITIVE_COUNT) for c in range(study.n_classes)},
+                k,
+            )
+            shapes = {**layout.shapes, TOTAL_SUM: (k,), TOTAL_COUNT: (1,)}
+            return Layout(groups=layout.groups, shapes=shapes, symmetric=layout.symmetric)
         return _dp_layout(
             {ALL_GROUP: everyone},
             {class_group(c): ("pos_sum", "neg_sum", "n_pos", "n_neg") for c in range(study.n_classes)},
@@ -495,7 +511,7 @@ def _dp_layout(groups: dict[str, dict[str, int]], per_class: Mapping[str, tuple[
         c = group.split("/")[1]
         tensors = {}
         for prefix in prefixes:
-            size = 1 if prefix.endswith(("n_pos", "n_neg")) else d  # counts are scalars
+            size = 1 if prefix.endswith(("n_pos", "n_neg", POSITIVE_COUNT)) else d  # counts are scalars
             tensors[f"{prefix}/{c}"] = size
             shapes[f"{prefix}/{c}"] = (size,)
         groups[group] = tensors

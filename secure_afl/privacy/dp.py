@@ -42,6 +42,24 @@ private quantities.  Plain sums and counts have clean, data-independent sensitiv
 server divides after the noise (post-processing).  The per-class Gram (``gram="class"``) would put
 the Gram in every class group: each image would move ``|classes labelled|`` Gram blocks.
 
+Class sums: ``class_sums="positives"``
+--------------------------------------
+Above, an image moves one block of *every* class its institution labels (the positive or the
+negative side), so the sums' ρ is divided among those classes: at missing 1 each class block gets
+1/7 of it.  With ``class_sums="positives"`` a class group carries only
+
+- ``wpos_sum/c`` = Σ_i w_ic h_i and ``wpos_n/c`` = Σ_i w_ic, with ``w_ic = y_ic / ‖y_i‖₂`` over the
+  classes the client labels (0 for a row with no labelled positive),
+
+and ``all`` carries the total ``total_sum`` = Σ h and ``n_total`` (rows).  Since ``Σ_c w_ic² ≤ 1``,
+one image moves all of its institution's class blocks together by at most C (sums) and 1 (counts)
+in ℓ2: one slot, whatever the number of classes, composed with the total's slot (sensitivity C and
+1, ``total_share`` of the sums' and counts' ρ).  The server estimates the negatives' mean by the
+federation's mean ``total_sum / n_total``: the paper's balanced target scaled by ``1 − p_c`` when the
+annotators' rows are distributed as the federation's (IID clients), biased by the difference of the
+annotators' and the federation's means otherwise.  Rows with several labels count ``1/√k`` towards
+each of their classes' positive means.
+
 Neighbouring relation: add or remove one image (default), or one patient with at most
 ``max_images_per_patient`` images (the cap is enforced before the statistics); for a patient every
 sensitivity is multiplied by that cap (Frobenius of a sum of P terms ≤ P·C², sums ≤ P·C, counts
@@ -104,6 +122,7 @@ from secure_afl.analytic import (
 from secure_afl.core import encoding
 from secure_afl.core.randomness import RandomSource
 from secure_afl.privacy.dp_config import (
+    DpClassSums,
     DpConfig,
     DpError,
     DpUnit,
@@ -113,9 +132,15 @@ from secure_afl.privacy.dp_config import (
 from secure_afl.privacy.dp_sampler import admissible_variance, noise_words, sample_discrete_gaussian
 from secure_afl.privacy.projection import project_rows
 
-BlockKind = Literal["gram", "sums", "counts", "eigen"]
+BlockKind = Literal["gram", "sums", "counts", "eigen", "total_sums", "total_counts"]
 # ridge="adassp": each client's λ_min of its own Gram, in the ``all`` group (dp_solve)
 EIGEN_TENSOR = "gram_min_eig"
+# class_sums="positives": the total sum and row count in ``all``; per class the label-normalised
+# positive sum and count
+TOTAL_SUM = "total_sum"
+TOTAL_COUNT = "n_total"
+POSITIVE_SUM = "wpos_sum"
+POSITIVE_COUNT = "wpos_n"
 # class indices, or a boolean mask with one entry per class (analytic.active_class_indices)
 ActiveClasses = Sequence[int] | Sequence[bool] | np.ndarray
 _TARGET_NOISE_BITS = 24  # a client's noise std, in grid steps, is about 2^24
@@ -172,6 +197,12 @@ class PrivateStatistics:
     n_neg: np.ndarray
     n_clipped: int
     n_rows: int
+    total_sum: np.ndarray | None = None  # Σ h over every row (class_sums="positives")
+    # class_sums="positives": Σ_i w_ic h_i and Σ_i w_ic with w_ic = y_ic / ‖y_i‖₂ over the classes
+    # this client labels (``positive_classes``; 0 for a row with no labelled positive)
+    positive_sum: np.ndarray | None = None  # d × C
+    positive_n: np.ndarray | None = None
+    positive_classes: tuple[int, ...] | None = None
 
     def min_eigenvalue(self) -> float:
         """The smallest eigenvalue of this client's Gram (floored at 0: the Gram is PSD).
@@ -183,16 +214,25 @@ class PrivateStatistics:
         gram = (self.gram + self.gram.T) / 2
         return max(0.0, float(np.linalg.eigvalsh(gram)[0])) if gram.size else 0.0
 
-    def round1(self, active: ActiveClasses, *, eigen: bool = False) -> Contributions:
+    def round1(
+        self, active: ActiveClasses, *, eigen: bool = False, class_sums: DpClassSums = "split"
+    ) -> Contributions:
         """Round-1 upload: the Gram to ``all``; per labelled class its sums and counts.
 
         ``active``: class indices or a boolean mask of length C (:func:`active_class_indices`).
         ``eigen``: also the Gram's smallest eigenvalue (``ridge="adassp"``), to ``all``.
+        ``class_sums="positives"``: per class only the label-normalised positive sum and count, and
+        the total sum and row count in ``all`` (the statistics must have been made for ``active``).
         """
         out: Contributions = {ALL_GROUP: {"gram": self.gram}}
         if eigen:
             out[ALL_GROUP][EIGEN_TENSOR] = np.array([self.min_eigenvalue()])
-        for c in active_class_indices(active, self.pos_sum.shape[1]):
+        classes = active_class_indices(active, self.pos_sum.shape[1])
+        if class_sums == "positives":
+            return self._round1_positives(out, classes)
+        if class_sums != "split":
+            raise DpError(f"class_sums must be 'split' or 'positives', got {class_sums!r}")
+        for c in classes:
             out[class_group(c)] = {
                 f"pos_sum/{c}": self.pos_sum[:, c].copy(),
                 f"neg_sum/{c}": self.neg_sum[:, c].copy(),
@@ -200,6 +240,40 @@ class PrivateStatistics:
                 f"n_neg/{c}": np.array([float(self.n_neg[c])]),
             }
         return out
+
+    def _round1_positives(self, out: Contributions, classes: Sequence[int]) -> Contributions:
+        if self.positive_sum is None or self.positive_n is None or self.total_sum is None:
+            raise DpError(
+                "class_sums='positives' needs the label-normalised positive sums: make the statistics "
+                "with private_statistics(..., active=<this client's classes>)"
+            )
+        if set(classes) != set(self.positive_classes or ()):
+            raise DpError(
+                f"the positive sums were normalised over the classes {list(self.positive_classes or ())}, "
+                f"not over the classes uploaded now {list(classes)}: make the statistics for the classes "
+                "this client labels in this session"
+            )
+        out[ALL_GROUP][TOTAL_SUM] = self.total_sum.copy()
+        out[ALL_GROUP][TOTAL_COUNT] = np.array([float(self.n_rows)])
+        for c in classes:
+            out[class_group(c)] = {
+                f"{POSITIVE_SUM}/{c}": self.positive_sum[:, c].copy(),
+                f"{POSITIVE_COUNT}/{c}": np.array([float(self.positive_n[c])]),
+            }
+        return out
+
+
+def label_weights(labels: np.ndarray, classes: Sequence[int]) -> np.ndarray:
+    """``w_ic = y_ic / ‖y_i‖₂`` over ``classes`` (0 elsewhere and for a row with no positive there).
+
+    Σ_c w_ic² ≤ 1 for every row: one image moves all of its client's positive-sum blocks together by
+    at most ‖h‖ ≤ C (ℓ2), whatever its number of labels.
+    """
+    y = np.zeros(np.shape(labels), dtype=np.float64)
+    idx = list(classes)
+    y[:, idx] = np.asarray(labels, dtype=np.float64)[:, idx]
+    norms = np.linalg.norm(y, axis=1)
+    return y / np.maximum(norms, 1.0)[:, None]
 
 
 def private_rows(
@@ -219,17 +293,30 @@ def private_statistics(
     *,
     projection: np.ndarray | None = None,
     device: str = "auto",
+    active: ActiveClasses | None = None,
 ) -> PrivateStatistics:
     """Project (``projection``, if any) and clip every row to ``clip``, then one float64 pass
     (analytic.client_statistics) over ``[Y, 1−Y]``.
 
     The complement columns give the negative sums directly (not as a difference of two sums).
+    ``active``: the classes this client labels; given, the statistics also hold the total sum and
+    the label-normalised positive sums over those classes (``class_sums="positives"``).
     """
     clipped, n_clipped = private_rows(features, clip, projection)
     labels = np.asarray(labels)
     both = np.concatenate([labels, 1 - labels], axis=1)
     stats: ClientStatistics = client_statistics(clipped, both, device=device)
     n_classes = labels.shape[1]
+    positives: dict[str, object] = {}
+    if active is not None:
+        classes = tuple(active_class_indices(active, n_classes))
+        weights = label_weights(labels, classes)
+        positives = {
+            "total_sum": clipped.sum(axis=0),
+            "positive_sum": clipped.T @ weights,
+            "positive_n": weights.sum(axis=0),
+            "positive_classes": classes,
+        }
     return PrivateStatistics(
         gram=stats.gram,
         pos_sum=stats.pos_sum[:, :n_classes],
@@ -238,6 +325,7 @@ def private_statistics(
         n_neg=stats.n_pos[n_classes:],
         n_clipped=n_clipped,
         n_rows=stats.n,
+        **positives,  # type: ignore[arg-type]
     )
 
 
@@ -294,7 +382,7 @@ def round1_upload(
     """One client's round-1 DP upload (the simulator's and the deployment's): the noisy
     contributions, and the clean ones they came from (the key of the client's ledger history)."""
     check_rows(stats.n_rows, plan.config)
-    clean = stats.round1(active, eigen=plan.config.ridge == "adassp")
+    clean = stats.round1(active, eigen=plan.config.ridge == "adassp", class_sums=plan.config.class_sums)
     return privatize(clean, plan, random), clean
 
 
@@ -323,11 +411,19 @@ def block_kind(tensor: str) -> BlockKind:
         return "gram"
     if tensor == EIGEN_TENSOR:
         return "eigen"
-    if tensor.startswith(("pos_sum/", "neg_sum/", "pseudo_pos_sum/", "pseudo_neg_sum/")):
+    if tensor == TOTAL_SUM:
+        return "total_sums"
+    if tensor == TOTAL_COUNT:
+        return "total_counts"
+    sums = ("pos_sum/", "neg_sum/", "pseudo_pos_sum/", "pseudo_neg_sum/", f"{POSITIVE_SUM}/")
+    if tensor.startswith(sums):
         return "sums"
-    if tensor.startswith(("n_pos/", "n_neg/", "pseudo_n_pos/", "pseudo_n_neg/")):
+    if tensor.startswith(("n_pos/", "n_neg/", "pseudo_n_pos/", "pseudo_n_neg/", f"{POSITIVE_COUNT}/")):
         return "counts"
-    raise DpError(f"tensor {tensor!r} is not part of the DP layout (gram, sums, counts, {EIGEN_TENSOR} only)")
+    raise DpError(
+        f"tensor {tensor!r} is not part of the DP layout (gram, sums, counts, {TOTAL_SUM}, {TOTAL_COUNT}, "
+        f"{EIGEN_TENSOR} only)"
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -427,6 +523,13 @@ def make_block(
     return BlockNoise(group, kind, dim, sensitivity, bits, members, fewest, variance, rho)
 
 
+# round-1 tensors of one class-sums layout only (round 2's pseudo-label tensors are in both)
+_ONLY_IN = {
+    "split": ("pos_sum/", "neg_sum/", "n_pos/", "n_neg/"),
+    "positives": (f"{POSITIVE_SUM}/", f"{POSITIVE_COUNT}/", TOTAL_SUM, TOTAL_COUNT),
+}
+
+
 @dataclass(frozen=True)
 class NoisePlan:
     """Every group's blocks, and which blocks each institution's images move."""
@@ -439,18 +542,41 @@ class NoisePlan:
     rho_total: float  # the calibrated per-institution budget before rounding the variances up
 
     def block(self, group: str, tensor: str) -> BlockNoise:
+        kind = block_kind(tensor)
+        layout = self.config.class_sums
+        if tensor.startswith(_ONLY_IN["positives" if layout == "split" else "split"]):
+            raise DpError(
+                f"tensor {tensor!r} belongs to the other class-sums layout than this plan's "
+                f"({layout!r}): its noise and accounting were not planned; make the upload with "
+                f"class_sums={layout!r}"
+            )
         try:
-            return self.blocks[(group, block_kind(tensor))]
+            return self.blocks[(group, kind)]
         except KeyError:
             raise DpError(f"no noise planned for tensor {tensor!r} of group {group!r}") from None
 
     def events(self, institution: str) -> list[tuple[float, float]]:
-        """(ρ, ξ) per slot: for a slot whose blocks may move together, the largest ρ of them
-        (a²+b² ≤ (a+b)² with equal sensitivity per image), and every ξ."""
+        """(ρ, ξ) per slot, and every ξ of the slot's blocks.
+
+        A slot's blocks may move together, by ``Δ_b`` with ``Σ_b Δ_b² ≤ Δ²`` (``Δ`` the blocks'
+        common sensitivity: one patient's images on either side of a class, ``a² + b² ≤ (a + b)²``;
+        an image's label-normalised positive sums, ``Σ_c w_c² ≤ 1``).  On the grid each moved block
+        also carries its rounding slack ``r_b = 2√D_b`` steps, so the slot's ρ is
+        ``Σ_b (Δ_b + r_b·2^-g_b)² / (2σ_b²) ≤ max_b 1/(2σ_b²) · (Δ + √A·max_b r_b·2^-g_b)²``
+        (Minkowski) for A blocks, σ_b each group sum's noise at its fewest survivors.  For one block
+        this is exactly its own ρ.
+        """
         out = []
         for slot in self.slots[institution]:
             blocks = [self.blocks[key] for key in slot]
-            out.append((max(b.rho for b in blocks), sum(b.xi for b in blocks)))
+            if len(blocks) == 1:
+                out.append((blocks[0].rho, blocks[0].xi))
+                continue
+            inverse = max(1.0 / (2.0 * b.group_std() ** 2) for b in blocks)
+            slack = max(2.0 * math.sqrt(b.dim) * b.grid for b in blocks)
+            sensitivity = max(b.sensitivity for b in blocks)
+            rho = inverse * (sensitivity + math.sqrt(len(blocks)) * slack) ** 2
+            out.append((rho, sum(b.xi for b in blocks)))
         return out
 
     def epsilon(self, institution: str) -> float:
@@ -545,32 +671,44 @@ def plan_noise(config: DpConfig, layout: FederationLayout) -> NoisePlan:
             raise DpError(f"class {c} has no annotating client: every class needs one")
     p = config.unit_multiplier
     c2 = config.clip
+    positives = config.class_sums == "positives"
     # "eigen" (ridge="adassp"): a client's λ_min moves by at most ‖h‖² ≤ C² per image (Weyl)
-    sensitivities = {"gram": p * c2 * c2, "sums": p * c2, "counts": float(p), "eigen": p * c2 * c2}
+    sensitivities = {
+        "gram": p * c2 * c2,
+        "sums": p * c2,
+        "counts": float(p),
+        "eigen": p * c2 * c2,
+        "total_sums": p * c2,
+        "total_counts": float(p),
+    }
     dims = {
         "gram": encoding.upper_triangle_length(layout.dim),
         "sums": 2 * layout.dim,
         "counts": 2,
         "eigen": 1,
+        "total_sums": layout.dim,
+        "total_counts": 1,
     }
     eigen = config.ridge == "adassp"
+    slots = _slots(layout, config.unit, eigen=eigen, positives=positives)
     # class slots per protected unit: an image moves one block per class it meets (its client's
-    # labelled classes in round 1; every class once both rounds run); a patient may span clients
-    if layout.rounds == 2 or config.unit == "patient":
-        class_slots = layout.n_classes
-    else:
-        class_slots = max(len(set(a)) for a in layout.active.values())
-    slots = _slots(layout, config.unit, eigen=eigen)
+    # labelled classes in round 1; every class once both rounds run); a patient may span clients.
+    # With positive sums, all of round 1's class blocks are one slot (their joint ℓ2 change ≤ C).
+    class_slots = max(sum(1 for slot in own if slot[0][1] == "sums") for own in slots.values())
 
     def build(rho_total: float) -> NoisePlan:
         share_gram, share_sums, share_counts = config.rho_shares
         # ridge="adassp": the λ_min release takes eigen_share of the total first
         rest = rho_total * (1.0 - config.eigen_share) if eigen else rho_total
+        # class_sums="positives": the total sum and count take total_share of the sums' and counts'
+        classes = 1.0 - config.total_share if positives else 1.0
         per_kind = {
             "gram": share_gram * rest,
-            "sums": share_sums * rest / class_slots,
-            "counts": share_counts * rest / class_slots,
+            "sums": share_sums * rest * classes / class_slots,
+            "counts": share_counts * rest * classes / class_slots,
             "eigen": config.eigen_share * rho_total,
+            "total_sums": share_sums * rest * config.total_share,
+            "total_counts": share_counts * rest * config.total_share,
         }
         blocks: dict[tuple[str, BlockKind], BlockNoise] = {}
         for group in layout.groups():
@@ -582,14 +720,17 @@ def plan_noise(config: DpConfig, layout: FederationLayout) -> NoisePlan:
                 min_group_size=layout.min_group_size,
                 masked=layout.masked,
             )
-            kinds: tuple[BlockKind, ...] = (
-                (("gram", "eigen") if eigen else ("gram",)) if group == ALL_GROUP else ("sums", "counts")
-            )
+            kinds: tuple[BlockKind, ...] = ("sums", "counts")
+            if group == ALL_GROUP:
+                kinds = ("gram", "eigen") if eigen else ("gram",)
+                kinds += ("total_sums", "total_counts") if positives else ()
             for kind in kinds:
+                # a class group's positive sums: one sum and one count (no negative side)
+                halve = positives and kind in ("sums", "counts") and group.startswith("class/")
                 blocks[(group, kind)] = make_block(
                     group,
                     kind,
-                    dim=dims[kind],
+                    dim=dims[kind] // 2 if halve else dims[kind],
                     sensitivity=sensitivities[kind],
                     rho=per_kind[kind],
                     members=members,
@@ -617,7 +758,14 @@ def plan_noise(config: DpConfig, layout: FederationLayout) -> NoisePlan:
 
 _FLOAT_MARGIN = 1e-6  # relative: float64 rounding of a sum of at most max_rows clipped rows
 _NOISE_TAIL_BITS = 128  # a client's noise exceeds the bound below with probability < 2^-128 per block
-_PER_ROW = {"gram": "clip²", "sums": "clip", "counts": "1", "eigen": "clip²"}
+_PER_ROW = {
+    "gram": "clip²",
+    "sums": "clip",
+    "counts": "1",
+    "eigen": "clip²",
+    "total_sums": "clip",
+    "total_counts": "1",
+}
 
 
 def noise_tail_multiple(dim: int) -> float:
@@ -649,9 +797,14 @@ def encodable_rows(block: BlockNoise, config: DpConfig, frac_bits: int, *, maske
     size, the clip and ``frac_bits``.  The dimension enters through the noise's tail
     (:func:`noise_tail_multiple` of the block's coordinates: K(K+1)/2 for a projected Gram).
     """
-    per_row = {"gram": config.clip**2, "sums": config.clip, "counts": 1.0, "eigen": config.clip**2}[
-        block.kind
-    ]
+    per_row = {
+        "gram": config.clip**2,
+        "sums": config.clip,
+        "counts": 1.0,
+        "eigen": config.clip**2,
+        "total_sums": config.clip,
+        "total_counts": 1.0,
+    }[block.kind]
     noise = math.ceil(noise_tail_multiple(block.dim) * math.sqrt(block.client_variance))
     room = _block_limit_steps(block, frac_bits, masked=masked) - 1 - noise
     if room <= 0:
@@ -678,6 +831,8 @@ def check_plan_encodable(plan: NoisePlan, *, masked: bool = True) -> None:
         "sums": f"{config.clip:g}",
         "counts": "1",
         "eigen": f"{config.clip:g}²",
+        "total_sums": f"{config.clip:g}",
+        "total_counts": "1",
     }[worst.kind]
     raise DpError(
         f"the fixed-point encoding can overflow: in {where} a client's {worst.kind} may reach max_rows "
@@ -698,16 +853,32 @@ def check_rows(n_rows: int, config: DpConfig) -> None:
 
 
 def _slots(
-    layout: FederationLayout, unit: DpUnit, *, eigen: bool = False
+    layout: FederationLayout, unit: DpUnit, *, eigen: bool = False, positives: bool = False
 ) -> dict[str, tuple[tuple[tuple[str, BlockKind], ...], ...]]:
     """Per institution: the Gram (and, ``eigen``, the λ_min release); per class and kind, the
-    blocks its protected unit may move."""
+    blocks its protected unit may move.
+
+    ``positives`` (class_sums="positives"): the total sum and count in ``all``, and round 1's class
+    blocks as one slot per kind (every class an image's client labels, every class for a patient,
+    whose images may sit at any client); round 2's pseudo-label blocks keep a slot per class.
+    """
     out = {}
     for inst, active in layout.active.items():
         labelled = set(map(int, active))
         slots: list[tuple[tuple[str, BlockKind], ...]] = [((ALL_GROUP, "gram"),)]
         if eigen:
             slots.append(((ALL_GROUP, "eigen"),))
+        if positives:
+            slots += [((ALL_GROUP, "total_sums"),), ((ALL_GROUP, "total_counts"),)]
+            reached = range(layout.n_classes) if unit == "patient" else sorted(labelled)
+            if reached:
+                slots += [tuple((class_group(c), kind) for c in reached) for kind in ("sums", "counts")]
+            for c in range(layout.n_classes):
+                pseudo = layout.rounds == 2 and layout.members(pseudo_group(c)) > 0
+                if pseudo and (unit == "patient" or c not in labelled):
+                    slots += [((pseudo_group(c), "sums"),), ((pseudo_group(c), "counts"),)]
+            out[inst] = tuple(slots)
+            continue
         for c in range(layout.n_classes):
             if unit == "patient":  # a patient's images may sit at clients on either side
                 groups = [class_group(c)] + (

@@ -24,6 +24,14 @@ DP_RIDGES: tuple[str, ...] = ("bound", "adaptive", "adassp")
 DEFAULT_DP_DIM = 128
 # The ridge when --dp-ridge is not given: the adaptive one with a projection, today's without.
 DEFAULT_RIDGE_WITH_DIM = "adaptive"
+# What the class groups carry (secure_afl/privacy/dp.py, "Class sums"):
+#   "split":     per class the positive and the negative sums and counts (every image moves every
+#                class block of its institution: the sums' ρ is divided among the labelled classes);
+#   "positives": per class only label-normalised positive sums and counts (an image with k labelled
+#                positives adds h/√k to each: all class blocks together move by at most C), and one
+#                total sum and count in ``all`` that stands for the negatives' mean.
+DpClassSums = Literal["split", "positives"]
+DP_CLASS_SUMS: tuple[str, ...] = ("split", "positives")
 
 
 def default_ridge(ridge: str | None, projection_dim: int | None) -> str:
@@ -71,6 +79,11 @@ class DpConfig:
     # ridge="adassp": the share of the total ρ spent on the release of Σ_k λ_min(G_k), taken before
     # rho_shares split the rest (fixed a priori: the release is one number).
     eigen_share: float = 0.05
+    class_sums: DpClassSums = "split"
+    # class_sums="positives": the share of the sums' (and of the counts') ρ spent on the total sum
+    # (count) in ``all``, fixed a priori: the total is divided by every row of the federation, so
+    # its noise matters far less than the positive sums'.
+    total_share: float = 0.1
 
     def validate(self) -> None:
         if not (self.epsilon > 0 and math.isfinite(self.epsilon)):
@@ -107,6 +120,12 @@ class DpConfig:
             raise DpError(f"--dp-ridge must be one of {', '.join(DP_RIDGES)}, got {self.ridge!r}")
         if not 0 < self.eigen_share < 1:
             raise DpError(f"eigen_share must lie strictly between 0 and 1, got {self.eigen_share}")
+        if self.class_sums not in DP_CLASS_SUMS:
+            raise DpError(
+                f"--dp-class-sums must be one of {', '.join(DP_CLASS_SUMS)}, got {self.class_sums!r}"
+            )
+        if not 0 < self.total_share < 1:
+            raise DpError(f"total_share must lie strictly between 0 and 1, got {self.total_share}")
 
     def statistics_dim(self, dim: int) -> int:
         """The dimension of the statistics for ``dim``-dimensional features: K, or ``dim``."""
@@ -128,7 +147,8 @@ class DpConfig:
             if self.projection_dim is None
             else (f"rows projected to K = {self.projection_dim} (seed {self.projection_seed})")
         )
-        return f"{rows}, {self.ridge} ridge"
+        sums = "" if self.class_sums == "split" else ", label-normalised positive sums + total"
+        return f"{rows}, {self.ridge} ridge{sums}"
 
     @property
     def unit_multiplier(self) -> int:

@@ -57,7 +57,14 @@ from secure_afl.analytic import (
     class_group,
     pseudo_group,
 )
-from secure_afl.privacy.dp import EIGEN_TENSOR, NoisePlan
+from secure_afl.privacy.dp import (
+    EIGEN_TENSOR,
+    POSITIVE_COUNT,
+    POSITIVE_SUM,
+    TOTAL_COUNT,
+    TOTAL_SUM,
+    NoisePlan,
+)
 from secure_afl.privacy.projection import lift_weights, projection_digest
 
 
@@ -79,8 +86,15 @@ def _noisy_count(value: np.ndarray) -> int:
 
 
 def analytic_sums(sums: GroupSums, n_classes: int) -> dict[str, dict[str, np.ndarray]]:
-    """The ``balance="global"``, ``gram="global"`` tensors of :class:`AnalyticClassifier`."""
+    """The ``balance="global"``, ``gram="global"`` tensors of :class:`AnalyticClassifier`.
+
+    With ``class_sums="positives"`` (the ``all`` group holds ``total_sum``): per class the tensors
+    whose balanced projection is ``wpos_sum/n⁺_w − total_sum/n_total`` (the positives' weighted mean
+    minus the federation's mean, see :mod:`secure_afl.privacy.dp`).
+    """
     out: dict[str, dict[str, np.ndarray]] = {ALL_GROUP: {"gram": np.asarray(sums[ALL_GROUP]["gram"])}}
+    if TOTAL_SUM in sums.get(ALL_GROUP, {}):
+        return _positives_sums(sums, n_classes, out)
     for c in range(n_classes):
         group = sums.get(class_group(c))
         if group is None:
@@ -94,6 +108,32 @@ def analytic_sums(sums: GroupSums, n_classes: int) -> dict[str, dict[str, np.nda
             f"n_pos/{c}": np.array([float(n_pos)]),
             "feat_sum": pos + neg,
             "n": np.array([float(n_pos + n_neg)]),
+        }
+    return out
+
+
+def _positives_sums(
+    sums: GroupSums, n_classes: int, out: dict[str, dict[str, np.ndarray]]
+) -> dict[str, dict[str, np.ndarray]]:
+    total = np.asarray(sums[ALL_GROUP][TOTAL_SUM], dtype=np.float64)
+    try:
+        n_total = _noisy_count(sums[ALL_GROUP][TOTAL_COUNT])
+    except KeyError:
+        raise StatisticsError(f"the 'all' group has {TOTAL_SUM} but not {TOTAL_COUNT}") from None
+    for c in range(n_classes):
+        group = sums.get(class_group(c))
+        if group is None or f"{POSITIVE_SUM}/{c}" not in group:
+            raise StatisticsError(f"no positive sums for class {c}: every class needs an annotating survivor")
+        weighted = float(np.asarray(group[f"{POSITIVE_COUNT}/{c}"]).ravel()[0])
+        # the classifier divides by a whole count: rescale the sum so that the mean is unchanged
+        n_pos = _noisy_count(np.array([weighted]))
+        pos = np.asarray(group[f"{POSITIVE_SUM}/{c}"], dtype=np.float64) * (n_pos / max(weighted, 1.0))
+        # balanced projection pos/n⁺ − (feat − pos)/(n − n⁺) with n = n⁺ + n_total, feat = pos + total
+        out[class_group(c)] = {
+            f"pos_sum/{c}": pos,
+            f"n_pos/{c}": np.array([float(n_pos)]),
+            "feat_sum": pos + total,
+            "n": np.array([float(n_pos + n_total)]),
         }
     return out
 
@@ -275,6 +315,8 @@ def privacy_record(
         "unit": cfg.unit,
         "max_images_per_patient": cfg.max_images_per_patient if cfg.unit == "patient" else None,
         "rho_shares": list(cfg.rho_shares),
+        "class_sums": cfg.class_sums,
+        "total_share": cfg.total_share if cfg.class_sums == "positives" else None,
         "epsilon_spent": plan.epsilons(),
         "mechanism": cfg.mechanism,
         "projection": projection,

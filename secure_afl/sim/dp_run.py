@@ -117,9 +117,9 @@ def run_private_setting(
     )
     plan = plan_noise(dp, layout)
 
-    if stats is None:
+    if stats is None or not _stats_fit(stats, dp, assignment.active):
         with timer.phase("statistics"):
-            stats = client_private_statistics(data, config)
+            stats = client_private_statistics(data, config, assignment.active)
     with timer.phase("dp noise"):
         round1 = {
             name: round1_upload(stats[name], assignment.active[k], plan, random)[0]
@@ -199,9 +199,12 @@ def run_private_setting(
     )
 
 
-def client_private_statistics(data: PreparedData, config: object) -> dict[str, PrivateStatistics]:
+def client_private_statistics(
+    data: PreparedData, config: object, active: Sequence[Sequence[int]] | None = None
+) -> dict[str, PrivateStatistics]:
     """Every client's clipped statistics (they depend on the clip bound, the unit and the
-    projection, not on ε or the ridge)."""
+    projection, not on ε or the ridge); with ``active`` (each client's classes) also the
+    label-normalised positive sums of ``class_sums="positives"``, which depend on those classes."""
     from secure_afl.sim import runner
 
     dp: DpConfig = config.dp  # type: ignore[attr-defined]
@@ -213,9 +216,21 @@ def client_private_statistics(data: PreparedData, config: object) -> dict[str, P
             dp.clip,
             projection=projection,
             device=config.device,  # type: ignore[attr-defined]
+            active=None if active is None else active[k],
         )
         for k, r in enumerate(_client_rows(data, dp))
     }
+
+
+def _stats_fit(stats: Mapping[str, PrivateStatistics], dp: DpConfig, active: Sequence[Sequence[int]]) -> bool:
+    """Whether ``stats`` can make this setting's uploads: the positive sums are normalised over each
+    client's classes, so a missing level with other classes needs new ones."""
+    if dp.class_sums != "positives":
+        return True
+    return all(
+        s.positive_classes is not None and set(s.positive_classes) == set(map(int, a))
+        for s, a in zip(stats.values(), active, strict=True)
+    )
 
 
 def privacy_summary(
@@ -235,6 +250,15 @@ def privacy_summary(
         ("rows_used", {k: s.n_rows for k, s in stats.items()}),  # type: ignore[attr-defined]
     ]
     return dict(items[:position] + clipping + items[position:])
+
+
+def _class_sums(privacy: Mapping[str, object]) -> str:
+    if privacy.get("class_sums", "split") == "split":
+        return "split (positive and negative sums per labelled class)"
+    return (
+        "label-normalised positive sums + total (one slot for every class; the total in 'all' takes "
+        f"{privacy['total_share']:g} of the sums' and counts' ρ)"
+    )
 
 
 def privacy_lines(privacy: Mapping[str, object]) -> list[str]:
@@ -261,7 +285,7 @@ def privacy_lines(privacy: Mapping[str, object]) -> list[str]:
     lines = [
         f"differential privacy: target ε = {privacy['epsilon_target']:g} at δ = {privacy['delta']:g}, "
         f"unit: one {unit}, rows clipped to L2 norm {privacy['clip']:g}",
-        f"mechanism: {rows}; ridge: {privacy.get('ridge_kind', 'bound')}",
+        f"mechanism: {rows}; ridge: {privacy.get('ridge_kind', 'bound')}; class sums: {_class_sums(privacy)}",
         "ε spent per institution: " + ", ".join(f"{k} {v:.4f}" for k, v in spent.items()),
         f"rows clipped: {sum(clipped.values())} of {sum(used.values())} "
         f"({', '.join(f'{k} {v}' for k, v in clipped.items())})",
@@ -310,7 +334,7 @@ def privacy_lines(privacy: Mapping[str, object]) -> list[str]:
 def sweep_mechanisms(dp: DpConfig) -> dict[str, DpConfig]:
     """The mechanisms the ε sweep puts side by side: today's (``old``: the rows' d dimensions, the
     data-independent ridge) and ``dp`` as given (``new``), when it differs."""
-    old = replace(dp, projection_dim=None, ridge="bound")
+    old = replace(dp, projection_dim=None, ridge="bound", class_sums="split")
     out = {mechanism_label(old): old}
     if dp != old:
         out[mechanism_label(dp)] = dp
@@ -319,7 +343,8 @@ def sweep_mechanisms(dp: DpConfig) -> dict[str, DpConfig]:
 
 def mechanism_label(dp: DpConfig) -> str:
     dims = "d dims" if dp.projection_dim is None else f"K = {dp.projection_dim}"
-    return f"{dims}, {dp.ridge} ridge"
+    sums = "" if dp.class_sums == "split" else ", positive sums"
+    return f"{dims}, {dp.ridge} ridge{sums}"
 
 
 def run_dp_sweep(
@@ -352,8 +377,18 @@ def run_dp_sweep(
     done, total = 0, len(mechanisms) * len(config.missing) * len(epsilons)
     for label, mechanism in mechanisms.items():
         mech_config = replace(config, dp=mechanism)
-        stats = client_private_statistics(data, mech_config)
+        positives = mechanism.class_sums == "positives"
+        stats = {} if positives else client_private_statistics(data, mech_config)
         for missing in config.missing:
+            if positives:  # the positive sums are normalised over each level's classes
+                active = assign_partial_labels(
+                    config.n_clients,
+                    data.cohort.labels.shape[1],
+                    missing,
+                    seed=config.seed,
+                    missing1=config.missing1,
+                ).active
+                stats = client_private_statistics(data, mech_config, active)
             for eps in epsilons:
                 timer = runner.PhaseTimer()
                 ridge = None
@@ -411,7 +446,10 @@ def _non_private_metrics(
     rows = _client_rows(data, dp)
     ordered = list(stats.values())
     sums = analytic_sums(
-        sum_contributions(s.round1(assignment.active[k]) for k, s in enumerate(ordered)), n_classes
+        sum_contributions(
+            s.round1(assignment.active[k], class_sums=dp.class_sums) for k, s in enumerate(ordered)
+        ),
+        n_classes,
     )
     model = AnalyticClassifier(n_classes, gamma=config.gamma, balance="global", gram="global").fit(sums)
     test_x = data.features[data.split.test]

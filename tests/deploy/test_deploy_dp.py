@@ -578,3 +578,39 @@ def test_deploy_local_refuses_dp_dim_without_dp(tmp_path: Path) -> None:
     result = CliRunner().invoke(main, ["deploy", "local", "--dp-dim", "16", *out])
     assert result.exit_code == 2 and "--dp-dim shapes the differential-privacy mechanism" in result.output
     assert not (tmp_path / "out").exists()
+
+
+def test_a_private_deployment_with_positive_sums_solves_as_the_simulator_does(tmp_path: Path) -> None:
+    """Through the deployment's server and clients (in process): the study carries class_sums, each
+    client uploads the positive sums and the total, and the classifier equals the simulator's solve of
+    the same noisy uploads, a client killed after its upload included."""
+    from secure_afl.privacy.dp import POSITIVE_SUM, TOTAL_SUM
+    from secure_afl.privacy.dp_solve import fit_private
+    from secure_afl.sim.secure import secure_aggregate
+
+    method = Method(balance="global", rounds=1)
+    federation = make_federation(tmp_path, n_clients=5, active=ACTIVE, method=method)
+    lists = {cid: tuple(data[2]) for cid, data in federation.data.items()}
+    dp = StudyDp(epsilon=1.0, clip=8.0, class_lists=lists, class_sums="positives")
+    federation.study = dataclasses.replace(federation.study, dp=dp)
+    assert StudyDp.from_dict(dp.to_dict()) == dp and dp.to_dict()["class_sums"] == "positives"
+    federation.nodes[1002].dead_from = "s1-R1"
+    transport = Capturing(federation)
+    server, classifier, _ = run_server(federation, transport)
+    study = federation.study
+    layout = round1_layout(study)
+    assert TOTAL_SUM in layout.groups["all"] and f"{POSITIVE_SUM}/0" in layout.groups["class/0"]
+    uploads = {cid: _contributions(flat, layout) for cid, flat in transport.uploads["1"].items()}
+    reference = secure_aggregate(
+        uploads, threshold=study.threshold_for(5), min_group_size=study.min_group_size,
+        dropouts={"R1": ["client-2"]}, frac_bits=study.frac_bits,
+    )  # fmt: skip
+    plan = noise_plan(study, len(federation.roster))
+    model, _, _ = fit_private(
+        reference.sums, plan, n_classes=3, gamma=study.method.gamma,
+        gram_survivors=len(reference.survivors["all"]),
+    )  # fmt: skip
+    assert classifier.weights.tobytes() == np.asarray(model.coef_, dtype=np.float64).tobytes()
+    assert classifier.privacy is not None and classifier.privacy["class_sums"] == "positives"
+    assert max(classifier.privacy["epsilon_spent"].values()) <= 1.0
+    assert server.report.sessions[0].survivors == ("client-0", "client-1", "client-3", "client-4")

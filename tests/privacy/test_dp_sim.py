@@ -190,3 +190,31 @@ def test_dp_dim_and_ridge_without_dp_or_out_of_range_are_refused(tmp_path: Path)
         above.output.split()
     )
     assert not (tmp_path / "results.json").exists()
+
+
+def test_sim_positive_class_sums_run_under_masking_with_both_rounds(tmp_path: Path) -> None:
+    result = _run(
+        ["--missing", "1", "--rounds", "2", "--dp-epsilon", "2", "--dp-class-sums", "positives",
+         "--secure", "mask", "--out", str(tmp_path), *SMALL]
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "label-normalised positive sums + total" in " ".join(result.output.split())
+    setting = json.loads((tmp_path / "results.json").read_text())["settings"][0]
+    assert set(setting["metrics"]) == {AFL_DP_1, AFL_DP_2}
+    dp = setting["differential_privacy"]
+    assert dp["class_sums"] == "positives" and dp["total_share"] == 0.1
+    kinds = {(b["group"], b["block"]) for b in dp["blocks"]}
+    assert {("all", "total_sums"), ("all", "total_counts"), ("class/0", "sums")} <= kinds
+    assert all(0.9 * 2 < e <= 2 for e in dp["epsilon_spent"].values())
+    alone = _run(["--dp-class-sums", "positives", "--out", str(tmp_path / "x"), *SMALL])
+    assert alone.exit_code == 2 and "--dp-class-sums shapes the differential-privacy" in alone.output
+
+
+def test_the_sweep_puts_the_positive_sums_beside_todays_mechanism(tmp_path: Path) -> None:
+    dp = DpConfig(epsilon=1.0, class_sums="positives")
+    config = SimConfig(missing=(1, 7), rounds=1, fraction=0.05, dim=16, secure="mask", device="cpu", dp=dp)
+    sweep = run_dp_sweep(config, epsilons=(1.0, float("inf")))
+    assert sweep["mechanisms"] == ["d dims, bound ridge", "d dims, bound ridge, positive sums"]
+    ours = [p for p in sweep["points"] if p["mechanism"].endswith("positive sums")]
+    assert {(p["missing"], p["epsilon"]) for p in ours} == {(1, 1.0), (1, None), (7, 1.0), (7, None)}
+    assert all(0 <= p["auc"] <= 1 for p in sweep["points"])
