@@ -66,6 +66,8 @@ def main() -> None:
     parser.add_argument("--class-sums", default="split", help="comma list: split, positives")
     parser.add_argument("--shares", default=None, help="ρ shares gram,sums,counts (default: DpConfig's)")
     parser.add_argument("--threshold", type=int, default=None, help="masking threshold t (default: n−3)")
+    parser.add_argument("--row-centre", action="store_true", help="remove each row's own mean first")
+    parser.add_argument("--clip", type=float, default=32.0)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     ks = [_parse_k(k) for k in args.ks.split(",")]
@@ -74,7 +76,7 @@ def main() -> None:
     ridges = args.ridges.split(",")
     shares = {} if args.shares is None else {"rho_shares": tuple(float(x) for x in args.shares.split(","))}
     base = SimConfig(
-        missing=tuple(missing), rounds=1, dp=DpConfig(epsilon=1.0, **shares), device="cpu",
+        missing=tuple(missing), rounds=1, dp=DpConfig(epsilon=1.0, clip=args.clip, row_centre=args.row_centre, **shares), device="cpu",
         threshold=args.threshold,
     )  # fmt: skip
     data = prepare(None, fraction=base.fraction, dim=base.dim, seed=base.seed, n_clients=base.n_clients)

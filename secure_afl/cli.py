@@ -22,6 +22,7 @@ from secure_afl.cli_options import (
     check_dp_mechanism_options,
     ckks_degree_option,
     dp_options,
+    resolve_clip,
     resolve_dp_ridge,
 )
 from secure_afl.sim.data import CLASSES, N_CLIENTS, CohortError
@@ -373,13 +374,14 @@ def sim(
     amp: bool,
     dp_epsilon: float | None,
     dp_delta: float,
-    clip: float,
+    clip: float | None,
     dp_unit: str,
     dp_max_images_per_patient: int,
     dp_dim: int | None,
     dp_projection_seed: int,
     dp_ridge: str | None,
     dp_class_sums: str | None,
+    dp_row_centre: bool,
     dp_sweep: bool,
     scenario: str,
     centre_n: str,
@@ -402,25 +404,29 @@ def sim(
     _check_writable(out_dir)
     dp = None
     check_dp_mechanism_options(
-        dp_epsilon is not None or dp_sweep, dp_dim, dp_ridge, dp_projection_seed, dp_class_sums
+        dp_epsilon is not None or dp_sweep, dp_dim, dp_ridge, dp_projection_seed, dp_class_sums, dp_row_centre
     )
+    sweep_baseline_clip = resolve_clip(clip, False)
     if dp_epsilon is not None or dp_sweep:
         from secure_afl.privacy.dp import DpConfig, DpError
 
         projection_dim = dp_dim
-        # The sweep compares today's mechanism with another: the positive sums unless one is given.
-        unchanged = dp_dim is None and dp_ridge is None and dp_class_sums is None
-        class_sums = "positives" if dp_sweep and unchanged else (dp_class_sums or "split")
+        # The sweep compares today's mechanism with another: unless one is described, the centred
+        # rows with positive class sums.
+        unchanged = dp_dim is None and dp_ridge is None and dp_class_sums is None and not dp_row_centre
+        if dp_sweep and unchanged:
+            dp_class_sums, dp_row_centre = "positives", True
         dp = DpConfig(
             epsilon=1.0 if dp_epsilon is None else dp_epsilon,
             delta=dp_delta,
-            clip=clip,
+            clip=resolve_clip(clip, dp_row_centre),
             unit=dp_unit,  # type: ignore[arg-type]
             max_images_per_patient=dp_max_images_per_patient,
             projection_dim=projection_dim,
             projection_seed=dp_projection_seed,
             ridge=resolve_dp_ridge(dp_ridge, projection_dim),  # type: ignore[arg-type]
-            class_sums=class_sums,  # type: ignore[arg-type]
+            class_sums=dp_class_sums or "split",  # type: ignore[arg-type]
+            row_centre=dp_row_centre,
         )
         try:
             dp.validate()
@@ -523,7 +529,7 @@ def sim(
                 ),
             )
             if dp_sweep:
-                _run_sweep(config, out_dir, console)
+                _run_sweep(config, out_dir, console, sweep_baseline_clip)
                 return
             try:
                 result = run_experiment(config, progress=progress, preparing=preparing)
@@ -544,12 +550,12 @@ def sim(
         console.print(f"wrote {write_backbone_table(results, out_dir)}")
 
 
-def _run_sweep(config: SimConfig, out_dir: Path, console: Console) -> None:
+def _run_sweep(config: SimConfig, out_dir: Path, console: Console, baseline_clip: float) -> None:
     from secure_afl.sim.dp_run import run_dp_sweep, write_sweep
 
     try:
         config.validate()
-        sweep = run_dp_sweep(config, progress=_ProgressBars(console))
+        sweep = run_dp_sweep(config, progress=_ProgressBars(console), baseline_clip=baseline_clip)
     except _sim_errors() as exc:
         raise click.ClickException(str(exc)) from exc
     for p in sweep["points"]:  # type: ignore[union-attr]

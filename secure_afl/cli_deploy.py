@@ -18,6 +18,7 @@ from secure_afl.cli_options import (
     check_dp_mechanism_options,
     ckks_degree_option,
     dp_options,
+    resolve_clip,
     resolve_dp_ridge,
 )
 from secure_afl.deploy.errors import ConfigurationError, DeploymentError
@@ -643,13 +644,14 @@ def deploy_local(
     rehearse_abort: bool,
     dp_epsilon: float | None,
     dp_delta: float,
-    clip: float,
+    clip: float | None,
     dp_unit: str,
     dp_max_images_per_patient: int,
     dp_dim: int | None,
     dp_projection_seed: int,
     dp_ridge: str | None,
     dp_class_sums: str | None,
+    dp_row_centre: bool,
 ) -> None:
     """A federation of N SuperNodes on this machine, compared with the in-process simulation.
 
@@ -677,7 +679,9 @@ def deploy_local(
     say = console.print if console.is_terminal else (lambda text: click.echo(text))
     client_ids = [f"client-{k}" for k in range(clients)]
     drop_rounds = _parse_drops(drops, client_ids, secure)
-    check_dp_mechanism_options(dp_epsilon is not None, dp_dim, dp_ridge, dp_projection_seed, dp_class_sums)
+    check_dp_mechanism_options(
+        dp_epsilon is not None, dp_dim, dp_ridge, dp_projection_seed, dp_class_sums, dp_row_centre
+    )
     if dp_epsilon is not None and (balance == "client" or gram == "class"):
         raise click.UsageError(
             "--dp-epsilon needs --balance global and --gram global (plain sums and counts with clean "
@@ -705,7 +709,7 @@ def deploy_local(
             else StudyDp(
                 epsilon=dp_epsilon,
                 delta=dp_delta,
-                clip=clip,
+                clip=resolve_clip(clip, dp_row_centre),
                 unit=dp_unit,
                 max_images_per_patient=dp_max_images_per_patient,
                 # the class lists are public under DP: every client sizes its noise from them
@@ -714,6 +718,7 @@ def deploy_local(
                 projection_seed=dp_projection_seed,
                 ridge=resolve_dp_ridge(dp_ridge, dp_dim),
                 class_sums=dp_class_sums or "split",
+                row_centre=dp_row_centre,
             ),
         )
     except ConfigurationError as exc:

@@ -7,7 +7,7 @@ from typing import TypeVar
 
 import click
 
-from secure_afl.privacy.dp_config import DEFAULT_DP_DIM, default_ridge
+from secure_afl.privacy.dp_config import DEFAULT_CENTRED_CLIP, DEFAULT_CLIP, DEFAULT_DP_DIM, default_ridge
 
 F = TypeVar("F", bound=Callable[..., object])
 
@@ -43,9 +43,17 @@ _DP_OPTIONS = [
     click.option(
         "--clip",
         type=float,
-        default=32.0,
-        show_default=True,
-        help="DP: L2 bound every feature row is clipped to (public; choose it without looking at the data).",
+        default=None,
+        help="DP: L2 bound every feature row is clipped to (public; choose it without looking at the data). "
+        f"[default: {DEFAULT_CLIP:g}; {DEFAULT_CENTRED_CLIP:g} with --dp-row-centre]",
+    ),
+    click.option(
+        "--dp-row-centre",
+        is_flag=True,
+        default=False,
+        help="DP: subtract every row's own mean over its features before the projection and the clip (a "
+        "public map; non-negative features carry most of their norm along the all-ones direction, which "
+        "has no class signal but sets the clip). The classifier still predicts on the original features.",
     ),
     click.option(
         "--dp-unit",
@@ -103,14 +111,31 @@ def resolve_dp_ridge(dp_ridge: str | None, dp_dim: int | None) -> str:
     return default_ridge(dp_ridge, dp_dim)
 
 
+def resolve_clip(clip: float | None, row_centre: bool) -> float:
+    """``--clip``'s default: :data:`DEFAULT_CLIP`, or :data:`DEFAULT_CENTRED_CLIP` for centred rows."""
+    if clip is not None:
+        return clip
+    return DEFAULT_CENTRED_CLIP if row_centre else DEFAULT_CLIP
+
+
 def check_dp_mechanism_options(
-    dp_on: bool, dp_dim: int | None, dp_ridge: str | None, seed: int, class_sums: str | None = None
+    dp_on: bool,
+    dp_dim: int | None,
+    dp_ridge: str | None,
+    seed: int,
+    class_sums: str | None = None,
+    row_centre: bool = False,
 ) -> None:
-    """``--dp-dim``, ``--dp-ridge``, ``--dp-class-sums`` and ``--dp-projection-seed`` only make sense
-    under DP."""
+    """``--dp-dim``, ``--dp-ridge``, ``--dp-class-sums``, ``--dp-row-centre`` and
+    ``--dp-projection-seed`` only make sense under DP."""
     if dp_on:
         return
-    options = (("--dp-dim", dp_dim), ("--dp-ridge", dp_ridge), ("--dp-class-sums", class_sums))
+    options = (
+        ("--dp-dim", dp_dim),
+        ("--dp-ridge", dp_ridge),
+        ("--dp-class-sums", class_sums),
+        ("--dp-row-centre", True if row_centre else None),
+    )
     given = [name for name, value in options if value is not None]
     if seed != 0:
         given.append("--dp-projection-seed")

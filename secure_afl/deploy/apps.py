@@ -25,7 +25,7 @@ of at least that many + 2 members, which their exposure checks accept).  Differe
 ``dp-unit`` (``image`` or ``patient``), ``dp-max-images-per-patient`` (4), ``dp-dim`` (K: the public
 random projection of the rows, absent: none), ``dp-projection-seed`` (0), ``dp-ridge`` (``bound``,
 ``adaptive``, the default with ``dp-dim``, or ``adassp``), ``dp-class-sums`` (``split`` or
-``positives``, secure_afl/privacy/dp.py) and ``class-lists``, every
+``positives``, secure_afl/privacy/dp.py), ``dp-row-centre`` (true or false) and ``class-lists``, every
 roster institution's labelled classes as ``"hospital-a=0,1,2;hospital-b=1,3"`` (class indices).
 
 Node config (each SuperNode's ``--node-config``): see :class:`~secure_afl.deploy.client.NodeSettings`.
@@ -184,6 +184,18 @@ def coordinator_signer(config: Mapping[str, Any], roster: Roster) -> ClassifierS
     return ClassifierSigner.for_roster(roster, key)
 
 
+def _flag(value: object, key: str) -> bool:
+    """A yes/no run-config value: TOML's true/false, or the words a ``--set KEY=VALUE`` gives."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "yes", "1"):
+        return True
+    if text in ("false", "no", "0"):
+        return False
+    raise ConfigurationError(f"the run config's {key} must be true or false, got {value!r}")
+
+
 def _dp_from_run_config(config: Mapping[str, Any]) -> StudyDp | None:
     if "dp-epsilon" not in config:
         return None
@@ -203,6 +215,7 @@ def _dp_from_run_config(config: Mapping[str, Any]) -> StudyDp | None:
             projection_dim=int(config["dp-dim"]) if "dp-dim" in config else None,
             projection_seed=int(config.get("dp-projection-seed", 0)),
             class_sums=str(config.get("dp-class-sums", "split")),
+            row_centre=_flag(config.get("dp-row-centre", False), "dp-row-centre"),
             ridge=default_ridge(
                 str(config["dp-ridge"]) if "dp-ridge" in config else None,
                 int(config["dp-dim"]) if "dp-dim" in config else None,

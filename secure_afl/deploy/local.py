@@ -632,6 +632,7 @@ def _dp_run_config(study: Study) -> dict[str, object]:
         "class-lists": format_class_lists(dp.class_lists),
         "dp-ridge": dp.ridge,
         "dp-class-sums": dp.class_sums,
+        "dp-row-centre": dp.row_centre,
         **(
             {}
             if dp.projection_dim is None

@@ -101,6 +101,7 @@ class StudyDp:
     projection_seed: int = 0
     ridge: str = "bound"
     class_sums: str = "split"  # DpConfig.class_sums
+    row_centre: bool = False  # DpConfig.row_centre
 
     def config(self) -> DpConfig:
         """The privacy module's config, validated (:class:`ConfigurationError` names what is wrong)."""
@@ -115,6 +116,7 @@ class StudyDp:
             projection_seed=self.projection_seed,
             ridge=self.ridge,  # type: ignore[arg-type]
             class_sums=self.class_sums,  # type: ignore[arg-type]
+            row_centre=self.row_centre,
         )
         try:
             config.validate()
@@ -140,6 +142,8 @@ class StudyDp:
             out["ridge"] = self.ridge
         if self.class_sums != "split":
             out["class_sums"] = self.class_sums
+        if self.row_centre:
+            out["row_centre"] = True
         return out
 
     @classmethod
@@ -157,6 +161,7 @@ class StudyDp:
             projection_seed=int(document.get("projection_seed", 0)),
             ridge=str(document.get("ridge", "bound")),
             class_sums=str(document.get("class_sums", "split")),
+            row_centre=document.get("row_centre", False),
         )
 
 
@@ -398,13 +403,14 @@ def statistics_dim(study: Study) -> int:
 
 
 def dp_projection(study: Study) -> np.ndarray | None:
-    """The study's public projection matrix (``dim × K``), which every party derives alike; None
-    without ``--dp-dim``."""
-    if study.dp is None or study.dp.projection_dim is None:
+    """The study's public map of the rows (the row centring, then the projection to K: ``dim × K``,
+    ``dim × dim`` for the centring alone), which every party derives alike; None without either."""
+    if study.dp is None or (study.dp.projection_dim is None and not study.dp.row_centre):
         return None
-    from secure_afl.privacy.projection import projection_matrix
+    from secure_afl.privacy.projection import row_map
 
-    return projection_matrix(study.dim, study.dp.projection_dim, study.dp.projection_seed)
+    dp = study.dp
+    return row_map(study.dim, dp.projection_dim, dp.projection_seed, centre=dp.row_centre)
 
 
 def round1_layout(study: Study) -> Layout:

@@ -31,6 +31,11 @@ DEFAULT_RIDGE_WITH_DIM = "adaptive"
 #                positives adds h/√k to each: all class blocks together move by at most C), and one
 #                total sum and count in ``all`` that stands for the negatives' mean.
 DpClassSums = Literal["split", "positives"]
+# --clip when not given: the default, and the one for rows centred by --dp-row-centre.  The centred
+# rows of the embedded data's public generator drawn with another seed have a median norm of about
+# 20.7 (bench/README.md); a deployment takes its clip from public data of its own backbone.
+DEFAULT_CLIP = 32.0
+DEFAULT_CENTRED_CLIP = 20.0
 DP_CLASS_SUMS: tuple[str, ...] = ("split", "positives")
 
 
@@ -84,6 +89,11 @@ class DpConfig:
     # (count) in ``all``, fixed a priori: the total is divided by every row of the federation, so
     # its noise matters far less than the positive sums'.
     total_share: float = 0.1
+    # Subtract every row's own mean over its features before the projection and the clip: the
+    # public map x ↦ (I − 11ᵀ/d)x (secure_afl/privacy/projection.py).  Non-negative (post-ReLU) features
+    # have most of their norm along the all-ones direction, which carries no class signal but sets
+    # the clip; without it the rows are shorter and a smaller clip (DEFAULT_CENTRED_CLIP) keeps them.
+    row_centre: bool = False
 
     def validate(self) -> None:
         if not (self.epsilon > 0 and math.isfinite(self.epsilon)):
@@ -124,6 +134,8 @@ class DpConfig:
             raise DpError(
                 f"--dp-class-sums must be one of {', '.join(DP_CLASS_SUMS)}, got {self.class_sums!r}"
             )
+        if not isinstance(self.row_centre, bool):
+            raise DpError(f"--dp-row-centre is a yes/no setting, got {self.row_centre!r}")
         if not 0 < self.total_share < 1:
             raise DpError(f"total_share must lie strictly between 0 and 1, got {self.total_share}")
 
@@ -148,7 +160,8 @@ class DpConfig:
             else (f"rows projected to K = {self.projection_dim} (seed {self.projection_seed})")
         )
         sums = "" if self.class_sums == "split" else ", label-normalised positive sums + total"
-        return f"{rows}, {self.ridge} ridge{sums}"
+        centre = "rows centred (own mean removed), " if self.row_centre else ""
+        return f"{centre}{rows}, {self.ridge} ridge{sums}"
 
     @property
     def unit_multiplier(self) -> int:

@@ -316,6 +316,7 @@ def privacy_record(
         "max_images_per_patient": cfg.max_images_per_patient if cfg.unit == "patient" else None,
         "rho_shares": list(cfg.rho_shares),
         "class_sums": cfg.class_sums,
+        "row_centre": cfg.row_centre,
         "total_share": cfg.total_share if cfg.class_sums == "positives" else None,
         "epsilon_spent": plan.epsilons(),
         "mechanism": cfg.mechanism,

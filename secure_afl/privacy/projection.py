@@ -59,6 +59,18 @@ def projection_digest(dim: int, k: int, seed: int) -> str:
     return hashlib.sha256(matrix.astype("<f8").tobytes()).hexdigest()
 
 
+def row_map(dim: int, k: int | None, seed: int, *, centre: bool = False) -> np.ndarray | None:
+    """The public linear map of DP's rows: ``C = I − 11ᵀ/d`` when ``centre`` (every row less its own
+    mean over the features), then the random projection to ``k`` dimensions when ``k`` is given;
+    None when neither.  ``d × k`` (``d × d`` for the centring alone): :func:`lift_weights` turns
+    weights for the mapped rows into weights for the original features, as for the projection."""
+    projection = None if k is None else projection_matrix(dim, k, seed)
+    if not centre:
+        return projection
+    centring = np.eye(dim) - np.full((dim, dim), 1.0 / dim)
+    return centring if projection is None else centring @ projection
+
+
 def project_rows(features: np.ndarray, matrix: np.ndarray) -> np.ndarray:
     """``features @ matrix`` in float64 (rows × K)."""
     features = np.asarray(features, dtype=np.float64)

@@ -44,7 +44,7 @@ from secure_afl.privacy.dp_solve import (
     pseudo_count_noise_std,
     refine_private,
 )
-from secure_afl.privacy.projection import projection_matrix
+from secure_afl.privacy.projection import row_map
 from secure_afl.sim.audit import audit_groups
 from secure_afl.sim.datasets import PreparedData, Progress
 from secure_afl.sim.metrics import evaluate
@@ -57,8 +57,8 @@ SWEEP_EPSILONS = (0.5, 1.0, 2.0, 4.0, 8.0, math.inf)
 
 def dp_projection(dp: DpConfig, feature_dim: int) -> np.ndarray | None:
     """The public projection of ``--dp-dim`` for ``feature_dim``-dimensional rows (None without)."""
-    k = dp.statistics_dim(feature_dim)  # refuses K > d
-    return None if dp.projection_dim is None else projection_matrix(feature_dim, k, dp.projection_seed)
+    dp.statistics_dim(feature_dim)  # refuses K > d
+    return row_map(feature_dim, dp.projection_dim, dp.projection_seed, centre=dp.row_centre)
 
 
 def _client_rows(data: PreparedData, dp: DpConfig) -> list[np.ndarray]:
@@ -282,6 +282,8 @@ def privacy_lines(privacy: Mapping[str, object]) -> list[str]:
         )
     else:
         rows = "rows not projected (statistics in the features' d dimensions)"
+    if privacy.get("row_centre"):
+        rows = f"rows centred (own mean removed, the public map I − 11ᵀ/d), {rows}"
     lines = [
         f"differential privacy: target ε = {privacy['epsilon_target']:g} at δ = {privacy['delta']:g}, "
         f"unit: one {unit}, rows clipped to L2 norm {privacy['clip']:g}",
@@ -331,10 +333,18 @@ def privacy_lines(privacy: Mapping[str, object]) -> list[str]:
 # ----------------------------------------------------------------------------------------------
 
 
-def sweep_mechanisms(dp: DpConfig) -> dict[str, DpConfig]:
+def sweep_mechanisms(dp: DpConfig, baseline_clip: float | None = None) -> dict[str, DpConfig]:
     """The mechanisms the ε sweep puts side by side: today's (``old``: the rows' d dimensions, the
-    data-independent ridge) and ``dp`` as given (``new``), when it differs."""
-    old = replace(dp, projection_dim=None, ridge="bound", class_sums="split")
+    data-independent ridge, split class sums, no centring, ``baseline_clip`` or ``dp``'s clip) and
+    ``dp`` as given (``new``), when it differs."""
+    old = replace(
+        dp,
+        projection_dim=None,
+        ridge="bound",
+        class_sums="split",
+        row_centre=False,
+        clip=dp.clip if baseline_clip is None else baseline_clip,
+    )
     out = {mechanism_label(old): old}
     if dp != old:
         out[mechanism_label(dp)] = dp
@@ -344,7 +354,8 @@ def sweep_mechanisms(dp: DpConfig) -> dict[str, DpConfig]:
 def mechanism_label(dp: DpConfig) -> str:
     dims = "d dims" if dp.projection_dim is None else f"K = {dp.projection_dim}"
     sums = "" if dp.class_sums == "split" else ", positive sums"
-    return f"{dims}, {dp.ridge} ridge{sums}"
+    centre = "centred rows, " if dp.row_centre else ""
+    return f"{centre}{dims}, {dp.ridge} ridge{sums}"
 
 
 def run_dp_sweep(
@@ -352,6 +363,7 @@ def run_dp_sweep(
     *,
     epsilons: Sequence[float] = SWEEP_EPSILONS,
     progress: Progress | None = None,
+    baseline_clip: float | None = None,
 ) -> dict[str, object]:
     """BACC and AUC of the private method against ε for each missing level of ``config``, for each
     mechanism of :func:`sweep_mechanisms` (today's, and ``config.dp``'s projection and ridge).
@@ -372,7 +384,7 @@ def run_dp_sweep(
         n_clients=config.n_clients,
         split=config.split,
     )
-    mechanisms = sweep_mechanisms(dp)
+    mechanisms = sweep_mechanisms(dp, baseline_clip)
     points = []
     done, total = 0, len(mechanisms) * len(config.missing) * len(epsilons)
     for label, mechanism in mechanisms.items():
@@ -427,6 +439,7 @@ def run_dp_sweep(
         "feature_dim": int(data.features.shape[1]),
         "projection_seed": dp.projection_seed,
         "mechanisms": list(mechanisms),
+        "clips": {label: m.clip for label, m in mechanisms.items()},
         "points": points,
     }
 

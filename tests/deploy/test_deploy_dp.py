@@ -580,9 +580,11 @@ def test_deploy_local_refuses_dp_dim_without_dp(tmp_path: Path) -> None:
     assert not (tmp_path / "out").exists()
 
 
-def test_a_private_deployment_with_positive_sums_solves_as_the_simulator_does(tmp_path: Path) -> None:
-    """Through the deployment's server and clients (in process): the study carries class_sums, each
-    client uploads the positive sums and the total, and the classifier equals the simulator's solve of
+def test_a_private_deployment_with_positive_sums_and_centred_rows_solves_as_the_simulator_does(
+    tmp_path: Path,
+) -> None:
+    """Through the deployment's server and clients (in process): the study carries class_sums and
+    row_centre, each client centres its rows and uploads the positive sums and the total, and the classifier equals the simulator's solve of
     the same noisy uploads, a client killed after its upload included."""
     from secure_afl.privacy.dp import POSITIVE_SUM, TOTAL_SUM
     from secure_afl.privacy.dp_solve import fit_private
@@ -591,9 +593,10 @@ def test_a_private_deployment_with_positive_sums_solves_as_the_simulator_does(tm
     method = Method(balance="global", rounds=1)
     federation = make_federation(tmp_path, n_clients=5, active=ACTIVE, method=method)
     lists = {cid: tuple(data[2]) for cid, data in federation.data.items()}
-    dp = StudyDp(epsilon=1.0, clip=8.0, class_lists=lists, class_sums="positives")
+    dp = StudyDp(epsilon=1.0, clip=4.0, class_lists=lists, class_sums="positives", row_centre=True)
     federation.study = dataclasses.replace(federation.study, dp=dp)
     assert StudyDp.from_dict(dp.to_dict()) == dp and dp.to_dict()["class_sums"] == "positives"
+    assert dp.to_dict()["row_centre"] is True
     federation.nodes[1002].dead_from = "s1-R1"
     transport = Capturing(federation)
     server, classifier, _ = run_server(federation, transport)
@@ -610,7 +613,29 @@ def test_a_private_deployment_with_positive_sums_solves_as_the_simulator_does(tm
         reference.sums, plan, n_classes=3, gamma=study.method.gamma,
         gram_survivors=len(reference.survivors["all"]),
     )  # fmt: skip
-    assert classifier.weights.tobytes() == np.asarray(model.coef_, dtype=np.float64).tobytes()
+    # the released weights act on the original features: W = (I − 11ᵀ/d) W'
+    from secure_afl.deploy.study import dp_projection
+    from secure_afl.privacy.projection import lift_weights
+
+    expected = lift_weights(dp_projection(study), model.coef_)
+    assert classifier.weights.tobytes() == np.asarray(expected, dtype=np.float64).tobytes()
+    np.testing.assert_allclose(classifier.weights.sum(axis=0), 0, atol=1e-9)  # ⊥ the all-ones direction
     assert classifier.privacy is not None and classifier.privacy["class_sums"] == "positives"
+    assert classifier.privacy["row_centre"] is True
     assert max(classifier.privacy["epsilon_spent"].values()) <= 1.0
     assert server.report.sessions[0].survivors == ("client-0", "client-1", "client-3", "client-4")
+
+
+def test_the_run_config_carries_the_class_sums_and_the_row_centring() -> None:
+    config = {
+        "classes": "A,B,C", "dim": 8, "backbone": "toy", "weights-id": "sha256:00", "preprocessing": "none",
+        "dp-epsilon": 2.0, "class-lists": "h-a=0,1; h-b=2,1", "dp-class-sums": "positives",
+        "dp-row-centre": "true",
+    }  # fmt: skip
+    dp = study_from_run_config(config).dp
+    assert dp is not None and dp.class_sums == "positives" and dp.row_centre is True
+    assert study_from_run_config({**config, "dp-row-centre": False}).dp.row_centre is False
+    with pytest.raises(ConfigurationError, match="dp-row-centre must be true or false"):
+        study_from_run_config({**config, "dp-row-centre": "maybe"})
+    with pytest.raises(ConfigurationError, match="--dp-class-sums must be one of split, positives"):
+        study_from_run_config({**config, "dp-class-sums": "negatives"}).dp.config()

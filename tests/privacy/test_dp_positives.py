@@ -208,3 +208,30 @@ def test_noisy_positive_sums_are_on_the_grid_and_the_protocol_sums_them_exactly(
     split_plan = plan_noise(DpConfig(epsilon=1.0, clip=CLIP), layout)
     with pytest.raises(DpError, match="other class-sums layout"):
         privatize(uploads["a"], split_plan, source)
+
+
+def test_row_centring_is_a_public_per_row_map_and_the_classifier_acts_on_the_original_features() -> None:
+    from secure_afl.privacy.dp import private_rows
+    from secure_afl.privacy.dp_solve import lift
+    from secure_afl.privacy.projection import row_map
+
+    rng = np.random.default_rng(11)
+    x, y = _data(rng, n=50, d=7, classes=2)
+    centring = row_map(7, None, 0, centre=True)
+    assert row_map(7, None, 0) is None and centring.shape == (7, 7)
+    rows, _ = private_rows(x, 1e9, centring)
+    np.testing.assert_allclose(rows, x - x.mean(axis=1, keepdims=True), atol=1e-12)
+    # each row alone: a row's map does not depend on the others (the sensitivities hold unchanged)
+    np.testing.assert_allclose(private_rows(x[:1], 1e9, centring)[0], rows[:1], atol=1e-12)
+    clipped, _ = private_rows(x, CLIP, centring)
+    assert (np.linalg.norm(clipped, axis=1) <= CLIP).all()
+    # then the projection: the map is centring ∘ projection, and the lifted weights predict on x
+    both = row_map(7, 3, 5, centre=True)
+    stats = private_statistics(x, y, CLIP, projection=both, device="cpu", active=[0, 1])
+    sums = analytic_sums(stats.round1([0, 1], class_sums="positives"), 2)
+    model = AnalyticClassifier(2, gamma=1.0, balance="global", gram="global").fit(sums)
+    projected, _ = private_rows(x, 1e9, both)
+    np.testing.assert_allclose(
+        lift(model, both).decision_function(x), model.decision_function(projected), rtol=1e-9, atol=1e-12
+    )
+    np.testing.assert_allclose(lift(model, both).coef_.sum(axis=0), 0, atol=1e-12)

@@ -208,13 +208,36 @@ def test_sim_positive_class_sums_run_under_masking_with_both_rounds(tmp_path: Pa
     assert all(0.9 * 2 < e <= 2 for e in dp["epsilon_spent"].values())
     alone = _run(["--dp-class-sums", "positives", "--out", str(tmp_path / "x"), *SMALL])
     assert alone.exit_code == 2 and "--dp-class-sums shapes the differential-privacy" in alone.output
+    centre = _run(["--dp-row-centre", "--out", str(tmp_path / "x"), *SMALL])
+    assert centre.exit_code == 2 and "--dp-row-centre shapes the differential-privacy" in centre.output
+
+
+def test_sim_row_centring_defaults_to_its_clip_and_releases_weights_for_the_original_rows(
+    tmp_path: Path,
+) -> None:
+    result = _run(
+        ["--missing", "7", "--rounds", "1", "--dp-epsilon", "1", "--dp-row-centre", "--dp-class-sums",
+         "positives", "--out", str(tmp_path), *SMALL]
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "rows centred (own mean removed, the public map" in " ".join(result.output.split())
+    dp = json.loads((tmp_path / "results.json").read_text())["settings"][0]["differential_privacy"]
+    assert dp["clip"] == 20.0 and dp["row_centre"] is True
+    explicit = _run(
+        ["--missing", "7", "--rounds", "1", "--dp-epsilon", "1", "--dp-row-centre", "--clip", "5",
+         "--out", str(tmp_path / "c"), *SMALL]
+    )  # fmt: skip
+    assert explicit.exit_code == 0, explicit.output
+    dp = json.loads((tmp_path / "c" / "results.json").read_text())["settings"][0]["differential_privacy"]
+    assert dp["clip"] == 5.0
 
 
 def test_the_sweep_puts_the_positive_sums_beside_todays_mechanism(tmp_path: Path) -> None:
     dp = DpConfig(epsilon=1.0, class_sums="positives")
     config = SimConfig(missing=(1, 7), rounds=1, fraction=0.05, dim=16, secure="mask", device="cpu", dp=dp)
-    sweep = run_dp_sweep(config, epsilons=(1.0, float("inf")))
+    sweep = run_dp_sweep(config, epsilons=(1.0, float("inf")), baseline_clip=32.0)
     assert sweep["mechanisms"] == ["d dims, bound ridge", "d dims, bound ridge, positive sums"]
+    assert sweep["clips"] == {"d dims, bound ridge": 32.0, "d dims, bound ridge, positive sums": 32.0}
     ours = [p for p in sweep["points"] if p["mechanism"].endswith("positive sums")]
     assert {(p["missing"], p["epsilon"]) for p in ours} == {(1, 1.0), (1, None), (7, 1.0), (7, None)}
     assert all(0 <= p["auc"] <= 1 for p in sweep["points"])
