@@ -525,9 +525,13 @@ def write_sweep(sweep: Mapping[str, object], out_dir: Path) -> tuple[Path, Path]
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
     dim = sweep.get("feature_dim")
+    clips = sweep.get("clips") or {"": sweep["clip"]}
+    assert isinstance(clips, Mapping)
+    clip_text = " / ".join(f"{c:g}" for c in clips.values())
+    projected = any("K = " in str(label) for label in clips)
     fig.suptitle(
-        f"Privacy–utility, clip {sweep['clip']:g}, one {sweep['unit']} protected, d = {dim} "
-        f"(synthetic features); K: public random projection, seed {sweep.get('projection_seed', 0)}",
+        f"Privacy–utility, clip {clip_text}, one {sweep['unit']} protected, d = {dim} (synthetic features)"
+        + (f"; K: public random projection, seed {sweep.get('projection_seed', 0)}" if projected else ""),
         fontsize=10,
     )
     fig.tight_layout()
