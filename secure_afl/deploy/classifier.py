@@ -222,13 +222,18 @@ class Classifier:
             else f"rows projected to K = {projection['dim']} by the public projection of seed "
             f"{projection['seed']} before clipping (the weights are W = P W_K)"
         )
+        centred = (
+            ", each row less its own mean first (the weights are (I − 11ᵀ/d) W')"
+            if p.get("row_centre")
+            else ""
+        )
         return [
             f"differentially private: ε = {p['epsilon_target']:g}, δ = {p['delta']:g} for {unit} per "
             f"institution; feature rows clipped to L2 norm {p['clip']:g}",
             "ε spent per institution: " + ", ".join(f"{k} {v:.4f}" for k, v in sorted(spent.items())),
             f"noise std per group sum at its fewest survivors: {min(stds):.4g}..{max(stds):.4g}; "
             f"solve ridge λ = {p['ridge']:.4g} ({p.get('ridge_kind', 'bound')})",
-            f"mechanism: {rows}",
+            f"mechanism: {rows}{centred}; class sums: {p.get('class_sums', 'split')}",
         ]
 
     @property

@@ -584,8 +584,9 @@ def test_a_private_deployment_with_positive_sums_and_centred_rows_solves_as_the_
     tmp_path: Path,
 ) -> None:
     """Through the deployment's server and clients (in process): the study carries class_sums and
-    row_centre, each client centres its rows and uploads the positive sums and the total, and the classifier equals the simulator's solve of
-    the same noisy uploads, a client killed after its upload included."""
+    row_centre, each client centres its rows and uploads the positive sums and the total, and the
+    classifier equals the simulator's solve of the same noisy uploads, a client killed after its
+    upload included."""
     from secure_afl.privacy.dp import POSITIVE_SUM, TOTAL_SUM
     from secure_afl.privacy.dp_solve import fit_private
     from secure_afl.sim.secure import secure_aggregate
@@ -622,6 +623,8 @@ def test_a_private_deployment_with_positive_sums_and_centred_rows_solves_as_the_
     np.testing.assert_allclose(classifier.weights.sum(axis=0), 0, atol=1e-9)  # ⊥ the all-ones direction
     assert classifier.privacy is not None and classifier.privacy["class_sums"] == "positives"
     assert classifier.privacy["row_centre"] is True
+    printed = " ".join(classifier.privacy_lines())  # what `secure-afl predict` prints
+    assert "each row less its own mean first" in printed and "class sums: positives" in printed
     assert max(classifier.privacy["epsilon_spent"].values()) <= 1.0
     assert server.report.sessions[0].survivors == ("client-0", "client-1", "client-3", "client-4")
 
