@@ -103,13 +103,20 @@ def analytic_sums(sums: GroupSums, n_classes: int) -> dict[str, dict[str, np.nda
         n_neg = _noisy_count(group[f"n_neg/{c}"])
         pos = np.asarray(group[f"pos_sum/{c}"], dtype=np.float64)
         neg = np.asarray(group[f"neg_sum/{c}"], dtype=np.float64)
-        out[class_group(c)] = {
-            f"pos_sum/{c}": pos,
-            f"n_pos/{c}": np.array([float(n_pos)]),
-            "feat_sum": pos + neg,
-            "n": np.array([float(n_pos + n_neg)]),
-        }
+        out[class_group(c)] = _balanced_tensors(c, pos, n_pos, neg, n_neg)
     return out
+
+
+def _balanced_tensors(
+    c: int, pos: np.ndarray, n_pos: int, negatives: np.ndarray, n_neg: int
+) -> dict[str, np.ndarray]:
+    """The class group's tensors whose balanced projection is ``pos/n_pos − negatives/n_neg``."""
+    return {
+        f"pos_sum/{c}": pos,
+        f"n_pos/{c}": np.array([float(n_pos)]),
+        "feat_sum": pos + negatives,
+        "n": np.array([float(n_pos + n_neg)]),
+    }
 
 
 def _positives_sums(
@@ -128,13 +135,7 @@ def _positives_sums(
         # the classifier divides by a whole count: rescale the sum so that the mean is unchanged
         n_pos = _noisy_count(np.array([weighted]))
         pos = np.asarray(group[f"{POSITIVE_SUM}/{c}"], dtype=np.float64) * (n_pos / max(weighted, 1.0))
-        # balanced projection pos/n⁺ − (feat − pos)/(n − n⁺) with n = n⁺ + n_total, feat = pos + total
-        out[class_group(c)] = {
-            f"pos_sum/{c}": pos,
-            f"n_pos/{c}": np.array([float(n_pos)]),
-            "feat_sum": pos + total,
-            "n": np.array([float(n_pos + n_total)]),
-        }
+        out[class_group(c)] = _balanced_tensors(c, pos, n_pos, total, n_total)  # the federation's mean
     return out
 
 
