@@ -437,3 +437,64 @@ def test_fedavg_pos_weight_comes_from_the_true_counts_and_is_checked() -> None:
         features, labels, FedAvgConfig(rounds=2), pos_weight=true_count_pos_weight(labels)
     )
     assert not np.array_equal(plain.coef, weighted.coef)  # the weights reach the training
+
+
+def test_padded_rows_give_the_heads_of_unpadded_rows() -> None:
+    """stack_clients pads every row to a multiple of 64 bytes (faster products); the heads of every
+    method are bit for bit those of the same features without padding."""
+    from secure_afl.sim.baselines.common import train
+    from secure_afl.sim.baselines.engine import padded_rows, stack_clients
+    from secure_afl.sim.fedavg import FedAvgConfig, train_fedavg_stacked
+
+    features, labels, active = _gradient_inputs()
+    padded = stack_clients(features)
+    assert padded.shape == (4, 96, 25) and padded_rows(padded).shape == (4, 96, 32)
+    assert torch.all(padded_rows(padded)[:, :, 25:] == 0)  # the padding is zero
+    plain = padded.contiguous()
+    assert padded_rows(plain) is None and torch.equal(plain, padded)
+    config = BaselineConfig(rounds=3, batch_size=40)  # a last batch of 16 rows
+    for name in BASELINES:
+        heads = [
+            train(BASELINES[name](), Federation.from_stacked(x, labels, active[1]), config)
+            for x in (padded, plain)
+        ]
+        np.testing.assert_array_equal(heads[0].coef, heads[1].coef, err_msg=name)
+        np.testing.assert_array_equal(heads[0].bias, heads[1].bias, err_msg=name)
+    y = torch.as_tensor(np.stack(labels), dtype=torch.float32)
+    fedavg = [train_fedavg_stacked(x, y, FedAvgConfig(rounds=3, batch_size=40)) for x in (padded, plain)]
+    np.testing.assert_array_equal(fedavg[0].coef, fedavg[1].coef)
+
+
+def test_noise_banks_drawn_once_per_process_leave_the_generator_where_drawing_does() -> None:
+    FeatureAugmenter._banks_drawn.clear()
+    drawn = torch.Generator().manual_seed(11)
+    fresh = FeatureAugmenter(16, drawn)
+    reused_generator = torch.Generator().manual_seed(11)
+    reused = FeatureAugmenter(16, reused_generator)  # the banks of the first, not drawn again
+    assert all(reused.banks[kind] is fresh.banks[kind] for kind in ("weak", "strong"))
+    assert torch.equal(drawn.get_state(), reused_generator.get_state())
+    FeatureAugmenter._banks_drawn.clear()
+    again = FeatureAugmenter(16, torch.Generator().manual_seed(11))  # drawn anew: the same values
+    assert all(torch.equal(again.banks[kind], fresh.banks[kind]) for kind in ("weak", "strong"))
+    other = FeatureAugmenter(16, torch.Generator().manual_seed(12))
+    assert not torch.equal(other.banks["weak"], fresh.banks["weak"])
+
+
+def test_views_made_in_the_batch_buffer_are_the_views_made_apart() -> None:
+    from secure_afl.sim.baselines.common import _views
+    from secure_afl.sim.baselines.engine import Epoch, stack_clients
+
+    features, _, _ = _gradient_inputs()
+    x = stack_clients(features)
+    for names in (("view1", "view2"), ("weak", "strong"), ("weak",), ("plain", "strong"), ("view1", "view1")):
+        one, two = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+        augment_one, augment_two = FeatureAugmenter(24, one), FeatureAugmenter(24, two)
+        for (xb, _), (reference, _) in zip(Epoch(x, 40, one), Epoch(x, 40, two), strict=True):
+            expected = {"plain": reference.clone()} if "plain" in names else {}
+            for name in dict.fromkeys(names):
+                if name != "plain":
+                    expected[name] = augment_two("strong" if name == "strong" else "weak", reference)
+            got = _views(augment_one, xb, names)
+            assert list(got) == list(expected)
+            for name in expected:
+                assert torch.equal(got[name], expected[name]), (names, name)

@@ -63,7 +63,7 @@ import torch
 
 from secure_afl.sim.baselines import BASELINES, BaselineConfig
 from secure_afl.sim.baselines.common import Federation, train
-from secure_afl.sim.baselines.engine import LinearHead, stack_clients
+from secure_afl.sim.baselines.engine import LinearHead, padded_rows, stack_clients
 from secure_afl.sim.fedavg import (
     FedAvgConfig,
     missing_as_negative,
@@ -238,6 +238,7 @@ _WORKER_INPUTS: list[_Inputs] = []
 def _worker_start(
     path: str,
     shape: tuple[int, ...],
+    width: int,
     labels: np.ndarray,
     active: Mapping[int, Sequence[Sequence[int]]],
     fedavg: FedAvgConfig,
@@ -245,7 +246,8 @@ def _worker_start(
 ) -> None:
     torch.set_num_threads(1)  # the cores are shared with the other worker and the main process
     # copy-on-write mapping: the pages are the parent's file cache, shared by every worker
-    x = torch.from_numpy(np.memmap(path, dtype=np.float32, mode="c", shape=shape))
+    # (``shape``: the padded rows; the features are their first ``width`` columns)
+    x = torch.from_numpy(np.memmap(path, dtype=np.float32, mode="c", shape=shape))[..., :width]
     _WORKER_INPUTS[:] = [_Inputs(x, labels, active, fedavg, baseline)]
 
 
@@ -324,7 +326,9 @@ class GradientMethods:
         jobs = sorted(jobs, key=lambda job: (order[job[0]], -_COST.get(job[1], 1.0)))
         self._tmp = tempfile.TemporaryDirectory(prefix="secure-afl-features-")
         path = Path(self._tmp.name) / "features.f32"
-        x = self.inputs.x.numpy()
+        # the rows with their padding (stack_clients), so that the workers' rows are aligned too
+        padded = padded_rows(self.inputs.x)
+        x = (self.inputs.x if padded is None else padded).numpy()
         mapped = np.memmap(path, dtype=np.float32, mode="w+", shape=x.shape)
         mapped[:] = x
         mapped.flush()
@@ -336,6 +340,7 @@ class GradientMethods:
             initargs=(
                 str(path),
                 tuple(x.shape),
+                self.inputs.x.shape[-1],
                 self.inputs.labels,
                 dict(self.inputs.active),
                 self.inputs.fedavg,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from secure_afl.sim.baselines.common import Batch, Federation, Method, bce, masked_mean
-from secure_afl.sim.baselines.engine import Epoch, logits_of
+from secure_afl.sim.baselines.engine import logits_of
 
 
 class FedMLP(Method):
@@ -78,15 +78,15 @@ class FedMLP(Method):
 
     def loss(self, batch: Batch, logits: dict[str, torch.Tensor], w: torch.Tensor) -> torch.Tensor:
         if self.rnd >= self.stage1:
-            if batch.rows is None:
+            if batch.rows is None and batch.flat_rows is None:
                 raise ValueError(
                     "FedMLP's stage 2 needs each batch's rows (Batch.rows) to find its pseudo-labels"
                 )
-            targets = Epoch.take(self.targets, batch.rows)
-            labelled = Epoch.take(self.labelled, batch.rows)
+            targets = batch.take(self.targets)
+            labelled = batch.take(self.labelled)
             per_client = labelled.sum(dim=(1, 2)).clamp(min=1.0)
             return ((bce(logits["view1"], targets) * labelled).sum(dim=(1, 2)) / per_client).sum()
-        n_active, n_missing = float(batch.active[0].sum()), float(batch.missing[0].sum())
+        n_active, n_missing = batch.n_active, batch.n_missing
         total = torch.zeros(())
         for view in ("view1", "view2"):
             z = logits[view]

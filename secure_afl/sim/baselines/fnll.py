@@ -84,7 +84,7 @@ class FedNoRo(Method):
     def loss(self, batch: Batch, logits: dict[str, torch.Tensor], w: torch.Tensor) -> torch.Tensor:
         z = logits["weak"]
         soft = torch.sigmoid(batch.teacher["weak"] / self.TEMPERATURE)
-        n_active, n_missing = float(batch.active[0].sum()), float(batch.missing[0].sum())
+        n_active, n_missing = batch.n_active, batch.n_missing
         supervised = masked_mean(bce(z, batch.y), batch.active, batch.size * n_active)
         distill = masked_mean((torch.sigmoid(z) - soft) ** 2, batch.missing, batch.size * n_missing)
         return self.kd_weight * distill + (1 - self.kd_weight) * supervised

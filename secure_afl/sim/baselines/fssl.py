@@ -22,7 +22,7 @@ from secure_afl.sim.baselines.common import (
 
 def _supervised(batch: Batch, logits: torch.Tensor) -> torch.Tensor:
     """FedMLP's ``bce(pos_weight=N/N_c)[:, active].sum() / (B·|AC|)`` per client, summed."""
-    per_client = batch.size * float(batch.active[0].sum())
+    per_client = batch.size * batch.n_active
     return masked_mean(bce(logits, batch.y, batch.pos_weight), batch.active, per_client)
 
 
@@ -53,7 +53,7 @@ class RSCFed(Method):
     def loss(self, batch: Batch, logits: dict[str, torch.Tensor], w: torch.Tensor) -> torch.Tensor:
         teacher = torch.sigmoid(batch.teacher["view2"])
         student = logits["view1"]
-        per_client = batch.size * float(batch.missing[0].sum())
+        per_client = batch.size * batch.n_missing
         unsupervised = masked_mean((torch.sigmoid(student) - teacher) ** 2, batch.missing, per_client)
         return _supervised(batch, student) + unsupervised
 
@@ -97,7 +97,7 @@ class FedFixMatch(Method):
             # a row counts when every missing class is confident
             row_ok = (sure | (batch.missing == 0)).all(dim=2, keepdim=True).float()  # K × B × 1
             pseudo = (p > 0.5).float()
-            n_missing = float(batch.missing[0].sum())
+            n_missing = batch.n_missing
             denominator = (row_ok.sum(dim=1, keepdim=True) * n_missing).clamp(min=1.0)  # K × 1 × 1
         unsupervised = (bce(strong, pseudo) * batch.missing * row_ok / denominator).sum()
         return _supervised(batch, weak) + self.UNSUPERVISED_WEIGHT * unsupervised
@@ -264,7 +264,7 @@ class CBAFed(Method):
             self.data_counts += n_confident.sum(dim=1) + labelled.sum(dim=1)
             self.pseudo_labels += int(n_confident.sum())
         losses = bce(z, targets, self.pos_weight[:, None, :])
-        per_client = batch.size * float(batch.active[0].sum())
+        per_client = batch.size * batch.n_active
         supervised = masked_mean(losses, batch.active, per_client)
         pseudo = ((losses * confident).sum(dim=1) / n_confident.clamp(min=1.0)).sum()
         return supervised + pseudo
