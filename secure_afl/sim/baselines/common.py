@@ -330,6 +330,9 @@ class Method:
         """Server: the next global head from the clients' heads (default: FedAvg, equal sizes)."""
         return local_w.mean(dim=0)
 
+    def end_training(self) -> None:
+        """After the last round (statistics reported once, from the final heads)."""
+
 
 def _views(augment: FeatureAugmenter, x: torch.Tensor, names: Sequence[str]) -> dict[str, torch.Tensor]:
     """The batch's views a step needs: ``"plain"`` is ``x``; ``"strong"`` the strong view; any other
@@ -413,4 +416,5 @@ def train(
             global_w = method.aggregate(rnd, w)
             if progress is not None:
                 progress(rnd + 1)
+        method.end_training()
         return head_from_weights(global_w)
