@@ -494,7 +494,37 @@ def test_views_made_in_the_batch_buffer_are_the_views_made_apart() -> None:
             for name in dict.fromkeys(names):
                 if name != "plain":
                     expected[name] = augment_two("strong" if name == "strong" else "weak", reference)
-            got = _views(augment_one, xb, names)
+            got = _views([augment_one], xb, names)
             assert list(got) == list(expected)
             for name in expected:
                 assert torch.equal(got[name], expected[name]), (names, name)
+
+
+def test_levels_in_lockstep_give_every_level_the_head_it_gets_alone() -> None:
+    from secure_afl.sim.baselines.common import LockstepError, train, train_levels
+    from secure_afl.sim.baselines.engine import stack_clients
+    from secure_afl.sim.baselines.fnll import FedLSR
+
+    features, labels, active = _gradient_inputs()
+    x = stack_clients(features)
+    federations = [Federation.from_stacked(x, labels, active[m]) for m in (1, 3)]
+    # 4 rounds: every method's second stage from round 1; batches of 40 leave a last one of 16 rows
+    config = BaselineConfig(rounds=4, batch_size=40)
+    for name, factory in BASELINES.items():
+        alone = [train(factory(), fed, config) for fed in federations]
+        together = train_levels([factory() for _ in federations], federations, config)
+        for one, other in zip(alone, together, strict=True):
+            np.testing.assert_array_equal(one.coef, other.coef, err_msg=name)
+            np.testing.assert_array_equal(one.bias, other.bias, err_msg=name)
+
+    class LabelDependentDraws(FedLSR):
+        def loss(self, batch, logits, w):
+            if batch.n_active > 1:  # a draw at one level only: the levels' numbers part
+                torch.rand(1, generator=self.generator)
+            return super().loss(batch, logits, w)
+
+    with pytest.raises(LockstepError, match="depend on the labels"):
+        train_levels([LabelDependentDraws() for _ in federations], federations, config)
+    copy = Federation.from_stacked(x.clone(), labels, active[3])
+    with pytest.raises(ValueError, match="share one feature tensor"):
+        train_levels([FedLSR(), FedLSR()], [federations[0], copy], config)

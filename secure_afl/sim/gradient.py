@@ -28,7 +28,10 @@ data are ready and are collected level by level while the main thread computes A
 - **With baselines**: their steps are short autograd graphs, mostly Python under the GIL, so
   threads would take turns; the jobs go to worker processes instead, started with ``spawn`` (a
   fresh interpreter for a pool of long-lived workers that take jobs one after another).  The
-  stacked features go to them through one memory-mapped file, not through a pipe.
+  stacked features go to them through one memory-mapped file, not through a pipe.  A baseline's
+  missing levels are one job there, trained in lockstep (``train_levels``: the same heads; each
+  batch and its views are made once for every level), and each level is credited an equal share of
+  its seconds; FedAvg's levels stay jobs of their own.
 
 Every job runs on one torch thread with its own seeded generator, so its head is the one a run in
 the main thread gives (tests check each mode against it).  ``SECURE_AFL_GRADIENT_WORKERS``: unset
@@ -62,7 +65,7 @@ import numpy as np
 import torch
 
 from secure_afl.sim.baselines import BASELINES, BaselineConfig
-from secure_afl.sim.baselines.common import Federation, train
+from secure_afl.sim.baselines.common import Federation, train, train_levels
 from secure_afl.sim.baselines.engine import LinearHead, padded_rows, stack_clients
 from secure_afl.sim.fedavg import (
     FedAvgConfig,
@@ -126,6 +129,22 @@ def _train_job(
         federation = Federation.from_stacked(inputs.x, inputs.labels, active)
         head = train(BASELINES[name](), federation, inputs.baseline, progress=progress)
     return head, time.perf_counter() - start
+
+
+def _train_levels_job(
+    inputs: _Inputs, levels: Sequence[int], name: str
+) -> dict[int, tuple[LinearHead, float]]:
+    """Head and seconds of ``name`` at every level of ``levels``: a baseline's levels in lockstep
+    (:func:`~secure_afl.sim.baselines.common.train_levels`: the same heads, the batches and their
+    views made once for every level), each level credited an equal share of the seconds; FedAvg's
+    one level after another."""
+    if name == FEDAVG or len(levels) == 1:
+        return {m: _train_job(inputs, m, name) for m in levels}
+    start = time.perf_counter()
+    federations = [Federation.from_stacked(inputs.x, inputs.labels, inputs.active[m]) for m in levels]
+    heads = train_levels([BASELINES[name]() for _ in levels], federations, inputs.baseline)
+    share = (time.perf_counter() - start) / len(levels)
+    return {m: (head, share) for m, head in zip(levels, heads, strict=True)}
 
 
 class TrainingProcessError(RuntimeError):
@@ -251,8 +270,8 @@ def _worker_start(
     _WORKER_INPUTS[:] = [_Inputs(x, labels, active, fedavg, baseline)]
 
 
-def _worker_job(missing: int, name: str) -> tuple[LinearHead, float]:
-    return _train_job(_WORKER_INPUTS[0], missing, name)
+def _worker_job(levels: tuple[int, ...], name: str) -> dict[int, tuple[LinearHead, float]]:
+    return _train_levels_job(_WORKER_INPUTS[0], levels, name)
 
 
 class GradientMethods:
@@ -321,9 +340,13 @@ class GradientMethods:
             self._start_processes(jobs)
 
     def _start_processes(self, jobs: list[tuple[int, str]]) -> None:
-        # the jobs keep their level order; within a level, the costliest first
-        order = {m: i for i, m in enumerate(self.inputs.active)}
-        jobs = sorted(jobs, key=lambda job: (order[job[0]], -_COST.get(job[1], 1.0)))
+        # A baseline's levels train in lockstep, one job (a third to a half less work than level by
+        # level: each batch and view is made once, the heads' products are one); FedAvg's levels are
+        # jobs of their own.  The costliest jobs first, so that the last ones to finish are short.
+        levels = tuple(self.inputs.active)
+        grouped = [((m,), FEDAVG) for m, name in jobs if name == FEDAVG]
+        grouped += list(dict.fromkeys((levels, name) for _, name in jobs if name != FEDAVG))
+        grouped.sort(key=lambda job: -_COST.get(job[1], 1.0) * len(job[0]))
         self._tmp = tempfile.TemporaryDirectory(prefix="secure-afl-features-")
         path = Path(self._tmp.name) / "features.f32"
         # the rows with their padding (stack_clients), so that the workers' rows are aligned too
@@ -347,7 +370,8 @@ class GradientMethods:
                 self.inputs.baseline,
             ),
         )
-        self.futures = {job: self.pool.apply_async(_worker_job, job) for job in jobs}
+        started = {job: self.pool.apply_async(_worker_job, job) for job in grouped}
+        self.futures = {(m, name): result for (ms, name), result in started.items() for m in ms}
 
     @property
     def statistics_threads(self) -> int:
@@ -380,8 +404,8 @@ class GradientMethods:
                     heads[name], seconds[name] = _train_job(self.inputs, missing, name)
                 elif isinstance(future, Future):
                     heads[name], seconds[name] = future.result()
-                else:
-                    heads[name], seconds[name] = future.get()
+                else:  # a worker process's job: every level it trained
+                    heads[name], seconds[name] = future.get()[missing]
                 if progress is not None:
                     progress(done, len(self.names))
         finally:

@@ -22,7 +22,8 @@ from secure_afl.sim.baselines.engine import (
     empty_rows_like,
     head_from_weights,
     initial_weights,
-    logits_of,
+    shuffle_keys,
+    shuffle_order,
     stack_clients,
     weight_gradient,
 )
@@ -334,21 +335,43 @@ class Method:
         """After the last round (statistics reported once, from the final heads)."""
 
 
-def _views(augment: FeatureAugmenter, x: torch.Tensor, names: Sequence[str]) -> dict[str, torch.Tensor]:
+def _views(
+    augments: Sequence[FeatureAugmenter], x: torch.Tensor, names: Sequence[str]
+) -> dict[str, torch.Tensor]:
     """The batch's views a step needs: ``"plain"`` is ``x``; ``"strong"`` the strong view; any other
     name a weak view (each view its own draw, in the order of ``names``).
+
+    ``augments``: one augmenter per level trained in lockstep (:func:`train_levels`), each drawing from
+    its level's generator; the draws must agree, and the views are made once, with the first.
 
     Unless ``"plain"`` is needed, the last view is made in ``x`` itself (the batch's buffer, gathered
     anew at every step): one 2 MB tensor fewer to write and read per step, the same products.
     """
     wanted = [name for name in dict.fromkeys(names) if name != "plain"]
-    starts = [augment.draw(x.shape[0], x.shape[1]) for _ in wanted]  # drawn first, in order
+    starts = [_agreed([a.draw(x.shape[0], x.shape[1]) for a in augments]) for _ in wanted]  # in order
     views = {"plain": x} if "plain" in names else {}
     for i, (name, start) in enumerate(zip(wanted, starts, strict=True)):
         in_place = i == len(wanted) - 1 and "plain" not in names  # after every other view read x
         kind = "strong" if name == "strong" else "weak"
-        views[name] = augment.apply(kind, start, x, out=x if in_place else None)
+        views[name] = augments[0].apply(kind, start, x, out=x if in_place else None)
     return views
+
+
+class LockstepError(RuntimeError):
+    """Levels trained in lockstep drew different random numbers (see :func:`train_levels`)."""
+
+
+def _agreed(draws: Sequence[int] | Sequence[torch.Tensor]) -> int | torch.Tensor:
+    """The levels' common draw; an error when they differ."""
+    first = draws[0]
+    for other in draws[1:]:
+        same = torch.equal(first, other) if isinstance(first, torch.Tensor) else first == other
+        if not same:
+            raise LockstepError(
+                "the levels trained in lockstep drew different random numbers: this method's draws "
+                "depend on the labels, so train each level alone (train())"
+            )
+    return first
 
 
 def train(
@@ -359,62 +382,156 @@ def train(
     progress: Callable[[int], None] | None = None,
 ) -> LinearHead:
     """Federated training of ``method`` for ``config.rounds`` rounds; returns the global head."""
+    return train_levels([method], [fed], config, progress=progress)[0]
+
+
+def train_levels(
+    methods: Sequence[Method],
+    federations: Sequence[Federation],
+    config: BaselineConfig,
+    *,
+    progress: Callable[[int], None] | None = None,
+) -> list[LinearHead]:
+    """:func:`train` of ``methods[i]`` on ``federations[i]`` for every i, in lockstep: the missing
+    levels of one method, on the same clients' features (one tensor), each with its labels.
+
+    Each level has its own generator seeded as :func:`train` seeds it, and draws what it would draw
+    alone.  None of the draws depends on the labels (the shuffles, the view offsets, RSCFed's groups,
+    FedLSR's mixing weights), so the levels draw the same numbers: a step's rows and feature views are
+    the same at every level, and are gathered and made once.  The heads' products on a view are one
+    product (every level's heads stacked; MKL sums each entry in the same order whatever the number
+    of rows, as the gradient's product), copied back to each level's own layout, so that every level's
+    head is bit for bit the one :func:`train` gives it alone (tested).  Draws that differ between the
+    levels raise :class:`LockstepError` rather than train a level on another level's numbers.
+    """
+    if len(methods) != len(federations) or not methods:
+        raise ValueError("train_levels needs one federation per method, and at least one")
+    x = federations[0].x
+    for fed in federations[1:]:
+        if fed.x.data_ptr() != x.data_ptr() or fed.x.shape != x.shape or fed.x.stride() != x.stride():
+            raise ValueError("the levels trained in lockstep must share one feature tensor")
+    levels = range(len(methods))
+    n_clients, n_rows, n_classes = federations[0].n_clients, x.shape[1], federations[0].n_classes
     with one_torch_thread():
-        generator = torch.Generator().manual_seed(config.seed)
-        global_w = initial_weights(fed.dim, fed.n_classes, generator)
-        augment = FeatureAugmenter(fed.dim, generator)
-        method.stage_scale = config.stage_scale
-        method.start(fed, global_w, generator)
-        active = fed.active.float()[:, None, :]
-        missing = 1 - active
-        pos_weight = fed.pos_weight[:, None, :]
-        n_classes = fed.n_classes
-        # every client labels as many classes (counted once, not at every step)
-        class_counts = (float(active[0].sum()), float(missing[0].sum()))
+        generators = [torch.Generator().manual_seed(config.seed) for _ in levels]
+        global_ws = [initial_weights(federations[0].dim, n_classes, g) for g in generators]
+        augments = [FeatureAugmenter(federations[0].dim, g) for g in generators]  # the banks are shared
+        active, missing, pos_weight, class_counts = [], [], [], []
+        for method, fed, global_w, generator in zip(methods, federations, global_ws, generators, strict=True):
+            method.stage_scale = config.stage_scale
+            method.start(fed, global_w, generator)
+            active.append(fed.active.float()[:, None, :])
+            missing.append(1 - active[-1])
+            pos_weight.append(fed.pos_weight[:, None, :])
+            # every client labels as many classes (counted once, not at every step)
+            class_counts.append((float(active[-1][0].sum()), float(missing[-1][0].sum())))
         for rnd in range(config.rounds):
-            w = global_w.expand(fed.n_clients, *global_w.shape).clone()
-            method.start_round(rnd, global_w, w)
-            adam = Adam(w, config.lr, weight_decay=config.weight_decay)
+            ws = [global_w.expand(n_clients, *global_w.shape).clone() for global_w in global_ws]
+            for method, global_w, w in zip(methods, global_ws, ws, strict=True):
+                method.start_round(rnd, global_w, w)
+            adams = [Adam(w, config.lr, weight_decay=config.weight_decay) for w in ws]
             for _ in range(config.local_epochs):
-                for xb, rows, flat_rows in Epoch(fed.x, config.batch_size, generator).with_rows():
-                    teachers = method.teachers()
-                    views = _views(augment, xb, (*method.views, *teachers))
-                    batch = Batch(
-                        rnd,
-                        views,
-                        fed.y.view(-1, n_classes).index_select(0, flat_rows).view(*xb.shape[:2], n_classes),
-                        active,
-                        missing,
-                        pos_weight,
-                        rows=rows,
-                        flat_rows=flat_rows,
-                        class_counts=class_counts,
-                    )
-                    leaves = {}
+                # epoch_order's draw at every level, sorted once
+                order = shuffle_order(_agreed([shuffle_keys(n_clients, n_rows, g) for g in generators]))
+                for xb, rows, flat_rows in Epoch(x, config.batch_size, order=order).with_rows():
+                    teachers = [method.teachers() for method in methods]
+                    names = (*methods[0].views, *teachers[0])
+                    if any((*m.views, *t) != names for m, t in zip(methods, teachers, strict=True)):
+                        raise LockstepError("the levels trained in lockstep need different views")
+                    views = _views(augments, xb, names)
+                    batch_shape = (*xb.shape[:2], n_classes)
+                    batches = [
+                        Batch(
+                            rnd,
+                            views,
+                            fed.y.view(-1, n_classes).index_select(0, flat_rows).view(batch_shape),
+                            active[i],
+                            missing[i],
+                            pos_weight[i],
+                            rows=rows,
+                            flat_rows=flat_rows,
+                            class_counts=class_counts[i],
+                        )
+                        for i, fed in enumerate(federations)
+                    ]
+                    leaves: list[dict[str, torch.Tensor]] = [{} for _ in levels]
                     for view, x_view in views.items():
-                        own, teacher = view in method.views, teachers.get(view)
-                        if teacher is None:
-                            if own:
-                                leaves[view] = logits_of(w, x_view).requires_grad_()
-                            continue
-                        # the head and its teacher in one product: x is read once
-                        both = logits_of(torch.cat([w, teacher], dim=1) if own else teacher, x_view)
-                        batch.teacher[view] = both[:, :, -n_classes:]
-                        if own:
-                            leaves[view] = both[:, :, :n_classes].requires_grad_()
-                    loss = method.loss(batch, leaves, w)
-                    grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
-                    step: torch.Tensor | None = None
-                    for view, grad in zip(leaves, grads, strict=True):
-                        if grad is not None:
-                            part = weight_gradient(grad, views[view])
-                            step = part if step is None else step.add_(part)
-                    if step is not None:
-                        adam.step(w, step)
-                    method.after_step(w)
-            method.end_round(rnd, w)
-            global_w = method.aggregate(rnd, w)
+                        # per level: its head where the view is its own, then its teacher's there
+                        heads = [
+                            ([w] if view in method.views else []) + ([t[view]] if view in t else [])
+                            for method, w, t in zip(methods, ws, teachers, strict=True)
+                        ]
+                        for i, products in zip(levels, _products(heads, x_view), strict=True):
+                            if products is None:
+                                continue
+                            both = products.transpose(1, 2)  # K × B × rows, as logits_of gives them
+                            if view in teachers[i]:
+                                batches[i].teacher[view] = both[:, :, -n_classes:]
+                            if view in methods[i].views:
+                                leaves[i][view] = both[:, :, :n_classes].requires_grad_()
+                    grads = [
+                        torch.autograd.grad(method.loss(batch, own, w), list(own.values()), allow_unused=True)
+                        for method, batch, own, w in zip(methods, batches, leaves, ws, strict=True)
+                    ]
+                    steps: list[torch.Tensor | None] = [None for _ in levels]
+                    for view, x_view in views.items():
+                        per_level = [
+                            dict(zip(own, grad, strict=True)).get(view)
+                            for own, grad in zip(leaves, grads, strict=True)
+                        ]
+                        for i, part in zip(levels, _gradients(per_level, x_view), strict=True):
+                            if part is not None:
+                                steps[i] = part if steps[i] is None else steps[i].add_(part)
+                    for method, adam, w, step in zip(methods, adams, ws, steps, strict=True):
+                        if step is not None:
+                            adam.step(w, step)
+                        method.after_step(w)
+            for i, method in enumerate(methods):
+                method.end_round(rnd, ws[i])
+                global_ws[i] = method.aggregate(rnd, ws[i])
             if progress is not None:
                 progress(rnd + 1)
-        method.end_training()
-        return head_from_weights(global_w)
+        for method in methods:
+            method.end_training()
+        return [head_from_weights(global_w) for global_w in global_ws]
+
+
+def _products(heads: Sequence[Sequence[torch.Tensor]], x: torch.Tensor) -> list[torch.Tensor | None]:
+    """Each level's heads (stacked along the class axis) times the view's rows: ``K × rows × B``
+    contiguous per level (None where a level has none), from one product for every level."""
+    stacked = [h for level in heads for h in level]
+    if not stacked:
+        return [None for _ in heads]
+    weights = stacked[0] if len(stacked) == 1 else torch.cat(stacked, dim=1)
+    product = torch.bmm(weights, x.transpose(1, 2))  # K × all rows × B
+    out: list[torch.Tensor | None] = []
+    start = 0
+    for level in heads:
+        rows = sum(h.shape[1] for h in level)
+        # a copy in the layout a product of this level's heads alone has (every later op sees the
+        # same strides, so takes the same kernel path); none when there is one level
+        out.append(product[:, start : start + rows].contiguous() if rows else None)
+        start += rows
+    return out
+
+
+def _gradients(grads: Sequence[torch.Tensor | None], x: torch.Tensor) -> list[torch.Tensor | None]:
+    """``∂loss/∂W`` of each level from its ``∂loss/∂logits`` on the view ``x`` (None: no gradient
+    there): ``K × C × (d+1)`` contiguous per level, from one product for every level."""
+    present = [g for g in grads if g is not None]
+    if not present:
+        return [None for _ in grads]
+    if len(present) == 1:
+        product = weight_gradient(present[0], x)
+    else:
+        product = torch.bmm(torch.cat([g.transpose(1, 2) for g in present], dim=1), x)
+    out: list[torch.Tensor | None] = []
+    start = 0
+    for grad in grads:
+        if grad is None:
+            out.append(None)
+            continue
+        rows = grad.shape[2]
+        out.append(product[:, start : start + rows].contiguous())
+        start += rows
+    return out

@@ -155,7 +155,17 @@ def initial_weights(dim: int, n_classes: int, generator: torch.Generator) -> tor
 
 def epoch_order(n_clients: int, n: int, generator: torch.Generator) -> torch.Tensor:
     """One epoch's shuffle of every client's rows (``K × N``): the draw :class:`Epoch` makes."""
-    return torch.argsort(torch.rand((n_clients, n), generator=generator), dim=1)
+    return shuffle_order(shuffle_keys(n_clients, n, generator))
+
+
+def shuffle_keys(n_clients: int, n: int, generator: torch.Generator) -> torch.Tensor:
+    """What :func:`epoch_order` draws: a uniform key per client and row."""
+    return torch.rand((n_clients, n), generator=generator)
+
+
+def shuffle_order(keys: torch.Tensor) -> torch.Tensor:
+    """Each client's rows in the order of their keys (:func:`epoch_order` from its draw)."""
+    return torch.argsort(keys, dim=1)
 
 
 class Epoch:
