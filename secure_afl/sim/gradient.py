@@ -81,8 +81,8 @@ FRESH_PROCESS_ENV = "_SECURE_AFL_FRESH_PROCESS"
 # The forked trainer reports every round; this long without one, it is taken for hung (a round of
 # the embedded run takes a quarter of a second).
 STALL_SECONDS = 600.0
-# Rough relative cost per round (CPU seconds measured on the embedded data): the longest jobs of a
-# level go to the workers first, so that the last ones to finish are short.
+# Rough relative cost per round and level (CPU seconds measured on the embedded data): the longest
+# jobs go to the workers first, so that the last ones to finish are short.
 _COST = {
     "FedMLP": 0.84,
     "FedLSR": 0.82,
