@@ -75,10 +75,8 @@ def main() -> None:
     missing = [int(m) for m in args.missing.split(",")]
     ridges = args.ridges.split(",")
     shares = {} if args.shares is None else {"rho_shares": tuple(float(x) for x in args.shares.split(","))}
-    base = SimConfig(
-        missing=tuple(missing), rounds=1, dp=DpConfig(epsilon=1.0, clip=args.clip, row_centre=args.row_centre, **shares), device="cpu",
-        threshold=args.threshold,
-    )  # fmt: skip
+    dp = DpConfig(epsilon=1.0, clip=args.clip, row_centre=args.row_centre, **shares)
+    base = SimConfig(missing=tuple(missing), rounds=1, dp=dp, device="cpu", threshold=args.threshold)
     data = prepare(None, fraction=base.fraction, dim=base.dim, seed=base.seed, n_clients=base.n_clients)
     if args.center is not None:
         train = np.concatenate([np.asarray(r) for r in data.split.clients])
