@@ -279,11 +279,17 @@ class Batch:
     def take(self, values: torch.Tensor) -> torch.Tensor:
         """Each sample's entry of ``values`` (``K × N × C`` per client and row): ``K × B × C``."""
         if self.flat_rows is not None:  # one gather instead of Epoch.take's index arithmetic
-            flat = values.reshape(values.shape[0] * values.shape[1], *values.shape[2:])
-            return flat.index_select(0, self.flat_rows).view(self.y.shape[0], self.size, *values.shape[2:])
+            return take_flat(values, self.flat_rows, self.size)
         if self.rows is None:
             raise ValueError("this batch does not know its rows (Batch.rows or Batch.flat_rows)")
         return Epoch.take(values, self.rows)
+
+
+def take_flat(values: torch.Tensor, flat_rows: torch.Tensor, size: int) -> torch.Tensor:
+    """Each sample's entry of ``values`` (``K × N × …``) at ``flat_rows`` (``K·B`` indices into the
+    flattened clients, :meth:`Epoch.with_rows`): ``K × B × …`` in one gather."""
+    flat = values.reshape(values.shape[0] * values.shape[1], *values.shape[2:])
+    return flat.index_select(0, flat_rows).view(values.shape[0], size, *values.shape[2:])
 
 
 @dataclass
@@ -439,12 +445,11 @@ def train_levels(
                     if any((*m.views, *t) != names for m, t in zip(methods, teachers, strict=True)):
                         raise LockstepError("the levels trained in lockstep need different views")
                     views = _views(augments, xb, names)
-                    batch_shape = (*xb.shape[:2], n_classes)
                     batches = [
                         Batch(
                             rnd,
                             views,
-                            fed.y.view(-1, n_classes).index_select(0, flat_rows).view(batch_shape),
+                            take_flat(fed.y, flat_rows, xb.shape[1]),
                             active[i],
                             missing[i],
                             pos_weight[i],
@@ -504,15 +509,7 @@ def _products(heads: Sequence[Sequence[torch.Tensor]], x: torch.Tensor) -> list[
         return [None for _ in heads]
     weights = stacked[0] if len(stacked) == 1 else torch.cat(stacked, dim=1)
     product = torch.bmm(weights, x.transpose(1, 2))  # K × all rows × B
-    out: list[torch.Tensor | None] = []
-    start = 0
-    for level in heads:
-        rows = sum(h.shape[1] for h in level)
-        # a copy in the layout a product of this level's heads alone has (every later op sees the
-        # same strides, so takes the same kernel path); none when there is one level
-        out.append(product[:, start : start + rows].contiguous() if rows else None)
-        start += rows
-    return out
+    return _split_levels(product, [sum(h.shape[1] for h in level) for level in heads])
 
 
 def _gradients(grads: Sequence[torch.Tensor | None], x: torch.Tensor) -> list[torch.Tensor | None]:
@@ -525,13 +522,16 @@ def _gradients(grads: Sequence[torch.Tensor | None], x: torch.Tensor) -> list[to
         product = weight_gradient(present[0], x)
     else:
         product = torch.bmm(torch.cat([g.transpose(1, 2) for g in present], dim=1), x)
+    return _split_levels(product, [0 if g is None else g.shape[2] for g in grads])
+
+
+def _split_levels(product: torch.Tensor, rows: Sequence[int]) -> list[torch.Tensor | None]:
+    """``product``'s consecutive row blocks (axis 1) of the given sizes, each a contiguous copy in the
+    layout a product of that level alone has (every later op sees the same strides, so takes the same
+    kernel path); None for a level with no rows."""
     out: list[torch.Tensor | None] = []
     start = 0
-    for grad in grads:
-        if grad is None:
-            out.append(None)
-            continue
-        rows = grad.shape[2]
-        out.append(product[:, start : start + rows].contiguous())
-        start += rows
+    for count in rows:
+        out.append(product[:, start : start + count].contiguous() if count else None)
+        start += count
     return out
