@@ -681,14 +681,19 @@ def plan_noise(config: DpConfig, layout: FederationLayout) -> NoisePlan:
         "total_sums": p * c2,
         "total_counts": float(p),
     }
-    dims = {
-        "gram": encoding.upper_triangle_length(layout.dim),
-        "sums": 2 * layout.dim,
-        "counts": 2,
-        "eigen": 1,
-        "total_sums": layout.dim,
-        "total_counts": 1,
-    }
+
+    def block_dim(group: str, kind: BlockKind) -> int:
+        # a class group's sums and counts have a positive and a negative side, except positive sums
+        sides = 1 if positives and group.startswith("class/") else 2
+        return {
+            "gram": encoding.upper_triangle_length(layout.dim),
+            "sums": sides * layout.dim,
+            "counts": sides,
+            "eigen": 1,
+            "total_sums": layout.dim,
+            "total_counts": 1,
+        }[kind]
+
     eigen = config.ridge == "adassp"
     slots = _slots(layout, config.unit, eigen=eigen, positives=positives)
     # class slots per protected unit: an image moves one block per class it meets (its client's
@@ -725,12 +730,10 @@ def plan_noise(config: DpConfig, layout: FederationLayout) -> NoisePlan:
                 kinds = ("gram", "eigen") if eigen else ("gram",)
                 kinds += ("total_sums", "total_counts") if positives else ()
             for kind in kinds:
-                # a class group's positive sums: one sum and one count (no negative side)
-                halve = positives and kind in ("sums", "counts") and group.startswith("class/")
                 blocks[(group, kind)] = make_block(
                     group,
                     kind,
-                    dim=dims[kind] // 2 if halve else dims[kind],
+                    dim=block_dim(group, kind),
                     sensitivity=sensitivities[kind],
                     rho=per_kind[kind],
                     members=members,
