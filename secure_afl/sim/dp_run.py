@@ -114,6 +114,9 @@ def run_private_setting(
         min_group_size=config.min_group_size,
         rounds=config.rounds,
         masked=config.secure == "mask",
+        # the split may spread a patient's images over clients, each rounding its own values: the
+        # plan takes the public bound, every client (plan_noise caps it at the images per patient)
+        patient_clients=config.n_clients,
     )
     plan = plan_noise(dp, layout)
 
