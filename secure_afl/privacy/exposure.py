@@ -296,7 +296,7 @@ def isolating_colluders(
     (exposure only grows with the colluders), in batches of exact eliminations modulo 2^31 - 1
     (above the Hadamard bound of every minor up to 22 columns; wider systems fall back to
     :func:`determined`).  Cost: one small elimination per maximal choice, at most C(types, budget)
-    of them (bench/bench_exposure.py measures it).
+    of them.
     """
     if budget <= 0:
         return None
