@@ -179,3 +179,50 @@ def test_the_simulators_split_spreads_patients_within_its_public_bound() -> None
 def test_a_bad_patient_bound_is_refused(bad) -> None:
     with pytest.raises(DpError, match="patient_clients"):
         FederationLayout(active=ACTIVE, n_classes=3, dim=3, threshold=4, patient_clients=bad)
+
+
+@pytest.mark.parametrize("class_sums", ["split", "positives"])
+def test_slots_of_several_blocks_cover_every_way_a_spread_patient_moves_them(class_sums: str) -> None:
+    """The invariant another way: a slot whose blocks move together (a patient's images on either
+    side of a class in round 2; the positive sums of every class) is accounted at least at the ρ of
+    every split of the patient's P images and j = 4 clients' roundings over its blocks."""
+    config = DpConfig(
+        epsilon=2.0,
+        clip=CLIP,
+        unit="patient",
+        max_images_per_patient=P,
+        class_sums=class_sums,  # type: ignore[arg-type]
+        row_centre=class_sums == "positives",
+    )
+    layout = FederationLayout(active=ACTIVE, n_classes=3, dim=3, threshold=4, rounds=2, patient_clients=6)
+    plan = plan_noise(config, layout)
+    checked = 0
+    for inst in ACTIVE:
+        for slot, (rho, _) in zip(plan.slots[inst], plan.events(inst), strict=True):
+            blocks = [plan.blocks[key] for key in slot]
+            if len(blocks) < 2:
+                continue
+            per_image = blocks[0].sensitivity / P  # C for sums, 1 for counts
+
+            def true_rho(
+                images: list[float], clients: list[int], blocks=blocks, per_image=per_image
+            ) -> float:
+                return sum(
+                    (a * per_image * 2.0**b.grid_bits + j * math.sqrt(b.dim)) ** 2
+                    / (2.0 * b.fewest * b.client_variance)
+                    for a, j, b in zip(images, clients, blocks, strict=True)
+                )
+
+            worst = 0.0
+            if class_sums == "split":  # a images to the class block, P − a to the pseudo block
+                for a in range(P + 1):
+                    for j0 in range(min(a, P) + 1):
+                        for j1 in range(min(P - a, P - j0) + 1):
+                            worst = max(worst, true_rho([a, P - a], [j0, j1]))
+            else:  # every client holding an image moves every class block: Σ_c w_c² ≤ 1 per image
+                n = len(blocks)
+                for weights in (np.eye(n)[0], np.full(n, 1 / math.sqrt(n))):
+                    worst = max(worst, true_rho(list(P * weights), [P] * n))
+            assert rho >= worst * (1 - 1e-12)
+            checked += 1
+    assert checked > 0
