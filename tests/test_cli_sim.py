@@ -338,3 +338,24 @@ def test_the_default_report_is_short_and_verbose_prints_the_full_audit(tmp_path:
         json.loads((tmp_path / n / "results.json").read_text()) for n in ("short", "full")
     )
     assert _without_timings(short_json) == _without_timings(full_json)
+
+
+def test_the_short_report_aggregates_overlaps_dropouts_and_refusals(tmp_path: Path) -> None:
+    result = _run([
+        "--missing", "1", "--rounds", "1", "--dropout", "2", "--dropout-stage", "R2",
+        "--client-policy", "deployment", "--out", str(tmp_path), *SMALL,
+    ])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert len(lines) <= 60 and max(len(line) for line in lines) <= 80
+    text = " ".join(result.output.split())
+    setting = json.loads((tmp_path / "results.json").read_text())["settings"][0]
+    dropped = setting["dropped"]
+    assert f"Dropped: {', '.join(dropped)}." in text
+    assert "2 dropped out before theirs" in text  # they never ran their own checks
+    # the per-class Gram over "all but one" groups: the audit's overlap warning, once
+    exposed = setting["privacy_by_method"]["AFL (1 round)"]["exposed_by_overlapping_groups"]
+    assert exposed["gram"] and "WARNING: overlapping group sums determine the individual" in text
+    refused = [m for m, r in setting["deployed_client_refusals"].items() if r]
+    assert f"Deployed clients (missing 1) refuse {len(refused)} of" in text
+    assert "own check saw" not in text and "Protocol costs, missing 1" not in text  # --verbose only

@@ -475,12 +475,31 @@ def client_checks_agreement(audit: PrivacyAudit) -> tuple[list[str], list[str], 
     return agree, silent, other
 
 
+def _client_checks_sentence(audit: PrivacyAudit, dropped_clients: tuple[str, ...]) -> str:
+    agree, silent, other = client_checks_agreement(audit)
+    total = len(agree) + len(silent) + len(other)
+    text = f" {len(agree)} of {total} clients' own exposure checks agree with this audit"
+    dropped = [c for c in silent if c in dropped_clients]
+    if dropped:
+        text += f"; {len(dropped)} dropped out before theirs"
+    if len(silent) > len(dropped):
+        text += f"; {len(silent) - len(dropped)} found nothing"
+    if other:
+        names = f" ({', '.join(other)})" if len(other) <= 3 else ""
+        text += f"; {len(other)} found other combinations{names}, listed in report.md"
+    found = len(audit.client_findings)
+    return text + (f" ({found} saw exposures and went on: simulator policy)." if found else ".")
+
+
 def privacy_verdict(setting: SettingResult) -> str:
     """One paragraph: what the server learns at this setting, aggregated over the audit's groups."""
     audit = setting.audit
+    private = bool(setting.privacy)  # --dp-epsilon: every client noised its values before sending
+    exactly = "with only that client's own DP noise on them" if private else "exactly"
     head = f"Privacy, missing {setting.missing} ({audit.protection}): "
     if audit.protection == "none":
-        text = head + "WARNING: plaintext run: the server receives every client's statistics individually."
+        text = head + "WARNING: plaintext run: the server receives every client's statistics individually"
+        text += " (each noised: differential privacy above)." if private else "."
     else:
         groups = list(audit.groups)
         clients = sorted({c for g in groups for c in g.members})
@@ -497,7 +516,7 @@ def privacy_verdict(setting: SettingResult) -> str:
             scope = "class statistics" if all(g in classes for g in alone) else "statistics in them"
             text = (
                 head + f"WARNING: {what} ({_names([g.group for g in alone])}): the server learns "
-                f"{whose} {scope} exactly; no aggregation can hide them."
+                f"{whose} {scope} {exactly}; no aggregation can hide them."
             )
             rest = [g for g in groups if len(g.survivors) > 1]
             if rest:
@@ -516,19 +535,10 @@ def privacy_verdict(setting: SettingResult) -> str:
             )
         else:
             text += " No combination of overlapping group sums singles out any other value."
-        agree, silent, other = client_checks_agreement(audit)
-        total = len(agree) + len(silent) + len(other)
-        text += f" {len(agree)} of {total} clients' own exposure checks agree with this audit"
-        dropped = [c for c in silent if c in setting.dropped]
-        if dropped:
-            text += f"; {len(dropped)} dropped out before theirs"
-        if len(silent) > len(dropped):
-            text += f"; {len(silent) - len(dropped)} found nothing"
-        if other:
-            names = f" ({', '.join(other)})" if len(other) <= 3 else ""
-            text += f"; {len(other)} found other combinations{names}, listed in report.md"
-        found = len(audit.client_findings)
-        text += f" ({found} saw exposures and went on: simulator policy)." if found else "."
+        if private and not audit.client_findings:
+            text += " (A private run does not record the clients' own exposure checks.)"
+        else:
+            text += _client_checks_sentence(audit, setting.dropped)
     if setting.dropped:
         text += f" Dropped: {', '.join(setting.dropped)}."
     clear = [m for m in setting.metrics if method_type(m) != "Analytic"]
@@ -546,10 +556,11 @@ def refusal_summary(setting: SettingResult) -> str | None:
     if not refused:
         return f"Deployed clients (missing {setting.missing}) accept every method's layout."
     first = setting.client_refusals[refused[0]][0]
+    reason = first.reason if len(first.reason) <= 100 else first.reason[:99] + "…"
     return (
         f"Deployed clients (missing {setting.missing}) refuse {len(refused)} of "
-        f"{len(setting.client_refusals)} methods' layouts; first: {refused[0]}, {first.client} at "
-        f"{first.round}: {first.reason}"
+        f"{len(setting.client_refusals)} methods' layouts (report.md says why); first: {refused[0]}, "
+        f"{first.client}: {reason}"
     )
 
 
