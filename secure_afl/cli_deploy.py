@@ -268,7 +268,7 @@ def deploy_superlink(
       front/             nginx.conf, error.log, access.log;  logs/superlink.log
     The SuperLink's environment keeps only PATH, HOME, locale, PYTHONPATH and the like: no
     passphrase variable reaches it or the ServerApps it starts.  Needs nginx (Debian: apt-get
-    install nginx-light).  Stops both on Ctrl-C or SIGTERM; exits 1 if either exits on its own.
+    install nginx).  Stops both on Ctrl-C or SIGTERM; exits 1 if either exits on its own.
     """
     from secure_afl.deploy.errors import SuperLinkSetupError
     from secure_afl.deploy.superlink import plan_superlink, serve_superlink

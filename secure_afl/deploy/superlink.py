@@ -161,7 +161,7 @@ def find_nginx(explicit: str | None = None) -> str:
     raise SuperLinkSetupError(
         (f"--nginx {explicit}: not an executable" if explicit else "nginx not found")
         + ": the front that serves only the Fleet API is nginx; install it (Debian/Ubuntu: "
-        "apt-get install nginx-light, or nginx) or give its path with --nginx"
+        "apt-get install nginx) or give its path with --nginx"
     )
 
 

@@ -236,6 +236,72 @@ def test_the_front_forwards_the_fleet_api_and_only_posts(link: Link) -> None:
         socket.create_connection((HOSPITALS_HOST, link.control_port), timeout=5).close()
 
 
+def _tls_exchange(link: Link, raw: bytes, answers: int) -> str:
+    """Send ``raw`` bytes in one TLS connection to the front; read until ``answers`` responses or EOF."""
+    context = ssl.create_default_context(cafile=str(link.tls / "ca.crt"))
+    received = b""
+    with (
+        socket.create_connection((HOSPITALS_HOST, link.fleet_port), timeout=10) as plain,
+        context.wrap_socket(plain, server_hostname=HOSPITALS_HOST) as sock,
+    ):
+        sock.sendall(raw)
+        for _ in range(100):
+            if received.count(b"HTTP/1.1 ") >= answers:
+                break
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            received += chunk
+    return received.decode(errors="replace")
+
+
+def test_a_control_request_hidden_in_a_fleet_request_is_not_forwarded(link: Link) -> None:
+    before = _control_requests(link)
+    control = b"POST /v1/control/list-runs HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n"
+    fleet = b"POST /v1/fleet/get-run HTTP/1.1\r\nHost: x\r\nContent-Type: application/protobuf\r\n"
+    # Pipelined after a Fleet request: the front routes each request itself.
+    answer = _tls_exchange(link, fleet + b"Content-Length: 0\r\n\r\n" + control, answers=2)
+    assert answer.count(NOT_FORWARDED) == 1, answer
+    # Smuggled in a body (Content-Length and Transfer-Encoding both given), and as a declared body.
+    smuggled = fleet + b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n" + control
+    _tls_exchange(link, smuggled, answers=2)
+    body = fleet + b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(control) + control
+    _tls_exchange(link, body, answers=1)
+    assert _control_requests(link) == before
+
+
+def _listening(pid: int) -> set[str]:
+    """The TCP addresses process ``pid`` listens on (Linux /proc)."""
+    inodes = set()
+    for fd in (Path("/proc") / str(pid) / "fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = set()
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        for line in (Path("/proc/net") / table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
+                continue
+            address, port = fields[1].split(":")
+            raw = bytes.fromhex(address)
+            words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+            found.add(f"{socket.inet_ntop(family, words)}:{int(port, 16)}")
+    return found
+
+
+def test_the_superlink_listens_on_loopback_only_and_the_front_on_the_hospitals_address(link: Link) -> None:
+    pids = link.descendants()
+    commands = {pid: (Path("/proc") / str(pid) / "cmdline").read_bytes() for pid in pids}
+    flower = {address for pid, c in commands.items() if b"flower-super" in c for address in _listening(pid)}
+    front = {address for pid, c in commands.items() if b"nginx" in c for address in _listening(pid)}
+    assert flower == {f"127.0.0.1:{link.control_port}"}  # no gRPC API, no health server, nothing else
+    assert front == {f"{HOSPITALS_HOST}:{link.fleet_port}"}
+
+
 def test_no_secret_reaches_the_superlink_and_its_state_is_private(link: Link) -> None:
     pids = link.descendants()
     commands = {pid: (Path("/proc") / str(pid) / "cmdline").read_bytes() for pid in pids}
@@ -275,6 +341,16 @@ def test_a_supernode_connects_through_the_front_and_registrations_survive_a_rest
         time.sleep(0.1)
     assert [n["status"] for n in _json(link, "supernode", "list")["nodes"]] == ["online"]
     link.groups.kill(node)
+
+    # A SuperNode whose key the coordinator did not register is refused through the front.
+    rogue_log = link.work / "supernode-rogue.log"
+    argv[argv.index(str(key))] = str(link.work / "rogue-unregistered")
+    write_node_auth_key(link.work / "rogue-unregistered")
+    argv[-1] = str(_free_port("127.0.0.1"))
+    rogue = link.groups.start("rogue", argv, rogue_log, env={**link.env, "FLWR_HOME": str(link.work / "sn2")})
+    code = rogue.process.wait(timeout=90)
+    assert code != 0 and "SuperNode ID" not in rogue_log.read_text(errors="replace")
+    assert len(_json(link, "supernode", "list")["nodes"]) == 1
 
     assert link.stop() == 0
     link.start()
