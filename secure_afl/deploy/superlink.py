@@ -472,14 +472,23 @@ def serve_superlink(
     """
     previous_umask = os.umask(0o077)  # every file the SuperLink or nginx creates: 0600
     try:
-        warnings = prepare_state(plan)
-    except OSError as exc:
+        try:
+            warnings = prepare_state(plan)
+        except OSError as exc:
+            raise SuperLinkSetupError(f"cannot write the state directory {plan.state_dir}: {exc}") from None
+        for warning in warnings:
+            say(warning)
+        _check_nginx_config(plan)
+        return _serve(plan, scrubbed_environment(os.environ if environ is None else environ), say,
+                      start_timeout, stop)  # fmt: skip
+    finally:
         os.umask(previous_umask)
-        raise SuperLinkSetupError(f"cannot write the state directory {plan.state_dir}: {exc}") from None
-    for warning in warnings:
-        say(warning)
-    _check_nginx_config(plan)
-    children = ProcessGroups(scrubbed_environment(os.environ if environ is None else environ))
+
+
+def _serve(
+    plan: SuperLinkPlan, env: Mapping[str, str], say: Say, start_timeout: float, stop: threading.Event | None
+) -> int:
+    children = ProcessGroups(env)
     previous: dict[int, object] = {}
     in_main = threading.current_thread() is threading.main_thread()
     if in_main:
@@ -529,7 +538,6 @@ def serve_superlink(
         if in_main:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)  # type: ignore[arg-type]
-        os.umask(previous_umask)
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:
