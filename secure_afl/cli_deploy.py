@@ -194,10 +194,9 @@ def deploy_tls(hosts: tuple[str, ...], ips: tuple[str, ...], out_dir: Path, days
       superlink.pem  the SuperLink's certificate, signed by the CA
       superlink.key  its private key (0600): stays on the coordinator host
     \b
-    Flower flags that take them:
-      flower-superlink --ssl-ca-certfile ca.crt --ssl-certfile superlink.pem --ssl-keyfile superlink.key
-      flower-supernode --root-certificates ca.crt   (each hospital; and root-certificates in
-                       $FLWR_HOME/config.toml for `flwr run`)
+    What takes them:
+      secure-afl deploy superlink --tls DIR ...   (the coordinator: its front serves superlink.pem)
+      flower-supernode --root-certificates ca.crt   (each hospital)
 
     The certificate's subjectAltName lists every --host and --ip: it must cover the exact name or IP
     address hospitals put in --superlink, or their TLS handshake fails.  Existing files are never
@@ -222,10 +221,7 @@ def deploy_tls(hosts: tuple[str, ...], ips: tuple[str, ...], out_dir: Path, days
     click.echo(f"      {files.key} (0600) and {files.ca_key} (0600, keep it offline)")
     click.echo(f"valid for {days} days for: {', '.join(names)}")
     target = f"[{names[0]}]" if ":" in names[0] else names[0]  # an IPv6 address needs brackets
-    click.echo(
-        f"SuperLink: flower-superlink --ssl-ca-certfile {files.ca_certificate} "
-        f"--ssl-certfile {files.certificate} --ssl-keyfile {files.key} ..."
-    )
+    click.echo(f"SuperLink: secure-afl deploy superlink --tls {out_dir} --listen ADDR:9092 --state-dir DIR")
     click.echo(f"SuperNode: flower-supernode --root-certificates ca.crt --superlink {target}:9092 ...")
 
 
