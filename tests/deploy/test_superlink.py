@@ -97,7 +97,9 @@ class Link:
         self.process.send_signal(signal.SIGTERM)
         code = self.process.wait(timeout=30)
         deadline = time.monotonic() + 15
-        while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        for _ in range(200):
+            if not any(_alive(pid) for pid in pids) or time.monotonic() > deadline:
+                break
             time.sleep(0.1)
         left = [pid for pid in pids if _alive(pid)]
         assert not left, f"deploy superlink left processes running: {left}"
@@ -332,9 +334,13 @@ def test_a_supernode_connects_through_the_front_and_registrations_survive_a_rest
         "supernode", argv, node_log, env={**link.env, "FLWR_HOME": str(link.work / "sn")}
     )
     deadline = time.monotonic() + 60
-    while "SuperNode ID" not in node_log.read_text(errors="replace"):
+    for _ in range(700):
+        if "SuperNode ID" in node_log.read_text(errors="replace"):
+            break
         assert node.process.poll() is None and time.monotonic() < deadline, node_log.read_text()
         time.sleep(0.1)
+    else:
+        raise AssertionError(f"the SuperNode did not connect:\n{node_log.read_text()}")
     assert [n["status"] for n in _json(link, "supernode", "list")["nodes"]] == ["online"]
     link.groups.kill(node)
 
