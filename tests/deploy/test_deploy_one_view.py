@@ -22,6 +22,7 @@ from secure_afl.deploy.errors import FederationAbortedError, StudyMismatchError
 from secure_afl.deploy.study import Method, Study, StudyDp, round1_layout, round2_layout, session_context
 from secure_afl.deploy.wire import Envelope, from_record_dict, to_record_dict
 from secure_afl.protocol import codec
+from secure_afl.protocol.ckks.messages import CkksAdvertise, CkksKeyRequest
 from secure_afl.protocol.messages import AdvertiseKeys, ShareKeys, ShareKeysRequest
 
 from .helpers import InProcessTransport, make_federation, run_server
@@ -69,10 +70,12 @@ def hostile_session(
         envelope = _through_records(Envelope("advertise", meta, first, dict(arrays_of(node.client_id))))
         r0[node.client_id] = reply = _through_records(handle(envelope, node.state, node.settings))
         assert reply.kind == "reply", reply.meta  # R0 reveals nothing: every node advertises its keys
-        (advert,) = [codec.decode(reply.payload)]
-        assert isinstance(advert, AdvertiseKeys)
+        advert = backend.decode(reply.payload, server.max_message_bytes)
+        assert isinstance(advert, (AdvertiseKeys, CkksAdvertise))
         adverts.append(advert)
-    request = codec.encode(ShareKeysRequest(session_id, tuple(sorted(adverts, key=lambda a: a.client_id))))
+    relayed = tuple(sorted(adverts, key=lambda a: a.client_id))
+    keys = ShareKeysRequest if backend.name == "mask" else CkksKeyRequest
+    request = backend.encode(keys(session_id, relayed), server.max_message_bytes)
     r1 = {}
     for node in federation.nodes.values():
         envelope = _through_records(Envelope("protocol", {"session": label, "round": "R1"}, request))
@@ -88,9 +91,9 @@ def assert_refused_in_r1(federation, r1: Mapping[str, Envelope], label: str, err
         assert state.load(label) == {"status": f"failed: {error}"}  # its session secrets are gone
 
 
-def _round2_federation(tmp_path: Path):
+def _round2_federation(tmp_path: Path, protection: str = "mask"):
     method = Method(rounds=2, min_pos=1, min_neg=1)
-    return make_federation(tmp_path, n_clients=4, active=ACTIVE, method=method)
+    return make_federation(tmp_path, n_clients=4, active=ACTIVE, method=method, protection=protection)
 
 
 def _teacher(federation) -> np.ndarray:
@@ -100,10 +103,11 @@ def _teacher(federation) -> np.ndarray:
 # --- recovery 1: round 2's teacher W and the study -----------------------------------------------
 
 
+@pytest.mark.parametrize("protection", ["mask", "ckks"])
 def test_round2_teacher_shown_1000_fold_to_the_victim_and_zero_to_its_peers_is_refused_in_r1(
-    tmp_path: Path,
+    tmp_path: Path, protection: str
 ) -> None:
-    federation = _round2_federation(tmp_path)
+    federation = _round2_federation(tmp_path, protection)
     w = _teacher(federation)
     _, r1 = hostile_session(
         federation,
@@ -131,10 +135,14 @@ def test_round2_pseudo_label_parameters_shown_differently_are_refused_in_r1(tmp_
     assert_refused_in_r1(federation, r1, "2", "DifferentSessionViewError")
 
 
-def test_round2_shown_alike_to_every_node_goes_on_through_the_same_script(tmp_path: Path) -> None:
-    """The control: the same W and study for everyone, the same hostile script: every node sends
-    its encrypted shares in R1 (so the refusals above are the view's doing, nothing else)."""
-    federation = _round2_federation(tmp_path)
+@pytest.mark.parametrize("protection", ["mask", "ckks"])
+def test_round2_shown_alike_to_every_node_goes_on_through_the_same_script(
+    tmp_path: Path, protection: str
+) -> None:
+    """The control: the same W and study for everyone, the same hostile script: every node goes on
+    in R1 (masking: its encrypted shares; CKKS: the key holder its key, the others an empty
+    answer), so the refusals above are the view's doing, nothing else."""
+    federation = _round2_federation(tmp_path, protection)
     w = _teacher(federation)
     _, r1 = hostile_session(
         federation,
@@ -145,7 +153,10 @@ def test_round2_shown_alike_to_every_node_goes_on_through_the_same_script(tmp_pa
     )
     for cid, reply in r1.items():
         assert reply.kind == "reply", (cid, reply.meta)
-        assert isinstance(codec.decode(reply.payload), ShareKeys)
+        if protection == "mask":
+            assert isinstance(codec.decode(reply.payload), ShareKeys)
+    if protection == "ckks":
+        assert sum(1 for reply in r1.values() if reply.payload) == 1  # the key holder's key
 
 
 def test_the_session_context_is_the_studys_canonical_document_round_and_arrays(tmp_path: Path) -> None:
