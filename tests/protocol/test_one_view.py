@@ -356,3 +356,26 @@ def test_the_session_context_covers_the_study_the_round_and_every_array() -> Non
     assert binding.config_digest(config, base) != binding.config_digest(config)
     with pytest.raises(LocalProtocolError, match="32 bytes"):
         binding.config_digest(config, b"short")
+
+
+def test_the_simulator_binds_its_round_context_through_the_same_path() -> None:
+    """The in-process driver hands one context to every client and the server (the backend's
+    ``client_session(..., context=)``), and the simulator's context names its config and round."""
+    from secure_afl.aggregation.backend import MaskingBackend
+    from secure_afl.aggregation.inprocess import run_in_process
+    from secure_afl.sim.runner import SimConfig, simulation_context
+
+    fed = federation(3)
+    config = SimConfig()
+    w = teacher()
+    context = simulation_context(config, "2", {"coef": w})
+    assert context != simulation_context(config, "1", None)
+    assert context != simulation_context(
+        dataclasses.replace(config, gamma=config.gamma * 2), "2", {"coef": w}
+    )
+    run = run_in_process(
+        MaskingBackend(threshold=2, client_policy=SIMULATOR), fed.inputs, symmetric=(), context=context
+    )
+    assert set(run.outcome.sums) == {"all"}
+    for client in run.clients.values():
+        assert client._context == context  # what its advertisement signed within the config digest
