@@ -160,7 +160,9 @@ def run_private_setting(
                 for name in live
             }
         with timer.phase("aggregation"):
-            agg2 = runner.aggregate(round2, config, dropouts={})
+            agg2 = runner.aggregate(
+                round2, config, dropouts={}, round_label="2", arrays={"coef": model.coef_}
+            )
         with timer.phase("solve"):
             count_std = pseudo_count_noise_std(plan, {g: len(ids) for g, ids in agg2.survivors.items()})
             refined, solve2 = refine_private(
