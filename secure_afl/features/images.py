@@ -221,8 +221,8 @@ def _read_dicom(data: bytes, path: Path) -> Any:
         ) from None
     if "PixelData" not in dataset:
         raise DicomError(
-            f"{path}: a DICOM file without pixel data (no (7FE0,0010) Pixel Data element, or a truncated "
-            "file); export the image itself, not a report or structured document"
+            f"{path}: no DICOM pixel data (no (7FE0,0010) Pixel Data element): the file is truncated, is "
+            "not DICOM, or holds no image (a report or structured document); export the image again"
         )
     return dataset
 
@@ -311,7 +311,8 @@ def dicom_grayscale(data: bytes, path: Path | str = "<bytes>") -> np.ndarray:
         )
     try:
         stored = _stored_pixels(dataset, path)
-        values = np.asarray(apply_modality_lut(stored, dataset), dtype=np.float64)
+        modality = np.asarray(apply_modality_lut(stored, dataset))  # integers when there is no rescale
+        values = modality.astype(np.float64)
         if dataset.get("ModalityLUTSequence"):
             low, high = _lut_range(dataset.ModalityLUTSequence)
         else:
@@ -321,7 +322,9 @@ def dicom_grayscale(data: bytes, path: Path | str = "<bytes>") -> np.ndarray:
             low, high = sorted((low * slope + intercept, high * slope + intercept))
         if dataset.get("VOILUTSequence"):
             lut_low, lut_high = _lut_range(dataset.VOILUTSequence)
-            unit = (np.asarray(apply_voi(values, dataset), dtype=np.float64) - lut_low) / (lut_high - lut_low)
+            unit = (np.asarray(apply_voi(modality, dataset), dtype=np.float64) - lut_low) / (
+                lut_high - lut_low
+            )
         elif "WindowCenter" in dataset and "WindowWidth" in dataset:
             unit = _window(values, dataset, path)
         else:
