@@ -2,11 +2,12 @@
 
 Public API
 ----------
-``IMAGE_LAYOUTS``
+``IMAGE_LAYOUTS``, ``DICOM_LAYOUTS``
     The layouts searched under a data directory: the official archives unpacked in place
-    (``images_001/images/*.png`` … ``images_012/images/*.png``) and a flat ``images/*.png``.
+    (``images_001/images/*.png`` … ``images_012/images/*.png``) and a flat ``images/*.png``; then
+    DICOM files (``*.dcm``, ``*.dicom``) in the same folders.
 ``index_images(data_dir) -> dict[str, Path]``
-    File name (``00000001_000.png``) -> path, over both layouts.
+    File name (``00000001_000.png``) -> path, over these layouts.
 ``resolve_image_paths(data_dir, image_names) -> ImagePaths(paths, missing_names)``
     ``paths`` holds the path of every name that was found, in the order of ``image_names``;
     ``missing_names`` the names that were not (the caller drops those rows, and should report them).
@@ -57,6 +58,7 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 __all__ = [
+    "DICOM_LAYOUTS",
     "DICOM_SUFFIXES",
     "IMAGE_LAYOUTS",
     "CorruptImageError",
@@ -79,6 +81,10 @@ __all__ = [
 
 # Searched in this order; the first layout that holds a name wins.
 IMAGE_LAYOUTS: tuple[str, ...] = ("images_*/images/*.png", "images/*.png")
+# DICOM files in the same places (``secure-afl predict --data-dir`` reads these too); searched after the PNGs.
+DICOM_LAYOUTS: tuple[str, ...] = tuple(
+    pattern.replace(".png", suffix) for suffix in (".dcm", ".dicom") for pattern in IMAGE_LAYOUTS
+)
 
 DICOM_SUFFIXES: tuple[str, ...] = (".dcm", ".dicom")
 _HASH_CHUNK = 1 << 20
@@ -126,10 +132,10 @@ class ImageBatch(NamedTuple):
 
 
 def index_images(data_dir: Path) -> dict[str, Path]:
-    """Maps each PNG file name found in :data:`IMAGE_LAYOUTS` under ``data_dir`` to its path."""
+    """Maps each file name found in :data:`IMAGE_LAYOUTS`, then :data:`DICOM_LAYOUTS`, to its path."""
     data_dir = Path(data_dir)
     found: dict[str, Path] = {}
-    for pattern in IMAGE_LAYOUTS:
+    for pattern in IMAGE_LAYOUTS + DICOM_LAYOUTS:
         for path in sorted(data_dir.glob(pattern)):
             found.setdefault(path.name, path)
     return found
@@ -151,7 +157,7 @@ def resolve_image_paths(data_dir: Path, image_names: Sequence[str]) -> ImagePath
         layouts = " or ".join(str(data_dir / pattern) for pattern in IMAGE_LAYOUTS)
         raise ImagesNotFoundError(
             f"none of the {len(image_names)} requested images (e.g. {image_names[0]}) is under {data_dir} "
-            f"({len(index)} PNG files found there). Expected the ChestXray14 PNGs as the official archives "
+            f"({len(index)} image files found there). Expected the ChestXray14 PNGs as the official archives "
             f"unpack them, {layouts}."
         )
     return ImagePaths(paths, missing)
