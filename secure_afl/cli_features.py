@@ -631,7 +631,7 @@ def extract(
         raise click.BadParameter(f"{out_path} is a directory; give a file name", param_hint="--out")
 
     from secure_afl.features.backbones import UnknownBackboneError, WeightsError, load_backbone
-    from secure_afl.features.images import ImagesNotFoundError
+    from secure_afl.features.images import ImageChangedError, ImagesNotFoundError
 
     try:
         if dataset == "nih":
@@ -653,8 +653,11 @@ def extract(
     except (UnknownBackboneError, WeightsError) as exc:
         raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
 
-    result = _run_extraction(ctx, data, model, out_path, cache_dir, device, batch_size, workers, shard_size,
-                             amp, progress)  # fmt: skip
+    try:
+        result = _run_extraction(ctx, data, model, out_path, cache_dir, device, batch_size, workers,
+                                 shard_size, amp, progress)  # fmt: skip
+    except ImageChangedError as exc:
+        raise click.ClickException(f"ImageChangedError: {exc}; nothing was written to {out_path}") from None
     keep = np.setdiff1d(np.arange(len(data.paths)), np.asarray(result.skipped, dtype=np.int64))
     if len(keep) == 0:
         raise click.ClickException(

@@ -97,6 +97,7 @@ from secure_afl.features.file import PRIVATE_DIR_MODE, PRIVATE_FILE_MODE, make_p
 from secure_afl.features.images import (
     CorruptImageError,
     ImageBatch,
+    ImageChangedError,
     ImageDataset,
     collate_images,
     hash_image_files,
@@ -350,7 +351,11 @@ def _batches(
         collate_fn=collate_images,
         pin_memory=device.type == "cuda",
     )
-    yield from loader
+    try:
+        yield from loader
+    except ImageChangedError as exc:  # from a worker, torch prefixes the worker's traceback: keep the message
+        message = str(exc).strip().splitlines()[-1]
+        raise ImageChangedError(message.split("ImageChangedError: ", 1)[-1]) from None
 
 
 def extract_features(

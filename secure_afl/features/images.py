@@ -38,9 +38,9 @@ Public API
     ``ImageBatch.skipped``, and :func:`secure_afl.features.extraction.extract_features` reports the skipped
     indices so the caller can drop those rows (or raises :class:`CorruptImageError` with ``strict=True``).
     With ``sha256`` (one digest per path), each file is read once into memory, its bytes are checked
-    against the digest and decoded from that copy: an image whose file changed after it was hashed is
-    marked unreadable ("changed since it was hashed"), so features never pair with another image's
-    digest.
+    against the digest and decoded from that copy: a file that changed after it was hashed raises
+    :class:`ImageChangedError` (the extraction stops; the shards it completed stay cached), so features
+    never pair with another image's digest, and no cache entry records such an image as skipped.
 """
 
 from __future__ import annotations
@@ -65,6 +65,7 @@ __all__ = [
     "DicomCompressionError",
     "DicomError",
     "ImageBatch",
+    "ImageChangedError",
     "ImageDataset",
     "ImagePaths",
     "ImagesNotFoundError",
@@ -104,6 +105,10 @@ class ImagesNotFoundError(FileNotFoundError):
 
 class CorruptImageError(OSError):
     """An image could not be read or preprocessed (raised only in strict mode)."""
+
+
+class ImageChangedError(CorruptImageError):
+    """An image file whose bytes no longer match the digest taken before the extraction."""
 
 
 class DicomError(CorruptImageError):
@@ -367,11 +372,14 @@ class ImageDataset(Dataset[LoadedImage]):
         path = Path(self.paths[index])
         try:
             data = path.read_bytes()
-            if self.sha256 is not None and hashlib.sha256(data).hexdigest() != self.sha256[index]:
-                raise CorruptImageError(
-                    "changed since it was hashed (or unreadable then: written to during the extraction?); "
-                    "run the command again"
-                )
+        except _UNREADABLE_IMAGE_ERRORS as error:
+            return LoadedImage(index, None, f"{path}: {error.__class__.__name__}: {error}")
+        if self.sha256 is not None and hashlib.sha256(data).hexdigest() != self.sha256[index]:
+            raise ImageChangedError(
+                f"{path}: changed since it was hashed (or was unreadable then): is something writing to the "
+                "images during the extraction? Let it finish, then run the command again"
+            )
+        try:
             return LoadedImage(index, self.transform(_decode(data, path)), None)
         except DicomError as error:  # its message already names the file
             return LoadedImage(index, None, f"{error.__class__.__name__}: {error}")

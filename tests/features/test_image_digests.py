@@ -21,7 +21,7 @@ import secure_afl.features.backbones as backbones_module
 from secure_afl.features.backbones import XRayTransform
 from secure_afl.features.extraction import extract_features
 from secure_afl.features.file import FeatureFileError, load_feature_file, save_feature_file
-from secure_afl.features.images import ImageDataset, hash_image_files, image_sha256
+from secure_afl.features.images import ImageChangedError, ImageDataset, hash_image_files, image_sha256
 from secure_afl.sim.data import CLASSES
 
 from .test_feature_commands import (
@@ -191,14 +191,46 @@ def test_hashing_streams_the_bytes_and_marks_unreadable_files(tmp_path: Path) ->
         )
 
 
-def test_an_image_changed_after_it_was_hashed_is_not_decoded_under_the_old_digest(tmp_path: Path) -> None:
+def test_an_image_changed_after_it_was_hashed_is_not_decoded_under_the_old_digest(
+    tmp_path: Path, weights_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = write_png(tmp_path / "a.png", 1)
     digest = image_sha256(path)
     write_png(path, 2)  # overwritten between hashing and decoding
-    item = ImageDataset([path], XRayTransform(32), sha256=[digest])[0]
-    assert item.pixels is None and item.error is not None
-    assert str(path) in item.error and "changed since it was hashed" in item.error
+    with pytest.raises(ImageChangedError, match="changed since it was hashed") as raised:
+        ImageDataset([path], XRayTransform(32), sha256=[digest])[0]
+    assert str(path) in str(raised.value)
     assert ImageDataset([path], XRayTransform(32), sha256=[image_sha256(path)])[0].pixels is not None
+
+    # through the extraction: it stops, and the cache does not record the image as skipped
+    paths = [write_png(tmp_path / "img" / f"{i}.png", i) for i in range(4)]
+    digests = hash_image_files(paths)
+    write_png(paths[3], 99)
+    backbone = load_toy("toy", weights_file)
+    options = {
+        "cache_dir": tmp_path / "cache",
+        "num_workers": 0,
+        "progress": False,
+        "shard_size": 2,
+        "batch_size": 2,
+    }
+    with pytest.raises(ImageChangedError):
+        extract_features(paths, backbone, image_sha256=digests, **options)
+    (entry,) = (tmp_path / "cache").iterdir()
+    manifest = json.loads((entry / "manifest.json").read_text())
+    assert sorted(manifest["shards"]) == ["0"] and manifest["shards"]["0"]["skipped"] == {}
+    with pytest.raises(ImageChangedError) as from_worker:  # the same from a DataLoader worker process
+        extract_features(paths, backbone, image_sha256=digests, **{**options, "num_workers": 2})
+    assert str(from_worker.value).startswith(f"{paths[3]}: changed since it was hashed")
+    # the CLI says what happened and writes nothing
+    monkeypatch.setattr(backbones_module, "load_backbone", load_toy)
+    monkeypatch.setattr(
+        "secure_afl.features.images.hash_image_files", lambda paths, workers=1: tuple(digests)
+    )
+    out = tmp_path / "f.npz"
+    result = features("extract", "--images", tmp_path / "img", *common(weights_file, out, tmp_path / "c2"))
+    assert result.exit_code == 1 and "ImageChangedError" in result.output and str(paths[3]) in result.output
+    assert not out.exists()
 
 
 # ------------------------------------------------------------------ the cache, keyed by content
