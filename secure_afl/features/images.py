@@ -192,8 +192,11 @@ def hash_image_files(paths: Sequence[Path], workers: int = 1) -> tuple[str | Non
     paths = [Path(p) for p in paths]
     if workers <= 1 or len(paths) < 2:
         return tuple(_sha256_or_none(p) for p in paths)
-    with ThreadPoolExecutor(max_workers=workers) as pool:
+    pool = ThreadPoolExecutor(max_workers=workers)
+    try:
         return tuple(pool.map(_sha256_or_none, paths))
+    finally:  # on Ctrl-C, drop the files not started instead of hashing them all first
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def is_dicom(data: bytes, name: str | Path = "") -> bool:
