@@ -167,8 +167,23 @@ def value_digest(values: np.ndarray) -> str:
     array = np.ascontiguousarray(values, dtype=np.float64)
     digest = hashlib.sha256(_VALUE_DOMAIN)
     digest.update(repr(array.shape).encode())
-    digest.update(array.astype("<f8", copy=False).tobytes())
+    digest.update(array.astype("<f8", copy=False).reshape(-1))  # the buffer: the bytes tobytes() copies
     return digest.hexdigest()
+
+
+def own_value_digests(inputs: Mapping[str, Mapping[str, np.ndarray]]) -> dict[tuple[str, str], str]:
+    """(group, tensor) -> :func:`value_digest` of a client's inputs, each array object hashed once
+    (the drivers pass one Gram object to every group that carries it)."""
+    seen: dict[int, tuple[np.ndarray, str]] = {}  # id -> (the array, kept alive; its digest)
+    out = {}
+    for group, tensors in inputs.items():
+        for name, values in tensors.items():
+            entry = seen.get(id(values))
+            if entry is None or entry[0] is not values:
+                entry = (values, value_digest(values))
+                seen[id(values)] = entry
+            out[(group, name)] = entry[1]
+    return out
 
 
 def client_exposures(

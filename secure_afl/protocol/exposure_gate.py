@@ -59,11 +59,7 @@ class ExposureGate:
         self.client_id = client_id
         self.policy = policy
         # What this client sends where, by digest: its own unknowns in the exposure check.
-        self.own_values = {
-            (group, name): exposure.value_digest(values)
-            for group, tensors in inputs.items()
-            for name, values in tensors.items()
-        }
+        self.own_values = exposure.own_value_digests(inputs)
         if release is None:
             release = Release.of(inputs)
         elif not isinstance(release, Release):
