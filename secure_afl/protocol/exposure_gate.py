@@ -25,6 +25,7 @@ import numpy as np
 from secure_afl.core.errors import (
     ColluderExposureRefusedError,
     ConflictingAnswerError,
+    ExposureCheckLimitError,
     ExposureRefusedError,
     LocalProtocolError,
     ValueAlreadyReleasedError,
@@ -129,6 +130,8 @@ class ExposureGate:
             )
             if findings and self.policy.refuse_exposure:
                 self.findings.extend(findings)
+                if all(f.undecided for f in findings):
+                    raise ExposureCheckLimitError(action, findings)
                 helped = [f for f in findings if f.colluders]
                 if helped and len(helped) == len(findings):
                     raise ColluderExposureRefusedError(action, findings, helped[0].colluders)
