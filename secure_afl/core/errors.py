@@ -164,6 +164,23 @@ class ColluderExposureRefusedError(ExposureRefusedError):
         )
 
 
+class ExposureCheckLimitError(ExposureRefusedError):
+    """The exposure check with colluders reached its work bound without showing that no c colluding
+    peers isolate this client's value (:data:`secure_afl.privacy.exposure.COLLUDER_SEARCH_LIMIT`).
+
+    Undecided is refused, never accepted: the layout may be safe, but this client cannot show it
+    within bounded work.  Smaller federations, fewer distinct label patterns, a lower ``colluders``
+    setting or the global-Gram layout (``gram="global"``) keep the check decidable (SECURITY.md).
+    """
+
+    def __init__(self, action: str, findings: tuple) -> None:
+        super().__init__(action, findings)
+        self.args = (
+            f"{self.args[0]} (the check refuses what it cannot decide within its work bound: use fewer "
+            "distinct label patterns, a lower colluders setting or the global-Gram layout)",
+        )
+
+
 class ValueAlreadyReleasedError(ServerProtocolError):
     """The one-contribution rule: the session asks for a value (or a part of one, or a statistic of
     the same source) that this client already released in another completed session.
