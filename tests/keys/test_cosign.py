@@ -156,3 +156,24 @@ def test_keys_roster_sign_adds_each_signature_and_roster_add_drops_them(tmp_path
         ],
     )
     assert result.exit_code == 1 and "only a roster member can co-sign it" in result.output
+
+
+def test_a_swapped_coordinator_key_invalidates_the_signatures() -> None:
+    # Another way around the invariant: keep every institution's entry and swap the coordinator's
+    # key (whoever holds the new key could sign classifiers every node accepts). The coordinator is
+    # in the signed digest, so every co-signature breaks.
+    roster = _roster()
+    signatures = _signed(roster, KEYS)
+    swapped = Roster(
+        roster.entries, RosterEntry("coordinator", "Coordinator", IdentityKey.generate().public_key)
+    )
+    with pytest.raises(RosterCosignatureError, match="does not verify"):
+        check_cosignatures(swapped, signatures)
+    # And duplicated JSON keys cannot smuggle a second signature in: the one kept must verify.
+    text = cosigned_roster_json(roster, signatures)
+    good = json.loads(text)["cosignatures"]["hospital-a"]
+    bad = base64.b64encode(bytes(64)).decode()
+    duplicated = text.replace(f'"hospital-a": "{good}"', f'"hospital-a": "{good}", "hospital-a": "{bad}"')
+    assert duplicated != text
+    with pytest.raises(RosterCosignatureError, match="'hospital-a' does not verify"):
+        roster_status(duplicated)
