@@ -307,7 +307,9 @@ def render_unit(layout: NodeLayout, superlink: str) -> str:
         f"StandardOutput=append:{layout.log}",
         f"StandardError=append:{layout.log}",
         "Restart=on-failure",
-        # A SuperNode exits 305 while the SuperLink restarts (40-60 s): retry, do not give up.
+        # A SuperNode quits with status 0 when a restarted SuperLink has forgotten it (no database),
+        # and exits 305 while its key is not registered: retry both every 15 s, never give up.
+        "RestartForceExitStatus=0",
         "RestartSec=15",
         "NoNewPrivileges=true",
         "PrivateTmp=true",
