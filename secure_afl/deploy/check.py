@@ -32,7 +32,8 @@ NODE_CONFIG_KEYS: dict[str, str] = {
     "passphrase, in the clear",
     "passphrase-env": "(this or passphrase-file) the name of an environment variable of the SuperNode's "
     "process that holds the passphrase (export it in the shell or service that starts the SuperNode)",
-    "roster": "(required) the roster.json every institution pinned (from the coordinator)",
+    "roster": "(required) the roster.json every institution pinned (from the coordinator), co-signed by "
+    "every institution (`deploy join`, `keys roster sign`): the node refuses it otherwise",
     "features": "(required) this hospital's labelled feature file (.npz, secure-afl-features/v1)",
     "ledger-dir": "(required) directory of this hospital's signed session history (created 0700; keep "
     "it across runs: it refuses sessions that would isolate this hospital's statistics)",
