@@ -194,10 +194,9 @@ def deploy_tls(hosts: tuple[str, ...], ips: tuple[str, ...], out_dir: Path, days
       superlink.pem  the SuperLink's certificate, signed by the CA
       superlink.key  its private key (0600): stays on the coordinator host
     \b
-    Flower flags that take them:
-      flower-superlink --ssl-ca-certfile ca.crt --ssl-certfile superlink.pem --ssl-keyfile superlink.key
-      flower-supernode --root-certificates ca.crt   (each hospital; and root-certificates in
-                       $FLWR_HOME/config.toml for `flwr run`)
+    What takes them:
+      secure-afl deploy superlink --tls DIR ...   (the coordinator: its front serves superlink.pem)
+      flower-supernode --root-certificates ca.crt   (each hospital)
 
     The certificate's subjectAltName lists every --host and --ip: it must cover the exact name or IP
     address hospitals put in --superlink, or their TLS handshake fails.  Existing files are never
@@ -222,11 +221,61 @@ def deploy_tls(hosts: tuple[str, ...], ips: tuple[str, ...], out_dir: Path, days
     click.echo(f"      {files.key} (0600) and {files.ca_key} (0600, keep it offline)")
     click.echo(f"valid for {days} days for: {', '.join(names)}")
     target = f"[{names[0]}]" if ":" in names[0] else names[0]  # an IPv6 address needs brackets
-    click.echo(
-        f"SuperLink: flower-superlink --ssl-ca-certfile {files.ca_certificate} "
-        f"--ssl-certfile {files.certificate} --ssl-keyfile {files.key} ..."
-    )
+    click.echo(f"SuperLink: secure-afl deploy superlink --tls {out_dir} --listen ADDR:9092 --state-dir DIR")
     click.echo(f"SuperNode: flower-supernode --root-certificates ca.crt --superlink {target}:9092 ...")
+
+
+@deploy.command("superlink")
+@click.option("--tls", "tls_dir", required=True,
+              type=click.Path(path_type=Path, file_okay=False, exists=True),
+              help="The directory `deploy tls` wrote (ca.crt, superlink.pem, superlink.key).")  # fmt: skip
+@click.option("--listen", required=True, metavar="ADDR:PORT",
+              help="The hospitals' address: the Fleet API only (e.g. 10.0.0.5:9092; 0.0.0.0:9092 for "
+                   "every address).")  # fmt: skip
+@click.option("--state-dir", type=click.Path(path_type=Path, file_okay=False), required=True,
+              help="The SuperLink's state (0700): database, logs, the coordinator's flwr home.")  # fmt: skip
+@click.option("--control-port", type=click.IntRange(1, 65535), default=9093, show_default=True,
+              help="The SuperLink's own port on 127.0.0.1: Control API (flwr run/ls/supernode) and "
+                   "Runtime API.")  # fmt: skip
+@click.option(
+    "--federation",
+    default="federation",
+    show_default=True,
+    help="The connection's name in STATE_DIR/flwr/config.toml (`deploy run APP_DIR FEDERATION`).",
+)
+@click.option("--nginx", "nginx_path", default=None, metavar="PATH",
+              help="The nginx executable (default: nginx on PATH, then /usr/sbin/nginx).")  # fmt: skip
+def deploy_superlink(
+    tls_dir: Path, listen: str, state_dir: Path, control_port: int, federation: str, nginx_path: str | None
+) -> None:
+    """Run the coordinator's SuperLink: TLS, node authentication, a persistent database (keep it running).
+
+    \b
+    Flower serves its Control API (flwr run, flwr ls, flwr supernode register: anyone who reaches
+    it runs code as this user) on the same port as the Fleet API.  So the SuperLink listens on
+    127.0.0.1:--control-port only, and an nginx front on --listen serves the Fleet API alone
+    (what SuperNodes call) with the certificate of --tls; every other path gets 404.
+    \b
+    Writes under --state-dir (0700, files 0600):
+      superlink.db       node registrations and runs (kept across restarts)
+      flwr/config.toml   [superlink.FEDERATION] at 127.0.0.1:--control-port: export
+                         FLWR_HOME=STATE_DIR/flwr for `flwr supernode register` and `deploy run`
+      loopback-tls/      the SuperLink's own certificate for 127.0.0.1 (new at every start)
+      front/             nginx.conf, error.log, access.log;  logs/superlink.log
+    The SuperLink's environment keeps only PATH, HOME, locale, PYTHONPATH and the like: no
+    passphrase variable reaches it or the ServerApps it starts.  Needs nginx (Debian: apt-get
+    install nginx).  Stops both on Ctrl-C or SIGTERM; exits 1 if either exits on its own.
+    """
+    from secure_afl.deploy.errors import SuperLinkSetupError
+    from secure_afl.deploy.superlink import plan_superlink, serve_superlink
+
+    try:
+        plan = plan_superlink(tls_dir, listen, state_dir, control_port=control_port, nginx=nginx_path,
+                              federation=federation)  # fmt: skip
+        code = serve_superlink(plan, say=click.echo)
+    except SuperLinkSetupError as exc:
+        raise click.ClickException(f"SuperLinkSetupError: {exc}") from None
+    raise SystemExit(code)
 
 
 @deploy.command("node-key")

@@ -89,6 +89,14 @@ class InvalidSessionConfigError(ServerProtocolError):
     """The server proposed session parameters this client does not accept (e.g. a threshold too low)."""
 
 
+class DifferentSessionViewError(InvalidSessionConfigError):
+    """One view: a peer's advertisement signs another session digest than this client's own.
+
+    The digest covers the session config (id, t, minimum group size, encoding, layout) and the
+    session context (the whole study, its round, round 2's teacher classifier W): the server showed
+    clients different sessions, so none of them goes on (SECURITY.md, "One view")."""
+
+
 class BothSharesRequestedError(ServerProtocolError):
     """The server asked for both the self-mask share and the mask-key share of one client."""
 
@@ -153,6 +161,23 @@ class ColluderExposureRefusedError(ExposureRefusedError):
         self.args = (
             f"{self.args[0]} (with the values of colluding peers {', '.join(self.colluders)} known to the "
             f"server; this client assumes up to n - t peers may collude)",
+        )
+
+
+class ExposureCheckLimitError(ExposureRefusedError):
+    """The exposure check with colluders reached its work bound without showing that no c colluding
+    peers isolate this client's value (:data:`secure_afl.privacy.exposure.COLLUDER_SEARCH_LIMIT`).
+
+    Undecided is refused, never accepted: the layout may be safe, but this client cannot show it
+    within bounded work.  Smaller federations, fewer distinct label patterns, a lower ``colluders``
+    setting or the global-Gram layout (``gram="global"``) keep the check decidable (SECURITY.md).
+    """
+
+    def __init__(self, action: str, findings: tuple) -> None:
+        super().__init__(action, findings)
+        self.args = (
+            f"{self.args[0]} (the check refuses what it cannot decide within its work bound: use fewer "
+            "distinct label patterns, a lower colluders setting or the global-Gram layout)",
         )
 
 

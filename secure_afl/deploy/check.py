@@ -40,7 +40,7 @@ NODE_CONFIG_KEYS: dict[str, str] = {
     "out-dir": "(required) directory where the node stores the classifier it receives",
     "protection": '"mask" (default), "ckks" or "mask,ckks": the protections this hospital agreed to',
     "dp-epsilon": "take part only under differential privacy with an ε at most this (optional)",
-    "dp-delta": "with dp-epsilon: the largest δ accepted (optional)",
+    "dp-delta": "with dp-epsilon: the largest δ accepted (optional; default 1e-6)",
     "dp-unit": '"image" or "patient" (with dp-epsilon): "patient" refuses a study protecting single '
     "images (optional)",
     "allow-class-gram": '"true" accepts a study that sums per-class Gram matrices (default "false"; '

@@ -15,7 +15,7 @@ import json
 import re
 import unicodedata
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .identity import PUBLIC_KEY_BYTES, fingerprint
 
@@ -73,11 +73,13 @@ class Roster:
 
     entries: tuple[RosterEntry, ...]
     coordinator: RosterEntry | None
+    # client id -> position in ``entries``: built once (share points and look-ups at n = 1,000 peers)
+    _positions: dict[str, int] = field(init=False, repr=False, compare=False)
 
     def __init__(self, entries: Iterable[RosterEntry], coordinator: RosterEntry | None = None) -> None:
         ordered = tuple(sorted(entries, key=lambda entry: entry.client_id))
         ids = [entry.client_id for entry in ordered]
-        duplicates = sorted({i for i in ids if ids.count(i) > 1})
+        duplicates = sorted({i for i in ids if ids.count(i) > 1}) if len(set(ids)) != len(ids) else []
         if duplicates:
             raise RosterError(f"duplicate client ids in roster: {duplicates}")
         keys = [entry.public_key for entry in ordered]
@@ -96,6 +98,7 @@ class Roster:
                 )
         object.__setattr__(self, "entries", ordered)
         object.__setattr__(self, "coordinator", coordinator)
+        object.__setattr__(self, "_positions", {cid: i for i, cid in enumerate(ids)})
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -104,24 +107,27 @@ class Roster:
         return iter(self.entries)
 
     def __contains__(self, client_id: object) -> bool:
-        return any(entry.client_id == client_id for entry in self.entries)
+        return isinstance(client_id, str) and client_id in self._positions
 
     @property
     def client_ids(self) -> tuple[str, ...]:
         return tuple(entry.client_id for entry in self.entries)
 
     def entry(self, client_id: str) -> RosterEntry:
-        for entry in self.entries:
-            if entry.client_id == client_id:
-                return entry
-        raise KeyError(client_id)
+        position = self._positions.get(client_id) if isinstance(client_id, str) else None
+        if position is None:
+            raise KeyError(client_id)
+        return self.entries[position]
 
     def public_key(self, client_id: str) -> bytes:
         return self.entry(client_id).public_key
 
     def share_point(self, client_id: str) -> int:
         """The Shamir x-coordinate of a client: 1 + its position in the roster."""
-        return 1 + self.client_ids.index(client_id)
+        position = self._positions.get(client_id) if isinstance(client_id, str) else None
+        if position is None:
+            raise ValueError(f"{client_id!r} is not in the roster")  # what tuple.index raised
+        return 1 + position
 
     def digest(self) -> bytes:
         """SHA-256 over the roster's content (ids, names, keys in id order), length-prefixed.

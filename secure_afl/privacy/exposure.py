@@ -25,6 +25,7 @@ import hashlib
 import math
 from collections.abc import Collection, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 
 import numpy as np
 
@@ -152,9 +153,17 @@ class ExposureFinding:
     groups: tuple[str, ...]  # this session's groups whose sums take part
     with_history: bool = False  # kept for the audit's records; the ledger no longer adds sums
     colluders: tuple[str, ...] = ()
+    # the colluder search reached its bound: not shown safe, treated as exposing (a refusal)
+    undecided: bool = False
 
     def describe(self) -> str:
         where = ", ".join(repr(g) for g in self.groups) or "(none of this session's groups)"
+        if self.undecided:
+            return (
+                f"{self.round}: the exposure check could not show within its work bound that no "
+                f"{len(self.colluders) or 'c'} colluding peers make the sums of {where} determine the "
+                f"individual value of {self.tensor!r} for {', '.join(self.clients)}"
+            )
         helped = f" once the values of {', '.join(self.colluders)} are known" if self.colluders else ""
         return (
             f"{self.round}: the sums of {where}{helped} determine the individual value of "
@@ -167,8 +176,23 @@ def value_digest(values: np.ndarray) -> str:
     array = np.ascontiguousarray(values, dtype=np.float64)
     digest = hashlib.sha256(_VALUE_DOMAIN)
     digest.update(repr(array.shape).encode())
-    digest.update(array.astype("<f8", copy=False).tobytes())
+    digest.update(array.astype("<f8", copy=False).reshape(-1))  # the buffer: the bytes tobytes() copies
     return digest.hexdigest()
+
+
+def own_value_digests(inputs: Mapping[str, Mapping[str, np.ndarray]]) -> dict[tuple[str, str], str]:
+    """(group, tensor) -> :func:`value_digest` of a client's inputs, each array object hashed once
+    (the drivers pass one Gram object to every group that carries it)."""
+    seen: dict[int, tuple[np.ndarray, str]] = {}  # id -> (the array, kept alive; its digest)
+    out = {}
+    for group, tensors in inputs.items():
+        for name, values in tensors.items():
+            entry = seen.get(id(values))
+            if entry is None or entry[0] is not values:
+                entry = (values, value_digest(values))
+                seen[id(values)] = entry
+            out[(group, name)] = entry[1]
+    return out
 
 
 def client_exposures(
@@ -192,6 +216,7 @@ def client_exposures(
     :func:`isolating_colluders`); the peers test their own.
     """
     findings = []
+    verdicts: dict[tuple, tuple[str, tuple[str, ...]] | None] = {}  # one search per membership pattern
     for component in _components(own_values):
         current = [
             (name, tuple(survivors), tensor)
@@ -216,20 +241,61 @@ def client_exposures(
         if colluders <= 0:
             continue
         own = sorted({var for row in rows for var in row if var[0] == client_id})
-        for target in own:
-            witness = isolating_colluders(rows, target, client_id, colluders)
-            if witness is not None:
-                findings.append(
-                    ExposureFinding(
-                        round=round_name,
-                        tensor=label,
-                        clients=(client_id,),
-                        groups=_involved(current, {client_id}),
-                        colluders=witness,
-                    )
+        # Tensors whose groups have the same survivors (feat_sum and n in every class group) pose
+        # the same search: its answer depends only on the rows' membership, not on the names.
+        key = (_membership_key(client_id, rows), colluders)
+        if key not in verdicts:
+            verdicts[key] = _colluder_verdict(rows, own, client_id, colluders)
+        verdict = verdicts[key]
+        if verdict is not None:
+            kind, witness = verdict
+            findings.append(
+                ExposureFinding(
+                    round=round_name,
+                    tensor=label,
+                    clients=(client_id,),
+                    groups=_involved(current, {client_id}),
+                    colluders=witness,
+                    undecided=kind == "undecided",
                 )
-                break
+            )
     return tuple(findings)
+
+
+def _colluder_verdict(
+    rows: Sequence[Collection[tuple[str, ...]]],
+    own: Sequence[tuple[str, ...]],
+    client_id: str,
+    colluders: int,
+) -> tuple[str, tuple[str, ...]] | None:
+    """("exposed", witness) for the first own value some colluders isolate, ("undecided", ()) when
+    the bounded search could not tell for one (a refusal), None when none can be isolated."""
+    undecided = False
+    for target in own:
+        try:
+            witness = isolating_colluders(rows, target, client_id, colluders)
+        except ColluderSearchLimitError:
+            undecided = True
+            continue
+        if witness is not None:
+            return "exposed", witness
+    return ("undecided", ()) if undecided else None
+
+
+def _membership_key(client_id: str, rows: Sequence[Collection[tuple[str, ...]]]) -> tuple:
+    """The rows with variables renamed canonically: (client, rank of its variable by first use)."""
+    ranks: dict[tuple[str, ...], int] = {}
+    per_client: dict[str, int] = {}
+    out = []
+    for row in rows:
+        renamed = []
+        for var in sorted(row):
+            if var not in ranks:
+                ranks[var] = per_client.get(var[0], 0)
+                per_client[var[0]] = ranks[var] + 1
+            renamed.append((var[0] == client_id, var[0], ranks[var]))
+        out.append(tuple(sorted(renamed)))
+    return tuple(out)
 
 
 def _components(own_values: OwnValues) -> list[tuple[str, ...]]:
@@ -278,133 +344,362 @@ def _rows(
 # --- colluders ------------------------------------------------------------------------------------
 
 _SPAN_PRIME = (1 << 31) - 1  # products of two residues fit in int64
-_SPAN_MAX_COLUMNS = 22  # Hadamard: every minor of a 0/1 matrix this wide is below the prime
-_BATCH = 2048
+_SPAN_MAX_ROWS = 22  # Hadamard: every minor of a 0/1 matrix with this many rows is below the prime
+# The colluder search's work bound: flats formed per target (each one rank-1 update of every
+# distinct column).  Reached, the client refuses (ColluderSearchLimitError): never an open-ended run.
+COLLUDER_SEARCH_LIMIT = 4_000
+_GREEDY_TRIES = 8  # heavy flats tried for a witness before the bound and the exact search
+_PACKING_ROUNDS = 128  # families routed by the packing bound
+_PACKING_STEP = 0.2  # its multiplicative length step
+
+
+class ColluderSearchLimitError(ValueError):
+    """The colluder search reached :data:`COLLUDER_SEARCH_LIMIT` without deciding whether some set of
+    at most c peers isolates the target (and the packing rule did not prove that none does).
+
+    A client treats it as a refusal (``ExposureCheckLimitError`` at the gate): undecided is never
+    accepted."""
+
+    def __init__(self, target: tuple[str, ...], budget: int, limit: int) -> None:
+        self.target, self.budget, self.limit = target, budget, limit
+        super().__init__(
+            f"the colluder search for {target!r} (up to {budget} colluders) examined {limit} candidate "
+            "cuts without an answer"
+        )
 
 
 def isolating_colluders(
-    rows: Sequence[Collection[tuple[str, ...]]], target: tuple[str, ...], owner: str, budget: int
+    rows: Sequence[Collection[tuple[str, ...]]],
+    target: tuple[str, ...],
+    owner: str,
+    budget: int,
+    *,
+    limit: int = COLLUDER_SEARCH_LIMIT,
 ) -> tuple[str, ...] | None:
     """A set of at most ``budget`` peers whose values, known to the server, let the sums over
-    ``rows`` determine ``target``; None when no such set exists.
+    ``rows`` determine ``target``; None when no such set exists; :class:`ColluderSearchLimitError`
+    when the bounded search cannot tell.
 
-    Variables are ``(client, ...)`` tuples; a colluding peer makes all its variables known, and
-    known variables leave the sums, so ``target`` is determined iff its column is outside the span
-    of the remaining unknowns' columns.  Exact: peers with identical columns form one type
-    (colluding with only some of a type changes no span), types with more members than ``budget``
-    are never all known, and every maximal choice of the other types within the budget is tested
-    (exposure only grows with the colluders), in batches of exact eliminations modulo 2^31 - 1
-    (above the Hadamard bound of every minor up to 22 columns; wider systems fall back to
-    :func:`determined`).  Cost: one small elimination per maximal choice, at most C(types, budget)
-    of them (bench/bench_exposure.py measures it).
+    Variables are ``(client, ...)`` tuples (the owner's are never known to the server); a column is
+    a variable's 0/1 incidence over the rows.  Known variables leave the sums, so with a set S of
+    colluders ``target`` is determined iff its column a_t is outside the span of the columns of
+    the other unknowns.
+
+    **The cut form (exact).**  a_t lies outside the span of a set X of columns iff some functional y
+    on the rows has y.a_t != 0 and y.a_v = 0 for every v in X.  So S isolates the target iff some y
+    with y.a_t != 0 and y orthogonal to the owner's other columns "hits" (y.a_v != 0 for some
+    variable v of) only peers in S.  Only the kernel of y matters: a *flat* F (the span of the owner's
+    other columns and some peers' columns) with a_t outside F hits exactly the peers with a column
+    outside F; a set of at most ``budget`` peers isolates the target iff some such flat hits at
+    most ``budget`` peers.  Peers with the same columns form one *type* (they are hit together),
+    so the work depends on the distinct columns (at most 2^rows), not on the number of peers.
+
+    **Three steps, each sound.**  (1) A witness: a few greedy heavy flats avoiding a_t
+    (:func:`_greedy_witness`); one hitting at most ``budget`` peers is a witness, re-checked with
+    :func:`determined` before it is returned.  (2) A proof of safety: a fractional packing of
+    peer sets that each span a_t with the owner's other columns (:func:`_packing_bound`, exact
+    rationals); every cut hits at least its value in peers, so a value above ``budget`` proves that
+    no ``budget`` peers isolate the target.  (3) Otherwise the exact search: depth first over the
+    flats, from the span of the owner's other columns, each step adding one distinct column and
+    closing the span (every flat avoiding a_t is reached: add its columns one by one; each flat is
+    examined once).  A column q with a_t in span(F + q) can join no flat above F, so the peers
+    having such a column are hit by every flat above F: when they are more than ``budget``, the
+    branch is cut.  Spans are exact, modulo 2^31 - 1 (above the Hadamard bound of every minor of a
+    0/1 matrix with at most 22 rows; more rows: the Mersenne prime of :func:`_exact_prime`).
+
+    **At the bound.**  When the search has formed :data:`COLLUDER_SEARCH_LIMIT` flats without an
+    answer, :class:`ColluderSearchLimitError` is raised and the client refuses.  Undecided is never
+    accepted, so the loss is only availability: a layout whose smallest cut exceeds ``budget`` but
+    whose packing bound does not, and whose flats are too many to search (at n = 1,000 and
+    c = n - t, the per-class Gram layout of 8 classes with 3 or 5 missing: SECURITY.md).
     """
     if budget <= 0:
         return None
-    columns: dict[tuple[str, ...], set[int]] = {}
-    for i, row in enumerate(rows):
-        for var in row:
-            columns.setdefault(var, set()).add(i)
-    if target not in columns:
+    problem = _CutProblem.build(rows, target, owner)
+    if problem is None:
+        return None  # a_t is in the span of the owner's other columns: no colluder can change it
+    witness = _greedy_witness(problem, budget, _GREEDY_TRIES)
+    if witness is None:
+        if _packing_bound(problem, budget + 1) > budget:
+            return None
+        witness = problem.search(budget, limit)
+        if witness is _UNDECIDED:
+            raise ColluderSearchLimitError(target, budget, limit)
+        if witness is None:
+            return None
+    known = set(witness)
+    if target not in determined([{v for v in row if v[0] not in known} for row in rows]):
+        raise AssertionError("the colluder search found a cut that the exact rank test does not confirm")
+    return tuple(sorted(witness))
+
+
+_UNDECIDED = object()
+
+
+@dataclass(slots=True)
+class _CutProblem:
+    """One target's cut search: distinct peer columns mod a prime, peer types and their weights."""
+
+    prime: int
+    columns: np.ndarray  # (P, rows) distinct peer columns, residues (int64 or object)
+    target: np.ndarray  # (rows,)
+    base: list[np.ndarray]  # the owner's other columns (never known)
+    type_columns: list[np.ndarray]  # per type: indices into ``columns``
+    type_peers: list[tuple[str, ...]]
+
+    @classmethod
+    def build(
+        cls, rows: Sequence[Collection[tuple[str, ...]]], target: tuple[str, ...], owner: str
+    ) -> _CutProblem | None:
+        n_rows = len(rows)
+        incidence: dict[tuple[str, ...], list[int]] = {}
+        for i, row in enumerate(rows):
+            for var in row:
+                incidence.setdefault(var, []).append(i)
+        if target not in incidence:
+            return None
+        small = n_rows <= _SPAN_MAX_ROWS
+        prime = _SPAN_PRIME if small else _exact_prime(n_rows)
+        dtype = np.int64 if small else object
+
+        def vector(indices: list[int]) -> np.ndarray:
+            out = np.zeros(n_rows, dtype=dtype)
+            out[indices] = 1
+            return out
+
+        index: dict[tuple[int, ...], int] = {}
+        by_peer: dict[str, set[int]] = {}
+        base = []
+        for var, where in incidence.items():
+            if var == target:
+                continue
+            if var[0] == owner:
+                base.append(vector(where))
+                continue
+            key = tuple(where)
+            by_peer.setdefault(var[0], set()).add(index.setdefault(key, len(index)))
+        types: dict[tuple[int, ...], list[str]] = {}
+        for peer, found in sorted(by_peer.items()):
+            types.setdefault(tuple(sorted(found)), []).append(peer)
+        columns = np.zeros((len(index), n_rows), dtype=dtype)
+        for key, j in index.items():
+            columns[j, list(key)] = 1
+        problem = cls(
+            prime,
+            columns,
+            vector(incidence[target]),
+            base,
+            [np.array(key, dtype=np.int64) for key in types],
+            [tuple(peers) for peers in types.values()],
+        )
+        return None if _Flat.root(problem) is None else problem
+
+    def search(self, budget: int, limit: int) -> tuple[str, ...] | object | None:
+        weights = np.array([len(peers) for peers in self.type_peers], dtype=np.int64)
+        # a column -> the types having it (one type may have several columns)
+        owners = [np.zeros(len(self.type_peers), dtype=bool) for _ in range(len(self.columns))]
+        for t, cols in enumerate(self.type_columns):
+            for j in cols:
+                owners[int(j)][t] = True
+        owner_matrix = np.array(owners, dtype=bool).reshape(len(self.columns), len(self.type_peers))
+        root = _Flat.root(self)
+        assert root is not None
+        stack = [root]
+        seen = {root.key()}
+        examined = 1
+        while stack:
+            flat = stack.pop()
+            inside = flat.inside()
+            forced = flat.forced(inside)
+            outside_types = owner_matrix[~inside].any(axis=0)
+            if int(weights[outside_types].sum()) <= budget:
+                return tuple(p for t in np.flatnonzero(outside_types) for p in self.type_peers[int(t)])
+            forced_types = owner_matrix[forced].any(axis=0)
+            if int(weights[forced_types].sum()) > budget:
+                continue  # every flat above this one hits more than budget peers
+            candidates = np.flatnonzero(~inside & ~forced)
+            # heavier columns first (pushed last): flats that keep many peers unhit come first
+            heaviness = (owner_matrix[candidates] * weights[None, :]).sum(axis=1)
+            for j in candidates[np.argsort(heaviness, kind="stable")]:
+                examined += 1
+                if examined > limit:
+                    return _UNDECIDED
+                child = flat.extend(int(j))
+                key = child.key()
+                if key not in seen:
+                    seen.add(key)
+                    stack.append(child)
         return None
-    by_peer: dict[str, list[tuple[str, ...]]] = {}
-    for var in columns:
-        if var[0] != owner:
-            by_peer.setdefault(var[0], []).append(var)
-    types: dict[tuple, list[str]] = {}
-    for client, variables in sorted(by_peer.items()):
-        key = tuple(sorted((var[1:], tuple(sorted(columns[var]))) for var in variables))
-        types.setdefault(key, []).append(client)
-    removable = [clients for clients in types.values() if len(clients) <= budget]
-    movable = {c for clients in removable for c in clients}
-    fixed = [v for v in columns if v != target and v[0] not in movable]
-    others = [v for v in columns if v[0] in movable]
-    variables = [*fixed, *others, target]
-    base = np.zeros((len(rows), len(variables)), dtype=np.int64)
-    for j, var in enumerate(variables):
-        base[sorted(columns[var]), j] = 1
-    only_fixed = base.copy()
-    only_fixed[:, len(fixed) : len(fixed) + len(others)] = 0
-    if not _outside_span(only_fixed[None], rows, set(others), target)[0]:
-        return None  # the values no colluder set can make known already hide the target
-    choices = _maximal_choices([len(c) for c in removable], budget)
-    position = {var: j for j, var in enumerate(variables)}
-    for start in range(0, len(choices), _BATCH):
-        batch_choices = choices[start : start + _BATCH]
-        batch = np.repeat(base[None], len(batch_choices), axis=0)
-        known_sets = []
-        for b, choice in enumerate(batch_choices):
-            known = {c for k in choice for c in removable[k]}
-            gone = {var for var in others if var[0] in known}
-            batch[b][:, [position[var] for var in gone]] = 0
-            known_sets.append(gone)
-        outside = _outside_span(batch, rows, known_sets, target)
-        hits = np.flatnonzero(outside)
-        if hits.size:
-            return tuple(sorted(c for k in batch_choices[int(hits[0])] for c in removable[k]))
+
+
+@dataclass(slots=True)
+class _Flat:
+    """A flat as the residues of every distinct column (and of a_t) modulo its reduced basis."""
+
+    problem: _CutProblem
+    residues: np.ndarray  # (P, rows)
+    target: np.ndarray  # (rows,): a_t's residue, never zero (a_t is outside the flat)
+
+    @classmethod
+    def root(cls, problem: _CutProblem) -> _Flat | None:
+        """The span of the owner's other columns; None when it already holds a_t."""
+        p, n = problem.prime, len(problem.columns)
+        stacked = np.vstack([problem.columns, *(b[None, :] for b in problem.base)])
+        flat = cls(problem, stacked % p, problem.target % p)
+        for k in range(len(problem.base)):
+            residue = flat.residues[n + k]
+            if residue.any():
+                flat = flat._with(residue)
+                if not flat.target.any():
+                    return None
+        return cls(problem, flat.residues[:n].copy(), flat.target)
+
+    def inside(self) -> np.ndarray:
+        return ~self.residues.any(axis=1)
+
+    def forced(self, inside: np.ndarray) -> np.ndarray:
+        """Columns q outside the flat with a_t in span(flat + q): residue parallel to a_t's."""
+        p = self.problem.prime
+        pivot = int(np.flatnonzero(self.target)[0])
+        scale = (self.residues[:, pivot] * pow(int(self.target[pivot]), -1, p)) % p
+        parallel = ((scale[:, None] * self.target[None, :]) % p == self.residues).all(axis=1)
+        return parallel & ~inside
+
+    def extend(self, j: int) -> _Flat:
+        return self._with(self.residues[j])
+
+    def _with(self, residue: np.ndarray) -> _Flat:
+        """The flat spanned by this one and a vector whose residue is ``residue`` (non-zero)."""
+        p = self.problem.prime
+        pivot = int(np.flatnonzero(residue)[0])
+        unit = (residue * pow(int(residue[pivot]), -1, p)) % p
+        residues = (self.residues - (self.residues[:, pivot : pivot + 1] * unit[None, :]) % p) % p
+        target = (self.target - (self.target[pivot] * unit) % p) % p
+        return _Flat(self.problem, residues, target)
+
+    def key(self) -> bytes:
+        return np.packbits(self.inside()).tobytes()
+
+
+class _Basis:
+    """A reduced echelon basis modulo the problem's prime, grown one vector at a time."""
+
+    __slots__ = ("prime", "rows")
+
+    def __init__(self, prime: int, vectors: Iterable[np.ndarray] = ()) -> None:
+        self.prime = prime
+        self.rows: list[tuple[int, np.ndarray]] = []  # (pivot, row with 1 at pivot, 0 at other pivots)
+        for vector in vectors:
+            self.add(vector)
+
+    def reduce(self, vector: np.ndarray) -> np.ndarray:
+        p = self.prime
+        out = vector % p
+        for pivot, row in self.rows:
+            factor = out[pivot]
+            if factor:
+                out = (out - (factor * row) % p) % p
+        return out
+
+    def add(self, vector: np.ndarray) -> bool:
+        """Add ``vector``; False when it was already in the span."""
+        residue = self.reduce(vector)
+        nonzero = np.flatnonzero(residue)
+        if not nonzero.size:
+            return False
+        p, pivot = self.prime, int(nonzero[0])
+        unit = (residue * pow(int(residue[pivot]), -1, p)) % p
+        self.rows = [
+            (q, (row - (row[pivot] * unit) % p) % p if row[pivot] else row) for q, row in self.rows
+        ] + [(pivot, unit)]
+        return True
+
+    def holds(self, vector: np.ndarray) -> bool:
+        return not self.reduce(vector).any()
+
+    def copy(self) -> _Basis:
+        out = _Basis(self.prime)
+        out.rows = list(self.rows)
+        return out
+
+
+def _spanning_family(problem: _CutProblem, order: Iterable[int]) -> list[int] | None:
+    """Types, taken in ``order``, until their columns with the owner's other columns span a_t (then
+    pruned of types not needed); None when all of them do not."""
+    basis = _Basis(problem.prime, problem.base)
+    used = []
+    for t in order:
+        if any([basis.add(problem.columns[int(j)]) for j in problem.type_columns[t]]):
+            used.append(t)
+            if basis.holds(problem.target):
+                break
+    else:
+        return None
+    for t in reversed(list(used)):  # the last-taken (dearest) first
+        trial = [u for u in used if u != t]
+        basis = _Basis(problem.prime, problem.base)
+        for u in trial:
+            for j in problem.type_columns[u]:
+                basis.add(problem.columns[int(j)])
+        if basis.holds(problem.target):
+            used = trial
+    return used
+
+
+def _packing_bound(problem: _CutProblem, wanted: int, *, rounds: int = _PACKING_ROUNDS) -> Fraction:
+    """A lower bound on the peers every cut hits: a fractional packing of spanning families.
+
+    A *family* is a set of types whose columns, with the owner's other columns, span a_t.  Every
+    functional y with y.a_t != 0 that vanishes on the owner's columns is non-zero on some column
+    of every family, so it hits at least one type of each.  Hence for weights x_F >= 0 with
+    sum_{F containing T} x_F <= |T| for every type T, the peers hit by any cut are at least
+    sum_T |T| [T hit] >= sum_T [T hit] sum_{F containing T} x_F >= sum_F x_F.  The families come
+    from a greedy spanning oracle under multiplicative lengths (Garg and Koenemann's packing
+    scheme); the loads are then scaled to the capacities in exact rationals, so the bound is exact
+    whatever the oracle's quality (a weak oracle only makes it smaller: a safe layout refused).
+    """
+    weights = [len(peers) for peers in problem.type_peers]
+    length = [1.0 / w for w in weights]
+    flows: dict[tuple[int, ...], int] = {}
+    loads = [0] * len(weights)
+    best = Fraction(0)
+    for step in range(rounds):
+        family = _spanning_family(problem, sorted(range(len(weights)), key=lambda t: (length[t], t)))
+        if family is None:
+            break
+        key = tuple(sorted(family))
+        amount = min(weights[t] for t in key)
+        flows[key] = flows.get(key, 0) + amount
+        for t in key:
+            loads[t] += amount
+            length[t] *= 1.0 + _PACKING_STEP * amount / weights[t]
+        if step % 16 == 15 or step == rounds - 1:
+            scale = max(Fraction(load, w) for load, w in zip(loads, weights, strict=True))
+            best = max(best, Fraction(sum(flows.values())) / scale)
+            if best >= wanted:
+                break
+    return best
+
+
+def _greedy_witness(problem: _CutProblem, budget: int, tries: int) -> tuple[str, ...] | None:
+    """Peers hit by a heavy flat avoiding a_t, when at most ``budget``: heaviest types first (then
+    randomised orders from a fixed seed), each kept inside while a_t stays outside the span."""
+    weights = np.array([len(peers) for peers in problem.type_peers], dtype=np.float64)
+    generator = np.random.default_rng(0)  # a search order, nothing secret
+    for attempt in range(tries):
+        noise = 0.0 if attempt == 0 else generator.random(len(weights)) * weights.max()
+        basis = _Basis(problem.prime, problem.base)
+        for t in np.argsort(-(weights + noise), kind="stable"):
+            trial = basis.copy()
+            for j in problem.type_columns[int(t)]:
+                trial.add(problem.columns[int(j)])
+            if not trial.holds(problem.target):
+                basis = trial
+        hit = [
+            t
+            for t, columns in enumerate(problem.type_columns)
+            if not all(basis.holds(problem.columns[int(j)]) for j in columns)
+        ]
+        if sum(len(problem.type_peers[t]) for t in hit) <= budget:
+            return tuple(peer for t in hit for peer in problem.type_peers[t])
     return None
-
-
-def _maximal_choices(sizes: Sequence[int], budget: int) -> list[tuple[int, ...]]:
-    """Every set of type indices whose sizes sum to at most ``budget`` and to which no further
-    type fits."""
-    out: list[tuple[int, ...]] = []
-
-    def extend(chosen: tuple[int, ...], next_at: int, left: int) -> None:
-        for k in range(next_at, len(sizes)):
-            if sizes[k] <= left:
-                extend((*chosen, k), k + 1, left - sizes[k])
-        if all(sizes[k] > left for k in range(len(sizes)) if k not in chosen):
-            out.append(chosen)
-
-    extend((), 0, budget)
-    return out
-
-
-def _outside_span(
-    matrices: np.ndarray,
-    rows: Sequence[Collection[tuple[str, ...]]],
-    known: set | Sequence[set],
-    target: tuple[str, ...],
-) -> np.ndarray:
-    """Per matrix of a batch (B, rows, columns): whether its last column is outside the span of the
-    others, by row echelon elimination modulo 2^31 - 1 in column order.  ``rows``/``known`` (the
-    variables zeroed in each matrix, or one set for all) serve the exact fallback for wide systems."""
-    batch, n_rows, width = matrices.shape
-    if min(n_rows, width) > _SPAN_MAX_COLUMNS:
-        sets = [known] * batch if isinstance(known, set) else list(known)
-        return np.array([target in determined([set(row) - gone for row in rows]) for gone in sets])
-    m = matrices % _SPAN_PRIME
-    rank = np.zeros(batch, dtype=np.int64)
-    row_ids = np.arange(n_rows)
-    for j in range(width - 1):
-        candidates = (m[:, :, j] != 0) & (row_ids[None, :] >= rank[:, None])
-        has = candidates.any(axis=1)
-        if not has.any():
-            continue
-        b = np.flatnonzero(has)
-        pivot = np.argmax(candidates[b], axis=1)
-        r = rank[b]
-        pivot_rows = m[b, pivot, :].copy()
-        m[b, pivot, :] = m[b, r, :]
-        m[b, r, :] = pivot_rows
-        inverse = _inverse_mod(pivot_rows[:, j])
-        pivot_rows = (pivot_rows * inverse[:, None]) % _SPAN_PRIME
-        m[b, r, :] = pivot_rows
-        below = (row_ids[None, :] > r[:, None]).astype(np.int64)
-        factors = (m[b, :, j] * below) % _SPAN_PRIME
-        m[b] = (m[b] - (factors[:, :, None] * pivot_rows[:, None, :]) % _SPAN_PRIME) % _SPAN_PRIME
-        rank[b] += 1
-    last = m[:, :, width - 1]
-    return ((last != 0) & (row_ids[None, :] >= rank[:, None])).any(axis=1)
-
-
-def _inverse_mod(values: np.ndarray) -> np.ndarray:
-    result = np.ones_like(values)
-    base = values % _SPAN_PRIME
-    exponent = _SPAN_PRIME - 2
-    while exponent:
-        if exponent & 1:
-            result = (result * base) % _SPAN_PRIME
-        base = (base * base) % _SPAN_PRIME
-        exponent >>= 1
-    return result

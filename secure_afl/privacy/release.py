@@ -49,7 +49,7 @@ def value_id(values: np.ndarray) -> str:
     array = _words(values)
     digest = hashlib.sha256(_VALUE_DOMAIN)
     digest.update(repr(array.shape).encode())
-    digest.update(array.tobytes())
+    digest.update(array.reshape(-1))  # the buffer itself: the bytes tobytes() would copy
     return digest.hexdigest()
 
 
@@ -97,14 +97,15 @@ class Release:
 
     @classmethod
     def of(cls, inputs: Mapping[str, Mapping[str, np.ndarray]], *, sources: Iterable[str] = ()) -> Release:
-        """The release of ``inputs`` (the statistics *before* randomisation) plus ``sources``."""
-        values = {}
-        found = {}
-        for group, tensors in inputs.items():
-            for name, array in tensors.items():
-                values[(group, name)] = None if is_constant(array) else value_id(array)
-                found[(group, name)] = anchors(array)
-        return cls(values, found, frozenset(sources), contained_parts(inputs))
+        """The release of ``inputs`` (the statistics *before* randomisation) plus ``sources``.
+
+        Each distinct value is read once (:class:`_Distinct`): a Gram that several groups carry is
+        hashed once and searched for parts once, whatever the number of groups.
+        """
+        distinct = _Distinct(inputs)
+        values = {key: distinct.value_id(key) for key in distinct.keys}
+        found = {key: distinct.anchors(key) for key in distinct.keys}
+        return cls(values, found, frozenset(sources), distinct.contained_parts())
 
     @property
     def anchors(self) -> frozenset[str]:
@@ -148,29 +149,101 @@ def contained_parts(inputs: Mapping[str, Mapping[str, np.ndarray]]) -> tuple[tup
 
     Values of fewer than two words are left out: a count that happens to equal an entry of a sum
     is not a part of it.  The same value under the same tensor name in several groups is the
-    tensor-identity rule, not a part.
+    tensor-identity rule, not a part.  Each pair of distinct values is searched once.
     """
-    flat = {
-        f"{group}/{name}": _words(array).reshape(-1)
-        for group, tensors in inputs.items()
-        for name, array in tensors.items()
-    }
-    names = {key: key.split("/", 1)[1] for key in flat}
-    out = []
-    for part, small in flat.items():
-        if small.size < 2:
-            continue
-        needle = small.tobytes()
-        for whole, large in flat.items():
-            # An equal value under another name is one unknown in the exposure check (it links the
-            # tensors by the value's digest), not a part.
-            if whole == part or names[whole] == names[part] or large.size <= small.size:
+    return _Distinct(inputs).contained_parts()
+
+
+class _Distinct:
+    """This session's inputs by distinct value: each array object read once, each content once.
+
+    ``keys`` keeps the inputs' (group, tensor) order.  Arrays are grouped first by object (the
+    drivers pass one Gram object to every group that carries it), then by content digest (equal
+    values in different objects), so that hashing, the constant test, the anchors and the part
+    searches run once per distinct value.  The results are those of the per-input definitions:
+    each is a function of the value's shape and words alone.
+    """
+
+    def __init__(self, inputs: Mapping[str, Mapping[str, np.ndarray]]) -> None:
+        self.keys: list[tuple[str, str]] = []
+        self._of_key: dict[tuple[str, str], int] = {}  # (group, tensor) -> distinct value index
+        self._flat: list[np.ndarray] = []  # per distinct value: its float64 words
+        self._digests: list[str] = []  # per distinct value: value_id (also for constant values)
+        self._constant: list[bool] = []
+        by_object: dict[int, tuple[np.ndarray, int]] = {}  # id -> (the array, kept alive; index)
+        by_digest: dict[str, int] = {}
+        for group, tensors in inputs.items():
+            for name, array in tensors.items():
+                key = (group, name)
+                self.keys.append(key)
+                seen = by_object.get(id(array))
+                if seen is not None and seen[0] is array:
+                    self._of_key[key] = seen[1]
+                    continue
+                digest = value_id(array)
+                index = by_digest.get(digest)
+                if index is None:
+                    index = len(self._flat)
+                    by_digest[digest] = index
+                    flat = _words(array).reshape(-1)
+                    self._flat.append(flat)
+                    self._digests.append(digest)
+                    self._constant.append(is_constant(flat))
+                by_object[id(array)] = (array, index)
+                self._of_key[key] = index
+        self._anchors: dict[int, tuple[str, ...]] = {}
+
+    def value_id(self, key: tuple[str, str]) -> str | None:
+        index = self._of_key[key]
+        return None if self._constant[index] else self._digests[index]
+
+    def anchors(self, key: tuple[str, str]) -> tuple[str, ...]:
+        index = self._of_key[key]
+        if index not in self._anchors:
+            self._anchors[index] = anchors(self._flat[index])
+        return self._anchors[index]
+
+    def contained_parts(self) -> tuple[tuple[str, str], ...]:
+        # As the per-pair definition always read it: inputs named "group/tensor" (a later input of
+        # the same full name stands in for an earlier one), and "the same tensor name" compared on
+        # what follows the full name's first "/".
+        by_name: dict[str, tuple[str, str]] = {}
+        for group, name in self.keys:
+            by_name[f"{group}/{name}"] = (group, name)
+        indices = {full: self._of_key[key] for full, key in by_name.items()}
+        tensor = {full: full.split("/", 1)[1] for full in by_name}
+        words: dict[int, bytes] = {}
+        searched: dict[tuple[int, int], bool] = {}
+
+        def raw(index: int) -> bytes:
+            if index not in words:
+                words[index] = self._flat[index].tobytes()
+            return words[index]
+
+        out = []
+        for part, small in indices.items():
+            if self._flat[small].size < 2:
                 continue
-            haystack = large.tobytes()
-            start = haystack.find(needle)
-            while start != -1:
-                if start % 8 == 0:
+            for whole, large in indices.items():
+                # An equal value under another name is one unknown in the exposure check (it links
+                # the tensors by the value's digest), not a part.
+                if whole == part or tensor[whole] == tensor[part]:
+                    continue
+                if self._flat[large].size <= self._flat[small].size:
+                    continue
+                pair = (small, large)
+                if pair not in searched:
+                    searched[pair] = _aligned_find(raw(large), raw(small))
+                if searched[pair]:
                     out.append((part, whole))
-                    break
-                start = haystack.find(needle, start + 1)
-    return tuple(out)
+        return tuple(out)
+
+
+def _aligned_find(haystack: bytes, needle: bytes) -> bool:
+    """Whether ``needle`` occurs in ``haystack`` at a multiple of 8 bytes (a whole word)."""
+    start = haystack.find(needle)
+    while start != -1:
+        if start % 8 == 0:
+            return True
+        start = haystack.find(needle, start + 1)
+    return False

@@ -25,6 +25,7 @@ import numpy as np
 from secure_afl.core.errors import (
     ColluderExposureRefusedError,
     ConflictingAnswerError,
+    ExposureCheckLimitError,
     ExposureRefusedError,
     LocalProtocolError,
     ValueAlreadyReleasedError,
@@ -59,11 +60,7 @@ class ExposureGate:
         self.client_id = client_id
         self.policy = policy
         # What this client sends where, by digest: its own unknowns in the exposure check.
-        self.own_values = {
-            (group, name): exposure.value_digest(values)
-            for group, tensors in inputs.items()
-            for name, values in tensors.items()
-        }
+        self.own_values = exposure.own_value_digests(inputs)
         if release is None:
             release = Release.of(inputs)
         elif not isinstance(release, Release):
@@ -133,6 +130,8 @@ class ExposureGate:
             )
             if findings and self.policy.refuse_exposure:
                 self.findings.extend(findings)
+                if all(f.undecided for f in findings):
+                    raise ExposureCheckLimitError(action, findings)
                 helped = [f for f in findings if f.colluders]
                 if helped and len(helped) == len(findings):
                     raise ColluderExposureRefusedError(action, findings, helped[0].colluders)

@@ -71,14 +71,14 @@ class AggregationResult:
 class ServerSession:
     """The server's side of one session over ``config``'s groups, for the clients of ``roster``."""
 
-    def __init__(self, roster: Roster, config: SessionConfig) -> None:
+    def __init__(self, roster: Roster, config: SessionConfig, *, context: bytes = binding.NO_CONTEXT) -> None:
         try:
             validate_config(config, len(roster))
         except InvalidSessionConfigError as exc:
             raise LocalProtocolError(str(exc)) from exc
         self._roster = roster
         self._config = config
-        self._digest = binding.config_digest(config)
+        self._digest = binding.config_digest(config, context)  # the session context its clients bind
         self._message_limit = codec.max_message_bytes(config, len(roster))
         self._round = ServerRound.NOT_STARTED
         self._adverts: dict[str, AdvertiseKeys] = {}
@@ -330,9 +330,11 @@ class ServerSession:
         self._require(len(responders), "revealed shares")
         chosen = responders[: self._config.threshold]
         session_id = self._config.session_id
+        # Every owner's shares come from the same revealers: one Lagrange basis for all of them.
+        basis = shamir.lagrange_coefficients([self._roster.share_point(cid) for cid in chosen])
         seeds: dict[str, bytes] = {}
-        for owner in self._u3:
-            value = self._reconstruct(chosen, owner, self_mask=True)
+        for position, owner in enumerate(self._u3):
+            value = self._reconstruct(basis, chosen, owner, position, self_mask=True)
             seed = value.to_bytes(32, "big") if value < 2**256 else b""
             if (
                 binding.self_mask_commitment(seed, session_id, owner)
@@ -343,8 +345,8 @@ class ServerSession:
                 )
             seeds[owner] = seed
         dropped_keys: dict[str, X25519PrivateKey] = {}
-        for owner in sorted(set(self._u2) - set(self._u3)):
-            value = self._reconstruct(chosen, owner, self_mask=False)
+        for position, owner in enumerate(sorted(set(self._u2) - set(self._u3))):
+            value = self._reconstruct(basis, chosen, owner, position, self_mask=False)
             if value >= 2**256:
                 raise InvalidShareError(f"the mask-key shares of {owner!r} do not reconstruct a key")
             key = X25519PrivateKey.from_private_bytes(value.to_bytes(32, "big"))
@@ -390,11 +392,18 @@ class ServerSession:
             survivors=self._u3,
         )
 
-    def _reconstruct(self, revealers: list[str], owner: str, *, self_mask: bool) -> int:
-        shares = []
+    def _reconstruct(
+        self, basis: tuple[int, ...], revealers: list[str], owner: str, position: int, *, self_mask: bool
+    ) -> int:
+        """``owner``'s secret from the shares ``revealers`` revealed, with their Lagrange ``basis``;
+        ``position``: the owner's place in the revealed lists (the survivors', or the dropped ones')."""
+        values = []
         for revealer in revealers:
             response = self._unmask[revealer]
             items = response.self_mask_shares if self_mask else response.mask_key_shares
-            value = next(item.value for item in items if item.owner == owner)
-            shares.append(shamir.Share(self._roster.share_point(revealer), shamir.value_from_bytes(value)))
-        return shamir.reconstruct(shares)
+            # R4's check (_receive_unmask): the items name exactly these owners, in this order.
+            item = items[position]
+            if item.owner != owner:
+                raise InvalidShareError(f"{revealer!r} revealed no share of {owner!r}")
+            values.append(shamir.value_from_bytes(item.value))
+        return shamir.combine(basis, values)

@@ -49,18 +49,56 @@ def reconstruct(shares: Sequence[Share]) -> int:
 
 def interpolate(shares: Sequence[Share], at: int) -> int:
     """Lagrange interpolation of ``shares`` evaluated at ``at``."""
-    xs = [share.x for share in shares]
-    if not shares or len(set(xs)) != len(xs):
+    return combine(lagrange_coefficients([share.x for share in shares], at), [share.y for share in shares])
+
+
+def lagrange_coefficients(xs: Sequence[int], at: int = 0) -> tuple[int, ...]:
+    """The Lagrange basis at ``at`` for the points ``xs``: ``f(at) = sum(l_i * f(x_i))`` for every
+    polynomial ``f`` of degree below ``len(xs)``.
+
+    It depends on the points only, so a caller that interpolates many secrets shared at the same
+    points (the server: every owner's shares come from the same revealers) computes it once and
+    :func:`combine` s each secret's values with it.  One modular inverse for all the points
+    (Montgomery's batch inversion).
+    """
+    if not xs or len(set(xs)) != len(xs):
         raise LocalProtocolError("interpolation needs at least one share and distinct points")
-    total = 0
-    for i, share_i in enumerate(shares):
+    points = [x % PRIME for x in xs]
+    if len(set(points)) != len(points):
+        raise LocalProtocolError("interpolation needs points that are distinct in the field")
+    target = at % PRIME
+    numerators = []
+    denominators = []
+    for i, x_i in enumerate(points):
         numerator, denominator = 1, 1
-        for j, share_j in enumerate(shares):
+        for j, x_j in enumerate(points):
             if i != j:
-                numerator = numerator * (at - share_j.x) % PRIME
-                denominator = denominator * (share_i.x - share_j.x) % PRIME
-        total = (total + share_i.y * numerator * pow(denominator, -1, PRIME)) % PRIME
-    return total
+                numerator = numerator * (target - x_j) % PRIME
+                denominator = denominator * (x_i - x_j) % PRIME
+        numerators.append(numerator)
+        denominators.append(denominator)
+    inverses = _batch_inverse(denominators)
+    return tuple(n * inv % PRIME for n, inv in zip(numerators, inverses, strict=True))
+
+
+def combine(coefficients: Sequence[int], values: Sequence[int]) -> int:
+    """``sum(l_i * y_i) mod p``: the secret from its shares' values and :func:`lagrange_coefficients`."""
+    if len(coefficients) != len(values):
+        raise LocalProtocolError(f"{len(values)} share values for {len(coefficients)} Lagrange coefficients")
+    return sum(c * y for c, y in zip(coefficients, values, strict=True)) % PRIME
+
+
+def _batch_inverse(values: Sequence[int]) -> list[int]:
+    """Inverses of non-zero field elements with one modular exponentiation (prefix products)."""
+    prefix = [1]
+    for value in values:
+        prefix.append(prefix[-1] * value % PRIME)
+    inverse = pow(prefix[-1], -1, PRIME)
+    out = [0] * len(values)
+    for i in range(len(values) - 1, -1, -1):
+        out[i] = prefix[i] * inverse % PRIME
+        inverse = inverse * values[i] % PRIME
+    return out
 
 
 def random_field_element(random: RandomSource) -> int:

@@ -4,7 +4,7 @@ coordinator's ``flwr run``, whose exit code must say when the ServerApp failed).
 Fast: the checks run in process on a toy federation's files (tests/deploy/helpers.py); the SuperLink
 is a loopback TLS listener on a free port; ``deploy run`` drives a stand-in ``flwr`` script that
 streams what the ServerApp prints and exits 0 as ``flwr run`` does, whatever happened.  The real
-Flower run (round 2, an aborted session) is tests/deploy/test_deploy_round2.py.
+Flower run (a dropout, round 2, an aborted session) is tests/deploy/test_deploy_local.py.
 """
 
 from __future__ import annotations

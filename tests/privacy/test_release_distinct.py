@@ -1,0 +1,135 @@
+"""Release.of reads each distinct value once (issue 30): the same release as the per-input
+definitions it replaced, on the study layouts and on small random layouts with shared objects,
+equal copies, parts and constants."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from secure_afl.analytic import ClientStatistics
+from secure_afl.privacy.release import Release, anchors, contained_parts, is_constant, value_id
+
+
+def _words(values: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(values, dtype=np.float64).astype("<f8", copy=False)
+
+
+def _old_contained_parts(inputs) -> tuple[tuple[str, str], ...]:
+    """The per-pair search Release.of ran before (one bytes copy and find per ordered pair)."""
+    flat = {f"{g}/{n}": _words(a).reshape(-1) for g, tensors in inputs.items() for n, a in tensors.items()}
+    names = {key: key.split("/", 1)[1] for key in flat}
+    out = []
+    for part, small in flat.items():
+        if small.size < 2:
+            continue
+        needle = small.tobytes()
+        for whole, large in flat.items():
+            if whole == part or names[whole] == names[part] or large.size <= small.size:
+                continue
+            haystack = large.tobytes()
+            start = haystack.find(needle)
+            while start != -1:
+                if start % 8 == 0:
+                    out.append((part, whole))
+                    break
+                start = haystack.find(needle, start + 1)
+    return tuple(out)
+
+
+def _old_release(inputs, sources=()) -> Release:
+    values, found = {}, {}
+    for group, tensors in inputs.items():
+        for name, array in tensors.items():
+            values[(group, name)] = None if is_constant(array) else value_id(array)
+            found[(group, name)] = anchors(array)
+    return Release(values, found, frozenset(sources), _old_contained_parts(inputs))
+
+
+def _old_value_id(values: np.ndarray) -> str:
+    import hashlib
+
+    array = _words(values)
+    digest = hashlib.sha256(b"secure-afl/v2/value\x00")
+    digest.update(repr(array.shape).encode())
+    digest.update(array.tobytes())
+    return digest.hexdigest()
+
+
+def _assert_same(inputs, sources=()) -> Release:
+    new, old = Release.of(inputs, sources=sources), _old_release(inputs, sources)
+    assert new == old
+    assert new.to_json() == old.to_json()
+    assert contained_parts(inputs) == old.parts
+    for (group, name), vid in new.values.items():
+        array = inputs[group][name]
+        assert vid == (None if is_constant(array) else _old_value_id(array))
+    return new
+
+
+def _statistics(rng: np.random.Generator, d: int = 12, classes: int = 14) -> ClientStatistics:
+    h = rng.standard_normal((40, d))
+    y = (rng.random((40, classes)) < 0.4).astype(np.float64)
+    y[0], y[1] = 1.0, 0.0  # every class has a positive and a negative
+    gram = h.T @ h
+    return ClientStatistics(gram=gram, feat_sum=h.sum(0), pos_sum=h.T @ y, n=40, n_pos=y.sum(0).astype(int))
+
+
+def test_study_layouts_give_the_old_release() -> None:
+    rng = np.random.default_rng(30)
+    stats = _statistics(rng)
+    for missing in (1, 3, 5, 7):
+        active = sorted(rng.choice(14, size=14 - missing, replace=False).tolist())
+        for balance, gram in (("client", "class"), ("client", "global"), ("global", "global")):
+            inputs = stats.contributions(active, balance=balance, gram=gram, include_global_gram=True)
+            release = _assert_same(inputs, sources=["source:abc"])
+            if gram == "class":  # one Gram object in every class group: one value id
+                assert len({release.values[(g, "gram")] for g in inputs}) == 1
+
+
+def test_the_halves_and_equal_copies_are_found_as_before() -> None:
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal(64)
+    inputs = {
+        "g1": {"x": x, "x_copy": x.copy(), "zeros": np.zeros(9), "n": np.array([3.0])},
+        "g2": {"lo": x[:20].copy(), "hi": x[20:], "odd": x[3:9], "x": x},
+        "g3/y": {"z": rng.standard_normal(5)},
+        "g3": {"y/z": x[10:15].copy()},  # one full name "g3/y/z" for two inputs
+    }
+    release = _assert_same(inputs)
+    assert ("g2/lo", "g1/x") in release.parts and ("g2/hi", "g1/x_copy") in release.parts
+
+
+_pool = st.integers(0, 5)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    layout=st.lists(
+        st.tuples(st.sampled_from(["a", "b", "c/1", "c/2"]), st.sampled_from(["g", "u", "v", "w/1"]), _pool),
+        min_size=1,
+        max_size=10,
+    ),
+    seed=st.integers(0, 2**16),
+)
+def test_random_layouts_give_the_old_release(layout, seed) -> None:
+    rng = np.random.default_rng(seed)
+    base = rng.integers(-2, 3, size=12).astype(np.float64)  # small alphabet: accidental parts occur
+    pool = [base, base[2:7], base[5:].copy(), base.copy(), np.zeros(4), rng.integers(-2, 3, size=3) * 1.0]
+    inputs: dict[str, dict[str, np.ndarray]] = {}
+    for group, name, which in layout:
+        inputs.setdefault(group, {})[name] = pool[which]
+    _assert_same(inputs)
+
+
+def test_own_value_digests_hash_each_object_once_with_the_same_digests() -> None:
+    from secure_afl.privacy import exposure
+
+    stats = _statistics(np.random.default_rng(3))
+    inputs = stats.contributions([0, 2, 5], include_global_gram=True)
+    inputs["extra"] = {"gram_copy": stats.gram.copy(), "v": stats.gram[0][::2]}  # a strided view too
+    digests = exposure.own_value_digests(inputs)
+    assert digests == {(g, n): exposure.value_digest(a) for g, t in inputs.items() for n, a in t.items()}
+    assert digests[("class/0", "gram")] == digests[("extra", "gram_copy")]
+    assert digests[("class/0", "gram")] != digests[("extra", "v")]
