@@ -9,8 +9,9 @@ its randomness), then feeds the new one.  The seed, the messages and the protoco
 SuperNode's local state (Flower's ``context.state``, which stays on the hospital's machine) and are
 deleted when the session ends or fails.
 
-Before anything leaves it, the client checks, in this order: the server's roster fingerprint against
-its own pinned roster (:class:`RosterMismatchError`), that its own key is in that roster
+Before anything leaves it, the client checks, in this order: that every institution co-signed its
+pinned roster (``RosterNotCosignedError``, :mod:`secure_afl.keys.cosign`), the server's roster
+fingerprint against that roster (:class:`RosterMismatchError`), that its own key is in that roster
 (:class:`IdentityNotInRosterError`), the study against its feature file and its policy
 (:class:`StudyMismatchError`), that the session was not started before in this run
 (:class:`SessionReplayError`); then the protocol's own checks.  Any failure answers ``refused`` with
@@ -236,8 +237,12 @@ def _identity(settings: NodeSettings, roster: Roster) -> tuple[str, IdentityKey]
 
 
 def _roster(settings: NodeSettings) -> Roster:
+    """The pinned roster, only if every institution co-signed it (:mod:`secure_afl.keys.cosign`):
+    a roster with an entry its own key has not signed is refused (``RosterNotCosignedError``)."""
+    from secure_afl.keys.cosign import load_cosigned_roster
+
     try:
-        return Roster.from_json(settings.roster.read_text(encoding="utf-8"))
+        return load_cosigned_roster(settings.roster)
     except OSError as exc:
         raise ConfigurationError(f"{settings.roster}: cannot read the roster: {exc.strerror}") from None
 

@@ -28,7 +28,7 @@ from secure_afl.deploy.local import free_port, write_tls_certificates
 from secure_afl.features.file import save_feature_file
 from secure_afl.keys import Roster
 
-from .helpers import CLASSES, Federation, make_federation
+from .helpers import CLASSES, Federation, make_federation, write_cosigned_roster
 
 
 def _node_config(federation: Federation, node: int = 1000, **changes: str) -> str:
@@ -109,7 +109,9 @@ def test_check_fails_with_the_runs_own_error_naming_the_hospital(tmp_path: Path)
     # A roster without this hospital's entry.
     roster = Roster.from_json((tmp_path / "fed" / "roster.json").read_text())
     others = tmp_path / "others.json"
-    others.write_text(Roster([e for e in roster if e.client_id != "client-0"]).to_json())
+    write_cosigned_roster(
+        others, Roster([e for e in roster if e.client_id != "client-0"]), federation.identities
+    )
     code, output = _check("--node-config", _node_config(federation, roster=str(others)))
     assert code == 1 and "identity key: IdentityNotInRosterError:" in output
     assert "client-0.key" in output and "is not in its roster" in output
