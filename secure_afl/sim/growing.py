@@ -56,7 +56,7 @@ from secure_afl.analytic import (
     client_statistics,
 )
 from secure_afl.growth import accumulate_sums
-from secure_afl.sim.audit import PrivacyAudit, audit_groups
+from secure_afl.sim.audit import SINGLE_SURVIVOR_WARNING, PrivacyAudit, audit_groups
 from secure_afl.sim.data import CLASSES
 from secure_afl.sim.datasets import PreparedData, Progress
 from secure_afl.sim.metrics import Metrics, evaluate
@@ -205,29 +205,35 @@ def centralised_sums(
     """
     n_classes = data.cohort.labels.shape[1]
     out: Contributions = {}
-    pooled: dict[tuple[int, ...], ClientStatistics] = {}
     for c in range(n_classes):
         rows = _rows_labelled(assignment, released, c)
         if not len(rows):
             continue
-        key = tuple(assignment.coverage()[c])
-        if key not in pooled:
-            pooled[key] = client_statistics(data.features[rows], data.cohort.labels[rows], device=device)
-        stats = pooled[key]
+        positive = data.cohort.labels[rows, c].astype(bool)
+        pos_sum, feat_sum = np.zeros(data.features.shape[1]), np.zeros(data.features.shape[1])
+        for start in range(0, len(rows), _CHUNK):  # float64 sums without a float64 copy of every row
+            h = data.features[rows[start : start + _CHUNK]].astype(np.float64)
+            feat_sum += h.sum(axis=0)
+            pos_sum += h[positive[start : start + _CHUNK]].sum(axis=0)
         tensors = {
-            f"pos_sum/{c}": stats.pos_sum[:, c].copy(),
-            f"n_pos/{c}": np.array([float(stats.n_pos[c])]),
-            "feat_sum": stats.feat_sum,
-            "n": np.array([float(stats.n)]),
+            f"pos_sum/{c}": pos_sum,
+            f"n_pos/{c}": np.array([float(positive.sum())]),
+            "feat_sum": feat_sum,
+            "n": np.array([float(len(rows))]),
         }
         if gram == "class":
-            tensors["gram"] = stats.gram
+            tensors["gram"] = _gram(data, rows, device)
         out[class_group(c)] = tensors
     if gram == "global":
-        everything = np.sort(np.concatenate(list(released)))
-        stats = client_statistics(data.features[everything], data.cohort.labels[everything], device=device)
-        out[ALL_GROUP] = {"gram": stats.gram}
+        out[ALL_GROUP] = {"gram": _gram(data, np.sort(np.concatenate(list(released))), device)}
     return out
+
+
+_CHUNK = 8192
+
+
+def _gram(data: PreparedData, rows: np.ndarray, device: str) -> np.ndarray:
+    return client_statistics(data.features[rows], data.cohort.labels[rows], device=device).gram
 
 
 def _fit(sums: Contributions, n_classes: int, gamma: float, gram: GramScope) -> np.ndarray:
@@ -430,10 +436,16 @@ def print_growing_report(result: GrowingResult, console: Console) -> None:
 
 
 def audit_warnings(result: GrowingResult) -> dict[str, list[int]]:
-    """Each loud audit line once, with the sessions it was raised in."""
+    """Each loud audit line once, with the sessions it was raised in; the single-survivor groups of a
+    session in one line."""
     out: dict[str, list[int]] = {}
     for r in result.sessions:
-        for line in r.audit.warnings():
+        alone = [g for g in r.audit.groups if g.warning]
+        lines = [line for line in r.audit.warnings() if line not in {g.warning for g in alone}]
+        if alone:
+            names = ", ".join(f"{g.group} ({g.survivors[0]})" for g in alone)
+            lines.insert(0, f"single-member groups {names}: {SINGLE_SURVIVOR_WARNING}, in each")
+        for line in lines:
             out.setdefault(line, []).append(r.session)
     return out
 
