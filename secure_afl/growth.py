@@ -30,8 +30,9 @@ one session keeps its earlier sums, and a class first labelled in a later sessio
 Rows released before a hospital labelled ``c`` are not in ``class/<c>``: labelling them later would
 release them a second time, which the one-contribution-per-image rule forbids.  With
 ``gram="global"`` the ``all`` Gram covers every released row.  What cannot change is the layout
-itself: a group present in two sessions must carry the same tensors with the same shapes, and the
-class groups must agree on the Gram scope.
+itself: a group present in two sessions must carry the same tensors with the same shapes, the
+class groups must agree on the Gram scope, and the ``all`` group must be in every session or in
+none (its Gram would otherwise cover fewer rows than the class sums).
 """
 
 from __future__ import annotations
@@ -146,6 +147,13 @@ def accumulate_sums(earlier: GroupSums | None, new: GroupSums) -> Contributions:
             )
         return added
     total, earlier_dim = _checked(earlier, "the earlier sessions'")
+    if (ALL_GROUP in total) != (ALL_GROUP in added):
+        where = "the earlier sessions" if ALL_GROUP in total else "the new session"
+        raise GrowthError(
+            f"only {where} carry the {ALL_GROUP!r} group (the Gram of every row): its sum would cover "
+            "some sessions' rows and the class sums all of them; a growing federation keeps its layout "
+            "(the same gram option and rounds in every session)"
+        )
     if None not in (dim, earlier_dim) and dim != earlier_dim:
         raise GrowthError(
             f"the new session's features have dimension {dim} and the earlier sessions' {earlier_dim}: "

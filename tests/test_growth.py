@@ -152,14 +152,23 @@ def test_round_two_and_dp_tensors_are_refused():
 def test_mixed_layouts_and_dimensions_are_refused_and_nothing_is_changed():
     earlier = accumulate_sums(None, _session(1, gram="global"))
     before = {g: {t: v.copy() for t, v in ts.items()} for g, ts in earlier.items()}
-    with pytest.raises(GrowthError, match="other tensors"):
+    with pytest.raises(GrowthError, match="keeps its layout"):
         accumulate_sums(earlier, _session(2, gram="class"))
+    per_class = _session(2, gram="class")
+    per_class["all"] = {"gram": per_class["class/0"]["gram"]}  # the all group too: the class groups differ
+    with pytest.raises(GrowthError, match=r"other tensors .*only new: \['gram'\]"):
+        accumulate_sums(earlier, per_class)
     with pytest.raises(GrowthError, match="dimension 5"):
         accumulate_sums(earlier, _session(2, dim=5))
     only_new_class = _session(2, gram="class", active=(0,))
     only_new_class["class/5"] = only_new_class.pop("class/0")  # a class group unseen before, with a Gram
+    only_new_class["all"] = {"gram": only_new_class["class/5"]["gram"]}
     with pytest.raises(GrowthError, match="disagree on the Gram"):
         accumulate_sums(earlier, only_new_class)
+    no_all = _session(2)
+    no_all.pop("all")  # the all-rows Gram of this session's rows is missing
+    with pytest.raises(GrowthError, match="only the earlier sessions carry the 'all' group"):
+        accumulate_sums(earlier, no_all)
     bad = _session(2)
     bad["class/0"]["n"] = np.array([np.nan])
     with pytest.raises(GrowthError, match="not finite"):
