@@ -417,7 +417,9 @@ def sim(
     """Run the paper's ChestXray14 experiment (Table II; Table III over several backbones).
 
     With --scenario mixed-type: FedMT's setting instead (the centre alone, FedMT with M known and
-    estimated, and the one-round analytic counterpart), over the --centre-n sweep.
+    estimated, and the one-round analytic counterpart), over the --centre-n sweep.  With --scenario
+    growing: each client's rows arrive over --sessions sessions, each released through --secure and
+    accumulated by the server; every session's classifier is compared with the centralised fit.
     """
     if device not in ("auto", "cpu"):  # these two are always valid; checking others imports torch
         from secure_afl.analytic import resolve_device
@@ -505,8 +507,11 @@ def sim(
             out_dir=out_dir,
         )
         return
-    if idle and scenario != "growing":
-        raise click.UsageError("--idle needs --scenario growing")
+    given_sessions = (
+        click.get_current_context().get_parameter_source("sessions") is not ParameterSource.DEFAULT
+    )
+    if (idle or given_sessions) and scenario != "growing":
+        raise click.UsageError("--sessions and --idle need --scenario growing")
     if scenario == "growing":
         if len(sources) != 1:
             raise click.UsageError("--scenario growing runs one backbone at a time")

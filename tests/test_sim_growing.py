@@ -137,7 +137,11 @@ def test_the_command_writes_every_sessions_numbers(tmp_path):
     [
         (["--rounds", "2"], "round 1 only"),
         (["--idle", "2-3"], "is not SESSION:CLIENT"),
-        (["--scenario", "partial-labels", "--idle", "2:3"], "--idle needs --scenario growing"),
+        (["--scenario", "partial-labels", "--idle", "2:3"], "--sessions and --idle need --scenario growing"),
+        (
+            ["--scenario", "partial-labels", "--sessions", "2"],
+            "--sessions and --idle need --scenario growing",
+        ),
     ],
 )
 def test_the_command_refuses_what_a_growing_study_cannot_do(tmp_path, extra, message):
