@@ -1150,7 +1150,7 @@ def predict(
     probabilities = scipy.special.expit(scores)
     decisions = model.decide(scores)
     model.write_predictions(out_path, ids, probabilities, decisions)
-    for line in model.privacy_lines():
+    for line in [*model.summary_lines(), *model.privacy_lines()]:
         click.echo(line)
     positives = decisions.sum(axis=0)
     counts = ", ".join(f"{c} {int(n)}" for c, n in zip(model.classes, positives, strict=True))

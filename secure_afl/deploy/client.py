@@ -673,9 +673,10 @@ def _settle(label: str, state: LocalState) -> dict[str, Any] | None:
 
 def _store_classifier(envelope: Envelope, state: LocalState, settings: NodeSettings) -> Envelope:
     """Verify the classifier file (content digest, the roster coordinator's signature, the roster
-    fingerprint, this institution's sessions), then save the exact bytes received as
-    ``OUT_DIR/classifier.json``."""
-    from .classifier import write_classifier_file
+    fingerprint, this institution's sessions), then keep the exact bytes received: in the history
+    ``OUT_DIR/classifiers/<created>-<digest>.json`` and as ``OUT_DIR/classifier.json`` (the latest;
+    the file it held before stays in the history)."""
+    from .classifier import keep_classifier
 
     roster = _roster(settings)
     # Raises ClassifierTamperedError, UnsignedClassifierError, ClassifierSignatureError (also when the
@@ -695,12 +696,13 @@ def _store_classifier(envelope: Envelope, state: LocalState, settings: NodeSetti
             )
         mine[session["label"]] = saved["client_id"]
     settings.out_dir.mkdir(parents=True, exist_ok=True)
-    path = settings.out_dir / "classifier.json"
-    write_classifier_file(path, envelope.payload)  # the signed bytes, as every institution received them
-    digest = hashlib.sha256(envelope.payload).hexdigest()
+    stored = keep_classifier(settings.out_dir, envelope.payload)  # the signed bytes, as every party got them
+    replaced = f"; the earlier classifier.json is kept as {stored.replaced}" if stored.replaced else ""
     log(
         settings,
-        f"stored the classifier in {path} (signed by the coordinator {classifier.signer}; sha256 "
-        f"{digest[:16]}..., session {classifier.sessions[0]['session_id'][:16]}...)",
+        f"stored the classifier in {stored.latest} and {stored.kept} (signed by the coordinator "
+        f"{classifier.signer}; sha256 {stored.sha256[:16]}..., session "
+        f"{classifier.sessions[0]['session_id'][:16]}...){replaced}",
     )
-    return Envelope("ack", {"path": str(path), "sha256": digest})
+    # No path in the acknowledgement: the coordinator learns only that the file was kept, and which.
+    return Envelope("ack", {"sha256": stored.sha256, "kept": stored.kept.name})
