@@ -955,8 +955,11 @@ def deploy_check(
     Loads the identity key with its passphrase, the roster and this hospital's entry in it, the
     feature file (against the study with --study), the ledger and the output directory, with the
     ClientApp's own code: a failure here is the refusal the SuperNode would send during the run,
-    with the same message, named by hospital.  With --superlink it connects to the SuperLink (TLS
-    handshake with --root-certificates).  Reads only; writes nothing.  Exit 0 when every check
+    with the same message, named by hospital.  With --study it also refuses values the ledger
+    already released (as the run's R0 would), and when every check passes it records the study's
+    digest in ledger-dir/checked-study.json (0600): the node takes part in that study only, and
+    refuses a changed one until it is checked again.  With --superlink it connects to the SuperLink
+    (TLS handshake with --root-certificates).  Writes nothing else.  Exit 0 when every check
     passes, 1 at the first that fails.
     """
     from secure_afl.deploy.check import NodeCheckError, check_node, parse_node_config, study_from_file

@@ -11,8 +11,9 @@ deleted when the session ends or fails.
 
 Before anything leaves it, the client checks, in this order: the server's roster fingerprint against
 its own pinned roster (:class:`RosterMismatchError`), that its own key is in that roster
-(:class:`IdentityNotInRosterError`), the study against its feature file and its policy
-(:class:`StudyMismatchError`), that the session was not started before in this run
+(:class:`IdentityNotInRosterError`), that the study is the one it checked with ``deploy check
+--study`` (:class:`UncheckedStudyError`; ``ledger-dir/checked-study.json``), the study against its
+feature file and its policy (:class:`StudyMismatchError`), that the session was not started before in this run
 (:class:`SessionReplayError`); then the protocol's own checks.  Any failure answers ``refused`` with
 the error's class and message (and is printed in the SuperNode's log); the session's secrets are
 dropped and every later message of that session is refused.
@@ -44,6 +45,7 @@ from .errors import (
     RosterMismatchError,
     SessionReplayError,
     StudyMismatchError,
+    UncheckedStudyError,
 )
 from .study import PROTECTIONS, Study, dp_projection, round1_layout, round2_layout, statistics_dim
 from .wire import Envelope
@@ -213,6 +215,72 @@ def _roster(settings: NodeSettings) -> Roster:
         return Roster.from_json(settings.roster.read_text(encoding="utf-8"))
     except OSError as exc:
         raise ConfigurationError(f"{settings.roster}: cannot read the roster: {exc.strerror}") from None
+
+
+CHECKED_STUDY = "checked-study.json"  # in ledger-dir: the study `deploy check --study` checked
+CHECKED_FORMAT = "secure-afl-checked-study/v1"
+
+
+def pin_study(settings: NodeSettings, study: Study, checked: str) -> Path:
+    """Record (0600, atomically) that this node checked ``study``: from now on it takes part in that
+    study only.  ``checked`` is the UTC time of the check (ISO 8601)."""
+    settings.ledger_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    path = settings.ledger_dir / CHECKED_STUDY
+    document = {"format": CHECKED_FORMAT, "study_digest": study.digest(), "checked": checked,
+                "study": json.loads(study.to_json())}  # fmt: skip
+    temporary = path.with_name(f".{path.name}.tmp")
+    if temporary.exists():
+        temporary.unlink()
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
+        handle.write(json.dumps(document, indent=1) + "\n")
+    os.replace(temporary, path)
+    return path
+
+
+def pinned_study(settings: NodeSettings) -> dict[str, Any] | None:
+    """The record :func:`pin_study` wrote, or None when this node never checked a study."""
+    path = settings.ledger_dir / CHECKED_STUDY
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise ConfigurationError(
+            f"the checked study (ledger-dir's {CHECKED_STUDY}) is unreadable ({exc}): run `secure-afl "
+            "deploy check --study APP` again"
+        ) from None
+    if not isinstance(document, dict) or document.get("format") != CHECKED_FORMAT:
+        raise ConfigurationError(
+            f"ledger-dir's {CHECKED_STUDY} is not a {CHECKED_FORMAT} record: run `secure-afl deploy check "
+            "--study APP` again"
+        )
+    return document
+
+
+def _check_pinned_study(study: Study, settings: NodeSettings) -> None:
+    """The server's study is the one this institution checked (``deploy check --study``)."""
+    pinned = pinned_study(settings)
+    digest = study.digest()
+    if pinned is None:
+        raise UncheckedStudyError(
+            f"this institution has checked no study, and the server runs study {digest}: run `secure-afl "
+            "deploy check --study APP --node-config ...` with the coordinator's app on this node's "
+            "machine (it records the study it checked), then take part"
+        )
+    if pinned.get("study_digest") != digest:
+        raise UncheckedStudyError(
+            f"the server runs study {digest}, but this institution checked study "
+            f"{pinned.get('study_digest')} (on {pinned.get('checked')}): the study changed after the check; "
+            "compare the coordinator's new app with the one you checked and run `secure-afl deploy check "
+            "--study APP` again if you agree to it"
+        )
+
+
+def release_source(settings: NodeSettings, label: str) -> str:
+    """What session ``label``'s values are computed from: this feature file (by digest) and the round.
+    The ledger spends it with the values (:func:`_inputs`); ``deploy check`` looks it up."""
+    return source_id("feature-file", _file_digest(settings.features), f"round {label}")
 
 
 def _check_study(study: Study, settings: NodeSettings) -> Any:
@@ -454,7 +522,7 @@ def _inputs(
     if unknown:
         raise StudyMismatchError(f"the session lacks this client's groups {sorted(unknown)}")
     inputs = _flat(layout, contributions)
-    source = source_id("feature-file", _file_digest(settings.features), f"round {label}")
+    source = release_source(settings, label)
     release = Release.of(inputs if clean is None else _flat(layout, clean), sources=[source])
     return inputs, release
 
@@ -487,6 +555,7 @@ def _start_session(envelope: Envelope, label: str, state: LocalState, settings: 
         )
     client_id, identity = _identity(settings, roster)
     study = Study.from_json(envelope.text("study"))
+    _check_pinned_study(study, settings)
     data = _check_study(study, settings)
     backend = _backend(envelope, study, settings, len(roster))
     # Decoded once under the client policy's bound on a first message, to read the layout.

@@ -88,9 +88,10 @@ def test_check_passes_a_good_node_and_names_every_check(tmp_path: Path) -> None:
     for path in (toml, plain):
         code, output = _check("--config", str(path))
         assert code == 0 and "client-0: every check passed" in output, output
-    # The check reads only: no ledger or out-dir was created.
+    # The check writes only the study it checked (with --study): no ledger file, no out-dir.
     settings = federation.nodes[1000].settings
-    assert not settings.ledger_dir.exists() and not settings.out_dir.exists()
+    assert [p.name for p in settings.ledger_dir.iterdir()] == ["checked-study.json"]
+    assert not settings.out_dir.exists()
 
 
 def test_check_fails_with_the_runs_own_error_naming_the_hospital(tmp_path: Path) -> None:

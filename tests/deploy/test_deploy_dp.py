@@ -33,7 +33,7 @@ from secure_afl.deploy.study import (
 from secure_afl.deploy.wire import Envelope
 from secure_afl.features.file import save_feature_file
 
-from .helpers import InProcessTransport, make_federation, run_server
+from .helpers import InProcessTransport, check_study, make_federation, run_server
 
 EPSILON = 1.0
 CLIP = 8.0  # toy features: gamma(2, 1) rows of 40 values have norms near 14, so most rows are clipped
@@ -329,6 +329,9 @@ def test_a_client_sent_another_study_than_its_peers_refuses_the_session(tmp_path
             return Envelope(envelope.kind, {**envelope.meta, "study": looser.to_json()}, envelope.payload)
         return envelope
 
+    # Node 1001 checked the looser study (else its check pin alone refuses it: test_study_pinning.py);
+    # the session id, which commits to the study its peers received, still gives it away.
+    check_study(federation, looser, nodes=[1001])
     server, _, _ = run_server(federation, InProcessTransport(federation, tamper=tamper))
     assert [(r["from"], r["error"]) for r in server.report.refusals] == [("node 1001", "StudyMismatchError")]
     assert "does not commit to the study" in server.report.refusals[0]["message"]
