@@ -51,7 +51,7 @@ from secure_afl.keys.roster import Roster
 from secure_afl.privacy.dp_config import default_ridge
 
 from .classifier import ClassifierSigner, write_classifier_file
-from .client import NodeSettings, handle
+from .client import NodeSettings, handle, path_free
 from .errors import ConfigurationError, DeploymentError
 from .server import FederationServer
 from .study import Method, Study, StudyDp, parse_class_lists
@@ -100,10 +100,11 @@ class GridTransport:
                 pending.discard(message_id)
                 node = node_of[message_id]
                 if reply.has_error():
-                    # Flower's own error (the ClientApp crashed, or the node left): a refusal.
+                    # Flower's own error (the node left, its ClientApp process died): not an answer
+                    # the hospital gave but the loss of the node, a dropout.
                     error = reply.error
                     replies[node] = Envelope(
-                        "refused", {"error": f"FlowerError{error.code}", "message": str(error.reason)}
+                        "dropped", {"error": f"FlowerError{error.code}", "message": str(error.reason)}
                     )
                     continue
                 try:
@@ -312,6 +313,7 @@ def client_query(message: Message, context: Context) -> Message:
         settings = NodeSettings.from_node_config(context.node_config)
     except (ValueError, DeploymentError) as exc:
         print(f"secure-afl client: REFUSED: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-        return Message(to_record_dict(Envelope.refusal(exc)), reply_to=message)
+        refusal = Envelope("refused", {"error": type(exc).__name__, "message": path_free(str(exc), None)})
+        return Message(to_record_dict(refusal), reply_to=message)
     reply = handle(envelope, FlowerState(context), settings)
     return Message(to_record_dict(reply), reply_to=message)

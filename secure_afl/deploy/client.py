@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -187,7 +188,48 @@ def handle(envelope: Envelope, state: LocalState, settings: NodeSettings) -> Env
             saved = state.load(label)
             if saved is None or saved.get("status") == "active":
                 state.save(label, {"status": f"failed: {type(exc).__name__}"})
-        return Envelope.refusal(exc, session=label, round=round_name)
+        # The coordinator learns the error's class, a message without this machine's paths, and the
+        # roster id this node holds the key of (read without the passphrase; a claim, not signed).
+        return Envelope(
+            "refused",
+            {"session": label, "round": round_name, "error": type(exc).__name__,
+             "message": path_free(str(exc), settings), "client": roster_id(settings) or ""},
+        )  # fmt: skip
+
+
+_PATH = re.compile(r"(?<![\w.~-])(?:~|\.{1,2})?/[^\s'\"`,;:()\[\]]+")
+
+
+def path_free(text: str, settings: NodeSettings | None) -> str:
+    """``text`` with this node's file paths replaced: its settings' by their node-config key
+    (``[roster]``, ...), any other absolute path by ``[path]``.  The full text stays in the node's log."""
+    if settings is None:
+        return _PATH.sub("[path]", text)
+    named = {
+        settings.identity_key: "identity-key", settings.passphrase_file: "passphrase-file",
+        settings.roster: "roster", settings.features: "features", settings.out_dir: "out-dir",
+        settings.ledger_dir: "ledger-dir",
+    }  # fmt: skip
+    for path, key in sorted(((p, k) for p, k in named.items() if p), key=lambda item: -len(str(item[0]))):
+        for form in {str(path), str(path.expanduser().absolute())}:
+            if form not in ("", "."):
+                text = text.replace(form, f"[{key}]")
+    return _PATH.sub("[path]", text)
+
+
+def roster_id(settings: NodeSettings) -> str | None:
+    """The roster id of this node's identity key, from the key file's public half (no passphrase);
+    None when the key file or the roster cannot be read or the key is not in the roster."""
+    import base64
+
+    try:
+        public = base64.b64decode(json.loads(settings.identity_key.read_text(encoding="utf-8"))["public_key"])
+        for entry in _roster(settings):
+            if entry.public_key == public:
+                return entry.client_id
+    except Exception:  # an unreadable key or roster: the refusal itself says what is wrong
+        return None
+    return None
 
 
 # --- sessions ---------------------------------------------------------------------------------

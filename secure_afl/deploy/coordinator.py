@@ -16,9 +16,11 @@ import datetime
 import json
 import os
 import queue
+import re
 import subprocess
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,10 +72,44 @@ def read_run_config(app_dir: Path, overrides: Sequence[str] = ()) -> dict[str, A
         raise ConfigurationError(f"{toml} has no [tool.flwr.app.config] section (the study and out-dir)")
     merged = dict(config)
     for text in overrides:
-        merged.update(parse_config_args([text]))
+        parsed = parse_config_args([text])
+        unknown = sorted(set(parsed) - set(config))
+        if unknown:  # Flower refuses them too, with "flwr run exited with code 1" and nothing else
+            raise ConfigurationError(
+                f"--run-config {text!r}: {unknown} {'is' if len(unknown) == 1 else 'are'} not a key of "
+                f"{toml}'s [tool.flwr.app.config], and Flower refuses keys the app does not declare; "
+                f"check the spelling (the app's keys: {', '.join(sorted(config))}) or write the key into "
+                "the app (`secure-afl deploy app`)"
+            )
+        merged.update(parsed)
     if not isinstance(merged.get("out-dir"), str) or not merged["out-dir"]:
         raise ConfigurationError(f"{toml}: the run config lacks out-dir (where the ServerApp writes)")
     return merged
+
+
+def check_connection(env: Mapping[str, str], name: str) -> str:
+    """``name`` is a SuperLink connection of ``$FLWR_HOME/config.toml``; return its address."""
+    import tomllib
+
+    home = Path(env.get("FLWR_HOME") or Path.home() / ".flwr")
+    path = home / "config.toml"
+    try:
+        document = tomllib.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigurationError(
+            f"{path}: cannot read Flower's connection file ({exc.strerror}); set --flwr-home (or export "
+            "FLWR_HOME) to the directory holding config.toml"
+        ) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigurationError(f"{path}: not TOML: {exc}") from None
+    section = document.get("superlink", {})
+    names = sorted(k for k, v in section.items() if isinstance(v, dict))
+    if name not in names:
+        raise ConfigurationError(
+            f"no SuperLink connection named {name!r} in {path} (it names {names or 'none'}): give one of "
+            f"those as FEDERATION, or add a [superlink.{name}] table with its address and root-certificates"
+        )
+    return str(section[name].get("address", "?"))
 
 
 def move_aside(out_dir: Path, stamp: str | None = None) -> list[Path]:
@@ -109,6 +145,8 @@ def run_federation(
     caller's) is given.
     """
     config = read_run_config(app_dir, run_config)
+    merged_env = {**os.environ, **(env or {})}
+    address = check_connection(merged_env, connection)
     out_dir = Path(str(config["out-dir"])).expanduser()
     out_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_path or out_dir / "flwr-run.log"
@@ -118,18 +156,21 @@ def run_federation(
     for path in moved:
         say(f"moved the earlier {path.name.split('.before-')[0]}.json aside: {path}")
     own = children is None
-    children = children or ProcessGroups({**os.environ, **(env or {})})
+    # flwr run prints the ServerApp's lines with print(): unbuffered, each reaches us as it is written.
+    children = children or ProcessGroups({**merged_env, "PYTHONUNBUFFERED": "1"})
     argv = [flower_bin("flwr"), "run", str(app_dir), connection, "--stream"]
     for text in run_config:
         argv += ["--run-config", text]
     started = time.perf_counter()
     outcome = RunOutcome(False, out_dir, report_path, log_path, moved=moved)
     failure: str | None = None
+    progress = _Progress(say, tick)
     try:
-        runner = children.start("flwr run", argv, log_path, stdout=subprocess.PIPE)
+        runner = children.start(
+            "flwr run", argv, log_path, stdout=subprocess.PIPE, env={**children.env, "PYTHONUNBUFFERED": "1"}
+        )
         lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=_pump, args=(runner.process.stdout, log_path, lines), daemon=True).start()
-        progress = _Progress(say, tick)
         deadline = time.monotonic() + run_timeout
         done_reading = False
         for _ in range(int(run_timeout / 0.1) + 100):
@@ -156,10 +197,60 @@ def run_federation(
         if own:
             children.stop_all()
     outcome.seconds = time.perf_counter() - started
-    return _decide(outcome, failure, started_wall=time.time() - outcome.seconds)
+    cause = diagnose(progress.flower_lines, outcome.exit_code, started=progress.run_id, address=address,
+                     connection=connection)  # fmt: skip
+    return _decide(outcome, failure, started_wall=time.time() - outcome.seconds, cause=cause)
 
 
-def _decide(outcome: RunOutcome, failure: str | None, *, started_wall: float) -> RunOutcome:
+# What flwr 1.42 prints (in a box, on stderr) for the failures it has words for, and what they mean here.
+_SUPERLINK_UNAVAILABLE = "Connection to the SuperLink is unavailable"
+_NO_CONNECTION = "not found in the Flower configuration file"
+_UNKNOWN_KEY = "is not present in the main dictionary"
+_AUTHENTICATION = "Authentication failed"
+_BOX = re.compile(r"[\u2500-\u257f]")  # the box drawing characters of Rich's error panel
+
+
+def diagnose(
+    lines: Sequence[str], exit_code: int | None, *, started: str | None, address: str, connection: str
+) -> str | None:
+    """The cause of a failed ``flwr run``, from what it printed besides the ServerApp's lines.
+
+    ``started``: the run id flwr printed ("Successfully started run N"), None if it never started.
+    Returns None when nothing failed that ``flwr run`` itself reports (exit 0)."""
+    text = " ".join(" ".join(_BOX.sub(" ", line).split()) for line in lines)
+    where = f"the SuperLink {connection!r} at {address}"
+    if _SUPERLINK_UNAVAILABLE in text:
+        if started is not None:
+            return (
+                f"{where} stopped answering during run {started} (killed, restarted or unreachable): the "
+                "run is lost; restart the SuperLink (with its --database the nodes stay registered) and "
+                "run again"
+            )
+        return (
+            f"cannot reach {where}: is the SuperLink running (`flower-superlink`, or `secure-afl deploy "
+            "superlink`) and is that address in config.toml its Control API's?"
+        )
+    if _NO_CONNECTION in text:
+        return f"no SuperLink connection named {connection!r} in Flower's config.toml (FLWR_HOME)"
+    if _UNKNOWN_KEY in text:
+        key = re.search(r"Key '([^']*)' is not present", text)
+        return (
+            f"Flower refused the run config: {key.group(1) if key else 'a key'!r} is not a key of the app's "
+            "[tool.flwr.app.config]"
+        )
+    if _AUTHENTICATION in text:
+        return f"{where} refused this account (flwr: {_AUTHENTICATION})"
+    if exit_code in (0, None):
+        return None
+    plain = [" ".join(_BOX.sub(" ", line).split()) for line in lines]
+    errors = [line for line in plain if line and line != "Error" and not line.startswith(("INFO", "DEBUG"))]
+    tail = " ".join(errors[-6:])
+    return f"flwr run exited with code {exit_code}" + (f": {tail}" if tail else " and printed no error")
+
+
+def _decide(
+    outcome: RunOutcome, failure: str | None, *, started_wall: float, cause: str | None = None
+) -> RunOutcome:
     """Success needs a report written by this run without an error, a classifier and exit 0."""
     report = None
     path = outcome.report_path
@@ -171,8 +262,8 @@ def _decide(outcome: RunOutcome, failure: str | None, *, started_wall: float) ->
     outcome.report = report if isinstance(report, dict) else None
     if outcome.report is not None and "error" in outcome.report:
         failure = f"the ServerApp failed: {outcome.report['error']}"
-    elif outcome.exit_code not in (0, None):
-        failure = failure or f"flwr run exited with code {outcome.exit_code}"
+    elif outcome.exit_code not in (0, None) or (cause is not None and outcome.report is None):
+        failure = failure or cause or f"flwr run exited with code {outcome.exit_code}"
     elif outcome.report is None:
         failure = failure or (
             f"the ServerApp wrote no report (flwr run exit {outcome.exit_code}): it failed before or "
@@ -204,10 +295,17 @@ class _Progress:
         self.round: str | None = None
         self.round_started = 0.0
         self.last_output = time.monotonic()
+        self.flower_lines: deque[str] = deque(maxlen=40)  # flwr's own lines: its errors, for diagnose
+        self.run_id: str | None = None
 
     def line(self, line: str) -> str | None:
         """Relay one line of the stream; return the failure it reports, if it reports one."""
         if SERVER_PREFIX not in line:
+            self.flower_lines.append(line)
+            started = re.search(r"Successfully started run (\d+)", line)
+            if started:
+                self.run_id = started.group(1)
+                self.say(f"  flwr: started run {self.run_id}")
             return None
         text = line.split(SERVER_PREFIX, 1)[1].strip()
         self.say("  " + text)

@@ -283,6 +283,14 @@ class FederationServer:
                 stored.append(client_of[node])
             elif envelope.kind == "refused":
                 self._refused(client_of.get(node, f"node {node}"), "classifier", envelope)
+            elif envelope.kind == "dropped":
+                reason = f"Flower reports it gone ({envelope.meta.get('error', '?')})"
+                self.report.dropouts.append({"at": "classifier", "client": client_of[node], "reason": reason})
+                self.log(f"classifier: {client_of[node]} {reason} (dropout)")
+        for node in sorted(set(outgoing) - set(replies)):
+            reason = f"did not answer within {self.round_timeout:.0f} s"
+            self.report.dropouts.append({"at": "classifier", "client": client_of[node], "reason": reason})
+            self.log(f"classifier: {client_of[node]} {reason} (dropout)")
         self.report.acknowledged = tuple(sorted(stored))
         return self.report.acknowledged
 
@@ -359,9 +367,17 @@ class FederationServer:
             replies = self.transport.exchange(outgoing, f"s{label}-{round_name}", timeout)
             answers = 0
             answered: list[str] = []
+            lost: dict[int, str] = {}  # nodes Flower reports gone: dropouts, with Flower's reason
+            unnamed: list[tuple[int, Envelope]] = []  # refusals of nodes that never advertised
             for node, envelope in sorted(replies.items()):
-                who = client_of.get(node, f"node {node}")
+                who = client_of.get(node) or self._known(node) or f"node {node}"
+                if envelope.kind == "dropped":
+                    lost[node] = f"{envelope.meta.get('error', '?')}: {envelope.meta.get('message', '')}"
+                    continue
                 if envelope.kind == "refused":
+                    if who.startswith("node "):  # never advertised: named once every advertisement is in
+                        unnamed.append((node, envelope))
+                        continue
                     self._refused(who, at, envelope)
                     failed.add(who)
                     continue
@@ -395,15 +411,26 @@ class FederationServer:
                     node_of[sender] = node
                 answers += 1
                 answered.append(sender if round_name == "R0" else who)
-            silent = (
-                {f"node {n}" for n in outgoing if n not in replies}
-                if round_name == "R0"
-                else {client_of.get(n, f"node {n}") for n in outgoing if n not in replies}
-            )
-            for who in sorted(silent):
-                self.report.dropouts.append({"at": at, "client": who})
-                self.log(f"{at}: {who} did not answer within {timeout:.0f} s (dropout)")
+            for node, envelope in unnamed:  # a claimed name only: it changes no one's part in the session
+                self._refused(self._claimed(envelope, node_of, node), at, envelope)
+            gone = {n for n in outgoing if n not in replies} | set(lost)
+            silent: set[str] = set()
+            for node in sorted(gone):
+                who = client_of.get(node) or self._known(node) or "an unidentified node"
+                why = (
+                    f"Flower reports it gone ({lost[node]})"
+                    if node in lost
+                    else f"did not answer within {timeout:.0f} s"
+                )
+                self.report.dropouts.append({"at": at, "client": who, "reason": why})
+                self.log(f"{at}: {who} {why} (dropout)")
+                silent.add(who)
             failed |= silent & set(node_of)
+            if round_name == "R0" and not again:
+                refused = {r["from"] for r in self.report.refusals if r["at"] == at}
+                absent = sorted({e.client_id for e in self.roster} - set(node_of) - refused)
+                if absent:
+                    self.log(f"{at}: no advertisement from {', '.join(absent)} (not taking part)")
             try:
                 requests = session.next_round()
             except SessionAbortedError as exc:
@@ -464,6 +491,23 @@ class FederationServer:
             if item["name"] == group:
                 return item
         raise FederationAbortedError(f"session {record.label} has no group {group!r}")
+
+    def _known(self, node: int) -> str | None:
+        """The roster id that node advertised as in an earlier session of this run, if any."""
+        for cid, known in self._node_of.items():
+            if known == node:
+                return cid
+        return None
+
+    def _claimed(self, envelope: Envelope, node_of: Mapping[str, int], node: int) -> str:
+        """A refusing node that never advertised: the roster id it says it holds the key of (not
+        signed: a refusal is no message of the protocol), if that is a roster member no other node
+        advertised as; else it stays unidentified."""
+        claimed = str(envelope.meta.get("client", ""))
+        members = {entry.client_id for entry in self.roster}
+        if claimed in members and node_of.get(claimed, node) == node:
+            return claimed
+        return "an unidentified node"
 
     def _refused(self, who: str, where: str, envelope: Envelope) -> None:
         error = str(envelope.meta.get("error", "?"))

@@ -179,9 +179,8 @@ def run_server(federation: Federation, transport: InProcessTransport | None = No
     transport = transport or InProcessTransport(federation)
     kwargs.setdefault("signer", federation.signer)
     kwargs.setdefault("colluders", "n-t" if federation.colluders is None else federation.colluders)
-    server = FederationServer(
-        transport, federation.roster, federation.study, round_timeout=1, log=lambda s: None, **kwargs
-    )
+    kwargs.setdefault("log", lambda s: None)
+    server = FederationServer(transport, federation.roster, federation.study, round_timeout=1, **kwargs)
     classifier = server.run()
     server.deliver(classifier)
     return server, classifier, transport

@@ -255,8 +255,37 @@ assert args[:1] == ["run"] and "--stream" in args, args
 config = tomllib.loads((Path(args[1]) / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
 out = Path(config["out-dir"])
 scenario = os.environ["FAKE_FLWR_SCENARIO"]
+(out / "flwr-started").write_text(scenario)
 def say(text):
     print("INFO :      secure-afl server: " + text, flush=True)
+def box(text):  # flwr's error panel (Rich), on stderr, then exit 1: what flwr 1.42 prints
+    width = 78
+    words, lines, line = text.split(), [], ""
+    for word in words:
+        if len(line) + len(word) + 1 > width - 4:
+            lines.append(line)
+            line = word
+        else:
+            line = (line + " " + word).strip()
+    lines.append(line)
+    print("\u256d\u2500 Error " + "\u2500" * (width - 9) + "\u256e", file=sys.stderr)
+    for line in lines:
+        print("\u2502 " + line.ljust(width - 4) + " \u2502", file=sys.stderr)
+    print("\u2570" + "\u2500" * (width - 2) + "\u256f", file=sys.stderr)
+    sys.exit(1)
+UNAVAILABLE = ("Connection to the SuperLink is unavailable. Please check your network connection and "
+               "'address' in the SuperLink connection configuration.")
+if scenario == "down":
+    box(UNAVAILABLE)
+if scenario == "live":  # a line, then wait (bounded) until the test has seen it
+    print("INFO :      secure-afl server: session 1 R0: sent to 3 node(s)")  # no flush: PYTHONUNBUFFERED
+    for _ in range(200):
+        if (out / "go").exists():
+            break
+        time.sleep(0.05)
+    print("INFO :      secure-afl server: FAILED: done waiting " + str((out / "go").exists()))
+    sys.exit(0)
+print("Successfully started run 77", flush=True)
 say("session 1 R0: sent to 3 node(s)")
 say("session 1 R0: 3 answer(s) in 0.1 s (hospital-a, hospital-b, hospital-c)")
 say("session 1 R1: sent to hospital-a, hospital-b, hospital-c")
@@ -266,6 +295,8 @@ if scenario == "abort":
     error = "FederationAbortedError: session 1 aborted after R1: 2 clients remain, fewer than t=3"
     (out / "report.json").write_text(json.dumps({"sessions": [], "error": error}))
     say("FAILED: " + error)
+elif scenario == "lost":  # the SuperLink was killed while the run waited for R1's answers
+    box(UNAVAILABLE)
 elif scenario == "crash":
     print("ERROR :     ServerApp raised an exception: KeyError: 'classes'", flush=True)
 else:
@@ -293,7 +324,10 @@ def coordinator(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, 
     app = _study_app(tmp_path / "app", **{"out-dir": str(out)})
     home = tmp_path / "flwr-home"
     home.mkdir()
-    (home / "config.toml").write_text('[superlink]\ndefault = "federation"\n')
+    (home / "config.toml").write_text(
+        '[superlink]\ndefault = "federation"\n\n'
+        '[superlink.federation]\naddress = "127.0.0.1:9"\ninsecure = true\n'
+    )
     return app, home
 
 
@@ -348,6 +382,103 @@ def test_run_exits_zero_with_a_new_classifier(coordinator: tuple[Path, Path]) ->
     assert "session 1: participants ['hospital-a', 'hospital-b', 'hospital-c']" in output
     assert f"wrote {out / 'classifier.json'}" in output
     assert len(list(out.glob("classifier.before-*.json"))) == 1
+
+
+def test_run_says_the_superlink_is_down_or_was_lost_during_the_run(coordinator: tuple[Path, Path]) -> None:
+    app, home = coordinator
+    code, down = _run(app, home, "down")
+    assert code == 1 and "cannot reach the SuperLink 'federation' at 127.0.0.1:9" in down, down
+    assert "is the SuperLink running" in down
+    code, lost = _run(app, home, "lost")
+    assert code == 1 and "flwr: started run 77" in lost, lost
+    assert "the SuperLink 'federation' at 127.0.0.1:9 stopped answering during run 77" in lost
+    assert "cannot reach" not in lost and "stopped answering" not in down
+    # Neither is the "exited with code 1" that said nothing.
+    assert "exited with code" not in down + lost
+
+
+def test_run_refuses_a_federation_name_or_a_run_config_key_flower_would_refuse(
+    coordinator: tuple[Path, Path],
+) -> None:
+    app, home = coordinator
+    out = app.parent / "server"
+    result = CliRunner().invoke(deploy, ["run", str(app), "nosuch", "--flwr-home", str(home)],
+                                env={"FAKE_FLWR_SCENARIO": "ok"})  # fmt: skip
+    assert result.exit_code == 1
+    assert "no SuperLink connection named 'nosuch'" in result.output and "['federation']" in result.output
+    result = CliRunner().invoke(
+        deploy,
+        ["run", str(app), "federation", "--flwr-home", str(home), "--run-config", "gama=2"],
+        env={"FAKE_FLWR_SCENARIO": "ok"},
+    )
+    assert result.exit_code == 1
+    assert "['gama'] is not a key of" in result.output and "classes, dim" in result.output
+    assert not (out / "flwr-started").exists()  # refused before flwr run started: nothing moved aside
+    assert (out / "classifier.json").read_text() == '{"earlier": true}'
+
+
+@pytest.mark.parametrize(
+    ("printed", "cause"),
+    [
+        ("An unexpected error occurred while reading the Flower configuration file (/h/config.toml). "
+         "SuperLink connection 'nosuch' not found in the Flower configuration file (/h/config.toml).",
+         "no SuperLink connection named 'fed'"),
+        ("Key 'gama' is not present in the main dictionary", "'gama' is not a key of the app's"),
+        ("something flwr has no words for", "flwr run exited with code 1: something flwr has no words for"),
+    ],
+)  # fmt: skip
+def test_flowers_own_errors_are_told_apart(printed: str, cause: str) -> None:
+    """What flwr 1.42 prints for the failures deploy run checks before starting it, wrapped in its
+    panel as it prints them: the stream's diagnosis names them too (a config.toml changed meanwhile)."""
+    import textwrap
+
+    from secure_afl.deploy.coordinator import diagnose
+
+    wrapped = [f"\u2502 {line.ljust(70)} \u2502" for line in textwrap.wrap(printed, 70)]
+    lines = ["\u256d\u2500 Error \u2500\u256e", *wrapped, "\u2570\u2500\u256f"]
+    assert cause in str(diagnose(lines, 1, started=None, address="a:1", connection="fed"))
+    assert diagnose(["INFO : fine"], 0, started="5", address="a:1", connection="fed") is None
+
+
+def test_run_progress_is_live(coordinator: tuple[Path, Path]) -> None:
+    """A line of the stream reaches deploy run's own stdout (a pipe) while flwr run still runs."""
+    import os
+    import subprocess
+    import time
+
+    app, home = coordinator
+    out = app.parent / "server"
+    script = Path(str(app.parent / "flwr"))
+    code = (
+        "import sys, secure_afl.deploy.coordinator as c; "
+        f"c.flower_bin = lambda name: {str(script)!r}; "
+        "from secure_afl.cli_deploy import deploy; "
+        "sys.exit(deploy.main(sys.argv[1:], standalone_mode=True))"
+    )
+    env = {**os.environ, "FAKE_FLWR_SCENARIO": "live"}
+    env.pop("PYTHONUNBUFFERED", None)
+    process = subprocess.Popen(
+        [sys.executable, "-c", code, "run", str(app), "federation", "--flwr-home", str(home), "--tick", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert process.stdout is not None
+        seen = []
+        deadline = time.monotonic() + 60
+        for _ in range(200):
+            line = process.stdout.readline().decode()
+            seen.append(line)
+            if "session 1 R0: sent to 3 node(s)" in line or not line or time.monotonic() > deadline:
+                break
+        assert "session 1 R0: sent to 3 node(s)" in seen[-1], seen
+        assert process.poll() is None  # still running: the line came before the end
+        (out / "go").write_text("")
+        rest = process.communicate(timeout=60)[0].decode()
+        assert "FAILED: done waiting True" in rest  # flwr run only finished after the test saw the line
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, 9)
+            process.wait(timeout=10)
 
 
 def test_run_needs_the_flower_connection_file(coordinator: tuple[Path, Path], tmp_path: Path) -> None:
