@@ -602,7 +602,7 @@ def _start_session(envelope: Envelope, label: str, state: LocalState, settings: 
     backend = _backend(envelope, study, settings, len(roster))
     # Decoded once under the client policy's bound on a first message, to read the layout.
     request = backend.decode(envelope.payload, backend.client_policy.max_config_bytes)  # type: ignore[attr-defined]
-    _check_protocol_parameters(request.config, study)  # type: ignore[attr-defined]
+    _check_protocol_parameters(request.config, study, len(roster))  # type: ignore[attr-defined]
     groups = {group.name for group in request.config.groups}  # type: ignore[attr-defined]
     if study.dp is not None:
         _check_dp_session(
@@ -730,8 +730,14 @@ def _client_session(
     )
 
 
-def _check_protocol_parameters(config: Any, study: Study) -> None:
-    """The session's own parameters are the study's (the server sends both; they must agree)."""
+def _check_protocol_parameters(config: Any, study: Study, roster_size: int) -> None:
+    """The session's own parameters are the study's (the server sends both; they must agree): the
+    study this node checked (and pinned) is the one the session runs, threshold included."""
+    if study.protection == "mask" and config.threshold != study.threshold_for(roster_size):
+        raise StudyMismatchError(
+            f"the session's threshold t = {config.threshold} differs from the study's "
+            f"t = {study.threshold_for(roster_size)} for a {roster_size}-institution roster"
+        )
     if study.protection == "ckks":
         if config.parameters != study.ckks_parameters():
             raise StudyMismatchError(

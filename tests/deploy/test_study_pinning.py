@@ -131,3 +131,23 @@ def _aborted(federation: Federation, *, pin: bool = True):
     with pytest.raises(FederationAbortedError, match="aborted after R0"):
         server.run()
     return server
+
+
+def test_a_session_that_runs_another_threshold_than_the_checked_study_is_refused(tmp_path: Path) -> None:
+    """Another way round the pin: the checked study in the message, another threshold in the session
+    (still above every client's floor) — refused, the session runs the study it names or none."""
+    from secure_afl.aggregation.backend import MaskingBackend
+    from secure_afl.deploy.server import FederationServer
+
+    from .helpers import InProcessTransport
+
+    federation = make_federation(tmp_path / "fed", n_clients=4)
+    federation.study = dataclasses.replace(federation.study, threshold=4)  # checked: all four needed
+    server = FederationServer(
+        InProcessTransport(federation), federation.roster, federation.study, round_timeout=1,
+        log=lambda s: None, signer=federation.signer, colluders=0, backend=MaskingBackend(threshold=3),
+    )  # fmt: skip
+    with pytest.raises(FederationAbortedError, match="aborted after R0"):
+        server.run()
+    assert {r["error"] for r in server.report.refusals} == {"StudyMismatchError"}
+    assert "threshold t = 3 differs from the study's t = 4" in server.report.refusals[0]["message"]
