@@ -86,7 +86,8 @@ secure-afl deploy app --out coordinator/app --roster coordinator/roster.json \
     --backbone resnet18 --weights resnet18-agreed.pth --round-timeout 60 \
     --superlink "127.0.0.1:$LINK_PORT" --root-certificates coordinator/tls/ca.crt --flwr-home coordinator/flwr
 export FLWR_HOME="$W/coordinator/flwr"
-setsid flower-superlink --ssl-ca-certfile coordinator/tls/ca.crt --ssl-certfile coordinator/tls/superlink.pem \
+# The SuperLink (and every ServerApp it starts) never holds the coordinator's passphrase: env -u.
+env -u COORDINATOR_PASS setsid flower-superlink --ssl-ca-certfile coordinator/tls/ca.crt --ssl-certfile coordinator/tls/superlink.pem \
     --ssl-keyfile coordinator/tls/superlink.key --enable-supernode-auth --disable-runtime-dependency-installation \
     --host "${LINK_HOST:-127.0.0.1}" --port "$LINK_PORT" > coordinator/superlink.log 2>&1 &
 pids+=($!)
@@ -112,7 +113,8 @@ for h in "${HOSPITALS[@]}"; do
 done
 
 echo "== 7. the run (coordinator)"
-secure-afl deploy run coordinator/app federation --tick 10
+secure-afl deploy run coordinator/app federation --tick 10 \
+    --identity-key coordinator/keys/identity.key --passphrase-env COORDINATOR_PASS   # it signs, here
 
 echo "== 8. each hospital verifies and evaluates the classifier it received"
 for h in "${HOSPITALS[@]}"; do

@@ -444,6 +444,46 @@ def write_classifier_file(path: str | os.PathLike[str], data: bytes) -> None:
     os.replace(temporary, path)
 
 
+UNSIGNED_NAME = "classifier.unsigned.json"  # the ServerApp's record, before deploy run signs it
+SIGN_REQUEST = "sign request"  # the ServerApp's line asking deploy run to sign: "sign request <digest>: ..."
+
+
+def sign_classifier_file(
+    data: bytes, signer: ClassifierSigner, *, roster: Roster, study_digest: str, content_sha256: str
+) -> bytes:
+    """Sign the ServerApp's unsigned classifier record (``deploy run``, which holds the key).
+
+    Signs only a well-formed, unsigned file whose content digest is ``content_sha256`` (the one the
+    ServerApp announced in its stream), made with ``roster`` for the study of ``study_digest`` (the
+    run's own).  Returns the signed file's bytes, exactly what :meth:`Classifier.to_json` with the
+    signer writes: the same document with the signature added.
+    """
+    source = "the ServerApp's unsigned classifier"
+    if len(data) > MAX_CLASSIFIER_BYTES:
+        raise ClassifierFileError(f"{source} is larger than {MAX_CLASSIFIER_BYTES} bytes")
+    classifier = Classifier.from_json(data, roster=None, source=source)  # format and content digest
+    document = json.loads(data, object_pairs_hook=_no_duplicate_keys)
+    if "signature" in document:
+        raise ClassifierFileError(f"{source} is already signed: refusing to sign it again")
+    if document["content_sha256"] != content_sha256:
+        raise ClassifierTamperedError(
+            f"{source} has content digest {document['content_sha256']}, not the {content_sha256} the "
+            "ServerApp announced: the file was replaced after the ServerApp wrote it; nothing was signed"
+        )
+    if classifier.roster_fingerprint != roster.fingerprint:
+        raise RosterMismatchError(
+            f"{source} was made with roster {classifier.roster_fingerprint}, this run's is "
+            f"{roster.fingerprint}: nothing was signed"
+        )
+    if classifier.study_digest != study_digest:
+        raise ClassifierFileError(
+            f"{source} is of study {classifier.study_digest}, this run's study is {study_digest}: "
+            "nothing was signed"
+        )
+    document["signature"] = signer.sign(document)
+    return (json.dumps(document, indent=1, sort_keys=False) + "\n").encode("utf-8")
+
+
 HISTORY_DIR = "classifiers"  # OUT_DIR/classifiers/<created>-<sha256 prefix>.json, one per file received
 LATEST_NAME = "classifier.json"
 

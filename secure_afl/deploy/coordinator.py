@@ -26,12 +26,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigurationError
+from secure_afl.keys.roster import Roster
+
+from .classifier import (
+    LATEST_NAME,
+    SIGN_REQUEST,
+    UNSIGNED_NAME,
+    ClassifierSigner,
+    sign_classifier_file,
+    write_classifier_file,
+)
+from .errors import ClassifierFileError, ConfigurationError, DeploymentError
 from .local import ProcessGroups, _pump, flower_bin
 
 Say = Callable[[str], None]
 SERVER_PREFIX = "secure-afl server:"
-MOVED_NAMES = ("classifier.json", "report.json")
+MOVED_NAMES = ("classifier.json", "report.json", "classifier.unsigned.json")
 
 
 @dataclass
@@ -87,6 +97,44 @@ def read_run_config(app_dir: Path, overrides: Sequence[str] = ()) -> dict[str, A
     return merged
 
 
+def load_signer(
+    app_dir: Path,
+    identity_key: Path,
+    passphrase_file: Path | None,
+    passphrase_env: str | None,
+    run_config: Sequence[str] = (),
+) -> ClassifierSigner:
+    """The coordinator's signing identity, in ``deploy run``'s own process: its encrypted identity
+    key, decrypted with the passphrase from a 0600 file or an environment variable of this process,
+    which must be the coordinator of the roster the app's run config names."""
+    import click
+
+    from secure_afl.keys.commands import read_passphrase
+    from secure_afl.keys.files import KeyFileError, load_identity_key
+
+    config = read_run_config(app_dir, run_config)
+    roster = _read_roster(config)
+    try:
+        passphrase = read_passphrase(passphrase_file, passphrase_env)
+    except click.ClickException as exc:  # a missing file, open permissions, an unset variable
+        raise ConfigurationError(f"the coordinator's passphrase: {exc.message}") from None
+    try:
+        key = load_identity_key(identity_key, passphrase)
+    except KeyFileError as exc:
+        raise ConfigurationError(f"--identity-key {identity_key}: {exc}") from None
+    return ClassifierSigner.for_roster(roster, key)
+
+
+def _read_roster(config: Mapping[str, Any]) -> Roster:
+    path = Path(str(config.get("roster", ""))).expanduser()
+    try:
+        return Roster.from_json(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigurationError(f"the run config's roster {path}: cannot read it ({exc.strerror})") from None
+    except ValueError as exc:
+        raise ConfigurationError(f"the run config's roster {path}: {exc}") from None
+
+
 def check_connection(env: Mapping[str, str], name: str) -> str:
     """``name`` is a SuperLink connection of ``$FLWR_HOME/config.toml``; return its address."""
     import tomllib
@@ -137,6 +185,7 @@ def run_federation(
     tick: float = 10.0,
     say: Say = print,
     on_poll: Callable[[], None] | None = None,
+    signer: ClassifierSigner | None = None,
 ) -> RunOutcome:
     """Run ``flwr run APP CONNECTION --stream``; return whether the federation produced a classifier.
 
@@ -145,8 +194,10 @@ def run_federation(
     caller's) is given.
     """
     config = read_run_config(app_dir, run_config)
-    merged_env = {**os.environ, **(env or {})}
+    # env: flwr run's whole environment (the caller's children carry their own)
+    merged_env = dict(children.env if children is not None else os.environ if env is None else env)
     address = check_connection(merged_env, connection)
+    signing = _Signing.of(config, signer)
     out_dir = Path(str(config["out-dir"])).expanduser()
     out_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_path or out_dir / "flwr-run.log"
@@ -185,6 +236,14 @@ def run_federation(
                     done_reading = True
                     break
                 failure = progress.line(line) or failure
+                if progress.sign_request is not None:
+                    request, progress.sign_request = progress.sign_request, None
+                    try:
+                        say(f"  {signing.sign(out_dir, request)}")
+                    except DeploymentError as exc:
+                        failure = f"deploy run did not sign the classifier: {type(exc).__name__}: {exc}"
+            if failure is not None and failure.startswith("deploy run did not sign"):
+                break  # the ServerApp waits in vain (sign-timeout); flwr run is stopped here
             if done_reading and runner.process.poll() is not None:
                 break
             if time.monotonic() >= deadline:
@@ -200,6 +259,58 @@ def run_federation(
     cause = diagnose(progress.flower_lines, outcome.exit_code, started=progress.run_id, address=address,
                      connection=connection)  # fmt: skip
     return _decide(outcome, failure, started_wall=time.time() - outcome.seconds, cause=cause)
+
+
+@dataclass(frozen=True)
+class _Signing:
+    """What deploy run signs with: the coordinator's key, and the run's roster and study."""
+
+    signer: ClassifierSigner
+    roster: Roster
+    study_digest: str
+
+    @classmethod
+    def of(cls, config: Mapping[str, Any], signer: ClassifierSigner | None) -> _Signing:
+        from .apps import KEY_SETTINGS, study_from_run_config
+
+        named = [key for key in KEY_SETTINGS if key in config]
+        if named:
+            raise ConfigurationError(
+                f"the app's run config names {named}: Flower hands the run config to the ServerApp, a "
+                "process the SuperLink starts, and the coordinator's key stays out of its reach; remove "
+                "them from the app's [tool.flwr.app.config] and give deploy run --identity-key with "
+                "--passphrase-env or --passphrase-file"
+            )
+        if signer is None:
+            raise ConfigurationError(
+                "deploy run signs the classifier with the roster's coordinator key: give --identity-key "
+                "and --passphrase-env (or --passphrase-file)"
+            )
+        roster = _read_roster(config)
+        ClassifierSigner.for_roster(roster, signer.key)  # the roster's coordinator, or refused now
+        return cls(signer, roster, study_from_run_config(config).digest())
+
+    def sign(self, out_dir: Path, content_sha256: str) -> str:
+        """Sign ``out_dir/classifier.unsigned.json`` into ``out_dir/classifier.json``; say what."""
+        unsigned = out_dir / UNSIGNED_NAME
+        try:
+            data = unsigned.read_bytes()
+        except OSError as exc:
+            raise ClassifierFileError(
+                f"{unsigned}: cannot read the record to sign ({exc.strerror})"
+            ) from None
+        signed = sign_classifier_file(
+            data,
+            self.signer,
+            roster=self.roster,
+            study_digest=self.study_digest,
+            content_sha256=content_sha256,
+        )
+        write_classifier_file(out_dir / LATEST_NAME, signed)
+        return (
+            f"signed the classifier {content_sha256[:16]}... as {self.signer.coordinator_id} "
+            f"({self.signer.key.fingerprint}): {out_dir / LATEST_NAME}"
+        )
 
 
 # What flwr 1.42 prints (in a box, on stderr) for the failures it has words for, and what they mean here.
@@ -297,6 +408,7 @@ class _Progress:
         self.last_output = time.monotonic()
         self.flower_lines: deque[str] = deque(maxlen=40)  # flwr's own lines: its errors, for diagnose
         self.run_id: str | None = None
+        self.sign_request: str | None = None  # the content digest the ServerApp asks deploy run to sign
 
     def line(self, line: str) -> str | None:
         """Relay one line of the stream; return the failure it reports, if it reports one."""
@@ -309,6 +421,8 @@ class _Progress:
             return None
         text = line.split(SERVER_PREFIX, 1)[1].strip()
         self.say("  " + text)
+        if text.startswith(SIGN_REQUEST + " "):
+            self.sign_request = text.split()[2].rstrip(":")
         self.last_output = time.monotonic()
         if ": sent to " in text:  # "session 1 R2: sent to hospital-a, ...": a round starts
             self.round = text.split(":", 1)[0]

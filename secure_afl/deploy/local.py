@@ -397,8 +397,6 @@ def run_local(
         {
             "roster": str(roster_path),
             "colluders": colluders,  # the server forms round 2's groups as the nodes will check them
-            "identity-key": str(keys_dir / f"{COORDINATOR}.key"),
-            "passphrase-file": str(passphrase_file),
             "out-dir": str(server_dir),
             "classes": ",".join(study.classes),
             "dim": study.dim,
@@ -525,11 +523,13 @@ def run_local(
                     del pending[cid]
                     say(f"  killed the SuperNode of {cid} as it received round {round_name}")
 
-        from .coordinator import run_federation
+        from .coordinator import load_signer, run_federation
 
+        # deploy run's own signing: this process holds the coordinator's key, the ServerApp does not.
+        signer = load_signer(app_dir, keys_dir / f"{COORDINATOR}.key", passphrase_file, None)
         outcome = run_federation(
             app_dir, CONNECTION, children=children, log_path=run_log, run_timeout=run_timeout, say=say,
-            on_poll=kill_dropped,
+            on_poll=kill_dropped, signer=signer,
         )  # fmt: skip
         seconds["flwr run"] = time.perf_counter() - stage
         if not outcome.ok or outcome.report is None:
@@ -551,7 +551,7 @@ def run_local(
         )
         if rehearse_abort:
             result.abort_rehearsal = _rehearse_abort(
-                app_dir, children, nodes, killed, study, server_dir, logs, say, run_timeout
+                app_dir, children, nodes, killed, study, server_dir, logs, say, run_timeout, signer=signer
             )
         return result
     finally:
@@ -574,6 +574,8 @@ def _rehearse_abort(
     say: Say,
     run_timeout: float,
     timeout: float = 10.0,
+    *,
+    signer: Any = None,
 ) -> Any:
     """A second run after killing SuperNodes until fewer than the session needs remain.
 
@@ -602,7 +604,7 @@ def _rehearse_abort(
     ]
     return run_federation(
         app_dir, CONNECTION, children=children, run_config=overrides, run_timeout=run_timeout,
-        log_path=logs / "flwr-run-abort-rehearsal.log", say=lambda text: say("  " + text),
+        log_path=logs / "flwr-run-abort-rehearsal.log", say=lambda text: say("  " + text), signer=signer,
     )  # fmt: skip
 
 

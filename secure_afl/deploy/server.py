@@ -264,11 +264,12 @@ class FederationServer:
             )
         return classifier.to_json(self.signer).encode("utf-8")
 
-    def deliver(self, classifier: Classifier) -> tuple[str, ...]:
-        """Send the signed classifier file to every client that completed the last session; return who
+    def deliver(self, classifier: Classifier, data: bytes | None = None) -> tuple[str, ...]:
+        """Send the signed classifier file (``data``, signed by ``deploy run``; without it, signed here
+        with the server's own signer) to every client that completed the last session; return who
         stored it."""
         last = self.report.sessions[-1]
-        data = self.sign(classifier)
+        data = self.sign(classifier) if data is None else data
         outgoing = {
             self._node_of[cid]: Envelope("classifier", {"round": "classifier"}, data)
             for cid in last.completed

@@ -9,6 +9,7 @@ Flower run (round 2, an aborted session) is tests/deploy/test_deploy_round2.py.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 import ssl
@@ -299,9 +300,22 @@ elif scenario == "lost":  # the SuperLink was killed while the run waited for R1
     box(UNAVAILABLE)
 elif scenario == "crash":
     print("ERROR :     ServerApp raised an exception: KeyError: 'classes'", flush=True)
-else:
+else:  # scenario "ok", or "forged" (the unsigned record is replaced before deploy run signs it)
     say("session 1 R1: 3 answer(s) in 0.5 s (hospital-a, hospital-b, hospital-c)")
-    (out / "classifier.json").write_text("{}")
+    unsigned = Path(os.environ["FAKE_UNSIGNED"]).read_bytes()
+    digest = json.loads(unsigned)["content_sha256"]
+    if scenario == "forged":
+        unsigned = Path(os.environ["FAKE_UNSIGNED"] + ".other").read_bytes()
+    (out / "classifier.unsigned.json").write_bytes(unsigned)
+    say(f"sign request {digest}: wrote {out / 'classifier.unsigned.json'}; waiting up to 10 s")
+    for _ in range(200):
+        if (out / "classifier.json").exists():
+            break
+        time.sleep(0.05)
+    else:
+        say("FAILED: FederationAbortedError: no signed classifier")
+        sys.exit(0)
+    say("classifier stored by ['hospital-a']")
     sessions = [{"label": "1", "participants": ["hospital-a", "hospital-b", "hospital-c"],
                  "survivors": ["hospital-a", "hospital-b", "hospital-c"]}]
     (out / "report.json").write_text(json.dumps({"sessions": sessions, "acknowledged": ["hospital-a"]}))
@@ -321,7 +335,26 @@ def coordinator(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, 
     out.mkdir()
     (out / "classifier.json").write_text('{"earlier": true}')
     (out / "report.json").write_text('{"earlier": true}')
-    app = _study_app(tmp_path / "app", **{"out-dir": str(out)})
+    federation = make_federation(tmp_path / "fed", n_clients=3)
+    _coordinator_key(federation, tmp_path)  # tmp_path/coordinator.key: deploy run signs with it
+    app = _study_app(
+        tmp_path / "app", **{"out-dir": str(out), "roster": str(tmp_path / "fed" / "roster.json")}
+    )
+    # What the ServerApp would write: this study's classifier, unsigned (and another one, forged).
+    from secure_afl.deploy.check import study_from_file
+    from secure_afl.deploy.classifier import Classifier
+
+    unsigned = Classifier(
+        weights=np.ones((40, 3)), classes=CLASSES, backbone={"name": "toy", "weights_id": "sha256:00",
+        "preprocessing": "none"}, method={"gamma": 1.0}, protocol={"backend": "mask", "threshold": 3},
+        sessions=({"label": "1", "session_id": "ab" * 32, "participants": [], "survivors": []},),
+        roster_fingerprint=federation.roster.fingerprint, audit={},
+        study_digest=study_from_file(app).digest(), created="2026-12-01T00:00:00+00:00",
+    )  # fmt: skip
+    (tmp_path / "unsigned.json").write_text(unsigned.to_json(None))
+    forged = dataclasses.replace(unsigned, weights=np.zeros((40, 3)))
+    (tmp_path / "unsigned.json.other").write_text(forged.to_json(None))
+    monkeypatch.setenv("FAKE_UNSIGNED", str(tmp_path / "unsigned.json"))
     home = tmp_path / "flwr-home"
     home.mkdir()
     (home / "config.toml").write_text(
@@ -331,10 +364,16 @@ def coordinator(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, 
     return app, home
 
 
+def _signing(app: Path) -> list[str]:
+    """deploy run's key options: the toy federation's coordinator key (the coordinator fixture's)."""
+    return ["--identity-key", str(app.parent / "coordinator.key"), "--passphrase-file",
+            str(app.parent / "fed" / "pass")]  # fmt: skip
+
+
 def _run(app: Path, home: Path, scenario: str) -> tuple[int, str]:
     result = CliRunner().invoke(
         deploy,
-        ["run", str(app), "federation", "--flwr-home", str(home), "--tick", "0.2"],
+        ["run", str(app), "federation", "--flwr-home", str(home), "--tick", "0.2", *_signing(app)],
         env={"FAKE_FLWR_SCENARIO": scenario},
     )
     return result.exit_code, result.output
@@ -378,7 +417,14 @@ def test_run_exits_zero_with_a_new_classifier(coordinator: tuple[Path, Path]) ->
     out = app.parent / "server"
     code, output = _run(app, home, "ok")
     assert code == 0, output
-    assert json.loads((out / "classifier.json").read_text()) == {}  # this run's, not the earlier one
+    # deploy run signed the ServerApp's record: the roster's coordinator's signature over its content.
+    from secure_afl.deploy.classifier import Classifier
+
+    roster = Roster.from_json((app.parent / "fed" / "roster.json").read_text())
+    signed = Classifier.load(out / "classifier.json", roster=roster)
+    assert signed.signer == "coordinator"
+    assert signed.to_json(None) == (out / "classifier.unsigned.json").read_text()  # the record, signed
+    assert "signed the classifier" in output and "as coordinator (" in output
     assert "session 1: participants ['hospital-a', 'hospital-b', 'hospital-c']" in output
     assert f"wrote {out / 'classifier.json'}" in output
     assert len(list(out.glob("classifier.before-*.json"))) == 1
@@ -402,13 +448,13 @@ def test_run_refuses_a_federation_name_or_a_run_config_key_flower_would_refuse(
 ) -> None:
     app, home = coordinator
     out = app.parent / "server"
-    result = CliRunner().invoke(deploy, ["run", str(app), "nosuch", "--flwr-home", str(home)],
+    result = CliRunner().invoke(deploy, ["run", str(app), "nosuch", "--flwr-home", str(home), *_signing(app)],
                                 env={"FAKE_FLWR_SCENARIO": "ok"})  # fmt: skip
     assert result.exit_code == 1
     assert "no SuperLink connection named 'nosuch'" in result.output and "['federation']" in result.output
     result = CliRunner().invoke(
         deploy,
-        ["run", str(app), "federation", "--flwr-home", str(home), "--run-config", "gama=2"],
+        ["run", str(app), "federation", "--flwr-home", str(home), "--run-config", "gama=2", *_signing(app)],
         env={"FAKE_FLWR_SCENARIO": "ok"},
     )
     assert result.exit_code == 1
@@ -458,7 +504,8 @@ def test_run_progress_is_live(coordinator: tuple[Path, Path]) -> None:
     env = {**os.environ, "FAKE_FLWR_SCENARIO": "live"}
     env.pop("PYTHONUNBUFFERED", None)
     process = subprocess.Popen(
-        [sys.executable, "-c", code, "run", str(app), "federation", "--flwr-home", str(home), "--tick", "0"],
+        [sys.executable, "-c", code, "run", str(app), "federation", "--flwr-home", str(home), "--tick", "0",
+         *_signing(app)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True,
     )  # fmt: skip
     try:
@@ -505,7 +552,7 @@ def _coordinator_key(federation: Federation, directory: Path) -> Path:
 def test_app_writes_a_run_config_the_serverapp_accepts(tmp_path: Path) -> None:
     import tomllib
 
-    from secure_afl.deploy.apps import coordinator_signer, study_from_run_config
+    from secure_afl.deploy.apps import study_from_run_config
 
     federation = make_federation(tmp_path / "fed")
     key = _coordinator_key(federation, tmp_path)
@@ -524,8 +571,17 @@ def test_app_writes_a_run_config_the_serverapp_accepts(tmp_path: Path) -> None:
     study = study_from_run_config(config)
     assert study.backbone == federation.study.backbone and study.dim == 40 and study.method.rounds == 2
     assert config["min-nodes"] == 3 and Path(config["roster"]).is_absolute()
-    roster = Roster.from_json((tmp_path / "fed" / "roster.json").read_text())
-    assert coordinator_signer(config, roster).coordinator_id == "coordinator"
+    # The coordinator's key was checked but is not in the run config (the ServerApp's): deploy run
+    # signs, and the next step says how.
+    assert not set(config) & {"identity-key", "passphrase-file", "passphrase-env"}
+    assert (
+        f"--identity-key {key.resolve()} --passphrase-file {settings.passphrase_file.resolve()}"
+        in result.output
+    )
+    from secure_afl.deploy.coordinator import load_signer
+
+    signer = load_signer(tmp_path / "app", key, settings.passphrase_file, None)
+    assert signer.coordinator_id == "coordinator"
     connection = tomllib.loads((tmp_path / "flwr" / "config.toml").read_text())
     federation_entry = connection["superlink"]["federation"]
     assert federation_entry == {"address": "10.0.0.5:9092", "root-certificates": str(ca.resolve())}
