@@ -316,7 +316,8 @@ class _Signing:
 # What flwr 1.42 prints (in a box, on stderr) for the failures it has words for, and what they mean here.
 _SUPERLINK_UNAVAILABLE = "Connection to the SuperLink is unavailable"
 _NO_CONNECTION = "not found in the Flower configuration file"
-_UNKNOWN_KEY = "is not present in the main dictionary"
+_INVALID_CONFIG = "Invalid run configuration"  # the SuperLink's answer to a key the app lacks (code 15)
+_UNKNOWN_KEY = "is not present in the main dictionary"  # the same, raised where the config is fused
 _AUTHENTICATION = "Authentication failed"
 _BOX = re.compile(r"[\u2500-\u257f]")  # the box drawing characters of Rich's error panel
 
@@ -343,11 +344,11 @@ def diagnose(
         )
     if _NO_CONNECTION in text:
         return f"no SuperLink connection named {connection!r} in Flower's config.toml (FLWR_HOME)"
-    if _UNKNOWN_KEY in text:
+    if _UNKNOWN_KEY in text or _INVALID_CONFIG in text:
         key = re.search(r"Key '([^']*)' is not present", text)
         return (
-            f"Flower refused the run config: {key.group(1) if key else 'a key'!r} is not a key of the app's "
-            "[tool.flwr.app.config]"
+            f"Flower refused the run config: {key.group(1) if key else 'a --run-config key'!r} is not a key "
+            "of the app's [tool.flwr.app.config] (or its value has another type)"
         )
     if _AUTHENTICATION in text:
         return f"{where} refused this account (flwr: {_AUTHENTICATION})"

@@ -470,12 +470,16 @@ def test_run_refuses_a_federation_name_or_a_run_config_key_flower_would_refuse(
          "SuperLink connection 'nosuch' not found in the Flower configuration file (/h/config.toml).",
          "no SuperLink connection named 'fed'"),
         ("Key 'gama' is not present in the main dictionary", "'gama' is not a key of the app's"),
+        ("[code: 15] Invalid run configuration.", "Flower refused the run config: 'a --run-config key'"),
         ("something flwr has no words for", "flwr run exited with code 1: something flwr has no words for"),
     ],
 )  # fmt: skip
 def test_flowers_own_errors_are_told_apart(printed: str, cause: str) -> None:
     """What flwr 1.42 prints for the failures deploy run checks before starting it, wrapped in its
-    panel as it prints them: the stream's diagnosis names them too (a config.toml changed meanwhile)."""
+    panel as it prints them: the stream's diagnosis names them too (a config.toml changed meanwhile).
+    The texts are flwr's own, captured from a real SuperLink on 2026-12-02 (the unknown run-config
+    key: "[code: 15] Invalid run configuration."; a SuperLink killed after "Successfully started run
+    N": the same unavailable panel as one that is down, which the fake flwr above prints)."""
     import textwrap
 
     from secure_afl.deploy.coordinator import diagnose
