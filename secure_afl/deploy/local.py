@@ -129,9 +129,11 @@ def _write_private(path: Path, data: bytes) -> None:
 
 def write_identities(
     directory: Path, client_ids: Sequence[str], *, scrypt_n: int = 2**14
-) -> tuple[Path, Roster]:
-    """One encrypted identity key per institution and one for the coordinator (``COORDINATOR.key``:
-    it signs the classifier), one shared passphrase file, and the roster naming the coordinator.
+) -> tuple[Path, Roster, IdentityKey]:
+    """One encrypted identity key per institution, one shared passphrase file, and the roster naming
+    the coordinator, whose key (it signs the classifier) is returned and never written: it stays in
+    this process, out of reach of the SuperLink and the ServerApp it starts (which could read the
+    passphrase file).
 
     These keys live for one local demonstration, so scrypt runs at 2^14 rather than the default
     2^17 (every ClientApp process decrypts its key once per message).
@@ -146,10 +148,9 @@ def write_identities(
         save_identity_key(directory / f"{cid}.key", key, passphrase, scrypt_n=scrypt_n)
         entries.append(RosterEntry(cid, f"Hospital {cid}", key.public_key))
     coordinator = IdentityKey.generate()
-    save_identity_key(directory / f"{COORDINATOR}.key", coordinator, passphrase, scrypt_n=scrypt_n)
     roster = Roster(entries, RosterEntry(COORDINATOR, "Coordinator", coordinator.public_key))
     (directory / "roster.json").write_text(roster.to_json() + "\n", encoding="utf-8")
-    return passphrase_file, roster
+    return passphrase_file, roster, coordinator
 
 
 def write_app(directory: Path, run_config: Mapping[str, object]) -> Path:
@@ -378,7 +379,7 @@ def run_local(
     started = time.perf_counter()
     keys_dir, logs = work_dir / "keys", logs_dir or work_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    passphrase_file, _ = write_identities(keys_dir, client_ids)
+    passphrase_file, roster_written, coordinator_key = write_identities(keys_dir, client_ids)
     roster_path = keys_dir / "roster.json"
     flwr_home = work_dir / "flwr-home"
     flwr_home.mkdir(parents=True, exist_ok=True)
@@ -523,10 +524,11 @@ def run_local(
                     del pending[cid]
                     say(f"  killed the SuperNode of {cid} as it received round {round_name}")
 
-        from .coordinator import load_signer, run_federation
+        from .classifier import ClassifierSigner
+        from .coordinator import run_federation
 
         # deploy run's own signing: this process holds the coordinator's key, the ServerApp does not.
-        signer = load_signer(app_dir, keys_dir / f"{COORDINATOR}.key", passphrase_file, None)
+        signer = ClassifierSigner.for_roster(roster_written, coordinator_key)
         outcome = run_federation(
             app_dir, CONNECTION, children=children, log_path=run_log, run_timeout=run_timeout, say=say,
             on_poll=kill_dropped, signer=signer,
