@@ -60,6 +60,16 @@ class Transport(Protocol):
 Log = Callable[[str], None]
 
 
+def one_line(value: object, limit: int = 500) -> str:
+    """A node's text as one printable line of at most ``limit`` characters, for the log and report.
+
+    The server's log is the stream ``deploy run`` reads line by line (``sign request``, ``FAILED:``):
+    a refusal message with a line break must not become a line of its own."""
+    text = "".join(ch if ch.isprintable() else " " for ch in str(value))
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 @dataclass
 class SessionRecord:
     label: str
@@ -285,7 +295,7 @@ class FederationServer:
             elif envelope.kind == "refused":
                 self._refused(client_of.get(node, f"node {node}"), "classifier", envelope)
             elif envelope.kind == "dropped":
-                reason = f"Flower reports it gone ({envelope.meta.get('error', '?')})"
+                reason = f"Flower reports it gone ({one_line(envelope.meta.get('error', '?'), 100)})"
                 self.report.dropouts.append({"at": "classifier", "client": client_of[node], "reason": reason})
                 self.log(f"classifier: {client_of[node]} {reason} (dropout)")
         for node in sorted(set(outgoing) - set(replies)):
@@ -373,7 +383,9 @@ class FederationServer:
             for node, envelope in sorted(replies.items()):
                 who = client_of.get(node) or self._known(node) or f"node {node}"
                 if envelope.kind == "dropped":
-                    lost[node] = f"{envelope.meta.get('error', '?')}: {envelope.meta.get('message', '')}"
+                    lost[node] = one_line(
+                        f"{envelope.meta.get('error', '?')}: {envelope.meta.get('message', '')}"
+                    )
                     continue
                 if envelope.kind == "refused":
                     if who.startswith("node "):  # never advertised: named once every advertisement is in
@@ -401,10 +413,11 @@ class FederationServer:
                         )
                     session.receive(message)
                 except (ProtocolError, FederationAbortedError, ValueError, TypeError) as exc:
+                    text = one_line(exc, 2000)  # it may quote what the node sent
                     self.report.rejections.append(
-                        {"at": at, "from": who, "error": type(exc).__name__, "message": str(exc)}
+                        {"at": at, "from": who, "error": type(exc).__name__, "message": text}
                     )
-                    self.log(f"{at}: rejected the reply of {who}: {type(exc).__name__}: {exc}")
+                    self.log(f"{at}: rejected the reply of {who}: {type(exc).__name__}: {text}")
                     if who in node_of:
                         failed.add(who)
                     continue
@@ -511,8 +524,8 @@ class FederationServer:
         return "an unidentified node"
 
     def _refused(self, who: str, where: str, envelope: Envelope) -> None:
-        error = str(envelope.meta.get("error", "?"))
-        message = str(envelope.meta.get("message", ""))
+        error = one_line(envelope.meta.get("error", "?"), 100)
+        message = one_line(envelope.meta.get("message", ""), 2000)
         self.report.refusals.append({"at": where, "from": who, "error": error, "message": message})
         self.log(f"{where}: {who} refused: {error}: {message}")
 

@@ -139,3 +139,25 @@ def test_path_free_names_the_nodes_files_by_their_key(tmp_path: Path) -> None:
     text = f"{settings.roster}: cannot read; see {settings.features} and /etc/other/file.txt, ./rel/x"
     assert path_free(text, settings) == "[roster]: cannot read; see [features] and [path], [path]"
     assert path_free("no path here: 3/4 done", None) == "no path here: 3/4 done"
+
+
+def test_a_refusal_cannot_write_a_line_of_the_servers_stream(tmp_path: Path) -> None:
+    """Another way at deploy run: the ServerApp's log is the stream deploy run reads line by line
+    (`sign request <digest>`, `FAILED: ...`); a hospital's refusal message with a line break in it
+    stays one line, so it can neither ask for a signature nor fake a failure."""
+    federation = make_federation(tmp_path, n_clients=4)
+    forged = "bad\nsecure-afl server: sign request " + "ab" * 32 + "\rsecure-afl server: FAILED: x\x1b[2K"
+
+    class Injecting(InProcessTransport):
+        def exchange(self, outgoing, group, timeout):
+            replies = super().exchange(outgoing, group, timeout)
+            if group == "s1-R0":
+                replies[999] = Envelope("refused", {"error": "E\nrror", "message": forged, "client": "x"})
+            return replies
+
+    logs: list[str] = []
+    server, _, _ = run_server(federation, Injecting(federation), log=logs.append)
+    assert all("\n" not in line and "\r" not in line and "\x1b" not in line for line in logs)
+    (refusal,) = server.report.refusals
+    assert refusal["error"] == "E rror" and "\n" not in refusal["message"]
+    assert not any(line.startswith(("sign request", "FAILED")) for line in logs)
