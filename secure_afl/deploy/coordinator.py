@@ -8,6 +8,13 @@ this run (and the stream) whether the run succeeded.  Before it starts, any ``cl
 ``report.json`` already in the run's out-dir are renamed (``classifier.before-<UTC time>.json``),
 so a stale classifier is never mistaken for the new one; when the ServerApp wrote no report, this
 module writes one holding the error.  ``deploy local`` runs the same function.
+
+It also signs: the coordinator's key is decrypted here (:func:`load_signer`), never in a process
+the SuperLink starts.  When the ServerApp prints ``sign request <content digest>``, this module
+signs its ``classifier.unsigned.json`` (only that digest, this run's roster and study) into
+``classifier.json``, which the ServerApp verifies and sends.  Before ``flwr run`` starts it refuses
+a FEDERATION that ``config.toml`` lacks and ``--run-config`` keys the app does not declare; after,
+:func:`diagnose` tells flwr's own failures apart (a SuperLink down, or lost during the run).
 """
 
 from __future__ import annotations
