@@ -114,7 +114,8 @@ for h in "${HOSPITALS[@]}"; do
 done
 
 echo "== 7. the run (coordinator)"
-secure-afl deploy run coordinator/app federation --tick 10
+secure-afl deploy run coordinator/app federation --tick 10 \
+    --identity-key coordinator/keys/identity.key --passphrase-env COORDINATOR_PASS   # it signs, here
 
 echo "== 8. each hospital verifies and evaluates the classifier it received"
 for h in "${HOSPITALS[@]}"; do

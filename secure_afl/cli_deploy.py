@@ -331,13 +331,13 @@ def deploy_node_key(path: Path, force: bool) -> None:
     "--passphrase-file",
     type=click.Path(path_type=Path, dir_okay=False),
     default=None,
-    help="The key's passphrase file (0600) on the SuperLink's host.",
+    help="The key's passphrase file (0600): checked here; give it to deploy run too.",
 )
 @click.option(
     "--passphrase-env",
     metavar="VAR",
     default=None,
-    help="Or: the environment variable that holds it, exported where flower-superlink starts.",
+    help="Or: the environment variable holding it (checked here; deploy run reads it, never the SuperLink).",
 )
 @click.option(
     "--out-dir",
@@ -461,7 +461,7 @@ def deploy_app(
     federation: str,
     force: bool,
 ) -> None:
-    """Write the coordinator's Flower app: the study, the roster and the signing key (the coordinator).
+    """Write the coordinator's Flower app: the study and the roster (the key is checked, not written).
 
     \b
     Reads:  --roster, --identity-key (decrypted once, to check it is the roster's coordinator),
@@ -484,11 +484,14 @@ def deploy_app(
     if superlink is not None and (root_certificates is None) == (not insecure):
         raise click.UsageError("with --superlink give --root-certificates ca.crt (TLS) or --insecure")
     record = _backbone_record(features_path, backbone, weights)
-    config: dict[str, object] = {
-        "roster": str(roster_path.resolve()),
+    # The key is checked here but not written: deploy run signs, the ServerApp never sees it.
+    signing = {
         "identity-key": str(identity_key.resolve()),
         **({"passphrase-file": str(passphrase_file.resolve())} if passphrase_file else {}),
         **({"passphrase-env": passphrase_env} if passphrase_env else {}),
+    }
+    config: dict[str, object] = {
+        "roster": str(roster_path.resolve()),
         "out-dir": str(server_out.resolve()),
         **record,
         "gamma": gamma,
@@ -508,7 +511,7 @@ def deploy_app(
     roster = load_roster_file(roster_path)
     try:
         study = study_from_run_config(config)
-        signer = coordinator_signer(config, roster)
+        signer = coordinator_signer(signing, roster)
         parse_colluders(colluders, len(roster), study.threshold_for(len(roster)))
     except ConfigurationError as exc:
         raise click.ClickException(f"ConfigurationError: {exc}") from None
@@ -533,7 +536,15 @@ def deploy_app(
         home.mkdir(parents=True, exist_ok=True)
         connection.write_text("\n".join(lines) + "\n", encoding="utf-8")
         click.echo(f"wrote {connection} (export FLWR_HOME={home} for flwr supernode register)")
-    click.echo(f"next: secure-afl deploy run {app_dir} {federation} --flwr-home {home}")
+    secret = (
+        f"--passphrase-file {signing['passphrase-file']}"
+        if passphrase_file
+        else f"--passphrase-env {passphrase_env}"
+    )
+    click.echo(
+        f"next: secure-afl deploy run {app_dir} {federation} --flwr-home {home} --identity-key "
+        f"{signing['identity-key']} {secret}"
+    )
 
 
 def _run_config_value(text: str) -> object:
@@ -549,13 +560,14 @@ def _run_config_value(text: str) -> object:
 def _backbone_record(features: Path | None, backbone: str | None, weights: Path | None) -> dict[str, object]:
     """The study's classes, dim, backbone, weights-id and preprocessing (run-config keys)."""
     from secure_afl.deploy.provision import backbone_record
+    from secure_afl.sim.data import CLASSES
 
     if backbone is not None and weights is None:
         raise click.UsageError(
             "--backbone needs --weights FILE (the agreed weight file; nothing is downloaded)"
         )
     try:
-        return backbone_record(features, backbone, weights)
+        return backbone_record(features, backbone, weights, CLASSES)
     except ConfigurationError as exc:
         raise click.ClickException(str(exc)) from None
 
@@ -981,8 +993,11 @@ def deploy_check(
     Loads the identity key with its passphrase, the roster and this hospital's entry in it, the
     feature file (against the study with --study), the ledger and the output directory, with the
     ClientApp's own code: a failure here is the refusal the SuperNode would send during the run,
-    with the same message, named by hospital.  With --superlink it connects to the SuperLink (TLS
-    handshake with --root-certificates).  Reads only; writes nothing.  Exit 0 when every check
+    with the same message, named by hospital.  With --study it also refuses values the ledger
+    already released (as the run's R0 would), and when every check passes it records the study's
+    digest in ledger-dir/checked-study.json (0600): the node takes part in that study only, and
+    refuses a changed one until it is checked again.  With --superlink it connects to the SuperLink
+    (TLS handshake with --root-certificates).  Writes nothing else.  Exit 0 when every check
     passes, 1 at the first that fails.
     """
     from secure_afl.deploy.check import NodeCheckError, check_node, parse_node_config, study_from_file
@@ -1018,9 +1033,20 @@ def deploy_check(
               help="Stop waiting (and stop flwr run) after this many seconds.")  # fmt: skip
 @click.option("--tick", type=click.FloatRange(0), default=10.0, show_default=True,
               help="While a round waits, print the elapsed time this often (0: never).")  # fmt: skip
+@click.option("--identity-key", type=click.Path(path_type=Path, dir_okay=False, exists=True), required=True,
+              help="The coordinator's identity key (`keys init --id coordinator`, the roster's coordinator): "
+              "deploy run signs the classifier with it, in its own process.")  # fmt: skip
+@click.option("--passphrase-file", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="The key's passphrase file (0600).")  # fmt: skip
+@click.option(
+    "--passphrase-env",
+    metavar="VAR",
+    default=None,
+    help="Or: an environment variable of this command that holds it (not passed to flwr run).",
+)
 def deploy_run(
     app_dir: Path, federation: str, flwr_home: Path | None, run_config: tuple[str, ...], timeout: float,
-    tick: float,
+    tick: float, identity_key: Path, passphrase_file: Path | None, passphrase_env: str | None,
 ) -> None:  # fmt: skip
     """Run the federation (the coordinator): `flwr run APP_DIR FEDERATION --stream`, honestly.
 
@@ -1032,6 +1058,12 @@ def deploy_run(
     renamed classifier.before-<UTC time>.json (report.before-...), so a stale classifier is never
     taken for the new one.
 
+    Signs the classifier here, not in the ServerApp: the ServerApp (a process the SuperLink starts)
+    writes the unsigned record (classifier.unsigned.json) and asks for the signature; this command
+    checks it is this run's study and roster, signs it into classifier.json with --identity-key,
+    and the ServerApp sends those bytes to the hospitals.  The key and passphrase never reach a
+    process the SuperLink starts.
+
     Prints each round as the ServerApp logs it, with the hospitals addressed and answering, and the
     elapsed time while a round waits.  `flwr run` exits 0 even when the ServerApp fails; this
     command exits 1 when the session aborts, a hospital's refusals stop it, or the ServerApp fails
@@ -1039,9 +1071,13 @@ def deploy_run(
     """
     import os
 
-    from secure_afl.deploy.coordinator import run_federation
+    from secure_afl.deploy.coordinator import load_signer, run_federation
 
+    if (passphrase_file is None) == (passphrase_env is None):
+        raise click.UsageError("give exactly one of --passphrase-file and --passphrase-env")
     env = dict(os.environ)
+    if passphrase_env is not None:
+        env.pop(passphrase_env, None)  # flwr run, and whatever it starts, never sees the passphrase
     if flwr_home is not None:
         env["FLWR_HOME"] = str(flwr_home.resolve())
     config_toml = Path(env.get("FLWR_HOME", Path.home() / ".flwr")) / "config.toml"
@@ -1051,9 +1087,11 @@ def deploy_run(
             f"--flwr-home (or export FLWR_HOME) to the directory holding it"
         )
     try:
+        signer = load_signer(app_dir, identity_key, passphrase_file, passphrase_env, run_config)
+        click.echo(f"signing as {signer.coordinator_id} ({signer.key.fingerprint})")
         outcome = run_federation(
             app_dir.resolve(), federation, env=env, run_config=run_config, run_timeout=timeout, tick=tick,
-            say=click.echo,
+            say=click.echo, signer=signer,
         )  # fmt: skip
     except (ConfigurationError, DeploymentError) as exc:
         raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
@@ -1144,7 +1182,7 @@ def deploy_provision(
             supernode.service, README.txt.
     Send each hospital its kit directory; it runs `secure-afl deploy join KIT`.
     """
-    from secure_afl.deploy.provision import backbone_record, provision
+    from secure_afl.deploy.provision import provision
     from secure_afl.keys.commands import PUBLIC_FILE, default_key_dir, load_key, read_entry_file
 
     if (passphrase_file is None) == (passphrase_env is None):
@@ -1155,18 +1193,16 @@ def deploy_provision(
     entries = [read_entry_file(p / PUBLIC_FILE if p.is_dir() else p) for p in hospitals]
     coordinator = read_entry_file(directory / PUBLIC_FILE)
     key = load_key(directory, passphrase_file, passphrase_env)
-    signing = {
-        "identity-key": str((directory / "identity.key").resolve()),
-        **({"passphrase-file": str(passphrase_file.resolve())} if passphrase_file else {}),
-        **({"passphrase-env": passphrase_env} if passphrase_env else {}),
-    }
+    secret = (
+        f"--passphrase-file {passphrase_file}" if passphrase_file else f"--passphrase-env {passphrase_env}"
+    )
     try:
         study = {
-            **backbone_record(features_path, backbone, weights), "gamma": gamma, "rounds": rounds,
+            **_backbone_record(features_path, backbone, weights), "gamma": gamma, "rounds": rounds,
             "protection": protection, "round-timeout": round_timeout, **_key_value_pairs(extra, "--set"),
         }  # fmt: skip
         result = provision(
-            out_dir, entries, coordinator, key, signing, study, hosts=hosts, ips=ips, port=port,
+            out_dir, entries, coordinator, key, study, hosts=hosts, ips=ips, port=port,
             federation=federation, days=days, force=force,
         )  # fmt: skip
     except (ConfigurationError, DeploymentError) as exc:
@@ -1184,7 +1220,8 @@ def deploy_provision(
                f"--state-dir {out / 'superlink'} --federation {federation}")  # fmt: skip
     click.echo(f"  secure-afl deploy collect {out} ID.reply.json ...   (the hospitals' replies)")
     click.echo(
-        f"  secure-afl deploy run {result.app_dir} {federation} --flwr-home {out / 'superlink' / 'flwr'}"
+        f"  secure-afl deploy run {result.app_dir} {federation} --flwr-home {out / 'superlink' / 'flwr'} "
+        f"--identity-key {directory / 'identity.key'} {secret}"
     )
 
 
@@ -1419,7 +1456,7 @@ def predict(
     probabilities = scipy.special.expit(scores)
     decisions = model.decide(scores)
     model.write_predictions(out_path, ids, probabilities, decisions)
-    for line in model.privacy_lines():
+    for line in [*model.summary_lines(), *model.privacy_lines()]:
         click.echo(line)
     positives = decisions.sum(axis=0)
     counts = ", ".join(f"{c} {int(n)}" for c, n in zip(model.classes, positives, strict=True))

@@ -6,12 +6,16 @@ given, so a failure here is the refusal the hospital would otherwise send 15 s i
 the same error class and message, but named by hospital and before anything starts.  The ledger is
 loaded and its signature checked, the output directories must be writable, and with a SuperLink
 address the SuperLink must accept a TCP connection (and, with its CA, a TLS handshake whose
-certificate names that host).
+certificate names that host).  With ``--study`` it also looks the feature file up in the ledger
+(a session over values it already released is refused in R0: the same error here), and when
+every check passed it records the study's digest in ``ledger-dir/checked-study.json`` (0600): the
+node then refuses any other study (:class:`~secure_afl.deploy.errors.UncheckedStudyError`).
 """
 
 from __future__ import annotations
 
 import base64
+import datetime
 import json
 import os
 import socket
@@ -201,11 +205,42 @@ def check_node(
         )
     state = step("ledger", lambda: _ledger_state(settings.ledger_dir, client_id, identity))
     ok(f"ledger {settings.ledger_dir}: {state}")
+    if study is not None:
+        rounds = ("1", "2") if study.method.rounds == 2 else ("1",)
+        step("ledger against the study", lambda: _unreleased(settings, client_id, identity, rounds))
+        ok(f"ledger: this feature file's round {' and '.join(rounds)} values were never released")
     step("out-dir", lambda: _writable(settings.out_dir, "out-dir"))
     ok(f"out-dir {settings.out_dir}: writable")
     if superlink is not None:
         ok(step("SuperLink", lambda: connect(superlink, root_certificates, timeout)))
+    if study is not None:  # every check passed: the node takes part in this study only
+        from .client import pin_study
+
+        checked = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        path = step("checked study", lambda: pin_study(settings, study, checked))
+        ok(f"recorded study {study.digest()} in {path}: this node takes part in this study only")
+    else:
+        say("note: no --study: no study recorded; the node refuses every study until `deploy check --study`")
     return CheckResult(client_id, tuple(lines))
+
+
+def _unreleased(settings: Any, client_id: str, identity: Any, rounds: tuple[str, ...]) -> None:
+    """The run's one-contribution check in R0, on what this node's ledger already holds: a session
+    over this feature file's values (its source: file digest and round) is refused with the
+    session's own :class:`~secure_afl.core.errors.ValueAlreadyReleasedError`."""
+    from secure_afl.core.errors import ValueAlreadyReleasedError
+    from secure_afl.privacy.ledger import FileLedger, LedgerOwner
+    from secure_afl.privacy.release import Release
+
+    from .client import release_source
+
+    state = FileLedger(settings.ledger_dir).load(LedgerOwner(client_id, identity))
+    ids, _ = state.released_in(b"")  # every session that released something
+    for label in rounds:
+        release = Release.of({}, sources=[release_source(settings, label)])
+        spent = sorted(release.ids & set(ids))
+        if spent:
+            raise ValueAlreadyReleasedError(release.names(spent), bytes.fromhex(ids[spent[0]]))
 
 
 def _ledger_state(directory: Path, client_id: str, identity: Any) -> str:

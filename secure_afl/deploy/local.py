@@ -130,9 +130,11 @@ def _write_private(path: Path, data: bytes) -> None:
 
 def write_identities(
     directory: Path, client_ids: Sequence[str], *, scrypt_n: int = 2**14
-) -> tuple[Path, Roster]:
-    """One encrypted identity key per institution and one for the coordinator (``COORDINATOR.key``:
-    it signs the classifier), one shared passphrase file, and the roster naming the coordinator.
+) -> tuple[Path, Roster, IdentityKey]:
+    """One encrypted identity key per institution, one shared passphrase file, and the roster naming
+    the coordinator, whose key (it signs the classifier) is returned and never written: it stays in
+    this process, out of reach of the SuperLink and the ServerApp it starts (which could read the
+    passphrase file).
 
     These keys live for one local demonstration, so scrypt runs at 2^14 rather than the default
     2^17 (every ClientApp process decrypts its key once per message).
@@ -148,13 +150,12 @@ def write_identities(
         entries.append(RosterEntry(cid, f"Hospital {cid}", key.public_key))
         keys.append(key)
     coordinator = IdentityKey.generate()
-    save_identity_key(directory / f"{COORDINATOR}.key", coordinator, passphrase, scrypt_n=scrypt_n)
     roster = Roster(entries, RosterEntry(COORDINATOR, "Coordinator", coordinator.public_key))
     # Every institution co-signs the roster (its nodes refuse one that is not: keys/cosign.py).
     signatures = dict(sign_roster(roster, key) for key in keys)
     text = cosigned_roster_json(roster, signatures)
     (directory / "roster.json").write_text(text + "\n", encoding="utf-8")
-    return passphrase_file, roster
+    return passphrase_file, roster, coordinator
 
 
 def write_app(directory: Path, run_config: Mapping[str, object]) -> Path:
@@ -383,7 +384,7 @@ def run_local(
     started = time.perf_counter()
     keys_dir, logs = work_dir / "keys", logs_dir or work_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    passphrase_file, _ = write_identities(keys_dir, client_ids)
+    passphrase_file, roster_written, coordinator_key = write_identities(keys_dir, client_ids)
     roster_path = keys_dir / "roster.json"
     flwr_home = work_dir / "flwr-home"
     flwr_home.mkdir(parents=True, exist_ok=True)
@@ -402,8 +403,6 @@ def run_local(
         {
             "roster": str(roster_path),
             "colluders": colluders,  # the server forms round 2's groups as the nodes will check them
-            "identity-key": str(keys_dir / f"{COORDINATOR}.key"),
-            "passphrase-file": str(passphrase_file),
             "out-dir": str(server_dir),
             "classes": ",".join(study.classes),
             "dim": study.dim,
@@ -530,11 +529,14 @@ def run_local(
                     del pending[cid]
                     say(f"  killed the SuperNode of {cid} as it received round {round_name}")
 
+        from .classifier import ClassifierSigner
         from .coordinator import run_federation
 
+        # deploy run's own signing: this process holds the coordinator's key, the ServerApp does not.
+        signer = ClassifierSigner.for_roster(roster_written, coordinator_key)
         outcome = run_federation(
             app_dir, CONNECTION, children=children, log_path=run_log, run_timeout=run_timeout, say=say,
-            on_poll=kill_dropped,
+            on_poll=kill_dropped, signer=signer,
         )  # fmt: skip
         seconds["flwr run"] = time.perf_counter() - stage
         if not outcome.ok or outcome.report is None:
@@ -556,7 +558,7 @@ def run_local(
         )
         if rehearse_abort:
             result.abort_rehearsal = _rehearse_abort(
-                app_dir, children, nodes, killed, study, server_dir, logs, say, run_timeout
+                app_dir, children, nodes, killed, study, server_dir, logs, say, run_timeout, signer=signer
             )
         return result
     finally:
@@ -579,6 +581,8 @@ def _rehearse_abort(
     say: Say,
     run_timeout: float,
     timeout: float = 10.0,
+    *,
+    signer: Any = None,
 ) -> Any:
     """A second run after killing SuperNodes until fewer than the session needs remain.
 
@@ -607,7 +611,7 @@ def _rehearse_abort(
     ]
     return run_federation(
         app_dir, CONNECTION, children=children, run_config=overrides, run_timeout=run_timeout,
-        log_path=logs / "flwr-run-abort-rehearsal.log", say=lambda text: say("  " + text),
+        log_path=logs / "flwr-run-abort-rehearsal.log", say=lambda text: say("  " + text), signer=signer,
     )  # fmt: skip
 
 

@@ -63,11 +63,13 @@ class ProvisionResult:
     kits: Mapping[str, Path]
 
 
-def backbone_record(features: Path | None, backbone: str | None, weights: Path | None) -> dict[str, object]:
+def backbone_record(
+    features: Path | None, backbone: str | None, weights: Path | None, classes: Sequence[str]
+) -> dict[str, object]:
     """The study's classes, dim, backbone, weights-id and preprocessing (run-config keys), from a
-    feature file's header or from the agreed backbone and weight file."""
+    feature file's header or from the agreed backbone and weight file (then ``classes``, the CLI's
+    ChestXray14 list: deploy/ never imports the simulator)."""
     from secure_afl.features.file import FeatureFileError, describe_preprocessing, load_feature_file
-    from secure_afl.sim.data import CLASSES
 
     if (features is None) == (backbone is None):
         raise ConfigurationError("give --features FILE, or --backbone NAME with --weights FILE")
@@ -95,7 +97,7 @@ def backbone_record(features: Path | None, backbone: str | None, weights: Path |
     except (UnknownBackboneError, WeightsError) as exc:
         raise ConfigurationError(f"{type(exc).__name__}: {exc}") from None
     return {
-        "classes": ",".join(CLASSES),
+        "classes": ",".join(classes),
         "dim": int(loaded.feature_dim),
         "backbone": loaded.name,
         "weights-id": loaded.weights_id,
@@ -118,7 +120,6 @@ def provision(
     hospitals: Sequence[RosterEntry],
     coordinator: RosterEntry,
     coordinator_key: IdentityKey,
-    signing: Mapping[str, str],
     study_config: Mapping[str, object],
     *,
     hosts: Sequence[str] = (),
@@ -130,11 +131,11 @@ def provision(
 ) -> ProvisionResult:
     """Write the roster, the TLS material, the coordinator's app and one kit per hospital.
 
-    ``signing``: the run-config keys of the coordinator's key (``identity-key`` and
-    ``passphrase-file`` or ``passphrase-env``), as ``deploy app`` writes them; ``study_config``: the
-    other run-config keys (the study).  Nothing is written when a check fails.
+    ``coordinator_key`` (already decrypted) signs every kit's manifest; it is never written into the
+    app: ``deploy run`` signs the classifier in its own process, the ServerApp never holds the key.
+    ``study_config``: the other run-config keys (the study).  Nothing is written when a check fails.
     """
-    from .apps import coordinator_signer, study_from_run_config
+    from .apps import study_from_run_config
     from .local import write_app
     from .study import parse_colluders
 
@@ -163,13 +164,11 @@ def provision(
         )
     config: dict[str, object] = {
         "roster": str(out_dir / ROSTER_FILE),
-        **signing,
         "out-dir": str(out_dir / "server"),
         **study_config,
     }
     study = study_from_run_config(config)  # every value checked before anything is written
     parse_colluders(config.get("colluders", "n-t"), len(roster), study.threshold_for(len(roster)))
-    coordinator_signer(config, roster)  # the ServerApp's own check of the key and passphrase
     out_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     write_text(out_dir / ROSTER_FILE, roster.to_json() + "\n", 0o644)
     try:

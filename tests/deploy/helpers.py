@@ -127,12 +127,15 @@ class InProcessTransport:
         self.federation = federation
         self.tamper = tamper
         self.sent: list[tuple[int, str, Envelope]] = []
+        self.pin = True  # record the federation's study at nodes that checked none (deploy check)
         self.received: list[tuple[int, str, Envelope]] = []
 
     def node_ids(self) -> list[int]:
         return sorted(self.federation.nodes)
 
     def exchange(self, outgoing: Mapping[int, Envelope], group: str, timeout: float) -> dict[int, Envelope]:
+        if self.pin:
+            check_study(self.federation)
         replies = {}
         for node_id, envelope in outgoing.items():
             node = self.federation.nodes[node_id]
@@ -146,6 +149,17 @@ class InProcessTransport:
             self.received.append((node_id, group, reply))
             replies[node_id] = reply
         return replies
+
+
+def check_study(federation: Federation, study: Study | None = None, nodes: Any = None) -> None:
+    """What ``deploy check --study`` records at each node (``nodes``: those of the federation) that
+    has not checked a study yet: ``study`` (default: the federation's) is the one it takes part in."""
+    from secure_afl.deploy.client import pin_study, pinned_study
+
+    for node_id in federation.nodes if nodes is None else nodes:
+        settings = federation.nodes[node_id].settings
+        if nodes is not None or pinned_study(settings) is None:
+            pin_study(settings, study or federation.study, "2026-12-01T00:00:00+00:00")
 
 
 ORDER = [
@@ -174,9 +188,8 @@ def run_server(federation: Federation, transport: InProcessTransport | None = No
     transport = transport or InProcessTransport(federation)
     kwargs.setdefault("signer", federation.signer)
     kwargs.setdefault("colluders", "n-t" if federation.colluders is None else federation.colluders)
-    server = FederationServer(
-        transport, federation.roster, federation.study, round_timeout=1, log=lambda s: None, **kwargs
-    )
+    kwargs.setdefault("log", lambda s: None)
+    server = FederationServer(transport, federation.roster, federation.study, round_timeout=1, **kwargs)
     classifier = server.run()
     server.deliver(classifier)
     return server, classifier, transport

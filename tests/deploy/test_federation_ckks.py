@@ -62,7 +62,9 @@ def test_ckks_deployment_equals_the_simulation_within_ckks_precision_with_a_drop
     assert session1.participants == ("client-0", "client-1", "client-2", "client-3", "client-4")
     assert session1.survivors == ("client-0", "client-1", "client-3", "client-4")
     assert [g["name"] for g in session2.groups] == ["pseudo/0"]
-    assert server.report.dropouts == [{"at": "session 1 R2", "client": "client-2"}]
+    assert server.report.dropouts == [
+        {"at": "session 1 R2", "client": "client-2", "reason": "did not answer within 1 s"}
+    ]
     # R1: every client was asked (it needs the advertisements), only the key holder sent a message.
     r1 = [(node, env) for node, group, env in transport.received if group == "s1-R1"]
     assert len(r1) == 5 and all(env.kind == "reply" for _, env in r1)
@@ -130,7 +132,9 @@ def test_a_dropped_decryptor_is_replaced_and_its_input_still_counts(tmp_path: Pa
     # rebuilt from R0..R2 for each R3.
     assert calls == {"keys": 1, "encryptions": 13}
     (session,) = server.report.sessions
-    assert server.report.dropouts == [{"at": "session 1 R3", "client": "client-0"}]
+    assert server.report.dropouts == [
+        {"at": "session 1 R3", "client": "client-0", "reason": "did not answer within 1 s"}
+    ]
     assert session.survivors == ("client-0", "client-1", "client-2", "client-3")  # its input counts
     assert session.decryptors == {
         "all": "client-1",
@@ -236,7 +240,9 @@ def test_a_key_holder_that_drops_before_the_key_is_replaced_or_the_session_abort
     (dropped,) = transport.killed
     assert session.replaced_key_holders == (dropped,)
     assert session.key_holder not in ("", dropped)
-    assert server.report.dropouts == [{"at": "session 1 R1", "client": dropped}]
+    assert server.report.dropouts == [
+        {"at": "session 1 R1", "client": dropped, "reason": "did not answer within 1 s"}
+    ]
     assert dropped not in session.survivors and len(session.survivors) == 3
     assert dropped not in server.report.acknowledged and len(server.report.acknowledged) == 3
     reference = reference_classifier(
@@ -290,11 +296,11 @@ def test_a_client_refuses_a_protection_it_did_not_agree_to_or_that_differs_from_
 
     server, _, _ = run_server(federation, InProcessTransport(federation, tamper=tamper))
     refusals = {r["from"]: (r["error"], r["message"]) for r in server.report.refusals}
-    assert set(refusals) == {"node 1002", "node 1003", "node 1004"}
+    assert set(refusals) == {"client-2", "client-3", "client-4"}
     assert all(error == "StudyMismatchError" for error, _ in refusals.values())
-    assert "agreed to mask only" in refusals["node 1004"][1]
-    assert "session runs the 'mask' protection, but the study says 'ckks'" in refusals["node 1003"][1]
-    assert "CKKS parameters" in refusals["node 1002"][1] and "16384" in refusals["node 1002"][1]
+    assert "agreed to mask only" in refusals["client-4"][1]
+    assert "session runs the 'mask' protection, but the study says 'ckks'" in refusals["client-3"][1]
+    assert "CKKS parameters" in refusals["client-2"][1] and "16384" in refusals["client-2"][1]
     assert server.report.sessions[0].survivors == ("client-0", "client-1")
     for node_id in (1002, 1003, 1004):
         assert federation.nodes[node_id].state.records["1"] == {"status": "failed: StudyMismatchError"}

@@ -369,8 +369,10 @@ def test_the_node_refuses_a_roster_that_an_institution_has_not_co_signed(tmp_pat
     plain.write_text(federation.roster.to_json())
     _pin(federation.nodes[1001], plain)
     server, _, transport = run_server(federation)
+    # A node that refuses its own roster cannot name its roster id (deploy run names refusals by
+    # roster id, never by Flower node id): the coordinator sees an unidentified node's refusal.
     assert [(r["from"], r["error"]) for r in server.report.refusals] == [
-        ("node 1001", "RosterNotCosignedError")
+        ("an unidentified node", "RosterNotCosignedError")
     ]
     assert (
         "not co-signed by ['client-0', 'client-1', 'client-2', 'client-3']"
@@ -400,7 +402,7 @@ def test_the_node_refuses_a_roster_that_an_institution_has_not_co_signed(tmp_pat
 def test_deploy_local_rosters_are_co_signed(tmp_path: Path) -> None:
     from secure_afl.deploy.local import write_identities
 
-    _, roster = write_identities(tmp_path, ["client-0", "client-1", "client-2"], scrypt_n=2**10)
+    _, roster, _ = write_identities(tmp_path, ["client-0", "client-1", "client-2"], scrypt_n=2**10)
     assert load_cosigned_roster(tmp_path / "roster.json") == roster
     # The test federations co-sign the same way (tests/deploy/helpers.py).
     keys = {cid: IdentityKey.generate() for cid in ("x", "y")}
