@@ -394,7 +394,7 @@ def test_the_node_refuses_a_roster_that_an_institution_has_not_co_signed(tmp_pat
     _pin(federation.nodes[1002], forged)
     server, _, _ = run_server(federation)
     assert [(r["from"], r["error"]) for r in server.report.refusals] == [
-        ("node 1002", "RosterCosignatureError")
+        ("an unidentified node", "RosterCosignatureError")
     ]
     assert "the co-signature of 'client-3' does not verify" in server.report.refusals[0]["message"]
 
