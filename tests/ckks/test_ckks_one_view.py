@@ -21,11 +21,14 @@ import pytest
 from secure_afl.core.errors import (
     ConflictingAnswerError,
     DuplicateClientError,
+    GroupBelowMinimumError,
     InconsistentSurvivorsError,
     InvalidSignatureError,
     OutOfOrderMessageError,
     ProtocolError,
     ReplayedMessageError,
+    ServerProtocolError,
+    UnknownClientError,
 )
 from secure_afl.privacy.ledger import MemoryLedger
 from secure_afl.privacy.policy import ClientPolicy
@@ -297,3 +300,37 @@ def test_the_honest_session_decrypts_once_every_survivor_signed_and_skips_those_
     assert all(
         len(r.signatures) == 4 and "c0" not in {s.sender for s in r.signatures} for r in requests.values()
     )
+
+
+def test_a_malformed_view_is_not_signed() -> None:
+    def duplicate(uploads):
+        return (uploads[0], *uploads)
+
+    def unsorted(uploads):
+        return (*uploads[1:], uploads[0])
+
+    def stranger(uploads):
+        return (*uploads, dataclasses.replace(uploads[0], sender="mallory"))
+
+    def pair(uploads):  # two of four: the minimum group size 2 holds
+        return tuple(e for e in uploads if e.sender in ("c0", "c1"))
+
+    def alone(uploads):
+        return tuple(e for e in uploads if e.sender == "c0")
+
+    cases = [
+        (duplicate, DuplicateClientError),
+        (unsorted, ServerProtocolError),
+        (stranger, UnknownClientError),
+        (alone, GroupBelowMinimumError),
+        (pair, None),
+    ]
+    for change, error in cases:
+        fed = _federation(4)
+        s1, _ = _views(fed, "c3")
+        view = dataclasses.replace(s1, uploads=change(s1.uploads))
+        if error is None:  # the control: a well-formed smaller view is signed
+            (signature,) = _deliver(fed, "c0", view)
+            assert isinstance(signature, CkksViewSignature)
+        else:
+            _refuses(fed, "c0", view, error)
