@@ -174,11 +174,12 @@ def main() -> None:
                     [
                         f"{missing}",
                         name,
-                        fmt_s(f["view"]),
-                        f"{f['view'] / f['session']:.2%}",
+                        f"{fmt_s(f['view'])} of {fmt_s(f['session'])}",
+                        f"{f['view'] / f['session']:.2g}",
                         fmt_bytes(f["view_bytes"]),
                         fmt_bytes(extra),
-                        f"{(f['view_bytes'] + extra) / f['session_bytes']:.4%}",
+                        f"{fmt_bytes(f['session_bytes'])}",
+                        f"{(f['view_bytes'] + extra) / f['session_bytes']:.2g}",
                     ]
                 )
             gram, other, largest = errors(result, plain)
@@ -199,9 +200,9 @@ def main() -> None:
     )
     print("\n#### The one-view step (R3, issue 27) beside the whole CKKS session, in the same runs\n")
     header = [
-        "missing", "protection", "R3 seconds, all parties", "share of the session's seconds",
-        "R3 bytes / client", "view + signatures in each R4 request",
-        "R3 + one R4's view, of a client's bytes",
+        "missing", "protection", "R3 seconds of the session's, all parties", "ratio",
+        "R3 bytes / client", "view + signatures in each R4 request", "session bytes / client",
+        "(R3 + one R4's view) / session bytes",
     ]  # fmt: skip
     print(table(header, view_rows))
 
