@@ -586,8 +586,8 @@ def _backbone_record(features: Path | None, backbone: str | None, weights: Path 
     "--drop",
     "drops",
     multiple=True,
-    help="CLIENT@ROUND: kill that SuperNode at that protocol round (R1..R4; with ckks R1..R3, where "
-    "R3 reaches only decryptors; a key holder killed at R1 is replaced by a re-election).",
+    help="CLIENT@ROUND: kill that SuperNode at that protocol round (R1..R4; with ckks R3 is the signed "
+    "view and R4 reaches only decryptors; a key holder killed at R1 is replaced by a re-election).",
 )
 @click.option(
     "--secure",

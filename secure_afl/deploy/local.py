@@ -49,8 +49,8 @@ from .tls import write_tls_material
 
 CONNECTION = "local"
 COORDINATOR = "coordinator"  # the roster id of the key that signs the classifier
-DROP_ROUNDS = ("R1", "R2", "R3", "R4")  # masking's rounds after R0; CKKS has R1..R3
-DROP_ROUNDS_BY_PROTECTION = {"mask": DROP_ROUNDS, "ckks": ("R1", "R2", "R3")}
+DROP_ROUNDS = ("R1", "R2", "R3", "R4")  # both backends' rounds after R0 (CKKS: R3 the signed view)
+DROP_ROUNDS_BY_PROTECTION = {"mask": DROP_ROUNDS, "ckks": DROP_ROUNDS}
 # Flower's SuperExec polls for tasks every second by default; a tenth keeps each round short.
 CHILD_ENV = {
     "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.1",

@@ -31,6 +31,7 @@ from secure_afl.core.errors import (
     UnknownClientError,
 )
 from secure_afl.keys.roster import Roster
+from secure_afl.privacy.policy import active_threshold
 
 from .classifier import Classifier, ClassifierSigner
 from .errors import ConfigurationError, FederationAbortedError
@@ -321,9 +322,12 @@ class FederationServer:
         if self.study.protection == "mask":
             needed = self.study.threshold_for(len(self.roster))
             what = f"the threshold t={needed} of a {len(self.roster)}-institution roster"
-        else:  # CKKS has no threshold; every group needs min_group_size live members
-            needed = self.study.min_group_size
-            what = f"the minimum group size {needed}"
+        else:  # CKKS: t of the roster sign the one view (R3), every group needs min_group_size
+            needed = max(self.study.min_group_size, active_threshold(len(self.roster)))
+            what = (
+                f"the t={active_threshold(len(self.roster))} of a {len(self.roster)}-institution roster that "
+                f"must sign the session's view, or the minimum group size {self.study.min_group_size}"
+            )
         if len(nodes) < needed:
             raise FederationAbortedError(
                 f"{len(nodes)} SuperNode(s) connected within {self.connect_timeout:.0f} s, fewer than {what}"

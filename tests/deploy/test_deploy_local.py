@@ -139,7 +139,7 @@ def test_deploy_local_with_ckks_equals_the_simulation_within_ckks_precision(tmp_
     assert classifier.sessions[0]["survivors"] == ["client-0", "client-1", "client-2", "client-3"]
     report = json.loads((out / "report.json").read_text())
     session = report["sessions"][0]
-    assert set(session["round_seconds"]) == {"R0", "R1", "R2", "R3"}  # CKKS's rounds, not masking's
+    assert set(session["round_seconds"]) == {"R0", "R1", "R2", "R3", "R4"}  # R3: the signed view
     assert session["key_holder"] in session["participants"]
     assert set(session["decryptors"].values()) <= set(session["survivors"])
     assert np.isfinite(classifier.weights).all() and classifier.weights.shape == (32, 8)
