@@ -23,7 +23,11 @@ first client, with its verdict (``exposure_verdicts``: safe, exposed or undecide
 work bound).
 
 Run from the repository root:
-``python bench/bench_scale.py --clients N --json FILE [--dim 16] [--session] [--layouts ...]``.
+``python bench/bench_scale.py --clients N --json FILE [--dim 16] [--session] [--layouts ...] [--micro]``.
+``--micro`` adds CPU-seconds of the server's Shamir recovery of n owners at t = floor(2n/3) + 1
+(one Lagrange basis, as the server does now, against the per-owner interpolation it did before,
+the latter only up to n = 256), and the client statistics (5,889 rows, d = 1024, one thread)
+against a bare numpy syrk of the same float64 shape.
 """
 
 from __future__ import annotations
@@ -182,6 +186,64 @@ def measure(n: int, d: int, layouts: Sequence[str], *, run_session: bool) -> dic
     return result
 
 
+def shamir_recovery(n: int, *, textbook: bool) -> float:
+    """Seconds to recover n owners' secrets from the same t = floor(2n/3) + 1 revealers: one Lagrange
+    basis for all (the server now), or the textbook interpolation per owner (the server before)."""
+    from secure_afl.protocol import shamir
+
+    t = active_threshold(n)
+    random = DeterministicRandomSource(b"shamir-bench")
+    xs = list(range(1, t + 1))
+    ys = [[shamir.random_field_element(random) for _ in xs] for _ in range(n)]
+    started = time.process_time()
+    if textbook:
+        for values in ys:
+            shares = [shamir.Share(x, y) for x, y in zip(xs, values, strict=True)]
+            total = 0
+            for i, share_i in enumerate(shares):
+                numerator, denominator = 1, 1
+                for j, share_j in enumerate(shares):
+                    if i != j:
+                        numerator = numerator * (0 - share_j.x) % shamir.PRIME
+                        denominator = denominator * (share_i.x - share_j.x) % shamir.PRIME
+                total = (total + share_i.y * numerator * pow(denominator, -1, shamir.PRIME)) % shamir.PRIME
+    else:
+        basis = shamir.lagrange_coefficients(xs)
+        for values in ys:
+            shamir.combine(basis, values)
+    return time.process_time() - started
+
+
+def statistics_ratio(rows: int = 5889, d: int = 1024, repeats: int = 5) -> dict:
+    """client_statistics against a bare numpy syrk of the same float64 shape, one thread, CPU-s
+    (median of ``repeats``, interleaved), for float64 and float32 features."""
+    import torch
+
+    from secure_afl.analytic import client_statistics
+
+    torch.set_num_threads(1)
+    rng = np.random.default_rng(0)
+    h32 = rng.standard_normal((rows, d)).astype(np.float32)
+    h64 = h32.astype(np.float64)
+    y = (rng.random((rows, N_CLASSES)) < 0.2).astype(np.float64)
+    runs: dict[str, list[float]] = {"syrk": [], "stats64": [], "stats32": []}
+    for _ in range(repeats):
+        for name, run in (
+            ("syrk", lambda: h64.T @ h64),
+            ("stats64", lambda: client_statistics(h64, y, device="cpu")),
+            ("stats32", lambda: client_statistics(h32, y, device="cpu")),
+        ):
+            started = time.process_time()
+            run()
+            runs[name].append(time.process_time() - started)
+    floor = statistics.median(runs["syrk"])
+    return {
+        "syrk_cpu_seconds": floor,
+        "float64_over_syrk": statistics.median(runs["stats64"]) / floor,
+        "float32_over_syrk": statistics.median(runs["stats32"]) / floor,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, required=True)
@@ -191,12 +253,26 @@ def main() -> None:
     session_flag = parser.add_mutually_exclusive_group()
     session_flag.add_argument("--session", dest="session", action="store_true", default=None)
     session_flag.add_argument("--no-session", dest="session", action="store_false")
+    parser.add_argument(
+        "--micro",
+        action="store_true",
+        help="also: Shamir recovery (one basis vs per owner) and client statistics vs a bare syrk",
+    )
     args = parser.parse_args()
     layouts = [name for name in args.layouts.split(",") if name]
     for name in layouts:
         layout_options(name)
     run_session = args.clients <= SESSION_DEFAULT_MAX if args.session is None else args.session
     result = measure(args.clients, args.dim, layouts, run_session=run_session)
+    if args.micro:
+        result["shamir_cpu_seconds"] = {
+            f"n={n}": {
+                "one_basis": shamir_recovery(n, textbook=False),
+                "per_owner": shamir_recovery(n, textbook=True) if n <= 256 else None,
+            }
+            for n in (128, 256, args.clients)
+        }
+        result["statistics"] = statistics_ratio()
     with open(args.json, "w", encoding="utf-8") as handle:
         json.dump(result, handle, indent=2)
     print(json.dumps(result, indent=2))
