@@ -190,6 +190,7 @@ def decompose(data, base: SimConfig, ks, epsilons, missing, repeats: int, seed: 
                     n_classes=8,
                     dim=dp.statistics_dim(data.features.shape[1]),
                     threshold=default_threshold(base.n_clients),
+                    patient_clients=base.n_clients,  # as sim/dp_run.py: the split may spread a patient
                 )
                 plan = plan_noise(dp, layout)
                 for keep in ("all", "gram", "sums+counts"):

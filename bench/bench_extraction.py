@@ -3,11 +3,12 @@
 Writes synthetic NIH-sized PNGs (1024 x 1024, 8-bit grayscale) to a temporary directory and measures,
 separately:
 
-1. PNG decoding alone, one process;
+1. PNG decoding alone, one process, and SHA-256 of the files' bytes (the cache key, one thread);
 2. decoding + TorchXRayVision preprocessing (scale, center crop, skimage resize to 224), one process;
 3. the same through the DataLoader with ``--num-workers`` workers (what feeds the network);
 4. the network alone on preprocessed tensors already in memory (``features2``, batch ``--batch-size``);
-5. end to end: :func:`secure_afl.features.extraction.extract_features` into an empty cache.
+5. end to end: :func:`secure_afl.features.extraction.extract_features` into an empty cache, then a rerun
+   from the cache (which hashes every file again: the cache is keyed by content).
 
 Run from the repository root (with the package installed, or ``PYTHONPATH=.``):
 ``python bench/bench_extraction.py [--n-images 256] [--device auto] [--num-workers N]``.
@@ -28,7 +29,7 @@ from torch.utils.data import DataLoader
 
 from secure_afl.features.backbones import load_backbone
 from secure_afl.features.extraction import default_num_workers, extract_features, resolve_device
-from secure_afl.features.images import ImageDataset, collate_images, load_grayscale
+from secure_afl.features.images import ImageDataset, collate_images, hash_image_files, load_grayscale
 
 
 def write_synthetic_pngs(directory: Path, n_images: int, size: int) -> list[Path]:
@@ -71,6 +72,7 @@ def main() -> None:
         n = len(paths)
 
         rows.append(("PNG decode, 1 process", n / timed(lambda: [load_grayscale(p) for p in paths])))
+        rows.append(("SHA-256 of the files, 1 thread", n / timed(lambda: hash_image_files(paths, workers=1))))
         tensors: list[torch.Tensor] = []
         rows.append(
             (

@@ -81,16 +81,18 @@ secure-afl features show hospital-a/features.npz | tail -6
 
 echo "== 4. TLS and the SuperLink (coordinator)"
 secure-afl deploy tls --host localhost --ip 127.0.0.1 --out coordinator/tls
+# The SuperLink gets no passphrase variable (deploy superlink scrubs its environment): a 0600 file.
+(umask 077; printf '%s\n' "$COORDINATOR_PASS" > coordinator/passphrase)
 secure-afl deploy app --out coordinator/app --roster coordinator/roster.json \
-    --identity-key coordinator/keys/identity.key --passphrase-env COORDINATOR_PASS --out-dir coordinator/out \
-    --backbone resnet18 --weights resnet18-agreed.pth --round-timeout 60 \
-    --superlink "127.0.0.1:$LINK_PORT" --root-certificates coordinator/tls/ca.crt --flwr-home coordinator/flwr
-export FLWR_HOME="$W/coordinator/flwr"
-setsid flower-superlink --ssl-ca-certfile coordinator/tls/ca.crt --ssl-certfile coordinator/tls/superlink.pem \
-    --ssl-keyfile coordinator/tls/superlink.key --enable-supernode-auth --disable-runtime-dependency-installation \
-    --host "${LINK_HOST:-127.0.0.1}" --port "$LINK_PORT" > coordinator/superlink.log 2>&1 &
+    --identity-key coordinator/keys/identity.key --passphrase-file coordinator/passphrase --out-dir coordinator/out \
+    --backbone resnet18 --weights resnet18-agreed.pth --round-timeout 60
+CONTROL_PORT=${CONTROL_PORT:-$(free_port)}
+setsid secure-afl deploy superlink --tls coordinator/tls --listen "${LINK_HOST:-127.0.0.1}:$LINK_PORT" \
+    --control-port "$CONTROL_PORT" --state-dir coordinator/superlink > coordinator/superlink.log 2>&1 &
 pids+=($!)
-for _ in $(seq 100); do grep -q "Starting Runtime API server\|Flower Runtime HTTP API server running\|Uvicorn running" coordinator/superlink.log 2>/dev/null && break; sleep 0.2; done
+for _ in $(seq 300); do grep -q "^ready: " coordinator/superlink.log 2>/dev/null && break; sleep 0.2; done
+grep -q "^ready: " coordinator/superlink.log || { cat coordinator/superlink.log; echo "FAILED: no SuperLink"; exit 1; }
+export FLWR_HOME="$W/coordinator/superlink/flwr"   # the coordinator's Control API, on 127.0.0.1 only
 
 echo "== 5. SuperNode authentication keys (each hospital), registered by the coordinator"
 for h in "${HOSPITALS[@]}"; do
@@ -125,4 +127,19 @@ if secure-afl predict --model hospital-a/tampered.json --roster hospital-a/roste
   echo "FAILED: a tampered threshold was accepted"; exit 1
 fi
 echo "a changed threshold is refused: $(tail -1 hospital-a/tampered.err)"
+
+echo "== 9. as a hospital: flwr ls and flwr run against the hospitals' address must fail"
+mkdir -p hospital-a/flwr
+printf '[superlink]\ndefault = "c"\n\n[superlink.c]\naddress = "127.0.0.1:%s"\nroot-certificates = "%s"\n' \
+    "$LINK_PORT" "$W/coordinator/tls/ca.crt" > hospital-a/flwr/config.toml
+if FLWR_HOME="$W/hospital-a/flwr" flwr ls c > hospital-a/flwr-ls.out 2>&1; then
+  cat hospital-a/flwr-ls.out; echo "FAILED: a hospital listed the coordinator's runs"; exit 1
+fi
+if FLWR_HOME="$W/hospital-a/flwr" flwr run coordinator/app c > hospital-a/flwr-run.out 2>&1; then
+  cat hospital-a/flwr-run.out; echo "FAILED: a hospital started a run at the coordinator"; exit 1
+fi
+for out in hospital-a/flwr-ls.out hospital-a/flwr-run.out; do  # refused by the front, not for another reason
+  grep -q "404 Not Found" "$out" || { cat "$out"; echo "FAILED: $out is not the front's refusal"; exit 1; }
+done
+echo "refused by the front (404 Not Found): flwr ls and flwr run from a hospital"
 echo "done: $W"

@@ -343,6 +343,12 @@ def main() -> None:
     show_default=True,
     help="Where results.json and report.md are written.",
 )
+@click.option(
+    "--verbose",
+    is_flag=True,
+    help="Print the full report (every group and client check of the privacy audit, the costs per "
+    "protocol round, the seconds) instead of the table and a short, aggregated summary.",
+)
 def sim(
     missing: tuple[int, ...],
     rounds: int,
@@ -388,6 +394,7 @@ def sim(
     xi: float,
     fedmt_rounds: int,
     out_dir: Path,
+    verbose: bool,
 ) -> None:
     """Run the paper's ChestXray14 experiment (Table II; Table III over several backbones).
 
@@ -494,6 +501,7 @@ def sim(
             from secure_afl.sim.baselines import BaselineConfig
             from secure_afl.sim.fedavg import FedAvgConfig
             from secure_afl.sim.report import (
+                FIGURE,
                 print_backbone_table,
                 print_report,
                 write_backbone_table,
@@ -537,9 +545,11 @@ def sim(
                 raise click.ClickException(str(exc)) from exc
             where = out_dir if len(sources) == 1 else out_dir / source.backbone  # type: ignore[union-attr]
             if len(sources) == 1:
-                print_report(result, console)
+                print_report(result, console, verbose=verbose)
             json_path, md_path = write_reports(result, where)
-            console.print(f"wrote {json_path} and {md_path}")
+            written = [json_path, md_path] + ([where / FIGURE] if len(result.settings) > 1 else [])
+            for path in written:  # one a line: the default report keeps to SUMMARY_WIDTH columns
+                console.print(f"wrote {path}", markup=False, highlight=False, width=_report_width(console))
             results.append(result)
     except BaseException:
         if preparing is not None:
@@ -548,6 +558,12 @@ def sim(
     if len(sources) > 1:
         print_backbone_table(results, console)
         console.print(f"wrote {write_backbone_table(results, out_dir)}")
+
+
+def _report_width(console: Console) -> int:
+    from secure_afl.sim.report import SUMMARY_WIDTH
+
+    return min(console.width, SUMMARY_WIDTH)
 
 
 def _run_sweep(config: SimConfig, out_dir: Path, console: Console, baseline_clip: float) -> None:

@@ -194,10 +194,9 @@ def deploy_tls(hosts: tuple[str, ...], ips: tuple[str, ...], out_dir: Path, days
       superlink.pem  the SuperLink's certificate, signed by the CA
       superlink.key  its private key (0600): stays on the coordinator host
     \b
-    Flower flags that take them:
-      flower-superlink --ssl-ca-certfile ca.crt --ssl-certfile superlink.pem --ssl-keyfile superlink.key
-      flower-supernode --root-certificates ca.crt   (each hospital; and root-certificates in
-                       $FLWR_HOME/config.toml for `flwr run`)
+    What takes them:
+      secure-afl deploy superlink --tls DIR ...   (the coordinator: its front serves superlink.pem)
+      flower-supernode --root-certificates ca.crt   (each hospital)
 
     The certificate's subjectAltName lists every --host and --ip: it must cover the exact name or IP
     address hospitals put in --superlink, or their TLS handshake fails.  Existing files are never
@@ -222,11 +221,61 @@ def deploy_tls(hosts: tuple[str, ...], ips: tuple[str, ...], out_dir: Path, days
     click.echo(f"      {files.key} (0600) and {files.ca_key} (0600, keep it offline)")
     click.echo(f"valid for {days} days for: {', '.join(names)}")
     target = f"[{names[0]}]" if ":" in names[0] else names[0]  # an IPv6 address needs brackets
-    click.echo(
-        f"SuperLink: flower-superlink --ssl-ca-certfile {files.ca_certificate} "
-        f"--ssl-certfile {files.certificate} --ssl-keyfile {files.key} ..."
-    )
+    click.echo(f"SuperLink: secure-afl deploy superlink --tls {out_dir} --listen ADDR:9092 --state-dir DIR")
     click.echo(f"SuperNode: flower-supernode --root-certificates ca.crt --superlink {target}:9092 ...")
+
+
+@deploy.command("superlink")
+@click.option("--tls", "tls_dir", required=True,
+              type=click.Path(path_type=Path, file_okay=False, exists=True),
+              help="The directory `deploy tls` wrote (ca.crt, superlink.pem, superlink.key).")  # fmt: skip
+@click.option("--listen", required=True, metavar="ADDR:PORT",
+              help="The hospitals' address: the Fleet API only (e.g. 10.0.0.5:9092; 0.0.0.0:9092 for "
+                   "every address).")  # fmt: skip
+@click.option("--state-dir", type=click.Path(path_type=Path, file_okay=False), required=True,
+              help="The SuperLink's state (0700): database, logs, the coordinator's flwr home.")  # fmt: skip
+@click.option("--control-port", type=click.IntRange(1, 65535), default=9093, show_default=True,
+              help="The SuperLink's own port on 127.0.0.1: Control API (flwr run/ls/supernode) and "
+                   "Runtime API.")  # fmt: skip
+@click.option(
+    "--federation",
+    default="federation",
+    show_default=True,
+    help="The connection's name in STATE_DIR/flwr/config.toml (`deploy run APP_DIR FEDERATION`).",
+)
+@click.option("--nginx", "nginx_path", default=None, metavar="PATH",
+              help="The nginx executable (default: nginx on PATH, then /usr/sbin/nginx).")  # fmt: skip
+def deploy_superlink(
+    tls_dir: Path, listen: str, state_dir: Path, control_port: int, federation: str, nginx_path: str | None
+) -> None:
+    """Run the coordinator's SuperLink: TLS, node authentication, a persistent database (keep it running).
+
+    \b
+    Flower serves its Control API (flwr run, flwr ls, flwr supernode register: anyone who reaches
+    it runs code as this user) on the same port as the Fleet API.  So the SuperLink listens on
+    127.0.0.1:--control-port only, and an nginx front on --listen serves the Fleet API alone
+    (what SuperNodes call) with the certificate of --tls; every other path gets 404.
+    \b
+    Writes under --state-dir (0700, files 0600):
+      superlink.db       node registrations and runs (kept across restarts)
+      flwr/config.toml   [superlink.FEDERATION] at 127.0.0.1:--control-port: export
+                         FLWR_HOME=STATE_DIR/flwr for `flwr supernode register` and `deploy run`
+      loopback-tls/      the SuperLink's own certificate for 127.0.0.1 (new at every start)
+      front/             nginx.conf, error.log, access.log;  logs/superlink.log
+    The SuperLink's environment keeps only PATH, HOME, locale, PYTHONPATH and the like: no
+    passphrase variable reaches it or the ServerApps it starts.  Needs nginx (Debian: apt-get
+    install nginx).  Stops both on Ctrl-C or SIGTERM; exits 1 if either exits on its own.
+    """
+    from secure_afl.deploy.errors import SuperLinkSetupError
+    from secure_afl.deploy.superlink import plan_superlink, serve_superlink
+
+    try:
+        plan = plan_superlink(tls_dir, listen, state_dir, control_port=control_port, nginx=nginx_path,
+                              federation=federation)  # fmt: skip
+        code = serve_superlink(plan, say=click.echo)
+    except SuperLinkSetupError as exc:
+        raise click.ClickException(f"SuperLinkSetupError: {exc}") from None
+    raise SystemExit(code)
 
 
 @deploy.command("node-key")
@@ -499,39 +548,16 @@ def _run_config_value(text: str) -> object:
 
 def _backbone_record(features: Path | None, backbone: str | None, weights: Path | None) -> dict[str, object]:
     """The study's classes, dim, backbone, weights-id and preprocessing (run-config keys)."""
-    from secure_afl.features.file import FeatureFileError, describe_preprocessing, load_feature_file
-    from secure_afl.sim.data import CLASSES
+    from secure_afl.deploy.provision import backbone_record
 
-    if features is not None:
-        try:
-            data = load_feature_file(features)
-        except FeatureFileError as exc:
-            raise click.ClickException(f"FeatureFileError: {exc}") from None
-        described = data.describe_backbone()
-        return {
-            "classes": ",".join(data.classes),
-            "dim": int(data.dim),
-            "backbone": described["name"],
-            "weights-id": described["weights_id"],
-            "preprocessing": described["preprocessing"],
-        }
-    from secure_afl.features.backbones import UnknownBackboneError, WeightsError, load_backbone
-
-    if weights is None:
+    if backbone is not None and weights is None:
         raise click.UsageError(
             "--backbone needs --weights FILE (the agreed weight file; nothing is downloaded)"
         )
     try:
-        loaded = load_backbone(str(backbone), weights)
-    except (UnknownBackboneError, WeightsError) as exc:
-        raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
-    return {
-        "classes": ",".join(CLASSES),
-        "dim": int(loaded.feature_dim),
-        "backbone": loaded.name,
-        "weights-id": loaded.weights_id,
-        "preprocessing": describe_preprocessing(loaded.preprocess),
-    }
+        return backbone_record(features, backbone, weights)
+    except ConfigurationError as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 @deploy.command("local")
@@ -1045,6 +1071,249 @@ def deploy_run(
         )
     click.echo(f"classifier stored by {report.get('acknowledged', [])}")
     click.echo(f"wrote {outcome.classifier_path} and {outcome.report_path} ({outcome.seconds:.0f} s)")
+
+
+# --- provision, join, collect: the kits ------------------------------------------------------------
+
+
+def _key_value_pairs(items: tuple[str, ...], hint: str) -> dict[str, object]:
+    pairs: dict[str, object] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise click.BadParameter(f"{item!r}: expected KEY=VALUE", param_hint=hint)
+        pairs[key.strip()] = _run_config_value(value.strip())
+    return pairs
+
+
+@deploy.command("provision")
+@click.option("--out", "out_dir", type=click.Path(path_type=Path, file_okay=False), required=True,
+              help="The federation directory to write: roster.json, tls/, app/, server/, kits/.")  # fmt: skip
+@click.option("--hospital", "hospitals", multiple=True, required=True,
+              type=click.Path(path_type=Path, exists=True),
+              help="A hospital's identity.pub.json (`keys init`), or the directory holding it; repeat per "
+                   "hospital.")  # fmt: skip
+@click.option("--coordinator-keys", type=click.Path(path_type=Path, file_okay=False), default=None,
+              help="The coordinator's key directory (`keys init --id coordinator`; default: "
+                   "$SECURE_AFL_HOME or ~/.secure-afl).")  # fmt: skip
+@click.option("--passphrase-file", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="The coordinator key's passphrase file (0600).")  # fmt: skip
+@click.option("--passphrase-env", metavar="VAR", default=None,
+              help="Or: the environment variable that holds it.")  # fmt: skip
+@click.option("--host", "hosts", multiple=True, metavar="NAME",
+              help="A DNS name hospitals dial the SuperLink by (repeatable; kits dial the 1st).")  # fmt: skip
+@click.option("--ip", "ips", multiple=True, metavar="ADDR",
+              help="An IP address hospitals use to reach the SuperLink (repeatable).")  # fmt: skip
+@click.option("--port", type=click.IntRange(1, 65535), default=9092, show_default=True,
+              help="The Fleet API's port there (`deploy superlink --listen ADDR:PORT`).")  # fmt: skip
+@click.option("--federation", default="federation", show_default=True,
+              help="The federation's name (`deploy superlink`, `deploy run`).")  # fmt: skip
+@click.option("--features", "features_path", type=click.Path(path_type=Path, dir_okay=False, exists=True),
+              default=None, help="The study's classes, dim and backbone: this file's header.")  # fmt: skip
+@click.option("--backbone", default=None, help="Or: the agreed backbone's name (with --weights).")
+@click.option("--weights", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="With --backbone: the agreed weight file (its SHA-256: weights-id).")  # fmt: skip
+@click.option("--rounds", type=click.IntRange(1, 2), default=1, show_default=True,
+              help="2 adds the pseudo-label round.")  # fmt: skip
+@click.option("--gamma", type=float, default=1.0, show_default=True, help="The ridge γ of the solve.")
+@click.option("--protection", type=click.Choice(["mask", "ckks"]), default="mask", show_default=True,
+              help="Pairwise masking or CKKS (each hospital agrees at join: --protection).")  # fmt: skip
+@click.option("--round-timeout", type=click.FloatRange(1), default=120.0, show_default=True,
+              help="Seconds after which a hospital that has not answered a round is a dropout.")  # fmt: skip
+@click.option("--set", "extra", multiple=True, metavar="KEY=VALUE",
+              help="Another run-config key (repeatable; secure_afl/deploy/apps.py).")  # fmt: skip
+@click.option("--days", type=click.IntRange(1, 3650), default=365, show_default=True,
+              help="Validity of the CA and the SuperLink certificate, in days.")  # fmt: skip
+@click.option(
+    "--force", is_flag=True, help="Replace an existing roster, app, TLS material and kits in --out."
+)
+def deploy_provision(
+    out_dir: Path, hospitals: tuple[Path, ...], coordinator_keys: Path | None, passphrase_file: Path | None,
+    passphrase_env: str | None, hosts: tuple[str, ...], ips: tuple[str, ...], port: int, federation: str,
+    features_path: Path | None, backbone: str | None, weights: Path | None, rounds: int, gamma: float,
+    protection: str, round_timeout: float, extra: tuple[str, ...], days: int, force: bool,
+) -> None:  # fmt: skip
+    """Write the federation (the coordinator): roster, CA, app and one kit per hospital.
+
+    \b
+    Reads:  each --hospital's identity.pub.json, the coordinator's key (decrypted: it signs the
+            kits' manifests and, in the run, the classifier), the study's backbone record.
+    Writes: OUT/roster.json (to be co-signed), OUT/tls/ (deploy tls's four files), OUT/app/
+            (deploy app's pyproject.toml), OUT/server/, and OUT/kits/ID/ for every hospital (0700):
+            ca.crt, roster.json, app/pyproject.toml, kit.json (signed manifest), node-config.toml,
+            supernode.service, README.txt.
+    Send each hospital its kit directory; it runs `secure-afl deploy join KIT`.
+    """
+    from secure_afl.deploy.provision import backbone_record, provision
+    from secure_afl.keys.commands import PUBLIC_FILE, default_key_dir, load_key, read_entry_file
+
+    if (passphrase_file is None) == (passphrase_env is None):
+        raise click.UsageError(
+            "give exactly one of --passphrase-file and --passphrase-env (the run reads it too)"
+        )
+    directory = coordinator_keys or default_key_dir()
+    entries = [read_entry_file(p / PUBLIC_FILE if p.is_dir() else p) for p in hospitals]
+    coordinator = read_entry_file(directory / PUBLIC_FILE)
+    key = load_key(directory, passphrase_file, passphrase_env)
+    signing = {
+        "identity-key": str((directory / "identity.key").resolve()),
+        **({"passphrase-file": str(passphrase_file.resolve())} if passphrase_file else {}),
+        **({"passphrase-env": passphrase_env} if passphrase_env else {}),
+    }
+    try:
+        study = {
+            **backbone_record(features_path, backbone, weights), "gamma": gamma, "rounds": rounds,
+            "protection": protection, "round-timeout": round_timeout, **_key_value_pairs(extra, "--set"),
+        }  # fmt: skip
+        result = provision(
+            out_dir, entries, coordinator, key, signing, study, hosts=hosts, ips=ips, port=port,
+            federation=federation, days=days, force=force,
+        )  # fmt: skip
+    except (ConfigurationError, DeploymentError) as exc:
+        raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
+    out = result.out_dir
+    click.echo(f"wrote {out / 'roster.json'}: {len(result.roster)} hospitals, {result.roster.fingerprint}")
+    click.echo(
+        f"wrote {out / 'tls'}: ca.crt, superlink.pem, superlink.key (0600), ca.key (0600: keep offline)"
+    )
+    click.echo(f"wrote {result.app_dir / 'pyproject.toml'} (the study) and {len(result.kits)} kits:")
+    for cid, kit in result.kits.items():
+        click.echo(f"  {kit}  -> send the whole directory to {cid}")
+    click.echo(f"hospitals dial {result.superlink}. Next, on this host:")
+    click.echo(f"  secure-afl deploy superlink --tls {out / 'tls'} --listen ADDRESS:{port} "
+               f"--state-dir {out / 'superlink'} --federation {federation}")  # fmt: skip
+    click.echo(f"  secure-afl deploy collect {out} ID.reply.json ...   (the hospitals' replies)")
+    click.echo(
+        f"  secure-afl deploy run {result.app_dir} {federation} --flwr-home {out / 'superlink' / 'flwr'}"
+    )
+
+
+@deploy.command("join")
+@click.argument("kit_dir", type=click.Path(path_type=Path, file_okay=False, exists=True))
+@click.option("--features", "features_path", type=click.Path(path_type=Path, dir_okay=False), required=True,
+              help="This hospital's labelled feature file (`features extract`).")  # fmt: skip
+@click.option("--key-dir", type=click.Path(path_type=Path, file_okay=False), default=None,
+              help="The key directory (`keys init`; default $SECURE_AFL_HOME or ~/.secure-afl).")  # fmt: skip
+@click.option("--passphrase-file", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="The key's passphrase file (0600): the node reads it too.")  # fmt: skip
+@click.option("--passphrase-env", metavar="VAR", default=None,
+              help="Or: the environment variable that holds it, where the node starts.")  # fmt: skip
+@click.option("--state-dir", type=click.Path(path_type=Path, file_okay=False), default=None,
+              help="The node's state: ledger/, out/, SuperNode key, supernode.log (default: "
+                   "KIT/state; /var/lib/secure-afl-ID for a service).")  # fmt: skip
+@click.option("--protection", default="mask", show_default=True,
+              help="The protections this hospital agrees to (mask, ckks or mask,ckks).")  # fmt: skip
+@click.option("--set", "extra", multiple=True, metavar="KEY=VALUE",
+              help="Another node-config key (repeatable): dp-epsilon=1, colluders=0, ...")  # fmt: skip
+@click.option("--node-port", type=click.IntRange(1, 65535), default=9094, show_default=True,
+              help="The SuperNode's own local port (two SuperNodes on one host need two).")  # fmt: skip
+@click.option("--user", default=None, help="The service's User= (default: the user running join).")
+@click.option("--no-connect", is_flag=True, help="Do not check the SuperLink's address and certificate.")
+@click.option("--timeout", type=click.FloatRange(0.1), default=10.0, show_default=True,
+              help="Seconds to wait for the SuperLink.")  # fmt: skip
+def deploy_join(
+    kit_dir: Path, features_path: Path, key_dir: Path | None, passphrase_file: Path | None,
+    passphrase_env: str | None, state_dir: Path | None, protection: str, extra: tuple[str, ...],
+    node_port: int, user: str | None, no_connect: bool, timeout: float,
+) -> None:  # fmt: skip
+    """Check this hospital's kit, co-sign its roster, and print the command that starts the node.
+
+    \b
+    Checks: the manifest's signature by the roster's coordinator, the CA and the app against it,
+    this hospital's key in the roster, its feature file against the study, its ledger and
+    out-dir, the SuperLink's TLS certificate against the kit's CA (unless --no-connect), and
+    the roster's co-signatures.
+    Writes in KIT: ID.reply.json (send it to the coordinator: the roster co-signature and the
+    SuperNode's key), node-config.toml and supernode.service; in --state-dir: the SuperNode's
+    authentication key (0600, once).
+    Exit status: 0 ready to start; 3 the kit is sound but some hospitals have not co-signed the
+    roster yet (put the co-signed roster.json the coordinator sends in KIT and run join again);
+    1 a check failed (the message says which and what to do).
+    """
+    import getpass
+
+    from secure_afl.deploy.check import NodeCheckError
+    from secure_afl.deploy.kit import EXIT_WAITING, KitError, NodeLayout, join_kit
+    from secure_afl.keys.commands import KEY_FILE, default_key_dir, load_public_entry
+
+    if (passphrase_file is None) == (passphrase_env is None):
+        raise click.UsageError(
+            "give exactly one of --passphrase-file and --passphrase-env (the node reads it)"
+        )
+    keys_dir = (key_dir or default_key_dir()).resolve()
+    entry = load_public_entry(keys_dir)
+    kit = kit_dir.resolve()
+    layout = NodeLayout(
+        client_id=entry.client_id, kit_dir=kit, identity_key=keys_dir / KEY_FILE,
+        features=features_path.resolve(), state_dir=(state_dir or kit / "state").resolve(),
+        passphrase_file=passphrase_file.resolve() if passphrase_file else None, passphrase_env=passphrase_env,
+        user=user or getpass.getuser(), node_port=node_port, protection=protection,
+        extra={k: str(v) for k, v in _key_value_pairs(extra, "--set").items()},
+    )  # fmt: skip
+    try:
+        result = join_kit(
+            layout, key_entry_public_key=entry.public_key, connect=not no_connect, timeout=timeout,
+            say=click.echo,
+        )  # fmt: skip
+    except NodeCheckError as exc:
+        raise click.ClickException(f"FAILED {exc}") from None
+    except (KitError, ConfigurationError, DeploymentError) as exc:
+        raise click.ClickException(f"FAILED {type(exc).__name__}: {exc}") from None
+    click.echo(f"wrote {result.reply_path}: send it to the coordinator (your co-signature and SuperNode key)")
+    if not result.ready:
+        click.echo(
+            f"WAITING: the roster is not yet co-signed by {list(result.status.missing)}; the node would "
+            f"refuse it. When the coordinator sends the co-signed roster.json, put it at "
+            f"{kit / 'roster.json'} and run this join again."
+        )
+        raise SystemExit(EXIT_WAITING)
+    click.echo(f"{result.client_id}: ready. Start its SuperNode (keep it running):")
+    click.echo(f"  {result.start_command}")
+    click.echo(f"or as a service: sudo cp {result.unit_path} /etc/systemd/system/"
+               f"secure-afl-supernode-{result.client_id}.service && sudo systemctl enable --now "
+               f"secure-afl-supernode-{result.client_id}")  # fmt: skip
+
+
+@deploy.command("collect")
+@click.argument("out_dir", type=click.Path(path_type=Path, file_okay=False, exists=True))
+@click.argument("replies", nargs=-1, type=click.Path(path_type=Path, dir_okay=False, exists=True))
+@click.option("--flwr-home", type=click.Path(path_type=Path, file_okay=False), default=None,
+              help="The coordinator's Flower config directory (default OUT_DIR/superlink/flwr, as "
+                   "`deploy superlink --state-dir OUT_DIR/superlink` writes it).")  # fmt: skip
+@click.option("--federation", default="federation", show_default=True, help="The federation's name.")
+@click.option("--no-register", is_flag=True, help="Only merge the co-signatures; register no SuperNode key.")
+def deploy_collect(
+    out_dir: Path, replies: tuple[Path, ...], flwr_home: Path | None, federation: str, no_register: bool
+) -> None:
+    """Merge the hospitals' replies (the coordinator): co-signed roster, SuperNode registrations.
+
+    \b
+    Verifies each ID.reply.json against OUT_DIR/roster.json (its co-signature and its SuperNode
+    key, both signed with that hospital's identity key), writes the co-signed roster to
+    OUT_DIR/roster.json and to every OUT_DIR/kits/ID/roster.json, each SuperNode key to
+    OUT_DIR/supernodes/ID.pub, and registers them (`flwr supernode register`) with the running
+    SuperLink.  Then send each hospital its kits/ID/roster.json.
+    Exit status: 0 every hospital co-signed; 3 some have not yet (they are named); 1 an error.
+    """
+    from secure_afl.deploy.kit import EXIT_WAITING, KitError
+    from secure_afl.deploy.local import flower_bin
+    from secure_afl.deploy.provision import collect
+
+    try:
+        result = collect(
+            out_dir, replies, register=not no_register, flwr_home=flwr_home, federation=federation,
+            flwr=flower_bin("flwr"), say=click.echo,
+        )  # fmt: skip
+    except (KitError, ConfigurationError, DeploymentError) as exc:
+        raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
+    status = result.status
+    click.echo(
+        f"co-signed by {list(status.signed)}; wrote {out_dir / 'roster.json'} and each kit's roster.json"
+    )
+    if status.missing:
+        click.echo(f"WAITING for {list(status.missing)}: run collect again with their replies")
+        raise SystemExit(EXIT_WAITING)
+    click.echo(f"every hospital co-signed ({status.roster.fingerprint}): send each its kits/ID/roster.json")
 
 
 # --- secure-afl predict ----------------------------------------------------------------------------

@@ -24,7 +24,13 @@ from pathlib import Path
 import click
 import numpy as np
 
-from secure_afl.features.file import FEATURE_FILE_FORMAT, FeatureFile, FeatureFileError, load_feature_file
+from secure_afl.features.file import (
+    FEATURE_FILE_FORMAT,
+    REEXTRACT_ADVICE,
+    FeatureFile,
+    FeatureFileError,
+    load_feature_file,
+)
 from secure_afl.sim.data import CLASSES
 
 __all__ = [
@@ -40,7 +46,7 @@ __all__ = [
 
 IMAGE_COLUMN = "image"
 PATIENT_COLUMN = "patient"
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")  # what --images DIR without --labels reads
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".dcm", ".dicom")  # what --images DIR without --labels reads
 NIH_TABLES = ("Data_Entry_2017_v2020.csv", "Data_Entry_2017.csv")  # looked for in --data-dir
 BACKBONES_HELP = (
     "densenet121-xrv (TorchXRayVision, 1024-d), resnet18|34|50|101|152, vgg11|13|16|19, "
@@ -343,6 +349,22 @@ def _summary(path: Path, data: FeatureFile, digest: str) -> list[str]:
         lines.append('patient ids    absent (a study with dp-unit = "patient" cannot use this file)')
     else:
         lines.append(f"patient ids    present ({len(set(data.patient_ids))} patients)")
+    if data.image_sha256 is None:
+        lines.append(
+            f"image digests  absent: this file cannot be released under the one-release-per-image rule; "
+            f"{REEXTRACT_ADVICE}"
+        )
+    else:
+        distinct = len(set(data.image_sha256))
+        same = len(data.image_sha256) - distinct
+        extra = f"; {same} rows repeat another row's image bytes" if same else ""
+        lines.append(
+            f"image digests  present (SHA-256 of each image file: {distinct} distinct images{extra})"
+        )
+    if data.pixel_sha256 is not None:
+        same_pixels = len(data.pixel_sha256) - len(set(data.pixel_sha256))
+        extra = f"; {same_pixels} rows repeat another row's pixels" if same_pixels else ""
+        lines.append(f"pixel digests  present (SHA-256 of each decoded image{extra})")
     lines += [
         f"backbone       {data.backbone}",
         f"weights-id     {data.weights_id}",
@@ -382,6 +404,9 @@ def _summary_json(path: Path, data: FeatureFile, digest: str) -> dict[str, objec
         "has_labels": labels is not None,
         "positives": positives,
         "patient_ids": data.patient_ids is not None,
+        "image_digests": data.image_sha256 is not None,
+        "distinct_images": len(set(data.image_sha256)) if data.image_sha256 is not None else None,
+        "pixel_digests": data.pixel_sha256 is not None,
         "backbone": data.backbone,
         "weights_id": data.weights_id,
         "preprocessing": data.preprocessing,
@@ -434,14 +459,15 @@ def features() -> None:
     "--images",
     "images_dir",
     type=click.Path(path_type=Path, file_okay=False),
-    help="A plain folder of images (PNG or JPEG; 8/16-bit grayscale or RGB).",
+    help="A plain folder of images (PNG or JPEG, 8/16-bit grayscale or RGB; or DICOM, .dcm/.dicom or any "
+    "file with the DICM preamble).",
 )
 @click.option(
     "--labels",
     "labels_csv",
     type=click.Path(path_type=Path, dir_okay=False),
-    help="--images: the labels CSV (format below). Without it every PNG/JPEG directly in the folder is "
-    "read, with no labels.",
+    help="--images: the labels CSV (format below). Without it every PNG/JPEG/DICOM (.png .jpg .jpeg .dcm "
+    ".dicom) directly in the folder is read, with no labels.",
 )
 @click.option(
     "--classes",
@@ -483,13 +509,14 @@ def features() -> None:
     "out_path",
     type=click.Path(path_type=Path, dir_okay=False),
     required=True,
-    help="The feature file to write (FILE.npz); replaced atomically, never left half-written.",
+    help="The feature file to write (FILE.npz), mode 0600; replaced atomically, never left half-written.",
 )
 @click.option(
     "--cache-dir",
     type=click.Path(path_type=Path, file_okay=False),
     default=None,
-    help="Feature cache, shared with secure-afl sim (default: ~/.cache/secure-afl/features).",
+    help="Feature cache, shared with secure-afl sim (default: ~/.cache/secure-afl/features), keyed by "
+    "each image's content digest; files 0600, directories made 0700.",
 )
 @click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda (cuda:N).")
 @click.option(
@@ -541,8 +568,18 @@ def extract(
               --images DIR [--labels FILE.csv]             a plain folder of images
             the weight file (--weights FILE; local only, nothing is downloaded)
             the feature cache (--cache-dir), to reuse or resume earlier work
-    Writes: --out FILE.npz, atomically (a temporary file renamed into place)
-            cache shards under --cache-dir (shards of --shard-size images)
+    Writes: --out FILE.npz, mode 0600, atomically (a temporary file renamed into place)
+            cache shards under --cache-dir (shards of --shard-size images), 0600
+
+    \b
+    Images: PNG, JPEG or DICOM. DICOM is read with pydicom: rescale slope/intercept
+    (or a Modality LUT), then the file's first VOI LUT or window, onto 0-255;
+    MONOCHROME1 is inverted. Compressed DICOM is read where a decoder is installed
+    (RLE, JPEG Baseline, JPEG 2000); others are left out with the reason and how to
+    convert them (gdcmconv --raw IN OUT).
+    Each row records the SHA-256 of its image file's bytes (image_sha256): the image
+    named by its content, which the ledger counts releases by, and which keys the
+    cache, so images overwritten under the same names get fresh features.
 
     \b
     The labels CSV (--labels), UTF-8, comma-separated, a header line first:
@@ -599,7 +636,7 @@ def extract(
         raise click.BadParameter(f"{out_path} is a directory; give a file name", param_hint="--out")
 
     from secure_afl.features.backbones import UnknownBackboneError, WeightsError, load_backbone
-    from secure_afl.features.images import ImagesNotFoundError
+    from secure_afl.features.images import ImageChangedError, ImagesNotFoundError
 
     try:
         if dataset == "nih":
@@ -621,8 +658,11 @@ def extract(
     except (UnknownBackboneError, WeightsError) as exc:
         raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
 
-    result = _run_extraction(ctx, data, model, out_path, cache_dir, device, batch_size, workers, shard_size,
-                             amp, progress)  # fmt: skip
+    try:
+        result = _run_extraction(ctx, data, model, out_path, cache_dir, device, batch_size, workers,
+                                 shard_size, amp, progress)  # fmt: skip
+    except ImageChangedError as exc:
+        raise click.ClickException(f"ImageChangedError: {exc}; nothing was written to {out_path}") from None
     keep = np.setdiff1d(np.arange(len(data.paths)), np.asarray(result.skipped, dtype=np.int64))
     if len(keep) == 0:
         raise click.ClickException(
@@ -633,9 +673,11 @@ def extract(
     if data.labels is not None:
         labels = data.labels[keep].copy()
         labels[:, [c for c in range(len(data.classes)) if c not in active]] = 0
-    from secure_afl.features.file import describe_preprocessing, save_feature_file
+    from secure_afl.features.file import describe_preprocessing, make_private_dirs, save_feature_file
 
-    out_path.parent.mkdir(parents=True, exist_ok=True)
+    make_private_dirs(out_path.parent)
+    digests = [result.image_sha256[i] for i in keep]
+    assert all(d is not None for d in digests)  # a file unreadable when hashed was skipped
     try:
         save_feature_file(
             out_path,
@@ -648,6 +690,8 @@ def extract(
             active=active,
             image_ids=[data.image_ids[i] for i in keep],
             patient_ids=[data.patient_ids[i] for i in keep] if write_patients else None,  # type: ignore[index]
+            image_sha256=digests,  # type: ignore[arg-type]
+            pixel_sha256=[result.pixel_sha256[i] for i in keep],  # type: ignore[misc]
         )
         written = load_feature_file(out_path)
     except FeatureFileError as exc:
@@ -660,6 +704,19 @@ def extract(
         click.echo(f"note: {len(result.skipped)} unreadable images were left out:")
         for index in result.skipped[:_SHOWN]:
             click.echo(f"  {result.skip_reasons[index]}")
+    repeated = len(digests) - len(set(digests))
+    if repeated:
+        click.echo(
+            f"note: {repeated} images have the same bytes as another image read here (the same SHA-256); "
+            "their rows are kept, and a ledger counts each such image once"
+        )
+    pixels = [result.pixel_sha256[i] for i in keep]
+    same_pixels = len(pixels) - len(set(pixels)) - repeated
+    if same_pixels > 0:
+        click.echo(
+            f"note: {same_pixels} further images decode to the same pixels as another image read here "
+            "(the same X-ray exported twice?); their rows are kept"
+        )
     unlabelled_sources = [c for c in data.labelled if data.classes.index(c) not in active]
     if unlabelled_sources:
         click.echo(f"note: labels of {', '.join(unlabelled_sources)} were not recorded (not in --active)")
@@ -694,11 +751,15 @@ def _run_extraction(
     amp: bool,
     progress: bool,
 ):  # an ExtractionResult (secure_afl.features.extraction imports torch: imported here only)
-    from secure_afl.features.extraction import extract_features, feature_cache_key
+    from secure_afl.features.extraction import default_num_workers, extract_features, feature_cache_key
+    from secure_afl.features.images import hash_image_files
     from secure_afl.sim.datasets import default_cache_dir
 
     cache = cache_dir if cache_dir is not None else default_cache_dir()
+    digests: tuple[str | None, ...] | None = None
     try:
+        threads = max(1, default_num_workers() if workers is None else workers)
+        digests = hash_image_files(data.paths, workers=threads)  # once: the cache key and the file's rows
         return extract_features(
             data.paths,
             model,  # type: ignore[arg-type]
@@ -709,12 +770,20 @@ def _run_extraction(
             amp=amp,
             shard_size=shard_size,
             progress=progress,
+            image_sha256=digests,
         )
     except KeyboardInterrupt:
         from secure_afl.analytic import resolve_device
 
+        if digests is None:
+            click.echo(
+                f"interrupted while hashing the images; nothing was computed or written to {out_path}",
+                err=True,
+            )
+            ctx.exit(130)
+
         on_cuda = resolve_device(device).type == "cuda"  # extract_features drops amp elsewhere
-        entry = cache / feature_cache_key(data.paths, model, amp=amp and on_cuda)  # type: ignore[arg-type]
+        entry = cache / feature_cache_key(digests, model, amp=amp and on_cuda)  # type: ignore[arg-type]
         done, size = 0, shard_size
         try:
             manifest = json.loads((entry / "manifest.json").read_text())
@@ -742,7 +811,8 @@ def show(file: Path, as_json: bool) -> None:
 
     Prints the rows, feature dimension and dtype, the classes and which of them are labelled
     (active, with positives per class), the backbone, the weights id, the preprocessing,
-    whether patient ids are present, and the digest (SHA-256 of the file's bytes).  The study
+    whether patient ids and image digests (each row's image SHA-256) are present, and the
+    digest (SHA-256 of the file's bytes).  The study
     (the coordinator's run config) must hold exactly the printed classes, dim, backbone,
     weights-id and preprocessing, or each hospital's node refuses to take part.  A file that is
     missing or malformed is reported (exit status 1).

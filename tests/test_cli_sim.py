@@ -52,6 +52,9 @@ def test_sim_missing_all_writes_every_method_and_setting(tmp_path: Path) -> None
     }
     report = (tmp_path / "report.md").read_text()
     assert "FEATURES ARE SYNTHETIC" in report and "| AFL (1 round) |" in report
+    # two or more levels: the figure, as before the short report
+    assert (tmp_path / "figure.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"wrote {tmp_path / 'figure.png'}" in result.output
 
 
 def test_sim_one_round_leaves_out_round_two(tmp_path: Path) -> None:
@@ -77,7 +80,7 @@ def test_sim_rejects_a_device_it_cannot_use(tmp_path: Path) -> None:
 def test_sim_secure_mask_with_dropouts_reports_audit_and_costs(tmp_path: Path) -> None:
     result = _run([
         "--missing", "1", "--secure", "mask", "--dropout", "2", "--dropout-stage", "R2",
-        "--out", str(tmp_path), *SMALL,
+        "--out", str(tmp_path), "--verbose", *SMALL,
     ])  # fmt: skip
     assert result.exit_code == 0, result.output
     setting = json.loads((tmp_path / "results.json").read_text())["settings"][0]
@@ -282,3 +285,77 @@ def test_a_failed_client_statistic_drops_the_grams_not_yet_started(monkeypatch: 
     with pytest.raises(StatisticsError, match="broken"):
         runner.run_experiment(config)
     assert 1 <= len(calls) <= 2 < config.n_clients  # the one that failed, perhaps one already started
+
+
+def _without_timings(value: object) -> object:
+    """results.json without the wall-clock seconds (the only facts two identical runs differ in)."""
+    timings = {"seconds_per_phase", "seconds_per_method", "client_seconds", "server_seconds"}
+    if isinstance(value, dict):
+        return {k: _without_timings(v) for k, v in value.items() if k not in timings}
+    if isinstance(value, list):
+        return [_without_timings(v) for v in value]
+    return value
+
+
+def test_the_default_report_is_short_and_verbose_prints_the_full_audit(tmp_path: Path) -> None:
+    args = ["--missing", "7", *SMALL]
+    short = CliRunner().invoke(main, ["sim", *args, "--out", str(tmp_path / "short")], env={"COLUMNS": "200"})
+    assert short.exit_code == 0, short.output
+    lines = short.output.splitlines()
+    assert len(lines) <= 60 and max(len(line) for line in lines) <= 80  # whatever the terminal's width
+    assert lines[0].startswith("Results (BACC and AUC in %")  # the table first
+    text = " ".join(short.output.split())
+    # the eight single-member groups and the eight clients' checks, once each, aggregated
+    assert "single surviving member" not in text and "own check saw" not in text
+    assert "WARNING: every class group has one member (class/0 … class/7)" in text
+    assert "the server learns each client's class statistics exactly" in text
+    assert "8 of 8 clients' own exposure checks agree with this audit" in text
+    assert "Threat model these parameters defend: honest-but-curious server (t = 5 of 8" in text
+    assert "Costs, missing 7: each client uploads" in text and "round1" in text and "round2" in text
+    assert "report.md and results.json hold the full audit" in text and "--verbose" in text
+    assert f"wrote {tmp_path / 'short' / 'report.md'}" in text
+
+    full = CliRunner().invoke(main, ["sim", *args, "--verbose", "--out", str(tmp_path / "full")])
+    assert full.exit_code == 0, full.output
+    audit = json.loads((tmp_path / "full" / "results.json").read_text())["settings"][0]["privacy_audit"]
+    assert len(audit["warnings"]) == 8 and len(audit["seen_by_clients"]) == 8
+    for c in range(8):  # today's full output: every group's line and WARNING, every client's check
+        assert f"group 'class/{c}' has a single surviving member (client-{c})" in full.output
+        assert f"client-{c}'s own check saw values the sums determine" in full.output
+        assert f"class/{c}: members 1, survivors 1 (client-{c})" in full.output
+    for title in ("Class coverage, missing 7", "Protocol costs, missing 7, round1", "Seconds per phase"):
+        assert title in full.output
+    assert "What each method alone reveals, missing 7" in full.output
+    # the files keep every fact, whichever the terminal shows
+    for name in ("short", "full"):
+        report = (tmp_path / name / "report.md").read_text()
+        for warning in audit["warnings"]:
+            assert f"- WARNING: {warning}" in report
+        for client in audit["seen_by_clients"]:
+            assert f"- {client}'s own check saw values the sums determine" in report
+        assert "### Protocol costs per party, round1" in report and "## Seconds per phase" in report
+    short_json, full_json = (
+        json.loads((tmp_path / n / "results.json").read_text()) for n in ("short", "full")
+    )
+    assert _without_timings(short_json) == _without_timings(full_json)
+
+
+def test_the_short_report_aggregates_overlaps_dropouts_and_refusals(tmp_path: Path) -> None:
+    result = _run([
+        "--missing", "1", "--rounds", "1", "--dropout", "2", "--dropout-stage", "R2",
+        "--client-policy", "deployment", "--out", str(tmp_path), *SMALL,
+    ])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert len(lines) <= 60 and max(len(line) for line in lines) <= 80
+    text = " ".join(result.output.split())
+    setting = json.loads((tmp_path / "results.json").read_text())["settings"][0]
+    dropped = setting["dropped"]
+    assert f"Dropped: {', '.join(dropped)}." in text
+    assert "2 dropped out before theirs" in text  # they never ran their own checks
+    # the per-class Gram over "all but one" groups: the audit's overlap warning, once
+    exposed = setting["privacy_by_method"]["AFL (1 round)"]["exposed_by_overlapping_groups"]
+    assert exposed["gram"] and "WARNING: overlapping group sums determine the individual" in text
+    refused = [m for m, r in setting["deployed_client_refusals"].items() if r]
+    assert f"Deployed clients (missing 1) refuse {len(refused)} of" in text
+    assert "own check saw" not in text and "Protocol costs, missing 1" not in text  # --verbose only

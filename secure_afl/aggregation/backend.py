@@ -12,6 +12,9 @@ group sums: it never needs to know which backend it has.  Both backends' session
 
 Each client runs under its own :class:`~secure_afl.privacy.policy.ClientPolicy` (refuse or report
 exposing sessions, its floors) and, where given, its session ledger: both backends apply them.
+Both sessions take a ``context`` (:func:`secure_afl.protocol.binding.session_context`: the study,
+its round, round 2's teacher W), which both backends bind the same way: into the config digest that
+every advertisement signs, so a client goes on only with advertisements that all sign its own view.
 
 What each backend protects against is in SECURITY.md; ``trust_model`` says it in one line for audits.
 """
@@ -93,7 +96,7 @@ class ProtectionBackend(Protocol):
     rounds: tuple[str, ...]  # round labels in order; a repeated last round keeps its label
 
     def server_session(
-        self, roster: Roster, layout: Layout, *, session_id: bytes, min_group_size: int
+        self, roster: Roster, layout: Layout, *, session_id: bytes, min_group_size: int, context: bytes = b""
     ) -> ServerSessionLike: ...
 
     def client_session(
@@ -107,6 +110,7 @@ class ProtectionBackend(Protocol):
         min_group_size: int,
         random: RandomSource | None,
         release: Release | None = None,
+        context: bytes = b"",
     ) -> ClientSessionLike: ...
 
     def encode(self, message: object, max_message_bytes: int) -> bytes: ...
@@ -158,7 +162,7 @@ class MaskingBackend:
     rounds: tuple[str, ...] = ("R0", "R1", "R2", "R3", "R4")
 
     def server_session(
-        self, roster: Roster, layout: Layout, *, session_id: bytes, min_group_size: int
+        self, roster: Roster, layout: Layout, *, session_id: bytes, min_group_size: int, context: bytes = b""
     ) -> ServerSession:
         config = SessionConfig(
             session_id=session_id,
@@ -167,10 +171,20 @@ class MaskingBackend:
             frac_bits=self.frac_bits,
             groups=layout.group_specs(),
         )
-        return ServerSession(roster, config)
+        return ServerSession(roster, config, context=context)
 
     def client_session(  # type: ignore[no-untyped-def]
-        self, client_id, identity, roster, inputs, *, session_id, min_group_size, random, release=None
+        self,
+        client_id,
+        identity,
+        roster,
+        inputs,
+        *,
+        session_id,
+        min_group_size,
+        random,
+        release=None,
+        context=b"",
     ):  # type: ignore[no-untyped-def]
         # The simulator's clients accept what the simulator's server proposes; a client under any
         # other policy keeps that policy's own floors (a deployed client never takes them from the server).
@@ -190,6 +204,7 @@ class MaskingBackend:
             policy=self.client_policy,
             ledger=self.ledgers.get(client_id),
             release=release,
+            context=context,
         )
 
     def encode(self, message: object, max_message_bytes: int) -> bytes:
@@ -239,13 +254,23 @@ class CkksBackend:
     rounds: tuple[str, ...] = ("R0", "R1", "R2", "R3")
 
     def server_session(
-        self, roster: Roster, layout: Layout, *, session_id: bytes, min_group_size: int
+        self, roster: Roster, layout: Layout, *, session_id: bytes, min_group_size: int, context: bytes = b""
     ) -> ckks.CkksServerSession:
         config = ckks.CkksSessionConfig(session_id, min_group_size, self.parameters, layout.group_specs())
-        return ckks.CkksServerSession(roster, config)
+        return ckks.CkksServerSession(roster, config, context=context)
 
     def client_session(  # type: ignore[no-untyped-def]
-        self, client_id, identity, roster, inputs, *, session_id, min_group_size, random, release=None
+        self,
+        client_id,
+        identity,
+        roster,
+        inputs,
+        *,
+        session_id,
+        min_group_size,
+        random,
+        release=None,
+        context=b"",
     ):  # type: ignore[no-untyped-def]
         return ckks.CkksClientSession(
             client_id,
@@ -262,6 +287,7 @@ class CkksBackend:
             ledger=self.ledgers.get(client_id),
             random=random,
             release=release,
+            context=context,
         )
 
     def encode(self, message: object, max_message_bytes: int) -> bytes:

@@ -59,11 +59,13 @@ def run_in_process(
     dropouts: Mapping[str, Collection[str]] = MappingProxyType({}),
     random: RandomSource | None = None,
     session_id: bytes | None = None,
+    context: bytes = b"",
 ) -> InProcessRun:
     """Sum ``contributions`` (client -> group -> tensor -> float64 array) per group through ``backend``.
 
     ``dropouts`` maps a round label of ``backend.rounds`` (not the first) to the clients that stop
-    answering from that round on.
+    answering from that round on.  ``context`` is the session context every client and the server
+    bind (:func:`secure_afl.protocol.binding.session_context`; empty: none).
     """
     random = OsRandomSource() if random is None else random
     client_ids = tuple(sorted(contributions))
@@ -99,10 +101,13 @@ def run_in_process(
             session_id=session_id,
             min_group_size=min_group_size,
             random=random,
+            context=context,
         )
         for cid in client_ids
     }
-    server = backend.server_session(roster, layout, session_id=session_id, min_group_size=min_group_size)
+    server = backend.server_session(
+        roster, layout, session_id=session_id, min_group_size=min_group_size, context=context
+    )
     # Message sizes follow the layout, so a large layout is not cut off by a fixed cap, and
     # anything larger than an honest message is still refused.
     server_limit = server.max_message_bytes

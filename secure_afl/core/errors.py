@@ -89,6 +89,14 @@ class InvalidSessionConfigError(ServerProtocolError):
     """The server proposed session parameters this client does not accept (e.g. a threshold too low)."""
 
 
+class DifferentSessionViewError(InvalidSessionConfigError):
+    """One view: a peer's advertisement signs another session digest than this client's own.
+
+    The digest covers the session config (id, t, minimum group size, encoding, layout) and the
+    session context (the whole study, its round, round 2's teacher classifier W): the server showed
+    clients different sessions, so none of them goes on (SECURITY.md, "One view")."""
+
+
 class BothSharesRequestedError(ServerProtocolError):
     """The server asked for both the self-mask share and the mask-key share of one client."""
 

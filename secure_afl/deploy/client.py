@@ -9,8 +9,9 @@ its randomness), then feeds the new one.  The seed, the messages and the protoco
 SuperNode's local state (Flower's ``context.state``, which stays on the hospital's machine) and are
 deleted when the session ends or fails.
 
-Before anything leaves it, the client checks, in this order: the server's roster fingerprint against
-its own pinned roster (:class:`RosterMismatchError`), that its own key is in that roster
+Before anything leaves it, the client checks, in this order: that every institution co-signed its
+pinned roster (``RosterNotCosignedError``, :mod:`secure_afl.keys.cosign`), the server's roster
+fingerprint against that roster (:class:`RosterMismatchError`), that its own key is in that roster
 (:class:`IdentityNotInRosterError`), the study against its feature file and its policy
 (:class:`StudyMismatchError`), that the session was not started before in this run
 (:class:`SessionReplayError`); then the protocol's own checks.  Any failure answers ``refused`` with
@@ -45,7 +46,15 @@ from .errors import (
     SessionReplayError,
     StudyMismatchError,
 )
-from .study import PROTECTIONS, Study, dp_projection, round1_layout, round2_layout, statistics_dim
+from .study import (
+    PROTECTIONS,
+    Study,
+    dp_projection,
+    round1_layout,
+    round2_layout,
+    session_context,
+    statistics_dim,
+)
 from .wire import Envelope
 
 if TYPE_CHECKING:
@@ -58,6 +67,15 @@ class LocalState(Protocol):
     def load(self, label: str) -> dict[str, Any] | None: ...
 
     def save(self, label: str, record: Mapping[str, Any]) -> None: ...
+
+
+# The δ a node that sets dp-epsilon but no dp-delta accepts at most.  δ is the probability that the
+# ε guarantee fails outright, so it must lie well below 1/N for the N images (or patients) protected,
+# or "publish one record at random" would meet it; 1e-6 is below 1/N for every collection under a
+# million images (NIH ChestX-ray14 has 112,120, CheXpert 224,316), and it is the study's default
+# δ, so a node and a study left at their defaults agree.  Without a floor a node asking for ε = 1
+# accepted δ = 0.999999, whose noise is 0.045 of the ε = 1, δ = 1e-6 level (issue 27).
+DEFAULT_DP_DELTA_FLOOR = 1e-6
 
 
 @dataclass(frozen=True)
@@ -73,7 +91,8 @@ class NodeSettings:
     device: str = "auto"
     allow_class_gram: bool = False
     # This institution's own DP floor (node config ``dp-epsilon``, ``dp-delta``, ``dp-unit``): it
-    # refuses a study without DP, or with a larger ε or δ, or protecting images where it asks patients.
+    # refuses a study without DP, or with a larger ε or δ (δ ≤ DEFAULT_DP_DELTA_FLOOR when dp-delta
+    # is unset), or protecting images where it asks patients.
     dp_epsilon: float | None = None
     dp_delta: float | None = None
     dp_unit: str | None = None
@@ -113,6 +132,15 @@ class NodeSettings:
             raise ConfigurationError(f"the node config's dp-unit must be image or patient, got {dp_unit!r}")
         if (dp_delta is not None or dp_unit is not None) and dp_epsilon is None:
             raise ConfigurationError("the node config sets dp-delta or dp-unit without dp-epsilon")
+        if dp_epsilon is not None and not 0 < dp_epsilon < float("inf"):
+            raise ConfigurationError(
+                f"the node config's dp-epsilon must be a positive number, got {dp_epsilon}"
+            )
+        if dp_delta is not None and not 0 < dp_delta < 1:
+            raise ConfigurationError(
+                f"the node config's dp-delta must lie strictly between 0 and 1, got {dp_delta} (leave it "
+                f"unset for the default floor {DEFAULT_DP_DELTA_FLOOR:g})"
+            )
         return cls(
             identity_key=Path(str(config["identity-key"])),
             passphrase_file=Path(str(config["passphrase-file"])) if config.get("passphrase-file") else None,
@@ -209,8 +237,12 @@ def _identity(settings: NodeSettings, roster: Roster) -> tuple[str, IdentityKey]
 
 
 def _roster(settings: NodeSettings) -> Roster:
+    """The pinned roster, only if every institution co-signed it (:mod:`secure_afl.keys.cosign`):
+    a roster with an entry its own key has not signed is refused (``RosterNotCosignedError``)."""
+    from secure_afl.keys.cosign import load_cosigned_roster
+
     try:
-        return Roster.from_json(settings.roster.read_text(encoding="utf-8"))
+        return load_cosigned_roster(settings.roster)
     except OSError as exc:
         raise ConfigurationError(f"{settings.roster}: cannot read the roster: {exc.strerror}") from None
 
@@ -257,9 +289,14 @@ def _check_dp_policy(study: Study, settings: NodeSettings) -> None:
         raise StudyMismatchError(
             f"the study's DP ε = {dp.epsilon:g} exceeds this institution's dp-epsilon {settings.dp_epsilon:g}"
         )
-    if settings.dp_delta is not None and dp.delta > settings.dp_delta:
+    delta, named = (
+        (settings.dp_delta, "dp-delta")
+        if settings.dp_delta is not None
+        else (DEFAULT_DP_DELTA_FLOOR, "default δ floor (no dp-delta set)")
+    )
+    if not dp.delta <= delta:
         raise StudyMismatchError(
-            f"the study's DP δ = {dp.delta:g} exceeds this institution's dp-delta {settings.dp_delta:g}"
+            f"the study's DP δ = {dp.delta:g} exceeds this institution's {named} {delta:g}"
         )
     if settings.dp_unit == "patient" and dp.unit != "patient":
         raise StudyMismatchError(
@@ -498,11 +535,14 @@ def _start_session(envelope: Envelope, label: str, state: LocalState, settings: 
             study, data, client_id, roster, backend, request, str(envelope.meta.get("study-nonce", ""))
         )
     inputs, release = _inputs(label, study, data, envelope, groups, settings, len(roster), client_id)
+    # One view: the digest of the study, the round and the arrays (round 2's W) this node was given;
+    # its advertisement signs it and R1 goes on only if every advertisement signs the same.
+    context = session_context(study, label, envelope.arrays)
     _settle_earlier_sessions(label, state)
     seed = os.urandom(32)
     ledger, colluders = _ledger(settings), settings.colluders
     session = _client_session(
-        backend, client_id, identity, roster, inputs, seed, study, ledger, release, colluders
+        backend, client_id, identity, roster, inputs, seed, study, ledger, release, colluders, context
     )
     replies = session.receive_bytes(envelope.payload)  # decoded again under the session's own limits
     state.save(
@@ -514,6 +554,7 @@ def _start_session(envelope: Envelope, label: str, state: LocalState, settings: 
             "study": study.to_json(),
             "session_id": request.config.session_id.hex(),  # type: ignore[attr-defined]
             "seed": seed,
+            "context": context,
             "messages": [envelope.payload],
             "inputs": {f"{g}|{t}": v for g, tensors in inputs.items() for t, v in tensors.items()},
             "release": json.dumps(release.to_json()),
@@ -555,6 +596,7 @@ def _continue_session(envelope: Envelope, label: str, state: LocalState, setting
         _ledger(settings),
         release,
         settings.colluders,
+        bytes(saved["context"]),
     )
     # Rebuild: the same seed and the same server messages give the same state, secrets included
     # (CKKS: the secret context is the one the key holder sealed for this client in R2's message;
@@ -594,6 +636,7 @@ def _client_session(
     ledger: Any,
     release: Release,
     colluders: int | None = None,
+    context: bytes = b"",
 ) -> ClientSessionLike:
     # The deployment policy is the client's own (the backend's default): t >= floor(2n/3)+1 with
     # masking, groups of at least 2 (or the study's larger minimum), the exposure check, and the
@@ -616,6 +659,7 @@ def _client_session(
         min_group_size=study.min_group_size,
         random=DeterministicRandomSource(seed),
         release=release,
+        context=context,
     )
 
 

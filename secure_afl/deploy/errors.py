@@ -53,3 +53,7 @@ class ClassifierSignatureError(ClassifierFileError):
 
 class LocalDeploymentError(DeploymentError):
     """``deploy local``: a child process failed to start or exited early (its log is named)."""
+
+
+class SuperLinkSetupError(DeploymentError):
+    """``deploy superlink``: a bad argument, a missing TLS file or nginx, a process that failed to start."""

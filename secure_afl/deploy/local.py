@@ -37,6 +37,7 @@ from typing import IO, Any
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
+from secure_afl.keys.cosign import cosigned_roster_json, sign_roster
 from secure_afl.keys.files import save_identity_key
 from secure_afl.keys.identity import IdentityKey
 from secure_afl.keys.roster import Roster, RosterEntry
@@ -140,15 +141,19 @@ def write_identities(
     passphrase = secrets.token_urlsafe(24).encode("ascii")
     passphrase_file = directory / "passphrase"
     _write_private(passphrase_file, passphrase + b"\n")
-    entries = []
+    entries, keys = [], []
     for cid in client_ids:
         key = IdentityKey.generate()
         save_identity_key(directory / f"{cid}.key", key, passphrase, scrypt_n=scrypt_n)
         entries.append(RosterEntry(cid, f"Hospital {cid}", key.public_key))
+        keys.append(key)
     coordinator = IdentityKey.generate()
     save_identity_key(directory / f"{COORDINATOR}.key", coordinator, passphrase, scrypt_n=scrypt_n)
     roster = Roster(entries, RosterEntry(COORDINATOR, "Coordinator", coordinator.public_key))
-    (directory / "roster.json").write_text(roster.to_json() + "\n", encoding="utf-8")
+    # Every institution co-signs the roster (its nodes refuse one that is not: keys/cosign.py).
+    signatures = dict(sign_roster(roster, key) for key in keys)
+    text = cosigned_roster_json(roster, signatures)
+    (directory / "roster.json").write_text(text + "\n", encoding="utf-8")
     return passphrase_file, roster
 
 

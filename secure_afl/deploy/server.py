@@ -44,6 +44,7 @@ from .study import (
     round2_classes,
     round2_layout,
     round2_min_group_size,
+    session_context,
     study_session_id,
 )
 from .wire import Envelope
@@ -332,7 +333,11 @@ class FederationServer:
             meta["study-nonce"] = session_id.hex()
             session_id = study_session_id(self.study, session_id)
         session = self.backend.server_session(
-            self.roster, layout, session_id=session_id, min_group_size=self.study.min_group_size
+            self.roster,
+            layout,
+            session_id=session_id,
+            min_group_size=self.study.min_group_size,
+            context=session_context(self.study, label, arrays),  # what every node binds (one view)
         )
         record = SessionRecord(label, session_id)
         self.report.sessions.append(record)

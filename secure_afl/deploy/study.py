@@ -349,6 +349,17 @@ def _protection_fields(document: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def session_context(study: Study, label: str, arrays: Mapping[str, np.ndarray]) -> bytes:
+    """The one-view digest of session ``label`` of ``study`` (SECURITY.md, "One view"): the study's
+    canonical document (every field, DP parameters included, with or without DP: τ, α, δ⁺, δ⁻ among
+    them), the round, and every array the server sent with it (round 2: the teacher W, ``coef``).
+    The server and each client compute it from what they hold; the protocol (either backend) signs
+    it in every advertisement and each client goes on only with advertisements over its own."""
+    from secure_afl.protocol.binding import session_context as bind
+
+    return bind(bytes.fromhex(study.digest()), label, arrays)
+
+
 def study_session_id(study: Study, nonce: bytes) -> bytes:
     """A session id that commits to the study: SHA-256 over a domain tag, the study's digest, a nonce.
 
@@ -494,8 +505,9 @@ def parse_colluders(value: object, roster_size: int, threshold: int) -> int:
 def round2_min_group_size(study: Study, roster_size: int, colluders: object = "n-t") -> int:
     """The fewest members a pseudo-label group keeps: the study's minimum, and c + 2 for the c
     colluders every node's exposure check assumes (a smaller group would be refused in R1: with c
-    of its members colluding, the sum gives away the last one's projection)."""
-    c = parse_colluders(colluders, roster_size, study.threshold_for(roster_size))
+    of its members colluding, the sum gives away the last one's projection).  c is n - t for the
+    nodes' own floor t = ⌊2n/3⌋ + 1, never the study's t: a node sizes its colluders by its floor."""
+    c = parse_colluders(colluders, roster_size, deployment_threshold(roster_size))
     return max(study.min_group_size, c + 2)
 
 

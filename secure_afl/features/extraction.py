@@ -14,26 +14,37 @@ amp=False, shard_size=2048, progress=True, strict=False) -> ExtractionResult``
       ``strict=True`` raises :class:`secure_afl.features.images.CorruptImageError` instead;
     - ``forward_passes``: batches run through the network in this call (0 on a complete cache);
     - ``from_cache``: True when every shard came from the cache; ``shards_computed`` /
-      ``shards_reused`` count both kinds, ``cache_path`` is the cache entry's directory.
+      ``shards_reused`` count both kinds, ``cache_path`` is the cache entry's directory;
+    - ``image_sha256``: per path, the SHA-256 of its file's bytes (None for a file that could not be
+      read, which is skipped): the digests the feature file records and the cache key is made of.
+      Each file is hashed once, streaming (pass ``image_sha256`` to reuse digests computed earlier);
+      on a cache miss each image's bytes are checked against its digest as they are decoded;
+    - ``pixel_sha256``: per path, :func:`secure_afl.features.images.pixel_sha256` of the decoded
+      image (None where skipped), kept per shard in the manifest, so a cached run has them too.
 
 ``spatial=True`` also caches the backbone's feature map before its global pool (DenseNet-121:
     1024 × 7 × 7 per image) for methods that attend over spatial tokens (FedNCA-ML); the result's
     ``maps`` (:class:`FeatureMaps`) reads them on demand. See "Feature maps" below.
-``feature_cache_key(paths, backbone, *, amp=False, spatial=False) -> str``
+``feature_cache_key(image_sha256, backbone, *, amp=False, spatial=False) -> str``
     The cache entry's name: SHA-256 over the backbone name, its weights id (SHA-256 of the weight file,
     or ``random-init-seed-N``), its preprocessing description, the AMP flag and the ordered list of
-    absolute image paths.
+    the images' content digests (:func:`secure_afl.features.images.hash_image_files`), not their
+    paths: images overwritten under the same names are a new entry, so they get fresh features, and
+    the same images under other paths reuse the entry.
 ``resolve_device(device) -> torch.device``
     ``"auto"`` -> CUDA when available, else CPU; ``"cuda"`` without a GPU raises ``ValueError``.
 ``default_num_workers() -> int``
     DataLoader workers used when ``num_workers`` is None: the usable CPUs, at most 8.
 
 Cache layout: ``cache_dir/<key>/manifest.json`` (key fields, feature dim, shard size, per completed
-shard its file, row count and skipped indices with reasons), ``images.txt`` (the ordered image list)
-and ``shard_00000.npy`` … (float32, ``shard_size`` rows each, the last one shorter). Each shard is
-written to a temporary file and moved into place with ``os.replace``, then recorded in the manifest
-(also replaced atomically), so an interrupted extraction resumes at the first shard it had not
-finished, and a complete cache returns without building a DataLoader or running the network.
+shard its file, row count, skipped indices with reasons and its rows' pixel digests), ``images.txt``
+(the ordered image list as ``sha256sum`` writes it, ``<digest>  <path>``, so ``sha256sum -c
+images.txt`` re-checks it) and ``shard_00000.npy`` … (float32, ``shard_size`` rows each, the last
+one shorter). Every file is written 0600 and every directory created 0700 (features derive from
+patients' images). Each shard is written to a temporary file and moved into place with
+``os.replace``, then recorded in the manifest (also replaced atomically), so an interrupted
+extraction resumes at the first shard it had not finished, and a complete cache returns without
+building a DataLoader or running the network.
 
 Feature maps (``spatial=True``): a separate cache entry (``spatial`` is part of the key, so the
 pooled-only entry and its key are unchanged), whose shards carry beside ``shard_NNNNN.npy`` a
@@ -85,7 +96,15 @@ from torch.utils.data import DataLoader
 
 from secure_afl.analytic import resolve_device
 from secure_afl.features.backbones import Backbone
-from secure_afl.features.images import CorruptImageError, ImageBatch, ImageDataset, collate_images
+from secure_afl.features.file import PRIVATE_DIR_MODE, PRIVATE_FILE_MODE, make_private_dirs
+from secure_afl.features.images import (
+    CorruptImageError,
+    ImageBatch,
+    ImageChangedError,
+    ImageDataset,
+    collate_images,
+    hash_image_files,
+)
 
 __all__ = [
     "CACHE_FORMAT_VERSION",
@@ -97,7 +116,8 @@ __all__ = [
     "resolve_device",
 ]
 
-CACHE_FORMAT_VERSION = 1
+CACHE_FORMAT_VERSION = 2  # 2: keyed by the images' content digests (1 was keyed by their paths)
+UNREADABLE_DIGEST = "unreadable"  # in the key, for a file that could not be read when hashed
 MANIFEST_NAME = "manifest.json"
 IMAGE_LIST_NAME = "images.txt"
 _MAX_DEFAULT_WORKERS = 8
@@ -160,6 +180,8 @@ class ExtractionResult:
     cache_path: Path
     device: str
     maps: FeatureMaps | None = None  # with spatial=True
+    image_sha256: tuple[str | None, ...] = ()  # per path; None: unreadable (skipped)
+    pixel_sha256: tuple[str | None, ...] = ()  # per path, of the decoded image; None where skipped
 
 
 @dataclass
@@ -170,6 +192,7 @@ class _ShardBuffer:
     remaining: int
     skipped: dict[int, str] = field(default_factory=dict)
     maps: np.ndarray | None = None  # rows × T × D float16 with spatial=True
+    pixel_sha256: list[str | None] = field(default_factory=list)  # one per row, filled as rows arrive
 
 
 def default_num_workers() -> int:
@@ -180,7 +203,9 @@ def default_num_workers() -> int:
     return max(0, min(_MAX_DEFAULT_WORKERS, cpus))
 
 
-def _key_fields(paths: Sequence[Path], backbone: Backbone, amp: bool, spatial: bool) -> dict[str, Any]:
+def _key_fields(
+    image_sha256: Sequence[str | None], backbone: Backbone, amp: bool, spatial: bool
+) -> dict[str, Any]:
     """The inputs that identify a cache entry, in their JSON form (tuples become lists), so that they
     compare equal to the copy read back from ``manifest.json``."""
     fields = {
@@ -190,34 +215,40 @@ def _key_fields(paths: Sequence[Path], backbone: Backbone, amp: bool, spatial: b
         "preprocess": backbone.preprocess.as_dict(),
         "feature_dim": backbone.feature_dim,
         "amp": amp,
-        "n_images": len(paths),
-        "image_list_sha256": _image_list_sha256(paths),
+        "n_images": len(image_sha256),
+        "image_digests_sha256": _digest_list_sha256(image_sha256),
     }
     if spatial:  # only then, so that the pooled-only entries keep their keys
         fields["feature_map"] = "float16, rows x tokens x dim, grid row-major"
     return json.loads(json.dumps(fields))
 
 
-def _image_list_sha256(paths: Sequence[Path]) -> str:
+def _digest_list_sha256(image_sha256: Sequence[str | None]) -> str:
+    """SHA-256 of the ordered content digests, one per line (the images' order is the rows' order)."""
     digest = hashlib.sha256()
-    for path in paths:
-        digest.update(str(Path(path).resolve()).encode())
+    for image in image_sha256:
+        digest.update((image or UNREADABLE_DIGEST).encode())
         digest.update(b"\n")
     return digest.hexdigest()
 
 
 def feature_cache_key(
-    paths: Sequence[Path], backbone: Backbone, *, amp: bool = False, spatial: bool = False
+    image_sha256: Sequence[str | None], backbone: Backbone, *, amp: bool = False, spatial: bool = False
 ) -> str:
-    canonical = json.dumps(_key_fields(paths, backbone, amp, spatial), sort_keys=True, separators=(",", ":"))
+    """The cache entry of images with these content digests (in this order); see the module doc."""
+    if isinstance(image_sha256, str) or not all(d is None or isinstance(d, str) for d in image_sha256):
+        raise TypeError("feature_cache_key takes the images' content digests (hash_image_files), not paths")
+    fields = _key_fields(image_sha256, backbone, amp, spatial)
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
 def _atomic_write(target: Path, write: Any) -> None:
     """Writes via ``write(file_object)`` to a temporary file beside ``target``, then renames it."""
-    fd, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    fd, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")  # 0600
     try:
         with os.fdopen(fd, "wb") as handle:
+            os.fchmod(handle.fileno(), PRIVATE_FILE_MODE)
             write(handle)
             handle.flush()
             os.fsync(handle.fileno())
@@ -268,6 +299,8 @@ def _completed_shards(
             continue  # lost or truncated shard: recompute it
         if stored.shape != (record["rows"], feature_dim) or stored.dtype != np.float32:
             continue
+        if len(record.get("pixel_sha256") or ()) != record["rows"]:
+            continue  # the decoded images' digests are part of a shard
         if maps is not None:
             tokens = manifest["grid"][0] * manifest["grid"][1]
             if maps.shape != (record["rows"], tokens, feature_dim) or maps.dtype != np.float16:
@@ -325,7 +358,11 @@ def _batches(
         collate_fn=collate_images,
         pin_memory=device.type == "cuda",
     )
-    yield from loader
+    try:
+        yield from loader
+    except ImageChangedError as exc:  # from a worker, torch prefixes the worker's traceback: keep the message
+        message = str(exc).strip().splitlines()[-1]
+        raise ImageChangedError(message.split("ImageChangedError: ", 1)[-1]) from None
 
 
 def extract_features(
@@ -341,8 +378,13 @@ def extract_features(
     progress: bool = True,
     strict: bool = False,
     spatial: bool = False,
+    image_sha256: Sequence[str | None] | None = None,
 ) -> ExtractionResult:
-    """Features of ``paths`` from ``backbone``, read from or written to ``cache_dir``; see the module doc."""
+    """Features of ``paths`` from ``backbone``, read from or written to ``cache_dir``; see the module doc.
+
+    ``image_sha256``: the digests of ``paths`` from :func:`hash_image_files`, if the caller has them
+    already (they are not recomputed); by default each file is hashed here.
+    """
     if batch_size < 1 or shard_size < 1:
         raise ValueError("batch_size and shard_size must be positive")
     if spatial and (backbone.feature_map is None or backbone.pool is None):
@@ -355,14 +397,25 @@ def extract_features(
     if amp and torch_device.type != "cuda":
         warnings.warn("amp=True has an effect on CUDA only; running in float32", stacklevel=2)
         amp = False
-    key_fields = _key_fields(paths, backbone, amp, spatial)
-    entry = Path(cache_dir) / feature_cache_key(paths, backbone, amp=amp, spatial=spatial)
-    entry.mkdir(parents=True, exist_ok=True)
+    workers = default_num_workers() if num_workers is None else num_workers
+    if image_sha256 is None:
+        image_sha256 = hash_image_files(paths, workers=max(1, workers))
+    elif len(image_sha256) != len(paths):
+        raise ValueError(f"image_sha256 holds {len(image_sha256)} digests for {len(paths)} images")
+    digests = tuple(image_sha256)
+    key_fields = _key_fields(digests, backbone, amp, spatial)
+    entry = make_private_dirs(Path(cache_dir)) / feature_cache_key(
+        digests, backbone, amp=amp, spatial=spatial
+    )
+    entry.mkdir(mode=PRIVATE_DIR_MODE, exist_ok=True)
+    os.chmod(entry, PRIVATE_DIR_MODE)  # an entry made by an older version may be 0755
 
     manifest = _read_manifest(entry, key_fields)
     if manifest is None:
         manifest = {"key_fields": key_fields, "shard_size": shard_size, "shards": {}}
-        image_list = "".join(f"{p.resolve()}\n" for p in paths).encode()
+        image_list = "".join(
+            f"{d or UNREADABLE_DIGEST}  {p.resolve()}\n" for d, p in zip(digests, paths, strict=True)
+        ).encode()
         _atomic_write(entry / IMAGE_LIST_NAME, lambda handle: handle.write(image_list))
         _write_json(entry / MANIFEST_NAME, manifest)
     shard_size = manifest["shard_size"]  # an existing cache keeps the shard size it was written with
@@ -374,9 +427,11 @@ def extract_features(
 
     features = np.full((n_images, dim), np.nan, dtype=np.float32)
     skip_reasons: dict[int, str] = {}
+    pixel_digests: list[str | None] = [None] * n_images
     for shard, record in completed.items():
         start = shard * shard_size
         features[start : start + record["rows"]] = np.load(entry / record["file"])
+        pixel_digests[start : start + record["rows"]] = record["pixel_sha256"]
         skip_reasons.update({int(i): reason for i, reason in record["skipped"].items()})
     if strict and skip_reasons:
         raise CorruptImageError(f"unreadable images recorded in the cache {entry}: {_first(skip_reasons)}")
@@ -385,10 +440,12 @@ def extract_features(
     if pending:
         forward_passes = _compute_shards(
             paths,
+            digests,
             backbone,
             pending,
             features,
             skip_reasons,
+            pixel_digests,
             manifest,
             entry,
             device=torch_device,
@@ -396,7 +453,7 @@ def extract_features(
             shard_size=shard_size,
             amp=amp,
             strict=strict,
-            num_workers=default_num_workers() if num_workers is None else num_workers,
+            num_workers=workers,
             progress=progress,
             rows_done=sum(record["rows"] for record in completed.values()),
             spatial=spatial,
@@ -414,6 +471,8 @@ def extract_features(
         cache_path=entry,
         device=str(torch_device),
         maps=_feature_maps(entry, manifest, dim) if spatial else None,
+        image_sha256=digests,
+        pixel_sha256=tuple(pixel_digests),
     )
 
 
@@ -434,10 +493,12 @@ def _shard_range(shard: int, shard_size: int, n_images: int) -> range:
 
 def _compute_shards(
     paths: list[Path],
+    digests: tuple[str | None, ...],
     backbone: Backbone,
     pending: list[int],
     features: np.ndarray,
     skip_reasons: dict[int, str],
+    pixel_digests: list[str | None],
     manifest: dict[str, Any],
     entry: Path,
     *,
@@ -457,7 +518,7 @@ def _compute_shards(
     buffers: dict[int, _ShardBuffer] = {}
     forward_passes = 0
     backbone.module.to(device)
-    dataset = ImageDataset(paths, backbone.transform)
+    dataset = ImageDataset(paths, backbone.transform, sha256=digests)
     with _progress_bar(progress) as bar:
         task = bar.add_task(f"features {backbone.name}", total=n_images, completed=rows_done)
         for batch in _batches(dataset, indices, batch_size, num_workers, device):
@@ -479,10 +540,13 @@ def _compute_shards(
                     rows_in_shard = len(_shard_range(shard, shard_size, n_images))
                     empty = np.full((rows_in_shard, backbone.feature_dim), np.nan, dtype=np.float32)
                     buffer = buffers[shard] = _ShardBuffer(empty, rows_in_shard)
+                    buffer.pixel_sha256 = [None] * rows_in_shard
                 if spatial and buffer.maps is None and "grid" in manifest:
                     buffer.maps = _empty_maps(len(buffer.features), manifest, backbone.feature_dim)
                 if j is not None:
                     buffer.features[index - shard * shard_size] = rows[j]
+                    if batch.pixel_sha256 is not None:
+                        buffer.pixel_sha256[index - shard * shard_size] = batch.pixel_sha256[j]
                     if buffer.maps is not None and maps is not None:
                         buffer.maps[index - shard * shard_size] = maps[j]
                 else:
@@ -494,6 +558,7 @@ def _compute_shards(
                     _write_shard(entry, manifest, shard, buffers.pop(shard))
                     start = shard * shard_size
                     features[start : start + len(buffer.features)] = buffer.features
+                    pixel_digests[start : start + len(buffer.features)] = buffer.pixel_sha256
                     skip_reasons.update(buffer.skipped)
             bar.advance(task, len(batch.indices) + len(batch.skipped))
     if buffers:  # cannot happen unless the DataLoader dropped indices
@@ -521,6 +586,7 @@ def _write_shard(entry: Path, manifest: dict[str, Any], shard: int, buffer: _Sha
         "file": file_name,
         "rows": len(buffer.features),
         "skipped": {str(i): reason for i, reason in sorted(buffer.skipped.items())},
+        "pixel_sha256": list(buffer.pixel_sha256),
     }
     if buffer.maps is not None:
         maps_name = _maps_file(shard)

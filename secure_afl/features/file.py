@@ -20,18 +20,37 @@ name               dtype / shape                  meaning
 ``patient_ids``    str, N (optional)              one patient id per row; needed only by a study that
                                                   protects patients (``dp-unit = "patient"``), which
                                                   caps each patient's images before the statistics
+``image_sha256``   str, N (optional)              SHA-256 of each row's image file (64 lowercase hex
+                                                  digits): the image named by its content, which the
+                                                  ledger counts releases by (one release per image).
+                                                  Two rows may share a digest: two files with the same
+                                                  bytes are one image, kept as two rows; a ledger counts
+                                                  it once. Files written before digests were recorded
+                                                  lack the array: they still load, and
+                                                  :meth:`FeatureFile.require_image_digests` refuses
+                                                  them where digests are needed
+``pixel_sha256``   str, N (optional)              SHA-256 of each row's decoded 8-bit image (size and
+                                                  pixels, :func:`secure_afl.features.images.pixel_sha256`):
+                                                  the same X-ray re-exported losslessly (recompressed,
+                                                  new DICOM UIDs or metadata) keeps it while its file
+                                                  digest changes; written by ``features extract``
 =================  =============================  ==================================================
 
 The backbone fields travel into the classifier file, and ``predict`` refuses features whose
 backbone, weights or preprocessing differ from the model's.
+
+A feature file is written with mode 0600 (the hospital's user only; the features are derived from
+patients' images), through a temporary file created 0600 and renamed into place; the directories
+:func:`make_private_dirs` creates for it are 0700.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import zipfile
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -48,7 +67,30 @@ _NAMES = (
     "weights_id",
     "preprocessing",
 )
-_OPTIONAL_NAMES = ("patient_ids",)
+_OPTIONAL_NAMES = ("patient_ids", "image_sha256", "pixel_sha256")
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+PRIVATE_FILE_MODE = 0o600  # feature files and cache files: the hospital's user only
+PRIVATE_DIR_MODE = 0o700  # directories features/ creates for them
+REEXTRACT_ADVICE = "re-extract with `secure-afl features extract`"
+
+
+def make_private_dirs(directory: str | os.PathLike[str]) -> Path:
+    """Creates ``directory`` and its missing parents with mode 0700 (existing ones are left as they are)."""
+    directory = Path(directory)
+    missing = []
+    current = directory
+    while not current.exists():
+        missing.append(current)
+        if current.parent == current:
+            break
+        current = current.parent
+    for created in reversed(missing):
+        try:
+            created.mkdir(mode=PRIVATE_DIR_MODE)
+        except FileExistsError:
+            continue  # made meanwhile by another process: its mode is its maker's
+        os.chmod(created, PRIVATE_DIR_MODE)  # the umask can only have removed bits
+    return directory
 
 
 def describe_preprocessing(preprocess: object) -> str:
@@ -74,10 +116,24 @@ class FeatureFile:
     weights_id: str
     preprocessing: str
     patient_ids: tuple[str, ...] | None = None
+    image_sha256: tuple[str, ...] | None = None  # per row: SHA-256 of the image file's bytes
+    pixel_sha256: tuple[str, ...] | None = None  # per row: SHA-256 of the decoded image
+    path: Path | None = field(default=None, compare=False)  # where it was read from, for messages
 
     @property
     def dim(self) -> int:
         return int(self.features.shape[1])
+
+    def require_image_digests(self) -> tuple[str, ...]:
+        """The per-row image digests, or :class:`FeatureFileError` saying how to get a file that has them."""
+        if self.image_sha256 is None:
+            where = f"{self.path}: " if self.path is not None else ""
+            raise FeatureFileError(
+                f"{where}this feature file has no image digests (image_sha256: the SHA-256 of each row's "
+                "image file, which counts each image's releases); it was written before they were "
+                f"recorded: {REEXTRACT_ADVICE} (the feature cache makes that quick)"
+            )
+        return self.image_sha256
 
     def describe_backbone(self) -> dict[str, str]:
         return {"name": self.backbone, "weights_id": self.weights_id, "preprocessing": self.preprocessing}
@@ -95,8 +151,10 @@ def save_feature_file(
     active: Sequence[int] | Sequence[bool] | np.ndarray = (),
     image_ids: Sequence[str] | None = None,
     patient_ids: Sequence[str] | None = None,
+    image_sha256: Sequence[str] | None = None,
+    pixel_sha256: Sequence[str] | None = None,
 ) -> None:
-    """Write a feature file (checked as it would be read); a temporary file is renamed into place.
+    """Write a feature file (checked as it would be read), mode 0600; a temporary file is renamed into place.
 
     ``active``: the labelled classes as indices, or a boolean mask with one entry per class
     (:func:`secure_afl.analytic.active_class_indices`); anything else raises :class:`FeatureFileError`.
@@ -126,11 +184,20 @@ def save_feature_file(
     }
     if patient_ids is not None:
         arrays["patient_ids"] = np.array([str(p) for p in patient_ids], dtype=str)
+    if image_sha256 is not None:
+        arrays["image_sha256"] = np.array([str(d) for d in image_sha256], dtype=str)
+    if pixel_sha256 is not None:
+        arrays["pixel_sha256"] = np.array([str(d) for d in pixel_sha256], dtype=str)
     _validate(Path(path), arrays)
     path = Path(path)
     temporary = path.with_name(f".{path.name}.tmp.npz")
+    temporary.unlink(missing_ok=True)  # a leftover of a killed run
     try:
-        np.savez(temporary, **arrays)
+        # O_EXCL|0600: the features are never readable by others, not even before the rename
+        descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE_MODE)
+        with os.fdopen(descriptor, "wb") as handle:
+            os.fchmod(handle.fileno(), PRIVATE_FILE_MODE)
+            np.savez(handle, **arrays)
         os.replace(temporary, path)
     finally:
         if temporary.exists():
@@ -213,6 +280,8 @@ def _validate(path: Path, arrays: dict[str, np.ndarray]) -> FeatureFile:
     patients = arrays.get("patient_ids")
     if patients is not None and (patients.shape != (n,) or patients.dtype.kind != "U"):
         raise FeatureFileError(f"{path}: 'patient_ids' must hold one string per feature row ({n})")
+    digests = _digests(path, arrays, "image_sha256", n)
+    pixel_digests = _digests(path, arrays, "pixel_sha256", n)
     return FeatureFile(
         features=features,
         image_ids=tuple(ids.tolist()),
@@ -223,4 +292,24 @@ def _validate(path: Path, arrays: dict[str, np.ndarray]) -> FeatureFile:
         weights_id=text("weights_id"),
         preprocessing=text("preprocessing"),
         patient_ids=tuple(patients.tolist()) if patients is not None else None,
+        image_sha256=digests,
+        pixel_sha256=pixel_digests,
+        path=path,
     )
+
+
+def _digests(path: Path, arrays: dict[str, np.ndarray], name: str, n: int) -> tuple[str, ...] | None:
+    """An optional per-row array of SHA-256 digests (64 lowercase hex digits each)."""
+    value = arrays.get(name)
+    if value is None:
+        return None
+    if value.shape != (n,) or value.dtype.kind != "U":
+        raise FeatureFileError(f"{path}: {name!r} must hold one digest per feature row ({n})")
+    listed = tuple(str(d) for d in value.tolist())
+    bad = next((i for i, d in enumerate(listed) if not _SHA256_HEX.fullmatch(d)), None)
+    if bad is not None:
+        raise FeatureFileError(
+            f"{path}: {name!r} row {bad} is {listed[bad]!r}, not a SHA-256 digest (64 lowercase hex "
+            f"digits); {REEXTRACT_ADVICE}"
+        )
+    return listed

@@ -76,6 +76,16 @@ exactly, bit for bit).  Randomized rounding ``R(y) = ⌊y⌋ + Bernoulli(y − �
 ``Δ·2^g + 2·√D`` (D the block's coordinates), whatever the rounding randomness, and the
 accounting uses that bound (Rényi divergence is quasi-convex in the shared rounding randomness).
 
+Every client rounds its own values, so a patient whose images sit at j clients carries j clients'
+rounding into a group sum.  With the rounding randomness shared by the two neighbours,
+``R_U(y) = ⌈y − U⌉`` is monotone and ``|R_U(y) − R_U(y')| < |y − y'| + 1`` per coordinate: client
+k's rounded change is below ``‖δ_k‖ + √D``, the group sum's below ``Σ_k ‖δ_k‖ + j·√D ≤
+P·Δ·2^g + j·√D``.  The plan bounds the slack by ``max(2, j)·√D`` (:func:`rounding_slack_steps`):
+the one-client bound ``2√D`` above, exact for j = 2 and j·√D beyond.  j is 1 for the image unit
+(an image sits at one client) and for a patient in a deployment (a patient stays within one
+institution); the simulator, whose split may spread a patient's images over clients, passes a
+public bound (:attr:`FederationLayout.patient_clients`, capped at P and at the number of clients).
+
 Noise and dropouts
 ------------------
 Every group sum must carry the target variance even at the fewest survivors with which the
@@ -446,6 +456,19 @@ def fewest_survivors(
     return max(1, min(members, max(min_group_size, members - (n_clients - threshold))))
 
 
+def rounding_slack_steps(dim: int, clients: int = 1) -> float:
+    """ℓ2 bound (grid steps) on what ``clients`` separate randomized roundings of a ``dim``-coordinate
+    block add to one protected unit's change of a group sum: ``max(2, clients)·√dim``.
+
+    Each client's rounding adds less than ``√dim`` once the neighbours share the rounding
+    randomness (``⌈y − U⌉`` is monotone); one client keeps the plan's ``2√dim`` (``|R(y) − y| < 1``
+    on each side), so that one- and two-client plans stay as they were.
+    """
+    if clients < 1:
+        raise DpError(f"a protected unit's rows sit at one client at least, got {clients}")
+    return max(2, clients) * math.sqrt(dim)
+
+
 def _tau(members: int, client_variance_steps: float) -> float:
     return 10.0 * sum(
         math.exp(-2.0 * math.pi**2 * client_variance_steps * k / (k + 1)) for k in range(1, members)
@@ -465,6 +488,7 @@ class BlockNoise:
     fewest: int
     client_variance: int  # grid steps², admissible for the exact sampler
     target_rho: float  # what the calibration asked of this block (rho never exceeds it)
+    rounding_clients: int = 1  # the most clients whose roundings one protected unit's change carries
 
     @property
     def target_variance_steps(self) -> float:
@@ -477,8 +501,14 @@ class BlockNoise:
 
     @property
     def sensitivity_steps(self) -> float:
-        """ℓ2 sensitivity on the grid after randomized rounding: Δ·2^g + 2√D."""
-        return self.sensitivity * 2.0**self.grid_bits + 2.0 * math.sqrt(self.dim)
+        """ℓ2 sensitivity on the grid after randomized rounding: ``Δ·2^g + max(2, j)·√D``, j the
+        clients a protected unit's rows may sit at (:func:`rounding_slack_steps`)."""
+        return self.sensitivity * 2.0**self.grid_bits + rounding_slack_steps(self.dim, self.rounding_clients)
+
+    @property
+    def rounding_slack(self) -> float:
+        """The rounding's share of :attr:`sensitivity_steps`, in real units."""
+        return rounding_slack_steps(self.dim, self.rounding_clients) * self.grid
 
     def group_std(self, survivors: int | None = None) -> float:
         """Standard deviation (real units) of the group sum's noise per coordinate."""
@@ -512,15 +542,17 @@ def make_block(
     members: int,
     fewest: int,
     frac_bits: int,
+    rounding_clients: int = 1,
 ) -> BlockNoise:
-    """The block whose group sum, at ``fewest`` survivors, gives at most ``rho`` (before ξ)."""
+    """The block whose group sum, at ``fewest`` survivors, gives at most ``rho`` (before ξ);
+    ``rounding_clients``: the most clients whose roundings one protected unit's change carries."""
     if not rho > 0:
         raise DpError(f"a block's rho must be positive, got {rho}")
     std = sensitivity / math.sqrt(2.0 * rho)
     bits = _grid_bits(std, fewest, frac_bits)
-    steps = sensitivity * 2.0**bits + 2.0 * math.sqrt(dim)
+    steps = sensitivity * 2.0**bits + rounding_slack_steps(dim, rounding_clients)
     variance = admissible_variance(steps**2 / (2.0 * rho * fewest))
-    return BlockNoise(group, kind, dim, sensitivity, bits, members, fewest, variance, rho)
+    return BlockNoise(group, kind, dim, sensitivity, bits, members, fewest, variance, rho, rounding_clients)
 
 
 # round-1 tensors of one class-sums layout only (round 2's pseudo-label tensors are in both)
@@ -561,7 +593,8 @@ class NoisePlan:
         A slot's blocks may move together, by ``Δ_b`` with ``Σ_b Δ_b² ≤ Δ²`` (``Δ`` the blocks'
         common sensitivity: one patient's images on either side of a class, ``a² + b² ≤ (a + b)²``;
         an image's label-normalised positive sums, ``Σ_c w_c² ≤ 1``).  On the grid each moved block
-        also carries its rounding slack ``r_b = 2√D_b`` steps, so the slot's ρ is
+        also carries its rounding slack ``r_b = max(2, j)·√D_b`` steps (j clients rounding, at most
+        :attr:`BlockNoise.rounding_clients`), so the slot's ρ is
         ``Σ_b (Δ_b + r_b·2^-g_b)² / (2σ_b²) ≤ max_b 1/(2σ_b²) · (Δ + √A·max_b r_b·2^-g_b)²``
         (Minkowski) for A blocks, σ_b each group sum's noise at its fewest survivors.  For one block
         this is exactly its own ρ.
@@ -573,7 +606,7 @@ class NoisePlan:
                 out.append((blocks[0].rho, blocks[0].xi))
                 continue
             inverse = max(1.0 / (2.0 * b.group_std() ** 2) for b in blocks)
-            slack = max(2.0 * math.sqrt(b.dim) * b.grid for b in blocks)
+            slack = max(b.rounding_slack for b in blocks)
             sensitivity = max(b.sensitivity for b in blocks)
             rho = inverse * (sensitivity + math.sqrt(len(blocks)) * slack) ** 2
             out.append((rho, sum(b.xi for b in blocks)))
@@ -630,8 +663,19 @@ class FederationLayout:
     rounds: int = 1
     masked: bool = True
     frac_bits: int = encoding.DEFAULT_FRAC_BITS
+    # The most institutions one patient's images may sit at (the patient unit; each rounds its own
+    # values): 1 in a deployment, where a patient stays within one institution; the simulator's
+    # split may spread a patient's images, and it passes a public bound (the number of clients).
+    patient_clients: int = 1
 
     def __post_init__(self) -> None:
+        if isinstance(self.patient_clients, bool) or not isinstance(self.patient_clients, int):
+            raise DpError(f"patient_clients must be an integer, got {self.patient_clients!r}")
+        if not 1 <= self.patient_clients <= max(1, len(self.active)):
+            raise DpError(
+                f"patient_clients must be in 1..{len(self.active)} (the institutions), got "
+                f"{self.patient_clients}"
+            )
         # Each institution's classes as sorted indices: a boolean mask is read as a mask, never as
         # the classes 0 and 1; indices outside 0..C−1 and non-integers are refused.
         active: dict[str, tuple[int, ...]] = {}
@@ -696,6 +740,9 @@ def plan_noise(config: DpConfig, layout: FederationLayout) -> NoisePlan:
 
     eigen = config.ridge == "adassp"
     slots = _slots(layout, config.unit, eigen=eigen, positives=positives)
+    # the clients whose roundings one protected unit's change carries: an image sits at one; a
+    # patient's at most P images at no more than P of the layout's bound
+    rounding_clients = 1 if config.unit == "image" else min(layout.patient_clients, p)
     # class slots per protected unit: an image moves one block per class it meets (its client's
     # labelled classes in round 1; every class once both rounds run); a patient may span clients.
     # With positive sums, all of round 1's class blocks are one slot (their joint ℓ2 change ≤ C).
@@ -739,6 +786,7 @@ def plan_noise(config: DpConfig, layout: FederationLayout) -> NoisePlan:
                     members=members,
                     fewest=fewest,
                     frac_bits=layout.frac_bits,
+                    rounding_clients=rounding_clients,
                 )
         return NoisePlan(config, blocks, slots, layout.frac_bits, rho_total)
 

@@ -300,6 +300,7 @@ def privacy_record(
             "block": b.kind,
             "sensitivity": b.sensitivity,
             "grid_bits": b.grid_bits,
+            "rounding_clients": b.rounding_clients,
             "members": b.members,
             "fewest_survivors": b.fewest,
             "noise_std_at_fewest": b.group_std(),

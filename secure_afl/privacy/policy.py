@@ -106,7 +106,10 @@ class ClientPolicy:
         raise ValueError(f"unknown client policy {name!r}: use 'deployment' or 'simulator'")
 
     def colluders(self, n_clients: int, threshold: int) -> int:
-        """How many peers the exposure check assumes collude: c = n - t (capped by ``max_colluders``)."""
+        """How many peers the exposure check assumes collude: c = n - t (capped by ``max_colluders``).
+
+        ``threshold`` is the client's own floor for t (:meth:`min_threshold`), never the session's:
+        a server that raised t would otherwise shrink the colluders assumed (to none at t = n)."""
         if not self.assume_colluders:
             return 0
         bound = max(0, n_clients - threshold)

@@ -10,6 +10,7 @@ from secure_afl.core.encoding import decode, encode, pack_symmetric, rounding_er
 from secure_afl.core.errors import (
     BothSharesRequestedError,
     ClientProtocolError,
+    DifferentSessionViewError,
     DuplicateClientError,
     DuplicateParticipantError,
     EncodingOverflowError,
@@ -55,6 +56,7 @@ __all__ = [
     "ClientSession",
     "ClientState",
     "DeterministicRandomSource",
+    "DifferentSessionViewError",
     "DuplicateClientError",
     "DuplicateParticipantError",
     "EncodingOverflowError",

@@ -8,7 +8,11 @@ includes the session id, so nothing can be replayed from another session.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+
+from secure_afl.core.errors import LocalProtocolError
 
 from . import crypto
 from .fields import sequence, tagged_fields
@@ -22,10 +26,47 @@ SURVIVORS_DOMAIN = b"secure-afl/v1/consistency-transcript"
 ADVERTISEMENTS_DOMAIN = b"secure-afl/v1/accepted-advertisements"
 ADVERTISEMENT_ENTRY_DOMAIN = b"secure-afl/v1/accepted-advertisement"
 COMMITMENT_DOMAIN = b"secure-afl/v1/self-mask-commitment"
+CONTEXT_DOMAIN = b"secure-afl/v1/session-context"
+CONTEXT_ARRAY_DOMAIN = b"secure-afl/v1/session-context-array"
+CONTEXT_BYTES = 32
+NO_CONTEXT = b""  # a session bound to nothing outside its config (protocol-level tests and tools)
 
 
-def config_digest(config: SessionConfig) -> bytes:
-    """SHA-256 of the session's config: session id, t, minimum group size, encoding, group layout.
+def session_context(study: bytes, round_label: str, arrays: Mapping[str, np.ndarray] | None = None) -> bytes:
+    """SHA-256 of what shapes a release besides the session config: the one-view rule's digest.
+
+    ``study`` is the study's canonical encoding (its digest will do: every field, DP parameters
+    included, with or without DP), ``round_label`` the study's round ("1", "2"), and ``arrays`` what
+    the server sent with it for that round (round 2: the teacher classifier W, named ``coef``); the
+    pseudo-label parameters (τ, α, δ⁺, δ⁻, the rescaling) are the study's.  Each array is bound by
+    name, shape and its float64 little-endian bytes.  Every client computes it from what *it* was
+    given and passes it to its session, which folds it into the config digest that every
+    advertisement signs (:func:`config_digest`): a client accepts an advertisement set only where
+    all of them sign its own digest, so at least t clients were shown this one study, round and W
+    before any share leaves (R1).  Both backends bind it the same way.
+    """
+    entries = sequence(
+        tagged_fields(
+            CONTEXT_ARRAY_DOMAIN,
+            name,
+            tuple(str(int(k)) for k in np.shape(values)),
+            np.ascontiguousarray(values, dtype="<f8").tobytes(),
+        )
+        for name, values in sorted((arrays or {}).items())
+    )
+    return hashlib.sha256(tagged_fields(CONTEXT_DOMAIN, study, round_label, entries)).digest()
+
+
+def check_context(context: bytes) -> bytes:
+    """A session's context: :data:`NO_CONTEXT` or a :func:`session_context` digest (32 bytes)."""
+    if not isinstance(context, bytes) or len(context) not in (0, CONTEXT_BYTES):
+        raise LocalProtocolError(f"a session context is {CONTEXT_BYTES} bytes (session_context) or empty")
+    return context
+
+
+def config_digest(config: SessionConfig, context: bytes = NO_CONTEXT) -> bytes:
+    """SHA-256 of the session's config: session id, t, minimum group size, encoding, group layout,
+    and the session context (:func:`session_context`: the study, its round, round 2's W).
 
     The layout is nested, never joined with separators: a sequence of groups, each a tagged
     encoding of its name and the sequence of its tensors, each a tagged encoding of (name, length).
@@ -49,6 +90,7 @@ def config_digest(config: SessionConfig) -> bytes:
         config.min_group_size,
         config.frac_bits,
         layout,
+        check_context(context),
     )
     return hashlib.sha256(encoded).digest()
 

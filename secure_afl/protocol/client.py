@@ -12,9 +12,13 @@ The client defends itself against the server (the party we do not trust), by its
   completed session (by content, :mod:`secure_afl.privacy.release`) is refused before any key leaves.
 - Every round (deployment policy): one answer per round: the digest of the message answered is
   recorded in the ledger before the reply leaves; a different message for that round is refused.
+- R1, every policy: one view: every advertisement relayed (at least t) signs this client's own
+  config digest, which covers the session context it was given (the study, its round, round 2's
+  teacher W): else :class:`DifferentSessionViewError`, before any share exists.
 - R1 (deployment policy), R3 and R4: the exposure check
   (:func:`~secure_afl.privacy.exposure.client_exposures`): would the sums over the survivors
-  determine one client's value, with up to c = n - t colluding peers' values known?  The
+  determine one client's value, with up to c = n - t colluding peers' values known (t this client's
+  own floor, never the session's t)?  The
   deployment policy refuses (:class:`ExposureRefusedError`); the simulator policy goes on and
   records the finding in :attr:`ClientSession.exposure_findings`.
 - R3: the release (and the survivor set signed) is recorded in the ledger before the signature
@@ -34,6 +38,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from secure_afl.core import encoding
 from secure_afl.core.errors import (
     BothSharesRequestedError,
+    DifferentSessionViewError,
     DuplicateParticipantError,
     GroupBelowMinimumError,
     InconsistentSurvivorsError,
@@ -206,7 +211,11 @@ class ClientSession:
     :mod:`secure_afl.privacy.ledger`); ``release`` names what the session releases, by default
     :meth:`Release.of(inputs) <secure_afl.privacy.release.Release.of>` (pass the release of the
     statistics before randomisation when the inputs carry fresh noise, with source ids).
-    ``session_id``, when given, pins the session this client expects.
+    ``session_id``, when given, pins the session this client expects.  ``context`` is the one-view
+    digest of what shapes the release besides the config (:func:`binding.session_context
+    <secure_afl.protocol.binding.session_context>`: the study, its round, round 2's teacher W),
+    computed by this client from what it was given: its advertisement signs it within the config
+    digest, and in R1 it refuses (:class:`DifferentSessionViewError`) advertisements that sign another.
     """
 
     def __init__(
@@ -223,6 +232,7 @@ class ClientSession:
         policy: ClientPolicy | None = None,
         ledger: Ledger | None = None,
         release: Release | None = None,
+        context: bytes = binding.NO_CONTEXT,
     ) -> None:
         if client_id not in roster:
             raise LocalProtocolError(f"client {client_id!r} is not in the roster")
@@ -249,6 +259,7 @@ class ClientSession:
             raise LocalProtocolError("min_group_size must be at least 1")
         self._min_group_size = min_group_size
         self._expected_session_id = session_id
+        self._context = binding.check_context(context)
         self._random = default_random(random)
         self._gate = ExposureGate(client_id, identity_key, self._inputs, policy, ledger, release)
         self._state = ClientState.AWAIT_ADVERTISE_REQUEST
@@ -415,7 +426,7 @@ class ClientSession:
         mask_key = crypto.new_x25519_key(self._random)
         seed = self._random.token_bytes(SEED_BYTES)
         commitment = binding.self_mask_commitment(seed, config.session_id, self.client_id)
-        digest = binding.config_digest(config)
+        digest = binding.config_digest(config, self._context)
         groups = tuple(sorted(self._inputs))
         domain, fields = binding.advertise_fields(
             config.session_id,
@@ -475,7 +486,10 @@ class ClientSession:
                     f"sign (an honest server verifies every advertisement before relaying it)"
                 )
             if advert.config_digest != self._config_digest:
-                raise InvalidSessionConfigError(f"{advert.client_id!r} was given a different session config")
+                raise DifferentSessionViewError(
+                    f"{advert.client_id!r} signed another session than this client's (its config, study, "
+                    f"round or round 2's teacher differ): the server shows clients different sessions"
+                )
             if not (
                 crypto.valid_x25519_public_key(advert.encryption_public_key)
                 and crypto.valid_x25519_public_key(advert.mask_public_key)
@@ -761,7 +775,9 @@ class ClientSession:
             action,
             groups,
             session_id=config.session_id,
-            colluders=self._policy.colluders(len(self._roster), config.threshold),
+            # c = n - (this client's own floor for t), never n - (the session's t): a server that
+            # raised t would otherwise shrink the colluders assumed (to none at t = n).
+            colluders=self._policy.colluders(len(self._roster), self._min_threshold),
             release_survivors=tuple(sorted(live)) if release else None,
         )
 

@@ -71,14 +71,14 @@ class AggregationResult:
 class ServerSession:
     """The server's side of one session over ``config``'s groups, for the clients of ``roster``."""
 
-    def __init__(self, roster: Roster, config: SessionConfig) -> None:
+    def __init__(self, roster: Roster, config: SessionConfig, *, context: bytes = binding.NO_CONTEXT) -> None:
         try:
             validate_config(config, len(roster))
         except InvalidSessionConfigError as exc:
             raise LocalProtocolError(str(exc)) from exc
         self._roster = roster
         self._config = config
-        self._digest = binding.config_digest(config)
+        self._digest = binding.config_digest(config, context)  # the session context its clients bind
         self._message_limit = codec.max_message_bytes(config, len(roster))
         self._round = ServerRound.NOT_STARTED
         self._adverts: dict[str, AdvertiseKeys] = {}

@@ -57,6 +57,7 @@ def ckks_aggregate(
     ledgers: Mapping[str, Ledger] | None = None,
     random: RandomSource | None = None,
     session_id: bytes | None = None,
+    context: bytes = b"",
 ) -> CkksAggregationRun:
     """Sum ``contributions`` (client -> group -> tensor -> float64 array) per group under CKKS.
 
@@ -66,7 +67,8 @@ def ckks_aggregate(
     ``min_group_size``, :class:`~secure_afl.protocol.ckks.errors.KeyHolderDroppedError` when no advertised
     client is left to hold the key (a key holder that drops before sending it is replaced by a
     re-election among the others), and :class:`~secure_afl.protocol.ckks.errors.NoDecryptorError`
-    when every surviving member of a group dropped before decrypting.
+    when every surviving member of a group dropped before decrypting.  ``context`` is the session
+    context every client binds (:func:`secure_afl.protocol.binding.session_context`).
     """
     backend = CkksBackend(
         parameters=parameters or CkksParameters(),
@@ -81,6 +83,7 @@ def ckks_aggregate(
         dropouts=dropouts,
         random=random,
         session_id=session_id,
+        context=context,
     )
     outcome = run.outcome
     members, survivors, audit = audit_run(run, contributions, protection="ckks")

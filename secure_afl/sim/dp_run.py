@@ -114,6 +114,9 @@ def run_private_setting(
         min_group_size=config.min_group_size,
         rounds=config.rounds,
         masked=config.secure == "mask",
+        # the split may spread a patient's images over clients, each rounding its own values: the
+        # plan takes the public bound, every client (plan_noise caps it at the images per patient)
+        patient_clients=config.n_clients,
     )
     plan = plan_noise(dp, layout)
 
@@ -157,7 +160,9 @@ def run_private_setting(
                 for name in live
             }
         with timer.phase("aggregation"):
-            agg2 = runner.aggregate(round2, config, dropouts={})
+            agg2 = runner.aggregate(
+                round2, config, dropouts={}, round_label="2", arrays={"coef": model.coef_}
+            )
         with timer.phase("solve"):
             count_std = pseudo_count_noise_std(plan, {g: len(ids) for g, ids in agg2.survivors.items()})
             refined, solve2 = refine_private(

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from secure_afl.privacy.policy import active_threshold, majority_threshold, threat_model
-from secure_afl.sim.audit import trust_models
+from secure_afl.sim.audit import PrivacyAudit, trust_models
 from secure_afl.sim.baselines import FAMILY
 from secure_afl.sim.data import CLASSES
 from secure_afl.sim.runner import AFL_1, FEDAVG, FEDNCA, ExperimentResult, SettingResult, SimConfig
@@ -368,20 +368,288 @@ def _audit_lines(setting: SettingResult) -> list[str]:
     return lines
 
 
-def print_report(result: ExperimentResult, console: Console) -> None:
-    if result.notice:
-        console.print(f"[bold yellow]{result.notice}[/]")
+def _print_results_table(result: ExperimentResult, console: Console, width: int | None = None) -> None:
     header, rows = results_table_rows(result)
     title = "Results (BACC and AUC in %, mAP as a fraction)"
     if len(header) <= 8:
-        console.print(_rich_table(title, header, rows))
+        console.print(_rich_table(title, header, rows), width=width)
     else:  # side by side the settings would not fit a terminal: one block of columns per setting
         for start in range(2, len(header), 3):
             block = [0, 1, start, start + 1, start + 2]
             console.print(
-                _rich_table(title, [header[i] for i in block], [[row[i] for i in block] for row in rows])
+                _rich_table(title, [header[i] for i in block], [[row[i] for i in block] for row in rows]),
+                width=width,
             )
             title = ""
+
+
+# ----------------------------------------------------------------------------------------------
+# The terminal's default report: the table, then each fact once, aggregated (--verbose: all of it)
+# ----------------------------------------------------------------------------------------------
+
+SUMMARY_WIDTH = 80  # the short report's columns, whatever the terminal's
+
+
+def _names(names: list[str], most: int = 3) -> str:
+    """``a, b, c`` or, for more, the first and last: ``class/0 … class/7``."""
+    return ", ".join(names) if len(names) <= most else f"{names[0]} … {names[-1]}"
+
+
+def _whose(clients: list[str]) -> str:
+    """``client-4's``, ``client-1's and client-2's`` or ``6 clients'``."""
+    if len(clients) == 1:
+        return f"{clients[0]}'s"
+    if len(clients) == 2:
+        return f"{clients[0]}'s and {clients[1]}'s"
+    return f"{len(clients)} clients'"
+
+
+def _size(n_bytes: float) -> str:
+    return f"{n_bytes / 1e6:.2f} MB" if n_bytes >= 1e6 else f"{n_bytes / 1e3:.1f} kB"
+
+
+def coverage_line(setting: SettingResult) -> str:
+    """The class coverage table in one line: the draw and |S_c| per class."""
+    sizes = [len(s) for s in setting.assignment.coverage()]
+    names = list(SHORT_NAMES.values())
+    per_class = ", ".join(f"{names[c] if c < len(names) else c} {n}" for c, n in enumerate(sizes))
+    return f"{coverage_title(setting)}: |S_c| {per_class}"
+
+
+def pseudo_label_summary(setting: SettingResult) -> str | None:
+    """Round 2's two pseudo-label counts in one line (None without round 2)."""
+    parts = []
+    for what, pairs in (
+        ("the paper's τ", setting.pseudo_labels),
+        ("the rescaled τ", setting.pseudo_labels_rescaled),
+    ):
+        reports = [r for _, r in pairs]
+        if reports:
+            parts.append(f"{sum(r.qualified for r in reports)} of {len(reports)} under {what}")
+    if not parts:
+        return None
+    return (
+        f"Round 2, missing {setting.missing}: (client, missing class) pairs qualified for "
+        f"pseudo-labels: {'; '.join(parts)}"
+    )
+
+
+def undefined_balance_summary(setting: SettingResult) -> str | None:
+    """Every labelled class where Eq. 9 is undefined, as one WARNING line (None if there is none)."""
+    if not setting.undefined_balance:
+        return None
+    cases = [
+        f"{CLASSES[c] if c < len(CLASSES) else c} at {client} ({why})"
+        for client, c, why in setting.undefined_balance
+    ]
+    return (
+        f"WARNING: missing {setting.missing}: Eq. 9 is undefined for {len(cases)} labelled class(es), "
+        f"the empty side dropped: {_names(cases, most=2)}"
+    )
+
+
+def client_checks_agreement(audit: PrivacyAudit) -> tuple[list[str], list[str], list[str]]:
+    """The session's clients by how their own exposure checks compare with the audit: (found
+    exactly what the audit lists for the tensors they send, found nothing where the audit lists
+    exposures (a client that dropped out never checked), found something else).  A finding that
+    needs colluders' values, or combines tensors, is not in the audit's per-tensor terms."""
+    clients = sorted({c for g in audit.groups for c in g.members})
+    exposed = {(t, c) for t, cs in audit.exposed.items() for c in cs}
+    agree: list[str] = []
+    silent: list[str] = []
+    other: list[str] = []
+    for client in clients:
+        sent = {t for g in audit.groups if client in g.members for t in g.tensors}
+        findings = audit.client_findings.get(client, ())
+        found = {
+            (f.tensor if not f.colluders else f"{f.tensor} (colluders)", c)
+            for f in findings
+            for c in f.clients
+        }
+        if found == {(t, c) for t, c in exposed if t in sent}:
+            agree.append(client)
+        elif not findings:
+            silent.append(client)
+        else:
+            other.append(client)
+    return agree, silent, other
+
+
+def _client_checks_sentence(audit: PrivacyAudit, dropped_clients: tuple[str, ...]) -> str:
+    agree, silent, other = client_checks_agreement(audit)
+    total = len(agree) + len(silent) + len(other)
+    text = f" {len(agree)} of {total} clients' own exposure checks agree with this audit"
+    dropped = [c for c in silent if c in dropped_clients]
+    if dropped:
+        text += f"; {len(dropped)} dropped out before theirs"
+    if len(silent) > len(dropped):
+        text += f"; {len(silent) - len(dropped)} found nothing"
+    if other:
+        names = f" ({', '.join(other)})" if len(other) <= 3 else ""
+        text += f"; {len(other)} found other combinations{names}, listed in report.md"
+    found = len(audit.client_findings)
+    return text + (f" ({found} saw exposures and went on: simulator policy)." if found else ".")
+
+
+def privacy_verdict(setting: SettingResult) -> str:
+    """One paragraph: what the server learns at this setting, aggregated over the audit's groups."""
+    audit = setting.audit
+    private = bool(setting.privacy)  # --dp-epsilon: every client noised its values before sending
+    exactly = "with only that client's own DP noise on them" if private else "exactly"
+    head = f"Privacy, missing {setting.missing} ({audit.protection}): "
+    if audit.protection == "none":
+        text = head + "WARNING: plaintext run: the server receives every client's statistics individually"
+        text += " (each noised: differential privacy above)." if private else "."
+    else:
+        groups = list(audit.groups)
+        clients = sorted({c for g in groups for c in g.members})
+        alone = [g for g in groups if len(g.survivors) == 1]
+        classes = [g for g in groups if g.group.startswith("class/")]
+        if alone:
+            lone = sorted({g.survivors[0] for g in alone})
+            if [g.group for g in alone] == [g.group for g in classes]:
+                what = "every class group has one member"
+            else:
+                verb = "has" if len(alone) == 1 else "have"
+                what = f"{len(alone)} of {len(groups)} groups {verb} one surviving member"
+            whose = "each client's" if lone == clients else _whose(lone)
+            scope = "class statistics" if all(g in classes for g in alone) else "statistics in them"
+            text = (
+                head + f"WARNING: {what} ({_names([g.group for g in alone])}): the server learns "
+                f"{whose} {scope} {exactly}; no aggregation can hide them."
+            )
+            rest = [g for g in groups if len(g.survivors) > 1]
+            if rest:
+                sizes = sorted({len(g.survivors) for g in rest})
+                span = f"{sizes[0]}" if len(sizes) == 1 else f"{sizes[0]}–{sizes[-1]}"
+                text += f" The other {len(rest)} groups sum over {span} clients each."
+        else:
+            fewest = min(len(g.survivors) for g in groups)
+            text = head + f"every one of the {len(groups)} groups sums over at least {fewest} clients."
+        overlap = audit.exposed_by_overlap()
+        if overlap:
+            exposed = sorted({c for cs in overlap.values() for c in cs})
+            text += (
+                f" WARNING: overlapping group sums determine the individual {', '.join(sorted(overlap))} "
+                f"of {len(exposed)} client(s) (sum such a tensor in one all-clients group: gram='global')."
+            )
+        else:
+            text += " No combination of overlapping group sums singles out any other value."
+        if private and not audit.client_findings:
+            text += " (A private run does not record the clients' own exposure checks.)"
+        else:
+            text += _client_checks_sentence(audit, setting.dropped)
+    if setting.dropped:
+        text += f" Dropped: {', '.join(setting.dropped)}."
+    clear = [m for m in setting.metrics if method_type(m) != "Analytic"]
+    if clear:
+        who = _names(clear, most=2) if len(clear) <= 2 else f"{clear[0]} and {len(clear) - 1} other methods"
+        text += f" {who}: every client's head goes to the server in the clear, every round."
+    return text
+
+
+def refusal_summary(setting: SettingResult) -> str | None:
+    """--client-policy deployment: which methods' layouts deployed clients would refuse (one line)."""
+    if not setting.client_refusals:
+        return None
+    refused = [m for m, r in setting.client_refusals.items() if r]
+    if not refused:
+        return f"Deployed clients (missing {setting.missing}) accept every method's layout."
+    first = setting.client_refusals[refused[0]][0]
+    reason = first.reason if len(first.reason) <= 100 else first.reason[:99] + "…"
+    return (
+        f"Deployed clients (missing {setting.missing}) refuse {len(refused)} of "
+        f"{len(setting.client_refusals)} methods' layouts (report.md says why); first: {refused[0]}, "
+        f"{first.client}: {reason}"
+    )
+
+
+def cost_summary(setting: SettingResult) -> str:
+    """Bytes and protocol seconds of one setting, as means over clients, in one line."""
+    uploads = list(setting.upload_bytes.values())
+    text = (
+        f"Costs, missing {setting.missing}: each client uploads {_size(sum(uploads) / max(1, len(uploads)))}"
+    )
+    sessions = []
+    for name, costs in (setting.protocol_costs or {}).items():
+        if not costs:
+            continue
+        n = max(1, len(costs["bytes_sent"]))  # type: ignore[arg-type]
+
+        def mean(key: str, costs: dict = costs, n: int = n) -> float:
+            return sum(sum(v.values()) for v in costs[key].values()) / n
+
+        server = sum(costs["server_seconds"].values())  # type: ignore[attr-defined]
+        sessions.append(
+            f"{name} {_size(mean('bytes_sent'))} sent, {_size(mean('bytes_received'))} received, "
+            f"{mean('client_seconds'):.2f} s per client, {server:.2f} s at the server"
+        )
+    return text + ("; " + "; ".join(sessions) if sessions else "") + "."
+
+
+def seconds_summary(result: ExperimentResult) -> str:
+    total = sum(result.seconds.values())
+    longest = sorted(result.seconds.items(), key=lambda kv: -kv[1])[:3]
+    text = f"Seconds: {total:.1f} s of phases ({', '.join(f'{p} {s:.1f}' for p, s in longest)})"
+    per_method: dict[str, float] = {}
+    for setting in result.settings:
+        for name, seconds in setting.method_seconds.items():
+            per_method[name] = per_method.get(name, 0.0) + seconds
+    if per_method:
+        name, seconds = max(per_method.items(), key=lambda kv: kv[1])
+        which = name if len(per_method) == 1 else f"the longest of {len(per_method)}, {name}"
+        text += f"; gradient methods train beside them ({which}: {seconds:.1f} s)"
+    return text + "."
+
+
+DETAILS_LINE = (
+    "report.md and results.json hold the full audit (every group, every client's own check), the "
+    "costs per round and party, and the seconds; --verbose prints them here."
+)
+
+
+def print_summary(result: ExperimentResult, console: Console) -> None:
+    """The default terminal report: the results table, then per setting each fact once, aggregated;
+    at most :data:`SUMMARY_WIDTH` columns."""
+    width = min(console.width, SUMMARY_WIDTH)
+
+    def say(text: str, style: str = "") -> None:
+        console.print(text, style=style, markup=False, highlight=False, width=width)
+
+    _print_results_table(result, console, width)
+    if result.notice:
+        say(result.notice, "bold yellow")
+    for setting in result.settings:
+        say(coverage_line(setting))
+        for line in (pseudo_label_summary(setting), undefined_balance_summary(setting)):
+            if line:
+                say(line, "bold red" if line.startswith("WARNING") else "")
+        for line in _privacy_lines(setting):
+            say(line)
+        if _several_protections(setting):
+            h, r = backend_comparison_rows(setting)
+            console.print(
+                _rich_table(f"Protections side by side, missing {setting.missing}", h, r), width=width
+            )
+        verdict = privacy_verdict(setting)
+        say(verdict, "bold red" if "WARNING" in verdict else "")
+        refusals = refusal_summary(setting)
+        if refusals:
+            say(refusals)
+        say(cost_summary(setting))
+    say(threat_model_line(result.config))
+    say(seconds_summary(result))
+    say(DETAILS_LINE, "dim")
+
+
+def print_report(result: ExperimentResult, console: Console, *, verbose: bool = False) -> None:
+    """The terminal report: :func:`print_summary`, or with ``verbose`` every table and audit line."""
+    if not verbose:
+        print_summary(result, console)
+        return
+    if result.notice:
+        console.print(f"[bold yellow]{result.notice}[/]")
+    _print_results_table(result, console)
     for setting in result.settings:
         for line in _pseudo_label_lines(setting):
             console.print(line, markup=False, highlight=False)

@@ -10,6 +10,7 @@ reported models, the second's are fitted too and its costs sit beside the first'
 
 from __future__ import annotations
 
+import hashlib
 import time
 import warnings
 from collections.abc import Iterator, Mapping
@@ -252,8 +253,14 @@ def aggregate(
     config: SimConfig,
     *,
     dropouts: Mapping[str, tuple[str, ...]],
+    round_label: str = "1",
+    arrays: Mapping[str, np.ndarray] | None = None,
 ) -> _Aggregate:
-    """Per-group sums over the surviving members, in the clear or through the masking protocol."""
+    """Per-group sums over the surviving members, in the clear or through the masking protocol.
+
+    Through a protocol, every client binds the session context of this run's config, the round and
+    what the server sent for it (``arrays``: round 2's teacher W), as a deployed client binds its
+    study's (:func:`secure_afl.protocol.binding.session_context`, the one-view rule)."""
     members: dict[str, list[str]] = {}
     tensors: dict[str, set[str]] = {}
     for client, groups in contributions.items():
@@ -261,8 +268,10 @@ def aggregate(
             members.setdefault(group, []).append(client)
             tensors.setdefault(group, set()).update(named)
     if config.secure != "none":
+        context = simulation_context(config, round_label, arrays)
         runs = {
-            name: _protected_sums(name, contributions, config, dropouts) for name in config.secure.split(",")
+            name: _protected_sums(name, contributions, config, dropouts, context)
+            for name in config.secure.split(",")
         }
         first = next(iter(runs.values()))
         return _Aggregate(
@@ -288,11 +297,21 @@ def aggregate(
     )
 
 
+def simulation_context(config: SimConfig, round_label: str, arrays: Mapping[str, np.ndarray] | None) -> bytes:
+    """The one-view session context of a simulated round: the run config (its repr: every field,
+    the pseudo-label and DP parameters included), the round and round 2's teacher arrays."""
+    from secure_afl.protocol.binding import session_context
+
+    study = hashlib.sha256(repr(config).encode("utf-8")).digest()
+    return session_context(study, round_label, arrays)
+
+
 def _protected_sums(
     protection: str,
     contributions: Mapping[str, Contributions],
     config: SimConfig,
     dropouts: Mapping[str, tuple[str, ...]],
+    context: bytes = b"",
 ):  # -> SecureAggregationResult | CkksAggregationRun
     """Group sums through one protection backend ("mask" or "ckks"); aborts become ExperimentErrors."""
     from secure_afl.core.errors import (
@@ -314,6 +333,7 @@ def _protected_sums(
                 min_group_size=config.min_group_size,
                 dropouts=dropouts,
                 parameters=CkksParameters(poly_modulus_degree=config.ckks_poly_degree),
+                context=context,
             )
         from secure_afl.sim.secure import secure_aggregate
 
@@ -323,6 +343,7 @@ def _protected_sums(
             threshold=config.threshold,
             min_group_size=config.min_group_size,
             dropouts=dropouts,
+            context=context,
         )
     except InsufficientParticipantsError as exc:
         raise ExperimentError(
@@ -461,7 +482,10 @@ def run_setting(
                 pseudo_reports.extend((name, r) for r in reports[PSEUDO_TENSOR])
                 rescaled_reports.extend((name, r) for r in reports.get(PSEUDO_TENSOR_RESCALED, []))
         with timer.phase("aggregation"):
-            agg2 = aggregate(round2, config, dropouts={})
+            teacher = {"coef": afl.coef_}
+            if rescaled is not None:
+                teacher.update({"rescaled/coef": rescaled[0], "rescaled/offset": rescaled[1]})
+            agg2 = aggregate(round2, config, dropouts={}, round_label="2", arrays=teacher)
         with timer.phase("solve"), warnings.catch_warnings():
             warnings.simplefilter("ignore", UndefinedBalanceWarning)
             models[AFL_2] = AnalyticClassifier(n_classes, gamma=config.gamma).refine(

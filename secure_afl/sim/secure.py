@@ -67,6 +67,7 @@ def secure_aggregate(
     frac_bits: int = encoding.DEFAULT_FRAC_BITS,
     random: RandomSource | None = None,
     session_id: bytes | None = None,
+    context: bytes = b"",
     client_policy: ClientPolicy | None = None,
     ledgers: Mapping[str, Ledger] | None = None,
 ) -> SecureAggregationResult:
@@ -80,7 +81,8 @@ def secure_aggregate(
     :meth:`ClientPolicy.simulator`: go on and report exposures, which the audit attributes to the
     clients that saw them); under :meth:`ClientPolicy.deployment` a client refuses an exposing
     session with :class:`~secure_afl.core.errors.ExposureRefusedError`.  ``ledgers`` gives a
-    client its session ledger (none by default: each call is a fresh history).
+    client its session ledger (none by default: each call is a fresh history).  ``context`` is the
+    session context every client binds (:func:`secure_afl.protocol.binding.session_context`).
     """
     client_policy = ClientPolicy.simulator() if client_policy is None else client_policy
     client_ids = tuple(sorted(contributions))
@@ -101,6 +103,7 @@ def secure_aggregate(
         dropouts=dropouts,
         random=random,
         session_id=session_id,
+        context=context,
     )
     outcome = run.outcome
     members, survivors, audit = audit_run(run, contributions, protection="mask")

@@ -17,6 +17,7 @@ from secure_afl.deploy.study import Method, Study
 from secure_afl.deploy.wire import Envelope, from_record_dict, to_record_dict
 from secure_afl.features.file import save_feature_file
 from secure_afl.keys import IdentityKey, Roster, RosterEntry, save_identity_key
+from secure_afl.keys.cosign import cosigned_roster_json, sign_roster
 
 CLASSES = ("A", "B", "C")
 BACKBONE = {"name": "toy", "weights_id": "sha256:00", "preprocessing": "none"}
@@ -52,6 +53,14 @@ class Federation:
     data: dict[str, tuple[np.ndarray, np.ndarray, tuple[int, ...]]]  # client -> features, labels, active
     signer: ClassifierSigner | None = None  # the roster's coordinator: signs the classifier
     colluders: int | None = 0  # every node's own bound; the server plans round 2 with the same
+    identities: dict[str, IdentityKey] = field(default_factory=dict)  # every institution's key
+
+
+def write_cosigned_roster(path: Path, roster: Roster, keys: Mapping[str, IdentityKey]) -> Path:
+    """The roster file as a deployment pins it: co-signed by every institution it lists."""
+    signatures = dict(sign_roster(roster, keys[entry.client_id]) for entry in roster)
+    path.write_text(cosigned_roster_json(roster, signatures))
+    return path
 
 
 def make_federation(
@@ -77,8 +86,7 @@ def make_federation(
         (RosterEntry(cid, cid, key.public_key) for cid, key in identities.items()),
         RosterEntry(COORDINATOR, "Coordinator", coordinator.public_key),
     )
-    roster_path = tmp_path / "roster.json"
-    roster_path.write_text(roster.to_json())
+    roster_path = write_cosigned_roster(tmp_path / "roster.json", roster, identities)
     passfile = tmp_path / "pass"
     passfile.write_bytes(PASSPHRASE + b"\n")
     passfile.chmod(0o600)
@@ -106,7 +114,8 @@ def make_federation(
     study = Study(
         classes=CLASSES, dim=dim, backbone=dict(BACKBONE), method=method or Method(), protection=protection
     )
-    return Federation(nodes, roster, study, data, ClassifierSigner(COORDINATOR, coordinator), colluders)
+    signer = ClassifierSigner(COORDINATOR, coordinator)
+    return Federation(nodes, roster, study, data, signer, colluders, identities)
 
 
 class InProcessTransport:

@@ -4,7 +4,7 @@ coordinator's ``flwr run``, whose exit code must say when the ServerApp failed).
 Fast: the checks run in process on a toy federation's files (tests/deploy/helpers.py); the SuperLink
 is a loopback TLS listener on a free port; ``deploy run`` drives a stand-in ``flwr`` script that
 streams what the ServerApp prints and exits 0 as ``flwr run`` does, whatever happened.  The real
-Flower run (round 2, an aborted session) is tests/deploy/test_deploy_round2.py.
+Flower run (a dropout, round 2, an aborted session) is tests/deploy/test_deploy_local.py.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from secure_afl.deploy.local import free_port, write_tls_certificates
 from secure_afl.features.file import save_feature_file
 from secure_afl.keys import Roster
 
-from .helpers import CLASSES, Federation, make_federation
+from .helpers import CLASSES, Federation, make_federation, write_cosigned_roster
 
 
 def _node_config(federation: Federation, node: int = 1000, **changes: str) -> str:
@@ -109,7 +109,9 @@ def test_check_fails_with_the_runs_own_error_naming_the_hospital(tmp_path: Path)
     # A roster without this hospital's entry.
     roster = Roster.from_json((tmp_path / "fed" / "roster.json").read_text())
     others = tmp_path / "others.json"
-    others.write_text(Roster([e for e in roster if e.client_id != "client-0"]).to_json())
+    write_cosigned_roster(
+        others, Roster([e for e in roster if e.client_id != "client-0"]), federation.identities
+    )
     code, output = _check("--node-config", _node_config(federation, roster=str(others)))
     assert code == 1 and "identity key: IdentityNotInRosterError:" in output
     assert "client-0.key" in output and "is not in its roster" in output

@@ -15,7 +15,7 @@ from secure_afl.deploy.study import Method, round1_layout
 from secure_afl.deploy.wire import Envelope
 from secure_afl.keys import IdentityKey, Roster, RosterEntry, save_identity_key
 
-from .helpers import PASSPHRASE, InProcessTransport, make_federation, run_server
+from .helpers import PASSPHRASE, InProcessTransport, make_federation, run_server, write_cosigned_roster
 
 
 @pytest.mark.parametrize("colluders", [None, 0])
@@ -138,17 +138,10 @@ def test_a_node_whose_key_is_not_in_the_roster_is_refused_at_the_node_and_report
 def test_roster_mismatch_between_two_institutions_is_refused_by_the_one_that_differs(tmp_path: Path) -> None:
     federation = make_federation(tmp_path)
     node = federation.nodes[1001]
-    # client-1's IT team pinned a roster where client-3 has another key.
-    other = Roster(
-        RosterEntry(
-            e.client_id,
-            e.name,
-            IdentityKey.generate().public_key if e.client_id == "client-3" else e.public_key,
-        )
-        for e in federation.roster
-    )
-    path = tmp_path / "roster-client-1.json"
-    path.write_text(other.to_json())
+    # client-1's IT team pinned a roster where client-3 has another key (co-signed by that key).
+    keys = {**federation.identities, "client-3": IdentityKey.generate()}
+    other = Roster(RosterEntry(e.client_id, e.name, keys[e.client_id].public_key) for e in federation.roster)
+    path = write_cosigned_roster(tmp_path / "roster-client-1.json", other, keys)
     node.settings = type(node.settings)(**{**node.settings.__dict__, "roster": path})
     server, _, _ = run_server(federation)
     assert [(r["from"], r["error"]) for r in server.report.refusals] == [("node 1001", "RosterMismatchError")]

@@ -72,6 +72,8 @@ def test_sim_dp_patient_unit_and_bad_options(tmp_path: Path) -> None:
     dp = json.loads((tmp_path / "results.json").read_text())["settings"][0]["differential_privacy"]
     assert dp["unit"] == "patient" and dp["max_images_per_patient"] == 2
     assert all(b["fewest_survivors"] == 1 for b in dp["blocks"])  # no masking: each input seen alone
+    # the split may spread a patient's 2 images over 2 of the 8 clients, each rounding its own values
+    assert all(b["rounding_clients"] == 2 for b in dp["blocks"])
     assert all(e <= 4 for e in dp["epsilon_spent"].values())
     bad = _run(["--dp-epsilon", "-1", "--out", str(tmp_path), *SMALL])
     assert bad.exit_code != 0 and "dp-epsilon" in bad.output

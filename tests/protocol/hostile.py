@@ -79,8 +79,11 @@ def clients_for(
     ids=None,
     ledgers: Mapping[str, object] | None = None,
     seed: bytes = b"clients",
+    contexts: Mapping[str, bytes] | None = None,
 ) -> dict[str, ClientSession]:
+    """``contexts``: the session context each client was given (one-view tests); none by default."""
     ledgers = ledgers or {}
+    contexts = contexts or {}
     return {
         cid: ClientSession(
             cid,
@@ -90,6 +93,7 @@ def clients_for(
             policy=policy,
             ledger=ledgers.get(cid),
             random=DeterministicRandomSource(seed + cid.encode()),
+            context=contexts.get(cid, b""),
         )
         for cid in (fed.ids if ids is None else ids)
     }

@@ -22,6 +22,7 @@ from secure_afl.core.errors import (
     BothSharesRequestedError,
     ClientProtocolError,
     ColluderExposureRefusedError,
+    DifferentSessionViewError,
     DuplicateParticipantError,
     ExposureRefusedError,
     GroupBelowMinimumError,
@@ -548,7 +549,7 @@ def test_different_configs_for_different_clients_are_refused_in_r1() -> None:
     share_request = server.next_round()["c0"]
     assert wire.deliver("c0", "R1", share_request) == []
     assert wire.refusals["c0"].round == "R1"
-    assert type(wire.refusals["c0"].error) is InvalidSessionConfigError
+    assert type(wire.refusals["c0"].error) is DifferentSessionViewError  # an InvalidSessionConfigError
     wire.assert_nothing_leaked("c0")
 
 

@@ -15,6 +15,7 @@ from PIL import Image
 from secure_afl.cli import main
 from secure_afl.features.backbones import Backbone, load_backbone
 from secure_afl.features.extraction import extract_features, feature_cache_key
+from secure_afl.features.images import hash_image_files
 
 from .conftest import CountingEmbed, SimulatedInterruption, nih_name, write_nih_csv, write_png
 
@@ -64,7 +65,8 @@ def test_spatial_cache_holds_float16_tokens_that_pool_to_the_features(
     plain = extract_features(flat_paths, backbone, **options)
     spatial = extract_features(flat_paths, backbone, spatial=True, **options)
     # a separate entry: the pooled-only key is the one it always was
-    assert feature_cache_key(flat_paths, backbone) == feature_cache_key(flat_paths, backbone, spatial=False)
+    digests = hash_image_files(flat_paths)
+    assert feature_cache_key(digests, backbone) == feature_cache_key(digests, backbone, spatial=False)
     assert spatial.cache_path != plain.cache_path and plain.maps is None
     np.testing.assert_array_equal(spatial.features, plain.features)  # one pass, split at the pool
 

@@ -13,7 +13,7 @@ import torch
 import secure_afl.features.extraction as features_module
 from secure_afl.features.backbones import Backbone, load_backbone
 from secure_afl.features.extraction import extract_features, feature_cache_key, resolve_device
-from secure_afl.features.images import CorruptImageError, load_grayscale
+from secure_afl.features.images import CorruptImageError, hash_image_files, image_sha256, load_grayscale
 
 from .conftest import CountingEmbed, SimulatedInterruption
 
@@ -53,7 +53,8 @@ def test_second_run_reads_the_cache_without_a_dataloader_or_forward_pass(
     assert first_counter.calls == first.forward_passes == 5 and first.shards_computed == 4
     manifest = json.loads((first.cache_path / "manifest.json").read_text())
     assert sorted(manifest["shards"]) == ["0", "1", "2", "3"]
-    assert (first.cache_path / "images.txt").read_text().splitlines() == [str(p) for p in flat_paths]
+    listed = (first.cache_path / "images.txt").read_text().splitlines()
+    assert listed == [f"{image_sha256(p)}  {p}" for p in flat_paths]  # sha256sum's format
 
     def no_dataloader(*args: object, **kwargs: object) -> None:
         raise AssertionError("a complete cache must not build a DataLoader")
@@ -75,7 +76,7 @@ def test_interrupted_extraction_resumes_at_the_first_unfinished_shard(
     failing, _ = counted(toy_backbone, fail_at=6)
     with pytest.raises(SimulatedInterruption):
         extract_features(flat_paths, failing, cache_dir=tmp_path / "cache", **options)
-    entry = tmp_path / "cache" / feature_cache_key(flat_paths, toy_backbone)
+    entry = tmp_path / "cache" / feature_cache_key(hash_image_files(flat_paths), toy_backbone)
     assert sorted(p.name for p in entry.glob("shard_*.npy")) == ["shard_00000.npy", "shard_00001.npy"]
     assert not list(entry.glob("*.tmp"))
 
@@ -124,7 +125,8 @@ def test_batches_that_straddle_shards_give_the_same_features(
 def test_cache_key_depends_on_weights_preprocessing_and_image_order(
     toy_backbone: Backbone, flat_paths: list[Path]
 ) -> None:
-    key = feature_cache_key(flat_paths, toy_backbone)
+    digests = hash_image_files(flat_paths)
+    key = feature_cache_key(digests, toy_backbone)
     other_weights = dataclasses.replace(toy_backbone, weights_id="random-init-seed-1")
     other_preprocess = dataclasses.replace(
         toy_backbone, preprocess=dataclasses.replace(toy_backbone.preprocess, params=(("resize", 64),))
@@ -133,15 +135,17 @@ def test_cache_key_depends_on_weights_preprocessing_and_image_order(
         len(
             {
                 key,
-                feature_cache_key(flat_paths, other_weights),
-                feature_cache_key(flat_paths, other_preprocess),
-                feature_cache_key(flat_paths[::-1], toy_backbone),
-                feature_cache_key(flat_paths, toy_backbone, amp=True),
+                feature_cache_key(digests, other_weights),
+                feature_cache_key(digests, other_preprocess),
+                feature_cache_key(digests[::-1], toy_backbone),
+                feature_cache_key(digests, toy_backbone, amp=True),
             }
         )
         == 5
     )
-    assert feature_cache_key(list(flat_paths), toy_backbone) == key
+    assert feature_cache_key(list(digests), toy_backbone) == key
+    with pytest.raises(TypeError, match="digests"):
+        feature_cache_key(flat_paths, toy_backbone)  # paths are not the key any more
 
 
 def test_corrupt_png_is_a_counted_skip_with_a_nan_row_and_survives_the_cache(
@@ -188,7 +192,9 @@ def test_devices_and_amp_on_a_machine_without_cuda(
         result = extract_features(
             flat_paths[:4], toy_backbone, cache_dir=tmp_path, amp=True, num_workers=0, progress=False
         )
-    assert result.cache_path.name == feature_cache_key(flat_paths[:4], toy_backbone, amp=False)
+    assert result.cache_path.name == feature_cache_key(
+        hash_image_files(flat_paths[:4]), toy_backbone, amp=False
+    )
 
 
 def test_progress_bar_reports_images_per_second(

@@ -61,7 +61,7 @@ def test_no_matching_image_names_the_directory_and_the_expected_layouts(
     message = str(caught.value)
     assert isinstance(caught.value, FileNotFoundError)
     assert str(tmp_path) in message and "images_*/images/*.png" in message and "images/*.png" in message
-    assert image_names[0] in message and "1 PNG files found" in message
+    assert image_names[0] in message and "1 image files found" in message
 
 
 def test_rgba_and_16_bit_pngs_load_as_8_bit_grayscale(tmp_path: Path) -> None:

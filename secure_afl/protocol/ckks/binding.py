@@ -13,6 +13,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from secure_afl.protocol import crypto
+from secure_afl.protocol.binding import NO_CONTEXT, check_context
 from secure_afl.protocol.fields import sequence, tagged_fields
 
 from .messages import (
@@ -40,8 +41,10 @@ DECRYPTION_DOMAIN = b"secure-afl/ckks/v1/decrypted-group-sum"
 DECRYPTED_TENSOR_DOMAIN = b"secure-afl/ckks/v1/decrypted-tensor"
 
 
-def config_digest(config: CkksSessionConfig) -> bytes:
-    """SHA-256 of the session id, minimum group size, CKKS parameters and the nested group layout."""
+def config_digest(config: CkksSessionConfig, context: bytes = NO_CONTEXT) -> bytes:
+    """SHA-256 of the session id, minimum group size, CKKS parameters, the nested group layout and
+    the session context (:func:`secure_afl.protocol.binding.session_context`, the masking
+    backend's one-view digest: the study, its round, round 2's teacher W)."""
     p = config.parameters
     layout = sequence(
         tagged_fields(
@@ -61,6 +64,7 @@ def config_digest(config: CkksSessionConfig) -> bytes:
         p.scale_bits,
         p.output_frac_bits,
         layout,
+        check_context(context),
     )
     return hashlib.sha256(encoded).digest()
 

@@ -15,6 +15,7 @@ import numpy as np
 
 from secure_afl.core.errors import (
     ClientProtocolError,
+    DifferentSessionViewError,
     DuplicateClientError,
     InconsistentSurvivorsError,
     InvalidSessionConfigError,
@@ -36,6 +37,7 @@ from secure_afl.privacy.policy import ClientPolicy
 from secure_afl.privacy.release import Release
 from secure_afl.protocol import codec as masking_codec
 from secure_afl.protocol import crypto, encoding
+from secure_afl.protocol.binding import NO_CONTEXT, check_context
 from secure_afl.protocol.client import check_group_sizes, check_name, check_session_fits_inputs
 from secure_afl.protocol.exposure_gate import ExposureGate, message_digest
 
@@ -131,6 +133,7 @@ class CkksClientSession:
         ledger: Ledger | None = None,
         release: Release | None = None,
         random: RandomSource | None = None,
+        context: bytes = NO_CONTEXT,
     ) -> None:
         if client_id not in roster:
             raise LocalProtocolError(f"client {client_id!r} is not in the roster")
@@ -155,6 +158,7 @@ class CkksClientSession:
         self._roster = roster
         self._min_group_size = min_group_size
         self._expected_session_id = session_id
+        self._view = check_context(context)  # one view: signed within the config digest (R0, R1)
         self._policy = policy
         self._gate = ExposureGate(client_id, identity_key, self._inputs, policy, ledger, release)
         self._random = default_random(random)
@@ -268,7 +272,7 @@ class CkksClientSession:
         check_session_fits_inputs(config.groups, config.min_group_size, self._min_group_size, self._inputs)
         self._gate.start(config.session_id)  # one contribution per value: before any key leaves
         encryption_key = crypto.new_x25519_key(self._random)
-        digest = binding.config_digest(config)
+        digest = binding.config_digest(config, self._view)
         groups = tuple(sorted(self._inputs))
         public = crypto.x25519_public_bytes(encryption_key)
         domain, fields = binding.advertise_fields(config.session_id, self.client_id, public, digest, groups)
@@ -312,7 +316,10 @@ class CkksClientSession:
                     f"the key of {advert.client_id!r} is not signed by its roster identity key"
                 )
             if advert.config_digest != self._config_digest:
-                raise InvalidSessionConfigError(f"{advert.client_id!r} was given a different session config")
+                raise DifferentSessionViewError(
+                    f"{advert.client_id!r} signed another session than this client's (its config, study, "
+                    f"round or round 2's teacher differ): the server shows clients different sessions"
+                )
             if len(set(advert.groups)) != len(advert.groups) or not set(advert.groups) <= group_names:
                 raise ClientProtocolError(f"{advert.client_id!r} declared unknown or repeated groups")
             adverts[advert.client_id] = advert

@@ -32,6 +32,7 @@ from secure_afl.core.errors import (
 )
 from secure_afl.keys.roster import Roster
 from secure_afl.protocol import crypto
+from secure_afl.protocol.binding import NO_CONTEXT
 
 from . import binding, codec, context
 from .client import validate_config
@@ -76,14 +77,14 @@ class CkksAggregationResult:
 class CkksServerSession:
     """The server's side of one CKKS session over ``config``'s groups, for the clients of ``roster``."""
 
-    def __init__(self, roster: Roster, config: CkksSessionConfig) -> None:
+    def __init__(self, roster: Roster, config: CkksSessionConfig, *, context: bytes = NO_CONTEXT) -> None:
         try:
             validate_config(config, len(roster))
         except InvalidSessionConfigError as exc:
             raise LocalProtocolError(str(exc)) from exc
         self._roster = roster
         self._config = config
-        self._digest = binding.config_digest(config)
+        self._digest = binding.config_digest(config, context)  # the session context its clients bind
         self._message_limit = codec.max_message_bytes(config, len(roster))
         self._round = CkksServerRound.NOT_STARTED
         self._adverts: dict[str, CkksAdvertise] = {}
