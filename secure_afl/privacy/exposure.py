@@ -348,7 +348,7 @@ _SPAN_MAX_ROWS = 22  # Hadamard: every minor of a 0/1 matrix with this many rows
 # The colluder search's work bound: nodes of the exact search per target (each one rank-1 update of
 # every distinct column).  Reached, the client refuses (ColluderSearchLimitError): never an open-ended run.
 COLLUDER_SEARCH_LIMIT = 40_000
-_GREEDY_TRIES = 8  # heavy flats tried for a witness before the bound and the exact search
+_GREEDY_TRIES = 8  # heavy flats tried for a witness before the exact search
 _PACKING_ROUNDS = 64  # families routed by the packing bound
 _PACKING_STEP = 0.2  # its multiplicative length step
 
@@ -363,8 +363,8 @@ class ColluderSearchLimitError(ValueError):
     def __init__(self, target: tuple[str, ...], budget: int, limit: int) -> None:
         self.target, self.budget, self.limit = target, budget, limit
         super().__init__(
-            f"the colluder search for {target!r} (up to {budget} colluders) examined {limit} candidate "
-            "cuts without an answer"
+            f"the colluder search for {target!r} (up to {budget} colluders) visited {limit} search "
+            "nodes without an answer, and the packing bound did not prove it safe"
         )
 
 
