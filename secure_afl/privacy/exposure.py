@@ -511,16 +511,20 @@ class _CutProblem:
         # column is, so sums of column weights replace the type look-ups.
         single = all(len(cols) == 1 for cols in self.type_columns)
 
+        # Columns renumbered in the search order (heaviest first): the next undecided column is
+        # the first open one at or after a node's position.
+        order = np.argsort(-column_weight, kind="stable")
+        owner_matrix, column_weight = owner_matrix[order], column_weight[order]
+
         def peers_hit(columns: np.ndarray) -> int:
             if single:
-                return int(column_weight[columns].sum())
+                return int(columns @ column_weight)
             return int(weights[owner_matrix[columns].any(axis=0)].sum())
 
-        order = np.argsort(-column_weight, kind="stable")
         root = _Flat.root(self)
         assert root is not None
         p = self.prime
-        stack = [(root.residues, root.target, 0, np.zeros(len(self.columns), dtype=bool))]
+        stack = [(root.residues[order], root.target, 0, np.zeros(len(self.columns), dtype=bool))]
         nodes = 0
         while stack:
             residues, target, at, excluded = stack.pop()
@@ -528,7 +532,7 @@ class _CutProblem:
             if nodes > limit:
                 return _UNDECIDED
             outside = residues.any(axis=1)
-            pivot = int(np.flatnonzero(target)[0])
+            pivot = int(target.argmax())  # any non-zero coordinate of a_t's residue
             scale = (residues[:, pivot] * pow(int(target[pivot]), -1, p)) % p
             forced = ((scale[:, None] * target[None, :]) % p == residues).all(axis=1) & outside
             if peers_hit(forced | excluded) > budget:
@@ -536,23 +540,22 @@ class _CutProblem:
             if peers_hit(outside) <= budget:
                 hit = owner_matrix[outside].any(axis=0)
                 return tuple(peer for t in np.flatnonzero(hit) for peer in self.type_peers[int(t)])
-            open_ = outside & ~forced & ~excluded
-            while at < len(order) and not open_[order[at]]:
-                at += 1
-            if at == len(order):
-                continue
-            j = int(order[at])
+            rest = (outside & ~forced & ~excluded)[at:]
+            step = int(rest.argmax())
+            if not rest[step]:
+                continue  # no undecided column left
+            j = at + step
             without = excluded.copy()
             without[j] = True
-            stack.append((residues, target, at + 1, without))  # explored second: j stays outside
+            stack.append((residues, target, j + 1, without))  # explored second: j stays outside
             residue = residues[j]
-            first = int(np.flatnonzero(residue)[0])
+            first = int(residue.argmax())  # any non-zero coordinate
             unit = (residue * pow(int(residue[first]), -1, p)) % p
             stack.append(  # explored first: j inside
                 (
                     (residues - (residues[:, first : first + 1] * unit[None, :]) % p) % p,
                     (target - (target[first] * unit) % p) % p,
-                    at + 1,
+                    j + 1,
                     excluded,
                 )
             )
