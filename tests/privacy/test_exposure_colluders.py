@@ -54,7 +54,7 @@ def _witness_isolates(rows, target, witness) -> bool:
     return target in determined([{v for v in row if v[0] not in set(witness)} for row in rows])
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(layouts())
 def test_the_search_agrees_with_the_exhaustive_enumeration(layout) -> None:
     rows, budget = layout
@@ -68,7 +68,7 @@ def test_the_search_agrees_with_the_exhaustive_enumeration(layout) -> None:
             assert _witness_isolates(rows, target, new)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(layouts(), st.integers(1, 3))
 def test_at_the_bound_it_never_accepts_what_the_enumeration_refuses(layout, limit) -> None:
     rows, budget = layout
