@@ -1301,8 +1301,10 @@ def deploy_join(
         click.echo(
             f"WAITING: the roster is not yet co-signed by {list(result.status.missing)}; the node would "
             f"refuse it. When the coordinator sends the co-signed roster.json, put it at "
-            f"{kit / 'roster.json'} and run this join again."
+            f"{kit / 'roster.json'}; then start its SuperNode (it refuses a roster that lacks a "
+            f"co-signature), or run this join again first to check that roster:"
         )
+        click.echo(f"  {result.start_command}")
         raise SystemExit(EXIT_WAITING)
     click.echo(f"{result.client_id}: ready. Start its SuperNode (keep it running):")
     click.echo(f"  {result.start_command}")

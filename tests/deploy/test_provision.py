@@ -191,6 +191,10 @@ def test_join_collect_join_makes_a_startable_node_under_a_roster_every_hospital_
     code, output = _join(a)
     assert code == EXIT_WAITING, output
     assert "WAITING: the roster is not yet co-signed by ['hospital-a', 'hospital-b', 'hospital-c']" in output
+    # ... and the start command already (README's H4: the node itself refuses an unco-signed roster).
+    assert f"flower-supernode --superlink 127.0.0.1:{p.port} " in output
+    kit = a.kit.resolve()
+    assert f"--node-config {kit / 'node-config.toml'} >> {kit / 'state' / 'supernode.log'} 2>&1" in output
     for cid in HOSPITALS:  # every entry is shown for the hospital to recognise
         assert f"{cid:<20} {p.sites[cid].key.fingerprint}" in output
     assert _mode(a.kit / "state" / "supernode-auth") == 0o600
