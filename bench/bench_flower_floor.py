@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -265,6 +266,19 @@ def deploy_local(deploy_args: list[str]) -> dict[str, float]:
     return seconds
 
 
+def _children_cpu() -> float:
+    """CPU seconds of this process's finished, waited-for descendants (each reaps its own)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def timed(side, *args):  # type: ignore[no-untyped-def]
+    before = _children_cpu()
+    seconds = side(*args)
+    seconds["cpu"] = _children_cpu() - before
+    return seconds
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--plan", type=Path, default=Path(tempfile.gettempdir()) / "flower-floor-plan.json")
@@ -279,21 +293,27 @@ def main() -> None:
     clients = int(deploy_args[deploy_args.index("--clients") + 1]) if "--clients" in deploy_args else 5
     runs: list[dict[str, dict[str, float]]] = []
     for k in range(args.pairs):
-        pair = {"floor": floor(args.plan, clients), "deploy local": deploy_local(deploy_args)}
+        pair = {"floor": timed(floor, args.plan, clients), "deploy local": timed(deploy_local, deploy_args)}
         runs.append(pair)
         f, d = pair["floor"], pair["deploy local"]
         print(f"pair {k + 1}: floor {f['startup']:.1f} + {f['flwr run']:.1f} s; deploy local "
               f"{d['total'] - d.get('flwr run', 0):.1f} + {d.get('flwr run', 0):.1f} s "
               f"(command {d['command wall']:.1f} s); ratio {d['total'] / f['total']:.2f}x, flwr run "
-              f"{d.get('flwr run', 0) / f['flwr run']:.2f}x", flush=True)  # fmt: skip
+              f"{d.get('flwr run', 0) / f['flwr run']:.2f}x; CPU {f['cpu']:.1f} s against {d['cpu']:.1f} s "
+              f"(the command's, data and reference simulation included)", flush=True)  # fmt: skip
     if runs:
         ratios = [r["deploy local"]["total"] / r["floor"]["total"] for r in runs]
         run_ratios = [r["deploy local"]["flwr run"] / r["floor"]["flwr run"] for r in runs]
+        cpu_ratios = [r["deploy local"]["cpu"] / r["floor"]["cpu"] for r in runs]
         print(f"median ratio (SuperLink start to end of flwr run): {statistics.median(ratios):.2f}x; "
-              f"flwr run alone {statistics.median(run_ratios):.2f}x")  # fmt: skip
+              f"flwr run alone {statistics.median(run_ratios):.2f}x; "
+              f"CPU {statistics.median(cpu_ratios):.2f}x")  # fmt: skip
         if args.json:
             args.json.write_text(
-                json.dumps({"runs": runs, "ratios": ratios, "run_ratios": run_ratios}, indent=1)
+                json.dumps(
+                    {"runs": runs, "ratios": ratios, "run_ratios": run_ratios, "cpu_ratios": cpu_ratios},
+                    indent=1,
+                )
             )
 
 

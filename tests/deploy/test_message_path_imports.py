@@ -10,10 +10,12 @@ state just before it, and must answer without loading torch (nor the simulator).
 from __future__ import annotations
 
 import json
-import pickle
+import pickle  # of this test's own temporary files only: nothing from a network is unpickled
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from secure_afl.deploy.client import handle
 from secure_afl.deploy.wire import Envelope
@@ -41,23 +43,22 @@ print(json.dumps({{"kind": reply.kind, "meta": dict(reply.meta),
 
 
 class RecordingTransport(InProcessTransport):
-    """Keeps, for one node, every message and the node's state just before it."""
+    """Keeps every node's messages, each with the node's state just before it."""
 
-    def __init__(self, federation, node_id: int, directory: Path) -> None:
+    def __init__(self, federation, directory: Path) -> None:
         super().__init__(federation)
-        self.node_id, self.directory = node_id, directory
-        self.saved: dict[str, Path] = {}
-        self.node = federation.nodes[node_id]
+        self.directory = directory
+        self.saved: dict[int, dict[str, Path]] = {}
 
     def exchange(self, outgoing, group, timeout):
-        if self.node_id in outgoing:
-            envelope = outgoing[self.node_id]
-            path = self.directory / f"{group}.pickle"
+        for node_id, envelope in outgoing.items():
+            node = self.federation.nodes[node_id]
+            path = self.directory / f"{node_id}-{group}.pickle"
             with open(path, "wb") as handle_:
                 pickle.dump(
                     {
-                        "records": self.node.state.records,
-                        "settings": self.node.settings,
+                        "records": node.state.records,
+                        "settings": node.settings,
                         "envelope": {
                             "kind": envelope.kind,
                             "meta": dict(envelope.meta),
@@ -67,21 +68,24 @@ class RecordingTransport(InProcessTransport):
                     },
                     handle_,
                 )
-            self.saved[group] = path
+            self.saved.setdefault(node_id, {})[group] = path
         return super().exchange(outgoing, group, timeout)
 
 
-def test_every_message_after_r0_is_handled_without_torch(tmp_path: Path) -> None:
-    federation = make_federation(tmp_path / "fed", n_clients=4, dim=6, rows=40)
-    node_id = min(federation.nodes)
+@pytest.mark.parametrize("protection", ["mask", "ckks"])
+def test_every_message_after_r0_is_handled_without_torch(tmp_path: Path, protection: str) -> None:
+    federation = make_federation(tmp_path / "fed", n_clients=4, dim=6, rows=40, protection=protection)
     snapshots = tmp_path / "snapshots"
     snapshots.mkdir()
-    transport = RecordingTransport(federation, node_id, snapshots)
+    transport = RecordingTransport(federation, snapshots)
     run_server(federation, transport)
-    later = [group for group in transport.saved if group != "s1-R0"]
+    # A node that received every round (CKKS sends R4 to its decryptors only).
+    node_id = min(n for n, groups in transport.saved.items() if "s1-R4" in groups)
+    saved = transport.saved[node_id]
+    later = [group for group in saved if group != "s1-R0"]
     assert later == ["s1-R1", "s1-R2", "s1-R3", "s1-R4", "classifier"]
     for group in later:
-        code = HANDLE_ONE.format(tests=str(ROOT), path=str(transport.saved[group]))
+        code = HANDLE_ONE.format(tests=str(ROOT), path=str(saved[group]))
         result = subprocess.run(
             [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
         )
@@ -95,9 +99,9 @@ def test_the_snapshot_replays_as_the_node_answered(tmp_path: Path) -> None:
     """The fresh-process replay is faithful: the same state and message give the in-process answer."""
     federation = make_federation(tmp_path / "fed", n_clients=4, dim=6, rows=40)
     node_id = min(federation.nodes)
-    transport = RecordingTransport(federation, node_id, tmp_path)
+    transport = RecordingTransport(federation, tmp_path)
     run_server(federation, transport)
-    with open(transport.saved["s1-R3"], "rb") as f:
+    with open(transport.saved[node_id]["s1-R3"], "rb") as f:
         saved = pickle.load(f)
     from .helpers import DictState
 
