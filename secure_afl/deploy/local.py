@@ -51,7 +51,12 @@ CONNECTION = "local"
 COORDINATOR = "coordinator"  # the roster id of the key that signs the classifier
 DROP_ROUNDS = ("R1", "R2", "R3", "R4")  # both backends' rounds after R0 (CKKS: R3 the signed view)
 DROP_ROUNDS_BY_PROTECTION = {"mask": DROP_ROUNDS, "ckks": DROP_ROUNDS}
-# Flower's SuperExec polls for tasks every second by default; a tenth keeps each round short.
+# Flower's SuperExec polls for tasks every second by default; a tenth keeps each round short.  That is
+# the only polling Flower 1.42 lets a deployment set: a SuperNode that pulled no message sleeps 3 s
+# (flwr/supernode/start_client_internal.py, a constant) and waits for its ClientApp's reply in 0.5 s
+# steps, and neither flower-supernode nor flower-superlink has an option for them; the bare Flower
+# app of bench/bench_flower_floor.py pays the same (bench/README.md, "deploy local against a bare
+# Flower app").
 CHILD_ENV = {
     "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.1",
     "FLWR_TELEMETRY_ENABLED": "0",

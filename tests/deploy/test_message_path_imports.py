@@ -1,0 +1,112 @@
+"""The ClientApp's per-message path imports no torch after R0 (issue 30).
+
+Flower starts a fresh ClientApp process for every message, so whatever ``handle`` imports for a
+message is paid on every one.  Only R0 computes statistics (``secure_afl.analytic``, torch float64);
+every later round replays the session from the saved seed and messages, and the classifier message
+checks a signature.  Each of those messages is handled here in a fresh interpreter, from the node's
+state just before it, and must answer without loading torch (nor the simulator).
+"""
+
+from __future__ import annotations
+
+import json
+import pickle  # of this test's own temporary files only: nothing from a network is unpickled
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from secure_afl.deploy.client import handle
+from secure_afl.deploy.wire import Envelope
+
+from .helpers import InProcessTransport, make_federation, run_server
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Runs in a fresh interpreter: the node's state and the message, from a file this test wrote.
+HANDLE_ONE = """
+import json, pickle, sys
+from secure_afl.deploy.client import handle
+from secure_afl.deploy.wire import Envelope
+sys.path.insert(0, {tests!r})
+from tests.deploy.helpers import DictState
+with open({path!r}, "rb") as f:
+    saved = pickle.load(f)
+state = DictState()
+state.records = saved["records"]
+reply = handle(Envelope(**saved["envelope"]), state, saved["settings"])
+print(json.dumps({{"kind": reply.kind, "meta": dict(reply.meta),
+                  "loaded": sorted(m for m in sys.modules if m.split(".")[0] == "torch"
+                                   or m.startswith("secure_afl.sim"))}}))
+"""
+
+
+class RecordingTransport(InProcessTransport):
+    """Keeps every node's messages, each with the node's state just before it."""
+
+    def __init__(self, federation, directory: Path) -> None:
+        super().__init__(federation)
+        self.directory = directory
+        self.saved: dict[int, dict[str, Path]] = {}
+
+    def exchange(self, outgoing, group, timeout):
+        for node_id, envelope in outgoing.items():
+            node = self.federation.nodes[node_id]
+            path = self.directory / f"{node_id}-{group}.pickle"
+            with open(path, "wb") as handle_:
+                pickle.dump(
+                    {
+                        "records": node.state.records,
+                        "settings": node.settings,
+                        "envelope": {
+                            "kind": envelope.kind,
+                            "meta": dict(envelope.meta),
+                            "payload": bytes(envelope.payload),
+                            "arrays": dict(envelope.arrays),
+                        },
+                    },
+                    handle_,
+                )
+            self.saved.setdefault(node_id, {})[group] = path
+        return super().exchange(outgoing, group, timeout)
+
+
+@pytest.mark.parametrize("protection", ["mask", "ckks"])
+def test_every_message_after_r0_is_handled_without_torch(tmp_path: Path, protection: str) -> None:
+    federation = make_federation(tmp_path / "fed", n_clients=4, dim=6, rows=40, protection=protection)
+    snapshots = tmp_path / "snapshots"
+    snapshots.mkdir()
+    transport = RecordingTransport(federation, snapshots)
+    run_server(federation, transport)
+    # A node that received every round (CKKS sends R4 to its decryptors only).
+    node_id = min(n for n, groups in transport.saved.items() if "s1-R4" in groups)
+    saved = transport.saved[node_id]
+    later = [group for group in saved if group != "s1-R0"]
+    assert later == ["s1-R1", "s1-R2", "s1-R3", "s1-R4", "classifier"]
+    for group in later:
+        code = HANDLE_ONE.format(tests=str(ROOT), path=str(saved[group]))
+        result = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
+        )
+        assert result.returncode == 0, f"{group}: {result.stderr[-2000:]}"
+        answer = json.loads(result.stdout.strip().splitlines()[-1])
+        assert answer["kind"] in ("reply", "ack"), f"{group}: {answer}"
+        assert answer["loaded"] == [], f"{group} loaded {answer['loaded'][:5]}..."
+
+
+def test_the_snapshot_replays_as_the_node_answered(tmp_path: Path) -> None:
+    """The fresh-process replay is faithful: the same state and message give the in-process answer."""
+    federation = make_federation(tmp_path / "fed", n_clients=4, dim=6, rows=40)
+    node_id = min(federation.nodes)
+    transport = RecordingTransport(federation, tmp_path)
+    run_server(federation, transport)
+    with open(transport.saved[node_id]["s1-R3"], "rb") as f:
+        saved = pickle.load(f)
+    from .helpers import DictState
+
+    state = DictState()
+    state.records = saved["records"]
+    reply = handle(Envelope(**saved["envelope"]), state, saved["settings"])
+    recorded = [r for n, g, r in transport.received if n == node_id and g == "s1-R3"]
+    assert reply.payload == recorded[0].payload
