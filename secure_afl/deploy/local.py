@@ -325,23 +325,25 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
-def _wait_for(child: Child, marker: str, timeout: float, what: str) -> float:
+def wait_for_log(
+    child: Child, marker: str, timeout: float, what: str, error: type[Exception] = LocalDeploymentError
+) -> float:
+    """Seconds until ``marker`` appears in ``child``'s log; ``error`` when it exits first or the
+    bounded wait (count and time) ends."""
     started = time.monotonic()
     deadline = started + timeout
     for _ in range(int(timeout / 0.1) + 10):
         if marker in child.log.read_text(errors="replace"):
             return time.monotonic() - started
         if child.process.poll() is not None:
-            raise LocalDeploymentError(
+            raise error(
                 f"{what} exited with code {child.process.returncode} before it was ready; its log "
                 f"({child.log}) ends with:\n{child.tail()}"
             )
         if time.monotonic() >= deadline:
             break
         time.sleep(0.1)
-    raise LocalDeploymentError(
-        f"{what} was not ready within {timeout:.0f} s; see {child.log}:\n{child.tail()}"
-    )
+    raise error(f"{what} was not ready within {timeout:.0f} s; see {child.log}:\n{child.tail()}")
 
 
 # --- the run -------------------------------------------------------------------------------------
@@ -456,7 +458,7 @@ def run_local(
         else:
             link_args += ["--insecure"]
         superlink = children.start("superlink", link_args, logs / "superlink.log")
-        _wait_for(superlink, READY_SUPERLINK, start_timeout, "the SuperLink")
+        wait_for_log(superlink, READY_SUPERLINK, start_timeout, "the SuperLink")
         seconds["SuperLink start"] = time.perf_counter() - stage
         say(f"  SuperLink ready ({seconds['SuperLink start']:.1f} s)")
         if tls:
@@ -516,7 +518,7 @@ def run_local(
             nodes[cid] = children.start(cid, node_args, logs / f"supernode-{cid}.log", env=node_env)
         say(f"starting {len(nodes)} SuperNodes")
         for cid, child in nodes.items():
-            _wait_for(child, READY_SUPERNODE, start_timeout, f"the SuperNode of {cid}")
+            wait_for_log(child, READY_SUPERNODE, start_timeout, f"the SuperNode of {cid}")
             say(f"  {cid} connected ({time.perf_counter() - stage:.1f} s)")
         seconds["SuperNodes start"] = time.perf_counter() - stage
         seconds["startup"] = time.perf_counter() - started

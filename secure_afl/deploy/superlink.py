@@ -49,7 +49,7 @@ from pathlib import Path
 from cryptography import x509
 
 from .errors import SuperLinkSetupError
-from .local import CHILD_ENV, READY_SUPERLINK, Child, ProcessGroups, flower_bin
+from .local import CHILD_ENV, READY_SUPERLINK, Child, ProcessGroups, flower_bin, wait_for_log
 from .tls import CA_CERT_FILE, MAX_DAYS, SUPERLINK_CERT_FILE, SUPERLINK_KEY_FILE, write_tls_material
 
 __all__ = [
@@ -376,24 +376,6 @@ def _check_nginx_config(plan: SuperLinkPlan) -> None:
         )
 
 
-def _wait_log(child: Child, marker: str, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    for _ in range(int(timeout / 0.1) + 10):
-        if marker in child.log.read_text(errors="replace"):
-            return
-        if child.process.poll() is not None:
-            raise SuperLinkSetupError(
-                f"{what} exited with code {child.process.returncode} while starting; {child.log} ends with:\n"
-                f"{child.tail()}"
-            )
-        if time.monotonic() >= deadline:
-            break
-        time.sleep(0.1)
-    raise SuperLinkSetupError(
-        f"{what} was not ready within {timeout:.0f} s; see {child.log}:\n{child.tail()}"
-    )
-
-
 def _probe_host(plan: SuperLinkPlan) -> str:
     if plan.listen_host == "0.0.0.0":
         return LOOPBACK
@@ -501,7 +483,7 @@ def _serve(
             f"database {plan.database})"
         )
         superlink = children.start("superlink", superlink_argv(plan), plan.logs_dir / "superlink.log")
-        _wait_log(superlink, READY_SUPERLINK, start_timeout, "the SuperLink")
+        wait_for_log(superlink, READY_SUPERLINK, start_timeout, "the SuperLink", SuperLinkSetupError)
         say(f"starting the front (nginx) on {plan.fleet_address}: the Fleet API only")
         front_argv = [plan.nginx, "-e", str(plan.front_dir / "error.log"), "-p", str(plan.front_dir),
                       "-c", str(plan.front_dir / "nginx.conf")]  # fmt: skip
