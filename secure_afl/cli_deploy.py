@@ -546,6 +546,12 @@ def _run_config_value(text: str) -> object:
     return {"true": True, "false": False}.get(text.lower(), text)
 
 
+def _synthetic_image_digests(names: np.ndarray) -> list[str]:
+    """The embedded cohort's stand-in for each row's image-file digest (its features are synthetic):
+    SHA-256 of the image's name, so a rerun of `deploy local` names the same images."""
+    return [hashlib.sha256(b"secure-afl/synthetic-image\x00" + str(n).encode()).hexdigest() for n in names]
+
+
 def _backbone_record(features: Path | None, backbone: str | None, weights: Path | None) -> dict[str, object]:
     """The study's classes, dim, backbone, weights-id and preprocessing (run-config keys)."""
     from secure_afl.features.file import FeatureFileError, describe_preprocessing, load_feature_file
@@ -825,6 +831,7 @@ def deploy_local(
                 backbone=study.backbone["name"], weights_id=study.backbone["weights_id"],
                 preprocessing=study.backbone["preprocessing"],
                 patient_ids=[str(p) for p in data.cohort.patient_ids[rows]],
+                image_sha256=_synthetic_image_digests(data.cohort.image_names[rows]),
             )  # fmt: skip
             client_data[cid] = (data.features[rows], labels, tuple(assignment.active[k]))
         test_rows = data.split.test

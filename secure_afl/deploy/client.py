@@ -35,7 +35,7 @@ from secure_afl.core.randomness import RandomSource
 from secure_afl.keys.files import load_identity_key
 from secure_afl.keys.identity import IdentityKey
 from secure_afl.keys.roster import Roster
-from secure_afl.privacy.release import Release, source_id
+from secure_afl.privacy.release import Release
 
 from .classifier import Classifier
 from .errors import (
@@ -393,8 +393,8 @@ def _noise_random() -> RandomSource:
 def _private_inputs(
     label: str, study: Study, data: Any, envelope: Envelope, groups: set[str], settings: NodeSettings,
     roster_size: int, client_id: str,
-) -> tuple[Any, Any, Any]:  # fmt: skip
-    """Under DP: (layout, noisy contributions, the clean ones, the ledger's key) of session ``label``."""
+) -> tuple[Any, Any, Any, np.ndarray]:  # fmt: skip
+    """Under DP: (layout, noisy contributions, the clean ones, the rows used) of session ``label``."""
     from secure_afl.privacy.dp import (
         private_rows,
         private_statistics,
@@ -423,7 +423,7 @@ def _private_inputs(
             f"{config.clip:g}",
         )
         noisy, clean = round1_upload(stats, data.active, plan, _noise_random())
-        return round1_layout(study), noisy, clean
+        return round1_layout(study), noisy, clean, keep
     coef = _round1_coef(study, envelope)
     pseudo = _pseudo_config(study)
     classes = [int(g.split("/")[1]) for g in groups if g.startswith("pseudo/")]
@@ -431,7 +431,7 @@ def _private_inputs(
     noisy, clean = pseudo_label_upload(
         clipped, coef, data.active, plan, _noise_random(), pseudo, groups=groups
     )
-    return round2_layout(study, classes), noisy, clean
+    return round2_layout(study, classes), noisy, clean, keep
 
 
 def _pseudo_config(study: Study) -> Any:
@@ -454,20 +454,22 @@ def _inputs(
     roster_size: int = 0, client_id: str = "",
 ) -> tuple[dict[str, dict[str, np.ndarray]], Release]:  # fmt: skip
     """This client's protocol inputs for session ``label`` (group -> tensor -> flat float64 vector)
-    and what they release (the one-contribution rule's unit): the values before any noise (a rerun
-    draws fresh noise over the same data: the same values), and the source, this feature file's
-    digest and the round, so that another study over the same data (another balance, another
-    Gram scope: other bytes, linear functions of the same statistics) is the same release."""
+    and what they release: the images the statistics are computed from (each row's image digest,
+    the one-contribution rule's unit: another study, backbone, layout or protection over the same
+    images, or a re-extracted file of them, is the same release), and the values before any noise
+    (a rerun draws fresh noise over the same data: the same values)."""
     from secure_afl.analytic import client_statistics, pseudo_label_contributions
 
     if label not in ("1", "2"):
         raise SessionReplayError(f"unknown session {label!r}")
     method = study.method
     clean = None
+    images = data.require_image_digests()  # the release's unit: no digests, no release
     if study.dp is not None:
-        layout, contributions, clean = _private_inputs(
+        layout, contributions, clean, keep = _private_inputs(
             label, study, data, envelope, groups, settings, roster_size, client_id
         )
+        images = tuple(d for d, kept in zip(images, keep, strict=True) if kept)
     elif label == "1":
         layout = round1_layout(study)
         stats = client_statistics(data.features, data.labels, device=settings.device)
@@ -486,17 +488,22 @@ def _inputs(
     if unknown:
         raise StudyMismatchError(f"the session lacks this client's groups {sorted(unknown)}")
     inputs = _flat(layout, contributions)
-    source = source_id("feature-file", _file_digest(settings.features), f"round {label}")
-    release = Release.of(inputs if clean is None else _flat(layout, clean), sources=[source])
+    # One contribution per image: the images are the unit (a re-extracted, re-ordered or re-exported
+    # file of released images is refused), and round 2 may use its own study's round-1 images again.
+    # The values' ids and anchors stay beside them (a round-2 value equal to a released one).
+    scope = release_scope(study, label)
+    release = Release.of(
+        inputs if clean is None else _flat(layout, clean),
+        images=images,
+        scope=scope,
+        reuses=release_scope(study, "1") if label == "2" else "",
+    )
     return inputs, release
 
 
-def _file_digest(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+def release_scope(study: Study, label: str) -> str:
+    """What a session's images are released under: the study's digest and the round."""
+    return f"study:{study.digest()}/round:{label}"
 
 
 def _flat(layout: Any, contributions: Any) -> dict[str, dict[str, np.ndarray]]:

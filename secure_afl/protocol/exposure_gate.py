@@ -4,9 +4,12 @@ Both protection backends' clients (masking, :mod:`secure_afl.protocol.client`; C
 :mod:`secure_afl.protocol.ckks.client`) ask the same questions, written once so that the two cannot
 drift apart:
 
-- **R0, one contribution per value**: does the session ask for a value this client already released
-  in another completed session (by content, a part of one, or a statistic of a released source:
-  :mod:`secure_afl.privacy.release`), or for a value that is a part of another in this session?
+- **R0, one contribution per image, then per value**: does the session release statistics over an
+  image (by the digest of its file's bytes, where the release names them) that this client already
+  released in another completed session under another scope than the one the release may reuse
+  (round 2 of the same study)?  Does it ask for a value already released (by content, a part of
+  one, or a statistic of a released source: :mod:`secure_afl.privacy.release`), or for a value that
+  is a part of another in this session?
 - **every round, one answer per round**: was a *different* message of this round of this session
   answered before (a forked or rebuilt client)?  The answer is recorded before the reply leaves.
 - **before a step that lets the server learn sums**: would the sums over the live members determine
@@ -27,6 +30,7 @@ from secure_afl.core.errors import (
     ConflictingAnswerError,
     ExposureCheckLimitError,
     ExposureRefusedError,
+    ImageAlreadyReleasedError,
     LocalProtocolError,
     ValueAlreadyReleasedError,
 )
@@ -155,11 +159,22 @@ class ExposureGate:
             entry.survivors = survivors
             entry.released = tuple(sorted(self.release.ids))
             entry.anchors = tuple(sorted(self.release.anchors))
+            entry.images = b"".join(sorted(set(self.release.images)))
+            entry.scope = self.release.scope
 
         self._ledger.update(self._owner, change)
         return tuple(found)
 
     def _check_unreleased(self, state: LedgerState, session_id: bytes) -> None:
+        """One contribution per image (where the release names its images), then per value."""
+        if self.release.images:
+            released = state.released_images(session_id, reuses=self.release.reuses)
+            hits = [image for image in self.release.images if image in released]
+            if hits:
+                earlier = released[hits[0]]
+                raise ImageAlreadyReleasedError(
+                    len(hits), len(self.release.images), bytes.fromhex(earlier), state.sessions[earlier].scope
+                )
         ids, anchors = state.released_in(session_id)
         spent = sorted(self.release.ids & set(ids))
         if spent:
