@@ -231,6 +231,22 @@ class ImageAlreadyReleasedError(ValueAlreadyReleasedError):
         )
 
 
+class IncrementTooSmallError(ServerProtocolError):
+    """Committed counts: the session's values would come from fewer than c + 2 members with rows
+    (the others committed 0 rows, a value the server knows), so c colluders and the known zeros
+    would leave one member's statistics alone in a sum."""
+
+    def __init__(self, action: str, contributors: list[str], colluders: int) -> None:
+        self.contributors = tuple(contributors)
+        self.colluders = colluders
+        super().__init__(
+            f"refusing to {action}: only {len(contributors)} member(s) {list(contributors)} release rows in "
+            f"this session (the others committed 0 rows, a value the server knows), fewer than c + 2 = "
+            f"{colluders + 2} with c = {colluders} colluders assumed; wait until more institutions have "
+            f"new images (SECURITY.md, committed counts)"
+        )
+
+
 class ConflictingAnswerError(ServerProtocolError):
     """One answer per round: this client already answered a different message for this round of
     this session (a forked or replayed client state), or signed another survivor set for it."""

@@ -543,8 +543,9 @@ def _start_session(envelope: Envelope, label: str, state: LocalState, settings: 
     _settle_earlier_sessions(label, state)
     seed = os.urandom(32)
     ledger, colluders = _ledger(settings), settings.colluders
+    rows = committed_rows(study, inputs, release)
     session = _client_session(
-        backend, client_id, identity, roster, inputs, seed, study, ledger, release, colluders, context
+        backend, client_id, identity, roster, inputs, seed, study, ledger, release, colluders, context, rows
     )
     replies = session.receive_bytes(envelope.payload)  # decoded again under the session's own limits
     state.save(
@@ -560,6 +561,7 @@ def _start_session(envelope: Envelope, label: str, state: LocalState, settings: 
             "messages": [envelope.payload],
             "inputs": {f"{g}|{t}": v for g, tensors in inputs.items() for t, v in tensors.items()},
             "release": json.dumps(release.to_json()),
+            "rows": rows,
         },
     )
     log(settings, f"{client_id}: session {label} R0 answered (groups {sorted(inputs)}, {backend.name})")
@@ -599,6 +601,7 @@ def _continue_session(envelope: Envelope, label: str, state: LocalState, setting
         release,
         settings.colluders,
         bytes(saved["context"]),
+        saved.get("rows"),
     )
     # Rebuild: the same seed and the same server messages give the same state, secrets included
     # (CKKS: the secret context is the one the key holder sealed for this client in R2's message;
@@ -639,6 +642,7 @@ def _client_session(
     release: Release,
     colluders: int | None = None,
     context: bytes = b"",
+    rows: Mapping[str, int] | None = None,
 ) -> ClientSessionLike:
     # The deployment policy is the client's own (the backend's default): t >= floor(2n/3)+1 with
     # masking, groups of at least 2 (or the study's larger minimum), the exposure check, and the
@@ -662,7 +666,20 @@ def _client_session(
         random=DeterministicRandomSource(seed),
         release=release,
         context=context,
+        rows=rows,
     )
+
+
+def committed_rows(
+    study: Study, inputs: Mapping[str, Mapping[str, np.ndarray]], release: Release
+) -> dict[str, int] | None:
+    """The counts this node commits to in its advertisement: the rows (images) its values in each
+    group are computed from.  Every client's exposure check takes a member that commits 0 as a
+    known value (SECURITY.md, committed counts).  Under DP none: each member's noise is its own
+    secret, so no member's value is known (and an exact count of new images would not be noised)."""
+    if study.dp is not None:
+        return None
+    return dict.fromkeys(inputs, len(release.images))
 
 
 def _check_protocol_parameters(config: Any, study: Study) -> None:

@@ -270,7 +270,8 @@ class _Distinct:
                 # the tensors by the value's digest), not a part.
                 if whole == part or tensor[whole] == tensor[part]:
                     continue
-                if self._flat[large].size <= self._flat[small].size:
+                # A constant whole (a member with no rows sends zeros) holds nothing a part could add.
+                if self._flat[large].size <= self._flat[small].size or self._constant[large]:
                     continue
                 pair = (small, large)
                 if pair not in searched:

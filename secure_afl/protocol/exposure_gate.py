@@ -21,7 +21,8 @@ drift apart:
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -31,6 +32,7 @@ from secure_afl.core.errors import (
     ExposureCheckLimitError,
     ExposureRefusedError,
     ImageAlreadyReleasedError,
+    IncrementTooSmallError,
     LocalProtocolError,
     ValueAlreadyReleasedError,
 )
@@ -119,14 +121,29 @@ class ExposureGate:
         session_id: bytes,
         colluders: int,
         release_survivors: tuple[str, ...] | None = None,
+        known_zero: Mapping[str, frozenset[str]] | None = None,
     ) -> tuple[exposure.ExposureFinding, ...]:
         """The exposure check over ``groups`` (raise to refuse, else return the findings).
+
+        ``known_zero`` (group -> members that committed 0 rows to it; None where no member committed
+        counts): a known value, like a colluder's, so it leaves the sums the check reads; and a
+        session whose values come from fewer than c + 2 members with rows is refused
+        (:class:`IncrementTooSmallError`, deployment policy).
 
         With ``release_survivors`` this is the release point: in one locked ledger update the
         values must still be unreleased elsewhere, no other survivor set may have been signed in
         this session, the check must pass, and then the release is recorded.
         """
         found: list[exposure.ExposureFinding] = []
+        if known_zero is not None:
+            groups = {
+                name: (tuple(cid for cid in live if cid not in known_zero.get(name, ())), tensors)
+                for name, (live, tensors) in groups.items()
+            }
+            # Over the sums this client's values are in (a client in no group has none to protect).
+            contributors = sorted({cid for live, _ in groups.values() for cid in live})
+            if groups and self.policy.refuse_exposure and len(contributors) < colluders + 2:
+                raise IncrementTooSmallError(action, contributors, colluders)
 
         def run_check() -> None:
             findings = exposure.client_exposures(
@@ -186,3 +203,41 @@ class ExposureGate:
                 bytes.fromhex(anchors[shared[0]]),
                 how="start or end like a value (are parts of a value) released",
             )
+
+
+def committed_rows(
+    rows: Mapping[str, int] | None, inputs: Mapping[str, Mapping[str, np.ndarray]]
+) -> dict[str, int] | None:
+    """A client's committed counts, checked: one non-negative integer for each group it joins."""
+    if rows is None:
+        return None
+    if set(rows) != set(inputs):
+        raise LocalProtocolError(
+            f"committed rows name the groups {sorted(rows)}, the inputs {sorted(inputs)}: one count a group"
+        )
+    out = {}
+    for group, count in rows.items():
+        if isinstance(count, bool) or not isinstance(count, int | np.integer) or not 0 <= count < 1 << 63:
+            raise LocalProtocolError(f"the committed rows of {group!r} must be a count, got {count!r}")
+        if count == 0 and any(np.any(values != 0) for values in inputs[group].values()):
+            raise LocalProtocolError(
+                f"group {group!r}: a client committing 0 rows sends zeros there (the value every client "
+                f"takes as known), but its inputs are not zero"
+            )
+        out[group] = int(count)
+    return out
+
+
+def zero_commitments(adverts: Iterable[Any]) -> dict[str, frozenset[str]] | None:
+    """group -> the members that committed 0 rows to it (None: nobody committed counts), from either
+    backend's advertisements (``client_id``, ``groups`` and the signed ``rows``)."""
+    found: dict[str, set[str]] = {}
+    committed = False
+    for advert in adverts:
+        if not advert.rows:
+            continue
+        committed = True
+        for group, count in zip(advert.groups, advert.rows, strict=True):
+            if count == 0:
+                found.setdefault(group, set()).add(advert.client_id)
+    return {g: frozenset(ids) for g, ids in found.items()} if committed else None
