@@ -27,6 +27,8 @@ random projection of the rows, absent: none), ``dp-projection-seed`` (0), ``dp-r
 ``adaptive``, the default with ``dp-dim``, or ``adassp``), ``dp-class-sums`` (``split`` or
 ``positives``, secure_afl/privacy/dp.py), ``dp-row-centre`` (true or false) and ``class-lists``, every
 roster institution's labelled classes as ``"hospital-a=0,1,2;hospital-b=1,3"`` (class indices).
+A growing study: ``extends``, the digest of the study it extends (its sums are read from
+``out-dir/sums-<digest>.npz``, which every additive study writes; README, a federation that grows).
 
 Node config (each SuperNode's ``--node-config``): see :class:`~secure_afl.deploy.client.NodeSettings`.
 Importing this module loads Flower and the protocol, not torch: the analytic method is imported
@@ -55,6 +57,7 @@ from .client import NodeSettings, handle
 from .errors import ConfigurationError, DeploymentError
 from .server import FederationServer
 from .study import Method, Study, StudyDp, parse_class_lists
+from .sums import load_sums, save_sums
 from .wire import MESSAGE_TYPE, Envelope, from_record_dict, to_record_dict
 
 server_app = ServerApp()
@@ -142,6 +145,7 @@ def study_from_run_config(config: Mapping[str, Any]) -> Study:
                 int(b) for b in str(config.get("ckks-moduli", "60,40,40,60")).split(",") if b.strip()
             ),
             ckks_scale_bits=int(config.get("ckks-scale-bits", 40)),
+            extends=str(config.get("extends", "")).strip().lower(),
         )
     except KeyError as exc:
         raise ConfigurationError(f"the run config lacks {exc.args[0]!r}") from None
@@ -235,6 +239,8 @@ def server_main(grid: Grid, context: Context) -> None:
     _log(f"signing the classifier as {signer.coordinator_id} ({signer.key.fingerprint})")
     study = study_from_run_config(config)
     _log(f"protection: {study.describe_protection()}")
+    # A growing study adds its sums to those of the study it extends, kept in this out-dir.
+    earlier = load_sums(out_dir, study.extends) if study.extends else None
     server = FederationServer(
         GridTransport(grid),
         roster,
@@ -246,10 +252,15 @@ def server_main(grid: Grid, context: Context) -> None:
         log=_log,
         signer=signer,
         colluders=config.get("colluders", "n-t"),
+        earlier=earlier,
     )
     report_path = out_dir / "report.json"
     try:
         classifier = server.run()
+        if server.accumulated is not None:
+            _log(
+                f"wrote {save_sums(out_dir, server.accumulated)} (a later study may extend {study.digest()})"
+            )
         path = out_dir / "classifier.json"
         write_classifier_file(path, server.sign(classifier))
         _log(f"wrote {path} (signed by {signer.coordinator_id})")

@@ -472,10 +472,14 @@ def _inputs(
         images = tuple(d for d, kept in zip(images, keep, strict=True) if kept)
     elif label == "1":
         layout = round1_layout(study)
-        stats = client_statistics(data.features, data.labels, device=settings.device)
+        empty = len(data.features) == 0  # a growing study's member without new images
+        features, labels = (data.features, data.labels) if not empty else _one_row(study)
+        stats = client_statistics(features, labels, device=settings.device)
         contributions = stats.contributions(
             data.active, balance=method.balance, gram=method.gram, include_global_gram=method.rounds == 2
         )
+        if empty:
+            contributions = _zero(contributions)
     else:
         coef = _round1_coef(study, envelope)
         contributions, _ = pseudo_label_contributions(
@@ -504,6 +508,40 @@ def _inputs(
 def release_scope(study: Study, label: str) -> str:
     """What a session's images are released under: the study's digest and the round."""
     return f"study:{study.digest()}/round:{label}"
+
+
+def _unreleased(data: Any, settings: NodeSettings, client_id: str, identity: IdentityKey) -> Any:
+    """The feature file's rows whose images this institution's ledger has not released (a growing
+    study's increment; a study that extends another releases nothing else).  May have no rows."""
+    import dataclasses
+
+    from secure_afl.privacy.ledger import LedgerOwner
+
+    released = _ledger(settings).load(LedgerOwner(client_id, identity)).released_images(b"")
+    keep = np.array([bytes.fromhex(d) not in released for d in data.require_image_digests()], dtype=bool)
+    log(settings, f"{client_id}: growing study: {int(keep.sum())} of {len(keep)} rows are new images")
+
+    def rows(values: Any) -> Any:
+        return None if values is None else tuple(v for v, k in zip(values, keep, strict=True) if k)
+
+    return dataclasses.replace(
+        data,
+        features=data.features[keep],
+        labels=data.labels[keep],
+        image_ids=rows(data.image_ids),
+        patient_ids=rows(data.patient_ids),
+        image_sha256=rows(data.require_image_digests()),
+    )
+
+
+def _one_row(study: Study) -> tuple[np.ndarray, np.ndarray]:
+    """A stand-in row giving the layout's shapes (its statistics are zeroed, :func:`_zero`)."""
+    return np.zeros((1, study.dim)), np.zeros((1, study.n_classes), dtype=np.uint8)
+
+
+def _zero(contributions: Any) -> Any:
+    """A member with no new rows sends zeros (the value its committed count of 0 announces)."""
+    return {g: {t: np.zeros_like(v) for t, v in tensors.items()} for g, tensors in contributions.items()}
 
 
 def _flat(layout: Any, contributions: Any) -> dict[str, dict[str, np.ndarray]]:
@@ -536,6 +574,8 @@ def _start_session(envelope: Envelope, label: str, state: LocalState, settings: 
         _check_dp_session(
             study, data, client_id, roster, backend, request, str(envelope.meta.get("study-nonce", ""))
         )
+    if study.extends:  # a growing study: only this institution's images not yet released
+        data = _unreleased(data, settings, client_id, identity)
     inputs, release = _inputs(label, study, data, envelope, groups, settings, len(roster), client_id)
     # One view: the digest of the study, the round and the arrays (round 2's W) this node was given;
     # its advertisement signs it and R1 goes on only if every advertisement signs the same.
@@ -561,7 +601,7 @@ def _start_session(envelope: Envelope, label: str, state: LocalState, settings: 
             "messages": [envelope.payload],
             "inputs": {f"{g}|{t}": v for g, tensors in inputs.items() for t, v in tensors.items()},
             "release": json.dumps(release.to_json()),
-            "rows": rows,
+            "rows": json.dumps(rows),  # the committed counts (JSON: Flower's records hold no mappings)
         },
     )
     log(settings, f"{client_id}: session {label} R0 answered (groups {sorted(inputs)}, {backend.name})")
@@ -601,7 +641,7 @@ def _continue_session(envelope: Envelope, label: str, state: LocalState, setting
         release,
         settings.colluders,
         bytes(saved["context"]),
-        saved.get("rows"),
+        json.loads(str(saved.get("rows", "null"))),
     )
     # Rebuild: the same seed and the same server messages give the same state, secrets included
     # (CKKS: the secret context is the one the key holder sealed for this client in R2's message;
