@@ -13,16 +13,19 @@ the server calls it:
   value; the caller's source ids spend them (the deployment's do).  A value that starts or ends
   like a released one is a part of it (the halves attack: ``x`` released whole, then ``x[:k]`` and
   ``x[k:]`` under other names);
-- **source ids** the caller adds: what the values are computed from (the deployment adds the
-  digest of its feature file and the round), so that two studies over the same data (per-class
-  vs global balance: other bytes, one linear function of the other) are one release.
+- **source ids** the caller may add: what the values are computed from;
+- **images** (the deployment's unit, issue 29): the SHA-256 of each row's image file, with the
+  scope they are released under (the study's digest and round) and the one scope whose images the
+  release may use again (round 2: its own round 1).  Two studies over the same images (another
+  balance, backbone or protection, a re-extracted file: other bytes) are then one release.
 
 Within one session, an input that is a contiguous part of another input is refused outright
 (:func:`contained_parts`).  What is *not* recognised (SECURITY.md): parts shorter than
 ``ANCHOR_WORDS`` words or interior windows released across sessions, constant values (counts)
 at the protocol level, and other linear maps of a
 released value (scaled, permuted) computed by the caller; the deployment's clients compute their
-inputs themselves from the study's fixed layout, so a server cannot ask them for such parts.
+inputs themselves from the study's fixed layout, so a server cannot ask them for such parts, and
+name their images, which no layout changes.
 """
 
 from __future__ import annotations

@@ -14,6 +14,9 @@ drift apart:
   answered before (a forked or rebuilt client)?  The answer is recorded before the reply leaves.
 - **before a step that lets the server learn sums**: would the sums over the live members determine
   a client's value, with up to c = n - t colluding peers' values known (deployment policy)?
+- **committed counts**: a member that signed 0 rows for a group contributes a value the server
+  knows (zero); it leaves that group's sums in the check, like a colluder's value, and a session
+  whose sums come from fewer than c + 2 members with rows is refused (deployment policy).
 - **at the release point** (masking R3, CKKS R2), atomically with the last check: record the
   release and the survivor set signed; a second survivor set for one session id is refused.
 """
