@@ -140,3 +140,36 @@ def test_a_growing_study_needs_the_earlier_sums_and_an_additive_method(tmp_path:
     # the digest of a study that extends none is what it was
     assert "extends" not in federation.study.to_json()
     assert Study.from_json(extended.to_json()) == extended
+
+
+def test_a_forked_chain_releases_each_image_once(tmp_path: Path) -> None:
+    """The server extends one study twice (two branches of the chain over the same new images): the
+    first branch releases them; in the second every member has no new image, commits 0 rows and the
+    session is refused, so the server never holds two sums over one image."""
+    federation, full = _federation(tmp_path)
+    _arrive(federation, full, dict.fromkeys(full, 30))
+    first = _run(federation, federation.study)
+    branch_a = dataclasses.replace(federation.study, extends=federation.study.digest())
+    branch_b = dataclasses.replace(branch_a, method=Method(balance="global", gamma=2.0))
+    _arrive(federation, full, dict.fromkeys(full, 45))
+    assert _run(federation, branch_a, first.accumulated).report.refusals == []
+    _arrive(federation, full, dict.fromkeys(full, 45))
+    server = FederationServer(
+        InProcessTransport(federation), federation.roster, branch_b, round_timeout=1, log=lambda s: None,
+        signer=federation.signer, colluders=0, earlier=first.accumulated,
+    )  # fmt: skip
+    with pytest.raises(FederationAbortedError):
+        server.run()
+    refusals = server.report.refusals
+    assert len(refusals) == 4 and {r["error"] for r in refusals} == {"IncrementTooSmallError"}
+    assert all("only 0 member(s)" in r["message"] for r in refusals)
+    # and a study that does not extend the chain is refused over the same images
+    _arrive(federation, full, dict.fromkeys(full, 45))
+    plain = dataclasses.replace(federation.study, method=Method(balance="global", gamma=3.0))
+    server = FederationServer(
+        InProcessTransport(federation), federation.roster, plain, round_timeout=1, log=lambda s: None,
+        signer=federation.signer, colluders=0,
+    )  # fmt: skip
+    with pytest.raises(FederationAbortedError):
+        server.run()
+    assert {r["error"] for r in server.report.refusals} == {"ImageAlreadyReleasedError"}
