@@ -173,3 +173,18 @@ def test_a_forked_chain_releases_each_image_once(tmp_path: Path) -> None:
     with pytest.raises(FederationAbortedError):
         server.run()
     assert {r["error"] for r in server.report.refusals} == {"ImageAlreadyReleasedError"}
+
+
+@pytest.mark.parametrize(
+    "options", [["--balance", "client"], ["--rounds", "2"], ["--dp-epsilon", "1"], ["--rehearse-abort"]]
+)
+def test_deploy_local_sessions_refuses_what_does_not_add_before_any_process(options, tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from secure_afl.cli import main
+
+    result = CliRunner().invoke(
+        main, ["deploy", "local", "--sessions", "3", *options, "--out", str(tmp_path)]
+    )
+    assert result.exit_code == 2 and "a federation that grows" in result.output
+    assert not (tmp_path / "logs").exists()  # refused before the work directory or any process
