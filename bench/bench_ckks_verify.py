@@ -6,8 +6,9 @@ signature over the chunk digests, and adds the ciphertexts itself.  This prints,
 CKKS session (8 clients, d = 256 by default, the bench_ckks layout: the Gram in every class group
 and in ``all``, N = 8192):
 
-- bytes a decryptor receives in R3, next to what the old request carried (one ciphertext set per
-  group, the size of one member's upload of it): the ratio is about the group's survivors;
+- bytes a decryptor receives in R4 (R3 before issue 27's signed view), next to what the old request
+  carried (one ciphertext set per group, the size of one member's upload of it): the ratio is about
+  the group's survivors;
 - per group, the seconds to check and add the uploads next to the seconds to decrypt the sum,
   measured side by side in this run (a ratio, not a wall time).
 
@@ -64,18 +65,18 @@ def main() -> None:
     result = run_in_process(backend, contributions, symmetric=("gram",))  # type: ignore[arg-type]
     costs = result.costs
     (server,) = servers
-    decryptors = sorted(c for c in costs.bytes_received if costs.bytes_received[c].get("R3", 0))
+    decryptors = sorted(c for c in costs.bytes_received if costs.bytes_received[c].get("R4", 0))
     old = 0
     for group in server._requested.values():
         sizes = [sum(len(ch) for t in u.tensors for ch in t.chunks) for u in group.uploads]
         old += int(statistics.mean(sizes))
-    new = sum(costs.bytes_received[c]["R3"] for c in decryptors)
-    print(f"#### CKKS R3 with verified sums: 8 clients, d = {args.dim}, missing {args.missing}, N = 8192")
+    new = sum(costs.bytes_received[c]["R4"] for c in decryptors)
+    print(f"#### CKKS R4 with verified sums: 8 clients, d = {args.dim}, missing {args.missing}, N = 8192")
     print(f"machine: {platform.machine()}; python {platform.python_version()}\n")
     print("| figure | value |\n|---|---|")
     print(f"| decryptors | {len(decryptors)} |")
-    print(f"| R3 bytes received, all decryptors (verified uploads) | {fmt_bytes(new)} |")
-    print(f"| R3 ciphertext bytes the old request carried (one sum per group) | {fmt_bytes(old)} |")
+    print(f"| R4 bytes received, all decryptors (verified uploads) | {fmt_bytes(new)} |")
+    print(f"| R4 ciphertext bytes the old request carried (one sum per group) | {fmt_bytes(old)} |")
     print(f"| ratio | {new / old:.2f} |")
     # Check-and-add against decrypt, per group, side by side (the decryptor's own work).
     client = next(iter(result.clients.values()))

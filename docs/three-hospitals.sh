@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
-# README's "Three hospitals" section, run literally on one machine: three hospital directories with
-# their own passphrases, a coordinator directory, a TLS SuperLink and three SuperNodes on distinct
-# ports, from keys to a verified classifier and its metrics. Every command below is the one README
-# shows; only the paths ($W/...), the ports and the stand-ins for real data differ:
+# README's "Three hospitals" section (H1-H4, C1-C5), run literally on one machine: three hospitals
+# and a coordinator, each in its own directory with its own HOME (hence ~/.secure-afl) and passphrase
+# file, a SuperLink behind its Fleet-only front and three SuperNodes, on 127.0.0.1 with free ports.
+# Every party command is README's, run from that party's directory; only these differ:
+#   - addresses and ports (--host localhost --ip 127.0.0.1 --port, --listen, --control-port, --node-port),
 #   - the "agreed weight file" is a randomly initialised ResNet-18 saved here (no download), and
-#   - each hospital's images are a few random PNGs with a random labels CSV.
-# Usage: bash docs/three-hospitals.sh [WORK_DIR]   (with the project's venv active)
+#   - each hospital's images are random PNGs with random labels: training images and held-out ones.
+# Files "sent" between parties are copied (cp) in the order of README's table. Then each hospital
+# evaluates its received classifier on its held-out features, and, as a hospital, `flwr ls`, `flwr run`
+# and `flwr supernode register` against the hospitals' address must fail. Any failing step exits non-zero.
+# Usage: bash docs/three-hospitals.sh [WORK_DIR]   (with the project's venv on PATH)
 set -euo pipefail
 W=$(realpath -m "${1:-$(mktemp -d)}")
 mkdir -p "$W"
 cd "$W"
+started=$(date +%s)
 pids=()
 cleanup() {  # SIGTERM every process group, wait up to 20 s for them to stop, then SIGKILL the rest
   for pid in "${pids[@]}"; do kill -- "-$pid" 2>/dev/null || true; done
@@ -22,14 +27,38 @@ cleanup() {  # SIGTERM every process group, wait up to 20 s for them to stop, th
 trap cleanup EXIT
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 LINK_PORT=${LINK_PORT:-$(free_port)}
+CONTROL_PORT=${CONTROL_PORT:-$(free_port)}
 HOSPITALS=(hospital-a hospital-b hospital-c)
 declare -A NAME=([hospital-a]="Hospital A" [hospital-b]="Hospital B" [hospital-c]="Hospital C")
-# The classes (indices into secure-afl's 8) each hospital labels: every class by at least two.
-declare -A LABELS=([hospital-a]="Atelectasis,Cardiomegaly,Effusion,Infiltration,Mass"
-                   [hospital-b]="Effusion,Infiltration,Mass,Nodule,Pneumonia,Pneumothorax"
-                   [hospital-c]="Atelectasis,Cardiomegaly,Nodule,Pneumonia,Pneumothorax")
+declare -A PASS=([hospital-a]="alpha correct horse battery" [hospital-b]="bravo staple lamp cactus"
+                 [hospital-c]="charlie river nine window" [coordinator]="delta orbit salt meadow")
 
-echo "== stand-ins: the agreed weight file and each hospital's images"
+# party NAME 'COMMAND': COMMAND as README writes it, in NAME's directory with NAME's HOME, stopped
+# after STEP_TIMEOUT seconds (900).
+party() {
+  local who=$1; shift
+  mkdir -p "$W/$who/home"
+  (cd "$W/$who" && env -u FLWR_HOME HOME="$W/$who/home" SECURE_AFL_HOME="$W/$who/home/.secure-afl" \
+      timeout -k 10 "${STEP_TIMEOUT:-900}" bash -c "set -euo pipefail; $*")
+}
+# party_bg NAME LOG 'COMMAND': the same, in the background in its own process group (stopped at exit).
+party_bg() {
+  local who=$1 log=$2; shift 2
+  mkdir -p "$W/$who/home"
+  (cd "$W/$who" && exec env -u FLWR_HOME HOME="$W/$who/home" SECURE_AFL_HOME="$W/$who/home/.secure-afl" \
+      setsid bash -c "exec $*" > "$log" 2>&1) &
+  pids+=($!)
+}
+wait_for() {  # wait_for FILE PATTERN SECONDS: until FILE has a line matching PATTERN (bounded)
+  local deadline=$(( $(date +%s) + $3 ))
+  until grep -q "$2" "$1" 2>/dev/null; do
+    [ "$(date +%s)" -lt "$deadline" ] || { cat "$1" 2>/dev/null; echo "FAILED: no '$2' in $1 after $3 s"; exit 1; }
+    sleep 0.2
+  done
+}
+
+echo "== stand-ins: the agreed weight file, each hospital's images (training and held-out), passphrases"
+mkdir -p coordinator "${HOSPITALS[@]}"
 python3 - <<'PY'
 import csv, os, random
 import numpy as np, torch, torchvision
@@ -37,109 +66,130 @@ from PIL import Image
 torch.manual_seed(0)
 torch.save(torchvision.models.resnet18().state_dict(), "resnet18-agreed.pth")
 rng = random.Random(0)
+# The classes each hospital labels: every class by at least two.
 labels = {"hospital-a": "Atelectasis,Cardiomegaly,Effusion,Infiltration,Mass",
           "hospital-b": "Effusion,Infiltration,Mass,Nodule,Pneumonia,Pneumothorax",
           "hospital-c": "Atelectasis,Cardiomegaly,Nodule,Pneumonia,Pneumothorax"}
 for h, classes in labels.items():
-    os.makedirs(f"{h}/images", exist_ok=True)
-    with open(f"{h}/labels.csv", "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["image", *classes.split(",")])
-        for i in range(24):
-            pixels = np.random.default_rng(rng.randrange(2**32)).integers(0, 256, (64, 64), dtype=np.uint8)
-            Image.fromarray(pixels).save(f"{h}/images/{i:03d}.png")
-            w.writerow([f"{i:03d}.png", *(rng.randint(0, 1) for _ in classes.split(","))])
+    classes = classes.split(",")
+    for part, count in (("images", 24), ("held-out", 12)):
+        os.makedirs(f"{h}/data/{part}", exist_ok=True)
+        rows = [[rng.randint(0, 1) for _ in classes] for _ in range(count)]
+        for c in range(len(classes)):  # every class both positive and negative, so AUC is defined
+            rows[0][c], rows[1][c] = 1, 0
+        with open(f"{h}/data/{part}.csv", "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["image", *classes])
+            for i, row in enumerate(rows):
+                pixels = np.random.default_rng(rng.randrange(2**32)).integers(0, 256, (64, 64), dtype=np.uint8)
+                Image.fromarray(pixels).save(f"{h}/data/{part}/{part[0]}{i:03d}.png")
+                w.writerow([f"{part[0]}{i:03d}.png", *row])
 PY
+for h in "${HOSPITALS[@]}"; do cp resnet18-agreed.pth "$h/"; done  # each party holds the agreed file
+cp resnet18-agreed.pth coordinator/
+for who in "${HOSPITALS[@]}" coordinator; do (umask 077; printf '%s\n' "${PASS[$who]}" > "$who/pass"); done
 
-echo "== 1. identity keys (each hospital, and the coordinator)"
-export HOSPITAL_A_PASS="alpha correct horse battery" HOSPITAL_B_PASS="bravo staple lamp cactus"
-export HOSPITAL_C_PASS="charlie river nine window" COORDINATOR_PASS="delta orbit salt meadow"
+echo "== H1. key (each hospital): send ~/.secure-afl/identity.pub.json to the coordinator"
 for h in "${HOSPITALS[@]}"; do
-  var=$(echo "${h^^}_PASS" | tr - _)
-  secure-afl keys init --id "$h" --name "${NAME[$h]}" --dir "$h/keys" --passphrase-env "$var"
-done
-secure-afl keys init --id coordinator --name "Coordinator" --dir coordinator/keys --passphrase-env COORDINATOR_PASS
-
-echo "== 2. the roster (coordinator), pinned and checked by each hospital"
-for h in "${HOSPITALS[@]}"; do
-  secure-afl keys roster add --roster coordinator/roster.json --entry "$h/keys/identity.pub.json" \
-      --fingerprint "$(jq -r .fingerprint "$h/keys/identity.pub.json")"   # the fingerprint heard on the call
-done
-secure-afl keys roster add --roster coordinator/roster.json --coordinator \
-    --entry coordinator/keys/identity.pub.json --fingerprint "$(jq -r .fingerprint coordinator/keys/identity.pub.json)"
-for h in "${HOSPITALS[@]}"; do
-  cp coordinator/roster.json "$h/roster.json"
-  secure-afl keys roster show --roster "$h/roster.json" --dir "$h/keys" | tail -1
+  party "$h" "secure-afl keys init --id $h --name \"${NAME[$h]}\" --passphrase-file pass"
+  mkdir -p "coordinator/$h"
+  cp "$h/home/.secure-afl/identity.pub.json" "coordinator/$h/"   # its fingerprint, read aloud: in the roster
 done
 
-echo "== 3. features (each hospital)"
-for h in "${HOSPITALS[@]}"; do
-  secure-afl features extract --images "$h/images" --labels "$h/labels.csv" \
-      --backbone resnet18 --weights resnet18-agreed.pth --out "$h/features.npz" --no-progress | tail -3
-done
-secure-afl features show hospital-a/features.npz | tail -6
+echo "== C1. key (coordinator)"
+party coordinator 'secure-afl keys init --id coordinator --name "Coordinator" --passphrase-file pass'
 
-echo "== 4. TLS and the SuperLink (coordinator)"
-secure-afl deploy tls --host localhost --ip 127.0.0.1 --out coordinator/tls
-# The SuperLink gets no passphrase variable (deploy superlink scrubs its environment): a 0600 file.
-(umask 077; printf '%s\n' "$COORDINATOR_PASS" > coordinator/passphrase)
-secure-afl deploy app --out coordinator/app --roster coordinator/roster.json \
-    --identity-key coordinator/keys/identity.key --passphrase-file coordinator/passphrase --out-dir coordinator/out \
-    --backbone resnet18 --weights resnet18-agreed.pth --round-timeout 60
-CONTROL_PORT=${CONTROL_PORT:-$(free_port)}
-setsid secure-afl deploy superlink --tls coordinator/tls --listen "${LINK_HOST:-127.0.0.1}:$LINK_PORT" \
-    --control-port "$CONTROL_PORT" --state-dir coordinator/superlink > coordinator/superlink.log 2>&1 &
-pids+=($!)
-for _ in $(seq 300); do grep -q "^ready: " coordinator/superlink.log 2>/dev/null && break; sleep 0.2; done
-grep -q "^ready: " coordinator/superlink.log || { cat coordinator/superlink.log; echo "FAILED: no SuperLink"; exit 1; }
-export FLWR_HOME="$W/coordinator/superlink/flwr"   # the coordinator's Control API, on 127.0.0.1 only
+echo "== C2. provision (coordinator): send fed/kits/ID/ to each hospital"
+party coordinator "secure-afl deploy provision --out fed/ --hospital hospital-a/ --hospital hospital-b/ \
+    --hospital hospital-c/ --passphrase-file pass --host localhost --ip 127.0.0.1 --port $LINK_PORT \
+    --backbone resnet18 --weights resnet18-agreed.pth"
+for h in "${HOSPITALS[@]}"; do cp -r "coordinator/fed/kits/$h" "$h/kit"; done
 
-echo "== 5. SuperNode authentication keys (each hospital), registered by the coordinator"
+echo "== C3. SuperLink (coordinator; keep it running)"
+party_bg coordinator "$W/coordinator/superlink.out" "secure-afl deploy superlink --tls fed/tls \
+    --listen 127.0.0.1:$LINK_PORT --control-port $CONTROL_PORT --state-dir fed/superlink"
+wait_for coordinator/superlink.out "^ready: " 60
+
+echo "== H2. features (each hospital): its training images, and held-out ones for the evaluation"
 for h in "${HOSPITALS[@]}"; do
-  secure-afl deploy node-key "$h/supernode-auth"
-  flwr supernode register "$h/supernode-auth.pub" federation
+  party "$h" 'secure-afl features extract --images data/images --labels data/images.csv --backbone resnet18 \
+      --weights resnet18-agreed.pth --out features.npz' > "$h/features.out" 2>&1 \
+      || { cat "$h/features.out"; echo "FAILED: $h features extract"; exit 1; }
+  echo "$h: $(grep -E '^wrote ' "$h/features.out")"
+  # Not one of README's four: the held-out set this script evaluates on (README: "on held-out images").
+  party "$h" 'secure-afl features extract --images data/held-out --labels data/held-out.csv --backbone resnet18 \
+      --weights resnet18-agreed.pth --out held-out.npz' > "$h/held-out.out" 2>&1 \
+      || { cat "$h/held-out.out"; echo "FAILED: $h held-out features extract"; exit 1; }
 done
 
-echo "== 6. each hospital checks its node, then starts its SuperNode"
-port=$((LINK_PORT + 1))
+echo "== H3. join (each hospital): send kit/ID.reply.json to the coordinator"
+declare -A START
 for h in "${HOSPITALS[@]}"; do
-  var=$(echo "${h^^}_PASS" | tr - _)
-  config="identity-key=\"$W/$h/keys/identity.key\" passphrase-env=\"$var\" roster=\"$W/$h/roster.json\" features=\"$W/$h/features.npz\" ledger-dir=\"$W/$h/ledger\" out-dir=\"$W/$h/out\""
-  secure-afl deploy check --node-config "$config" --study coordinator/app \
-      --superlink "127.0.0.1:$LINK_PORT" --root-certificates coordinator/tls/ca.crt | tail -1
-  port=$((port + 1))
-  setsid flower-supernode --superlink "127.0.0.1:$LINK_PORT" --root-certificates coordinator/tls/ca.crt \
-      --auth-supernode-private-key "$h/supernode-auth" --port "$port" --node-config "$config" > "$h/supernode.log" 2>&1 &
-  pids+=($!)
+  node_port=$(free_port)
+  code=0
+  party "$h" "secure-afl deploy join kit/ --features features.npz --passphrase-file pass --node-port $node_port" \
+      > "$h/join.out" 2>&1 || code=$?
+  # 3: the kit is sound, the other hospitals have not co-signed yet (nobody has, at this point).
+  [ "$code" = 3 ] || { cat "$h/join.out"; echo "FAILED: $h join exited $code, not 3 (waiting)"; exit 1; }
+  grep -E "^ok  recorded study|^WAITING" "$h/join.out"
+  START[$h]=$(grep -E "^  .*flower-supernode " "$h/join.out" | sed 's/^  //')
+  [ -n "${START[$h]}" ] || { cat "$h/join.out"; echo "FAILED: $h join printed no start command"; exit 1; }
+  cp "$h/kit/$h.reply.json" coordinator/
 done
 
-echo "== 7. the run (coordinator)"
-secure-afl deploy run coordinator/app federation --tick 10
+echo "== C4. collect (coordinator): send fed/kits/ID/roster.json back to each hospital"
+party coordinator 'secure-afl deploy collect fed/ hospital-a.reply.json hospital-b.reply.json hospital-c.reply.json'
+for h in "${HOSPITALS[@]}"; do cp "coordinator/fed/kits/$h/roster.json" "$h/kit/roster.json"; done
 
-echo "== 8. each hospital verifies and evaluates the classifier it received"
+echo "== H4. start (each hospital): the command join printed"
 for h in "${HOSPITALS[@]}"; do
-  secure-afl predict --model "$h/out/classifier.json" --roster "$h/roster.json" --features "$h/features.npz" \
-      --out "$h/predictions.csv" --evaluate | grep -E "verified|metrics"
+  echo "$h: ${START[$h]}"
+  party_bg "$h" /dev/null "${START[$h]}"
 done
-sed 's/"decision_threshold": 0.5/"decision_threshold": 0.1/' hospital-a/out/classifier.json > hospital-a/tampered.json
-if secure-afl predict --model hospital-a/tampered.json --roster hospital-a/roster.json \
-    --features hospital-a/features.npz --out /dev/null 2> hospital-a/tampered.err; then
+
+echo "== C5. run (coordinator; it signs the classifier, here)"
+party coordinator 'secure-afl deploy run fed/app federation --flwr-home fed/superlink/flwr \
+    --identity-key ~/.secure-afl/identity.key --passphrase-file pass'
+
+echo "== each hospital verifies the classifier it received and evaluates it on held-out features"
+for h in "${HOSPITALS[@]}"; do
+  party "$h" 'secure-afl predict --model kit/state/out/classifier.json --roster kit/roster.json \
+      --features held-out.npz --evaluate' > "$h/predict.out" 2>&1 \
+      || { cat "$h/predict.out"; echo "FAILED: $h predict"; exit 1; }
+  grep -E "verified|metrics|BACC" "$h/predict.out"
+  cmp -s "$h/kit/state/out/classifier.json" coordinator/fed/server/classifier.json \
+      || { echo "FAILED: $h received another classifier than the coordinator's"; exit 1; }
+done
+echo "every hospital holds the coordinator's classifier, byte for byte"
+sed 's/"decision_threshold": 0.5/"decision_threshold": 0.1/' hospital-a/kit/state/out/classifier.json \
+    > hospital-a/tampered.json
+cmp -s hospital-a/tampered.json hospital-a/kit/state/out/classifier.json \
+    && { echo "FAILED: the tampering changed nothing"; exit 1; }
+if party hospital-a 'secure-afl predict --model tampered.json --roster kit/roster.json --features held-out.npz \
+    --out /dev/null' 2> hospital-a/tampered.err; then
   echo "FAILED: a tampered threshold was accepted"; exit 1
 fi
 echo "a changed threshold is refused: $(tail -1 hospital-a/tampered.err)"
 
-echo "== 9. as a hospital: flwr ls and flwr run against the hospitals' address must fail"
-mkdir -p hospital-a/flwr
+echo "== as a hospital: flwr ls, flwr run and flwr supernode register against the hospitals' address must fail"
+mkdir -p hospital-a/home/.flwr
 printf '[superlink]\ndefault = "c"\n\n[superlink.c]\naddress = "127.0.0.1:%s"\nroot-certificates = "%s"\n' \
-    "$LINK_PORT" "$W/coordinator/tls/ca.crt" > hospital-a/flwr/config.toml
-if FLWR_HOME="$W/hospital-a/flwr" flwr ls c > hospital-a/flwr-ls.out 2>&1; then
+    "$LINK_PORT" "$W/hospital-a/kit/ca.crt" > hospital-a/home/.flwr/config.toml
+if party hospital-a 'FLWR_HOME=~/.flwr flwr ls c' > hospital-a/flwr-ls.out 2>&1; then
   cat hospital-a/flwr-ls.out; echo "FAILED: a hospital listed the coordinator's runs"; exit 1
 fi
-if FLWR_HOME="$W/hospital-a/flwr" flwr run coordinator/app c > hospital-a/flwr-run.out 2>&1; then
+if party hospital-a 'FLWR_HOME=~/.flwr flwr run kit/app c' > hospital-a/flwr-run.out 2>&1; then
   cat hospital-a/flwr-run.out; echo "FAILED: a hospital started a run at the coordinator"; exit 1
 fi
-for out in hospital-a/flwr-ls.out hospital-a/flwr-run.out; do  # refused by the front, not for another reason
-  grep -q "404 Not Found" "$out" || { cat "$out"; echo "FAILED: $out is not the front's refusal"; exit 1; }
+# And registering a SuperNode key of its own making (node authentication's bypass).
+party hospital-a 'secure-afl deploy node-key rogue-auth' > /dev/null
+if party hospital-a 'FLWR_HOME=~/.flwr flwr supernode register rogue-auth.pub c' \
+    > hospital-a/flwr-register.out 2>&1; then
+  cat hospital-a/flwr-register.out; echo "FAILED: a hospital registered a SuperNode key"; exit 1
+fi
+for out in hospital-a/flwr-ls.out hospital-a/flwr-run.out hospital-a/flwr-register.out; do
+  # refused by the front, not for another reason
+  grep -q "404" "$out" || { cat "$out"; echo "FAILED: $out is not the front's refusal"; exit 1; }
 done
-echo "refused by the front (404 Not Found): flwr ls and flwr run from a hospital"
-echo "done: $W"
+echo "refused by the front (404): flwr ls, flwr run and flwr supernode register from a hospital"
+echo "done in $(( $(date +%s) - started )) s: $W"

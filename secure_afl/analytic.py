@@ -148,17 +148,27 @@ def _as_batches(features: np.ndarray | Iterable[np.ndarray], batch_size: int) ->
     return features
 
 
-def _check_batch(batch: np.ndarray, d: int | None) -> None:
+def _check_batch(batch: np.ndarray, d: int | None, *, finite: bool = True) -> None:
+    """Shape and dtype of a feature batch; with ``finite`` also that every value is finite (the CPU
+    path leaves that to :func:`_check_finite` on the batch's Gram, which reads no extra pass)."""
     if batch.ndim != 2:
         raise StatisticsError(f"features must be a 2-D array (samples × dim), got shape {batch.shape}")
     if d is not None and batch.shape[1] != d:
         raise StatisticsError(f"feature batches disagree on the dimension: {batch.shape[1]} after {d}")
     if not np.issubdtype(batch.dtype, np.floating):
         raise StatisticsError(f"features must be floating point, got dtype {batch.dtype}")
-    if not np.isfinite(batch).all():
+    if finite and not np.isfinite(batch).all():
         raise StatisticsError(
             "features contain NaN or infinite values; check the backbone output or the feature file"
         )
+
+
+def _check_finite(batch: np.ndarray, gram: np.ndarray) -> None:
+    """Every value of ``batch`` is finite, given ``gram = batchᵀbatch``: a NaN or infinite entry
+    makes its column's diagonal entry NaN or infinite, so a finite diagonal proves the batch finite;
+    otherwise (that, or squares that overflow) the batch itself is read."""
+    if not np.isfinite(np.diagonal(gram)).all():
+        _check_batch(batch, None)
 
 
 def _check_labels(labels: np.ndarray, n_rows: int | None = None) -> np.ndarray:
@@ -273,7 +283,7 @@ def client_statistics(
     seen = 0
     for raw in _as_batches(features, batch_size):
         batch = np.asarray(raw)
-        _check_batch(batch, d)
+        _check_batch(batch, d, finite=dev.type != "cpu")
         if d is None:
             d = batch.shape[1]
             if dev.type == "cpu":
@@ -289,9 +299,11 @@ def client_statistics(
             )
         if dev.type == "cpu":
             # numpy's BLAS computes hᵀh as a symmetric rank-k update (syrk): half the flops of the
-            # general product, about twice as fast on a CPU
-            h64 = batch.astype(np.float64)
-            gram_np += h64.T @ h64
+            # general product, about twice as fast on a CPU.  float64 input is used as it is (no copy).
+            h64 = np.ascontiguousarray(batch, dtype=np.float64)
+            part = h64.T @ h64
+            _check_finite(batch, part)
+            gram_np += part
             h = torch.from_numpy(h64)
         else:
             h = torch.as_tensor(batch, device=dev).to(torch.float64)
@@ -304,9 +316,14 @@ def client_statistics(
         raise StatisticsError("a client has no samples: every client needs at least one feature row")
     if seen != len(labels):
         raise StatisticsError(f"labels have {len(labels)} rows but the features have {seen}")
-    gram = gram_np if dev.type == "cpu" else gram_t.cpu().numpy()
-    # addmm leaves rounding asymmetry; the statistic is symmetric by definition
-    gram = (gram + gram.T) / 2
+    if dev.type == "cpu":
+        # syrk fills one triangle and mirrors it (and numpy's loop without BLAS adds the same
+        # products in the same order for g_ij and g_ji): exactly symmetric, so (G + Gᵀ)/2 = G
+        gram = gram_np
+    else:
+        # addmm leaves rounding asymmetry; the statistic is symmetric by definition
+        gram = gram_t.cpu().numpy()
+        gram = (gram + gram.T) / 2
     return ClientStatistics(
         gram=gram,
         feat_sum=sum_t.cpu().numpy(),

@@ -332,13 +332,13 @@ def deploy_node_key(path: Path, force: bool) -> None:
     "--passphrase-file",
     type=click.Path(path_type=Path, dir_okay=False),
     default=None,
-    help="The key's passphrase file (0600) on the SuperLink's host.",
+    help="The key's passphrase file (0600): checked here; give it to deploy run too.",
 )
 @click.option(
     "--passphrase-env",
     metavar="VAR",
     default=None,
-    help="Or: the environment variable that holds it, exported where flower-superlink starts.",
+    help="Or: the environment variable holding it (checked here; deploy run reads it, never the SuperLink).",
 )
 @click.option(
     "--out-dir",
@@ -462,7 +462,7 @@ def deploy_app(
     federation: str,
     force: bool,
 ) -> None:
-    """Write the coordinator's Flower app: the study, the roster and the signing key (the coordinator).
+    """Write the coordinator's Flower app: the study and the roster (the key is checked, not written).
 
     \b
     Reads:  --roster, --identity-key (decrypted once, to check it is the roster's coordinator),
@@ -485,11 +485,14 @@ def deploy_app(
     if superlink is not None and (root_certificates is None) == (not insecure):
         raise click.UsageError("with --superlink give --root-certificates ca.crt (TLS) or --insecure")
     record = _backbone_record(features_path, backbone, weights)
-    config: dict[str, object] = {
-        "roster": str(roster_path.resolve()),
+    # The key is checked here but not written: deploy run signs, the ServerApp never sees it.
+    signing = {
         "identity-key": str(identity_key.resolve()),
         **({"passphrase-file": str(passphrase_file.resolve())} if passphrase_file else {}),
         **({"passphrase-env": passphrase_env} if passphrase_env else {}),
+    }
+    config: dict[str, object] = {
+        "roster": str(roster_path.resolve()),
         "out-dir": str(server_out.resolve()),
         **record,
         "gamma": gamma,
@@ -509,7 +512,7 @@ def deploy_app(
     roster = load_roster_file(roster_path)
     try:
         study = study_from_run_config(config)
-        signer = coordinator_signer(config, roster)
+        signer = coordinator_signer(signing, roster)
         parse_colluders(colluders, len(roster), study.threshold_for(len(roster)))
     except ConfigurationError as exc:
         raise click.ClickException(f"ConfigurationError: {exc}") from None
@@ -534,7 +537,15 @@ def deploy_app(
         home.mkdir(parents=True, exist_ok=True)
         connection.write_text("\n".join(lines) + "\n", encoding="utf-8")
         click.echo(f"wrote {connection} (export FLWR_HOME={home} for flwr supernode register)")
-    click.echo(f"next: secure-afl deploy run {app_dir} {federation} --flwr-home {home}")
+    secret = (
+        f"--passphrase-file {signing['passphrase-file']}"
+        if passphrase_file
+        else f"--passphrase-env {passphrase_env}"
+    )
+    click.echo(
+        f"next: secure-afl deploy run {app_dir} {federation} --flwr-home {home} --identity-key "
+        f"{signing['identity-key']} {secret}"
+    )
 
 
 def _run_config_value(text: str) -> object:
@@ -555,39 +566,17 @@ def _synthetic_image_digests(names: np.ndarray) -> list[str]:
 
 def _backbone_record(features: Path | None, backbone: str | None, weights: Path | None) -> dict[str, object]:
     """The study's classes, dim, backbone, weights-id and preprocessing (run-config keys)."""
-    from secure_afl.features.file import FeatureFileError, describe_preprocessing, load_feature_file
+    from secure_afl.deploy.provision import backbone_record
     from secure_afl.sim.data import CLASSES
 
-    if features is not None:
-        try:
-            data = load_feature_file(features)
-        except FeatureFileError as exc:
-            raise click.ClickException(f"FeatureFileError: {exc}") from None
-        described = data.describe_backbone()
-        return {
-            "classes": ",".join(data.classes),
-            "dim": int(data.dim),
-            "backbone": described["name"],
-            "weights-id": described["weights_id"],
-            "preprocessing": described["preprocessing"],
-        }
-    from secure_afl.features.backbones import UnknownBackboneError, WeightsError, load_backbone
-
-    if weights is None:
+    if backbone is not None and weights is None:
         raise click.UsageError(
             "--backbone needs --weights FILE (the agreed weight file; nothing is downloaded)"
         )
     try:
-        loaded = load_backbone(str(backbone), weights)
-    except (UnknownBackboneError, WeightsError) as exc:
-        raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
-    return {
-        "classes": ",".join(CLASSES),
-        "dim": int(loaded.feature_dim),
-        "backbone": loaded.name,
-        "weights-id": loaded.weights_id,
-        "preprocessing": describe_preprocessing(loaded.preprocess),
-    }
+        return backbone_record(features, backbone, weights, CLASSES)
+    except ConfigurationError as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 @deploy.command("local")
@@ -604,8 +593,8 @@ def _backbone_record(features: Path | None, backbone: str | None, weights: Path 
     "--drop",
     "drops",
     multiple=True,
-    help="CLIENT@ROUND: kill that SuperNode at that protocol round (R1..R4; with ckks R1..R3, where "
-    "R3 reaches only decryptors; a key holder killed at R1 is replaced by a re-election).",
+    help="CLIENT@ROUND: kill that SuperNode at that protocol round (R1..R4; with ckks R3 is the signed "
+    "view and R4 reaches only decryptors; a key holder killed at R1 is replaced by a re-election).",
 )
 @click.option(
     "--secure",
@@ -1089,8 +1078,11 @@ def deploy_check(
     Loads the identity key with its passphrase, the roster and this hospital's entry in it, the
     feature file (against the study with --study), the ledger and the output directory, with the
     ClientApp's own code: a failure here is the refusal the SuperNode would send during the run,
-    with the same message, named by hospital.  With --superlink it connects to the SuperLink (TLS
-    handshake with --root-certificates).  Reads only; writes nothing.  Exit 0 when every check
+    with the same message, named by hospital.  With --study it also refuses values the ledger
+    already released (as the run's R0 would), and when every check passes it records the study's
+    digest in ledger-dir/checked-study.json (0600): the node takes part in that study only, and
+    refuses a changed one until it is checked again.  With --superlink it connects to the SuperLink
+    (TLS handshake with --root-certificates).  Writes nothing else.  Exit 0 when every check
     passes, 1 at the first that fails.
     """
     from secure_afl.deploy.check import NodeCheckError, check_node, parse_node_config, study_from_file
@@ -1126,9 +1118,20 @@ def deploy_check(
               help="Stop waiting (and stop flwr run) after this many seconds.")  # fmt: skip
 @click.option("--tick", type=click.FloatRange(0), default=10.0, show_default=True,
               help="While a round waits, print the elapsed time this often (0: never).")  # fmt: skip
+@click.option("--identity-key", type=click.Path(path_type=Path, dir_okay=False, exists=True), required=True,
+              help="The coordinator's identity key (`keys init --id coordinator`, the roster's coordinator): "
+              "deploy run signs the classifier with it, in its own process.")  # fmt: skip
+@click.option("--passphrase-file", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="The key's passphrase file (0600).")  # fmt: skip
+@click.option(
+    "--passphrase-env",
+    metavar="VAR",
+    default=None,
+    help="Or: an environment variable of this command that holds it (not passed to flwr run).",
+)
 def deploy_run(
     app_dir: Path, federation: str, flwr_home: Path | None, run_config: tuple[str, ...], timeout: float,
-    tick: float,
+    tick: float, identity_key: Path, passphrase_file: Path | None, passphrase_env: str | None,
 ) -> None:  # fmt: skip
     """Run the federation (the coordinator): `flwr run APP_DIR FEDERATION --stream`, honestly.
 
@@ -1140,6 +1143,12 @@ def deploy_run(
     renamed classifier.before-<UTC time>.json (report.before-...), so a stale classifier is never
     taken for the new one.
 
+    Signs the classifier here, not in the ServerApp: the ServerApp (a process the SuperLink starts)
+    writes the unsigned record (classifier.unsigned.json) and asks for the signature; this command
+    checks it is this run's study and roster, signs it into classifier.json with --identity-key,
+    and the ServerApp sends those bytes to the hospitals.  The key and passphrase never reach a
+    process the SuperLink starts.
+
     Prints each round as the ServerApp logs it, with the hospitals addressed and answering, and the
     elapsed time while a round waits.  `flwr run` exits 0 even when the ServerApp fails; this
     command exits 1 when the session aborts, a hospital's refusals stop it, or the ServerApp fails
@@ -1147,9 +1156,13 @@ def deploy_run(
     """
     import os
 
-    from secure_afl.deploy.coordinator import run_federation
+    from secure_afl.deploy.coordinator import load_signer, run_federation
 
+    if (passphrase_file is None) == (passphrase_env is None):
+        raise click.UsageError("give exactly one of --passphrase-file and --passphrase-env")
     env = dict(os.environ)
+    if passphrase_env is not None:
+        env.pop(passphrase_env, None)  # flwr run, and whatever it starts, never sees the passphrase
     if flwr_home is not None:
         env["FLWR_HOME"] = str(flwr_home.resolve())
     config_toml = Path(env.get("FLWR_HOME", Path.home() / ".flwr")) / "config.toml"
@@ -1159,9 +1172,11 @@ def deploy_run(
             f"--flwr-home (or export FLWR_HOME) to the directory holding it"
         )
     try:
+        signer = load_signer(app_dir, identity_key, passphrase_file, passphrase_env, run_config)
+        click.echo(f"signing as {signer.coordinator_id} ({signer.key.fingerprint})")
         outcome = run_federation(
             app_dir.resolve(), federation, env=env, run_config=run_config, run_timeout=timeout, tick=tick,
-            say=click.echo,
+            say=click.echo, signer=signer,
         )  # fmt: skip
     except (ConfigurationError, DeploymentError) as exc:
         raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
@@ -1179,6 +1194,250 @@ def deploy_run(
         )
     click.echo(f"classifier stored by {report.get('acknowledged', [])}")
     click.echo(f"wrote {outcome.classifier_path} and {outcome.report_path} ({outcome.seconds:.0f} s)")
+
+
+# --- provision, join, collect: the kits ------------------------------------------------------------
+
+
+def _key_value_pairs(items: tuple[str, ...], hint: str) -> dict[str, object]:
+    pairs: dict[str, object] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise click.BadParameter(f"{item!r}: expected KEY=VALUE", param_hint=hint)
+        pairs[key.strip()] = _run_config_value(value.strip())
+    return pairs
+
+
+@deploy.command("provision")
+@click.option("--out", "out_dir", type=click.Path(path_type=Path, file_okay=False), required=True,
+              help="The federation directory to write: roster.json, tls/, app/, server/, kits/.")  # fmt: skip
+@click.option("--hospital", "hospitals", multiple=True, required=True,
+              type=click.Path(path_type=Path, exists=True),
+              help="A hospital's identity.pub.json (`keys init`), or the directory holding it; repeat per "
+                   "hospital.")  # fmt: skip
+@click.option("--coordinator-keys", type=click.Path(path_type=Path, file_okay=False), default=None,
+              help="The coordinator's key directory (`keys init --id coordinator`; default: "
+                   "$SECURE_AFL_HOME or ~/.secure-afl).")  # fmt: skip
+@click.option("--passphrase-file", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="The coordinator key's passphrase file (0600).")  # fmt: skip
+@click.option("--passphrase-env", metavar="VAR", default=None,
+              help="Or: the environment variable that holds it.")  # fmt: skip
+@click.option("--host", "hosts", multiple=True, metavar="NAME",
+              help="A DNS name hospitals dial the SuperLink by (repeatable; kits dial the 1st).")  # fmt: skip
+@click.option("--ip", "ips", multiple=True, metavar="ADDR",
+              help="An IP address hospitals use to reach the SuperLink (repeatable).")  # fmt: skip
+@click.option("--port", type=click.IntRange(1, 65535), default=9092, show_default=True,
+              help="The Fleet API's port there (`deploy superlink --listen ADDR:PORT`).")  # fmt: skip
+@click.option("--federation", default="federation", show_default=True,
+              help="The federation's name (`deploy superlink`, `deploy run`).")  # fmt: skip
+@click.option("--features", "features_path", type=click.Path(path_type=Path, dir_okay=False, exists=True),
+              default=None, help="The study's classes, dim and backbone: this file's header.")  # fmt: skip
+@click.option("--backbone", default=None, help="Or: the agreed backbone's name (with --weights).")
+@click.option("--weights", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="With --backbone: the agreed weight file (its SHA-256: weights-id).")  # fmt: skip
+@click.option("--rounds", type=click.IntRange(1, 2), default=1, show_default=True,
+              help="2 adds the pseudo-label round.")  # fmt: skip
+@click.option("--gamma", type=float, default=1.0, show_default=True, help="The ridge γ of the solve.")
+@click.option("--protection", type=click.Choice(["mask", "ckks"]), default="mask", show_default=True,
+              help="Pairwise masking or CKKS (each hospital agrees at join: --protection).")  # fmt: skip
+@click.option("--round-timeout", type=click.FloatRange(1), default=120.0, show_default=True,
+              help="Seconds after which a hospital that has not answered a round is a dropout.")  # fmt: skip
+@click.option("--set", "extra", multiple=True, metavar="KEY=VALUE",
+              help="Another run-config key (repeatable; secure_afl/deploy/apps.py).")  # fmt: skip
+@click.option("--days", type=click.IntRange(1, 3650), default=365, show_default=True,
+              help="Validity of the CA and the SuperLink certificate, in days.")  # fmt: skip
+@click.option(
+    "--force", is_flag=True, help="Replace an existing roster, app, TLS material and kits in --out."
+)
+def deploy_provision(
+    out_dir: Path, hospitals: tuple[Path, ...], coordinator_keys: Path | None, passphrase_file: Path | None,
+    passphrase_env: str | None, hosts: tuple[str, ...], ips: tuple[str, ...], port: int, federation: str,
+    features_path: Path | None, backbone: str | None, weights: Path | None, rounds: int, gamma: float,
+    protection: str, round_timeout: float, extra: tuple[str, ...], days: int, force: bool,
+) -> None:  # fmt: skip
+    """Write the federation (the coordinator): roster, CA, app and one kit per hospital.
+
+    \b
+    Reads:  each --hospital's identity.pub.json, the coordinator's key (decrypted: it signs the
+            kits' manifests and, in the run, the classifier), the study's backbone record.
+    Writes: OUT/roster.json (to be co-signed), OUT/tls/ (deploy tls's four files), OUT/app/
+            (deploy app's pyproject.toml), OUT/server/, and OUT/kits/ID/ for every hospital (0700):
+            ca.crt, roster.json, app/pyproject.toml, kit.json (signed manifest), node-config.toml,
+            supernode.service, README.txt.
+    Send each hospital its kit directory; it runs `secure-afl deploy join KIT`.
+    """
+    from secure_afl.deploy.provision import provision
+    from secure_afl.keys.commands import PUBLIC_FILE, default_key_dir, load_key, read_entry_file
+
+    if (passphrase_file is None) == (passphrase_env is None):
+        raise click.UsageError(
+            "give exactly one of --passphrase-file and --passphrase-env (the run reads it too)"
+        )
+    directory = coordinator_keys or default_key_dir()
+    entries = [read_entry_file(p / PUBLIC_FILE if p.is_dir() else p) for p in hospitals]
+    coordinator = read_entry_file(directory / PUBLIC_FILE)
+    key = load_key(directory, passphrase_file, passphrase_env)
+    secret = (
+        f"--passphrase-file {passphrase_file}" if passphrase_file else f"--passphrase-env {passphrase_env}"
+    )
+    try:
+        study = {
+            **_backbone_record(features_path, backbone, weights), "gamma": gamma, "rounds": rounds,
+            "protection": protection, "round-timeout": round_timeout, **_key_value_pairs(extra, "--set"),
+        }  # fmt: skip
+        result = provision(
+            out_dir, entries, coordinator, key, study, hosts=hosts, ips=ips, port=port,
+            federation=federation, days=days, force=force,
+        )  # fmt: skip
+    except (ConfigurationError, DeploymentError) as exc:
+        raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
+    out = result.out_dir
+    click.echo(f"wrote {out / 'roster.json'}: {len(result.roster)} hospitals, {result.roster.fingerprint}")
+    click.echo(
+        f"wrote {out / 'tls'}: ca.crt, superlink.pem, superlink.key (0600), ca.key (0600: keep offline)"
+    )
+    click.echo(f"wrote {result.app_dir / 'pyproject.toml'} (the study) and {len(result.kits)} kits:")
+    for cid, kit in result.kits.items():
+        click.echo(f"  {kit}  -> send the whole directory to {cid}")
+    click.echo(f"hospitals dial {result.superlink}. Next, on this host:")
+    click.echo(f"  secure-afl deploy superlink --tls {out / 'tls'} --listen ADDRESS:{port} "
+               f"--state-dir {out / 'superlink'} --federation {federation}")  # fmt: skip
+    click.echo(f"  secure-afl deploy collect {out} ID.reply.json ...   (the hospitals' replies)")
+    click.echo(
+        f"  secure-afl deploy run {result.app_dir} {federation} --flwr-home {out / 'superlink' / 'flwr'} "
+        f"--identity-key {directory / 'identity.key'} {secret}"
+    )
+
+
+@deploy.command("join")
+@click.argument("kit_dir", type=click.Path(path_type=Path, file_okay=False, exists=True))
+@click.option("--features", "features_path", type=click.Path(path_type=Path, dir_okay=False), required=True,
+              help="This hospital's labelled feature file (`features extract`).")  # fmt: skip
+@click.option("--key-dir", type=click.Path(path_type=Path, file_okay=False), default=None,
+              help="The key directory (`keys init`; default $SECURE_AFL_HOME or ~/.secure-afl).")  # fmt: skip
+@click.option("--passphrase-file", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="The key's passphrase file (0600): the node reads it too.")  # fmt: skip
+@click.option("--passphrase-env", metavar="VAR", default=None,
+              help="Or: the environment variable that holds it, where the node starts.")  # fmt: skip
+@click.option("--state-dir", type=click.Path(path_type=Path, file_okay=False), default=None,
+              help="The node's state: ledger/, out/, SuperNode key, supernode.log (default: "
+                   "KIT/state; /var/lib/secure-afl-ID for a service).")  # fmt: skip
+@click.option("--protection", default="mask", show_default=True,
+              help="The protections this hospital agrees to (mask, ckks or mask,ckks).")  # fmt: skip
+@click.option("--set", "extra", multiple=True, metavar="KEY=VALUE",
+              help="Another node-config key (repeatable): dp-epsilon=1, colluders=0, ...")  # fmt: skip
+@click.option("--node-port", type=click.IntRange(1, 65535), default=9094, show_default=True,
+              help="The SuperNode's own local port (two SuperNodes on one host need two).")  # fmt: skip
+@click.option("--user", default=None, help="The service's User= (default: the user running join).")
+@click.option("--no-connect", is_flag=True, help="Do not check the SuperLink's address and certificate.")
+@click.option("--timeout", type=click.FloatRange(0.1), default=10.0, show_default=True,
+              help="Seconds to wait for the SuperLink.")  # fmt: skip
+def deploy_join(
+    kit_dir: Path, features_path: Path, key_dir: Path | None, passphrase_file: Path | None,
+    passphrase_env: str | None, state_dir: Path | None, protection: str, extra: tuple[str, ...],
+    node_port: int, user: str | None, no_connect: bool, timeout: float,
+) -> None:  # fmt: skip
+    """Check this hospital's kit, co-sign its roster, and print the command that starts the node.
+
+    \b
+    Checks: the manifest's signature by the roster's coordinator, the CA and the app against it,
+    this hospital's key in the roster, its feature file against the study, its ledger and
+    out-dir, the SuperLink's TLS certificate against the kit's CA (unless --no-connect), and
+    the roster's co-signatures.
+    Writes in KIT: ID.reply.json (send it to the coordinator: the roster co-signature and the
+    SuperNode's key), node-config.toml and supernode.service; in --state-dir: the SuperNode's
+    authentication key (0600, once).
+    Exit status: 0 ready to start; 3 the kit is sound but some hospitals have not co-signed the
+    roster yet (put the co-signed roster.json the coordinator sends in KIT and run join again);
+    1 a check failed (the message says which and what to do).
+    """
+    import getpass
+
+    from secure_afl.deploy.check import NodeCheckError
+    from secure_afl.deploy.kit import EXIT_WAITING, KitError, NodeLayout, join_kit
+    from secure_afl.keys.commands import KEY_FILE, default_key_dir, load_public_entry
+
+    if (passphrase_file is None) == (passphrase_env is None):
+        raise click.UsageError(
+            "give exactly one of --passphrase-file and --passphrase-env (the node reads it)"
+        )
+    keys_dir = (key_dir or default_key_dir()).resolve()
+    entry = load_public_entry(keys_dir)
+    kit = kit_dir.resolve()
+    layout = NodeLayout(
+        client_id=entry.client_id, kit_dir=kit, identity_key=keys_dir / KEY_FILE,
+        features=features_path.resolve(), state_dir=(state_dir or kit / "state").resolve(),
+        passphrase_file=passphrase_file.resolve() if passphrase_file else None, passphrase_env=passphrase_env,
+        user=user or getpass.getuser(), node_port=node_port, protection=protection,
+        extra={k: str(v) for k, v in _key_value_pairs(extra, "--set").items()},
+    )  # fmt: skip
+    try:
+        result = join_kit(
+            layout, key_entry_public_key=entry.public_key, connect=not no_connect, timeout=timeout,
+            say=click.echo,
+        )  # fmt: skip
+    except NodeCheckError as exc:
+        raise click.ClickException(f"FAILED {exc}") from None
+    except (KitError, ConfigurationError, DeploymentError) as exc:
+        raise click.ClickException(f"FAILED {type(exc).__name__}: {exc}") from None
+    click.echo(f"wrote {result.reply_path}: send it to the coordinator (your co-signature and SuperNode key)")
+    if not result.ready:
+        click.echo(
+            f"WAITING: the roster is not yet co-signed by {list(result.status.missing)}; the node would "
+            f"refuse it. When the coordinator sends the co-signed roster.json, put it at "
+            f"{kit / 'roster.json'}; then start its SuperNode (it refuses a roster that lacks a "
+            f"co-signature), or run this join again first to check that roster:"
+        )
+        click.echo(f"  {result.start_command}")
+        raise SystemExit(EXIT_WAITING)
+    click.echo(f"{result.client_id}: ready. Start its SuperNode (keep it running):")
+    click.echo(f"  {result.start_command}")
+    click.echo(f"or as a service: sudo cp {result.unit_path} /etc/systemd/system/"
+               f"secure-afl-supernode-{result.client_id}.service && sudo systemctl enable --now "
+               f"secure-afl-supernode-{result.client_id}")  # fmt: skip
+
+
+@deploy.command("collect")
+@click.argument("out_dir", type=click.Path(path_type=Path, file_okay=False, exists=True))
+@click.argument("replies", nargs=-1, type=click.Path(path_type=Path, dir_okay=False, exists=True))
+@click.option("--flwr-home", type=click.Path(path_type=Path, file_okay=False), default=None,
+              help="The coordinator's Flower config directory (default OUT_DIR/superlink/flwr, as "
+                   "`deploy superlink --state-dir OUT_DIR/superlink` writes it).")  # fmt: skip
+@click.option("--federation", default="federation", show_default=True, help="The federation's name.")
+@click.option("--no-register", is_flag=True, help="Only merge the co-signatures; register no SuperNode key.")
+def deploy_collect(
+    out_dir: Path, replies: tuple[Path, ...], flwr_home: Path | None, federation: str, no_register: bool
+) -> None:
+    """Merge the hospitals' replies (the coordinator): co-signed roster, SuperNode registrations.
+
+    \b
+    Verifies each ID.reply.json against OUT_DIR/roster.json (its co-signature and its SuperNode
+    key, both signed with that hospital's identity key), writes the co-signed roster to
+    OUT_DIR/roster.json and to every OUT_DIR/kits/ID/roster.json, each SuperNode key to
+    OUT_DIR/supernodes/ID.pub, and registers them (`flwr supernode register`) with the running
+    SuperLink.  Then send each hospital its kits/ID/roster.json.
+    Exit status: 0 every hospital co-signed; 3 some have not yet (they are named); 1 an error.
+    """
+    from secure_afl.deploy.kit import EXIT_WAITING, KitError
+    from secure_afl.deploy.local import flower_bin
+    from secure_afl.deploy.provision import collect
+
+    try:
+        result = collect(
+            out_dir, replies, register=not no_register, flwr_home=flwr_home, federation=federation,
+            flwr=flower_bin("flwr"), say=click.echo,
+        )  # fmt: skip
+    except (KitError, ConfigurationError, DeploymentError) as exc:
+        raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
+    status = result.status
+    click.echo(
+        f"co-signed by {list(status.signed)}; wrote {out_dir / 'roster.json'} and each kit's roster.json"
+    )
+    if status.missing:
+        click.echo(f"WAITING for {list(status.missing)}: run collect again with their replies")
+        raise SystemExit(EXIT_WAITING)
+    click.echo(f"every hospital co-signed ({status.roster.fingerprint}): send each its kits/ID/roster.json")
 
 
 # --- secure-afl predict ----------------------------------------------------------------------------
@@ -1284,7 +1543,7 @@ def predict(
     probabilities = scipy.special.expit(scores)
     decisions = model.decide(scores)
     model.write_predictions(out_path, ids, probabilities, decisions)
-    for line in model.privacy_lines():
+    for line in [*model.summary_lines(), *model.privacy_lines()]:
         click.echo(line)
     positives = decisions.sum(axis=0)
     counts = ", ".join(f"{c} {int(n)}" for c, n in zip(model.classes, positives, strict=True))

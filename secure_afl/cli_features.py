@@ -361,6 +361,10 @@ def _summary(path: Path, data: FeatureFile, digest: str) -> list[str]:
         lines.append(
             f"image digests  present (SHA-256 of each image file: {distinct} distinct images{extra})"
         )
+    if data.pixel_sha256 is not None:
+        same_pixels = len(data.pixel_sha256) - len(set(data.pixel_sha256))
+        extra = f"; {same_pixels} rows repeat another row's pixels" if same_pixels else ""
+        lines.append(f"pixel digests  present (SHA-256 of each decoded image{extra})")
     lines += [
         f"backbone       {data.backbone}",
         f"weights-id     {data.weights_id}",
@@ -402,6 +406,7 @@ def _summary_json(path: Path, data: FeatureFile, digest: str) -> dict[str, objec
         "patient_ids": data.patient_ids is not None,
         "image_digests": data.image_sha256 is not None,
         "distinct_images": len(set(data.image_sha256)) if data.image_sha256 is not None else None,
+        "pixel_digests": data.pixel_sha256 is not None,
         "backbone": data.backbone,
         "weights_id": data.weights_id,
         "preprocessing": data.preprocessing,
@@ -686,6 +691,7 @@ def extract(
             image_ids=[data.image_ids[i] for i in keep],
             patient_ids=[data.patient_ids[i] for i in keep] if write_patients else None,  # type: ignore[index]
             image_sha256=digests,  # type: ignore[arg-type]
+            pixel_sha256=[result.pixel_sha256[i] for i in keep],  # type: ignore[misc]
         )
         written = load_feature_file(out_path)
     except FeatureFileError as exc:
@@ -703,6 +709,13 @@ def extract(
         click.echo(
             f"note: {repeated} images have the same bytes as another image read here (the same SHA-256); "
             "their rows are kept, and a ledger counts each such image once"
+        )
+    pixels = [result.pixel_sha256[i] for i in keep]
+    same_pixels = len(pixels) - len(set(pixels)) - repeated
+    if same_pixels > 0:
+        click.echo(
+            f"note: {same_pixels} further images decode to the same pixels as another image read here "
+            "(the same X-ray exported twice?); their rows are kept"
         )
     unlabelled_sources = [c for c in data.labelled if data.classes.index(c) not in active]
     if unlabelled_sources:

@@ -254,7 +254,7 @@ class CkksBackend:
     ledgers: Mapping[str, Ledger] = field(default_factory=dict)
     name: str = "ckks"
     trust_model: str = CKKS_TRUST_MODEL
-    rounds: tuple[str, ...] = ("R0", "R1", "R2", "R3")
+    rounds: tuple[str, ...] = ("R0", "R1", "R2", "R3", "R4")
 
     def server_session(
         self, roster: Roster, layout: Layout, *, session_id: bytes, min_group_size: int, context: bytes = b""
@@ -332,7 +332,8 @@ class CkksBackend:
         client.replay_bytes(data)  # type: ignore[attr-defined]  # no new key, no re-encryption
 
     def client_finished(self, client: ClientSessionLike) -> bool:
-        # Once its encrypted inputs are out (R2) a client owes nothing: the server may still ask it
-        # to decrypt in place of a decryptor that dropped, but any surviving member can.
+        # Once its encrypted inputs are out (R2) a client owes nothing for sure: the server asks it
+        # to sign the view (R3) and maybe to decrypt (R4), but any t survivors can sign, and any
+        # surviving member that signed can decrypt.
         state = getattr(getattr(client, "state", None), "name", "")
-        return state in ("AWAIT_DECRYPT_REQUEST", "DONE")
+        return state in ("AWAIT_VIEW_REQUEST", "AWAIT_DECRYPT_REQUEST", "DONE")

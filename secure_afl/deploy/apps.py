@@ -8,11 +8,9 @@ Component references for a Flower app's ``pyproject.toml``::
     clientapp = "secure_afl.deploy.apps:client_app"
 
 Run config (``[tool.flwr.app.config]``, all read by the ServerApp on the server's machine):
-``roster`` (path; it must name the coordinator), ``identity-key`` and ``passphrase-file`` (paths:
-the coordinator's encrypted identity key, whose public key is the roster's ``coordinator``, and the
-file holding its passphrase, or ``passphrase-env``, the environment variable holding it; the
-classifier file is signed with it), ``out-dir`` (where
-``classifier.json`` and ``report.json`` go), ``classes``
+``roster`` (path; it must name the coordinator), ``out-dir`` (where ``classifier.json`` and
+``report.json`` go), ``sign-timeout`` (300 s: how long the ServerApp waits for ``deploy run``'s
+signature), ``classes``
 (comma-separated), ``dim``, ``backbone``, ``weights-id``, ``preprocessing``, ``gamma``, ``balance``,
 ``gram``, ``rounds``, ``protection`` (``mask``, the default, or ``ckks``), ``ckks-degree`` (8192),
 ``ckks-moduli`` (comma-separated bit sizes, ``60,40,40,60``), ``ckks-scale-bits`` (40),
@@ -29,6 +27,13 @@ random projection of the rows, absent: none), ``dp-projection-seed`` (0), ``dp-r
 roster institution's labelled classes as ``"hospital-a=0,1,2;hospital-b=1,3"`` (class indices).
 A growing study: ``extends``, the digest of the study it extends (its sums are read from
 ``out-dir/sums-<digest>.npz``, which every additive study writes; README, a federation that grows).
+
+The coordinator's key and passphrase are in no run config (the ServerApp refuses one naming
+``identity-key``, ``passphrase-file`` or ``passphrase-env``): the ServerApp writes the unsigned
+classifier record (``out-dir/classifier.unsigned.json``) and prints ``sign request <content digest>``;
+``secure-afl deploy run``, which holds the key, signs it into ``out-dir/classifier.json``; the
+ServerApp verifies that file against the roster's coordinator and sends its bytes to the nodes
+(:func:`await_signature`).
 
 Node config (each SuperNode's ``--node-config``): see :class:`~secure_afl.deploy.client.NodeSettings`.
 Importing this module loads Flower and the protocol, not torch: the analytic method is imported
@@ -52,9 +57,16 @@ from flwr.serverapp import Grid, ServerApp
 from secure_afl.keys.roster import Roster
 from secure_afl.privacy.dp_config import default_ridge
 
-from .classifier import ClassifierSigner, write_classifier_file
-from .client import NodeSettings, handle
-from .errors import ConfigurationError, DeploymentError
+from .classifier import (
+    LATEST_NAME,
+    SIGN_REQUEST,
+    UNSIGNED_NAME,
+    Classifier,
+    ClassifierSigner,
+    write_classifier_file,
+)
+from .client import NodeSettings, handle, path_free
+from .errors import ConfigurationError, DeploymentError, FederationAbortedError
 from .server import FederationServer
 from .study import Method, Study, StudyDp, parse_class_lists
 from .sums import load_sums, save_sums
@@ -103,10 +115,11 @@ class GridTransport:
                 pending.discard(message_id)
                 node = node_of[message_id]
                 if reply.has_error():
-                    # Flower's own error (the ClientApp crashed, or the node left): a refusal.
+                    # Flower's own error (the node left, its ClientApp process died): not an answer
+                    # the hospital gave but the loss of the node, a dropout.
                     error = reply.error
                     replies[node] = Envelope(
-                        "refused", {"error": f"FlowerError{error.code}", "message": str(error.reason)}
+                        "dropped", {"error": f"FlowerError{error.code}", "message": str(error.reason)}
                     )
                     continue
                 try:
@@ -229,14 +242,22 @@ def _dp_from_run_config(config: Mapping[str, Any]) -> StudyDp | None:
         raise ConfigurationError(f"the run config's DP settings: {exc}") from None
 
 
+KEY_SETTINGS = ("identity-key", "passphrase-file", "passphrase-env")
+
+
 @server_app.main()
 def server_main(grid: Grid, context: Context) -> None:
     config = context.run_config
     out_dir = Path(str(config["out-dir"]))
     out_dir.mkdir(parents=True, exist_ok=True)
+    named = [key for key in KEY_SETTINGS if key in config]
+    if named:  # the SuperLink spawned this process: the coordinator's key has no business here
+        raise ConfigurationError(
+            f"the run config names {named}: the coordinator's key and passphrase are never given to the "
+            "ServerApp (a process the SuperLink starts); remove them from the app and give them to "
+            "`secure-afl deploy run --identity-key ... --passphrase-env ...`, which signs the classifier"
+        )
     roster = Roster.from_json(Path(str(config["roster"])).read_text(encoding="utf-8"))
-    signer = coordinator_signer(config, roster)  # before any session: a bad key stops the run here
-    _log(f"signing the classifier as {signer.coordinator_id} ({signer.key.fingerprint})")
     study = study_from_run_config(config)
     _log(f"protection: {study.describe_protection()}")
     # A growing study adds its sums to those of the study it extends, kept in this out-dir.
@@ -250,7 +271,6 @@ def server_main(grid: Grid, context: Context) -> None:
         connect_timeout=float(config.get("connect-timeout", 300)),
         min_nodes=int(config.get("min-nodes", 0)) or None,
         log=_log,
-        signer=signer,
         colluders=config.get("colluders", "n-t"),
         earlier=earlier,
     )
@@ -258,13 +278,10 @@ def server_main(grid: Grid, context: Context) -> None:
     try:
         classifier = server.run()
         if server.accumulated is not None:
-            _log(
-                f"wrote {save_sums(out_dir, server.accumulated)} (a later study may extend {study.digest()})"
-            )
-        path = out_dir / "classifier.json"
-        write_classifier_file(path, server.sign(classifier))
-        _log(f"wrote {path} (signed by {signer.coordinator_id})")
-        stored = server.deliver(classifier)
+            saved = save_sums(out_dir, server.accumulated)
+            _log(f"wrote {saved} (a later study may extend {study.digest()})")
+        signed = await_signature(classifier, roster, out_dir, float(config.get("sign-timeout", 300)))
+        stored = server.deliver(classifier, signed)
         _log(f"classifier stored by {list(stored)}")
     except DeploymentError as exc:
         report_path.write_text(
@@ -274,6 +291,40 @@ def server_main(grid: Grid, context: Context) -> None:
         raise
     report_path.write_text(json.dumps(server.report.to_dict(), indent=1))
     _log(f"wrote {report_path}")
+
+
+def await_signature(
+    classifier: Classifier, roster: Roster, out_dir: Path, timeout: float, *, poll: float = POLL_SECONDS
+) -> bytes:
+    """Write the unsigned classifier record, ask ``deploy run`` to sign it, and wait for the signed
+    file: ``out_dir/classifier.json`` whose signature verifies against the roster's coordinator and
+    whose content digest is this record's.  Its bytes go to the nodes as they are."""
+    unsigned = classifier.to_json(None).encode("utf-8")
+    digest = str(json.loads(unsigned)["content_sha256"])
+    signed_path = out_dir / LATEST_NAME
+    write_classifier_file(out_dir / UNSIGNED_NAME, unsigned)
+    _log(
+        f"{SIGN_REQUEST} {digest}: wrote {out_dir / UNSIGNED_NAME}; waiting up to {timeout:.0f} s for "
+        "the signature"
+    )
+    deadline = time.monotonic() + timeout
+    for _ in range(int(timeout / poll) + 2):
+        if signed_path.is_file():
+            data = signed_path.read_bytes()
+            try:
+                Classifier.from_json(data, roster=roster, source=str(signed_path))
+                if json.loads(data)["content_sha256"] == digest:
+                    _log(f"signed by {roster.coordinator.client_id}: {signed_path}")  # type: ignore[union-attr]
+                    return data
+            except (DeploymentError, ValueError, KeyError):
+                pass  # being written, or another file: wait for this record's
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(poll)
+    raise FederationAbortedError(
+        f"no signed classifier for {digest[:16]}... in {out_dir} within {timeout:.0f} s: the coordinator "
+        "signs it in `secure-afl deploy run` (a plain `flwr run` does not), with the roster's coordinator key"
+    )
 
 
 class FlowerState:
@@ -323,6 +374,7 @@ def client_query(message: Message, context: Context) -> Message:
         settings = NodeSettings.from_node_config(context.node_config)
     except (ValueError, DeploymentError) as exc:
         print(f"secure-afl client: REFUSED: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-        return Message(to_record_dict(Envelope.refusal(exc)), reply_to=message)
+        refusal = Envelope("refused", {"error": type(exc).__name__, "message": path_free(str(exc), None)})
+        return Message(to_record_dict(refusal), reply_to=message)
     reply = handle(envelope, FlowerState(context), settings)
     return Message(to_record_dict(reply), reply_to=message)

@@ -6,12 +6,16 @@ given, so a failure here is the refusal the hospital would otherwise send 15 s i
 the same error class and message, but named by hospital and before anything starts.  The ledger is
 loaded and its signature checked, the output directories must be writable, and with a SuperLink
 address the SuperLink must accept a TCP connection (and, with its CA, a TLS handshake whose
-certificate names that host).
+certificate names that host).  With ``--study`` it also looks the feature file up in the ledger
+(a session over values it already released is refused in R0: the same error here), and when
+every check passed it records the study's digest in ``ledger-dir/checked-study.json`` (0600): the
+node then refuses any other study (:class:`~secure_afl.deploy.errors.UncheckedStudyError`).
 """
 
 from __future__ import annotations
 
 import base64
+import datetime
 import json
 import os
 import socket
@@ -32,7 +36,8 @@ NODE_CONFIG_KEYS: dict[str, str] = {
     "passphrase, in the clear",
     "passphrase-env": "(this or passphrase-file) the name of an environment variable of the SuperNode's "
     "process that holds the passphrase (export it in the shell or service that starts the SuperNode)",
-    "roster": "(required) the roster.json every institution pinned (from the coordinator)",
+    "roster": "(required) the roster.json every institution pinned (from the coordinator), co-signed by "
+    "every institution (`deploy join`, `keys roster sign`): the node refuses it otherwise",
     "features": "(required) this hospital's labelled feature file (.npz, secure-afl-features/v1)",
     "ledger-dir": "(required) directory of this hospital's signed session history (created 0700; keep "
     "it across runs: it refuses sessions that would isolate this hospital's statistics)",
@@ -139,9 +144,11 @@ def check_node(
     root_certificates: Path | None = None,
     timeout: float = 10.0,
     say: Say = print,
+    cosigned: bool = True,
 ) -> CheckResult:
     """Run every check in order, printing each that passes; raise :class:`NodeCheckError` at the
-    first that fails."""
+    first that fails.  ``cosigned=False`` (``deploy join`` while co-signatures are still being
+    collected) checks the co-signatures the roster holds but lets missing ones pass, noting them."""
     from .client import NodeSettings, _backend, _check_study, _identity, _roster
     from .wire import Envelope
 
@@ -163,8 +170,18 @@ def check_node(
     ok(f"node config: {', '.join(sorted(set(config) - set(unknown)))}")
     if unknown:  # Flower passes them on and secure-afl ignores them: a misspelt optional key?
         say(f"note: the node config's keys {unknown} mean nothing to secure-afl (misspelt?)")
-    roster = step("roster", lambda: _roster(settings))
-    ok(f"roster {settings.roster}: {len(roster)} institutions, fingerprint {roster.fingerprint}")
+    if cosigned:
+        roster = step("roster", lambda: _roster(settings))
+        ok(f"roster {settings.roster}: {len(roster)} institutions, fingerprint {roster.fingerprint}, "
+           "co-signed by every institution")  # fmt: skip
+    else:
+        from secure_afl.keys.cosign import roster_status
+
+        status = step("roster", lambda: roster_status(settings.roster.read_text(encoding="utf-8")))
+        roster = status.roster
+        signed = list(status.signed) or "nobody yet"
+        ok(f"roster {settings.roster}: {len(roster)} institutions, fingerprint {roster.fingerprint}; "
+           f"co-signed by {signed}, not yet by {list(status.missing)}")  # fmt: skip
     client_id, identity = step("identity key", lambda: _identity(settings, roster))
     hospital = client_id
     ok(f"identity key {settings.identity_key}: {client_id} ({identity.fingerprint}), in the roster")
@@ -188,11 +205,42 @@ def check_node(
         )
     state = step("ledger", lambda: _ledger_state(settings.ledger_dir, client_id, identity))
     ok(f"ledger {settings.ledger_dir}: {state}")
+    if study is not None:
+        images = step("ledger against the study", lambda: _unreleased(settings, client_id, identity, study))
+        if study.extends:
+            ok(f"ledger: a growing study: this node releases only its new ones of {images} images")
+        else:
+            ok(f"ledger: none of this feature file's {images} images was released before")
     step("out-dir", lambda: _writable(settings.out_dir, "out-dir"))
     ok(f"out-dir {settings.out_dir}: writable")
     if superlink is not None:
         ok(step("SuperLink", lambda: connect(superlink, root_certificates, timeout)))
+    if study is not None:  # every check passed: the node takes part in this study only
+        from .client import pin_study
+
+        checked = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        path = step("checked study", lambda: pin_study(settings, study, checked))
+        ok(f"recorded study {study.digest()} in {path}: this node takes part in this study only")
+    else:
+        say("note: no --study: no study recorded; the node refuses every study until `deploy check --study`")
     return CheckResult(client_id, tuple(lines))
+
+
+def _unreleased(settings: Any, client_id: str, identity: Any, study: Any) -> int:
+    """The run's one-contribution check in R0, on what this node's ledger already holds: a study
+    over images it released is refused with the session's own
+    :class:`~secure_afl.core.errors.ImageAlreadyReleasedError` (a study that extends another
+    releases only the new images: nothing to refuse).  Returns the number of images checked."""
+    from secure_afl.features.file import load_feature_file
+    from secure_afl.privacy.ledger import FileLedger, LedgerOwner
+    from secure_afl.privacy.release import Release
+    from secure_afl.protocol.exposure_gate import check_images_unreleased
+
+    digests = load_feature_file(settings.features, require_labels=True).require_image_digests()
+    if not study.extends:
+        state = FileLedger(settings.ledger_dir).load(LedgerOwner(client_id, identity))
+        check_images_unreleased(Release.of({}, images=digests), state)
+    return len(digests)
 
 
 def _ledger_state(directory: Path, client_id: str, identity: Any) -> str:

@@ -41,6 +41,8 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
+import datetime
 import hashlib
 import json
 import os
@@ -236,6 +238,22 @@ class Classifier:
             f"mechanism: {rows}{centred}; class sums: {p.get('class_sums', 'split')}",
         ]
 
+    def summary_lines(self) -> list[str]:
+        """What ``predict`` prints about the file itself: when it was made, from which study, how."""
+        m = self.method
+        method = ", ".join(f"{key} {m[key]}" for key in ("gamma", "balance", "gram", "rounds") if key in m)
+        protocol = dict(self.protocol)
+        protection = str(protocol.get("backend", "?"))
+        if "threshold" in protocol:
+            protection += f", threshold t = {protocol['threshold']}"
+        sessions = ", ".join(
+            f"{s.get('label')} {str(s.get('session_id', ''))[:16]}..." for s in self.sessions
+        )
+        return [
+            f"classifier made {self.created}, study digest {self.study_digest}",
+            f"method: {method}; protection {protection}; session(s) {sessions}",
+        ]
+
     @property
     def dim(self) -> int:
         return int(self.weights.shape[0])
@@ -414,11 +432,120 @@ class Classifier:
 
 
 def write_classifier_file(path: str | os.PathLike[str], data: bytes) -> None:
-    """Atomically (a temporary file beside it, then a rename): the exact bytes, never re-serialised."""
+    """Atomically (a temporary file beside it, mode 0600, then a rename): the exact bytes, never
+    re-serialised."""
     path = Path(path)
     temporary = path.with_name(f".{path.name}.tmp")
-    temporary.write_bytes(data)
+    with contextlib.suppress(FileNotFoundError):
+        temporary.unlink()
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(descriptor, "wb") as handle:
+        handle.write(data)
     os.replace(temporary, path)
+
+
+UNSIGNED_NAME = "classifier.unsigned.json"  # the ServerApp's record, before deploy run signs it
+SIGN_REQUEST = "sign request"  # the ServerApp's line asking deploy run to sign: "sign request <digest>: ..."
+
+
+def sign_classifier_file(
+    data: bytes, signer: ClassifierSigner, *, roster: Roster, study_digest: str, content_sha256: str
+) -> bytes:
+    """Sign the ServerApp's unsigned classifier record (``deploy run``, which holds the key).
+
+    Signs only a well-formed, unsigned file whose content digest is ``content_sha256`` (the one the
+    ServerApp announced in its stream), made with ``roster`` for the study of ``study_digest`` (the
+    run's own).  Returns the signed file's bytes, exactly what :meth:`Classifier.to_json` with the
+    signer writes: the same document with the signature added.
+    """
+    source = "the ServerApp's unsigned classifier"
+    if len(data) > MAX_CLASSIFIER_BYTES:
+        raise ClassifierFileError(f"{source} is larger than {MAX_CLASSIFIER_BYTES} bytes")
+    classifier = Classifier.from_json(data, roster=None, source=source)  # format and content digest
+    document = json.loads(data, object_pairs_hook=_no_duplicate_keys)
+    if "signature" in document:
+        raise ClassifierFileError(f"{source} is already signed: refusing to sign it again")
+    if document["content_sha256"] != content_sha256:
+        raise ClassifierTamperedError(
+            f"{source} has content digest {document['content_sha256']}, not the {content_sha256} the "
+            "ServerApp announced: the file was replaced after the ServerApp wrote it; nothing was signed"
+        )
+    if classifier.roster_fingerprint != roster.fingerprint:
+        raise RosterMismatchError(
+            f"{source} was made with roster {classifier.roster_fingerprint}, this run's is "
+            f"{roster.fingerprint}: nothing was signed"
+        )
+    if classifier.study_digest != study_digest:
+        raise ClassifierFileError(
+            f"{source} is of study {classifier.study_digest}, this run's study is {study_digest}: "
+            "nothing was signed"
+        )
+    document["signature"] = signer.sign(document)
+    return (json.dumps(document, indent=1, sort_keys=False) + "\n").encode("utf-8")
+
+
+HISTORY_DIR = "classifiers"  # OUT_DIR/classifiers/<created>-<sha256 prefix>.json, one per file received
+LATEST_NAME = "classifier.json"
+
+
+@dataclass(frozen=True)
+class StoredClassifier:
+    """Where :func:`keep_classifier` put a classifier file, and what ``classifier.json`` held before."""
+
+    latest: Path  # OUT_DIR/classifier.json: the newest file
+    kept: Path  # its copy in the history, never overwritten
+    sha256: str  # of the file's bytes
+    replaced: Path | None = None  # the history copy of the file classifier.json held before, if another
+
+
+def history_name(data: bytes) -> str:
+    """``<created>-<first 16 hex digits of the file's SHA-256>.json``: sorted by date, unique by content.
+
+    ``created`` is the file's own creation time (``20261202T053100Z``), or ``undated`` for a file
+    that names none."""
+    digest = hashlib.sha256(data).hexdigest()
+    try:
+        created = str(json.loads(data)["created"])
+        stamp = datetime.datetime.fromisoformat(created).astimezone(datetime.timezone.utc)
+        when = stamp.strftime("%Y%m%dT%H%M%SZ")
+    except (ValueError, KeyError, TypeError):
+        when = "undated"
+    return f"{when}-{digest[:16]}.json"
+
+
+def keep_classifier(out_dir: str | os.PathLike[str], data: bytes) -> StoredClassifier:
+    """Store a (verified) classifier file as ``OUT_DIR/classifier.json`` and in the history.
+
+    Every file received is kept as ``OUT_DIR/classifiers/<created>-<digest>.json`` (mode 0600); a
+    name already there holds the same bytes (the same file delivered again) or the store is refused.
+    ``classifier.json`` becomes the new file; the file it held before is first copied into the
+    history if it is not there already, so no classifier is ever overwritten without a copy.
+    """
+    out_dir = Path(out_dir)
+    history = out_dir / HISTORY_DIR
+    history.mkdir(parents=True, exist_ok=True, mode=0o700)
+    kept = _keep(history, data)
+    latest = out_dir / LATEST_NAME
+    replaced = None
+    if latest.is_file():
+        before = latest.read_bytes()
+        if before != data:
+            replaced = _keep(history, before)
+    write_classifier_file(latest, data)
+    return StoredClassifier(latest, kept, hashlib.sha256(data).hexdigest(), replaced)
+
+
+def _keep(history: Path, data: bytes) -> Path:
+    path = history / history_name(data)
+    if path.exists():
+        if path.read_bytes() != data:
+            raise ClassifierFileError(
+                f"{path} exists with other bytes than the classifier of the same name: the history is "
+                "never overwritten; move that file away (it is not one this node stored) and store again"
+            )
+        return path
+    write_classifier_file(path, data)
+    return path
 
 
 def _threshold(value: object, source: str) -> float:

@@ -9,10 +9,12 @@ its randomness), then feeds the new one.  The seed, the messages and the protoco
 SuperNode's local state (Flower's ``context.state``, which stays on the hospital's machine) and are
 deleted when the session ends or fails.
 
-Before anything leaves it, the client checks, in this order: the server's roster fingerprint against
-its own pinned roster (:class:`RosterMismatchError`), that its own key is in that roster
-(:class:`IdentityNotInRosterError`), the study against its feature file and its policy
-(:class:`StudyMismatchError`), that the session was not started before in this run
+Before anything leaves it, the client checks, in this order: that every institution co-signed its
+pinned roster (``RosterNotCosignedError``, :mod:`secure_afl.keys.cosign`), the server's roster
+fingerprint against that roster (:class:`RosterMismatchError`), that its own key is in that roster
+(:class:`IdentityNotInRosterError`), that the study is the one it checked with ``deploy check
+--study`` (:class:`UncheckedStudyError`; ``ledger-dir/checked-study.json``), the study against its
+feature file and its policy (:class:`StudyMismatchError`), that the session was not started before in this run
 (:class:`SessionReplayError`); then the protocol's own checks.  Any failure answers ``refused`` with
 the error's class and message (and is printed in the SuperNode's log); the session's secrets are
 dropped and every later message of that session is refused.
@@ -20,9 +22,9 @@ dropped and every later message of that session is refused.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
+import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -44,6 +46,7 @@ from .errors import (
     RosterMismatchError,
     SessionReplayError,
     StudyMismatchError,
+    UncheckedStudyError,
 )
 from .study import (
     PROTECTIONS,
@@ -212,7 +215,48 @@ def handle(envelope: Envelope, state: LocalState, settings: NodeSettings) -> Env
             saved = state.load(label)
             if saved is None or saved.get("status") == "active":
                 state.save(label, {"status": f"failed: {type(exc).__name__}"})
-        return Envelope.refusal(exc, session=label, round=round_name)
+        # The coordinator learns the error's class, a message without this machine's paths, and the
+        # roster id this node holds the key of (read without the passphrase; a claim, not signed).
+        return Envelope(
+            "refused",
+            {"session": label, "round": round_name, "error": type(exc).__name__,
+             "message": path_free(str(exc), settings), "client": roster_id(settings) or ""},
+        )  # fmt: skip
+
+
+_PATH = re.compile(r"(?<![\w.~-])(?:~|\.{1,2})?/[^\s'\"`,;:()\[\]]+")
+
+
+def path_free(text: str, settings: NodeSettings | None) -> str:
+    """``text`` with this node's file paths replaced: its settings' by their node-config key
+    (``[roster]``, ...), any other absolute path by ``[path]``.  The full text stays in the node's log."""
+    if settings is None:
+        return _PATH.sub("[path]", text)
+    named = {
+        settings.identity_key: "identity-key", settings.passphrase_file: "passphrase-file",
+        settings.roster: "roster", settings.features: "features", settings.out_dir: "out-dir",
+        settings.ledger_dir: "ledger-dir",
+    }  # fmt: skip
+    for path, key in sorted(((p, k) for p, k in named.items() if p), key=lambda item: -len(str(item[0]))):
+        for form in {str(path), str(path.expanduser().absolute())}:
+            if form not in ("", "."):
+                text = text.replace(form, f"[{key}]")
+    return _PATH.sub("[path]", text)
+
+
+def roster_id(settings: NodeSettings) -> str | None:
+    """The roster id of this node's identity key, from the key file's public half (no passphrase);
+    None when the key file or the roster cannot be read or the key is not in the roster."""
+    import base64
+
+    try:
+        public = base64.b64decode(json.loads(settings.identity_key.read_text(encoding="utf-8"))["public_key"])
+        for entry in _roster(settings):
+            if entry.public_key == public:
+                return entry.client_id
+    except Exception:  # an unreadable key or roster: the refusal itself says what is wrong
+        return None
+    return None
 
 
 # --- sessions ---------------------------------------------------------------------------------
@@ -236,10 +280,74 @@ def _identity(settings: NodeSettings, roster: Roster) -> tuple[str, IdentityKey]
 
 
 def _roster(settings: NodeSettings) -> Roster:
+    """The pinned roster, only if every institution co-signed it (:mod:`secure_afl.keys.cosign`):
+    a roster with an entry its own key has not signed is refused (``RosterNotCosignedError``)."""
+    from secure_afl.keys.cosign import load_cosigned_roster
+
     try:
-        return Roster.from_json(settings.roster.read_text(encoding="utf-8"))
+        return load_cosigned_roster(settings.roster)
     except OSError as exc:
         raise ConfigurationError(f"{settings.roster}: cannot read the roster: {exc.strerror}") from None
+
+
+CHECKED_STUDY = "checked-study.json"  # in ledger-dir: the study `deploy check --study` checked
+CHECKED_FORMAT = "secure-afl-checked-study/v1"
+
+
+def pin_study(settings: NodeSettings, study: Study, checked: str) -> Path:
+    """Record (0600, atomically) that this node checked ``study``: from now on it takes part in that
+    study only.  ``checked`` is the UTC time of the check (ISO 8601)."""
+    settings.ledger_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    path = settings.ledger_dir / CHECKED_STUDY
+    document = {"format": CHECKED_FORMAT, "study_digest": study.digest(), "checked": checked,
+                "study": json.loads(study.to_json())}  # fmt: skip
+    temporary = path.with_name(f".{path.name}.tmp")
+    if temporary.exists():
+        temporary.unlink()
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
+        handle.write(json.dumps(document, indent=1) + "\n")
+    os.replace(temporary, path)
+    return path
+
+
+def pinned_study(settings: NodeSettings) -> dict[str, Any] | None:
+    """The record :func:`pin_study` wrote, or None when this node never checked a study."""
+    path = settings.ledger_dir / CHECKED_STUDY
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise ConfigurationError(
+            f"the checked study (ledger-dir's {CHECKED_STUDY}) is unreadable ({exc}): run `secure-afl "
+            "deploy check --study APP` again"
+        ) from None
+    if not isinstance(document, dict) or document.get("format") != CHECKED_FORMAT:
+        raise ConfigurationError(
+            f"ledger-dir's {CHECKED_STUDY} is not a {CHECKED_FORMAT} record: run `secure-afl deploy check "
+            "--study APP` again"
+        )
+    return document
+
+
+def _check_pinned_study(study: Study, settings: NodeSettings) -> None:
+    """The server's study is the one this institution checked (``deploy check --study``)."""
+    pinned = pinned_study(settings)
+    digest = study.digest()
+    if pinned is None:
+        raise UncheckedStudyError(
+            f"this institution has checked no study, and the server runs study {digest}: run `secure-afl "
+            "deploy check --study APP --node-config ...` with the coordinator's app on this node's "
+            "machine (it records the study it checked), then take part"
+        )
+    if pinned.get("study_digest") != digest:
+        raise UncheckedStudyError(
+            f"the server runs study {digest}, but this institution checked study "
+            f"{pinned.get('study_digest')} (on {pinned.get('checked')}): the study changed after the check; "
+            "compare the coordinator's new app with the one you checked and run `secure-afl deploy check "
+            "--study APP` again if you agree to it"
+        )
 
 
 def _check_study(study: Study, settings: NodeSettings) -> Any:
@@ -564,11 +672,12 @@ def _start_session(envelope: Envelope, label: str, state: LocalState, settings: 
         )
     client_id, identity = _identity(settings, roster)
     study = Study.from_json(envelope.text("study"))
+    _check_pinned_study(study, settings)
     data = _check_study(study, settings)
     backend = _backend(envelope, study, settings, len(roster))
     # Decoded once under the client policy's bound on a first message, to read the layout.
     request = backend.decode(envelope.payload, backend.client_policy.max_config_bytes)  # type: ignore[attr-defined]
-    _check_protocol_parameters(request.config, study)  # type: ignore[attr-defined]
+    _check_protocol_parameters(request.config, study, len(roster))  # type: ignore[attr-defined]
     groups = {group.name for group in request.config.groups}  # type: ignore[attr-defined]
     if study.dp is not None:
         _check_dp_session(
@@ -722,8 +831,14 @@ def committed_rows(
     return dict.fromkeys(inputs, len(release.images))
 
 
-def _check_protocol_parameters(config: Any, study: Study) -> None:
-    """The session's own parameters are the study's (the server sends both; they must agree)."""
+def _check_protocol_parameters(config: Any, study: Study, roster_size: int) -> None:
+    """The session's own parameters are the study's (the server sends both; they must agree): the
+    study this node checked (and pinned) is the one the session runs, threshold included."""
+    if study.protection == "mask" and config.threshold != study.threshold_for(roster_size):
+        raise StudyMismatchError(
+            f"the session's threshold t = {config.threshold} differs from the study's "
+            f"t = {study.threshold_for(roster_size)} for a {roster_size}-institution roster"
+        )
     if study.protection == "ckks":
         if config.parameters != study.ckks_parameters():
             raise StudyMismatchError(
@@ -776,9 +891,10 @@ def _settle(label: str, state: LocalState) -> dict[str, Any] | None:
 
 def _store_classifier(envelope: Envelope, state: LocalState, settings: NodeSettings) -> Envelope:
     """Verify the classifier file (content digest, the roster coordinator's signature, the roster
-    fingerprint, this institution's sessions), then save the exact bytes received as
-    ``OUT_DIR/classifier.json``."""
-    from .classifier import write_classifier_file
+    fingerprint, this institution's sessions), then keep the exact bytes received: in the history
+    ``OUT_DIR/classifiers/<created>-<digest>.json`` and as ``OUT_DIR/classifier.json`` (the latest;
+    the file it held before stays in the history)."""
+    from .classifier import keep_classifier
 
     roster = _roster(settings)
     # Raises ClassifierTamperedError, UnsignedClassifierError, ClassifierSignatureError (also when the
@@ -798,12 +914,13 @@ def _store_classifier(envelope: Envelope, state: LocalState, settings: NodeSetti
             )
         mine[session["label"]] = saved["client_id"]
     settings.out_dir.mkdir(parents=True, exist_ok=True)
-    path = settings.out_dir / "classifier.json"
-    write_classifier_file(path, envelope.payload)  # the signed bytes, as every institution received them
-    digest = hashlib.sha256(envelope.payload).hexdigest()
+    stored = keep_classifier(settings.out_dir, envelope.payload)  # the signed bytes, as every party got them
+    replaced = f"; the earlier classifier.json is kept as {stored.replaced}" if stored.replaced else ""
     log(
         settings,
-        f"stored the classifier in {path} (signed by the coordinator {classifier.signer}; sha256 "
-        f"{digest[:16]}..., session {classifier.sessions[0]['session_id'][:16]}...)",
+        f"stored the classifier in {stored.latest} and {stored.kept} (signed by the coordinator "
+        f"{classifier.signer}; sha256 {stored.sha256[:16]}..., session "
+        f"{classifier.sessions[0]['session_id'][:16]}...){replaced}",
     )
-    return Envelope("ack", {"path": str(path), "sha256": digest})
+    # No path in the acknowledgement: the coordinator learns only that the file was kept, and which.
+    return Envelope("ack", {"sha256": stored.sha256, "kept": stored.kept.name})

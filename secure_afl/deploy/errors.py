@@ -23,6 +23,11 @@ class StudyMismatchError(DeploymentError):
     """The run's study (classes, dimension, backbone, method) does not match this client's data or policy."""
 
 
+class UncheckedStudyError(StudyMismatchError):
+    """The run's study is not the one this institution checked with ``deploy check --study`` (or it
+    checked none): names both digests (raised at the client, before anything is computed)."""
+
+
 class SessionReplayError(DeploymentError):
     """A session message that belongs to another run, or a session started twice in one run."""
 

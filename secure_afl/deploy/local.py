@@ -37,6 +37,7 @@ from typing import IO, Any
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
+from secure_afl.keys.cosign import cosigned_roster_json, sign_roster
 from secure_afl.keys.files import save_identity_key
 from secure_afl.keys.identity import IdentityKey
 from secure_afl.keys.roster import Roster, RosterEntry
@@ -48,8 +49,8 @@ from .tls import write_tls_material
 
 CONNECTION = "local"
 COORDINATOR = "coordinator"  # the roster id of the key that signs the classifier
-DROP_ROUNDS = ("R1", "R2", "R3", "R4")  # masking's rounds after R0; CKKS has R1..R3
-DROP_ROUNDS_BY_PROTECTION = {"mask": DROP_ROUNDS, "ckks": ("R1", "R2", "R3")}
+DROP_ROUNDS = ("R1", "R2", "R3", "R4")  # both backends' rounds after R0 (CKKS: R3 the signed view)
+DROP_ROUNDS_BY_PROTECTION = {"mask": DROP_ROUNDS, "ckks": DROP_ROUNDS}
 # Flower's SuperExec polls for tasks every second by default; a tenth keeps each round short.
 CHILD_ENV = {
     "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.1",
@@ -132,9 +133,11 @@ def _write_private(path: Path, data: bytes) -> None:
 
 def write_identities(
     directory: Path, client_ids: Sequence[str], *, scrypt_n: int = 2**14
-) -> tuple[Path, Roster]:
-    """One encrypted identity key per institution and one for the coordinator (``COORDINATOR.key``:
-    it signs the classifier), one shared passphrase file, and the roster naming the coordinator.
+) -> tuple[Path, Roster, IdentityKey]:
+    """One encrypted identity key per institution, one shared passphrase file, and the roster naming
+    the coordinator, whose key (it signs the classifier) is returned and never written: it stays in
+    this process, out of reach of the SuperLink and the ServerApp it starts (which could read the
+    passphrase file).
 
     These keys live for one local demonstration, so scrypt runs at 2^14 rather than the default
     2^17 (every ClientApp process decrypts its key once per message).
@@ -143,16 +146,19 @@ def write_identities(
     passphrase = secrets.token_urlsafe(24).encode("ascii")
     passphrase_file = directory / "passphrase"
     _write_private(passphrase_file, passphrase + b"\n")
-    entries = []
+    entries, keys = [], []
     for cid in client_ids:
         key = IdentityKey.generate()
         save_identity_key(directory / f"{cid}.key", key, passphrase, scrypt_n=scrypt_n)
         entries.append(RosterEntry(cid, f"Hospital {cid}", key.public_key))
+        keys.append(key)
     coordinator = IdentityKey.generate()
-    save_identity_key(directory / f"{COORDINATOR}.key", coordinator, passphrase, scrypt_n=scrypt_n)
     roster = Roster(entries, RosterEntry(COORDINATOR, "Coordinator", coordinator.public_key))
-    (directory / "roster.json").write_text(roster.to_json() + "\n", encoding="utf-8")
-    return passphrase_file, roster
+    # Every institution co-signs the roster (its nodes refuse one that is not: keys/cosign.py).
+    signatures = dict(sign_roster(roster, key) for key in keys)
+    text = cosigned_roster_json(roster, signatures)
+    (directory / "roster.json").write_text(text + "\n", encoding="utf-8")
+    return passphrase_file, roster, coordinator
 
 
 def write_app(directory: Path, run_config: Mapping[str, object]) -> Path:
@@ -386,7 +392,7 @@ def run_local(
     started = time.perf_counter()
     keys_dir, logs = work_dir / "keys", logs_dir or work_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    passphrase_file, _ = write_identities(keys_dir, client_ids)
+    passphrase_file, roster_written, coordinator_key = write_identities(keys_dir, client_ids)
     roster_path = keys_dir / "roster.json"
     flwr_home = work_dir / "flwr-home"
     flwr_home.mkdir(parents=True, exist_ok=True)
@@ -405,8 +411,6 @@ def run_local(
         {
             "roster": str(roster_path),
             "colluders": colluders,  # the server forms round 2's groups as the nodes will check them
-            "identity-key": str(keys_dir / f"{COORDINATOR}.key"),
-            "passphrase-file": str(passphrase_file),
             "out-dir": str(server_dir),
             "classes": ",".join(study.classes),
             "dim": study.dim,
@@ -534,8 +538,11 @@ def run_local(
                     del pending[cid]
                     say(f"  killed the SuperNode of {cid} as it received round {round_name}")
 
+        from .classifier import ClassifierSigner
         from .coordinator import run_federation
 
+        # deploy run's own signing: this process holds the coordinator's key, the ServerApp does not.
+        signer = ClassifierSigner.for_roster(roster_written, coordinator_key)
         grown: list[tuple[Classifier, dict]] = []
         roster = Roster.from_json(roster_path.read_text(encoding="utf-8"))
         classifier_path = server_dir / "classifier.json"
@@ -551,7 +558,7 @@ def run_local(
                 arrive(0)
             outcome = run_federation(
                 app_dir, CONNECTION, children=children, log_path=run_log, run_timeout=run_timeout, say=say,
-                on_poll=kill_dropped,
+                on_poll=kill_dropped, signer=signer,
                 run_config=[f"extends={json.dumps(grown[-1][0].study_digest)}"] if k else (),
             )  # fmt: skip
             seconds["flwr run" if not k else f"flwr run {k + 1}"] = time.perf_counter() - stage
@@ -574,7 +581,7 @@ def run_local(
         )  # fmt: skip
         if rehearse_abort:
             result.abort_rehearsal = _rehearse_abort(
-                app_dir, children, nodes, killed, study, server_dir, logs, say, run_timeout
+                app_dir, children, nodes, killed, study, server_dir, logs, say, run_timeout, signer=signer
             )
         return result
     finally:
@@ -597,6 +604,8 @@ def _rehearse_abort(
     say: Say,
     run_timeout: float,
     timeout: float = 10.0,
+    *,
+    signer: Any = None,
 ) -> Any:
     """A second run after killing SuperNodes until fewer than the session needs remain.
 
@@ -625,7 +634,7 @@ def _rehearse_abort(
     ]
     return run_federation(
         app_dir, CONNECTION, children=children, run_config=overrides, run_timeout=run_timeout,
-        log_path=logs / "flwr-run-abort-rehearsal.log", say=lambda text: say("  " + text),
+        log_path=logs / "flwr-run-abort-rehearsal.log", say=lambda text: say("  " + text), signer=signer,
     )  # fmt: skip
 
 

@@ -31,6 +31,7 @@ from secure_afl.core.errors import (
     UnknownClientError,
 )
 from secure_afl.keys.roster import Roster
+from secure_afl.privacy.policy import active_threshold
 
 from .classifier import Classifier, ClassifierSigner
 from .errors import ConfigurationError, FederationAbortedError
@@ -60,6 +61,16 @@ class Transport(Protocol):
 
 
 Log = Callable[[str], None]
+
+
+def one_line(value: object, limit: int = 500) -> str:
+    """A node's text as one printable line of at most ``limit`` characters, for the log and report.
+
+    The server's log is the stream ``deploy run`` reads line by line (``sign request``, ``FAILED:``):
+    a refusal message with a line break must not become a line of its own."""
+    text = "".join(ch if ch.isprintable() else " " for ch in str(value))
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 @dataclass
@@ -299,11 +310,12 @@ class FederationServer:
             )
         return classifier.to_json(self.signer).encode("utf-8")
 
-    def deliver(self, classifier: Classifier) -> tuple[str, ...]:
-        """Send the signed classifier file to every client that completed the last session; return who
+    def deliver(self, classifier: Classifier, data: bytes | None = None) -> tuple[str, ...]:
+        """Send the signed classifier file (``data``, signed by ``deploy run``; without it, signed here
+        with the server's own signer) to every client that completed the last session; return who
         stored it."""
         last = self.report.sessions[-1]
-        data = self.sign(classifier)
+        data = self.sign(classifier) if data is None else data
         outgoing = {
             self._node_of[cid]: Envelope("classifier", {"round": "classifier"}, data)
             for cid in last.completed
@@ -318,6 +330,14 @@ class FederationServer:
                 stored.append(client_of[node])
             elif envelope.kind == "refused":
                 self._refused(client_of.get(node, f"node {node}"), "classifier", envelope)
+            elif envelope.kind == "dropped":
+                reason = f"Flower reports it gone ({one_line(envelope.meta.get('error', '?'), 100)})"
+                self.report.dropouts.append({"at": "classifier", "client": client_of[node], "reason": reason})
+                self.log(f"classifier: {client_of[node]} {reason} (dropout)")
+        for node in sorted(set(outgoing) - set(replies)):
+            reason = f"did not answer within {self.round_timeout:.0f} s"
+            self.report.dropouts.append({"at": "classifier", "client": client_of[node], "reason": reason})
+            self.log(f"classifier: {client_of[node]} {reason} (dropout)")
         self.report.acknowledged = tuple(sorted(stored))
         return self.report.acknowledged
 
@@ -336,9 +356,12 @@ class FederationServer:
         if self.study.protection == "mask":
             needed = self.study.threshold_for(len(self.roster))
             what = f"the threshold t={needed} of a {len(self.roster)}-institution roster"
-        else:  # CKKS has no threshold; every group needs min_group_size live members
-            needed = self.study.min_group_size
-            what = f"the minimum group size {needed}"
+        else:  # CKKS: t of the roster sign the one view (R3), every group needs min_group_size
+            needed = max(self.study.min_group_size, active_threshold(len(self.roster)))
+            what = (
+                f"the t={active_threshold(len(self.roster))} of a {len(self.roster)}-institution roster that "
+                f"must sign the session's view, or the minimum group size {self.study.min_group_size}"
+            )
         if len(nodes) < needed:
             raise FederationAbortedError(
                 f"{len(nodes)} SuperNode(s) connected within {self.connect_timeout:.0f} s, fewer than {what}"
@@ -398,9 +421,19 @@ class FederationServer:
             replies = self.transport.exchange(outgoing, f"s{label}-{round_name}", timeout)
             answers = 0
             answered: list[str] = []
+            lost: dict[int, str] = {}  # nodes Flower reports gone: dropouts, with Flower's reason
+            unnamed: list[tuple[int, Envelope]] = []  # refusals of nodes that never advertised
             for node, envelope in sorted(replies.items()):
-                who = client_of.get(node, f"node {node}")
+                who = client_of.get(node) or self._known(node) or f"node {node}"
+                if envelope.kind == "dropped":
+                    lost[node] = one_line(
+                        f"{envelope.meta.get('error', '?')}: {envelope.meta.get('message', '')}"
+                    )
+                    continue
                 if envelope.kind == "refused":
+                    if who.startswith("node "):  # never advertised: named once every advertisement is in
+                        unnamed.append((node, envelope))
+                        continue
                     self._refused(who, at, envelope)
                     failed.add(who)
                     continue
@@ -423,10 +456,11 @@ class FederationServer:
                         )
                     session.receive(message)
                 except (ProtocolError, FederationAbortedError, ValueError, TypeError) as exc:
+                    text = one_line(exc, 2000)  # it may quote what the node sent
                     self.report.rejections.append(
-                        {"at": at, "from": who, "error": type(exc).__name__, "message": str(exc)}
+                        {"at": at, "from": who, "error": type(exc).__name__, "message": text}
                     )
-                    self.log(f"{at}: rejected the reply of {who}: {type(exc).__name__}: {exc}")
+                    self.log(f"{at}: rejected the reply of {who}: {type(exc).__name__}: {text}")
                     if who in node_of:
                         failed.add(who)
                     continue
@@ -434,15 +468,26 @@ class FederationServer:
                     node_of[sender] = node
                 answers += 1
                 answered.append(sender if round_name == "R0" else who)
-            silent = (
-                {f"node {n}" for n in outgoing if n not in replies}
-                if round_name == "R0"
-                else {client_of.get(n, f"node {n}") for n in outgoing if n not in replies}
-            )
-            for who in sorted(silent):
-                self.report.dropouts.append({"at": at, "client": who})
-                self.log(f"{at}: {who} did not answer within {timeout:.0f} s (dropout)")
+            for node, envelope in unnamed:  # a claimed name only: it changes no one's part in the session
+                self._refused(self._claimed(envelope, node_of, node), at, envelope)
+            gone = {n for n in outgoing if n not in replies} | set(lost)
+            silent: set[str] = set()
+            for node in sorted(gone):
+                who = client_of.get(node) or self._known(node) or "an unidentified node"
+                why = (
+                    f"Flower reports it gone ({lost[node]})"
+                    if node in lost
+                    else f"did not answer within {timeout:.0f} s"
+                )
+                self.report.dropouts.append({"at": at, "client": who, "reason": why})
+                self.log(f"{at}: {who} {why} (dropout)")
+                silent.add(who)
             failed |= silent & set(node_of)
+            if round_name == "R0" and not again:
+                refused = {r["from"] for r in self.report.refusals if r["at"] == at}
+                absent = sorted({e.client_id for e in self.roster} - set(node_of) - refused)
+                if absent:
+                    self.log(f"{at}: no advertisement from {', '.join(absent)} (not taking part)")
             try:
                 requests = session.next_round()
             except SessionAbortedError as exc:
@@ -504,9 +549,26 @@ class FederationServer:
                 return item
         raise FederationAbortedError(f"session {record.label} has no group {group!r}")
 
+    def _known(self, node: int) -> str | None:
+        """The roster id that node advertised as in an earlier session of this run, if any."""
+        for cid, known in self._node_of.items():
+            if known == node:
+                return cid
+        return None
+
+    def _claimed(self, envelope: Envelope, node_of: Mapping[str, int], node: int) -> str:
+        """A refusing node that never advertised: the roster id it says it holds the key of (not
+        signed: a refusal is no message of the protocol), if that is a roster member no other node
+        advertised as; else it stays unidentified."""
+        claimed = str(envelope.meta.get("client", ""))
+        members = {entry.client_id for entry in self.roster}
+        if claimed in members and node_of.get(claimed, node) == node:
+            return claimed
+        return "an unidentified node"
+
     def _refused(self, who: str, where: str, envelope: Envelope) -> None:
-        error = str(envelope.meta.get("error", "?"))
-        message = str(envelope.meta.get("message", ""))
+        error = one_line(envelope.meta.get("error", "?"), 100)
+        message = one_line(envelope.meta.get("message", ""), 2000)
         self.report.refusals.append({"at": where, "from": who, "error": error, "message": message})
         self.log(f"{where}: {who} refused: {error}: {message}")
 

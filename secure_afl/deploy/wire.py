@@ -9,7 +9,9 @@ and reads them back the same way: nothing on this path unpickles.
 
 Kinds: server to client ``advertise`` (a session's first message; meta: session label, round,
 study JSON, roster fingerprint), ``protocol`` (later rounds), ``classifier`` (the final file);
-client to server ``reply``, ``refused`` (meta: error class and message) and ``ack``.
+client to server ``reply``, ``refused`` (meta: error class, a message without the node's paths, and
+the roster id the node claims) and ``ack``; ``dropped`` is the transport's own (Flower's error for a
+node that is gone): the server counts it as a dropout, as it would a client's (which only drops out).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any
 import numpy as np
 
 MESSAGE_TYPE = "query"  # Flower's message category for a ClientApp function that answers
-KINDS = frozenset({"advertise", "protocol", "classifier", "reply", "refused", "ack"})
+KINDS = frozenset({"advertise", "protocol", "classifier", "reply", "refused", "ack", "dropped"})
 MetaValue = str | int | float | bool
 
 

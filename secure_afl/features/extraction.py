@@ -18,7 +18,9 @@ amp=False, shard_size=2048, progress=True, strict=False) -> ExtractionResult``
     - ``image_sha256``: per path, the SHA-256 of its file's bytes (None for a file that could not be
       read, which is skipped): the digests the feature file records and the cache key is made of.
       Each file is hashed once, streaming (pass ``image_sha256`` to reuse digests computed earlier);
-      on a cache miss each image's bytes are checked against its digest as they are decoded.
+      on a cache miss each image's bytes are checked against its digest as they are decoded;
+    - ``pixel_sha256``: per path, :func:`secure_afl.features.images.pixel_sha256` of the decoded
+      image (None where skipped), kept per shard in the manifest, so a cached run has them too.
 
 ``spatial=True`` also caches the backbone's feature map before its global pool (DenseNet-121:
     1024 × 7 × 7 per image) for methods that attend over spatial tokens (FedNCA-ML); the result's
@@ -35,13 +37,14 @@ amp=False, shard_size=2048, progress=True, strict=False) -> ExtractionResult``
     DataLoader workers used when ``num_workers`` is None: the usable CPUs, at most 8.
 
 Cache layout: ``cache_dir/<key>/manifest.json`` (key fields, feature dim, shard size, per completed
-shard its file, row count and skipped indices with reasons), ``images.txt`` (the ordered image list
-as ``sha256sum`` writes it, ``<digest>  <path>``, so ``sha256sum -c images.txt`` re-checks it)
-and ``shard_00000.npy`` … (float32, ``shard_size`` rows each, the last one shorter). Every file is
-written 0600 and every directory created 0700 (features derive from patients' images). Each shard is
-written to a temporary file and moved into place with ``os.replace``, then recorded in the manifest
-(also replaced atomically), so an interrupted extraction resumes at the first shard it had not
-finished, and a complete cache returns without building a DataLoader or running the network.
+shard its file, row count, skipped indices with reasons and its rows' pixel digests), ``images.txt``
+(the ordered image list as ``sha256sum`` writes it, ``<digest>  <path>``, so ``sha256sum -c
+images.txt`` re-checks it) and ``shard_00000.npy`` … (float32, ``shard_size`` rows each, the last
+one shorter). Every file is written 0600 and every directory created 0700 (features derive from
+patients' images). Each shard is written to a temporary file and moved into place with
+``os.replace``, then recorded in the manifest (also replaced atomically), so an interrupted
+extraction resumes at the first shard it had not finished, and a complete cache returns without
+building a DataLoader or running the network.
 
 Feature maps (``spatial=True``): a separate cache entry (``spatial`` is part of the key, so the
 pooled-only entry and its key are unchanged), whose shards carry beside ``shard_NNNNN.npy`` a
@@ -178,6 +181,7 @@ class ExtractionResult:
     device: str
     maps: FeatureMaps | None = None  # with spatial=True
     image_sha256: tuple[str | None, ...] = ()  # per path; None: unreadable (skipped)
+    pixel_sha256: tuple[str | None, ...] = ()  # per path, of the decoded image; None where skipped
 
 
 @dataclass
@@ -188,6 +192,7 @@ class _ShardBuffer:
     remaining: int
     skipped: dict[int, str] = field(default_factory=dict)
     maps: np.ndarray | None = None  # rows × T × D float16 with spatial=True
+    pixel_sha256: list[str | None] = field(default_factory=list)  # one per row, filled as rows arrive
 
 
 def default_num_workers() -> int:
@@ -294,6 +299,8 @@ def _completed_shards(
             continue  # lost or truncated shard: recompute it
         if stored.shape != (record["rows"], feature_dim) or stored.dtype != np.float32:
             continue
+        if len(record.get("pixel_sha256") or ()) != record["rows"]:
+            continue  # the decoded images' digests are part of a shard
         if maps is not None:
             tokens = manifest["grid"][0] * manifest["grid"][1]
             if maps.shape != (record["rows"], tokens, feature_dim) or maps.dtype != np.float16:
@@ -420,9 +427,11 @@ def extract_features(
 
     features = np.full((n_images, dim), np.nan, dtype=np.float32)
     skip_reasons: dict[int, str] = {}
+    pixel_digests: list[str | None] = [None] * n_images
     for shard, record in completed.items():
         start = shard * shard_size
         features[start : start + record["rows"]] = np.load(entry / record["file"])
+        pixel_digests[start : start + record["rows"]] = record["pixel_sha256"]
         skip_reasons.update({int(i): reason for i, reason in record["skipped"].items()})
     if strict and skip_reasons:
         raise CorruptImageError(f"unreadable images recorded in the cache {entry}: {_first(skip_reasons)}")
@@ -436,6 +445,7 @@ def extract_features(
             pending,
             features,
             skip_reasons,
+            pixel_digests,
             manifest,
             entry,
             device=torch_device,
@@ -462,6 +472,7 @@ def extract_features(
         device=str(torch_device),
         maps=_feature_maps(entry, manifest, dim) if spatial else None,
         image_sha256=digests,
+        pixel_sha256=tuple(pixel_digests),
     )
 
 
@@ -487,6 +498,7 @@ def _compute_shards(
     pending: list[int],
     features: np.ndarray,
     skip_reasons: dict[int, str],
+    pixel_digests: list[str | None],
     manifest: dict[str, Any],
     entry: Path,
     *,
@@ -528,10 +540,13 @@ def _compute_shards(
                     rows_in_shard = len(_shard_range(shard, shard_size, n_images))
                     empty = np.full((rows_in_shard, backbone.feature_dim), np.nan, dtype=np.float32)
                     buffer = buffers[shard] = _ShardBuffer(empty, rows_in_shard)
+                    buffer.pixel_sha256 = [None] * rows_in_shard
                 if spatial and buffer.maps is None and "grid" in manifest:
                     buffer.maps = _empty_maps(len(buffer.features), manifest, backbone.feature_dim)
                 if j is not None:
                     buffer.features[index - shard * shard_size] = rows[j]
+                    if batch.pixel_sha256 is not None:
+                        buffer.pixel_sha256[index - shard * shard_size] = batch.pixel_sha256[j]
                     if buffer.maps is not None and maps is not None:
                         buffer.maps[index - shard * shard_size] = maps[j]
                 else:
@@ -543,6 +558,7 @@ def _compute_shards(
                     _write_shard(entry, manifest, shard, buffers.pop(shard))
                     start = shard * shard_size
                     features[start : start + len(buffer.features)] = buffer.features
+                    pixel_digests[start : start + len(buffer.features)] = buffer.pixel_sha256
                     skip_reasons.update(buffer.skipped)
             bar.advance(task, len(batch.indices) + len(batch.skipped))
     if buffers:  # cannot happen unless the DataLoader dropped indices
@@ -570,6 +586,7 @@ def _write_shard(entry: Path, manifest: dict[str, Any], shard: int, buffer: _Sha
         "file": file_name,
         "rows": len(buffer.features),
         "skipped": {str(i): reason for i, reason in sorted(buffer.skipped.items())},
+        "pixel_sha256": list(buffer.pixel_sha256),
     }
     if buffer.maps is not None:
         maps_name = _maps_file(shard)

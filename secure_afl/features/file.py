@@ -29,6 +29,11 @@ name               dtype / shape                  meaning
                                                   lack the array: they still load, and
                                                   :meth:`FeatureFile.require_image_digests` refuses
                                                   them where digests are needed
+``pixel_sha256``   str, N (optional)              SHA-256 of each row's decoded 8-bit image (size and
+                                                  pixels, :func:`secure_afl.features.images.pixel_sha256`):
+                                                  the same X-ray re-exported losslessly (recompressed,
+                                                  new DICOM UIDs or metadata) keeps it while its file
+                                                  digest changes; written by ``features extract``
 =================  =============================  ==================================================
 
 The backbone fields travel into the classifier file, and ``predict`` refuses features whose
@@ -62,7 +67,7 @@ _NAMES = (
     "weights_id",
     "preprocessing",
 )
-_OPTIONAL_NAMES = ("patient_ids", "image_sha256")
+_OPTIONAL_NAMES = ("patient_ids", "image_sha256", "pixel_sha256")
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 PRIVATE_FILE_MODE = 0o600  # feature files and cache files: the hospital's user only
 PRIVATE_DIR_MODE = 0o700  # directories features/ creates for them
@@ -112,6 +117,7 @@ class FeatureFile:
     preprocessing: str
     patient_ids: tuple[str, ...] | None = None
     image_sha256: tuple[str, ...] | None = None  # per row: SHA-256 of the image file's bytes
+    pixel_sha256: tuple[str, ...] | None = None  # per row: SHA-256 of the decoded image
     path: Path | None = field(default=None, compare=False)  # where it was read from, for messages
 
     @property
@@ -146,6 +152,7 @@ def save_feature_file(
     image_ids: Sequence[str] | None = None,
     patient_ids: Sequence[str] | None = None,
     image_sha256: Sequence[str] | None = None,
+    pixel_sha256: Sequence[str] | None = None,
 ) -> None:
     """Write a feature file (checked as it would be read), mode 0600; a temporary file is renamed into place.
 
@@ -179,6 +186,8 @@ def save_feature_file(
         arrays["patient_ids"] = np.array([str(p) for p in patient_ids], dtype=str)
     if image_sha256 is not None:
         arrays["image_sha256"] = np.array([str(d) for d in image_sha256], dtype=str)
+    if pixel_sha256 is not None:
+        arrays["pixel_sha256"] = np.array([str(d) for d in pixel_sha256], dtype=str)
     _validate(Path(path), arrays)
     path = Path(path)
     temporary = path.with_name(f".{path.name}.tmp.npz")
@@ -271,17 +280,8 @@ def _validate(path: Path, arrays: dict[str, np.ndarray]) -> FeatureFile:
     patients = arrays.get("patient_ids")
     if patients is not None and (patients.shape != (n,) or patients.dtype.kind != "U"):
         raise FeatureFileError(f"{path}: 'patient_ids' must hold one string per feature row ({n})")
-    digests = arrays.get("image_sha256")
-    if digests is not None:
-        if digests.shape != (n,) or digests.dtype.kind != "U":
-            raise FeatureFileError(f"{path}: 'image_sha256' must hold one digest per feature row ({n})")
-        listed = [str(d) for d in digests.tolist()]
-        bad = next((i for i, d in enumerate(listed) if not _SHA256_HEX.fullmatch(d)), None)
-        if bad is not None:
-            raise FeatureFileError(
-                f"{path}: 'image_sha256' row {bad} is {listed[bad]!r}, not a SHA-256 digest (64 lowercase "
-                f"hex digits); {REEXTRACT_ADVICE}"
-            )
+    digests = _digests(path, arrays, "image_sha256", n)
+    pixel_digests = _digests(path, arrays, "pixel_sha256", n)
     return FeatureFile(
         features=features,
         image_ids=tuple(ids.tolist()),
@@ -292,6 +292,24 @@ def _validate(path: Path, arrays: dict[str, np.ndarray]) -> FeatureFile:
         weights_id=text("weights_id"),
         preprocessing=text("preprocessing"),
         patient_ids=tuple(patients.tolist()) if patients is not None else None,
-        image_sha256=tuple(digests.tolist()) if digests is not None else None,
+        image_sha256=digests,
+        pixel_sha256=pixel_digests,
         path=path,
     )
+
+
+def _digests(path: Path, arrays: dict[str, np.ndarray], name: str, n: int) -> tuple[str, ...] | None:
+    """An optional per-row array of SHA-256 digests (64 lowercase hex digits each)."""
+    value = arrays.get(name)
+    if value is None:
+        return None
+    if value.shape != (n,) or value.dtype.kind != "U":
+        raise FeatureFileError(f"{path}: {name!r} must hold one digest per feature row ({n})")
+    listed = tuple(str(d) for d in value.tolist())
+    bad = next((i for i, d in enumerate(listed) if not _SHA256_HEX.fullmatch(d)), None)
+    if bad is not None:
+        raise FeatureFileError(
+            f"{path}: {name!r} row {bad} is {listed[bad]!r}, not a SHA-256 digest (64 lowercase hex "
+            f"digits); {REEXTRACT_ADVICE}"
+        )
+    return listed

@@ -17,6 +17,10 @@ Public API
     name by content, which the feature cache is keyed by and the feature file records per row.  Two
     files with the same bytes are the same image.  ``hash_image_files`` gives None for a file that
     cannot be read (the extraction then skips it with the reason).
+``pixel_sha256(image) -> str``
+    The SHA-256 of a decoded 8-bit grayscale image (size and pixels): the image named by what the
+    backbone sees, unchanged by a lossless re-export of the file. The extraction records it per row
+    beside the file digest.
 ``load_grayscale(path) -> PIL.Image.Image``
     Opens a PNG, JPEG or DICOM file as 8-bit grayscale (mode ``L``); RGB(A)/palette images are
     converted, 16-bit ones rescaled to 8 bits. NIH PNGs are 8-bit, a few of them RGBA. DICOM: see
@@ -77,6 +81,7 @@ __all__ = [
     "index_images",
     "is_dicom",
     "load_grayscale",
+    "pixel_sha256",
     "resolve_image_paths",
 ]
 
@@ -128,12 +133,14 @@ class LoadedImage(NamedTuple):
     index: int
     pixels: torch.Tensor | None  # None marks an unreadable image
     error: str | None
+    pixel_sha256: str | None = None  # of the decoded image (see pixel_sha256); None if unreadable
 
 
 class ImageBatch(NamedTuple):
     indices: list[int]  # dataset indices of the rows of ``pixels``
     pixels: torch.Tensor | None  # None when every image of the batch was unreadable
     skipped: list[tuple[int, str]]  # (dataset index, reason)
+    pixel_sha256: list[str | None] | None = None  # per row of ``pixels``
 
 
 def index_images(data_dir: Path) -> dict[str, Path]:
@@ -197,6 +204,20 @@ def hash_image_files(paths: Sequence[Path], workers: int = 1) -> tuple[str | Non
         return tuple(pool.map(_sha256_or_none, paths))
     finally:  # on Ctrl-C, drop the files not started instead of hashing them all first
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+def pixel_sha256(image: Image.Image) -> str:
+    """SHA-256 of a decoded 8-bit grayscale image: what the backbone sees, whatever the file's encoding.
+
+    Over ``L``, the width and height (8 bytes each, big-endian) and the row-major pixel bytes. The
+    same X-ray re-exported losslessly (a PNG recompressed, a DICOM with new UIDs or other metadata,
+    MONOCHROME1 written as inverted MONOCHROME2) keeps this digest while its file digest changes.
+    """
+    gray = image if image.mode == "L" else image.convert("L")
+    digest = hashlib.sha256(b"L")
+    digest.update(gray.width.to_bytes(8, "big") + gray.height.to_bytes(8, "big"))
+    digest.update(np.ascontiguousarray(np.asarray(gray, dtype=np.uint8)).tobytes())
+    return digest.hexdigest()
 
 
 def is_dicom(data: bytes, name: str | Path = "") -> bool:
@@ -383,7 +404,8 @@ class ImageDataset(Dataset[LoadedImage]):
                 "images during the extraction? Let it finish, then run the command again"
             )
         try:
-            return LoadedImage(index, self.transform(_decode(data, path)), None)
+            image = _decode(data, path)
+            return LoadedImage(index, self.transform(image), None, pixel_sha256(image))
         except DicomError as error:  # its message already names the file
             return LoadedImage(index, None, f"{error.__class__.__name__}: {error}")
         except _UNREADABLE_IMAGE_ERRORS as error:
@@ -395,4 +417,5 @@ def collate_images(batch: Sequence[LoadedImage]) -> ImageBatch:
     readable = [item for item in batch if item.pixels is not None]
     skipped = [(item.index, item.error or "unreadable") for item in batch if item.pixels is None]
     pixels = torch.stack([item.pixels for item in readable]) if readable else None
-    return ImageBatch([item.index for item in readable], pixels, skipped)
+    digests = [item.pixel_sha256 for item in readable]
+    return ImageBatch([item.index for item in readable], pixels, skipped, digests)

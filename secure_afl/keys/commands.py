@@ -180,10 +180,16 @@ def load_roster_file(path: Path) -> Roster:
 
 
 def write_roster_file(path: Path, roster: Roster) -> None:
-    """Atomically: a temporary file beside it, then a rename (never a half-written roster)."""
+    """Atomically: a temporary file beside it, then a rename (never a half-written roster).
+
+    The roster's co-signatures are not kept: a changed roster must be co-signed again."""
+    write_roster_file_text(path, roster.to_json())
+
+
+def write_roster_file_text(path: Path, text: str) -> None:
     temporary = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
     try:
-        temporary.write_text(roster.to_json() + "\n", encoding="utf-8")
+        temporary.write_text(text + "\n", encoding="utf-8")
         os.replace(temporary, path)
     finally:
         if temporary.exists():
@@ -435,8 +441,68 @@ def roster_show(roster_path: Path, directory: Path | None) -> None:
     else:
         click.echo("no coordinator: add one (keys roster add --coordinator) before a deployment")
     click.echo(f"roster fingerprint: {current.fingerprint}")
+    _show_cosignatures(roster_path)
     if local is not None:
         check_local_key_in(current, local, roster_path)
+
+
+def _show_cosignatures(roster_path: Path) -> None:
+    from .cosign import roster_status
+
+    try:
+        status = roster_status(roster_path.read_text(encoding="utf-8"))
+    except RosterError as exc:
+        raise click.ClickException(f"{roster_path}: {type(exc).__name__}: {exc}") from None
+    if status.complete:
+        click.echo("co-signed by every institution")
+    else:
+        click.echo(
+            f"co-signed by {list(status.signed) or 'nobody yet'}; not yet by {list(status.missing)} (a node "
+            "refuses it until every institution co-signed: keys roster sign, or deploy join)"
+        )
+
+
+@roster.command("sign")
+@_roster_option
+@_passphrase_option
+@_dir_option
+def roster_sign(
+    roster_path: Path, passphrase_file: Path | None, passphrase_env: str | None, directory: Path | None
+) -> None:
+    """Co-sign the roster with this institution's key, only if you recognise every entry.
+
+    
+    Adds this institution's signature of the roster's digest to the roster file (beside the
+    co-signatures already there, each verified). A node takes part only under a roster that every
+    institution co-signed (secure_afl/keys/cosign.py). `secure-afl deploy join KIT` does the same
+    for a provisioned kit. Signing says: every id, name and fingerprint below is one this
+    institution heard from that institution itself.
+    """
+    from .cosign import check_cosignatures, cosigned_roster_json, read_roster_document, sign_roster
+
+    try:
+        current, cosignatures = read_roster_document(roster_path.read_text(encoding="utf-8"))
+        check_cosignatures(current, cosignatures)
+    except OSError as exc:
+        raise click.ClickException(f"{roster_path}: cannot read the roster: {exc.strerror}") from None
+    except RosterError as exc:
+        raise click.ClickException(f"{roster_path}: {type(exc).__name__}: {exc}") from None
+    directory = directory or default_key_dir()
+    key = load_key(directory, passphrase_file, passphrase_env)
+    try:
+        client_id, signature = sign_roster(current, key)
+    except RosterError as exc:
+        raise click.ClickException(f"{roster_path}: {exc}") from None
+    cosignatures[client_id] = signature
+    write_roster_file_text(roster_path, cosigned_roster_json(current, cosignatures))
+    for entry in current:
+        click.echo(f"{entry.client_id:<20} {entry.fingerprint}  {entry.name}")
+    click.echo(
+        f"{client_id} co-signed the roster {current.fingerprint} ({len(current)} institutions) in "
+        f"{roster_path}"
+    )
+    missing = [cid for cid in current.client_ids if cid not in cosignatures]
+    click.echo(f"still to co-sign: {missing}" if missing else "every institution has co-signed it")
 
 
 @roster.command("verify")

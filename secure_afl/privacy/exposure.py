@@ -345,11 +345,11 @@ def _rows(
 
 _SPAN_PRIME = (1 << 31) - 1  # products of two residues fit in int64
 _SPAN_MAX_ROWS = 22  # Hadamard: every minor of a 0/1 matrix with this many rows is below the prime
-# The colluder search's work bound: flats formed per target (each one rank-1 update of every
-# distinct column).  Reached, the client refuses (ColluderSearchLimitError): never an open-ended run.
-COLLUDER_SEARCH_LIMIT = 4_000
-_GREEDY_TRIES = 8  # heavy flats tried for a witness before the bound and the exact search
-_PACKING_ROUNDS = 128  # families routed by the packing bound
+# The colluder search's work bound: nodes of the exact search per target (each one rank-1 update of
+# every distinct column).  Reached, the client refuses (ColluderSearchLimitError): never an open-ended run.
+COLLUDER_SEARCH_LIMIT = 40_000
+_GREEDY_TRIES = 8  # heavy flats tried for a witness before the exact search
+_PACKING_ROUNDS = 64  # families routed by the packing bound
 _PACKING_STEP = 0.2  # its multiplicative length step
 
 
@@ -363,8 +363,8 @@ class ColluderSearchLimitError(ValueError):
     def __init__(self, target: tuple[str, ...], budget: int, limit: int) -> None:
         self.target, self.budget, self.limit = target, budget, limit
         super().__init__(
-            f"the colluder search for {target!r} (up to {budget} colluders) examined {limit} candidate "
-            "cuts without an answer"
+            f"the colluder search for {target!r} (up to {budget} colluders) visited {limit} search "
+            "nodes without an answer, and the packing bound did not prove it safe"
         )
 
 
@@ -396,22 +396,24 @@ def isolating_colluders(
 
     **Three steps, each sound.**  (1) A witness: a few greedy heavy flats avoiding a_t
     (:func:`_greedy_witness`); one hitting at most ``budget`` peers is a witness, re-checked with
-    :func:`determined` before it is returned.  (2) A proof of safety: a fractional packing of
-    peer sets that each span a_t with the owner's other columns (:func:`_packing_bound`, exact
-    rationals); every cut hits at least its value in peers, so a value above ``budget`` proves that
-    no ``budget`` peers isolate the target.  (3) Otherwise the exact search: depth first over the
-    flats, from the span of the owner's other columns, each step adding one distinct column and
-    closing the span (every flat avoiding a_t is reached: add its columns one by one; each flat is
-    examined once).  A column q with a_t in span(F + q) can join no flat above F, so the peers
-    having such a column are hit by every flat above F: when they are more than ``budget``, the
-    branch is cut.  Spans are exact, modulo 2^31 - 1 (above the Hadamard bound of every minor of a
+    :func:`determined` before it is returned.  (2) The exact search (:meth:`_CutProblem.search`):
+    every flat avoiding a_t that contains the owner's other columns, by include/exclude decisions
+    on the distinct columns in a fixed order, each flat reached once.  A column q with a_t in
+    span(F + q) can join no flat above F, and an excluded column stays outside, so the peers having
+    such a column are hit by every flat below the node: when they are more than ``budget``, the
+    branch is cut.  Exhausted without a witness, no ``budget`` peers isolate the target.  (3) Past
+    its bound, a proof of safety is still tried: a fractional packing of peer sets that each span
+    a_t with the owner's other columns (:func:`_packing_bound`, exact rationals); every cut hits
+    at least its value in peers, so a value above ``budget`` proves the target safe.  Spans are
+    exact, modulo 2^31 - 1 (above the Hadamard bound of every minor of a
     0/1 matrix with at most 22 rows; more rows: the Mersenne prime of :func:`_exact_prime`).
 
-    **At the bound.**  When the search has formed :data:`COLLUDER_SEARCH_LIMIT` flats without an
-    answer, :class:`ColluderSearchLimitError` is raised and the client refuses.  Undecided is never
-    accepted, so the loss is only availability: a layout whose smallest cut exceeds ``budget`` but
-    whose packing bound does not, and whose flats are too many to search (at n = 1,000 and
-    c = n - t, the per-class Gram layout of 8 classes with 3 or 5 missing: SECURITY.md).
+    **At the bound.**  When the search has visited :data:`COLLUDER_SEARCH_LIMIT` nodes without an
+    answer and the packing does not prove safety, :class:`ColluderSearchLimitError` is raised and
+    the client refuses.  Undecided is never accepted,
+    so the loss is only availability: a layout whose smallest cut exceeds ``budget`` but whose
+    search tree is larger than the bound and whose packing bound does not reach ``budget + 1``
+    (bench/bench_scale.py reports the verdicts per layout; SECURITY.md).
     """
     if budget <= 0:
         return None
@@ -420,10 +422,10 @@ def isolating_colluders(
         return None  # a_t is in the span of the owner's other columns: no colluder can change it
     witness = _greedy_witness(problem, budget, _GREEDY_TRIES)
     if witness is None:
-        if _packing_bound(problem, budget + 1) > budget:
-            return None
         witness = problem.search(budget, limit)
         if witness is _UNDECIDED:
+            if _packing_bound(problem, budget + 1) > budget:
+                return None
             raise ColluderSearchLimitError(target, budget, limit)
         if witness is None:
             return None
@@ -495,40 +497,68 @@ class _CutProblem:
         return None if _Flat.root(problem) is None else problem
 
     def search(self, budget: int, limit: int) -> tuple[str, ...] | object | None:
+        """The exact search: every flat avoiding a_t, by include/exclude decisions on the distinct
+        columns in a fixed order (heaviest first), each flat reached once; a branch is cut once the
+        peers it must hit (types with an excluded column, or with a column q that would bring a_t
+        into the span) are more than ``budget``.  A witness, None, or _UNDECIDED past ``limit``
+        nodes."""
         weights = np.array([len(peers) for peers in self.type_peers], dtype=np.int64)
-        # a column -> the types having it (one type may have several columns)
-        owners = [np.zeros(len(self.type_peers), dtype=bool) for _ in range(len(self.columns))]
+        owner_matrix = np.zeros((len(self.columns), len(self.type_peers)), dtype=bool)
         for t, cols in enumerate(self.type_columns):
-            for j in cols:
-                owners[int(j)][t] = True
-        owner_matrix = np.array(owners, dtype=bool).reshape(len(self.columns), len(self.type_peers))
+            owner_matrix[cols, t] = True
+        column_weight = (owner_matrix * weights[None, :]).sum(axis=1)
+        # One column per type (peers with one variable each, the usual case): a type is hit iff its
+        # column is, so sums of column weights replace the type look-ups.
+        single = all(len(cols) == 1 for cols in self.type_columns)
+
+        # Columns renumbered in the search order (heaviest first): the next undecided column is
+        # the first open one at or after a node's position.
+        order = np.argsort(-column_weight, kind="stable")
+        owner_matrix, column_weight = owner_matrix[order], column_weight[order]
+
+        def peers_hit(columns: np.ndarray) -> int:
+            if single:
+                return int(columns @ column_weight)
+            return int(weights[owner_matrix[columns].any(axis=0)].sum())
+
         root = _Flat.root(self)
         assert root is not None
-        stack = [root]
-        seen = {root.key()}
-        examined = 1
+        p = self.prime
+        stack = [(root.residues[order], root.target, 0, np.zeros(len(self.columns), dtype=bool))]
+        nodes = 0
         while stack:
-            flat = stack.pop()
-            inside = flat.inside()
-            forced = flat.forced(inside)
-            outside_types = owner_matrix[~inside].any(axis=0)
-            if int(weights[outside_types].sum()) <= budget:
-                return tuple(p for t in np.flatnonzero(outside_types) for p in self.type_peers[int(t)])
-            forced_types = owner_matrix[forced].any(axis=0)
-            if int(weights[forced_types].sum()) > budget:
-                continue  # every flat above this one hits more than budget peers
-            candidates = np.flatnonzero(~inside & ~forced)
-            # heavier columns first (pushed last): flats that keep many peers unhit come first
-            heaviness = (owner_matrix[candidates] * weights[None, :]).sum(axis=1)
-            for j in candidates[np.argsort(heaviness, kind="stable")]:
-                examined += 1
-                if examined > limit:
-                    return _UNDECIDED
-                child = flat.extend(int(j))
-                key = child.key()
-                if key not in seen:
-                    seen.add(key)
-                    stack.append(child)
+            residues, target, at, excluded = stack.pop()
+            nodes += 1
+            if nodes > limit:
+                return _UNDECIDED
+            outside = residues.any(axis=1)
+            pivot = int(target.argmax())  # any non-zero coordinate of a_t's residue
+            scale = (residues[:, pivot] * pow(int(target[pivot]), -1, p)) % p
+            forced = ((scale[:, None] * target[None, :]) % p == residues).all(axis=1) & outside
+            if peers_hit(forced | excluded) > budget:
+                continue  # every flat below hits more than budget peers
+            if peers_hit(outside) <= budget:
+                hit = owner_matrix[outside].any(axis=0)
+                return tuple(peer for t in np.flatnonzero(hit) for peer in self.type_peers[int(t)])
+            rest = (outside & ~forced & ~excluded)[at:]
+            step = int(rest.argmax())
+            if not rest[step]:
+                continue  # no undecided column left
+            j = at + step
+            without = excluded.copy()
+            without[j] = True
+            stack.append((residues, target, j + 1, without))  # explored second: j stays outside
+            residue = residues[j]
+            first = int(residue.argmax())  # any non-zero coordinate
+            unit = (residue * pow(int(residue[first]), -1, p)) % p
+            stack.append(  # explored first: j inside
+                (
+                    (residues - (residues[:, first : first + 1] * unit[None, :]) % p) % p,
+                    (target - (target[first] * unit) % p) % p,
+                    j + 1,
+                    excluded,
+                )
+            )
         return None
 
 
@@ -554,20 +584,6 @@ class _Flat:
                     return None
         return cls(problem, flat.residues[:n].copy(), flat.target)
 
-    def inside(self) -> np.ndarray:
-        return ~self.residues.any(axis=1)
-
-    def forced(self, inside: np.ndarray) -> np.ndarray:
-        """Columns q outside the flat with a_t in span(flat + q): residue parallel to a_t's."""
-        p = self.problem.prime
-        pivot = int(np.flatnonzero(self.target)[0])
-        scale = (self.residues[:, pivot] * pow(int(self.target[pivot]), -1, p)) % p
-        parallel = ((scale[:, None] * self.target[None, :]) % p == self.residues).all(axis=1)
-        return parallel & ~inside
-
-    def extend(self, j: int) -> _Flat:
-        return self._with(self.residues[j])
-
     def _with(self, residue: np.ndarray) -> _Flat:
         """The flat spanned by this one and a vector whose residue is ``residue`` (non-zero)."""
         p = self.problem.prime
@@ -576,9 +592,6 @@ class _Flat:
         residues = (self.residues - (self.residues[:, pivot : pivot + 1] * unit[None, :]) % p) % p
         target = (self.target - (self.target[pivot] * unit) % p) % p
         return _Flat(self.problem, residues, target)
-
-    def key(self) -> bytes:
-        return np.packbits(self.inside()).tobytes()
 
 
 class _Basis:

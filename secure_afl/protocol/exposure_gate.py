@@ -187,14 +187,7 @@ class ExposureGate:
 
     def _check_unreleased(self, state: LedgerState, session_id: bytes) -> None:
         """One contribution per image (where the release names its images), then per value."""
-        if self.release.images:
-            released = state.released_images(session_id, reuses=self.release.reuses)
-            hits = [image for image in self.release.images if image in released]
-            if hits:
-                earlier = released[hits[0]]
-                raise ImageAlreadyReleasedError(
-                    len(hits), len(self.release.images), bytes.fromhex(earlier), state.sessions[earlier].scope
-                )
+        check_images_unreleased(self.release, state, session_id)
         ids, anchors = state.released_in(session_id)
         spent = sorted(self.release.ids & set(ids))
         if spent:
@@ -244,3 +237,18 @@ def zero_commitments(adverts: Iterable[Any]) -> dict[str, frozenset[str]] | None
             if count == 0:
                 found.setdefault(group, set()).add(advert.client_id)
     return {g: frozenset(ids) for g, ids in found.items()} if committed else None
+
+
+def check_images_unreleased(release: Release, state: LedgerState, session_id: bytes = b"") -> None:
+    """One contribution per image: refuse (:class:`ImageAlreadyReleasedError`) a release over an
+    image that ``state`` records as released by another session, other than under the one scope the
+    release may reuse (round 2: its own round 1).  A release naming no images passes."""
+    if not release.images:
+        return
+    released = state.released_images(session_id, reuses=release.reuses)
+    hits = [image for image in release.images if image in released]
+    if hits:
+        earlier = released[hits[0]]
+        raise ImageAlreadyReleasedError(
+            len(hits), len(release.images), bytes.fromhex(earlier), state.sessions[earlier].scope
+        )

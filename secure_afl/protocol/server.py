@@ -285,16 +285,16 @@ class ServerSession:
         u2 = tuple(sorted(self._shares))
         self._require(len(u2), "shared keys")
         self._check_groups(self._members, set(u2), "after R1")
-        replies: dict[str, ServerReply] = {}
-        for recipient in u2:
-            forwarded = tuple(
-                share
-                for sender in u2
-                if sender != recipient
-                for share in self._shares[sender].shares
-                if share.recipient == recipient
-            )
-            replies[recipient] = MaskedInputRequest(self._config.session_id, forwarded)
+        # Each recipient's shares in the senders' order: one pass over all n² shares (not n per recipient).
+        inbox: dict[str, list] = {recipient: [] for recipient in u2}
+        for sender in u2:
+            for share in self._shares[sender].shares:
+                if share.recipient != sender and share.recipient in inbox:
+                    inbox[share.recipient].append(share)
+        replies: dict[str, ServerReply] = {
+            recipient: MaskedInputRequest(self._config.session_id, tuple(inbox[recipient]))
+            for recipient in u2
+        }
         self._sums = {
             (group.name, tensor.name): np.zeros(tensor.length, dtype=np.uint64)
             for group in self._config.groups

@@ -61,14 +61,16 @@ def ckks_aggregate(
 ) -> CkksAggregationRun:
     """Sum ``contributions`` (client -> group -> tensor -> float64 array) per group under CKKS.
 
-    ``dropouts`` maps a stage ("R1" key distribution, "R2" encrypted inputs, "R3" decryption) to
-    the clients that stop answering from that stage on.  Raises
+    ``dropouts`` maps a stage ("R1" key distribution, "R2" encrypted inputs, "R3" the signed view,
+    "R4" decryption) to the clients that stop answering from that stage on.  Raises
     :class:`~secure_afl.core.errors.GroupTooSmallError` when a group keeps fewer survivors than
     ``min_group_size``, :class:`~secure_afl.protocol.ckks.errors.KeyHolderDroppedError` when no advertised
     client is left to hold the key (a key holder that drops before sending it is replaced by a
     re-election among the others), and :class:`~secure_afl.protocol.ckks.errors.NoDecryptorError`
-    when every surviving member of a group dropped before decrypting.  ``context`` is the session
-    context every client binds (:func:`secure_afl.protocol.binding.session_context`).
+    when every surviving member of a group dropped before decrypting;
+    :class:`~secure_afl.protocol.ckks.errors.ViewQuorumError` when fewer than a majority of the
+    clients signed the view (R3).  ``context`` is the session context every client binds
+    (:func:`secure_afl.protocol.binding.session_context`).
     """
     backend = CkksBackend(
         parameters=parameters or CkksParameters(),

@@ -118,7 +118,7 @@ PROTOCOL_ROUNDS = ("R0", "R1", "R2", "R3", "R4")
 
 
 def _rounds(costs: dict[str, object]) -> tuple[str, ...]:
-    """The protocol's rounds as the costs list them (R0..R4 masking, R0..R3 CKKS)."""
+    """The protocol's rounds as the costs list them (R0..R4 in both backends)."""
     server = costs.get("server_seconds") or {}
     return tuple(server) or PROTOCOL_ROUNDS  # type: ignore[arg-type]
 

@@ -35,7 +35,6 @@ from secure_afl.protocol.ckks.errors import (
 )
 from secure_afl.protocol.ckks.messages import (
     CkksDecryption,
-    CkksDecryptRequest,
     CkksInput,
     CkksInputRequest,
     CkksKeyDistribution,
@@ -115,11 +114,11 @@ def test_a_dropped_non_decryptor_does_not_stop_the_session() -> None:
 def test_a_dropped_decryptor_is_replaced_by_another_survivor() -> None:
     contributions = small_contributions()
     probe = Federation(contributions)
-    probe.run(until="R3")
-    first = probe.requests_by_round["R3"]
+    probe.run(until="R4")
+    first = probe.requests_by_round["R4"]
     decryptor = next(cid for cid, m in first.items() if any(g.group == "all" for g in m.groups))
     fed = Federation(contributions)
-    fed.run(drop={"R3": {decryptor}})
+    fed.run(drop={"R4": {decryptor}})
     result = fed.server.result()
     assert result.groups["all"].decryptor not in (decryptor, "")
     assert decryptor in result.survivors  # its input was sent before it dropped and still counts
@@ -135,10 +134,14 @@ def test_a_client_rebuilt_by_replaying_the_server_messages_decrypts_as_the_origi
     holder = fed.server.key_holder
     decryptor = fed.server.result().groups["all"].decryptor
     for cid in {holder, decryptor}:
-        original = fed.requests_by_round["R3"].get(cid)
+        original = fed.requests_by_round["R4"].get(cid)
         replayed = fed.new_client(cid)
-        for round_name in ("R0", "R1", "R2"):
+        for round_name in ("R0", "R1"):
             replayed.receive(fed.requests_by_round[round_name][cid])
+        for round_name in ("R2", "R3"):  # R2 received again would encrypt again: another upload
+            replayed.replay_bytes(
+                codec.encode(fed.requests_by_round[round_name][cid], max_message_bytes=1 << 30)
+            )
         if original is None:
             continue
         (again,) = replayed.receive(original)
@@ -168,13 +171,13 @@ def test_replaying_answered_messages_makes_no_key_and_no_ciphertext_and_decrypts
         with monkeypatch.context() as patched:
             patched.setattr(context, "new_secret_context", forbidden)
             patched.setattr(context, "encrypt", forbidden)
-            for round_name in ("R0", "R1", "R2"):
+            for round_name in ("R0", "R1", "R2", "R3"):
                 data = codec.encode(fed.requests_by_round[round_name][cid], max_message_bytes=limit)
                 assert client.replay_bytes(data) is None
         assert client.state is CkksClientState.AWAIT_DECRYPT_REQUEST
         if cid != decryptor:
             continue
-        (again,) = client.receive(fed.requests_by_round["R3"][cid])
+        (again,) = client.receive(fed.requests_by_round["R4"][cid])
         for group in again.groups:
             got = fed.server.result().groups[group.group].sums
             for tensor in group.tensors:
@@ -195,7 +198,7 @@ def test_replaying_answered_messages_makes_no_key_and_no_ciphertext_and_decrypts
 def test_a_group_with_no_survivor_left_to_decrypt_fails_clearly() -> None:
     fed = Federation(small_contributions())
     with pytest.raises(NoDecryptorError, match="class/0"):
-        fed.run(drop={"R3": {"c0", "c2"}})  # both members of class/0
+        fed.run(drop={"R4": {"c0", "c2"}})  # both members of class/0
 
 
 def test_a_key_holder_that_drops_before_sending_the_key_is_replaced_by_a_reelection() -> None:
@@ -390,7 +393,7 @@ def test_a_decryptor_refuses_survivor_sets_that_isolate_a_client() -> None:
     reporting = Federation(contributions, min_group_size=1)  # the simulator's policy: go on, report
     reporting.run(drop={"R2": {"c3"}})
     findings = [
-        f for client in reporting.clients.values() for f in client.exposure_findings if f.round == "R3"
+        f for client in reporting.clients.values() for f in client.exposure_findings if f.round == "R4"
     ]
     assert findings and all(f.clients == ("c2",) for f in findings)
 
@@ -438,8 +441,8 @@ def test_the_ledger_refuses_a_second_session_over_a_released_value() -> None:
 
 def test_a_decryptor_never_decrypts_one_group_twice() -> None:
     fed = Federation(small_contributions())
-    fed.run(until="R3")
-    decryptor, request = next(iter(fed.requests_by_round["R3"].items()))
+    fed.run(until="R4")
+    decryptor, request = next(iter(fed.requests_by_round["R4"].items()))
     client = fed.clients[decryptor]
     client.receive(request)
     with pytest.raises(RepeatedDecryptionError):
@@ -448,8 +451,8 @@ def test_a_decryptor_never_decrypts_one_group_twice() -> None:
 
 def test_a_decryption_request_with_foreign_bytes_is_refused() -> None:
     fed = Federation(small_contributions())
-    fed.run(until="R3")
-    decryptor, request = next(iter(fed.requests_by_round["R3"].items()))
+    fed.run(until="R4")
+    decryptor, request = next(iter(fed.requests_by_round["R4"].items()))
     group = request.groups[0]
     upload = group.uploads[0]
     tensor = upload.tensors[0]
@@ -458,7 +461,7 @@ def test_a_decryption_request_with_foreign_bytes_is_refused() -> None:
     )
     bad = dataclasses.replace(group, uploads=(junk, *group.uploads[1:]))
     with pytest.raises(InvalidSumCiphertextError, match="not the ones it signed"):
-        fed.clients[decryptor].receive(CkksDecryptRequest(request.session_id, request.survivors, (bad,)))
+        fed.clients[decryptor].receive(dataclasses.replace(request, groups=(bad,)))
 
 
 @pytest.mark.parametrize("how", ["one upload alone", "one upload twice", "another group's chunks"])
@@ -470,8 +473,8 @@ def test_a_decryptor_decrypts_only_a_sum_it_computed_from_every_survivors_signed
         for k, cid in enumerate(("c0", "c1", "c2"))
     }
     fed = Federation(contributions, min_group_size=2)
-    fed.run(until="R3")
-    decryptor, request = next(iter(fed.requests_by_round["R3"].items()))
+    fed.run(until="R4")
+    decryptor, request = next(iter(fed.requests_by_round["R4"].items()))
     group = request.groups[0]
     victim = next(u for u in group.uploads if u.sender != decryptor)
     if how == "one upload alone":
@@ -489,7 +492,7 @@ def test_a_decryptor_decrypts_only_a_sum_it_computed_from_every_survivors_signed
         error = InvalidSumCiphertextError
     client = fed.clients[decryptor]
     with pytest.raises(error):
-        client.receive(CkksDecryptRequest(request.session_id, request.survivors, (forged,)))
+        client.receive(dataclasses.replace(request, groups=(forged,)))
     assert client.state is CkksClientState.FAILED and client._context is None  # the key is dropped
 
 
@@ -545,7 +548,7 @@ def test_codec_round_trips_every_message_and_rejects_malformed_bytes() -> None:
     for round_requests in fed.requests_by_round.values():
         messages.extend(round_requests.values())
     kinds = {type(m).__name__ for m in messages}
-    assert len(kinds) == 8  # every message type of the protocol
+    assert len(kinds) == 10  # every message type of the protocol
     for message in messages:
         data = codec.encode(message, max_message_bytes=limit)
         assert codec.decode(data, max_message_bytes=limit) == message
@@ -585,8 +588,8 @@ def test_group_survivors_in_decryption_signatures_bind_the_group() -> None:
 
     contributions = small_contributions(n_clients=2)  # one decryptor serves several groups
     fed = Federation(contributions)
-    fed.run(until="R3")
-    assert any(len(m.groups) >= 2 for m in fed.requests_by_round["R3"].values())
+    fed.run(until="R4")
+    assert any(len(m.groups) >= 2 for m in fed.requests_by_round["R4"].values())
     fed = Federation(contributions)
     with pytest.raises(InvalidSignatureError):
         fed.run(to_server=relabel)

@@ -62,7 +62,7 @@ def test_cli_mask_and_ckks_side_by_side(tmp_path: Path) -> None:
     costs = setting["protocol_costs"]
     assert {costs[k]["protection"] for k in costs} == {"mask", "ckks"}
     assert set(costs) == {"round1 (mask)", "round1 (ckks)", "round2 (mask)", "round2 (ckks)"}
-    assert set(costs["round1 (ckks)"]["server_seconds"]) == {"R0", "R1", "R2", "R3"}
+    assert set(costs["round1 (ckks)"]["server_seconds"]) == {"R0", "R1", "R2", "R3", "R4"}
     # The same classifier from both protections' sums.
     metrics = setting["metrics"]
     for method in ("AFL (1 round)", "AFL (2 rounds)", "AFL (global Gram)"):

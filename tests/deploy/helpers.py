@@ -18,6 +18,7 @@ from secure_afl.deploy.study import Method, Study
 from secure_afl.deploy.wire import Envelope, from_record_dict, to_record_dict
 from secure_afl.features.file import save_feature_file
 from secure_afl.keys import IdentityKey, Roster, RosterEntry, save_identity_key
+from secure_afl.keys.cosign import cosigned_roster_json, sign_roster
 
 CLASSES = ("A", "B", "C")
 BACKBONE = {"name": "toy", "weights_id": "sha256:00", "preprocessing": "none"}
@@ -58,6 +59,14 @@ class Federation:
     data: dict[str, tuple[np.ndarray, np.ndarray, tuple[int, ...]]]  # client -> features, labels, active
     signer: ClassifierSigner | None = None  # the roster's coordinator: signs the classifier
     colluders: int | None = 0  # every node's own bound; the server plans round 2 with the same
+    identities: dict[str, IdentityKey] = field(default_factory=dict)  # every institution's key
+
+
+def write_cosigned_roster(path: Path, roster: Roster, keys: Mapping[str, IdentityKey]) -> Path:
+    """The roster file as a deployment pins it: co-signed by every institution it lists."""
+    signatures = dict(sign_roster(roster, keys[entry.client_id]) for entry in roster)
+    path.write_text(cosigned_roster_json(roster, signatures))
+    return path
 
 
 def make_federation(
@@ -83,8 +92,7 @@ def make_federation(
         (RosterEntry(cid, cid, key.public_key) for cid, key in identities.items()),
         RosterEntry(COORDINATOR, "Coordinator", coordinator.public_key),
     )
-    roster_path = tmp_path / "roster.json"
-    roster_path.write_text(roster.to_json())
+    roster_path = write_cosigned_roster(tmp_path / "roster.json", roster, identities)
     passfile = tmp_path / "pass"
     passfile.write_bytes(PASSPHRASE + b"\n")
     passfile.chmod(0o600)
@@ -113,7 +121,8 @@ def make_federation(
     study = Study(
         classes=CLASSES, dim=dim, backbone=dict(BACKBONE), method=method or Method(), protection=protection
     )
-    return Federation(nodes, roster, study, data, ClassifierSigner(COORDINATOR, coordinator), colluders)
+    signer = ClassifierSigner(COORDINATOR, coordinator)
+    return Federation(nodes, roster, study, data, signer, colluders, identities)
 
 
 class InProcessTransport:
@@ -125,12 +134,15 @@ class InProcessTransport:
         self.federation = federation
         self.tamper = tamper
         self.sent: list[tuple[int, str, Envelope]] = []
+        self.pin = True  # record the federation's study at nodes that checked none (deploy check)
         self.received: list[tuple[int, str, Envelope]] = []
 
     def node_ids(self) -> list[int]:
         return sorted(self.federation.nodes)
 
     def exchange(self, outgoing: Mapping[int, Envelope], group: str, timeout: float) -> dict[int, Envelope]:
+        if self.pin:
+            check_study(self.federation)
         replies = {}
         for node_id, envelope in outgoing.items():
             node = self.federation.nodes[node_id]
@@ -144,6 +156,17 @@ class InProcessTransport:
             self.received.append((node_id, group, reply))
             replies[node_id] = reply
         return replies
+
+
+def check_study(federation: Federation, study: Study | None = None, nodes: Any = None) -> None:
+    """What ``deploy check --study`` records at each node (``nodes``: those of the federation) that
+    has not checked a study yet: ``study`` (default: the federation's) is the one it takes part in."""
+    from secure_afl.deploy.client import pin_study, pinned_study
+
+    for node_id in federation.nodes if nodes is None else nodes:
+        settings = federation.nodes[node_id].settings
+        if nodes is not None or pinned_study(settings) is None:
+            pin_study(settings, study or federation.study, "2026-12-01T00:00:00+00:00")
 
 
 ORDER = [
@@ -172,9 +195,8 @@ def run_server(federation: Federation, transport: InProcessTransport | None = No
     transport = transport or InProcessTransport(federation)
     kwargs.setdefault("signer", federation.signer)
     kwargs.setdefault("colluders", "n-t" if federation.colluders is None else federation.colluders)
-    server = FederationServer(
-        transport, federation.roster, federation.study, round_timeout=1, log=lambda s: None, **kwargs
-    )
+    kwargs.setdefault("log", lambda s: None)
+    server = FederationServer(transport, federation.roster, federation.study, round_timeout=1, **kwargs)
     classifier = server.run()
     server.deliver(classifier)
     return server, classifier, transport

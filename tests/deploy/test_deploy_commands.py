@@ -9,6 +9,7 @@ Flower run (a dropout, round 2, an aborted session) is tests/deploy/test_deploy_
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 import ssl
@@ -28,7 +29,7 @@ from secure_afl.deploy.local import free_port, write_tls_certificates
 from secure_afl.features.file import save_feature_file
 from secure_afl.keys import Roster
 
-from .helpers import CLASSES, Federation, make_federation
+from .helpers import CLASSES, Federation, make_federation, write_cosigned_roster
 
 
 def _node_config(federation: Federation, node: int = 1000, **changes: str) -> str:
@@ -88,9 +89,10 @@ def test_check_passes_a_good_node_and_names_every_check(tmp_path: Path) -> None:
     for path in (toml, plain):
         code, output = _check("--config", str(path))
         assert code == 0 and "client-0: every check passed" in output, output
-    # The check reads only: no ledger or out-dir was created.
+    # The check writes only the study it checked (with --study): no ledger file, no out-dir.
     settings = federation.nodes[1000].settings
-    assert not settings.ledger_dir.exists() and not settings.out_dir.exists()
+    assert [p.name for p in settings.ledger_dir.iterdir()] == ["checked-study.json"]
+    assert not settings.out_dir.exists()
 
 
 def test_check_fails_with_the_runs_own_error_naming_the_hospital(tmp_path: Path) -> None:
@@ -109,7 +111,9 @@ def test_check_fails_with_the_runs_own_error_naming_the_hospital(tmp_path: Path)
     # A roster without this hospital's entry.
     roster = Roster.from_json((tmp_path / "fed" / "roster.json").read_text())
     others = tmp_path / "others.json"
-    others.write_text(Roster([e for e in roster if e.client_id != "client-0"]).to_json())
+    write_cosigned_roster(
+        others, Roster([e for e in roster if e.client_id != "client-0"]), federation.identities
+    )
     code, output = _check("--node-config", _node_config(federation, roster=str(others)))
     assert code == 1 and "identity key: IdentityNotInRosterError:" in output
     assert "client-0.key" in output and "is not in its roster" in output
@@ -254,8 +258,37 @@ assert args[:1] == ["run"] and "--stream" in args, args
 config = tomllib.loads((Path(args[1]) / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
 out = Path(config["out-dir"])
 scenario = os.environ["FAKE_FLWR_SCENARIO"]
+(out / "flwr-started").write_text(scenario)
 def say(text):
     print("INFO :      secure-afl server: " + text, flush=True)
+def box(text):  # flwr's error panel (Rich), on stderr, then exit 1: what flwr 1.42 prints
+    width = 78
+    words, lines, line = text.split(), [], ""
+    for word in words:
+        if len(line) + len(word) + 1 > width - 4:
+            lines.append(line)
+            line = word
+        else:
+            line = (line + " " + word).strip()
+    lines.append(line)
+    print("\u256d\u2500 Error " + "\u2500" * (width - 9) + "\u256e", file=sys.stderr)
+    for line in lines:
+        print("\u2502 " + line.ljust(width - 4) + " \u2502", file=sys.stderr)
+    print("\u2570" + "\u2500" * (width - 2) + "\u256f", file=sys.stderr)
+    sys.exit(1)
+UNAVAILABLE = ("Connection to the SuperLink is unavailable. Please check your network connection and "
+               "'address' in the SuperLink connection configuration.")
+if scenario == "down":
+    box(UNAVAILABLE)
+if scenario == "live":  # a line, then wait (bounded) until the test has seen it
+    print("INFO :      secure-afl server: session 1 R0: sent to 3 node(s)")  # no flush: PYTHONUNBUFFERED
+    for _ in range(200):
+        if (out / "go").exists():
+            break
+        time.sleep(0.05)
+    print("INFO :      secure-afl server: FAILED: done waiting " + str((out / "go").exists()))
+    sys.exit(0)
+print("Successfully started run 77", flush=True)
 say("session 1 R0: sent to 3 node(s)")
 say("session 1 R0: 3 answer(s) in 0.1 s (hospital-a, hospital-b, hospital-c)")
 say("session 1 R1: sent to hospital-a, hospital-b, hospital-c")
@@ -265,11 +298,26 @@ if scenario == "abort":
     error = "FederationAbortedError: session 1 aborted after R1: 2 clients remain, fewer than t=3"
     (out / "report.json").write_text(json.dumps({"sessions": [], "error": error}))
     say("FAILED: " + error)
+elif scenario == "lost":  # the SuperLink was killed while the run waited for R1's answers
+    box(UNAVAILABLE)
 elif scenario == "crash":
     print("ERROR :     ServerApp raised an exception: KeyError: 'classes'", flush=True)
-else:
+else:  # scenario "ok", or "forged" (the unsigned record is replaced before deploy run signs it)
     say("session 1 R1: 3 answer(s) in 0.5 s (hospital-a, hospital-b, hospital-c)")
-    (out / "classifier.json").write_text("{}")
+    unsigned = Path(os.environ["FAKE_UNSIGNED"]).read_bytes()
+    digest = json.loads(unsigned)["content_sha256"]
+    if scenario == "forged":
+        unsigned = Path(os.environ["FAKE_UNSIGNED"] + ".other").read_bytes()
+    (out / "classifier.unsigned.json").write_bytes(unsigned)
+    say(f"sign request {digest}: wrote {out / 'classifier.unsigned.json'}; waiting up to 10 s")
+    for _ in range(200):
+        if (out / "classifier.json").exists():
+            break
+        time.sleep(0.05)
+    else:
+        say("FAILED: FederationAbortedError: no signed classifier")
+        sys.exit(0)
+    say("classifier stored by ['hospital-a']")
     sessions = [{"label": "1", "participants": ["hospital-a", "hospital-b", "hospital-c"],
                  "survivors": ["hospital-a", "hospital-b", "hospital-c"]}]
     (out / "report.json").write_text(json.dumps({"sessions": sessions, "acknowledged": ["hospital-a"]}))
@@ -289,17 +337,45 @@ def coordinator(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, 
     out.mkdir()
     (out / "classifier.json").write_text('{"earlier": true}')
     (out / "report.json").write_text('{"earlier": true}')
-    app = _study_app(tmp_path / "app", **{"out-dir": str(out)})
+    federation = make_federation(tmp_path / "fed", n_clients=3)
+    _coordinator_key(federation, tmp_path)  # tmp_path/coordinator.key: deploy run signs with it
+    app = _study_app(
+        tmp_path / "app", **{"out-dir": str(out), "roster": str(tmp_path / "fed" / "roster.json")}
+    )
+    # What the ServerApp would write: this study's classifier, unsigned (and another one, forged).
+    from secure_afl.deploy.check import study_from_file
+    from secure_afl.deploy.classifier import Classifier
+
+    unsigned = Classifier(
+        weights=np.ones((40, 3)), classes=CLASSES, backbone={"name": "toy", "weights_id": "sha256:00",
+        "preprocessing": "none"}, method={"gamma": 1.0}, protocol={"backend": "mask", "threshold": 3},
+        sessions=({"label": "1", "session_id": "ab" * 32, "participants": [], "survivors": []},),
+        roster_fingerprint=federation.roster.fingerprint, audit={},
+        study_digest=study_from_file(app).digest(), created="2026-12-01T00:00:00+00:00",
+    )  # fmt: skip
+    (tmp_path / "unsigned.json").write_text(unsigned.to_json(None))
+    forged = dataclasses.replace(unsigned, weights=np.zeros((40, 3)))
+    (tmp_path / "unsigned.json.other").write_text(forged.to_json(None))
+    monkeypatch.setenv("FAKE_UNSIGNED", str(tmp_path / "unsigned.json"))
     home = tmp_path / "flwr-home"
     home.mkdir()
-    (home / "config.toml").write_text('[superlink]\ndefault = "federation"\n')
+    (home / "config.toml").write_text(
+        '[superlink]\ndefault = "federation"\n\n'
+        '[superlink.federation]\naddress = "127.0.0.1:9"\ninsecure = true\n'
+    )
     return app, home
+
+
+def _signing(app: Path) -> list[str]:
+    """deploy run's key options: the toy federation's coordinator key (the coordinator fixture's)."""
+    return ["--identity-key", str(app.parent / "coordinator.key"), "--passphrase-file",
+            str(app.parent / "fed" / "pass")]  # fmt: skip
 
 
 def _run(app: Path, home: Path, scenario: str) -> tuple[int, str]:
     result = CliRunner().invoke(
         deploy,
-        ["run", str(app), "federation", "--flwr-home", str(home), "--tick", "0.2"],
+        ["run", str(app), "federation", "--flwr-home", str(home), "--tick", "0.2", *_signing(app)],
         env={"FAKE_FLWR_SCENARIO": scenario},
     )
     return result.exit_code, result.output
@@ -343,10 +419,119 @@ def test_run_exits_zero_with_a_new_classifier(coordinator: tuple[Path, Path]) ->
     out = app.parent / "server"
     code, output = _run(app, home, "ok")
     assert code == 0, output
-    assert json.loads((out / "classifier.json").read_text()) == {}  # this run's, not the earlier one
+    # deploy run signed the ServerApp's record: the roster's coordinator's signature over its content.
+    from secure_afl.deploy.classifier import Classifier
+
+    roster = Roster.from_json((app.parent / "fed" / "roster.json").read_text())
+    signed = Classifier.load(out / "classifier.json", roster=roster)
+    assert signed.signer == "coordinator"
+    assert signed.to_json(None) == (out / "classifier.unsigned.json").read_text()  # the record, signed
+    assert "signed the classifier" in output and "as coordinator (" in output
     assert "session 1: participants ['hospital-a', 'hospital-b', 'hospital-c']" in output
     assert f"wrote {out / 'classifier.json'}" in output
     assert len(list(out.glob("classifier.before-*.json"))) == 1
+
+
+def test_run_says_the_superlink_is_down_or_was_lost_during_the_run(coordinator: tuple[Path, Path]) -> None:
+    app, home = coordinator
+    code, down = _run(app, home, "down")
+    assert code == 1 and "cannot reach the SuperLink 'federation' at 127.0.0.1:9" in down, down
+    assert "is the SuperLink running" in down
+    code, lost = _run(app, home, "lost")
+    assert code == 1 and "flwr: started run 77" in lost, lost
+    assert "the SuperLink 'federation' at 127.0.0.1:9 stopped answering during run 77" in lost
+    assert "cannot reach" not in lost and "stopped answering" not in down
+    # Neither is the "exited with code 1" that said nothing.
+    assert "exited with code" not in down + lost
+
+
+def test_run_refuses_a_federation_name_or_a_run_config_key_flower_would_refuse(
+    coordinator: tuple[Path, Path],
+) -> None:
+    app, home = coordinator
+    out = app.parent / "server"
+    result = CliRunner().invoke(deploy, ["run", str(app), "nosuch", "--flwr-home", str(home), *_signing(app)],
+                                env={"FAKE_FLWR_SCENARIO": "ok"})  # fmt: skip
+    assert result.exit_code == 1
+    assert "no SuperLink connection named 'nosuch'" in result.output and "['federation']" in result.output
+    result = CliRunner().invoke(
+        deploy,
+        ["run", str(app), "federation", "--flwr-home", str(home), "--run-config", "gama=2", *_signing(app)],
+        env={"FAKE_FLWR_SCENARIO": "ok"},
+    )
+    assert result.exit_code == 1
+    assert "['gama'] is not a key of" in result.output and "classes, dim" in result.output
+    assert not (out / "flwr-started").exists()  # refused before flwr run started: nothing moved aside
+    assert (out / "classifier.json").read_text() == '{"earlier": true}'
+
+
+@pytest.mark.parametrize(
+    ("printed", "cause"),
+    [
+        ("An unexpected error occurred while reading the Flower configuration file (/h/config.toml). "
+         "SuperLink connection 'nosuch' not found in the Flower configuration file (/h/config.toml).",
+         "no SuperLink connection named 'fed'"),
+        ("Key 'gama' is not present in the main dictionary", "'gama' is not a key of the app's"),
+        ("[code: 15] Invalid run configuration.", "Flower refused the run config: 'a --run-config key'"),
+        ("something flwr has no words for", "flwr run exited with code 1: something flwr has no words for"),
+    ],
+)  # fmt: skip
+def test_flowers_own_errors_are_told_apart(printed: str, cause: str) -> None:
+    """What flwr 1.42 prints for the failures deploy run checks before starting it, wrapped in its
+    panel as it prints them: the stream's diagnosis names them too (a config.toml changed meanwhile).
+    The texts are flwr's own, captured from a real SuperLink on 2026-12-02 (the unknown run-config
+    key: "[code: 15] Invalid run configuration."; a SuperLink killed after "Successfully started run
+    N": the same unavailable panel as one that is down, which the fake flwr above prints)."""
+    import textwrap
+
+    from secure_afl.deploy.coordinator import diagnose
+
+    wrapped = [f"\u2502 {line.ljust(70)} \u2502" for line in textwrap.wrap(printed, 70)]
+    lines = ["\u256d\u2500 Error \u2500\u256e", *wrapped, "\u2570\u2500\u256f"]
+    assert cause in str(diagnose(lines, 1, started=None, address="a:1", connection="fed"))
+    assert diagnose(["INFO : fine"], 0, started="5", address="a:1", connection="fed") is None
+
+
+def test_run_progress_is_live(coordinator: tuple[Path, Path]) -> None:
+    """A line of the stream reaches deploy run's own stdout (a pipe) while flwr run still runs."""
+    import os
+    import subprocess
+    import time
+
+    app, home = coordinator
+    out = app.parent / "server"
+    script = Path(str(app.parent / "flwr"))
+    code = (
+        "import sys, secure_afl.deploy.coordinator as c; "
+        f"c.flower_bin = lambda name: {str(script)!r}; "
+        "from secure_afl.cli_deploy import deploy; "
+        "sys.exit(deploy.main(sys.argv[1:], standalone_mode=True))"
+    )
+    env = {**os.environ, "FAKE_FLWR_SCENARIO": "live"}
+    env.pop("PYTHONUNBUFFERED", None)
+    process = subprocess.Popen(
+        [sys.executable, "-c", code, "run", str(app), "federation", "--flwr-home", str(home), "--tick", "0",
+         *_signing(app)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert process.stdout is not None
+        seen = []
+        deadline = time.monotonic() + 60
+        for _ in range(200):
+            line = process.stdout.readline().decode()
+            seen.append(line)
+            if "session 1 R0: sent to 3 node(s)" in line or not line or time.monotonic() > deadline:
+                break
+        assert "session 1 R0: sent to 3 node(s)" in seen[-1], seen
+        assert process.poll() is None  # still running: the line came before the end
+        (out / "go").write_text("")
+        rest = process.communicate(timeout=60)[0].decode()
+        assert "FAILED: done waiting True" in rest  # flwr run only finished after the test saw the line
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, 9)
+            process.wait(timeout=10)
 
 
 def test_run_needs_the_flower_connection_file(coordinator: tuple[Path, Path], tmp_path: Path) -> None:
@@ -373,7 +558,7 @@ def _coordinator_key(federation: Federation, directory: Path) -> Path:
 def test_app_writes_a_run_config_the_serverapp_accepts(tmp_path: Path) -> None:
     import tomllib
 
-    from secure_afl.deploy.apps import coordinator_signer, study_from_run_config
+    from secure_afl.deploy.apps import study_from_run_config
 
     federation = make_federation(tmp_path / "fed")
     key = _coordinator_key(federation, tmp_path)
@@ -392,8 +577,17 @@ def test_app_writes_a_run_config_the_serverapp_accepts(tmp_path: Path) -> None:
     study = study_from_run_config(config)
     assert study.backbone == federation.study.backbone and study.dim == 40 and study.method.rounds == 2
     assert config["min-nodes"] == 3 and Path(config["roster"]).is_absolute()
-    roster = Roster.from_json((tmp_path / "fed" / "roster.json").read_text())
-    assert coordinator_signer(config, roster).coordinator_id == "coordinator"
+    # The coordinator's key was checked but is not in the run config (the ServerApp's): deploy run
+    # signs, and the next step says how.
+    assert not set(config) & {"identity-key", "passphrase-file", "passphrase-env"}
+    assert (
+        f"--identity-key {key.resolve()} --passphrase-file {settings.passphrase_file.resolve()}"
+        in result.output
+    )
+    from secure_afl.deploy.coordinator import load_signer
+
+    signer = load_signer(tmp_path / "app", key, settings.passphrase_file, None)
+    assert signer.coordinator_id == "coordinator"
     connection = tomllib.loads((tmp_path / "flwr" / "config.toml").read_text())
     federation_entry = connection["superlink"]["federation"]
     assert federation_entry == {"address": "10.0.0.5:9092", "root-certificates": str(ca.resolve())}

@@ -33,7 +33,7 @@ from secure_afl.deploy.study import (
 from secure_afl.deploy.wire import Envelope
 from secure_afl.features.file import save_feature_file
 
-from .helpers import InProcessTransport, make_federation, row_digests, run_server
+from .helpers import InProcessTransport, check_study, make_federation, row_digests, run_server
 
 EPSILON = 1.0
 CLIP = 8.0  # toy features: gamma(2, 1) rows of 40 values have norms near 14, so most rows are clipped
@@ -263,7 +263,7 @@ def test_a_client_whose_own_dp_settings_the_study_does_not_meet_refuses_it(
     )
     _node_setting(federation, 1001, **node_dp)
     server, classifier, transport = run_server(federation)
-    assert [(r["from"], r["error"]) for r in server.report.refusals] == [("node 1001", "StudyMismatchError")]
+    assert [(r["from"], r["error"]) for r in server.report.refusals] == [("client-1", "StudyMismatchError")]
     assert message in server.report.refusals[0]["message"]
     assert [r.kind for n, _, r in transport.received if n == 1001] == ["refused"]  # nothing else left it
     assert classifier.sessions[0]["participants"] == ["client-0", "client-2", "client-3"]
@@ -277,7 +277,7 @@ def test_a_study_that_lists_other_classes_for_a_client_is_refused_by_that_client
         federation.study, dp=dataclasses.replace(federation.study.dp, class_lists=lists)
     )
     server, _, _ = run_server(federation)
-    assert [(r["from"], r["error"]) for r in server.report.refusals] == [("node 1001", "StudyMismatchError")]
+    assert [(r["from"], r["error"]) for r in server.report.refusals] == [("client-1", "StudyMismatchError")]
     assert (
         "the study lists classes [0, 1, 2] for client-1, this feature file labels [0, 2]"
         in (server.report.refusals[0]["message"])
@@ -330,8 +330,11 @@ def test_a_client_sent_another_study_than_its_peers_refuses_the_session(tmp_path
             return Envelope(envelope.kind, {**envelope.meta, "study": looser.to_json()}, envelope.payload)
         return envelope
 
+    # Node 1001 checked the looser study (else its check pin alone refuses it: test_study_pinning.py);
+    # the session id, which commits to the study its peers received, still gives it away.
+    check_study(federation, looser, nodes=[1001])
     server, _, _ = run_server(federation, InProcessTransport(federation, tamper=tamper))
-    assert [(r["from"], r["error"]) for r in server.report.refusals] == [("node 1001", "StudyMismatchError")]
+    assert [(r["from"], r["error"]) for r in server.report.refusals] == [("client-1", "StudyMismatchError")]
     assert "does not commit to the study" in server.report.refusals[0]["message"]
 
 

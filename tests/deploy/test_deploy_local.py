@@ -76,6 +76,8 @@ def test_deploy_local_tls_a_dropout_round2_and_an_abort_that_deploy_run_reports(
     assert "killed the SuperNode of client-0 as it received round R4" in output
     assert "round 2: no pseudo-label group for classes [0, 1, 3, 4, 5, 6, 7]" in output  # pseudo/2 runs
     assert "classifier stored by ['client-1', 'client-2', 'client-3']; identical copies: True" in output
+    # Signed in deploy local's own process (deploy run's code), not by the ServerApp, which has no key.
+    assert "sign request " in output and "signed the classifier " in output and " as coordinator (" in output
     # signed by the coordinator; --out holds the roster that verifies it (predict --roster)
     classifier = Classifier.load(out / "classifier.json", roster=load_roster(out / "roster.json"))
     assert classifier.signer == "coordinator"
@@ -137,7 +139,7 @@ def test_deploy_local_with_ckks_equals_the_simulation_within_ckks_precision(tmp_
     assert classifier.sessions[0]["survivors"] == ["client-0", "client-1", "client-2", "client-3"]
     report = json.loads((out / "report.json").read_text())
     session = report["sessions"][0]
-    assert set(session["round_seconds"]) == {"R0", "R1", "R2", "R3"}  # CKKS's rounds, not masking's
+    assert set(session["round_seconds"]) == {"R0", "R1", "R2", "R3", "R4"}  # R3: the signed view
     assert session["key_holder"] in session["participants"]
     assert set(session["decryptors"].values()) <= set(session["survivors"])
     assert np.isfinite(classifier.weights).all() and classifier.weights.shape == (32, 8)

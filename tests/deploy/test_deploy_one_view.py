@@ -25,7 +25,7 @@ from secure_afl.protocol import codec
 from secure_afl.protocol.ckks.messages import CkksAdvertise, CkksKeyRequest
 from secure_afl.protocol.messages import AdvertiseKeys, ShareKeys, ShareKeysRequest
 
-from .helpers import InProcessTransport, make_federation, run_server
+from .helpers import InProcessTransport, check_study, make_federation, run_server
 
 # Class 0 is missing at three of four institutions: round 2's group pseudo/0 = {client-0..2}.
 ACTIVE = {"client-0": (1, 2), "client-1": (1, 2), "client-2": (1, 2), "client-3": (0, 1, 2)}
@@ -57,6 +57,10 @@ def hostile_session(
         federation.roster, layout, session_id=session_id, min_group_size=study.min_group_size
     )
     first = backend.encode(server.start(), server.max_message_bytes)
+    # The strongest server also showed each hospital's IT, at `deploy check`, the study it shows
+    # that node here: each node's pin matches what it is sent, so only the one-view rule is left.
+    for node_id, node in federation.nodes.items():
+        check_study(federation, study_of(node.client_id), nodes=[node_id])
     r0: dict[str, Envelope] = {}
     adverts = []
     for node in federation.nodes.values():
@@ -195,6 +199,27 @@ def test_a_round1_study_shown_differently_to_one_node_is_refused_in_r1(tmp_path:
         arrays_of=lambda cid: {},
     )
     assert_refused_in_r1(federation, r1, "1", "DifferentSessionViewError")
+
+
+def test_a_study_other_than_the_checked_one_is_refused_in_r0_by_the_pin(tmp_path: Path) -> None:
+    """The layer before the one view: a node that checked the federation's study (deploy check
+    --study) refuses another one in R0, before it advertises any key."""
+    federation = make_federation(tmp_path, n_clients=4)
+    check_study(federation)
+    other = dataclasses.replace(
+        federation.study, method=dataclasses.replace(federation.study.method, gamma=1000.0)
+    )
+    node = next(n for n in federation.nodes.values() if n.client_id == VICTIM)
+    backend = other.backend(len(federation.roster))
+    server = backend.server_session(
+        federation.roster, round1_layout(other), session_id=b"\x28" * 32, min_group_size=other.min_group_size
+    )
+    meta = {"session": "1", "study": other.to_json(), "roster": federation.roster.fingerprint,
+            "backend": backend.name, "round": "R0"}  # fmt: skip
+    first = backend.encode(server.start(), server.max_message_bytes)
+    reply = handle(_through_records(Envelope("advertise", meta, first, {})), node.state, node.settings)
+    assert reply.kind == "refused" and reply.meta["error"] == "UncheckedStudyError"
+    assert reply.payload == b"" and node.state.load("1") == {"status": "failed: UncheckedStudyError"}
 
 
 # --- recovery 3: the server raises t, the colluder bound must not fall ---------------------------

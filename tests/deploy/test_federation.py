@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +16,7 @@ from secure_afl.deploy.study import Method, round1_layout
 from secure_afl.deploy.wire import Envelope
 from secure_afl.keys import IdentityKey, Roster, RosterEntry, save_identity_key
 
-from .helpers import PASSPHRASE, InProcessTransport, make_federation, run_server
+from .helpers import PASSPHRASE, InProcessTransport, make_federation, run_server, write_cosigned_roster
 
 
 @pytest.mark.parametrize("colluders", [None, 0])
@@ -126,8 +127,11 @@ def test_a_node_whose_key_is_not_in_the_roster_is_refused_at_the_node_and_report
     node.settings = type(node.settings)(**{**node.settings.__dict__, "identity_key": key_path})
     server, classifier, transport = run_server(federation)
     refusals = [(r["from"], r["error"]) for r in server.report.refusals]
-    assert refusals == [("node 1003", "IdentityNotInRosterError")]
-    assert "not in its roster" in server.report.refusals[0]["message"]
+    # Its key is in no roster entry: it cannot be named (no Flower node id is shown either), and the
+    # message the coordinator gets names the node's roster file by its node-config key, not its path.
+    assert refusals == [("an unidentified node", "IdentityNotInRosterError")]
+    assert "not in its roster [roster]" in server.report.refusals[0]["message"]
+    assert str(tmp_path) not in json.dumps(server.report.to_dict())
     assert server.report.sessions[0].participants == ("client-0", "client-1", "client-2")
     assert classifier.sessions[0]["survivors"] == ["client-0", "client-1", "client-2"]
     # The refusing node sent nothing but its refusal, and keeps no session secret.
@@ -138,20 +142,13 @@ def test_a_node_whose_key_is_not_in_the_roster_is_refused_at_the_node_and_report
 def test_roster_mismatch_between_two_institutions_is_refused_by_the_one_that_differs(tmp_path: Path) -> None:
     federation = make_federation(tmp_path)
     node = federation.nodes[1001]
-    # client-1's IT team pinned a roster where client-3 has another key.
-    other = Roster(
-        RosterEntry(
-            e.client_id,
-            e.name,
-            IdentityKey.generate().public_key if e.client_id == "client-3" else e.public_key,
-        )
-        for e in federation.roster
-    )
-    path = tmp_path / "roster-client-1.json"
-    path.write_text(other.to_json())
+    # client-1's IT team pinned a roster where client-3 has another key (co-signed by that key).
+    keys = {**federation.identities, "client-3": IdentityKey.generate()}
+    other = Roster(RosterEntry(e.client_id, e.name, keys[e.client_id].public_key) for e in federation.roster)
+    path = write_cosigned_roster(tmp_path / "roster-client-1.json", other, keys)
     node.settings = type(node.settings)(**{**node.settings.__dict__, "roster": path})
     server, _, _ = run_server(federation)
-    assert [(r["from"], r["error"]) for r in server.report.refusals] == [("node 1001", "RosterMismatchError")]
+    assert [(r["from"], r["error"]) for r in server.report.refusals] == [("client-1", "RosterMismatchError")]
     assert other.fingerprint in server.report.refusals[0]["message"]
     assert server.report.sessions[0].survivors == ("client-0", "client-2", "client-3")
 
@@ -191,7 +188,7 @@ def test_a_message_replayed_from_an_earlier_run_is_refused_by_its_recipient(tmp_
     # The same statistics summed again without client-0 would isolate client-0's (run 1 minus run 2):
     # every peer released them in run 1 and refuses in R0 (one contribution per value, issue 21).
     peers = (1001, 1002, 1003)
-    assert refusals == {("session 1 R0", f"node {k}", "ImageAlreadyReleasedError") for k in peers}
+    assert refusals == {("session 1 R0", f"client-{k - 1000}", "ImageAlreadyReleasedError") for k in peers}
 
     # Run 2b, every ledger fresh (the documented limit: a lost ledger forgets run 1): client-0 still
     # refuses the replayed R1 by itself.

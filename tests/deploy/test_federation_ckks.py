@@ -62,15 +62,20 @@ def test_ckks_deployment_equals_the_simulation_within_ckks_precision_with_a_drop
     assert session1.participants == ("client-0", "client-1", "client-2", "client-3", "client-4")
     assert session1.survivors == ("client-0", "client-1", "client-3", "client-4")
     assert [g["name"] for g in session2.groups] == ["pseudo/0"]
-    assert server.report.dropouts == [{"at": "session 1 R2", "client": "client-2"}]
+    assert server.report.dropouts == [
+        {"at": "session 1 R2", "client": "client-2", "reason": "did not answer within 1 s"}
+    ]
     # R1: every client was asked (it needs the advertisements), only the key holder sent a message.
     r1 = [(node, env) for node, group, env in transport.received if group == "s1-R1"]
     assert len(r1) == 5 and all(env.kind == "reply" for _, env in r1)
     holders = [federation.nodes[node].client_id for node, env in r1 if env.payload]
     assert holders == [session1.key_holder]
-    # R3 went only to the decryptors the session chose, each a survivor of its groups.
+    # R3 (the view) went to every survivor, R4 only to the decryptors the session chose, each a
+    # survivor of its groups.
     r3_nodes = {node for node, group, _ in transport.sent if group == "s1-R3"}
-    assert {federation.nodes[n].client_id for n in r3_nodes} == set(session1.decryptors.values())
+    assert {federation.nodes[n].client_id for n in r3_nodes} == set(session1.survivors)
+    r4_nodes = {node for node, group, _ in transport.sent if group == "s1-R4"}
+    assert {federation.nodes[n].client_id for n in r4_nodes} == set(session1.decryptors.values())
     for group in session1.groups:
         assert session1.decryptors[group["name"]] in group["survivors"]
 
@@ -106,11 +111,11 @@ def test_ckks_deployment_equals_the_simulation_within_ckks_precision_with_a_drop
 
 def test_a_dropped_decryptor_is_replaced_and_its_input_still_counts(tmp_path: Path, monkeypatch) -> None:
     # Four clients, client-k lacks class k.  The server picks the least-loaded surviving member per
-    # group in name order: client-0 decrypts "all".  Killed when R3 reaches it, it is replaced by
-    # client-1, which had decrypted class/0 in the first R3: its second R3 (a repeated round)
-    # is answered by a client rebuilt from the replay of both R3 messages.
+    # group in name order: client-0 decrypts "all".  Killed when R4 reaches it (after it signed the
+    # view in R3), it is replaced by client-1, which had decrypted class/0 in the first R4: its
+    # second R4 (a repeated round) is answered by a client rebuilt from the replay of both R4 messages.
     federation = make_federation(tmp_path, dim=DIM, protection="ckks")
-    federation.nodes[1000].dead_from = "s1-R3"
+    federation.nodes[1000].dead_from = "s1-R4"
     calls = {"keys": 0, "encryptions": 0}
     new_secret_context, encrypt = context.new_secret_context, context.encrypt
 
@@ -127,10 +132,12 @@ def test_a_dropped_decryptor_is_replaced_and_its_input_still_counts(tmp_path: Pa
     server, classifier, transport = run_server(federation)
     # Rebuilt clients replay without redoing their replies: one key (the key holder's, in R1) and
     # one encryption per tensor per client (R2: 3 + 3 + 3 + 4), although the decryptors were
-    # rebuilt from R0..R2 for each R3.
+    # rebuilt from R0..R3 for each R4.
     assert calls == {"keys": 1, "encryptions": 13}
     (session,) = server.report.sessions
-    assert server.report.dropouts == [{"at": "session 1 R3", "client": "client-0"}]
+    assert server.report.dropouts == [
+        {"at": "session 1 R4", "client": "client-0", "reason": "did not answer within 1 s"}
+    ]
     assert session.survivors == ("client-0", "client-1", "client-2", "client-3")  # its input counts
     assert session.decryptors == {
         "all": "client-1",
@@ -138,8 +145,8 @@ def test_a_dropped_decryptor_is_replaced_and_its_input_still_counts(tmp_path: Pa
         "class/1": "client-2",
         "class/2": "client-3",
     }
-    second_r3 = [federation.nodes[n].client_id for n, g, _ in transport.sent if g == "s1-R3"]
-    assert second_r3 == ["client-1", "client-2", "client-3", "client-1"]  # client-0 never answered
+    second_r4 = [federation.nodes[n].client_id for n, g, _ in transport.sent if g == "s1-R4"]
+    assert second_r4 == ["client-1", "client-2", "client-3", "client-1"]  # client-0 never answered
     assert session.completed == ("client-1", "client-2", "client-3")
     assert server.report.acknowledged == ("client-1", "client-2", "client-3")
     reference = reference_classifier(
@@ -237,7 +244,9 @@ def test_a_key_holder_that_drops_before_the_key_is_replaced_or_the_session_abort
     (dropped,) = transport.killed
     assert session.replaced_key_holders == (dropped,)
     assert session.key_holder not in ("", dropped)
-    assert server.report.dropouts == [{"at": "session 1 R1", "client": dropped}]
+    assert server.report.dropouts == [
+        {"at": "session 1 R1", "client": dropped, "reason": "did not answer within 1 s"}
+    ]
     assert dropped not in session.survivors and len(session.survivors) == 3
     assert dropped not in server.report.acknowledged and len(server.report.acknowledged) == 3
     reference = reference_classifier(
@@ -270,7 +279,7 @@ def test_a_key_holder_that_drops_before_the_key_is_replaced_or_the_session_abort
 def test_a_client_refuses_a_protection_it_did_not_agree_to_or_that_differs_from_the_study(
     tmp_path: Path,
 ) -> None:
-    everything = {f"client-{k}": (0, 1, 2) for k in range(5)}  # two survivors still fill every group
+    everything = {f"client-{k}": (0, 1, 2) for k in range(5)}  # two survivors would fill every group
     federation = make_federation(tmp_path, n_clients=5, dim=DIM, active=everything, protection="ckks")
     # client-4's institution agreed to masking only: it refuses the CKKS study.
     node4 = federation.nodes[1004]
@@ -289,14 +298,26 @@ def test_a_client_refuses_a_protection_it_did_not_agree_to_or_that_differs_from_
             return Envelope(envelope.kind, envelope.meta, codec.encode(changed, max_message_bytes=1 << 20))
         return envelope
 
-    server, _, _ = run_server(federation, InProcessTransport(federation, tamper=tamper))
+    server = FederationServer(
+        InProcessTransport(federation, tamper=tamper),
+        federation.roster,
+        federation.study,
+        round_timeout=1,
+        log=lambda s: None,
+        signer=federation.signer,
+        colluders=0,
+    )
+    # Two survivors fill every group, but they are not t of the roster's five: no decryptor would
+    # decrypt under a view so few signed (the one-view rule), and the server stops after R3.
+    with pytest.raises(FederationAbortedError, match=r"session 1 aborted after R3: 2 survivor\(s\) signed"):
+        server.run()
     refusals = {r["from"]: (r["error"], r["message"]) for r in server.report.refusals}
-    assert set(refusals) == {"node 1002", "node 1003", "node 1004"}
+    assert set(refusals) == {"client-2", "client-3", "client-4"}
     assert all(error == "StudyMismatchError" for error, _ in refusals.values())
-    assert "agreed to mask only" in refusals["node 1004"][1]
-    assert "session runs the 'mask' protection, but the study says 'ckks'" in refusals["node 1003"][1]
-    assert "CKKS parameters" in refusals["node 1002"][1] and "16384" in refusals["node 1002"][1]
-    assert server.report.sessions[0].survivors == ("client-0", "client-1")
+    assert "agreed to mask only" in refusals["client-4"][1]
+    assert "session runs the 'mask' protection, but the study says 'ckks'" in refusals["client-3"][1]
+    assert "CKKS parameters" in refusals["client-2"][1] and "16384" in refusals["client-2"][1]
+    assert server.report.sessions[0].participants == ("client-0", "client-1")
     for node_id in (1002, 1003, 1004):
         assert federation.nodes[node_id].state.records["1"] == {"status": "failed: StudyMismatchError"}
 

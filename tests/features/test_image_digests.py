@@ -21,7 +21,14 @@ import secure_afl.features.backbones as backbones_module
 from secure_afl.features.backbones import XRayTransform
 from secure_afl.features.extraction import extract_features
 from secure_afl.features.file import FeatureFileError, load_feature_file, save_feature_file
-from secure_afl.features.images import ImageChangedError, ImageDataset, hash_image_files, image_sha256
+from secure_afl.features.images import (
+    ImageChangedError,
+    ImageDataset,
+    hash_image_files,
+    image_sha256,
+    load_grayscale,
+    pixel_sha256,
+)
 from secure_afl.sim.data import CLASSES
 
 from .test_feature_commands import (
@@ -342,3 +349,40 @@ def test_png_fixture_images_are_what_the_digests_name(tmp_path: Path) -> None:
     Image.open(path).save(tmp_path / "b.png", optimize=True)
     same_pixels = np.array_equal(np.asarray(Image.open(path)), np.asarray(Image.open(tmp_path / "b.png")))
     assert same_pixels and image_sha256(path) != image_sha256(tmp_path / "b.png")
+
+
+# ----------------------------------------------------------------------- the decoded images' digests
+
+
+def test_pixel_digests_survive_a_lossless_re_export_and_the_cache(
+    tmp_path: Path, weights_file: Path, toy_cli: None
+) -> None:
+    images, labels, paths = labelled_folder(tmp_path, [1, 2])
+    Image.open(paths[0]).save(images / "re-exported.png", optimize=True)  # same pixels, other bytes
+    write_csv(labels, [["image", "Effusion"], ["0.png", 1], ["1.png", 0], ["re-exported.png", 1]])
+    out, cache = tmp_path / "f.npz", tmp_path / "cache"
+    args = ["extract", "--images", images, "--labels", labels, *common(weights_file, out, cache)]
+    first = features(*args)
+    assert first.exit_code == 0, first.output
+    file = load_feature_file(out)
+    expected = tuple(pixel_sha256(load_grayscale(images / name)) for name in file.image_ids)
+    assert file.pixel_sha256 == expected
+    assert file.pixel_sha256[0] == file.pixel_sha256[2] != file.pixel_sha256[1]
+    assert file.image_sha256 is not None and file.image_sha256[0] != file.image_sha256[2]
+    assert "note: 1 further images decode to the same pixels" in first.output
+    assert "1 rows repeat another row's pixels" in summary_value(
+        features("show", out).output, "pixel digests"
+    )
+    again = features(*args)  # from the cache: the pixel digests come from its manifest
+    assert again.exit_code == 0 and "0 forward passes" in again.output
+    assert load_feature_file(out).pixel_sha256 == expected
+
+
+def test_pixel_digest_is_of_size_and_pixels() -> None:
+    pixels = np.arange(12, dtype=np.uint8).reshape(3, 4)
+    base = pixel_sha256(Image.fromarray(pixels, mode="L"))
+    assert base == pixel_sha256(Image.fromarray(pixels, mode="L").convert("RGB"))  # gray either way
+    assert base != pixel_sha256(Image.fromarray(pixels.reshape(4, 3), mode="L"))  # same bytes, other shape
+    changed = pixels.copy()
+    changed[1, 1] += 1
+    assert base != pixel_sha256(Image.fromarray(changed, mode="L"))

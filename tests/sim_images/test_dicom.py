@@ -34,6 +34,7 @@ from secure_afl.features.images import (
     dicom_grayscale,
     image_sha256,
     load_grayscale,
+    pixel_sha256,
 )
 
 SIZE = 32
@@ -314,3 +315,20 @@ def test_a_broken_dicom_is_a_counted_skip_with_its_reason(tmp_path: Path, toy_ba
         extract_features(
             [good, cut], toy_backbone, cache_dir=tmp_path / "s", num_workers=0, progress=False, strict=True
         )
+
+
+def test_a_dicom_re_exported_with_new_uids_or_as_monochrome1_keeps_its_pixel_digest(
+    tmp_path: Path, toy_backbone: Backbone
+) -> None:
+    pixels = stored_pixels(8, seed=30)
+    first = write_dicom(tmp_path / "first.dcm", pixels)
+    again = write_dicom(tmp_path / "again.dcm", pixels, PatientID="re-exported")  # new UIDs, metadata
+    inverted = write_dicom(tmp_path / "m1.dcm", 255 - pixels, photometric="MONOCHROME1")
+    other = write_dicom(tmp_path / "other.dcm", stored_pixels(8, seed=31))
+    paths = [first, again, inverted, other]
+    result = extract_features(paths, toy_backbone, cache_dir=tmp_path / "c", num_workers=0, progress=False)
+    assert len(set(result.image_sha256)) == 4  # four different files
+    assert (
+        result.pixel_sha256[0] == result.pixel_sha256[1] == result.pixel_sha256[2] != result.pixel_sha256[3]
+    )
+    assert result.pixel_sha256[0] == pixel_sha256(Image.fromarray(pixels.astype(np.uint8), mode="L"))

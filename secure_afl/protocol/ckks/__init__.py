@@ -29,6 +29,8 @@ _EXPORTS = {
     "KeyHolderDroppedError": "errors",
     "NoDecryptorError": "errors",
     "RepeatedDecryptionError": "errors",
+    "UnsignedViewError": "errors",
+    "ViewQuorumError": "errors",
 }
 
 if TYPE_CHECKING:
@@ -44,6 +46,8 @@ if TYPE_CHECKING:
         KeyHolderDroppedError,
         NoDecryptorError,
         RepeatedDecryptionError,
+        UnsignedViewError,
+        ViewQuorumError,
     )
     from .messages import CkksSessionConfig
     from .server import CkksAggregationResult, CkksGroupSum, CkksServerSession
@@ -75,6 +79,8 @@ __all__ = [
     "KeyHolderDroppedError",
     "NoDecryptorError",
     "RepeatedDecryptionError",
+    "UnsignedViewError",
+    "ViewQuorumError",
     "binding",
     "codec",
     "context",

@@ -23,6 +23,7 @@ from .messages import (
     EncryptedTensor,
     SignedUpload,
     TensorDigests,
+    UploadEntry,
 )
 
 CONFIG_DOMAIN = b"secure-afl/ckks/v1/session-config"
@@ -37,6 +38,9 @@ CONTEXT_KEY_DOMAIN = b"secure-afl/ckks/v1/context-encryption-key"
 CONTEXT_AD_DOMAIN = b"secure-afl/ckks/v1/context-associated-data"
 INPUT_DOMAIN = b"secure-afl/ckks/v1/encrypted-input"
 INPUT_TENSOR_DOMAIN = b"secure-afl/ckks/v1/encrypted-tensor"
+UPLOAD_DOMAIN = b"secure-afl/ckks/v1/upload-digest"
+VIEW_DOMAIN = b"secure-afl/ckks/v1/survivor-view"
+VIEW_ENTRY_DOMAIN = b"secure-afl/ckks/v1/survivor-view-entry"
 DECRYPTION_DOMAIN = b"secure-afl/ckks/v1/decrypted-group-sum"
 DECRYPTED_TENSOR_DOMAIN = b"secure-afl/ckks/v1/decrypted-tensor"
 
@@ -193,17 +197,44 @@ def input_fields_of_digests(
     return INPUT_DOMAIN, (session_id, digest, sender, entries)
 
 
+def upload_digest(sender: str, digests: Iterable[TensorDigests], signature: bytes) -> bytes:
+    """SHA-256 of one upload as a view names it: its sender, every chunk digest it signed, in order,
+    and its signature (a second, differently encrypted upload of one client has another digest)."""
+    entries = sequence(
+        tagged_fields(INPUT_TENSOR_DOMAIN, d.group, d.tensor, sequence(d.chunk_digests)) for d in digests
+    )
+    return hashlib.sha256(tagged_fields(UPLOAD_DOMAIN, sender, entries, signature)).digest()
+
+
+def view_fields(
+    session_id: bytes, digest: bytes, adverts_digest: bytes, uploads: Iterable[UploadEntry]
+) -> tuple[bytes, tuple]:
+    """(domain, fields) a survivor signs in R3, once per session: the session (id, config and the
+    accepted advertisements) and every upload that counts, as (sender, upload digest), in order."""
+    entries = sequence(tagged_fields(VIEW_ENTRY_DOMAIN, u.sender, u.digest) for u in uploads)
+    return VIEW_DOMAIN, (session_id, digest, adverts_digest, entries)
+
+
+def view_digest(
+    session_id: bytes, digest: bytes, adverts_digest: bytes, uploads: Iterable[UploadEntry]
+) -> bytes:
+    """SHA-256 of :func:`view_fields`: what the one-answer records of R3 and R4 keep."""
+    domain, fields = view_fields(session_id, digest, adverts_digest, uploads)
+    return hashlib.sha256(tagged_fields(domain, *fields)).digest()
+
+
 def decryption_fields(
     session_id: bytes,
     digest: bytes,
     adverts_digest: bytes,
+    view: bytes,
     group: str,
     survivors: tuple[str, ...],
     uploads: Iterable[SignedUpload],
     plaintexts: Iterable[DecryptedTensor],
 ) -> tuple[bytes, tuple]:
-    """(domain, fields) a decryptor signs: the group, whose signed uploads it summed (each one's
-    chunk digests for this group), and the result."""
+    """(domain, fields) a decryptor signs: the view it decrypted under (:func:`view_digest`), the
+    group, whose signed uploads it summed (each one's chunk digests for this group), and the result."""
     cipher = sequence(
         tagged_fields(
             DECRYPTED_TENSOR_DOMAIN,
@@ -224,6 +255,7 @@ def decryption_fields(
         session_id,
         digest,
         adverts_digest,
+        view,
         group,
         tuple(sorted(survivors)),
         cipher,

@@ -48,6 +48,7 @@ from .errors import (
     InvalidParametersError,
     InvalidSumCiphertextError,
     RepeatedDecryptionError,
+    UnsignedViewError,
 )
 from .messages import (
     CkksAdvertise,
@@ -60,11 +61,14 @@ from .messages import (
     CkksKeyDistribution,
     CkksKeyRequest,
     CkksSessionConfig,
+    CkksViewRequest,
+    CkksViewSignature,
     DecryptedGroup,
     DecryptedTensor,
     EncryptedContext,
     EncryptedTensor,
     GroupUploads,
+    UploadEntry,
 )
 from .state import CLIENT_REPEATS, CLIENT_TRANSITIONS, CkksClientState
 
@@ -113,8 +117,13 @@ class CkksClientSession:
     - R2, before it encrypts anything: the same over the advertised members, with the ledger's
       earlier sessions over this input; the session is recorded in the ledger then (CKKS has no
       later point at which the client could still withhold its input);
-    - R3, as a decryptor: the survivor sets of *all* the session's groups would isolate *any*
+    - R3, as a survivor asked to sign the view (every upload that counts), under a refusing policy,
+      and R4, as a decryptor: the survivor sets of *all* the session's groups would isolate *any*
       client's value (every member is exposed by the decryption it performs).
+
+    One view per session (SECURITY.md §7): a client signs one view in R3, and decrypts in R4 only
+    under that view, when at least t survivors (t = its own threshold floor for the roster) signed
+    it; its ledger keeps the view of each round, so no copy of it signs or decrypts under another.
 
     A refusing policy raises (:class:`~secure_afl.core.errors.ExposureRefusedError`,
     :class:`ExposingDecryptionError`); the simulator's reports in :attr:`exposure_findings`.
@@ -159,7 +168,7 @@ class CkksClientSession:
         self._roster = roster
         self._min_group_size = min_group_size
         self._expected_session_id = session_id
-        self._view = check_context(context)  # one view: signed within the config digest (R0, R1)
+        self._session_context = check_context(context)  # one view: signed within the config digest (R0, R1)
         self._policy = policy
         self._gate = ExposureGate(client_id, identity_key, self._inputs, policy, ledger, release)
         self._rows = committed_rows(rows, self._inputs)
@@ -239,6 +248,7 @@ class CkksClientSession:
             CkksAdvertiseRequest: self._on_advertise_request,
             CkksKeyRequest: self._on_key_request,
             CkksInputRequest: self._on_input_request,
+            CkksViewRequest: self._on_view_request,
             CkksDecryptRequest: self._on_decrypt_request,
         }
         if type(message) not in handlers:
@@ -254,7 +264,9 @@ class CkksClientSession:
             replies, commit = handler(message)  # type: ignore[operator]
             # One answer per round, recorded before the reply leaves (a replayed message is the same).
             if not self._replaying:
-                self._gate.answer(self._session_of(message), self._round_key(message), digest)
+                self._gate.answer(
+                    self._session_of(message), self._round_key(message), self._answer_digest(message, digest)
+                )
         except LocalProtocolError:
             raise
         except ProtocolError:
@@ -274,7 +286,7 @@ class CkksClientSession:
         check_session_fits_inputs(config.groups, config.min_group_size, self._min_group_size, self._inputs)
         self._gate.start(config.session_id)  # one contribution per value: before any key leaves
         encryption_key = crypto.new_x25519_key(self._random)
-        digest = binding.config_digest(config, self._view)
+        digest = binding.config_digest(config, self._session_context)
         groups = tuple(sorted(self._inputs))
         public = crypto.x25519_public_bytes(encryption_key)
         rows = () if self._rows is None else tuple(self._rows[g] for g in groups)
@@ -499,33 +511,107 @@ class CkksClientSession:
             tuple(tensors),
             crypto.sign(self._identity.private_key, domain, *fields),
         )
+        upload = binding.upload_digest(self.client_id, binding.tensor_digests(tensors), reply.signature)
 
         def commit() -> None:
             self._context = secret_context
             self._gate.findings.extend(findings)
+            self._upload_digest = upload
 
         return [reply], commit
 
     # --- R3 ---------------------------------------------------------------------------------------
 
+    def _on_view_request(self, request: CkksViewRequest):
+        """Sign the view (every upload that counts), once per session: the ledger's R3 record keeps
+        its digest, so no copy of this client signs another."""
+        config = self._require_config()
+        self._check_session(request.session_id)
+        live = self._check_view(request.uploads)
+        own = next(entry.digest for entry in request.uploads if entry.sender == self.client_id)
+        if self._upload_digest and own != self._upload_digest:
+            raise InconsistentSurvivorsError(
+                "the view names an upload of this client other than the one it sent"
+            )
+        findings: tuple[exposure.ExposureFinding, ...] = ()
+        if self._policy.refuse_exposure:  # no quorum forms over a view that isolates a client
+            findings = self._decryption_exposure(live, "R3", "sign the survivor view (R3)")
+        view = self._view_digest(request.uploads)
+        domain, fields = binding.view_fields(
+            config.session_id, self._config_digest, self._adverts_digest, request.uploads
+        )
+        reply = CkksViewSignature(
+            config.session_id, self.client_id, crypto.sign(self._identity.private_key, domain, *fields)
+        )
+
+        def commit() -> None:
+            self._view = view
+            self._gate.findings.extend(f for f in findings if f not in self._gate.findings)
+
+        return [reply], commit
+
+    def _check_view(self, uploads: tuple[UploadEntry, ...]) -> frozenset[str]:
+        """A view's structure: one entry per advertised client, sorted, this client's among them, and
+        every group at its minimum size over the senders.  Returns the senders (the survivors)."""
+        senders = [entry.sender for entry in uploads]
+        if len(set(senders)) != len(senders):
+            raise DuplicateClientError("the view lists two uploads of one client")
+        if senders != sorted(senders):
+            raise ServerProtocolError("the view must list its uploads sorted by sender")
+        unknown = set(senders) - set(self._adverts)
+        if unknown:
+            raise UnknownClientError(f"survivors {sorted(unknown)} never advertised keys")
+        if self.client_id not in senders:
+            raise InconsistentSurvivorsError("this client's own input is missing from the survivor set")
+        live = frozenset(senders)
+        self._check_group_sizes(self._members, live, own_groups_only=False)
+        return live
+
+    def _check_quorum(self, request: CkksDecryptRequest, live: frozenset[str]) -> None:
+        """At least t distinct survivors of the view signed it, t this client's own threshold floor
+        for the roster (a majority at least): two views cannot both have t honest signers, since
+        each signs one view per session."""
+        config = self._require_config()
+        quorum = self._policy.min_threshold(len(self._roster))
+        domain, fields = binding.view_fields(
+            config.session_id, self._config_digest, self._adverts_digest, request.uploads
+        )
+        signers: set[str] = set()
+        for item in request.signatures:
+            if item.session_id != config.session_id:
+                raise ReplayedMessageError(
+                    f"the view signature of {item.sender!r} belongs to another session"
+                )
+            if item.sender in signers:
+                raise DuplicateClientError(f"two view signatures of {item.sender!r}")
+            if item.sender not in live:
+                raise UnsignedViewError(f"{item.sender!r} signed the view but has no upload in it")
+            if not crypto.verify(self._roster.public_key(item.sender), item.signature, domain, *fields):
+                raise UnsignedViewError(
+                    f"the view signature of {item.sender!r} is not over this view of this session"
+                )
+            signers.add(item.sender)
+        if len(signers) < quorum:
+            raise UnsignedViewError(
+                f"{len(signers)} survivor(s) signed the view, fewer than t = {quorum} of the roster's "
+                f"{len(self._roster)}: without a quorum over one view the server could show another "
+                f"decryptor another survivor set"
+            )
+
+    # --- R4 ---------------------------------------------------------------------------------------
+
     def _on_decrypt_request(self, request: CkksDecryptRequest):
         config = self._require_config()
         self._check_session(request.session_id)
-        survivors = request.survivors
-        if len(set(survivors)) != len(survivors):
-            raise DuplicateClientError("the survivor set repeats a client")
-        unknown = set(survivors) - set(self._adverts)
-        if unknown:
-            raise UnknownClientError(f"survivors {sorted(unknown)} never advertised keys")
-        if self.client_id not in survivors:
-            raise InconsistentSurvivorsError("this client's own input is missing from the survivor set")
-        if self._survivors is not None and set(survivors) != self._survivors:
+        live = self._check_view(request.uploads)
+        view = self._view_digest(request.uploads)
+        if view != self._view:
             raise InconsistentSurvivorsError(
-                "the survivor set differs from the one of an earlier decryption request"
+                "the decryption request's view differs from the one this client signed in R3"
             )
-        live = frozenset(survivors)
-        self._check_group_sizes(self._members, live, own_groups_only=False)
-        findings = self._decryption_exposure(live)
+        self._check_quorum(request, live)
+        findings = self._decryption_exposure(live, "R4", "decrypt the group sums (R4)")
+        uploads = {entry.sender: entry.digest for entry in request.uploads}
         seen: set[str] = set()
         out: list[DecryptedGroup] = []
         for item in request.groups:
@@ -537,7 +623,7 @@ class CkksClientSession:
                     f"asked to decrypt group {item.group!r}, of which this client is not a member"
                 )
             spec = {t.name: t.length for t in config.group(item.group).tensors}
-            summed = self._verified_sum(config, item, spec, live)
+            summed = self._verified_sum(config, item, spec, live, uploads)
             plaintexts = []
             for tensor in sorted(spec):
                 values = context.decrypt(self._context, summed[tensor], config.parameters)
@@ -546,6 +632,7 @@ class CkksClientSession:
                 config.session_id,
                 self._config_digest,
                 self._adverts_digest,
+                view,
                 item.group,
                 tuple(c for c in self._members[item.group] if c in live),
                 item.uploads,
@@ -556,18 +643,22 @@ class CkksClientSession:
         reply = CkksDecryption(config.session_id, self.client_id, tuple(out))
 
         def commit() -> None:
-            self._survivors = live
             self._decrypted |= seen
             self._gate.findings.extend(f for f in findings if f not in self._gate.findings)
 
         return [reply], commit
 
     def _verified_sum(
-        self, config: CkksSessionConfig, item: GroupUploads, spec: Mapping[str, int], live: frozenset[str]
+        self,
+        config: CkksSessionConfig,
+        item: GroupUploads,
+        spec: Mapping[str, int],
+        live: frozenset[str],
+        view: Mapping[str, bytes],
     ) -> dict[str, list]:
         """The group's sum, computed here from its survivors' signed uploads (never a ciphertext the
         server summed): exactly one upload from each surviving member, each signed by its sender over
-        the digests of all its chunks, the chunks given matching those digests."""
+        the digests of all its chunks, the one the view names, the chunks given matching those digests."""
         expected = tuple(c for c in self._members[item.group] if c in live)
         senders = [upload.sender for upload in item.uploads]
         if len(set(senders)) != len(senders):
@@ -587,6 +678,11 @@ class CkksClientSession:
             if not crypto.verify(self._roster.public_key(upload.sender), upload.signature, domain, *fields):
                 raise InvalidSignatureError(
                     f"group {item.group!r}: the upload of {upload.sender!r} is not signed by it"
+                )
+            if binding.upload_digest(upload.sender, upload.digests, upload.signature) != view[upload.sender]:
+                raise InconsistentSurvivorsError(
+                    f"group {item.group!r}: the upload of {upload.sender!r} is not the one the signed "
+                    f"view names"
                 )
             listed = {(d.group, d.tensor): d.chunk_digests for d in upload.digests}
             if [(t.group, t.tensor) for t in upload.tensors] != [(item.group, name) for name in sorted(spec)]:
@@ -669,15 +765,31 @@ class CkksClientSession:
         return message.session_id  # type: ignore[attr-defined]
 
     def _round_key(self, message: object) -> str:
-        """The one-answer record's key: R3 is asked once per group (a replacement decryptor is asked
-        again for other groups), and a re-election repeats R1 once."""
-        if isinstance(message, CkksDecryptRequest):
-            return "R3/" + ",".join(sorted(item.group for item in message.groups))
+        """The one-answer record's key: one per round (a re-election repeats R1 once)."""
         if isinstance(message, CkksKeyRequest):
             return "R1/re-election" if self._state is not CkksClientState.AWAIT_KEY_REQUEST else "R1"
-        return {CkksAdvertiseRequest: "R0", CkksInputRequest: "R2"}[type(message)]
+        return {
+            CkksAdvertiseRequest: "R0",
+            CkksInputRequest: "R2",
+            CkksViewRequest: "R3",
+            CkksDecryptRequest: "R4",
+        }[type(message)]
 
-    def _decryption_exposure(self, live: frozenset[str]) -> tuple[exposure.ExposureFinding, ...]:
+    def _answer_digest(self, message: object, digest: str) -> str:
+        """What the one-answer record keeps: the message's digest, but for R3 and R4 the view's, so
+        that R4 may be asked again for other groups (a replacement decryptor) under the same view
+        only: no copy of this client signs, or decrypts under, a second view."""
+        if isinstance(message, CkksViewRequest | CkksDecryptRequest):
+            return self._view_digest(message.uploads).hex()
+        return digest
+
+    def _view_digest(self, uploads: tuple[UploadEntry, ...]) -> bytes:
+        config = self._require_config()
+        return binding.view_digest(config.session_id, self._config_digest, self._adverts_digest, uploads)
+
+    def _decryption_exposure(
+        self, live: frozenset[str], round_name: str, action: str
+    ) -> tuple[exposure.ExposureFinding, ...]:
         """Whether the sums over *all* the session's groups, over the survivors shown, isolate any
         client's value (a tensor name is one value per client across groups: the server cannot be
         trusted to say otherwise).  A refusing policy raises :class:`ExposingDecryptionError`."""
@@ -691,7 +803,7 @@ class CkksClientSession:
         }
         findings = tuple(
             exposure.ExposureFinding(
-                round="R3",
+                round=round_name,
                 tensor=tensor,
                 clients=clients,
                 groups=tuple(
@@ -705,7 +817,7 @@ class CkksClientSession:
         )
         if findings and self._policy.refuse_exposure:
             self._gate.findings.extend(findings)
-            raise ExposingDecryptionError("decrypt the group sums (R3)", findings)
+            raise ExposingDecryptionError(action, findings)
         return findings
 
     def _check_group_sizes(
@@ -741,5 +853,6 @@ class CkksClientSession:
         self._members: dict[str, tuple[str, ...]] = {}
         self._key_holder = ""
         self._context = None  # the TenSEAL context with the secret key
-        self._survivors: frozenset[str] | None = None
+        self._upload_digest = b""  # this client's own upload (unknown to a client rebuilt by replay)
+        self._view = b""  # the digest of the view this client signed in R3
         self._decrypted: set[str] = set()

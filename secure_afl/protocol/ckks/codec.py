@@ -38,6 +38,8 @@ from .messages import (
     CkksKeyRequest,
     CkksMessage,
     CkksSessionConfig,
+    CkksViewRequest,
+    CkksViewSignature,
     DecryptedGroup,
     DecryptedTensor,
     EncryptedContext,
@@ -45,9 +47,11 @@ from .messages import (
     GroupUploads,
     SignedUpload,
     TensorDigests,
+    UploadEntry,
 )
 
-WIRE_VERSION = 0xC2  # 0xC1 sent group sums for decryption; 0xC2 the signed uploads
+# 0xC1 sent group sums for decryption; 0xC2 the signed uploads; 0xC3 the signed view (R3)
+WIRE_VERSION = 0xC3
 MAX_TENSOR_VALUES = ((1 << 32) - 1) // 8
 _TAGS: dict[type, int] = {
     CkksAdvertiseRequest: 1,
@@ -58,6 +62,8 @@ _TAGS: dict[type, int] = {
     CkksInput: 6,
     CkksDecryptRequest: 7,
     CkksDecryption: 8,
+    CkksViewRequest: 9,
+    CkksViewSignature: 10,
 }
 _BLOB_PREFIX = 4
 _AEAD_TAG = 16
@@ -83,6 +89,8 @@ def max_message_bytes(config: CkksSessionConfig, n_clients: int) -> int:
         group_bytes = 4 + sum(s + s + 4 + p.chunks(t.length) * ct for t in group.tensors)
         uploads += s + 4 + n_clients * (s + 4 + digests + SIGNATURE_BYTES + group_bytes)
     advert = SESSION_ID_BYTES + s + KEY_BYTES + DIGEST_BYTES + 4 + len(config.groups) * s + SIGNATURE_BYTES
+    view = 4 + n_clients * (s + DIGEST_BYTES)
+    view_signature = SESSION_ID_BYTES + s + SIGNATURE_BYTES
     bodies = (
         config_bytes,
         advert,
@@ -96,7 +104,8 @@ def max_message_bytes(config: CkksSessionConfig, n_clients: int) -> int:
         + n_clients * sealed_context,
         SESSION_ID_BYTES + s + public_context + DIGEST_BYTES + SIGNATURE_BYTES + 1 + sealed_context,
         SESSION_ID_BYTES + s + 4 + encrypted + SIGNATURE_BYTES,  # CkksInput
-        SESSION_ID_BYTES + 4 + n_clients * s + 4 + uploads,  # CkksDecryptRequest
+        SESSION_ID_BYTES + view,  # CkksViewRequest
+        SESSION_ID_BYTES + view + 4 + n_clients * view_signature + 4 + uploads,  # CkksDecryptRequest
         SESSION_ID_BYTES + s + 4 + plain + len(config.groups) * (s + 4 + SIGNATURE_BYTES),
     )
     return 2 + max(bodies)
@@ -194,6 +203,17 @@ def _write_group_uploads(w: _Writer, m: GroupUploads) -> None:
     w.sequence(m.uploads, _typed(SignedUpload, _write_upload, w))  # type: ignore[arg-type]
 
 
+def _write_entry(w: _Writer, m: UploadEntry) -> None:
+    w.string(m.sender)
+    w.fixed(m.digest, DIGEST_BYTES, "upload digest")
+
+
+def _write_view_signature(w: _Writer, m: CkksViewSignature) -> None:
+    w.fixed(m.session_id, SESSION_ID_BYTES, "session id")
+    w.string(m.sender)
+    w.fixed(m.signature, SIGNATURE_BYTES, "signature")
+
+
 def _write_decrypted_group(w: _Writer, m: DecryptedGroup) -> None:
     w.string(m.group)
     w.sequence(
@@ -224,9 +244,15 @@ _WRITERS: dict[type, Callable[[_Writer, object], None]] = {
         w.sequence(m.tensors, _typed(EncryptedTensor, _write_encrypted_tensor, w)),  # type: ignore[arg-type]
         w.fixed(m.signature, SIGNATURE_BYTES, "signature"),
     ),
+    CkksViewRequest: lambda w, m: (
+        w.fixed(m.session_id, SESSION_ID_BYTES, "session id"),
+        w.sequence(m.uploads, _typed(UploadEntry, _write_entry, w)),  # type: ignore[arg-type]
+    ),
+    CkksViewSignature: _write_view_signature,  # type: ignore[dict-item]
     CkksDecryptRequest: lambda w, m: (
         w.fixed(m.session_id, SESSION_ID_BYTES, "session id"),
-        w.sequence(m.survivors, w.string),  # type: ignore[arg-type]
+        w.sequence(m.uploads, _typed(UploadEntry, _write_entry, w)),  # type: ignore[arg-type]
+        w.sequence(m.signatures, _typed(CkksViewSignature, _write_view_signature, w)),  # type: ignore[arg-type]
         w.sequence(m.groups, _typed(GroupUploads, _write_group_uploads, w)),  # type: ignore[arg-type]
     ),
     CkksDecryption: lambda w, m: (
@@ -321,6 +347,14 @@ def _read_upload(r: _Reader) -> SignedUpload:
     )
 
 
+def _read_entries(r: _Reader) -> tuple[UploadEntry, ...]:
+    return r.sequence(lambda: UploadEntry(r.string(), r.take(DIGEST_BYTES)), 3 + DIGEST_BYTES)
+
+
+def _read_view_signature(r: _Reader) -> CkksViewSignature:
+    return CkksViewSignature(r.take(SESSION_ID_BYTES), r.string(), r.take(SIGNATURE_BYTES))
+
+
 _READERS: dict[int, Callable[[_Reader], CkksMessage]] = {
     1: lambda r: CkksAdvertiseRequest(_read_config(r)),
     2: _read_advert,
@@ -342,7 +376,8 @@ _READERS: dict[int, Callable[[_Reader], CkksMessage]] = {
     ),
     7: lambda r: CkksDecryptRequest(
         r.take(SESSION_ID_BYTES),
-        r.sequence(r.string, 3),
+        _read_entries(r),
+        r.sequence(lambda: _read_view_signature(r), SESSION_ID_BYTES + 3 + SIGNATURE_BYTES),
         r.sequence(lambda: GroupUploads(r.string(), r.sequence(lambda: _read_upload(r), 75)), 7),
     ),
     8: lambda r: CkksDecryption(
@@ -357,6 +392,8 @@ _READERS: dict[int, Callable[[_Reader], CkksMessage]] = {
             71,
         ),
     ),
+    9: lambda r: CkksViewRequest(r.take(SESSION_ID_BYTES), _read_entries(r)),
+    10: _read_view_signature,
 }
 
 

@@ -46,3 +46,12 @@ class KeyHolderDroppedError(SessionAbortedError):
 
 class NoDecryptorError(SessionAbortedError):
     """No surviving member of a group is left to decrypt its sum."""
+
+
+class UnsignedViewError(ServerProtocolError):
+    """A decryption request without at least t survivors' valid signatures over its one view (R3): the
+    server could show other decryptors another survivor set, and the difference isolates a client."""
+
+
+class ViewQuorumError(SessionAbortedError):
+    """Fewer survivors signed the view (R3) than a majority of the roster: no decryptor would decrypt."""

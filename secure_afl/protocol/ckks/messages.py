@@ -9,9 +9,14 @@ R1    server -> each in U1        :class:`CkksKeyRequest` (every advertisement)
 R2    server -> each in U1        :class:`CkksInputRequest` (the public context, signature and
                                   this client's encrypted secret context)
       client -> server            :class:`CkksInput` (ciphertext chunks per group and tensor, signed)
-R3    server -> each decryptor    :class:`CkksDecryptRequest` (survivors U2 and, per group it decrypts,
-                                  every surviving member's signed upload of that group); repeated for
-                                  groups whose decryptor dropped
+R3    server -> each in U2        :class:`CkksViewRequest` (the view: every upload received, as its
+                                  sender and upload digest)
+      survivor -> server          :class:`CkksViewSignature` (its signature over the view; once per
+                                  session)
+R4    server -> each decryptor    :class:`CkksDecryptRequest` (the view, at least t survivors'
+                                  signatures over it and, per group it decrypts, every surviving
+                                  member's signed upload of that group); repeated for groups whose
+                                  decryptor dropped
       decryptor -> server         :class:`CkksDecryption` (each group's sums, which it computed
                                   itself from the signed uploads, signed)
 ====  ==========================  =====================================================
@@ -151,13 +156,46 @@ class GroupUploads:
 
 
 @dataclass(frozen=True, slots=True)
-class CkksDecryptRequest:
-    """The clients whose inputs count (U2) and, per group to decrypt, the survivors' signed uploads:
-    the decryptor sums them itself, so it never decrypts anything but a group sum."""
+class UploadEntry:
+    """One upload of a view: its sender and :func:`~secure_afl.protocol.ckks.binding.upload_digest`
+    (the SHA-256 of the chunk digests the sender signed, and of its signature)."""
+
+    sender: str
+    digest: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class CkksViewRequest:
+    """R3: the view, every upload the server received (U2), sorted by sender; each survivor signs it."""
 
     session_id: bytes
-    survivors: tuple[str, ...]
+    uploads: tuple[UploadEntry, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class CkksViewSignature:
+    """A survivor's Ed25519 signature over a view (:func:`~secure_afl.protocol.ckks.binding.view_fields`)."""
+
+    session_id: bytes
+    sender: str
+    signature: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class CkksDecryptRequest:
+    """The view (the uploads that count, U2), at least t survivors' signatures over it and, per group
+    to decrypt, the survivors' signed uploads: the decryptor sums them itself, so it never decrypts
+    anything but a group sum, and only over the one view the quorum signed."""
+
+    session_id: bytes
+    uploads: tuple[UploadEntry, ...]
+    signatures: tuple[CkksViewSignature, ...]
     groups: tuple[GroupUploads, ...]
+
+    @property
+    def survivors(self) -> tuple[str, ...]:
+        """The clients whose inputs count (U2): the senders of the view's uploads."""
+        return tuple(entry.sender for entry in self.uploads)
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +220,8 @@ class CkksDecryption:
     groups: tuple[DecryptedGroup, ...]
 
 
-CkksServerMessage = CkksAdvertiseRequest | CkksKeyRequest | CkksInputRequest | CkksDecryptRequest
-CkksClientMessage = CkksAdvertise | CkksKeyDistribution | CkksInput | CkksDecryption
+CkksServerMessage = (
+    CkksAdvertiseRequest | CkksKeyRequest | CkksInputRequest | CkksViewRequest | CkksDecryptRequest
+)
+CkksClientMessage = CkksAdvertise | CkksKeyDistribution | CkksInput | CkksViewSignature | CkksDecryption
 CkksMessage = CkksServerMessage | CkksClientMessage

@@ -7,8 +7,10 @@ returns the messages to send, keyed by recipient (empty once every group has its
 
 The server holds the key holder's *public* context only: it refuses one that carries a secret key
 (:class:`InvalidContextError`) and never sees the secret context except AES-GCM-encrypted for a peer.
-It adds ciphertexts in place as they arrive, and for each group asks one surviving member to decrypt
-the sum; a decryptor that does not answer is replaced by another survivor of the group.
+It keeps each survivor's signed upload, has every survivor sign the view (R3: every upload that
+counts, by sender and digest), and for each group asks one surviving member that signed to decrypt
+the sum from the signed uploads, with every view signature received; a decryptor that does not
+answer is replaced by another signer among the group's survivors.
 """
 
 from __future__ import annotations
@@ -31,12 +33,19 @@ from secure_afl.core.errors import (
     UnknownClientError,
 )
 from secure_afl.keys.roster import Roster
+from secure_afl.privacy.policy import majority_threshold
 from secure_afl.protocol import crypto
 from secure_afl.protocol.binding import NO_CONTEXT
 
 from . import binding, codec, context
 from .client import validate_config
-from .errors import InvalidCiphertextError, InvalidContextError, KeyHolderDroppedError, NoDecryptorError
+from .errors import (
+    InvalidCiphertextError,
+    InvalidContextError,
+    KeyHolderDroppedError,
+    NoDecryptorError,
+    ViewQuorumError,
+)
 from .messages import (
     CkksAdvertise,
     CkksAdvertiseRequest,
@@ -48,8 +57,11 @@ from .messages import (
     CkksKeyRequest,
     CkksServerMessage,
     CkksSessionConfig,
+    CkksViewRequest,
+    CkksViewSignature,
     GroupUploads,
     SignedUpload,
+    UploadEntry,
 )
 from .state import SERVER_ACCEPTS, SERVER_NEXT_ROUND, CkksServerRound
 
@@ -97,6 +109,9 @@ class CkksServerSession:
         self._uploads: dict[str, CkksInput] = {}  # sender -> its checked, signed upload
         self._input_senders: set[str] = set()
         self._survivors: tuple[str, ...] = ()
+        self._view: tuple[UploadEntry, ...] = ()  # R3: every upload that counts, by sender and digest
+        self._view_digest = b""
+        self._view_signatures: dict[str, CkksViewSignature] = {}
         self._assigned: dict[str, str] = {}  # group -> its current decryptor
         self._requested: dict[str, GroupUploads] = {}  # group -> the signed uploads sent for decryption
         self._failed_decryptors: set[str] = set()
@@ -142,7 +157,9 @@ class CkksServerSession:
             raise LocalProtocolError(f"the server accepts no client messages in round {self._round.name}")
         if type(message) is not expected:
             raise OutOfOrderMessageError(f"{type(message).__name__} received in round {self._round.name}")
-        assert isinstance(message, CkksAdvertise | CkksKeyDistribution | CkksInput | CkksDecryption)
+        assert isinstance(
+            message, CkksAdvertise | CkksKeyDistribution | CkksInput | CkksViewSignature | CkksDecryption
+        )
         if message.session_id != self._config.session_id:
             raise ReplayedMessageError("message from another session")
         if isinstance(message, CkksAdvertise):
@@ -151,6 +168,8 @@ class CkksServerSession:
             self._receive_keys(message)
         elif isinstance(message, CkksInput):
             self._receive_input(message)
+        elif isinstance(message, CkksViewSignature):
+            self._receive_view_signature(message)
         else:
             self._receive_decryption(message)
 
@@ -166,6 +185,8 @@ class CkksServerSession:
             replies = self._close_keys()
         elif self._round is CkksServerRound.INPUT:
             replies = self._close_input()
+        elif self._round is CkksServerRound.VIEW:
+            replies = self._close_view()
         else:
             replies = self._close_decrypt()
             if not replies:
@@ -281,6 +302,15 @@ class CkksServerSession:
         self._uploads[message.sender] = message
         self._input_senders.add(message.sender)
 
+    def _receive_view_signature(self, message: CkksViewSignature) -> None:
+        self._check_sender(message.sender, self._survivors, self._view_signatures)
+        domain, fields = binding.view_fields(
+            self._config.session_id, self._digest, self._adverts_digest, self._view
+        )
+        if not crypto.verify(self._roster.public_key(message.sender), message.signature, domain, *fields):
+            raise InvalidSignatureError(f"the view signature of {message.sender!r} does not verify")
+        self._view_signatures[message.sender] = message
+
     def _receive_decryption(self, message: CkksDecryption) -> None:
         sender = message.sender
         mine = sorted(g for g, d in self._assigned.items() if d == sender and g not in self._decrypted)
@@ -297,6 +327,7 @@ class CkksServerSession:
                 self._config.session_id,
                 self._digest,
                 self._adverts_digest,
+                self._view_digest,
                 item.group,
                 survivors,
                 self._requested[item.group].uploads,
@@ -408,7 +439,34 @@ class CkksServerSession:
             )
             for group in self._config.groups
         }
+        uploads = self._uploads
+        self._view = tuple(
+            UploadEntry(
+                sender,
+                binding.upload_digest(
+                    sender, binding.tensor_digests(uploads[sender].tensors), uploads[sender].signature
+                ),
+            )
+            for sender in self._survivors
+        )
+        self._view_digest = binding.view_digest(
+            self._config.session_id, self._digest, self._adverts_digest, self._view
+        )
         self._uploads = {}  # the signed uploads, per group, are what the decryptors get
+        request = CkksViewRequest(self._config.session_id, self._view)
+        return {cid: request for cid in self._survivors}
+
+    def _close_view(self) -> dict[str, CkksServerMessage]:
+        """Every decryptor needs t signatures over the view (t its own floor, a majority of the
+        roster at least): below a majority none would decrypt.  A survivor that did not sign has
+        dropped, and is not asked to decrypt."""
+        quorum = majority_threshold(len(self._roster))
+        if len(self._view_signatures) < quorum:
+            raise ViewQuorumError(
+                f"{len(self._view_signatures)} survivor(s) signed the view, fewer than a majority "
+                f"({quorum}) of the roster's {len(self._roster)}: no decryptor decrypts without it"
+            )
+        self._failed_decryptors |= set(self._survivors) - set(self._view_signatures)
         return self._assign(sorted(self._requested))
 
     def _close_decrypt(self) -> dict[str, CkksServerMessage]:
@@ -439,7 +497,8 @@ class CkksServerSession:
         return {
             decryptor: CkksDecryptRequest(
                 self._config.session_id,
-                self._survivors,
+                self._view,
+                tuple(self._view_signatures[c] for c in sorted(self._view_signatures)),
                 tuple(self._requested[g] for g in groups if self._assigned[g] == decryptor),
             )
             for decryptor in sorted(load)

@@ -10,12 +10,15 @@ Rules
    AWAIT_ADVERTISE_REQUEST CkksAdvertiseRequest   CkksAdvertise           AWAIT_KEY_REQUEST
    AWAIT_KEY_REQUEST       CkksKeyRequest         CkksKeyDistribution     AWAIT_INPUT_REQUEST
                                                   (key holder only)
-   AWAIT_INPUT_REQUEST     CkksInputRequest       CkksInput               AWAIT_DECRYPT_REQUEST
+   AWAIT_INPUT_REQUEST     CkksInputRequest       CkksInput               AWAIT_VIEW_REQUEST
+   AWAIT_VIEW_REQUEST      CkksViewRequest        CkksViewSignature       AWAIT_DECRYPT_REQUEST
    AWAIT_DECRYPT_REQUEST   CkksDecryptRequest     CkksDecryption          AWAIT_DECRYPT_REQUEST
    ======================  =====================  ======================  ============================
 
-   A client stays in AWAIT_DECRYPT_REQUEST: the server may ask it again when another group's
-   decryptor dropped; it never decrypts one group twice.  ``close()`` ends the session (DONE).
+   A decryptor has signed a view itself (R3) and decrypts only under that view, when the request
+   carries at least t survivors' signatures over it.  A client stays in AWAIT_DECRYPT_REQUEST: the
+   server may ask it again when another group's decryptor dropped; it never decrypts one group
+   twice.  ``close()`` ends the session (DONE).
    A client in AWAIT_INPUT_REQUEST also accepts a repeated CkksKeyRequest (``CLIENT_REPEATS``):
    the key holder sent no key, and the server re-elects one among the advertisements accepted
    before, less that key holder only (the client refuses any other change); the new key holder
@@ -30,7 +33,9 @@ Rules
    (start)      -                       CkksAdvertiseRequest         ADVERTISE
    ADVERTISE    CkksAdvertise           CkksKeyRequest               KEYS
    KEYS         CkksKeyDistribution     CkksInputRequest             INPUT
-   INPUT        CkksInput               CkksDecryptRequest           DECRYPT
+   INPUT        CkksInput               CkksViewRequest              VIEW
+   VIEW         CkksViewSignature       CkksDecryptRequest (with     DECRYPT
+                                        every signature received)
    KEYS (no     -                       CkksKeyRequest without the   KEYS (re-election; at most
    key came)                            key holder                   once per advertised client)
    DECRYPT      CkksDecryption          CkksDecryptRequest (groups   DECRYPT, or DONE (sends
@@ -40,8 +45,8 @@ Rules
 
 4. A client message the server rejects leaves the server's state unchanged.  A round that leaves a
    group below the minimum group size (a re-election included), no advertised client left to hold
-   the key, or a group with no survivor left to decrypt raises
-   :class:`~secure_afl.core.errors.SessionAbortedError`.
+   the key, fewer view signatures than a majority of the roster, or a group with no survivor left to
+   decrypt raises :class:`~secure_afl.core.errors.SessionAbortedError`.
 """
 
 from __future__ import annotations
@@ -58,6 +63,8 @@ from .messages import (
     CkksInputRequest,
     CkksKeyDistribution,
     CkksKeyRequest,
+    CkksViewRequest,
+    CkksViewSignature,
 )
 
 
@@ -65,7 +72,8 @@ class CkksClientState(enum.Enum):
     AWAIT_ADVERTISE_REQUEST = "R0"
     AWAIT_KEY_REQUEST = "R1"
     AWAIT_INPUT_REQUEST = "R2"
-    AWAIT_DECRYPT_REQUEST = "R3"
+    AWAIT_VIEW_REQUEST = "R3"
+    AWAIT_DECRYPT_REQUEST = "R4"
     DONE = "done"
     FAILED = "failed"
 
@@ -75,7 +83,8 @@ class CkksServerRound(enum.Enum):
     ADVERTISE = "R0"
     KEYS = "R1"
     INPUT = "R2"
-    DECRYPT = "R3"
+    VIEW = "R3"
+    DECRYPT = "R4"
     DONE = "done"
 
 
@@ -83,7 +92,8 @@ CLIENT_TRANSITIONS = MappingProxyType(
     {
         CkksClientState.AWAIT_ADVERTISE_REQUEST: (CkksAdvertiseRequest, CkksClientState.AWAIT_KEY_REQUEST),
         CkksClientState.AWAIT_KEY_REQUEST: (CkksKeyRequest, CkksClientState.AWAIT_INPUT_REQUEST),
-        CkksClientState.AWAIT_INPUT_REQUEST: (CkksInputRequest, CkksClientState.AWAIT_DECRYPT_REQUEST),
+        CkksClientState.AWAIT_INPUT_REQUEST: (CkksInputRequest, CkksClientState.AWAIT_VIEW_REQUEST),
+        CkksClientState.AWAIT_VIEW_REQUEST: (CkksViewRequest, CkksClientState.AWAIT_DECRYPT_REQUEST),
         CkksClientState.AWAIT_DECRYPT_REQUEST: (CkksDecryptRequest, CkksClientState.AWAIT_DECRYPT_REQUEST),
     }
 )
@@ -98,6 +108,7 @@ SERVER_ACCEPTS = MappingProxyType(
         CkksServerRound.ADVERTISE: CkksAdvertise,
         CkksServerRound.KEYS: CkksKeyDistribution,
         CkksServerRound.INPUT: CkksInput,
+        CkksServerRound.VIEW: CkksViewSignature,
         CkksServerRound.DECRYPT: CkksDecryption,
     }
 )
@@ -107,6 +118,7 @@ SERVER_NEXT_ROUND = MappingProxyType(
         CkksServerRound.NOT_STARTED: CkksServerRound.ADVERTISE,
         CkksServerRound.ADVERTISE: CkksServerRound.KEYS,
         CkksServerRound.KEYS: CkksServerRound.INPUT,
-        CkksServerRound.INPUT: CkksServerRound.DECRYPT,
+        CkksServerRound.INPUT: CkksServerRound.VIEW,
+        CkksServerRound.VIEW: CkksServerRound.DECRYPT,
     }
 )

@@ -1,0 +1,287 @@
+"""``secure-afl deploy provision`` and ``deploy collect``: the coordinator's side of the kits.
+
+``provision`` turns the hospitals' public identity files and a few options into a federation
+directory::
+
+    OUT/roster.json          the roster (no co-signatures yet: ``collect`` adds them)
+    OUT/tls/                 ca.crt, ca.key (0600, keep offline), superlink.pem, superlink.key (0600)
+    OUT/app/pyproject.toml   the coordinator's app (the study): ``deploy run OUT/app FEDERATION``
+    OUT/server/              where the ServerApp writes classifier.json and report.json
+    OUT/kits/ID/             one kit per hospital (0700): see :mod:`secure_afl.deploy.kit`
+
+``collect`` takes the hospitals' ``ID.reply.json`` files (``deploy join``), verifies each
+co-signature and SuperNode key against the roster, writes the co-signed roster into OUT/roster.json
+and every kit, keeps each SuperNode key as ``OUT/supernodes/ID.pub`` and registers it with the
+SuperLink (``flwr supernode register``, through the coordinator's loopback Control API).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from secure_afl.keys.cosign import (
+    CosignatureStatus,
+    check_cosignatures,
+    cosigned_roster_json,
+    read_roster_document,
+)
+from secure_afl.keys.identity import IdentityKey
+from secure_afl.keys.roster import Roster, RosterEntry, RosterError
+
+from .errors import ConfigurationError, DeploymentError
+from .kit import (
+    APP_FILE,
+    CA_FILE,
+    MANIFEST,
+    ROSTER_FILE,
+    KitError,
+    Manifest,
+    NodeLayout,
+    Reply,
+    sha256_file,
+    write_node_files,
+    write_text,
+)
+from .tls import TlsError, TlsFiles, parse_host_name, parse_ip_address, write_tls_material
+
+Say = Callable[[str], None]
+DEFAULT_FLEET_PORT = 9092
+
+
+@dataclass(frozen=True)
+class ProvisionResult:
+    out_dir: Path
+    roster: Roster
+    tls: TlsFiles
+    app_dir: Path
+    superlink: str
+    kits: Mapping[str, Path]
+
+
+def backbone_record(
+    features: Path | None, backbone: str | None, weights: Path | None, classes: Sequence[str]
+) -> dict[str, object]:
+    """The study's classes, dim, backbone, weights-id and preprocessing (run-config keys), from a
+    feature file's header or from the agreed backbone and weight file (then ``classes``, the CLI's
+    ChestXray14 list: deploy/ never imports the simulator)."""
+    from secure_afl.features.file import FeatureFileError, describe_preprocessing, load_feature_file
+
+    if (features is None) == (backbone is None):
+        raise ConfigurationError("give --features FILE, or --backbone NAME with --weights FILE")
+    if features is not None:
+        try:
+            data = load_feature_file(features)
+        except FeatureFileError as exc:
+            raise ConfigurationError(f"FeatureFileError: {exc}") from None
+        described = data.describe_backbone()
+        return {
+            "classes": ",".join(data.classes),
+            "dim": int(data.dim),
+            "backbone": described["name"],
+            "weights-id": described["weights_id"],
+            "preprocessing": described["preprocessing"],
+        }
+    from secure_afl.features.backbones import UnknownBackboneError, WeightsError, load_backbone
+
+    if weights is None:
+        raise ConfigurationError(
+            "--backbone needs --weights FILE (the agreed weight file; nothing is downloaded)"
+        )
+    try:
+        loaded = load_backbone(str(backbone), weights)
+    except (UnknownBackboneError, WeightsError) as exc:
+        raise ConfigurationError(f"{type(exc).__name__}: {exc}") from None
+    return {
+        "classes": ",".join(classes),
+        "dim": int(loaded.feature_dim),
+        "backbone": loaded.name,
+        "weights-id": loaded.weights_id,
+        "preprocessing": describe_preprocessing(loaded.preprocess),
+    }
+
+
+def superlink_address(hosts: Sequence[str], ips: Sequence[str], port: int) -> str:
+    """The Fleet API address the kits dial: the first --host, else the first --ip."""
+    if hosts:
+        return f"{parse_host_name(hosts[0])}:{port}"
+    if ips:
+        address = parse_ip_address(ips[0])
+        return f"[{address}]:{port}" if address.version == 6 else f"{address}:{port}"
+    raise ConfigurationError("give at least one --host NAME or --ip ADDR: the address SuperNodes dial")
+
+
+def provision(
+    out_dir: Path,
+    hospitals: Sequence[RosterEntry],
+    coordinator: RosterEntry,
+    coordinator_key: IdentityKey,
+    study_config: Mapping[str, object],
+    *,
+    hosts: Sequence[str] = (),
+    ips: Sequence[str] = (),
+    port: int = DEFAULT_FLEET_PORT,
+    federation: str = "federation",
+    days: int = 365,
+    force: bool = False,
+) -> ProvisionResult:
+    """Write the roster, the TLS material, the coordinator's app and one kit per hospital.
+
+    ``coordinator_key`` (already decrypted) signs every kit's manifest; it is never written into the
+    app: ``deploy run`` signs the classifier in its own process, the ServerApp never holds the key.
+    ``study_config``: the other run-config keys (the study).  Nothing is written when a check fails.
+    """
+    from .apps import study_from_run_config
+    from .local import write_app
+    from .study import parse_colluders
+
+    if coordinator_key.public_key != coordinator.public_key:
+        raise ConfigurationError(
+            f"the coordinator's key ({coordinator_key.fingerprint}) does not match its identity.pub.json "
+            f"({coordinator.fingerprint}): give the key directory that `keys init --id coordinator` wrote"
+        )
+    if len(hospitals) < 2:
+        raise ConfigurationError(
+            f"a federation needs at least 2 hospitals, {len(hospitals)} given (--hospital)"
+        )
+    if not federation.replace("-", "").replace("_", "").isalnum():
+        raise ConfigurationError(f"--federation {federation!r}: use letters, digits, '-' and '_'")
+    try:
+        roster = Roster(hospitals, coordinator)
+        address = superlink_address(hosts, ips, port)
+    except (RosterError, TlsError) as exc:
+        raise ConfigurationError(str(exc)) from None
+    out_dir = Path(out_dir).resolve()
+    targets = [out_dir / ROSTER_FILE, out_dir / "app", out_dir / "kits", out_dir / "tls"]
+    existing = [str(p) for p in targets if p.exists()]
+    if existing and not force:
+        raise ConfigurationError(
+            f"{', '.join(existing)} already exist(s): choose another --out or pass --force"
+        )
+    config: dict[str, object] = {
+        "roster": str(out_dir / ROSTER_FILE),
+        "out-dir": str(out_dir / "server"),
+        **study_config,
+    }
+    study = study_from_run_config(config)  # every value checked before anything is written
+    parse_colluders(config.get("colluders", "n-t"), len(roster), study.threshold_for(len(roster)))
+    out_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    write_text(out_dir / ROSTER_FILE, roster.to_json() + "\n", 0o644)
+    try:
+        tls = write_tls_material(out_dir / "tls", hosts=hosts, ips=ips, days=days, force=force)
+    except TlsError as exc:
+        raise ConfigurationError(str(exc)) from None
+    app_dir = write_app(out_dir / "app", config)
+    (out_dir / "server").mkdir(exist_ok=True, mode=0o700)
+    kits_dir = out_dir / "kits"
+    if kits_dir.exists():
+        shutil.rmtree(kits_dir)  # --force: kits of an older roster must not survive beside the new
+    kits_dir.mkdir(mode=0o700)
+    kits = {}
+    for entry in roster:
+        kit = kits_dir / entry.client_id
+        kit.mkdir(mode=0o700)
+        (kit / "app").mkdir(mode=0o700)
+        write_text(kit / CA_FILE, tls.ca_certificate.read_text(encoding="ascii"), 0o644)
+        write_text(kit / APP_FILE, (app_dir / "pyproject.toml").read_text(encoding="utf-8"), 0o644)
+        write_text(kit / ROSTER_FILE, roster.to_json() + "\n", 0o644)
+        manifest = Manifest(
+            federation=federation, institution=entry.client_id, superlink=address,
+            roster_fingerprint=roster.fingerprint, study_digest=study.digest(),
+            files={name: sha256_file(kit / name) for name in (CA_FILE, APP_FILE)},
+        )  # fmt: skip
+        write_text(kit / MANIFEST, manifest.signed_json(coordinator.client_id, coordinator_key) + "\n", 0o644)
+        write_node_files(NodeLayout.standard(entry.client_id, study.protection), manifest, kit)
+        kits[entry.client_id] = kit
+    return ProvisionResult(out_dir, roster, tls, app_dir, address, kits)
+
+
+# --- collect -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CollectResult:
+    status: CosignatureStatus
+    collected: tuple[str, ...]
+    supernode_keys: Mapping[str, Path]
+    registered: tuple[str, ...]
+
+
+def collect(
+    out_dir: Path,
+    replies: Sequence[Path],
+    *,
+    register: bool = True,
+    flwr_home: Path | None = None,
+    federation: str = "federation",
+    flwr: str = "flwr",
+    timeout: float = 60.0,
+    say: Say = print,
+) -> CollectResult:
+    """Merge the hospitals' replies into the co-signed roster; register their SuperNode keys."""
+    out_dir = Path(out_dir).resolve()
+    roster_path = out_dir / ROSTER_FILE
+    if not roster_path.is_file():
+        raise ConfigurationError(
+            f"{roster_path}: no roster here: give the directory `deploy provision --out` wrote"
+        )
+    try:
+        roster, cosignatures = read_roster_document(roster_path.read_text(encoding="utf-8"))
+        check_cosignatures(roster, cosignatures)
+    except RosterError as exc:
+        raise ConfigurationError(f"{roster_path}: {type(exc).__name__}: {exc}") from None
+    if not replies:
+        raise ConfigurationError("give the hospitals' ID.reply.json files (written by `deploy join`)")
+    home = flwr_home or out_dir / "superlink" / "flwr"
+    if register and not (home / "config.toml").is_file():
+        raise ConfigurationError(
+            f"{home / 'config.toml'} does not exist: give --flwr-home, the flwr/ directory of `secure-afl "
+            "deploy superlink --state-dir` (start the SuperLink first), or --no-register"
+        )
+    verified: dict[str, Reply] = {}
+    for path in replies:
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigurationError(f"{path}: cannot read the reply: {exc.strerror}") from None
+        reply = Reply.verified(text, roster, str(path))  # KitError / KitTamperedError name the file
+        if reply.client_id in verified:
+            raise KitError(f"{path}: a second reply of {reply.client_id}: give one per hospital")
+        verified[reply.client_id] = reply
+    cosignatures.update({cid: reply.cosignature for cid, reply in verified.items()})
+    text = cosigned_roster_json(roster, cosignatures) + "\n"
+    keys_dir = out_dir / "supernodes"
+    keys_dir.mkdir(exist_ok=True, mode=0o700)
+    supernode_keys = {}
+    for cid, reply in verified.items():
+        supernode_keys[cid] = keys_dir / f"{cid}.pub"
+        write_text(supernode_keys[cid], reply.supernode_public_key + "\n", 0o644)
+    write_text(roster_path, text, 0o644)
+    for kit in sorted((out_dir / "kits").glob("*")):
+        if (kit / ROSTER_FILE).is_file():
+            write_text(kit / ROSTER_FILE, text, 0o644)
+    status = check_cosignatures(roster, cosignatures)
+    registered = []
+    if register:
+        env = {**os.environ, "FLWR_HOME": str(home)}
+        for cid, path in supernode_keys.items():
+            try:
+                result = subprocess.run(
+                    [flwr, "supernode", "register", str(path), federation],
+                    env=env, capture_output=True, text=True, timeout=timeout, check=False,
+                )  # fmt: skip
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                raise DeploymentError(f"flwr supernode register {path}: {exc}") from None
+            output = (result.stdout + result.stderr).strip()
+            if result.returncode != 0 and "already" not in output.lower():
+                raise DeploymentError(
+                    f"flwr supernode register {path} {federation} exited {result.returncode}: "
+                    f"{output[-600:]} (is the SuperLink running? is {federation!r} its federation?)"
+                )
+            registered.append(cid)
+            say(f"registered the SuperNode key of {cid} ({path})")
+    return CollectResult(status, tuple(verified), supernode_keys, tuple(registered))

@@ -1,0 +1,63 @@
+"""bench/bench_scale.py at n = 100 in process: the figures it writes are real results (sums equal
+to plaintext, exposure verdicts that the rank test confirms), not timings."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from secure_afl.privacy.exposure import determined
+
+_PATH = Path(__file__).resolve().parents[1] / "bench" / "bench_scale.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_scale", _PATH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_scale"] = module
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop("bench_scale", None)
+
+
+def test_exposure_verdicts_at_100_clients_are_confirmed(bench) -> None:
+    for layout in bench.LAYOUTS:
+        contributions = bench.contributions_for(100, 3, layout)
+        me = min(contributions)
+        _, _, verdict, findings = bench.exposure_check(contributions, me)
+        assert verdict in ("safe", "exposed", "undecided")
+        if layout == "global":
+            assert verdict == "safe"  # the Gram once in `all`, b/c in groups of many
+        groups = bench.groups_of(contributions)
+        for finding in findings:
+            if finding.undecided:
+                continue
+            assert finding.clients == (me,) and 0 < len(finding.colluders) <= 33
+            tensor = finding.tensor
+            rows = [
+                {
+                    (cid, "own") if cid == me else (cid, tensor)
+                    for cid in members
+                    if cid not in finding.colluders
+                }
+                for members, tensors in groups.values()
+                if tensor in tensors
+            ]
+            assert (me, "own") in determined(rows)  # the named colluders do isolate this value
+
+
+def test_a_session_at_100_clients_sums_to_the_plaintext(bench, tmp_path) -> None:
+    result = bench.measure(100, 3, ["missing7"], run_session=True)
+    assert result["sums_match_plaintext"] == {"missing7": True}
+    assert result["threshold"] == 67 and result["colluders"] == 33
+    for key in ("client_seconds", "server_seconds", "exposure_seconds"):
+        assert result[key]["missing7"] > 0
+    assert result["exposure_verdicts"]["missing7"] == "exposed"  # ~12 per class, 33 colluders
+    path = tmp_path / "scale.json"
+    path.write_text(json.dumps(result))
+    assert json.loads(path.read_text())["clients"] == 100

@@ -1,0 +1,42 @@
+"""Client statistics on the CPU without the extra passes (issue 30): no float64 copy of float64
+input, no (G + Gᵀ)/2, the finiteness check read off the batch's Gram; the same numbers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from secure_afl.analytic import StatisticsError, client_statistics
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("batch_size", [7, 64, 1000])
+def test_statistics_equal_the_plain_float64_products(dtype, batch_size) -> None:
+    rng = np.random.default_rng(batch_size)
+    h = (rng.standard_normal((150, 12)) * 3).astype(dtype)
+    y = (rng.random((150, 5)) < 0.3).astype(np.int64)
+    stats = client_statistics(h, y, device="cpu", batch_size=batch_size)
+    h64 = h.astype(np.float64)
+    expected = sum(
+        (h64[i : i + batch_size].T @ h64[i : i + batch_size] for i in range(0, 150, batch_size)),
+        np.zeros((12, 12)),
+    )
+    assert np.array_equal(stats.gram, expected)  # bit for bit: the same products, summed alike
+    assert np.array_equal(stats.gram, stats.gram.T)
+    np.testing.assert_allclose(stats.feat_sum, h64.sum(axis=0), rtol=1e-12)
+    np.testing.assert_allclose(stats.pos_sum, h64.T @ y, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_a_bad_value_in_a_later_batch_is_refused(bad) -> None:
+    h = np.ones((20, 4))
+    h[17, 2] = bad
+    with pytest.raises(StatisticsError, match="NaN or infinite"):
+        client_statistics(iter([h[:10], h[10:]]), np.zeros((20, 2)), device="cpu")
+
+
+def test_finite_values_whose_squares_overflow_are_not_called_non_finite() -> None:
+    h = np.ones((6, 3))
+    h[0, 0] = 1e200  # finite; its square overflows: the diagonal is inf, the batch is read, it passes
+    stats = client_statistics(h, np.zeros((6, 1)), device="cpu")
+    assert np.isinf(stats.gram[0, 0]) and stats.n == 6
