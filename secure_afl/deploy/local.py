@@ -16,6 +16,7 @@ The data are not this module's business: the caller writes each institution's fe
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import queue
@@ -489,6 +490,7 @@ def run_local(
             say(f"  registered ({seconds['node registration']:.1f} s)")
         stage = time.perf_counter()
         nodes: dict[str, Child] = {}
+        node_configs: dict[str, str] = {}  # each node's config (a growing run checks each study with it)
         for cid in client_ids:
             node_config = {
                 "identity-key": str(keys_dir / f"{cid}.key"),
@@ -503,6 +505,7 @@ def run_local(
             if study.dp is not None:  # each hospital insists on the study's privacy itself
                 node_config.update({"dp-epsilon": str(study.dp.epsilon), "dp-delta": str(study.dp.delta)})
             node_config_text = " ".join(f"{k}={json.dumps(v)}" for k, v in node_config.items())
+            node_configs[cid] = node_config_text
             _check_node(cid, node_config_text, study, f"127.0.0.1:{superlink_port}", ca if tls else None, say)
             node_args = [flower_bin("flower-supernode"), "--superlink", f"127.0.0.1:{superlink_port}"]
             node_args += ["--host", "127.0.0.1", "--port", str(free_port())]
@@ -554,6 +557,10 @@ def run_local(
                 run_log = logs / f"flwr-run-{k + 1}.log"
                 earlier = grown[-1][0].study_digest
                 say(f"session {k + 1} of {sessions}: a study that extends {earlier[:16]}...")
+                # each hospital checks the new study (deploy check --study pins it) before it runs
+                extended = dataclasses.replace(study, extends=earlier)
+                for cid, text in node_configs.items():
+                    _check_node(cid, text, extended, f"127.0.0.1:{superlink_port}", ca if tls else None, say)
             elif arrive is not None:
                 arrive(0)
             outcome = run_federation(
