@@ -7,9 +7,10 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import click
 import numpy as np
@@ -557,6 +558,12 @@ def _run_config_value(text: str) -> object:
     return {"true": True, "false": False}.get(text.lower(), text)
 
 
+def _synthetic_image_digests(names: np.ndarray) -> list[str]:
+    """The embedded cohort's stand-in for each row's image-file digest (its features are synthetic):
+    SHA-256 of the image's name, so a rerun of `deploy local` names the same images."""
+    return [hashlib.sha256(b"secure-afl/synthetic-image\x00" + str(n).encode()).hexdigest() for n in names]
+
+
 def _backbone_record(features: Path | None, backbone: str | None, weights: Path | None) -> dict[str, object]:
     """The study's classes, dim, backbone, weights-id and preprocessing (run-config keys)."""
     from secure_afl.deploy.provision import backbone_record
@@ -660,8 +667,14 @@ def _backbone_record(features: Path | None, backbone: str | None, weights: Path 
               help="After the run, kill SuperNodes until too few remain and run again: the session must "
               "abort, the coordinator's command exit 1 and the earlier classifier be moved aside "
               "(written to OUT/abort-rehearsal/).")  # fmt: skip
+@click.option("--sessions", type=click.IntRange(1, 10), default=1, show_default=True,
+              help="A federation that grows: each institution's images arrive in K batches; session k "
+              "extends session k - 1's study and releases only the new images (global balance, one "
+              "round, no DP). Each session's classifier is compared with the centralised fit on every "
+              "image released so far.")  # fmt: skip
 @dp_options
 def deploy_local(
+    sessions: int,
     clients: int,
     tls: bool,
     drops: tuple[str, ...],
@@ -725,7 +738,15 @@ def deploy_local(
             "--dp-epsilon needs --balance global and --gram global (plain sums and counts with clean "
             "sensitivities, SECURITY.md §9)"
         )
-    balance = balance or ("global" if dp_epsilon is not None else "client")
+    balance = balance or ("global" if dp_epsilon is not None or sessions > 1 else "client")
+    if sessions > 1 and (
+        balance != "global" or rounds != 1 or dp_epsilon is not None or drops or rehearse_abort
+    ):
+        raise click.UsageError(
+            "--sessions > 1 (a federation that grows) needs --balance global and --rounds 1, without "
+            "--dp-epsilon, --drop or --rehearse-abort: the paper's per-client balance and round 2 do not "
+            "add across sessions (README, a federation that grows)"
+        )
     try:
         assignment = assign_partial_labels(clients, len(CLASSES), missing, seed=seed)
     except PartialLabelError as exc:
@@ -804,18 +825,31 @@ def deploy_local(
         (work_dir / "data").mkdir()
         client_data: dict[str, ClientData] = {}
         files = {}
-        for k, cid in enumerate(client_ids):
+
+        def write(k: int, cid: str, arrived: int) -> None:
+            """client k's feature file with its first ``arrived`` of ``sessions`` batches of rows."""
             rows = data.split.clients[k]
+            rows = rows[: -(-len(rows) * arrived // sessions)]
             labels = data.cohort.labels[rows].astype(np.uint8)
             labels[:, [c for c in range(len(CLASSES)) if c not in assignment.active[k]]] = 0
-            files[cid] = work_dir / "data" / f"{cid}.npz"
             save_feature_file(
                 files[cid], data.features[rows], labels=labels, active=assignment.active[k], classes=CLASSES,
                 backbone=study.backbone["name"], weights_id=study.backbone["weights_id"],
                 preprocessing=study.backbone["preprocessing"],
                 patient_ids=[str(p) for p in data.cohort.patient_ids[rows]],
+                image_sha256=_synthetic_image_digests(data.cohort.image_names[rows]),
             )  # fmt: skip
             client_data[cid] = (data.features[rows], labels, tuple(assignment.active[k]))
+
+        def arrive(session: int) -> None:
+            for k, cid in enumerate(client_ids):
+                write(k, cid, session + 1)
+            if session:
+                say(f"session {session + 1}: each institution's batch {session + 1} of {sessions} arrived")
+
+        for k, cid in enumerate(client_ids):
+            files[cid] = work_dir / "data" / f"{cid}.npz"
+            write(k, cid, 1 if sessions > 1 else sessions)
         test_rows = data.split.test
         test_features = out_dir / "test-features.npz"
         save_feature_file(
@@ -834,9 +868,13 @@ def deploy_local(
                 work_dir, files, study, tls=tls, drops=drop_rounds, round_timeout=round_timeout, say=say,
                 colluders=colluders,
                 server_dir=out_dir, logs_dir=logs_dir, rehearse_abort=rehearse_abort,
+                sessions=sessions, arrive=arrive if sessions > 1 else None,
             )  # fmt: skip
         except DeploymentError as exc:
             raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
+        if sessions > 1:
+            _report_growth(result, study, data, assignment, client_ids, sessions, out_dir, say)
+            return
         session1 = result.report["sessions"][0]
         participants = session1["participants"]
         dropouts = _reference_dropouts(result.report, participants)
@@ -931,6 +969,53 @@ def deploy_local(
             say(f"kept {work_dir}")
         else:
             shutil.rmtree(work_dir, ignore_errors=True)
+
+
+def _report_growth(
+    result: Any, study: Any, data: Any, assignment: Any, client_ids: list[str], sessions: int,
+    out_dir: Path, say: Callable[[str], None],
+) -> None:  # fmt: skip
+    """Each session's classifier against the centralised fit on every image released so far (float64
+    statistics of the pooled rows, no protocol), with the test metrics; raises if any is off."""
+    from secure_afl.analytic import AnalyticClassifier, client_statistics, sum_contributions
+    from secure_afl.sim.metrics import evaluate
+
+    test_x, test_y = data.features[data.split.test], data.cohort.labels[data.split.test]
+    method, records = study.method, []
+    for k, (classifier, report) in enumerate(result.sessions):
+        contributions = []
+        for i, _ in enumerate(client_ids):
+            rows = data.split.clients[i]
+            rows = rows[: -(-len(rows) * (k + 1) // sessions)]
+            labels = data.cohort.labels[rows].astype(np.uint8)
+            stats = client_statistics(data.features[rows], labels, device="cpu")
+            contributions.append(
+                stats.contributions(assignment.active[i], balance="global", gram=method.gram)
+            )
+        centralised = AnalyticClassifier(
+            len(study.classes), gamma=method.gamma, balance="global", gram=method.gram
+        ).fit(sum_contributions(contributions))
+        error = float(np.max(np.abs(classifier.weights - centralised.coef_)))
+        metrics = evaluate(test_y, test_x.astype(np.float64) @ classifier.weights, kind="logits").macro
+        records.append(
+            {"session": k + 1, "study_digest": classifier.study_digest, "max_abs_w_vs_centralised": error,
+             "metrics": {key: float(metrics[key]) for key in ("bacc", "auc", "map")},
+             "survivors": report["sessions"][0]["survivors"]}
+        )  # fmt: skip
+        say(
+            f"session {k + 1}: max |w - w_centralised| = {error:.3g} over every image released so far; "
+            f"BACC {100 * metrics['bacc']:.2f} %, AUC {100 * metrics['auc']:.2f} %, mAP {metrics['map']:.4f}"
+        )
+    (out_dir / "report.json").write_text(json.dumps({**result.report, "growth": records}, indent=1))
+    say(f"wrote {out_dir / 'classifier.json'} (session {sessions}'s) and {out_dir / 'report.json'}")
+    worst = max(r["max_abs_w_vs_centralised"] for r in records)
+    if not worst <= GROWTH_TOLERANCE:
+        raise click.ClickException(
+            f"a session's classifier is {worst:.3g} from the centralised fit (tolerance {GROWTH_TOLERANCE:g})"
+        )
+
+
+GROWTH_TOLERANCE = 1e-9  # issue 29: the grown classifier equals the centralised fit to 1e-9
 
 
 def _assumed_colluders(value: str, clients: int, threshold: int) -> int:

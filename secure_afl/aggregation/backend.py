@@ -111,6 +111,7 @@ class ProtectionBackend(Protocol):
         random: RandomSource | None,
         release: Release | None = None,
         context: bytes = b"",
+        rows: Mapping[str, int] | None = None,
     ) -> ClientSessionLike: ...
 
     def encode(self, message: object, max_message_bytes: int) -> bytes: ...
@@ -185,6 +186,7 @@ class MaskingBackend:
         random,
         release=None,
         context=b"",
+        rows=None,
     ):  # type: ignore[no-untyped-def]
         # The simulator's clients accept what the simulator's server proposes; a client under any
         # other policy keeps that policy's own floors (a deployed client never takes them from the server).
@@ -205,6 +207,7 @@ class MaskingBackend:
             ledger=self.ledgers.get(client_id),
             release=release,
             context=context,
+            rows=rows,
         )
 
     def encode(self, message: object, max_message_bytes: int) -> bytes:
@@ -271,6 +274,7 @@ class CkksBackend:
         random,
         release=None,
         context=b"",
+        rows=None,
     ):  # type: ignore[no-untyped-def]
         return ckks.CkksClientSession(
             client_id,
@@ -288,6 +292,7 @@ class CkksBackend:
             random=random,
             release=release,
             context=context,
+            rows=rows,
         )
 
     def encode(self, message: object, max_message_bytes: int) -> bytes:

@@ -202,6 +202,51 @@ class ValueAlreadyReleasedError(ServerProtocolError):
         )
 
 
+class ImageAlreadyReleasedError(ValueAlreadyReleasedError):
+    """One contribution per image: the session would release statistics over images (named by the
+    SHA-256 of their files' bytes) that this client already released in another completed session,
+    under any study, backbone, layout or protection (round 2 of the same study excepted).
+
+    ``rows`` of the release's ``total`` rows are such images; ``session_id`` is the earlier session
+    (the first found) and ``scope`` what it released them under (``study:<digest>/round:<r>``).
+    Re-extracted, re-ordered or re-exported feature files of released images end here too: their
+    bytes differ, their images do not.
+    """
+
+    def __init__(self, rows: int, total: int, session_id: bytes, scope: str = "") -> None:
+        self.rows = rows
+        self.total = total
+        self.scope = scope
+        self.values = (f"{rows} of {total} rows",)
+        self.session_id = session_id
+        under = f" ({scope.replace('/', ', ').replace(':', ' ')})" if scope else ""
+        ServerProtocolError.__init__(
+            self,
+            f"refusing the session: {rows} of this client's {total} rows are images already released in "
+            f"session {session_id.hex()[:16]}...{under}; each image enters at most one released aggregate "
+            f"(SECURITY.md, one contribution per image), whatever the study, backbone, layout or "
+            f"protection, and a re-extracted or re-exported feature file of released images releases "
+            f"nothing new. To add images, run a study that extends the earlier one (it releases only "
+            f"the new images: README, a federation that grows)",
+        )
+
+
+class IncrementTooSmallError(ServerProtocolError):
+    """Committed counts: the session's values would come from fewer than c + 2 members with rows
+    (the others committed 0 rows, a value the server knows), so c colluders and the known zeros
+    would leave one member's statistics alone in a sum."""
+
+    def __init__(self, action: str, contributors: list[str], colluders: int) -> None:
+        self.contributors = tuple(contributors)
+        self.colluders = colluders
+        super().__init__(
+            f"refusing to {action}: only {len(contributors)} member(s) {list(contributors)} release rows in "
+            f"this session (the others committed 0 rows, a value the server knows), fewer than c + 2 = "
+            f"{colluders + 2} with c = {colluders} colluders assumed; wait until more institutions have "
+            f"new images (SECURITY.md, committed counts)"
+        )
+
+
 class ConflictingAnswerError(ServerProtocolError):
     """One answer per round: this client already answered a different message for this round of
     this session (a forked or replayed client state), or signed another survivor set for it."""

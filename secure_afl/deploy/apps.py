@@ -25,6 +25,8 @@ random projection of the rows, absent: none), ``dp-projection-seed`` (0), ``dp-r
 ``adaptive``, the default with ``dp-dim``, or ``adassp``), ``dp-class-sums`` (``split`` or
 ``positives``, secure_afl/privacy/dp.py), ``dp-row-centre`` (true or false) and ``class-lists``, every
 roster institution's labelled classes as ``"hospital-a=0,1,2;hospital-b=1,3"`` (class indices).
+A growing study: ``extends``, the digest of the study it extends (its sums are read from
+``out-dir/sums-<digest>.npz``, which every additive study writes; README, a federation that grows).
 
 The coordinator's key and passphrase are in no run config (the ServerApp refuses one naming
 ``identity-key``, ``passphrase-file`` or ``passphrase-env``): the ServerApp writes the unsigned
@@ -67,6 +69,7 @@ from .client import NodeSettings, handle, path_free
 from .errors import ConfigurationError, DeploymentError, FederationAbortedError
 from .server import FederationServer
 from .study import Method, Study, StudyDp, parse_class_lists
+from .sums import load_sums, save_sums
 from .wire import MESSAGE_TYPE, Envelope, from_record_dict, to_record_dict
 
 server_app = ServerApp()
@@ -155,6 +158,7 @@ def study_from_run_config(config: Mapping[str, Any]) -> Study:
                 int(b) for b in str(config.get("ckks-moduli", "60,40,40,60")).split(",") if b.strip()
             ),
             ckks_scale_bits=int(config.get("ckks-scale-bits", 40)),
+            extends=str(config.get("extends", "")).strip().lower(),
         )
     except KeyError as exc:
         raise ConfigurationError(f"the run config lacks {exc.args[0]!r}") from None
@@ -256,6 +260,8 @@ def server_main(grid: Grid, context: Context) -> None:
     roster = Roster.from_json(Path(str(config["roster"])).read_text(encoding="utf-8"))
     study = study_from_run_config(config)
     _log(f"protection: {study.describe_protection()}")
+    # A growing study adds its sums to those of the study it extends, kept in this out-dir.
+    earlier = load_sums(out_dir, study.extends) if study.extends else None
     server = FederationServer(
         GridTransport(grid),
         roster,
@@ -266,10 +272,14 @@ def server_main(grid: Grid, context: Context) -> None:
         min_nodes=int(config.get("min-nodes", 0)) or None,
         log=_log,
         colluders=config.get("colluders", "n-t"),
+        earlier=earlier,
     )
     report_path = out_dir / "report.json"
     try:
         classifier = server.run()
+        if server.accumulated is not None:
+            saved = save_sums(out_dir, server.accumulated)
+            _log(f"wrote {saved} (a later study may extend {study.digest()})")
         signed = await_signature(classifier, roster, out_dir, float(config.get("sign-timeout", 300)))
         stored = server.deliver(classifier, signed)
         _log(f"classifier stored by {list(stored)}")

@@ -206,9 +206,11 @@ def check_node(
     state = step("ledger", lambda: _ledger_state(settings.ledger_dir, client_id, identity))
     ok(f"ledger {settings.ledger_dir}: {state}")
     if study is not None:
-        rounds = ("1", "2") if study.method.rounds == 2 else ("1",)
-        step("ledger against the study", lambda: _unreleased(settings, client_id, identity, rounds))
-        ok(f"ledger: this feature file's round {' and '.join(rounds)} values were never released")
+        images = step("ledger against the study", lambda: _unreleased(settings, client_id, identity, study))
+        if study.extends:
+            ok(f"ledger: a growing study: this node releases only its new ones of {images} images")
+        else:
+            ok(f"ledger: none of this feature file's {images} images was released before")
     step("out-dir", lambda: _writable(settings.out_dir, "out-dir"))
     ok(f"out-dir {settings.out_dir}: writable")
     if superlink is not None:
@@ -224,23 +226,21 @@ def check_node(
     return CheckResult(client_id, tuple(lines))
 
 
-def _unreleased(settings: Any, client_id: str, identity: Any, rounds: tuple[str, ...]) -> None:
-    """The run's one-contribution check in R0, on what this node's ledger already holds: a session
-    over this feature file's values (its source: file digest and round) is refused with the
-    session's own :class:`~secure_afl.core.errors.ValueAlreadyReleasedError`."""
-    from secure_afl.core.errors import ValueAlreadyReleasedError
+def _unreleased(settings: Any, client_id: str, identity: Any, study: Any) -> int:
+    """The run's one-contribution check in R0, on what this node's ledger already holds: a study
+    over images it released is refused with the session's own
+    :class:`~secure_afl.core.errors.ImageAlreadyReleasedError` (a study that extends another
+    releases only the new images: nothing to refuse).  Returns the number of images checked."""
+    from secure_afl.features.file import load_feature_file
     from secure_afl.privacy.ledger import FileLedger, LedgerOwner
     from secure_afl.privacy.release import Release
+    from secure_afl.protocol.exposure_gate import check_images_unreleased
 
-    from .client import release_source
-
-    state = FileLedger(settings.ledger_dir).load(LedgerOwner(client_id, identity))
-    ids, _ = state.released_in(b"")  # every session that released something
-    for label in rounds:
-        release = Release.of({}, sources=[release_source(settings, label)])
-        spent = sorted(release.ids & set(ids))
-        if spent:
-            raise ValueAlreadyReleasedError(release.names(spent), bytes.fromhex(ids[spent[0]]))
+    digests = load_feature_file(settings.features, require_labels=True).require_image_digests()
+    if not study.extends:
+        state = FileLedger(settings.ledger_dir).load(LedgerOwner(client_id, identity))
+        check_images_unreleased(Release.of({}, images=digests), state)
+    return len(digests)
 
 
 def _ledger_state(directory: Path, client_id: str, identity: Any) -> str:

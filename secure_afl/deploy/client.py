@@ -22,7 +22,6 @@ dropped and every later message of that session is refused.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -38,7 +37,7 @@ from secure_afl.core.randomness import RandomSource
 from secure_afl.keys.files import load_identity_key
 from secure_afl.keys.identity import IdentityKey
 from secure_afl.keys.roster import Roster
-from secure_afl.privacy.release import Release, source_id
+from secure_afl.privacy.release import Release
 
 from .classifier import Classifier
 from .errors import (
@@ -351,12 +350,6 @@ def _check_pinned_study(study: Study, settings: NodeSettings) -> None:
         )
 
 
-def release_source(settings: NodeSettings, label: str) -> str:
-    """What session ``label``'s values are computed from: this feature file (by digest) and the round.
-    The ledger spends it with the values (:func:`_inputs`); ``deploy check`` looks it up."""
-    return source_id("feature-file", _file_digest(settings.features), f"round {label}")
-
-
 def _check_study(study: Study, settings: NodeSettings) -> Any:
     from secure_afl.features.file import load_feature_file
 
@@ -508,8 +501,8 @@ def _noise_random() -> RandomSource:
 def _private_inputs(
     label: str, study: Study, data: Any, envelope: Envelope, groups: set[str], settings: NodeSettings,
     roster_size: int, client_id: str,
-) -> tuple[Any, Any, Any]:  # fmt: skip
-    """Under DP: (layout, noisy contributions, the clean ones, the ledger's key) of session ``label``."""
+) -> tuple[Any, Any, Any, np.ndarray]:  # fmt: skip
+    """Under DP: (layout, noisy contributions, the clean ones, the rows used) of session ``label``."""
     from secure_afl.privacy.dp import (
         private_rows,
         private_statistics,
@@ -538,7 +531,7 @@ def _private_inputs(
             f"{config.clip:g}",
         )
         noisy, clean = round1_upload(stats, data.active, plan, _noise_random())
-        return round1_layout(study), noisy, clean
+        return round1_layout(study), noisy, clean, keep
     coef = _round1_coef(study, envelope)
     pseudo = _pseudo_config(study)
     classes = [int(g.split("/")[1]) for g in groups if g.startswith("pseudo/")]
@@ -546,7 +539,7 @@ def _private_inputs(
     noisy, clean = pseudo_label_upload(
         clipped, coef, data.active, plan, _noise_random(), pseudo, groups=groups
     )
-    return round2_layout(study, classes), noisy, clean
+    return round2_layout(study, classes), noisy, clean, keep
 
 
 def _pseudo_config(study: Study) -> Any:
@@ -569,26 +562,32 @@ def _inputs(
     roster_size: int = 0, client_id: str = "",
 ) -> tuple[dict[str, dict[str, np.ndarray]], Release]:  # fmt: skip
     """This client's protocol inputs for session ``label`` (group -> tensor -> flat float64 vector)
-    and what they release (the one-contribution rule's unit): the values before any noise (a rerun
-    draws fresh noise over the same data: the same values), and the source, this feature file's
-    digest and the round, so that another study over the same data (another balance, another
-    Gram scope: other bytes, linear functions of the same statistics) is the same release."""
+    and what they release: the images the statistics are computed from (each row's image digest,
+    the one-contribution rule's unit: another study, backbone, layout or protection over the same
+    images, or a re-extracted file of them, is the same release), and the values before any noise
+    (a rerun draws fresh noise over the same data: the same values)."""
     from secure_afl.analytic import client_statistics, pseudo_label_contributions
 
     if label not in ("1", "2"):
         raise SessionReplayError(f"unknown session {label!r}")
     method = study.method
     clean = None
+    images = data.require_image_digests()  # the release's unit: no digests, no release
     if study.dp is not None:
-        layout, contributions, clean = _private_inputs(
+        layout, contributions, clean, keep = _private_inputs(
             label, study, data, envelope, groups, settings, roster_size, client_id
         )
+        images = tuple(d for d, kept in zip(images, keep, strict=True) if kept)
     elif label == "1":
         layout = round1_layout(study)
-        stats = client_statistics(data.features, data.labels, device=settings.device)
+        empty = len(data.features) == 0  # a growing study's member without new images
+        features, labels = (data.features, data.labels) if not empty else _one_row(study)
+        stats = client_statistics(features, labels, device=settings.device)
         contributions = stats.contributions(
             data.active, balance=method.balance, gram=method.gram, include_global_gram=method.rounds == 2
         )
+        if empty:
+            contributions = _zero(contributions)
     else:
         coef = _round1_coef(study, envelope)
         contributions, _ = pseudo_label_contributions(
@@ -601,17 +600,56 @@ def _inputs(
     if unknown:
         raise StudyMismatchError(f"the session lacks this client's groups {sorted(unknown)}")
     inputs = _flat(layout, contributions)
-    source = release_source(settings, label)
-    release = Release.of(inputs if clean is None else _flat(layout, clean), sources=[source])
+    # One contribution per image: the images are the unit (a re-extracted, re-ordered or re-exported
+    # file of released images is refused), and round 2 may use its own study's round-1 images again.
+    # The values' ids and anchors stay beside them (a round-2 value equal to a released one).
+    scope = release_scope(study, label)
+    release = Release.of(
+        inputs if clean is None else _flat(layout, clean),
+        images=images,
+        scope=scope,
+        reuses=release_scope(study, "1") if label == "2" else "",
+    )
     return inputs, release
 
 
-def _file_digest(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+def release_scope(study: Study, label: str) -> str:
+    """What a session's images are released under: the study's digest and the round."""
+    return f"study:{study.digest()}/round:{label}"
+
+
+def _unreleased(data: Any, settings: NodeSettings, client_id: str, identity: IdentityKey) -> Any:
+    """The feature file's rows whose images this institution's ledger has not released (a growing
+    study's increment; a study that extends another releases nothing else).  May have no rows."""
+    import dataclasses
+
+    from secure_afl.privacy.ledger import LedgerOwner
+
+    released = _ledger(settings).load(LedgerOwner(client_id, identity)).released_images(b"")
+    keep = np.array([bytes.fromhex(d) not in released for d in data.require_image_digests()], dtype=bool)
+    log(settings, f"{client_id}: growing study: {int(keep.sum())} of {len(keep)} rows are new images")
+
+    def rows(values: Any) -> Any:
+        return None if values is None else tuple(v for v, k in zip(values, keep, strict=True) if k)
+
+    return dataclasses.replace(
+        data,
+        features=data.features[keep],
+        labels=data.labels[keep],
+        image_ids=rows(data.image_ids),
+        patient_ids=rows(data.patient_ids),
+        image_sha256=rows(data.require_image_digests()),
+    )
+
+
+def _one_row(study: Study) -> tuple[np.ndarray, np.ndarray]:
+    """A stand-in row giving the layout's shapes (its statistics are zeroed, :func:`_zero`)."""
+    return np.zeros((1, study.dim)), np.zeros((1, study.n_classes), dtype=np.uint8)
+
+
+def _zero(contributions: Any) -> Any:
+    """A member with no new rows sends zeros (the value its committed count of 0 announces)."""
+    return {g: {t: np.zeros_like(v) for t, v in tensors.items()} for g, tensors in contributions.items()}
 
 
 def _flat(layout: Any, contributions: Any) -> dict[str, dict[str, np.ndarray]]:
@@ -645,6 +683,8 @@ def _start_session(envelope: Envelope, label: str, state: LocalState, settings: 
         _check_dp_session(
             study, data, client_id, roster, backend, request, str(envelope.meta.get("study-nonce", ""))
         )
+    if study.extends:  # a growing study: only this institution's images not yet released
+        data = _unreleased(data, settings, client_id, identity)
     inputs, release = _inputs(label, study, data, envelope, groups, settings, len(roster), client_id)
     # One view: the digest of the study, the round and the arrays (round 2's W) this node was given;
     # its advertisement signs it and R1 goes on only if every advertisement signs the same.
@@ -652,8 +692,9 @@ def _start_session(envelope: Envelope, label: str, state: LocalState, settings: 
     _settle_earlier_sessions(label, state)
     seed = os.urandom(32)
     ledger, colluders = _ledger(settings), settings.colluders
+    rows = committed_rows(study, inputs, release)
     session = _client_session(
-        backend, client_id, identity, roster, inputs, seed, study, ledger, release, colluders, context
+        backend, client_id, identity, roster, inputs, seed, study, ledger, release, colluders, context, rows
     )
     replies = session.receive_bytes(envelope.payload)  # decoded again under the session's own limits
     state.save(
@@ -669,6 +710,7 @@ def _start_session(envelope: Envelope, label: str, state: LocalState, settings: 
             "messages": [envelope.payload],
             "inputs": {f"{g}|{t}": v for g, tensors in inputs.items() for t, v in tensors.items()},
             "release": json.dumps(release.to_json()),
+            "rows": json.dumps(rows),  # the committed counts (JSON: Flower's records hold no mappings)
         },
     )
     log(settings, f"{client_id}: session {label} R0 answered (groups {sorted(inputs)}, {backend.name})")
@@ -708,6 +750,7 @@ def _continue_session(envelope: Envelope, label: str, state: LocalState, setting
         release,
         settings.colluders,
         bytes(saved["context"]),
+        json.loads(str(saved.get("rows", "null"))),
     )
     # Rebuild: the same seed and the same server messages give the same state, secrets included
     # (CKKS: the secret context is the one the key holder sealed for this client in R2's message;
@@ -748,6 +791,7 @@ def _client_session(
     release: Release,
     colluders: int | None = None,
     context: bytes = b"",
+    rows: Mapping[str, int] | None = None,
 ) -> ClientSessionLike:
     # The deployment policy is the client's own (the backend's default): t >= floor(2n/3)+1 with
     # masking, groups of at least 2 (or the study's larger minimum), the exposure check, and the
@@ -771,7 +815,20 @@ def _client_session(
         random=DeterministicRandomSource(seed),
         release=release,
         context=context,
+        rows=rows,
     )
+
+
+def committed_rows(
+    study: Study, inputs: Mapping[str, Mapping[str, np.ndarray]], release: Release
+) -> dict[str, int] | None:
+    """The counts this node commits to in its advertisement: the rows (images) its values in each
+    group are computed from.  Every client's exposure check takes a member that commits 0 as a
+    known value (SECURITY.md, committed counts).  Under DP none: each member's noise is its own
+    secret, so no member's value is known (and an exact count of new images would not be noised)."""
+    if study.dp is not None:
+        return None
+    return dict.fromkeys(inputs, len(release.images))
 
 
 def _check_protocol_parameters(config: Any, study: Study, roster_size: int) -> None:

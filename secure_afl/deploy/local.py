@@ -16,6 +16,7 @@ The data are not this module's business: the caller writes each institution's fe
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import queue
@@ -80,6 +81,9 @@ class LocalResult:
     classifier_path: Path | None = None  # the signed file the ServerApp wrote (under work_dir)
     roster_path: Path | None = None  # the roster that verifies it (names the coordinator)
     abort_rehearsal: Any = None  # with rehearse_abort: the second run's RunOutcome (it must fail)
+    # sessions > 1 (a federation that grows): per session its classifier and report, the last first
+    # in ``classifier`` and ``report`` as for one session
+    sessions: list[tuple[Classifier, dict]] = field(default_factory=list)
 
 
 def flower_bin(name: str) -> str:
@@ -366,6 +370,8 @@ def run_local(
     server_dir: Path | None = None,
     logs_dir: Path | None = None,
     rehearse_abort: bool = False,
+    sessions: int = 1,
+    arrive: Callable[[int], None] | None = None,
 ) -> LocalResult:
     """Start the federation under ``work_dir``, run it, stop every process; return the classifier.
 
@@ -376,6 +382,9 @@ def run_local(
     ``secure-afl deploy run``'s code (:func:`~secure_afl.deploy.coordinator.run_federation`).
     ``rehearse_abort``: then kill SuperNodes until too few remain and run again (see
     :func:`_rehearse_abort`); the second run's outcome is ``LocalResult.abort_rehearsal``.
+    ``sessions`` > 1: a federation that grows.  Before run k (0, 1, ...) ``arrive(k)`` rewrites the
+    feature files (the images arrived so far); run k > 0 is a study that extends run k - 1's
+    (run config ``extends``), over the same SuperNodes, ledgers and server out-dir.
     """
     drops = dict(drops or {})
     client_ids = sorted(feature_files)
@@ -427,6 +436,7 @@ def run_local(
             "ckks-degree": study.ckks_degree,
             "ckks-moduli": ",".join(str(b) for b in study.ckks_coeff_mod_bit_sizes),
             "ckks-scale-bits": study.ckks_scale_bits,
+            "extends": study.extends,  # a growing run overrides it with the previous study's digest
             "round-timeout": round_timeout,
             "statistics-timeout": statistics_timeout,
             "connect-timeout": connect_timeout,
@@ -487,6 +497,7 @@ def run_local(
             say(f"  registered ({seconds['node registration']:.1f} s)")
         stage = time.perf_counter()
         nodes: dict[str, Child] = {}
+        node_configs: dict[str, str] = {}  # each node's config (a growing run checks each study with it)
         for cid in client_ids:
             node_config = {
                 "identity-key": str(keys_dir / f"{cid}.key"),
@@ -501,6 +512,7 @@ def run_local(
             if study.dp is not None:  # each hospital insists on the study's privacy itself
                 node_config.update({"dp-epsilon": str(study.dp.epsilon), "dp-delta": str(study.dp.delta)})
             node_config_text = " ".join(f"{k}={json.dumps(v)}" for k, v in node_config.items())
+            node_configs[cid] = node_config_text
             _check_node(cid, node_config_text, study, f"127.0.0.1:{superlink_port}", ca if tls else None, say)
             node_args = [flower_bin("flower-supernode"), "--superlink", f"127.0.0.1:{superlink_port}"]
             node_args += ["--host", "127.0.0.1", "--port", str(free_port())]
@@ -541,28 +553,46 @@ def run_local(
 
         # deploy run's own signing: this process holds the coordinator's key, the ServerApp does not.
         signer = ClassifierSigner.for_roster(roster_written, coordinator_key)
-        outcome = run_federation(
-            app_dir, CONNECTION, children=children, log_path=run_log, run_timeout=run_timeout, say=say,
-            on_poll=kill_dropped, signer=signer,
-        )  # fmt: skip
-        seconds["flwr run"] = time.perf_counter() - stage
-        if not outcome.ok or outcome.report is None:
-            raise LocalDeploymentError(
-                f"the federation failed: {outcome.error}; see {outcome.report_path}, flwr run's output "
-                f"{run_log} and the nodes' logs in {logs}"
-            )
-        report = outcome.report
-        classifier_path = server_dir / "classifier.json"
+        grown: list[tuple[Classifier, dict]] = []
         roster = Roster.from_json(roster_path.read_text(encoding="utf-8"))
-        classifier = Classifier.load(classifier_path, roster=roster)  # signed by the coordinator
+        classifier_path = server_dir / "classifier.json"
+        for k in range(sessions):
+            if k:
+                stage = time.perf_counter()
+                if arrive is not None:
+                    arrive(k)
+                run_log = logs / f"flwr-run-{k + 1}.log"
+                earlier = grown[-1][0].study_digest
+                say(f"session {k + 1} of {sessions}: a study that extends {earlier[:16]}...")
+                # each hospital checks the new study (deploy check --study pins it) before it runs
+                extended = dataclasses.replace(study, extends=earlier)
+                for cid, text in node_configs.items():
+                    _check_node(cid, text, extended, f"127.0.0.1:{superlink_port}", ca if tls else None, say)
+            elif arrive is not None:
+                arrive(0)
+            outcome = run_federation(
+                app_dir, CONNECTION, children=children, log_path=run_log, run_timeout=run_timeout, say=say,
+                on_poll=kill_dropped, signer=signer,
+                run_config=[f"extends={json.dumps(grown[-1][0].study_digest)}"] if k else (),
+            )  # fmt: skip
+            seconds["flwr run" if not k else f"flwr run {k + 1}"] = time.perf_counter() - stage
+            if not outcome.ok or outcome.report is None:
+                raise LocalDeploymentError(
+                    f"the federation failed: {outcome.error}; see {outcome.report_path}, flwr run's output "
+                    f"{run_log} and the nodes' logs in {logs}"
+                )
+            # signed by the coordinator
+            grown.append((Classifier.load(classifier_path, roster=roster), outcome.report))
+        classifier, report = grown[-1]
         node_files = {
             cid: out_dir / cid / "classifier.json"
             for cid in client_ids
             if (out_dir / cid / "classifier.json").exists()
         }
         result = LocalResult(
-            classifier, report, seconds, node_files, work_dir, killed, classifier_path, roster_path
-        )
+            classifier, report, seconds, node_files, work_dir, killed, classifier_path, roster_path,
+            sessions=grown if sessions > 1 else [],
+        )  # fmt: skip
         if rehearse_abort:
             result.abort_rehearsal = _rehearse_abort(
                 app_dir, children, nodes, killed, study, server_dir, logs, say, run_timeout, signer=signer

@@ -48,6 +48,7 @@ from .study import (
     session_context,
     study_session_id,
 )
+from .sums import AccumulatedSums, chain_entry, is_additive
 from .wire import Envelope
 
 
@@ -141,8 +142,19 @@ class FederationServer:
         session_ids: Sequence[bytes] | None = None,
         signer: ClassifierSigner | None = None,
         colluders: object = "n-t",
+        earlier: AccumulatedSums | None = None,
     ) -> None:
         self.transport = transport
+        # A growing study: the sums of the chain it extends (the coordinator's own earlier outputs).
+        if study.extends and (earlier is None or earlier.study_digest != study.extends):
+            raise ConfigurationError(
+                f"the study extends {study.extends[:16]}..., but the server was given "
+                f"{'no earlier sums' if earlier is None else f'the sums of {earlier.study_digest[:16]}...'}"
+            )
+        if earlier is not None and not study.extends:
+            raise ConfigurationError("earlier sums were given for a study that extends none")
+        self.earlier = earlier
+        self.accumulated: AccumulatedSums | None = None  # after run(): the sums to extend next
         # The colluders the nodes' exposure checks assume (run config ``colluders``, the same value as
         # theirs): round 2 forms only pseudo-label groups they would accept.
         self.round2_min_group_size = round2_min_group_size(study, len(roster), colluders)
@@ -206,9 +218,10 @@ class FederationServer:
             )
             solve2 = None
         else:
+            fitted = self._accumulate(record1, sums1)
             model = AnalyticClassifier(
                 self.study.n_classes, gamma=method.gamma, balance=method.balance, gram=method.gram
-            ).fit(sums1)
+            ).fit(fitted)
         self.report.seconds["solve"] = time.perf_counter() - solve_started
         if method.rounds == 2:
             labelled = {
@@ -248,6 +261,27 @@ class FederationServer:
         classifier = self._classifier(weights)
         self.report.seconds["federation"] = time.perf_counter() - started
         return classifier
+
+    def _accumulate(self, record: SessionRecord, sums: Any) -> Any:
+        """The sums to solve on: a growing study's added to the chain's earlier sums.  An additive
+        study's are kept (``self.accumulated``) so that a later study may extend it."""
+        if not is_additive(self.study):
+            return sums
+        from secure_afl.growth import GrowthError, accumulate_sums
+
+        earlier = self.earlier
+        try:
+            total = accumulate_sums(None if earlier is None else earlier.sums, sums)
+        except GrowthError as exc:
+            if earlier is not None:
+                why = f"the session's sums do not add to the earlier ones: {exc}"
+                raise FederationAbortedError(why) from exc
+            self.log(f"the sums are not kept for a growing study: {exc}")
+            return sums
+        entry = chain_entry(self.study.digest(), record.session_id, record.survivors)
+        chain = (*(() if earlier is None else earlier.chain), entry)
+        self.accumulated = AccumulatedSums(self.study.digest(), total, chain)
+        return total if earlier is not None else sums
 
     def _refine_private(self, model: Any, sums1: Any, sums2: Any, solve: Any, plan: Any, record2: Any):
         """Round 2 under DP: Eq. 20's thresholds on the noisy federation counts (dp_solve)."""
@@ -539,6 +573,13 @@ class FederationServer:
         self.log(f"{where}: {who} refused: {error}: {message}")
 
     def _protocol(self) -> dict[str, Any]:
+        if self.study.extends and self.accumulated is not None:
+            # A growing study: the classifier is the fit on every image the chain released.
+            growth = {"extends": self.study.extends, "chain": [dict(e) for e in self.accumulated.chain]}
+            return {**self._backend_protocol(), "growth": growth}
+        return self._backend_protocol()
+
+    def _backend_protocol(self) -> dict[str, Any]:
         if self.study.protection == "mask":
             return {
                 "backend": self.backend.name,

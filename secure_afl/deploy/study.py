@@ -204,6 +204,10 @@ class Study:
     ckks_degree: int = 8192
     ckks_coeff_mod_bit_sizes: tuple[int, ...] = (60, 40, 40, 60)
     ckks_scale_bits: int = 40
+    # A growing study: the digest of the study it extends (""; none).  Each client then releases
+    # only its images not yet released (its ledger says which) and the server adds the new sums to
+    # the earlier ones (README, a federation that grows).
+    extends: str = ""
 
     def __post_init__(self) -> None:
         if not self.classes or len(set(self.classes)) != len(self.classes):
@@ -227,6 +231,31 @@ class Study:
                 raise ConfigurationError(f"CKKS parameters: {exc}") from None
         if self.dp is not None:
             self._check_dp(self.dp)
+        if self.extends:
+            self._check_growth()
+
+    def _check_growth(self) -> None:
+        """A study that extends another must be additive (global balance, one round, no DP)."""
+        if len(self.extends) != 64 or any(ch not in "0123456789abcdef" for ch in self.extends):
+            raise ConfigurationError(
+                f"extends must be the 64-hex-digit digest of the earlier study, got {self.extends!r}"
+            )
+        if self.method.balance != "global":
+            raise ConfigurationError(
+                "a growing study needs balance='global': the paper's per-client balance weights a client's "
+                "rows by its own counts (Eq. 9), so new rows re-weight the earlier ones and the sessions' "
+                "sums do not add"
+            )
+        if self.method.rounds != 1:
+            raise ConfigurationError(
+                "a growing study runs round 1 only: round 2's pseudo-labels come from the session's "
+                "teacher, which changes with every session, so its sums do not add"
+            )
+        if self.dp is not None:
+            raise ConfigurationError(
+                "a growing study cannot use differential privacy yet: the DP solve sizes its ridge from "
+                "one session's noise plan (secure_afl/growth.py)"
+            )
 
     def _check_dp(self, dp: StudyDp) -> None:
         if self.protection != "mask":
@@ -310,6 +339,8 @@ class Study:
                 del document[key]
         else:
             document["ckks_coeff_mod_bit_sizes"] = list(self.ckks_coeff_mod_bit_sizes)
+        if not self.extends:  # a study that extends none keeps the document it had
+            del document["extends"]
         return json.dumps(document, sort_keys=True, separators=(",", ":"))
 
     @classmethod
@@ -325,6 +356,7 @@ class Study:
                 min_group_size=int(document["min_group_size"]),
                 frac_bits=int(document["frac_bits"]),
                 dp=StudyDp.from_dict(document["dp"]) if document.get("dp") is not None else None,
+                extends=str(document.get("extends", "")),
                 **_protection_fields(document),
             )
         except ConfigurationError:

@@ -45,6 +45,10 @@ def show(ledger_dir: Path, client_id: str) -> None:
     click.echo(f"{path}: generation {document.get('generation')}, {len(sessions)} session(s)")
     for sid, entry in sessions.items():
         released = "released " + str(len(entry.get("released", []))) if entry.get("survivors") else "open"
+        if entry.get("survivors") and entry.get("images"):
+            # base64 of 32-byte digests: 4 characters for every 3 bytes
+            images = len(entry["images"]) * 3 // 4 // 32
+            released += f" value id(s), {images} image(s) under {entry.get('scope') or '-'}"
         rounds = ",".join(sorted(entry.get("answers", {})))
         click.echo(f"  {sid[:16]}...  {released}  rounds answered: {rounds or '-'}")
 

@@ -3,6 +3,14 @@
 Two rules a client keeps across sessions and across restarts (SECURITY.md, "One contribution per
 value, one answer per round"):
 
+- **One contribution per image** (where a release names its images: the deployment's always do).
+  Each session that released something keeps the images it released, as sorted distinct 32-byte
+  SHA-256 digests of the image files (:attr:`SessionEntry.images`; 3.2 MB at 100,000 images, 4.3 MB
+  in the file as base64, under the same signature), and what it released them under (the study's
+  digest and round).  A later session over any of them, under any study, backbone, layout or
+  protection, is refused (:class:`~secure_afl.core.errors.ImageAlreadyReleasedError`, with the
+  number of such rows and the earlier session), except round 2 of the same study, which may use
+  its round 1's images once (:meth:`LedgerState.released_images`).
 - **One contribution per value.**  A value (by content, :mod:`secure_afl.privacy.release`) is
   released in at most one completed session: the session in which the client signed the survivor
   set (masking R3) or uploaded its ciphertexts (CKKS R2).  A later session asking for a released
@@ -30,6 +38,7 @@ its cap refuses that session (:class:`LedgerFullError`) and leaves the file as i
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import fcntl
 import json
@@ -50,6 +59,7 @@ from secure_afl.core.errors import (
     LedgerUnreadableError,
 )
 from secure_afl.keys.identity import IdentityKey
+from secure_afl.privacy.release import split_digests
 
 FORMAT = "secure-afl-ledger/v2"
 _SIGNATURE_DOMAIN = b"secure-afl/v2/client-ledger\x00"
@@ -83,14 +93,23 @@ class SessionEntry:
     survivors: tuple[str, ...] | None = None  # the survivor set signed (the release point), if reached
     released: tuple[str, ...] = ()  # value and source ids spent in it
     anchors: tuple[str, ...] = ()  # prefix/suffix anchors of those values
+    # One contribution per image: the images released in it, sorted distinct 32-byte SHA-256
+    # digests concatenated (32 bytes an image: 3.2 MB at 100,000 images, 4.3 MB as base64 in the
+    # file), and what they were released under ("study:<digest>/round:<r>").
+    images: bytes = b""
+    scope: str = ""
 
-    def to_json(self) -> dict:
-        return {
+    def to_json(self, *, with_images: bool = True) -> dict:
+        out = {
             "answers": dict(sorted(self.answers.items())),
             "survivors": None if self.survivors is None else list(self.survivors),
             "released": list(self.released),
             "anchors": list(self.anchors),
         }
+        if self.images or self.scope:  # a ledger without images keeps the document it had
+            out["images"] = base64.b64encode(self.images).decode("ascii") if with_images else ""
+            out["scope"] = self.scope
+        return out
 
     @classmethod
     def from_json(cls, item: dict) -> SessionEntry:
@@ -105,6 +124,8 @@ class SessionEntry:
             survivors=None if survivors is None else _strings(survivors),
             released=_strings(item["released"]),
             anchors=_strings(item["anchors"]),
+            images=_packed_digests(item.get("images", "")),
+            scope=str(item.get("scope", "")),
         )
 
 
@@ -127,13 +148,26 @@ class LedgerState:
             anchors.update(dict.fromkeys(entry.anchors, sid))
         return ids, anchors
 
+    def released_images(self, session_id: bytes, *, reuses: str = "") -> dict[bytes, str]:
+        """image digest -> session, over every *other* session that released images, except those
+        released under ``reuses`` (round 2 of a study may use its round 1's images again)."""
+        own = session_id.hex()
+        out: dict[bytes, str] = {}
+        for sid, entry in self.sessions.items():
+            if sid == own or entry.survivors is None or not entry.images:
+                continue
+            if reuses and entry.scope == reuses:
+                continue
+            out.update(dict.fromkeys(split_digests(entry.images), sid))
+        return out
+
     def entry(self, session_id: bytes) -> SessionEntry:
         return self.sessions.setdefault(session_id.hex(), SessionEntry())
 
     def copy(self) -> LedgerState:
         return LedgerState(
             {
-                sid: SessionEntry(dict(e.answers), e.survivors, e.released, e.anchors)
+                sid: SessionEntry(dict(e.answers), e.survivors, e.released, e.anchors, e.images, e.scope)
                 for sid, e in self.sessions.items()
             },
             self.generation,
@@ -157,7 +191,9 @@ class Ledger(Protocol):
 
 
 def _session_bytes(entry: SessionEntry) -> int:
-    return len(json.dumps(entry.to_json(), separators=(",", ":")))
+    """A session's record without its images (their size is one digest an image, bounded by the
+    ledger's own cap: about 1.5 million images in :data:`MAX_LEDGER_BYTES`)."""
+    return len(json.dumps(entry.to_json(with_images=False), separators=(",", ":")))
 
 
 def _apply(state: LedgerState, change: Change, owner: LedgerOwner) -> LedgerState | None:
@@ -370,6 +406,14 @@ def _write_atomically(path: Path, data: bytes) -> None:
 
 def _canonical(document: dict) -> bytes:
     return json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def _packed_digests(text: object) -> bytes:
+    if not isinstance(text, str):
+        raise ValueError("images must be base64 text")
+    packed = base64.b64decode(text, validate=True)
+    split_digests(packed)  # a whole number of digests
+    return packed
 
 
 def _strings(values: object) -> tuple[str, ...]:

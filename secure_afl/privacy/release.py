@@ -13,20 +13,24 @@ the server calls it:
   value; the caller's source ids spend them (the deployment's do).  A value that starts or ends
   like a released one is a part of it (the halves attack: ``x`` released whole, then ``x[:k]`` and
   ``x[k:]`` under other names);
-- **source ids** the caller adds: what the values are computed from (the deployment adds the
-  digest of its feature file and the round), so that two studies over the same data (per-class
-  vs global balance: other bytes, one linear function of the other) are one release.
+- **source ids** the caller may add: what the values are computed from;
+- **images** (the deployment's unit, issue 29): the SHA-256 of each row's image file, with the
+  scope they are released under (the study's digest and round) and the one scope whose images the
+  release may use again (round 2: its own round 1).  Two studies over the same images (another
+  balance, backbone or protection, a re-extracted file: other bytes) are then one release.
 
 Within one session, an input that is a contiguous part of another input is refused outright
 (:func:`contained_parts`).  What is *not* recognised (SECURITY.md): parts shorter than
 ``ANCHOR_WORDS`` words or interior windows released across sessions, constant values (counts)
 at the protocol level, and other linear maps of a
 released value (scaled, permuted) computed by the caller; the deployment's clients compute their
-inputs themselves from the study's fixed layout, so a server cannot ask them for such parts.
+inputs themselves from the study's fixed layout, so a server cannot ask them for such parts, and
+name their images, which no layout changes.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
@@ -38,6 +42,7 @@ _VALUE_DOMAIN = b"secure-afl/v2/value\x00"
 _PREFIX_DOMAIN = b"secure-afl/v2/value-prefix\x00"
 _SUFFIX_DOMAIN = b"secure-afl/v2/value-suffix\x00"
 _SOURCE_DOMAIN = b"secure-afl/v2/source\x00"
+IMAGE_DIGEST_BYTES = 32  # SHA-256 of an image file's bytes
 
 
 def _words(values: np.ndarray) -> np.ndarray:
@@ -94,10 +99,24 @@ class Release:
     value_anchors: Mapping[tuple[str, str], tuple[str, ...]]  # (group, tensor) -> its anchors
     sources: frozenset[str]
     parts: tuple[tuple[str, str], ...] = ()  # (part, whole) inside this release (contained_parts)
+    # One contribution per image: the 32-byte SHA-256 of each row's image file, sorted (one per row,
+    # so a file listing an image twice counts it twice); empty where the caller names no images.
+    images: tuple[bytes, ...] = ()
+    scope: str = ""  # what the images are released under: "study:<digest>/round:<r>"
+    reuses: str = ""  # the one scope whose images this release may use again (round 2: its round 1)
 
     @classmethod
-    def of(cls, inputs: Mapping[str, Mapping[str, np.ndarray]], *, sources: Iterable[str] = ()) -> Release:
-        """The release of ``inputs`` (the statistics *before* randomisation) plus ``sources``.
+    def of(
+        cls,
+        inputs: Mapping[str, Mapping[str, np.ndarray]],
+        *,
+        sources: Iterable[str] = (),
+        images: Iterable[str | bytes] = (),
+        scope: str = "",
+        reuses: str = "",
+    ) -> Release:
+        """The release of ``inputs`` (the statistics *before* randomisation) plus ``sources``, over
+        ``images`` (each row's image digest, hex or 32 bytes) released under ``scope``.
 
         Each distinct value is read once (:class:`_Distinct`): a Gram that several groups carry is
         hashed once and searched for parts once, whatever the number of groups.
@@ -105,7 +124,8 @@ class Release:
         distinct = _Distinct(inputs)
         values = {key: distinct.value_id(key) for key in distinct.keys}
         found = {key: distinct.anchors(key) for key in distinct.keys}
-        return cls(values, found, frozenset(sources), distinct.contained_parts())
+        parts = distinct.contained_parts()
+        return cls(values, found, frozenset(sources), parts, image_digests(images), scope, reuses)
 
     @property
     def anchors(self) -> frozenset[str]:
@@ -118,6 +138,9 @@ class Release:
             "anchors": [[g, t, *a] for (g, t), a in sorted(self.value_anchors.items())],
             "sources": sorted(self.sources),
             "parts": [list(p) for p in self.parts],
+            "images": base64.b64encode(b"".join(self.images)).decode("ascii"),
+            "scope": self.scope,
+            "reuses": self.reuses,
         }
 
     @classmethod
@@ -127,6 +150,9 @@ class Release:
             {(str(item[0]), str(item[1])): tuple(map(str, item[2:])) for item in document["anchors"]},
             frozenset(map(str, document["sources"])),
             tuple((str(a), str(b)) for a, b in document["parts"]),
+            split_digests(base64.b64decode(document.get("images", ""), validate=True)),
+            str(document.get("scope", "")),
+            str(document.get("reuses", "")),
         )
 
     @property
@@ -140,6 +166,24 @@ class Release:
         out += sorted(f"the source {s[7:23]}..." for s in self.sources if s in ids)
         out += sorted(f"{g}/{t}" for (g, t), a in self.value_anchors.items() if set(a) & set(ids))
         return tuple(dict.fromkeys(out))
+
+
+def image_digests(images: Iterable[str | bytes]) -> tuple[bytes, ...]:
+    """Image digests (64 hex digits or 32 bytes each) as sorted 32-byte values; ValueError otherwise."""
+    out = []
+    for item in images:
+        raw = bytes.fromhex(item) if isinstance(item, str) else bytes(item)
+        if len(raw) != IMAGE_DIGEST_BYTES:
+            raise ValueError(f"an image digest is a {IMAGE_DIGEST_BYTES}-byte SHA-256, got {len(raw)} bytes")
+        out.append(raw)
+    return tuple(sorted(out))
+
+
+def split_digests(packed: bytes) -> tuple[bytes, ...]:
+    """Concatenated 32-byte digests (as a ledger or a release stores them) back into a tuple."""
+    if len(packed) % IMAGE_DIGEST_BYTES:
+        raise ValueError(f"packed image digests must be a multiple of {IMAGE_DIGEST_BYTES} bytes")
+    return tuple(packed[i : i + IMAGE_DIGEST_BYTES] for i in range(0, len(packed), IMAGE_DIGEST_BYTES))
 
 
 def contained_parts(inputs: Mapping[str, Mapping[str, np.ndarray]]) -> tuple[tuple[str, str], ...]:
@@ -229,7 +273,8 @@ class _Distinct:
                 # the tensors by the value's digest), not a part.
                 if whole == part or tensor[whole] == tensor[part]:
                     continue
-                if self._flat[large].size <= self._flat[small].size:
+                # A constant whole (a member with no rows sends zeros) holds nothing a part could add.
+                if self._flat[large].size <= self._flat[small].size or self._constant[large]:
                     continue
                 pair = (small, large)
                 if pair not in searched:

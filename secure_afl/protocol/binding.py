@@ -103,9 +103,11 @@ def advertise_fields(
     self_mask_commitment: bytes,
     config_digest_value: bytes,
     groups: tuple[str, ...],
+    rows: tuple[int, ...] = (),
 ) -> tuple[bytes, tuple]:
-    """(domain, fields) signed by a client's identity key in R0."""
-    return ADVERTISE_DOMAIN, (
+    """(domain, fields) signed by a client's identity key in R0; the committed counts ``rows``
+    (one per group) are a field of their own, present only where the client commits to them."""
+    fields: tuple = (
         session_id,
         client_id,
         encryption_public_key,
@@ -114,6 +116,14 @@ def advertise_fields(
         config_digest_value,
         groups,
     )
+    if rows:
+        fields = (*fields, committed_rows_field(rows))
+    return ADVERTISE_DOMAIN, fields
+
+
+def committed_rows_field(rows: tuple[int, ...]) -> bytes:
+    """The committed counts as one signed field (each count as 8 big-endian bytes)."""
+    return b"".join(int(v).to_bytes(8, "big") for v in rows)
 
 
 def advertisement_signed_by(advert: AdvertiseKeys, public_key: bytes) -> bool:
@@ -126,6 +136,7 @@ def advertisement_signed_by(advert: AdvertiseKeys, public_key: bytes) -> bool:
         advert.self_mask_commitment,
         advert.config_digest,
         advert.groups,
+        advert.rows,
     )
     return crypto.verify(public_key, advert.signature, domain, *fields)
 

@@ -62,7 +62,7 @@ from secure_afl.privacy.policy import ClientPolicy
 from secure_afl.privacy.release import Release
 
 from . import binding, codec, crypto, prg, shamir
-from .exposure_gate import ExposureGate, message_digest
+from .exposure_gate import ExposureGate, committed_rows, message_digest, zero_commitments
 from .messages import (
     AdvertiseKeys,
     AdvertiseRequest,
@@ -216,6 +216,10 @@ class ClientSession:
     <secure_afl.protocol.binding.session_context>`: the study, its round, round 2's teacher W),
     computed by this client from what it was given: its advertisement signs it within the config
     digest, and in R1 it refuses (:class:`DifferentSessionViewError`) advertisements that sign another.
+    ``rows``, when given, is this client's committed count per group (the rows its values there are
+    computed from), signed in its advertisement; every client's exposure check treats a member that
+    committed 0 rows to a group as a known value there, and refuses a session whose values come from
+    fewer than c + 2 members with rows (:class:`~secure_afl.core.errors.IncrementTooSmallError`).
     """
 
     def __init__(
@@ -233,6 +237,7 @@ class ClientSession:
         ledger: Ledger | None = None,
         release: Release | None = None,
         context: bytes = binding.NO_CONTEXT,
+        rows: Mapping[str, int] | None = None,
     ) -> None:
         if client_id not in roster:
             raise LocalProtocolError(f"client {client_id!r} is not in the roster")
@@ -262,6 +267,7 @@ class ClientSession:
         self._context = binding.check_context(context)
         self._random = default_random(random)
         self._gate = ExposureGate(client_id, identity_key, self._inputs, policy, ledger, release)
+        self._rows = committed_rows(rows, self._inputs)
         self._state = ClientState.AWAIT_ADVERTISE_REQUEST
         self._limits: dict[type, int] = {}
         self._clear_session()
@@ -428,6 +434,7 @@ class ClientSession:
         commitment = binding.self_mask_commitment(seed, config.session_id, self.client_id)
         digest = binding.config_digest(config, self._context)
         groups = tuple(sorted(self._inputs))
+        rows = () if self._rows is None else tuple(self._rows[g] for g in groups)
         domain, fields = binding.advertise_fields(
             config.session_id,
             self.client_id,
@@ -436,6 +443,7 @@ class ClientSession:
             commitment,
             digest,
             groups,
+            rows,
         )
         advert = AdvertiseKeys(
             session_id=config.session_id,
@@ -446,6 +454,7 @@ class ClientSession:
             config_digest=digest,
             groups=groups,
             signature=crypto.sign(self._identity.private_key, domain, *fields),
+            rows=rows,
         )
 
         def commit() -> None:
@@ -503,6 +512,11 @@ class ClientSession:
                     f"the server relayed an advertisement of {advert.client_id!r} with unknown or repeated "
                     f"groups (an honest server refuses it)"
                 )
+            if advert.rows and len(advert.rows) != len(advert.groups):
+                raise ServerProtocolError(
+                    f"the server relayed an advertisement of {advert.client_id!r} whose committed counts "
+                    f"do not match its groups (an honest server refuses it)"
+                )
             adverts[advert.client_id] = advert
         if adverts.get(self.client_id) != self._own_advert:
             raise ServerProtocolError("the server omitted or altered this client's own advertisement")
@@ -517,7 +531,7 @@ class ClientSession:
         self._check_group_sizes(members, set(adverts), own_groups_only=True)
         if self._policy.refuse_exposure:
             # Refuse a layout that isolates a client even if everyone survives, before any share exists.
-            self._exposure_gate("R1", "share keys (R1)", members, set(adverts))
+            self._exposure_gate("R1", "share keys (R1)", members, set(adverts), adverts=adverts)
         # The group sizes are known now: refuse inputs that would overflow before sharing anything,
         # so an overflow never strands this client after its shares are out (R2 checks again).
         for group in sorted(self._inputs):
@@ -762,9 +776,10 @@ class ClientSession:
         live: set[str] | frozenset[str],
         *,
         release: bool = False,
+        adverts: Mapping[str, AdvertiseKeys] | None = None,
     ) -> tuple[exposure.ExposureFinding, ...]:
-        """The exposure check over this session's sums, with the policy's colluders
-        (:class:`ExposureGate`); with ``release`` the release point (R3)."""
+        """The exposure check over this session's sums, with the policy's colluders and the members'
+        committed zeros (:class:`ExposureGate`); with ``release`` the release point (R3)."""
         groups = {
             name: (tuple(cid for cid in members.get(name, ()) if cid in live), tensors)
             for name, tensors in self._relevant.items()
@@ -774,6 +789,7 @@ class ClientSession:
             round_name,
             action,
             groups,
+            known_zero=zero_commitments((self._adverts if adverts is None else adverts).values()),
             session_id=config.session_id,
             # c = n - (this client's own floor for t), never n - (the session's t): a server that
             # raised t would otherwise shrink the colluders assumed (to none at t = n).

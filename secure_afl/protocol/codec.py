@@ -266,6 +266,7 @@ def _write_advertise_keys(w: _Writer, m: AdvertiseKeys) -> None:
     w.fixed(m.config_digest, DIGEST_BYTES, "config digest")
     w.sequence(m.groups, w.string)  # type: ignore[arg-type]
     w.fixed(m.signature, SIGNATURE_BYTES, "signature")
+    w.sequence(m.rows, lambda v: w.uint(v, 8))  # type: ignore[arg-type]
 
 
 def _write_encrypted_share(w: _Writer, share: EncryptedShare) -> None:
@@ -432,6 +433,7 @@ def _read_advertise_keys(r: _Reader) -> AdvertiseKeys:
         config_digest=r.take(DIGEST_BYTES),
         groups=r.sequence(r.string, 3),
         signature=r.take(SIGNATURE_BYTES),
+        rows=r.sequence(lambda: r.uint(8), 3),
     )
 
 

@@ -4,13 +4,19 @@ Both protection backends' clients (masking, :mod:`secure_afl.protocol.client`; C
 :mod:`secure_afl.protocol.ckks.client`) ask the same questions, written once so that the two cannot
 drift apart:
 
-- **R0, one contribution per value**: does the session ask for a value this client already released
-  in another completed session (by content, a part of one, or a statistic of a released source:
-  :mod:`secure_afl.privacy.release`), or for a value that is a part of another in this session?
+- **R0, one contribution per image, then per value**: does the session release statistics over an
+  image (by the digest of its file's bytes, where the release names them) that this client already
+  released in another completed session under another scope than the one the release may reuse
+  (round 2 of the same study)?  Does it ask for a value already released (by content, a part of
+  one, or a statistic of a released source: :mod:`secure_afl.privacy.release`), or for a value that
+  is a part of another in this session?
 - **every round, one answer per round**: was a *different* message of this round of this session
   answered before (a forked or rebuilt client)?  The answer is recorded before the reply leaves.
 - **before a step that lets the server learn sums**: would the sums over the live members determine
   a client's value, with up to c = n - t colluding peers' values known (deployment policy)?
+- **committed counts**: a member that signed 0 rows for a group contributes a value the server
+  knows (zero); it leaves that group's sums in the check, like a colluder's value, and a session
+  whose sums come from fewer than c + 2 members with rows is refused (deployment policy).
 - **at the release point** (masking R3, CKKS R2), atomically with the last check: record the
   release and the survivor set signed; a second survivor set for one session id is refused.
 """
@@ -18,7 +24,8 @@ drift apart:
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -27,6 +34,8 @@ from secure_afl.core.errors import (
     ConflictingAnswerError,
     ExposureCheckLimitError,
     ExposureRefusedError,
+    ImageAlreadyReleasedError,
+    IncrementTooSmallError,
     LocalProtocolError,
     ValueAlreadyReleasedError,
 )
@@ -115,14 +124,29 @@ class ExposureGate:
         session_id: bytes,
         colluders: int,
         release_survivors: tuple[str, ...] | None = None,
+        known_zero: Mapping[str, frozenset[str]] | None = None,
     ) -> tuple[exposure.ExposureFinding, ...]:
         """The exposure check over ``groups`` (raise to refuse, else return the findings).
+
+        ``known_zero`` (group -> members that committed 0 rows to it; None where no member committed
+        counts): a known value, like a colluder's, so it leaves the sums the check reads; and a
+        session whose values come from fewer than c + 2 members with rows is refused
+        (:class:`IncrementTooSmallError`, deployment policy).
 
         With ``release_survivors`` this is the release point: in one locked ledger update the
         values must still be unreleased elsewhere, no other survivor set may have been signed in
         this session, the check must pass, and then the release is recorded.
         """
         found: list[exposure.ExposureFinding] = []
+        if known_zero is not None:
+            groups = {
+                name: (tuple(cid for cid in live if cid not in known_zero.get(name, ())), tensors)
+                for name, (live, tensors) in groups.items()
+            }
+            # Over the sums this client's values are in (a client in no group has none to protect).
+            contributors = sorted({cid for live, _ in groups.values() for cid in live})
+            if groups and self.policy.refuse_exposure and len(contributors) < colluders + 2:
+                raise IncrementTooSmallError(action, contributors, colluders)
 
         def run_check() -> None:
             findings = exposure.client_exposures(
@@ -155,11 +179,15 @@ class ExposureGate:
             entry.survivors = survivors
             entry.released = tuple(sorted(self.release.ids))
             entry.anchors = tuple(sorted(self.release.anchors))
+            entry.images = b"".join(sorted(set(self.release.images)))
+            entry.scope = self.release.scope
 
         self._ledger.update(self._owner, change)
         return tuple(found)
 
     def _check_unreleased(self, state: LedgerState, session_id: bytes) -> None:
+        """One contribution per image (where the release names its images), then per value."""
+        check_images_unreleased(self.release, state, session_id)
         ids, anchors = state.released_in(session_id)
         spent = sorted(self.release.ids & set(ids))
         if spent:
@@ -171,3 +199,56 @@ class ExposureGate:
                 bytes.fromhex(anchors[shared[0]]),
                 how="start or end like a value (are parts of a value) released",
             )
+
+
+def committed_rows(
+    rows: Mapping[str, int] | None, inputs: Mapping[str, Mapping[str, np.ndarray]]
+) -> dict[str, int] | None:
+    """A client's committed counts, checked: one non-negative integer for each group it joins."""
+    if rows is None:
+        return None
+    if set(rows) != set(inputs):
+        raise LocalProtocolError(
+            f"committed rows name the groups {sorted(rows)}, the inputs {sorted(inputs)}: one count a group"
+        )
+    out = {}
+    for group, count in rows.items():
+        if isinstance(count, bool) or not isinstance(count, int | np.integer) or not 0 <= count < 1 << 63:
+            raise LocalProtocolError(f"the committed rows of {group!r} must be a count, got {count!r}")
+        if count == 0 and any(np.any(values != 0) for values in inputs[group].values()):
+            raise LocalProtocolError(
+                f"group {group!r}: a client committing 0 rows sends zeros there (the value every client "
+                f"takes as known), but its inputs are not zero"
+            )
+        out[group] = int(count)
+    return out
+
+
+def zero_commitments(adverts: Iterable[Any]) -> dict[str, frozenset[str]] | None:
+    """group -> the members that committed 0 rows to it (None: nobody committed counts), from either
+    backend's advertisements (``client_id``, ``groups`` and the signed ``rows``)."""
+    found: dict[str, set[str]] = {}
+    committed = False
+    for advert in adverts:
+        if not advert.rows:
+            continue
+        committed = True
+        for group, count in zip(advert.groups, advert.rows, strict=True):
+            if count == 0:
+                found.setdefault(group, set()).add(advert.client_id)
+    return {g: frozenset(ids) for g, ids in found.items()} if committed else None
+
+
+def check_images_unreleased(release: Release, state: LedgerState, session_id: bytes = b"") -> None:
+    """One contribution per image: refuse (:class:`ImageAlreadyReleasedError`) a release over an
+    image that ``state`` records as released by another session, other than under the one scope the
+    release may reuse (round 2: its own round 1).  A release naming no images passes."""
+    if not release.images:
+        return
+    released = state.released_images(session_id, reuses=release.reuses)
+    hits = [image for image in release.images if image in released]
+    if hits:
+        earlier = released[hits[0]]
+        raise ImageAlreadyReleasedError(
+            len(hits), len(release.images), bytes.fromhex(earlier), state.sessions[earlier].scope
+        )

@@ -73,6 +73,10 @@ class AdvertiseKeys:
     config_digest: bytes
     groups: tuple[str, ...]
     signature: bytes
+    # Committed counts: the rows this client releases in each of ``groups`` (same order), signed
+    # with the rest; empty where the client commits to none.  A member committing 0 rows to a group
+    # contributes a value the server knows (zero): every client's exposure check treats it as known.
+    rows: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import hashlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,11 @@ CLASSES = ("A", "B", "C")
 BACKBONE = {"name": "toy", "weights_id": "sha256:00", "preprocessing": "none"}
 PASSPHRASE = b"test passphrase"
 COORDINATOR = "coordinator"
+
+
+def row_digests(tag: str, n: int, start: int = 0) -> list[str]:
+    """Stand-ins for the SHA-256 of ``n`` distinct image files (rows ``start``.. of ``tag``)."""
+    return [hashlib.sha256(f"{tag}/image-{i}".encode()).hexdigest() for i in range(start, start + n)]
 
 
 class DictState:
@@ -103,6 +109,7 @@ def make_federation(
         save_feature_file(
             features_path, features, labels=labels, active=mine, classes=CLASSES,
             backbone="toy", weights_id="sha256:00", preprocessing="none",
+            image_sha256=row_digests(f"{seed}/{cid}", rows),
         )  # fmt: skip
         settings = NodeSettings(
             identity_key=key_path, passphrase_file=passfile, roster=roster_path, features=features_path,

@@ -4,6 +4,7 @@ field, the coordinator signs it, and the node and ``secure-afl predict`` verify 
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -72,6 +73,7 @@ def _features(tmp_path: Path, rows: int = 40, dim: int = 6, active=(0, 1, 2)) ->
     save_feature_file(
         path, rng.normal(size=(rows, dim)).astype(np.float32), labels=labels, active=active, classes=CLASSES,
         backbone="toy", weights_id="sha256:00", preprocessing="none",
+        image_sha256=[hashlib.sha256(f"{path}/{i}".encode()).hexdigest() for i in range(rows)],
     )  # fmt: skip
     return path
 

@@ -188,7 +188,7 @@ def test_a_message_replayed_from_an_earlier_run_is_refused_by_its_recipient(tmp_
     # The same statistics summed again without client-0 would isolate client-0's (run 1 minus run 2):
     # every peer released them in run 1 and refuses in R0 (one contribution per value, issue 21).
     peers = (1001, 1002, 1003)
-    assert refusals == {("session 1 R0", f"client-{k - 1000}", "ValueAlreadyReleasedError") for k in peers}
+    assert refusals == {("session 1 R0", f"client-{k - 1000}", "ImageAlreadyReleasedError") for k in peers}
 
     # Run 2b, every ledger fresh (the documented limit: a lost ledger forgets run 1): client-0 still
     # refuses the replayed R1 by itself.

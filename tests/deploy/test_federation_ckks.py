@@ -189,6 +189,7 @@ def test_the_server_never_receives_a_secret_key(tmp_path: Path) -> None:
     client = _client_session(
         federation.study.backend(4), node.client_id, identity, roster, inputs, saved["seed"],
         federation.study, MemoryLedger(), release, 0, saved["context"],
+        json.loads(saved["rows"]),
     )  # fmt: skip
     for data in saved["messages"]:
         client.receive_bytes(data)

@@ -100,8 +100,8 @@ def test_check_reports_values_already_released_as_the_run_refuses_them(tmp_path:
         deploy, ["check", "--node-config", _node_config(federation), "--study", str(app)]
     )
     assert result.exit_code == 1, result.output
-    assert "FAILED client-0: ledger against the study: ValueAlreadyReleasedError:" in result.output
-    assert "each value this client holds is released in at most one completed session" in result.output
+    assert "FAILED client-0: ledger against the study: ImageAlreadyReleasedError:" in result.output
+    assert "each image enters at most one released aggregate" in result.output
     # The run refuses the same way, in R0 (a second study over the same features: other γ).
     federation.study = dataclasses.replace(federation.study, method=Method(gamma=2.0))
     from .helpers import DictState, check_study
@@ -110,7 +110,7 @@ def test_check_reports_values_already_released_as_the_run_refuses_them(tmp_path:
     for node in federation.nodes.values():
         node.state = DictState()  # a new Flower run: its context state is fresh
     server = _aborted(federation, pin=False)
-    assert [r["error"] for r in server.report.refusals] == ["ValueAlreadyReleasedError"] * 3
+    assert [r["error"] for r in server.report.refusals] == ["ImageAlreadyReleasedError"] * 3
     session = server.report.refusals[0]["message"].split("in session ")[1][:16]
     assert f"in session {session}" in result.output  # the same earlier session named by both
 

@@ -13,7 +13,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from secure_afl.protocol import crypto
-from secure_afl.protocol.binding import NO_CONTEXT, check_context
+from secure_afl.protocol.binding import NO_CONTEXT, check_context, committed_rows_field
 from secure_afl.protocol.fields import sequence, tagged_fields
 
 from .messages import (
@@ -74,14 +74,28 @@ def config_digest(config: CkksSessionConfig, context: bytes = NO_CONTEXT) -> byt
 
 
 def advertise_fields(
-    session_id: bytes, client_id: str, encryption_public_key: bytes, digest: bytes, groups: tuple[str, ...]
+    session_id: bytes,
+    client_id: str,
+    encryption_public_key: bytes,
+    digest: bytes,
+    groups: tuple[str, ...],
+    rows: tuple[int, ...] = (),
 ) -> tuple[bytes, tuple]:
-    return ADVERTISE_DOMAIN, (session_id, client_id, encryption_public_key, digest, groups)
+    """(domain, fields) signed in R0; the committed counts as the masking advertisement's."""
+    fields: tuple = (session_id, client_id, encryption_public_key, digest, groups)
+    if rows:
+        fields = (*fields, committed_rows_field(rows))
+    return ADVERTISE_DOMAIN, fields
 
 
 def advertisement_signed_by(advert: CkksAdvertise, public_key: bytes) -> bool:
     domain, fields = advertise_fields(
-        advert.session_id, advert.client_id, advert.encryption_public_key, advert.config_digest, advert.groups
+        advert.session_id,
+        advert.client_id,
+        advert.encryption_public_key,
+        advert.config_digest,
+        advert.groups,
+        advert.rows,
     )
     return crypto.verify(public_key, advert.signature, domain, *fields)
 

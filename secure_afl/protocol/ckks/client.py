@@ -39,7 +39,7 @@ from secure_afl.protocol import codec as masking_codec
 from secure_afl.protocol import crypto, encoding
 from secure_afl.protocol.binding import NO_CONTEXT, check_context
 from secure_afl.protocol.client import check_group_sizes, check_name, check_session_fits_inputs
-from secure_afl.protocol.exposure_gate import ExposureGate, message_digest
+from secure_afl.protocol.exposure_gate import ExposureGate, committed_rows, message_digest, zero_commitments
 
 from . import binding, codec, context
 from .errors import (
@@ -143,6 +143,7 @@ class CkksClientSession:
         release: Release | None = None,
         random: RandomSource | None = None,
         context: bytes = NO_CONTEXT,
+        rows: Mapping[str, int] | None = None,
     ) -> None:
         if client_id not in roster:
             raise LocalProtocolError(f"client {client_id!r} is not in the roster")
@@ -170,6 +171,7 @@ class CkksClientSession:
         self._session_context = check_context(context)  # one view: signed within the config digest (R0, R1)
         self._policy = policy
         self._gate = ExposureGate(client_id, identity_key, self._inputs, policy, ledger, release)
+        self._rows = committed_rows(rows, self._inputs)
         self._random = default_random(random)
         self._replaying = False  # see replay_bytes
         self._state = CkksClientState.AWAIT_ADVERTISE_REQUEST
@@ -287,7 +289,10 @@ class CkksClientSession:
         digest = binding.config_digest(config, self._session_context)
         groups = tuple(sorted(self._inputs))
         public = crypto.x25519_public_bytes(encryption_key)
-        domain, fields = binding.advertise_fields(config.session_id, self.client_id, public, digest, groups)
+        rows = () if self._rows is None else tuple(self._rows[g] for g in groups)
+        domain, fields = binding.advertise_fields(
+            config.session_id, self.client_id, public, digest, groups, rows
+        )
         advert = CkksAdvertise(
             config.session_id,
             self.client_id,
@@ -295,6 +300,7 @@ class CkksClientSession:
             digest,
             groups,
             crypto.sign(self._identity.private_key, domain, *fields),
+            rows,
         )
         limit = codec.max_message_bytes(config, len(self._roster))
 
@@ -334,6 +340,10 @@ class CkksClientSession:
                 )
             if len(set(advert.groups)) != len(advert.groups) or not set(advert.groups) <= group_names:
                 raise ClientProtocolError(f"{advert.client_id!r} declared unknown or repeated groups")
+            if advert.rows and len(advert.rows) != len(advert.groups):
+                raise ClientProtocolError(
+                    f"{advert.client_id!r} committed counts that do not match its groups"
+                )
             adverts[advert.client_id] = advert
         if adverts.get(self.client_id) != self._own_advert:
             raise ServerProtocolError("the server omitted or altered this client's own advertisement")
@@ -367,7 +377,7 @@ class CkksClientSession:
         }
         self._check_group_sizes(members, set(adverts), own_groups_only=True)
         if self._policy.refuse_exposure:  # the layout alone may already isolate this client
-            self._own_exposure_gate("R1", "take part (R1)", members, set(adverts))
+            self._own_exposure_gate("R1", "take part (R1)", members, set(adverts), adverts=adverts)
         adverts_digest = binding.advertisements_digest(config.session_id, adverts.values())
         holder = binding.key_holder(config.session_id, adverts_digest, adverts)
         replies: list[CkksClientMessage] = []
@@ -727,6 +737,7 @@ class CkksClientSession:
         live: set[str],
         *,
         release: bool = False,
+        adverts: Mapping[str, CkksAdvertise] | None = None,
     ) -> tuple[exposure.ExposureFinding, ...]:
         """This client's own check, as the masking client's (:class:`ExposureGate`); raise to refuse.
 
@@ -741,6 +752,7 @@ class CkksClientSession:
             round_name,
             action,
             groups,
+            known_zero=zero_commitments((self._adverts if adverts is None else adverts).values()),
             session_id=self._require_config().session_id,
             colluders=self._policy.colluders(n, self._policy.min_threshold(n)),
             release_survivors=tuple(sorted(live)) if release else None,

@@ -154,6 +154,7 @@ def _write_advert(w: _Writer, m: CkksAdvertise) -> None:
     w.fixed(m.config_digest, DIGEST_BYTES, "config digest")
     w.sequence(m.groups, w.string)  # type: ignore[arg-type]
     w.fixed(m.signature, SIGNATURE_BYTES, "signature")
+    w.sequence(m.rows, lambda v: w.uint(v, 8))  # type: ignore[arg-type]
 
 
 def _write_sealed(w: _Writer, m: EncryptedContext) -> None:
@@ -301,6 +302,7 @@ def _read_advert(r: _Reader) -> CkksAdvertise:
         r.take(DIGEST_BYTES),
         r.sequence(r.string, 3),
         r.take(SIGNATURE_BYTES),
+        r.sequence(lambda: r.uint(8), 3),
     )
 
 

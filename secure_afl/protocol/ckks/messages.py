@@ -65,6 +65,7 @@ class CkksAdvertise:
     config_digest: bytes
     groups: tuple[str, ...]
     signature: bytes
+    rows: tuple[int, ...] = ()  # committed counts per group, signed (as the masking advertisement's)
 
 
 @dataclass(frozen=True, slots=True)
