@@ -123,7 +123,10 @@ def unpack_symmetric(packed: np.ndarray) -> np.ndarray:
     """The full symmetric matrix whose upper triangle is ``packed``."""
     d = dimension_from_triangle_length(packed.shape[0])
     upper = np.zeros((d, d), dtype=packed.dtype)
-    upper[_upper_triangle_mask(d)] = packed
+    start = 0
+    for i in range(d):  # row i's part of the triangle is d - i consecutive entries (row-major)
+        upper[i, i:] = packed[start : start + d - i]
+        start += d - i
     matrix = upper + upper.T
     np.fill_diagonal(matrix, np.diagonal(upper))
     return matrix

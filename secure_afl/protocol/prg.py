@@ -8,10 +8,15 @@ tagged, see :mod:`.fields`):
 
 The lower id (Python string order) adds the pairwise mask, the higher subtracts it, so the two
 cancel in the group's sum.  Each key is used for exactly one keystream, so a fixed zero counter
-block is safe.  A mask of n words is one ``update`` call over 8n zero bytes viewed as uint64.
+block is safe.  A mask of n words is one ``update`` call over 8n zero bytes viewed as uint64;
+:func:`add_masks` writes the keystreams of several keys into one reused buffer (``update_into``):
+the same words, without a fresh 8n-byte input and output per key (most of a mask's cost was
+their page faults, not AES).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import numpy as np
 from cryptography.hazmat.primitives import hashes
@@ -51,8 +56,31 @@ def mask_words(key: bytes, n_words: int) -> np.ndarray:
 
 def add_mask(accumulator: np.ndarray, key: bytes, sign: int) -> None:
     """``accumulator += sign * mask(key)`` modulo 2^64, in place."""
-    mask = mask_words(key, accumulator.shape[0])
-    if sign > 0:
-        np.add(accumulator, mask, out=accumulator)
-    else:
-        np.subtract(accumulator, mask, out=accumulator)
+    add_masks(accumulator, ((key, sign),))
+
+
+def add_masks(accumulator: np.ndarray, keys: Iterable[tuple[bytes, int]]) -> None:
+    """``accumulator += sum(sign * mask(key))`` modulo 2^64 over ``(key, sign)`` pairs, in place.
+
+    Each keystream is written into one scratch buffer reused for every key: the words added are
+    exactly :func:`mask_words`'.
+    """
+    if accumulator.dtype != np.uint64 or accumulator.ndim != 1:
+        raise ValueError(
+            f"masks are added to a 1-D uint64 array, got {accumulator.dtype} {accumulator.shape}"
+        )
+    n_words = accumulator.shape[0]
+    zeros: bytearray | None = None
+    out: bytearray | None = None
+    mask: np.ndarray | None = None
+    for key, sign in keys:
+        if zeros is None:
+            zeros = bytearray(8 * n_words)
+            out = bytearray(8 * n_words + 15)  # update_into wants block_size - 1 spare bytes
+            mask = np.frombuffer(out, dtype="<u8", count=n_words)
+        encryptor = Cipher(algorithms.AES(key), modes.CTR(_ZERO_COUNTER)).encryptor()
+        encryptor.update_into(zeros, out)
+        if sign > 0:
+            np.add(accumulator, mask, out=accumulator)
+        else:
+            np.subtract(accumulator, mask, out=accumulator)
