@@ -615,6 +615,9 @@ class ClientSession:
 
         pair_secrets: dict[str, bytes] = {}
         tensors: list[MaskedTensor] = []
+        # One input array in several groups is encoded once; each group checks its own bound and
+        # masks its own copy of the words.
+        encoded: dict[int, np.ndarray] = {}
         for group in sorted(self._inputs):
             group_size = len(self._members[group])
             peers = [cid for cid in self._members[group] if cid in live and cid != self.client_id]
@@ -624,12 +627,19 @@ class ClientSession:
                         self._mask_key, self._adverts[peer].mask_public_key
                     )
             for name in sorted(self._inputs[group]):
-                words = encoding.encode(
-                    self._inputs[group][name],
-                    tensor=f"{group}/{name}",
-                    frac_bits=config.frac_bits,
-                    group_size=group_size,
-                )
+                values = self._inputs[group][name]
+                label = f"{group}/{name}"
+                base = encoded.get(id(values))
+                if base is None:
+                    base = encoding.encode(
+                        values, tensor=label, frac_bits=config.frac_bits, group_size=group_size
+                    )
+                    encoded[id(values)] = base
+                else:
+                    encoding.check_encodable(
+                        values, tensor=label, frac_bits=config.frac_bits, group_size=group_size
+                    )
+                words = base.copy()
                 own = prg.self_mask_key(self._seed, config.session_id, group, name, self.client_id)
                 pairs = (
                     (

@@ -194,9 +194,15 @@ def test_add_masks_adds_exactly_the_keystreams_of_mask_words(
     for key, sign in zip(keys, signs, strict=True):
         mask = prg.mask_words(key, n_words)
         expected = expected + mask if sign > 0 else expected - mask
-    got = start.copy()
-    prg.add_masks(got, zip(keys, signs, strict=True))
-    np.testing.assert_array_equal(got, expected)
+    default = prg.CHUNK_WORDS
+    try:
+        for chunk in (7, 64, default):  # chunk boundaries inside, at and past the end of the array
+            prg.CHUNK_WORDS = chunk
+            got = start.copy()
+            prg.add_masks(got, zip(keys, signs, strict=True))
+            np.testing.assert_array_equal(got, expected)
+    finally:
+        prg.CHUNK_WORDS = default
     with pytest.raises(ValueError, match="uint64"):
         prg.add_masks(start.astype(np.int64), zip(keys, signs, strict=True))
 
