@@ -62,7 +62,8 @@ def check_encodable(values: np.ndarray, *, tensor: str, frac_bits: int, group_si
     finish.
     """
     bound = encoding_bound(frac_bits, group_size)
-    max_abs = float(np.max(np.abs(values))) if values.size else 0.0
+    # max(max, -min) is max |x| for finite floats, without an |x| array the size of the tensor.
+    max_abs = max(float(np.max(values)), -float(np.min(values))) if values.size else 0.0
     if max_abs > bound:
         raise EncodingOverflowError(tensor, max_abs, bound, frac_bits, group_size)
     # The float check can pass by a rounding hair at the very edge; check the integer too
@@ -123,7 +124,10 @@ def unpack_symmetric(packed: np.ndarray) -> np.ndarray:
     """The full symmetric matrix whose upper triangle is ``packed``."""
     d = dimension_from_triangle_length(packed.shape[0])
     upper = np.zeros((d, d), dtype=packed.dtype)
-    upper[_upper_triangle_mask(d)] = packed
+    start = 0
+    for i in range(d):  # row i's part of the triangle is d - i consecutive entries (row-major)
+        upper[i, i:] = packed[start : start + d - i]
+        start += d - i
     matrix = upper + upper.T
     np.fill_diagonal(matrix, np.diagonal(upper))
     return matrix

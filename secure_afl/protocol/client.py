@@ -27,6 +27,7 @@ The client defends itself against the server (the party we do not trust), by its
 
 from __future__ import annotations
 
+import itertools
 import unicodedata
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
@@ -244,13 +245,20 @@ class ClientSession:
         if roster.public_key(client_id) != identity_key.public_key:
             raise LocalProtocolError(f"the identity key does not match the roster's key for {client_id!r}")
         self._inputs: dict[str, dict[str, np.ndarray]] = {}
+        # One array given to several groups (a driver's shared Gram) is checked and copied once,
+        # and stays one object here (a copy: the caller's later writes cannot reach it): the release
+        # and exposure digests then read it once too.
+        copies: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # id -> (the input, kept alive; copy)
         for group, tensors in inputs.items():
             if not tensors:
                 raise LocalProtocolError(f"group {group!r} has no tensors")
-            self._inputs[group] = {
-                name: encoding.check_float_tensor(values, tensor=f"{group}/{name}").copy()
-                for name, values in tensors.items()
-            }
+            self._inputs[group] = {}
+            for name, values in tensors.items():
+                entry = copies.get(id(values))
+                if entry is None or entry[0] is not values:
+                    entry = (values, encoding.check_float_tensor(values, tensor=f"{group}/{name}").copy())
+                    copies[id(values)] = entry
+                self._inputs[group][name] = entry[1]
         policy = ClientPolicy.deployment() if policy is None else policy
         if not isinstance(policy, ClientPolicy):
             raise LocalProtocolError(f"policy must be a ClientPolicy, got {type(policy).__name__}")
@@ -621,6 +629,9 @@ class ClientSession:
 
         pair_secrets: dict[str, bytes] = {}
         tensors: list[MaskedTensor] = []
+        # One input array in several groups is encoded once; each group checks its own bound and
+        # masks its own copy of the words.
+        encoded: dict[int, np.ndarray] = {}
         for group in sorted(self._inputs):
             group_size = len(self._members[group])
             peers = [cid for cid in self._members[group] if cid in live and cid != self.client_id]
@@ -630,20 +641,30 @@ class ClientSession:
                         self._mask_key, self._adverts[peer].mask_public_key
                     )
             for name in sorted(self._inputs[group]):
-                words = encoding.encode(
-                    self._inputs[group][name],
-                    tensor=f"{group}/{name}",
-                    frac_bits=config.frac_bits,
-                    group_size=group_size,
-                )
-                prg.add_mask(
-                    words, prg.self_mask_key(self._seed, config.session_id, group, name, self.client_id), 1
-                )
-                for peer in peers:
-                    key = prg.pair_mask_key(
-                        pair_secrets[peer], config.session_id, group, name, self.client_id, peer
+                values = self._inputs[group][name]
+                label = f"{group}/{name}"
+                base = encoded.get(id(values))
+                if base is None:
+                    base = encoding.encode(
+                        values, tensor=label, frac_bits=config.frac_bits, group_size=group_size
                     )
-                    prg.add_mask(words, key, prg.pair_sign(self.client_id, peer))
+                    encoded[id(values)] = base
+                else:
+                    encoding.check_encodable(
+                        values, tensor=label, frac_bits=config.frac_bits, group_size=group_size
+                    )
+                words = base.copy()
+                own = prg.self_mask_key(self._seed, config.session_id, group, name, self.client_id)
+                pairs = (
+                    (
+                        prg.pair_mask_key(
+                            pair_secrets[peer], config.session_id, group, name, self.client_id, peer
+                        ),
+                        prg.pair_sign(self.client_id, peer),
+                    )
+                    for peer in peers
+                )
+                prg.add_masks(words, itertools.chain(((own, 1),), pairs))
                 tensors.append(MaskedTensor(group, name, words.astype("<u8", copy=False).tobytes()))
         reply = MaskedInput(config.session_id, self.client_id, tuple(tensors))
 

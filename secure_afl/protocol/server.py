@@ -367,14 +367,21 @@ class ServerSession:
             }
             for tensor in group.tensors:
                 accumulator = sums[(group.name, tensor.name)]
-                for v in live:
-                    prg.add_mask(
-                        accumulator, prg.self_mask_key(seeds[v], session_id, group.name, tensor.name, v), -1
-                    )
+                prg.add_masks(
+                    accumulator,
+                    ((prg.self_mask_key(seeds[v], session_id, group.name, tensor.name, v), -1) for v in live),
+                )
                 # A survivor v added pair_sign(v, d) * PRG(s_vd) for each member d that dropped after R1.
-                for (d, v), secret in pair_secrets.items():
-                    key = prg.pair_mask_key(secret, session_id, group.name, tensor.name, v, d)
-                    prg.add_mask(accumulator, key, -prg.pair_sign(v, d))
+                prg.add_masks(
+                    accumulator,
+                    (
+                        (
+                            prg.pair_mask_key(secret, session_id, group.name, tensor.name, v, d),
+                            -prg.pair_sign(v, d),
+                        )
+                        for (d, v), secret in pair_secrets.items()
+                    ),
+                )
                 accumulator.setflags(write=False)
         self._result = AggregationResult(
             session_id=session_id,

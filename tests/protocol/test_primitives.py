@@ -178,6 +178,35 @@ def test_pairwise_masks_cancel() -> None:
     np.testing.assert_array_equal(acc, np.arange(100, dtype=np.uint64))
 
 
+@given(
+    n_words=st.integers(0, 300),
+    signs=st.lists(st.sampled_from((1, -1)), max_size=6),
+    seed=st.binary(min_size=32, max_size=32),
+)
+@settings(max_examples=50, deadline=None)
+def test_add_masks_adds_exactly_the_keystreams_of_mask_words(
+    n_words: int, signs: list[int], seed: bytes
+) -> None:
+    # add_masks reuses one buffer for every key: the words added must still be each key's own.
+    start = np.arange(n_words, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    keys = [prg.pair_mask_key(seed, b"s" * 32, "g", f"t{k}", "a", "b") for k in range(len(signs))]
+    expected = start.copy()
+    for key, sign in zip(keys, signs, strict=True):
+        mask = prg.mask_words(key, n_words)
+        expected = expected + mask if sign > 0 else expected - mask
+    default = prg.CHUNK_WORDS
+    try:
+        for chunk in (7, 64, default):  # chunk boundaries inside, at and past the end of the array
+            prg.CHUNK_WORDS = chunk
+            got = start.copy()
+            prg.add_masks(got, zip(keys, signs, strict=True))
+            np.testing.assert_array_equal(got, expected)
+    finally:
+        prg.CHUNK_WORDS = default
+    with pytest.raises(ValueError, match="uint64"):
+        prg.add_masks(start.astype(np.int64), zip(keys, signs, strict=True))
+
+
 def test_mask_keys_are_domain_separated() -> None:
     secret = bytes(32)
     base = ("s" * 32).encode(), "g", "t", "a", "b"
