@@ -333,7 +333,8 @@ study digest: {manifest.study_digest}
    signature, the CA, the app), your key, your features against the study, the SuperLink; co-signs
    the roster; writes {manifest.institution}.reply.json, node-config.toml and supernode.service.
 3. Send {manifest.institution}.reply.json to the coordinator. It returns roster.json co-signed by every
-   institution: put it here (same name) and run step 2 again; it exits 0 when the node can start.
+   institution: put it here (same name). Running step 2 again checks it and exits 0 (optional: the
+   node itself refuses a roster that an institution has not co-signed).
 4. Start the node with the command join prints, or as a service:
    cp supernode.service /etc/systemd/system/secure-afl-supernode-{manifest.institution}.service &&
    systemctl enable --now secure-afl-supernode-{manifest.institution}
