@@ -16,8 +16,8 @@ Two steps:
 2. ``--pairs K``: K interleaved pairs, floor then `deploy local`, each timed from the SuperLink's
    start to the end of ``flwr run`` (what both do), and `deploy local`'s whole command wall time.
 
-    PYTHONPATH=. python bench/bench_flower_floor.py --probe --plan /tmp/floor-plan.json
-    PYTHONPATH=. python bench/bench_flower_floor.py --pairs 3 --plan /tmp/floor-plan.json --json out.json
+    PYTHONPATH=. python bench/bench_flower_floor.py --probe --plan runs/floor-plan.json
+    PYTHONPATH=. python bench/bench_flower_floor.py --pairs 3 --plan runs/floor-plan.json --json out.json
 
 Both use ``--clients 5 --fraction 0.08 --dim 32`` unless told otherwise (``--deploy-args``).
 """
@@ -129,6 +129,7 @@ def probe(plan_path: Path, deploy_args: list[str]) -> None:
     """One deploy local whose ServerApp is wrapped by the recording module."""
     from secure_afl.deploy import local
 
+    plan_path.parent.mkdir(parents=True, exist_ok=True)
     plan_path.unlink(missing_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         module_dir = Path(tmp)
@@ -309,6 +310,7 @@ def main() -> None:
               f"flwr run alone {statistics.median(run_ratios):.2f}x; "
               f"CPU {statistics.median(cpu_ratios):.2f}x")  # fmt: skip
         if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(
                 json.dumps(
                     {"runs": runs, "ratios": ratios, "run_ratios": run_ratios, "cpu_ratios": cpu_ratios},
