@@ -423,13 +423,17 @@ class CkksServerSession:
         self._survivors = tuple(sorted(self._input_senders))
         self._check_groups(set(self._survivors), "after R2")
         survivors = set(self._survivors)
+        # Each survivor's chunk digests, hashed once: its upload in every group, and the view.
+        digests = {
+            sender: binding.tensor_digests(self._uploads[sender].tensors) for sender in self._survivors
+        }
         self._requested = {
             group.name: GroupUploads(
                 group.name,
                 tuple(
                     SignedUpload(
                         sender,
-                        binding.tensor_digests(self._uploads[sender].tensors),
+                        digests[sender],
                         self._uploads[sender].signature,
                         tuple(t for t in self._uploads[sender].tensors if t.group == group.name),
                     )
@@ -439,13 +443,9 @@ class CkksServerSession:
             )
             for group in self._config.groups
         }
-        uploads = self._uploads
         self._view = tuple(
             UploadEntry(
-                sender,
-                binding.upload_digest(
-                    sender, binding.tensor_digests(uploads[sender].tensors), uploads[sender].signature
-                ),
+                sender, binding.upload_digest(sender, digests[sender], self._uploads[sender].signature)
             )
             for sender in self._survivors
         )
