@@ -61,6 +61,7 @@ from .messages import (
     CkksViewSignature,
     GroupUploads,
     SignedUpload,
+    TensorDigests,
     UploadEntry,
 )
 from .state import SERVER_ACCEPTS, SERVER_NEXT_ROUND, CkksServerRound
@@ -107,6 +108,7 @@ class CkksServerSession:
         self._keys: CkksKeyDistribution | None = None
         self._public_context = None  # TenSEAL context without any key
         self._uploads: dict[str, CkksInput] = {}  # sender -> its checked, signed upload
+        self._upload_digests: dict[str, tuple[TensorDigests, ...]] = {}  # sender -> what it signed
         self._input_senders: set[str] = set()
         self._survivors: tuple[str, ...] = ()
         self._view: tuple[UploadEntry, ...] = ()  # R3: every upload that counts, by sender and digest
@@ -276,8 +278,9 @@ class CkksServerSession:
             raise ClientProtocolError(
                 f"{message.sender!r} sent tensors other than those of its groups, in order"
             )
-        domain, fields = binding.input_fields(
-            self._config.session_id, self._digest, message.sender, message.tensors
+        digests = binding.tensor_digests(message.tensors)  # every chunk hashed once: kept for R3
+        domain, fields = binding.input_fields_of_digests(
+            self._config.session_id, self._digest, message.sender, digests
         )
         if not crypto.verify(self._roster.public_key(message.sender), message.signature, domain, *fields):
             raise InvalidCiphertextError(
@@ -300,6 +303,7 @@ class CkksServerSession:
                 ) from None
         # Every check passed: keep the signed upload (each decryptor sums its group's itself).
         self._uploads[message.sender] = message
+        self._upload_digests[message.sender] = digests
         self._input_senders.add(message.sender)
 
     def _receive_view_signature(self, message: CkksViewSignature) -> None:
@@ -423,10 +427,7 @@ class CkksServerSession:
         self._survivors = tuple(sorted(self._input_senders))
         self._check_groups(set(self._survivors), "after R2")
         survivors = set(self._survivors)
-        # Each survivor's chunk digests, hashed once: its upload in every group, and the view.
-        digests = {
-            sender: binding.tensor_digests(self._uploads[sender].tensors) for sender in self._survivors
-        }
+        digests = self._upload_digests  # hashed once, in R2: every group's upload and the view
         self._requested = {
             group.name: GroupUploads(
                 group.name,
@@ -453,6 +454,7 @@ class CkksServerSession:
             self._config.session_id, self._digest, self._adverts_digest, self._view
         )
         self._uploads = {}  # the signed uploads, per group, are what the decryptors get
+        self._upload_digests = {}
         request = CkksViewRequest(self._config.session_id, self._view)
         return {cid: request for cid in self._survivors}
 
