@@ -61,11 +61,9 @@ def lagrange_coefficients(xs: Sequence[int], at: int = 0) -> tuple[int, ...]:
     :func:`combine` s each secret's values with it.  One modular inverse for all the points
     (Montgomery's batch inversion).
     """
-    if not xs or len(set(xs)) != len(xs):
-        raise LocalProtocolError("interpolation needs at least one share and distinct points")
-    points = [x % PRIME for x in xs]
-    if len(set(points)) != len(points):
-        raise LocalProtocolError("interpolation needs points that are distinct in the field")
+    points = [x % PRIME for x in xs]  # distinct integers may still meet in the field
+    if not points or len(set(points)) != len(points):
+        raise LocalProtocolError("interpolation needs at least one share and points distinct in the field")
     target = at % PRIME
     numerators = []
     denominators = []
