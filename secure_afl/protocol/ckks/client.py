@@ -504,14 +504,17 @@ class CkksClientSession:
                 tensors.append(
                     EncryptedTensor(group, name, context.encrypt(secret_context, values, config.parameters))
                 )
-        domain, fields = binding.input_fields(config.session_id, self._config_digest, self.client_id, tensors)
+        digests = binding.tensor_digests(tensors)  # every chunk hashed once: the signature and the view
+        domain, fields = binding.input_fields_of_digests(
+            config.session_id, self._config_digest, self.client_id, digests
+        )
         reply = CkksInput(
             config.session_id,
             self.client_id,
             tuple(tensors),
             crypto.sign(self._identity.private_key, domain, *fields),
         )
-        upload = binding.upload_digest(self.client_id, binding.tensor_digests(tensors), reply.signature)
+        upload = binding.upload_digest(self.client_id, digests, reply.signature)
 
         def commit() -> None:
             self._context = secret_context
