@@ -297,17 +297,13 @@ CHECKED_FORMAT = "secure-afl-checked-study/v1"
 def pin_study(settings: NodeSettings, study: Study, checked: str) -> Path:
     """Record (0600, atomically) that this node checked ``study``: from now on it takes part in that
     study only.  ``checked`` is the UTC time of the check (ISO 8601)."""
+    from .tls import write_with_mode
+
     settings.ledger_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     path = settings.ledger_dir / CHECKED_STUDY
     document = {"format": CHECKED_FORMAT, "study_digest": study.digest(), "checked": checked,
                 "study": json.loads(study.to_json())}  # fmt: skip
-    temporary = path.with_name(f".{path.name}.tmp")
-    if temporary.exists():
-        temporary.unlink()
-    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
-        handle.write(json.dumps(document, indent=1) + "\n")
-    os.replace(temporary, path)
+    write_with_mode(path, (json.dumps(document, indent=1) + "\n").encode("utf-8"), 0o600)
     return path
 
 
