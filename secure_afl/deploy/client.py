@@ -247,16 +247,19 @@ def path_free(text: str, settings: NodeSettings | None) -> str:
 def roster_id(settings: NodeSettings) -> str | None:
     """The roster id of this node's identity key, from the key file's public half (no passphrase);
     None when the key file or the roster cannot be read or the key is not in the roster."""
-    import base64
-
     try:
-        public = base64.b64decode(json.loads(settings.identity_key.read_text(encoding="utf-8"))["public_key"])
-        for entry in _roster(settings):
-            if entry.public_key == public:
-                return entry.client_id
+        return key_owner(settings.identity_key, _roster(settings))
     except Exception:  # an unreadable key or roster: the refusal itself says what is wrong
         return None
-    return None
+
+
+def key_owner(identity_key: Path, roster: Roster) -> str | None:
+    """The roster id whose public key is the one in the key file ``identity_key`` (read without the
+    passphrase), or None when the roster has no such entry; a key file that cannot be read raises."""
+    import base64
+
+    public = base64.b64decode(json.loads(identity_key.read_text(encoding="utf-8"))["public_key"])
+    return next((entry.client_id for entry in roster if entry.public_key == public), None)
 
 
 # --- sessions ---------------------------------------------------------------------------------
