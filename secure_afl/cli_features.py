@@ -678,6 +678,7 @@ def extract(
     make_private_dirs(out_path.parent)
     digests = [result.image_sha256[i] for i in keep]
     assert all(d is not None for d in digests)  # a file unreadable when hashed was skipped
+    pixels = [result.pixel_sha256[i] for i in keep]
     try:
         save_feature_file(
             out_path,
@@ -691,7 +692,7 @@ def extract(
             image_ids=[data.image_ids[i] for i in keep],
             patient_ids=[data.patient_ids[i] for i in keep] if write_patients else None,  # type: ignore[index]
             image_sha256=digests,  # type: ignore[arg-type]
-            pixel_sha256=[result.pixel_sha256[i] for i in keep],  # type: ignore[misc]
+            pixel_sha256=pixels,  # type: ignore[arg-type]
         )
         written = load_feature_file(out_path)
     except FeatureFileError as exc:
@@ -710,7 +711,6 @@ def extract(
             f"note: {repeated} images have the same bytes as another image read here (the same SHA-256); "
             "their rows are kept, and a ledger counts each such image once"
         )
-    pixels = [result.pixel_sha256[i] for i in keep]
     same_pixels = len(pixels) - len(set(pixels)) - repeated
     if same_pixels > 0:
         click.echo(

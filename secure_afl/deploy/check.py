@@ -14,7 +14,6 @@ node then refuses any other study (:class:`~secure_afl.deploy.errors.UncheckedSt
 
 from __future__ import annotations
 
-import base64
 import datetime
 import json
 import os
@@ -115,13 +114,13 @@ def _hospital(config: Mapping[str, Any]) -> str:
     """Who this node is, as far as can be told without the passphrase (for error messages)."""
     from secure_afl.keys.roster import Roster
 
+    from .client import key_owner
+
     key_path = Path(str(config.get("identity-key", "")))
     try:
-        public = base64.b64decode(json.loads(key_path.read_text(encoding="utf-8"))["public_key"])
-        roster = Roster.from_json(Path(str(config["roster"])).read_text(encoding="utf-8"))
-        for entry in roster:
-            if entry.public_key == public:
-                return entry.client_id
+        owner = key_owner(key_path, Roster.from_json(Path(str(config["roster"])).read_text(encoding="utf-8")))
+        if owner is not None:
+            return owner
     except Exception:
         pass
     try:

@@ -247,16 +247,19 @@ def path_free(text: str, settings: NodeSettings | None) -> str:
 def roster_id(settings: NodeSettings) -> str | None:
     """The roster id of this node's identity key, from the key file's public half (no passphrase);
     None when the key file or the roster cannot be read or the key is not in the roster."""
-    import base64
-
     try:
-        public = base64.b64decode(json.loads(settings.identity_key.read_text(encoding="utf-8"))["public_key"])
-        for entry in _roster(settings):
-            if entry.public_key == public:
-                return entry.client_id
+        return key_owner(settings.identity_key, _roster(settings))
     except Exception:  # an unreadable key or roster: the refusal itself says what is wrong
         return None
-    return None
+
+
+def key_owner(identity_key: Path, roster: Roster) -> str | None:
+    """The roster id whose public key is the one in the key file ``identity_key`` (read without the
+    passphrase), or None when the roster has no such entry; a key file that cannot be read raises."""
+    import base64
+
+    public = base64.b64decode(json.loads(identity_key.read_text(encoding="utf-8"))["public_key"])
+    return next((entry.client_id for entry in roster if entry.public_key == public), None)
 
 
 # --- sessions ---------------------------------------------------------------------------------
@@ -297,17 +300,13 @@ CHECKED_FORMAT = "secure-afl-checked-study/v1"
 def pin_study(settings: NodeSettings, study: Study, checked: str) -> Path:
     """Record (0600, atomically) that this node checked ``study``: from now on it takes part in that
     study only.  ``checked`` is the UTC time of the check (ISO 8601)."""
+    from .tls import write_with_mode
+
     settings.ledger_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     path = settings.ledger_dir / CHECKED_STUDY
     document = {"format": CHECKED_FORMAT, "study_digest": study.digest(), "checked": checked,
                 "study": json.loads(study.to_json())}  # fmt: skip
-    temporary = path.with_name(f".{path.name}.tmp")
-    if temporary.exists():
-        temporary.unlink()
-    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
-        handle.write(json.dumps(document, indent=1) + "\n")
-    os.replace(temporary, path)
+    write_with_mode(path, (json.dumps(document, indent=1) + "\n").encode("utf-8"), 0o600)
     return path
 
 

@@ -32,8 +32,6 @@ import base64
 import binascii
 import hashlib
 import json
-import os
-import secrets
 import shlex
 import sys
 from collections.abc import Callable, Mapping
@@ -56,6 +54,7 @@ from secure_afl.keys.identity import IdentityKey
 from secure_afl.keys.roster import Roster, RosterError
 
 from .errors import ConfigurationError, DeploymentError
+from .tls import write_with_mode
 
 KIT_FORMAT = "secure-afl-kit/v1"
 REPLY_FORMAT = "secure-afl-kit-reply/v1"
@@ -346,16 +345,7 @@ Exit codes of join: 0 ready to start, {EXIT_WAITING} waiting for co-signatures, 
 def write_text(path: Path, text: str, mode: int = 0o600) -> None:
     """A file written with ``mode`` from the start (a temporary file renamed into place)."""
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    temporary = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
-    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-    try:
-        with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        os.chmod(temporary, mode)
-        os.replace(temporary, path)
-    finally:
-        if temporary.exists():
-            temporary.unlink()
+    write_with_mode(path, text.encode("utf-8"), mode)
 
 
 def write_node_files(layout: NodeLayout, manifest: Manifest, directory: Path | None = None) -> None:

@@ -182,10 +182,10 @@ def write_tls_material(
         .sign(ca_key, hashes.SHA256())
     )
     if files.ca_key is not None:
-        _write(files.ca_key, _private_pem(ca_key), 0o600)
-    _write(files.key, _private_pem(key), 0o600)
-    _write(files.ca_certificate, ca.public_bytes(serialization.Encoding.PEM), 0o644)
-    _write(files.certificate, certificate.public_bytes(serialization.Encoding.PEM), 0o644)
+        write_with_mode(files.ca_key, _private_pem(ca_key), 0o600)
+    write_with_mode(files.key, _private_pem(key), 0o600)
+    write_with_mode(files.ca_certificate, ca.public_bytes(serialization.Encoding.PEM), 0o644)
+    write_with_mode(files.certificate, certificate.public_bytes(serialization.Encoding.PEM), 0o644)
     return files
 
 
@@ -209,7 +209,7 @@ def _private_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
     )
 
 
-def _write(path: Path, data: bytes, mode: int) -> None:
+def write_with_mode(path: Path, data: bytes, mode: int) -> None:
     """A temporary file created with ``mode`` (never wider, whatever the umask), renamed into place."""
     temporary = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
     descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)

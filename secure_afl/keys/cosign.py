@@ -116,12 +116,13 @@ def check_cosignatures(roster: Roster, cosignatures: Mapping[str, bytes]) -> Cos
             "roster was changed after it was signed; the coordinator must collect new co-signatures"
         )
     signed = []
+    signed_message = message(roster)  # once: the roster's digest hashes every entry
     for entry in roster:
         signature = cosignatures.get(entry.client_id)
         if signature is None:
             continue
         try:
-            Ed25519PublicKey.from_public_bytes(entry.public_key).verify(signature, message(roster))
+            Ed25519PublicKey.from_public_bytes(entry.public_key).verify(signature, signed_message)
         except InvalidSignature:
             raise RosterCosignatureError(
                 f"the co-signature of {entry.client_id!r} does not verify with its key "
@@ -130,7 +131,7 @@ def check_cosignatures(roster: Roster, cosignatures: Mapping[str, bytes]) -> Cos
                 "use this roster; ask the coordinator for the roster every institution signed"
             ) from None
         signed.append(entry.client_id)
-    missing = tuple(cid for cid in roster.client_ids if cid not in signed)
+    missing = tuple(cid for cid in roster.client_ids if cid not in cosignatures)
     return CosignatureStatus(roster, tuple(signed), missing)
 
 

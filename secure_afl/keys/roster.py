@@ -14,6 +14,7 @@ import hashlib
 import json
 import re
 import unicodedata
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -79,7 +80,7 @@ class Roster:
     def __init__(self, entries: Iterable[RosterEntry], coordinator: RosterEntry | None = None) -> None:
         ordered = tuple(sorted(entries, key=lambda entry: entry.client_id))
         ids = [entry.client_id for entry in ordered]
-        duplicates = sorted({i for i in ids if ids.count(i) > 1}) if len(set(ids)) != len(ids) else []
+        duplicates = sorted(i for i, count in Counter(ids).items() if count > 1)
         if duplicates:
             raise RosterError(f"duplicate client ids in roster: {duplicates}")
         keys = [entry.public_key for entry in ordered]
