@@ -17,9 +17,21 @@ What is not additive, and refused with the reason:
   of the sessions' ``b_{k,c}``, and nothing the server holds lets it re-weight them.
 - **Round 2's pseudo-label projections** (``pseudo/<c>`` groups).  ``b_pseudo`` is a per-client
   mean difference (not a sum), and its pseudo-labels come from a teacher that changes every session.
-- **DP tensors** (``neg_sum/``, ``n_neg/``, ``wpos_sum/``, ``total_sum``, ...).  They are row sums,
-  but the DP solve sizes its ridge from the noise of one session's plan; accumulating noisy sums
-  would need the noise of every session there.  Not supported yet.
+
+The DP layout (``neg_sum/<c>``, ``n_neg/<c>``, ``wpos_sum/<c>``, ``wpos_n/<c>``, ``total_sum``,
+``n_total``, ``gram_min_eig`` beside ``gram``, ``pos_sum/<c>``, ``n_pos/<c>``) is additive too:
+sums over clipped rows, each client's noised before masking, so a chain's accumulated sums are the
+sum of the sessions' noisy releases, exactly (the noisy values sit on a fixed-point grid the
+protocol carries bit for bit).  Their noise adds as well: the DP solve of a chain sizes its ridge
+from ``√(Σ_k s_k²)``, the sessions' noise stds (:mod:`secure_afl.privacy.dp_growth`).  Counts stay
+noisy floats here; they are rounded and floored at 1 at the solve, after accumulation
+(:func:`secure_afl.privacy.dp_solve.analytic_sums`).  ``gram_min_eig`` (the clients' summed λ_min,
+``ridge="adassp"``) remains a lower bound on the union's λ_min, since λ_min is superadditive over
+positive semidefinite matrices.  A chain is DP in every session or in none
+(:func:`check_same_privacy`): un-noised sums added to noisy ones would be neither exact nor
+covered by one noise record.  What a DP chain spends: under the image unit each image enters one
+session, so the sessions release disjoint images and the chain's ε per institution is the max over
+sessions; under the patient unit the sessions' ε compose (:class:`~secure_afl.privacy.dp_growth.ChainNoise`).
 
 Both Gram scopes are additive.  With ``gram="class"`` the class group ``class/<c>`` sums, per
 session, the Grams of the rows of the clients that label ``c`` then, so the accumulated class Gram
@@ -45,8 +57,12 @@ from secure_afl.analytic import ALL_GROUP, Contributions, GroupSums, StatisticsE
 
 ADDITIVE_TENSORS = frozenset({"gram", "feat_sum", "n"})
 ADDITIVE_PREFIXES = ("pos_sum/", "n_pos/")
-_COUNTS = ("n", "n_pos/")
-_DP_TENSORS = ("neg_sum/", "n_neg/", "wpos_sum/", "wpos_n/", "total_sum", "n_total", "gram_min_eig")
+# The DP layout's own tensors (secure_afl.privacy.dp): sums and counts over clipped rows, noisy.
+DP_TENSORS = frozenset({"total_sum", "n_total", "gram_min_eig"})
+DP_PREFIXES = ("neg_sum/", "n_neg/", "wpos_sum/", "wpos_n/")
+# Scalars, of shape (1,): every count, and the clients' summed λ_min
+_SCALARS = frozenset({"n", "n_total", "gram_min_eig"})
+_SCALAR_PREFIXES = ("n_pos/", "n_neg/", "wpos_n/")
 
 
 class GrowthError(StatisticsError):
@@ -71,14 +87,11 @@ def _refusal(group: str, tensor: str) -> str | None:
         )
     if tensor in ADDITIVE_TENSORS or tensor.startswith(ADDITIVE_PREFIXES):
         return None
-    if tensor.startswith(_DP_TENSORS):
-        return (
-            f"{where} belongs to the DP layout: the DP solve sizes its ridge from one session's noise, "
-            "so accumulating noisy sums across sessions is not supported yet"
-        )
+    if tensor in DP_TENSORS or tensor.startswith(DP_PREFIXES):
+        return None
     return (
         f"{where} is not one of the additive statistics (gram, feat_sum, n, pos_sum/<c>, n_pos/<c> of "
-        "balance='global'), so it cannot be accumulated across sessions"
+        "balance='global', or the DP layout's sums and counts), so it cannot be accumulated across sessions"
     )
 
 
@@ -106,7 +119,7 @@ def _checked(sums: GroupSums, which: str) -> tuple[dict[str, dict[str, np.ndarra
             array = np.array(value, dtype=np.float64, copy=True)
             if not np.isfinite(array).all():
                 raise GrowthError(f"{which} sums: tensor {tensor!r} of group {group!r} is not finite")
-            if tensor == "n" or tensor.startswith(_COUNTS[1]):
+            if tensor in _SCALARS or tensor.startswith(_SCALAR_PREFIXES):
                 expected: tuple[int, ...] | None = (1,)
             else:
                 length = array.shape[0] if array.ndim else 0
@@ -121,6 +134,32 @@ def _checked(sums: GroupSums, which: str) -> tuple[dict[str, dict[str, np.ndarra
     return out, dim
 
 
+def is_private(sums: Mapping[str, Mapping[str, object]]) -> bool:
+    """Whether ``sums`` are the DP layout's (some tensor only the DP layout has)."""
+    return any(t in DP_TENSORS or t.startswith(DP_PREFIXES) for tensors in sums.values() for t in tensors)
+
+
+def check_same_privacy(earlier_private: bool, new_private: bool) -> None:
+    """Refuse (:class:`GrowthError`) a chain that mixes DP and non-DP sessions.
+
+    Exact sums added to noisy ones: the result is neither the exact union (the non-DP sessions'
+    claim) nor covered by the DP sessions' noise record alone, and a non-DP session released its
+    images' statistics exactly, which no later noise takes back.  A chain keeps the first study's
+    choice; a change of mind starts a new chain over images not yet released.
+    """
+    if earlier_private == new_private:
+        return
+    if new_private:
+        raise GrowthError(
+            "a DP session cannot extend a chain of non-DP sessions: their sums are exact and the DP "
+            "solve would add noisy sums to them; start a new chain with DP over images not yet released"
+        )
+    raise GrowthError(
+        "a non-DP session cannot extend a chain of DP sessions: its exact sums would be added to noisy "
+        "ones; keep the chain's differential privacy (the same dp settings in every study)"
+    )
+
+
 def _gram_scope(sums: Mapping[str, Mapping[str, np.ndarray]]) -> set[bool]:
     """Per class group, whether it carries the Gram (``gram="class"``)."""
     return {"gram" in tensors for group, tensors in sums.items() if group != ALL_GROUP}
@@ -130,10 +169,10 @@ def accumulate_sums(earlier: GroupSums | None, new: GroupSums) -> Contributions:
     """The sums of the earlier sessions plus a new session's sums, as a new float64 mapping.
 
     ``earlier`` is None for a federation's first session.  Both must be the additive
-    ``balance="global"`` layout (see the module docstring); a group present in both must carry the
-    same tensors with the same shapes, and every class group the same Gram scope.  Groups of only
-    one side are kept as they are (a class labelled first in this session, or by no client with new
-    rows).  Raises :class:`GrowthError`, leaving both inputs untouched.
+    ``balance="global"`` layout, or both the DP layout (see the module docstring); a group present
+    in both must carry the same tensors with the same shapes, and every class group the same Gram
+    scope.  Groups of only one side are kept as they are (a class labelled first in this session,
+    or by no client with new rows).  Raises :class:`GrowthError`, leaving both inputs untouched.
     """
     if not new:
         raise GrowthError("the new session has no sums: a session must release at least one group")
@@ -147,6 +186,7 @@ def accumulate_sums(earlier: GroupSums | None, new: GroupSums) -> Contributions:
             )
         return added
     total, earlier_dim = _checked(earlier, "the earlier sessions'")
+    check_same_privacy(is_private(total), is_private(added))
     if (ALL_GROUP in total) != (ALL_GROUP in added):
         where = "the earlier sessions" if ALL_GROUP in total else "the new session"
         raise GrowthError(

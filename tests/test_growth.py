@@ -140,11 +140,15 @@ def test_the_per_client_balance_is_refused_with_the_reason():
     check_additive({"class/0": ["gram", "pos_sum/0", "n_pos/0", "feat_sum", "n"], "all": ["gram"]})
 
 
-def test_round_two_and_dp_tensors_are_refused():
+def test_round_two_is_refused_and_dp_tensors_are_additive():
     with pytest.raises(GrowthError, match="round 2"):
         check_additive({"pseudo/1": ["b_pseudo/1"]})
-    with pytest.raises(GrowthError, match="DP layout"):
-        check_additive({"class/1": ["neg_sum/1"]})
+    with pytest.raises(GrowthError, match="round 2"):  # DP's round 2 as well
+        check_additive({"pseudo/1": ["pseudo_pos_sum/1"]})
+    check_additive({"class/1": ["pos_sum/1", "neg_sum/1", "n_pos/1", "n_neg/1"], "all": ["gram"]})
+    check_additive(
+        {"class/1": ["wpos_sum/1", "wpos_n/1"], "all": ["gram", "total_sum", "n_total", "gram_min_eig"]}
+    )
     with pytest.raises(GrowthError, match="not one of the additive"):
         check_additive({"class/1": ["mystery"]})
 

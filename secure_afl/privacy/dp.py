@@ -314,9 +314,21 @@ def private_statistics(
     """
     clipped, n_clipped = private_rows(features, clip, projection)
     labels = np.asarray(labels)
-    both = np.concatenate([labels, 1 - labels], axis=1)
-    stats: ClientStatistics = client_statistics(clipped, both, device=device)
     n_classes = labels.shape[1]
+    if not len(clipped):
+        # A growing study's member with no new images: zero statistics, to which it still adds its
+        # noise share (its upload is then pure noise, not a value the server knows).
+        d = clipped.shape[1]
+        stats = ClientStatistics(
+            gram=np.zeros((d, d)),
+            feat_sum=np.zeros(d),
+            pos_sum=np.zeros((d, 2 * n_classes)),
+            n=0,
+            n_pos=np.zeros(2 * n_classes, dtype=np.int64),
+        )
+    else:
+        both = np.concatenate([labels, 1 - labels], axis=1)
+        stats = client_statistics(clipped, both, device=device)
     positives: dict[str, object] = {}
     if active is not None:
         classes = tuple(active_class_indices(active, n_classes))

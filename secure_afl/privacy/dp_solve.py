@@ -65,6 +65,7 @@ from secure_afl.privacy.dp import (
     TOTAL_SUM,
     NoisePlan,
 )
+from secure_afl.privacy.dp_growth import ChainNoise
 from secure_afl.privacy.projection import lift_weights, projection_digest
 
 
@@ -159,10 +160,19 @@ def tail_multiple(failure_probability: float) -> float:
 
 
 def min_eigenvalue_bound(
-    sums: GroupSums, plan: NoisePlan, gram: np.ndarray, bound: float, survivors: int
+    sums: GroupSums,
+    plan: NoisePlan,
+    gram: np.ndarray,
+    bound: float,
+    survivors: int,
+    *,
+    eigen_std: float | None = None,
 ) -> float:
     """λ̃_min, a lower bound on the Gram's smallest eigenvalue (except with probability about β),
-    from the noisy release alone (post-processing): see the module docstring."""
+    from the noisy release alone (post-processing): see the module docstring.
+
+    ``eigen_std``: the noise std of the summed λ_min release when it is not one session's at
+    ``survivors`` (a growing chain's, :class:`~secure_afl.privacy.dp_growth.ChainNoise`)."""
     beta = plan.config.ridge_failure_probability
     if plan.config.ridge == "adassp":
         try:
@@ -171,7 +181,7 @@ def min_eigenvalue_bound(
             raise StatisticsError(
                 f"ridge 'adassp' needs the sum of every client's {EIGEN_TENSOR} in the 'all' group"
             ) from None
-        std = plan.blocks[(ALL_GROUP, "eigen")].group_std(survivors)
+        std = plan.blocks[(ALL_GROUP, "eigen")].group_std(survivors) if eigen_std is None else eigen_std
         return max(0.0, noisy - std * tail_multiple(beta))
     values = np.linalg.eigvalsh((gram + gram.T) / 2)
     return max(0.0, float(values[0]) - bound)
@@ -184,22 +194,35 @@ def fit_private(
     n_classes: int,
     gamma: float,
     gram_survivors: int,
+    chain: ChainNoise | None = None,
 ) -> tuple[AnalyticClassifier, PrivateSolve, dict[str, dict[str, np.ndarray]]]:
     """Round 1 on noisy sums: the model, how it was made solvable, and the sums it used.
 
     The model lives in the statistics' space (K dimensions under ``--dp-dim``: :func:`lift`
     maps it back to the features').  The ridge is ``plan.config.ridge``'s (module docstring).
+
+    ``chain``: a growing study's sums accumulated over several DP sessions
+    (:mod:`secure_afl.privacy.dp_growth`): the ridge is sized from the chain's noise std
+    ``√(Σ_k s_k²)`` (and the λ_min release's likewise), with ``plan``'s failure probability once
+    for this final solve; the noisy counts are rounded and floored at 1 here, after accumulation.
     """
     converted = analytic_sums(sums, n_classes)
     block = plan.blocks[(ALL_GROUP, "gram")]
-    std = block.group_std(gram_survivors)
+    std = block.group_std(gram_survivors) if chain is None else chain.gram_std
     dim = converted[ALL_GROUP]["gram"].shape[0]
     bound = ridge_for_noise(std, dim, plan.config.ridge_failure_probability)
     kind = plan.config.ridge
     lower = None
     ridge = bound
     if kind != "bound":
-        lower = min_eigenvalue_bound(sums, plan, converted[ALL_GROUP]["gram"], bound, gram_survivors)
+        lower = min_eigenvalue_bound(
+            sums,
+            plan,
+            converted[ALL_GROUP]["gram"],
+            bound,
+            gram_survivors,
+            eigen_std=None if chain is None else chain.eigen_std,
+        )
         ridge = max(0.0, bound - lower)
     model = AnalyticClassifier(n_classes, gamma=gamma + ridge, balance="global", gram="global")
     floored = False
@@ -275,12 +298,20 @@ def pseudo_count_noise_std(plan: NoisePlan, survivors: Mapping[str, int]) -> dic
 
 
 def privacy_record(
-    plan: NoisePlan, solve: PrivateSolve, solve2: PrivateSolve | None, *, feature_dim: int | None = None
+    plan: NoisePlan,
+    solve: PrivateSolve,
+    solve2: PrivateSolve | None,
+    *,
+    feature_dim: int | None = None,
+    chain: ChainNoise | None = None,
 ) -> dict[str, object]:
     """What every party may know about the DP of a release: the settings, ε spent per institution,
     the noise per block, the solve (nothing computed from one institution's data alone).
 
     ``feature_dim``: the features' dimension d, for the projection's record (under ``--dp-dim``).
+    ``chain``: a growing study's DP sessions (this one last): the record's ``growth`` part holds
+    every session's ε per institution and the chain's (:meth:`ChainNoise.record`);
+    ``epsilon_spent`` and ``blocks`` stay this session's.
     """
     cfg = plan.config
     projection = None
@@ -332,4 +363,5 @@ def privacy_record(
         "gram_noise_std": solve.gram_noise_std,
         "eigenvalue_floor": solve.eigenvalue_floor,
         "round2_qualified_classes": list(solve2.qualified) if solve2 is not None else None,
+        **({} if chain is None else {"growth": chain.record()}),
     }
