@@ -515,10 +515,8 @@ def sim(
     if scenario == "growing":
         if len(sources) != 1:
             raise click.UsageError("--scenario growing runs one backbone at a time")
-        if dp is not None or baselines:
-            raise click.UsageError(
-                "--dp-epsilon, --dp-sweep and --baselines are not run with --scenario growing"
-            )
+        if dp_sweep or baselines:
+            raise click.UsageError("--dp-sweep and --baselines are not run with --scenario growing")
         if click.get_current_context().get_parameter_source("rounds") is ParameterSource.DEFAULT:
             rounds = 1  # round 2 is refused in a growing study (secure_afl/sim/growing.py says why)
         _run_growing(
@@ -541,6 +539,7 @@ def sim(
             dim=dim,
             device=device,
             images=sources[0],
+            dp=dp,
         )
         return
     gradient_rounds = SCHEDULES[schedule] if fedavg_rounds is None else fedavg_rounds

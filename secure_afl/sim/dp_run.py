@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from secure_afl.analytic import Contributions, sum_contributions
 from secure_afl.core.randomness import OsRandomSource, RandomSource
 from secure_afl.privacy.dp import (
     DpConfig,
@@ -36,6 +37,7 @@ from secure_afl.privacy.dp import (
     pseudo_label_upload,
     round1_upload,
 )
+from secure_afl.privacy.dp_growth import ChainNoise, SessionNoise
 from secure_afl.privacy.dp_solve import (
     PrivateSolve,
     fit_private,
@@ -544,3 +546,101 @@ def write_sweep(sweep: Mapping[str, object], out_dir: Path) -> tuple[Path, Path]
     fig.savefig(png_path, dpi=120)
     plt.close(fig)
     return json_path, png_path
+
+
+# ----------------------------------------------------------------------------------------------
+# A growing federation under DP (secure-afl sim --scenario growing --dp-epsilon E)
+# ----------------------------------------------------------------------------------------------
+
+
+class PrivateGrowth:
+    """The DP side of ``--scenario growing``: one noise plan for the study (its layout does not
+    depend on the rows), each session's noisy uploads over the clients' new rows, and the chain's
+    solve on the accumulated noisy sums (:mod:`secure_afl.privacy.dp_growth`).
+
+    Under the patient unit the cap ``max_images_per_patient`` holds per session (over every client,
+    as the simulator knows every patient id): a deployment's institution caps each session's new
+    images, so a patient may contribute in several sessions, and the chain's ε composes.
+    """
+
+    def __init__(
+        self, data: PreparedData, config: object, active: Sequence[Sequence[int]], random: RandomSource
+    ) -> None:
+        from secure_afl.sim import runner
+        from secure_afl.sim.secure import default_threshold
+
+        dp: DpConfig = config.dp  # type: ignore[attr-defined]
+        self.dp, self.config, self.data, self.active, self.random = dp, config, data, active, random
+        self.names = [runner.client_id(k) for k in range(len(active))]
+        self.feature_dim = int(data.features.shape[1])
+        self.n_classes = int(data.cohort.labels.shape[1])
+        self.projection = dp_projection(dp, self.feature_dim)
+        n_clients = len(active)
+        layout = FederationLayout(
+            active={name: active[k] for k, name in enumerate(self.names)},
+            n_classes=self.n_classes,
+            dim=dp.statistics_dim(self.feature_dim),
+            threshold=config.threshold or default_threshold(n_clients),  # type: ignore[attr-defined]
+            min_group_size=config.min_group_size,  # type: ignore[attr-defined]
+            rounds=1,
+            masked=config.secure == "mask",  # type: ignore[attr-defined]
+            patient_clients=n_clients,  # the split may spread a patient's images (run_private_setting)
+        )
+        self.plan = plan_noise(dp, layout)
+        self.chain: ChainNoise | None = None
+        self.clean_total: Contributions | None = None
+
+    def _capped(self, session: Sequence[np.ndarray]) -> list[np.ndarray]:
+        rows = [np.asarray(r, dtype=np.int64) for r in session]
+        if self.dp.unit != "patient" or not sum(len(r) for r in rows):
+            return rows
+        ids = self.data.cohort.patient_ids[np.concatenate(rows)]
+        keep = cap_images_per_patient(ids, self.dp.max_images_per_patient)
+        out, start = [], 0
+        for r in rows:
+            out.append(r[keep[start : start + len(r)]])
+            start += len(r)
+        return out
+
+    def uploads(
+        self, session: Sequence[np.ndarray]
+    ) -> tuple[dict[str, Contributions], dict[str, Contributions], dict[str, int]]:
+        """Every client's noisy round-1 upload over its new rows ``session[k]`` (a client without
+        any still noises its zeros), the clean uploads, and the rows each clipped."""
+        noisy, clean, clipped = {}, {}, {}
+        device = self.config.device  # type: ignore[attr-defined]
+        for k, rows in enumerate(self._capped(session)):
+            name = self.names[k]
+            stats = private_statistics(
+                self.data.features[rows],
+                self.data.cohort.labels[rows],
+                self.dp.clip,
+                projection=self.projection,
+                device=device,
+                active=self.active[k],
+            )
+            noisy[name], clean[name] = round1_upload(stats, self.active[k], self.plan, self.random)
+            clipped[name] = stats.n_clipped
+        return noisy, clean, clipped
+
+    def solve(
+        self, total: Contributions, clean: Mapping[str, Contributions], gram_survivors: int
+    ) -> tuple[np.ndarray, np.ndarray, dict[str, object]]:
+        """The chain's classifier on the accumulated noisy sums ``total`` (this session's last),
+        the noise-free reference (the same clipped rows' sums, pooled), and the privacy record."""
+        from secure_afl.analytic import AnalyticClassifier
+        from secure_afl.growth import accumulate_sums
+        from secure_afl.privacy.dp_solve import analytic_sums
+
+        noise = SessionNoise.of(self.plan, gram_survivors, feature_dim=self.feature_dim)
+        self.chain = ChainNoise((noise,)) if self.chain is None else self.chain.extended(noise)
+        self.clean_total = accumulate_sums(self.clean_total, sum_contributions(clean.values()))
+        gamma = self.config.gamma  # type: ignore[attr-defined]
+        model, solve, _ = fit_private(
+            total, self.plan, n_classes=self.n_classes, gamma=gamma, gram_survivors=gram_survivors,
+            chain=self.chain,
+        )  # fmt: skip
+        reference = AnalyticClassifier(self.n_classes, gamma=gamma, balance="global", gram="global")
+        reference.fit(analytic_sums(self.clean_total, self.n_classes))
+        record = privacy_record(self.plan, solve, None, feature_dim=self.feature_dim, chain=self.chain)
+        return lift(model, self.projection).coef_, lift(reference, self.projection).coef_, record

@@ -55,6 +55,7 @@ from secure_afl.analytic import (
     class_group,
     client_statistics,
 )
+from secure_afl.core.randomness import OsRandomSource, RandomSource
 from secure_afl.growth import accumulate_sums
 from secure_afl.sim.audit import SINGLE_SURVIVOR_WARNING, PrivacyAudit, audit_groups
 from secure_afl.sim.data import CLASSES
@@ -105,11 +106,8 @@ class GrowingConfig:
                 "--dropout is not supported with --scenario growing (a dropped client's new rows would "
                 "have to be released in a later session)"
             )
-        if sim.dp is not None:
-            raise ExperimentError(
-                "differential privacy is not supported with --scenario growing yet (accumulating noisy "
-                "sums needs the DP solve to know every session's noise)"
-            )
+        if sim.dp is not None and self.gram != "global":
+            raise ExperimentError("differential privacy needs gram='global' (the DP layout's one Gram)")
         if sim.baselines:
             raise ExperimentError("--baselines are not run with --scenario growing (AFL only)")
         if self.gram not in ("class", "global"):
@@ -163,6 +161,10 @@ class SessionResult:
     exposed_knowing_zeros: Mapping[str, tuple[str, ...]]  # tensor -> clients, with those zeros known
     costs: Mapping[str, object] | None
     seconds: float  # statistics, aggregation and solve (not the centralised reference)
+    idle: tuple[str, ...] = ()  # members with no new rows (under DP: still adding their noise share)
+    # under --dp-epsilon: secure_afl.privacy.dp_solve.privacy_record with the chain's ``growth`` part
+    privacy: Mapping[str, object] | None = None
+    released_sums: Contributions | None = field(default=None, repr=False, compare=False)  # this session's
 
 
 @dataclass(frozen=True)
@@ -173,6 +175,7 @@ class GrowingResult:
     sessions: tuple[SessionResult, ...]
     notice: str
     seconds: Mapping[str, float]
+    accumulated: Contributions | None = field(default=None, repr=False, compare=False)  # every session's
 
 
 def _zero_statistics(dim: int, n_classes: int) -> ClientStatistics:
@@ -245,9 +248,14 @@ def _fit(sums: Contributions, n_classes: int, gamma: float, gram: GramScope) -> 
 
 
 def run_growing(
-    config: GrowingConfig, *, progress: Progress = _no_progress, data: PreparedData | None = None
+    config: GrowingConfig,
+    *,
+    progress: Progress = _no_progress,
+    data: PreparedData | None = None,
+    random: RandomSource | None = None,
 ) -> GrowingResult:
-    """The growing study; ``data``: the prepared data, when already at hand."""
+    """The growing study; ``data``: the prepared data, when already at hand; ``random``: the DP
+    noise's randomness under ``--dp-epsilon`` (the operating system's by default)."""
     config.validate()
     sim = config.sim
     seconds: dict[str, float] = {}
@@ -277,6 +285,11 @@ def run_growing(
                     "change --idle"
                 )
         released = [np.concatenate([released[k], session[k]]) for k in range(len(names))]
+    private = None
+    if sim.dp is not None:
+        from secure_afl.sim.dp_run import PrivateGrowth
+
+        private = PrivateGrowth(data, sim, assignment.active, OsRandomSource() if random is None else random)
     test_x = data.features[data.split.test].astype(np.float64)
     test_y = data.cohort.labels[data.split.test]
     total: Contributions | None = None
@@ -285,8 +298,11 @@ def run_growing(
     with one_torch_thread():
         for s, session in enumerate(parts):
             began = time.perf_counter()
-            contributions = {}
-            for k, name in enumerate(names):
+            contributions: dict[str, Contributions] = {}
+            if private is not None:
+                contributions, clean, _ = private.uploads(session)
+                progress(f"session {s + 1} statistics", len(names), len(names))
+            for k, name in enumerate(names if private is None else ()):
                 rows = session[k]
                 stats = (
                     client_statistics(data.features[rows], data.cohort.labels[rows], device=sim.device)
@@ -302,19 +318,27 @@ def run_growing(
             )
             total = accumulate_sums(total, agg.sums)
             released = [np.concatenate([released[k], session[k]]) for k in range(len(names))]
-            coef = _fit(total, n_classes, sim.gamma, config.gram)
-            session_seconds = time.perf_counter() - began
-            began = time.perf_counter()
-            reference = _fit(
-                centralised_sums(data, assignment, released, config.gram, sim.device),
-                n_classes,
-                sim.gamma,
-                config.gram,
-            )
-            seconds["centralised reference"] = seconds.get("centralised reference", 0.0) + (
-                time.perf_counter() - began
-            )
+            privacy = None
+            if private is not None:
+                coef, reference, privacy = private.solve(total, clean, len(agg.survivors[ALL_GROUP]))
+                session_seconds = time.perf_counter() - began
+            else:
+                coef = _fit(total, n_classes, sim.gamma, config.gram)
+                session_seconds = time.perf_counter() - began
+                began = time.perf_counter()
+                reference = _fit(
+                    centralised_sums(data, assignment, released, config.gram, sim.device),
+                    n_classes,
+                    sim.gamma,
+                    config.gram,
+                )
+                seconds["centralised reference"] = seconds.get("centralised reference", 0.0) + (
+                    time.perf_counter() - began
+                )
             idle = tuple(name for k, name in enumerate(names) if not len(session[k]))
+            # Under DP no member commits counts and an idle member's upload is its own noise: no
+            # value is known to the server, so there is no second audit with known zeros.
+            known = idle if private is None else ()
             audit = audit_groups(
                 protection=sim.secure,
                 members=agg.members,
@@ -326,9 +350,11 @@ def run_growing(
             knowing = audit_groups(
                 protection=sim.secure,
                 members=agg.members,
-                survivors={g: tuple(c for c in alive if c not in idle) for g, alive in agg.survivors.items()},
+                survivors={
+                    g: tuple(c for c in alive if c not in known) for g, alive in agg.survivors.items()
+                },
                 tensors=agg.tensors,
-                contributions={c: v for c, v in contributions.items() if c not in idle},
+                contributions={c: v for c, v in contributions.items() if c not in known},
             )
             results.append(
                 SessionResult(
@@ -339,10 +365,15 @@ def run_growing(
                     max_abs_w=float(np.abs(reference).max()),
                     metrics=evaluate(test_y, test_x @ coef, kind="logits"),
                     audit=audit,
-                    known_zero=idle,
-                    exposed_knowing_zeros=dict(knowing.exposed) if sim.secure != "none" else {},
+                    known_zero=known,
+                    exposed_knowing_zeros=(
+                        dict(knowing.exposed) if sim.secure != "none" and private is None else {}
+                    ),
                     costs=agg.costs,
                     seconds=session_seconds,
+                    idle=idle,
+                    privacy=privacy,
+                    released_sums=agg.sums,
                 )
             )
     seconds["sessions"] = sum(r.seconds for r in results)
@@ -358,6 +389,7 @@ def run_growing(
         sessions=tuple(results),
         notice=notice,
         seconds=seconds,
+        accumulated=total,
     )
 
 
@@ -366,25 +398,62 @@ def run_growing(
 # ----------------------------------------------------------------------------------------------
 
 
+def _growth_privacy(r: SessionResult) -> Mapping[str, object]:
+    assert r.privacy is not None
+    growth = r.privacy["growth"]
+    assert isinstance(growth, Mapping)
+    return growth
+
+
 def session_rows(result: GrowingResult) -> tuple[list[str], list[list[str]]]:
+    private = result.config.sim.dp is not None
     header = ["Session", "New", "Released", "max|ΔW|", "max|W|", "BACC", "AUC", "mAP", "Idle"]
+    if private:
+        header[-1:-1] = ["ε session", "ε chain"]
     rows = []
     for r in result.sessions:
         macro = r.metrics.macro
-        rows.append(
-            [
-                str(r.session),
-                str(sum(r.new_rows.values())),
-                str(r.released_rows),
-                f"{r.max_abs_w_vs_centralised:.1e}",
-                f"{r.max_abs_w:.1e}",
-                f"{100 * macro['bacc']:.2f}",
-                f"{100 * macro['auc']:.2f}",
-                f"{macro['map']:.4f}",
-                ", ".join(r.known_zero) or "-",
-            ]
-        )
+        row = [
+            str(r.session),
+            str(sum(r.new_rows.values())),
+            str(r.released_rows),
+            f"{r.max_abs_w_vs_centralised:.1e}",
+            f"{r.max_abs_w:.1e}",
+            f"{100 * macro['bacc']:.2f}",
+            f"{100 * macro['auc']:.2f}",
+            f"{macro['map']:.4f}",
+            ", ".join(r.idle) or "-",
+        ]
+        if private:
+            spent = r.privacy["epsilon_spent"]  # type: ignore[index]
+            chain = _growth_privacy(r)["epsilon_chain"]
+            assert isinstance(spent, Mapping) and isinstance(chain, Mapping)
+            row[-1:-1] = [f"{max(spent.values()):.4f}", f"{max(chain.values()):.4f}"]
+        rows.append(row)
     return header, rows
+
+
+def privacy_growth_lines(result: GrowingResult) -> list[str]:
+    """Under --dp-epsilon: how the chain's ε is counted, its ridge, and what idle members send."""
+    if result.config.sim.dp is None or not result.sessions:
+        return []
+    last = result.sessions[-1]
+    growth = _growth_privacy(last)
+    chain = growth["epsilon_chain"]
+    assert isinstance(chain, Mapping) and last.privacy is not None
+    lines = [
+        f"differential privacy: {growth['composition_note']}; chain ε per institution (worst) "
+        f"{max(chain.values()):.4f} at δ = {growth['delta_chain']:g}",
+        f"the chain's Gram noise std √(Σ s_k²) = {growth['gram_noise_std_chain']:.4g} sizes the last "
+        f"solve's ridge λ = {last.privacy['ridge']:.4g} ({last.privacy['ridge_kind']})",
+        "ΔW under DP: against the noise-free fit of the same clipped rows (every released row pooled)",
+    ]
+    if any(r.idle for r in result.sessions):
+        lines.append(
+            "members with no new rows commit no counts under DP and still add their noise share: the "
+            "server knows no member's value (nothing is a known zero)"
+        )
+    return lines
 
 
 def known_zero_lines(result: GrowingResult) -> list[str]:
@@ -433,7 +502,7 @@ def print_growing_report(result: GrowingResult, console: Console) -> None:
         markup=False,
         highlight=False,
     )
-    for line in known_zero_lines(result):
+    for line in [*known_zero_lines(result), *privacy_growth_lines(result)]:
         console.print(line, markup=False, highlight=False)
     for line, sessions in audit_warnings(result).items():
         where = "every session" if len(sessions) == len(result.sessions) else f"sessions {sessions}"
@@ -471,6 +540,16 @@ def to_json(result: GrowingResult) -> dict[str, object]:
             "into near-equal consecutive parts (numpy.array_split), one per session with new rows"
         ),
         "layout": {"balance": "global", "gram": result.config.gram, "rounds": 1},
+        "reference": (
+            "the centralised global-balance fit on every row released so far (one pooled plaintext pass)"
+            if result.config.sim.dp is None
+            else "the noise-free fit of the same clipped (and projected) rows, every released row pooled"
+        ),
+        "differential_privacy": (
+            _growth_privacy(result.sessions[-1])
+            if result.config.sim.dp is not None and result.sessions
+            else None
+        ),
         "sessions": [
             {
                 "session": r.session,
@@ -480,6 +559,8 @@ def to_json(result: GrowingResult) -> dict[str, object]:
                 "max_abs_w": r.max_abs_w,
                 "metrics": r.metrics.to_dict(),
                 "known_zero": list(r.known_zero),
+                "idle": list(r.idle),
+                "differential_privacy": r.privacy,
                 "exposed_knowing_zeros": {t: list(c) for t, c in r.exposed_knowing_zeros.items()},
                 "audit": r.audit.to_dict(),
                 "protocol_costs": r.costs,
@@ -522,7 +603,7 @@ def write_growing_reports(result: GrowingResult, out_dir: Path) -> tuple[Path, P
         lines += [f"**{result.notice}**", ""]
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
-    lines += ["", *known_zero_lines(result), ""]
+    lines += ["", *known_zero_lines(result), *privacy_growth_lines(result), ""]
     md_path = out_dir / "report.md"
     md_path.write_text("\n".join(lines))
     return json_path, md_path
