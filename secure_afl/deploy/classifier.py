@@ -229,6 +229,18 @@ class Classifier:
             if p.get("row_centre")
             else ""
         )
+        growth = p.get("growth")  # a growing study: every session's ε and the chain's
+        chain = []
+        if growth:
+            worst = max(growth["epsilon_chain"].values())
+            per_session = ", ".join(
+                f"{s['session']}: {max(s['epsilon_spent'].values()):.4f}" for s in growth["sessions"]
+            )
+            how = "max over sessions" if growth["composition"] == "parallel" else "composed (RDP)"
+            chain = [
+                f"growing chain of {len(growth['sessions'])} DP sessions: worst ε per session {per_session}; "
+                f"chain ε {worst:.4f} ({how}) at δ = {growth['delta_chain']:g}"
+            ]
         return [
             f"differentially private: ε = {p['epsilon_target']:g}, δ = {p['delta']:g} for {unit} per "
             f"institution; feature rows clipped to L2 norm {p['clip']:g}",
@@ -236,6 +248,7 @@ class Classifier:
             f"noise std per group sum at its fewest survivors: {min(stds):.4g}..{max(stds):.4g}; "
             f"solve ridge λ = {p['ridge']:.4g} ({p.get('ridge_kind', 'bound')})",
             f"mechanism: {rows}{centred}; class sums: {p.get('class_sums', 'split')}",
+            *chain,
         ]
 
     def summary_lines(self) -> list[str]:

@@ -154,6 +154,8 @@ class FederationServer:
         if earlier is not None and not study.extends:
             raise ConfigurationError("earlier sums were given for a study that extends none")
         self.earlier = earlier
+        # A DP chain: every earlier session's noise record (its solve sizes the ridge from them all).
+        self.earlier_noise = _earlier_noise(earlier, private=study.dp is not None)
         self.accumulated: AccumulatedSums | None = None  # after run(): the sums to extend next
         # The colluders the nodes' exposure checks assume (run config ``colluders``, the same value as
         # theirs): round 2 forms only pseudo-label groups they would accept.
@@ -210,12 +212,17 @@ class FederationServer:
         sums1 = outcome1.sums
         solve_started = time.perf_counter()
         if plan is not None:
+            from secure_afl.privacy.dp_growth import ChainNoise, SessionNoise
             from secure_afl.privacy.dp_solve import fit_private
 
             gram_survivors = len(self._group(record1, "all")["survivors"])
+            noise = SessionNoise.of(plan, gram_survivors, feature_dim=self.study.dim)
+            chain = ChainNoise((noise,)) if self.earlier_noise is None else self.earlier_noise.extended(noise)
+            fitted = self._accumulate(record1, sums1, noise)
             model, solve, sums1 = fit_private(
-                sums1, plan, n_classes=self.study.n_classes, gamma=method.gamma, gram_survivors=gram_survivors
-            )
+                fitted, plan, n_classes=self.study.n_classes, gamma=method.gamma,
+                gram_survivors=gram_survivors, chain=chain if self.study.extends else None,
+            )  # fmt: skip
             solve2 = None
         else:
             fitted = self._accumulate(record1, sums1)
@@ -254,7 +261,8 @@ class FederationServer:
             from secure_afl.privacy.dp_solve import privacy_record
             from secure_afl.privacy.projection import lift_weights
 
-            self.privacy = privacy_record(plan, solve, solve2, feature_dim=self.study.dim)
+            growing = chain if self.study.extends else None  # every session's ε, and the chain's
+            self.privacy = privacy_record(plan, solve, solve2, feature_dim=self.study.dim, chain=growing)
             projection = dp_projection(self.study)  # --dp-dim: the classifier holds W = P W_K
             if projection is not None:
                 weights = lift_weights(projection, weights)
@@ -262,9 +270,11 @@ class FederationServer:
         self.report.seconds["federation"] = time.perf_counter() - started
         return classifier
 
-    def _accumulate(self, record: SessionRecord, sums: Any) -> Any:
+    def _accumulate(self, record: SessionRecord, sums: Any, noise: Any = None) -> Any:
         """The sums to solve on: a growing study's added to the chain's earlier sums.  An additive
-        study's are kept (``self.accumulated``) so that a later study may extend it."""
+        study's are kept (``self.accumulated``) so that a later study may extend it; under DP with
+        the session's noise record ``noise`` (a :class:`~secure_afl.privacy.dp_growth.SessionNoise`)
+        in its chain entry, which a later DP solve of the chain sizes its ridge from."""
         if not is_additive(self.study):
             return sums
         from secure_afl.growth import GrowthError, accumulate_sums
@@ -278,7 +288,12 @@ class FederationServer:
                 raise FederationAbortedError(why) from exc
             self.log(f"the sums are not kept for a growing study: {exc}")
             return sums
-        entry = chain_entry(self.study.digest(), record.session_id, record.survivors)
+        entry = chain_entry(
+            self.study.digest(),
+            record.session_id,
+            record.survivors,
+            None if noise is None else noise.to_json(),
+        )
         chain = (*(() if earlier is None else earlier.chain), entry)
         self.accumulated = AccumulatedSums(self.study.digest(), total, chain)
         return total if earlier is not None else sums
@@ -635,3 +650,32 @@ class FederationServer:
             created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             privacy=self.privacy,
         )
+
+
+def _earlier_noise(earlier: AccumulatedSums | None, *, private: bool) -> Any:
+    """The DP chain of the earlier sessions (None without DP or without earlier sums), after
+    refusing a chain that would mix DP and non-DP sessions (secure_afl/growth.py decides), before
+    any session runs: a refused chain releases nothing."""
+    if earlier is None:
+        return None
+    from secure_afl.growth import GrowthError, check_same_privacy, is_private
+
+    try:
+        check_same_privacy(is_private(earlier.sums), private)
+    except GrowthError as exc:
+        raise ConfigurationError(str(exc)) from None
+    if not private:
+        return None
+    from secure_afl.privacy.dp_config import DpError
+    from secure_afl.privacy.dp_growth import chain_of
+
+    records = [entry.get("dp") for entry in earlier.chain]
+    if any(r is None for r in records):
+        raise ConfigurationError(
+            "the earlier sums are noisy but a study of their chain left no DP noise record: the chain's "
+            "solve cannot size its ridge; start a new chain over images not yet released"
+        )
+    try:
+        return chain_of(records)
+    except DpError as exc:
+        raise ConfigurationError(f"the earlier sums' chain: {exc}") from None

@@ -235,7 +235,10 @@ class Study:
             self._check_growth()
 
     def _check_growth(self) -> None:
-        """A study that extends another must be additive (global balance, one round, no DP)."""
+        """A study that extends another must be additive (global balance, one round).  DP is allowed:
+        the noisy sums add, and the chain's solve sizes its ridge from every session's noise
+        (secure_afl/privacy/dp_growth.py); the chain must be DP in every study or in none (the server
+        checks it against the earlier sums)."""
         if len(self.extends) != 64 or any(ch not in "0123456789abcdef" for ch in self.extends):
             raise ConfigurationError(
                 f"extends must be the 64-hex-digit digest of the earlier study, got {self.extends!r}"
@@ -250,11 +253,6 @@ class Study:
             raise ConfigurationError(
                 "a growing study runs round 1 only: round 2's pseudo-labels come from the session's "
                 "teacher, which changes with every session, so its sums do not add"
-            )
-        if self.dp is not None:
-            raise ConfigurationError(
-                "a growing study cannot use differential privacy yet: the DP solve sizes its ridge from "
-                "one session's noise plan (secure_afl/growth.py)"
             )
 
     def _check_dp(self, dp: StudyDp) -> None:

@@ -1,11 +1,16 @@
 """The coordinator's accumulated sums: what a growing study adds its session's sums to.
 
-After a study whose statistics are additive (``balance="global"``, one round, no DP) the ServerApp
+After a study whose statistics are additive (``balance="global"``, one round) the ServerApp
 writes ``OUT_DIR/sums-<study digest>.npz``: the float64 sums of every image released so far in the
 chain of studies ending with it (:func:`secure_afl.growth.accumulate_sums`), and the chain itself
 (each study's digest and session, with its survivors).  A study that extends it (``extends`` = that
 digest) reads the file from the same out-dir, adds its own session's sums and solves: the classifier
 is the centralised fit on every image released in the chain.
+
+Under DP the sums are the noisy ones the server was given, and each chain entry also keeps its
+session's noise record (the noise stds at its survivors and the ε it spent): a chain's DP solve
+sizes its ridge from every session's noise, and its classifier records every session's ε.  A chain
+is DP in every study or in none (:func:`secure_afl.growth.check_same_privacy`).
 
 These are the server's own outputs (the sums it was given anyway), kept beside its classifier: a
 coordinator that loses them can no longer extend the chain, only start a new one over new images.
@@ -39,7 +44,7 @@ class AccumulatedSums:
 
 def is_additive(study: Any) -> bool:
     """Whether a study's sums can be extended (the layout :mod:`secure_afl.growth` accumulates)."""
-    return study.method.balance == "global" and study.method.rounds == 1 and study.dp is None
+    return study.method.balance == "global" and study.method.rounds == 1
 
 
 def sums_path(out_dir: Path, study_digest: str) -> Path:
@@ -96,5 +101,17 @@ def load_sums(out_dir: Path, study_digest: str) -> AccumulatedSums:
     return AccumulatedSums(study_digest, sums, chain)
 
 
-def chain_entry(study_digest: str, session_id: bytes, survivors: Sequence[str]) -> dict[str, Any]:
-    return {"study": study_digest, "session_id": session_id.hex(), "survivors": list(survivors)}
+def chain_entry(
+    study_digest: str, session_id: bytes, survivors: Sequence[str], dp: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """One study of the chain: its digest, session and survivors; under DP also its session's noise
+    record (:meth:`secure_afl.privacy.dp_growth.SessionNoise.to_json`: the noise std of the Gram and
+    of the λ_min release at its survivors, and the ε it spent per institution)."""
+    entry: dict[str, Any] = {
+        "study": study_digest,
+        "session_id": session_id.hex(),
+        "survivors": list(survivors),
+    }
+    if dp is not None:
+        entry["dp"] = dict(dp)
+    return entry
