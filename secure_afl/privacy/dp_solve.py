@@ -38,6 +38,10 @@ releases only sums.  Two ways to get ``λ̃_min``:
   is below ``λ_min(G)`` except with probability about β.  For IID clients ``S`` is close to
   ``λ_min(G)`` (each client's smallest eigenvalue is a share of the whole), and its noise is a
   scalar's, not a matrix's: it adapts where the post-processing form cannot.
+
+A growing chain (:mod:`secure_afl.privacy.dp_growth`): the sums accumulated over K DP sessions
+carry independent noise of std ``s_k`` per session, so :func:`fit_private` with ``chain`` takes
+``s = √(Σ_k s_k²)`` in the bound above (and likewise for the λ_min release), once, at β.
 """
 
 from __future__ import annotations

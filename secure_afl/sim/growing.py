@@ -28,6 +28,15 @@ images were cut into sessions); its pseudo-labels come from a teacher that chang
 and re-labelling earlier rows with the new teacher would release them a second time, against the
 one-contribution-per-image rule.  There is no exact round 2 of a union, so a growing study fits
 round 1 only (which, with the paper's ``±1/N`` targets and τ = 0.7, is what round 2 leaves anyway).
+
+**Under --dp-epsilon** (``--secure mask`` or ``none``; :class:`secure_afl.sim.dp_run.PrivateGrowth`)
+every client clips, rounds and noises the DP layout's statistics of its new rows under one noise
+plan for the study (a client with none noises zeros: it commits nothing, so nothing is a known
+zero), the server accumulates the noisy sums and solves with the chain's noise
+(:mod:`secure_afl.privacy.dp_growth`: the ridge from ``√(Σ_k s_k²)``; ε the max over sessions
+under the image unit, composed under the patient unit, whose cap holds per session).  The
+reference of ``max_abs_w_vs_centralised`` is then the noise-free fit of the same clipped (and
+projected) rows, every released row pooled; each session's record holds its ε and the chain's.
 """
 
 from __future__ import annotations
@@ -446,7 +455,6 @@ def privacy_growth_lines(result: GrowingResult) -> list[str]:
         f"{max(chain.values()):.4f} at δ = {growth['delta_chain']:g}",
         f"the chain's Gram noise std √(Σ s_k²) = {growth['gram_noise_std_chain']:.4g} sizes the last "
         f"solve's ridge λ = {last.privacy['ridge']:.4g} ({last.privacy['ridge_kind']})",
-        "ΔW under DP: against the noise-free fit of the same clipped rows (every released row pooled)",
     ]
     if any(r.idle for r in result.sessions):
         lines.append(
@@ -496,9 +504,14 @@ def print_growing_report(result: GrowingResult, console: Console) -> None:
     for row in rows:
         table.add_row(*row)
     console.print(table)
+    reference = (
+        "the centralised global-balance fit on every row released so far (one pooled plaintext pass)"
+        if sim.dp is None
+        else "the noise-free fit of the same clipped rows, every row released so far pooled"
+    )
     console.print(
-        "New: rows released in the session; ΔW = W − W_central, W_central the centralised global-balance "
-        "fit on every row released so far (one pooled plaintext pass); Idle: members with no new rows.",
+        f"New: rows released in the session; ΔW = W − W_central, W_central {reference}; Idle: members "
+        "with no new rows" + ("; ε: the worst institution's" if sim.dp is not None else "") + ".",
         markup=False,
         highlight=False,
     )
