@@ -419,7 +419,8 @@ def sim(
     With --scenario mixed-type: FedMT's setting instead (the centre alone, FedMT with M known and
     estimated, and the one-round analytic counterpart), over the --centre-n sweep.  With --scenario
     growing: each client's rows arrive over --sessions sessions, each released through --secure and
-    accumulated by the server; every session's classifier is compared with the centralised fit.
+    accumulated by the server; every session's classifier is compared with the centralised fit
+    (under --dp-epsilon: the noisy sums accumulate and every session's ε is recorded).
     """
     if device not in ("auto", "cpu"):  # these two are always valid; checking others imports torch
         from secure_afl.analytic import resolve_device
