@@ -59,7 +59,7 @@ from secure_afl.protocol import crypto
 from secure_afl.protocol.ckks import binding, context
 from secure_afl.protocol.ckks.context import CkksParameters
 from secure_afl.protocol.ckks.messages import CkksSessionConfig
-from secure_afl.protocol.ckks.server import CkksServerSession
+from secure_afl.protocol.ckks.server import CkksServerSession, plan_chunk_sets
 
 
 def _session(contributions, parameters, cap):  # type: ignore[no-untyped-def]
@@ -264,6 +264,20 @@ def scaling(server, parameters, args, framing: float) -> None:  # type: ignore[n
     c_u = max(sum(chunks[g] for g in lengths if g in own) for own in _memberships(server))
     print(f"\n#### Extrapolated to d = {args.to_dim} (the formula; {args.clients} clients, missing "
           f"{args.missing}; C_u = {c_u} chunks in the largest upload, s = {framing:.0f} B)\n")  # fmt: skip
+    # Each decryptor's whole R4 download at --to-dim, under the server's own plan (it may serve several
+    # groups): every ciphertext still reaches some decryptor, so the mean is Σ_g S_g C_g b / decryptors.
+    members = {name: [u.sender for u in group.uploads] for name, group in server._requested.items()}
+    for label, cap in (("one decryptor per group (m = 1)", 1), ("split by chunk", None)):
+        plan = plan_chunk_sets({g: (members[g], chunks[g]) for g in members}, cap, {})
+        total: dict[str, float] = {}
+        for group, decryptor, chunk_set in plan:
+            total[decryptor] = total.get(decryptor, 0.0) + survivors_of[group] * (
+                len(chunk_set) * b + 32 * c_u + framing
+            )
+        low, high, mean = min(total.values()), max(total.values()), statistics.mean(total.values())
+        print(f"- {label}: {len(total)} decryptors; each downloads {fmt_bytes(low)} to "
+              f"{fmt_bytes(high)} (mean {fmt_bytes(mean)}) in R4")  # fmt: skip
+    print()
     print("| group | S_g | C_g | one decryptor (m = 1) | split by chunk over m = min(S_g, C_g) decryptors |")
     print("|---|---|---|---|---|")
     for group in sorted(survivors_of):

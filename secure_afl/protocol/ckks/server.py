@@ -139,6 +139,25 @@ class CkksAggregationResult:
     replaced_key_holders: tuple[str, ...] = ()  # key holders that sent no key (re-elections)
 
 
+def plan_chunk_sets(
+    groups: Mapping[str, tuple[list[str], int]], cap: int | None, load: dict[str, int]
+) -> list[tuple[str, str, tuple[int, ...]]]:
+    """Who decrypts which chunks: per group (its candidates, its chunk count C_g), in name order,
+    m = min(candidates, C_g, cap) of the least-loaded candidates (``load``: chunks asked of each so
+    far, updated here), each given a contiguous run of ⌊C_g/m⌋ or ⌈C_g/m⌉ chunks.  Returns
+    (group, decryptor, chunk indices) triples.  The server's one rule, which the bench reuses."""
+    plan: list[tuple[str, str, tuple[int, ...]]] = []
+    for group in sorted(groups):
+        candidates, count = groups[group]
+        m = min(len(candidates), count, cap or count)
+        chosen = sorted(candidates, key=lambda c: (load.get(c, 0), c))[:m]
+        for j, decryptor in enumerate(chosen):
+            chunks = tuple(range(j * count // m, (j + 1) * count // m))
+            load[decryptor] = load.get(decryptor, 0) + len(chunks)
+            plan.append((group, decryptor, chunks))
+    return plan
+
+
 class CkksServerSession:
     """The server's side of one CKKS session over ``config``'s groups, for the clients of ``roster``."""
 
@@ -553,18 +572,8 @@ class CkksServerSession:
                 f"({quorum}) of the roster's {len(self._roster)}: no decryptor decrypts without it"
             )
         self._failed_decryptors |= set(self._survivors) - set(self._view_signatures)
-        plan: list[tuple[str, str, tuple[int, ...]]] = []  # (group, decryptor, chunk set)
-        for group in sorted(self._requested):
-            candidates = self._candidates(group)
-            count = len(self._layouts[group])
-            m = min(len(candidates), count, self._max_decryptors or count)
-            # The m least-loaded signers, each given a contiguous run of ~C_g/m chunks.
-            chosen = sorted(candidates, key=lambda c: (self._load.get(c, 0), c))[:m]
-            for j, decryptor in enumerate(chosen):
-                chunks = tuple(range(j * count // m, (j + 1) * count // m))
-                self._load[decryptor] = self._load.get(decryptor, 0) + len(chunks)
-                plan.append((group, decryptor, chunks))
-        return self._ask(plan)
+        groups = {g: (self._candidates(g), len(self._layouts[g])) for g in sorted(self._requested)}
+        return self._ask(plan_chunk_sets(groups, self._max_decryptors, self._load))
 
     def _close_decrypt(self) -> dict[str, CkksServerMessage]:
         pending = [
