@@ -214,3 +214,27 @@ def test_the_server_refuses_a_decryption_of_other_chunks_than_it_asked_for() -> 
 
     with pytest.raises(ClientProtocolError, match="it was asked for"):
         fed.run(to_server=shift)
+
+
+def test_a_decryptor_rebuilt_by_replay_remembers_the_chunks_it_decrypted() -> None:
+    # The deployment rebuilds a client for every message by replaying the server's messages, its
+    # earlier R4 requests included: the rebuilt client knows which chunks it already decrypted.
+    fed = _federation(4)
+    s1, _ = _views(fed, "c3")
+    (signatures,) = _sign(fed, dict.fromkeys(fed.ids, s1)).values()
+    first = _chunk_request(fed, s1, signatures, "all", (0,))
+    (original,) = _deliver(fed, "c0", first)
+
+    def rebuilt():  # type: ignore[no-untyped-def]
+        copy = fed.new_client("c0")
+        for message in (*(fed.requests_by_round[r]["c0"] for r in ("R0", "R1", "R2")), s1, first):
+            copy.replay_bytes(codec.encode(message, max_message_bytes=LIMIT))
+        fed.clients["c0"] = copy
+        return copy
+
+    rebuilt()
+    (reply,) = _deliver(fed, "c0", _chunk_request(fed, s1, signatures, "all", (1,)))
+    assert [c.index for c in reply.groups[0].chunks] == [1]
+    rebuilt()
+    _refuses(fed, "c0", first, RepeatedDecryptionError, r"chunk\(s\) \[0\]")
+    assert original.groups[0].chunks[0].index == 0
