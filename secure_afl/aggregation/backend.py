@@ -314,7 +314,8 @@ class CkksBackend:
             details={
                 "key_holder": result.key_holder,
                 "replaced_key_holders": list(result.replaced_key_holders),
-                "decryptors": {g: s.decryptor for g, s in result.groups.items()},
+                # A group split by chunk over several decryptors names them all, comma-separated.
+                "decryptors": {g: ",".join(s.decryptors) for g, s in result.groups.items()},
                 "parameters": {
                     "poly_modulus_degree": self.parameters.poly_modulus_degree,
                     "coeff_mod_bit_sizes": list(self.parameters.coeff_mod_bit_sizes),

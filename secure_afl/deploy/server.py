@@ -84,7 +84,8 @@ class SessionRecord:
     round_seconds: dict[str, float] = field(default_factory=dict)
     key_holder: str = ""  # CKKS: the client that generated the session's key
     replaced_key_holders: tuple[str, ...] = ()  # CKKS: key holders that sent no key (re-elected)
-    decryptors: dict[str, str] = field(default_factory=dict)  # CKKS: group -> who decrypted its sum
+    # CKKS: group -> who decrypted it (several, comma-separated, when its decryption was split by chunk)
+    decryptors: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

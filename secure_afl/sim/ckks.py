@@ -36,7 +36,7 @@ class CkksAggregationRun:
     audit: PrivacyAudit
     costs: SessionCosts
     key_holder: str
-    decryptors: Mapping[str, str]  # group -> the client that decrypted its sum
+    decryptors: Mapping[str, str]  # group -> who decrypted it (comma-separated when split by chunk)
     exposure_findings: tuple[str, ...]  # what the decryptors found and reported (policy "report")
     parameters: CkksParameters
     session_id: bytes

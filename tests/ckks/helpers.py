@@ -11,10 +11,10 @@ from secure_afl.core.randomness import DeterministicRandomSource
 from secure_afl.keys.identity import IdentityKey
 from secure_afl.keys.roster import Roster, RosterEntry
 from secure_afl.privacy.policy import ClientPolicy
-from secure_afl.protocol.ckks import codec
+from secure_afl.protocol.ckks import codec, context
 from secure_afl.protocol.ckks.client import CkksClientSession
 from secure_afl.protocol.ckks.context import CkksParameters
-from secure_afl.protocol.ckks.messages import CkksSessionConfig
+from secure_afl.protocol.ckks.messages import CkksSessionConfig, DecryptedGroup
 from secure_afl.protocol.ckks.server import CkksServerSession
 
 D = 6  # Gram dimension of the small federation: the properties tested do not depend on it
@@ -68,6 +68,7 @@ class Federation:
         ledgers: Mapping | None = None,
         parameters: CkksParameters | None = None,
         seed: bytes = b"ckks-tests",
+        max_decryptors_per_group: int | None = None,
     ) -> None:
         self.policy = ClientPolicy.simulator() if policy is None else policy
         self.ledgers = ledgers or {}
@@ -84,7 +85,9 @@ class Federation:
         )
         self.min_group_size = min_group_size
         self.clients = {cid: self.new_client(cid) for cid in self.ids}
-        self.server = CkksServerSession(self.roster, self.config)
+        self.server = CkksServerSession(
+            self.roster, self.config, max_decryptors_per_group=max_decryptors_per_group
+        )
         self.server_received: list[bytes] = []
         self.requests_by_round: dict[str, dict[str, object]] = {}
 
@@ -138,3 +141,15 @@ class Federation:
                     self.server_received.append(data)
                     self.server.receive(codec.decode(data, max_message_bytes=limit))
             requests = self.server.next_round()
+
+
+def decrypted_tensors(config: CkksSessionConfig, group: DecryptedGroup) -> dict[str, np.ndarray]:
+    """A decryption of every chunk of a group as its tensors (the chunks concatenated in order)."""
+    layout = context.group_chunks(
+        {t.name: t.length for t in config.group(group.group).tensors}, config.parameters
+    )
+    assert [c.index for c in group.chunks] == list(range(len(layout)))  # the whole group
+    parts: dict[str, list[np.ndarray]] = {}
+    for (tensor, _, _), chunk in zip(layout, group.chunks, strict=True):
+        parts.setdefault(tensor, []).append(np.frombuffer(chunk.data, dtype="<f8"))
+    return {tensor: np.concatenate(chunks) for tensor, chunks in parts.items()}

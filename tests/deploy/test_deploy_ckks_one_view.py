@@ -78,14 +78,17 @@ def _send(node, round_name: str, message) -> Envelope:
 
 
 def _all_group(uploads, senders) -> GroupUploads:
+    """Every chunk of "all" (its tensors in name order, as the server slices a whole group)."""
+    chunks = {
+        cid: tuple(c for t in uploads[cid].tensors if t.group == "all" for c in t.chunks) for cid in senders
+    }
+    (count,) = {len(c) for c in chunks.values()}
     return GroupUploads(
         "all",
+        tuple(range(count)),
         tuple(
             SignedUpload(
-                cid,
-                binding.tensor_digests(uploads[cid].tensors),
-                uploads[cid].signature,
-                tuple(t for t in uploads[cid].tensors if t.group == "all"),
+                cid, binding.tensor_digests(uploads[cid].tensors), uploads[cid].signature, chunks[cid]
             )
             for cid in sorted(senders)
         ),

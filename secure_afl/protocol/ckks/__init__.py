@@ -21,7 +21,10 @@ _EXPORTS = {
     "CkksServerRound": "state",
     "CkksServerSession": "server",
     "CkksSessionConfig": "messages",
+    "ConflictingDecryptionError": "errors",
     "ExposingDecryptionError": "errors",
+    "IncompleteDecryptionError": "errors",
+    "InvalidChunkSetError": "errors",
     "InvalidCiphertextError": "errors",
     "InvalidContextError": "errors",
     "InvalidParametersError": "errors",
@@ -38,7 +41,10 @@ if TYPE_CHECKING:
     from .client import CkksClientSession
     from .context import CkksParameters
     from .errors import (
+        ConflictingDecryptionError,
         ExposingDecryptionError,
+        IncompleteDecryptionError,
+        InvalidChunkSetError,
         InvalidCiphertextError,
         InvalidContextError,
         InvalidParametersError,
@@ -71,7 +77,10 @@ __all__ = [
     "CkksServerRound",
     "CkksServerSession",
     "CkksSessionConfig",
+    "ConflictingDecryptionError",
     "ExposingDecryptionError",
+    "IncompleteDecryptionError",
+    "InvalidChunkSetError",
     "InvalidCiphertextError",
     "InvalidContextError",
     "InvalidParametersError",

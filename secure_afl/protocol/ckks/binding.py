@@ -19,7 +19,7 @@ from secure_afl.protocol.fields import sequence, tagged_fields
 from .messages import (
     CkksAdvertise,
     CkksSessionConfig,
-    DecryptedTensor,
+    DecryptedChunk,
     EncryptedTensor,
     SignedUpload,
     TensorDigests,
@@ -41,8 +41,9 @@ INPUT_TENSOR_DOMAIN = b"secure-afl/ckks/v1/encrypted-tensor"
 UPLOAD_DOMAIN = b"secure-afl/ckks/v1/upload-digest"
 VIEW_DOMAIN = b"secure-afl/ckks/v1/survivor-view"
 VIEW_ENTRY_DOMAIN = b"secure-afl/ckks/v1/survivor-view-entry"
-DECRYPTION_DOMAIN = b"secure-afl/ckks/v1/decrypted-group-sum"
-DECRYPTED_TENSOR_DOMAIN = b"secure-afl/ckks/v1/decrypted-tensor"
+# v2 (wire 0xC4): a decryption signs a chunk set of a group, named by its chunk indices.
+DECRYPTION_DOMAIN = b"secure-afl/ckks/v2/decrypted-chunk-sums"
+DECRYPTED_CHUNK_DOMAIN = b"secure-afl/ckks/v2/decrypted-chunk"
 
 
 def config_digest(config: CkksSessionConfig, context: bytes = NO_CONTEXT) -> bytes:
@@ -229,27 +230,23 @@ def decryption_fields(
     adverts_digest: bytes,
     view: bytes,
     group: str,
+    chunks: tuple[int, ...],
     survivors: tuple[str, ...],
     uploads: Iterable[SignedUpload],
-    plaintexts: Iterable[DecryptedTensor],
+    plaintexts: Iterable[DecryptedChunk],
 ) -> tuple[bytes, tuple]:
     """(domain, fields) a decryptor signs: the view it decrypted under (:func:`view_digest`), the
-    group, whose signed uploads it summed (each one's chunk digests for this group), and the result."""
+    group and the chunk indices it decrypted (:func:`~secure_afl.protocol.ckks.context.group_chunks`),
+    whose signed ciphertexts it summed (each survivor's, by digest, in the chunks' order), and each
+    chunk's result."""
     cipher = sequence(
         tagged_fields(
-            DECRYPTED_TENSOR_DOMAIN,
-            u.sender,
-            sequence(
-                tagged_fields(
-                    DECRYPTED_TENSOR_DOMAIN, t.tensor, sequence(hashlib.sha256(c).digest() for c in t.chunks)
-                )
-                for t in u.tensors
-            ),
+            DECRYPTED_CHUNK_DOMAIN, u.sender, sequence(hashlib.sha256(c).digest() for c in u.chunks)
         )
         for u in sorted(uploads, key=lambda upload: upload.sender)
     )
     plain = sequence(
-        tagged_fields(DECRYPTED_TENSOR_DOMAIN, t.tensor, hashlib.sha256(t.data).digest()) for t in plaintexts
+        tagged_fields(DECRYPTED_CHUNK_DOMAIN, c.index, hashlib.sha256(c.data).digest()) for c in plaintexts
     )
     return DECRYPTION_DOMAIN, (
         session_id,
@@ -257,6 +254,7 @@ def decryption_fields(
         adverts_digest,
         view,
         group,
+        sequence(tagged_fields(DECRYPTED_CHUNK_DOMAIN, k) for k in chunks),
         tuple(sorted(survivors)),
         cipher,
         plain,

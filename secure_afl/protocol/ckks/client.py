@@ -8,6 +8,7 @@ leaves the client FAILED with its session secrets (X25519 key, CKKS context) dro
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -44,6 +45,7 @@ from secure_afl.protocol.exposure_gate import ExposureGate, committed_rows, mess
 from . import binding, codec, context
 from .errors import (
     ExposingDecryptionError,
+    InvalidChunkSetError,
     InvalidContextError,
     InvalidParametersError,
     InvalidSumCiphertextError,
@@ -63,8 +65,8 @@ from .messages import (
     CkksSessionConfig,
     CkksViewRequest,
     CkksViewSignature,
+    DecryptedChunk,
     DecryptedGroup,
-    DecryptedTensor,
     EncryptedContext,
     EncryptedTensor,
     GroupUploads,
@@ -604,6 +606,10 @@ class CkksClientSession:
     # --- R4 ---------------------------------------------------------------------------------------
 
     def _on_decrypt_request(self, request: CkksDecryptRequest):
+        """Decrypt the requested chunk sets (SECURITY.md §7.6): per group, the chunk indices named,
+        each summed here from every survivor's signed ciphertext of that chunk.  Every value leaving
+        is a chunk of a group sum over the one view this client signed; a chunk it decrypted before
+        in this session, or one named twice, is refused (:class:`RepeatedDecryptionError`)."""
         config = self._require_config()
         self._check_session(request.session_id)
         live = self._check_view(request.uploads)
@@ -618,50 +624,77 @@ class CkksClientSession:
         seen: set[str] = set()
         out: list[DecryptedGroup] = []
         for item in request.groups:
-            if item.group in seen or item.group in self._decrypted:
-                raise RepeatedDecryptionError(f"asked twice for the sum of group {item.group!r}")
+            if item.group in seen:
+                raise RepeatedDecryptionError(f"group {item.group!r} is named twice in one request")
             seen.add(item.group)
             if item.group not in self._inputs:
                 raise ServerProtocolError(
                     f"asked to decrypt group {item.group!r}, of which this client is not a member"
                 )
-            spec = {t.name: t.length for t in config.group(item.group).tensors}
-            summed = self._verified_sum(config, item, spec, live, uploads)
-            plaintexts = []
-            for tensor in sorted(spec):
-                values = context.decrypt(self._context, summed[tensor], config.parameters)
-                plaintexts.append(DecryptedTensor(tensor, values.astype("<f8").tobytes()))
+            layout = context.group_chunks(
+                {t.name: t.length for t in config.group(item.group).tensors}, config.parameters
+            )
+            self._check_chunk_set(item.group, item.chunks, len(layout))
+            summed = self._verified_sum(config, item, layout, live, uploads)
+            plaintexts = tuple(
+                DecryptedChunk(
+                    k, context.decrypt(self._context, [vector], config.parameters).astype("<f8").tobytes()
+                )
+                for k, vector in zip(item.chunks, summed, strict=True)
+            )
             domain, fields = binding.decryption_fields(
                 config.session_id,
                 self._config_digest,
                 self._adverts_digest,
                 view,
                 item.group,
+                item.chunks,
                 tuple(c for c in self._members[item.group] if c in live),
                 item.uploads,
                 plaintexts,
             )
             signature = crypto.sign(self._identity.private_key, domain, *fields)
-            out.append(DecryptedGroup(item.group, tuple(plaintexts), signature))
+            out.append(DecryptedGroup(item.group, plaintexts, signature))
         reply = CkksDecryption(config.session_id, self.client_id, tuple(out))
 
         def commit() -> None:
-            self._decrypted |= seen
+            for item in request.groups:
+                self._decrypted.setdefault(item.group, set()).update(item.chunks)
             self._gate.findings.extend(f for f in findings if f not in self._gate.findings)
 
         return [reply], commit
+
+    def _check_chunk_set(self, group: str, chunks: tuple[int, ...], count: int) -> None:
+        """A requested chunk set: non-empty, increasing, within the group's 0..count-1, and none of
+        it decrypted by this client before (under the one view: see :meth:`_on_decrypt_request`)."""
+        if not chunks:
+            raise InvalidChunkSetError(f"group {group!r}: the request names no chunk to decrypt")
+        if any(b <= a for a, b in itertools.pairwise(chunks)):
+            if len(set(chunks)) != len(chunks):
+                raise RepeatedDecryptionError(f"group {group!r}: a chunk is named twice in one request")
+            raise InvalidChunkSetError(f"group {group!r}: chunk indices must increase, got {list(chunks)}")
+        if chunks[0] < 0 or chunks[-1] >= count:
+            raise InvalidChunkSetError(
+                f"group {group!r} has chunks 0..{count - 1}; the request names {list(chunks)}"
+            )
+        again = sorted(set(chunks) & self._decrypted.get(group, set()))
+        if again:
+            raise RepeatedDecryptionError(
+                f"group {group!r}: chunk(s) {again} were decrypted by this client already in this session"
+            )
 
     def _verified_sum(
         self,
         config: CkksSessionConfig,
         item: GroupUploads,
-        spec: Mapping[str, int],
+        layout: tuple[tuple[str, int, int], ...],
         live: frozenset[str],
         view: Mapping[str, bytes],
-    ) -> dict[str, list]:
-        """The group's sum, computed here from its survivors' signed uploads (never a ciphertext the
-        server summed): exactly one upload from each surviving member, each signed by its sender over
-        the digests of all its chunks, the one the view names, the chunks given matching those digests."""
+    ) -> list:
+        """The requested chunks of the group's sum, computed here from its survivors' signed uploads
+        (never a ciphertext the server summed): exactly one upload from each surviving member, each
+        signed by its sender over the digests of all its chunks, the one the view names, and each
+        chunk given matching the digest its sender signed at that chunk's position."""
         expected = tuple(c for c in self._members[item.group] if c in live)
         senders = [upload.sender for upload in item.uploads]
         if len(set(senders)) != len(senders):
@@ -673,7 +706,10 @@ class CkksClientSession:
             )
         if len(expected) < config.min_group_size:  # also checked on the survivor set; never decrypt less
             raise InconsistentSurvivorsError(f"group {item.group!r} has {len(expected)} survivors")
-        totals: dict[str, list] = {}
+        tensor_chunks: dict[str, int] = {}
+        for tensor, _, _ in layout:
+            tensor_chunks[tensor] = tensor_chunks.get(tensor, 0) + 1
+        totals: list = []
         for upload in item.uploads:
             domain, fields = binding.input_fields_of_digests(
                 config.session_id, self._config_digest, upload.sender, upload.digests
@@ -687,37 +723,32 @@ class CkksClientSession:
                     f"group {item.group!r}: the upload of {upload.sender!r} is not the one the signed "
                     f"view names"
                 )
-            listed = {(d.group, d.tensor): d.chunk_digests for d in upload.digests}
-            if [(t.group, t.tensor) for t in upload.tensors] != [(item.group, name) for name in sorted(spec)]:
+            listed = {d.tensor: d.chunk_digests for d in upload.digests if d.group == item.group}
+            if {t: len(d) for t, d in listed.items()} != tensor_chunks:
                 raise ServerProtocolError(
-                    f"group {item.group!r}: the upload of {upload.sender!r} lacks the group's tensors"
+                    f"group {item.group!r}: the upload of {upload.sender!r} does not sign the group's "
+                    f"tensors in {len(layout)} chunks"
                 )
-            for tensor in upload.tensors:
-                digests = tuple(hashlib.sha256(chunk).digest() for chunk in tensor.chunks)
-                if listed.get((tensor.group, tensor.tensor)) != digests:
+            if len(upload.chunks) != len(item.chunks):
+                raise InvalidSumCiphertextError(
+                    f"group {item.group!r}: {len(upload.chunks)} ciphertexts of {upload.sender!r}, "
+                    f"expected one per requested chunk ({len(item.chunks)})"
+                )
+            for position, (k, chunk) in enumerate(zip(item.chunks, upload.chunks, strict=True)):
+                tensor, i, n = layout[k]
+                if hashlib.sha256(chunk).digest() != listed[tensor][i]:
                     raise InvalidSumCiphertextError(
-                        f"{item.group}/{tensor.tensor}: the ciphertexts of {upload.sender!r} are not the "
-                        f"ones it signed"
-                    )
-                lengths = context.chunk_lengths(spec[tensor.tensor], config.parameters)
-                if len(tensor.chunks) != len(lengths):
-                    raise InvalidSumCiphertextError(
-                        f"{item.group}/{tensor.tensor}: {len(tensor.chunks)} ciphertexts, "
-                        f"expected {len(lengths)}"
+                        f"{item.group}/{tensor}: the ciphertexts of {upload.sender!r} are not the "
+                        f"ones it signed (chunk {k}, {tensor} chunk {i})"
                     )
                 try:
-                    vectors = [
-                        context.load_ciphertext(self._context, chunk, n, config.parameters)
-                        for chunk, n in zip(tensor.chunks, lengths, strict=True)
-                    ]
+                    vector = context.load_ciphertext(self._context, chunk, n, config.parameters)
                 except ValueError as exc:
-                    raise InvalidSumCiphertextError(f"{item.group}/{tensor.tensor}: {exc}") from None
-                total = totals.get(tensor.tensor)
-                if total is None:
-                    totals[tensor.tensor] = vectors
+                    raise InvalidSumCiphertextError(f"{item.group}/{tensor} chunk {i}: {exc}") from None
+                if position < len(totals):
+                    totals[position].add_(vector)
                 else:
-                    for accumulated, vector in zip(total, vectors, strict=True):
-                        accumulated.add_(vector)
+                    totals.append(vector)
         return totals
 
     # --- helpers ----------------------------------------------------------------------------------
@@ -858,4 +889,4 @@ class CkksClientSession:
         self._context = None  # the TenSEAL context with the secret key
         self._upload_digest = b""  # this client's own upload (unknown to a client rebuilt by replay)
         self._view = b""  # the digest of the view this client signed in R3
-        self._decrypted: set[str] = set()
+        self._decrypted: dict[str, set[int]] = {}  # group -> chunk indices decrypted (R4)

@@ -40,8 +40,8 @@ from .messages import (
     CkksSessionConfig,
     CkksViewRequest,
     CkksViewSignature,
+    DecryptedChunk,
     DecryptedGroup,
-    DecryptedTensor,
     EncryptedContext,
     EncryptedTensor,
     GroupUploads,
@@ -50,8 +50,9 @@ from .messages import (
     UploadEntry,
 )
 
-# 0xC1 sent group sums for decryption; 0xC2 the signed uploads; 0xC3 the signed view (R3)
-WIRE_VERSION = 0xC3
+# 0xC1 sent group sums for decryption; 0xC2 the signed uploads; 0xC3 the signed view (R3); 0xC4 a
+# group's decryption split by chunk (R4 names chunk indices, each decryptor gets only its chunks)
+WIRE_VERSION = 0xC4
 MAX_TENSOR_VALUES = ((1 << 32) - 1) // 8
 _TAGS: dict[type, int] = {
     CkksAdvertiseRequest: 1,
@@ -85,9 +86,14 @@ def max_message_bytes(config: CkksSessionConfig, n_clients: int) -> int:
             encrypted += s + s + 4 + p.chunks(tensor.length) * ct
             digests += s + s + 4 + p.chunks(tensor.length) * DIGEST_BYTES
             plain += s + _BLOB_PREFIX + 8 * tensor.length
+    chunks = 0
     for group in config.groups:  # every survivor's upload of every group, with its digests
-        group_bytes = 4 + sum(s + s + 4 + p.chunks(t.length) * ct for t in group.tensors)
-        uploads += s + 4 + n_clients * (s + 4 + digests + SIGNATURE_BYTES + group_bytes)
+        group_chunks = sum(p.chunks(t.length) for t in group.tensors)
+        chunks += group_chunks
+        uploads += (
+            s + 4 + 4 * group_chunks + 4
+            + n_clients * (s + 4 + digests + SIGNATURE_BYTES + 4 + group_chunks * ct)
+        )  # fmt: skip
     advert = SESSION_ID_BYTES + s + KEY_BYTES + DIGEST_BYTES + 4 + len(config.groups) * s + SIGNATURE_BYTES
     view = 4 + n_clients * (s + DIGEST_BYTES)
     view_signature = SESSION_ID_BYTES + s + SIGNATURE_BYTES
@@ -106,7 +112,7 @@ def max_message_bytes(config: CkksSessionConfig, n_clients: int) -> int:
         SESSION_ID_BYTES + s + 4 + encrypted + SIGNATURE_BYTES,  # CkksInput
         SESSION_ID_BYTES + view,  # CkksViewRequest
         SESSION_ID_BYTES + view + 4 + n_clients * view_signature + 4 + uploads,  # CkksDecryptRequest
-        SESSION_ID_BYTES + s + 4 + plain + len(config.groups) * (s + 4 + SIGNATURE_BYTES),
+        SESSION_ID_BYTES + s + 4 + plain + chunks * 8 + len(config.groups) * (s + 4 + SIGNATURE_BYTES),
     )
     return 2 + max(bodies)
 
@@ -195,11 +201,16 @@ def _write_upload(w: _Writer, m: SignedUpload) -> None:
     w.string(m.sender)
     w.sequence(m.digests, _typed(TensorDigests, _write_digests, w))  # type: ignore[arg-type]
     w.fixed(m.signature, SIGNATURE_BYTES, "signature")
-    w.sequence(m.tensors, _typed(EncryptedTensor, _write_encrypted_tensor, w))  # type: ignore[arg-type]
+    _write_chunks(w, m.chunks)
+
+
+def _write_indices(w: _Writer, indices: tuple[int, ...]) -> None:
+    w.sequence(indices, lambda k: w.uint(k, 4))  # type: ignore[arg-type]
 
 
 def _write_group_uploads(w: _Writer, m: GroupUploads) -> None:
     w.string(m.group)
+    _write_indices(w, m.chunks)
     w.sequence(m.uploads, _typed(SignedUpload, _write_upload, w))  # type: ignore[arg-type]
 
 
@@ -217,7 +228,7 @@ def _write_view_signature(w: _Writer, m: CkksViewSignature) -> None:
 def _write_decrypted_group(w: _Writer, m: DecryptedGroup) -> None:
     w.string(m.group)
     w.sequence(
-        m.tensors, _typed(DecryptedTensor, lambda w, t: (w.string(t.tensor), _blob(w, t.data, "values")), w)
+        m.chunks, _typed(DecryptedChunk, lambda w, c: (w.uint(c.index, 4), _blob(w, c.data, "values")), w)
     )  # type: ignore[arg-type,union-attr]
     w.fixed(m.signature, SIGNATURE_BYTES, "signature")
 
@@ -329,10 +340,6 @@ def _read_input_request(r: _Reader) -> CkksInputRequest:
     return CkksInputRequest(session_id, holder, public, secret_digest, signature, sealed)
 
 
-def _read_tensor(r: _Reader) -> EncryptedTensor:
-    return EncryptedTensor(r.string(), r.string(), _read_chunks(r))
-
-
 def _read_upload(r: _Reader) -> SignedUpload:
     return SignedUpload(
         r.string(),
@@ -343,7 +350,7 @@ def _read_upload(r: _Reader) -> SignedUpload:
             10,
         ),
         r.take(SIGNATURE_BYTES),
-        r.sequence(lambda: _read_tensor(r), 10),
+        _read_chunks(r),
     )
 
 
@@ -378,7 +385,12 @@ _READERS: dict[int, Callable[[_Reader], CkksMessage]] = {
         r.take(SESSION_ID_BYTES),
         _read_entries(r),
         r.sequence(lambda: _read_view_signature(r), SESSION_ID_BYTES + 3 + SIGNATURE_BYTES),
-        r.sequence(lambda: GroupUploads(r.string(), r.sequence(lambda: _read_upload(r), 75)), 7),
+        r.sequence(
+            lambda: GroupUploads(
+                r.string(), r.sequence(lambda: r.uint(4), 4), r.sequence(lambda: _read_upload(r), 75)
+            ),
+            11,
+        ),
     ),
     8: lambda r: CkksDecryption(
         r.take(SESSION_ID_BYTES),
@@ -386,7 +398,7 @@ _READERS: dict[int, Callable[[_Reader], CkksMessage]] = {
         r.sequence(
             lambda: DecryptedGroup(
                 r.string(),
-                r.sequence(lambda: DecryptedTensor(r.string(), _read_blob(r)), 7),
+                r.sequence(lambda: DecryptedChunk(r.uint(4), _read_blob(r)), 8),
                 r.take(SIGNATURE_BYTES),
             ),
             71,

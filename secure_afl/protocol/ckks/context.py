@@ -23,7 +23,7 @@ the operating system); it cannot take the protocol's injected ``RandomSource``.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -201,6 +201,18 @@ def chunk_lengths(length: int, parameters: CkksParameters) -> list[int]:
     """The number of values in each chunk of a vector of ``length`` values."""
     slots = parameters.slots
     return [min(slots, length - start) for start in range(0, length, slots)] or [0]
+
+
+def group_chunks(lengths: Mapping[str, int], parameters: CkksParameters) -> tuple[tuple[str, int, int], ...]:
+    """A group's chunks, numbered by their position here, from its tensors' lengths: (tensor, chunk
+    within the tensor, values in it), the tensors in name order (every upload's order) and each
+    tensor's chunks in order.  The one definition of a chunk index: R4's requests, decryptions and
+    signatures name chunks by it (SECURITY.md §7.6)."""
+    return tuple(
+        (tensor, i, n)
+        for tensor in sorted(lengths)
+        for i, n in enumerate(chunk_lengths(lengths[tensor], parameters))
+    )
 
 
 def decrypt(context: ts.Context, chunks: Sequence[ts.CKKSVector], parameters: CkksParameters) -> np.ndarray:

@@ -37,7 +37,25 @@ class ExposingDecryptionError(ExposureRefusedError):
 
 
 class RepeatedDecryptionError(ServerProtocolError):
-    """The server asked a decryptor twice for one group's sum (a second ciphertext could be one input)."""
+    """The server asked a decryptor for a chunk of a group it already decrypted in this session, or
+    named one chunk twice in a request.  Under the one view a chunk's sum is one value (another
+    decryptor asked for it decrypts the same sum), so the server has no reason to ask again; under
+    another view every chunk is refused before this check (the view this client signed, R3/R4)."""
+
+
+class InvalidChunkSetError(ServerProtocolError):
+    """A decryption request names no chunk of a group, chunk indices out of the group's range
+    0..C_g-1, or indices not in increasing order."""
+
+
+class IncompleteDecryptionError(SessionAbortedError):
+    """The server's decrypted chunk sums leave a chunk of a group without a sum (or give one of the
+    wrong length): the group's sum cannot be assembled."""
+
+
+class ConflictingDecryptionError(ClientProtocolError):
+    """Two decryptors returned different sums for one chunk of a group under the one view: one of
+    them decrypted something else or lied, and the server cannot tell which."""
 
 
 class KeyHolderDroppedError(SessionAbortedError):

@@ -14,15 +14,19 @@ R3    server -> each in U2        :class:`CkksViewRequest` (the view: every uplo
       survivor -> server          :class:`CkksViewSignature` (its signature over the view; once per
                                   session)
 R4    server -> each decryptor    :class:`CkksDecryptRequest` (the view, at least t survivors'
-                                  signatures over it and, per group it decrypts, every surviving
-                                  member's signed upload of that group); repeated for groups whose
+                                  signatures over it and, per group, the chunk indices it decrypts
+                                  with every surviving member's signed chunk digests and its
+                                  ciphertexts of those chunks); repeated for chunk sets whose
                                   decryptor dropped
-      decryptor -> server         :class:`CkksDecryption` (each group's sums, which it computed
-                                  itself from the signed uploads, signed)
+      decryptor -> server         :class:`CkksDecryption` (each chunk sum, which it computed itself
+                                  from the signed chunks, signed with the chunk indices)
 ====  ==========================  =====================================================
 
 Group layouts reuse the masking backend's :class:`~secure_afl.protocol.messages.GroupSpec`; a tensor's
-``length`` counts float64 values (the upper triangle for symmetric matrices).
+``length`` counts float64 values (the upper triangle for symmetric matrices).  A group's *chunks* are
+its tensors' ciphertexts, in tensor-name order and then in order within each tensor, numbered from 0
+(:func:`~secure_afl.protocol.ckks.context.group_chunks`): the unit a decryptor is asked for (R4 splits
+a group's chunks over several decryptors, SECURITY.md §7.6).
 """
 
 from __future__ import annotations
@@ -138,20 +142,23 @@ class TensorDigests:
 
 @dataclass(frozen=True, slots=True)
 class SignedUpload:
-    """One survivor's upload as a decryptor checks it: the digests of *all* its tensors with its
-    signature over them (as in :class:`CkksInput`), and the ciphertexts of one group's tensors."""
+    """One survivor's upload as a decryptor checks it: the digests of *all* its chunks with its
+    signature over them (as in :class:`CkksInput`), and its ciphertexts of the requested chunks of
+    one group (:attr:`GroupUploads.chunks`, in that order)."""
 
     sender: str
     digests: tuple[TensorDigests, ...]
     signature: bytes
-    tensors: tuple[EncryptedTensor, ...]
+    chunks: tuple[bytes, ...]
 
 
 @dataclass(frozen=True, slots=True)
 class GroupUploads:
-    """A group to decrypt: every surviving member's signed upload of it."""
+    """A group's chunk set to decrypt: its chunk indices (increasing) and every surviving member's
+    signed upload of those chunks."""
 
     group: str
+    chunks: tuple[int, ...]
     uploads: tuple[SignedUpload, ...]
 
 
@@ -184,8 +191,8 @@ class CkksViewSignature:
 @dataclass(frozen=True, slots=True)
 class CkksDecryptRequest:
     """The view (the uploads that count, U2), at least t survivors' signatures over it and, per group
-    to decrypt, the survivors' signed uploads: the decryptor sums them itself, so it never decrypts
-    anything but a group sum, and only over the one view the quorum signed."""
+    to decrypt, a chunk set with the survivors' signed chunks: the decryptor sums them itself, so it
+    never decrypts anything but a chunk of a group sum, and only over the one view the quorum signed."""
 
     session_id: bytes
     uploads: tuple[UploadEntry, ...]
@@ -199,17 +206,19 @@ class CkksDecryptRequest:
 
 
 @dataclass(frozen=True, slots=True)
-class DecryptedTensor:
-    """A tensor's decrypted sum as little-endian float64 bytes."""
+class DecryptedChunk:
+    """One chunk's decrypted sum (its index in the group) as little-endian float64 bytes."""
 
-    tensor: str
+    index: int
     data: bytes
 
 
 @dataclass(frozen=True, slots=True)
 class DecryptedGroup:
+    """A group's decrypted chunk sums, in the requested order, signed with their indices."""
+
     group: str
-    tensors: tuple[DecryptedTensor, ...]
+    chunks: tuple[DecryptedChunk, ...]
     signature: bytes
 
 

@@ -8,14 +8,18 @@ returns the messages to send, keyed by recipient (empty once every group has its
 The server holds the key holder's *public* context only: it refuses one that carries a secret key
 (:class:`InvalidContextError`) and never sees the secret context except AES-GCM-encrypted for a peer.
 It keeps each survivor's signed upload, has every survivor sign the view (R3: every upload that
-counts, by sender and digest), and for each group asks one surviving member that signed to decrypt
-the sum from the signed uploads, with every view signature received; a decryptor that does not
-answer is replaced by another signer among the group's survivors.
+counts, by sender and digest), and splits each group's decryption by chunk (SECURITY.md §7.6): it
+asks m = min(S_g, C_g, ``max_decryptors_per_group``) surviving members that signed to decrypt
+disjoint, contiguous chunk sets, each from every survivor's signed ciphertexts of its chunks alone
+(plus the digests of all of a member's chunks, which its signature covers), with every view
+signature received.  A decryptor that does not answer has its chunk sets given to another signer
+among the group's survivors; the group's sum is assembled from the chunk sums
+(:func:`assemble_group_sums`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -40,6 +44,8 @@ from secure_afl.protocol.binding import NO_CONTEXT
 from . import binding, codec, context
 from .client import validate_config
 from .errors import (
+    ConflictingDecryptionError,
+    IncompleteDecryptionError,
     InvalidCiphertextError,
     InvalidContextError,
     KeyHolderDroppedError,
@@ -69,13 +75,59 @@ from .state import SERVER_ACCEPTS, SERVER_NEXT_ROUND, CkksServerRound
 
 @dataclass(frozen=True, slots=True)
 class CkksGroupSum:
-    """What the server learns about one group: members, survivors, who decrypted, the float64 sums."""
+    """What the server learns about one group: members, survivors, who decrypted each chunk, the
+    float64 sums."""
 
     name: str
     members: tuple[str, ...]
     survivors: tuple[str, ...]
-    decryptor: str
+    chunk_decryptors: tuple[str, ...]  # chunk index -> the client whose decryption of it was used
     sums: Mapping[str, np.ndarray]  # tensor name -> read-only float64 sum over the survivors
+
+    @property
+    def decryptors(self) -> tuple[str, ...]:
+        """The clients that decrypted a part of the group's sum, sorted."""
+        return tuple(sorted(set(self.chunk_decryptors)))
+
+
+Layout = tuple[tuple[str, int, int], ...]  # a group's chunks (context.group_chunks)
+
+
+def assemble_group_sums(
+    group: str, layout: Layout, decrypted: Iterable[tuple[str, int, np.ndarray]]
+) -> tuple[dict[str, np.ndarray], tuple[str, ...]]:
+    """A group's tensor sums from its decrypted chunk sums (decryptor, chunk index, values), and who
+    decrypted each chunk.  Every chunk needs a sum of its length (else
+    :class:`IncompleteDecryptionError`); a chunk decrypted twice must have the same values
+    (decryption of one ciphertext sum, rounded to the output grid, is deterministic), else
+    :class:`ConflictingDecryptionError` names both decryptors: the server cannot tell who lied."""
+    by_chunk: dict[int, tuple[str, np.ndarray]] = {}
+    for decryptor, index, values in decrypted:
+        if not 0 <= index < len(layout) or values.shape != (layout[index][2],):
+            raise IncompleteDecryptionError(
+                f"group {group!r}: {decryptor!r} returned chunk {index} with {values.size} values; the "
+                f"group has chunks 0..{len(layout) - 1}"
+            )
+        earlier = by_chunk.get(index)
+        if earlier is None:
+            by_chunk[index] = (decryptor, values)
+        elif not np.array_equal(earlier[1], values):
+            raise ConflictingDecryptionError(
+                f"group {group!r}: {earlier[0]!r} and {decryptor!r} decrypted chunk {index} of the one "
+                f"view's sum to different values"
+            )
+    missing = [k for k in range(len(layout)) if k not in by_chunk]
+    if missing:
+        raise IncompleteDecryptionError(f"group {group!r}: chunk(s) {missing} have no decrypted sum")
+    parts: dict[str, list[np.ndarray]] = {}
+    for k, (tensor, _, _) in enumerate(layout):
+        parts.setdefault(tensor, []).append(by_chunk[k][1])
+    sums = {}
+    for tensor, chunks in parts.items():
+        values = np.concatenate(chunks).astype(np.float64)
+        values.setflags(write=False)
+        sums[tensor] = values
+    return sums, tuple(by_chunk[k][0] for k in range(len(layout)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,14 +139,45 @@ class CkksAggregationResult:
     replaced_key_holders: tuple[str, ...] = ()  # key holders that sent no key (re-elections)
 
 
+def plan_chunk_sets(
+    groups: Mapping[str, tuple[list[str], int]], cap: int | None, load: dict[str, int]
+) -> list[tuple[str, str, tuple[int, ...]]]:
+    """Who decrypts which chunks: per group (its candidates, its chunk count C_g), in name order,
+    m = min(candidates, C_g, cap) of the least-loaded candidates (``load``: chunks asked of each so
+    far, updated here), each given a contiguous run of ⌊C_g/m⌋ or ⌈C_g/m⌉ chunks.  Returns
+    (group, decryptor, chunk indices) triples.  The server's one rule, which the bench reuses."""
+    plan: list[tuple[str, str, tuple[int, ...]]] = []
+    for group in sorted(groups):
+        candidates, count = groups[group]
+        m = min(len(candidates), count, cap or count)
+        chosen = sorted(candidates, key=lambda c: (load.get(c, 0), c))[:m]
+        for j, decryptor in enumerate(chosen):
+            chunks = tuple(range(j * count // m, (j + 1) * count // m))
+            load[decryptor] = load.get(decryptor, 0) + len(chunks)
+            plan.append((group, decryptor, chunks))
+    return plan
+
+
 class CkksServerSession:
     """The server's side of one CKKS session over ``config``'s groups, for the clients of ``roster``."""
 
-    def __init__(self, roster: Roster, config: CkksSessionConfig, *, context: bytes = NO_CONTEXT) -> None:
+    def __init__(
+        self,
+        roster: Roster,
+        config: CkksSessionConfig,
+        *,
+        context: bytes = NO_CONTEXT,
+        max_decryptors_per_group: int | None = None,
+    ) -> None:
         try:
             validate_config(config, len(roster))
         except InvalidSessionConfigError as exc:
             raise LocalProtocolError(str(exc)) from exc
+        if max_decryptors_per_group is not None and max_decryptors_per_group < 1:
+            raise LocalProtocolError("max_decryptors_per_group must be at least 1 (or None: no cap)")
+        # m = min(S_g, C_g, this cap): 1 is the decryption of a whole group by one member (before
+        # issue 30); None splits each group over as many signers as it has chunks.
+        self._max_decryptors = max_decryptors_per_group
         self._roster = roster
         self._config = config
         self._digest = binding.config_digest(config, context)  # the session context its clients bind
@@ -114,10 +197,14 @@ class CkksServerSession:
         self._view: tuple[UploadEntry, ...] = ()  # R3: every upload that counts, by sender and digest
         self._view_digest = b""
         self._view_signatures: dict[str, CkksViewSignature] = {}
-        self._assigned: dict[str, str] = {}  # group -> its current decryptor
-        self._requested: dict[str, GroupUploads] = {}  # group -> the signed uploads sent for decryption
+        self._requested: dict[str, GroupUploads] = {}  # group -> every survivor's signed upload of it
+        self._layouts: dict[str, Layout] = {}  # group -> its chunks
+        # This R4 round: decryptor -> group -> the chunk set it was sent (what its answer must be).
+        self._asked: dict[str, dict[str, GroupUploads]] = {}
+        self._answered: set[str] = set()
+        self._load: dict[str, int] = {}  # decryptor -> chunks asked of it so far (to spread the work)
         self._failed_decryptors: set[str] = set()
-        self._decrypted: dict[str, tuple[str, dict[str, np.ndarray]]] = {}
+        self._decrypted: dict[str, list[tuple[str, int, np.ndarray]]] = {}  # group -> chunk sums
         self._result: CkksAggregationResult | None = None
 
     @property
@@ -317,15 +404,24 @@ class CkksServerSession:
 
     def _receive_decryption(self, message: CkksDecryption) -> None:
         sender = message.sender
-        mine = sorted(g for g, d in self._assigned.items() if d == sender and g not in self._decrypted)
-        self._check_sender(sender, set(self._assigned.values()), ())
-        if [item.group for item in message.groups] != mine:
+        if sender not in self._roster:
+            raise UnknownClientError(f"{sender!r} is not in the roster")
+        asked = self._asked.get(sender)
+        if asked is None:
+            raise UnknownClientError(f"{sender!r} was not asked to decrypt in this round")
+        if sender in self._answered:
+            raise DuplicateClientError(f"a second message from {sender!r} in this round")
+        if [item.group for item in message.groups] != sorted(asked):
             raise ClientProtocolError(f"{sender!r} did not return exactly the group sums it was asked for")
-        results: dict[str, dict[str, np.ndarray]] = {}
+        results: list[tuple[str, int, np.ndarray]] = []
         for item in message.groups:
-            spec = {t.name: t.length for t in self._config.group(item.group).tensors}
-            if [t.tensor for t in item.tensors] != sorted(spec):
-                raise ClientProtocolError(f"{sender!r}: group {item.group!r} has the wrong tensors")
+            sent = asked[item.group]
+            if tuple(c.index for c in item.chunks) != sent.chunks:
+                raise ClientProtocolError(
+                    f"{sender!r}: group {item.group!r} returned chunks "
+                    f"{[c.index for c in item.chunks]}, it was asked for {list(sent.chunks)}"
+                )
+            layout = self._layouts[item.group]
             survivors = tuple(c for c in self._members[item.group] if c in set(self._survivors))
             domain, fields = binding.decryption_fields(
                 self._config.session_id,
@@ -333,28 +429,28 @@ class CkksServerSession:
                 self._adverts_digest,
                 self._view_digest,
                 item.group,
+                sent.chunks,
                 survivors,
-                self._requested[item.group].uploads,
-                item.tensors,
+                sent.uploads,
+                item.chunks,
             )
             if not crypto.verify(self._roster.public_key(sender), item.signature, domain, *fields):
                 raise InvalidSignatureError(
                     f"the decryption of group {item.group!r} is not signed by its decryptor {sender!r}"
                 )
-            sums = {}
-            for tensor in item.tensors:
-                if len(tensor.data) != 8 * spec[tensor.tensor]:
+            for chunk in item.chunks:
+                tensor, i, n = layout[chunk.index]
+                if len(chunk.data) != 8 * n:
                     raise ClientProtocolError(
-                        f"{sender!r}: {item.group}/{tensor.tensor} has the wrong length"
+                        f"{sender!r}: {item.group}/{tensor} chunk {i} has the wrong length"
                     )
-                values = np.frombuffer(tensor.data, dtype="<f8").astype(np.float64)
+                values = np.frombuffer(chunk.data, dtype="<f8").astype(np.float64)
                 if not np.all(np.isfinite(values)):
-                    raise ClientProtocolError(f"{sender!r}: {item.group}/{tensor.tensor} is not finite")
-                values.setflags(write=False)
-                sums[tensor.tensor] = values
-            results[item.group] = sums
-        for group, sums in results.items():
-            self._decrypted[group] = (sender, sums)
+                    raise ClientProtocolError(f"{sender!r}: {item.group}/{tensor} chunk {i} is not finite")
+                results.append((item.group, chunk.index, values))
+        for group, index, values in results:
+            self._decrypted.setdefault(group, []).append((sender, index, values))
+        self._answered.add(sender)
 
     # --- closing rounds ---------------------------------------------------------------------------
 
@@ -428,22 +524,29 @@ class CkksServerSession:
         self._check_groups(set(self._survivors), "after R2")
         survivors = set(self._survivors)
         digests = self._upload_digests  # hashed once, in R2: every group's upload and the view
-        self._requested = {
-            group.name: GroupUploads(
+        for group in self._config.groups:
+            layout = context.group_chunks({t.name: t.length for t in group.tensors}, self._config.parameters)
+            self._layouts[group.name] = layout
+            self._requested[group.name] = GroupUploads(
                 group.name,
+                tuple(range(len(layout))),
                 tuple(
                     SignedUpload(
                         sender,
                         digests[sender],
                         self._uploads[sender].signature,
-                        tuple(t for t in self._uploads[sender].tensors if t.group == group.name),
+                        # the group's chunks in chunk-index order: its tensors are sorted by name
+                        tuple(
+                            c
+                            for t in self._uploads[sender].tensors
+                            if t.group == group.name
+                            for c in t.chunks
+                        ),
                     )
                     for sender in self._members[group.name]
                     if sender in survivors
                 ),
             )
-            for group in self._config.groups
-        }
         self._view = tuple(
             UploadEntry(
                 sender, binding.upload_digest(sender, digests[sender], self._uploads[sender].signature)
@@ -469,60 +572,91 @@ class CkksServerSession:
                 f"({quorum}) of the roster's {len(self._roster)}: no decryptor decrypts without it"
             )
         self._failed_decryptors |= set(self._survivors) - set(self._view_signatures)
-        return self._assign(sorted(self._requested))
+        groups = {g: (self._candidates(g), len(self._layouts[g])) for g in sorted(self._requested)}
+        return self._ask(plan_chunk_sets(groups, self._max_decryptors, self._load))
 
     def _close_decrypt(self) -> dict[str, CkksServerMessage]:
-        pending = sorted(g for g in self._requested if g not in self._decrypted)
+        pending = [
+            (group, sent.chunks)
+            for decryptor, groups in sorted(self._asked.items())
+            if decryptor not in self._answered
+            for group, sent in sorted(groups.items())
+        ]
         if not pending:
             self._finish()
             return {}
-        # A decryptor that left a group without its sum has dropped: ask another survivor.
-        self._failed_decryptors |= {self._assigned[g] for g in pending}
-        return self._assign(pending)
+        # A decryptor that left chunk sets without their sums has dropped: ask other signers.
+        self._failed_decryptors |= set(self._asked) - self._answered
+        plan = []
+        for group, chunks in pending:
+            decryptor = min(self._candidates(group), key=lambda c: (self._load.get(c, 0), c))
+            self._load[decryptor] = self._load.get(decryptor, 0) + len(chunks)
+            plan.append((group, decryptor, chunks))
+        return self._ask(plan)
 
-    def _assign(self, groups: list[str]) -> dict[str, CkksServerMessage]:
-        load: dict[str, int] = {}
-        for group in groups:
-            candidates = [
-                c
-                for c in self._members[group]
-                if c in set(self._survivors) and c not in self._failed_decryptors
-            ]
-            if not candidates:
-                raise NoDecryptorError(
-                    f"no surviving member of group {group!r} is left to decrypt its sum "
-                    f"(tried {sorted(set(self._members[group]) & self._failed_decryptors)})"
-                )
-            chosen = min(candidates, key=lambda c: (load.get(c, 0), c))
-            load[chosen] = load.get(chosen, 0) + 1
-            self._assigned[group] = chosen
+    def _candidates(self, group: str) -> list[str]:
+        """The group's surviving members that signed the view and have not dropped since."""
+        survivors = set(self._survivors)
+        candidates = [c for c in self._members[group] if c in survivors and c not in self._failed_decryptors]
+        if not candidates:
+            raise NoDecryptorError(
+                f"no surviving member of group {group!r} is left to decrypt its sum "
+                f"(tried {sorted(set(self._members[group]) & self._failed_decryptors)})"
+            )
+        return candidates
+
+    def _ask(self, plan: list[tuple[str, str, tuple[int, ...]]]) -> dict[str, CkksServerMessage]:
+        """R4 requests for ``plan``'s chunk sets; two sets of one group for one decryptor merge."""
+        wanted: dict[str, dict[str, set[int]]] = {}
+        for group, decryptor, chunks in plan:
+            wanted.setdefault(decryptor, {}).setdefault(group, set()).update(chunks)
+        self._asked = {
+            decryptor: {group: self._slice(group, tuple(sorted(chunks))) for group, chunks in groups.items()}
+            for decryptor, groups in wanted.items()
+        }
+        self._answered = set()
+        signatures = tuple(self._view_signatures[c] for c in sorted(self._view_signatures))
         return {
             decryptor: CkksDecryptRequest(
                 self._config.session_id,
                 self._view,
-                tuple(self._view_signatures[c] for c in sorted(self._view_signatures)),
-                tuple(self._requested[g] for g in groups if self._assigned[g] == decryptor),
+                signatures,
+                tuple(groups[g] for g in sorted(groups)),
             )
-            for decryptor in sorted(load)
+            for decryptor, groups in sorted(self._asked.items())
         }
+
+    def _slice(self, group: str, chunks: tuple[int, ...]) -> GroupUploads:
+        """The group's chunk set as a decryptor gets it: every survivor's digests and signature, and
+        only its ciphertexts of those chunks."""
+        full = self._requested[group]
+        return GroupUploads(
+            group,
+            chunks,
+            tuple(
+                SignedUpload(u.sender, u.digests, u.signature, tuple(u.chunks[k] for k in chunks))
+                for u in full.uploads
+            ),
+        )
 
     def _finish(self) -> None:
         survivors = set(self._survivors)
+        groups = {}
+        for group in self._config.groups:
+            sums, chunk_decryptors = assemble_group_sums(
+                group.name, self._layouts[group.name], self._decrypted.get(group.name, ())
+            )
+            groups[group.name] = CkksGroupSum(
+                name=group.name,
+                members=self._members[group.name],
+                survivors=tuple(c for c in self._members[group.name] if c in survivors),
+                chunk_decryptors=chunk_decryptors,
+                sums=MappingProxyType(sums),
+            )
         self._result = CkksAggregationResult(
             session_id=self._config.session_id,
             key_holder=self._key_holder,
-            groups=MappingProxyType(
-                {
-                    group.name: CkksGroupSum(
-                        name=group.name,
-                        members=self._members[group.name],
-                        survivors=tuple(c for c in self._members[group.name] if c in survivors),
-                        decryptor=self._decrypted[group.name][0],
-                        sums=MappingProxyType(self._decrypted[group.name][1]),
-                    )
-                    for group in self._config.groups
-                }
-            ),
+            groups=MappingProxyType(groups),
             survivors=self._survivors,
             replaced_key_holders=self._replaced_key_holders,
         )

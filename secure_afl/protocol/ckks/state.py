@@ -16,9 +16,10 @@ Rules
    ======================  =====================  ======================  ============================
 
    A decryptor has signed a view itself (R3) and decrypts only under that view, when the request
-   carries at least t survivors' signatures over it.  A client stays in AWAIT_DECRYPT_REQUEST: the
-   server may ask it again when another group's decryptor dropped; it never decrypts one group
-   twice.  ``close()`` ends the session (DONE).
+   carries at least t survivors' signatures over it.  It decrypts chunk sets of groups (SECURITY.md
+   §7.6): a client stays in AWAIT_DECRYPT_REQUEST, since the server may ask it again for chunks
+   whose decryptor dropped; it never decrypts one chunk of one group twice.  ``close()`` ends the
+   session (DONE).
    A client in AWAIT_INPUT_REQUEST also accepts a repeated CkksKeyRequest (``CLIENT_REPEATS``):
    the key holder sent no key, and the server re-elects one among the advertisements accepted
    before, less that key holder only (the client refuses any other change); the new key holder
@@ -38,9 +39,9 @@ Rules
                                         every signature received)
    KEYS (no     -                       CkksKeyRequest without the   KEYS (re-election; at most
    key came)                            key holder                   once per advertised client)
-   DECRYPT      CkksDecryption          CkksDecryptRequest (groups   DECRYPT, or DONE (sends
-                                        still without a sum, to       nothing) when every group
-                                        another survivor)             has its sum
+   DECRYPT      CkksDecryption          CkksDecryptRequest (chunk    DECRYPT, or DONE (sends
+                                        sets still without a sum, to  nothing) when every chunk
+                                        another survivor)             of every group has its sum
    ===========  ======================  ===========================  ===========================
 
 4. A client message the server rejects leaves the server's state unchanged.  A round that leaves a
