@@ -14,16 +14,34 @@ How it is measured.  ``--session`` runs one full masked session in process
 encoding, t = floor(2n/3) + 1, groups of at least 2), under the deployment policy except that a
 client goes on where its check finds exposure (so that the session finishes and its costs can be
 read): ``client_seconds`` is the median over clients of one client's seconds in all rounds (its
-exposure checks included), ``server_seconds`` the server's seconds in all rounds.  Without
-``--session`` (the default above 200 clients, where a full session of n clients costs n times one
-client's work on this machine) the session is not run and those two are null.
+exposure checks included), ``server_seconds`` the server's seconds in all rounds.  With
+``--no-session`` the session is not run and those two are null.
+
+``--one-client`` (the default above 200 clients: a full session of n clients in one process costs
+n clients' work, about 1,000 CPU-s at n = 1,000) runs one real :class:`ClientSession` (the first
+id) and the real :class:`ServerSession` through the wire codec against n - 1 peers whose messages
+the bench builds itself (:func:`one_client_session` says exactly what a peer does differently and
+why neither party's work changes).  Its figures are CPU-seconds of this process
+(``time.process_time``, so other load on the host does not enter): ``client_seconds`` the client's
+``receive_bytes`` in all rounds without its exposure checks (those, run inside R3 and R4, are timed
+apart: ``client_with_exposure_seconds`` includes them), ``server_seconds`` the server's decoding
+and handling of all n clients' messages, its round closes and the encoding of every request.  Per
+round in ``client_round_seconds`` and ``server_round_seconds``.  ``mask_words`` counts the AES-CTR
+keystream words each needs (the client: per tensor of each of its groups one self mask and one
+pairwise mask per other member; the server: every survivor's self mask, no one drops) and
+``mask_floor_seconds`` is 8 bytes times that over ``keystream_bytes_per_second``, measured in the
+same run on prg's own path: the arithmetic floor of the masks.  Peers' contributions are drawn one
+at a time (:func:`one_contribution`), so n Grams of d × d are never held at once; the exposure
+check then runs on :func:`contributions_for` at d = min(d, 16) (``exposure_dim``): it reads which
+tensors go to which groups, not their values.
 ``exposure_seconds`` is always measured: the call each client makes before it signs the survivor
 set (``client_exposures`` over its groups with every member live and c = n - t colluders), for the
 first client, with its verdict (``exposure_verdicts``: safe, exposed or undecided = refused at the
 work bound).
 
 Run from the repository root:
-``python bench/bench_scale.py --clients N --json FILE [--dim 16] [--session] [--layouts ...] [--micro]``.
+``python bench/bench_scale.py --clients N --json FILE [--dim 16] [--session | --one-client]
+[--layouts ...] [--micro]``.
 ``--micro`` adds CPU-seconds of the server's Shamir recovery of n owners at t = floor(2n/3) + 1
 (one Lagrange basis, as the server does now, against the per-owner interpolation it did before,
 the latter only up to n = 256), and the client statistics (5,889 rows, d = 1024, one thread)
