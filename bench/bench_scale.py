@@ -601,16 +601,19 @@ def mask_words(members: Mapping[str, tuple[str, ...]], layout: Layout, me: str) 
     return {"client": client, "server": server}
 
 
-def keystream_bytes_per_second(megabytes: int = 64, repeats: int = 5) -> float:
-    """AES-256-CTR keystream bytes per CPU-second on this host, added into a uint64 array as
-    :func:`prg.add_masks` does (one thread; the best of ``repeats``, the array's pages touched first)."""
-    words = np.ones(megabytes << 17, dtype=np.uint64)
+def keystream_bytes_per_second(words: int = 524_800, keys: int = 32, repeats: int = 5) -> float:
+    """AES-256-CTR keystream bytes per CPU-second on this host on the masks' own path:
+    :func:`prg.add_masks` of ``keys`` keys into one uint64 tensor of ``words`` (default: the
+    d = 1024 Gram's upper triangle), as a client adds its self mask and pairwise masks (one thread,
+    the best of ``repeats``, the tensor's pages touched first)."""
+    tensor = np.ones(words, dtype=np.uint64)
+    streams = [(bytes([k]) * 32, 1 if k % 2 else -1) for k in range(keys)]
     best = float("inf")
     for _ in range(repeats):
         started = time.process_time()
-        prg.add_masks(words, ((bytes(32), 1),))
+        prg.add_masks(tensor, streams)
         best = min(best, time.process_time() - started)
-    return words.nbytes / best
+    return 8 * words * keys / best
 
 
 def shamir_recovery(n: int, *, textbook: bool) -> float:
