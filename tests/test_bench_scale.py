@@ -78,3 +78,11 @@ def test_one_client_against_built_peers_at_100_clients_sums_to_the_plaintext(ben
     # missing 7: one class group of ~100/8 members; global: every client masks the Gram with all 99 others
     assert result["mask_words"]["missing7"]["client"] < result["mask_words"]["global"]["client"]
     assert result["keystream_bytes_per_second"] > 0
+
+
+def test_one_client_sum_check_catches_masks_that_do_not_cancel(bench, monkeypatch) -> None:
+    """The plaintext comparison is what makes --one-client's figures trustworthy: with pairwise
+    masks that both sides add (no longer cancelling), it reports a mismatch."""
+    assert bench.one_client_session(30, 3, "missing7")["sums_match_plaintext"] is True
+    monkeypatch.setattr(bench.prg, "pair_sign", lambda own, peer: 1)
+    assert bench.one_client_session(30, 3, "missing7")["sums_match_plaintext"] is False
