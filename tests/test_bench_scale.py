@@ -61,3 +61,28 @@ def test_a_session_at_100_clients_sums_to_the_plaintext(bench, tmp_path) -> None
     path = tmp_path / "scale.json"
     path.write_text(json.dumps(result))
     assert json.loads(path.read_text())["clients"] == 100
+
+
+def test_one_client_against_built_peers_at_100_clients_sums_to_the_plaintext(bench) -> None:
+    """--one-client (the mode for n = 1,000): one real client and the real server against peers
+    whose messages the bench builds; the unmasked sums must equal the plaintext sums."""
+    result = bench.measure(100, 3, ["missing7", "global"], run_session=False, one_client=True)
+    assert result["mode"] == "one-client"
+    assert result["sums_match_plaintext"] == {"missing7": True, "global": True}
+    for layout in ("missing7", "global"):
+        assert 0 < result["client_seconds"][layout] <= result["client_with_exposure_seconds"][layout]
+        assert result["server_seconds"][layout] > 0
+        assert set(result["client_round_seconds"][layout]) == {"R0", "R1", "R2", "R3", "R4"}
+        words = result["mask_words"][layout]
+        assert 0 < words["client"] < words["server"]  # one client's groups, against every member's
+    # missing 7: one class group of ~100/8 members; global: every client masks the Gram with all 99 others
+    assert result["mask_words"]["missing7"]["client"] < result["mask_words"]["global"]["client"]
+    assert result["keystream_bytes_per_second"] > 0
+
+
+def test_one_client_sum_check_catches_masks_that_do_not_cancel(bench, monkeypatch) -> None:
+    """The plaintext comparison is what makes --one-client's figures trustworthy: with pairwise
+    masks that both sides add (no longer cancelling), it reports a mismatch."""
+    assert bench.one_client_session(30, 3, "missing7")["sums_match_plaintext"] is True
+    monkeypatch.setattr(bench.prg, "pair_sign", lambda own, peer: 1)
+    assert bench.one_client_session(30, 3, "missing7")["sums_match_plaintext"] is False

@@ -76,6 +76,8 @@ class Roster:
     coordinator: RosterEntry | None
     # client id -> position in ``entries``: built once (share points and look-ups at n = 1,000 peers)
     _positions: dict[str, int] = field(init=False, repr=False, compare=False)
+    # the ids in order, built once: the server checks each R0 sender against them (n times)
+    _client_ids: tuple[str, ...] = field(init=False, repr=False, compare=False)
 
     def __init__(self, entries: Iterable[RosterEntry], coordinator: RosterEntry | None = None) -> None:
         ordered = tuple(sorted(entries, key=lambda entry: entry.client_id))
@@ -100,6 +102,7 @@ class Roster:
         object.__setattr__(self, "entries", ordered)
         object.__setattr__(self, "coordinator", coordinator)
         object.__setattr__(self, "_positions", {cid: i for i, cid in enumerate(ids)})
+        object.__setattr__(self, "_client_ids", tuple(ids))
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -112,7 +115,7 @@ class Roster:
 
     @property
     def client_ids(self) -> tuple[str, ...]:
-        return tuple(entry.client_id for entry in self.entries)
+        return self._client_ids
 
     def entry(self, client_id: str) -> RosterEntry:
         position = self._positions.get(client_id) if isinstance(client_id, str) else None

@@ -64,6 +64,7 @@ from secure_afl.privacy.release import Release
 
 from . import binding, codec, crypto, prg, shamir
 from .exposure_gate import ExposureGate, committed_rows, message_digest, zero_commitments
+from .fields import tagged_fields
 from .messages import (
     AdvertiseKeys,
     AdvertiseRequest,
@@ -724,6 +725,7 @@ class ClientSession:
             raise InconsistentSurvivorsError("the reveal lists do not match the signed survivor set")
         signers: set[str] = set()
         domain, fields = self._transcript_fields(tuple(sorted(survivors)))
+        transcript = tagged_fields(domain, *fields)  # one encoding for every signature (n at n = 1,000)
         for item in request.signatures:
             if item.client_id in signers:
                 raise DuplicateParticipantError(f"two consistency signatures from {item.client_id!r}")
@@ -731,7 +733,7 @@ class ClientSession:
                 raise UnknownParticipantError(
                     f"consistency signature from {item.client_id!r}, not a survivor"
                 )
-            if not crypto.verify(self._roster.public_key(item.client_id), item.signature, domain, *fields):
+            if not crypto.verify_message(self._roster.public_key(item.client_id), item.signature, transcript):
                 raise InconsistentSurvivorsError(
                     f"{item.client_id!r} did not sign this survivor set and transcript: clients were shown "
                     f"different survivor sets, advertisements or configs"

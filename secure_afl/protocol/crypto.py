@@ -37,8 +37,14 @@ def sign(identity_key: Ed25519PrivateKey, domain: bytes, *fields: Field) -> byte
 
 def verify(public_key: bytes, signature: bytes, domain: bytes, *fields: Field) -> bool:
     """Whether ``signature`` is a valid Ed25519 signature by ``public_key`` over the tagged fields."""
+    return verify_message(public_key, signature, tagged_fields(domain, *fields))
+
+
+def verify_message(public_key: bytes, signature: bytes, message: bytes) -> bool:
+    """:func:`verify` over an already encoded ``tagged_fields(domain, *fields)``: for many signatures
+    over one message (n clients' signatures over one survivor set), encoded once, not n times."""
     try:
-        Ed25519PublicKey.from_public_bytes(public_key).verify(signature, tagged_fields(domain, *fields))
+        Ed25519PublicKey.from_public_bytes(public_key).verify(signature, message)
     except (InvalidSignature, ValueError):
         return False
     return True

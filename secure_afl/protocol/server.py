@@ -32,6 +32,7 @@ from secure_afl.keys.roster import Roster
 
 from . import binding, codec, crypto, prg, shamir
 from .client import validate_config
+from .fields import tagged_fields
 from .messages import (
     AdvertiseKeys,
     AdvertiseRequest,
@@ -87,10 +88,13 @@ class ServerSession:
         self._sums: dict[tuple[str, str], np.ndarray] = {}
         self._signatures: dict[str, bytes] = {}
         self._unmask: dict[str, UnmaskResponse] = {}
+        # per responder: its revealed self-mask and mask-key share values, in the order revealed
+        self._unmask_values: dict[str, tuple[list[int], list[int]]] = {}
         self._members: dict[str, tuple[str, ...]] = {}
         self._adverts_digest = b""
         self._u2: tuple[str, ...] = ()
         self._u3: tuple[str, ...] = ()
+        self._survivors_transcript = b""
         self._u4: tuple[str, ...] = ()
         self._result: AggregationResult | None = None
 
@@ -224,10 +228,9 @@ class ServerSession:
 
     def _receive_consistency(self, message: ConsistencyResponse) -> None:
         self._check_sender(message.sender, self._u3, self._signatures)
-        domain, fields = binding.survivors_fields(
-            self._config.session_id, self._digest, self._adverts_digest, self._u3
-        )
-        if not crypto.verify(self._roster.public_key(message.sender), message.signature, domain, *fields):
+        if not crypto.verify_message(
+            self._roster.public_key(message.sender), message.signature, self._survivors_transcript
+        ):
             raise InvalidSignatureError(
                 f"{message.sender!r} did not sign the survivor set over this session's transcript"
             )
@@ -244,10 +247,14 @@ class ServerSession:
             raise ClientProtocolError(
                 f"{message.sender!r} did not reveal exactly the dropped clients' key shares"
             )
-        for item in message.self_mask_shares + message.mask_key_shares:
-            if shamir.value_from_bytes(item.value) >= shamir.PRIME:
-                raise InvalidShareError(f"{message.sender!r} revealed a share that is not a field element")
+        values = (
+            [shamir.value_from_bytes(item.value) for item in message.self_mask_shares],
+            [shamir.value_from_bytes(item.value) for item in message.mask_key_shares],
+        )
+        if any(value >= shamir.PRIME for part in values for value in part):
+            raise InvalidShareError(f"{message.sender!r} revealed a share that is not a field element")
         self._unmask[message.sender] = message
+        self._unmask_values[message.sender] = values  # read once here; R4's recovery uses them
 
     # --- closing rounds ---------------------------------------------------------------------------
 
@@ -308,6 +315,11 @@ class ServerSession:
         self._require(len(u3), "sent masked inputs")
         self._check_groups(self._members, set(u3), "after R2")
         self._u3 = u3
+        # What every R3 signature signs, encoded once (not once per signature: n² at n = 1,000).
+        domain, fields = binding.survivors_fields(
+            self._config.session_id, self._digest, self._adverts_digest, u3
+        )
+        self._survivors_transcript = tagged_fields(domain, *fields)
         request = ConsistencyCheckRequest(self._config.session_id, u3)
         return {cid: request for cid in u3}
 
@@ -405,12 +417,12 @@ class ServerSession:
         """``owner``'s secret from the shares ``revealers`` revealed, with their Lagrange ``basis``;
         ``position``: the owner's place in the revealed lists (the survivors', or the dropped ones')."""
         values = []
+        part = 0 if self_mask else 1
         for revealer in revealers:
             response = self._unmask[revealer]
             items = response.self_mask_shares if self_mask else response.mask_key_shares
             # R4's check (_receive_unmask): the items name exactly these owners, in this order.
-            item = items[position]
-            if item.owner != owner:
+            if items[position].owner != owner:
                 raise InvalidShareError(f"{revealer!r} revealed no share of {owner!r}")
-            values.append(shamir.value_from_bytes(item.value))
+            values.append(self._unmask_values[revealer][part][position])
         return shamir.combine(basis, values)

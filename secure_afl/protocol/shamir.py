@@ -116,8 +116,21 @@ def value_from_bytes(data: bytes) -> int:
     return int.from_bytes(data, "big")
 
 
+_HORNER_BLOCK = 16  # Horner steps between reductions when x is small
+
+
 def _evaluate(coefficients: Sequence[int], x: int) -> int:
+    """f(x) by Horner's rule.  Share points are roster positions (x ≤ n, a few bits), so each step
+    adds a few bits only: reducing mod p once per :data:`_HORNER_BLOCK` steps instead of every step
+    gives the same value with a third fewer big-number operations (t = 667 at n = 1,000)."""
     result = 0
-    for coefficient in reversed(coefficients):
-        result = (result * x + coefficient) % PRIME
+    ordered = coefficients[::-1]
+    if not 0 <= x < 1 << 32:
+        for coefficient in ordered:
+            result = (result * x + coefficient) % PRIME
+        return result
+    for start in range(0, len(ordered), _HORNER_BLOCK):
+        for coefficient in ordered[start : start + _HORNER_BLOCK]:
+            result = result * x + coefficient
+        result %= PRIME
     return result

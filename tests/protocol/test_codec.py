@@ -192,6 +192,38 @@ def test_invalid_utf8_and_empty_strings_are_rejected() -> None:
         codec.decode(empty)
 
 
+def test_share_sequences_refuse_a_bad_name_or_a_cut_inside_any_item() -> None:
+    """The share and revealed-share sequences are read in one loop (n² items at n = 1,000): a bad
+    name or a cut in the second item raises the field readers' errors."""
+    shares = tuple(EncryptedShare("a", f"r{k}", bytes(12), bytes(148)) for k in range(3))
+    encoded = codec.encode(ShareKeys(bytes(32), "a", shares))
+    second = encoded.index(b"r1") - 2  # the second share's recipient
+    bad_utf8 = encoded[:second] + (2).to_bytes(2, "big") + b"\xff\xfe" + encoded[second + 4 :]
+    with pytest.raises(MessageDecodeError, match="UTF-8"):
+        codec.decode(bad_utf8)
+    empty = encoded[:second] + (0).to_bytes(2, "big") + encoded[second + 4 :]
+    with pytest.raises(MessageDecodeError):
+        codec.decode(empty)
+    revealed = UnmaskResponse(bytes(32), "a", tuple(RevealedShare(f"o{k}", bytes(66)) for k in range(3)), ())
+    data = codec.encode(revealed)
+    owner = data.index(b"o1") - 2
+    with pytest.raises(MessageDecodeError, match="UTF-8"):
+        codec.decode(data[:owner] + (2).to_bytes(2, "big") + b"\xff\xfe" + data[owner + 4 :])
+    for message in (ShareKeys(bytes(32), "a", shares), revealed):
+        data = codec.encode(message)
+        assert codec.decode(data) == message
+        for cut in range(len(data) - 1, 0, -7):
+            with pytest.raises(MessageDecodeError):
+                codec.decode(data[:cut])
+    for bad in (
+        EncryptedShare("a", "r", bytes(11), bytes(148)),
+        EncryptedShare("a", "", bytes(12), bytes(148)),
+        EncryptedShare("a", "x" * 256, bytes(12), bytes(148)),
+    ):
+        with pytest.raises(LocalProtocolError):
+            codec.encode(ShareKeys(bytes(32), "a", (shares[0], bad)))
+
+
 def test_masked_tensor_length_must_be_whole_words() -> None:
     message = MaskedInput(bytes(32), "c0", (MaskedTensor("g", "t", bytes(8)),))
     encoded = bytearray(codec.encode(message))

@@ -70,3 +70,19 @@ def test_roster_share_points_are_positions_plus_one() -> None:
         roster.share_point("site-002")
     with pytest.raises(KeyError):
         roster.entry("site-002")
+
+
+def test_blocked_horner_equals_the_reduction_at_every_step() -> None:
+    """split's evaluation reduces mod p once per block of steps at small x: the same values."""
+    random = DeterministicRandomSource(b"horner")
+    coefficients = [shamir.random_field_element(random) for _ in range(67)]
+
+    def every_step(x: int) -> int:
+        result = 0
+        for coefficient in reversed(coefficients):
+            result = (result * x + coefficient) % shamir.PRIME
+        return result
+
+    for x in (1, 2, 999, 1000, 2**32 - 1, 2**32, shamir.PRIME - 1):
+        assert shamir._evaluate(coefficients, x) == every_step(x)
+    assert shamir._evaluate(coefficients[:1], 5) == coefficients[0]
