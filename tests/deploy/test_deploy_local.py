@@ -262,3 +262,18 @@ def test_deploy_local_grows_over_three_sessions_to_the_centralised_fit(tmp_path:
     assert [r["study_digest"] for r in report["growth"]] == digests  # the command's own comparison
     assert all(r["max_abs_w_vs_centralised"] <= 1e-9 for r in report["growth"])
     print(f"deploy local --sessions 3 took {time.monotonic() - started:.0f} s; max |Δw| per session {errors}")
+
+
+def test_deploy_local_refuses_up_front_a_growth_that_partial_labels_would_expose(tmp_path: Path) -> None:
+    """With partial labels the global-balance class groups differ by one institution, whose total
+    sums their difference gives away: every node would refuse in R1, so the command refuses first."""
+    from click.testing import CliRunner
+
+    from secure_afl.cli import main
+
+    missing_one = [arg for arg in GROWING if arg not in ("--missing", "0")]  # the default --missing 1
+    result = CliRunner().invoke(main, [*missing_one, "--out", str(tmp_path)])
+    assert result.exit_code == 2, result.output
+    assert "exposure check would refuse this layout in R1" in result.output
+    assert "determine the individual value of 'feat_sum'" in result.output and "--missing 0" in result.output
+    assert not (tmp_path / "logs").exists()  # before the work directory or any process
