@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -200,3 +200,26 @@ def run_server(federation: Federation, transport: InProcessTransport | None = No
     classifier = server.run()
     server.deliver(classifier)
     return server, classifier, transport
+
+
+def centralised_global_fit(
+    rows: Mapping[str, np.ndarray],
+    labels: Mapping[str, np.ndarray],
+    active: Mapping[str, Collection[int]],
+    n_classes: int,
+    gamma: float,
+) -> np.ndarray:
+    """The global-balance ridge fit on the pooled rows, by numpy alone (no secure-afl code): class c
+    over the rows of the institutions that label c (positives' mean minus negatives' mean), the Gram
+    over every row; ``rows[cid]`` and ``labels[cid]`` are one institution's released rows, in any
+    order.  What a growing federation's classifier must equal (issue 29)."""
+    h = np.vstack([np.asarray(rows[cid], dtype=np.float64) for cid in rows])
+    gram = h.T @ h
+    weights = np.empty((h.shape[1], n_classes))
+    for c in range(n_classes):
+        labelled = [cid for cid in rows if c in active[cid]]
+        hc = np.vstack([np.asarray(rows[cid], dtype=np.float64) for cid in labelled])
+        yc = np.concatenate([np.asarray(labels[cid])[:, c].astype(bool) for cid in labelled])
+        b = hc[yc].mean(axis=0) - hc[~yc].mean(axis=0)
+        weights[:, c] = np.linalg.solve(gram + gamma * np.eye(h.shape[1]), b)
+    return weights

@@ -14,6 +14,7 @@ simulation's within CKKS precision (max |Δw| measured 1e-7 of max |w| at d = 32
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -182,3 +183,97 @@ def test_credentials_are_generated_with_cryptography(tmp_path: Path) -> None:
     private = load_ssh_private_key((tmp_path / "auth").read_bytes(), password=None)
     assert isinstance(private, ec.EllipticCurvePrivateKey)
     assert load_ssh_public_key(public.read_bytes()).public_numbers() == private.public_key().public_numbers()
+
+
+# README's command for a federation that grows (section "A federation that grows"): every class group
+# must hold the same institutions (--missing 0), see cli_deploy._refuse_exposing_layout.
+GROWING = ["deploy", "local", "--clients", "3", "--sessions", "3", "--missing", "0", "--fraction", "0.08",
+           "--dim", "32"]  # fmt: skip
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc to find leftover processes")
+def test_deploy_local_grows_over_three_sessions_to_the_centralised_fit(tmp_path: Path) -> None:
+    """Three studies through Flower's processes, each extending the last and releasing only the
+    images that arrived since (issue 29): every session's signed classifier equals numpy's fit on
+    the rows its institutions' ledgers record as released so far, to 1e-9; the coordinator's
+    out-dir holds the chain; each image is released exactly once."""
+    from secure_afl.deploy.sums import load_sums
+    from secure_afl.features.file import load_feature_file
+    from secure_afl.keys import load_identity_key
+    from secure_afl.privacy.ledger import FileLedger, LedgerOwner
+    from secure_afl.privacy.release import split_digests
+
+    from .helpers import centralised_global_fit
+
+    out = tmp_path / "out"
+    env = {**os.environ, "TMPDIR": str(tmp_path)}  # the kept work directory lands in tmp_path
+    command = [sys.executable, "-c", "from secure_afl.cli import main; main()", *GROWING, "--keep",
+               "--out", str(out)]  # fmt: skip
+    started = time.monotonic()
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=420)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    assert _processes_mentioning(str(tmp_path)) == []
+    # Sessions 1 and 2's classifiers were moved aside by the next run (named by UTC time, so in order).
+    roster = load_roster(out / "roster.json")
+    files = [*sorted(out.glob("classifier.before-*.json")), out / "classifier.json"]
+    classifiers = [Classifier.load(path, roster=roster) for path in files]  # each signed by the coordinator
+    digests = [c.study_digest for c in classifiers]
+    assert len(classifiers) == 3 and len(set(digests)) == 3
+    # The chain in the coordinator's out-dir: each study extends the one before.
+    chain = load_sums(out, digests[-1]).chain
+    assert [entry["study"] for entry in chain] == digests
+    assert "growth" not in classifiers[0].protocol or classifiers[0].protocol["growth"]["extends"] is None
+    for k in (1, 2):
+        assert classifiers[k].protocol["growth"]["extends"] == digests[k - 1]
+        assert [e["study"] for e in classifiers[k].protocol["growth"]["chain"]] == digests[: k + 1]
+        assert load_sums(out, digests[k - 1]).chain == chain[:k]
+    institutions = [entry.client_id for entry in roster]
+    assert all(entry["survivors"] == institutions for entry in chain)
+    # What each institution's ledger says each session released: new images only, all of them in the end.
+    (work,) = tmp_path.glob("secure-afl-deploy-*")
+    passphrase = (work / "keys" / "passphrase").read_bytes().strip()
+    rows, labels, active, released = {}, {}, {}, {}
+    for cid in institutions:
+        features = load_feature_file(work / "data" / f"{cid}.npz", require_labels=True)
+        identity = load_identity_key(work / "keys" / f"{cid}.key", passphrase)
+        ledger = FileLedger(work / "ledgers" / cid).load(LedgerOwner(cid, identity))
+        sessions = [ledger.sessions[entry["session_id"]] for entry in chain]
+        assert all(s.scope.startswith(f"study:{d}") for s, d in zip(sessions, digests, strict=True))
+        increments = [set(split_digests(s.images)) for s in sessions]
+        assert all(increments) and sum(map(len, increments)) == len(set().union(*increments))  # disjoint
+        every = [bytes.fromhex(h) for h in features.require_image_digests()]
+        assert set().union(*increments) == set(every)  # after session 3: every image, once
+        rows[cid], labels[cid], active[cid] = features.features, features.labels, features.active
+        # per session, which rows of the (final) file had been released by then
+        released[cid] = [np.isin(every, list(set().union(*increments[: k + 1]))) for k in range(3)]
+    gamma, n_classes = classifiers[0].method["gamma"], classifiers[0].weights.shape[1]
+    errors = []
+    for k, classifier in enumerate(classifiers):
+        so_far = {cid: rows[cid][released[cid][k]] for cid in institutions}
+        want = centralised_global_fit(
+            so_far, {cid: labels[cid][released[cid][k]] for cid in institutions}, active, n_classes, gamma
+        )
+        errors.append(float(np.max(np.abs(classifier.weights - want))))
+    assert max(errors) < 1e-9, errors
+    # ... and the sessions differ: each added images (the first is not the last's fit)
+    assert np.max(np.abs(classifiers[0].weights - classifiers[2].weights)) > 1e-6
+    report = json.loads((out / "report.json").read_text())
+    assert [r["study_digest"] for r in report["growth"]] == digests  # the command's own comparison
+    assert all(r["max_abs_w_vs_centralised"] <= 1e-9 for r in report["growth"])
+    print(f"deploy local --sessions 3 took {time.monotonic() - started:.0f} s; max |Δw| per session {errors}")
+
+
+def test_deploy_local_refuses_up_front_a_growth_that_partial_labels_would_expose(tmp_path: Path) -> None:
+    """With partial labels the global-balance class groups differ by one institution, whose total
+    sums their difference gives away: every node would refuse in R1, so the command refuses first."""
+    from click.testing import CliRunner
+
+    from secure_afl.cli import main
+
+    missing_one = [arg for arg in GROWING if arg not in ("--missing", "0")]  # the default --missing 1
+    result = CliRunner().invoke(main, [*missing_one, "--out", str(tmp_path)])
+    assert result.exit_code == 2, result.output
+    assert "exposure check would refuse this layout in R1" in result.output
+    assert "determine the individual value of 'feat_sum'" in result.output and "--missing 0" in result.output
+    assert not (tmp_path / "logs").exists()  # before the work directory or any process
