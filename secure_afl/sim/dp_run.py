@@ -70,8 +70,13 @@ def _client_rows(data: PreparedData, dp: DpConfig) -> list[np.ndarray]:
     images were split over several clients still contributes at most the cap).  A deployment can
     only enforce it per institution: see SECURITY.md.
     """
-    rows = [np.asarray(r) for r in data.split.clients]
-    if dp.unit != "patient":
+    return _capped_rows(data, dp, [np.asarray(r) for r in data.split.clients])
+
+
+def _capped_rows(data: PreparedData, dp: DpConfig, rows: list[np.ndarray]) -> list[np.ndarray]:
+    """``rows`` (one index array per client) with, for the patient unit, at most the cap of each
+    patient's images over all of them; unchanged for the image unit."""
+    if dp.unit != "patient" or not sum(len(r) for r in rows):
         return rows
     keep = cap_images_per_patient(data.cohort.patient_ids[np.concatenate(rows)], dp.max_images_per_patient)
     out, start = [], 0
@@ -591,16 +596,7 @@ class PrivateGrowth:
         self.clean_total: Contributions | None = None
 
     def _capped(self, session: Sequence[np.ndarray]) -> list[np.ndarray]:
-        rows = [np.asarray(r, dtype=np.int64) for r in session]
-        if self.dp.unit != "patient" or not sum(len(r) for r in rows):
-            return rows
-        ids = self.data.cohort.patient_ids[np.concatenate(rows)]
-        keep = cap_images_per_patient(ids, self.dp.max_images_per_patient)
-        out, start = [], 0
-        for r in rows:
-            out.append(r[keep[start : start + len(r)]])
-            start += len(r)
-        return out
+        return _capped_rows(self.data, self.dp, [np.asarray(r, dtype=np.int64) for r in session])
 
     def uploads(
         self, session: Sequence[np.ndarray]

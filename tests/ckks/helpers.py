@@ -91,6 +91,14 @@ class Federation:
         self.server_received: list[bytes] = []
         self.requests_by_round: dict[str, dict[str, object]] = {}
 
+    def rebuilt_client(self, cid: str, rounds: tuple[str, ...], limit: int = 1 << 30) -> CkksClientSession:
+        """A copy of ``cid`` rebuilt as a deployed node is: a new session from its seed, with the
+        server's requests of ``rounds`` to it replayed (sharing its ledger)."""
+        copy = self.new_client(cid)
+        for round_name in rounds:
+            copy.replay_bytes(codec.encode(self.requests_by_round[round_name][cid], max_message_bytes=limit))
+        return copy
+
     def new_client(self, cid: str) -> CkksClientSession:
         """A client session whose randomness is a stream seeded by its id (the same on every call)."""
         return CkksClientSession(

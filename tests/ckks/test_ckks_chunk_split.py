@@ -170,9 +170,7 @@ def test_a_chunk_is_decrypted_once_per_decryptor_under_the_one_view_and_never_un
     )
     # ... and a copy of c0 rebuilt holding S2 (its R3 replayed, which records nothing), with a
     # quorum over S2, is refused by the ledger's R4 record (the view of every chunk it decrypted).
-    copy = fed.new_client("c0")
-    for round_name in ("R0", "R1", "R2"):
-        copy.replay_bytes(codec.encode(fed.requests_by_round[round_name]["c0"], max_message_bytes=LIMIT))
+    copy = fed.rebuilt_client("c0", ("R0", "R1", "R2"), LIMIT)
     copy.replay_bytes(codec.encode(s2, max_message_bytes=LIMIT))
     fed.clients["c0"] = copy
     quorum = [_sign_as(fed, c, s2) for c in ("c0", "c1", "c2")]

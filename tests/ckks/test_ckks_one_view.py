@@ -203,9 +203,7 @@ def test_two_views_each_signed_by_t_need_a_client_that_signs_twice_which_none_do
         _refuses(fed, "c1", s2, OutOfOrderMessageError)  # the same client signs one view
         # A copy of c1 (rebuilt from its seed and the server's messages, sharing its ledger, as a
         # deployed node forked before R3 is) refuses the second view too.
-        copy = fed.new_client("c1")
-        for round_name in ("R0", "R1", "R2"):
-            copy.replay_bytes(codec.encode(fed.requests_by_round[round_name]["c1"], max_message_bytes=LIMIT))
+        copy = fed.rebuilt_client("c1", ("R0", "R1", "R2"), LIMIT)
         fed.clients["c1"] = copy
         _refuses(fed, "c1", s2, ConflictingAnswerError, "one answer per round")
 
@@ -246,9 +244,7 @@ def test_an_upload_other_than_the_one_the_view_names_is_refused_by_signer_and_de
     # c3 encrypts twice (a second R2 delivered to a copy of it): two valid signed uploads.
     fed = _federation(4)
     s1, _ = _views(fed, "c3")
-    copy = fed.new_client("c3")
-    for round_name in ("R0", "R1"):
-        copy.replay_bytes(codec.encode(fed.requests_by_round[round_name]["c3"], max_message_bytes=LIMIT))
+    copy = fed.rebuilt_client("c3", ("R0", "R1"), LIMIT)
     request = fed.requests_by_round["R2"]["c3"]
     assert isinstance(request, CkksInputRequest)
     (second,) = copy.receive(request)
@@ -276,17 +272,13 @@ def test_a_decryptor_copied_after_r3_answers_one_view_per_session_its_record_is_
     assert isinstance(reply, CkksDecryption) and [g.group for g in reply.groups] == ["a"]
     # A copy rebuilt from a state in which c0 holds S2 (its R3 replayed, which records nothing),
     # and a quorum over S2 (c1 and c2 colluding, and c0's key): only the per-round record is left.
-    copy = fed.new_client("c0")
-    for round_name in ("R0", "R1", "R2"):
-        copy.replay_bytes(codec.encode(fed.requests_by_round[round_name]["c0"], max_message_bytes=LIMIT))
+    copy = fed.rebuilt_client("c0", ("R0", "R1", "R2"), LIMIT)
     copy.replay_bytes(codec.encode(s2, max_message_bytes=LIMIT))
     fed.clients["c0"] = copy
     quorum = [_sign_as(fed, c, s2) for c in ("c0", "c1", "c2")]
     _refuses(fed, "c0", _request(fed, s2, quorum, ("b",)), ConflictingAnswerError, "R4")
     # Under the same view, another group is answered (a replacement decryptor's request).
-    copy = fed.new_client("c0")
-    for round_name in ("R0", "R1", "R2", "R3"):
-        copy.replay_bytes(codec.encode(fed.requests_by_round[round_name]["c0"], max_message_bytes=LIMIT))
+    copy = fed.rebuilt_client("c0", ("R0", "R1", "R2", "R3"), LIMIT)
     fed.clients["c0"] = copy
     (again,) = _deliver(fed, "c0", _request(fed, s1, signatures, ("b",)))
     assert [g.group for g in again.groups] == ["b"]
