@@ -809,7 +809,11 @@ def deploy_local(
                 f"{labelling}, fewer than {why}: use more --clients, a lower --missing, another --seed "
                 "or another --drop"
             )
-    _refuse_exposing_layout(study, assignment, client_ids, summed, assumed)
+    from secure_afl.deploy.local import exposing_layout_refusal
+
+    refusal = exposing_layout_refusal(study, assignment.active, client_ids, summed, assumed)
+    if refusal:
+        raise click.UsageError(refusal)
     # --out gets everything worth keeping (report, classifier, every process's log, a feature file
     # predict accepts), also when the run fails; keys, certificates and ledgers stay in a temporary
     # directory deleted at the end, so no line printed names a file in it (unless --keep).
@@ -970,47 +974,6 @@ def deploy_local(
             say(f"kept {work_dir}")
         else:
             shutil.rmtree(work_dir, ignore_errors=True)
-
-
-def _refuse_exposing_layout(
-    study: Any, assignment: Any, client_ids: list[str], summed: list[int], assumed: int
-) -> None:
-    """Refuse (before any process starts) a round-1 layout that every node's exposure check would
-    refuse in R1, predicted with that same check (privacy/policy.py's ``layout_refusals``).
-
-    The case this catches: ``--balance global`` (and so ``--sessions``) with partial labels.  Each
-    class group then sums its members' total ``feat_sum`` and ``n``, one value per institution sent to
-    every class group it labels, so two class groups whose members differ by one institution hand
-    the server that institution's feature sum and row count (their difference), whatever the number
-    of institutions or colluders assumed.  ``--missing 0`` makes every class group the same set.
-    """
-    import dataclasses
-
-    from secure_afl.deploy.study import round1_layout
-    from secure_afl.privacy.policy import ClientPolicy, layout_refusals
-
-    if study.dp is not None:  # DP's class groups carry per-class tensors only (and the noise)
-        return
-    layout = round1_layout(study)
-    members: dict[str, tuple[str, ...]] = {}
-    for group in layout.groups:
-        if group.startswith("class/"):
-            c = int(group.split("/", 1)[1])
-            members[group] = tuple(client_ids[k] for k in summed if c in assignment.active[k])
-        else:  # the all-institutions group (the global Gram)
-            members[group] = tuple(client_ids[k] for k in summed)
-    policy = dataclasses.replace(ClientPolicy.deployment(), max_colluders=assumed)
-    refusals = layout_refusals(members, {g: tuple(t) for g, t in layout.groups.items()}, policy=policy)
-    if refusals:
-        first = refusals[0]
-        raise click.UsageError(
-            f"every institution's exposure check would refuse this layout in {first.round} "
-            f"({len(refusals)} of {len(client_ids)} would; {first.client}: {first.reason}). With "
-            "--balance global (which --sessions needs) each class group sums its members' total feature "
-            "sum and row count, so two class groups that differ by one institution give away that "
-            "institution's: use --missing 0 (every institution labels every class), or for one session "
-            "--balance client (one projection per class, nothing shared between class groups)"
-        )
 
 
 def _report_growth(

@@ -29,7 +29,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,7 +45,7 @@ from secure_afl.keys.roster import Roster, RosterEntry
 
 from .classifier import Classifier
 from .errors import LocalDeploymentError
-from .study import Study, format_class_lists
+from .study import Study, format_class_lists, round1_layout
 from .tls import write_tls_material
 
 CONNECTION = "local"
@@ -704,3 +704,48 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
+
+
+def exposing_layout_refusal(
+    study: Study,
+    active: Sequence[Collection[int]],
+    client_ids: Sequence[str],
+    summed: Sequence[int],
+    assumed: int,
+) -> str | None:
+    """Why (before any process starts) a round-1 layout that every node's exposure check would
+    refuse in R1, predicted with that same check (privacy/policy.py's ``layout_refusals``), or None.
+    ``active[k]``: the classes institution ``k`` labels; ``summed``: the institutions whose inputs
+    are summed; ``assumed``: the colluders the nodes assume.
+
+    The case this catches: ``--balance global`` (and so ``--sessions``) with partial labels.  Each
+    class group then sums its members' total ``feat_sum`` and ``n``, one value per institution sent to
+    every class group it labels, so two class groups whose members differ by one institution hand
+    the server that institution's feature sum and row count (their difference), whatever the number
+    of institutions or colluders assumed.  ``--missing 0`` makes every class group the same set.
+    """
+    from secure_afl.privacy.policy import ClientPolicy, layout_refusals
+
+    if study.dp is not None:  # DP's class groups carry per-class tensors only (and the noise)
+        return None
+    layout = round1_layout(study)
+    members: dict[str, tuple[str, ...]] = {}
+    for group in layout.groups:
+        if group.startswith("class/"):
+            c = int(group.split("/", 1)[1])
+            members[group] = tuple(client_ids[k] for k in summed if c in active[k])
+        else:  # the all-institutions group (the global Gram)
+            members[group] = tuple(client_ids[k] for k in summed)
+    policy = dataclasses.replace(ClientPolicy.deployment(), max_colluders=assumed)
+    refusals = layout_refusals(members, {g: tuple(t) for g, t in layout.groups.items()}, policy=policy)
+    if not refusals:
+        return None
+    first = refusals[0]
+    return (
+        f"every institution's exposure check would refuse this layout in {first.round} "
+        f"({len(refusals)} of {len(client_ids)} would; {first.client}: {first.reason}). With "
+        "--balance global (which --sessions needs) each class group sums its members' total feature "
+        "sum and row count, so two class groups that differ by one institution give away that "
+        "institution's: use --missing 0 (every institution labels every class), or for one session "
+        "--balance client (one projection per class, nothing shared between class groups)"
+    )
