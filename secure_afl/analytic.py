@@ -38,78 +38,35 @@ pseudo-label.  :meth:`AnalyticClassifier.rescaled_scores` gives the documented v
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 import torch
 
+from secure_afl.statistics import (  # the client's statistics: numpy, no torch (re-exported)
+    ALL_GROUP,
+    Balance,
+    ClientStatistics,  # noqa: F401  (re-exported)
+    Contributions,
+    GramScope,
+    GroupSums,
+    StatisticsError,
+    UndefinedBalanceWarning,  # noqa: F401  (re-exported)
+    _as_batches,
+    _balanced_projection,
+    _check_batch,
+    _check_options,
+    _warn_undefined,
+    active_class_indices,
+    balanced_labels,  # noqa: F401  (re-exported)
+    class_group,
+    client_statistics,  # noqa: F401  (re-exported)
+    pseudo_group,
+    resolve_device,
+)
 from secure_afl.torch_threads import one_torch_thread
-
-Balance = Literal["client", "global"]
-GramScope = Literal["class", "global"]
-Contributions = dict[str, dict[str, np.ndarray]]
-GroupSums = Mapping[str, Mapping[str, np.ndarray]]
-
-ALL_GROUP = "all"
-
-
-class StatisticsError(ValueError):
-    """Features, labels or statistics that cannot be used (wrong shape, non-finite, missing class)."""
-
-
-class UndefinedBalanceWarning(UserWarning):
-    """Eq. 9 is undefined for a labelled class with no positive (or no negative) sample."""
-
-
-def _warn_undefined(c: int, n_pos: int, n: int, where: str) -> None:
-    side = "no positive" if n_pos == 0 else "no negative"
-    consequence = " and the class will be predicted all-negative" if n_pos == 0 else ""
-    warnings.warn(
-        f"{where}: class {c} is labelled but has {side} sample (of {n}), so Eq. 9 is undefined; the "
-        f"empty side's term is dropped{consequence}",
-        UndefinedBalanceWarning,
-        stacklevel=3,
-    )
-
-
-def active_class_indices(active: Sequence[int] | Sequence[bool] | np.ndarray, n_classes: int) -> list[int]:
-    """The sorted class indices of ``active``: class indices, or a boolean mask of length ``n_classes``.
-
-    ``[False, False, True]`` is a mask (class 2), never the classes 0 and 1 that reading each
-    boolean as an integer would give.
-    """
-    if isinstance(active, (set, frozenset)):
-        active = sorted(active)
-    items = list(active) if not isinstance(active, np.ndarray) else None
-    flags = [isinstance(x, (bool, np.bool_)) for x in items or ()]
-    if any(flags) and not all(flags):
-        raise StatisticsError(
-            f"active classes mix booleans and integers ({items!r}): pass class indices or a boolean mask"
-        )
-    array = np.asarray(active if items is None else items)
-    if array.dtype == bool:
-        if array.shape != (n_classes,):
-            raise StatisticsError(
-                f"a boolean mask of active classes needs one entry per class ({n_classes}), got shape "
-                f"{array.shape}; or pass the class indices"
-            )
-        return np.flatnonzero(array).tolist()
-    if array.size == 0:
-        return []
-    if array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):
-        raise StatisticsError(
-            f"active classes must be class indices (integers) or a boolean mask of length {n_classes}, "
-            f"got {active!r}"
-        )
-    out = sorted({int(c) for c in array})
-    bad = [c for c in out if not 0 <= c < n_classes]
-    if bad:
-        raise StatisticsError(f"active classes {bad} are outside 0..{n_classes - 1}")
-    return out
 
 
 def _one_thread() -> AbstractContextManager[None]:
@@ -117,250 +74,6 @@ def _one_thread() -> AbstractContextManager[None]:
     thread saves little, and on a shared machine waiting for a busy core makes them many times
     slower."""
     return one_torch_thread()
-
-
-def class_group(c: int) -> str:
-    return f"class/{c}"
-
-
-def pseudo_group(c: int) -> str:
-    return f"pseudo/{c}"
-
-
-# ----------------------------------------------------------------------------------------------
-# Client side
-# ----------------------------------------------------------------------------------------------
-
-
-def resolve_device(device: str = "auto") -> torch.device:
-    """``auto`` means CUDA when present, else CPU; asking for CUDA without a GPU is an error."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    resolved = torch.device(device)
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} requested but torch finds no CUDA GPU; use --device cpu or auto")
-    return resolved
-
-
-def _as_batches(features: np.ndarray | Iterable[np.ndarray], batch_size: int) -> Iterable[np.ndarray]:
-    if isinstance(features, np.ndarray):
-        return (features[i : i + batch_size] for i in range(0, len(features), batch_size))
-    return features
-
-
-def _check_batch(batch: np.ndarray, d: int | None, *, finite: bool = True) -> None:
-    """Shape and dtype of a feature batch; with ``finite`` also that every value is finite (the CPU
-    path leaves that to :func:`_check_finite` on the batch's Gram, which reads no extra pass)."""
-    if batch.ndim != 2:
-        raise StatisticsError(f"features must be a 2-D array (samples × dim), got shape {batch.shape}")
-    if d is not None and batch.shape[1] != d:
-        raise StatisticsError(f"feature batches disagree on the dimension: {batch.shape[1]} after {d}")
-    if not np.issubdtype(batch.dtype, np.floating):
-        raise StatisticsError(f"features must be floating point, got dtype {batch.dtype}")
-    if finite and not np.isfinite(batch).all():
-        raise StatisticsError(
-            "features contain NaN or infinite values; check the backbone output or the feature file"
-        )
-
-
-def _check_finite(batch: np.ndarray, gram: np.ndarray) -> None:
-    """Every value of ``batch`` is finite, given ``gram = batchᵀbatch``: a NaN or infinite entry
-    makes its column's diagonal entry NaN or infinite, so a finite diagonal proves the batch finite;
-    otherwise (that, or squares that overflow) the batch itself is read."""
-    if not np.isfinite(np.diagonal(gram)).all():
-        _check_batch(batch, None)
-
-
-def _check_labels(labels: np.ndarray, n_rows: int | None = None) -> np.ndarray:
-    labels = np.asarray(labels)
-    if labels.ndim != 2:
-        raise StatisticsError(f"labels must be a 2-D 0/1 array (samples × classes), got shape {labels.shape}")
-    if n_rows is not None and labels.shape[0] != n_rows:
-        raise StatisticsError(
-            f"labels have {labels.shape[0]} rows but the features have {n_rows}: one label row per sample"
-        )
-    if not np.isin(labels, (0, 1)).all():
-        raise StatisticsError("labels must contain only 0 and 1 (multi-hot)")
-    return labels.astype(bool)
-
-
-@dataclass(frozen=True)
-class ClientStatistics:
-    """One client's sufficient statistics, from one streaming float64 pass over its features.
-
-    Everything a client might upload derives from these without touching the features again:
-    ``gram = HᵀH``, ``feat_sum = Hᵀ1``, ``pos_sum = HᵀY`` (per class), the row count and the
-    positive counts.  Columns of classes the client does not label are never uploaded.
-    """
-
-    gram: np.ndarray
-    feat_sum: np.ndarray
-    pos_sum: np.ndarray
-    n: int
-    n_pos: np.ndarray
-
-    @property
-    def dim(self) -> int:
-        return self.feat_sum.shape[0]
-
-    def balanced_projection(self, c: int) -> np.ndarray:
-        """``b_{k,c} = H_kᵀ y_{k,c}`` with the balanced labels of Eq. 9 (Eq. 14).
-
-        Warns (:class:`UndefinedBalanceWarning`) when the class has no positive or no negative here.
-        """
-        n_pos = int(self.n_pos[c])
-        if n_pos in (0, self.n):
-            _warn_undefined(c, n_pos, self.n, "client statistics")
-        return _balanced_projection(self.pos_sum[:, c], self.feat_sum, n_pos, self.n)
-
-    def undefined_classes(self, active: Sequence[int] | Sequence[bool] | np.ndarray) -> dict[int, str]:
-        """Active classes where Eq. 9 is undefined here: ``{c: "no positive" | "no negative"}``."""
-        out = {}
-        for c in active_class_indices(active, self.pos_sum.shape[1]):
-            if int(self.n_pos[c]) == 0:
-                out[c] = "no positive"
-            elif int(self.n_pos[c]) == self.n:
-                out[c] = "no negative"
-        return out
-
-    def contributions(
-        self,
-        active: Sequence[int] | Sequence[bool] | np.ndarray,
-        *,
-        balance: Balance = "client",
-        gram: GramScope = "class",
-        include_global_gram: bool = False,
-    ) -> Contributions:
-        """What this client uploads in round 1, as ``{group: {tensor: float64 array}}``.
-
-        ``active``: class indices or a boolean mask of length C.  ``include_global_gram`` adds the
-        ``all`` group (round 2 needs it).
-        """
-        active = active_class_indices(active, self.pos_sum.shape[1])
-        _check_options(balance, gram)
-        out: Contributions = {}
-        for c in active:
-            tensors: dict[str, np.ndarray] = {}
-            if gram == "class":
-                tensors["gram"] = self.gram
-            if balance == "client":
-                tensors[f"b/{c}"] = self.balanced_projection(c)
-            else:
-                tensors[f"pos_sum/{c}"] = self.pos_sum[:, c].copy()
-                tensors[f"n_pos/{c}"] = np.array([float(self.n_pos[c])])
-                tensors["feat_sum"] = self.feat_sum
-                tensors["n"] = np.array([float(self.n)])
-            out[class_group(c)] = tensors
-        if gram == "global" or include_global_gram:
-            out[ALL_GROUP] = {"gram": self.gram}
-        return out
-
-
-def _check_options(balance: str, gram: str) -> None:
-    if balance not in ("client", "global"):
-        raise StatisticsError(f"balance must be 'client' or 'global', got {balance!r}")
-    if gram not in ("class", "global"):
-        raise StatisticsError(f"gram must be 'class' or 'global', got {gram!r}")
-
-
-def client_statistics(
-    features: np.ndarray | Iterable[np.ndarray],
-    labels: np.ndarray,
-    *,
-    batch_size: int = 4096,
-    device: str = "auto",
-) -> ClientStatistics:
-    """Accumulate a client's statistics in float64, streaming over row batches (CUDA when present).
-
-    ``features`` is an ``N×d`` array or an iterable of row batches (never stacked in memory);
-    ``labels`` is the ``N×C`` 0/1 matrix.
-    """
-    labels = _check_labels(labels, len(features) if isinstance(features, np.ndarray) else None)
-    dev = resolve_device(device)
-    gram_t = pos_t = sum_t = None
-    gram_np: np.ndarray | None = None
-    d: int | None = None
-    seen = 0
-    for raw in _as_batches(features, batch_size):
-        batch = np.asarray(raw)
-        _check_batch(batch, d, finite=dev.type != "cpu")
-        if d is None:
-            d = batch.shape[1]
-            if dev.type == "cpu":
-                gram_np = np.zeros((d, d))
-            else:
-                gram_t = torch.zeros((d, d), dtype=torch.float64, device=dev)
-            pos_t = torch.zeros((labels.shape[1], d), dtype=torch.float64, device=dev)  # YᵀH
-            sum_t = torch.zeros(d, dtype=torch.float64, device=dev)
-        rows = len(batch)
-        if seen + rows > len(labels):
-            raise StatisticsError(
-                f"the features have more rows than the {len(labels)} label rows: one label row per sample"
-            )
-        if dev.type == "cpu":
-            # numpy's BLAS computes hᵀh as a symmetric rank-k update (syrk): half the flops of the
-            # general product, about twice as fast on a CPU.  float64 input is used as it is (no copy).
-            h64 = np.ascontiguousarray(batch, dtype=np.float64)
-            part = h64.T @ h64
-            _check_finite(batch, part)
-            gram_np += part
-            h = torch.from_numpy(h64)
-        else:
-            h = torch.as_tensor(batch, device=dev).to(torch.float64)
-            gram_t.addmm_(h.T, h)
-        y = torch.as_tensor(labels[seen : seen + rows], device=dev).to(torch.float64)
-        pos_t.addmm_(y.T, h)  # YᵀH keeps the long axis contiguous: several times faster than HᵀY
-        sum_t.add_(h.sum(dim=0))
-        seen += rows
-    if d is None:
-        raise StatisticsError("a client has no samples: every client needs at least one feature row")
-    if seen != len(labels):
-        raise StatisticsError(f"labels have {len(labels)} rows but the features have {seen}")
-    if dev.type == "cpu":
-        # syrk fills one triangle and mirrors it (and numpy's loop without BLAS adds the same
-        # products in the same order for g_ij and g_ji): exactly symmetric, so (G + Gᵀ)/2 = G
-        gram = gram_np
-    else:
-        # addmm leaves rounding asymmetry; the statistic is symmetric by definition
-        gram = gram_t.cpu().numpy()
-        gram = (gram + gram.T) / 2
-    return ClientStatistics(
-        gram=gram,
-        feat_sum=sum_t.cpu().numpy(),
-        pos_sum=pos_t.T.contiguous().cpu().numpy(),
-        n=seen,
-        n_pos=labels.sum(axis=0).astype(np.int64),
-    )
-
-
-def balanced_labels(labels: np.ndarray, active: Sequence[int] | Sequence[bool] | np.ndarray) -> np.ndarray:
-    """Eq. 9: ``+1/N⁺`` for positives, ``−1/N⁻`` for negatives of active classes, 0 for missing ones.
-
-    A class with no positive (or no negative) sample locally has that side's term left at zero, with
-    an :class:`UndefinedBalanceWarning`.
-    """
-    labels = _check_labels(labels)
-    out = np.zeros(labels.shape, dtype=np.float64)
-    for c in active_class_indices(active, labels.shape[1]):
-        pos = labels[:, c]
-        n_pos, n_neg = int(pos.sum()), int((~pos).sum())
-        if not n_pos or not n_neg:
-            _warn_undefined(c, n_pos, len(pos), "balanced labels")
-        if n_pos:
-            out[pos, c] = 1.0 / n_pos
-        if n_neg:
-            out[~pos, c] = -1.0 / n_neg
-    return out
-
-
-def _balanced_projection(pos_sum: np.ndarray, feat_sum: np.ndarray, n_pos: int, n: int) -> np.ndarray:
-    """``Hᵀy`` for the balanced label vector of Eq. 9, from positive and total feature sums."""
-    b = np.zeros_like(feat_sum)
-    if n_pos:
-        b += pos_sum / n_pos
-    if n - n_pos:
-        b -= (feat_sum - pos_sum) / (n - n_pos)
-    return b
 
 
 @dataclass(frozen=True)

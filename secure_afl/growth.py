@@ -53,7 +53,7 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
-from secure_afl.analytic import ALL_GROUP, Contributions, GroupSums, StatisticsError
+from secure_afl.statistics import ALL_GROUP, Contributions, GroupSums, StatisticsError
 
 ADDITIVE_TENSORS = frozenset({"gram", "feat_sum", "n"})
 ADDITIVE_PREFIXES = ("pos_sum/", "n_pos/")

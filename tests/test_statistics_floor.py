@@ -40,3 +40,37 @@ def test_finite_values_whose_squares_overflow_are_not_called_non_finite() -> Non
     h[0, 0] = 1e200  # finite; its square overflows: the diagonal is inf, the batch is read, it passes
     stats = client_statistics(h, np.zeros((6, 1)), device="cpu")
     assert np.isinf(stats.gram[0, 0]) and stats.n == 6
+
+
+def test_auto_on_a_host_without_a_gpu_driver_never_asks_torch(monkeypatch) -> None:
+    from secure_afl import statistics
+
+    def no_torch(device: str) -> None:
+        raise AssertionError(f"resolve_device({device!r}) imports torch")
+
+    monkeypatch.setattr(statistics, "resolve_device", no_torch)
+    monkeypatch.setattr(statistics, "_cuda_driver_present", lambda: False)
+    assert statistics._on_cpu("auto") and statistics._on_cpu("cpu")
+    stats = statistics.client_statistics(np.ones((3, 2)), np.zeros((3, 1)), device="auto")
+    assert stats.n == 3
+    monkeypatch.setattr(statistics, "_cuda_driver_present", lambda: True)
+    with pytest.raises(AssertionError, match="imports torch"):
+        statistics._on_cpu("auto")  # a driver: torch decides
+
+
+def test_the_gpu_path_agrees_with_the_cpu_path() -> None:
+    """The torch path (run here on torch's CPU device) gives the numpy path's statistics."""
+    import torch
+
+    from secure_afl import statistics
+
+    rng = np.random.default_rng(3)
+    h = rng.standard_normal((300, 9)).astype(np.float32)
+    y = (rng.random((300, 4)) < 0.4).astype(np.int64)
+    labels = statistics._check_labels(y, 300)
+    on_torch = statistics._cuda_statistics(h, labels, 64, torch.device("cpu"))
+    on_numpy = client_statistics(h, y, device="cpu", batch_size=64)
+    for name in ("gram", "feat_sum", "pos_sum", "n_pos"):
+        np.testing.assert_allclose(getattr(on_torch, name), getattr(on_numpy, name), rtol=1e-12, atol=1e-12)
+    assert on_torch.n == on_numpy.n == 300
+    assert np.array_equal(on_torch.gram, on_torch.gram.T)

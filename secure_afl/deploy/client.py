@@ -565,7 +565,7 @@ def _inputs(
     the one-contribution rule's unit: another study, backbone, layout or protection over the same
     images, or a re-extracted file of them, is the same release), and the values before any noise
     (a rerun draws fresh noise over the same data: the same values)."""
-    from secure_afl.analytic import client_statistics, pseudo_label_contributions
+    from secure_afl.statistics import client_statistics  # numpy: R0 imports no torch on a CPU host
 
     if label not in ("1", "2"):
         raise SessionReplayError(f"unknown session {label!r}")
@@ -588,6 +588,8 @@ def _inputs(
         if empty:
             contributions = _zero(contributions)
     else:
+        from secure_afl.analytic import pseudo_label_contributions  # round 2 scores with torch
+
         coef = _round1_coef(study, envelope)
         contributions, _ = pseudo_label_contributions(
             data.features, coef, data.active, config=_pseudo_config(study), device=settings.device

@@ -114,21 +114,10 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
-from secure_afl.analytic import (
-    ALL_GROUP,
-    ClientStatistics,
-    Contributions,
-    PseudoLabelConfig,
-    StatisticsError,
-    active_class_indices,
-    class_group,
-    client_statistics,
-    pseudo_group,
-)
 from secure_afl.core import encoding
 from secure_afl.core.randomness import RandomSource
 from secure_afl.privacy.dp_config import (
@@ -141,6 +130,19 @@ from secure_afl.privacy.dp_config import (
 )
 from secure_afl.privacy.dp_sampler import admissible_variance, noise_words, sample_discrete_gaussian
 from secure_afl.privacy.projection import project_rows
+from secure_afl.statistics import (  # numpy: a node's DP round 1 imports no torch
+    ALL_GROUP,
+    ClientStatistics,
+    Contributions,
+    StatisticsError,
+    active_class_indices,
+    class_group,
+    client_statistics,
+    pseudo_group,
+)
+
+if TYPE_CHECKING:
+    from secure_afl.analytic import PseudoLabelConfig
 
 BlockKind = Literal["gram", "sums", "counts", "eigen", "total_sums", "total_counts"]
 # ridge="adassp": each client's λ_min of its own Gram, in the ``all`` group (dp_solve)
@@ -364,7 +366,10 @@ def pseudo_label_round(
     which applies it to the federation's noisy counts: a per-client threshold would switch a whole
     block on or off for one image (unbounded sensitivity).
     """
-    config = PseudoLabelConfig() if config is None else config
+    if config is None:
+        from secure_afl.analytic import PseudoLabelConfig  # round 2's defaults (analytic imports torch)
+
+        config = PseudoLabelConfig()
     check_pseudo_label_threshold(config.tau)  # the two sets must be disjoint (sensitivity C, not √2·C)
     h = np.asarray(clipped_features, dtype=np.float64)
     coef = np.asarray(coef, dtype=np.float64)

@@ -1,14 +1,16 @@
-"""The ClientApp's per-message path imports no torch after R0 (issue 30).
+"""The ClientApp's per-message path imports no torch (issue 30).
 
 Flower starts a fresh ClientApp process for every message, so whatever ``handle`` imports for a
-message is paid on every one.  Only R0 computes statistics (``secure_afl.analytic``, torch float64);
-every later round replays the session from the saved seed and messages, and the classifier message
-checks a signature.  Each of those messages is handled here in a fresh interpreter, from the node's
-state just before it, and must answer without loading torch (nor the simulator).
+message is paid on every one (torch alone: about 1.7 CPU-s).  R0 computes round 1's statistics on
+the CPU with numpy (``secure_afl.statistics``); every later round replays the session from the
+saved seed and messages, and the classifier message checks a signature.  Each message is handled
+here in a fresh interpreter, from the node's state just before it, and must answer without loading
+torch (nor the simulator).  Round 2's pseudo-labels and a node asked for a GPU do import torch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pickle  # of this test's own temporary files only: nothing from a network is unpickled
 import subprocess
@@ -73,7 +75,7 @@ class RecordingTransport(InProcessTransport):
 
 
 @pytest.mark.parametrize("protection", ["mask", "ckks"])
-def test_every_message_after_r0_is_handled_without_torch(tmp_path: Path, protection: str) -> None:
+def test_every_message_is_handled_without_torch(tmp_path: Path, protection: str) -> None:
     federation = make_federation(tmp_path / "fed", n_clients=4, dim=6, rows=40, protection=protection)
     snapshots = tmp_path / "snapshots"
     snapshots.mkdir()
@@ -82,9 +84,15 @@ def test_every_message_after_r0_is_handled_without_torch(tmp_path: Path, protect
     # A node that received every round (CKKS sends R4 to its decryptors only).
     node_id = min(n for n, groups in transport.saved.items() if "s1-R4" in groups)
     saved = transport.saved[node_id]
-    later = [group for group in saved if group != "s1-R0"]
-    assert later == ["s1-R1", "s1-R2", "s1-R3", "s1-R4", "classifier"]
-    for group in later:
+    groups = list(saved)
+    assert groups == ["s1-R0", "s1-R1", "s1-R2", "s1-R3", "s1-R4", "classifier"]
+    # R0 on the CPU, whatever this host has (``auto`` would use a GPU, through torch, where one is)
+    with open(saved["s1-R0"], "rb") as f:
+        snapshot = pickle.load(f)
+    snapshot["settings"] = dataclasses.replace(snapshot["settings"], device="cpu")
+    with open(saved["s1-R0"], "wb") as f:
+        pickle.dump(snapshot, f)
+    for group in groups:
         code = HANDLE_ONE.format(tests=str(ROOT), path=str(saved[group]))
         result = subprocess.run(
             [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
@@ -110,3 +118,35 @@ def test_the_snapshot_replays_as_the_node_answered(tmp_path: Path) -> None:
     reply = handle(Envelope(**saved["envelope"]), state, saved["settings"])
     recorded = [r for n, g, r in transport.received if n == node_id and g == "s1-R3"]
     assert reply.payload == recorded[0].payload
+
+
+def test_a_dp_round_one_is_handled_without_torch(tmp_path: Path) -> None:
+    """Under DP, R0 clips, rounds and noises the statistics: numpy too."""
+    from secure_afl.deploy.study import Method, StudyDp
+
+    federation = make_federation(
+        tmp_path / "fed", n_clients=4, dim=6, rows=40, method=Method(balance="global")
+    )
+    lists = {cid: tuple(data[2]) for cid, data in federation.data.items()}
+    federation.study = dataclasses.replace(
+        federation.study, dp=StudyDp(class_lists=lists, epsilon=2.0, clip=8.0)
+    )
+    snapshots = tmp_path / "snapshots"
+    snapshots.mkdir()
+    transport = RecordingTransport(federation, snapshots)
+    run_server(federation, transport)
+    node_id = min(transport.saved)
+    path = transport.saved[node_id]["s1-R0"]
+    with open(path, "rb") as f:
+        snapshot = pickle.load(f)
+    snapshot["settings"] = dataclasses.replace(snapshot["settings"], device="cpu")
+    with open(path, "wb") as f:
+        pickle.dump(snapshot, f)
+    code = HANDLE_ONE.format(tests=str(ROOT), path=str(path))
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    answer = json.loads(result.stdout.strip().splitlines()[-1])
+    assert answer["kind"] == "reply" and answer["meta"].get("error") is None, answer
+    assert answer["loaded"] == [], f"DP R0 loaded {answer['loaded'][:5]}..."

@@ -1,0 +1,377 @@
+"""A client's sufficient statistics (paper §III, Eq. 14) and the group names they are filed under.
+
+``HᵀH``, ``Hᵀ1``, ``HᵀY`` and the counts, from one streaming float64 pass over a client's features,
+and the contributions (``{group: {tensor: array}}``) that round 1 uploads.  On the CPU this is numpy
+alone: a hospital's node computes its round-1 statistics without importing torch (the server's
+solve and round 2 live in :mod:`secure_afl.analytic`, which re-exports everything here).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+Balance = Literal["client", "global"]
+GramScope = Literal["class", "global"]
+Contributions = dict[str, dict[str, np.ndarray]]
+GroupSums = Mapping[str, Mapping[str, np.ndarray]]
+
+ALL_GROUP = "all"
+
+
+class StatisticsError(ValueError):
+    """Features, labels or statistics that cannot be used (wrong shape, non-finite, missing class)."""
+
+
+class UndefinedBalanceWarning(UserWarning):
+    """Eq. 9 is undefined for a labelled class with no positive (or no negative) sample."""
+
+
+def _warn_undefined(c: int, n_pos: int, n: int, where: str) -> None:
+    side = "no positive" if n_pos == 0 else "no negative"
+    consequence = " and the class will be predicted all-negative" if n_pos == 0 else ""
+    warnings.warn(
+        f"{where}: class {c} is labelled but has {side} sample (of {n}), so Eq. 9 is undefined; the "
+        f"empty side's term is dropped{consequence}",
+        UndefinedBalanceWarning,
+        stacklevel=3,
+    )
+
+
+def active_class_indices(active: Sequence[int] | Sequence[bool] | np.ndarray, n_classes: int) -> list[int]:
+    """The sorted class indices of ``active``: class indices, or a boolean mask of length ``n_classes``.
+
+    ``[False, False, True]`` is a mask (class 2), never the classes 0 and 1 that reading each
+    boolean as an integer would give.
+    """
+    if isinstance(active, (set, frozenset)):
+        active = sorted(active)
+    items = list(active) if not isinstance(active, np.ndarray) else None
+    flags = [isinstance(x, (bool, np.bool_)) for x in items or ()]
+    if any(flags) and not all(flags):
+        raise StatisticsError(
+            f"active classes mix booleans and integers ({items!r}): pass class indices or a boolean mask"
+        )
+    array = np.asarray(active if items is None else items)
+    if array.dtype == bool:
+        if array.shape != (n_classes,):
+            raise StatisticsError(
+                f"a boolean mask of active classes needs one entry per class ({n_classes}), got shape "
+                f"{array.shape}; or pass the class indices"
+            )
+        return np.flatnonzero(array).tolist()
+    if array.size == 0:
+        return []
+    if array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):
+        raise StatisticsError(
+            f"active classes must be class indices (integers) or a boolean mask of length {n_classes}, "
+            f"got {active!r}"
+        )
+    out = sorted({int(c) for c in array})
+    bad = [c for c in out if not 0 <= c < n_classes]
+    if bad:
+        raise StatisticsError(f"active classes {bad} are outside 0..{n_classes - 1}")
+    return out
+
+
+def class_group(c: int) -> str:
+    return f"class/{c}"
+
+
+def pseudo_group(c: int) -> str:
+    return f"pseudo/{c}"
+
+
+def _cuda_driver_present() -> bool:
+    """Whether this host has a GPU driver at all (NVIDIA's or ROCm's device files): without one torch
+    finds no CUDA device, so ``auto`` means the CPU and nothing imports torch."""
+    return any(Path(p).exists() for p in ("/dev/nvidiactl", "/proc/driver/nvidia/version", "/dev/kfd"))
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    """``auto`` means CUDA when present, else CPU; asking for CUDA without a GPU is an error.
+
+    torch is imported only here and only when a GPU may be used: on a host without a GPU driver
+    ``auto`` is the CPU without importing it (a ClientApp process pays about 1.7 CPU-s for torch)."""
+    import torch
+
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but torch finds no CUDA GPU; use --device cpu or auto")
+    return resolved
+
+
+def _on_cpu(device: str) -> bool:
+    """Whether the statistics run on the CPU (numpy, no torch import)."""
+    if device == "cpu" or (device == "auto" and not _cuda_driver_present()):
+        return True
+    return resolve_device(device).type == "cpu"
+
+
+def _as_batches(features: np.ndarray | Iterable[np.ndarray], batch_size: int) -> Iterable[np.ndarray]:
+    if isinstance(features, np.ndarray):
+        return (features[i : i + batch_size] for i in range(0, len(features), batch_size))
+    return features
+
+
+def _check_batch(batch: np.ndarray, d: int | None, *, finite: bool = True) -> None:
+    """Shape and dtype of a feature batch; with ``finite`` also that every value is finite (the CPU
+    path leaves that to :func:`_check_finite` on the batch's Gram, which reads no extra pass)."""
+    if batch.ndim != 2:
+        raise StatisticsError(f"features must be a 2-D array (samples × dim), got shape {batch.shape}")
+    if d is not None and batch.shape[1] != d:
+        raise StatisticsError(f"feature batches disagree on the dimension: {batch.shape[1]} after {d}")
+    if not np.issubdtype(batch.dtype, np.floating):
+        raise StatisticsError(f"features must be floating point, got dtype {batch.dtype}")
+    if finite and not np.isfinite(batch).all():
+        raise StatisticsError(
+            "features contain NaN or infinite values; check the backbone output or the feature file"
+        )
+
+
+def _check_finite(batch: np.ndarray, gram: np.ndarray) -> None:
+    """Every value of ``batch`` is finite, given ``gram = batchᵀbatch``: a NaN or infinite entry
+    makes its column's diagonal entry NaN or infinite, so a finite diagonal proves the batch finite;
+    otherwise (that, or squares that overflow) the batch itself is read."""
+    if not np.isfinite(np.diagonal(gram)).all():
+        _check_batch(batch, None)
+
+
+def _check_labels(labels: np.ndarray, n_rows: int | None = None) -> np.ndarray:
+    labels = np.asarray(labels)
+    if labels.ndim != 2:
+        raise StatisticsError(f"labels must be a 2-D 0/1 array (samples × classes), got shape {labels.shape}")
+    if n_rows is not None and labels.shape[0] != n_rows:
+        raise StatisticsError(
+            f"labels have {labels.shape[0]} rows but the features have {n_rows}: one label row per sample"
+        )
+    if not np.isin(labels, (0, 1)).all():
+        raise StatisticsError("labels must contain only 0 and 1 (multi-hot)")
+    return labels.astype(bool)
+
+
+@dataclass(frozen=True)
+class ClientStatistics:
+    """One client's sufficient statistics, from one streaming float64 pass over its features.
+
+    Everything a client might upload derives from these without touching the features again:
+    ``gram = HᵀH``, ``feat_sum = Hᵀ1``, ``pos_sum = HᵀY`` (per class), the row count and the
+    positive counts.  Columns of classes the client does not label are never uploaded.
+    """
+
+    gram: np.ndarray
+    feat_sum: np.ndarray
+    pos_sum: np.ndarray
+    n: int
+    n_pos: np.ndarray
+
+    @property
+    def dim(self) -> int:
+        return self.feat_sum.shape[0]
+
+    def balanced_projection(self, c: int) -> np.ndarray:
+        """``b_{k,c} = H_kᵀ y_{k,c}`` with the balanced labels of Eq. 9 (Eq. 14).
+
+        Warns (:class:`UndefinedBalanceWarning`) when the class has no positive or no negative here.
+        """
+        n_pos = int(self.n_pos[c])
+        if n_pos in (0, self.n):
+            _warn_undefined(c, n_pos, self.n, "client statistics")
+        return _balanced_projection(self.pos_sum[:, c], self.feat_sum, n_pos, self.n)
+
+    def undefined_classes(self, active: Sequence[int] | Sequence[bool] | np.ndarray) -> dict[int, str]:
+        """Active classes where Eq. 9 is undefined here: ``{c: "no positive" | "no negative"}``."""
+        out = {}
+        for c in active_class_indices(active, self.pos_sum.shape[1]):
+            if int(self.n_pos[c]) == 0:
+                out[c] = "no positive"
+            elif int(self.n_pos[c]) == self.n:
+                out[c] = "no negative"
+        return out
+
+    def contributions(
+        self,
+        active: Sequence[int] | Sequence[bool] | np.ndarray,
+        *,
+        balance: Balance = "client",
+        gram: GramScope = "class",
+        include_global_gram: bool = False,
+    ) -> Contributions:
+        """What this client uploads in round 1, as ``{group: {tensor: float64 array}}``.
+
+        ``active``: class indices or a boolean mask of length C.  ``include_global_gram`` adds the
+        ``all`` group (round 2 needs it).
+        """
+        active = active_class_indices(active, self.pos_sum.shape[1])
+        _check_options(balance, gram)
+        out: Contributions = {}
+        for c in active:
+            tensors: dict[str, np.ndarray] = {}
+            if gram == "class":
+                tensors["gram"] = self.gram
+            if balance == "client":
+                tensors[f"b/{c}"] = self.balanced_projection(c)
+            else:
+                tensors[f"pos_sum/{c}"] = self.pos_sum[:, c].copy()
+                tensors[f"n_pos/{c}"] = np.array([float(self.n_pos[c])])
+                tensors["feat_sum"] = self.feat_sum
+                tensors["n"] = np.array([float(self.n)])
+            out[class_group(c)] = tensors
+        if gram == "global" or include_global_gram:
+            out[ALL_GROUP] = {"gram": self.gram}
+        return out
+
+
+def _check_options(balance: str, gram: str) -> None:
+    if balance not in ("client", "global"):
+        raise StatisticsError(f"balance must be 'client' or 'global', got {balance!r}")
+    if gram not in ("class", "global"):
+        raise StatisticsError(f"gram must be 'class' or 'global', got {gram!r}")
+
+
+def client_statistics(
+    features: np.ndarray | Iterable[np.ndarray],
+    labels: np.ndarray,
+    *,
+    batch_size: int = 4096,
+    device: str = "auto",
+) -> ClientStatistics:
+    """Accumulate a client's statistics in float64, streaming over row batches (CUDA when present).
+
+    ``features`` is an ``N×d`` array or an iterable of row batches (never stacked in memory);
+    ``labels`` is the ``N×C`` 0/1 matrix.  On the CPU this is numpy alone (torch is not imported).
+    """
+    labels = _check_labels(labels, len(features) if isinstance(features, np.ndarray) else None)
+    if not _on_cpu(device):
+        return _cuda_statistics(features, labels, batch_size, resolve_device(device))
+    n_classes = labels.shape[1]
+    gram: np.ndarray | None = None
+    sums: np.ndarray | None = None  # rows 0..C-1: YᵀH; row C: 1ᵀH
+    cast: np.ndarray | None = None
+    seen = 0
+    for raw in _as_batches(features, batch_size):
+        batch = np.asarray(raw)
+        _check_batch(batch, None if gram is None else gram.shape[0], finite=False)
+        rows = len(batch)
+        _check_row_count(seen + rows, len(labels))
+        # numpy's BLAS computes hᵀh as a symmetric rank-k update (syrk): half the flops of the
+        # general product.  float64 input is used as it is (no copy); other input is cast into
+        # one reused buffer (a fresh 32 MB array per batch costs its page faults every time).
+        if batch.dtype == np.float64 and batch.flags.c_contiguous:
+            h64 = batch
+        else:
+            if cast is None or cast.shape[1] != batch.shape[1] or len(cast) < rows:
+                cast = np.empty((max(rows, batch_size), batch.shape[1]))
+            h64 = cast[:rows]
+            np.copyto(h64, batch)
+        part = h64.T @ h64
+        _check_finite(batch, part)
+        # [Y, 1]ᵀH: the positive sums and the column sums in one product (one more pass over H
+        # would cost as much as the products themselves at C = 14)
+        y1 = np.ones((rows, n_classes + 1))
+        y1[:, :n_classes] = labels[seen : seen + rows]
+        if gram is None:
+            gram, sums = part, y1.T @ h64
+        else:
+            gram += part
+            sums += y1.T @ h64
+        seen += rows
+    if gram is None or sums is None:
+        raise StatisticsError("a client has no samples: every client needs at least one feature row")
+    if seen != len(labels):
+        raise StatisticsError(f"labels have {len(labels)} rows but the features have {seen}")
+    # syrk fills one triangle and mirrors it (and numpy's loop without BLAS adds the same products
+    # in the same order for g_ij and g_ji): exactly symmetric, so (G + Gᵀ)/2 = G
+    return ClientStatistics(
+        gram=gram,
+        feat_sum=sums[n_classes].copy(),
+        pos_sum=np.ascontiguousarray(sums[:n_classes].T),
+        n=seen,
+        n_pos=labels.sum(axis=0).astype(np.int64),
+    )
+
+
+def _check_row_count(rows: int, n_labels: int) -> None:
+    if rows > n_labels:
+        raise StatisticsError(
+            f"the features have more rows than the {n_labels} label rows: one label row per sample"
+        )
+
+
+def _cuda_statistics(
+    features: np.ndarray | Iterable[np.ndarray], labels: np.ndarray, batch_size: int, dev: torch.device
+) -> ClientStatistics:
+    """:func:`client_statistics` on a GPU (torch float64)."""
+    import torch
+
+    gram_t = pos_t = sum_t = None
+    d: int | None = None
+    seen = 0
+    for raw in _as_batches(features, batch_size):
+        batch = np.asarray(raw)
+        _check_batch(batch, d)
+        if d is None:
+            d = batch.shape[1]
+            gram_t = torch.zeros((d, d), dtype=torch.float64, device=dev)
+            pos_t = torch.zeros((labels.shape[1], d), dtype=torch.float64, device=dev)  # YᵀH
+            sum_t = torch.zeros(d, dtype=torch.float64, device=dev)
+        rows = len(batch)
+        _check_row_count(seen + rows, len(labels))
+        h = torch.as_tensor(batch, device=dev).to(torch.float64)
+        gram_t.addmm_(h.T, h)
+        y = torch.as_tensor(labels[seen : seen + rows], device=dev).to(torch.float64)
+        pos_t.addmm_(y.T, h)  # YᵀH keeps the long axis contiguous: several times faster than HᵀY
+        sum_t.add_(h.sum(dim=0))
+        seen += rows
+    if d is None:
+        raise StatisticsError("a client has no samples: every client needs at least one feature row")
+    if seen != len(labels):
+        raise StatisticsError(f"labels have {len(labels)} rows but the features have {seen}")
+    gram = gram_t.cpu().numpy()
+    return ClientStatistics(
+        gram=(gram + gram.T) / 2,  # addmm leaves rounding asymmetry; the statistic is symmetric
+        feat_sum=sum_t.cpu().numpy(),
+        pos_sum=pos_t.T.contiguous().cpu().numpy(),
+        n=seen,
+        n_pos=labels.sum(axis=0).astype(np.int64),
+    )
+
+
+def balanced_labels(labels: np.ndarray, active: Sequence[int] | Sequence[bool] | np.ndarray) -> np.ndarray:
+    """Eq. 9: ``+1/N⁺`` for positives, ``−1/N⁻`` for negatives of active classes, 0 for missing ones.
+
+    A class with no positive (or no negative) sample locally has that side's term left at zero, with
+    an :class:`UndefinedBalanceWarning`.
+    """
+    labels = _check_labels(labels)
+    out = np.zeros(labels.shape, dtype=np.float64)
+    for c in active_class_indices(active, labels.shape[1]):
+        pos = labels[:, c]
+        n_pos, n_neg = int(pos.sum()), int((~pos).sum())
+        if not n_pos or not n_neg:
+            _warn_undefined(c, n_pos, len(pos), "balanced labels")
+        if n_pos:
+            out[pos, c] = 1.0 / n_pos
+        if n_neg:
+            out[~pos, c] = -1.0 / n_neg
+    return out
+
+
+def _balanced_projection(pos_sum: np.ndarray, feat_sum: np.ndarray, n_pos: int, n: int) -> np.ndarray:
+    """``Hᵀy`` for the balanced label vector of Eq. 9, from positive and total feature sums."""
+    b = np.zeros_like(feat_sum)
+    if n_pos:
+        b += pos_sum / n_pos
+    if n - n_pos:
+        b -= (feat_sum - pos_sum) / (n - n_pos)
+    return b
