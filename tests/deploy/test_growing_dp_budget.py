@@ -157,3 +157,49 @@ def test_under_the_image_unit_the_same_limits_take_all_three_sessions(tmp_path: 
         assert growth["epsilon_chain"][cid] == max(per_session) <= limit
         # composed (as the patient unit would), the three sessions would exceed the limit
         assert epsilon_of(plan.events(cid) * 3, NODE_DELTA) > limit
+
+
+def test_a_node_that_missed_a_session_of_the_chain_counts_every_release_it_recorded(tmp_path: Path) -> None:
+    """The node follows the chain back through its own records; past a study it has no record of
+    (it missed that session) it cannot tell which of its releases belong to the chain, so it counts
+    every release it recorded under the unit; a recorded study its ledger shows unreleased counts 0."""
+    import json
+
+    from secure_afl.deploy.client import DP_SESSIONS, DP_SESSIONS_FORMAT, _chain_released
+    from secure_afl.deploy.study import Study
+    from secure_afl.privacy.ledger import FileLedger, LedgerOwner
+
+    federation, _, _ = _federation(tmp_path, "patient")
+    node = federation.nodes[1000]
+    settings, cid = node.settings, node.client_id
+    identity = federation.identities[cid]
+    first = federation.study
+    missed = dataclasses.replace(first, extends=first.digest(), min_group_size=3)  # another digest
+    third = dataclasses.replace(first, extends=missed.digest())
+    unreleased = dataclasses.replace(first, min_group_size=4)  # recorded, refused before R3
+    spend = {"epsilon": 1.0, "events": [[0.01, 0.0]], "unit": "patient", "delta": 1e-6}
+    records = {s.digest(): {"extends": s.extends, "client": cid, "spend": spend} for s in (first, unreleased)}
+    settings.ledger_dir.mkdir(parents=True, exist_ok=True)
+    (settings.ledger_dir / DP_SESSIONS).write_text(
+        json.dumps({"format": DP_SESSIONS_FORMAT, "studies": records})
+    )
+
+    def released(study: Study, session: str):
+        def change(state) -> None:
+            entry = state.entry(bytes.fromhex(session))
+            entry.survivors, entry.scope = ("client-0", "client-1"), f"study:{study.digest()}/round:1"
+
+        return change
+
+    ledger = FileLedger(settings.ledger_dir)
+    ledger.update(LedgerOwner(cid, identity), released(first, "01" * 32))
+    ledger.update(LedgerOwner(cid, identity), released(missed, "02" * 32))  # no record of it here
+    spends, broken = _chain_released(third, settings, cid, identity)
+    assert broken and [s.epsilon for s in spends] == [1.0]  # the first study's, found past the gap
+    # with a record of the missed study the walk reaches the first one without guessing
+    records[missed.digest()] = {"extends": missed.extends, "client": cid, "spend": {**spend, "epsilon": 0.5}}
+    (settings.ledger_dir / DP_SESSIONS).write_text(
+        json.dumps({"format": DP_SESSIONS_FORMAT, "studies": records})
+    )
+    spends, broken = _chain_released(third, settings, cid, identity)
+    assert not broken and sorted(s.epsilon for s in spends) == [0.5, 1.0]
