@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from secure_afl.deploy.errors import FederationAbortedError
+from secure_afl.deploy.local import node_dp_epsilon
 from secure_afl.deploy.server import FederationServer
 from secure_afl.deploy.study import Method, StudyDp, noise_plan
 from secure_afl.deploy.sums import load_sums, save_sums
@@ -27,7 +28,7 @@ NODE_DELTA = 1e-6  # the nodes set no dp-delta: the default floor
 
 def _federation(tmp_path: Path, unit: str) -> tuple[Federation, dict, dict[str, float]]:
     """Four DP hospitals whose patients (10 each, 6 images) have images in every batch; each node's
-    dp-epsilon fits the chain's composed ε over two sessions but not three (the limits)."""
+    dp-epsilon fits a patient chain's composed ε over two sessions but not three (the limits)."""
     federation = make_federation(tmp_path, n_clients=4, rows=ROWS, method=Method(balance="global"))
     lists = {cid: tuple(data[2]) for cid, data in federation.data.items()}
     dp = StudyDp(epsilon=EPSILON, class_lists=lists, clip=CLIP, unit=unit, max_images_per_patient=CAP)
@@ -38,13 +39,16 @@ def _federation(tmp_path: Path, unit: str) -> tuple[Federation, dict, dict[str, 
         full[node.client_id] = dataclasses.replace(
             file, patient_ids=tuple(f"{node.client_id}-p{i % 10}" for i in range(ROWS))
         )
-    plan = noise_plan(federation.study, len(federation.roster))
+    # the limits deploy local gives its nodes for a two-session patient chain (under either unit here)
+    patient = dataclasses.replace(federation.study, dp=dataclasses.replace(dp, unit="patient"))
+    plan = noise_plan(patient, len(federation.roster))
     limits = {}
     for cid in full:
+        limits[cid] = node_dp_epsilon(patient, len(federation.roster), cid, sessions=2)
         events = plan.events(cid)
-        two, three = epsilon_of(events * 2, NODE_DELTA), epsilon_of(events * 3, NODE_DELTA)
-        assert EPSILON < two < three
-        limits[cid] = (two + three) / 2
+        assert (
+            EPSILON < epsilon_of(events * 2, NODE_DELTA) <= limits[cid] < epsilon_of(events * 3, NODE_DELTA)
+        )
     for node in federation.nodes.values():
         node.settings = dataclasses.replace(node.settings, dp_epsilon=limits[node.client_id])
     return federation, full, limits
