@@ -670,8 +670,9 @@ def _backbone_record(features: Path | None, backbone: str | None, weights: Path 
 @click.option("--sessions", type=click.IntRange(1, 10), default=1, show_default=True,
               help="A federation that grows: each institution's images arrive in K batches; session k "
               "extends session k - 1's study and releases only the new images (global balance, one "
-              "round, no DP). Each session's classifier is compared with the centralised fit on every "
-              "image released so far.")  # fmt: skip
+              "round). Each session's classifier is compared with the centralised fit on every image "
+              "released so far (under --dp-epsilon reported, not checked: the sums are noisy; each "
+              "node's dp-epsilon then covers the chain's K sessions).")  # fmt: skip
 @dp_options
 def deploy_local(
     sessions: int,
@@ -739,13 +740,11 @@ def deploy_local(
             "sensitivities, SECURITY.md §9)"
         )
     balance = balance or ("global" if dp_epsilon is not None or sessions > 1 else "client")
-    if sessions > 1 and (
-        balance != "global" or rounds != 1 or dp_epsilon is not None or drops or rehearse_abort
-    ):
+    if sessions > 1 and (balance != "global" or rounds != 1 or drops or rehearse_abort):
         raise click.UsageError(
             "--sessions > 1 (a federation that grows) needs --balance global and --rounds 1, without "
-            "--dp-epsilon, --drop or --rehearse-abort: the paper's per-client balance and round 2 do not "
-            "add across sessions (README, a federation that grows)"
+            "--drop or --rehearse-abort: the paper's per-client balance and round 2 do not add across "
+            "sessions (README, a federation that grows)"
         )
     try:
         assignment = assign_partial_labels(clients, len(CLASSES), missing, seed=seed)
@@ -986,7 +985,7 @@ def _report_growth(
     from secure_afl.sim.metrics import evaluate
 
     test_x, test_y = data.features[data.split.test], data.cohort.labels[data.split.test]
-    method, records = study.method, []
+    method, records, private = study.method, [], study.dp is not None
     for k, (classifier, report) in enumerate(result.sessions):
         contributions = []
         for i, _ in enumerate(client_ids):
@@ -1007,12 +1006,18 @@ def _report_growth(
              "metrics": {key: float(metrics[key]) for key in ("bacc", "auc", "map")},
              "survivors": report["sessions"][0]["survivors"]}
         )  # fmt: skip
+        noisy = " (DP: noisy sums, reported, not checked)" if private else ""
         say(
-            f"session {k + 1}: max |w - w_centralised| = {error:.3g} over every image released so far; "
-            f"BACC {100 * metrics['bacc']:.2f} %, AUC {100 * metrics['auc']:.2f} %, mAP {metrics['map']:.4f}"
+            f"session {k + 1}: max |w - w_centralised| = {error:.3g} over every image released so far"
+            f"{noisy}; BACC {100 * metrics['bacc']:.2f} %, AUC {100 * metrics['auc']:.2f} %, "
+            f"mAP {metrics['map']:.4f}"
         )
     (out_dir / "report.json").write_text(json.dumps({**result.report, "growth": records}, indent=1))
     say(f"wrote {out_dir / 'classifier.json'} (session {sessions}'s) and {out_dir / 'report.json'}")
+    if private:  # the chain's ε per institution, as its signed classifier records it
+        for line in result.sessions[-1][0].privacy_lines():
+            say(line)
+        return
     worst = max(r["max_abs_w_vs_centralised"] for r in records)
     if not worst <= GROWTH_TOLERANCE:
         raise click.ClickException(

@@ -28,6 +28,12 @@ class UncheckedStudyError(StudyMismatchError):
     checked none): names both digests (raised at the client, before anything is computed)."""
 
 
+class ChainBudgetExceededError(StudyMismatchError):
+    """A growing DP study whose session would take this institution's ε over its released sessions
+    of the chain past its node's ``dp-epsilon`` (the patient unit composes them): names the ε spent,
+    the session's, the total and the limit (raised at the client in R0, before anything is computed)."""
+
+
 class SessionReplayError(DeploymentError):
     """A session message that belongs to another run, or a session started twice in one run."""
 

@@ -510,7 +510,13 @@ def run_local(
                 "colluders": colluders,  # each institution's own colluder bound (SECURITY.md §3)
             }
             if study.dp is not None:  # each hospital insists on the study's privacy itself
-                node_config.update({"dp-epsilon": str(study.dp.epsilon), "dp-delta": str(study.dp.delta)})
+                limit = node_dp_epsilon(study, len(client_ids), cid, sessions)
+                node_config.update({"dp-epsilon": str(limit), "dp-delta": str(study.dp.delta)})
+                if sessions > 1 and limit > study.dp.epsilon:
+                    say(
+                        f"  {cid}: dp-epsilon {limit:.4g} covers the chain's {sessions} sessions (patient "
+                        f"unit: their ε compose), not one session's {study.dp.epsilon:g}"
+                    )
             node_config_text = " ".join(f"{k}={json.dumps(v)}" for k, v in node_config.items())
             node_configs[cid] = node_config_text
             _check_node(cid, node_config_text, study, f"127.0.0.1:{superlink_port}", ca if tls else None, say)
@@ -662,6 +668,24 @@ def _check_node(cid: str, node_config: str, study: Study, superlink: str, ca: Pa
     except NodeCheckError as exc:
         raise LocalDeploymentError(f"deploy check failed: {exc}") from None
     say(f"  {cid}: deploy check passed (key, roster, features against the study, ledger, SuperLink)")
+
+
+def node_dp_epsilon(study: Study, roster_size: int, client_id: str, sessions: int = 1) -> float:
+    """The ``dp-epsilon`` a local node is given: the study's ε, or over a growing chain of
+    ``sessions`` DP sessions of the study what the chain spends at this node (the max over sessions
+    under the image unit, so the study's ε; every session composed under the patient unit), so the
+    node takes part in those sessions and refuses a further one (SECURITY.md §9)."""
+    from secure_afl.privacy.dp_growth import NodeSpend, chain_spend
+
+    from .study import noise_plan
+
+    if study.dp is None:
+        raise LocalDeploymentError("the study asks for no differential privacy: a node needs no dp-epsilon")
+    if sessions <= 1:
+        return study.dp.epsilon
+    spend = NodeSpend.of(noise_plan(study, roster_size), client_id)
+    total = chain_spend([spend] * (sessions - 1), spend, study.dp.delta).total
+    return max(study.dp.epsilon, total * (1 + 1e-9))  # the node recomposes the same events
 
 
 def _dp_run_config(study: Study) -> dict[str, object]:

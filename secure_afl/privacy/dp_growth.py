@@ -17,6 +17,10 @@ one session: the ledger's rule), and the server adds them to the earlier session
   chain's ε is that of every session's (ρ, ξ) events composed in one ``RdpAccountant``, at the
   last session's δ.
 
+A node keeps its own :class:`NodeSpend` of every DP session it runs (from the plan it derives
+from the study itself) and, before a growing session, refuses one whose :func:`chain_spend` over
+its released sessions of the chain would exceed its ``dp-epsilon`` (:mod:`secure_afl.deploy.client`).
+
 :class:`SessionNoise` is one session's record (kept in the deployment's chain entries,
 :mod:`secure_afl.deploy.sums`, and in the simulator's results); :class:`ChainNoise` the chain's.
 Nothing here is computed from any one institution's data: noise scales and ε are functions of the
@@ -173,13 +177,13 @@ class ChainNoise:
         """The chain's ε per institution: the max over sessions (image unit, disjoint images), or
         every session's events composed at the last session's δ (patient unit)."""
         institutions = sorted({k for s in self.sessions for k in s.epsilon})
-        if self.composition == PARALLEL:
-            return {k: max(s.epsilon[k] for s in self.sessions if k in s.epsilon) for k in institutions}
-        from secure_afl.privacy.dp import epsilon_of
-
         delta = self.sessions[-1].delta
         return {
-            k: epsilon_of([e for s in self.sessions for e in s.events.get(k, ())], delta)
+            k: composed_epsilon(
+                self.unit,
+                [(s.epsilon[k], s.events[k]) for s in self.sessions if k in s.epsilon],
+                delta,
+            )
             for k in institutions
         }
 
@@ -215,6 +219,100 @@ class ChainNoise:
             "gram_noise_std_chain": self.gram_std,
             "eigen_noise_std_chain": self.eigen_std,
         }
+
+
+def composed_epsilon(
+    unit: str, spends: Sequence[tuple[float, Sequence[tuple[float, float]]]], delta: float
+) -> float:
+    """One institution's ε over a chain's sessions, each given as (its ε, its (ρ, ξ) events): the
+    max of the ε's under the image unit (disjoint images), every event composed in one
+    ``RdpAccountant`` at ``delta`` under the patient unit."""
+    if not spends:
+        raise DpError("a chain's ε needs at least one session")
+    if unit == "image":
+        return max(float(epsilon) for epsilon, _ in spends)
+    from secure_afl.privacy.dp import epsilon_of
+
+    return epsilon_of([e for _, events in spends for e in events], delta)
+
+
+@dataclass(frozen=True)
+class NodeSpend:
+    """What one DP session spends at one institution, as that institution's node records it (from
+    the study's plan it derived itself, never from the server's chain records)."""
+
+    epsilon: float  # at the session's own δ
+    events: tuple[tuple[float, float], ...]  # its (ρ, ξ) events
+    unit: str
+    delta: float
+
+    def __post_init__(self) -> None:
+        if self.unit not in ("image", "patient"):
+            raise DpError(f"a session's DP unit must be image or patient, got {self.unit!r}")
+        if not (math.isfinite(self.epsilon) and self.epsilon >= 0):
+            raise DpError(f"a session's ε must be finite and non-negative, got {self.epsilon}")
+
+    @classmethod
+    def of(cls, plan: Any, institution: str) -> NodeSpend:
+        """``institution``'s spend in a session run under ``plan`` (a
+        :class:`~secure_afl.privacy.dp.NoisePlan`)."""
+        return cls(
+            epsilon=plan.epsilon(institution),
+            events=tuple((float(r), float(x)) for r, x in plan.events(institution)),
+            unit=plan.config.unit,
+            delta=plan.config.delta,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {"epsilon": self.epsilon, "events": [list(e) for e in self.events], "unit": self.unit,
+                "delta": self.delta}  # fmt: skip
+
+    @classmethod
+    def from_json(cls, document: Mapping[str, Any]) -> NodeSpend:
+        try:
+            return cls(
+                epsilon=float(document["epsilon"]),
+                events=tuple((float(r), float(x)) for r, x in document["events"]),
+                unit=str(document["unit"]),
+                delta=float(document["delta"]),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise DpError(f"not a DP spend record: {exc!r}") from None
+
+
+@dataclass(frozen=True)
+class ChainSpend:
+    """One institution's ε over its released sessions of a chain plus the session it is asked for."""
+
+    earlier: float | None  # the earlier sessions' ε, composed as the chain composes (None: none)
+    sessions: int  # how many earlier sessions
+    session: float  # the new session's ε (at ``delta``)
+    total: float  # the chain's ε with the new session (at ``delta``)
+    delta: float
+    composition: str  # PARALLEL or COMPOSED
+
+
+def chain_spend(earlier: Sequence[NodeSpend], session: NodeSpend, delta: float) -> ChainSpend:
+    """What ``session`` would take one institution's ε in a chain to, after its ``earlier`` released
+    sessions of that chain, at the institution's own ``delta``: the max under the image unit, the
+    composition of every session's events under the patient unit (as :meth:`ChainNoise.epsilons`)."""
+    units = {s.unit for s in (*earlier, session)}
+    if len(units) > 1:
+        raise DpError(
+            f"this institution's sessions of the chain protect different units ({sorted(units)}): the "
+            "chain's ε would mix parallel and sequential composition; keep one dp-unit for every study "
+            "of a chain"
+        )
+    unit = session.unit
+    spent = [(s.epsilon, s.events) for s in earlier]
+    return ChainSpend(
+        earlier=composed_epsilon(unit, spent, delta) if spent else None,
+        sessions=len(spent),
+        session=composed_epsilon(unit, [(session.epsilon, session.events)], delta),
+        total=composed_epsilon(unit, [*spent, (session.epsilon, session.events)], delta),
+        delta=delta,
+        composition=PARALLEL if unit == "image" else COMPOSED,
+    )
 
 
 def chain_of(records: Sequence[Mapping[str, Any] | None]) -> ChainNoise | None:

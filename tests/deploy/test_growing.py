@@ -184,9 +184,7 @@ def test_a_forked_chain_releases_each_image_once(tmp_path: Path) -> None:
     assert {r["error"] for r in server.report.refusals} == {"ImageAlreadyReleasedError"}
 
 
-@pytest.mark.parametrize(
-    "options", [["--balance", "client"], ["--rounds", "2"], ["--dp-epsilon", "1"], ["--rehearse-abort"]]
-)
+@pytest.mark.parametrize("options", [["--balance", "client"], ["--rounds", "2"], ["--rehearse-abort"]])
 def test_deploy_local_sessions_refuses_what_does_not_add_before_any_process(options, tmp_path: Path) -> None:
     from click.testing import CliRunner
 
