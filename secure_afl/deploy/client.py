@@ -537,9 +537,11 @@ def _chain_released(
     records and its ledger only (the server's chain records are not trusted): the chain is followed
     back by ``extends`` through the node's records; a session counts once per session the ledger
     shows released under that study (signed survivor set).  Where the walk meets a study this node
-    has no record of (it missed that session), the chain before it is unknown to the node: every
-    other released session it has a record of, under the same unit, is then counted too (it may
-    belong to the chain).  Returns (spends, whether the walk was broken)."""
+    has no record of and its ledger shows unreleased (it missed that session), the chain before it
+    is unknown to the node: every other released session it has a record of, under the same unit,
+    is then counted too (it may belong to the chain).  A study the ledger shows released without a
+    record is refused (:class:`ConfigurationError`): the record was lost, and counting nothing for
+    it would under-count.  Returns (spends, whether the walk was broken)."""
     from collections import Counter
 
     from secure_afl.privacy.dp_config import DpError
@@ -556,7 +558,13 @@ def _chain_released(
     chain, digest, broken = [study.digest()], study.extends, False
     while digest and digest not in chain:
         if digest not in records:
-            broken = True
+            if released[digest]:  # this node took part, and its record of the spend is gone
+                raise ConfigurationError(
+                    f"this node's ledger shows study {digest[:16]}… of the chain released, but ledger-dir's "
+                    f"{DP_SESSIONS} has no record of what it spent there, so the node cannot add up its ε "
+                    f"over the chain: restore {DP_SESSIONS} from the same backup of ledger-dir as the ledger"
+                )
+            broken = True  # it missed that session: the chain before it is unknown here
             break
         chain.append(digest)
         digest = str(records[digest].get("extends", ""))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from secure_afl.deploy.errors import FederationAbortedError
+from secure_afl.deploy.errors import ConfigurationError, FederationAbortedError
 from secure_afl.deploy.local import node_dp_epsilon
 from secure_afl.deploy.server import FederationServer
 from secure_afl.deploy.study import Method, StudyDp, noise_plan
@@ -197,9 +197,16 @@ def test_a_node_that_missed_a_session_of_the_chain_counts_every_release_it_recor
 
     ledger = FileLedger(settings.ledger_dir)
     ledger.update(LedgerOwner(cid, identity), released(first, "01" * 32))
-    ledger.update(LedgerOwner(cid, identity), released(missed, "02" * 32))  # no record of it here
+    # the node was not in the missed session: no record of it, and its ledger shows no release
     spends, broken = _chain_released(third, settings, cid, identity)
     assert broken and [s.epsilon for s in spends] == [1.0]  # the first study's, found past the gap
+    # a session the ledger shows released but that has no record: the record was lost, and
+    # counting nothing for it would under-count, so the node refuses
+    ledger.update(LedgerOwner(cid, identity), released(missed, "02" * 32))
+    with pytest.raises(
+        ConfigurationError, match=r"shows study .* released, but ledger-dir's dp-sessions.json"
+    ):
+        _chain_released(third, settings, cid, identity)
     # with a record of the missed study the walk reaches the first one without guessing
     records[missed.digest()] = {"extends": missed.extends, "client": cid, "spend": {**spend, "epsilon": 0.5}}
     (settings.ledger_dir / DP_SESSIONS).write_text(
