@@ -493,41 +493,58 @@ def _check_dp_session(
 
 
 DP_SESSIONS = "dp-sessions.json"  # in ledger-dir: what each DP study this node ran spends here
-DP_SESSIONS_FORMAT = "secure-afl-dp-sessions/v1"
+DP_SESSIONS_FORMAT = "secure-afl-dp-sessions/v2"
+_DP_SESSIONS_DOMAIN = b"secure-afl/v2/dp-sessions\x00"
 
 
-def _dp_records(settings: NodeSettings) -> dict[str, dict[str, Any]]:
+def _dp_records(settings: NodeSettings, owner: Any) -> dict[str, dict[str, Any]]:
     """study digest -> {"extends", "client", "spend"}: this node's own record of the DP studies it
-    ran (:func:`_record_dp_session`); empty when it ran none."""
+    ran (:func:`_record_dp_session`), signed with its identity key like its ledger; empty when it
+    ran none."""
+    from secure_afl.privacy.ledger import signed_by
+
     path = settings.ledger_dir / DP_SESSIONS
+    restore = "restore it from the same backup of ledger-dir as the ledger"
     try:
         document = json.loads(path.read_text(encoding="utf-8"))
+        signature = bytes.fromhex(document.pop("signature"))
     except FileNotFoundError:
         return {}
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ConfigurationError(
             f"ledger-dir's {DP_SESSIONS} (this node's record of its DP sessions) is unreadable ({exc}): "
-            "restore it from a backup; without it the node cannot add up its ε over a growing chain"
+            f"{restore}; without it the node cannot add up its ε over a growing chain"
         ) from None
-    if not isinstance(document, dict) or document.get("format") != DP_SESSIONS_FORMAT:
-        raise ConfigurationError(f"ledger-dir's {DP_SESSIONS} is not a {DP_SESSIONS_FORMAT} record")
+    if document.get("format") != DP_SESSIONS_FORMAT or document.get("client_id") != owner.client_id:
+        raise ConfigurationError(
+            f"ledger-dir's {DP_SESSIONS} is not {owner.client_id}'s {DP_SESSIONS_FORMAT} record: {restore}"
+        )
+    if not signed_by(owner, _DP_SESSIONS_DOMAIN, document, signature):
+        raise ConfigurationError(
+            f"ledger-dir's {DP_SESSIONS} is not signed by {owner.client_id!r}'s identity key: it was "
+            f"modified outside secure-afl. {restore}"
+        )
     studies = document.get("studies")
     if not isinstance(studies, dict) or not all(isinstance(r, dict) for r in studies.values()):
-        raise ConfigurationError(f"ledger-dir's {DP_SESSIONS} is not a {DP_SESSIONS_FORMAT} record")
+        raise ConfigurationError(
+            f"ledger-dir's {DP_SESSIONS} is not a {DP_SESSIONS_FORMAT} record: {restore}"
+        )
     return studies
 
 
-def _record_dp_session(settings: NodeSettings, study: Study, client_id: str, spend: Any) -> None:
-    """Keep (0600, atomically) what ``study``'s session spends at this node, and which study it
-    extends: a later study of the chain adds it up once the ledger shows the session released."""
+def _record_dp_session(settings: NodeSettings, study: Study, owner: Any, spend: Any) -> None:
+    """Keep (signed, 0600, atomically) what ``study``'s session spends at this node, and which study
+    it extends: a later study of the chain adds it up once the ledger shows the session released."""
+    from secure_afl.privacy.ledger import signed_json
+
     from .tls import write_with_mode
 
-    studies = _dp_records(settings)
-    studies[study.digest()] = {"extends": study.extends, "client": client_id, "spend": spend.to_json()}
-    document = {"format": DP_SESSIONS_FORMAT, "studies": studies}
+    studies = _dp_records(settings, owner)
+    studies[study.digest()] = {"extends": study.extends, "client": owner.client_id, "spend": spend.to_json()}
+    document = {"format": DP_SESSIONS_FORMAT, "client_id": owner.client_id, "studies": studies}
     settings.ledger_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     path = settings.ledger_dir / DP_SESSIONS
-    write_with_mode(path, (json.dumps(document, indent=1, sort_keys=True) + "\n").encode("utf-8"), 0o600)
+    write_with_mode(path, signed_json(owner, _DP_SESSIONS_DOMAIN, document) + b"\n", 0o600)
 
 
 def _chain_released(
@@ -548,8 +565,9 @@ def _chain_released(
     from secure_afl.privacy.dp_growth import NodeSpend
     from secure_afl.privacy.ledger import LedgerOwner
 
-    records = _dp_records(settings)
-    state = _ledger(settings).load(LedgerOwner(client_id, identity))
+    owner = LedgerOwner(client_id, identity)
+    records = _dp_records(settings, owner)
+    state = _ledger(settings).load(owner)
     released = Counter(
         entry.scope.split("/", 1)[0].removeprefix("study:")
         for entry in state.sessions.values()
@@ -838,7 +856,9 @@ def _start_session(envelope: Envelope, label: str, state: LocalState, settings: 
     # its advertisement signs it and R1 goes on only if every advertisement signs the same.
     context = session_context(study, label, envelope.arrays)
     if spend is not None:  # counted only once the ledger shows the session released (R3)
-        _record_dp_session(settings, study, client_id, spend)
+        from secure_afl.privacy.ledger import LedgerOwner
+
+        _record_dp_session(settings, study, LedgerOwner(client_id, identity), spend)
     _settle_earlier_sessions(label, state)
     seed = os.urandom(32)
     ledger, colluders = _ledger(settings), settings.colluders

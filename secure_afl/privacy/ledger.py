@@ -338,15 +338,11 @@ class FileLedger:
             ) from exc
         if document.get("client_id") != owner.client_id:
             raise LedgerTamperedError(f"the ledger {path} belongs to {document.get('client_id')!r}")
-        try:
-            Ed25519PublicKey.from_public_bytes(owner.identity.public_key).verify(
-                signature, _SIGNATURE_DOMAIN + _canonical(document)
-            )
-        except InvalidSignature:
+        if not signed_by(owner, _SIGNATURE_DOMAIN, document, signature):
             raise LedgerTamperedError(
                 f"the ledger {path} is not signed by {owner.client_id!r}'s identity key: it was modified "
                 f"outside secure-afl. Restore it from a backup; do not delete it to go on"
-            ) from None
+            )
         try:
             state = LedgerState(
                 {sid: SessionEntry.from_json(item) for sid, item in document["sessions"].items()},
@@ -369,8 +365,7 @@ class FileLedger:
             "generation": state.generation,
             "sessions": {sid: entry.to_json() for sid, entry in state.sessions.items()},
         }
-        signature = owner.identity.private_key.sign(_SIGNATURE_DOMAIN + _canonical(document))
-        data = json.dumps({**document, "signature": signature.hex()}, indent=1, sort_keys=True).encode()
+        data = signed_json(owner, _SIGNATURE_DOMAIN, document)
         if len(data) > MAX_LEDGER_BYTES:
             raise LedgerFullError(
                 f"{owner.client_id}'s ledger would exceed {MAX_LEDGER_BYTES} bytes: this session is refused "
@@ -402,6 +397,24 @@ def _write_atomically(path: Path, data: bytes) -> None:
         os.fsync(directory)
     finally:
         os.close(directory)
+
+
+def signed_json(owner: LedgerOwner, domain: bytes, document: dict) -> bytes:
+    """``document`` as JSON with a ``signature`` by ``owner``'s identity key over its canonical form
+    under ``domain`` (the ledger's and the node's other records' one signing rule)."""
+    signature = owner.identity.private_key.sign(domain + _canonical(document))
+    return json.dumps({**document, "signature": signature.hex()}, indent=1, sort_keys=True).encode()
+
+
+def signed_by(owner: LedgerOwner, domain: bytes, document: dict, signature: bytes) -> bool:
+    """Whether ``signature`` is ``owner``'s over ``document`` (without its signature) under ``domain``."""
+    try:
+        Ed25519PublicKey.from_public_bytes(owner.identity.public_key).verify(
+            signature, domain + _canonical(document)
+        )
+    except InvalidSignature:
+        return False
+    return True
 
 
 def _canonical(document: dict) -> bytes:

@@ -167,11 +167,10 @@ def test_a_node_that_missed_a_session_of_the_chain_counts_every_release_it_recor
     """The node follows the chain back through its own records; past a study it has no record of
     (it missed that session) it cannot tell which of its releases belong to the chain, so it counts
     every release it recorded under the unit; a recorded study its ledger shows unreleased counts 0."""
-    import json
 
-    from secure_afl.deploy.client import DP_SESSIONS, DP_SESSIONS_FORMAT, _chain_released
+    from secure_afl.deploy.client import _DP_SESSIONS_DOMAIN, DP_SESSIONS, DP_SESSIONS_FORMAT, _chain_released
     from secure_afl.deploy.study import Study
-    from secure_afl.privacy.ledger import FileLedger, LedgerOwner
+    from secure_afl.privacy.ledger import FileLedger, LedgerOwner, signed_json
 
     federation, _, _ = _federation(tmp_path, "patient")
     node = federation.nodes[1000]
@@ -183,10 +182,14 @@ def test_a_node_that_missed_a_session_of_the_chain_counts_every_release_it_recor
     unreleased = dataclasses.replace(first, min_group_size=4)  # recorded, refused before R3
     spend = {"epsilon": 1.0, "events": [[0.01, 0.0]], "unit": "patient", "delta": 1e-6}
     records = {s.digest(): {"extends": s.extends, "client": cid, "spend": spend} for s in (first, unreleased)}
+    owner = LedgerOwner(cid, identity)
     settings.ledger_dir.mkdir(parents=True, exist_ok=True)
-    (settings.ledger_dir / DP_SESSIONS).write_text(
-        json.dumps({"format": DP_SESSIONS_FORMAT, "studies": records})
-    )
+
+    def write(records: dict) -> None:
+        document = {"format": DP_SESSIONS_FORMAT, "client_id": cid, "studies": records}
+        (settings.ledger_dir / DP_SESSIONS).write_bytes(signed_json(owner, _DP_SESSIONS_DOMAIN, document))
+
+    write(records)
 
     def released(study: Study, session: str):
         def change(state) -> None:
@@ -209,8 +212,38 @@ def test_a_node_that_missed_a_session_of_the_chain_counts_every_release_it_recor
         _chain_released(third, settings, cid, identity)
     # with a record of the missed study the walk reaches the first one without guessing
     records[missed.digest()] = {"extends": missed.extends, "client": cid, "spend": {**spend, "epsilon": 0.5}}
-    (settings.ledger_dir / DP_SESSIONS).write_text(
-        json.dumps({"format": DP_SESSIONS_FORMAT, "studies": records})
-    )
+    write(records)
     spends, broken = _chain_released(third, settings, cid, identity)
     assert not broken and sorted(s.epsilon for s in spends) == [0.5, 1.0]
+
+
+def test_a_dp_record_modified_outside_secure_afl_is_refused(tmp_path: Path) -> None:
+    """dp-sessions.json is signed with the node's identity key, as its ledger is: a lowered spend
+    (or a file of another node) is refused, never counted."""
+    import json
+
+    from secure_afl.deploy.client import DP_SESSIONS, _chain_released, _record_dp_session
+    from secure_afl.privacy.dp_growth import NodeSpend
+    from secure_afl.privacy.ledger import LedgerOwner
+
+    federation, _, _ = _federation(tmp_path, "patient")
+    node = federation.nodes[1000]
+    settings, cid = node.settings, node.client_id
+    identity = federation.identities[cid]
+    first = federation.study
+    spend = NodeSpend(epsilon=1.0, events=((0.01, 0.0),), unit="patient", delta=1e-6)
+    _record_dp_session(settings, first, LedgerOwner(cid, identity), spend)
+    path = settings.ledger_dir / DP_SESSIONS
+    assert path.stat().st_mode & 0o777 == 0o600
+    later = dataclasses.replace(first, extends=first.digest())
+    assert _chain_released(later, settings, cid, identity) == ([], False)  # recorded, not released
+    document = json.loads(path.read_text())
+    document["studies"][first.digest()]["spend"]["epsilon"] = 0.001  # lowered by hand
+    path.write_text(json.dumps(document))
+    with pytest.raises(ConfigurationError, match=r"not signed by 'client-0'.s identity key"):
+        _chain_released(later, settings, cid, identity)
+    other = federation.identities["client-1"]  # another node's signed file copied in
+    path.unlink()
+    _record_dp_session(settings, first, LedgerOwner("client-1", other), spend)
+    with pytest.raises(ConfigurationError, match="is not client-0's"):
+        _chain_released(later, settings, cid, identity)
