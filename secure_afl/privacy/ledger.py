@@ -98,6 +98,7 @@ class SessionEntry:
     # file), and what they were released under ("study:<digest>/round:<r>").
     images: bytes = b""
     scope: str = ""
+    spend: str = ""  # under DP, what the release spent here (a NodeSpend's canonical JSON)
 
     def to_json(self, *, with_images: bool = True) -> dict:
         out = {
@@ -109,6 +110,8 @@ class SessionEntry:
         if self.images or self.scope:  # a ledger without images keeps the document it had
             out["images"] = base64.b64encode(self.images).decode("ascii") if with_images else ""
             out["scope"] = self.scope
+        if self.spend:  # a ledger without DP releases keeps the document it had
+            out["spend"] = self.spend
         return out
 
     @classmethod
@@ -126,6 +129,7 @@ class SessionEntry:
             anchors=_strings(item["anchors"]),
             images=_packed_digests(item.get("images", "")),
             scope=str(item.get("scope", "")),
+            spend=_string(item.get("spend", "")),
         )
 
 
@@ -167,7 +171,9 @@ class LedgerState:
     def copy(self) -> LedgerState:
         return LedgerState(
             {
-                sid: SessionEntry(dict(e.answers), e.survivors, e.released, e.anchors, e.images, e.scope)
+                sid: SessionEntry(
+                    dict(e.answers), e.survivors, e.released, e.anchors, e.images, e.scope, e.spend
+                )
                 for sid, e in self.sessions.items()
             },
             self.generation,
@@ -338,11 +344,15 @@ class FileLedger:
             ) from exc
         if document.get("client_id") != owner.client_id:
             raise LedgerTamperedError(f"the ledger {path} belongs to {document.get('client_id')!r}")
-        if not signed_by(owner, _SIGNATURE_DOMAIN, document, signature):
+        try:
+            Ed25519PublicKey.from_public_bytes(owner.identity.public_key).verify(
+                signature, _SIGNATURE_DOMAIN + _canonical(document)
+            )
+        except InvalidSignature:
             raise LedgerTamperedError(
                 f"the ledger {path} is not signed by {owner.client_id!r}'s identity key: it was modified "
                 f"outside secure-afl. Restore it from a backup; do not delete it to go on"
-            )
+            ) from None
         try:
             state = LedgerState(
                 {sid: SessionEntry.from_json(item) for sid, item in document["sessions"].items()},
@@ -365,7 +375,8 @@ class FileLedger:
             "generation": state.generation,
             "sessions": {sid: entry.to_json() for sid, entry in state.sessions.items()},
         }
-        data = signed_json(owner, _SIGNATURE_DOMAIN, document)
+        signature = owner.identity.private_key.sign(_SIGNATURE_DOMAIN + _canonical(document))
+        data = json.dumps({**document, "signature": signature.hex()}, indent=1, sort_keys=True).encode()
         if len(data) > MAX_LEDGER_BYTES:
             raise LedgerFullError(
                 f"{owner.client_id}'s ledger would exceed {MAX_LEDGER_BYTES} bytes: this session is refused "
@@ -399,24 +410,6 @@ def _write_atomically(path: Path, data: bytes) -> None:
         os.close(directory)
 
 
-def signed_json(owner: LedgerOwner, domain: bytes, document: dict) -> bytes:
-    """``document`` as JSON with a ``signature`` by ``owner``'s identity key over its canonical form
-    under ``domain`` (the ledger's and the node's other records' one signing rule)."""
-    signature = owner.identity.private_key.sign(domain + _canonical(document))
-    return json.dumps({**document, "signature": signature.hex()}, indent=1, sort_keys=True).encode()
-
-
-def signed_by(owner: LedgerOwner, domain: bytes, document: dict, signature: bytes) -> bool:
-    """Whether ``signature`` is ``owner``'s over ``document`` (without its signature) under ``domain``."""
-    try:
-        Ed25519PublicKey.from_public_bytes(owner.identity.public_key).verify(
-            signature, domain + _canonical(document)
-        )
-    except InvalidSignature:
-        return False
-    return True
-
-
 def _canonical(document: dict) -> bytes:
     return json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
 
@@ -427,6 +420,12 @@ def _packed_digests(text: object) -> bytes:
     packed = base64.b64decode(text, validate=True)
     split_digests(packed)  # a whole number of digests
     return packed
+
+
+def _string(value: object) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"expected a string, got {type(value).__name__}")
+    return value
 
 
 def _strings(values: object) -> tuple[str, ...]:
