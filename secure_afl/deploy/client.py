@@ -14,8 +14,8 @@ pinned roster (``RosterNotCosignedError``, :mod:`secure_afl.keys.cosign`), the s
 fingerprint against that roster (:class:`RosterMismatchError`), that its own key is in that roster
 (:class:`IdentityNotInRosterError`), that the study is the one it checked with ``deploy check
 --study`` (:class:`UncheckedStudyError`; ``ledger-dir/checked-study.json``), the study against its
-feature file and its policy (:class:`StudyMismatchError`; for a growing DP study also its ε over
-this node's released sessions of the chain, :class:`ChainBudgetExceededError`), that the session was
+feature file and its policy (:class:`StudyMismatchError`; under DP also its ε over every release
+this node's ledger holds, :class:`ChainBudgetExceededError`), that the session was
 not started before in this run (:class:`SessionReplayError`); then the protocol's own checks.  Any
 failure answers ``refused`` with the error's class and message (and is printed in the SuperNode's
 log); the session's secrets are dropped and every later message of that session is refused.
