@@ -14,8 +14,8 @@ pinned roster (``RosterNotCosignedError``, :mod:`secure_afl.keys.cosign`), the s
 fingerprint against that roster (:class:`RosterMismatchError`), that its own key is in that roster
 (:class:`IdentityNotInRosterError`), that the study is the one it checked with ``deploy check
 --study`` (:class:`UncheckedStudyError`; ``ledger-dir/checked-study.json``), the study against its
-feature file and its policy (:class:`StudyMismatchError`; for a growing DP study also its ε over
-this node's released sessions of the chain, :class:`ChainBudgetExceededError`), that the session was
+feature file and its policy (:class:`StudyMismatchError`; under DP also its ε over every release
+this node's ledger holds, :class:`ChainBudgetExceededError`), that the session was
 not started before in this run (:class:`SessionReplayError`); then the protocol's own checks.  Any
 failure answers ``refused`` with the error's class and message (and is printed in the SuperNode's
 log); the session's secrets are dropped and every later message of that session is refused.
@@ -28,7 +28,7 @@ import os
 import re
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -492,138 +492,64 @@ def _check_dp_session(
         )
 
 
-DP_SESSIONS = "dp-sessions.json"  # in ledger-dir: what each DP study this node ran spends here
-DP_SESSIONS_FORMAT = "secure-afl-dp-sessions/v1"
-
-
-def _dp_records(settings: NodeSettings) -> dict[str, dict[str, Any]]:
-    """study digest -> {"extends", "client", "spend"}: this node's own record of the DP studies it
-    ran (:func:`_record_dp_session`); empty when it ran none."""
-    path = settings.ledger_dir / DP_SESSIONS
-    try:
-        document = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError) as exc:
-        raise ConfigurationError(
-            f"ledger-dir's {DP_SESSIONS} (this node's record of its DP sessions) is unreadable ({exc}): "
-            "restore it from a backup; without it the node cannot add up its ε over a growing chain"
-        ) from None
-    if not isinstance(document, dict) or document.get("format") != DP_SESSIONS_FORMAT:
-        raise ConfigurationError(f"ledger-dir's {DP_SESSIONS} is not a {DP_SESSIONS_FORMAT} record")
-    studies = document.get("studies")
-    if not isinstance(studies, dict) or not all(isinstance(r, dict) for r in studies.values()):
-        raise ConfigurationError(f"ledger-dir's {DP_SESSIONS} is not a {DP_SESSIONS_FORMAT} record")
-    return studies
-
-
-def _record_dp_session(settings: NodeSettings, study: Study, client_id: str, spend: Any) -> None:
-    """Keep (0600, atomically) what ``study``'s session spends at this node, and which study it
-    extends: a later study of the chain adds it up once the ledger shows the session released."""
-    from .tls import write_with_mode
-
-    studies = _dp_records(settings)
-    studies[study.digest()] = {"extends": study.extends, "client": client_id, "spend": spend.to_json()}
-    document = {"format": DP_SESSIONS_FORMAT, "studies": studies}
-    settings.ledger_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    path = settings.ledger_dir / DP_SESSIONS
-    write_with_mode(path, (json.dumps(document, indent=1, sort_keys=True) + "\n").encode("utf-8"), 0o600)
-
-
-def _chain_released(
-    study: Study, settings: NodeSettings, client_id: str, identity: IdentityKey
-) -> tuple[list[Any], bool]:
-    """This node's spends in its *released* sessions of ``study``'s chain, oldest last, from its own
-    records and its ledger only (the server's chain records are not trusted): the chain is followed
-    back by ``extends`` through the node's records; a session counts once per session the ledger
-    shows released under that study (signed survivor set).  Where the walk meets a study this node
-    has no record of (it missed that session), the chain before it is unknown to the node: every
-    other released session it has a record of, under the same unit, is then counted too (it may
-    belong to the chain).  Returns (spends, whether the walk was broken)."""
-    from collections import Counter
-
-    from secure_afl.privacy.dp_config import DpError
-    from secure_afl.privacy.dp_growth import NodeSpend
-    from secure_afl.privacy.ledger import LedgerOwner
-
-    records = _dp_records(settings)
-    state = _ledger(settings).load(LedgerOwner(client_id, identity))
-    released = Counter(
-        entry.scope.split("/", 1)[0].removeprefix("study:")
-        for entry in state.sessions.values()
-        if entry.survivors is not None and entry.scope.startswith("study:")
-    )
-    chain, digest, broken = [study.digest()], study.extends, False
-    while digest and digest not in chain:
-        if digest not in records:
-            broken = True
-            break
-        chain.append(digest)
-        digest = str(records[digest].get("extends", ""))
-    counted = set(chain)
-    if broken:
-        unit = study.dp.unit if study.dp is not None else ""
-        counted |= {d for d, r in records.items() if (r.get("spend") or {}).get("unit") == unit}
-    spends = []
-    try:
-        for digest in [*chain, *sorted(counted - set(chain))]:
-            if released[digest] and digest in records:
-                spends += [NodeSpend.from_json(records[digest]["spend"])] * released[digest]
-    except (DpError, KeyError, TypeError) as exc:
-        raise ConfigurationError(f"ledger-dir's {DP_SESSIONS} holds a bad record: {exc}") from None
-    return spends, broken
-
-
-def _check_dp_chain(
+def _check_dp_budget(
     study: Study, settings: NodeSettings, client_id: str, identity: IdentityKey, roster_size: int
-) -> Any:
-    """This session's spend here; for a growing study with a node ``dp-epsilon``, first refuse it
-    when the chain's ε over this node's released sessions of the chain and this one would exceed
-    that limit at the node's δ (:class:`ChainBudgetExceededError`, before anything is computed).
-    Under the image unit the chain's ε is the max over sessions, so the per-session check already
-    bounds it; under the patient unit the sessions compose."""
+) -> str:
+    """This round-1 session's DP spend here (a NodeSpend's canonical JSON, which the release
+    carries into the signed ledger at its release point); first, with a node ``dp-epsilon``, refuse
+    the session when it would take this institution's ε past that limit at the node's δ
+    (:class:`ChainBudgetExceededError`, before anything is computed).
+
+    Under the patient unit one patient's images may fall in any of the node's sessions, growing
+    chain or not, so the total is every released DP session's spend recorded in the node's ledger
+    under that unit, composed with this one in one ``RdpAccountant``.  Under the image unit each
+    image enters one release (the ledger's rule), so the total is the max over sessions, which the
+    per-session check already bounds.  The spends come from the node's own signed ledger, each
+    written from the plan the node derived from its study itself: the server's records count for
+    nothing here."""
     from secure_afl.privacy.dp_config import DpError
     from secure_afl.privacy.dp_growth import COMPOSED, NodeSpend, chain_spend
+    from secure_afl.privacy.ledger import LedgerOwner
 
     from .study import noise_plan
 
     spend = NodeSpend.of(noise_plan(study, roster_size), client_id)
-    if not study.extends or settings.dp_epsilon is None:
-        return spend
-    earlier, broken = _chain_released(study, settings, client_id, identity)
-    delta = settings.dp_delta if settings.dp_delta is not None else DEFAULT_DP_DELTA_FLOOR
+    recorded = json.dumps(spend.to_json(), sort_keys=True, separators=(",", ":"))
+    if settings.dp_epsilon is None:
+        return recorded
+    state = _ledger(settings).load(LedgerOwner(client_id, identity))
+    earlier = []
     try:
-        chain = chain_spend(earlier, spend, delta)
-    except DpError as exc:
-        raise StudyMismatchError(str(exc)) from None
+        for entry in state.sessions.values():
+            if entry.survivors is not None and entry.spend:
+                past = NodeSpend.from_json(json.loads(entry.spend))
+                if past.unit == spend.unit:
+                    earlier.append(past)
+    except (DpError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigurationError(f"this node's ledger holds a malformed DP spend: {exc}") from None
+    delta = settings.dp_delta if settings.dp_delta is not None else DEFAULT_DP_DELTA_FLOOR
+    total = chain_spend(earlier, spend, delta)
     how = (
-        "composed in one RdpAccountant (patient unit: a patient's images may fall in several sessions)"
-        if chain.composition == COMPOSED
-        else "the max over sessions (image unit: each image enters one session)"
+        "composed in one RdpAccountant (patient unit: a patient's images may fall in any session)"
+        if total.composition == COMPOSED
+        else "the max over sessions (image unit: each image enters one release)"
     )
-    unknown = (
-        " (this node missed a session of the chain, so every released session it recorded under "
-        "this unit is counted)"
-        if broken
-        else ""
-    )
-    if chain.total > settings.dp_epsilon:
-        spent = "nothing" if chain.earlier is None else f"ε = {chain.earlier:.4g}"
+    if total.total > settings.dp_epsilon:
+        spent = "nothing" if total.earlier is None else f"ε = {total.earlier:.4g}"
         raise ChainBudgetExceededError(
-            f"this growing study's session would take this institution's ε over its chain past its "
-            f"dp-epsilon {settings.dp_epsilon:g}: it already spent {spent} in {chain.sessions} released "
-            f"session(s) of the chain{unknown}, this session spends ε = {chain.session:.4g}, and the "
-            f"chain's ε would be {chain.total:.4g} at δ = {delta:g}, {how}. Nothing was released. To "
-            f"take part, raise this node's dp-epsilon knowingly (node config), or have the coordinator "
-            f"start a new chain (a study that extends none) over images not yet released, or protect "
-            f"the image unit (dp-unit image), under which each image enters one session"
+            f"this session would take this institution's ε past its dp-epsilon {settings.dp_epsilon:g}: "
+            f"it already spent {spent} in {total.sessions} released DP session(s) under the {spend.unit} "
+            f"unit (its ledger's record, any study or chain), this session spends ε = {total.session:.4g}, "
+            f"and the total would be {total.total:.4g} at δ = {delta:g}, {how}. Nothing was released. "
+            f"To take part, raise this node's dp-epsilon knowingly (node config), or protect the image "
+            f"unit (dp-unit image), under which each image enters one release"
         )
     log(
         settings,
-        f"{client_id}: DP chain: ε {chain.total:.4g} of dp-epsilon {settings.dp_epsilon:g} over "
-        f"{chain.sessions + 1} session(s), {how}{unknown}",
+        f"{client_id}: DP budget: ε {total.total:.4g} of dp-epsilon {settings.dp_epsilon:g} over "
+        f"{total.sessions + 1} session(s), {how}",
     )
-    return spend
+    return recorded
 
 
 def _noise_random() -> RandomSource:
@@ -820,17 +746,17 @@ def _start_session(envelope: Envelope, label: str, state: LocalState, settings: 
         _check_dp_session(
             study, data, client_id, roster, backend, request, str(envelope.meta.get("study-nonce", ""))
         )
-    spend = None
-    if study.dp is not None:  # this session's ε here, and (growing) the chain's with it
-        spend = _check_dp_chain(study, settings, client_id, identity, len(roster))
+    spend = ""
+    if study.dp is not None and label == "1":  # round 1 carries the study's spend (both rounds)
+        spend = _check_dp_budget(study, settings, client_id, identity, len(roster))
     if study.extends:  # a growing study: only this institution's images not yet released
         data = _unreleased(data, settings, client_id, identity)
     inputs, release = _inputs(label, study, data, envelope, groups, settings, len(roster), client_id)
     # One view: the digest of the study, the round and the arrays (round 2's W) this node was given;
     # its advertisement signs it and R1 goes on only if every advertisement signs the same.
     context = session_context(study, label, envelope.arrays)
-    if spend is not None:  # counted only once the ledger shows the session released (R3)
-        _record_dp_session(settings, study, client_id, spend)
+    if spend:  # into the ledger with the release, at its release point (R3), signed
+        release = replace(release, spend=spend)
     _settle_earlier_sessions(label, state)
     seed = os.urandom(32)
     ledger, colluders = _ledger(settings), settings.colluders

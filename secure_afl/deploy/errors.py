@@ -29,9 +29,10 @@ class UncheckedStudyError(StudyMismatchError):
 
 
 class ChainBudgetExceededError(StudyMismatchError):
-    """A growing DP study whose session would take this institution's ε over its released sessions
-    of the chain past its node's ``dp-epsilon`` (the patient unit composes them): names the ε spent,
-    the session's, the total and the limit (raised at the client in R0, before anything is computed)."""
+    """A DP session that would take this institution's ε over its recorded releases past its
+    node's ``dp-epsilon`` (the patient unit composes every release, of any study or chain): names the
+    ε spent, the session's, the total and the limit (raised at the client in R0, before anything is
+    computed)."""
 
 
 class SessionReplayError(DeploymentError):

@@ -17,9 +17,9 @@ one session: the ledger's rule), and the server adds them to the earlier session
   chain's ε is that of every session's (ρ, ξ) events composed in one ``RdpAccountant``, at the
   last session's δ.
 
-A node keeps its own :class:`NodeSpend` of every DP session it runs (from the plan it derives
-from the study itself) and, before a growing session, refuses one whose :func:`chain_spend` over
-its released sessions of the chain would exceed its ``dp-epsilon`` (:mod:`secure_afl.deploy.client`).
+A node records its own :class:`NodeSpend` of every DP release in its signed ledger (from the plan
+it derives from the study itself) and refuses a session whose :func:`chain_spend` over its
+recorded releases would exceed its ``dp-epsilon`` (:mod:`secure_afl.deploy.client`).
 
 :class:`SessionNoise` is one session's record (kept in the deployment's chain entries,
 :mod:`secure_afl.deploy.sums`, and in the simulator's results); :class:`ChainNoise` the chain's.

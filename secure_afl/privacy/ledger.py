@@ -98,6 +98,7 @@ class SessionEntry:
     # file), and what they were released under ("study:<digest>/round:<r>").
     images: bytes = b""
     scope: str = ""
+    spend: str = ""  # under DP, what the release spent here (a NodeSpend's canonical JSON)
 
     def to_json(self, *, with_images: bool = True) -> dict:
         out = {
@@ -109,6 +110,8 @@ class SessionEntry:
         if self.images or self.scope:  # a ledger without images keeps the document it had
             out["images"] = base64.b64encode(self.images).decode("ascii") if with_images else ""
             out["scope"] = self.scope
+        if self.spend:  # a ledger without DP releases keeps the document it had
+            out["spend"] = self.spend
         return out
 
     @classmethod
@@ -126,6 +129,7 @@ class SessionEntry:
             anchors=_strings(item["anchors"]),
             images=_packed_digests(item.get("images", "")),
             scope=str(item.get("scope", "")),
+            spend=_string(item.get("spend", "")),
         )
 
 
@@ -167,7 +171,9 @@ class LedgerState:
     def copy(self) -> LedgerState:
         return LedgerState(
             {
-                sid: SessionEntry(dict(e.answers), e.survivors, e.released, e.anchors, e.images, e.scope)
+                sid: SessionEntry(
+                    dict(e.answers), e.survivors, e.released, e.anchors, e.images, e.scope, e.spend
+                )
                 for sid, e in self.sessions.items()
             },
             self.generation,
@@ -414,6 +420,12 @@ def _packed_digests(text: object) -> bytes:
     packed = base64.b64decode(text, validate=True)
     split_digests(packed)  # a whole number of digests
     return packed
+
+
+def _string(value: object) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"expected a string, got {type(value).__name__}")
+    return value
 
 
 def _strings(values: object) -> tuple[str, ...]:

@@ -104,6 +104,10 @@ class Release:
     images: tuple[bytes, ...] = ()
     scope: str = ""  # what the images are released under: "study:<digest>/round:<r>"
     reuses: str = ""  # the one scope whose images this release may use again (round 2: its round 1)
+    # Under DP, what this release spends at this institution (a NodeSpend's canonical JSON; "" for
+    # none): kept in the signed ledger with the release, so a node's dp-epsilon can bound the
+    # composition of everything it released (secure_afl.deploy.client).
+    spend: str = ""
 
     @classmethod
     def of(
@@ -141,6 +145,7 @@ class Release:
             "images": base64.b64encode(b"".join(self.images)).decode("ascii"),
             "scope": self.scope,
             "reuses": self.reuses,
+            "spend": self.spend,
         }
 
     @classmethod
@@ -153,6 +158,7 @@ class Release:
             split_digests(base64.b64decode(document.get("images", ""), validate=True)),
             str(document.get("scope", "")),
             str(document.get("reuses", "")),
+            str(document.get("spend", "")),
         )
 
     @property

@@ -181,6 +181,7 @@ class ExposureGate:
             entry.anchors = tuple(sorted(self.release.anchors))
             entry.images = b"".join(sorted(set(self.release.images)))
             entry.scope = self.release.scope
+            entry.spend = self.release.spend
 
         self._ledger.update(self._owner, change)
         return tuple(found)

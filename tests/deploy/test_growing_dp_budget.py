@@ -54,14 +54,15 @@ def _federation(tmp_path: Path, unit: str) -> tuple[Federation, dict, dict[str, 
     return federation, full, limits
 
 
-def _arrive(federation: Federation, full: dict, n: int) -> None:
+def _arrive(federation: Federation, full: dict, n: int, start: int = 0) -> None:
     for node in federation.nodes.values():
         file = full[node.client_id]
+        rows = slice(start, n)
         save_feature_file(
-            node.settings.features, file.features[:n], labels=file.labels[:n], active=file.active,
+            node.settings.features, file.features[rows], labels=file.labels[rows], active=file.active,
             classes=file.classes, backbone=file.backbone, weights_id=file.weights_id,
-            preprocessing=file.preprocessing, image_sha256=file.image_sha256[:n],
-            patient_ids=file.patient_ids[:n],
+            preprocessing=file.preprocessing, image_sha256=file.image_sha256[rows],
+            patient_ids=file.patient_ids[rows],
         )  # fmt: skip
         node.state.records.clear()  # a new Flower run
 
@@ -73,15 +74,19 @@ def _ledger_dirs(federation: Federation) -> dict[str, dict[str, bytes]]:
     }
 
 
-def _chain(tmp_path: Path, unit: str, sessions: int = 3) -> dict:
-    """Run up to ``sessions`` growing studies; stop at the first the nodes refuse."""
+def _chain(tmp_path: Path, unit: str, sessions: int = 3, *, fresh_last: bool = False) -> dict:
+    """Run up to ``sessions`` growing studies; stop at the first the nodes refuse.  ``fresh_last``:
+    the last study extends nothing (a new chain, as a server may claim) over only the new images."""
     federation, full, limits = _federation(tmp_path, unit)
     coordinator = tmp_path / "coordinator"
     study, earlier, servers = federation.study, None, []
     out: dict = {"federation": federation, "limits": limits, "servers": servers}
     for k, n in enumerate(ARRIVALS[:sessions]):
-        _arrive(federation, full, n)
-        if k:
+        fresh = fresh_last and k == sessions - 1
+        _arrive(federation, full, n, start=ARRIVALS[k - 1] if fresh else 0)
+        if fresh:
+            study, earlier = dataclasses.replace(federation.study, min_group_size=3), None
+        elif k:
             study = dataclasses.replace(federation.study, extends=servers[-1].study.digest())
         _pin(federation, study)
         before = _ledger_dirs(federation)
@@ -138,14 +143,14 @@ def test_the_chain_refusal_names_the_spent_the_session_the_total_and_the_limit(p
         limit = patient_chain["limits"][cid]
         assert f"dp-epsilon {limit:g}" in message
         spent = epsilon_of(events * 2, NODE_DELTA)
-        assert f"already spent ε = {spent:.4g} in 2 released session(s)" in message
+        assert f"already spent ε = {spent:.4g} in 2 released DP session(s) under the patient unit" in message
         assert f"this session spends ε = {epsilon_of(events, NODE_DELTA):.4g}" in message
-        assert f"the chain's ε would be {epsilon_of(events * 3, NODE_DELTA):.4g} at δ = 1e-06" in message
+        assert f"the total would be {epsilon_of(events * 3, NODE_DELTA):.4g} at δ = 1e-06" in message
         assert "composed in one RdpAccountant (patient unit" in message
         assert "Nothing was released" in message
-        for remedy in ("raise this node's dp-epsilon knowingly", "start a new chain", "dp-unit image"):
+        for remedy in ("raise this node's dp-epsilon knowingly", "dp-unit image"):
             assert remedy in message
-        assert "[path]" not in message and "missed a session" not in message
+        assert "[path]" not in message
 
 
 def test_under_the_image_unit_the_same_limits_take_all_three_sessions(tmp_path: Path) -> None:
@@ -163,47 +168,30 @@ def test_under_the_image_unit_the_same_limits_take_all_three_sessions(tmp_path: 
         assert epsilon_of(plan.events(cid) * 3, NODE_DELTA) > limit
 
 
-def test_a_node_that_missed_a_session_of_the_chain_counts_every_release_it_recorded(tmp_path: Path) -> None:
-    """The node follows the chain back through its own records; past a study it has no record of
-    (it missed that session) it cannot tell which of its releases belong to the chain, so it counts
-    every release it recorded under the unit; a recorded study its ledger shows unreleased counts 0."""
+def test_a_new_chain_does_not_reset_a_patients_budget(tmp_path: Path) -> None:
+    """A server that presents the third session as a new study extending nothing (a "new chain")
+    gains nothing: under the patient unit the node composes every DP release its ledger holds."""
+    chain = _chain(tmp_path, "patient", fresh_last=True)
+    assert len(chain["servers"]) == 2 and chain["refused"].study.extends == ""
+    refusals = chain["refused"].report.refusals
+    assert {(r["error"], r["at"]) for r in refusals} == {("ChainBudgetExceededError", "session 1 R0")}
+    assert len(refusals) == 4 and chain["after"] == chain["before"]
+
+
+def test_each_release_carries_its_spend_into_the_signed_ledger(patient_chain: dict) -> None:
+    """The spends the cap adds up are the node's own, written with the release at its release
+    point into the ledger its identity key signs (a hand-edited ledger is refused as tampered)."""
     import json
 
-    from secure_afl.deploy.client import DP_SESSIONS, DP_SESSIONS_FORMAT, _chain_released
-    from secure_afl.deploy.study import Study
+    from secure_afl.privacy.dp_growth import NodeSpend
     from secure_afl.privacy.ledger import FileLedger, LedgerOwner
 
-    federation, _, _ = _federation(tmp_path, "patient")
-    node = federation.nodes[1000]
-    settings, cid = node.settings, node.client_id
-    identity = federation.identities[cid]
-    first = federation.study
-    missed = dataclasses.replace(first, extends=first.digest(), min_group_size=3)  # another digest
-    third = dataclasses.replace(first, extends=missed.digest())
-    unreleased = dataclasses.replace(first, min_group_size=4)  # recorded, refused before R3
-    spend = {"epsilon": 1.0, "events": [[0.01, 0.0]], "unit": "patient", "delta": 1e-6}
-    records = {s.digest(): {"extends": s.extends, "client": cid, "spend": spend} for s in (first, unreleased)}
-    settings.ledger_dir.mkdir(parents=True, exist_ok=True)
-    (settings.ledger_dir / DP_SESSIONS).write_text(
-        json.dumps({"format": DP_SESSIONS_FORMAT, "studies": records})
-    )
-
-    def released(study: Study, session: str):
-        def change(state) -> None:
-            entry = state.entry(bytes.fromhex(session))
-            entry.survivors, entry.scope = ("client-0", "client-1"), f"study:{study.digest()}/round:1"
-
-        return change
-
-    ledger = FileLedger(settings.ledger_dir)
-    ledger.update(LedgerOwner(cid, identity), released(first, "01" * 32))
-    ledger.update(LedgerOwner(cid, identity), released(missed, "02" * 32))  # no record of it here
-    spends, broken = _chain_released(third, settings, cid, identity)
-    assert broken and [s.epsilon for s in spends] == [1.0]  # the first study's, found past the gap
-    # with a record of the missed study the walk reaches the first one without guessing
-    records[missed.digest()] = {"extends": missed.extends, "client": cid, "spend": {**spend, "epsilon": 0.5}}
-    (settings.ledger_dir / DP_SESSIONS).write_text(
-        json.dumps({"format": DP_SESSIONS_FORMAT, "studies": records})
-    )
-    spends, broken = _chain_released(third, settings, cid, identity)
-    assert not broken and sorted(s.epsilon for s in spends) == [0.5, 1.0]
+    federation = patient_chain["federation"]
+    plan = noise_plan(federation.study, len(federation.roster))
+    for node in federation.nodes.values():
+        cid = node.client_id
+        state = FileLedger(node.settings.ledger_dir).load(LedgerOwner(cid, federation.identities[cid]))
+        spends = [e.spend for e in state.sessions.values() if e.survivors is not None]
+        assert len(spends) == 2  # the two released sessions; the refused third left nothing
+        for spend in spends:
+            assert NodeSpend.from_json(json.loads(spend)) == NodeSpend.of(plan, cid)
