@@ -641,7 +641,7 @@ def _line_bound(
     pivot = int(np.flatnonzero(target)[0])
     r = residues[outside]
     along = (r[:, pivot] * pow(int(target[pivot]), -1, p)) % p
-    rest = (r - (along[:, None] * target[None, :]) % p) % p  # zero at the pivot
+    rest = (r - along[:, None] * target[None, :]) % p  # zero at the pivot (one reduction: see _with)
     nonzero = rest != 0
     on_line = nonzero.any(axis=1)
     forced[outside[~on_line]] = True
@@ -724,8 +724,10 @@ class _Flat:
         p = self.problem.prime
         pivot = int(np.flatnonzero(residue)[0])
         unit = (residue * pow(int(residue[pivot]), -1, p)) % p
-        residues = (self.residues - (self.residues[:, pivot : pivot + 1] * unit[None, :]) % p) % p
-        target = (self.target - (self.target[pivot] * unit) % p) % p
+        # One reduction: a residue less a product of two (below p^2 <= 2^62) stays inside int64,
+        # and % p of a negative number is its non-negative residue.
+        residues = (self.residues - self.residues[:, pivot : pivot + 1] * unit[None, :]) % p
+        target = (self.target - self.target[pivot] * unit) % p
         return _Flat(self.problem, residues, target)
 
 
