@@ -95,7 +95,7 @@ def small_problems(draw):
     return problem, draw(picks), draw(picks)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(small_problems())
 def test_the_line_bound_never_exceeds_the_true_minimum_cut(drawn) -> None:
     if drawn is None:
@@ -117,6 +117,12 @@ def test_the_line_bound_never_exceeds_the_true_minimum_cut(drawn) -> None:
     bound, forced, blocked, gain = exposure._line_bound(
         problem.prime, flat.residues, flat.target, mask, weight
     )
+    # the exact big-residue path (more than 22 rows) groups by tuples: the same answer
+    wide = exposure._line_bound(
+        problem.prime, flat.residues.astype(object), flat.target.astype(object), mask, weight
+    )
+    assert wide[0] == bound
+    assert all((a == b).all() for a, b in zip(wide[1:], (forced, blocked, gain), strict=True))
     if hits:
         assert Fraction(bound, scale) <= min(hits)
     # forced and blocked columns lie outside every flat below (so they are never branched on)
@@ -173,9 +179,10 @@ def _verdict(n: int, missing: int, seed: int, budget: int):
     return rows, isolating_colluders(rows, ("c0000", "G"), "c0000", budget)  # never the limit error
 
 
-@pytest.mark.parametrize("missing", [1, 3, 5, 7])
-def test_per_class_layouts_at_100_agree_with_the_plain_search(missing: int) -> None:
-    rows, witness = _verdict(100, missing, seed=2, budget=33)
+@pytest.mark.parametrize(("missing", "seed"), [(1, 2), (3, 2), (3, 9), (5, 5), (7, 2)])
+def test_per_class_layouts_at_100_agree_with_the_plain_search(missing: int, seed: int) -> None:
+    """Exposed but (3, 9): safe, the plain search's proof costing it about 14,000 nodes."""
+    rows, witness = _verdict(100, missing, seed=seed, budget=33)
     problem = exposure._CutProblem.build(rows, ("c0000", "G"), "c0000")
     assert (witness is not None) == _plain_search(problem, 33)
     if witness is not None:
@@ -186,6 +193,7 @@ def test_per_class_layouts_at_100_agree_with_the_plain_search(missing: int) -> N
 def test_per_class_layouts_at_100_have_both_verdicts() -> None:
     assert _verdict(100, 3, seed=2, budget=33)[1] is not None  # exposed
     assert _verdict(100, 5, seed=2, budget=33)[1] is None  # safe
+    assert _verdict(100, 3, seed=9, budget=33)[1] is None  # safe
 
 
 @pytest.mark.parametrize(("missing", "seed", "smallest"), [(3, 1, 367), (5, 1, 366), (3, 2, 332)])
