@@ -524,24 +524,6 @@ class _CutProblem:
             weight[cols] += len(peers) * scale // len(cols)
         return weight, scale
 
-    def bound_below(self, included: Iterable[int], excluded: Iterable[int]) -> Fraction | None:
-        """The line bound (:func:`_line_bound`) on the peers hit by every flat that contains the
-        owner's other columns and the columns ``included``, avoids a_t and leaves every column of
-        ``excluded`` outside; None when those columns already span a_t (no such flat)."""
-        flat = _Flat.root(self)
-        assert flat is not None
-        for j in included:
-            residue = flat.residues[j]
-            if residue.any():
-                flat = flat._with(residue.copy())
-                if not flat.target.any():
-                    return None
-        mask = np.zeros(len(self.columns), dtype=bool)
-        mask[list(excluded)] = True
-        weight, scale = self.column_weights()
-        bound, *_ = _line_bound(self.prime, flat.residues, flat.target, mask, weight)
-        return Fraction(bound, scale)
-
     def search(self, budget: int, limit: int) -> tuple[str, ...] | object | None:
         """The exact search: every flat avoiding a_t that contains the owner's other columns, by
         include/exclude decisions on distinct columns, each flat reached once (a decision splits
