@@ -57,23 +57,36 @@ def determined(rows: Iterable[Collection[Hashable]]) -> frozenset[Hashable]:
     """The variables whose value follows from the sums over ``rows``.
 
     Each row is the set of variables one published sum adds up (every coefficient 1).  A variable
-    is determined iff its unit vector lies in the rows' span over the rationals.  Computed exactly:
-    Gauss-Jordan elimination modulo a prime above the Hadamard bound of the 0/1 matrix (so no
-    non-zero minor vanishes and every rank equals the rational one), stopping once the rows span
-    every variable.
+    is determined iff its unit vector lies in the rows' span over the rationals.  Variables with
+    the same incidence column (in the same rows) are merged into one unknown first: every vector of
+    the row space has equal coefficients on identical columns, so none of a class of two or more
+    is ever determined, and a singleton's unit vector is in the row space iff it is in the merged
+    one's.  The work then depends on the distinct columns (at most 2^rows), not on the number of
+    variables.  Computed exactly: Gauss-Jordan elimination modulo a prime above the Hadamard bound
+    of the 0/1 matrix's minors (so no non-zero minor vanishes and every rank equals the rational
+    one), stopping once the rows span every unknown.
     """
-    unique = {frozenset(row) for row in rows if row}
-    order: dict[Hashable, int] = {}
-    for row in sorted(unique, key=lambda r: (len(r), sorted(map(repr, r)))):
-        for variable in sorted(row, key=repr):
-            order.setdefault(variable, len(order))
-    prime = _exact_prime(len(order))
+    unique = sorted({frozenset(row) for row in rows if row}, key=lambda r: (len(r), sorted(map(repr, r))))
+    incidence: dict[Hashable, list[int]] = {}
+    for i, row in enumerate(unique):
+        for variable in row:
+            incidence.setdefault(variable, []).append(i)
+    classes: dict[tuple[int, ...], list[Hashable]] = {}
+    for variable, where in incidence.items():
+        classes.setdefault(tuple(where), []).append(variable)
+    keys = sorted(classes)  # one unknown per distinct column, in a fixed order
+    position = {key: j for j, key in enumerate(keys)}
+    members: list[list[int]] = [[] for _ in unique]  # row -> its unknowns
+    for key in keys:
+        for i in key:
+            members[i].append(position[key])
+    prime = _exact_prime(min(len(keys), len(unique)))  # every square minor has at most this size
     # basis: pivot -> row (sparse, pivot coefficient 1, zero in every other pivot column)
     basis: dict[int, dict[int, int]] = {}
-    for row in sorted(unique, key=lambda r: sorted(order[v] for v in r)):
-        if len(basis) == len(order):
-            break  # full rank: every variable is determined
-        vector = dict.fromkeys((order[v] for v in row), 1)
+    for unknowns in sorted(members):
+        if len(basis) == len(keys):
+            break  # full rank: every unknown is determined
+        vector = dict.fromkeys(unknowns, 1)
         for pivot, basis_row in basis.items():
             factor = vector.get(pivot)
             if factor:
@@ -98,10 +111,11 @@ def determined(rows: Iterable[Collection[Hashable]]) -> frozenset[Hashable]:
                     else:
                         other.pop(column, None)
         basis[pivot] = vector
-    names = {index: variable for variable, index in order.items()}
-    if len(basis) == len(order):
-        return frozenset(order)
-    return frozenset(names[pivot] for pivot, row in basis.items() if len(row) == 1)
+    if len(basis) == len(keys):
+        solved = range(len(keys))
+    else:
+        solved = [pivot for pivot, row in basis.items() if len(row) == 1]
+    return frozenset(classes[keys[j]][0] for j in solved if len(classes[keys[j]]) == 1)
 
 
 def exposed_clients(
@@ -345,10 +359,10 @@ def _rows(
 
 _SPAN_PRIME = (1 << 31) - 1  # products of two residues fit in int64
 _SPAN_MAX_ROWS = 22  # Hadamard: every minor of a 0/1 matrix with this many rows is below the prime
-# The colluder search's work bound: nodes of the exact search per target (each one rank-1 update of
-# every distinct column).  Reached, the client refuses (ColluderSearchLimitError): never an open-ended run.
-COLLUDER_SEARCH_LIMIT = 40_000
-_GREEDY_TRIES = 8  # heavy flats tried for a witness before the exact search
+# The colluder search's work bound per target, in column steps: a node of the exact search costs
+# one step per distinct column (its rank-1 update and its line bound touch each column once).
+# Reached, the client refuses (ColluderSearchLimitError): never an open-ended run.
+COLLUDER_SEARCH_LIMIT = 200_000
 _PACKING_ROUNDS = 64  # families routed by the packing bound
 _PACKING_STEP = 0.2  # its multiplicative length step
 
@@ -363,8 +377,9 @@ class ColluderSearchLimitError(ValueError):
     def __init__(self, target: tuple[str, ...], budget: int, limit: int) -> None:
         self.target, self.budget, self.limit = target, budget, limit
         super().__init__(
-            f"the colluder search for {target!r} (up to {budget} colluders) visited {limit} search "
-            "nodes without an answer, and the packing bound did not prove it safe"
+            f"the colluder search for {target!r} (up to {budget} colluders) spent its {limit} column "
+            "steps (search nodes times distinct columns) without an answer, and the packing bound "
+            "did not prove it safe"
         )
 
 
@@ -394,41 +409,43 @@ def isolating_colluders(
     most ``budget`` peers.  Peers with the same columns form one *type* (they are hit together),
     so the work depends on the distinct columns (at most 2^rows), not on the number of peers.
 
-    **Three steps, each sound.**  (1) A witness: a few greedy heavy flats avoiding a_t
-    (:func:`_greedy_witness`); one hitting at most ``budget`` peers is a witness, re-checked with
-    :func:`determined` before it is returned.  (2) The exact search (:meth:`_CutProblem.search`):
-    every flat avoiding a_t that contains the owner's other columns, by include/exclude decisions
-    on the distinct columns in a fixed order, each flat reached once.  A column q with a_t in
-    span(F + q) can join no flat above F, and an excluded column stays outside, so the peers having
-    such a column are hit by every flat below the node: when they are more than ``budget``, the
-    branch is cut.  Exhausted without a witness, no ``budget`` peers isolate the target.  (3) Past
-    its bound, a proof of safety is still tried: a fractional packing of peer sets that each span
-    a_t with the owner's other columns (:func:`_packing_bound`, exact rationals); every cut hits
-    at least its value in peers, so a value above ``budget`` proves the target safe.  Spans are
-    exact, modulo 2^31 - 1 (above the Hadamard bound of every minor of a
-    0/1 matrix with at most 22 rows; more rows: the Mersenne prime of :func:`_exact_prime`).
+    **Two steps, each sound.**  (1) The exact search (:meth:`_CutProblem.search`): every flat
+    avoiding a_t that contains the owner's other columns, by include/exclude decisions on the
+    distinct columns, each flat reached once, its inclusions explored first (so its first descent
+    is a greedy heavy flat).  At each node the *line bound* (:func:`_line_bound`) bounds from below
+    the peers every flat below it hits: modulo the node's flat, a_t is a projective point P, every
+    outside column lies on one projective line through P (or at P: "forced", in no flat below), and
+    a hyperplane avoiding P keeps at most one point of each line; so every flat below hits the
+    forced columns and, per line, all but its heaviest point without an excluded column.  Above
+    ``budget``, the branch is cut.  A flat hitting at most ``budget`` peers is a witness,
+    re-checked with :func:`determined` before it is returned; exhausted without one, no ``budget``
+    peers isolate the target.  (2) Past its bound, a proof of safety is still tried: a fractional
+    packing of peer sets that each span a_t with the owner's other columns
+    (:func:`_packing_bound`, exact rationals); every cut hits at least its value in peers, so a
+    value above ``budget`` proves the target safe.  Spans are exact, modulo 2^31 - 1 (above the
+    Hadamard bound of every minor of a 0/1 matrix with at most 22 rows; more rows: the Mersenne
+    prime of :func:`_exact_prime`): every test the search makes (a residue zero, two residues
+    parallel, three on one line) is a rank of a set of the 0/1 columns, equal to the rational one.
 
-    **At the bound.**  When the search has visited :data:`COLLUDER_SEARCH_LIMIT` nodes without an
-    answer and the packing does not prove safety, :class:`ColluderSearchLimitError` is raised and
-    the client refuses.  Undecided is never accepted,
-    so the loss is only availability: a layout whose smallest cut exceeds ``budget`` but whose
-    search tree is larger than the bound and whose packing bound does not reach ``budget + 1``
-    (bench/bench_scale.py reports the verdicts per layout; SECURITY.md).
+    **At the bound.**  When the search has spent :data:`COLLUDER_SEARCH_LIMIT` column steps (nodes
+    times distinct columns) without an answer and the packing does not prove safety,
+    :class:`ColluderSearchLimitError` is raised and the client refuses.  Undecided is never
+    accepted, so the loss is only availability: a layout whose smallest cut exceeds ``budget`` but
+    whose pruned search tree is larger than the bound and whose packing bound does not reach
+    ``budget + 1`` (bench/bench_scale.py reports the verdicts per layout; SECURITY.md).
     """
     if budget <= 0:
         return None
     problem = _CutProblem.build(rows, target, owner)
     if problem is None:
         return None  # a_t is in the span of the owner's other columns: no colluder can change it
-    witness = _greedy_witness(problem, budget, _GREEDY_TRIES)
-    if witness is None:
-        witness = problem.search(budget, limit)
-        if witness is _UNDECIDED:
-            if _packing_bound(problem, budget + 1) > budget:
-                return None
-            raise ColluderSearchLimitError(target, budget, limit)
-        if witness is None:
+    witness = problem.search(budget, limit)
+    if witness is _UNDECIDED:
+        if _packing_bound(problem, budget + 1) > budget:
             return None
+        raise ColluderSearchLimitError(target, budget, limit)
+    if witness is None:
+        return None
     known = set(witness)
     if target not in determined([{v for v in row if v[0] not in known} for row in rows]):
         raise AssertionError("the colluder search found a cut that the exact rank test does not confirm")
@@ -472,7 +489,7 @@ class _CutProblem:
         index: dict[tuple[int, ...], int] = {}
         by_peer: dict[str, set[int]] = {}
         base = []
-        for var, where in incidence.items():
+        for var, where in sorted(incidence.items()):  # a fixed column order, whatever the hashing
             if var == target:
                 continue
             if var[0] == owner:
@@ -496,25 +513,36 @@ class _CutProblem:
         )
         return None if _Flat.root(problem) is None else problem
 
+    def column_weights(self) -> tuple[np.ndarray, int]:
+        """(integer weight per distinct column, scale): a type of w peers and m distinct columns
+        gives each of its columns w * scale / m, scale the lcm of the m (1 when every peer has one
+        column).  A flat hits at least (weight of the columns outside it) / scale peers, since a
+        type is counted at most once, in full only when all its columns are outside."""
+        scale = math.lcm(*(len(cols) for cols in self.type_columns)) if self.type_columns else 1
+        weight = np.zeros(len(self.columns), dtype=np.int64)
+        for cols, peers in zip(self.type_columns, self.type_peers, strict=True):
+            weight[cols] += len(peers) * scale // len(cols)
+        return weight, scale
+
     def search(self, budget: int, limit: int) -> tuple[str, ...] | object | None:
-        """The exact search: every flat avoiding a_t, by include/exclude decisions on the distinct
-        columns in a fixed order (heaviest first), each flat reached once; a branch is cut once the
-        peers it must hit (types with an excluded column, or with a column q that would bring a_t
-        into the span) are more than ``budget``.  A witness, None, or _UNDECIDED past ``limit``
-        nodes."""
+        """The exact search: every flat avoiding a_t that contains the owner's other columns, by
+        include/exclude decisions on distinct columns, each flat reached once (a decision splits
+        the flats below a node into those holding the column and those leaving it outside).  A
+        node is cut once the line bound (:func:`_line_bound`) on the peers every flat below it hits
+        exceeds ``budget``; a column whose exclusion alone would push the bound past ``budget`` is
+        included without a branch (every flat below within the budget holds it).  Otherwise the
+        branch is on the open column of the largest such gain (then the heaviest), its inclusion
+        explored first.  A witness, None, or _UNDECIDED past ``limit`` column steps (a node costs
+        one step per distinct column: its rank-1 update and its bound touch each once)."""
         weights = np.array([len(peers) for peers in self.type_peers], dtype=np.int64)
         owner_matrix = np.zeros((len(self.columns), len(self.type_peers)), dtype=bool)
         for t, cols in enumerate(self.type_columns):
             owner_matrix[cols, t] = True
-        column_weight = (owner_matrix * weights[None, :]).sum(axis=1)
+        column_weight, scale = self.column_weights()
         # One column per type (peers with one variable each, the usual case): a type is hit iff its
         # column is, so sums of column weights replace the type look-ups.
-        single = all(len(cols) == 1 for cols in self.type_columns)
-
-        # Columns renumbered in the search order (heaviest first): the next undecided column is
-        # the first open one at or after a node's position.
-        order = np.argsort(-column_weight, kind="stable")
-        owner_matrix, column_weight = owner_matrix[order], column_weight[order]
+        single = scale == 1 and all(len(cols) == 1 for cols in self.type_columns)
+        allowed = budget * scale  # the budget in weight units
 
         def peers_hit(columns: np.ndarray) -> int:
             if single:
@@ -523,43 +551,132 @@ class _CutProblem:
 
         root = _Flat.root(self)
         assert root is not None
-        p = self.prime
-        stack = [(root.residues[order], root.target, 0, np.zeros(len(self.columns), dtype=bool))]
-        nodes = 0
+        p, width = self.prime, len(self.columns)
+        tie_break = column_weight * (width + 1) + np.arange(width)[::-1]  # heavier, then earlier
+        stack = [(root.residues, root.target, np.zeros(width, dtype=bool))]
+        steps = 0
         while stack:
-            residues, target, at, excluded = stack.pop()
-            nodes += 1
-            if nodes > limit:
+            residues, target, excluded = stack.pop()
+            steps += width
+            if steps > limit:
                 return _UNDECIDED
             outside = residues.any(axis=1)
-            pivot = int(target.argmax())  # any non-zero coordinate of a_t's residue
-            scale = (residues[:, pivot] * pow(int(target[pivot]), -1, p)) % p
-            forced = ((scale[:, None] * target[None, :]) % p == residues).all(axis=1) & outside
-            if peers_hit(forced | excluded) > budget:
-                continue  # every flat below hits more than budget peers
             if peers_hit(outside) <= budget:
                 hit = owner_matrix[outside].any(axis=0)
                 return tuple(peer for t in np.flatnonzero(hit) for peer in self.type_peers[int(t)])
-            rest = (outside & ~forced & ~excluded)[at:]
-            step = int(rest.argmax())
-            if not rest[step]:
-                continue  # no undecided column left
-            j = at + step
+            if (excluded & ~outside).any():
+                continue  # an excluded column joined the flat: no flat below leaves it outside
+            bound, forced, blocked, gain = _line_bound(p, residues, target, excluded, column_weight)
+            if bound > allowed:
+                continue  # every flat below hits more than budget peers
+            # Columns parallel to an excluded one (modulo the flat) can join no flat below either.
+            excluded = excluded | blocked
+            if not single and peers_hit(forced | excluded) > budget:
+                continue  # the same, counted by type
+            open_columns = outside & ~forced & ~excluded
+            if not open_columns.any():
+                continue  # no undecided column left: this flat was the only one below
+            must = open_columns & (gain > allowed - bound)
+            if must.any():  # every flat below within the budget holds them: one child, no branch
+                flat = _Flat(self, residues, target)
+                for j in np.flatnonzero(must):
+                    residue = flat.residues[j]
+                    if residue.any():
+                        flat = flat._with(residue.copy())
+                if flat.target.any():
+                    stack.append((flat.residues, flat.target, excluded))
+                continue
+            j = int(np.argmax(np.where(open_columns, gain * (int(tie_break.max()) + 1) + tie_break, -1)))
             without = excluded.copy()
             without[j] = True
-            stack.append((residues, target, j + 1, without))  # explored second: j stays outside
-            residue = residues[j]
-            first = int(residue.argmax())  # any non-zero coordinate
-            unit = (residue * pow(int(residue[first]), -1, p)) % p
-            stack.append(  # explored first: j inside
-                (
-                    (residues - (residues[:, first : first + 1] * unit[None, :]) % p) % p,
-                    (target - (target[first] * unit) % p) % p,
-                    j + 1,
-                    excluded,
-                )
-            )
+            stack.append((residues, target, without))  # explored second: j stays outside
+            flat = _Flat(self, residues, target)._with(residues[j].copy())
+            stack.append((flat.residues, flat.target, excluded))  # explored first: j inside
         return None
+
+
+def _line_bound(
+    prime: int, residues: np.ndarray, target: np.ndarray, excluded: np.ndarray, weight: np.ndarray
+) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+    """A lower bound, in ``weight`` units, on the weight of the columns outside every flat F' that
+    contains the flat F (whose residues are given), avoids a_t and leaves the ``excluded`` columns
+    outside; with the forced columns (residue parallel to a_t's: in no such F') and the blocked
+    ones (residue parallel to an excluded column's: ditto).
+
+    Modulo F, a_t is a projective point P.  F' lies in a hyperplane H that avoids P, and every
+    column outside H is outside F'.  A column q outside F and not forced lies on exactly one
+    projective line through P (spanned by P and q's residue), and H meets that line in exactly one
+    point: of the columns on one line, only those at one point (residues parallel to each other)
+    can be inside H, and only if none of them is excluded (an excluded column's parallels would
+    bring it into F').  So F' leaves outside at least the forced weight plus, per line, its weight
+    less its heaviest point without an excluded column.  Keys: a residue minus its component along
+    P (eliminating P's first non-zero coordinate), scaled to a leading 1, names the line; the
+    ratio of the component to that lead names the point on it.
+    """
+    p = prime
+    outside = np.flatnonzero(residues.any(axis=1))
+    forced = np.zeros(len(residues), dtype=bool)
+    blocked = np.zeros(len(residues), dtype=bool)
+    gain = np.zeros(len(residues), dtype=np.int64)
+    if not outside.size:
+        return 0, forced, blocked, gain
+    pivot = int(np.flatnonzero(target)[0])
+    r = residues[outside]
+    along = (r[:, pivot] * pow(int(target[pivot]), -1, p)) % p
+    rest = (r - along[:, None] * target[None, :]) % p  # zero at the pivot (one reduction: see _with)
+    nonzero = rest != 0
+    on_line = nonzero.any(axis=1)
+    forced[outside[~on_line]] = True
+    bound = int(weight[forced].sum())
+    if not on_line.any():
+        return bound, forced, blocked, gain
+    columns, rest, along = outside[on_line], rest[on_line], along[on_line]
+    lead = rest[np.arange(len(rest)), nonzero[on_line].argmax(axis=1)]
+    inverse = np.array([pow(int(x), -1, p) for x in lead.tolist()], dtype=rest.dtype)
+    line = (rest * inverse[:, None]) % p
+    point = (along * inverse) % p
+    if rest.dtype == object:  # exact big residues: group by tuples
+        keys = [(tuple(row), int(x)) for row, x in zip(line.tolist(), point.tolist(), strict=True)]
+        ranked = sorted(range(len(keys)), key=keys.__getitem__)
+        ordered = [keys[k] for k in ranked]
+        new_line = np.array([k == 0 or ordered[k][0] != ordered[k - 1][0] for k in range(len(ordered))])
+        new_point = np.array([k == 0 or ordered[k] != ordered[k - 1] for k in range(len(ordered))])
+        ranked = np.array(ranked, dtype=np.int64)
+    else:
+        ranked = np.lexsort((point, *line.T[::-1]))  # by line, then by point
+        line, point = line[ranked], point[ranked]
+        new_line = np.ones(len(ranked), dtype=bool)
+        new_line[1:] = (line[1:] != line[:-1]).any(axis=1)
+        new_point = new_line.copy()
+        new_point[1:] |= point[1:] != point[:-1]
+    columns = columns[ranked]
+    point_start = np.flatnonzero(new_point)
+    point_weight = np.add.reduceat(weight[columns], point_start)
+    point_excluded = np.add.reduceat(excluded[columns].astype(np.int64), point_start) > 0
+    point_line = np.cumsum(new_line)[point_start] - 1
+    line_weight = np.zeros(int(point_line[-1]) + 1, dtype=np.int64)
+    np.add.at(line_weight, point_line, point_weight)
+    # Per line its heaviest point without an excluded column (kept) and the next one: excluding a
+    # column of the kept point raises the bound by their difference (its gain).
+    kept = np.zeros_like(line_weight)
+    point_gain = np.zeros_like(point_weight)
+    open_points = np.flatnonzero(~point_excluded)
+    if open_points.size:
+        ranked = open_points[np.lexsort((-point_weight[open_points], point_line[open_points]))]
+        lines_of = point_line[ranked]
+        heads = np.ones(len(ranked), dtype=bool)
+        heads[1:] = lines_of[1:] != lines_of[:-1]
+        at = np.flatnonzero(heads)
+        best = ranked[at]
+        following = np.minimum(at + 1, len(ranked) - 1)
+        runner_up = np.where((at + 1 < len(ranked)) & ~heads[following], point_weight[ranked[following]], 0)
+        kept[point_line[best]] = point_weight[best]
+        point_gain[best] = point_weight[best] - runner_up
+    bound += int((line_weight - kept).sum())
+    sizes = np.diff(np.append(point_start, len(columns)))
+    blocked[columns[np.repeat(point_excluded, sizes)]] = True
+    gain[columns] = np.repeat(point_gain, sizes)
+    return bound, forced, blocked, gain
 
 
 @dataclass(slots=True)
@@ -589,8 +706,10 @@ class _Flat:
         p = self.problem.prime
         pivot = int(np.flatnonzero(residue)[0])
         unit = (residue * pow(int(residue[pivot]), -1, p)) % p
-        residues = (self.residues - (self.residues[:, pivot : pivot + 1] * unit[None, :]) % p) % p
-        target = (self.target - (self.target[pivot] * unit) % p) % p
+        # One reduction: a residue less a product of two (below p^2 <= 2^62) stays inside int64,
+        # and % p of a negative number is its non-negative residue.
+        residues = (self.residues - self.residues[:, pivot : pivot + 1] * unit[None, :]) % p
+        target = (self.target - self.target[pivot] * unit) % p
         return _Flat(self.problem, residues, target)
 
 
@@ -692,27 +811,3 @@ def _packing_bound(problem: _CutProblem, wanted: int, *, rounds: int = _PACKING_
             if best >= wanted:
                 break
     return best
-
-
-def _greedy_witness(problem: _CutProblem, budget: int, tries: int) -> tuple[str, ...] | None:
-    """Peers hit by a heavy flat avoiding a_t, when at most ``budget``: heaviest types first (then
-    randomised orders from a fixed seed), each kept inside while a_t stays outside the span."""
-    weights = np.array([len(peers) for peers in problem.type_peers], dtype=np.float64)
-    generator = np.random.default_rng(0)  # a search order, nothing secret
-    for attempt in range(tries):
-        noise = 0.0 if attempt == 0 else generator.random(len(weights)) * weights.max()
-        basis = _Basis(problem.prime, problem.base)
-        for t in np.argsort(-(weights + noise), kind="stable"):
-            trial = basis.copy()
-            for j in problem.type_columns[int(t)]:
-                trial.add(problem.columns[int(j)])
-            if not trial.holds(problem.target):
-                basis = trial
-        hit = [
-            t
-            for t, columns in enumerate(problem.type_columns)
-            if not all(basis.holds(problem.columns[int(j)]) for j in columns)
-        ]
-        if sum(len(problem.type_peers[t]) for t in hit) <= budget:
-            return tuple(peer for t in hit for peer in problem.type_peers[t])
-    return None

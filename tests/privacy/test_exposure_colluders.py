@@ -198,6 +198,6 @@ def test_one_search_per_membership_pattern(monkeypatch) -> None:
 
 def test_limit_error_names_the_target() -> None:
     error = ColluderSearchLimitError(("c0", "v"), 3, 10)
-    assert "up to 3 colluders" in str(error) and "10 search nodes" in str(error)
+    assert "up to 3 colluders" in str(error) and "10 column steps" in str(error)
     with pytest.raises(ColluderSearchLimitError):
         raise error
