@@ -22,7 +22,11 @@ carries the config.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
+from functools import lru_cache
+from operator import attrgetter
 from typing import TypeVar
+
+import numpy as np
 
 from secure_afl.core.errors import LocalProtocolError, MessageDecodeError
 
@@ -278,38 +282,58 @@ def _write_encrypted_share(w: _Writer, share: EncryptedShare) -> None:
 
 
 def _write_encrypted_shares(w: _Writer, shares: tuple) -> None:
-    """A sequence of :func:`_write_encrypted_share`, each item's checks in one loop (n² shares at
-    n = 1,000); an item that fails one is written by the field writers, which raise their error."""
+    """A sequence of :func:`_write_encrypted_share`.  The server writes n² of them (10⁶ at
+    n = 1,000): :func:`_encrypted_share_parts` checks and lays them out a column at a time; where a
+    share fails one of its checks, the field writers write them one by one and raise their error."""
     if not isinstance(shares, tuple):
         raise LocalProtocolError("sequence fields must be tuples")
     w.uint(len(shares), 4)
-    parts = w.parts
+    parts = _encrypted_share_parts(shares)
+    if parts is not None:
+        w.parts += parts
+        return
     for share in shares:
         _check_type(share, EncryptedShare)
-        sender, recipient, nonce, ciphertext = share.sender, share.recipient, share.nonce, share.ciphertext
-        if (
-            type(sender) is str
-            and type(recipient) is str
-            and type(nonce) is bytes
-            and type(ciphertext) is bytes
-            and len(nonce) == NONCE_BYTES
-            and len(ciphertext) == SHARE_CIPHERTEXT_BYTES
-        ):
-            try:
-                raw_sender, raw_recipient = sender.encode("utf-8"), recipient.encode("utf-8")
-            except UnicodeEncodeError:
-                raw_sender = raw_recipient = b""
-            if 1 <= len(raw_sender) <= MAX_STRING_BYTES and 1 <= len(raw_recipient) <= MAX_STRING_BYTES:
-                parts += (
-                    len(raw_sender).to_bytes(2, "big"),
-                    raw_sender,
-                    len(raw_recipient).to_bytes(2, "big"),
-                    raw_recipient,
-                    nonce,
-                    ciphertext,
-                )
-                continue
         _write_encrypted_share(w, share)
+
+
+_SHARE_FIELDS = attrgetter("sender", "recipient", "nonce", "ciphertext")
+
+
+@lru_cache(maxsize=1 << 16, typed=True)
+def _prefixed_name(name: str) -> bytes:
+    """``len || UTF-8`` of a valid string field; ValueError (or TypeError) where it is not one."""
+    if type(name) is not str:
+        raise TypeError(name)
+    raw = name.encode("utf-8")  # UnicodeEncodeError is a ValueError
+    if not 1 <= len(raw) <= MAX_STRING_BYTES:
+        raise ValueError(name)
+    return len(raw).to_bytes(2, "big") + raw
+
+
+def _encrypted_share_parts(shares: tuple) -> list[bytes] | None:
+    """The wire parts of ``shares`` (each ``sender, recipient, nonce, ciphertext``), the same bytes
+    as :func:`_write_encrypted_share` writes, or None where any share fails one of its checks."""
+    count = len(shares)
+    if not count or set(map(type, shares)) != {EncryptedShare}:
+        return None
+    senders, recipients, nonces, ciphertexts = zip(*map(_SHARE_FIELDS, shares), strict=True)
+    if (
+        set(map(type, nonces)) != {bytes}
+        or set(map(type, ciphertexts)) != {bytes}
+        or set(map(len, nonces)) != {NONCE_BYTES}
+        or set(map(len, ciphertexts)) != {SHARE_CIPHERTEXT_BYTES}
+    ):
+        return None
+    parts: list[bytes] = [b""] * (4 * count)
+    try:
+        parts[0::4] = list(map(_prefixed_name, senders))
+        parts[1::4] = list(map(_prefixed_name, recipients))
+    except (TypeError, ValueError):
+        return None
+    parts[2::4] = nonces
+    parts[3::4] = ciphertexts
+    return parts
 
 
 def _write_masked_tensor(w: _Writer, tensor: MaskedTensor) -> None:
@@ -498,15 +522,26 @@ def _read_fast_sequence(
     min_item_bytes: int,
     fast: Callable[[memoryview, int, int], tuple[T, int]],
     slow: Callable[[_Reader], T],
+    uniform: Callable[[memoryview, int, int, int], tuple[tuple[T, ...], int] | None] | None = None,
 ) -> tuple[T, ...]:
     """A sequence whose items ``fast(data, size, position) -> (item, next position)`` reads with
     locals, for the n² items the server decodes (10⁶ at n = 1,000: the per-field calls were most of
     it).  An item ``fast`` refuses (ValueError: not whole within the message, or names breaking the
-    string rule) is read again by the field reader ``slow``, so the error is the one it gives."""
+    string rule) is read again by the field reader ``slow``, so the error is the one it gives.
+
+    First, ``uniform(data, size, position, count) -> (items, next position)`` may read the whole
+    sequence a column at a time where every item has the same layout (the same name lengths, every
+    name ASCII, all within the message); it gives None otherwise, and the items are read one by one.
+    """
     count = r.uint(4)
     if count * min_item_bytes > r.size - r.position:
         raise MessageDecodeError(f"sequence of {count} items cannot fit in the remaining bytes")
     data, size, position = r.data, r.size, r.position
+    if uniform is not None and count:
+        whole = uniform(data, size, position, count)
+        if whole is not None:
+            r.position = whole[1]
+            return whole[0]
     items = []
     append = items.append
     for _ in range(count):
@@ -519,6 +554,64 @@ def _read_fast_sequence(
         append(item)
     r.position = position
     return tuple(items)
+
+
+def _name_length(data: memoryview, size: int, position: int) -> int:
+    """The length of the string field at ``position`` where it is whole and in range, else 0."""
+    if position + 2 > size:
+        return 0
+    length = int.from_bytes(data[position : position + 2], "big")
+    return length if 1 <= length <= MAX_STRING_BYTES and position + 2 + length <= size else 0
+
+
+def _uniform_table(
+    data: memoryview, size: int, position: int, count: int, stride: int, prefixes: tuple[int, ...]
+) -> np.ndarray | None:
+    """``count`` items of ``stride`` bytes from ``position`` as a (count, stride) byte table, where
+    they fit in the message and every item's 2-byte fields at ``prefixes`` equal the first item's
+    (then item k starts at ``position + k * stride``: its name lengths are the first item's)."""
+    end = position + count * stride
+    if end > size:
+        return None
+    table = np.frombuffer(data, dtype=np.uint8, count=count * stride, offset=position).reshape(count, stride)
+    for offset in prefixes:
+        column = table[:, offset : offset + 2]
+        if not (column == column[0]).all():
+            return None
+    return table
+
+
+def _uniform_names(table: np.ndarray, start: int, length: int) -> list[str] | None:
+    """The names of ``length`` bytes at column ``start`` of every item, where all are ASCII (so
+    valid UTF-8, each its own string); None otherwise."""
+    raw = table[:, start : start + length].tobytes()
+    if not raw.isascii():
+        return None
+    text = raw.decode("ascii")
+    first = text[:length]
+    count = table.shape[0]
+    if text == first * count:  # one name in every item (a sender's shares): one string
+        return [first] * count
+    return list(
+        map(text.__getitem__, map(slice, range(0, len(text), length), range(length, len(text) + 1, length)))
+    )
+
+
+def _bytes_of(data: memoryview) -> bytes:
+    """The bytes ``data`` views (decode_frame reads from its own bytes copy), without a copy."""
+    whole = data.obj
+    return whole if type(whole) is bytes and len(whole) == data.nbytes else data.tobytes()
+
+
+def _slices(raw: bytes, start: int, stride: int, count: int, length: int) -> list[bytes]:
+    """``length`` bytes at ``start + k * stride`` for each of ``count`` items."""
+    stop = start + count * stride
+    return list(
+        map(
+            raw.__getitem__,
+            map(slice, range(start, stop, stride), range(start + length, stop + length, stride)),
+        )
+    )
 
 
 def _fast_encrypted_share(data: memoryview, size: int, position: int) -> tuple[EncryptedShare, int]:
@@ -539,9 +632,38 @@ def _fast_encrypted_share(data: memoryview, size: int, position: int) -> tuple[E
     ), after
 
 
+def _uniform_encrypted_shares(
+    data: memoryview, size: int, position: int, count: int
+) -> tuple[tuple[EncryptedShare, ...], int] | None:
+    """``count`` encrypted shares read a column at a time (:func:`_read_fast_sequence`'s
+    ``uniform``): where every share's sender and recipient have the first share's lengths and are
+    ASCII, reading share by share gives these same items and position."""
+    sender_length = _name_length(data, size, position)
+    recipient_length = _name_length(data, size, position + 2 + sender_length) if sender_length else 0
+    if not recipient_length:
+        return None
+    head = 4 + sender_length + recipient_length
+    stride = head + NONCE_BYTES + SHARE_CIPHERTEXT_BYTES
+    table = _uniform_table(data, size, position, count, stride, (0, 2 + sender_length))
+    if table is None:
+        return None
+    senders = _uniform_names(table, 2, sender_length)
+    recipients = _uniform_names(table, 4 + sender_length, recipient_length)
+    if senders is None or recipients is None:
+        return None
+    raw = _bytes_of(data)
+    nonces = _slices(raw, position + head, stride, count, NONCE_BYTES)
+    ciphertexts = _slices(raw, position + head + NONCE_BYTES, stride, count, SHARE_CIPHERTEXT_BYTES)
+    items = tuple(map(EncryptedShare, senders, recipients, nonces, ciphertexts))
+    return items, position + count * stride
+
+
 def _read_encrypted_shares(r: _Reader) -> tuple[EncryptedShare, ...]:
-    """A sequence of :func:`_read_encrypted_share`: the same bytes and checks, in one loop."""
-    return _read_fast_sequence(r, 166, _fast_encrypted_share, _read_encrypted_share)
+    """A sequence of :func:`_read_encrypted_share`: the same bytes and checks, in one loop (or a
+    column at a time where the shares' layout is uniform)."""
+    return _read_fast_sequence(
+        r, 166, _fast_encrypted_share, _read_encrypted_share, _uniform_encrypted_shares
+    )
 
 
 def _read_masked_tensor(r: _Reader) -> MaskedTensor:
@@ -571,10 +693,30 @@ def _fast_revealed_share(data: memoryview, size: int, position: int) -> tuple[Re
     return RevealedShare(str(data[start:end], "utf-8"), data[end:stop].tobytes()), stop
 
 
+def _uniform_revealed_shares(
+    data: memoryview, size: int, position: int, count: int
+) -> tuple[tuple[RevealedShare, ...], int] | None:
+    """``count`` revealed shares read a column at a time, where every owner has the first one's
+    length and is ASCII (:func:`_uniform_encrypted_shares`)."""
+    owner_length = _name_length(data, size, position)
+    if not owner_length:
+        return None
+    stride = 2 + owner_length + shamir.VALUE_BYTES
+    table = _uniform_table(data, size, position, count, stride, (0,))
+    if table is None:
+        return None
+    owners = _uniform_names(table, 2, owner_length)
+    if owners is None:
+        return None
+    raw = _bytes_of(data)
+    values = _slices(raw, position + 2 + owner_length, stride, count, shamir.VALUE_BYTES)
+    return tuple(map(RevealedShare, owners, values)), position + count * stride
+
+
 def _read_revealed_shares(r: _Reader) -> tuple[RevealedShare, ...]:
     """A sequence of :func:`_read_revealed_share` (the server decodes n² of them in R4), the same
     bytes and checks (:func:`_read_fast_sequence`)."""
-    return _read_fast_sequence(r, 69, _fast_revealed_share, _read_revealed_share)
+    return _read_fast_sequence(r, 69, _fast_revealed_share, _read_revealed_share, _uniform_revealed_shares)
 
 
 _READERS: dict[int, Callable[[_Reader], Message]] = {
