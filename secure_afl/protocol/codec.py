@@ -21,12 +21,14 @@ carries the config.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+import dataclasses
+import struct
+from collections import deque
+from collections.abc import Callable, Collection, Sequence
 from functools import lru_cache
+from itertools import repeat
 from operator import attrgetter
 from typing import TypeVar
-
-import numpy as np
 
 from secure_afl.core.errors import LocalProtocolError, MessageDecodeError
 
@@ -300,15 +302,30 @@ def _write_encrypted_shares(w: _Writer, shares: tuple) -> None:
 _SHARE_FIELDS = attrgetter("sender", "recipient", "nonce", "ciphertext")
 
 
-@lru_cache(maxsize=1 << 16, typed=True)
-def _prefixed_name(name: str) -> bytes:
-    """``len || UTF-8`` of a valid string field; ValueError (or TypeError) where it is not one."""
-    if type(name) is not str:
-        raise TypeError(name)
-    raw = name.encode("utf-8")  # UnicodeEncodeError is a ValueError
-    if not 1 <= len(raw) <= MAX_STRING_BYTES:
-        raise ValueError(name)
-    return len(raw).to_bytes(2, "big") + raw
+_PREFIXED_NAMES: dict[str, bytes] = {}  # valid string fields -> their ``len || UTF-8`` bytes
+_PREFIXED_NAMES_MAX = 1 << 16
+
+
+def _prefixed_names(names: tuple) -> list[bytes] | None:
+    """``len || UTF-8`` of each of ``names``, each a valid string field (a str of 1..255 UTF-8
+    bytes), or None where one is not; the fields of the few thousand names of a session are
+    encoded once (n² share names at n = 1,000)."""
+    if set(map(type, names)) != {str}:
+        return None
+    cache = _PREFIXED_NAMES
+    new = set(names).difference(cache)
+    if len(cache) + len(new) > _PREFIXED_NAMES_MAX:
+        cache.clear()
+        new = set(names)
+    for name in new:
+        try:
+            raw = name.encode("utf-8")
+        except UnicodeEncodeError:
+            return None
+        if not 1 <= len(raw) <= MAX_STRING_BYTES:
+            return None
+        cache[name] = len(raw).to_bytes(2, "big") + raw
+    return list(map(cache.__getitem__, names))
 
 
 def _encrypted_share_parts(shares: tuple) -> list[bytes] | None:
@@ -325,12 +342,13 @@ def _encrypted_share_parts(shares: tuple) -> list[bytes] | None:
         or set(map(len, ciphertexts)) != {SHARE_CIPHERTEXT_BYTES}
     ):
         return None
-    parts: list[bytes] = [b""] * (4 * count)
-    try:
-        parts[0::4] = list(map(_prefixed_name, senders))
-        parts[1::4] = list(map(_prefixed_name, recipients))
-    except (TypeError, ValueError):
+    prefixed_senders = _prefixed_names(senders)
+    prefixed_recipients = _prefixed_names(recipients)
+    if prefixed_senders is None or prefixed_recipients is None:
         return None
+    parts: list[bytes] = [b""] * (4 * count)
+    parts[0::4] = prefixed_senders
+    parts[1::4] = prefixed_recipients
     parts[2::4] = nonces
     parts[3::4] = ciphertexts
     return parts
@@ -564,54 +582,59 @@ def _name_length(data: memoryview, size: int, position: int) -> int:
     return length if 1 <= length <= MAX_STRING_BYTES and position + 2 + length <= size else 0
 
 
-def _uniform_table(
-    data: memoryview, size: int, position: int, count: int, stride: int, prefixes: tuple[int, ...]
-) -> np.ndarray | None:
-    """``count`` items of ``stride`` bytes from ``position`` as a (count, stride) byte table, where
-    they fit in the message and every item's 2-byte fields at ``prefixes`` equal the first item's
-    (then item k starts at ``position + k * stride``: its name lengths are the first item's)."""
-    end = position + count * stride
+@lru_cache(maxsize=64)
+def _items_struct(layout: str, count: int) -> struct.Struct:
+    """``count`` items of ``layout`` (big-endian struct codes, no padding) back to back."""
+    return struct.Struct(">" + layout * count)
+
+
+def _unpack_items(
+    data: memoryview, size: int, position: int, count: int, layout: str
+) -> tuple[tuple, int] | None:
+    """The fields of ``count`` items of ``layout`` from ``position``, flat, and the position after
+    them; None where they do not fit in the message."""
+    end = position + count * struct.calcsize(">" + layout)
     if end > size:
         return None
-    table = np.frombuffer(data, dtype=np.uint8, count=count * stride, offset=position).reshape(count, stride)
-    for offset in prefixes:
-        column = table[:, offset : offset + 2]
-        if not (column == column[0]).all():
-            return None
-    return table
+    return _items_struct(layout, count).unpack_from(data, position), end
 
 
-def _uniform_names(table: np.ndarray, start: int, length: int) -> list[str] | None:
-    """The names of ``length`` bytes at column ``start`` of every item, where all are ASCII (so
-    valid UTF-8, each its own string); None otherwise."""
-    raw = table[:, start : start + length].tobytes()
-    if not raw.isascii():
+def _names(column: tuple[bytes, ...]) -> list[str] | None:
+    """Each UTF-8 name of ``column`` as a string (one string where every item names the same, as
+    a sender's shares do); None where one is not valid UTF-8."""
+    first = column[0]
+    try:
+        if column.count(first) == len(column):
+            return [first.decode("utf-8")] * len(column)
+        return list(map(bytes.decode, column))  # UTF-8, strict
+    except UnicodeDecodeError:
         return None
-    text = raw.decode("ascii")
-    first = text[:length]
-    count = table.shape[0]
-    if text == first * count:  # one name in every item (a sender's shares): one string
-        return [first] * count
-    return list(
-        map(text.__getitem__, map(slice, range(0, len(text), length), range(length, len(text) + 1, length)))
-    )
 
 
-def _bytes_of(data: memoryview) -> bytes:
-    """The bytes ``data`` views (decode_frame reads from its own bytes copy), without a copy."""
-    whole = data.obj
-    return whole if type(whole) is bytes and len(whole) == data.nbytes else data.tobytes()
+def _builder(cls: type) -> Callable[..., tuple]:
+    """``build(*columns)``: a tuple of ``cls(*row)`` for each row of the field columns.  ``cls``
+    is a slotted frozen dataclass without ``__post_init__``: its items are made and their slots
+    filled a column at a time (the generated ``__init__`` does the same, one item at a time), which
+    is the bulk of decoding n² shares; any other class is called item by item."""
+    names = tuple(f.name for f in dataclasses.fields(cls))
+    if getattr(cls, "__slots__", None) != names or hasattr(cls, "__post_init__"):
+        return lambda *columns: tuple(map(cls, *columns))
+    setters = tuple(getattr(cls, name).__set__ for name in names)
+    new = object.__new__
+
+    def build(*columns: Sequence[object]) -> tuple:
+        items = list(map(new, repeat(cls, len(columns[0]))))
+        for set_field, column in zip(setters, columns, strict=True):
+            if len(column) != len(items):
+                raise LocalProtocolError("field columns of different lengths")
+            deque(map(set_field, items, column), maxlen=0)
+        return tuple(items)
+
+    return build
 
 
-def _slices(raw: bytes, start: int, stride: int, count: int, length: int) -> list[bytes]:
-    """``length`` bytes at ``start + k * stride`` for each of ``count`` items."""
-    stop = start + count * stride
-    return list(
-        map(
-            raw.__getitem__,
-            map(slice, range(start, stop, stride), range(start + length, stop + length, stride)),
-        )
-    )
+_build_encrypted_shares = _builder(EncryptedShare)
+_build_revealed_shares = _builder(RevealedShare)
 
 
 def _fast_encrypted_share(data: memoryview, size: int, position: int) -> tuple[EncryptedShare, int]:
@@ -636,26 +659,25 @@ def _uniform_encrypted_shares(
     data: memoryview, size: int, position: int, count: int
 ) -> tuple[tuple[EncryptedShare, ...], int] | None:
     """``count`` encrypted shares read a column at a time (:func:`_read_fast_sequence`'s
-    ``uniform``): where every share's sender and recipient have the first share's lengths and are
-    ASCII, reading share by share gives these same items and position."""
+    ``uniform``), where every share's sender and recipient have the first share's lengths, all fit
+    and all are UTF-8: then item k starts at ``position + k * stride``, and reading share by share
+    gives these same items and position.  None otherwise."""
     sender_length = _name_length(data, size, position)
     recipient_length = _name_length(data, size, position + 2 + sender_length) if sender_length else 0
     if not recipient_length:
         return None
-    head = 4 + sender_length + recipient_length
-    stride = head + NONCE_BYTES + SHARE_CIPHERTEXT_BYTES
-    table = _uniform_table(data, size, position, count, stride, (0, 2 + sender_length))
-    if table is None:
+    layout = f"H{sender_length}sH{recipient_length}s{NONCE_BYTES}s{SHARE_CIPHERTEXT_BYTES}s"
+    unpacked = _unpack_items(data, size, position, count, layout)
+    if unpacked is None:
         return None
-    senders = _uniform_names(table, 2, sender_length)
-    recipients = _uniform_names(table, 4 + sender_length, recipient_length)
+    fields, end = unpacked
+    if fields[0::6].count(sender_length) != count or fields[2::6].count(recipient_length) != count:
+        return None
+    senders = _names(fields[1::6])
+    recipients = _names(fields[3::6])
     if senders is None or recipients is None:
         return None
-    raw = _bytes_of(data)
-    nonces = _slices(raw, position + head, stride, count, NONCE_BYTES)
-    ciphertexts = _slices(raw, position + head + NONCE_BYTES, stride, count, SHARE_CIPHERTEXT_BYTES)
-    items = tuple(map(EncryptedShare, senders, recipients, nonces, ciphertexts))
-    return items, position + count * stride
+    return _build_encrypted_shares(senders, recipients, fields[4::6], fields[5::6]), end
 
 
 def _read_encrypted_shares(r: _Reader) -> tuple[EncryptedShare, ...]:
@@ -697,20 +719,20 @@ def _uniform_revealed_shares(
     data: memoryview, size: int, position: int, count: int
 ) -> tuple[tuple[RevealedShare, ...], int] | None:
     """``count`` revealed shares read a column at a time, where every owner has the first one's
-    length and is ASCII (:func:`_uniform_encrypted_shares`)."""
+    length, all fit and all are UTF-8 (:func:`_uniform_encrypted_shares`)."""
     owner_length = _name_length(data, size, position)
     if not owner_length:
         return None
-    stride = 2 + owner_length + shamir.VALUE_BYTES
-    table = _uniform_table(data, size, position, count, stride, (0,))
-    if table is None:
+    unpacked = _unpack_items(data, size, position, count, f"H{owner_length}s{shamir.VALUE_BYTES}s")
+    if unpacked is None:
         return None
-    owners = _uniform_names(table, 2, owner_length)
+    fields, end = unpacked
+    if fields[0::3].count(owner_length) != count:
+        return None
+    owners = _names(fields[1::3])
     if owners is None:
         return None
-    raw = _bytes_of(data)
-    values = _slices(raw, position + 2 + owner_length, stride, count, shamir.VALUE_BYTES)
-    return tuple(map(RevealedShare, owners, values)), position + count * stride
+    return _build_revealed_shares(owners, fields[2::3]), end
 
 
 def _read_revealed_shares(r: _Reader) -> tuple[RevealedShare, ...]:
