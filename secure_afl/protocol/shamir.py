@@ -74,10 +74,17 @@ def lagrange_coefficients(xs: Sequence[int], at: int = 0) -> tuple[int, ...]:
     if target < _SMALL and max(points) < _SMALL:
         # Roster positions (x ≤ n) and the target 0: the products of the small differences are
         # exact integers of a few thousand bits, reduced once (t = 667 at n = 1,000), not per step.
+        factors = [target - x for x in points]
+        whole = math.prod(factors)
         for i, x_i in enumerate(points):
-            others = points[:i] + points[i + 1 :]
-            numerators.append(math.prod([target - x_j for x_j in others]) % PRIME)
-            denominators.append(math.prod([x_i - x_j for x_j in others]) % PRIME)
+            # prod over j != i of (target - x_j): the whole product without its factor i, where
+            # that factor is non-zero (the division is then exact).
+            factor = factors[i]
+            if factor:
+                numerators.append(whole // factor % PRIME)
+            else:
+                numerators.append(math.prod(factors[:i] + factors[i + 1 :]) % PRIME)
+            denominators.append(math.prod([x_i - x_j for x_j in points[:i] + points[i + 1 :]]) % PRIME)
         inverses = _batch_inverse(denominators)
         return tuple(n * inv % PRIME for n, inv in zip(numerators, inverses, strict=True))
     for i, x_i in enumerate(points):

@@ -299,7 +299,14 @@ def test_lagrange_basis_of_small_points_equals_the_textbook_one() -> None:
             out.append(num * pow(den, -1, p) % p)
         return tuple(out)
 
-    for xs, at in (([3, 1, 7, 2, 40], 0), (list(range(1, 60)), 0), ([5, 9, 11], 4), ([2, 3], 2**40)):
+    for xs, at in (
+        ([3, 1, 7, 2, 40], 0),
+        (list(range(1, 60)), 0),
+        ([5, 9, 11], 4),
+        ([5, 9, 11], 9),
+        ([7, 0, 3], 0),
+        ([2, 3], 2**40),
+    ):
         assert shamir.lagrange_coefficients(xs, at) == textbook(xs, at)
     big = [p - 1, 5, 2**300]
     assert shamir.lagrange_coefficients(big) == textbook([x % p for x in big], 0)
