@@ -299,14 +299,15 @@ def _write_encrypted_shares(w: _Writer, shares: tuple) -> None:
         _write_encrypted_share(w, share)
 
 
-_SHARE_FIELDS = attrgetter("sender", "recipient", "nonce", "ciphertext")
+# One column each: no tuple per share (10⁶ tuples would set off the cyclic collector's full passes).
+_SENDERS, _RECIPIENTS, _NONCES, _CIPHERTEXTS = map(attrgetter, ("sender", "recipient", "nonce", "ciphertext"))
 
 
 _PREFIXED_NAMES: dict[str, bytes] = {}  # valid string fields -> their ``len || UTF-8`` bytes
 _PREFIXED_NAMES_MAX = 1 << 16
 
 
-def _prefixed_names(names: tuple) -> list[bytes] | None:
+def _prefixed_names(names: list) -> list[bytes] | None:
     """``len || UTF-8`` of each of ``names``, each a valid string field (a str of 1..255 UTF-8
     bytes), or None where one is not; the fields of the few thousand names of a session are
     encoded once (n² share names at n = 1,000)."""
@@ -334,7 +335,9 @@ def _encrypted_share_parts(shares: tuple) -> list[bytes] | None:
     count = len(shares)
     if not count or set(map(type, shares)) != {EncryptedShare}:
         return None
-    senders, recipients, nonces, ciphertexts = zip(*map(_SHARE_FIELDS, shares), strict=True)
+    senders, recipients, nonces, ciphertexts = (
+        list(map(column, shares)) for column in (_SENDERS, _RECIPIENTS, _NONCES, _CIPHERTEXTS)
+    )
     if (
         set(map(type, nonces)) != {bytes}
         or set(map(type, ciphertexts)) != {bytes}
