@@ -27,7 +27,6 @@ from collections import deque
 from collections.abc import Callable, Collection, Sequence
 from functools import lru_cache
 from itertools import repeat
-from operator import attrgetter
 from typing import TypeVar
 
 from secure_afl.core.errors import LocalProtocolError, MessageDecodeError
@@ -284,77 +283,55 @@ def _write_encrypted_share(w: _Writer, share: EncryptedShare) -> None:
 
 
 def _write_encrypted_shares(w: _Writer, shares: tuple) -> None:
-    """A sequence of :func:`_write_encrypted_share`.  The server writes n² of them (10⁶ at
-    n = 1,000): :func:`_encrypted_share_parts` checks and lays them out a column at a time; where a
-    share fails one of its checks, the field writers write them one by one and raise their error."""
+    """A sequence of :func:`_write_encrypted_share`, each item's checks in one loop (n² shares at
+    n = 1,000), the name fields from a cache of the session's names; an item that fails one is
+    written by the field writers, which raise their error."""
     if not isinstance(shares, tuple):
         raise LocalProtocolError("sequence fields must be tuples")
     w.uint(len(shares), 4)
-    parts = _encrypted_share_parts(shares)
-    if parts is not None:
-        w.parts += parts
-        return
+    parts = w.parts
+    # One pass, each share touched once: the requests take each share from another sender's
+    # message, so a share's fields are rarely in the cache (a pass per field cost more).
+    prefixed = _PREFIXED_NAMES.get
     for share in shares:
+        if type(share) is EncryptedShare:
+            sender, recipient, nonce, ciphertext = (
+                share.sender,
+                share.recipient,
+                share.nonce,
+                share.ciphertext,
+            )
+            if (
+                type(sender) is str
+                and type(recipient) is str
+                and type(nonce) is bytes
+                and type(ciphertext) is bytes
+                and len(nonce) == NONCE_BYTES
+                and len(ciphertext) == SHARE_CIPHERTEXT_BYTES
+            ):
+                raw_sender = prefixed(sender)
+                raw_recipient = prefixed(recipient)
+                if raw_sender is not None and raw_recipient is not None:
+                    parts += (raw_sender, raw_recipient, nonce, ciphertext)
+                    continue
         _check_type(share, EncryptedShare)
-        _write_encrypted_share(w, share)
+        start = len(parts)
+        _write_encrypted_share(w, share)  # raises, or writes a valid share: remember its names
+        _remember_name(share.sender, parts[start] + parts[start + 1])
+        _remember_name(share.recipient, parts[start + 2] + parts[start + 3])
 
 
-# One column each: no tuple per share (10⁶ tuples would set off the cyclic collector's full passes).
-_SENDERS, _RECIPIENTS, _NONCES, _CIPHERTEXTS = map(attrgetter, ("sender", "recipient", "nonce", "ciphertext"))
-
-
-_PREFIXED_NAMES: dict[str, bytes] = {}  # valid string fields -> their ``len || UTF-8`` bytes
+# Valid string fields (str, 1..255 UTF-8 bytes) -> ``len || UTF-8``: the few thousand names of a
+# session, each encoded once instead of once per share.
+_PREFIXED_NAMES: dict[str, bytes] = {}
 _PREFIXED_NAMES_MAX = 1 << 16
 
 
-def _prefixed_names(names: list) -> list[bytes] | None:
-    """``len || UTF-8`` of each of ``names``, each a valid string field (a str of 1..255 UTF-8
-    bytes), or None where one is not; the fields of the few thousand names of a session are
-    encoded once (n² share names at n = 1,000)."""
-    if set(map(type, names)) != {str}:
-        return None
-    cache = _PREFIXED_NAMES
-    new = set(names).difference(cache)
-    if len(cache) + len(new) > _PREFIXED_NAMES_MAX:
-        cache.clear()
-        new = set(names)
-    for name in new:
-        try:
-            raw = name.encode("utf-8")
-        except UnicodeEncodeError:
-            return None
-        if not 1 <= len(raw) <= MAX_STRING_BYTES:
-            return None
-        cache[name] = len(raw).to_bytes(2, "big") + raw
-    return list(map(cache.__getitem__, names))
-
-
-def _encrypted_share_parts(shares: tuple) -> list[bytes] | None:
-    """The wire parts of ``shares`` (each ``sender, recipient, nonce, ciphertext``), the same bytes
-    as :func:`_write_encrypted_share` writes, or None where any share fails one of its checks."""
-    count = len(shares)
-    if not count or set(map(type, shares)) != {EncryptedShare}:
-        return None
-    senders, recipients, nonces, ciphertexts = (
-        list(map(column, shares)) for column in (_SENDERS, _RECIPIENTS, _NONCES, _CIPHERTEXTS)
-    )
-    if (
-        set(map(type, nonces)) != {bytes}
-        or set(map(type, ciphertexts)) != {bytes}
-        or set(map(len, nonces)) != {NONCE_BYTES}
-        or set(map(len, ciphertexts)) != {SHARE_CIPHERTEXT_BYTES}
-    ):
-        return None
-    prefixed_senders = _prefixed_names(senders)
-    prefixed_recipients = _prefixed_names(recipients)
-    if prefixed_senders is None or prefixed_recipients is None:
-        return None
-    parts: list[bytes] = [b""] * (4 * count)
-    parts[0::4] = prefixed_senders
-    parts[1::4] = prefixed_recipients
-    parts[2::4] = nonces
-    parts[3::4] = ciphertexts
-    return parts
+def _remember_name(name: str, field: bytes) -> None:
+    if type(name) is str:
+        if len(_PREFIXED_NAMES) >= _PREFIXED_NAMES_MAX:
+            _PREFIXED_NAMES.clear()
+        _PREFIXED_NAMES[name] = field
 
 
 def _write_masked_tensor(w: _Writer, tensor: MaskedTensor) -> None:

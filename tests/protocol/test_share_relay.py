@@ -112,7 +112,14 @@ def without_column_paths(monkeypatch: pytest.MonkeyPatch) -> None:
     """The share-by-share path only (what main did), for comparing bytes and errors."""
     monkeypatch.setattr(codec, "_uniform_encrypted_shares", lambda *args: None)
     monkeypatch.setattr(codec, "_uniform_revealed_shares", lambda *args: None)
-    monkeypatch.setattr(codec, "_encrypted_share_parts", lambda shares: None)
+    monkeypatch.setattr(codec, "_PREFIXED_NAMES", _NoNames())
+
+
+class _NoNames(dict):
+    """A name cache that keeps nothing: every share's names are written by the field writers."""
+
+    def __setitem__(self, key: str, value: bytes) -> None:
+        pass
 
 
 def decode_error(data: bytes) -> str | None:
@@ -154,6 +161,11 @@ def test_column_paths_write_and_read_the_reference_bytes(message, monkeypatch) -
         assert all(type(getattr(item, f.name)) in (str, bytes) for f in dataclasses.fields(item))
     with pytest.raises(dataclasses.FrozenInstanceError):
         setattr(pairs[0][0], dataclasses.fields(pairs[0][0])[0].name, "x")
+    assert codec.encode(message) == data  # the names now from the cache
+    monkeypatch.setattr(codec, "_PREFIXED_NAMES", {})
+    monkeypatch.setattr(codec, "_PREFIXED_NAMES_MAX", 3)  # cleared again and again
+    assert codec.encode(message) == data
+    assert len(codec._PREFIXED_NAMES) <= 3
     without_column_paths(monkeypatch)
     assert codec.encode(message) == data
     assert codec.decode(data) == message
