@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import struct
+import sys
 from collections import deque
 from collections.abc import Callable, Collection, Sequence
 from functools import lru_cache
@@ -581,12 +582,14 @@ def _unpack_items(
 
 def _names(column: tuple[bytes, ...]) -> list[str] | None:
     """Each UTF-8 name of ``column`` as a string (one string where every item names the same, as
-    a sender's shares do); None where one is not valid UTF-8."""
+    a sender's shares do, and one string per name otherwise); None where one is not valid UTF-8."""
     first = column[0]
     try:
         if column.count(first) == len(column):
-            return [first.decode("utf-8")] * len(column)
-        return list(map(bytes.decode, column))  # UTF-8, strict
+            return [sys.intern(first.decode("utf-8"))] * len(column)
+        # UTF-8, strict; interned: the server relays each name in n shares, and one string per
+        # name keeps the shares' names in the cache when it writes them out again.
+        return list(map(sys.intern, map(bytes.decode, column)))
     except UnicodeDecodeError:
         return None
 
