@@ -91,15 +91,15 @@ class ServerSession:
         self._message_limit = codec.max_message_bytes(config, len(roster))
         self._round = ServerRound.NOT_STARTED
         self._adverts: dict[str, AdvertiseKeys] = {}
-        self._shares: dict[str, ShareKeys] = {}
-        # per R1 sender: its shares by recipient (R2's requests take one from each sender)
+        # per R1 sender: its shares by recipient (R2's requests take one from each sender); let go
+        # once R1 closes, so that the n² shares live only as long as the requests that carry them
         self._shares_to: dict[str, dict[str, EncryptedShare]] = {}
         self._masked_senders: set[str] = set()
         self._sums: dict[tuple[str, str], np.ndarray] = {}
         self._signatures: dict[str, bytes] = {}
-        self._unmask: dict[str, UnmaskResponse] = {}
-        # per responder: its revealed self-mask and mask-key share values, in the order revealed
-        self._unmask_values: dict[str, tuple[list[int], list[int]]] = {}
+        # per R4 responder: its revealed self-mask and mask-key share values, in the order revealed
+        # (U3's, then the dropped clients', as _receive_unmask checked); not the n² share objects
+        self._unmask: dict[str, tuple[list[int], list[int]]] = {}
         self._members: dict[str, tuple[str, ...]] = {}
         self._adverts_digest = b""
         self._u2: tuple[str, ...] = ()
@@ -203,7 +203,7 @@ class ServerSession:
         self._adverts[advert.client_id] = advert
 
     def _receive_shares(self, message: ShareKeys) -> None:
-        self._check_sender(message.sender, self._adverts, self._shares)
+        self._check_sender(message.sender, self._adverts, self._shares_to)
         shares = message.shares
         # A column at a time (n² shares at n = 1,000); the same checks as share by share.
         recipients = list(map(_RECIPIENT, shares))
@@ -216,7 +216,6 @@ class ServerSession:
             raise ClientProtocolError(
                 f"{message.sender!r} did not send exactly one share to every other client"
             )
-        self._shares[message.sender] = message
         self._shares_to[message.sender] = by_recipient
 
     def _receive_masked_input(self, message: MaskedInput) -> None:
@@ -268,8 +267,7 @@ class ServerSession:
         )
         if max((max(part, default=0) for part in values), default=0) >= shamir.PRIME:
             raise InvalidShareError(f"{message.sender!r} revealed a share that is not a field element")
-        self._unmask[message.sender] = message
-        self._unmask_values[message.sender] = values  # read once here; R4's recovery uses them
+        self._unmask[message.sender] = values  # read once here; R4's recovery uses them
 
     # --- closing rounds ---------------------------------------------------------------------------
 
@@ -304,7 +302,7 @@ class ServerSession:
         return {cid: request for cid in sorted(self._adverts)}
 
     def _close_share_keys(self) -> dict[str, ServerReply]:
-        u2 = tuple(sorted(self._shares))
+        u2 = tuple(sorted(self._shares_to))
         self._require(len(u2), "shared keys")
         self._check_groups(self._members, set(u2), "after R1")
         # Each recipient's shares in the senders' order: one from each other sender's index by
@@ -323,6 +321,7 @@ class ServerSession:
             for tensor in group.tensors
         }
         self._u2 = u2
+        self._shares_to = {}  # the requests carry the shares from here on
         return replies
 
     def _close_masked_input(self) -> dict[str, ServerReply]:
@@ -428,19 +427,10 @@ class ServerSession:
 
     def _recover(self, basis: tuple[int, ...], revealers: list[str], *, self_mask: bool) -> list[int]:
         """Every owner's secret (the survivors' seeds, or the dropped clients' mask keys, in their
-        revealed order) from the shares ``revealers`` revealed, with their Lagrange ``basis``."""
-        owners = self._u3 if self_mask else self._dropped
+        revealed order) from the shares ``revealers`` revealed, with their Lagrange ``basis``.
+        Each revealer's values are in that order: _receive_unmask accepted only responses naming
+        exactly these owners in this order."""
         part = 0 if self_mask else 1
-        rows = []
-        for revealer in revealers:
-            response = self._unmask[revealer]
-            items = response.self_mask_shares if self_mask else response.mask_key_shares
-            # R4's check (_receive_unmask): the items name exactly these owners, in this order.
-            named = list(map(_OWNER, items))
-            if named != list(owners):
-                padded = named + [None] * len(owners)
-                missing = next(owner for k, owner in enumerate(owners) if padded[k] != owner)
-                raise InvalidShareError(f"{revealer!r} revealed no share of {missing!r}")
-            rows.append(self._unmask_values[revealer][part])
+        rows = [self._unmask[revealer][part] for revealer in revealers]
         # Column k: every revealer's share of owner k.
-        return [shamir.combine(basis, column) for column in zip(*rows, strict=True)] if owners else []
+        return [shamir.combine(basis, column) for column in zip(*rows, strict=True)]
