@@ -563,6 +563,9 @@ def _name_length(data: memoryview, size: int, position: int) -> int:
     return length if 1 <= length <= MAX_STRING_BYTES and position + 2 + length <= size else 0
 
 
+_UNPACK_ITEMS = 1024  # items per struct: bounds what the cached structs hold, whatever the count
+
+
 @lru_cache(maxsize=64)
 def _items_struct(layout: str, count: int) -> struct.Struct:
     """``count`` items of ``layout`` (big-endian struct codes, no padding) back to back."""
@@ -571,16 +574,21 @@ def _items_struct(layout: str, count: int) -> struct.Struct:
 
 def _unpack_items(
     data: memoryview, size: int, position: int, count: int, layout: str
-) -> tuple[tuple, int] | None:
+) -> tuple[list, int] | None:
     """The fields of ``count`` items of ``layout`` from ``position``, flat, and the position after
     them; None where they do not fit in the message."""
-    end = position + count * struct.calcsize(">" + layout)
+    item = struct.calcsize(">" + layout)
+    end = position + count * item
     if end > size:
         return None
-    return _items_struct(layout, count).unpack_from(data, position), end
+    fields: list = []
+    for first in range(0, count, _UNPACK_ITEMS):
+        chunk = min(_UNPACK_ITEMS, count - first)
+        fields += _items_struct(layout, chunk).unpack_from(data, position + first * item)
+    return fields, end
 
 
-def _names(column: tuple[bytes, ...]) -> list[str] | None:
+def _names(column: list[bytes]) -> list[str] | None:
     """Each UTF-8 name of ``column`` as a string (one string where every item names the same, as
     a sender's shares do, and one string per name otherwise); None where one is not valid UTF-8."""
     first = column[0]

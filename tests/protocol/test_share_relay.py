@@ -161,6 +161,8 @@ def test_column_paths_write_and_read_the_reference_bytes(message, monkeypatch) -
         assert all(type(getattr(item, f.name)) in (str, bytes) for f in dataclasses.fields(item))
     with pytest.raises(dataclasses.FrozenInstanceError):
         setattr(pairs[0][0], dataclasses.fields(pairs[0][0])[0].name, "x")
+    monkeypatch.setattr(codec, "_UNPACK_ITEMS", 7)  # unpacked in chunks, the last one partial
+    assert codec.decode(data) == message
     assert codec.encode(message) == data  # the names now from the cache
     monkeypatch.setattr(codec, "_PREFIXED_NAMES", {})
     monkeypatch.setattr(codec, "_PREFIXED_NAMES_MAX", 3)  # cleared again and again
