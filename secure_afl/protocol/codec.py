@@ -21,7 +21,13 @@ carries the config.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+import dataclasses
+import struct
+import sys
+from collections import deque
+from collections.abc import Callable, Collection, Sequence
+from functools import lru_cache
+from itertools import repeat
 from typing import TypeVar
 
 from secure_afl.core.errors import LocalProtocolError, MessageDecodeError
@@ -279,37 +285,54 @@ def _write_encrypted_share(w: _Writer, share: EncryptedShare) -> None:
 
 def _write_encrypted_shares(w: _Writer, shares: tuple) -> None:
     """A sequence of :func:`_write_encrypted_share`, each item's checks in one loop (n² shares at
-    n = 1,000); an item that fails one is written by the field writers, which raise their error."""
+    n = 1,000), the name fields from a cache of the session's names; an item that fails one is
+    written by the field writers, which raise their error."""
     if not isinstance(shares, tuple):
         raise LocalProtocolError("sequence fields must be tuples")
     w.uint(len(shares), 4)
     parts = w.parts
+    # One pass, each share touched once: the requests take each share from another sender's
+    # message, so a share's fields are rarely in the cache (a pass per field cost more).
+    prefixed = _PREFIXED_NAMES.get
     for share in shares:
+        if type(share) is EncryptedShare:
+            sender, recipient, nonce, ciphertext = (
+                share.sender,
+                share.recipient,
+                share.nonce,
+                share.ciphertext,
+            )
+            if (
+                type(sender) is str
+                and type(recipient) is str
+                and type(nonce) is bytes
+                and type(ciphertext) is bytes
+                and len(nonce) == NONCE_BYTES
+                and len(ciphertext) == SHARE_CIPHERTEXT_BYTES
+            ):
+                raw_sender = prefixed(sender)
+                raw_recipient = prefixed(recipient)
+                if raw_sender is not None and raw_recipient is not None:
+                    parts += (raw_sender, raw_recipient, nonce, ciphertext)
+                    continue
         _check_type(share, EncryptedShare)
-        sender, recipient, nonce, ciphertext = share.sender, share.recipient, share.nonce, share.ciphertext
-        if (
-            type(sender) is str
-            and type(recipient) is str
-            and type(nonce) is bytes
-            and type(ciphertext) is bytes
-            and len(nonce) == NONCE_BYTES
-            and len(ciphertext) == SHARE_CIPHERTEXT_BYTES
-        ):
-            try:
-                raw_sender, raw_recipient = sender.encode("utf-8"), recipient.encode("utf-8")
-            except UnicodeEncodeError:
-                raw_sender = raw_recipient = b""
-            if 1 <= len(raw_sender) <= MAX_STRING_BYTES and 1 <= len(raw_recipient) <= MAX_STRING_BYTES:
-                parts += (
-                    len(raw_sender).to_bytes(2, "big"),
-                    raw_sender,
-                    len(raw_recipient).to_bytes(2, "big"),
-                    raw_recipient,
-                    nonce,
-                    ciphertext,
-                )
-                continue
-        _write_encrypted_share(w, share)
+        start = len(parts)
+        _write_encrypted_share(w, share)  # raises, or writes a valid share: remember its names
+        _remember_name(share.sender, parts[start] + parts[start + 1])
+        _remember_name(share.recipient, parts[start + 2] + parts[start + 3])
+
+
+# Valid string fields (str, 1..255 UTF-8 bytes) -> ``len || UTF-8``: the few thousand names of a
+# session, each encoded once instead of once per share.
+_PREFIXED_NAMES: dict[str, bytes] = {}
+_PREFIXED_NAMES_MAX = 1 << 16
+
+
+def _remember_name(name: str, field: bytes) -> None:
+    if type(name) is str:
+        if len(_PREFIXED_NAMES) >= _PREFIXED_NAMES_MAX:
+            _PREFIXED_NAMES.clear()
+        _PREFIXED_NAMES[name] = field
 
 
 def _write_masked_tensor(w: _Writer, tensor: MaskedTensor) -> None:
@@ -498,15 +521,26 @@ def _read_fast_sequence(
     min_item_bytes: int,
     fast: Callable[[memoryview, int, int], tuple[T, int]],
     slow: Callable[[_Reader], T],
+    uniform: Callable[[memoryview, int, int, int], tuple[tuple[T, ...], int] | None] | None = None,
 ) -> tuple[T, ...]:
     """A sequence whose items ``fast(data, size, position) -> (item, next position)`` reads with
     locals, for the n² items the server decodes (10⁶ at n = 1,000: the per-field calls were most of
     it).  An item ``fast`` refuses (ValueError: not whole within the message, or names breaking the
-    string rule) is read again by the field reader ``slow``, so the error is the one it gives."""
+    string rule) is read again by the field reader ``slow``, so the error is the one it gives.
+
+    First, ``uniform(data, size, position, count) -> (items, next position)`` may read the whole
+    sequence a column at a time where every item has the same layout (the same name lengths, every
+    name ASCII, all within the message); it gives None otherwise, and the items are read one by one.
+    """
     count = r.uint(4)
     if count * min_item_bytes > r.size - r.position:
         raise MessageDecodeError(f"sequence of {count} items cannot fit in the remaining bytes")
     data, size, position = r.data, r.size, r.position
+    if uniform is not None and count:
+        whole = uniform(data, size, position, count)
+        if whole is not None:
+            r.position = whole[1]
+            return whole[0]
     items = []
     append = items.append
     for _ in range(count):
@@ -519,6 +553,79 @@ def _read_fast_sequence(
         append(item)
     r.position = position
     return tuple(items)
+
+
+def _name_length(data: memoryview, size: int, position: int) -> int:
+    """The length of the string field at ``position`` where it is whole and in range, else 0."""
+    if position + 2 > size:
+        return 0
+    length = int.from_bytes(data[position : position + 2], "big")
+    return length if 1 <= length <= MAX_STRING_BYTES and position + 2 + length <= size else 0
+
+
+_UNPACK_ITEMS = 1024  # items per struct: bounds what the cached structs hold, whatever the count
+
+
+@lru_cache(maxsize=64)
+def _items_struct(layout: str, count: int) -> struct.Struct:
+    """``count`` items of ``layout`` (big-endian struct codes, no padding) back to back."""
+    return struct.Struct(">" + layout * count)
+
+
+def _unpack_items(
+    data: memoryview, size: int, position: int, count: int, layout: str
+) -> tuple[list, int] | None:
+    """The fields of ``count`` items of ``layout`` from ``position``, flat, and the position after
+    them; None where they do not fit in the message."""
+    item = struct.calcsize(">" + layout)
+    end = position + count * item
+    if end > size:
+        return None
+    fields: list = []
+    for first in range(0, count, _UNPACK_ITEMS):
+        chunk = min(_UNPACK_ITEMS, count - first)
+        fields += _items_struct(layout, chunk).unpack_from(data, position + first * item)
+    return fields, end
+
+
+def _names(column: list[bytes]) -> list[str] | None:
+    """Each UTF-8 name of ``column`` as a string (one string where every item names the same, as
+    a sender's shares do, and one string per name otherwise); None where one is not valid UTF-8."""
+    first = column[0]
+    try:
+        if column.count(first) == len(column):
+            return [sys.intern(first.decode("utf-8"))] * len(column)
+        # UTF-8, strict; interned: the server relays each name in n shares, and one string per
+        # name keeps the shares' names in the cache when it writes them out again.
+        return list(map(sys.intern, map(bytes.decode, column)))
+    except UnicodeDecodeError:
+        return None
+
+
+def _builder(cls: type) -> Callable[..., tuple]:
+    """``build(*columns)``: a tuple of ``cls(*row)`` for each row of the field columns.  ``cls``
+    is a slotted frozen dataclass without ``__post_init__``: its items are made and their slots
+    filled a column at a time (the generated ``__init__`` does the same, one item at a time), which
+    is the bulk of decoding n² shares; any other class is called item by item."""
+    names = tuple(f.name for f in dataclasses.fields(cls))
+    if getattr(cls, "__slots__", None) != names or hasattr(cls, "__post_init__"):
+        return lambda *columns: tuple(map(cls, *columns))
+    setters = tuple(getattr(cls, name).__set__ for name in names)
+    new = object.__new__
+
+    def build(*columns: Sequence[object]) -> tuple:
+        items = list(map(new, repeat(cls, len(columns[0]))))
+        for set_field, column in zip(setters, columns, strict=True):
+            if len(column) != len(items):
+                raise LocalProtocolError("field columns of different lengths")
+            deque(map(set_field, items, column), maxlen=0)
+        return tuple(items)
+
+    return build
+
+
+_build_encrypted_shares = _builder(EncryptedShare)
+_build_revealed_shares = _builder(RevealedShare)
 
 
 def _fast_encrypted_share(data: memoryview, size: int, position: int) -> tuple[EncryptedShare, int]:
@@ -539,9 +646,37 @@ def _fast_encrypted_share(data: memoryview, size: int, position: int) -> tuple[E
     ), after
 
 
+def _uniform_encrypted_shares(
+    data: memoryview, size: int, position: int, count: int
+) -> tuple[tuple[EncryptedShare, ...], int] | None:
+    """``count`` encrypted shares read a column at a time (:func:`_read_fast_sequence`'s
+    ``uniform``), where every share's sender and recipient have the first share's lengths, all fit
+    and all are UTF-8: then item k starts at ``position + k * stride``, and reading share by share
+    gives these same items and position.  None otherwise."""
+    sender_length = _name_length(data, size, position)
+    recipient_length = _name_length(data, size, position + 2 + sender_length) if sender_length else 0
+    if not recipient_length:
+        return None
+    layout = f"H{sender_length}sH{recipient_length}s{NONCE_BYTES}s{SHARE_CIPHERTEXT_BYTES}s"
+    unpacked = _unpack_items(data, size, position, count, layout)
+    if unpacked is None:
+        return None
+    fields, end = unpacked
+    if fields[0::6].count(sender_length) != count or fields[2::6].count(recipient_length) != count:
+        return None
+    senders = _names(fields[1::6])
+    recipients = _names(fields[3::6])
+    if senders is None or recipients is None:
+        return None
+    return _build_encrypted_shares(senders, recipients, fields[4::6], fields[5::6]), end
+
+
 def _read_encrypted_shares(r: _Reader) -> tuple[EncryptedShare, ...]:
-    """A sequence of :func:`_read_encrypted_share`: the same bytes and checks, in one loop."""
-    return _read_fast_sequence(r, 166, _fast_encrypted_share, _read_encrypted_share)
+    """A sequence of :func:`_read_encrypted_share`: the same bytes and checks, in one loop (or a
+    column at a time where the shares' layout is uniform)."""
+    return _read_fast_sequence(
+        r, 166, _fast_encrypted_share, _read_encrypted_share, _uniform_encrypted_shares
+    )
 
 
 def _read_masked_tensor(r: _Reader) -> MaskedTensor:
@@ -571,10 +706,30 @@ def _fast_revealed_share(data: memoryview, size: int, position: int) -> tuple[Re
     return RevealedShare(str(data[start:end], "utf-8"), data[end:stop].tobytes()), stop
 
 
+def _uniform_revealed_shares(
+    data: memoryview, size: int, position: int, count: int
+) -> tuple[tuple[RevealedShare, ...], int] | None:
+    """``count`` revealed shares read a column at a time, where every owner has the first one's
+    length, all fit and all are UTF-8 (:func:`_uniform_encrypted_shares`)."""
+    owner_length = _name_length(data, size, position)
+    if not owner_length:
+        return None
+    unpacked = _unpack_items(data, size, position, count, f"H{owner_length}s{shamir.VALUE_BYTES}s")
+    if unpacked is None:
+        return None
+    fields, end = unpacked
+    if fields[0::3].count(owner_length) != count:
+        return None
+    owners = _names(fields[1::3])
+    if owners is None:
+        return None
+    return _build_revealed_shares(owners, fields[2::3]), end
+
+
 def _read_revealed_shares(r: _Reader) -> tuple[RevealedShare, ...]:
     """A sequence of :func:`_read_revealed_share` (the server decodes n² of them in R4), the same
     bytes and checks (:func:`_read_fast_sequence`)."""
-    return _read_fast_sequence(r, 69, _fast_revealed_share, _read_revealed_share)
+    return _read_fast_sequence(r, 69, _fast_revealed_share, _read_revealed_share, _uniform_revealed_shares)
 
 
 _READERS: dict[int, Callable[[_Reader], Message]] = {

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from operator import attrgetter, itemgetter
 from types import MappingProxyType
 
 import numpy as np
@@ -38,6 +39,7 @@ from .messages import (
     AdvertiseRequest,
     ConsistencyCheckRequest,
     ConsistencyResponse,
+    EncryptedShare,
     MaskedInput,
     MaskedInputRequest,
     SessionConfig,
@@ -50,6 +52,12 @@ from .messages import (
 from .state import SERVER_ACCEPTS, SERVER_NEXT_ROUND, ServerRound
 
 ServerReply = ShareKeysRequest | MaskedInputRequest | ConsistencyCheckRequest | UnmaskRequest
+
+# Fields of n² items (10⁶ at n = 1,000) read a column at a time.
+_SENDER = attrgetter("sender")
+_RECIPIENT = attrgetter("recipient")
+_OWNER = attrgetter("owner")
+_VALUE = attrgetter("value")
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,19 +91,22 @@ class ServerSession:
         self._message_limit = codec.max_message_bytes(config, len(roster))
         self._round = ServerRound.NOT_STARTED
         self._adverts: dict[str, AdvertiseKeys] = {}
-        self._shares: dict[str, ShareKeys] = {}
+        # per R1 sender: its shares by recipient (R2's requests take one from each sender); let go
+        # once R1 closes, so that the n² shares live only as long as the requests that carry them
+        self._shares_to: dict[str, dict[str, EncryptedShare]] = {}
         self._masked_senders: set[str] = set()
         self._sums: dict[tuple[str, str], np.ndarray] = {}
         self._signatures: dict[str, bytes] = {}
-        self._unmask: dict[str, UnmaskResponse] = {}
-        # per responder: its revealed self-mask and mask-key share values, in the order revealed
-        self._unmask_values: dict[str, tuple[list[int], list[int]]] = {}
+        # per R4 responder: its revealed self-mask and mask-key share values, in the order revealed
+        # (U3's, then the dropped clients', as _receive_unmask checked); not the n² share objects
+        self._unmask: dict[str, tuple[list[int], list[int]]] = {}
         self._members: dict[str, tuple[str, ...]] = {}
         self._adverts_digest = b""
         self._u2: tuple[str, ...] = ()
         self._u3: tuple[str, ...] = ()
         self._survivors_transcript = b""
         self._u4: tuple[str, ...] = ()
+        self._dropped: tuple[str, ...] = ()  # U2 - U3, sorted: whose mask keys R4 reveals
         self._result: AggregationResult | None = None
 
     @property
@@ -192,16 +203,20 @@ class ServerSession:
         self._adverts[advert.client_id] = advert
 
     def _receive_shares(self, message: ShareKeys) -> None:
-        self._check_sender(message.sender, self._adverts, self._shares)
-        recipients = [share.recipient for share in message.shares]
+        self._check_sender(message.sender, self._adverts, self._shares_to)
+        shares = message.shares
+        # A column at a time (n² shares at n = 1,000); the same checks as share by share.
+        recipients = list(map(_RECIPIENT, shares))
         expected = set(self._adverts) - {message.sender}
-        if any(share.sender != message.sender for share in message.shares):
+        senders = list(map(_SENDER, shares))
+        if senders.count(message.sender) != len(senders):
             raise ClientProtocolError(f"{message.sender!r} sent shares under another sender's name")
-        if len(recipients) != len(set(recipients)) or set(recipients) != expected:
+        by_recipient = dict(zip(recipients, shares, strict=True))
+        if len(by_recipient) != len(recipients) or by_recipient.keys() != expected:
             raise ClientProtocolError(
                 f"{message.sender!r} did not send exactly one share to every other client"
             )
-        self._shares[message.sender] = message
+        self._shares_to[message.sender] = by_recipient
 
     def _receive_masked_input(self, message: MaskedInput) -> None:
         self._check_sender(message.sender, self._u2, self._masked_senders)
@@ -238,23 +253,21 @@ class ServerSession:
 
     def _receive_unmask(self, message: UnmaskResponse) -> None:
         self._check_sender(message.sender, self._u4, self._unmask)
-        dropped = sorted(set(self._u2) - set(self._u3))
-        if [item.owner for item in message.self_mask_shares] != list(self._u3):
+        if list(map(_OWNER, message.self_mask_shares)) != list(self._u3):
             raise ClientProtocolError(
                 f"{message.sender!r} did not reveal exactly the survivors' self-mask shares"
             )
-        if [item.owner for item in message.mask_key_shares] != dropped:
+        if list(map(_OWNER, message.mask_key_shares)) != list(self._dropped):
             raise ClientProtocolError(
                 f"{message.sender!r} did not reveal exactly the dropped clients' key shares"
             )
         values = (
-            [shamir.value_from_bytes(item.value) for item in message.self_mask_shares],
-            [shamir.value_from_bytes(item.value) for item in message.mask_key_shares],
+            shamir.values_from_bytes(list(map(_VALUE, message.self_mask_shares))),
+            shamir.values_from_bytes(list(map(_VALUE, message.mask_key_shares))),
         )
-        if any(value >= shamir.PRIME for part in values for value in part):
+        if max((max(part, default=0) for part in values), default=0) >= shamir.PRIME:
             raise InvalidShareError(f"{message.sender!r} revealed a share that is not a field element")
-        self._unmask[message.sender] = message
-        self._unmask_values[message.sender] = values  # read once here; R4's recovery uses them
+        self._unmask[message.sender] = values  # read once here; R4's recovery uses them
 
     # --- closing rounds ---------------------------------------------------------------------------
 
@@ -289,18 +302,18 @@ class ServerSession:
         return {cid: request for cid in sorted(self._adverts)}
 
     def _close_share_keys(self) -> dict[str, ServerReply]:
-        u2 = tuple(sorted(self._shares))
+        u2 = tuple(sorted(self._shares_to))
         self._require(len(u2), "shared keys")
         self._check_groups(self._members, set(u2), "after R1")
-        # Each recipient's shares in the senders' order: one pass over all n² shares (not n per recipient).
-        inbox: dict[str, list] = {recipient: [] for recipient in u2}
-        for sender in u2:
-            for share in self._shares[sender].shares:
-                if share.recipient != sender and share.recipient in inbox:
-                    inbox[share.recipient].append(share)
+        # Each recipient's shares in the senders' order: one from each other sender's index by
+        # recipient (every sender of U2 sent exactly one share to every other client of U1).
+        indexes = [self._shares_to[sender] for sender in u2]
         replies: dict[str, ServerReply] = {
-            recipient: MaskedInputRequest(self._config.session_id, tuple(inbox[recipient]))
-            for recipient in u2
+            recipient: MaskedInputRequest(
+                self._config.session_id,
+                tuple(map(itemgetter(recipient), indexes[:position] + indexes[position + 1 :])),
+            )
+            for position, recipient in enumerate(u2)
         }
         self._sums = {
             (group.name, tensor.name): np.zeros(tensor.length, dtype=np.uint64)
@@ -308,6 +321,7 @@ class ServerSession:
             for tensor in group.tensors
         }
         self._u2 = u2
+        self._shares_to = {}  # the requests carry the shares from here on
         return replies
 
     def _close_masked_input(self) -> dict[str, ServerReply]:
@@ -335,6 +349,7 @@ class ServerSession:
             reveal_mask_key_of=dropped,
         )
         self._u4 = u4
+        self._dropped = dropped
         return {cid: request for cid in u4}
 
     def _close_unmask(self) -> None:
@@ -345,8 +360,7 @@ class ServerSession:
         # Every owner's shares come from the same revealers: one Lagrange basis for all of them.
         basis = shamir.lagrange_coefficients([self._roster.share_point(cid) for cid in chosen])
         seeds: dict[str, bytes] = {}
-        for position, owner in enumerate(self._u3):
-            value = self._reconstruct(basis, chosen, owner, position, self_mask=True)
+        for owner, value in zip(self._u3, self._recover(basis, chosen, self_mask=True), strict=True):
             seed = value.to_bytes(32, "big") if value < 2**256 else b""
             if (
                 binding.self_mask_commitment(seed, session_id, owner)
@@ -357,8 +371,8 @@ class ServerSession:
                 )
             seeds[owner] = seed
         dropped_keys: dict[str, X25519PrivateKey] = {}
-        for position, owner in enumerate(sorted(set(self._u2) - set(self._u3))):
-            value = self._reconstruct(basis, chosen, owner, position, self_mask=False)
+        dropped = self._dropped
+        for owner, value in zip(dropped, self._recover(basis, chosen, self_mask=False), strict=True):
             if value >= 2**256:
                 raise InvalidShareError(f"the mask-key shares of {owner!r} do not reconstruct a key")
             key = X25519PrivateKey.from_private_bytes(value.to_bytes(32, "big"))
@@ -411,18 +425,12 @@ class ServerSession:
             survivors=self._u3,
         )
 
-    def _reconstruct(
-        self, basis: tuple[int, ...], revealers: list[str], owner: str, position: int, *, self_mask: bool
-    ) -> int:
-        """``owner``'s secret from the shares ``revealers`` revealed, with their Lagrange ``basis``;
-        ``position``: the owner's place in the revealed lists (the survivors', or the dropped ones')."""
-        values = []
+    def _recover(self, basis: tuple[int, ...], revealers: list[str], *, self_mask: bool) -> list[int]:
+        """Every owner's secret (the survivors' seeds, or the dropped clients' mask keys, in their
+        revealed order) from the shares ``revealers`` revealed, with their Lagrange ``basis``.
+        Each revealer's values are in that order: _receive_unmask accepted only responses naming
+        exactly these owners in this order."""
         part = 0 if self_mask else 1
-        for revealer in revealers:
-            response = self._unmask[revealer]
-            items = response.self_mask_shares if self_mask else response.mask_key_shares
-            # R4's check (_receive_unmask): the items name exactly these owners, in this order.
-            if items[position].owner != owner:
-                raise InvalidShareError(f"{revealer!r} revealed no share of {owner!r}")
-            values.append(self._unmask_values[revealer][part][position])
-        return shamir.combine(basis, values)
+        rows = [self._unmask[revealer][part] for revealer in revealers]
+        # Column k: every revealer's share of owner k.
+        return [shamir.combine(basis, column) for column in zip(*rows, strict=True)]

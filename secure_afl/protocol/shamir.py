@@ -9,8 +9,11 @@ t - 1 shares are consistent with every secret (perfect secrecy), which the tests
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import repeat
+from operator import mul
 
 from secure_afl.core.errors import LocalProtocolError
 from secure_afl.core.randomness import RandomSource
@@ -18,6 +21,7 @@ from secure_afl.core.randomness import RandomSource
 PRIME = 2**521 - 1
 VALUE_BYTES = 66  # ceil(521 / 8)
 _VALUE_MASK = (1 << 521) - 1
+_SMALL = 1 << 32  # points and targets below this take lagrange_coefficients' exact-product path
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +71,22 @@ def lagrange_coefficients(xs: Sequence[int], at: int = 0) -> tuple[int, ...]:
     target = at % PRIME
     numerators = []
     denominators = []
+    if target < _SMALL and max(points) < _SMALL:
+        # Roster positions (x ≤ n) and the target 0: the products of the small differences are
+        # exact integers of a few thousand bits, reduced once (t = 667 at n = 1,000), not per step.
+        factors = [target - x for x in points]
+        whole = math.prod(factors)
+        for i, x_i in enumerate(points):
+            # prod over j != i of (target - x_j): the whole product without its factor i, where
+            # that factor is non-zero (the division is then exact).
+            factor = factors[i]
+            if factor:
+                numerators.append(whole // factor % PRIME)
+            else:
+                numerators.append(math.prod(factors[:i] + factors[i + 1 :]) % PRIME)
+            denominators.append(math.prod([x_i - x_j for x_j in points[:i] + points[i + 1 :]]) % PRIME)
+        inverses = _batch_inverse(denominators)
+        return tuple(n * inv % PRIME for n, inv in zip(numerators, inverses, strict=True))
     for i, x_i in enumerate(points):
         numerator, denominator = 1, 1
         for j, x_j in enumerate(points):
@@ -83,7 +103,7 @@ def combine(coefficients: Sequence[int], values: Sequence[int]) -> int:
     """``sum(l_i * y_i) mod p``: the secret from its shares' values and :func:`lagrange_coefficients`."""
     if len(coefficients) != len(values):
         raise LocalProtocolError(f"{len(values)} share values for {len(coefficients)} Lagrange coefficients")
-    return sum(c * y for c, y in zip(coefficients, values, strict=True)) % PRIME
+    return sum(map(mul, coefficients, values)) % PRIME
 
 
 def _batch_inverse(values: Sequence[int]) -> list[int]:
@@ -114,6 +134,11 @@ def value_to_bytes(value: int) -> bytes:
 def value_from_bytes(data: bytes) -> int:
     """Field element from its fixed-size encoding; values >= p are rejected by the caller's check."""
     return int.from_bytes(data, "big")
+
+
+def values_from_bytes(items: Sequence[bytes]) -> list[int]:
+    """:func:`value_from_bytes` of each of ``items`` (the server reads n² of them)."""
+    return list(map(int.from_bytes, items, repeat("big")))
 
 
 _HORNER_BLOCK = 16  # Horner steps between reductions when x is small
