@@ -27,7 +27,6 @@ The client defends itself against the server (the party we do not trust), by its
 
 from __future__ import annotations
 
-import itertools
 import unicodedata
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
@@ -75,7 +74,6 @@ from .messages import (
     GroupSpec,
     MaskedInput,
     MaskedInputRequest,
-    MaskedTensor,
     RevealedShare,
     SessionConfig,
     ShareKeys,
@@ -360,7 +358,15 @@ class ClientSession:
             self._fail()
             raise OutOfOrderMessageError(f"the server sent a client message ({type(message).__name__})")
         replies = self._receive(message, message_digest(data))
-        return [codec.encode(reply, max_message_bytes=self.reply_limit(reply)) for reply in replies]
+        return [self._encoded(reply) for reply in replies]
+
+    def _encoded(self, reply: ClientMessage) -> bytes:
+        """The wire bytes of ``reply``: R2's masked input was framed as it was masked (its bytes are
+        kept with it, the same as ``codec.encode`` gives); any other reply is encoded here."""
+        framed, self._encoded_reply = self._encoded_reply, None
+        if framed is not None and framed[0] is reply:
+            return framed[1]
+        return codec.encode(reply, max_message_bytes=self.reply_limit(reply))
 
     def receive(self, message: object) -> list[ClientMessage]:
         """Handle one server message and return the replies to send to the server."""
@@ -390,6 +396,7 @@ class ClientSession:
                 raise OutOfOrderMessageError(
                     f"{type(message).__name__} received while awaiting {expected.__name__}"
                 )
+            self._encoded_reply = None  # R2's framed bytes of a reply that was never sent
             reply, commit = handlers[type(message)](message)  # type: ignore[operator]
             # One answer per round: recorded (durably, with a file ledger) before the reply leaves.
             self._gate.answer(self._message_session(message), _ROUND_OF[type(message)], digest)
@@ -628,8 +635,11 @@ class ClientSession:
                 raise InvalidShareError(f"shares from {share.sender!r} are not field elements")
             held[share.sender] = _HeldShares(seed_value, key_value)
 
-        pair_secrets: dict[str, bytes] = {}
-        tensors: list[MaskedTensor] = []
+        # HKDF's extract step once per secret (the own seed, each peer's shared secret), its expand
+        # step per group and tensor: the same keys as prg.self_mask_key / prg.pair_mask_key.
+        own_prk = prg.key_prk(self._seed)
+        pair_prks: dict[str, bytes] = {}
+        plan: list[tuple[str, str, np.ndarray, list[tuple[bytes, int]]]] = []
         # One input array in several groups is encoded once; each group checks its own bound and
         # masks its own copy of the words.
         encoded: dict[int, np.ndarray] = {}
@@ -637,9 +647,9 @@ class ClientSession:
             group_size = len(self._members[group])
             peers = [cid for cid in self._members[group] if cid in live and cid != self.client_id]
             for peer in peers:
-                if peer not in pair_secrets:
-                    pair_secrets[peer] = crypto.x25519_shared_secret(
-                        self._mask_key, self._adverts[peer].mask_public_key
+                if peer not in pair_prks:
+                    pair_prks[peer] = prg.key_prk(
+                        crypto.x25519_shared_secret(self._mask_key, self._adverts[peer].mask_public_key)
                     )
             for name in sorted(self._inputs[group]):
                 values = self._inputs[group][name]
@@ -654,20 +664,29 @@ class ClientSession:
                     encoding.check_encodable(
                         values, tensor=label, frac_bits=config.frac_bits, group_size=group_size
                     )
-                words = base.copy()
-                own = prg.self_mask_key(self._seed, config.session_id, group, name, self.client_id)
-                pairs = (
+                own = prg.self_mask_key_from_prk(own_prk, config.session_id, group, name, self.client_id)
+                keys = [(own, 1)] + [
                     (
-                        prg.pair_mask_key(
-                            pair_secrets[peer], config.session_id, group, name, self.client_id, peer
+                        prg.pair_mask_key_from_prk(
+                            pair_prks[peer], config.session_id, group, name, self.client_id, peer
                         ),
                         prg.pair_sign(self.client_id, peer),
                     )
                     for peer in peers
-                )
-                prg.add_masks(words, itertools.chain(((own, 1),), pairs))
-                tensors.append(MaskedTensor(group, name, words.astype("<u8", copy=False).tobytes()))
-        reply = MaskedInput(config.session_id, self.client_id, tuple(tensors))
+                ]
+                plan.append((group, name, base, keys))
+        # The words are masked straight into the message's frame: no copy of them per group, no
+        # bytes of each tensor, no join (the same bytes as codec.encode of the same message).
+        frame = codec.MaskedInputFrame(
+            config.session_id,
+            self.client_id,
+            [(group, name, base.shape[0]) for group, name, base, _ in plan],
+            max_message_bytes=self._limits[MaskedInput],
+        )
+        for index, (_, _, base, keys) in enumerate(plan):
+            prg.add_masks(frame.words(index), keys, base=base)
+        data, reply = frame.finish()
+        self._encoded_reply = (reply, data)
 
         def commit() -> None:
             self._held = held
@@ -863,6 +882,8 @@ class ClientSession:
         self._share_senders: frozenset[str] = frozenset()
         self._survivors: frozenset[str] = frozenset()
         self._relevant: dict[str, tuple[str, ...]] = {}
+        # R2's reply and its wire bytes, framed as it was masked (receive_bytes sends them).
+        self._encoded_reply: tuple[MaskedInput, bytes] | None = None
 
 
 _ROUND_OF = {

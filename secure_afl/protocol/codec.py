@@ -21,7 +21,9 @@ carries the config.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import struct
 import sys
 from collections import deque
@@ -29,6 +31,8 @@ from collections.abc import Callable, Collection, Sequence
 from functools import lru_cache
 from itertools import repeat
 from typing import TypeVar
+
+import numpy as np
 
 from secure_afl.core.errors import LocalProtocolError, MessageDecodeError
 
@@ -170,11 +174,19 @@ class _Writer:
         # The length is in range (checked above): no second check (n² share names at n = 1,000).
         self.parts += (len(raw).to_bytes(2, "big"), raw)
 
-    def words(self, value: bytes) -> None:
-        if not isinstance(value, bytes) or len(value) % 8:
+    def words(self, value: bytes | memoryview) -> None:
+        # A decoded MaskedTensor carries a read-only view of the received bytes (see _Reader.words):
+        # it encodes again to the same bytes, so views of whole bytes are accepted as well.
+        if isinstance(value, memoryview) and value.c_contiguous:
+            size = value.nbytes
+        elif isinstance(value, bytes):
+            size = len(value)
+        else:
+            size = -1
+        if size < 0 or size % 8:
             raise LocalProtocolError("masked tensor data must be bytes of whole uint64 words")
-        self.uint(len(value), 4)
-        self.parts.append(value)
+        self.uint(size, 4)
+        self.parts.append(value)  # type: ignore[arg-type]
 
     def sequence(self, items: tuple, write_item: Callable[[object], None]) -> None:
         if not isinstance(items, tuple):
@@ -341,6 +353,89 @@ def _write_masked_tensor(w: _Writer, tensor: MaskedTensor) -> None:
     w.words(tensor.data)
 
 
+class MaskedInputFrame:
+    """The wire bytes of one :class:`MaskedInput`, with each tensor's words written in place.
+
+    ``encode(MaskedInput(session_id, sender, tensors))`` needs every tensor's words as bytes, then
+    joins them: a client uploading a d = 1024 Gram in 8 groups copies 34 MB twice after masking it.
+    Here the frame is laid out (and checked: the same field checks, errors and size limit as
+    :func:`encode`) from the tensors' names and word counts, :meth:`words` gives a writable uint64
+    view of a tensor's place in the frame (the caller masks straight into it), and :meth:`finish`
+    returns the frame's bytes, the same bytes :func:`encode` gives for that message, without a copy,
+    and the message, whose tensors' data are read-only views of those bytes.
+    """
+
+    def __init__(
+        self,
+        session_id: bytes,
+        sender: str,
+        tensors: Sequence[tuple[str, str, int]],
+        *,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> None:
+        w = _Writer()
+        w.uint(PROTOCOL_VERSION, 1)
+        w.uint(_TYPE_TAGS[MaskedInput], 1)
+        w.fixed(session_id, SESSION_ID_BYTES, "session id")
+        w.string(sender)
+        if not isinstance(tensors, Sequence):
+            raise LocalProtocolError("sequence fields must be tuples")
+        w.uint(len(tensors), 4)
+        # (offset, bytes) of every field before a tensor's words, and (offset, words) of each tensor.
+        prefixes: list[tuple[int, bytes]] = []
+        self._places: list[tuple[str, str, int, int]] = []
+        size = 0
+        for group, tensor, n_words in tensors:
+            w.string(group)
+            w.string(tensor)
+            if not isinstance(n_words, int) or isinstance(n_words, bool) or n_words < 0:
+                raise LocalProtocolError("masked tensor data must be bytes of whole uint64 words")
+            w.uint(8 * n_words, 4)
+            prefix = b"".join(w.parts)
+            w.parts.clear()
+            prefixes.append((size, prefix))
+            size += len(prefix)
+            self._places.append((group, tensor, size, n_words))
+            size += 8 * n_words
+        tail = b"".join(w.parts)
+        prefixes.append((size, tail))
+        size += len(tail)
+        if size > max_message_bytes:
+            raise LocalProtocolError(f"message of {size} bytes exceeds the limit of {max_message_bytes}")
+        self._session_id, self._sender = session_id, sender
+        # A BytesIO over a fresh zero-filled bytes object: its buffer is written through getbuffer()
+        # and getvalue() then returns that bytes object itself (CPython shares it once no view of it
+        # is left; were one left, getvalue() would copy, which is slower, never different).
+        self._buffer: io.BytesIO | None = io.BytesIO(bytes(size))
+        self._view = self._buffer.getbuffer()
+        for offset, part in prefixes:
+            self._view[offset : offset + len(part)] = part
+
+    def words(self, index: int) -> np.ndarray:
+        """A writable uint64 view of tensor ``index``'s words in the frame (zero until written);
+        drop it before :meth:`finish`."""
+        if self._buffer is None:
+            raise LocalProtocolError("the frame is finished")
+        _, _, offset, n_words = self._places[index]
+        return np.frombuffer(self._view, dtype="<u8", count=n_words, offset=offset)
+
+    def finish(self) -> tuple[bytes, MaskedInput]:
+        """The frame's bytes and the message they encode (its tensors' data: views of the bytes)."""
+        if self._buffer is None:
+            raise LocalProtocolError("the frame is finished")
+        # A words() view still alive keeps the buffer exported: getvalue() copies (same bytes).
+        with contextlib.suppress(BufferError):
+            self._view.release()
+        data = self._buffer.getvalue()
+        self._buffer = None
+        view = memoryview(data)
+        tensors = tuple(
+            MaskedTensor(group, tensor, view[offset : offset + 8 * n_words])  # type: ignore[arg-type]
+            for group, tensor, offset, n_words in self._places
+        )
+        return data, MaskedInput(self._session_id, self._sender, tensors)
+
+
 def _write_survivor_signature(w: _Writer, item: SurvivorSignature) -> None:
     w.string(item.client_id)
     w.fixed(item.signature, SIGNATURE_BYTES, "signature")
@@ -451,11 +546,19 @@ class _Reader:
         self.position = end
         return value
 
-    def words(self) -> bytes:
+    def words(self) -> memoryview:
+        """A masked tensor's words as a read-only view of the received bytes, not a copy (the server
+        reads every masked input of a session: 29 GB at n = 1,000, missing 1); the same checks as
+        :meth:`take`.  ``np.frombuffer(view, dtype="<u8")`` reads them in place."""
         length = self.uint(4)
         if length % 8:
             raise MessageDecodeError("masked tensor length is not a whole number of uint64 words")
-        return self.take(length)
+        start = self.position
+        end = start + length
+        if end > self.size:
+            raise MessageDecodeError(f"truncated message: needed {length} bytes at offset {start}")
+        self.position = end
+        return self.data[start:end]  # the reader's data is immutable bytes: the view is read-only
 
     def sequence(self, read_item: Callable[[], object], min_item_bytes: int) -> tuple:
         count = self.uint(4)

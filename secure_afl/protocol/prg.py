@@ -19,9 +19,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import numpy as np
-from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives import hashes, hmac
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
-from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF, HKDFExpand
 
 from .fields import tagged_fields
 
@@ -42,6 +42,31 @@ def pair_mask_key(shared_secret: bytes, session_id: bytes, group: str, tensor: s
     return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=info).derive(shared_secret)
 
 
+def key_prk(secret: bytes) -> bytes:
+    """HKDF-SHA256's extract step over a seed or shared secret, as :func:`self_mask_key` and
+    :func:`pair_mask_key` run it (``salt=None``: 32 zero bytes, RFC 5869 §2.2).  Every key derived
+    from one secret (one per group and tensor) shares it: extract once, then expand per key with
+    :func:`self_mask_key_from_prk` / :func:`pair_mask_key_from_prk`, which give the same keys."""
+    if not isinstance(secret, bytes):
+        raise TypeError("the secret must be bytes")
+    mac = hmac.HMAC(bytes(hashes.SHA256.digest_size), hashes.SHA256())
+    mac.update(secret)
+    return mac.finalize()
+
+
+def self_mask_key_from_prk(prk: bytes, session_id: bytes, group: str, tensor: str, client_id: str) -> bytes:
+    """:func:`self_mask_key` from the seed's :func:`key_prk` (HKDF's expand step alone)."""
+    info = tagged_fields(SELF_MASK_DOMAIN, session_id, group, tensor, client_id)
+    return HKDFExpand(algorithm=hashes.SHA256(), length=32, info=info).derive(prk)
+
+
+def pair_mask_key_from_prk(prk: bytes, session_id: bytes, group: str, tensor: str, a: str, b: str) -> bytes:
+    """:func:`pair_mask_key` from the shared secret's :func:`key_prk` (HKDF's expand step alone)."""
+    low, high = (a, b) if a < b else (b, a)
+    info = tagged_fields(PAIR_MASK_DOMAIN, session_id, group, tensor, low, high)
+    return HKDFExpand(algorithm=hashes.SHA256(), length=32, info=info).derive(prk)
+
+
 def pair_sign(own_id: str, peer_id: str) -> int:
     """+1 when ``own_id`` adds the pairwise mask (it is the lower id), -1 when it subtracts."""
     if own_id == peer_id:
@@ -60,29 +85,51 @@ def add_mask(accumulator: np.ndarray, key: bytes, sign: int) -> None:
     add_masks(accumulator, ((key, sign),))
 
 
-def add_masks(accumulator: np.ndarray, keys: Iterable[tuple[bytes, int]]) -> None:
-    """``accumulator += sum(sign * mask(key))`` modulo 2^64 over ``(key, sign)`` pairs, in place.
+def add_masks(
+    accumulator: np.ndarray, keys: Iterable[tuple[bytes, int]], *, base: np.ndarray | None = None
+) -> None:
+    """``accumulator += sum(sign * mask(key))`` modulo 2^64 over ``(key, sign)`` pairs, in place;
+    with ``base``, ``accumulator = base + sum(sign * mask(key))`` (its prior content is not read).
 
     The words added are exactly :func:`mask_words`': each key's keystream is produced in chunks of
     :data:`CHUNK_WORDS` (CTR mode continues across ``update_into`` calls) into one reused buffer,
-    and every key's chunk is added while that slice of the accumulator is in cache.
+    and every key's chunk is added while that slice of the accumulator is in cache.  An accumulator
+    that is not 8-byte aligned (a tensor's place in a message frame, see
+    :class:`~secure_afl.protocol.codec.MaskedInputFrame`) is summed chunk by chunk in an aligned
+    buffer and each chunk copied in once: numpy adds unaligned words about twice as slowly.
     """
     if accumulator.dtype != np.uint64 or accumulator.ndim != 1:
         raise ValueError(
             f"masks are added to a 1-D uint64 array, got {accumulator.dtype} {accumulator.shape}"
         )
+    if base is not None and (base.dtype != np.uint64 or base.shape != accumulator.shape):
+        raise ValueError(
+            f"the base must be a uint64 array of the accumulator's shape {accumulator.shape}, "
+            f"got {base.dtype} {base.shape}"
+        )
     streams = [
         (Cipher(algorithms.AES(key), modes.CTR(_ZERO_COUNTER)).encryptor(), sign > 0) for key, sign in keys
     ]
     n_words = accumulator.shape[0]
-    if not streams or n_words == 0:
+    if n_words == 0:
+        return
+    if not streams:
+        if base is not None:
+            np.copyto(accumulator, base)
         return
     size = min(CHUNK_WORDS, n_words)
     zeros = memoryview(bytearray(8 * size))
     out = bytearray(8 * size + 15)  # update_into wants block_size - 1 spare bytes
+    staged = base is not None or not accumulator.flags.aligned
+    scratch = np.empty(size, dtype=np.uint64) if staged else None
     for start in range(0, n_words, size):
         words = min(size, n_words - start)
-        part = accumulator[start : start + words]
+        target = accumulator[start : start + words]
+        if scratch is None:
+            part = target
+        else:
+            part = scratch[:words]
+            np.copyto(part, target if base is None else base[start : start + words])
         mask = np.frombuffer(out, dtype="<u8", count=words)
         for stream, add in streams:
             stream.update_into(zeros[: 8 * words], out)
@@ -90,3 +137,5 @@ def add_masks(accumulator: np.ndarray, keys: Iterable[tuple[bytes, int]]) -> Non
                 np.add(part, mask, out=part)
             else:
                 np.subtract(part, mask, out=part)
+        if scratch is not None:
+            np.copyto(target, part)

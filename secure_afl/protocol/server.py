@@ -232,13 +232,11 @@ class ServerSession:
         for key, length in expected.items():
             if received[key] != 8 * length:
                 raise ClientProtocolError(f"{message.sender!r}: tensor {key} has the wrong length")
-        # Every check passed: only now touch the sums.
+        # Every check passed: only now touch the sums.  The words are read in place: a decoded
+        # tensor's data is a view of the received message (codec), not a copy.
         for item in message.tensors:
-            np.add(
-                self._sums[(item.group, item.tensor)],
-                np.frombuffer(item.data, dtype="<u8"),
-                out=self._sums[(item.group, item.tensor)],
-            )
+            total = self._sums[(item.group, item.tensor)]
+            np.add(total, np.frombuffer(item.data, dtype="<u8"), out=total)
         self._masked_senders.add(message.sender)
 
     def _receive_consistency(self, message: ConsistencyResponse) -> None:
@@ -381,31 +379,43 @@ class ServerSession:
             dropped_keys[owner] = key
 
         survivors = set(self._u3)
-        sums = {key: value.copy() for key, value in self._sums.items()}
+        # Every check passed: the masked sums are unmasked in place (no copy; R2 is closed, nothing
+        # else reads or adds to them) and become the result.  HKDF's extract step runs once per
+        # seed and per shared secret, its expand step per tensor (the same keys, see prg.key_prk).
+        sums = self._sums
+        seed_prks = {owner: prg.key_prk(seed) for owner, seed in seeds.items()}
+        pair_prks: dict[tuple[str, str], bytes] = {}
         for group in self._config.groups:
             members = self._members[group.name]
             live = [cid for cid in members if cid in survivors]
             gone = [cid for cid in members if cid in dropped_keys]
-            pair_secrets = {
-                (d, v): crypto.x25519_shared_secret(dropped_keys[d], self._adverts[v].mask_public_key)
-                for d in gone
-                for v in live
-            }
+            for d in gone:
+                for v in live:
+                    if (d, v) not in pair_prks:
+                        pair_prks[(d, v)] = prg.key_prk(
+                            crypto.x25519_shared_secret(dropped_keys[d], self._adverts[v].mask_public_key)
+                        )
+            pairs = [(d, v) for d in gone for v in live]
             for tensor in group.tensors:
                 accumulator = sums[(group.name, tensor.name)]
                 prg.add_masks(
                     accumulator,
-                    ((prg.self_mask_key(seeds[v], session_id, group.name, tensor.name, v), -1) for v in live),
+                    (
+                        (prg.self_mask_key_from_prk(seed_prks[v], session_id, group.name, tensor.name, v), -1)
+                        for v in live
+                    ),
                 )
                 # A survivor v added pair_sign(v, d) * PRG(s_vd) for each member d that dropped after R1.
                 prg.add_masks(
                     accumulator,
                     (
                         (
-                            prg.pair_mask_key(secret, session_id, group.name, tensor.name, v, d),
+                            prg.pair_mask_key_from_prk(
+                                pair_prks[(d, v)], session_id, group.name, tensor.name, v, d
+                            ),
                             -prg.pair_sign(v, d),
                         )
-                        for (d, v), secret in pair_secrets.items()
+                        for d, v in pairs
                     ),
                 )
                 accumulator.setflags(write=False)
