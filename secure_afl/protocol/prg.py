@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import numpy as np
-from cryptography.hazmat.primitives import hashes, hmac
+from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF, HKDFExpand
 
@@ -49,9 +49,7 @@ def key_prk(secret: bytes) -> bytes:
     :func:`self_mask_key_from_prk` / :func:`pair_mask_key_from_prk`, which give the same keys."""
     if not isinstance(secret, bytes):
         raise TypeError("the secret must be bytes")
-    mac = hmac.HMAC(bytes(hashes.SHA256.digest_size), hashes.SHA256())
-    mac.update(secret)
-    return mac.finalize()
+    return HKDF.extract(hashes.SHA256(), None, secret)  # cryptography's own extract (>= 47)
 
 
 def self_mask_key_from_prk(prk: bytes, session_id: bytes, group: str, tensor: str, client_id: str) -> bytes:
