@@ -514,7 +514,7 @@ def _check_dp_budget(
     from .study import noise_plan
 
     spend = NodeSpend.of(noise_plan(study, roster_size), client_id)
-    recorded = json.dumps(spend.to_json(), sort_keys=True, separators=(",", ":"))
+    recorded = spend.to_text()
     if settings.dp_epsilon is None:
         return recorded
     state = _ledger(settings).load(LedgerOwner(client_id, identity))
@@ -522,7 +522,7 @@ def _check_dp_budget(
     try:
         for entry in state.sessions.values():
             if entry.survivors is not None and entry.spend:
-                past = NodeSpend.from_json(json.loads(entry.spend))
+                past = NodeSpend.from_text(entry.spend)
                 if past.unit == spend.unit:
                     earlier.append(past)
     except (DpError, ValueError, KeyError, TypeError) as exc:

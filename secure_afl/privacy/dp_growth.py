@@ -29,6 +29,7 @@ public plans and of who survived.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -278,6 +279,18 @@ class NodeSpend:
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise DpError(f"not a DP spend record: {exc!r}") from None
+
+    def to_text(self) -> str:
+        """The canonical JSON text a release carries into the ledger (``Release.spend``)."""
+        return json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_text(cls, text: str) -> NodeSpend:
+        try:
+            document = json.loads(text)
+        except ValueError as exc:
+            raise DpError(f"not a DP spend record: {exc}") from None
+        return cls.from_json(document)
 
 
 @dataclass(frozen=True)
