@@ -167,9 +167,9 @@ def floor(plan_path: Path, clients: int) -> dict[str, float]:
         READY_SUPERLINK,
         READY_SUPERNODE,
         ProcessGroups,
-        _wait_for,
         flower_bin,
         free_port,
+        wait_for_log,
     )
 
     seconds: dict[str, float] = {}
@@ -200,7 +200,7 @@ def floor(plan_path: Path, clients: int) -> dict[str, float]:
                  "--host", "127.0.0.1", "--port", str(port)],
                 work / "superlink.log",
             )  # fmt: skip
-            _wait_for(link, READY_SUPERLINK, 120, "the SuperLink")
+            wait_for_log(link, READY_SUPERLINK, 120, "the SuperLink")
             nodes = [
                 children.start(
                     f"node-{k}",
@@ -222,7 +222,7 @@ def floor(plan_path: Path, clients: int) -> dict[str, float]:
                 for k in range(clients)
             ]
             for node in nodes:
-                _wait_for(node, READY_SUPERNODE, 120, node.name)
+                wait_for_log(node, READY_SUPERNODE, 120, node.name)
             seconds["startup"] = time.perf_counter() - started
             stage = time.perf_counter()
             run = children.start("flwr run", [flower_bin("flwr"), "run", str(app), "local", "--stream"],
