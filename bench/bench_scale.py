@@ -62,6 +62,7 @@ from datetime import UTC, datetime
 import numpy as np
 
 from secure_afl.aggregation.backend import MaskingBackend
+from secure_afl.aggregation.difference import DifferencePlan, plan_difference
 from secure_afl.aggregation.inprocess import run_in_process
 from secure_afl.aggregation.layout import Layout, layout_of
 from secure_afl.analytic import ClientStatistics, Contributions, sum_contributions
@@ -131,6 +132,21 @@ def contributions_for(
     return out
 
 
+def planned(
+    contributions: Mapping[str, Contributions],
+) -> tuple[dict[str, Contributions], DifferencePlan | None]:
+    """The contributions as the product's masked sessions send them: :func:`run_in_process`'s
+    difference plan (t = floor(2n/3) + 1, groups of at least 2), or unchanged where it makes none."""
+    n = len(contributions)
+    members = {g: ids for g, (ids, _) in groups_of(contributions).items()}
+    plan = plan_difference(
+        members, layout_of(contributions), min_group_size=2, tolerated_dropouts=n - active_threshold(n)
+    )
+    if plan is None:
+        return dict(contributions), None
+    return {cid: plan.wire(c) for cid, c in contributions.items()}, plan
+
+
 def groups_of(
     contributions: Mapping[str, Contributions],
 ) -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
@@ -164,13 +180,17 @@ def exposure_check(contributions: Mapping[str, Contributions], cid: str) -> tupl
     return seconds, cpu, verdict, findings
 
 
-def session(contributions: Mapping[str, Contributions], *, seed: int = 0):
+def session(contributions: Mapping[str, Contributions], *, seed: int = 0, difference: bool = True):
     """One full in-process masked session; (median client seconds, server seconds, run)."""
     n = len(contributions)
     policy = replace(ClientPolicy.deployment(), refuse_exposure=False)  # go on, so costs are read
     backend = MaskingBackend(threshold=active_threshold(n), client_policy=policy)
     run = run_in_process(
-        backend, contributions, min_group_size=2, random=DeterministicRandomSource(f"scale{seed}".encode())
+        backend,
+        contributions,
+        min_group_size=2,
+        random=DeterministicRandomSource(f"scale{seed}".encode()),
+        difference=difference,
     )
     costs = run.costs
     per_client = [sum(costs.client_seconds[cid].values()) for cid in sorted(contributions)]
@@ -180,12 +200,22 @@ def session(contributions: Mapping[str, Contributions], *, seed: int = 0):
 EXPOSURE_MAX_DIM = 16  # the check reads the layout, not the values: n Grams of d × d need not exist
 
 
-def measure(n: int, d: int, layouts: Sequence[str], *, run_session: bool, one_client: bool = False) -> dict:
+def measure(
+    n: int,
+    d: int,
+    layouts: Sequence[str],
+    *,
+    run_session: bool,
+    one_client: bool = False,
+    difference: bool = True,
+) -> dict:
     result: dict = {
         "command": f"python bench/bench_scale.py --clients {n} --dim {d}"
         + (" --session" if run_session else "")
         + (" --one-client" if one_client else "")
+        + ("" if difference else " --direct")
         + f" --layouts {','.join(layouts)}",
+        "difference_plan": {},
         "date": datetime.now(UTC).strftime("%Y-%m-%d"),
         "host": f"{platform.machine()}, {platform.python_version()}",
         "clients": n,
@@ -209,13 +239,16 @@ def measure(n: int, d: int, layouts: Sequence[str], *, run_session: bool, one_cl
     for layout in layouts:
         contributions = contributions_for(n, min(d, EXPOSURE_MAX_DIM) if one_client else d, layout)
         first = min(contributions)
-        seconds, cpu, verdict, _ = exposure_check(contributions, first)
+        # The client checks what it sends: the wire groups (the same span of sums as the direct ones).
+        wire, plan = planned(contributions) if difference else (contributions, None)
+        result["difference_plan"][layout] = None if plan is None else dict(plan.savings)
+        seconds, cpu, verdict, _ = exposure_check(wire, first)
         result["exposure_seconds"][layout] = seconds
         result["exposure_cpu_seconds"][layout] = cpu
         result["exposure_verdicts"][layout] = verdict
         if one_client:
             del contributions  # at d = 1024, n = 1,000 the peers are built one at a time instead
-            run = one_client_session(n, d, layout)
+            run = one_client_session(n, d, layout, difference=difference)
             for key in (
                 "client_seconds",
                 "client_with_exposure_seconds",
@@ -231,7 +264,7 @@ def measure(n: int, d: int, layouts: Sequence[str], *, run_session: bool, one_cl
                 party: 8 * words / rate for party, words in run["mask_words"].items()
             }
         elif run_session:
-            client_s, server_s, run = session(contributions)
+            client_s, server_s, run = session(contributions, difference=difference)
             plain = sum_contributions(contributions.values())
             result["client_seconds"][layout] = client_s
             result["server_seconds"][layout] = server_s
@@ -316,7 +349,7 @@ class _Peer:
         self.held_from_me: tuple[int, int] = (0, 0)
 
 
-def one_client_session(n: int, d: int, layout: str, *, seed: int = 0) -> dict:
+def one_client_session(n: int, d: int, layout: str, *, seed: int = 0, difference: bool = True) -> dict:
     """One real client (the first id) and the real server; the n - 1 peers' messages built here.
 
     Timed, as :func:`run_in_process` times them: the measured client's ``receive_bytes`` (decode,
@@ -343,6 +376,20 @@ def one_client_session(n: int, d: int, layout: str, *, seed: int = 0) -> dict:
     me = ids[0]
     labels = labelling(n, layout, seed=seed)
     session_layout, members = _layout(n, d, layout, labels)
+    # The product's difference plan (run_in_process makes the same one): the wire's groups.
+    plan = (
+        plan_difference(members, session_layout, min_group_size=2, tolerated_dropouts=n - t)
+        if difference
+        else None
+    )
+    if plan is not None:
+        session_layout = plan.wire_layout(session_layout)
+        members = {**members, **plan.members}
+
+    def upload(k: int) -> dict[str, dict[str, np.ndarray]]:
+        contribution = one_contribution(k, labels[k], d, layout)
+        return _flat(contribution if plan is None else plan.wire(contribution), session_layout)
+
     random = DeterministicRandomSource(f"scale-one{seed}".encode())
     session_id = random.token_bytes(32)
     identities = {cid: IdentityKey.generate(random) for cid in ids}
@@ -360,7 +407,7 @@ def one_client_session(n: int, d: int, layout: str, *, seed: int = 0) -> dict:
                 total = plain.setdefault((group, name), np.zeros_like(values))
                 total += values
 
-    my_inputs = _flat(one_contribution(0, labels[0], d, layout), session_layout)
+    my_inputs = upload(0)
     add_plain(my_inputs)
     client = backend.client_session(
         me, identities[me], roster, my_inputs, session_id=session_id, min_group_size=2, random=random
@@ -510,7 +557,7 @@ def one_client_session(n: int, d: int, layout: str, *, seed: int = 0) -> dict:
     serve("R2", requests)
     my_mask_public = adverts[me].mask_public_key
     for k, (cid, peer) in enumerate(peers.items(), start=1):
-        inputs = _flat(one_contribution(k, labels[k], d, layout), session_layout)
+        inputs = upload(k)
         add_plain(inputs)
         pair_secret = crypto.x25519_shared_secret(peer.mask_key, my_mask_public)
         encoded: dict[int, np.ndarray] = {}
@@ -689,6 +736,11 @@ def main() -> None:
         help="one real client and the server against peers' messages built once (default above 200 clients)",
     )
     parser.add_argument(
+        "--direct",
+        action="store_true",
+        help="every group as the method names it: no difference plan (to measure the plan side by side)",
+    )
+    parser.add_argument(
         "--micro",
         action="store_true",
         help="also: Shamir recovery (one basis vs per owner) and client statistics vs a bare syrk",
@@ -701,7 +753,14 @@ def main() -> None:
     run_session = not one_client and (
         args.clients <= SESSION_DEFAULT_MAX if args.session is None else args.session
     )
-    result = measure(args.clients, args.dim, layouts, run_session=run_session, one_client=one_client)
+    result = measure(
+        args.clients,
+        args.dim,
+        layouts,
+        run_session=run_session,
+        one_client=one_client,
+        difference=not args.direct,
+    )
     if args.micro:
         result["shamir_cpu_seconds"] = {
             f"n={n}": {

@@ -94,6 +94,7 @@ class ProtectionBackend(Protocol):
     name: str
     trust_model: str
     rounds: tuple[str, ...]  # round labels in order; a repeated last round keeps its label
+    exact_sums: bool  # whether a difference plan (aggregation/difference.py) may be used
 
     def server_session(
         self, roster: Roster, layout: Layout, *, session_id: bytes, min_group_size: int, context: bytes = b""
@@ -160,6 +161,7 @@ class MaskingBackend:
     ledgers: Mapping[str, Ledger] = field(default_factory=dict)
     name: str = "mask"
     trust_model: str = MASK_TRUST_MODEL
+    exact_sums: bool = True  # integer sums mod 2⁶⁴: a difference plan's derived sums are bit-exact
     rounds: tuple[str, ...] = ("R0", "R1", "R2", "R3", "R4")
 
     def server_session(
@@ -218,12 +220,14 @@ class MaskingBackend:
 
     def outcome(self, server: ServerSessionLike, layout: Layout) -> SessionOutcome:
         result = server.result()  # type: ignore[attr-defined]
+        # A difference plan's sums are derived on the words (exact mod 2⁶⁴), then decoded.
+        words = layout.logical_words({group: s.sums for group, s in result.groups.items()})
         sums = {
             group: {
-                name: layout.unflatten(name, encoding.decode(words, frac_bits=self.frac_bits))
-                for name, words in group_sum.sums.items()
+                name: layout.unflatten(name, encoding.decode(values, frac_bits=self.frac_bits))
+                for name, values in tensors.items()
             }
-            for group, group_sum in result.groups.items()
+            for group, tensors in words.items()
         }
         return SessionOutcome(
             sums=sums,
@@ -254,6 +258,7 @@ class CkksBackend:
     ledgers: Mapping[str, Ledger] = field(default_factory=dict)
     name: str = "ckks"
     trust_model: str = CKKS_TRUST_MODEL
+    exact_sums: bool = False  # approximate sums: no difference plan (it would scale up the noise)
     rounds: tuple[str, ...] = ("R0", "R1", "R2", "R3", "R4")
 
     def server_session(
@@ -302,6 +307,8 @@ class CkksBackend:
         return ckks.codec.decode(data, max_message_bytes=max_message_bytes)
 
     def outcome(self, server: ServerSessionLike, layout: Layout) -> SessionOutcome:
+        if layout.derived:
+            raise ValueError("CKKS sums are approximate: a difference plan is for exact sums only")
         result = server.result()  # type: ignore[attr-defined]
         sums = {
             group: {name: layout.unflatten(name, np.array(values)) for name, values in group_sum.sums.items()}

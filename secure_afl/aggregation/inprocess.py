@@ -20,6 +20,7 @@ from secure_afl.keys.identity import IdentityKey
 from secure_afl.keys.roster import Roster, RosterEntry
 
 from .backend import ProtectionBackend, SessionOutcome
+from .difference import plan_difference
 from .layout import Layout, flatten, layout_of
 
 
@@ -60,12 +61,16 @@ def run_in_process(
     random: RandomSource | None = None,
     session_id: bytes | None = None,
     context: bytes = b"",
+    difference: bool = True,
 ) -> InProcessRun:
     """Sum ``contributions`` (client -> group -> tensor -> float64 array) per group through ``backend``.
 
     ``dropouts`` maps a round label of ``backend.rounds`` (not the first) to the clients that stop
     answering from that round on.  ``context`` is the session context every client and the server
-    bind (:func:`secure_afl.protocol.binding.session_context`; empty: none).
+    bind (:func:`secure_afl.protocol.binding.session_context`; empty: none).  ``difference``: a
+    backend with exact sums sends the Gram by difference where that sends fewer copies
+    (:mod:`.difference`; the same sums, bit for bit, and the same span of them); False keeps
+    every group as the contributions name it.  The run's ``layout`` is the wire's.
     """
     random = OsRandomSource() if random is None else random
     client_ids = tuple(sorted(contributions))
@@ -73,6 +78,23 @@ def run_in_process(
         raise ValueError("no contributions")
     drop_stage = dropout_stages(dropouts, client_ids, backend.rounds[1:])
     layout = layout_of(contributions, symmetric)
+    plan = None
+    if difference and backend.exact_sums:
+        members: dict[str, list[str]] = {}
+        for cid in client_ids:
+            for group in contributions[cid]:
+                members.setdefault(group, []).append(cid)
+        plan = plan_difference(
+            members,
+            layout,
+            min_group_size=min_group_size,
+            tolerated_dropouts=len(client_ids) - getattr(backend, "threshold", 0),  # t-of-n: n - t may drop
+        )
+        if plan is not None and not all(plan.applies_to(contributions[cid]) for cid in client_ids):
+            plan = None  # a client sends different Grams to different groups: keep them apart
+    if plan is not None:
+        contributions = {cid: plan.wire(contributions[cid]) for cid in client_ids}
+        layout = plan.wire_layout(layout)
     session_id = random.token_bytes(32) if session_id is None else session_id
     identities = {cid: IdentityKey.generate(random) for cid in client_ids}
     roster = Roster(RosterEntry(cid, cid, identities[cid].public_key) for cid in client_ids)

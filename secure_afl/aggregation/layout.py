@@ -7,7 +7,7 @@ protocol sums flat vectors; symmetric matrices travel as their upper triangle.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -19,11 +19,19 @@ Contributions = Mapping[str, Mapping[str, np.ndarray]]  # group -> tensor -> arr
 
 @dataclass(frozen=True)
 class Layout:
-    """Per group its tensors' wire lengths; per tensor name its array shape; which are symmetric."""
+    """Per group its tensors' wire lengths; per tensor name its array shape; which are symmetric.
+
+    ``derived`` and ``hidden`` are set by a difference plan (:mod:`.difference`): a (group, tensor)
+    sum that is not sent but derived from two wire sums, ``everyone − complement`` (or
+    ``everyone`` alone when the complement is None), and the wire sums that only serve a
+    derivation.  :meth:`logical_words` applies both to the unmasked words.
+    """
 
     groups: Mapping[str, Mapping[str, int]]
     shapes: Mapping[str, tuple[int, ...]]
     symmetric: frozenset[str]
+    derived: Mapping[tuple[str, str], tuple[str, str | None]] = field(default_factory=dict)
+    hidden: frozenset[tuple[str, str]] = frozenset()
 
     def group_specs(self) -> tuple[GroupSpec, ...]:
         """The session config's groups, sorted by name (tensors sorted by name)."""
@@ -31,6 +39,19 @@ class Layout:
             GroupSpec(group, tuple(TensorSpec(name, length) for name, length in sorted(tensors.items())))
             for group, tensors in sorted(self.groups.items())
         )
+
+    def logical_words(self, sums: Mapping[str, Mapping[str, np.ndarray]]) -> dict[str, dict[str, np.ndarray]]:
+        """The method's group sums from the wire's (uint64 words, exact mod 2⁶⁴): derived sums
+        added, the sums that only served a derivation left out (a group left empty goes too)."""
+        out = {group: dict(tensors) for group, tensors in sums.items()}
+        for (group, tensor), (everyone, complement) in self.derived.items():
+            total = sums[everyone][tensor]
+            words = total.copy() if complement is None else np.subtract(total, sums[complement][tensor])
+            words.setflags(write=False)
+            out.setdefault(group, {})[tensor] = words
+        for group, tensor in self.hidden:
+            del out[group][tensor]
+        return {group: tensors for group, tensors in out.items() if tensors}
 
     def flatten(self, name: str, values: np.ndarray) -> np.ndarray:
         return flatten(values, name in self.symmetric)

@@ -1,0 +1,189 @@
+"""One tensor summed over many large, overlapping groups, sent as an everyone-sum minus a complement.
+
+Under the per-class Gram layout class ``c``'s group ``S_c`` sums every member's Gram.  When most
+clients label ``c`` (``|S_c| > n/2``), the same sum is ``Σ_all G_k − Σ_{k∉S_c} G_k``: each client
+sends its Gram once to the ``all`` group and once to the complement group ``others/class/<c>`` of
+each class it does *not* label, instead of once to each class group it does.  At n = 1,000 and
+missing 1 (groups of about 875) that is 2 Grams per client instead of 7, and about 1,125 pairwise
+masks over a Gram instead of about 6,100.
+
+What the server learns is unchanged: the plan is made only when the ``all`` group's sum is already
+a linear combination of the class groups' sums (it is summed anyway, or the all-ones vector lies in
+the row space of the class-membership matrix: e.g. every client labels the same number of classes),
+so the wire groups' sums and the class groups' sums span the same space, for every survivor set
+(a linear identity over the clients holds on any subset of them).  SECURITY.md §3 says it in full.
+The sums are integers mod 2⁶⁴: the difference is taken on the unmasked words, before decoding, so a
+class's sum is bit for bit the one its own group would have given.
+
+Only a backend whose sums are exact takes a plan (masking; not CKKS, whose decrypted sums carry
+noise that a difference of two large sums would scale up).  Every driver applies it the same way:
+:func:`plan_difference` on the public memberships, :meth:`DifferencePlan.wire` on each client's
+contribution, :meth:`DifferencePlan.wire_layout` for the session, and the backend's ``outcome``
+turns the wire sums back into the class sums (:meth:`Layout.logical_words`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+import numpy as np
+
+from .layout import Layout
+
+COMPLEMENT_PREFIX = "others/"
+
+
+def complement_group(group: str) -> str:
+    """The wire group of the clients *not* in ``group`` (for one tensor of ``group``)."""
+    return COMPLEMENT_PREFIX + group
+
+
+@dataclass(frozen=True)
+class DifferencePlan:
+    """Which groups' ``tensor`` travels as ``everyone``'s sum minus a complement group's.
+
+    ``complements`` maps each such group to its complement group's name, or to None when every
+    client is in the group (its sum is then ``everyone``'s); ``members`` gives every wire group
+    that the plan adds its members.  ``everyone_added``: ``everyone`` carries ``tensor`` only
+    because of the plan (the method itself does not sum it), so the result leaves it out.
+    """
+
+    tensor: str
+    everyone: str
+    complements: Mapping[str, str | None]
+    members: Mapping[str, tuple[str, ...]]
+    everyone_added: bool
+    savings: Mapping[str, int] = field(default_factory=dict)  # copies of the tensor: direct, wire
+
+    def applies_to(self, contribution: Mapping[str, Mapping[str, np.ndarray]]) -> bool:
+        """Whether this client sends one value of ``tensor`` to every group it sends it to (the
+        plan sends it once per wire group; different values per group must stay apart)."""
+        values = [tensors[self.tensor] for tensors in contribution.values() if self.tensor in tensors]
+        return all(v is values[0] or np.array_equal(v, values[0]) for v in values[1:])
+
+    def wire(self, contribution: Mapping[str, Mapping[str, np.ndarray]]) -> dict[str, dict[str, np.ndarray]]:
+        """One client's contribution as sent: ``tensor`` out of the planned groups it is in, into
+        ``everyone`` and the complement of each planned group it is not in (the same array)."""
+        out = {group: dict(tensors) for group, tensors in contribution.items()}
+        if not self.applies_to(contribution):
+            raise ValueError(
+                f"the difference plan needs one value of {self.tensor!r} in every group a client sends it to"
+            )
+        value = next(
+            (tensors[self.tensor] for tensors in contribution.values() if self.tensor in tensors), None
+        )
+        if value is None:
+            return out  # this client sends no such tensor: nothing moves
+        for group, complement in self.complements.items():
+            if group in out:
+                del out[group][self.tensor]
+            elif complement is not None:
+                out[complement] = {self.tensor: value}
+        out.setdefault(self.everyone, {})[self.tensor] = value
+        return out
+
+    def wire_layout(self, layout: Layout) -> Layout:
+        """The session's groups as sent, with the derivation that gives back ``layout``'s sums."""
+        length = next(g[self.tensor] for g in layout.groups.values() if self.tensor in g)
+        groups = {group: dict(tensors) for group, tensors in layout.groups.items()}
+        derived: dict[tuple[str, str], tuple[str, str | None]] = {}
+        hidden: set[tuple[str, str]] = set()
+        for group, complement in self.complements.items():
+            del groups[group][self.tensor]
+            derived[(group, self.tensor)] = (self.everyone, complement)
+            if complement is not None:
+                groups[complement] = {self.tensor: length}
+                hidden.add((complement, self.tensor))
+        groups.setdefault(self.everyone, {})[self.tensor] = length
+        if self.everyone_added:
+            hidden.add((self.everyone, self.tensor))
+        return Layout(
+            groups=groups,
+            shapes=layout.shapes,
+            symmetric=layout.symmetric,
+            derived=derived,
+            hidden=frozenset(hidden),
+        )
+
+
+def plan_difference(
+    members: Mapping[str, Collection[str]],
+    layout: Layout,
+    *,
+    min_group_size: int,
+    tolerated_dropouts: int,
+    tensor: str = "gram",
+    everyone: str = "all",
+) -> DifferencePlan | None:
+    """The plan that sends fewest copies of ``tensor``, or None when the direct layout is cheaper
+    or a plan would change what the server learns.
+
+    ``members``: group -> its members, as every client declares them (public).  A group is sent
+    by difference only when its complement is strictly smaller than itself, the complement is
+    empty or keeps at least ``min_group_size`` members after any ``tolerated_dropouts`` clients
+    drop (n - t for a t-of-n session: the protocol never unmasks a smaller group, so a smaller
+    complement could abort a session that the direct layout finishes), and the group keeps another
+    tensor (so its membership stays on the wire).
+    """
+    clients = sorted({cid for ids in members.values() for cid in ids})
+    n = len(clients)
+    carrying = sorted(g for g, tensors in layout.groups.items() if tensor in tensors and g != everyone)
+    if n == 0 or not carrying or layout.derived:
+        return None
+    present = everyone in layout.groups and tensor in layout.groups[everyone]
+    if everyone in members and set(members[everyone]) != set(clients):
+        return None  # an `everyone` group that is not everyone: leave the layout as it is
+    if not present and not _ones_in_row_space([set(members.get(g, ())) for g in carrying], clients):
+        return None  # the everyone-sum would be new information: never
+    complements: dict[str, str | None] = {}
+    saved = 0
+    for group in carrying:
+        inside = set(members.get(group, ()))
+        outside = n - len(inside)
+        if outside >= len(inside) or 0 < outside < max(min_group_size, 1) + max(tolerated_dropouts, 0):
+            continue
+        if len(layout.groups[group]) < 2:
+            continue  # the group would vanish from the wire, and its membership with it
+        complements[group] = complement_group(group) if outside else None
+        saved += len(inside) - outside
+    if not complements or saved <= (0 if present else n):
+        return None
+    direct = sum(len(set(members.get(g, ()))) for g in carrying) + (n if present else 0)
+    wire_members = {
+        complement: tuple(cid for cid in clients if cid not in set(members.get(group, ())))
+        for group, complement in complements.items()
+        if complement is not None
+    }
+    wire_members[everyone] = tuple(clients)
+    return DifferencePlan(
+        tensor=tensor,
+        everyone=everyone,
+        complements=complements,
+        members=wire_members,
+        everyone_added=not present,
+        savings={"direct": direct, "wire": direct - saved + (0 if present else n)},
+    )
+
+
+def _ones_in_row_space(groups: list[set[str]], clients: list[str]) -> bool:
+    """Whether some weights α give Σ_g α_g·1[k ∈ g] = 1 for every client k (exact rationals)."""
+    patterns = sorted({tuple(int(cid in g) for g in groups) for cid in clients})
+    rows = [[Fraction(v) for v in pattern] + [Fraction(1)] for pattern in patterns]
+    width = len(groups)
+    rank = 0
+    for column in range(width):
+        pivot = next((r for r in range(rank, len(rows)) if rows[r][column] != 0), None)
+        if pivot is None:
+            continue
+        rows[rank], rows[pivot] = rows[pivot], rows[rank]
+        head = rows[rank][column]
+        rows[rank] = [v / head for v in rows[rank]]
+        for r in range(len(rows)):
+            if r != rank and rows[r][column] != 0:
+                factor = rows[r][column]
+                rows[r] = [a - factor * b for a, b in zip(rows[r], rows[rank], strict=True)]
+        rank += 1
+    # Consistent iff no row reduced to 0 = 1.
+    return all(any(v != 0 for v in row[:width]) or row[width] == 0 for row in rows)
