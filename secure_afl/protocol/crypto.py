@@ -74,6 +74,8 @@ def x25519_shared_secret(private_key: X25519PrivateKey, peer_public_key: bytes) 
 
 
 _PROBE_KEY = bytes([0x40] + [0x11] * 30 + [0x42])  # any fixed scalar: probes a public key's order
+# Built once: a public constant, not a secret (2n probes per session at n = 1,000 rebuilt it each time).
+_PROBE = X25519PrivateKey.from_private_bytes(_PROBE_KEY)
 
 
 def valid_x25519_public_key(public_key: bytes) -> bool:
@@ -81,9 +83,7 @@ def valid_x25519_public_key(public_key: bytes) -> bool:
     if len(public_key) != KEY_BYTES:
         return False
     try:
-        X25519PrivateKey.from_private_bytes(_PROBE_KEY).exchange(
-            X25519PublicKey.from_public_bytes(public_key)
-        )
+        _PROBE.exchange(X25519PublicKey.from_public_bytes(public_key))
     except ValueError:
         return False
     return True
