@@ -9,6 +9,13 @@ from 0 that gives every class at least two labellers):
 - ``global``: the global-Gram layout at missing 1 (``gram="global"``): ``b/<c>`` per class group,
   ``gram`` once, in ``all``.
 
+Every layout is sent as the product's masked driver sends it: where
+:func:`secure_afl.aggregation.difference.plan_difference` makes a plan (at n = 1,000 only missing 3:
+``all`` plus a complement group per class, 4,000 Gram copies instead of 5,000) the clients send the
+wire groups and the server derives the class sums; ``difference_plan`` records the copies of each
+(null: no plan).  ``--direct`` sends every group as the method names it, to measure the plan side by
+side.
+
 How it is measured.  ``--session`` runs one full masked session in process
 (:func:`secure_afl.aggregation.inprocess.run_in_process`: every client and the server, real wire
 encoding, t = floor(2n/3) + 1, groups of at least 2), under the deployment policy except that a
@@ -41,7 +48,7 @@ work bound).
 
 Run from the repository root:
 ``python bench/bench_scale.py --clients N --json FILE [--dim 16] [--session | --one-client]
-[--layouts ...] [--micro]``.
+[--layouts ...] [--direct] [--micro]``.
 ``--micro`` adds CPU-seconds of the server's Shamir recovery of n owners at t = floor(2n/3) + 1
 (one Lagrange basis, as the server does now, against the per-owner interpolation it did before,
 the latter only up to n = 256), and the client statistics (5,889 rows, d = 1024, one thread)
