@@ -86,3 +86,16 @@ def test_one_client_sum_check_catches_masks_that_do_not_cancel(bench, monkeypatc
     assert bench.one_client_session(30, 3, "missing7")["sums_match_plaintext"] is True
     monkeypatch.setattr(bench.prg, "pair_sign", lambda own, peer: 1)
     assert bench.one_client_session(30, 3, "missing7")["sums_match_plaintext"] is False
+
+
+def test_the_one_client_session_sends_the_difference_plan_and_still_sums_to_the_plaintext(bench) -> None:
+    """At n = 100 a plan needs a lower dropout tolerance than n - t (complements of about 37 here):
+    the planned wire groups carry fewer Gram copies, and the unmasked sums still equal the plaintext."""
+    planned = bench.one_client_session(100, 2, "missing3", tolerated=10)
+    direct = bench.one_client_session(100, 2, "missing3", difference=False)
+    assert planned["sums_match_plaintext"] and direct["sums_match_plaintext"]
+    assert planned["mask_words"]["server"] < direct["mask_words"]["server"]
+    result = bench.measure(100, 2, ["missing3"], run_session=False, tolerated=10)
+    plan = result["difference_plan"]["missing3"]
+    assert plan is not None and plan["wire"] < plan["direct"]
+    assert bench.measure(100, 2, ["missing3"], run_session=False)["difference_plan"]["missing3"] is None
