@@ -25,6 +25,9 @@ random projection of the rows, absent: none), ``dp-projection-seed`` (0), ``dp-r
 ``adaptive``, the default with ``dp-dim``, or ``adassp``), ``dp-class-sums`` (``split`` or
 ``positives``, secure_afl/privacy/dp.py), ``dp-row-centre`` (true or false) and ``class-lists``, every
 roster institution's labelled classes as ``"hospital-a=0,1,2;hospital-b=1,3"`` (class indices).
+Without DP, ``class-lists`` publishes the same lists in the study, so that round 1 under
+``gram = "class"`` may send a class's Gram sum as the ``all`` group's minus the group of those that
+do not label it (:func:`~secure_afl.deploy.study.round1_plan`; the same classifier, fewer Grams).
 A growing study: ``extends``, the digest of the study it extends (its sums are read from
 ``out-dir/sums-<digest>.npz``, which every additive study writes; README, a federation that grows).
 
@@ -159,6 +162,10 @@ def study_from_run_config(config: Mapping[str, Any]) -> Study:
             ),
             ckks_scale_bits=int(config.get("ckks-scale-bits", 40)),
             extends=str(config.get("extends", "")).strip().lower(),
+            # Without DP, published class lists let round 1 send the per-class Gram by difference.
+            class_lists=parse_class_lists(str(config["class-lists"]))
+            if "class-lists" in config and "dp-epsilon" not in config
+            else {},
         )
     except KeyError as exc:
         raise ConfigurationError(f"the run config lacks {exc.args[0]!r}") from None

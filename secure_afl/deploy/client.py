@@ -27,7 +27,7 @@ import json
 import os
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -55,6 +55,7 @@ from .study import (
     Study,
     dp_projection,
     round1_layout,
+    round1_plan,
     round2_layout,
     session_context,
     statistics_dim,
@@ -492,6 +493,22 @@ def _check_dp_session(
         )
 
 
+def _check_class_list(study: Study, data: Any, client_id: str, roster: Roster) -> None:
+    """The study's published class lists (without DP) name the roster and this client's own
+    classes: round 1's complement groups are formed from them (a wrong list would put this client's
+    Gram in a group the plan's size and span checks never saw)."""
+    roster_ids = sorted(entry.client_id for entry in roster)
+    if sorted(study.class_lists) != roster_ids:
+        raise StudyMismatchError(
+            f"the study's class lists name {sorted(study.class_lists)}, the roster {roster_ids}"
+        )
+    if tuple(sorted(study.class_lists[client_id])) != tuple(data.active):
+        raise StudyMismatchError(
+            f"the study lists classes {sorted(study.class_lists[client_id])} for {client_id}, this feature "
+            f"file labels {list(data.active)}: round 1's groups are planned from these lists"
+        )
+
+
 def _check_dp_budget(
     study: Study, settings: NodeSettings, client_id: str, identity: IdentityKey, roster_size: int
 ) -> str:
@@ -620,13 +637,14 @@ def _round1_coef(study: Study, envelope: Envelope) -> np.ndarray:
 
 def _inputs(
     label: str, study: Study, data: Any, envelope: Envelope, groups: set[str], settings: NodeSettings,
-    roster_size: int = 0, client_id: str = "",
+    roster_size: int = 0, client_id: str = "", roster_ids: Sequence[str] = (),
 ) -> tuple[dict[str, dict[str, np.ndarray]], Release]:  # fmt: skip
     """This client's protocol inputs for session ``label`` (group -> tensor -> flat float64 vector)
     and what they release: the images the statistics are computed from (each row's image digest,
     the one-contribution rule's unit: another study, backbone, layout or protection over the same
     images, or a re-extracted file of them, is the same release), and the values before any noise
-    (a rerun draws fresh noise over the same data: the same values)."""
+    (a rerun draws fresh noise over the same data: the same values).  Round 1's inputs are in the
+    groups of :func:`~secure_afl.deploy.study.round1_plan` over ``roster_ids`` (the server's too)."""
     from secure_afl.statistics import client_statistics  # numpy: R0 imports no torch on a CPU host
 
     if label not in ("1", "2"):
@@ -640,7 +658,7 @@ def _inputs(
         )
         images = tuple(d for d, kept in zip(images, keep, strict=True) if kept)
     elif label == "1":
-        layout = round1_layout(study)
+        layout, plan = round1_plan(study, roster_ids)
         empty = len(data.features) == 0  # a growing study's member without new images
         features, labels = (data.features, data.labels) if not empty else _one_row(study)
         stats = client_statistics(features, labels, device=settings.device)
@@ -649,6 +667,8 @@ def _inputs(
         )
         if empty:
             contributions = _zero(contributions)
+        if plan is not None:  # the Gram by difference: into `all` and the complements, out of the classes
+            contributions = plan.wire(contributions)
     else:
         from secure_afl.analytic import pseudo_label_contributions  # round 2 scores with torch
 
@@ -751,7 +771,12 @@ def _start_session(envelope: Envelope, label: str, state: LocalState, settings: 
         spend = _check_dp_budget(study, settings, client_id, identity, len(roster))
     if study.extends:  # a growing study: only this institution's images not yet released
         data = _unreleased(data, settings, client_id, identity)
-    inputs, release = _inputs(label, study, data, envelope, groups, settings, len(roster), client_id)
+    if study.class_lists:  # round 1's wire groups are planned from the published lists: they must be true
+        _check_class_list(study, data, client_id, roster)
+    roster_ids = [entry.client_id for entry in roster]
+    inputs, release = _inputs(
+        label, study, data, envelope, groups, settings, len(roster), client_id, roster_ids
+    )
     # One view: the digest of the study, the round and the arrays (round 2's W) this node was given;
     # its advertisement signs it and R1 goes on only if every advertisement signs the same.
     context = session_context(study, label, envelope.arrays)

@@ -41,7 +41,7 @@ from .study import (
     dp_projection,
     noise_plan,
     pseudo_members,
-    round1_layout,
+    round1_plan,
     round2_classes,
     round2_layout,
     round2_min_group_size,
@@ -206,9 +206,21 @@ class FederationServer:
         started = time.perf_counter()
         # Under DP the plan comes first: a study it cannot satisfy stops the run before any session.
         plan = noise_plan(self.study, len(self.roster)) if self.study.dp is not None else None
+        # Round 1's wire layout: every node derives the same one from the study and the roster.
+        layout1, difference = round1_plan(self.study, [entry.client_id for entry in self.roster])
+        if difference is not None and not self.backend.exact_sums:
+            raise ConfigurationError(
+                f"the study's round 1 sends Grams by difference, which needs exact sums; the "
+                f"{self.backend.name!r} backend given to the server has none"
+            )
         nodes = self._wait_for_nodes()
         method = self.study.method
-        layout1 = round1_layout(self.study)
+        if difference is not None:
+            saved = difference.savings
+            self.log(
+                f"round 1: {len(difference.complements)} class Gram(s) sent by difference "
+                f"({saved['wire']} Gram copies instead of {saved['direct']})"
+            )
         record1, outcome1 = self._session("1", nodes, layout1, {})
         sums1 = outcome1.sums
         solve_started = time.perf_counter()
@@ -535,16 +547,23 @@ class FederationServer:
         outcome = self.backend.outcome(session, layout)
         record.survivors = tuple(sorted(outcome.clients))
         record.completed = tuple(sorted(set(outcome.clients) - failed))
-        for name in sorted(outcome.sums):
-            record.groups.append(
-                {
-                    "session": label,
-                    "name": name,
-                    "members": list(outcome.members[name]),
-                    "survivors": list(outcome.survivors[name]),
-                    "tensors": sorted(outcome.sums[name]),
-                }
-            )
+        # The audit names the groups as summed on the wire (what the server learned, as the
+        # simulator's audit does): under a difference plan also the groups that only serve a
+        # derivation, and each derived sum says which wire sums give it (everyone − complement).
+        derived: dict[str, dict[str, list[str]]] = {}
+        for (group, tensor), (everyone, complement) in sorted(layout.derived.items()):
+            derived.setdefault(group, {})[tensor] = [everyone] + ([complement] if complement else [])
+        for name in sorted(set(outcome.sums) | {group for group, _ in layout.hidden}):
+            entry: dict[str, Any] = {
+                "session": label,
+                "name": name,
+                "members": list(outcome.members[name]),
+                "survivors": list(outcome.survivors[name]),
+                "tensors": sorted(layout.groups[name] if name in layout.groups else outcome.sums[name]),
+            }
+            if name in derived:
+                entry["derived"] = derived[name]
+            record.groups.append(entry)
         if "key_holder" in outcome.details:
             record.key_holder = str(outcome.details["key_holder"])
             record.replaced_key_holders = tuple(outcome.details.get("replaced_key_holders", ()))  # type: ignore[arg-type]

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     import numpy as np
 
     from secure_afl.aggregation.backend import ProtectionBackend
+    from secure_afl.aggregation.difference import DifferencePlan
     from secure_afl.privacy.dp import NoisePlan
     from secure_afl.protocol.ckks.context import CkksParameters
 
@@ -208,6 +209,10 @@ class Study:
     # only its images not yet released (its ledger says which) and the server adds the new sums to
     # the earlier ones (README, a federation that grows).
     extends: str = ""
+    # Without DP: every roster institution's labelled classes (indices), published so that round 1
+    # may send the per-class Gram by difference (:func:`round1_plan`); empty: none published.  Under
+    # DP the lists are the DP settings' own (``dp.class_lists``).
+    class_lists: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.classes or len(set(self.classes)) != len(self.classes):
@@ -233,6 +238,20 @@ class Study:
             self._check_dp(self.dp)
         if self.extends:
             self._check_growth()
+        if self.class_lists:
+            self._check_class_lists()
+
+    def _check_class_lists(self) -> None:
+        if self.dp is not None:
+            raise ConfigurationError(
+                "a DP study lists the institutions' classes in its DP settings (dp.class_lists), not twice"
+            )
+        for cid, classes in self.class_lists.items():
+            if not classes or any(not 0 <= c < len(self.classes) for c in classes):
+                raise ConfigurationError(
+                    f"class list of {cid!r}: {list(classes)} must name at least one class among "
+                    f"0..{len(self.classes) - 1}"
+                )
 
     def _check_growth(self) -> None:
         """A study that extends another must be additive (global balance, one round).  DP is allowed:
@@ -339,6 +358,10 @@ class Study:
             document["ckks_coeff_mod_bit_sizes"] = list(self.ckks_coeff_mod_bit_sizes)
         if not self.extends:  # a study that extends none keeps the document it had
             del document["extends"]
+        if self.class_lists:  # likewise a study that publishes no class lists
+            document["class_lists"] = {k: list(v) for k, v in sorted(self.class_lists.items())}
+        else:
+            del document["class_lists"]
         return json.dumps(document, sort_keys=True, separators=(",", ":"))
 
     @classmethod
@@ -355,6 +378,9 @@ class Study:
                 frac_bits=int(document["frac_bits"]),
                 dp=StudyDp.from_dict(document["dp"]) if document.get("dp") is not None else None,
                 extends=str(document.get("extends", "")),
+                class_lists={
+                    str(k): tuple(int(c) for c in v) for k, v in document.get("class_lists", {}).items()
+                },
                 **_protection_fields(document),
             )
         except ConfigurationError:
@@ -502,6 +528,48 @@ def round1_layout(study: Study) -> Layout:
     if method.gram == "global" or method.rounds == 2:
         groups[ALL_GROUP] = {"gram": upper_triangle_length(d)}
     return Layout(groups=groups, shapes=shapes, symmetric=SYMMETRIC_TENSORS)
+
+
+def round1_plan(study: Study, roster_ids: Collection[str]) -> tuple[Layout, DifferencePlan | None]:
+    """Round 1's layout as sent, and the difference plan that made it (None: the method's layout).
+
+    The server and every node call this on the same public inputs (the study and the roster), so
+    they agree on the wire groups without a message about them; a node applies ``plan.wire`` to its
+    contributions.  Under the per-class Gram layout, a class that most institutions label has its
+    Gram sum sent as the ``all`` group's minus the complement group of those that do not
+    (:mod:`secure_afl.aggregation.difference`: the same sums bit for bit, the same span of sums).
+    A plan needs the study's published class lists (the complements' members must be public
+    before any data moves) and exact sums (masking; CKKS's noise would grow in a difference);
+    never under DP (each client's noise is sized for the method's groups).  The complements keep
+    ``min_group_size`` members after the n - t dropouts the threshold tolerates, so a plan never
+    aborts a session that the method's layout finishes.
+    """
+    layout = round1_layout(study)
+    if study.dp is not None or study.protection != "mask" or not study.class_lists:
+        return layout, None
+    ids = sorted(roster_ids)
+    if sorted(study.class_lists) != ids:
+        raise ConfigurationError(
+            f"the study's class lists name {sorted(study.class_lists)}, the roster {ids}: list every "
+            "roster institution's classes (class-lists)"
+        )
+    n = len(ids)
+    if not study.backend(n).exact_sums:  # pragma: no cover - masking's sums are exact
+        return layout, None
+    from secure_afl.aggregation.difference import plan_difference
+
+    members: dict[str, list[str]] = {
+        class_group(c): [cid for cid in ids if c in study.class_lists[cid]] for c in range(study.n_classes)
+    }
+    if ALL_GROUP in layout.groups:
+        members[ALL_GROUP] = ids
+    plan = plan_difference(
+        members,
+        layout,
+        min_group_size=study.min_group_size,
+        tolerated_dropouts=n - study.threshold_for(n),  # t-of-n: up to n - t may drop
+    )
+    return (layout, None) if plan is None else (plan.wire_layout(layout), plan)
 
 
 def pseudo_members(
