@@ -11,7 +11,7 @@ What the server learns is unchanged: the plan is made only when the ``all`` grou
 a linear combination of the class groups' sums (it is summed anyway, or the all-ones vector lies in
 the row space of the class-membership matrix: e.g. every client labels the same number of classes),
 so the wire groups' sums and the class groups' sums span the same space, for every survivor set
-(a linear identity over the clients holds on any subset of them).  SECURITY.md §3 says it in full.
+(a linear identity over the clients holds on any subset of them).  SECURITY.md §4 says it in full.
 The sums are integers mod 2⁶⁴: the difference is taken on the unmasked words, before decoding, so a
 class's sum is bit for bit the one its own group would have given.
 
