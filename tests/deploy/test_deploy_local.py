@@ -10,6 +10,12 @@ CKKS: one run without TLS or dropouts (about two minutes here; dropped clients a
 tested in process, tests/deploy/test_federation_ckks.py): the classifier must equal the masked
 simulation's within CKKS precision (max |Δw| measured 1e-7 of max |w| at d = 32; the command checks
 1e-4) and every institution must hold the same classifier.
+
+The three federations (TLS with a dropout and an abort, CKKS, three growing sessions) mostly wait on
+Flower (its 3 s SuperNode poll, one process per message), so the module-scoped ``federations``
+fixture starts the commands of the selected ones at once, each in its own directory and its own
+process group (and picking its own free loopback ports); each test then waits on and checks its own.
+Every group is stopped when its test times out and at the module's end, passed or failed.
 """
 
 from __future__ import annotations
@@ -19,13 +25,15 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from secure_afl.deploy.classifier import Classifier
-from secure_afl.deploy.local import ProcessGroups, write_node_auth_key, write_tls_certificates
+from secure_afl.deploy.local import Child, ProcessGroups, write_node_auth_key, write_tls_certificates
 from secure_afl.keys import load_roster
 
 
@@ -44,8 +52,131 @@ def _processes_mentioning(text: str) -> list[str]:
     return found
 
 
+CLI = [sys.executable, "-c", "from secure_afl.cli import main; main()"]
+
+# README's command for a federation that grows (section "A federation that grows"): every class group
+# must hold the same institutions (--missing 0), see cli_deploy._refuse_exposing_layout.
+GROWING = ["deploy", "local", "--clients", "3", "--sessions", "3", "--missing", "0", "--fraction", "0.08",
+           "--dim", "32"]  # fmt: skip
+
+# 4 clients, seed 0: class 2 is labelled by client-0 and client-1 and missed by client-2 and client-3
+# (round 2's only pseudo-label group): groups of two, which one assumed colluder (n = 4, t = 3) would
+# forbid, so --colluders 0 (deploy local refuses the default up front).
+TLS = ["deploy", "local", "--clients", "4", "--tls", "--drop", "client-0@R4", "--colluders", "0",
+       "--rounds", "2", "--rehearse-abort", "--fraction", "0.08", "--dim", "32",
+       "--round-timeout", "30"]  # fmt: skip
+
+# seed 2: every class is labelled by 3 or more of the 4 (seed 0 leaves a class group of two, which the
+# nodes' exposure check refuses with one colluder assumed; deploy local says so)
+CKKS = ["deploy", "local", "--clients", "4", "--seed", "2", "--no-tls", "--secure", "ckks",
+        "--fraction", "0.08", "--dim", "32", "--round-timeout", "30"]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Spec:
+    test: str  # the test that checks this federation
+    args: list[str]  # the command's arguments but --out
+    timeout: float  # seconds from its start
+
+
+FEDERATIONS = {
+    "tls": Spec("test_deploy_local_tls_a_dropout_round2_and_an_abort_that_deploy_run_reports", TLS, 560),
+    "ckks": Spec("test_deploy_local_with_ckks_equals_the_simulation_within_ckks_precision", CKKS, 420),
+    "growing": Spec(
+        "test_deploy_local_grows_over_three_sessions_to_the_centralised_fit", [*GROWING, "--keep"], 420
+    ),
+}
+
+
+@dataclass
+class Federation:
+    """One ``deploy local`` command running in its own directory (its TMPDIR) and process group."""
+
+    name: str
+    directory: Path
+    timeout: float
+    groups: ProcessGroups
+    child: Child
+    stdout: Path
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def out(self) -> Path:
+        return self.directory / "out"
+
+    def wait(self) -> subprocess.CompletedProcess[str]:
+        """The command's exit status and output, once it exits; fails (after stopping every process
+        group it started) when it is not done ``timeout`` seconds after its start."""
+        left = self.timeout - (time.monotonic() - self.started)
+        try:
+            code = self.child.process.wait(timeout=max(0.0, left))
+        except subprocess.TimeoutExpired:
+            self.groups.stop_all()
+            pytest.fail(f"deploy local ({self.name}) ran past {self.timeout:.0f} s:\n{self.output()[-4000:]}")
+        print(f"deploy local ({self.name}) exited after {time.monotonic() - self.started:.0f} s")
+        stdout = self.stdout.read_text(errors="replace")
+        return subprocess.CompletedProcess(self.child.process.args, code, stdout, self.stderr())
+
+    def stderr(self) -> str:
+        return self.child.log.read_text(errors="replace")
+
+    def output(self) -> str:
+        return self.stdout.read_text(errors="replace") + self.stderr()
+
+
+class Federations:
+    def __init__(self, tmp_path_factory: pytest.TempPathFactory) -> None:
+        self.tmp_path_factory = tmp_path_factory
+        self.running: dict[str, Federation] = {}
+
+    def start(self, name: str) -> Federation:
+        if name in self.running:
+            return self.running[name]
+        # deploy-local-tls-0, deploy-local-ckks-0, ...: no directory's path is a prefix of another's
+        directory = self.tmp_path_factory.mktemp(f"deploy-local-{name}-")
+        env = {**os.environ, "TMPDIR": str(directory)}  # the federation's work directory lands there
+        groups = ProcessGroups(env)
+        stdout, stderr = directory / "deploy-local.stdout", directory / "deploy-local.stderr"
+        with open(stdout, "wb") as out_file, open(stderr, "wb") as err_file:
+            process = subprocess.Popen(
+                [*CLI, *FEDERATIONS[name].args, "--out", str(directory / "out")],
+                stdout=out_file,
+                stderr=err_file,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,  # its own process group, as ProcessGroups.start makes them
+            )
+        child = Child(f"deploy local ({name})", process, stderr)
+        groups.children.append(child)  # stop_all stops its group and its descendants' groups
+        self.running[name] = Federation(name, directory, FEDERATIONS[name].timeout, groups, child, stdout)
+        return self.running[name]
+
+    def stop_all(self) -> None:
+        for federation in self.running.values():
+            federation.groups.stop_all()
+
+
+@pytest.fixture(scope="module")
+def federations(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Federations]:
+    """Starts at once the federations whose tests are selected (``-k`` runs only what it needs)."""
+    here = [item for item in request.session.items if item.path == request.path]
+    selected = {getattr(item, "originalname", item.name) for item in here}
+    started = Federations(tmp_path_factory)
+    try:
+        for name, spec in FEDERATIONS.items():
+            if spec.test in selected:
+                started.start(name)
+        yield started
+    finally:
+        started.stop_all()
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc to find leftover processes")
-def test_deploy_local_tls_a_dropout_round2_and_an_abort_that_deploy_run_reports(tmp_path: Path) -> None:
+def test_deploy_local_tls_a_dropout_round2_and_an_abort_that_deploy_run_reports(
+    federations: Federations,
+) -> None:
     """One real federation (the suite's slowest test, so it carries several things): TLS and node
     authentication; a SuperNode killed as it receives session 1's R4 (its masked input is already in
     the sums); round 2's pseudo-label group through Flower processes, equal bit for bit to the
@@ -58,19 +189,9 @@ def test_deploy_local_tls_a_dropout_round2_and_an_abort_that_deploy_run_reports(
 
     from secure_afl.cli import main
 
-    out = tmp_path / "out"
-    env = {**os.environ, "TMPDIR": str(tmp_path)}  # the federation's work directory lands in tmp_path
-    command = [
-        sys.executable, "-c", "from secure_afl.cli import main; main()",
-        # 4 clients, seed 0: class 2 is labelled by client-0 and client-1 and missed by client-2 and
-        # client-3 (round 2's only pseudo-label group): groups of two, which one assumed colluder
-        # (n = 4, t = 3) would forbid, so --colluders 0 (deploy local refuses the default up front).
-        "deploy", "local", "--clients", "4", "--tls", "--drop", "client-0@R4", "--colluders", "0",
-        "--rounds", "2", "--rehearse-abort",
-        "--fraction", "0.08", "--dim", "32", "--round-timeout", "30", "--out", str(out),
-    ]  # fmt: skip
-    started = time.monotonic()
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=560)
+    federation = federations.start("tls")  # started with the module's other federations
+    tmp_path, out = federation.directory, federation.out
+    result = federation.wait()
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
     assert "weights bit for bit equal: yes" in output  # against the simulation's two rounds
@@ -108,25 +229,18 @@ def test_deploy_local_tls_a_dropout_round2_and_an_abort_that_deploy_run_reports(
     assert json.loads(metrics.read_text())["images"] > 0
     # No SuperLink, SuperNode, SuperExec or app process survives the command.
     assert _processes_mentioning(str(tmp_path)) == []
-    print(f"deploy local --tls --rounds 2 --rehearse-abort took {time.monotonic() - started:.0f} s")
+    took = time.monotonic() - federation.started
+    print(f"deploy local --tls --rounds 2 --rehearse-abort took {took:.0f} s")
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc to find leftover processes")
-def test_deploy_local_with_ckks_equals_the_simulation_within_ckks_precision(tmp_path: Path) -> None:
+def test_deploy_local_with_ckks_equals_the_simulation_within_ckks_precision(federations: Federations) -> None:
     import json
     import re
 
-    out = tmp_path / "out"
-    env = {**os.environ, "TMPDIR": str(tmp_path)}
-    command = [
-        sys.executable, "-c", "from secure_afl.cli import main; main()",
-        # seed 2: every class is labelled by 3 or more of the 4 (seed 0 leaves a class group of two,
-        # which the nodes' exposure check refuses with one colluder assumed; deploy local says so)
-        "deploy", "local", "--clients", "4", "--seed", "2", "--no-tls", "--secure", "ckks",
-        "--fraction", "0.08", "--dim", "32", "--round-timeout", "30", "--out", str(out),
-    ]  # fmt: skip
-    started = time.monotonic()
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=420)
+    federation = federations.start("ckks")
+    tmp_path, out = federation.directory, federation.out
+    result = federation.wait()
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
     assert "protection: ckks (N=8192, moduli [60, 40, 40, 60], scale 2^40)" in output
@@ -145,7 +259,7 @@ def test_deploy_local_with_ckks_equals_the_simulation_within_ckks_precision(tmp_
     assert set(session["decryptors"].values()) <= set(session["survivors"])
     assert np.isfinite(classifier.weights).all() and classifier.weights.shape == (32, 8)
     assert _processes_mentioning(str(tmp_path)) == []
-    print(f"deploy local --secure ckks took {time.monotonic() - started:.0f} s")
+    print(f"deploy local --secure ckks took {time.monotonic() - federation.started:.0f} s")
 
 
 def test_process_groups_stop_grandchildren_even_in_new_sessions(tmp_path: Path) -> None:
@@ -185,14 +299,8 @@ def test_credentials_are_generated_with_cryptography(tmp_path: Path) -> None:
     assert load_ssh_public_key(public.read_bytes()).public_numbers() == private.public_key().public_numbers()
 
 
-# README's command for a federation that grows (section "A federation that grows"): every class group
-# must hold the same institutions (--missing 0), see cli_deploy._refuse_exposing_layout.
-GROWING = ["deploy", "local", "--clients", "3", "--sessions", "3", "--missing", "0", "--fraction", "0.08",
-           "--dim", "32"]  # fmt: skip
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc to find leftover processes")
-def test_deploy_local_grows_over_three_sessions_to_the_centralised_fit(tmp_path: Path) -> None:
+def test_deploy_local_grows_over_three_sessions_to_the_centralised_fit(federations: Federations) -> None:
     """Three studies through Flower's processes, each extending the last and releasing only the
     images that arrived since (issue 29): every session's signed classifier equals numpy's fit on
     the rows its institutions' ledgers record as released so far, to 1e-9; the coordinator's
@@ -205,12 +313,9 @@ def test_deploy_local_grows_over_three_sessions_to_the_centralised_fit(tmp_path:
 
     from .helpers import centralised_global_fit
 
-    out = tmp_path / "out"
-    env = {**os.environ, "TMPDIR": str(tmp_path)}  # the kept work directory lands in tmp_path
-    command = [sys.executable, "-c", "from secure_afl.cli import main; main()", *GROWING, "--keep",
-               "--out", str(out)]  # fmt: skip
-    started = time.monotonic()
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=420)
+    federation = federations.start("growing")  # --keep: the work directory lands in its directory
+    tmp_path, out = federation.directory, federation.out
+    result = federation.wait()
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
     assert _processes_mentioning(str(tmp_path)) == []
@@ -261,7 +366,8 @@ def test_deploy_local_grows_over_three_sessions_to_the_centralised_fit(tmp_path:
     report = json.loads((out / "report.json").read_text())
     assert [r["study_digest"] for r in report["growth"]] == digests  # the command's own comparison
     assert all(r["max_abs_w_vs_centralised"] <= 1e-9 for r in report["growth"])
-    print(f"deploy local --sessions 3 took {time.monotonic() - started:.0f} s; max |Δw| per session {errors}")
+    took = time.monotonic() - federation.started
+    print(f"deploy local --sessions 3 took {took:.0f} s; max |Δw| per session {errors}")
 
 
 def test_deploy_local_refuses_up_front_a_growth_that_partial_labels_would_expose(tmp_path: Path) -> None:
