@@ -466,16 +466,9 @@ def _check_dp_session(
             f"fractional bits {config.frac_bits} differ from the study's ({threshold}, "
             f"{study.min_group_size}, {study.frac_bits}) from which the noise is sized"
         )
-    roster_ids = sorted(entry.client_id for entry in roster)
-    if sorted(dp.class_lists) != roster_ids:
-        raise StudyMismatchError(
-            f"the study's class lists name {sorted(dp.class_lists)}, the roster {roster_ids}"
-        )
-    if tuple(sorted(dp.class_lists[client_id])) != tuple(data.active):
-        raise StudyMismatchError(
-            f"the study lists classes {sorted(dp.class_lists[client_id])} for {client_id}, this feature file "
-            f"labels {list(data.active)}: the noise of every group is sized from these lists"
-        )
+    _check_class_list(
+        dp.class_lists, data, client_id, roster, "the noise of every group is sized from these lists"
+    )
     if dp.unit == "patient" and data.patient_ids is None:
         raise StudyMismatchError(
             "the study protects one patient (dp-unit patient) but this feature file has no patient_ids: "
@@ -493,19 +486,21 @@ def _check_dp_session(
         )
 
 
-def _check_class_list(study: Study, data: Any, client_id: str, roster: Roster) -> None:
-    """The study's published class lists (without DP) name the roster and this client's own
-    classes: round 1's complement groups are formed from them (a wrong list would put this client's
-    Gram in a group the plan's size and span checks never saw)."""
+def _check_class_list(
+    class_lists: Mapping[str, Sequence[int]], data: Any, client_id: str, roster: Roster, why: str
+) -> None:
+    """The study's published class lists name the roster and this client's own classes (``why``:
+    what is derived from them: DP's noise sizes, or round 1's complement groups, where a wrong list
+    would put this client's Gram in a group the plan's size and span checks never saw)."""
     roster_ids = sorted(entry.client_id for entry in roster)
-    if sorted(study.class_lists) != roster_ids:
+    if sorted(class_lists) != roster_ids:
         raise StudyMismatchError(
-            f"the study's class lists name {sorted(study.class_lists)}, the roster {roster_ids}"
+            f"the study's class lists name {sorted(class_lists)}, the roster {roster_ids}"
         )
-    if tuple(sorted(study.class_lists[client_id])) != tuple(data.active):
+    if tuple(sorted(class_lists[client_id])) != tuple(data.active):
         raise StudyMismatchError(
-            f"the study lists classes {sorted(study.class_lists[client_id])} for {client_id}, this feature "
-            f"file labels {list(data.active)}: round 1's groups are planned from these lists"
+            f"the study lists classes {sorted(class_lists[client_id])} for {client_id}, this feature file "
+            f"labels {list(data.active)}: {why}"
         )
 
 
@@ -772,7 +767,9 @@ def _start_session(envelope: Envelope, label: str, state: LocalState, settings: 
     if study.extends:  # a growing study: only this institution's images not yet released
         data = _unreleased(data, settings, client_id, identity)
     if study.class_lists:  # round 1's wire groups are planned from the published lists: they must be true
-        _check_class_list(study, data, client_id, roster)
+        _check_class_list(
+            study.class_lists, data, client_id, roster, "round 1's groups are planned from these lists"
+        )
     roster_ids = [entry.client_id for entry in roster]
     inputs, release = _inputs(
         label, study, data, envelope, groups, settings, len(roster), client_id, roster_ids

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -246,7 +246,10 @@ class Study:
             raise ConfigurationError(
                 "a DP study lists the institutions' classes in its DP settings (dp.class_lists), not twice"
             )
-        for cid, classes in self.class_lists.items():
+        self._check_class_indices(self.class_lists)
+
+    def _check_class_indices(self, class_lists: Mapping[str, Sequence[int]]) -> None:
+        for cid, classes in class_lists.items():
             if not classes or any(not 0 <= c < len(self.classes) for c in classes):
                 raise ConfigurationError(
                     f"class list of {cid!r}: {list(classes)} must name at least one class among "
@@ -295,12 +298,7 @@ class Study:
                 "differential privacy needs every institution's class list in the study (class-lists): a "
                 "client sizes its noise from the membership of its groups before it masks"
             )
-        for cid, classes in dp.class_lists.items():
-            if not classes or any(not 0 <= c < len(self.classes) for c in classes):
-                raise ConfigurationError(
-                    f"class list of {cid!r}: {list(classes)} must name at least one class among "
-                    f"0..{len(self.classes) - 1}"
-                )
+        self._check_class_indices(dp.class_lists)
         unlabelled = [self.classes[c] for c in range(len(self.classes)) if not any(
             c in classes for classes in dp.class_lists.values()
         )]  # fmt: skip
