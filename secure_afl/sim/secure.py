@@ -104,6 +104,9 @@ def secure_aggregate(
         random=random,
         session_id=session_id,
         context=context,
+        # The experiment's audits, per-method tables and reports name the method's own groups, and
+        # at its 8 clients a difference plan would apply only with t >= 7: keep every group direct.
+        difference=False,
     )
     outcome = run.outcome
     members, survivors, audit = audit_run(run, contributions, protection="mask")
