@@ -4,8 +4,10 @@ Under the per-class Gram layout class ``c``'s group ``S_c`` sums every member's 
 clients label ``c`` (``|S_c| > n/2``), the same sum is ``Σ_all G_k − Σ_{k∉S_c} G_k``: each client
 sends its Gram once to the ``all`` group and once to the complement group ``others/class/<c>`` of
 each class it does *not* label, instead of once to each class group it does.  At n = 1,000 and
-missing 1 (groups of about 875) that is 2 Grams per client instead of 7, and about 1,125 pairwise
-masks over a Gram instead of about 6,100.
+missing 3 (groups of about 625, complements of about 375) that is 4 Grams per client instead of 5,
+and about 2,100 pairwise masks over a Gram instead of about 3,100.  At missing 1 the complements
+(about 125) are too small to survive the n - t dropouts a 2n/3 threshold tolerates, so no plan is
+made there (see ``tolerated_dropouts``).
 
 What the server learns is unchanged: the plan is made only when the ``all`` group's sum is already
 a linear combination of the class groups' sums (it is summed anyway, or the all-ones vector lies in
