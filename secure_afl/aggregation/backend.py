@@ -96,6 +96,11 @@ class ProtectionBackend(Protocol):
     rounds: tuple[str, ...]  # round labels in order; a repeated last round keeps its label
     exact_sums: bool  # whether a difference plan (aggregation/difference.py) may be used
 
+    def tolerated_dropouts(self, n_clients: int) -> int:
+        """How many of ``n_clients`` may drop with the session still finishing (a difference plan
+        keeps every complement group above the minimum after that many)."""
+        ...
+
     def server_session(
         self, roster: Roster, layout: Layout, *, session_id: bytes, min_group_size: int, context: bytes = b""
     ) -> ServerSessionLike: ...
@@ -212,6 +217,9 @@ class MaskingBackend:
             rows=rows,
         )
 
+    def tolerated_dropouts(self, n_clients: int) -> int:
+        return max(n_clients - self.threshold, 0)  # t-of-n: at least t survive every round
+
     def encode(self, message: object, max_message_bytes: int) -> bytes:
         return masking_codec.encode(message, max_message_bytes=max_message_bytes)  # type: ignore[arg-type]
 
@@ -299,6 +307,9 @@ class CkksBackend:
             context=context,
             rows=rows,
         )
+
+    def tolerated_dropouts(self, n_clients: int) -> int:
+        return 0  # never asked: CKKS takes no difference plan (exact_sums is False)
 
     def encode(self, message: object, max_message_bytes: int) -> bytes:
         return ckks.codec.encode(message, max_message_bytes=max_message_bytes)  # type: ignore[arg-type]

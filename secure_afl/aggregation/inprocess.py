@@ -88,7 +88,7 @@ def run_in_process(
             members,
             layout,
             min_group_size=min_group_size,
-            tolerated_dropouts=len(client_ids) - getattr(backend, "threshold", 0),  # t-of-n: n - t may drop
+            tolerated_dropouts=backend.tolerated_dropouts(len(client_ids)),
         )
         if plan is not None and not all(plan.applies_to(contributions[cid]) for cid in client_ids):
             plan = None  # a client sends different Grams to different groups: keep them apart
