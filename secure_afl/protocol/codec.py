@@ -22,14 +22,12 @@ carries the config.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import io
 import struct
 import sys
-from collections import deque
 from collections.abc import Callable, Collection, Sequence
 from functools import lru_cache
-from itertools import repeat
+from itertools import chain
 from typing import TypeVar
 
 import numpy as np
@@ -44,12 +42,14 @@ from .messages import (
     ConsistencyCheckRequest,
     ConsistencyResponse,
     EncryptedShare,
+    EncryptedShares,
     GroupSpec,
     MaskedInput,
     MaskedInputRequest,
     MaskedTensor,
     Message,
     RevealedShare,
+    RevealedShares,
     SessionConfig,
     ShareKeys,
     ShareKeysRequest,
@@ -295,10 +295,15 @@ def _write_encrypted_share(w: _Writer, share: EncryptedShare) -> None:
     w.fixed(share.ciphertext, SHARE_CIPHERTEXT_BYTES, "share ciphertext")
 
 
-def _write_encrypted_shares(w: _Writer, shares: tuple) -> None:
+def _write_encrypted_shares(w: _Writer, shares: tuple | EncryptedShares) -> None:
     """A sequence of :func:`_write_encrypted_share`, each item's checks in one loop (n² shares at
     n = 1,000), the name fields from a cache of the session's names; an item that fails one is
-    written by the field writers, which raise their error."""
+    written by the field writers, which raise their error.  :class:`EncryptedShares` are checked
+    and written a column at a time where they can be, else item by item (the same errors)."""
+    if type(shares) is EncryptedShares:
+        if _write_share_columns(w, shares):
+            return
+        shares = tuple(shares)
     if not isinstance(shares, tuple):
         raise LocalProtocolError("sequence fields must be tuples")
     w.uint(len(shares), 4)
@@ -332,6 +337,41 @@ def _write_encrypted_shares(w: _Writer, shares: tuple) -> None:
         _write_encrypted_share(w, share)  # raises, or writes a valid share: remember its names
         _remember_name(share.sender, parts[start] + parts[start + 1])
         _remember_name(share.recipient, parts[start + 2] + parts[start + 3])
+
+
+_SHARE_PAYLOAD_BYTES = NONCE_BYTES + SHARE_CIPHERTEXT_BYTES
+
+
+def _write_share_columns(w: _Writer, shares: EncryptedShares) -> bool:
+    """Write ``shares`` a column at a time (each name's field from the cache, each payload as it
+    is: the wire's nonce and ciphertext back to back) where every field is valid and every name is
+    cached; False, having written nothing, otherwise."""
+    payloads = shares.payloads
+    if payloads and (
+        set(map(type, payloads)) != {bytes} or set(map(len, payloads)) != {_SHARE_PAYLOAD_BYTES}
+    ):
+        return False
+    names = (shares.senders, shares.recipients)
+    if payloads and any(set(map(type, column)) != {str} for column in names):
+        return False
+    prefixed = _PREFIXED_NAMES.get
+    senders, recipients = (list(map(prefixed, column)) for column in names)
+    if None in senders or None in recipients:
+        # Names not yet cached: each distinct one checked and cached once, then looked up again.
+        for name in set(shares.senders).union(shares.recipients) - _PREFIXED_NAMES.keys():
+            try:
+                raw = name.encode("utf-8")
+            except UnicodeEncodeError:
+                return False  # the item writer raises the string field's error
+            if not 1 <= len(raw) <= MAX_STRING_BYTES:
+                return False
+            _remember_name(name, len(raw).to_bytes(2, "big") + raw)
+        senders, recipients = (list(map(prefixed, column)) for column in names)
+        if None in senders or None in recipients:
+            return False  # the cache was cleared in between: item by item
+    w.uint(len(payloads), 4)
+    w.parts += chain.from_iterable(zip(senders, recipients, payloads, strict=True))
+    return True
 
 
 # Valid string fields (str, 1..255 UTF-8 bytes) -> ``len || UTF-8``: the few thousand names of a
@@ -446,6 +486,12 @@ def _write_revealed_share(w: _Writer, item: RevealedShare) -> None:
     w.fixed(item.value, shamir.VALUE_BYTES, "revealed share")
 
 
+def _items(shares: object) -> object:
+    """Decoded :class:`RevealedShares` as the tuple of their items (the writer's input); anything
+    else as it is (the sequence writer checks it)."""
+    return tuple(shares) if type(shares) is RevealedShares else shares  # type: ignore[arg-type]
+
+
 def _check_type(item: object, expected: type) -> None:
     if type(item) is not expected:
         raise LocalProtocolError(f"expected {expected.__name__}, got {type(item).__name__}")
@@ -499,8 +545,8 @@ _WRITERS: dict[type, Callable[[_Writer, object], None]] = {
     UnmaskResponse: lambda w, m: (
         w.fixed(m.session_id, SESSION_ID_BYTES, "session id"),
         w.string(m.sender),
-        w.sequence(m.self_mask_shares, _typed(RevealedShare, _write_revealed_share, w)),  # type: ignore[arg-type]
-        w.sequence(m.mask_key_shares, _typed(RevealedShare, _write_revealed_share, w)),  # type: ignore[arg-type]
+        w.sequence(_items(m.self_mask_shares), _typed(RevealedShare, _write_revealed_share, w)),  # type: ignore[arg-type]
+        w.sequence(_items(m.mask_key_shares), _typed(RevealedShare, _write_revealed_share, w)),  # type: ignore[arg-type]
     ),
 }
 
@@ -624,8 +670,8 @@ def _read_fast_sequence(
     min_item_bytes: int,
     fast: Callable[[memoryview, int, int], tuple[T, int]],
     slow: Callable[[_Reader], T],
-    uniform: Callable[[memoryview, int, int, int], tuple[tuple[T, ...], int] | None] | None = None,
-) -> tuple[T, ...]:
+    uniform: Callable[[memoryview, int, int, int], tuple[Sequence[T], int] | None] | None = None,
+) -> Sequence[T]:
     """A sequence whose items ``fast(data, size, position) -> (item, next position)`` reads with
     locals, for the n² items the server decodes (10⁶ at n = 1,000: the per-field calls were most of
     it).  An item ``fast`` refuses (ValueError: not whole within the message, or names breaking the
@@ -705,32 +751,6 @@ def _names(column: list[bytes]) -> list[str] | None:
         return None
 
 
-def _builder(cls: type) -> Callable[..., tuple]:
-    """``build(*columns)``: a tuple of ``cls(*row)`` for each row of the field columns.  ``cls``
-    is a slotted frozen dataclass without ``__post_init__``: its items are made and their slots
-    filled a column at a time (the generated ``__init__`` does the same, one item at a time), which
-    is the bulk of decoding n² shares; any other class is called item by item."""
-    names = tuple(f.name for f in dataclasses.fields(cls))
-    if getattr(cls, "__slots__", None) != names or hasattr(cls, "__post_init__"):
-        return lambda *columns: tuple(map(cls, *columns))
-    setters = tuple(getattr(cls, name).__set__ for name in names)
-    new = object.__new__
-
-    def build(*columns: Sequence[object]) -> tuple:
-        items = list(map(new, repeat(cls, len(columns[0]))))
-        for set_field, column in zip(setters, columns, strict=True):
-            if len(column) != len(items):
-                raise LocalProtocolError("field columns of different lengths")
-            deque(map(set_field, items, column), maxlen=0)
-        return tuple(items)
-
-    return build
-
-
-_build_encrypted_shares = _builder(EncryptedShare)
-_build_revealed_shares = _builder(RevealedShare)
-
-
 def _fast_encrypted_share(data: memoryview, size: int, position: int) -> tuple[EncryptedShare, int]:
     start = position + 2
     end = start + int.from_bytes(data[position:start], "big")
@@ -751,35 +771,37 @@ def _fast_encrypted_share(data: memoryview, size: int, position: int) -> tuple[E
 
 def _uniform_encrypted_shares(
     data: memoryview, size: int, position: int, count: int
-) -> tuple[tuple[EncryptedShare, ...], int] | None:
+) -> tuple[EncryptedShares, int] | None:
     """``count`` encrypted shares read a column at a time (:func:`_read_fast_sequence`'s
     ``uniform``), where every share's sender and recipient have the first share's lengths, all fit
     and all are UTF-8: then item k starts at ``position + k * stride``, and reading share by share
-    gives these same items and position.  None otherwise."""
+    gives these same items and position.  None otherwise.  Each share's nonce and ciphertext stay
+    one payload (:class:`EncryptedShares`), the bytes the server relays in R2 as they came."""
     sender_length = _name_length(data, size, position)
     recipient_length = _name_length(data, size, position + 2 + sender_length) if sender_length else 0
     if not recipient_length:
         return None
-    layout = f"H{sender_length}sH{recipient_length}s{NONCE_BYTES}s{SHARE_CIPHERTEXT_BYTES}s"
+    layout = f"H{sender_length}sH{recipient_length}s{_SHARE_PAYLOAD_BYTES}s"
     unpacked = _unpack_items(data, size, position, count, layout)
     if unpacked is None:
         return None
     fields, end = unpacked
-    if fields[0::6].count(sender_length) != count or fields[2::6].count(recipient_length) != count:
+    if fields[0::5].count(sender_length) != count or fields[2::5].count(recipient_length) != count:
         return None
-    senders = _names(fields[1::6])
-    recipients = _names(fields[3::6])
+    senders = _names(fields[1::5])
+    recipients = _names(fields[3::5])
     if senders is None or recipients is None:
         return None
-    return _build_encrypted_shares(senders, recipients, fields[4::6], fields[5::6]), end
+    return EncryptedShares(tuple(senders), tuple(recipients), tuple(fields[4::5])), end
 
 
-def _read_encrypted_shares(r: _Reader) -> tuple[EncryptedShare, ...]:
+def _read_encrypted_shares(r: _Reader) -> EncryptedShares:
     """A sequence of :func:`_read_encrypted_share`: the same bytes and checks, in one loop (or a
-    column at a time where the shares' layout is uniform)."""
-    return _read_fast_sequence(
+    column at a time where the shares' layout is uniform), as :class:`EncryptedShares`."""
+    shares = _read_fast_sequence(
         r, 166, _fast_encrypted_share, _read_encrypted_share, _uniform_encrypted_shares
     )
+    return shares if type(shares) is EncryptedShares else EncryptedShares.of(shares)
 
 
 def _read_masked_tensor(r: _Reader) -> MaskedTensor:
@@ -811,7 +833,7 @@ def _fast_revealed_share(data: memoryview, size: int, position: int) -> tuple[Re
 
 def _uniform_revealed_shares(
     data: memoryview, size: int, position: int, count: int
-) -> tuple[tuple[RevealedShare, ...], int] | None:
+) -> tuple[RevealedShares, int] | None:
     """``count`` revealed shares read a column at a time, where every owner has the first one's
     length, all fit and all are UTF-8 (:func:`_uniform_encrypted_shares`)."""
     owner_length = _name_length(data, size, position)
@@ -826,13 +848,14 @@ def _uniform_revealed_shares(
     owners = _names(fields[1::3])
     if owners is None:
         return None
-    return _build_revealed_shares(owners, fields[2::3]), end
+    return RevealedShares(tuple(owners), tuple(fields[2::3])), end
 
 
-def _read_revealed_shares(r: _Reader) -> tuple[RevealedShare, ...]:
+def _read_revealed_shares(r: _Reader) -> RevealedShares:
     """A sequence of :func:`_read_revealed_share` (the server decodes n² of them in R4), the same
-    bytes and checks (:func:`_read_fast_sequence`)."""
-    return _read_fast_sequence(r, 69, _fast_revealed_share, _read_revealed_share, _uniform_revealed_shares)
+    bytes and checks (:func:`_read_fast_sequence`), as :class:`RevealedShares`."""
+    shares = _read_fast_sequence(r, 69, _fast_revealed_share, _read_revealed_share, _uniform_revealed_shares)
+    return shares if type(shares) is RevealedShares else RevealedShares.of(shares)
 
 
 _READERS: dict[int, Callable[[_Reader], Message]] = {

@@ -20,7 +20,11 @@ Masked tensors are carried as little-endian uint64 bytes so that messages stay i
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import overload
+
+from .crypto import NONCE_BYTES
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,17 +99,92 @@ class EncryptedShare:
     ciphertext: bytes
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class EncryptedShares(Sequence[EncryptedShare]):
+    """A sequence of :class:`EncryptedShare` held a field at a time: its senders, its recipients
+    and each share's ``nonce || ciphertext`` (the share's last two wire fields, back to back).
+
+    R1 and R2 carry n² shares between them (10⁶ at n = 1,000): as one object per share, the server
+    spent about a second of each session allocating them and in the cyclic collector's passes over
+    them; columns of strings and bytes are a few objects the collector does not track.  Indexing
+    and iteration give :class:`EncryptedShare` items, and it equals the tuple of those items, so a
+    message that carries it reads as one that carries the tuple.
+    """
+
+    senders: tuple[str, ...]
+    recipients: tuple[str, ...]
+    payloads: tuple[bytes, ...]  # nonce (NONCE_BYTES) || ciphertext of each share
+
+    def __post_init__(self) -> None:
+        columns = (self.senders, self.recipients, self.payloads)
+        if not all(type(column) is tuple for column in columns):
+            raise TypeError("the columns of EncryptedShares must be tuples")
+        if not len(self.senders) == len(self.recipients) == len(self.payloads):
+            raise ValueError("the columns of EncryptedShares must have one entry per share")
+
+    @classmethod
+    def of(cls, shares: Iterable[EncryptedShare]) -> EncryptedShares:
+        """The columns of ``shares``, each an :class:`EncryptedShare` whose nonce has NONCE_BYTES
+        bytes (the encoder checks the other fields; a nonce of another length could not be split
+        out of its payload again)."""
+        items = tuple(shares)
+        if any(type(item) is not EncryptedShare for item in items):
+            raise TypeError("expected EncryptedShare items")
+        if any(type(item.nonce) is not bytes or len(item.nonce) != NONCE_BYTES for item in items):
+            raise ValueError(f"nonce must be exactly {NONCE_BYTES} bytes")
+        return cls(
+            tuple(item.sender for item in items),
+            tuple(item.recipient for item in items),
+            tuple(item.nonce + item.ciphertext for item in items),
+        )
+
+    def __len__(self) -> int:
+        return len(self.senders)
+
+    @staticmethod
+    def _item(sender: str, recipient: str, payload: bytes) -> EncryptedShare:
+        return EncryptedShare(sender, recipient, payload[:NONCE_BYTES], payload[NONCE_BYTES:])
+
+    @overload
+    def __getitem__(self, index: int) -> EncryptedShare: ...
+    @overload
+    def __getitem__(self, index: slice) -> tuple[EncryptedShare, ...]: ...
+    def __getitem__(self, index: int | slice) -> EncryptedShare | tuple[EncryptedShare, ...]:
+        if isinstance(index, slice):
+            columns = (self.senders[index], self.recipients[index], self.payloads[index])
+            return tuple(map(EncryptedShares._item, *columns))
+        return EncryptedShares._item(self.senders[index], self.recipients[index], self.payloads[index])
+
+    def __iter__(self) -> Iterator[EncryptedShare]:
+        return map(EncryptedShares._item, self.senders, self.recipients, self.payloads)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, EncryptedShares | tuple):
+            return tuple(self) == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return f"EncryptedShares({len(self)} shares)"
+
+
+# A sequence of shares: the codec decodes EncryptedShares; a tuple of items is accepted as well.
+Shares = tuple[EncryptedShare, ...] | EncryptedShares
+
+
 @dataclass(frozen=True, slots=True)
 class ShareKeys:
     session_id: bytes
     sender: str
-    shares: tuple[EncryptedShare, ...]
+    shares: Shares
 
 
 @dataclass(frozen=True, slots=True)
 class MaskedInputRequest:
     session_id: bytes
-    shares: tuple[EncryptedShare, ...]
+    shares: Shares
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,12 +239,65 @@ class RevealedShare:
     value: bytes
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class RevealedShares(Sequence[RevealedShare]):
+    """A sequence of :class:`RevealedShare` held a field at a time (owners, values), as the codec
+    decodes it: the server reads n² of them in R4 (:class:`EncryptedShares` says why columns).
+    Indexing and iteration give :class:`RevealedShare` items; it equals the tuple of its items."""
+
+    owners: tuple[str, ...]
+    values: tuple[bytes, ...]
+
+    def __post_init__(self) -> None:
+        if type(self.owners) is not tuple or type(self.values) is not tuple:
+            raise TypeError("the columns of RevealedShares must be tuples")
+        if len(self.owners) != len(self.values):
+            raise ValueError("the columns of RevealedShares must have one entry per share")
+
+    @classmethod
+    def of(cls, shares: Iterable[RevealedShare]) -> RevealedShares:
+        items = tuple(shares)
+        if any(type(item) is not RevealedShare for item in items):
+            raise TypeError("expected RevealedShare items")
+        return cls(tuple(item.owner for item in items), tuple(item.value for item in items))
+
+    def __len__(self) -> int:
+        return len(self.owners)
+
+    @overload
+    def __getitem__(self, index: int) -> RevealedShare: ...
+    @overload
+    def __getitem__(self, index: slice) -> tuple[RevealedShare, ...]: ...
+    def __getitem__(self, index: int | slice) -> RevealedShare | tuple[RevealedShare, ...]:
+        if isinstance(index, slice):
+            return tuple(map(RevealedShare, self.owners[index], self.values[index]))
+        return RevealedShare(self.owners[index], self.values[index])
+
+    def __iter__(self) -> Iterator[RevealedShare]:
+        return map(RevealedShare, self.owners, self.values)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, RevealedShares | tuple):
+            return tuple(self) == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return f"RevealedShares({len(self)} shares)"
+
+
+# Revealed shares: the codec decodes RevealedShares; a tuple of items is accepted as well.
+Revealed = tuple[RevealedShare, ...] | RevealedShares
+
+
 @dataclass(frozen=True, slots=True)
 class UnmaskResponse:
     session_id: bytes
     sender: str
-    self_mask_shares: tuple[RevealedShare, ...]
-    mask_key_shares: tuple[RevealedShare, ...]
+    self_mask_shares: Revealed
+    mask_key_shares: Revealed
 
 
 Message = (

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from operator import attrgetter, itemgetter
+from operator import itemgetter
 from types import MappingProxyType
 
 import numpy as np
@@ -39,9 +39,10 @@ from .messages import (
     AdvertiseRequest,
     ConsistencyCheckRequest,
     ConsistencyResponse,
-    EncryptedShare,
+    EncryptedShares,
     MaskedInput,
     MaskedInputRequest,
+    RevealedShares,
     SessionConfig,
     ShareKeys,
     ShareKeysRequest,
@@ -52,12 +53,6 @@ from .messages import (
 from .state import SERVER_ACCEPTS, SERVER_NEXT_ROUND, ServerRound
 
 ServerReply = ShareKeysRequest | MaskedInputRequest | ConsistencyCheckRequest | UnmaskRequest
-
-# Fields of n² items (10⁶ at n = 1,000) read a column at a time.
-_SENDER = attrgetter("sender")
-_RECIPIENT = attrgetter("recipient")
-_OWNER = attrgetter("owner")
-_VALUE = attrgetter("value")
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,9 +86,10 @@ class ServerSession:
         self._message_limit = codec.max_message_bytes(config, len(roster))
         self._round = ServerRound.NOT_STARTED
         self._adverts: dict[str, AdvertiseKeys] = {}
-        # per R1 sender: its shares by recipient (R2's requests take one from each sender); let go
-        # once R1 closes, so that the n² shares live only as long as the requests that carry them
-        self._shares_to: dict[str, dict[str, EncryptedShare]] = {}
+        # per R1 sender: its shares' payloads by recipient (R2's requests take one from each
+        # sender); let go once R1 closes, so that the n² shares live only as long as the requests
+        # that carry them
+        self._shares_to: dict[str, dict[str, bytes]] = {}
         self._masked_senders: set[str] = set()
         self._sums: dict[tuple[str, str], np.ndarray] = {}
         self._signatures: dict[str, bytes] = {}
@@ -205,14 +201,20 @@ class ServerSession:
     def _receive_shares(self, message: ShareKeys) -> None:
         self._check_sender(message.sender, self._adverts, self._shares_to)
         shares = message.shares
+        if type(shares) is not EncryptedShares:  # a tuple of items, handed over in process
+            try:
+                shares = EncryptedShares.of(shares)
+            except (TypeError, ValueError) as exc:
+                raise ClientProtocolError(f"{message.sender!r} sent malformed shares: {exc}") from exc
         # A column at a time (n² shares at n = 1,000); the same checks as share by share.
-        recipients = list(map(_RECIPIENT, shares))
-        expected = set(self._adverts) - {message.sender}
-        senders = list(map(_SENDER, shares))
+        senders = shares.senders
         if senders.count(message.sender) != len(senders):
             raise ClientProtocolError(f"{message.sender!r} sent shares under another sender's name")
-        by_recipient = dict(zip(recipients, shares, strict=True))
-        if len(by_recipient) != len(recipients) or by_recipient.keys() != expected:
+        expected = set(self._adverts) - {message.sender}
+        # recipient -> nonce || ciphertext: a dict of strings and bytes, which the cyclic collector
+        # does not track, relayed to the recipient in R2 as it came
+        by_recipient = dict(zip(shares.recipients, shares.payloads, strict=True))
+        if len(by_recipient) != len(senders) or by_recipient.keys() != expected:
             raise ClientProtocolError(
                 f"{message.sender!r} did not send exactly one share to every other client"
             )
@@ -251,18 +253,22 @@ class ServerSession:
 
     def _receive_unmask(self, message: UnmaskResponse) -> None:
         self._check_sender(message.sender, self._u4, self._unmask)
-        if list(map(_OWNER, message.self_mask_shares)) != list(self._u3):
+        try:  # decoded, they are columns already; a tuple of items is handed over in process
+            seeds, keys = (
+                shares if type(shares) is RevealedShares else RevealedShares.of(shares)
+                for shares in (message.self_mask_shares, message.mask_key_shares)
+            )
+        except (TypeError, ValueError) as exc:
+            raise ClientProtocolError(f"{message.sender!r} sent malformed shares: {exc}") from exc
+        if seeds.owners != self._u3:
             raise ClientProtocolError(
                 f"{message.sender!r} did not reveal exactly the survivors' self-mask shares"
             )
-        if list(map(_OWNER, message.mask_key_shares)) != list(self._dropped):
+        if keys.owners != self._dropped:
             raise ClientProtocolError(
                 f"{message.sender!r} did not reveal exactly the dropped clients' key shares"
             )
-        values = (
-            shamir.values_from_bytes(list(map(_VALUE, message.self_mask_shares))),
-            shamir.values_from_bytes(list(map(_VALUE, message.mask_key_shares))),
-        )
+        values = (shamir.values_from_bytes(seeds.values), shamir.values_from_bytes(keys.values))
         if max((max(part, default=0) for part in values), default=0) >= shamir.PRIME:
             raise InvalidShareError(f"{message.sender!r} revealed a share that is not a field element")
         self._unmask[message.sender] = values  # read once here; R4's recovery uses them
@@ -306,13 +312,17 @@ class ServerSession:
         # Each recipient's shares in the senders' order: one from each other sender's index by
         # recipient (every sender of U2 sent exactly one share to every other client of U1).
         indexes = [self._shares_to[sender] for sender in u2]
-        replies: dict[str, ServerReply] = {
-            recipient: MaskedInputRequest(
+        replies: dict[str, ServerReply] = {}
+        for position, recipient in enumerate(u2):
+            senders = u2[:position] + u2[position + 1 :]
+            replies[recipient] = MaskedInputRequest(
                 self._config.session_id,
-                tuple(map(itemgetter(recipient), indexes[:position] + indexes[position + 1 :])),
+                EncryptedShares(
+                    senders,
+                    (recipient,) * len(senders),
+                    tuple(map(itemgetter(recipient), indexes[:position] + indexes[position + 1 :])),
+                ),
             )
-            for position, recipient in enumerate(u2)
-        }
         self._sums = {
             (group.name, tensor.name): np.zeros(tensor.length, dtype=np.uint64)
             for group in self._config.groups
