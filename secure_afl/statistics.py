@@ -271,7 +271,7 @@ def client_statistics(
             h64 = batch
         else:
             if cast is None or cast.shape[1] != batch.shape[1] or len(cast) < rows:
-                cast = np.empty((max(rows, batch_size), batch.shape[1]))
+                cast = _huge_page_aligned_empty(max(rows, batch_size), batch.shape[1])
             h64 = cast[:rows]
             np.copyto(h64, batch)
         part = h64.T @ h64
@@ -299,6 +299,30 @@ def client_statistics(
         n=seen,
         n_pos=labels.sum(axis=0).astype(np.int64),
     )
+
+
+_HUGE_PAGE = 1 << 21  # a transparent huge page on x86-64 (2 MiB)
+_NUMPY_HUGE_PAGE_MIN = 1 << 22  # numpy asks the kernel for huge pages (madvise) from 4 MiB up
+
+
+def _huge_page_aligned_empty(rows: int, cols: int) -> np.ndarray:
+    """An uninitialised C-contiguous float64 ``rows×cols`` array that starts on a 2 MiB boundary when
+    it is big enough for numpy to ask for transparent huge pages.
+
+    The kernel backs only the 2 MiB-aligned part of a region with huge pages, and malloc's ``mmap``
+    puts a large array 16 bytes past a 4 KiB page, anywhere within a 2 MiB one: the cast buffer of
+    float32 features (32 MiB at 4096 × 1024) then faults up to 2 MiB in 4 KiB pages, ~530 faults
+    instead of 17 on every call (measured; about 0.9 ms of the cast's 5.5).  Aligned, all of it is
+    huge pages.  The extra 2 MiB is address space only (never touched, never resident); the values,
+    shape and strides the products see are the same (only the address differs, as it does from
+    call to call anyway), so the statistics are bit for bit those of a plain ``np.empty`` buffer.
+    """
+    n = rows * cols
+    if n * 8 < _NUMPY_HUGE_PAGE_MIN:
+        return np.empty((rows, cols))
+    raw = np.empty(n + _HUGE_PAGE // 8)
+    start = (-raw.ctypes.data % _HUGE_PAGE) // 8
+    return raw[start : start + n].reshape(rows, cols)
 
 
 def _check_row_count(rows: int, n_labels: int) -> None:

@@ -74,3 +74,46 @@ def test_the_gpu_path_agrees_with_the_cpu_path() -> None:
         np.testing.assert_allclose(getattr(on_torch, name), getattr(on_numpy, name), rtol=1e-12, atol=1e-12)
     assert on_torch.n == on_numpy.n == 300
     assert np.array_equal(on_torch.gram, on_torch.gram.T)
+
+
+def _statistics_the_old_way(h: np.ndarray, y: np.ndarray, batch_size: int) -> tuple[np.ndarray, ...]:
+    """The CPU path as it was before the cast buffer was huge-page aligned: each batch cast to a
+    fresh float64 array, its syrk, and [Y, 1]ᵀH, summed batch after batch."""
+    labels = y.astype(bool)
+    c = labels.shape[1]
+    gram = sums = None
+    for i in range(0, len(h), batch_size):
+        h64 = h[i : i + batch_size].astype(np.float64)
+        y1 = np.ones((len(h64), c + 1))
+        y1[:, :c] = labels[i : i + batch_size]
+        if gram is None:
+            gram, sums = h64.T @ h64, y1.T @ h64
+        else:
+            gram += h64.T @ h64
+            sums += y1.T @ h64
+    return gram, sums[c], sums[:c].T
+
+
+@pytest.mark.parametrize("rows", [4875, 4097, 2049])
+@pytest.mark.parametrize("batch_size", [1000, 2049, 4096])
+def test_float32_statistics_are_bit_for_bit_the_old_way(rows, batch_size) -> None:
+    """float32 features (cast into one reused buffer, huge-page aligned from 4 MiB up: 2049 and
+    4096 rows of 256 are) give exactly the per-batch float64 products of a plain cast."""
+    rng = np.random.default_rng(rows + batch_size)
+    h = (rng.standard_normal((rows, 256)) * 2).astype(np.float32)
+    y = (rng.random((rows, 6)) < 0.3).astype(np.int64)
+    stats = client_statistics(h, y, device="cpu", batch_size=batch_size)
+    gram, feat_sum, pos_sum = _statistics_the_old_way(h, y, batch_size)
+    assert np.array_equal(stats.gram, gram)
+    assert np.array_equal(stats.feat_sum, feat_sum)
+    assert np.array_equal(stats.pos_sum, pos_sum)
+
+
+def test_a_big_cast_buffer_starts_on_a_huge_page() -> None:
+    from secure_afl.statistics import _huge_page_aligned_empty
+
+    big = _huge_page_aligned_empty(2049, 256)  # 4.2 MB: numpy asks for huge pages
+    assert big.shape == (2049, 256) and big.dtype == np.float64 and big.flags.c_contiguous
+    assert big.ctypes.data % (1 << 21) == 0
+    small = _huge_page_aligned_empty(7, 12)
+    assert small.shape == (7, 12) and small.base is None  # small: a plain array, no slack
