@@ -33,11 +33,12 @@ why neither party's work changes).  Its figures are CPU-seconds of this process
 (``time.process_time``, so other load on the host does not enter): ``client_seconds`` the client's
 ``receive_bytes`` in all rounds without its exposure checks (those, run inside R3 and R4, are timed
 apart: ``client_with_exposure_seconds`` includes them; the cyclic collector is frozen while the
-client runs, since in a deployment its process holds neither the server's 10⁶ share objects nor
-the peers' state, whose full collections, about 0.4 s each, otherwise land in whichever client
-round they happen to fall), ``server_seconds`` the server's decoding
-and handling of all n clients' messages, its round closes and the encoding of every request.  Per
-round in ``client_round_seconds`` and ``server_round_seconds``.  ``mask_words`` counts the AES-CTR
+client runs, since in a deployment its process holds neither the server's state nor the peers',
+whose full collections otherwise land in whichever client round they happen to fall: about 0.4 s
+each while the server held its 10⁶ relayed shares as objects, before they became columns),
+``server_seconds`` the server's decoding and handling of all n clients' messages, its round
+closes and the encoding of every request.  Per round in ``client_round_seconds`` and
+``server_round_seconds``.  ``mask_words`` counts the AES-CTR
 keystream words each needs (the client: per tensor of each of its groups one self mask and one
 pairwise mask per other member; the server: every survivor's self mask, no one drops) and
 ``mask_floor_seconds`` is 8 bytes times that over ``keystream_bytes_per_second``, measured in the
@@ -67,7 +68,7 @@ import json
 import platform
 import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from datetime import UTC, datetime
 
@@ -466,7 +467,7 @@ def one_client_session(
                 wire[id(request)] = codec.encode(request, max_message_bytes=limit)
         server_s[round_name] += _clock() - started
         # In a deployment the client is its own process: the cyclic collector's passes over the
-        # server's 10⁶ share objects and the peers' state are not its cost (frozen while it runs).
+        # server's and the peers' state are not its cost (frozen while it runs).
         gc.freeze()
         try:
             started = _clock()
@@ -723,12 +724,20 @@ def shamir_recovery(n: int, *, textbook: bool) -> float:
 
 def statistics_ratio(rows: int = 5889, d: int = 1024, repeats: int = 5) -> dict:
     """client_statistics against a bare numpy syrk of the same float64 shape, one thread, CPU-s
-    (median of ``repeats``, interleaved), for float64 and float32 features."""
+    (median of ``repeats``, interleaved), for float64 and float32 features.  One thread means
+    numpy's BLAS too (threadpoolctl): torch's setting alone left OpenBLAS on every core, and
+    ``process_time`` summed them."""
     import torch
+    from threadpoolctl import threadpool_limits
 
     from secure_afl.analytic import client_statistics
 
     torch.set_num_threads(1)
+    with threadpool_limits(limits=1):
+        return _statistics_ratio(client_statistics, rows, d, repeats)
+
+
+def _statistics_ratio(client_statistics: Callable[..., object], rows: int, d: int, repeats: int) -> dict:
     rng = np.random.default_rng(0)
     h32 = rng.standard_normal((rows, d)).astype(np.float32)
     h64 = h32.astype(np.float64)
