@@ -95,9 +95,6 @@ class ProtectionBackend(Protocol):
     trust_model: str
     rounds: tuple[str, ...]  # round labels in order; a repeated last round keeps its label
     exact_sums: bool  # whether a difference plan (aggregation/difference.py) may be used
-    # Rounds whose clients an in-process driver may run at once: their client work draws none of
-    # the (shared) injected randomness and touches no state another client holds.
-    concurrent_rounds: tuple[str, ...]
 
     def tolerated_dropouts(self, n_clients: int) -> int:
         """How many of ``n_clients`` may drop with the session still finishing (a difference plan
@@ -171,14 +168,6 @@ class MaskingBackend:
     trust_model: str = MASK_TRUST_MODEL
     exact_sums: bool = True  # integer sums mod 2⁶⁴: a difference plan's derived sums are bit-exact
     rounds: tuple[str, ...] = ("R0", "R1", "R2", "R3", "R4")
-
-    @property
-    def concurrent_rounds(self) -> tuple[str, ...]:
-        """R2, masking: it derives every mask from keys fixed in R0 and R1 (no randomness drawn),
-        and each client records its answer in its own ledger, unless two clients were given one
-        ledger object, when every round stays one client at a time."""
-        ledgers = [id(ledger) for ledger in self.ledgers.values()]
-        return ("R2",) if len(set(ledgers)) == len(ledgers) else ()
 
     def server_session(
         self, roster: Roster, layout: Layout, *, session_id: bytes, min_group_size: int, context: bytes = b""
@@ -279,7 +268,6 @@ class CkksBackend:
     trust_model: str = CKKS_TRUST_MODEL
     exact_sums: bool = False  # approximate sums: no difference plan (it would scale up the noise)
     rounds: tuple[str, ...] = ("R0", "R1", "R2", "R3", "R4")
-    concurrent_rounds: tuple[str, ...] = ()  # TenSEAL's encryption draws its own randomness: none
 
     def server_session(
         self, roster: Roster, layout: Layout, *, session_id: bytes, min_group_size: int, context: bytes = b""

@@ -1,25 +1,16 @@
 """The in-process driver: every client and the server of one session, in one process, any backend.
 
 Messages are really encoded to bytes and decoded again, so the byte counts are those of the wire
-format.  Timings are measured here, never inside ``secure_afl.protocol``: a client's seconds are the
-CPU time of the thread that ran it (``time.thread_time``), the server's are ``time.perf_counter``'s.
-In a backend's ``concurrent_rounds`` (masking's R2, where each client masks its upload) the clients
-run on up to ``workers`` threads at once, as separate institutions would: AES-CTR and numpy's adds
-release the GIL.  Their replies still reach the server one at a time, in client order, so every
-message, sum and error is the one a run one client at a time gives.
+format.  Timings are measured here, with ``time.perf_counter``, never inside ``secure_afl.protocol``.
 The driver generates the identities and the roster itself: it measures and checks, it is not a
 security boundary.
 """
 
 from __future__ import annotations
 
-import os
 import time
-from collections import deque
-from collections.abc import Collection, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from itertools import islice
 from types import MappingProxyType
 
 import numpy as np
@@ -71,7 +62,6 @@ def run_in_process(
     session_id: bytes | None = None,
     context: bytes = b"",
     difference: bool = True,
-    workers: int | None = None,
 ) -> InProcessRun:
     """Sum ``contributions`` (client -> group -> tensor -> float64 array) per group through ``backend``.
 
@@ -80,13 +70,8 @@ def run_in_process(
     bind (:func:`secure_afl.protocol.binding.session_context`; empty: none).  ``difference``: a
     backend with exact sums sends the Gram by difference where that sends fewer copies
     (:mod:`.difference`; the same sums, bit for bit, and the same span of them); False keeps
-    every group as the contributions name it.  The run's ``layout`` is the wire's.  ``workers``:
-    threads for the clients of the backend's ``concurrent_rounds`` (default: the CPUs this process
-    may use; 1 runs every round one client at a time).
+    every group as the contributions name it.  The run's ``layout`` is the wire's.
     """
-    workers = len(os.sched_getaffinity(0)) if workers is None else workers
-    if workers < 1:
-        raise ValueError(f"workers must be at least 1, got {workers}")
     random = OsRandomSource() if random is None else random
     client_ids = tuple(sorted(contributions))
     if not client_ids:
@@ -171,10 +156,14 @@ def run_in_process(
             if id(request) not in wire:
                 wire[id(request)] = backend.encode(request, server_limit)
         server_seconds[round_name] += time.perf_counter() - started
-        answering = [(cid, wire[id(request)]) for cid, request in requests.items() if cid not in dropped]
-        concurrent = workers > 1 and round_name in backend.concurrent_rounds
-        for cid, data, encoded_replies, seconds in _answers(clients, answering, workers if concurrent else 1):
-            client_seconds[cid][round_name] += seconds
+        for cid, request in requests.items():
+            if cid in dropped:
+                continue
+            data = wire[id(request)]
+            client = clients[cid]
+            started = time.perf_counter()
+            encoded_replies = client.receive_bytes(data)  # decoded under the client's own limits
+            client_seconds[cid][round_name] += time.perf_counter() - started
             bytes_received[cid][round_name] += len(data)
             for reply_bytes in encoded_replies:
                 bytes_sent[cid][round_name] += len(reply_bytes)
@@ -192,41 +181,6 @@ def run_in_process(
         clients=clients,
         layout=layout,
     )
-
-
-def _answer(client: object, data: bytes) -> tuple[list[bytes], float]:
-    """A client's replies to ``data`` (decoded under its own limits) and its thread's CPU seconds."""
-    started = time.thread_time()
-    replies = client.receive_bytes(data)  # type: ignore[attr-defined]
-    return replies, time.thread_time() - started
-
-
-def _answers(
-    clients: Mapping[str, object], answering: list[tuple[str, bytes]], workers: int
-) -> Iterator[tuple[str, bytes, list[bytes], float]]:
-    """Each answering client's replies, in the order of ``answering``: one client at a time, or up
-    to ``workers`` at once with at most 2·workers replies held (a client's error is raised where
-    its replies would have come, after the clients already running have finished)."""
-    if workers == 1:
-        for cid, data in answering:
-            yield (cid, data, *_answer(clients[cid], data))
-        return
-    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="in-process-client")
-    try:
-        queue = iter(answering)
-        pending = deque(
-            (cid, data, pool.submit(_answer, clients[cid], data)) for cid, data in islice(queue, 2 * workers)
-        )
-        while pending:
-            cid, data, future = pending.popleft()
-            replies, seconds = future.result()
-            for following, following_data in islice(queue, 1):
-                pending.append(
-                    (following, following_data, pool.submit(_answer, clients[following], following_data))
-                )
-            yield cid, data, replies, seconds
-    finally:  # an error (or the caller's) leaves no client queued: those running finish first
-        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def dropout_stages(
