@@ -22,9 +22,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import overload
+from typing import TypeVar, overload
 
 from .crypto import NONCE_BYTES
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,28 +101,67 @@ class EncryptedShare:
     ciphertext: bytes
 
 
+class _ShareColumns(Sequence[T]):
+    """Items of one share type held a field at a time (n² shares cross the server: see
+    :class:`EncryptedShares`).  Indexing and iteration give the items, and it equals the tuple
+    of its items, so a message that carries it reads as one that carries that tuple."""
+
+    __slots__ = ()
+
+    def _columns(self) -> tuple[tuple, ...]:
+        raise NotImplementedError
+
+    @staticmethod
+    def _item(*fields: object) -> T:
+        raise NotImplementedError
+
+    def __post_init__(self) -> None:
+        columns = self._columns()
+        if not all(type(column) is tuple for column in columns):
+            raise TypeError(f"the columns of {type(self).__name__} must be tuples")
+        if len({len(column) for column in columns}) > 1:
+            raise ValueError(f"the columns of {type(self).__name__} must have one entry per share")
+
+    def __len__(self) -> int:
+        return len(self._columns()[0])
+
+    @overload
+    def __getitem__(self, index: int) -> T: ...
+    @overload
+    def __getitem__(self, index: slice) -> tuple[T, ...]: ...
+    def __getitem__(self, index: int | slice) -> T | tuple[T, ...]:
+        if isinstance(index, slice):
+            return tuple(map(self._item, *(column[index] for column in self._columns())))
+        return self._item(*(column[index] for column in self._columns()))
+
+    def __iter__(self) -> Iterator[T]:
+        return map(self._item, *self._columns())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, _ShareColumns | tuple):
+            return tuple(self) == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({len(self)} shares)"
+
+
 @dataclass(frozen=True, slots=True, eq=False)
-class EncryptedShares(Sequence[EncryptedShare]):
+class EncryptedShares(_ShareColumns[EncryptedShare]):
     """A sequence of :class:`EncryptedShare` held a field at a time: its senders, its recipients
     and each share's ``nonce || ciphertext`` (the share's last two wire fields, back to back).
 
     R1 and R2 carry n² shares between them (10⁶ at n = 1,000): as one object per share, the server
     spent about a second of each session allocating them and in the cyclic collector's passes over
-    them; columns of strings and bytes are a few objects the collector does not track.  Indexing
-    and iteration give :class:`EncryptedShare` items, and it equals the tuple of those items, so a
-    message that carries it reads as one that carries the tuple.
+    them; columns of strings and bytes are a few objects the collector does not track.
     """
 
     senders: tuple[str, ...]
     recipients: tuple[str, ...]
     payloads: tuple[bytes, ...]  # nonce (NONCE_BYTES) || ciphertext of each share
-
-    def __post_init__(self) -> None:
-        columns = (self.senders, self.recipients, self.payloads)
-        if not all(type(column) is tuple for column in columns):
-            raise TypeError("the columns of EncryptedShares must be tuples")
-        if not len(self.senders) == len(self.recipients) == len(self.payloads):
-            raise ValueError("the columns of EncryptedShares must have one entry per share")
 
     @classmethod
     def of(cls, shares: Iterable[EncryptedShare]) -> EncryptedShares:
@@ -138,36 +179,12 @@ class EncryptedShares(Sequence[EncryptedShare]):
             tuple(item.nonce + item.ciphertext for item in items),
         )
 
-    def __len__(self) -> int:
-        return len(self.senders)
+    def _columns(self) -> tuple[tuple, ...]:
+        return (self.senders, self.recipients, self.payloads)
 
     @staticmethod
-    def _item(sender: str, recipient: str, payload: bytes) -> EncryptedShare:
+    def _item(sender: str, recipient: str, payload: bytes) -> EncryptedShare:  # type: ignore[override]
         return EncryptedShare(sender, recipient, payload[:NONCE_BYTES], payload[NONCE_BYTES:])
-
-    @overload
-    def __getitem__(self, index: int) -> EncryptedShare: ...
-    @overload
-    def __getitem__(self, index: slice) -> tuple[EncryptedShare, ...]: ...
-    def __getitem__(self, index: int | slice) -> EncryptedShare | tuple[EncryptedShare, ...]:
-        if isinstance(index, slice):
-            columns = (self.senders[index], self.recipients[index], self.payloads[index])
-            return tuple(map(EncryptedShares._item, *columns))
-        return EncryptedShares._item(self.senders[index], self.recipients[index], self.payloads[index])
-
-    def __iter__(self) -> Iterator[EncryptedShare]:
-        return map(EncryptedShares._item, self.senders, self.recipients, self.payloads)
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, EncryptedShares | tuple):
-            return tuple(self) == tuple(other)
-        return NotImplemented
-
-    def __hash__(self) -> int:
-        return hash(tuple(self))
-
-    def __repr__(self) -> str:
-        return f"EncryptedShares({len(self)} shares)"
 
 
 # A sequence of shares: the codec decodes EncryptedShares; a tuple of items is accepted as well.
@@ -240,19 +257,12 @@ class RevealedShare:
 
 
 @dataclass(frozen=True, slots=True, eq=False)
-class RevealedShares(Sequence[RevealedShare]):
+class RevealedShares(_ShareColumns[RevealedShare]):
     """A sequence of :class:`RevealedShare` held a field at a time (owners, values), as the codec
-    decodes it: the server reads n² of them in R4 (:class:`EncryptedShares` says why columns).
-    Indexing and iteration give :class:`RevealedShare` items; it equals the tuple of its items."""
+    decodes it: the server reads n² of them in R4 (:class:`EncryptedShares` says why columns)."""
 
     owners: tuple[str, ...]
     values: tuple[bytes, ...]
-
-    def __post_init__(self) -> None:
-        if type(self.owners) is not tuple or type(self.values) is not tuple:
-            raise TypeError("the columns of RevealedShares must be tuples")
-        if len(self.owners) != len(self.values):
-            raise ValueError("the columns of RevealedShares must have one entry per share")
 
     @classmethod
     def of(cls, shares: Iterable[RevealedShare]) -> RevealedShares:
@@ -261,31 +271,12 @@ class RevealedShares(Sequence[RevealedShare]):
             raise TypeError("expected RevealedShare items")
         return cls(tuple(item.owner for item in items), tuple(item.value for item in items))
 
-    def __len__(self) -> int:
-        return len(self.owners)
+    def _columns(self) -> tuple[tuple, ...]:
+        return (self.owners, self.values)
 
-    @overload
-    def __getitem__(self, index: int) -> RevealedShare: ...
-    @overload
-    def __getitem__(self, index: slice) -> tuple[RevealedShare, ...]: ...
-    def __getitem__(self, index: int | slice) -> RevealedShare | tuple[RevealedShare, ...]:
-        if isinstance(index, slice):
-            return tuple(map(RevealedShare, self.owners[index], self.values[index]))
-        return RevealedShare(self.owners[index], self.values[index])
-
-    def __iter__(self) -> Iterator[RevealedShare]:
-        return map(RevealedShare, self.owners, self.values)
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, RevealedShares | tuple):
-            return tuple(self) == tuple(other)
-        return NotImplemented
-
-    def __hash__(self) -> int:
-        return hash(tuple(self))
-
-    def __repr__(self) -> str:
-        return f"RevealedShares({len(self)} shares)"
+    @staticmethod
+    def _item(owner: str, value: bytes) -> RevealedShare:  # type: ignore[override]
+        return RevealedShare(owner, value)
 
 
 # Revealed shares: the codec decodes RevealedShares; a tuple of items is accepted as well.
