@@ -15,7 +15,10 @@ R4    server -> each in U4        :class:`UnmaskRequest` (U3, signatures, what t
       client -> server            :class:`UnmaskResponse` (shares of b or of the mask key)
 ====  ==========================  =================================================
 
-Masked tensors are carried as little-endian uint64 bytes so that messages stay immutable.
+Masked tensors are carried as little-endian uint64 bytes so that messages stay immutable.  The
+n² shares of R1, R2 and R4 may be held a field at a time (:class:`EncryptedShares`,
+:class:`RevealedShares`: immutable sequences of the share items, which the codec decodes); their
+only behaviour is reading as those sequences.
 """
 
 from __future__ import annotations
