@@ -248,6 +248,8 @@ class ServerSession:
         # decoded tensor's data is a view of the received message (codec), not a copy.
         for item in message.tensors:
             words = np.frombuffer(item.data, dtype="<u8")
+            if words.flags.writeable:  # a buffer its sender may still change (not the codec's bytes)
+                words = words.copy()
             self._pending.setdefault((item.group, item.tensor), []).append(words)
             self._pending_bytes += words.nbytes
         self._masked_senders.add(message.sender)

@@ -65,3 +65,25 @@ def test_queued_inputs_are_views_of_their_messages_and_a_rejected_one_is_never_q
     decoded = fed.server.result().groups["odd"].sums["y"]
     assert isinstance(first, MaskedInput) and decoded.shape == (7,)
     assert np.allclose(decoded.view(np.int64) / 2.0**32, expected, atol=1e-6)
+
+
+def test_an_input_in_a_buffer_its_sender_may_still_change_is_copied_when_queued(monkeypatch) -> None:
+    """A driver handing the server a MaskedInput whose words sit in a mutable buffer, then reusing
+    that buffer, does not change the sums (the codec's own inputs are immutable bytes)."""
+    monkeypatch.setattr(server, "ADD_BATCH_BYTES", 1 << 40)
+    fed = make_federation(7, GROUPS, threshold=4, lengths=LENGTHS, seed=b"batched")
+    play(fed, until="R1")
+    buffers = []
+    for cid, request in sorted(fed.requests.items()):
+        reply = wire(fed.clients[cid].receive(wire(request))[0])
+        mutable = tuple(dataclasses.replace(t, data=bytearray(t.data)) for t in reply.tensors)
+        buffers += [t.data for t in mutable]
+        fed.server.receive(dataclasses.replace(reply, tensors=mutable))
+    for buffer in buffers:
+        buffer[:] = bytes(len(buffer))  # the driver reuses its buffers before R2 closes
+    fed.requests = fed.server.next_round()
+    for round_name in ("R3", "R4"):
+        play_round(fed, round_name)
+    expected = sum(fed.inputs[cid]["odd"]["y"] for cid in ("c1", "c3", "c5"))
+    decoded = fed.server.result().groups["odd"].sums["y"]
+    assert np.allclose(decoded.view(np.int64) / 2.0**32, expected, atol=1e-6)
