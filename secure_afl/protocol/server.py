@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from operator import itemgetter
 from types import MappingProxyType
+from typing import TypeVar
 
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
@@ -57,6 +58,19 @@ ServerReply = ShareKeysRequest | MaskedInputRequest | ConsistencyCheckRequest | 
 # R2's inputs held (as views of their messages) before they are added to the sums, a batch at a
 # time: 256 MiB, about 8 clients' inputs at d = 1024 with 7 Gram copies each.
 ADD_BATCH_BYTES = 1 << 28
+
+C = TypeVar("C", EncryptedShares, RevealedShares)
+
+
+def _columns(kind: type[C], shares: object, sender: str) -> C:
+    """``shares`` as ``kind``'s columns: decoded, they are already; a tuple of items handed over
+    in process is converted, and one that cannot be is the sender's protocol error."""
+    if type(shares) is kind:
+        return shares  # type: ignore[return-value]
+    try:
+        return kind.of(shares)  # type: ignore[attr-defined]
+    except (TypeError, ValueError) as exc:
+        raise ClientProtocolError(f"{sender!r} sent malformed shares: {exc}") from exc
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,12 +224,7 @@ class ServerSession:
 
     def _receive_shares(self, message: ShareKeys) -> None:
         self._check_sender(message.sender, self._adverts, self._shares_to)
-        shares = message.shares
-        if type(shares) is not EncryptedShares:  # a tuple of items, handed over in process
-            try:
-                shares = EncryptedShares.of(shares)
-            except (TypeError, ValueError) as exc:
-                raise ClientProtocolError(f"{message.sender!r} sent malformed shares: {exc}") from exc
+        shares = _columns(EncryptedShares, message.shares, message.sender)
         # A column at a time (n² shares at n = 1,000); the same checks as share by share.
         senders = shares.senders
         if senders.count(message.sender) != len(senders):
@@ -280,13 +289,8 @@ class ServerSession:
 
     def _receive_unmask(self, message: UnmaskResponse) -> None:
         self._check_sender(message.sender, self._u4, self._unmask)
-        try:  # decoded, they are columns already; a tuple of items is handed over in process
-            seeds, keys = (
-                shares if type(shares) is RevealedShares else RevealedShares.of(shares)
-                for shares in (message.self_mask_shares, message.mask_key_shares)
-            )
-        except (TypeError, ValueError) as exc:
-            raise ClientProtocolError(f"{message.sender!r} sent malformed shares: {exc}") from exc
+        seeds = _columns(RevealedShares, message.self_mask_shares, message.sender)
+        keys = _columns(RevealedShares, message.mask_key_shares, message.sender)
         if seeds.owners != self._u3:
             raise ClientProtocolError(
                 f"{message.sender!r} did not reveal exactly the survivors' self-mask shares"
