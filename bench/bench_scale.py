@@ -14,8 +14,7 @@ Every layout is sent as the product's masked driver sends it: where
 ``all`` plus a complement group per class, 4,000 Gram copies instead of 5,000) the clients send the
 wire groups and the server derives the class sums; ``difference_plan`` records the copies of each
 (null: no plan).  ``--direct`` sends every group as the method names it, to measure the plan side by
-side; ``--tolerated-dropouts K`` plans for K dropouts instead of n - t (what a study that would rather
-abort past K dropouts would send).
+side.
 
 How it is measured.  ``--session`` runs one full masked session in process
 (:func:`secure_afl.aggregation.inprocess.run_in_process`: every client and the server, real wire
@@ -146,18 +145,12 @@ def contributions_for(
 
 
 def planned(
-    contributions: Mapping[str, Contributions], tolerated: int | None = None
+    contributions: Mapping[str, Contributions],
 ) -> tuple[dict[str, Contributions], DifferencePlan | None]:
     """The contributions as the product's masked sessions send them: :func:`run_in_process`'s
-    difference plan (t = floor(2n/3) + 1, groups of at least 2), or unchanged where it makes none."""
-    n = len(contributions)
+    difference plan (groups of at least 2), or unchanged where it makes none."""
     members = {g: ids for g, (ids, _) in groups_of(contributions).items()}
-    plan = plan_difference(
-        members,
-        layout_of(contributions),
-        min_group_size=2,
-        tolerated_dropouts=n - active_threshold(n) if tolerated is None else tolerated,
-    )
+    plan = plan_difference(members, layout_of(contributions), min_group_size=2)
     if plan is None:
         return dict(contributions), None
     return {cid: plan.wire(c) for cid, c in contributions.items()}, plan
@@ -224,14 +217,12 @@ def measure(
     run_session: bool,
     one_client: bool = False,
     difference: bool = True,
-    tolerated: int | None = None,
 ) -> dict:
     result: dict = {
         "command": f"python bench/bench_scale.py --clients {n} --dim {d}"
         + (" --session" if run_session else "")
         + (" --one-client" if one_client else "")
         + ("" if difference else " --direct")
-        + ("" if tolerated is None else f" --tolerated-dropouts {tolerated}")
         + f" --layouts {','.join(layouts)}",
         "difference_plan": {},
         "date": datetime.now(UTC).strftime("%Y-%m-%d"),
@@ -258,7 +249,7 @@ def measure(
         contributions = contributions_for(n, min(d, EXPOSURE_MAX_DIM) if one_client else d, layout)
         first = min(contributions)
         # The client checks what it sends: the wire groups (the same span of sums as the direct ones).
-        wire, plan = planned(contributions, tolerated) if difference else (contributions, None)
+        wire, plan = planned(contributions) if difference else (contributions, None)
         result["difference_plan"][layout] = None if plan is None else dict(plan.savings)
         seconds, cpu, verdict, _ = exposure_check(wire, first)
         result["exposure_seconds"][layout] = seconds
@@ -266,7 +257,7 @@ def measure(
         result["exposure_verdicts"][layout] = verdict
         if one_client:
             del contributions, wire  # at d = 1024, n = 1,000 the peers are built one at a time instead
-            run = one_client_session(n, d, layout, difference=difference, tolerated=tolerated)
+            run = one_client_session(n, d, layout, difference=difference)
             for key in (
                 "client_seconds",
                 "client_with_exposure_seconds",
@@ -367,9 +358,7 @@ class _Peer:
         self.held_from_me: tuple[int, int] = (0, 0)
 
 
-def one_client_session(
-    n: int, d: int, layout: str, *, seed: int = 0, difference: bool = True, tolerated: int | None = None
-) -> dict:
+def one_client_session(n: int, d: int, layout: str, *, seed: int = 0, difference: bool = True) -> dict:
     """One real client (the first id) and the real server; the n - 1 peers' messages built here.
 
     Timed, as :func:`run_in_process` times them: the measured client's ``receive_bytes`` (decode,
@@ -397,16 +386,7 @@ def one_client_session(
     labels = labelling(n, layout, seed=seed)
     session_layout, members = _layout(n, d, layout, labels)
     # The product's difference plan (run_in_process makes the same one): the wire's groups.
-    plan = (
-        plan_difference(
-            members,
-            session_layout,
-            min_group_size=2,
-            tolerated_dropouts=n - t if tolerated is None else tolerated,
-        )
-        if difference
-        else None
-    )
+    plan = plan_difference(members, session_layout, min_group_size=2) if difference else None
     if plan is not None:
         session_layout = plan.wire_layout(session_layout)
         members = {**members, **plan.members}
@@ -780,13 +760,6 @@ def main() -> None:
         help="every group as the method names it: no difference plan (to measure the plan side by side)",
     )
     parser.add_argument(
-        "--tolerated-dropouts",
-        type=int,
-        default=None,
-        help="plan complements for this many dropouts instead of n - t (a study that would rather abort "
-        "past it); with --one-client or --no-session only",
-    )
-    parser.add_argument(
         "--micro",
         action="store_true",
         help="also: Shamir recovery (one basis vs per owner) and client statistics vs a bare syrk",
@@ -799,10 +772,6 @@ def main() -> None:
     run_session = not one_client and (
         args.clients <= SESSION_DEFAULT_MAX if args.session is None else args.session
     )
-    if run_session and args.tolerated_dropouts is not None:
-        parser.error(
-            "--tolerated-dropouts needs --one-client or --no-session (a full session plans for n - t)"
-        )
     result = measure(
         args.clients,
         args.dim,
@@ -810,7 +779,6 @@ def main() -> None:
         run_session=run_session,
         one_client=one_client,
         difference=not args.direct,
-        tolerated=args.tolerated_dropouts,
     )
     if args.micro:
         result["shamir_cpu_seconds"] = {

@@ -1,6 +1,7 @@
 """The Gram sent by difference (secure_afl/aggregation/difference.py): the same sums bit for bit, the
-same span of sums for every survivor set, the same exposure verdicts, and no plan where it would
-reveal more or abort where the direct layout would not."""
+same span of sums for every survivor set, the same exposure verdicts, no plan where it would
+reveal more, and an abort only where the direct layout's sums would reveal a group below the
+minimum (a complement left with 1..min-1 live members; one left empty is summed as zero)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from secure_afl.aggregation.difference import complement_group, plan_difference
 from secure_afl.aggregation.inprocess import run_in_process
 from secure_afl.aggregation.layout import layout_of
 from secure_afl.analytic import ClientStatistics
+from secure_afl.core.errors import GroupTooSmallError
 from secure_afl.core.randomness import DeterministicRandomSource
 from secure_afl.privacy.exposure import exposed_clients
 from secure_afl.privacy.policy import ClientPolicy
@@ -201,3 +203,62 @@ def test_ckks_takes_no_plan() -> None:
     assert plan is not None
     with pytest.raises(ValueError, match="approximate"):
         CkksBackend().outcome(None, plan.wire_layout(layout_of(contributions)))  # type: ignore[arg-type]
+
+
+def _blocks(n_blocks: int, per_block: int, *, d: int = 4):
+    """The "all but one" pattern: block b's clients label every class but b (one class per block),
+    with only per-class Grams (no `all` group; every client labels as many classes)."""
+    rng = np.random.default_rng(11)
+    out = {}
+    for b in range(n_blocks):
+        for k in range(per_block):
+            h = rng.exponential(size=(9, d))
+            y = (rng.random((9, n_blocks)) < 0.5).astype(np.float64)
+            y[0], y[1] = 1.0, 0.0
+            stats = ClientStatistics(
+                gram=h.T @ h, feat_sum=h.sum(0), pos_sum=h.T @ y, n=9, n_pos=y.sum(0).astype(np.int64)
+            )
+            active = [c for c in range(n_blocks) if c != b]
+            out[f"b{b}-{k}"] = stats.contributions(active, include_global_gram=False)
+    return out
+
+
+def test_a_complement_smaller_than_the_dropouts_is_planned_and_may_lose_every_member() -> None:
+    """Missing 1's pattern: complements (one block) smaller than the n - t dropouts.  The plan is
+    made (2 Grams per client instead of 5), and a whole block dropping leaves its complement empty:
+    the session finishes with the direct layout's class sums, bit for bit."""
+    contributions = _blocks(6, 4)  # 24 clients, t = 17: up to 7 may drop, a block is 4
+    members = _members(contributions)
+    plan = plan_difference(members, layout_of(contributions), min_group_size=2)
+    assert plan is not None and plan.everyone_added
+    assert all(len(plan.members[c]) == 4 for c in plan.complements.values() if c is not None)
+    assert plan.savings == {"direct": 24 * 5, "wire": 24 * 2}
+    for dropouts in ({"R1": ["b3-0", "b3-1"], "R2": ["b3-2", "b3-3"]}, {"R2": [f"b0-{k}" for k in range(4)]}):
+        planned = _run(contributions, difference=True, threshold=17, dropouts=dropouts)
+        direct = _run(contributions, difference=False, threshold=17, dropouts=dropouts)
+        emptied = next(
+            g
+            for g in planned.layout.groups
+            if g.startswith("others/") and g.endswith("/" + dropouts[next(iter(dropouts))][0][1])
+        )
+        assert planned.layout.complement_groups >= {emptied}
+        assert planned.outcome.sums.keys() == direct.outcome.sums.keys()
+        for group, tensors in direct.outcome.sums.items():
+            for name, value in tensors.items():
+                assert np.array_equal(planned.outcome.sums[group][name], value), (dropouts, group, name)
+
+
+def test_a_complement_left_with_one_member_aborts_where_the_direct_sums_would_reveal_it() -> None:
+    """Three of a block's four drop: the plan's complement has one live member, below the minimum,
+    and the session aborts before anything is unmasked.  The direct layout finishes, and its class
+    sums determine that member's Gram: Σ_c S_c / (k - 1) − S_b, with k = 6 classes and b its block's
+    class.  The plan refuses exactly what the minimum group size exists to refuse."""
+    contributions = _blocks(6, 4)
+    dropouts = {"R2": ["b2-0", "b2-1", "b2-2"]}
+    with pytest.raises(GroupTooSmallError, match="others/class/2"):
+        _run(contributions, difference=True, threshold=17, dropouts=dropouts)
+    direct = _run(contributions, difference=False, threshold=17, dropouts=dropouts)
+    sums = {g: t["gram"] for g, t in direct.outcome.sums.items() if "gram" in t}
+    assert len(sums) == 6
+    lone = sum(sums.values()) / 5 - sums["class/2"]  # Σ_c S_c counts every live client 5 times
+    np.testing.assert_allclose(lone, contributions["b2-3"]["class/0"]["gram"], rtol=0, atol=1e-9)

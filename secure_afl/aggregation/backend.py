@@ -96,11 +96,6 @@ class ProtectionBackend(Protocol):
     rounds: tuple[str, ...]  # round labels in order; a repeated last round keeps its label
     exact_sums: bool  # whether a difference plan (aggregation/difference.py) may be used
 
-    def tolerated_dropouts(self, n_clients: int) -> int:
-        """How many of ``n_clients`` may drop with the session still finishing (a difference plan
-        keeps every complement group above the minimum after that many)."""
-        ...
-
     def server_session(
         self, roster: Roster, layout: Layout, *, session_id: bytes, min_group_size: int, context: bytes = b""
     ) -> ServerSessionLike: ...
@@ -179,7 +174,7 @@ class MaskingBackend:
             frac_bits=self.frac_bits,
             groups=layout.group_specs(),
         )
-        return ServerSession(roster, config, context=context)
+        return ServerSession(roster, config, context=context, may_be_empty=layout.complement_groups)
 
     def client_session(  # type: ignore[no-untyped-def]
         self,
@@ -216,9 +211,6 @@ class MaskingBackend:
             context=context,
             rows=rows,
         )
-
-    def tolerated_dropouts(self, n_clients: int) -> int:
-        return max(n_clients - self.threshold, 0)  # t-of-n: at least t survive every round
 
     def encode(self, message: object, max_message_bytes: int) -> bytes:
         return masking_codec.encode(message, max_message_bytes=max_message_bytes)  # type: ignore[arg-type]
@@ -307,9 +299,6 @@ class CkksBackend:
             context=context,
             rows=rows,
         )
-
-    def tolerated_dropouts(self, n_clients: int) -> int:
-        return 0  # never asked: CKKS takes no difference plan (exact_sums is False)
 
     def encode(self, message: object, max_message_bytes: int) -> bytes:
         return ckks.codec.encode(message, max_message_bytes=max_message_bytes)  # type: ignore[arg-type]

@@ -5,9 +5,8 @@ clients label ``c`` (``|S_c| > n/2``), the same sum is ``Σ_all G_k − Σ_{k∉
 sends its Gram once to the ``all`` group and once to the complement group ``others/class/<c>`` of
 each class it does *not* label, instead of once to each class group it does.  At n = 1,000 and
 missing 3 (groups of about 625, complements of about 375) that is 4 Grams per client instead of 5,
-and about 2,100 pairwise masks over a Gram instead of about 3,100.  At missing 1 the complements
-(about 125) are too small to survive the n - t dropouts a 2n/3 threshold tolerates, so no plan is
-made there (see ``tolerated_dropouts``).
+and about 2,100 pairwise masks over a Gram instead of about 3,100; at missing 1 (complements of
+about 125) 2 instead of 7.
 
 What the server learns is unchanged: the plan is made only when the ``all`` group's sum is already
 a linear combination of the class groups' sums (it is summed anyway, or the all-ones vector lies in
@@ -115,7 +114,7 @@ def plan_difference(
     layout: Layout,
     *,
     min_group_size: int,
-    tolerated_dropouts: int,
+    tolerated_dropouts: int = 0,
     tensor: str = "gram",
     everyone: str = "all",
 ) -> DifferencePlan | None:
@@ -124,10 +123,16 @@ def plan_difference(
 
     ``members``: group -> its members, as every client declares them (public).  A group is sent
     by difference only when its complement is strictly smaller than itself, the complement is
-    empty or keeps at least ``min_group_size`` members after any ``tolerated_dropouts`` clients
-    drop (n - t for a t-of-n session: the protocol never unmasks a smaller group, so a smaller
-    complement could abort a session that the direct layout finishes), and the group keeps another
-    tensor (so its membership stays on the wire).
+    empty or has at least ``min_group_size`` members (plus ``tolerated_dropouts``, for a planner
+    that wants complements to keep the minimum after that many dropouts), and the group keeps
+    another tensor (so its membership stays on the wire).
+
+    Dropouts need no margin.  A complement whose every member drops sums to zero, and the server
+    finishes without it (:attr:`Layout.complement_groups`, the server's ``may_be_empty``).  One
+    left with 1 to ``min_group_size`` - 1 live members aborts the session, where the direct
+    layout would go on; but the direct layout's sums would then determine those members' sum
+    (``everyone − S_c`` is in their span whenever a plan is made), which is what the minimum
+    group size exists to prevent.
     """
     clients = sorted({cid for ids in members.values() for cid in ids})
     n = len(clients)

@@ -84,12 +84,7 @@ def run_in_process(
         for cid in client_ids:
             for group in contributions[cid]:
                 members.setdefault(group, []).append(cid)
-        plan = plan_difference(
-            members,
-            layout,
-            min_group_size=min_group_size,
-            tolerated_dropouts=backend.tolerated_dropouts(len(client_ids)),
-        )
+        plan = plan_difference(members, layout, min_group_size=min_group_size)
         if plan is not None and not all(plan.applies_to(contributions[cid]) for cid in client_ids):
             plan = None  # a client sends different Grams to different groups: keep them apart
     if plan is not None:

@@ -33,6 +33,13 @@ class Layout:
     derived: Mapping[tuple[str, str], tuple[str, str | None]] = field(default_factory=dict)
     hidden: frozenset[tuple[str, str]] = frozenset()
 
+    @property
+    def complement_groups(self) -> frozenset[str]:
+        """The wire groups whose sums are only subtracted (``everyone − complement``): when every
+        member of one drops, its sum is zero and the derived sums are ``everyone``'s, so the
+        session may finish without it (the server's ``may_be_empty``)."""
+        return frozenset(c for _, c in self.derived.values() if c is not None)
+
     def group_specs(self) -> tuple[GroupSpec, ...]:
         """The session config's groups, sorted by name (tensors sorted by name)."""
         return tuple(

@@ -538,9 +538,9 @@ def round1_plan(study: Study, roster_ids: Collection[str]) -> tuple[Layout, Diff
     (:mod:`secure_afl.aggregation.difference`: the same sums bit for bit, the same span of sums).
     A plan needs the study's published class lists (the complements' members must be public
     before any data moves) and exact sums (masking; CKKS's noise would grow in a difference);
-    never under DP (each client's noise is sized for the method's groups).  The complements keep
-    ``min_group_size`` members after the n - t dropouts the threshold tolerates, so a plan never
-    aborts a session that the method's layout finishes.
+    never under DP (each client's noise is sized for the method's groups).  A complement may lose
+    every member and the session still finishes; one left with 1 to ``min_group_size`` - 1 live
+    members aborts it, where the method's sums would have determined their sum.
     """
     layout = round1_layout(study)
     if study.dp is not None or study.protection != "mask" or not study.class_lists:
@@ -561,12 +561,7 @@ def round1_plan(study: Study, roster_ids: Collection[str]) -> tuple[Layout, Diff
     }
     if ALL_GROUP in layout.groups:
         members[ALL_GROUP] = ids
-    plan = plan_difference(
-        members,
-        layout,
-        min_group_size=study.min_group_size,
-        tolerated_dropouts=n - study.threshold_for(n),  # t-of-n: up to n - t may drop
-    )
+    plan = plan_difference(members, layout, min_group_size=study.min_group_size)
     return (layout, None) if plan is None else (plan.wire_layout(layout), plan)
 
 

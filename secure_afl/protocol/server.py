@@ -8,7 +8,7 @@ current round (a rejected message raises and changes nothing: that client is tre
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from operator import itemgetter
 from types import MappingProxyType
@@ -93,11 +93,27 @@ class AggregationResult:
 class ServerSession:
     """The server's side of one session over ``config``'s groups, for the clients of ``roster``."""
 
-    def __init__(self, roster: Roster, config: SessionConfig, *, context: bytes = binding.NO_CONTEXT) -> None:
+    def __init__(
+        self,
+        roster: Roster,
+        config: SessionConfig,
+        *,
+        context: bytes = binding.NO_CONTEXT,
+        may_be_empty: Collection[str] = (),
+    ) -> None:
+        """``may_be_empty``: groups this server may finish with no live member (their sums are
+        then zero and reveal nothing), where a group with fewer live members than the minimum
+        aborts the session.  Only a group whose sum serves to be subtracted may be one (a
+        difference plan's complement, :meth:`Layout.complement_groups`): an empty *method* group
+        would leave a class without statistics, so it still aborts."""
         try:
             validate_config(config, len(roster))
         except InvalidSessionConfigError as exc:
             raise LocalProtocolError(str(exc)) from exc
+        unknown = sorted(set(may_be_empty) - {group.name for group in config.groups})
+        if unknown:
+            raise LocalProtocolError(f"may_be_empty names groups the session does not have: {unknown}")
+        self._may_be_empty = frozenset(may_be_empty)
         self._roster = roster
         self._config = config
         self._digest = binding.config_digest(config, context)  # the session context its clients bind
@@ -315,6 +331,8 @@ class ServerSession:
     def _check_groups(self, members: Mapping[str, tuple[str, ...]], live: set[str], stage: str) -> None:
         for group, ids in members.items():
             count = sum(1 for cid in ids if cid in live)
+            if count == 0 and group in self._may_be_empty:
+                continue  # nothing to unmask: its sum is zero, and the server learns nothing from it
             if count < self._config.min_group_size:
                 raise GroupTooSmallError(
                     f"group {group!r} has {count} live member(s) {stage}, below the minimum group size "

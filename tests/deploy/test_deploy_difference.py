@@ -117,9 +117,9 @@ def test_a_planned_deployment_gives_the_unplanned_classifier_and_sums_bit_for_bi
 
 def test_the_small_federations_of_the_deploy_tests_make_no_plan(tmp_path: Path) -> None:
     """The other deploy tests' studies publish no class lists: their layout is the method's own.
-    Published, the lists of their three to six institutions still form no complement group (each
-    would be too small after n - t dropouts, or no smaller than its class group); only a class that
-    everyone labels may take its Gram sum from the `all` group (no complement: nothing can shrink)."""
+    Published, the lists of their three to six institutions form a complement group only where it
+    has at least the minimum group size (2) and fewer members than its class group; a class that
+    everyone labels takes its Gram sum from the `all` group (no complement: nothing can shrink)."""
     federations = {
         "default": {f"client-{k}": tuple(c for c in range(3) if c != k) for k in range(4)},
         "five": {"client-0": (1, 2), "client-1": (1, 2), "client-2": (0, 1, 2), "client-3": (0, 1, 2),
@@ -135,15 +135,26 @@ def test_the_small_federations_of_the_deploy_tests_make_no_plan(tmp_path: Path) 
         Method(gram="class", rounds=2),
         Method(gram="class", balance="global"),
     )
+    planned = set()
     for name, lists in federations.items():
         for method in methods:
             unpublished = dataclasses.replace(base, method=method)
             assert round1_plan(unpublished, lists) == (round1_layout(unpublished), None), (name, method)
             layout, plan = round1_plan(dataclasses.replace(unpublished, class_lists=lists), lists)
-            assert not any(g.startswith("others/") for g in layout.groups), (name, method)
-            if plan is not None:  # a class everyone labels: its Gram sum is the `all` group's
-                everyones = {f"class/{c}" for c in range(3) if all(c in a for a in lists.values())}
-                assert dict(plan.complements) == dict.fromkeys(everyones), (name, method)
+            if plan is None:
+                assert not any(g.startswith("others/") for g in layout.groups), (name, method)
+                continue
+            for group, complement in plan.complements.items():
+                inside = {cid for cid, classes in lists.items() if int(group.split("/")[1]) in classes}
+                if complement is None:  # a class everyone labels: its Gram sum is the `all` group's
+                    assert inside == set(lists), (name, method, group)
+                    continue
+                outside = set(lists) - inside
+                assert set(plan.members[complement]) == outside, (name, method, group)
+                assert 2 <= len(outside) < len(inside), (name, method, group)
+                planned.add((name, group))
+    # Two such complements, both of 2: five institutions' class 0 and six institutions' class 1.
+    assert planned == {("five", "class/0"), ("six", "class/1")}
 
 
 def test_no_plan_under_dp_or_ckks_and_only_with_the_rosters_lists(tmp_path: Path) -> None:
