@@ -89,13 +89,20 @@ def test_one_client_sum_check_catches_masks_that_do_not_cancel(bench, monkeypatc
 
 
 def test_the_one_client_session_sends_the_difference_plan_and_still_sums_to_the_plaintext(bench) -> None:
-    """At n = 100 a plan needs a lower dropout tolerance than n - t (complements of about 37 here):
-    the planned wire groups carry fewer Gram copies, and the unmasked sums still equal the plaintext."""
-    planned = bench.one_client_session(100, 2, "missing3", tolerated=10)
-    direct = bench.one_client_session(100, 2, "missing3", difference=False)
-    assert planned["sums_match_plaintext"] and direct["sums_match_plaintext"]
-    assert planned["mask_words"]["server"] < direct["mask_words"]["server"]
-    result = bench.measure(100, 2, ["missing3"], run_session=False, tolerated=10)
-    plan = result["difference_plan"]["missing3"]
-    assert plan is not None and plan["wire"] < plan["direct"]
-    assert bench.measure(100, 2, ["missing3"], run_session=False)["difference_plan"]["missing3"] is None
+    """At n = 100 (complements of about 37 at missing 3, 12 at missing 1) the plan is made: the
+    wire groups carry fewer Gram copies, and the unmasked sums still equal the plaintext."""
+    for layout in ("missing3", "missing1"):
+        planned = bench.one_client_session(100, 2, layout)
+        direct = bench.one_client_session(100, 2, layout, difference=False)
+        assert planned["sums_match_plaintext"] and direct["sums_match_plaintext"]
+        assert planned["mask_words"]["server"] < direct["mask_words"]["server"]
+        plan = bench.measure(100, 2, [layout], run_session=False)["difference_plan"][layout]
+        assert plan is not None and plan["wire"] < plan["direct"]
+    # At missing 1 each client sends its Gram to `all` and to its one complement: 2 copies, not 7.
+    assert plan == {"direct": 700, "wire": 200}
+    assert (
+        bench.measure(100, 2, ["missing3"], run_session=False, difference=False)["difference_plan"][
+            "missing3"
+        ]
+        is None
+    )
