@@ -87,7 +87,7 @@ def test_the_wire_sums_span_the_class_sums_for_every_survivor_set() -> None:
     contributions = _contributions(30, 6, seed=3)
     direct = layout_of(contributions)
     members = _members(contributions)
-    plan = plan_difference(members, direct, min_group_size=2, tolerated_dropouts=6)
+    plan = plan_difference(members, direct, min_group_size=2)
     assert plan is not None
     wire = plan.wire_layout(direct)
     wire_members = {**members, **plan.members}
@@ -115,7 +115,7 @@ def test_exposure_verdicts_are_the_same_on_the_wire_groups() -> None:
         contributions = _contributions(12, labelled, seed=seed)
         direct = layout_of(contributions)
         members = _members(contributions)
-        plan = plan_difference(members, direct, min_group_size=1, tolerated_dropouts=0)
+        plan = plan_difference(members, direct, min_group_size=1)
         if plan is None:
             continue
         wire = plan.wire_layout(direct)
@@ -153,13 +153,13 @@ def test_no_plan_where_the_everyone_sum_is_not_already_known() -> None:
             dropped = sorted(contributions[cid])[0]
             del contributions[cid][dropped]
     members = _members(contributions)
-    assert plan_difference(members, layout_of(contributions), min_group_size=2, tolerated_dropouts=0) is None
+    assert plan_difference(members, layout_of(contributions), min_group_size=2) is None
 
 
 def test_a_plan_without_an_all_group_when_every_client_labels_as_many_classes() -> None:
     contributions = _contributions(60, 7, global_gram=False)
     members = _members(contributions)
-    plan = plan_difference(members, layout_of(contributions), min_group_size=2, tolerated_dropouts=0)
+    plan = plan_difference(members, layout_of(contributions), min_group_size=2)
     assert plan is not None and plan.everyone_added
     run = _run(contributions, difference=True, threshold=58)
     assert "all" in run.layout.groups and "all" not in run.outcome.sums  # sent, not a result
@@ -168,20 +168,23 @@ def test_a_plan_without_an_all_group_when_every_client_labels_as_many_classes() 
         assert np.array_equal(run.outcome.sums[group]["gram"], tensors["gram"])
 
 
-def test_complements_keep_the_minimum_after_every_tolerated_dropout() -> None:
+def test_complements_have_the_minimum_group_size_and_fewer_members_than_their_group() -> None:
     contributions = _contributions(40, 6, seed=7)
     members = _members(contributions)
-    for tolerated in (0, 5, 10, 15):
-        plan = plan_difference(
-            members, layout_of(contributions), min_group_size=2, tolerated_dropouts=tolerated
-        )
+    sizes = []
+    for minimum in (2, 5, 10, 17):
+        plan = plan_difference(members, layout_of(contributions), min_group_size=minimum)
         if plan is None:
+            sizes.append(None)
             continue
+        sizes.append(len(plan.complements))
         for group, complement in plan.complements.items():
             outside = 40 - len(members[group])
             assert complement == (complement_group(group) if outside else None)
-            assert outside == 0 or outside - tolerated >= 2
+            assert outside == 0 or outside >= minimum
             assert outside < len(members[group])
+    assert sizes[0] is not None and sizes[0] > 0  # planned at the minimum of 2
+    assert sizes[-1] is None or sizes[-1] < sizes[0]  # a larger minimum leaves fewer complements
 
 
 def test_no_plan_when_a_client_sends_different_grams_to_different_groups() -> None:
@@ -199,7 +202,7 @@ def test_no_plan_when_a_client_sends_different_grams_to_different_groups() -> No
 def test_ckks_takes_no_plan() -> None:
     contributions = _contributions(30, 6)
     members = _members(contributions)
-    plan = plan_difference(members, layout_of(contributions), min_group_size=2, tolerated_dropouts=6)
+    plan = plan_difference(members, layout_of(contributions), min_group_size=2)
     assert plan is not None
     with pytest.raises(ValueError, match="approximate"):
         CkksBackend().outcome(None, plan.wire_layout(layout_of(contributions)))  # type: ignore[arg-type]

@@ -114,7 +114,6 @@ def plan_difference(
     layout: Layout,
     *,
     min_group_size: int,
-    tolerated_dropouts: int = 0,
     tensor: str = "gram",
     everyone: str = "all",
 ) -> DifferencePlan | None:
@@ -123,9 +122,8 @@ def plan_difference(
 
     ``members``: group -> its members, as every client declares them (public).  A group is sent
     by difference only when its complement is strictly smaller than itself, the complement is
-    empty or has at least ``min_group_size`` members (plus ``tolerated_dropouts``, for a planner
-    that wants complements to keep the minimum after that many dropouts), and the group keeps
-    another tensor (so its membership stays on the wire).
+    empty or has at least ``min_group_size`` members, and the group keeps another tensor (so its
+    membership stays on the wire).
 
     Dropouts need no margin.  A complement whose every member drops sums to zero, and the server
     finishes without it (:attr:`Layout.complement_groups`, the server's ``may_be_empty``).  One
@@ -149,7 +147,7 @@ def plan_difference(
     for group in carrying:
         inside = set(members.get(group, ()))
         outside = n - len(inside)
-        if outside >= len(inside) or 0 < outside < max(min_group_size, 1) + max(tolerated_dropouts, 0):
+        if outside >= len(inside) or 0 < outside < max(min_group_size, 1):
             continue
         if len(layout.groups[group]) < 2:
             continue  # the group would vanish from the wire, and its membership with it
