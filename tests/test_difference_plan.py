@@ -265,3 +265,21 @@ def test_a_complement_left_with_one_member_aborts_where_the_direct_sums_would_re
     assert len(sums) == 6
     lone = sum(sums.values()) / 5 - sums["class/2"]  # Σ_c S_c counts every live client 5 times
     np.testing.assert_allclose(lone, contributions["b2-3"]["class/0"]["gram"], rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("colluders", [2, 3, None])
+def test_clients_verdicts_agree_when_a_complement_ends_empty(colluders) -> None:
+    """A whole block drops, so its complement ends empty: every client's own check (up to
+    ``colluders`` peers; None: c = n - t) still finds the same clients exposed either way."""
+    contributions = _blocks(6, 4)
+    policy = replace(ClientPolicy.deployment(), refuse_exposure=False, max_colluders=colluders)
+    dropouts = {"R1": ["b0-0"], "R2": ["b0-1", "b0-2", "b0-3"]}
+    planned = _run(contributions, difference=True, threshold=17, dropouts=dropouts, policy=policy)
+    direct = _run(contributions, difference=False, threshold=17, dropouts=dropouts, policy=policy)
+
+    def verdicts(run):
+        return {cid: any(not f.undecided for f in c.exposure_findings) for cid, c in run.clients.items()}
+
+    assert verdicts(planned) == verdicts(direct)
+    # Blocks of 4: 3 colluders in a block isolate its last member, 2 do not.
+    assert sum(verdicts(direct).values()) == (0 if colluders == 2 else 20)
