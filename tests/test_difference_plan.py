@@ -23,17 +23,22 @@ from secure_afl.privacy.policy import ClientPolicy
 N_CLASSES = 8
 
 
+def _statistics(rng: np.random.Generator, rows: int, n_classes: int, d: int, rate: float) -> ClientStatistics:
+    """One client's statistics of random features, with a positive and a negative in every class."""
+    h = rng.exponential(size=(rows, d))
+    y = (rng.random((rows, n_classes)) < rate).astype(np.float64)
+    y[0], y[1] = 1.0, 0.0
+    return ClientStatistics(
+        gram=h.T @ h, feat_sum=h.sum(0), pos_sum=h.T @ y, n=rows, n_pos=y.sum(0).astype(np.int64)
+    )
+
+
 def _contributions(n: int, labelled: int, *, seed: int = 0, global_gram: bool = True, d: int = 5):
     """n clients, each labelling ``labelled`` random classes of 8 (every class by someone)."""
     rng = np.random.default_rng(seed)
     out = {}
     for k in range(n):
-        h = rng.exponential(size=(12, d))
-        y = (rng.random((12, N_CLASSES)) < 0.4).astype(np.float64)
-        y[0], y[1] = 1.0, 0.0
-        stats = ClientStatistics(
-            gram=h.T @ h, feat_sum=h.sum(0), pos_sum=h.T @ y, n=12, n_pos=y.sum(0).astype(np.int64)
-        )
+        stats = _statistics(rng, 12, N_CLASSES, d, 0.4)
         active = sorted(rng.choice(N_CLASSES, labelled, replace=False).tolist())
         out[f"site-{k:02d}"] = stats.contributions(active, include_global_gram=global_gram)
     return out
@@ -215,12 +220,7 @@ def _blocks(n_blocks: int, per_block: int, *, d: int = 4):
     out = {}
     for b in range(n_blocks):
         for k in range(per_block):
-            h = rng.exponential(size=(9, d))
-            y = (rng.random((9, n_blocks)) < 0.5).astype(np.float64)
-            y[0], y[1] = 1.0, 0.0
-            stats = ClientStatistics(
-                gram=h.T @ h, feat_sum=h.sum(0), pos_sum=h.T @ y, n=9, n_pos=y.sum(0).astype(np.int64)
-            )
+            stats = _statistics(rng, 9, n_blocks, d, 0.5)
             active = [c for c in range(n_blocks) if c != b]
             out[f"b{b}-{k}"] = stats.contributions(active, include_global_gram=False)
     return out
