@@ -11,11 +11,10 @@ from 0 that gives every class at least two labellers):
 
 Every layout is sent as the product's masked driver sends it: where
 :func:`secure_afl.aggregation.difference.plan_difference` makes a plan (at n = 1,000 missing 1 and 3:
-``all`` plus a complement group per class, 2,000 Gram copies instead of 7,000 and 4,000 instead
-of 5,000) the clients send the
-wire groups and the server derives the class sums; ``difference_plan`` records the copies of each
-(null: no plan).  ``--direct`` sends every group as the method names it, to measure the plan side by
-side.
+``all`` plus a complement group per class, 2,000 Gram copies instead of 7,000 and 4,000 instead of
+5,000) the clients send the wire groups and the server derives the class sums; ``difference_plan``
+records the copies of each (null: no plan).  ``--direct`` sends every group as the method names it,
+to measure the plan side by side.
 
 How it is measured.  ``--session`` runs one full masked session in process
 (:func:`secure_afl.aggregation.inprocess.run_in_process`: every client and the server, real wire
