@@ -105,7 +105,10 @@ def secure_aggregate(
         session_id=session_id,
         context=context,
         # The experiment's audits, per-method tables and reports name the method's own groups, and
-        # at its 8 clients a difference plan would apply only with t >= 7: keep every group direct.
+        # at its 8 clients (missing 1: every complement is one client) a difference plan under the
+        # default minimum group size of 1 would unmask each client's Gram as a group of its own.
+        # The method's sums determine those Grams anyway (SECURITY.md §4), but not as a
+        # single-member group: keep every group direct.
         difference=False,
     )
     outcome = run.outcome
