@@ -106,3 +106,37 @@ def test_the_one_client_session_sends_the_difference_plan_and_still_sums_to_the_
         ]
         is None
     )
+
+
+def test_a_session_at_100_clients_missing_1_survives_a_whole_complement_dropping(bench) -> None:
+    """Missing 1 at n = 100: complements of about 12, well under the n - t = 33 dropouts a session
+    tolerates.  Every member of one complement drops in R2; the planned session still finishes,
+    with the direct session's class sums bit for bit."""
+    import numpy as np
+
+    from secure_afl.aggregation.backend import MaskingBackend
+    from secure_afl.aggregation.inprocess import run_in_process
+    from secure_afl.core.randomness import DeterministicRandomSource
+    from secure_afl.privacy.policy import ClientPolicy, active_threshold
+
+    contributions = bench.contributions_for(100, 3, "missing1")
+    missing = {cid: {f"class/{c}" for c in range(8)} - set(groups) for cid, groups in contributions.items()}
+    gone = sorted(cid for cid, classes in missing.items() if classes == {"class/0"})
+    assert 2 <= len(gone) <= 100 - active_threshold(100)
+    runs = {}
+    for difference in (True, False):
+        runs[difference] = run_in_process(
+            MaskingBackend(threshold=active_threshold(100), client_policy=ClientPolicy.simulator()),
+            contributions,
+            min_group_size=2,
+            dropouts={"R2": gone},
+            random=DeterministicRandomSource(b"n100"),
+            difference=difference,
+        )
+    planned, direct = runs[True], runs[False]
+    assert "others/class/0" in planned.layout.complement_groups
+    assert planned.outcome.survivors["others/class/0"] == ()
+    assert planned.outcome.sums.keys() == direct.outcome.sums.keys()
+    for group, tensors in direct.outcome.sums.items():
+        for name, value in tensors.items():
+            assert np.array_equal(planned.outcome.sums[group][name], value), (group, name)
