@@ -289,6 +289,10 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     deploy_args = args.deploy_args.split()
+    if not args.probe and not args.pairs:
+        parser.error("nothing to do: give --probe (record the plan), --pairs K (measure), or both")
+    if args.pairs and not args.probe and not args.plan.is_file():
+        parser.error(f"no plan at {args.plan}: record one first with --probe --plan {args.plan}")
     if args.probe:
         probe(args.plan, deploy_args)
     clients = int(deploy_args[deploy_args.index("--clients") + 1]) if "--clients" in deploy_args else 5
