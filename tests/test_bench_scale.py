@@ -8,9 +8,14 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from secure_afl.aggregation.backend import MaskingBackend
+from secure_afl.aggregation.inprocess import run_in_process
+from secure_afl.core.randomness import DeterministicRandomSource
 from secure_afl.privacy.exposure import determined
+from secure_afl.privacy.policy import ClientPolicy, active_threshold
 
 _PATH = Path(__file__).resolve().parents[1] / "bench" / "bench_scale.py"
 
@@ -112,13 +117,6 @@ def test_a_session_at_100_clients_missing_1_survives_a_whole_complement_dropping
     """Missing 1 at n = 100: complements of about 12, well under the n - t = 33 dropouts a session
     tolerates.  Every member of one complement drops in R2; the planned session still finishes,
     with the direct session's class sums bit for bit."""
-    import numpy as np
-
-    from secure_afl.aggregation.backend import MaskingBackend
-    from secure_afl.aggregation.inprocess import run_in_process
-    from secure_afl.core.randomness import DeterministicRandomSource
-    from secure_afl.privacy.policy import ClientPolicy, active_threshold
-
     contributions = bench.contributions_for(100, 3, "missing1")
     missing = {cid: {f"class/{c}" for c in range(8)} - set(groups) for cid, groups in contributions.items()}
     gone = sorted(cid for cid, classes in missing.items() if classes == {"class/0"})
