@@ -41,6 +41,11 @@ def complement_group(group: str) -> str:
     return COMPLEMENT_PREFIX + group
 
 
+def complemented_group(name: str) -> str | None:
+    """The group whose complement group ``name`` is (``others/class/3`` -> ``class/3``), else None."""
+    return name[len(COMPLEMENT_PREFIX) :] if name.startswith(COMPLEMENT_PREFIX) else None
+
+
 @dataclass(frozen=True)
 class DifferencePlan:
     """Which groups' ``tensor`` travels as ``everyone``'s sum minus a complement group's.

@@ -40,6 +40,15 @@ class Layout:
         session may finish without it (the server's ``may_be_empty``)."""
         return frozenset(c for _, c in self.derived.values() if c is not None)
 
+    def derivations(self) -> dict[str, dict[str, tuple[str, ...]]]:
+        """Group -> tensor -> the wire sums its sum is derived from: ``(everyone, complement)``
+        (everyone − complement) or ``(everyone,)``; empty without a difference plan.  What an
+        audit prints beside the groups as sent."""
+        out: dict[str, dict[str, tuple[str, ...]]] = {}
+        for (group, tensor), (everyone, complement) in sorted(self.derived.items()):
+            out.setdefault(group, {})[tensor] = (everyone,) if complement is None else (everyone, complement)
+        return out
+
     def group_specs(self) -> tuple[GroupSpec, ...]:
         """The session config's groups, sorted by name (tensors sorted by name)."""
         return tuple(

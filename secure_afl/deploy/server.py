@@ -550,9 +550,7 @@ class FederationServer:
         # The audit names the groups as summed on the wire (what the server learned, as the
         # simulator's audit does): under a difference plan also the groups that only serve a
         # derivation, and each derived sum says which wire sums give it (everyone − complement).
-        derived: dict[str, dict[str, list[str]]] = {}
-        for (group, tensor), (everyone, complement) in sorted(layout.derived.items()):
-            derived.setdefault(group, {})[tensor] = [everyone] + ([complement] if complement else [])
+        derived = layout.derivations()
         for name in sorted(set(outcome.sums) | {group for group, _ in layout.hidden}):
             entry: dict[str, Any] = {
                 "session": label,
@@ -562,7 +560,7 @@ class FederationServer:
                 "tensors": sorted(layout.groups[name] if name in layout.groups else outcome.sums[name]),
             }
             if name in derived:
-                entry["derived"] = derived[name]
+                entry["derived"] = {tensor: list(sums) for tensor, sums in derived[name].items()}
             record.groups.append(entry)
         if "key_holder" in outcome.details:
             record.key_holder = str(outcome.details["key_holder"])

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from secure_afl.aggregation.difference import complemented_group
 from secure_afl.privacy.exposure import ExposureFinding, exposed_clients
 
 if TYPE_CHECKING:
@@ -98,14 +99,21 @@ class PrivacyAudit:
         return lines
 
     def exposed_by_overlap(self) -> dict[str, tuple[str, ...]]:
-        """Exposures that come from combining overlapping groups, not from a lone survivor."""
+        """Exposures that come from combining overlapping groups, not from a lone survivor.  A lone
+        survivor of a difference plan's complement group counts as overlap: the plan sends its
+        value there only because the overlapping groups' sums determine it anyway."""
         out = {}
         for tensor, clients in self.exposed.items():
-            alone = {g.survivors[0] for g in self.groups if tensor in g.tensors and len(g.survivors) == 1}
+            alone = {g.survivors[0] for g in self.single_member_groups() if tensor in g.tensors}
             rest = tuple(c for c in clients if c not in alone)
             if rest:
                 out[tensor] = rest
         return out
+
+    def single_member_groups(self) -> list[GroupAudit]:
+        """The groups with one survivor, a difference plan's complement groups left out (they
+        carry what the overlapping groups determine: :meth:`exposed_by_overlap`)."""
+        return [g for g in self.groups if len(g.survivors) == 1 and complemented_group(g.group) is None]
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -173,7 +181,15 @@ def audit_groups(
     for name in sorted(members):
         alive = tuple(survivors.get(name, ()))
         warning = None
-        if protection != "none" and len(alive) == 1:
+        complemented = complemented_group(name)
+        if protection != "none" and len(alive) == 1 and complemented is not None:
+            warning = (
+                f"group {name!r} has a single surviving member ({alive[0]}): it carries that client's "
+                f"{', '.join(sorted(tensors[name]))} only for the server to derive {complemented!r}'s sum "
+                f"by difference, and the overlapping class sums determine it anyway (gram='global' "
+                "sums every Gram in one all-clients group)"
+            )
+        elif protection != "none" and len(alive) == 1:
             warning = (
                 f"group {name!r} has a single surviving member ({alive[0]}): {SINGLE_SURVIVOR_WARNING}; "
                 "no aggregation can hide them"

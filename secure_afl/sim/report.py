@@ -354,6 +354,16 @@ def _audit_lines(setting: SettingResult) -> list[str]:
             f"{group.group}: members {len(group.members)}, survivors {len(group.survivors)}"
             f" ({', '.join(group.survivors)}); learns sums of {', '.join(group.tensors)}"
         )
+    if setting.sent_by_difference:
+        derived = "; ".join(
+            f"{tensor} of {group} = {' − '.join(sums)}"
+            for group, tensors in setting.sent_by_difference.items()
+            for tensor, sums in tensors.items()
+        )
+        lines.append(
+            f"sent by difference ({_gram_copies(setting)}; the same sums, bit for bit, and the wire sums "
+            f"determine exactly what the method's would, SECURITY.md §4): {derived}"
+        )
     lines += [f"WARNING: {w}" for w in audit.warnings()]
     for client, findings in sorted(audit.client_findings.items()):
         determined: dict[str, set[str]] = {}
@@ -503,7 +513,9 @@ def privacy_verdict(setting: SettingResult) -> str:
     else:
         groups = list(audit.groups)
         clients = sorted({c for g in groups for c in g.members})
-        alone = [g for g in groups if len(g.survivors) == 1]
+        alone = audit.single_member_groups()
+        # a difference plan's single-member complements: counted with the overlap below
+        carriers = [g for g in groups if len(g.survivors) == 1 and g not in alone]
         classes = [g for g in groups if g.group.startswith("class/")]
         if alone:
             lone = sorted({g.survivors[0] for g in alone})
@@ -522,7 +534,8 @@ def privacy_verdict(setting: SettingResult) -> str:
             if rest:
                 sizes = sorted({len(g.survivors) for g in rest})
                 span = f"{sizes[0]}" if len(sizes) == 1 else f"{sizes[0]}–{sizes[-1]}"
-                text += f" The other {len(rest)} groups sum over {span} clients each."
+                others = "other " if not carriers else ""
+                text += f" The {others}{len(rest)} groups of two or more sum over {span} clients each."
         else:
             fewest = min(len(g.survivors) for g in groups)
             text = head + f"every one of the {len(groups)} groups sums over at least {fewest} clients."
@@ -533,6 +546,11 @@ def privacy_verdict(setting: SettingResult) -> str:
                 f" WARNING: overlapping group sums determine the individual {', '.join(sorted(overlap))} "
                 f"of {len(exposed)} client(s) (sum such a tensor in one all-clients group: gram='global')."
             )
+            if carriers:
+                text += (
+                    f" {len(carriers)} complement group(s) ({_names([g.group for g in carriers])}) carry one "
+                    "client's Gram each, sent by difference, which those sums determine anyway."
+                )
         else:
             text += " No combination of overlapping group sums singles out any other value."
         if private and not audit.client_findings:
@@ -568,7 +586,8 @@ def cost_summary(setting: SettingResult) -> str:
     """Bytes and protocol seconds of one setting, as means over clients, in one line."""
     uploads = list(setting.upload_bytes.values())
     text = (
-        f"Costs, missing {setting.missing}: each client uploads {_size(sum(uploads) / max(1, len(uploads)))}"
+        f"Costs, missing {setting.missing}: each client uploads "
+        f"{_size(sum(uploads) / max(1, len(uploads)))} in the clear"
     )
     sessions = []
     for name, costs in (setting.protocol_costs or {}).items():
@@ -580,11 +599,17 @@ def cost_summary(setting: SettingResult) -> str:
             return sum(sum(v.values()) for v in costs[key].values()) / n
 
         server = sum(costs["server_seconds"].values())  # type: ignore[attr-defined]
+        plan = f" ({_gram_copies(setting)})" if name == "round1" and setting.sent_by_difference else ""
         sessions.append(
-            f"{name} {_size(mean('bytes_sent'))} sent, {_size(mean('bytes_received'))} received, "
+            f"{name}{plan} {_size(mean('bytes_sent'))} sent, {_size(mean('bytes_received'))} received, "
             f"{mean('client_seconds'):.2f} s per client, {server:.2f} s at the server"
         )
     return text + ("; " + "; ".join(sessions) if sessions else "") + "."
+
+
+def _gram_copies(setting: SettingResult) -> str:
+    copies = setting.gram_copies
+    return f"the Gram by difference: {copies['sent']:g} copies per client, not {copies['method']:g}"
 
 
 def seconds_summary(result: ExperimentResult) -> str:
@@ -661,7 +686,11 @@ def print_report(result: ExperimentResult, console: Console, *, verbose: bool = 
         console.print(legend, style="dim", markup=False, highlight=False)
         h, r = _upload_rows(setting)
         console.print(
-            _rich_table(f"Bytes each client uploads (all compared methods), missing {setting.missing}", h, r)
+            _rich_table(
+                f"Bytes each client uploads in the clear (all compared methods), missing {setting.missing}",
+                h,
+                r,
+            )
         )
         for title, h, r in _protocol_tables(setting):
             console.print(_rich_table(title, h, r))
@@ -760,6 +789,10 @@ def result_dict(result: ExperimentResult) -> dict[str, object]:
                     for client, c, why in s.undefined_balance
                 ],
                 "protocol_costs": s.protocol_costs,
+                "sent_by_difference": {
+                    g: {t: list(w) for t, w in ts.items()} for g, ts in s.sent_by_difference.items()
+                },
+                "gram_copies_per_client": dict(s.gram_copies),
                 "differential_privacy": s.privacy,
                 "deployed_client_refusals": {
                     method: [asdict(r) for r in refusals] for method, refusals in s.client_refusals.items()
@@ -791,7 +824,12 @@ def markdown_report(result: ExperimentResult) -> str:
             parts += [line, ""]
         parts += [f"### {coverage_title(setting)}", "", _md_table(h, r), ""]
         h, r = _upload_rows(setting)
-        parts += ["### Bytes each client uploads", "", _md_table(h, r), ""]
+        parts += [
+            "### Bytes each client uploads in the clear (all compared methods)",
+            "",
+            _md_table(h, r),
+            "",
+        ]
         for title, h, r in _protocol_tables(setting):
             parts += [f"### {title}", "", _md_table(h, r), ""]
         if _several_protections(setting):

@@ -201,6 +201,11 @@ class SettingResult:
     undefined_balance: tuple[tuple[str, int, str], ...] = ()
     # wall seconds per gradient method (on its thread or in its worker process, beside AFL)
     method_seconds: Mapping[str, float] = field(default_factory=dict)
+    # group -> tensor -> the wire sums it was derived from: a difference plan sent the Gram to `all`
+    # and to complement groups instead of to each class group (empty without one)
+    sent_by_difference: Mapping[str, Mapping[str, tuple[str, ...]]] = field(default_factory=dict)
+    # the Gram copies a client sends, mean over clients: the method's groups and as sent
+    gram_copies: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -224,15 +229,45 @@ def _dropped_clients(config: SimConfig) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True)
-class _Aggregate:
-    sums: Contributions
+class _GroupsSummed:
+    """Per group: its members, its surviving members and the tensors summed over them."""
+
     members: Mapping[str, tuple[str, ...]]
     survivors: Mapping[str, tuple[str, ...]]
     tensors: Mapping[str, tuple[str, ...]]
+
+    def merged(self, other: _GroupsSummed) -> _GroupsSummed:
+        return _GroupsSummed(
+            {**self.members, **other.members},
+            {**self.survivors, **other.survivors},
+            {**self.tensors, **other.tensors},
+        )
+
+
+@dataclass(frozen=True)
+class _Aggregate:
+    sums: Contributions
+    method: _GroupsSummed  # the method's own groups (the contributions' names)
+    wire: _GroupsSummed  # the groups the server summed: the method's, or a difference plan's
     costs: Mapping[str, object] | None  # the first protection's costs (None in the clear)
     client_findings: Mapping[str, tuple] = field(default_factory=dict)  # what each client's own check saw
     other_sums: Mapping[str, Contributions] = field(default_factory=dict)  # the other backends' sums
     costs_by_protection: Mapping[str, Mapping[str, object]] = field(default_factory=dict)
+    # group -> tensor -> the wire sums it was derived from (a difference plan; empty without one)
+    derived: Mapping[str, Mapping[str, tuple[str, ...]]] = field(default_factory=dict)
+
+    # What the server summed: the audits of a run read these.
+    @property
+    def members(self) -> Mapping[str, tuple[str, ...]]:
+        return self.wire.members
+
+    @property
+    def survivors(self) -> Mapping[str, tuple[str, ...]]:
+        return self.wire.survivors
+
+    @property
+    def tensors(self) -> Mapping[str, tuple[str, ...]]:
+        return self.wire.tensors
 
 
 def _upload_bytes(contributions: Mapping[str, Contributions]) -> dict[str, int]:
@@ -268,17 +303,30 @@ def aggregate(
             members.setdefault(group, []).append(client)
             tensors.setdefault(group, set()).update(named)
     if config.secure != "none":
+        from secure_afl.sim.secure import SecureAggregationResult
+
         context = simulation_context(config, round_label, arrays)
         runs = {
             name: _protected_sums(name, contributions, config, dropouts, context)
             for name in config.secure.split(",")
         }
         first = next(iter(runs.values()))
+        # Under a difference plan (masking, aggregation/difference.py) the Gram travels to `all` and
+        # to complement groups: the run's audit lists those wire groups; each method's audit, its
+        # own groups (every one stays on the wire with its other tensors and members).
         return _Aggregate(
             sums={g: dict(t) for g, t in first.sums.items()},
-            members={g: tuple(m) for g, m in first.members.items()},
-            survivors={g: tuple(s) for g, s in first.survivors.items()},
-            tensors={g: tuple(sorted(t)) for g, t in tensors.items()},
+            method=_GroupsSummed(
+                {g: tuple(m) for g, m in members.items()},
+                {g: tuple(first.survivors[g]) for g in members},
+                {g: tuple(sorted(t)) for g, t in tensors.items()},
+            ),
+            wire=_GroupsSummed(
+                {g.group: g.members for g in first.audit.groups},
+                {g.group: g.survivors for g in first.audit.groups},
+                {g.group: g.tensors for g in first.audit.groups},
+            ),
+            derived=first.derived if isinstance(first, SecureAggregationResult) else {},  # CKKS: no plan
             costs=_costs_dict(first.costs, next(iter(runs))),
             client_findings=first.audit.client_findings,
             costs_by_protection={name: _costs_dict(run.costs, name) for name, run in runs.items()},
@@ -288,13 +336,12 @@ def aggregate(
     gone = {c for stage in ("R1", "R2") for c in dropouts.get(stage, ())}
     alive = {c: groups for c, groups in contributions.items() if c not in gone}
     survivors = {g: tuple(c for c in m if c not in gone) for g, m in members.items()}
-    return _Aggregate(
-        sums=sum_contributions(alive.values()),
-        members={g: tuple(m) for g, m in members.items()},
-        survivors=survivors,
-        tensors={g: tuple(sorted(t)) for g, t in tensors.items()},
-        costs=None,
+    groups = _GroupsSummed(
+        {g: tuple(m) for g, m in members.items()},
+        survivors,
+        {g: tuple(sorted(t)) for g, t in tensors.items()},
     )
+    return _Aggregate(sums=sum_contributions(alive.values()), method=groups, wire=groups, costs=None)
 
 
 def simulation_context(config: SimConfig, round_label: str, arrays: Mapping[str, np.ndarray] | None) -> bytes:
@@ -395,7 +442,7 @@ def _named_costs(stage: str, costs: Mapping[str, object] | None) -> dict[str, ob
 
 def _check_coverage(agg: _Aggregate, n_classes: int) -> None:
     for c in range(n_classes):
-        if not agg.survivors.get(class_group(c)):
+        if not agg.method.survivors.get(class_group(c)):
             raise ExperimentError(
                 f"class {CLASSES[c] if c < len(CLASSES) else c} has no surviving annotating client "
                 "(every client that labels it dropped out); lower --dropout or the missing level"
@@ -454,9 +501,8 @@ def run_setting(
     upload = _upload_bytes(round1)
     pseudo_reports: list[tuple[str, PseudoLabelReport]] = []
     rescaled_reports: list[tuple[str, PseudoLabelReport]] = []
-    audit_members = dict(agg.members)
-    audit_survivors = dict(agg.survivors)
-    audit_tensors = dict(agg.tensors)
+    method_groups, wire_groups = agg.method, agg.wire
+    sent_by_difference = dict(agg.derived)
     costs = _named_costs("round1", agg.costs_by_protection) or None
     findings = {c: tuple(f) for c, f in agg.client_findings.items()}
     round2: dict[str, Contributions] = {}
@@ -506,9 +552,8 @@ def run_setting(
                 )
         for name, size in _upload_bytes(round2).items():
             upload[name] += size
-        audit_members.update(agg2.members)
-        audit_survivors.update(agg2.survivors)
-        audit_tensors.update(agg2.tensors)
+        method_groups, wire_groups = method_groups.merged(agg2.method), wire_groups.merged(agg2.wire)
+        sent_by_difference.update(agg2.derived)
         for client, seen in agg2.client_findings.items():
             findings[client] = findings.get(client, ()) + tuple(seen)
         if costs is not None:
@@ -524,16 +569,29 @@ def run_setting(
         for name, model in other_models.items():
             metrics[name] = evaluate(test_y, model.decision_function(test_x), kind="logits")
     uploads = {c: {**groups, **round2.get(c, {})} for c, groups in round1.items()}
+    # The run's audit is of the groups the server summed; each method's, of its own groups alone
+    # (a difference plan's wire sums span the same as the method's, SECURITY.md §4).
     audit = audit_groups(
         protection=config.secure,
-        members=audit_members,
-        survivors=audit_survivors,
-        tensors=audit_tensors,
+        members=wire_groups.members,
+        survivors=wire_groups.survivors,
+        tensors=wire_groups.tensors,
         contributions=uploads,
         client_findings=findings,
     )
+    methods_audit = (
+        audit
+        if wire_groups == method_groups
+        else audit_groups(
+            protection=config.secure,
+            members=method_groups.members,
+            survivors=method_groups.survivors,
+            tensors=method_groups.tensors,
+            contributions=uploads,
+        )
+    )
     method_audits = {
-        method: restrict(audit, keep, contributions=uploads)
+        method: restrict(methods_audit, keep, contributions=uploads)
         for method, keep in METHOD_UPLOADS.items()
         if method in models
     }
@@ -589,10 +647,19 @@ def run_setting(
         pseudo_labels=tuple(pseudo_reports),
         protocol_costs=costs,
         client_refusals=refusals,
+        sent_by_difference=sent_by_difference,
+        gram_copies={"method": _copies(method_groups, "gram"), "sent": _copies(wire_groups, "gram")},
         pseudo_labels_rescaled=tuple(rescaled_reports),
         undefined_balance=undefined,
         method_seconds=method_seconds,
     )
+
+
+def _copies(groups: _GroupsSummed, tensor: str) -> float:
+    """How many groups a client sends ``tensor`` to, mean over the clients in any group."""
+    clients = {c for members in groups.members.values() for c in members}
+    copies = sum(len(groups.members[g]) for g, tensors in groups.tensors.items() if tensor in tensors)
+    return copies / max(1, len(clients))
 
 
 def _round1_models(

@@ -9,7 +9,7 @@ backend's counterpart is :mod:`secure_afl.sim.ckks`.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 
 import numpy as np
@@ -40,6 +40,8 @@ class SecureAggregationResult:
     threshold: int
     frac_bits: int
     session_id: bytes
+    # group -> tensor -> the wire sums it was derived from (a difference plan; empty without one)
+    derived: Mapping[str, Mapping[str, tuple[str, ...]]] = field(default_factory=dict)
 
     @property
     def exposed(self) -> Mapping[str, tuple[str, ...]]:
@@ -70,6 +72,7 @@ def secure_aggregate(
     context: bytes = b"",
     client_policy: ClientPolicy | None = None,
     ledgers: Mapping[str, Ledger] | None = None,
+    difference: bool = True,
 ) -> SecureAggregationResult:
     """Sum ``contributions`` (client -> group -> tensor -> float64 array) per group by secure aggregation.
 
@@ -83,6 +86,9 @@ def secure_aggregate(
     session with :class:`~secure_afl.core.errors.ExposureRefusedError`.  ``ledgers`` gives a
     client its session ledger (none by default: each call is a fresh history).  ``context`` is the
     session context every client binds (:func:`secure_afl.protocol.binding.session_context`).
+    ``difference``: send the Gram by difference where that sends fewer copies (the default; the
+    same sums and the same span of them, :mod:`secure_afl.aggregation.difference`); False keeps
+    every group as the contributions name it.
     """
     client_policy = ClientPolicy.simulator() if client_policy is None else client_policy
     client_ids = tuple(sorted(contributions))
@@ -104,12 +110,13 @@ def secure_aggregate(
         random=random,
         session_id=session_id,
         context=context,
-        # The experiment's audits, per-method tables and reports name the method's own groups, and
-        # at its 8 clients (missing 1: every complement is one client) a difference plan under the
-        # default minimum group size of 1 would unmask each client's Gram as a group of its own.
-        # The method's sums determine those Grams anyway (SECURITY.md §4), but not as a
-        # single-member group: keep every group direct.
-        difference=False,
+        # Where most clients label each class (missing 1), the Gram travels by difference: to `all`
+        # and to the complement of each class a client does not label, 2 copies instead of 8 at
+        # the paper's 8 clients.  The plan is made only where its sums span what the class groups'
+        # would (aggregation/difference.py), so the server learns nothing more; at missing 1 the
+        # complements are single clients, whose Grams the class sums determine anyway (the audit
+        # says so either way).  The run's audit lists the groups as sent.
+        difference=difference,
     )
     outcome = run.outcome
     members, survivors, audit = audit_run(run, contributions, protection="mask")
@@ -122,4 +129,5 @@ def secure_aggregate(
         threshold=threshold,
         frac_bits=frac_bits,
         session_id=run.session_id,
+        derived=run.layout.derivations(),
     )
