@@ -527,7 +527,7 @@ def audit_warnings(result: GrowingResult) -> dict[str, list[int]]:
     session in one line."""
     out: dict[str, list[int]] = {}
     for r in result.sessions:
-        alone = [g for g in r.audit.groups if g.warning]
+        alone = [g for g in r.audit.single_member_groups() if g.warning]  # none in a plaintext run
         lines = [line for line in r.audit.warnings() if line not in {g.warning for g in alone}]
         if alone:
             names = ", ".join(f"{g.group} ({g.survivors[0]})" for g in alone)

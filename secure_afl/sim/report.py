@@ -270,7 +270,7 @@ def method_exposure_rows(setting: SettingResult) -> tuple[list[str], list[list[s
         if audit.protection == "none":
             rows.append([method, "-", "everything (plaintext)"])
             continue
-        alone = [g.group for g in audit.groups if len(g.survivors) == 1]
+        alone = [g.group for g in audit.single_member_groups()]
         overlap = audit.exposed_by_overlap()
         tensors = sorted({t.split("/")[0] for t in overlap})
         clients = sorted({c for cs in overlap.values() for c in cs})
@@ -756,7 +756,7 @@ def result_dict(result: ExperimentResult) -> dict[str, object]:
                 "privacy_audit": s.audit.to_dict(),
                 "privacy_by_method": {
                     method: {
-                        "single_member_groups": [g.group for g in a.groups if len(g.survivors) == 1],
+                        "single_member_groups": [g.group for g in a.single_member_groups()],
                         "exposed_by_overlapping_groups": {
                             t: list(c) for t, c in a.exposed_by_overlap().items()
                         },
