@@ -97,6 +97,14 @@ class _HeldShares:
     mask_key: int
 
 
+@dataclass(frozen=True, slots=True)
+class _PeerSecrets:
+    """This client's X25519 secrets with one peer: for their shares, and for their pairwise masks."""
+
+    encryption: bytes
+    mask: bytes
+
+
 # Characters refused in group and tensor names: control (Cc), format (Cf: bidi overrides,
 # zero-width characters), surrogates (Cs) and line/paragraph separators (Zl, Zp).
 _FORBIDDEN_NAME_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
@@ -491,6 +499,7 @@ class ClientSession:
         config = self._require_config()
         self._check_session(request.session_id)
         adverts: dict[str, AdvertiseKeys] = {}
+        secrets: dict[str, _PeerSecrets] = {}
         group_names = {group.name for group in config.groups}
         for advert in request.advertisements:
             if advert.session_id != config.session_id:
@@ -515,14 +524,20 @@ class ClientSession:
                     f"{advert.client_id!r} signed another session than this client's (its config, study, "
                     f"round or round 2's teacher differ): the server shows clients different sessions"
                 )
-            if not (
-                crypto.valid_x25519_public_key(advert.encryption_public_key)
-                and crypto.valid_x25519_public_key(advert.mask_public_key)
-            ):
-                raise ServerProtocolError(
-                    f"the server relayed a low-order X25519 key of {advert.client_id!r} (an honest server "
-                    f"refuses it)"
-                )
+            if advert.client_id != self.client_id:
+                # Agree both keys now, once: the encryption key's secret serves the shares sent
+                # here and received in R2, the mask key's the pairwise masks of R2.  A low-order
+                # key gives an all-zero secret (cryptography refuses it): the server's fault.
+                try:
+                    secrets[advert.client_id] = _PeerSecrets(
+                        crypto.x25519_shared_secret(self._encryption_key, advert.encryption_public_key),
+                        crypto.x25519_shared_secret(self._mask_key, advert.mask_public_key),
+                    )
+                except InvalidShareError:
+                    raise ServerProtocolError(
+                        f"the server relayed a low-order X25519 key of {advert.client_id!r} (an honest "
+                        f"server refuses it)"
+                    ) from None
             if len(set(advert.groups)) != len(advert.groups) or not set(advert.groups) <= group_names:
                 raise ServerProtocolError(
                     f"the server relayed an advertisement of {advert.client_id!r} with unknown or repeated "
@@ -574,8 +589,9 @@ class ClientSession:
             if holder == self.client_id:
                 own_shares = _HeldShares(seed_share.y, key_share.y)
                 continue
-            secret = crypto.x25519_shared_secret(self._encryption_key, adverts[holder].encryption_public_key)
-            key = crypto.share_encryption_key(secret, config.session_id, self.client_id, holder)
+            key = crypto.share_encryption_key(
+                secrets[holder].encryption, config.session_id, self.client_id, holder
+            )
             nonce = self._random.token_bytes(crypto.NONCE_BYTES)
             plaintext = shamir.value_to_bytes(seed_share.y) + shamir.value_to_bytes(key_share.y)
             associated = crypto.share_associated_data(config.session_id, self.client_id, holder)
@@ -591,6 +607,7 @@ class ClientSession:
 
         def commit() -> None:
             self._adverts = adverts
+            self._peer_secrets = secrets
             self._adverts_digest = adverts_digest
             self._members = members
             self._held = {self.client_id: own_shares}
@@ -623,10 +640,9 @@ class ClientSession:
         self._check_group_sizes(self._members, live, own_groups_only=True)
         held = dict(self._held)
         for share in request.shares:
-            secret = crypto.x25519_shared_secret(
-                self._encryption_key, self._adverts[share.sender].encryption_public_key
+            key = crypto.share_encryption_key(
+                self._peer_secrets[share.sender].encryption, config.session_id, share.sender, self.client_id
             )
-            key = crypto.share_encryption_key(secret, config.session_id, share.sender, self.client_id)
             associated = crypto.share_associated_data(config.session_id, share.sender, self.client_id)
             plaintext = crypto.decrypt_share(key, share.nonce, share.ciphertext, associated, share.sender)
             seed_value = shamir.value_from_bytes(plaintext[: shamir.VALUE_BYTES])
@@ -648,9 +664,7 @@ class ClientSession:
             peers = [cid for cid in self._members[group] if cid in live and cid != self.client_id]
             for peer in peers:
                 if peer not in pair_prks:
-                    pair_prks[peer] = prg.key_prk(
-                        crypto.x25519_shared_secret(self._mask_key, self._adverts[peer].mask_public_key)
-                    )
+                    pair_prks[peer] = prg.key_prk(self._peer_secrets[peer].mask)
             for name in sorted(self._inputs[group]):
                 values = self._inputs[group][name]
                 label = f"{group}/{name}"
@@ -876,6 +890,7 @@ class ClientSession:
         self._seed = b""
         self._own_advert: AdvertiseKeys | None = None
         self._adverts: dict[str, AdvertiseKeys] = {}
+        self._peer_secrets: dict[str, _PeerSecrets] = {}  # X25519 secrets with each peer, from R1
         self._adverts_digest = b""
         self._members: dict[str, tuple[str, ...]] = {}
         self._held: dict[str, _HeldShares] = {}

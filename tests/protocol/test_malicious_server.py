@@ -395,6 +395,15 @@ def _low_order_advert(request, fed):
     return _sign_advert(fed.identities["c1"], "c1", dataclasses.replace(advert, mask_public_key=bytes(32)))
 
 
+def _low_order_encryption_advert(request, fed):
+    """As :func:`_low_order_advert`, for the key the shares are encrypted under (a point of order 8)."""
+    advert = next(a for a in request.advertisements if a.client_id == "c1")
+    order_8 = bytes.fromhex("e0eb7a7c3b41b8ae1656e3faf19fc46ada098deb9c32b1fd866205165f49b800")
+    return _sign_advert(
+        fed.identities["c1"], "c1", dataclasses.replace(advert, encryption_public_key=order_8)
+    )
+
+
 def test_the_server_refuses_a_low_order_key_so_a_relayed_one_is_its_fault() -> None:
     fed = federation(3)
     server = ServerSession(fed.roster, config_for(fed, threshold=3, min_group_size=2, session_id=b"Z" * 32))
@@ -437,6 +446,11 @@ CASES = {
     "low-order key signed by its owner, relayed": (
         "R1",
         lambda r, fed: _replace_advert(r, "c1", _low_order_advert(r, fed)),
+        ServerProtocolError,
+    ),
+    "low-order encryption key signed by its owner, relayed": (
+        "R1",
+        lambda r, fed: _replace_advert(r, "c1", _low_order_encryption_advert(r, fed)),
         ServerProtocolError,
     ),
     "own advertisement omitted": (
