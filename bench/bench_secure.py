@@ -345,7 +345,8 @@ def end_to_end(repeats: int, quick: bool) -> str:
         table(["phase (median of runs)", "--secure none", "--secure mask"], rows),
         "",
         f"ratio (mask / none) of statistics + aggregation + solve, median of {repeats} paired runs: "
-        f"**{median(ratios):.2f}** (runs: {', '.join(f'{r:.2f}' for r in ratios)}; issue 3's limit 2, issue 30's goal 1.3)",
+        f"**{median(ratios):.2f}** (runs: {', '.join(f'{r:.2f}' for r in ratios)}; "
+        "issue 3's limit 2, issue 30's goal 1.3)",
         f"dropped clients: {', '.join(dropped)}; macro metrics of every method identical between the two "
         f"paths: {'yes' if same else 'NO'}",
     ]
