@@ -115,6 +115,11 @@ class PrivacyAudit:
         carry what the overlapping groups determine: :meth:`exposed_by_overlap`)."""
         return [g for g in self.groups if len(g.survivors) == 1 and complemented_group(g.group) is None]
 
+    def single_member_complements(self) -> list[GroupAudit]:
+        """A difference plan's complement groups with one survivor: the rest of the one-survivor
+        groups, which :meth:`single_member_groups` leaves out."""
+        return [g for g in self.groups if len(g.survivors) == 1 and complemented_group(g.group) is not None]
+
     def to_dict(self) -> dict[str, object]:
         return {
             "protection": self.protection,
@@ -181,19 +186,20 @@ def audit_groups(
     for name in sorted(members):
         alive = tuple(survivors.get(name, ()))
         warning = None
-        complemented = complemented_group(name)
-        if protection != "none" and len(alive) == 1 and complemented is not None:
-            warning = (
-                f"group {name!r} has a single surviving member ({alive[0]}): it carries that client's "
-                f"{', '.join(sorted(tensors[name]))} only for the server to derive {complemented!r}'s sum "
-                f"by difference, and the overlapping class sums determine it anyway (gram='global' "
-                "sums every Gram in one all-clients group)"
-            )
-        elif protection != "none" and len(alive) == 1:
-            warning = (
-                f"group {name!r} has a single surviving member ({alive[0]}): {SINGLE_SURVIVOR_WARNING}; "
-                "no aggregation can hide them"
-            )
+        if protection != "none" and len(alive) == 1:
+            complemented = complemented_group(name)
+            if complemented is None:
+                warning = (
+                    f"group {name!r} has a single surviving member ({alive[0]}): {SINGLE_SURVIVOR_WARNING}; "
+                    "no aggregation can hide them"
+                )
+            else:
+                warning = (
+                    f"group {name!r} has a single surviving member ({alive[0]}): it carries that client's "
+                    f"{', '.join(sorted(tensors[name]))} only for the server to derive {complemented!r}'s "
+                    "sum by difference, and the overlapping class sums determine it anyway (gram='global' "
+                    "sums every Gram in one all-clients group)"
+                )
         groups.append(GroupAudit(name, tuple(members[name]), alive, tuple(sorted(tensors[name])), warning))
     names = sorted({t for group in groups for t in group.tensors})
     if protection == "none":

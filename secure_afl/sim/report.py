@@ -514,8 +514,7 @@ def privacy_verdict(setting: SettingResult) -> str:
         groups = list(audit.groups)
         clients = sorted({c for g in groups for c in g.members})
         alone = audit.single_member_groups()
-        # a difference plan's single-member complements: counted with the overlap below
-        carriers = [g for g in groups if len(g.survivors) == 1 and g not in alone]
+        carriers = audit.single_member_complements()  # counted with the overlap below
         classes = [g for g in groups if g.group.startswith("class/")]
         if alone:
             lone = sorted({g.survivors[0] for g in alone})
