@@ -168,6 +168,14 @@ def _reference_dropouts(report: Mapping, participants: Collection[str]) -> dict[
 @click.group()
 def deploy() -> None:
     """Deploy among institutions over Flower (SuperLink, SuperNodes)."""
+    from secure_afl.deploy.requirements import missing_deployment_packages
+
+    missing = missing_deployment_packages()
+    if missing:
+        raise click.ClickException(
+            f"the deployment stack is not installed ({', '.join(missing)} missing): install the deploy "
+            "extra, `pip install -e '.[deploy]'` in a clone (or `pip install 'secure-afl[deploy]'`)"
+        )
 
 
 @deploy.command("tls")
@@ -244,35 +252,46 @@ def deploy_tls(hosts: tuple[str, ...], ips: tuple[str, ...], out_dir: Path, days
     show_default=True,
     help="The connection's name in STATE_DIR/flwr/config.toml (`deploy run APP_DIR FEDERATION`).",
 )
-@click.option("--nginx", "nginx_path", default=None, metavar="PATH",
-              help="The nginx executable (default: nginx on PATH, then /usr/sbin/nginx).")  # fmt: skip
+@click.option("--front", type=click.Choice(["caddy", "nginx"]), default="caddy", show_default=True,
+              help="The reverse proxy on --listen: Caddy (installed with the deploy extra) or the "
+                   "site's own nginx.")  # fmt: skip
+@click.option("--front-binary", default=None, metavar="PATH",
+              help="The front's executable (default: the one beside this Python, then PATH; for nginx "
+                   "also /usr/sbin/nginx).")  # fmt: skip
+@click.option("--nginx", "nginx_path", default=None, metavar="PATH", hidden=True,
+              help="Deprecated: --front nginx --front-binary PATH.")  # fmt: skip
 def deploy_superlink(
-    tls_dir: Path, listen: str, state_dir: Path, control_port: int, federation: str, nginx_path: str | None
-) -> None:
+    tls_dir: Path, listen: str, state_dir: Path, control_port: int, federation: str, front: str,
+    front_binary: str | None, nginx_path: str | None,
+) -> None:  # fmt: skip
     """Run the coordinator's SuperLink: TLS, node authentication, a persistent database (keep it running).
 
     \b
     Flower serves its Control API (flwr run, flwr ls, flwr supernode register: anyone who reaches
     it runs code as this user) on the same port as the Fleet API.  So the SuperLink listens on
-    127.0.0.1:--control-port only, and an nginx front on --listen serves the Fleet API alone
-    (what SuperNodes call) with the certificate of --tls; every other path gets 404.
+    127.0.0.1:--control-port only, and a reverse-proxy front on --listen (Caddy, or nginx with
+    --front nginx) serves the Fleet API alone (what SuperNodes call) with the certificate of
+    --tls; every other path gets 404.
     \b
     Writes under --state-dir (0700, files 0600):
       superlink.db       node registrations and runs (kept across restarts)
       flwr/config.toml   [superlink.FEDERATION] at 127.0.0.1:--control-port: export
                          FLWR_HOME=STATE_DIR/flwr for `flwr supernode register` and `deploy run`
       loopback-tls/      the SuperLink's own certificate for 127.0.0.1 (new at every start)
-      front/             nginx.conf, error.log, access.log;  logs/superlink.log
+      front/             caddy.json (or nginx.conf), error.log, access.log;  logs/superlink.log
     The SuperLink's environment keeps only PATH, HOME, locale, PYTHONPATH and the like: no
-    passphrase variable reaches it or the ServerApps it starts.  Needs nginx (Debian: apt-get
-    install nginx).  Stops both on Ctrl-C or SIGTERM; exits 1 if either exits on its own.
+    passphrase variable reaches it or the ServerApps it starts.  Stops both on Ctrl-C or
+    SIGTERM; exits 1 if either exits on its own.
     """
     from secure_afl.deploy.errors import SuperLinkSetupError
     from secure_afl.deploy.superlink import plan_superlink, serve_superlink
 
+    if nginx_path is not None:
+        click.echo("--nginx PATH is deprecated: use --front nginx --front-binary PATH", err=True)
+        front, front_binary = "nginx", front_binary or nginx_path
     try:
-        plan = plan_superlink(tls_dir, listen, state_dir, control_port=control_port, nginx=nginx_path,
-                              federation=federation)  # fmt: skip
+        plan = plan_superlink(tls_dir, listen, state_dir, control_port=control_port, front=front,
+                              front_binary=front_binary, federation=federation)  # fmt: skip
         code = serve_superlink(plan, say=click.echo)
     except SuperLinkSetupError as exc:
         raise click.ClickException(f"SuperLinkSetupError: {exc}") from None

