@@ -10,6 +10,7 @@ Every child runs in its own process group, stopped in ``finally``; every wait is
 from __future__ import annotations
 
 import http.client
+import http.server
 import json
 import os
 import signal
@@ -17,10 +18,12 @@ import socket
 import ssl
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import closing
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
@@ -31,8 +34,11 @@ from secure_afl.deploy.superlink import (
     NOT_FORWARDED,
     caddy_config,
     find_front,
+    front_argv,
+    front_environment,
     nginx_config,
     plan_superlink,
+    prepare_state,
     scrubbed_environment,
 )
 from secure_afl.deploy.tls import write_tls_material
@@ -451,3 +457,102 @@ def test_the_superlinks_environment_keeps_no_secret() -> None:
     assert SECRET not in env.values() and "AWS_SECRET_ACCESS_KEY" not in env
     assert not any(name.startswith("FLWR_INTERNAL") for name in env)
     assert env["HOME"] == "/home/c" and env["PATH"].endswith("/usr/bin")
+
+
+# --- the front against an upstream that records what reaches it -----------------------------------
+
+
+class _Recorder(http.server.BaseHTTPRequestHandler):
+    """Stands where the SuperLink listens: records each request's path and headers, answers 200."""
+
+    seen: ClassVar[list[tuple[str, dict[str, str]]]] = []
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self.seen.append((self.path, {k.lower(): v for k, v in self.headers.items()}))
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def recorded_front(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Link, list]]:
+    """The default front alone (as `deploy superlink` starts it), its upstream a recording server."""
+    work = tmp_path_factory.mktemp("front")
+    write_tls_material(work / "tls", hosts=["localhost"], ips=[HOSPITALS_HOST], days=2)
+    plan = plan_superlink(work / "tls", f"{HOSPITALS_HOST}:{_free_port(HOSPITALS_HOST)}", work / "state",
+                          control_port=_free_port("127.0.0.1"))  # fmt: skip
+    prepare_state(plan)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", plan.control_port), _Recorder)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(plan.loopback_dir / "superlink.pem", plan.loopback_dir / "superlink.key")
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    groups = ProcessGroups(front_environment(plan, scrubbed_environment(os.environ)))
+    try:
+        child = groups.start("front", front_argv(plan), work / "front.log")
+        deadline = time.monotonic() + 30
+        for _ in range(400):
+            assert child.process.poll() is None, child.tail()
+            try:
+                socket.create_connection((HOSPITALS_HOST, plan.listen_port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, f"the front did not listen within 30 s:\n{child.tail()}"
+                time.sleep(0.05)
+        link = Link.__new__(Link)  # only what _post reads: the CA and the front's port
+        link.tls, link.fleet_port = work / "tls", plan.listen_port
+        yield link, _Recorder.seen
+    finally:
+        groups.stop_all()
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize(
+    ("sent", "forwarded"),
+    [
+        ("/v1/fleet/get-run?next=/v1/control/list-runs", "/v1/fleet/get-run"),  # the query is dropped
+        ("/V1/FLEET/GET-RUN", "/v1/fleet/get-run"),  # Caddy matches paths case-insensitively...
+        ("/v1/fleet//get-run", "/v1/fleet/get-run"),  # ...and cleaned...
+        ("/v1/fleet/x/../pull-messages", "/v1/fleet/pull-messages"),
+        ("/v1/fleet/get%2drun", "/v1/fleet/get-run"),  # ...and decoded: upstream gets the literal path
+        ("/v1/fleet/get-run%3Fx", None),
+        ("/v1/fleet/get-run/..%2f..%2fcontrol/list-runs", None),
+        ("/v1/control/list-runs#/v1/fleet/get-run", None),
+    ],
+)
+def test_the_superlink_receives_only_a_literal_fleet_path(
+    recorded_front: tuple[Link, list], sent: str, forwarded: str | None
+) -> None:
+    link, seen = recorded_front
+    before = len(seen)
+    status, body = _post(link, sent)
+    if forwarded is None:
+        assert (status, body.strip(), len(seen)) == (404, NOT_FORWARDED, before)
+        return
+    assert status == 200 and len(seen) == before + 1
+    path, headers = seen[-1]
+    assert path == forwarded and path in FLEET_PATHS
+    assert headers["host"] == "localhost" and headers["x-forwarded-proto"] == "https"
+    assert "forwarded" not in headers and "x-forwarded-host" not in headers
+
+
+def test_the_front_replaces_forwarding_headers_a_client_sends(recorded_front: tuple[Link, list]) -> None:
+    link, seen = recorded_front
+    context = ssl.create_default_context(cafile=str(link.tls / "ca.crt"))
+    connection = http.client.HTTPSConnection(HOSPITALS_HOST, link.fleet_port, timeout=10, context=context)
+    try:
+        connection.request("POST", "/v1/fleet/get-run", body=b"", headers={
+            "Forwarded": "for=10.9.9.9", "X-Forwarded-For": "10.9.9.9", "X-Forwarded-Host": "evil",
+            "Host": "superlink.example"})  # fmt: skip
+        assert connection.getresponse().status == 200
+    finally:
+        connection.close()
+    _, headers = seen[-1]
+    assert "10.9.9.9" not in headers.get("x-forwarded-for", "") and "forwarded" not in headers
+    assert headers["host"] == "localhost" and "x-forwarded-host" not in headers
