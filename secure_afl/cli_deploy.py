@@ -165,7 +165,34 @@ def _reference_dropouts(report: Mapping, participants: Collection[str]) -> dict[
     return dropouts
 
 
-@click.group()
+class _PorcelainGroup(click.Group):
+    """``deploy --help`` lists the walk-through's steps in their order, then the building blocks."""
+
+    WALK_THROUGH = ("provision", "superlink", "join", "collect", "run", "check", "local")
+    SECTIONS = (
+        ("Walk-through (in this order; `local` rehearses it on one machine)", WALK_THROUGH),
+        ("Building blocks (what the walk-through runs for you)", ("tls", "node-key", "app")),
+    )
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        listed = [name for _, names in self.SECTIONS for name in names if name in self.commands]
+        return listed + sorted(set(self.commands) - set(listed))
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        limit = formatter.width - 6 - max(len(name) for name in self.commands)
+        shown: set[str] = set()
+        for title, names in self.SECTIONS:
+            rows = [(n, self.commands[n].get_short_help_str(limit)) for n in names if n in self.commands]
+            shown.update(n for n, _ in rows)
+            with formatter.section(title):
+                formatter.write_dl(rows)
+        rest = [(n, c.get_short_help_str(limit)) for n, c in sorted(self.commands.items()) if n not in shown]
+        if rest:
+            with formatter.section("Other commands"):
+                formatter.write_dl(rest)
+
+
+@click.group(cls=_PorcelainGroup)
 def deploy() -> None:
     """Deploy among institutions over Flower (SuperLink, SuperNodes)."""
     from secure_afl.deploy.requirements import missing_deployment_packages
