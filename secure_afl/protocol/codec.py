@@ -71,7 +71,7 @@ SHARE_CIPHERTEXT_BYTES = SHARE_PLAINTEXT_BYTES + TAG_BYTES
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 28  # 256 MiB
 _HEADER_BYTES = 2  # version, type tag
 _COUNT_BYTES = 4
-_MAX_STRING_FIELD = 2 + MAX_STRING_BYTES
+MAX_STRING_FIELD = 2 + MAX_STRING_BYTES
 # The most uint64 words one masked tensor can carry: its byte length has a 4-byte prefix.
 MAX_TENSOR_WORDS = ((1 << 32) - 1) // 8
 
@@ -104,7 +104,7 @@ def message_limits(
     if not isinstance(n_clients, int) or n_clients < 1:
         raise LocalProtocolError(f"n_clients must be a positive integer, got {n_clients!r}")
     n = n_clients
-    s = _MAX_STRING_FIELD
+    s = MAX_STRING_FIELD
     n_groups = len(config.groups)
     wanted = None if groups is None else set(groups)
     config_bytes = SESSION_ID_BYTES + 4 + 4 + 1 + _COUNT_BYTES
@@ -151,7 +151,9 @@ def max_message_bytes(config: SessionConfig, n_clients: int) -> int:
 # --- writing --------------------------------------------------------------------------------------
 
 
-class _Writer:
+class Writer:
+    """Appends fixed-width fields to one frame (both backends' codecs write with it)."""
+
     def __init__(self) -> None:
         self.parts: list[bytes] = []
 
@@ -175,7 +177,7 @@ class _Writer:
         self.parts += (len(raw).to_bytes(2, "big"), raw)
 
     def words(self, value: bytes | memoryview) -> None:
-        # A decoded MaskedTensor carries a read-only view of the received bytes (see _Reader.words):
+        # A decoded MaskedTensor carries a read-only view of the received bytes (see Reader.words):
         # it encodes again to the same bytes, so views of whole bytes are accepted as well.
         if isinstance(value, memoryview) and value.c_contiguous:
             size = value.nbytes
@@ -201,7 +203,7 @@ def encode_frame(
     *,
     version: int,
     tags: dict[type, int],
-    writers: dict[type, Callable[[_Writer, object], object]],
+    writers: dict[type, Callable[[Writer, object], object]],
     max_message_bytes: int,
     kind: str,
 ) -> bytes:
@@ -209,7 +211,7 @@ def encode_frame(
     tag = tags.get(type(message))
     if tag is None:
         raise LocalProtocolError(f"not a {kind} message: {type(message).__name__}")
-    w = _Writer()
+    w = Writer()
     w.uint(version, 1)
     w.uint(tag, 1)
     writers[type(message)](w, message)
@@ -223,7 +225,7 @@ def decode_frame(
     data: bytes,
     *,
     version: int,
-    readers: dict[int, Callable[[_Reader], object]],
+    readers: dict[int, Callable[[Reader], object]],
     max_message_bytes: int,
     kind: str,
 ) -> object:
@@ -233,7 +235,7 @@ def decode_frame(
         raise LocalProtocolError(f"decode expects bytes, got {type(data).__name__}")
     if len(data) > max_message_bytes:
         raise MessageDecodeError(f"message of {len(data)} bytes exceeds the limit of {max_message_bytes}")
-    r = _Reader(bytes(data))
+    r = Reader(bytes(data))
     found = r.uint(1)
     if found != version:
         raise MessageDecodeError(f"not a {kind} message (version byte {found:#x}, expected {version:#x})")
@@ -258,7 +260,7 @@ def encode(message: Message, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYT
     )
 
 
-def _write_config(w: _Writer, config: SessionConfig) -> None:
+def _write_config(w: Writer, config: SessionConfig) -> None:
     w.fixed(config.session_id, SESSION_ID_BYTES, "session id")
     w.uint(config.threshold, 4)
     w.uint(config.min_group_size, 4)
@@ -266,17 +268,17 @@ def _write_config(w: _Writer, config: SessionConfig) -> None:
     w.sequence(config.groups, lambda group: _write_group(w, group))
 
 
-def _write_group(w: _Writer, group: GroupSpec) -> None:
+def _write_group(w: Writer, group: GroupSpec) -> None:
     w.string(group.name)
     w.sequence(group.tensors, lambda tensor: _write_tensor_spec(w, tensor))
 
 
-def _write_tensor_spec(w: _Writer, tensor: TensorSpec) -> None:
+def _write_tensor_spec(w: Writer, tensor: TensorSpec) -> None:
     w.string(tensor.name)
     w.uint(tensor.length, 4)
 
 
-def _write_advertise_keys(w: _Writer, m: AdvertiseKeys) -> None:
+def _write_advertise_keys(w: Writer, m: AdvertiseKeys) -> None:
     w.fixed(m.session_id, SESSION_ID_BYTES, "session id")
     w.string(m.client_id)
     w.fixed(m.encryption_public_key, KEY_BYTES, "encryption public key")
@@ -288,14 +290,14 @@ def _write_advertise_keys(w: _Writer, m: AdvertiseKeys) -> None:
     w.sequence(m.rows, lambda v: w.uint(v, 8))  # type: ignore[arg-type]
 
 
-def _write_encrypted_share(w: _Writer, share: EncryptedShare) -> None:
+def _write_encrypted_share(w: Writer, share: EncryptedShare) -> None:
     w.string(share.sender)
     w.string(share.recipient)
     w.fixed(share.nonce, NONCE_BYTES, "nonce")
     w.fixed(share.ciphertext, SHARE_CIPHERTEXT_BYTES, "share ciphertext")
 
 
-def _write_encrypted_shares(w: _Writer, shares: tuple | EncryptedShares) -> None:
+def _write_encrypted_shares(w: Writer, shares: tuple | EncryptedShares) -> None:
     """A sequence of :func:`_write_encrypted_share`, each item's checks in one loop (n² shares at
     n = 1,000), the name fields from a cache of the session's names; an item that fails one is
     written by the field writers, which raise their error.  :class:`EncryptedShares` are checked
@@ -342,7 +344,7 @@ def _write_encrypted_shares(w: _Writer, shares: tuple | EncryptedShares) -> None
 _SHARE_PAYLOAD_BYTES = NONCE_BYTES + SHARE_CIPHERTEXT_BYTES
 
 
-def _write_share_columns(w: _Writer, shares: EncryptedShares) -> bool:
+def _write_share_columns(w: Writer, shares: EncryptedShares) -> bool:
     """Write ``shares`` a column at a time (each name's field from the cache, each payload as it
     is: the wire's nonce and ciphertext back to back) where every field is valid and every name is
     cached; False, having written nothing, otherwise."""
@@ -387,7 +389,7 @@ def _remember_name(name: str, field: bytes) -> None:
         _PREFIXED_NAMES[name] = field
 
 
-def _write_masked_tensor(w: _Writer, tensor: MaskedTensor) -> None:
+def _write_masked_tensor(w: Writer, tensor: MaskedTensor) -> None:
     w.string(tensor.group)
     w.string(tensor.tensor)
     w.words(tensor.data)
@@ -413,7 +415,7 @@ class MaskedInputFrame:
         *,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
-        w = _Writer()
+        w = Writer()
         w.uint(PROTOCOL_VERSION, 1)
         w.uint(_TYPE_TAGS[MaskedInput], 1)
         w.fixed(session_id, SESSION_ID_BYTES, "session id")
@@ -476,12 +478,12 @@ class MaskedInputFrame:
         return data, MaskedInput(self._session_id, self._sender, tensors)
 
 
-def _write_survivor_signature(w: _Writer, item: SurvivorSignature) -> None:
+def _write_survivor_signature(w: Writer, item: SurvivorSignature) -> None:
     w.string(item.client_id)
     w.fixed(item.signature, SIGNATURE_BYTES, "signature")
 
 
-def _write_revealed_share(w: _Writer, item: RevealedShare) -> None:
+def _write_revealed_share(w: Writer, item: RevealedShare) -> None:
     w.string(item.owner)
     w.fixed(item.value, shamir.VALUE_BYTES, "revealed share")
 
@@ -497,7 +499,7 @@ def _check_type(item: object, expected: type) -> None:
         raise LocalProtocolError(f"expected {expected.__name__}, got {type(item).__name__}")
 
 
-def _typed(expected: type, write: Callable[[_Writer, object], None], w: _Writer) -> Callable[[object], None]:
+def _typed(expected: type, write: Callable[[Writer, object], None], w: Writer) -> Callable[[object], None]:
     def write_item(item: object) -> None:
         _check_type(item, expected)
         write(w, item)
@@ -505,7 +507,7 @@ def _typed(expected: type, write: Callable[[_Writer, object], None], w: _Writer)
     return write_item
 
 
-_WRITERS: dict[type, Callable[[_Writer, object], None]] = {
+_WRITERS: dict[type, Callable[[Writer, object], None]] = {
     AdvertiseRequest: lambda w, m: _write_config(w, m.config),
     AdvertiseKeys: _write_advertise_keys,  # type: ignore[dict-item]
     ShareKeysRequest: lambda w, m: (
@@ -554,7 +556,9 @@ _WRITERS: dict[type, Callable[[_Writer, object], None]] = {
 # --- reading --------------------------------------------------------------------------------------
 
 
-class _Reader:
+class Reader:
+    """Reads fixed-width fields of one frame, bounded by its size (both backends' codecs read with it)."""
+
     def __init__(self, data: bytes) -> None:
         self.data = memoryview(data)
         self.size = len(data)
@@ -630,7 +634,7 @@ def decode(data: bytes, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -
     return message  # type: ignore[return-value]
 
 
-def _read_config(r: _Reader) -> SessionConfig:
+def _read_config(r: Reader) -> SessionConfig:
     session_id = r.take(SESSION_ID_BYTES)
     threshold = r.uint(4)
     min_group_size = r.uint(4)
@@ -639,12 +643,12 @@ def _read_config(r: _Reader) -> SessionConfig:
     return SessionConfig(session_id, threshold, min_group_size, frac_bits, groups)
 
 
-def _read_group(r: _Reader) -> GroupSpec:
+def _read_group(r: Reader) -> GroupSpec:
     name = r.string()
     return GroupSpec(name, r.sequence(lambda: TensorSpec(r.string(), r.uint(4)), 7))
 
 
-def _read_advertise_keys(r: _Reader) -> AdvertiseKeys:
+def _read_advertise_keys(r: Reader) -> AdvertiseKeys:
     return AdvertiseKeys(
         session_id=r.take(SESSION_ID_BYTES),
         client_id=r.string(),
@@ -658,7 +662,7 @@ def _read_advertise_keys(r: _Reader) -> AdvertiseKeys:
     )
 
 
-def _read_encrypted_share(r: _Reader) -> EncryptedShare:
+def _read_encrypted_share(r: Reader) -> EncryptedShare:
     return EncryptedShare(r.string(), r.string(), r.take(NONCE_BYTES), r.take(SHARE_CIPHERTEXT_BYTES))
 
 
@@ -666,10 +670,10 @@ T = TypeVar("T")  # an item of a sequence read by _read_fast_sequence
 
 
 def _read_fast_sequence(
-    r: _Reader,
+    r: Reader,
     min_item_bytes: int,
     fast: Callable[[memoryview, int, int], tuple[T, int]],
-    slow: Callable[[_Reader], T],
+    slow: Callable[[Reader], T],
     uniform: Callable[[memoryview, int, int, int], tuple[Sequence[T], int] | None] | None = None,
 ) -> Sequence[T]:
     """A sequence whose items ``fast(data, size, position) -> (item, next position)`` reads with
@@ -795,7 +799,7 @@ def _uniform_encrypted_shares(
     return EncryptedShares(tuple(senders), tuple(recipients), tuple(fields[4::5])), end
 
 
-def _read_encrypted_shares(r: _Reader) -> EncryptedShares:
+def _read_encrypted_shares(r: Reader) -> EncryptedShares:
     """A sequence of :func:`_read_encrypted_share`: the same bytes and checks, in one loop (or a
     column at a time where the shares' layout is uniform), as :class:`EncryptedShares`."""
     shares = _read_fast_sequence(
@@ -804,11 +808,11 @@ def _read_encrypted_shares(r: _Reader) -> EncryptedShares:
     return shares if type(shares) is EncryptedShares else EncryptedShares.of(shares)
 
 
-def _read_masked_tensor(r: _Reader) -> MaskedTensor:
+def _read_masked_tensor(r: Reader) -> MaskedTensor:
     return MaskedTensor(r.string(), r.string(), r.words())
 
 
-def _read_unmask_request(r: _Reader) -> UnmaskRequest:
+def _read_unmask_request(r: Reader) -> UnmaskRequest:
     return UnmaskRequest(
         session_id=r.take(SESSION_ID_BYTES),
         survivors=r.sequence(r.string, 3),
@@ -818,7 +822,7 @@ def _read_unmask_request(r: _Reader) -> UnmaskRequest:
     )
 
 
-def _read_revealed_share(r: _Reader) -> RevealedShare:
+def _read_revealed_share(r: Reader) -> RevealedShare:
     return RevealedShare(r.string(), r.take(shamir.VALUE_BYTES))
 
 
@@ -851,14 +855,14 @@ def _uniform_revealed_shares(
     return RevealedShares(tuple(owners), tuple(fields[2::3])), end
 
 
-def _read_revealed_shares(r: _Reader) -> RevealedShares:
+def _read_revealed_shares(r: Reader) -> RevealedShares:
     """A sequence of :func:`_read_revealed_share` (the server decodes n² of them in R4), the same
     bytes and checks (:func:`_read_fast_sequence`), as :class:`RevealedShares`."""
     shares = _read_fast_sequence(r, 69, _fast_revealed_share, _read_revealed_share, _uniform_revealed_shares)
     return shares if type(shares) is RevealedShares else RevealedShares.of(shares)
 
 
-_READERS: dict[int, Callable[[_Reader], Message]] = {
+_READERS: dict[int, Callable[[Reader], Message]] = {
     1: lambda r: AdvertiseRequest(_read_config(r)),
     2: _read_advertise_keys,
     3: lambda r: ShareKeysRequest(r.take(SESSION_ID_BYTES), r.sequence(lambda: _read_advertise_keys(r), 200)),

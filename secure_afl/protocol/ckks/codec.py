@@ -14,12 +14,12 @@ from collections.abc import Callable
 
 from secure_afl.core.errors import LocalProtocolError, MessageDecodeError
 from secure_afl.protocol.codec import (
-    _MAX_STRING_FIELD,
     DEFAULT_MAX_MESSAGE_BYTES,
     DIGEST_BYTES,
+    MAX_STRING_FIELD,
     SESSION_ID_BYTES,
-    _Reader,
-    _Writer,
+    Reader,
+    Writer,
     decode_frame,
     encode_frame,
 )
@@ -73,7 +73,7 @@ _AEAD_TAG = 16
 def max_message_bytes(config: CkksSessionConfig, n_clients: int) -> int:
     """The largest message an honest party of a session over ``config`` with ``n_clients`` sends."""
     p = config.parameters
-    s = _MAX_STRING_FIELD
+    s = MAX_STRING_FIELD
     ct = _BLOB_PREFIX + p.max_ciphertext_bytes()
     sealed_context = s + s + NONCE_BYTES + _BLOB_PREFIX + p.max_context_bytes() + _AEAD_TAG
     public_context = _BLOB_PREFIX + p.max_context_bytes()
@@ -120,14 +120,14 @@ def max_message_bytes(config: CkksSessionConfig, n_clients: int) -> int:
 # --- writing --------------------------------------------------------------------------------------
 
 
-def _blob(w: _Writer, value: bytes, what: str) -> None:
+def _blob(w: Writer, value: bytes, what: str) -> None:
     if not isinstance(value, bytes) or len(value) >= 1 << 32:
         raise LocalProtocolError(f"{what} must be bytes shorter than 4 GiB")
     w.uint(len(value), 4)
     w.parts.append(value)
 
 
-def _typed(expected: type, write: Callable[[_Writer, object], None], w: _Writer) -> Callable[[object], None]:
+def _typed(expected: type, write: Callable[[Writer, object], None], w: Writer) -> Callable[[object], None]:
     def write_item(item: object) -> None:
         if type(item) is not expected:
             raise LocalProtocolError(f"expected {expected.__name__}, got {type(item).__name__}")
@@ -136,7 +136,7 @@ def _typed(expected: type, write: Callable[[_Writer, object], None], w: _Writer)
     return write_item
 
 
-def _write_config(w: _Writer, c: CkksSessionConfig) -> None:
+def _write_config(w: Writer, c: CkksSessionConfig) -> None:
     w.fixed(c.session_id, SESSION_ID_BYTES, "session id")
     w.uint(c.min_group_size, 4)
     p = c.parameters
@@ -153,7 +153,7 @@ def _write_config(w: _Writer, c: CkksSessionConfig) -> None:
     )  # type: ignore[arg-type,union-attr]
 
 
-def _write_advert(w: _Writer, m: CkksAdvertise) -> None:
+def _write_advert(w: Writer, m: CkksAdvertise) -> None:
     w.fixed(m.session_id, SESSION_ID_BYTES, "session id")
     w.string(m.client_id)
     w.fixed(m.encryption_public_key, KEY_BYTES, "encryption public key")
@@ -163,18 +163,18 @@ def _write_advert(w: _Writer, m: CkksAdvertise) -> None:
     w.sequence(m.rows, lambda v: w.uint(v, 8))  # type: ignore[arg-type]
 
 
-def _write_sealed(w: _Writer, m: EncryptedContext) -> None:
+def _write_sealed(w: Writer, m: EncryptedContext) -> None:
     w.string(m.sender)
     w.string(m.recipient)
     w.fixed(m.nonce, NONCE_BYTES, "nonce")
     _blob(w, m.ciphertext, "encrypted context")
 
 
-def _write_chunks(w: _Writer, chunks: tuple[bytes, ...]) -> None:
+def _write_chunks(w: Writer, chunks: tuple[bytes, ...]) -> None:
     w.sequence(chunks, lambda chunk: _blob(w, chunk, "ciphertext"))  # type: ignore[arg-type]
 
 
-def _write_input_request(w: _Writer, m: CkksInputRequest) -> None:
+def _write_input_request(w: Writer, m: CkksInputRequest) -> None:
     w.fixed(m.session_id, SESSION_ID_BYTES, "session id")
     w.string(m.key_holder)
     _blob(w, m.public_context, "public context")
@@ -185,47 +185,47 @@ def _write_input_request(w: _Writer, m: CkksInputRequest) -> None:
         _typed(EncryptedContext, _write_sealed, w)(m.context)
 
 
-def _write_encrypted_tensor(w: _Writer, m: EncryptedTensor) -> None:
+def _write_encrypted_tensor(w: Writer, m: EncryptedTensor) -> None:
     w.string(m.group)
     w.string(m.tensor)
     _write_chunks(w, m.chunks)
 
 
-def _write_digests(w: _Writer, m: TensorDigests) -> None:
+def _write_digests(w: Writer, m: TensorDigests) -> None:
     w.string(m.group)
     w.string(m.tensor)
     w.sequence(m.chunk_digests, lambda d: w.fixed(d, DIGEST_BYTES, "chunk digest"))  # type: ignore[arg-type]
 
 
-def _write_upload(w: _Writer, m: SignedUpload) -> None:
+def _write_upload(w: Writer, m: SignedUpload) -> None:
     w.string(m.sender)
     w.sequence(m.digests, _typed(TensorDigests, _write_digests, w))  # type: ignore[arg-type]
     w.fixed(m.signature, SIGNATURE_BYTES, "signature")
     _write_chunks(w, m.chunks)
 
 
-def _write_indices(w: _Writer, indices: tuple[int, ...]) -> None:
+def _write_indices(w: Writer, indices: tuple[int, ...]) -> None:
     w.sequence(indices, lambda k: w.uint(k, 4))  # type: ignore[arg-type]
 
 
-def _write_group_uploads(w: _Writer, m: GroupUploads) -> None:
+def _write_group_uploads(w: Writer, m: GroupUploads) -> None:
     w.string(m.group)
     _write_indices(w, m.chunks)
     w.sequence(m.uploads, _typed(SignedUpload, _write_upload, w))  # type: ignore[arg-type]
 
 
-def _write_entry(w: _Writer, m: UploadEntry) -> None:
+def _write_entry(w: Writer, m: UploadEntry) -> None:
     w.string(m.sender)
     w.fixed(m.digest, DIGEST_BYTES, "upload digest")
 
 
-def _write_view_signature(w: _Writer, m: CkksViewSignature) -> None:
+def _write_view_signature(w: Writer, m: CkksViewSignature) -> None:
     w.fixed(m.session_id, SESSION_ID_BYTES, "session id")
     w.string(m.sender)
     w.fixed(m.signature, SIGNATURE_BYTES, "signature")
 
 
-def _write_decrypted_group(w: _Writer, m: DecryptedGroup) -> None:
+def _write_decrypted_group(w: Writer, m: DecryptedGroup) -> None:
     w.string(m.group)
     w.sequence(
         m.chunks, _typed(DecryptedChunk, lambda w, c: (w.uint(c.index, 4), _blob(w, c.data, "values")), w)
@@ -233,7 +233,7 @@ def _write_decrypted_group(w: _Writer, m: DecryptedGroup) -> None:
     w.fixed(m.signature, SIGNATURE_BYTES, "signature")
 
 
-_WRITERS: dict[type, Callable[[_Writer, object], None]] = {
+_WRITERS: dict[type, Callable[[Writer, object], None]] = {
     CkksAdvertiseRequest: lambda w, m: _write_config(w, m.config),
     CkksAdvertise: _write_advert,  # type: ignore[dict-item]
     CkksKeyRequest: lambda w, m: (
@@ -289,11 +289,11 @@ def encode(message: CkksMessage, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE
 # --- reading --------------------------------------------------------------------------------------
 
 
-def _read_blob(r: _Reader) -> bytes:
+def _read_blob(r: Reader) -> bytes:
     return r.take(r.uint(4))
 
 
-def _read_config(r: _Reader) -> CkksSessionConfig:
+def _read_config(r: Reader) -> CkksSessionConfig:
     session_id = r.take(SESSION_ID_BYTES)
     min_group_size = r.uint(4)
     degree = r.uint(4)
@@ -305,7 +305,7 @@ def _read_config(r: _Reader) -> CkksSessionConfig:
     return CkksSessionConfig(session_id, min_group_size, parameters, groups)
 
 
-def _read_advert(r: _Reader) -> CkksAdvertise:
+def _read_advert(r: Reader) -> CkksAdvertise:
     return CkksAdvertise(
         r.take(SESSION_ID_BYTES),
         r.string(),
@@ -317,15 +317,15 @@ def _read_advert(r: _Reader) -> CkksAdvertise:
     )
 
 
-def _read_sealed(r: _Reader) -> EncryptedContext:
+def _read_sealed(r: Reader) -> EncryptedContext:
     return EncryptedContext(r.string(), r.string(), r.take(NONCE_BYTES), _read_blob(r))
 
 
-def _read_chunks(r: _Reader) -> tuple[bytes, ...]:
+def _read_chunks(r: Reader) -> tuple[bytes, ...]:
     return r.sequence(lambda: _read_blob(r), _BLOB_PREFIX)
 
 
-def _read_input_request(r: _Reader) -> CkksInputRequest:
+def _read_input_request(r: Reader) -> CkksInputRequest:
     session_id, holder, public, secret_digest, signature = (
         r.take(SESSION_ID_BYTES),
         r.string(),
@@ -340,7 +340,7 @@ def _read_input_request(r: _Reader) -> CkksInputRequest:
     return CkksInputRequest(session_id, holder, public, secret_digest, signature, sealed)
 
 
-def _read_upload(r: _Reader) -> SignedUpload:
+def _read_upload(r: Reader) -> SignedUpload:
     return SignedUpload(
         r.string(),
         r.sequence(
@@ -354,15 +354,15 @@ def _read_upload(r: _Reader) -> SignedUpload:
     )
 
 
-def _read_entries(r: _Reader) -> tuple[UploadEntry, ...]:
+def _read_entries(r: Reader) -> tuple[UploadEntry, ...]:
     return r.sequence(lambda: UploadEntry(r.string(), r.take(DIGEST_BYTES)), 3 + DIGEST_BYTES)
 
 
-def _read_view_signature(r: _Reader) -> CkksViewSignature:
+def _read_view_signature(r: Reader) -> CkksViewSignature:
     return CkksViewSignature(r.take(SESSION_ID_BYTES), r.string(), r.take(SIGNATURE_BYTES))
 
 
-_READERS: dict[int, Callable[[_Reader], CkksMessage]] = {
+_READERS: dict[int, Callable[[Reader], CkksMessage]] = {
     1: lambda r: CkksAdvertiseRequest(_read_config(r)),
     2: _read_advert,
     3: lambda r: CkksKeyRequest(r.take(SESSION_ID_BYTES), r.sequence(lambda: _read_advert(r), 140)),
