@@ -4,7 +4,7 @@ The floor is a Flower 1.42 app (a ServerApp and a ClientApp, generated in a temp
 sends, round after round, as many messages of the same sizes as `deploy local` does, to the same
 number of SuperNodes, through the same runtime: one SuperLink, one SuperNode per institution (each
 with its SuperExec and one ClientApp process per message), ``flwr run APP local --stream``, the same
-environment (``secure_afl.deploy.local.CHILD_ENV``), insecure as `deploy local`'s default.  Its
+environment (``secure_afl.deploy.processes.CHILD_ENV``), insecure as `deploy local`'s default.  Its
 ClientApp imports Flower and nothing of secure-afl; it answers each message with bytes of the size
 the real client answered.  Its ServerApp polls for replies as secure-afl's does (0.2 s).
 
@@ -162,7 +162,7 @@ def probe(plan_path: Path, deploy_args: list[str]) -> None:
 
 def floor(plan_path: Path, clients: int) -> dict[str, float]:
     """The bare app through SuperLink + SuperNodes + flwr run, as deploy local starts them."""
-    from secure_afl.deploy.local import (
+    from secure_afl.deploy.processes import (
         CHILD_ENV,
         READY_SUPERLINK,
         READY_SUPERNODE,

@@ -338,7 +338,7 @@ def deploy_node_key(path: Path, force: bool) -> None:
     An unregistered SuperNode is refused by a SuperLink started with --enable-supernode-auth.
     (Flower's own transport identity, distinct from the roster's identity key.)
     """
-    from secure_afl.deploy.local import write_node_auth_key
+    from secure_afl.deploy.writers import write_node_auth_key
 
     public = path.with_name(path.name + ".pub")
     existing = [str(p) for p in (path, public) if p.exists()]
@@ -519,7 +519,7 @@ def deploy_app(
     passphrase), so a run does not fail minutes later on a typo.
     """
     from secure_afl.deploy.apps import coordinator_signer, study_from_run_config
-    from secure_afl.deploy.local import write_app
+    from secure_afl.deploy.writers import write_app
     from secure_afl.keys.commands import load_roster_file
 
     if (features_path is None) == (backbone is None):
@@ -1476,7 +1476,7 @@ def deploy_collect(
     Exit status: 0 every hospital co-signed; 3 some have not yet (they are named); 1 an error.
     """
     from secure_afl.deploy.kit import EXIT_WAITING, KitError
-    from secure_afl.deploy.local import flower_bin
+    from secure_afl.deploy.processes import flower_bin
     from secure_afl.deploy.provision import collect
 
     try:

@@ -44,7 +44,7 @@ from .classifier import (
     write_classifier_file,
 )
 from .errors import ClassifierFileError, ConfigurationError, DeploymentError
-from .local import ProcessGroups, _pump, flower_bin
+from .processes import ProcessGroups, flower_bin, pump_lines
 
 Say = Callable[[str], None]
 SERVER_PREFIX = "secure-afl server:"
@@ -228,7 +228,9 @@ def run_federation(
             "flwr run", argv, log_path, stdout=subprocess.PIPE, env={**children.env, "PYTHONUNBUFFERED": "1"}
         )
         lines: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=_pump, args=(runner.process.stdout, log_path, lines), daemon=True).start()
+        threading.Thread(
+            target=pump_lines, args=(runner.process.stdout, log_path, lines), daemon=True
+        ).start()
         deadline = time.monotonic() + run_timeout
         done_reading = False
         for _ in range(int(run_timeout / 0.1) + 100):

@@ -68,4 +68,4 @@ class LocalDeploymentError(DeploymentError):
 
 
 class SuperLinkSetupError(DeploymentError):
-    """``deploy superlink``: a bad argument, a missing TLS file or front binary, a process that failed to start."""
+    """``deploy superlink``: a bad argument, a missing TLS file or front binary, a failed start."""

@@ -514,7 +514,7 @@ def join_kit(
     """
     from .check import NodeCheckError, check_node, study_from_file
     from .client import NodeSettings, _identity
-    from .local import write_node_auth_key
+    from .writers import write_node_auth_key
 
     kit_dir = layout.kit_dir
     manifest, status = read_kit(kit_dir)

@@ -15,57 +15,41 @@ The data are not this module's business: the caller writes each institution's fe
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
-import queue
-import re
-import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
-from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-
-from secure_afl.keys.cosign import cosigned_roster_json, sign_roster
-from secure_afl.keys.files import save_identity_key
-from secure_afl.keys.identity import IdentityKey
-from secure_afl.keys.roster import Roster, RosterEntry
+from secure_afl.keys.roster import Roster
 
 from .classifier import Classifier
 from .errors import LocalDeploymentError
+from .processes import (
+    CHILD_ENV,
+    READY_SUPERLINK,
+    READY_SUPERNODE,
+    Child,
+    ProcessGroups,
+    flower_bin,
+    free_port,
+    raise_interrupt,
+    wait_for_log,
+)
 from .study import Study, format_class_lists, round1_layout
-from .tls import write_tls_material
+from .writers import write_app, write_identities, write_node_auth_key, write_tls_certificates
 
 CONNECTION = "local"
-COORDINATOR = "coordinator"  # the roster id of the key that signs the classifier
 DROP_ROUNDS = ("R1", "R2", "R3", "R4")  # both backends' rounds after R0 (CKKS: R3 the signed view)
 DROP_ROUNDS_BY_PROTECTION = {"mask": DROP_ROUNDS, "ckks": DROP_ROUNDS}
-# Flower's SuperExec polls for tasks every second by default; a tenth keeps each round short.  That is
-# the only polling Flower 1.42 lets a deployment set: a SuperNode that pulled no message sleeps 3 s
-# (flwr/supernode/start_client_internal.py, a constant) and waits for its ClientApp's reply in 0.5 s
-# steps, and neither flower-supernode nor flower-superlink has an option for them; the bare Flower
-# app of bench/bench_flower_floor.py pays the same (bench/README.md, "deploy local against a bare
-# Flower app").
-CHILD_ENV = {
-    "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.1",
-    "FLWR_TELEMETRY_ENABLED": "0",
-    "FLWR_DISABLE_UPDATE_CHECK": "1",
-    "PYTHONUNBUFFERED": "1",
-}
-READY_SUPERLINK = "Uvicorn running"
-READY_SUPERNODE = "SuperNode ID"
 
 Say = Callable[[str], None]
 
@@ -84,270 +68,6 @@ class LocalResult:
     # sessions > 1 (a federation that grows): per session its classifier and report, the last first
     # in ``classifier`` and ``report`` as for one session
     sessions: list[tuple[Classifier, dict]] = field(default_factory=list)
-
-
-def flower_bin(name: str) -> str:
-    """A Flower executable from this interpreter's environment (then ``PATH``)."""
-    beside = Path(sys.executable).parent / name
-    if beside.exists():
-        return str(beside)
-    found = shutil.which(name)
-    if found is None:
-        raise LocalDeploymentError(f"{name} not found: install Flower (pip install 'flwr>=1.42,<1.43')")
-    return found
-
-
-def free_port() -> int:
-    with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-# --- credentials ---------------------------------------------------------------------------------
-
-
-def write_tls_certificates(directory: Path) -> tuple[Path, Path, Path]:
-    """A throwaway CA and a SuperLink certificate for 127.0.0.1/localhost (one day; see deploy/tls.py)."""
-    files = write_tls_material(
-        directory, hosts=["localhost"], ips=["127.0.0.1"], days=1, keep_ca_key=False,
-        ca_common_name="secure-afl deploy local CA",
-    )  # fmt: skip
-    return files.ca_certificate, files.certificate, files.key
-
-
-def write_node_auth_key(path: Path) -> Path:
-    """An ECDSA P-384 SuperNode authentication key in OpenSSH format; returns the ``.pub`` path."""
-    key = ec.generate_private_key(ec.SECP384R1())
-    _write_private(
-        path,
-        key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()
-        ),
-    )
-    public = path.with_name(path.name + ".pub")
-    public.write_bytes(
-        key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
-    )
-    return public
-
-
-def _write_private(path: Path, data: bytes) -> None:
-    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(descriptor, "wb") as handle:
-        handle.write(data)
-
-
-def write_identities(
-    directory: Path, client_ids: Sequence[str], *, scrypt_n: int = 2**14
-) -> tuple[Path, Roster, IdentityKey]:
-    """One encrypted identity key per institution, one shared passphrase file, and the roster naming
-    the coordinator, whose key (it signs the classifier) is returned and never written: it stays in
-    this process, out of reach of the SuperLink and the ServerApp it starts (which could read the
-    passphrase file).
-
-    These keys live for one local demonstration, so scrypt runs at 2^14 rather than the default
-    2^17 (every ClientApp process decrypts its key once per message).
-    """
-    directory.mkdir(parents=True, exist_ok=True)
-    passphrase = secrets.token_urlsafe(24).encode("ascii")
-    passphrase_file = directory / "passphrase"
-    _write_private(passphrase_file, passphrase + b"\n")
-    entries, keys = [], []
-    for cid in client_ids:
-        key = IdentityKey.generate()
-        save_identity_key(directory / f"{cid}.key", key, passphrase, scrypt_n=scrypt_n)
-        entries.append(RosterEntry(cid, f"Hospital {cid}", key.public_key))
-        keys.append(key)
-    coordinator = IdentityKey.generate()
-    roster = Roster(entries, RosterEntry(COORDINATOR, "Coordinator", coordinator.public_key))
-    # Every institution co-signs the roster (its nodes refuse one that is not: keys/cosign.py).
-    signatures = dict(sign_roster(roster, key) for key in keys)
-    text = cosigned_roster_json(roster, signatures)
-    (directory / "roster.json").write_text(text + "\n", encoding="utf-8")
-    return passphrase_file, roster, coordinator
-
-
-def write_app(directory: Path, run_config: Mapping[str, object]) -> Path:
-    """A Flower app directory whose components are secure-afl's apps (nothing else is bundled)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    lines = [
-        "[build-system]",
-        'requires = ["setuptools>=68"]',
-        'build-backend = "setuptools.build_meta"',
-        "",
-        "[project]",
-        'name = "secure-afl-federation"',
-        'version = "1.0.0"',
-        'description = "secure-afl: one-round analytic FL with secure aggregation"',
-        'license = "Apache-2.0"',
-        "dependencies = []",
-        "",
-        "[tool.flwr.app]",
-        'publisher = "secure-afl"',
-        "",
-        "[tool.flwr.app.components]",
-        'serverapp = "secure_afl.deploy.apps:server_app"',
-        'clientapp = "secure_afl.deploy.apps:client_app"',
-        "",
-        "[tool.flwr.app.config]",
-    ]
-    for key, value in run_config.items():
-        lines.append(f"{key} = {json.dumps(value)}")
-    (directory / "pyproject.toml").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return directory
-
-
-# --- processes -----------------------------------------------------------------------------------
-
-
-@dataclass
-class Child:
-    name: str
-    process: subprocess.Popen
-    log: Path
-
-    def tail(self, lines: int = 15) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
-
-
-class ProcessGroups:
-    """Children started in their own process groups, all stopped by :meth:`stop_all`."""
-
-    def __init__(self, env: Mapping[str, str]) -> None:
-        self.env = dict(env)
-        self.children: list[Child] = []
-
-    def start(
-        self,
-        name: str,
-        argv: Sequence[str],
-        log: Path,
-        *,
-        stdout: int | None = None,
-        env: Mapping[str, str] | None = None,
-    ) -> Child:
-        handle = open(log, "wb")  # noqa: SIM115  (the child holds its own copy of the descriptor)
-        process = subprocess.Popen(
-            list(argv),
-            stdout=handle if stdout is None else stdout,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=dict(env) if env is not None else self.env,
-            start_new_session=True,  # its own process group: its children go down with it
-        )
-        handle.close()
-        child = Child(name, process, log)
-        self.children.append(child)
-        return child
-
-    def kill(self, child: Child) -> None:
-        _kill_group(child.process.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            child.process.wait(timeout=10)
-
-    def groups(self) -> set[int]:
-        """Every process group of the children and of their descendants.
-
-        The SuperLink starts its ``flower-superexec`` in a new session (another group), so the
-        groups of descendants are collected too (from ``/proc`` where there is one).
-        """
-        pgids = {child.process.pid for child in self.children}
-        for pid in _descendants({child.process.pid for child in self.children}):
-            with contextlib.suppress(OSError):
-                pgids.add(os.getpgid(pid))
-        pgids.discard(os.getpgid(0))  # never our own group
-        return pgids
-
-    def stop_all(self, grace: float = 5.0) -> None:
-        groups = self.groups()
-        for pgid in groups:
-            _kill_group(pgid, signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        for child in self.children:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
-        groups |= self.groups()
-        for pgid in groups:
-            _kill_group(pgid, signal.SIGKILL)  # stragglers: superexec, app processes
-        for pgid in groups:
-            for _ in range(100):
-                if not _group_alive(pgid):
-                    break
-                time.sleep(0.05)
-        for child in self.children:
-            if child.process.poll() is None:  # pragma: no cover
-                child.process.kill()
-                child.process.wait(timeout=5)
-        self._stopped = groups
-
-    def alive(self) -> list[int]:
-        """Process groups (of children or their descendants) with a live process."""
-        known = self.groups() | getattr(self, "_stopped", set())
-        return sorted(pgid for pgid in known if _group_alive(pgid))
-
-
-def _descendants(roots: set[int]) -> set[int]:
-    """Live descendants of ``roots`` (Linux ``/proc``; empty elsewhere)."""
-    parent: dict[int, int] = {}
-    proc = Path("/proc")
-    if not proc.is_dir():
-        return set()
-    for entry in proc.iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        parent[int(entry.name)] = int(fields[1])
-    found: set[int] = set()
-    frontier = set(roots)
-    for _ in range(64):  # bounded depth
-        children = {pid for pid, ppid in parent.items() if ppid in frontier and pid not in found}
-        if not children:
-            break
-        found |= children
-        frontier = children
-    return found
-
-
-def _kill_group(pgid: int, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # pragma: no cover
-        return True
-    return True
-
-
-def wait_for_log(
-    child: Child, marker: str, timeout: float, what: str, error: type[Exception] = LocalDeploymentError
-) -> float:
-    """Seconds until ``marker`` appears in ``child``'s log; ``error`` when it exits first or the
-    bounded wait (count and time) ends."""
-    started = time.monotonic()
-    deadline = started + timeout
-    for _ in range(int(timeout / 0.1) + 10):
-        if marker in child.log.read_text(errors="replace"):
-            return time.monotonic() - started
-        if child.process.poll() is not None:
-            raise error(
-                f"{what} exited with code {child.process.returncode} before it was ready; its log "
-                f"({child.log}) ends with:\n{child.tail()}"
-            )
-        if time.monotonic() >= deadline:
-            break
-        time.sleep(0.1)
-    raise error(f"{what} was not ready within {timeout:.0f} s; see {child.log}:\n{child.tail()}")
 
 
 # --- the run -------------------------------------------------------------------------------------
@@ -455,7 +175,7 @@ def run_local(
     killed: dict[str, str] = {}
     previous_term = signal.getsignal(signal.SIGTERM)
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _raise_interrupt)  # a terminated parent still stops its children
+        signal.signal(signal.SIGTERM, raise_interrupt)  # a terminated parent still stops its children
     try:
         stage = time.perf_counter()
         mode = "TLS, node authentication" if tls else "insecure"
@@ -709,25 +429,6 @@ def _dp_run_config(study: Study) -> dict[str, object]:
             else {"dp-dim": dp.projection_dim, "dp-projection-seed": dp.projection_seed}
         ),
     }
-
-
-def _pump(stream: IO[bytes] | None, log: Path, lines: queue.Queue[str | None]) -> None:
-    if stream is None:
-        lines.put(None)
-        return
-    with open(log, "ab") as handle:
-        for raw in iter(stream.readline, b""):
-            handle.write(raw)
-            handle.flush()
-            lines.put(_ANSI.sub("", raw.decode("utf-8", errors="replace")).rstrip())
-    lines.put(None)
-
-
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
-
-
-def _raise_interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def exposing_layout_refusal(

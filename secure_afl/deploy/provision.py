@@ -136,8 +136,8 @@ def provision(
     ``study_config``: the other run-config keys (the study).  Nothing is written when a check fails.
     """
     from .apps import study_from_run_config
-    from .local import write_app
     from .study import parse_colluders
+    from .writers import write_app
 
     if coordinator_key.public_key != coordinator.public_key:
         raise ConfigurationError(

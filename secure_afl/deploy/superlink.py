@@ -53,7 +53,15 @@ from pathlib import Path
 from cryptography import x509
 
 from .errors import SuperLinkSetupError
-from .local import CHILD_ENV, READY_SUPERLINK, Child, ProcessGroups, flower_bin, wait_for_log
+from .processes import (
+    CHILD_ENV,
+    READY_SUPERLINK,
+    Child,
+    ProcessGroups,
+    flower_bin,
+    raise_interrupt,
+    wait_for_log,
+)
 from .tls import CA_CERT_FILE, MAX_DAYS, SUPERLINK_CERT_FILE, SUPERLINK_KEY_FILE, write_tls_material
 
 __all__ = [
@@ -615,7 +623,7 @@ def _serve(
     if in_main:
         for sig in (signal.SIGTERM, signal.SIGHUP):
             previous[sig] = signal.getsignal(sig)
-            signal.signal(sig, _raise_interrupt)
+            signal.signal(sig, raise_interrupt)
     try:
         say(
             f"starting the SuperLink on {plan.control_address} (TLS, node authentication, "
@@ -658,7 +666,3 @@ def _serve(
         if in_main:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)  # type: ignore[arg-type]
-
-
-def _raise_interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")

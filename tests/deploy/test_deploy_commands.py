@@ -25,7 +25,8 @@ from click.testing import CliRunner
 
 from secure_afl.cli_deploy import deploy
 from secure_afl.deploy.check import NODE_CONFIG_KEYS
-from secure_afl.deploy.local import free_port, write_tls_certificates
+from secure_afl.deploy.processes import free_port
+from secure_afl.deploy.writers import write_tls_certificates
 from secure_afl.features.file import save_feature_file
 from secure_afl.keys import Roster
 

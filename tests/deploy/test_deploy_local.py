@@ -33,7 +33,8 @@ import numpy as np
 import pytest
 
 from secure_afl.deploy.classifier import Classifier
-from secure_afl.deploy.local import Child, ProcessGroups, write_node_auth_key, write_tls_certificates
+from secure_afl.deploy.processes import Child, ProcessGroups
+from secure_afl.deploy.writers import write_node_auth_key, write_tls_certificates
 from secure_afl.keys import load_roster
 
 

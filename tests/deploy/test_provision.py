@@ -20,7 +20,7 @@ from click.testing import CliRunner
 from secure_afl.cli_deploy import deploy
 from secure_afl.deploy.check import parse_node_config
 from secure_afl.deploy.kit import EXIT_WAITING, Manifest
-from secure_afl.deploy.local import free_port
+from secure_afl.deploy.processes import free_port
 from secure_afl.deploy.tls import write_tls_material
 from secure_afl.features.file import save_feature_file
 from secure_afl.keys import IdentityKey, Roster, RosterEntry, save_identity_key
@@ -405,7 +405,7 @@ def test_the_node_refuses_a_roster_that_an_institution_has_not_co_signed(tmp_pat
 
 
 def test_deploy_local_rosters_are_co_signed(tmp_path: Path) -> None:
-    from secure_afl.deploy.local import write_identities
+    from secure_afl.deploy.writers import write_identities
 
     _, roster, _ = write_identities(tmp_path, ["client-0", "client-1", "client-2"], scrypt_n=2**10)
     assert load_cosigned_roster(tmp_path / "roster.json") == roster

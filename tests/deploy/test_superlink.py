@@ -28,7 +28,7 @@ from typing import ClassVar
 import pytest
 
 from secure_afl.deploy.errors import SuperLinkSetupError
-from secure_afl.deploy.local import ProcessGroups, _descendants, flower_bin, write_app, write_node_auth_key
+from secure_afl.deploy.processes import ProcessGroups, descendants, flower_bin
 from secure_afl.deploy.superlink import (
     FLEET_PATHS,
     NOT_FORWARDED,
@@ -42,6 +42,7 @@ from secure_afl.deploy.superlink import (
     scrubbed_environment,
 )
 from secure_afl.deploy.tls import write_tls_material
+from secure_afl.deploy.writers import write_app, write_node_auth_key
 
 ROOT = Path(__file__).resolve().parents[2]
 HOSPITALS_HOST = "127.0.0.2"  # the hospitals' address; the Control API is on 127.0.0.1 only
@@ -97,7 +98,7 @@ class Link:
 
     def descendants(self) -> set[int]:
         assert self.process is not None
-        return _descendants({self.process.pid})
+        return descendants({self.process.pid})
 
     def stop(self) -> int:
         """SIGTERM ``deploy superlink`` alone; it must stop its SuperLink and front itself."""
