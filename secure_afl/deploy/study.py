@@ -602,6 +602,25 @@ def round2_min_group_size(study: Study, roster_size: int, colluders: object = "n
     return max(study.min_group_size, c + 2)
 
 
+def round2_row_floors(study: Study) -> dict[str, int]:
+    """Tensor -> the committed row count below which a member's value of it is known (zero).
+
+    Round 2 without DP: a member with fewer rows than any class's qualification needs
+    (:func:`~secure_afl.statistics.pseudo_label_fewest_rows`, from the study's min_pos, min_neg
+    and τ) uploads zeros under every ``b_pseudo/<c>`` whatever the teacher, and its count is signed
+    in its advertisement: every node's exposure check takes that value as known, like a
+    colluder's.  Keyed by tensor name, not group name, so a server that renames a group changes
+    nothing.  Under DP none (no member commits counts; each value carries its own noise), and none
+    in round 1 (its values are the data's own)."""
+    if study.dp is not None or study.method.rounds != 2:
+        return {}
+    from secure_afl.statistics import pseudo_label_fewest_rows
+
+    m = study.method
+    floor = pseudo_label_fewest_rows(m.tau, m.min_pos, m.min_neg)
+    return {f"b_pseudo/{c}": floor for c in range(study.n_classes)}  # round2_layout's names
+
+
 def round2_layout(study: Study, classes: Collection[int]) -> Layout:
     d = study.dim
     if study.dp is not None:  # the names of secure_afl.privacy.dp.pseudo_label_round
