@@ -577,8 +577,23 @@ def round2_classes(members: Mapping[int, Collection[str]], min_group_size: int) 
 
     A smaller group would hand one client's pseudo-label projection to the server; that class keeps
     its round-1 right-hand side (the simulator, told the same rule, drops the same groups).
+
+    The pseudo groups' values are one family (the teacher W is the server's choice: every node's
+    exposure check takes a peer's values under several names as one unknown and refuses when a
+    combination of its own is determined, :mod:`secure_afl.privacy.exposure`).  So groups are kept
+    largest first, each only if the kept groups still determine no client's values by that rule
+    (``exposed_clients``, no colluders; the nodes add their own c): two groups that differ by one
+    member are never both formed.  The dropped classes keep their round-1 right-hand side.
     """
-    return tuple(c for c, ids in sorted(members.items()) if len(ids) >= max(min_group_size, 1))
+    from secure_afl.privacy.exposure import exposed_clients
+
+    large = [(c, tuple(ids)) for c, ids in sorted(members.items()) if len(ids) >= max(min_group_size, 1)]
+    kept: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}
+    for c, ids in sorted(large, key=lambda item: (-len(item[1]), item[0])):
+        trial = {**kept, pseudo_group(c): (ids, (f"b_pseudo/{c}",))}
+        if not exposed_clients(trial):
+            kept = trial
+    return tuple(c for c, _ in large if pseudo_group(c) in kept)
 
 
 def parse_colluders(value: object, roster_size: int, threshold: int) -> int:
