@@ -581,17 +581,29 @@ def round2_classes(members: Mapping[int, Collection[str]], min_group_size: int) 
     The pseudo groups' values are one family (the teacher W is the server's choice: every node's
     exposure check takes a peer's values under several names as one unknown and refuses when a
     combination of its own is determined, :mod:`secure_afl.privacy.exposure`).  So groups are kept
-    largest first, each only if the kept groups still determine no client's values by that rule
-    (``exposed_clients``, no colluders; the nodes add their own c): two groups that differ by one
-    member are never both formed.  The dropped classes keep their round-1 right-hand side.
+    largest first, each only if no member's own check would then refuse, with c = min_group_size - 2
+    colluders (:func:`round2_min_group_size` makes the minimum at least the nodes' c + 2, so this c
+    is at least theirs): two groups that differ by fewer than c + 1 members are never both formed.
+    The dropped classes keep their round-1 right-hand side.
     """
-    from secure_afl.privacy.exposure import exposed_clients
+    from secure_afl.privacy.exposure import client_exposures
 
+    colluders = max(min_group_size - 2, 0)
     large = [(c, tuple(ids)) for c, ids in sorted(members.items()) if len(ids) >= max(min_group_size, 1)]
     kept: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}
     for c, ids in sorted(large, key=lambda item: (-len(item[1]), item[0])):
         trial = {**kept, pseudo_group(c): (ids, (f"b_pseudo/{c}",))}
-        if not exposed_clients(trial):
+        clients = sorted({cid for live, _ in trial.values() for cid in live})
+        if not any(
+            client_exposures(
+                cid,
+                {(g, t[0]): f"{cid}/{g}" for g, (live, t) in trial.items() if cid in live},
+                trial,
+                round_name="R1",
+                colluders=colluders,
+            )
+            for cid in clients
+        ):
             kept = trial
     return tuple(c for c, _ in large if pseudo_group(c) in kept)
 
