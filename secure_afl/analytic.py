@@ -64,6 +64,7 @@ from secure_afl.statistics import (  # the client's statistics: numpy, no torch 
     class_group,
     client_statistics,  # noqa: F401  (re-exported)
     pseudo_group,
+    pseudo_label_fewest_rows,
     resolve_device,
 )
 from secure_afl.torch_threads import one_torch_thread
@@ -84,6 +85,12 @@ class PseudoLabelConfig:
     alpha: float = 0.5
     min_pos: int = 5  # δ⁺
     min_neg: int = 50  # δ⁻
+
+    @property
+    def fewest_rows(self) -> int:
+        """The fewest rows with which a client can qualify for any missing class (Eq. 20):
+        :func:`~secure_afl.statistics.pseudo_label_fewest_rows`."""
+        return pseudo_label_fewest_rows(self.tau, self.min_pos, self.min_neg)
 
 
 @dataclass(frozen=True)

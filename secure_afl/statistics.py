@@ -90,6 +90,17 @@ def pseudo_group(c: int) -> str:
     return f"pseudo/{c}"
 
 
+def pseudo_label_fewest_rows(tau: float, min_pos: int, min_neg: int) -> int:
+    """The fewest rows with which a client can qualify for a missing class in round 2 (Eq. 20: at
+    least ``min_pos`` pseudo-positive and ``min_neg`` pseudo-negative rows): with fewer it uploads
+    zeros whatever the teacher, a value anyone knows from its row count.  The pseudo-positive
+    (p > τ) and pseudo-negative (p < 1 - τ) rows are disjoint when τ ≥ 0.5, so it then needs
+    min_pos + min_neg rows; otherwise the larger of the two."""
+    if tau >= 0.5:
+        return max(min_pos, 0) + max(min_neg, 0)
+    return max(min_pos, min_neg, 0)
+
+
 def _cuda_driver_present() -> bool:
     """Whether this host has a GPU driver at all (NVIDIA's or ROCm's device files): without one torch
     finds no CUDA device, so ``auto`` means the CPU and nothing imports torch."""

@@ -113,6 +113,7 @@ class ProtectionBackend(Protocol):
         release: Release | None = None,
         context: bytes = b"",
         rows: Mapping[str, int] | None = None,
+        row_floors: Mapping[str, int] | None = None,
     ) -> ClientSessionLike: ...
 
     def encode(self, message: object, max_message_bytes: int) -> bytes: ...
@@ -189,6 +190,7 @@ class MaskingBackend:
         release=None,
         context=b"",
         rows=None,
+        row_floors=None,
     ):  # type: ignore[no-untyped-def]
         # The simulator's clients accept what the simulator's server proposes; a client under any
         # other policy keeps that policy's own floors (a deployed client never takes them from the server).
@@ -210,6 +212,7 @@ class MaskingBackend:
             release=release,
             context=context,
             rows=rows,
+            row_floors=row_floors,
         )
 
     def encode(self, message: object, max_message_bytes: int) -> bytes:
@@ -280,6 +283,7 @@ class CkksBackend:
         release=None,
         context=b"",
         rows=None,
+        row_floors=None,
     ):  # type: ignore[no-untyped-def]
         return ckks.CkksClientSession(
             client_id,
@@ -298,6 +302,7 @@ class CkksBackend:
             release=release,
             context=context,
             rows=rows,
+            row_floors=row_floors,
         )
 
     def encode(self, message: object, max_message_bytes: int) -> bytes:

@@ -46,6 +46,7 @@ from .errors import (
     ConfigurationError,
     IdentityNotInRosterError,
     RosterMismatchError,
+    RoundNotInStudyError,
     SessionReplayError,
     StudyMismatchError,
     UncheckedStudyError,
@@ -57,6 +58,7 @@ from .study import (
     round1_layout,
     round1_plan,
     round2_layout,
+    round2_row_floors,
     session_context,
     statistics_dim,
 )
@@ -350,6 +352,24 @@ def _check_pinned_study(study: Study, settings: NodeSettings) -> None:
             "compare the coordinator's new app with the one you checked and run `secure-afl deploy check "
             "--study APP` again if you agree to it"
         )
+
+
+def _check_round(label: str, study: Study) -> None:
+    """The session's round is one the pinned study runs: "1", or "2" only for a two-round study.
+
+    The label decides what the node computes (round 2 scores its rows with a teacher the server
+    sends) and which earlier release the session may reuse (round 2 its own study's round 1, once:
+    the release scope names the study's digest and the round).  A label the study does not run is
+    refused before anything is computed (:class:`RoundNotInStudyError`)."""
+    if label == "1" or (label == "2" and study.method.rounds == 2):
+        return
+    if label == "2":
+        raise RoundNotInStudyError(
+            f"the server runs a round-2 session, but the study this institution checked has one round "
+            f"(rounds = {study.method.rounds}): a round 2 nobody agreed to is refused; a two-round "
+            "study must be checked (`secure-afl deploy check --study APP`) and pinned first"
+        )
+    raise RoundNotInStudyError(f"unknown session {label!r}: the study runs sessions 1 and 2 only")
 
 
 def _check_study(study: Study, settings: NodeSettings) -> Any:
@@ -751,6 +771,7 @@ def _start_session(envelope: Envelope, label: str, state: LocalState, settings: 
     client_id, identity = _identity(settings, roster)
     study = Study.from_json(envelope.text("study"))
     _check_pinned_study(study, settings)
+    _check_round(label, study)
     data = _check_study(study, settings)
     backend = _backend(envelope, study, settings, len(roster))
     # Decoded once under the client policy's bound on a first message, to read the layout.
@@ -906,6 +927,8 @@ def _client_session(
         release=release,
         context=context,
         rows=rows,
+        # From the pinned study, never the server: whose round-2 value is a known zero (too few rows).
+        row_floors=round2_row_floors(study) if rows is not None else None,
     )
 
 

@@ -35,6 +35,10 @@ class ChainBudgetExceededError(StudyMismatchError):
     computed)."""
 
 
+class RoundNotInStudyError(StudyMismatchError):
+    """A session labelled with a round the pinned study does not run (round 2 of a one-round study)."""
+
+
 class SessionReplayError(DeploymentError):
     """A session message that belongs to another run, or a session started twice in one run."""
 

@@ -577,8 +577,35 @@ def round2_classes(members: Mapping[int, Collection[str]], min_group_size: int) 
 
     A smaller group would hand one client's pseudo-label projection to the server; that class keeps
     its round-1 right-hand side (the simulator, told the same rule, drops the same groups).
+
+    The pseudo groups' values are one family (the teacher W is the server's choice: every node's
+    exposure check takes a peer's values under several names as one unknown and refuses when a
+    combination of its own is determined, :mod:`secure_afl.privacy.exposure`).  So groups are kept
+    largest first, each only if no member's own check would then refuse, with c = min_group_size - 2
+    colluders (:func:`round2_min_group_size` makes the minimum at least the nodes' c + 2, so this c
+    is at least theirs): two groups that differ by fewer than c + 1 members are never both formed.
+    The dropped classes keep their round-1 right-hand side.
     """
-    return tuple(c for c, ids in sorted(members.items()) if len(ids) >= max(min_group_size, 1))
+    from secure_afl.privacy.exposure import client_exposures
+
+    colluders = max(min_group_size - 2, 0)
+    large = [(c, tuple(ids)) for c, ids in sorted(members.items()) if len(ids) >= max(min_group_size, 1)]
+    kept: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}
+    for c, ids in sorted(large, key=lambda item: (-len(item[1]), item[0])):
+        trial = {**kept, pseudo_group(c): (ids, (f"b_pseudo/{c}",))}
+        clients = sorted({cid for live, _ in trial.values() for cid in live})
+        if not any(
+            client_exposures(
+                cid,
+                {(g, t[0]): f"{cid}/{g}" for g, (live, t) in trial.items() if cid in live},
+                trial,
+                round_name="R1",
+                colluders=colluders,
+            )
+            for cid in clients
+        ):
+            kept = trial
+    return tuple(c for c, _ in large if pseudo_group(c) in kept)
 
 
 def parse_colluders(value: object, roster_size: int, threshold: int) -> int:
@@ -600,6 +627,25 @@ def round2_min_group_size(study: Study, roster_size: int, colluders: object = "n
     nodes' own floor t = ⌊2n/3⌋ + 1, never the study's t: a node sizes its colluders by its floor."""
     c = parse_colluders(colluders, roster_size, deployment_threshold(roster_size))
     return max(study.min_group_size, c + 2)
+
+
+def round2_row_floors(study: Study) -> dict[str, int]:
+    """Tensor -> the committed row count below which a member's value of it is known (zero).
+
+    Round 2 without DP: a member with fewer rows than any class's qualification needs
+    (:func:`~secure_afl.statistics.pseudo_label_fewest_rows`, from the study's min_pos, min_neg
+    and τ) uploads zeros under every ``b_pseudo/<c>`` whatever the teacher, and its count is signed
+    in its advertisement: every node's exposure check takes that value as known, like a
+    colluder's.  Keyed by tensor name, not group name, so a server that renames a group changes
+    nothing.  Under DP none (no member commits counts; each value carries its own noise), and none
+    in round 1 (its values are the data's own)."""
+    if study.dp is not None or study.method.rounds != 2:
+        return {}
+    from secure_afl.statistics import pseudo_label_fewest_rows
+
+    m = study.method
+    floor = pseudo_label_fewest_rows(m.tau, m.min_pos, m.min_neg)
+    return {f"b_pseudo/{c}": floor for c in range(study.n_classes)}  # round2_layout's names
 
 
 def round2_layout(study: Study, classes: Collection[int]) -> Layout:

@@ -11,6 +11,19 @@ matrix modulo a prime larger than the Hadamard bound of its minors, so every ran
 over the rationals.  In reduced row echelon form ``e_k`` lies in the row space iff ``k`` is a pivot
 column whose row has no other non-zero entry.
 
+**Server-parameterised values (the adversarial rule).**  Round 2's tensors (``b_pseudo/<c>``, and
+under DP ``pseudo_pos_sum/<c>`` and its kin) are values of a function the server chooses: the
+teacher W decides each class's pseudo-labels.  Two columns of W made equal (or negated, or 0.1 %
+apart) make a peer's values under two names equal (up to a sign the one view fixes for everyone),
+so the names are not independent unknowns.  The check models the server's choice adversarially:
+a *family* of such names (:func:`value_family`) is one unknown per peer across its names (the
+server can make them equal; a common per-name scale changes no rank), while the checking client's
+own values stay one unknown per distinct value, and it counts as exposed when *any non-zero linear
+combination* of its own values is determined (the server can make two of its values differ by a
+few images), not only a single one.  Values predictable from public information (a committed count
+of 0, or below the count any non-zero value needs: the gate's ``known_zero``) leave the sums like
+a colluder's.
+
 Who runs it:
 
 - every client, before it signs the survivor set (R3) and before it reveals shares (R4), over the
@@ -33,6 +46,40 @@ import numpy as np
 OwnValues = Mapping[tuple[str, str], str]
 
 _VALUE_DOMAIN = b"secure-afl/v1/input-value\x00"
+
+# Tensor-name prefixes (before ``/<class>``) whose values a function the server parameterises
+# computes: round 2's pseudo-label statistics, scored with the teacher W the server sends.  The
+# names of one family are linked: one unknown per peer across them (see the module docstring).
+SERVER_PARAMETERISED_FAMILIES: Mapping[str, str] = {
+    "b_pseudo": "b_pseudo",
+    "b_pseudo_rescaled": "b_pseudo",  # the same rule on rescaled scores: one family with it
+    "pseudo_pos_sum": "pseudo_pos_sum",
+    "pseudo_neg_sum": "pseudo_neg_sum",
+    "pseudo_n_pos": "pseudo_n_pos",
+    "pseudo_n_neg": "pseudo_n_neg",
+}
+
+
+def value_family(tensor: str) -> str:
+    """The unknown a peer's value of ``tensor`` is, across names: ``family:<prefix>`` for a tensor
+    a server-parameterised function computes (``b_pseudo/3`` -> ``family:b_pseudo``), else the name."""
+    head, sep, _ = tensor.partition("/")
+    family = SERVER_PARAMETERISED_FAMILIES.get(head) if sep else None
+    return tensor if family is None else f"family:{family}"
+
+
+def linked_groups(
+    own_tensors: Collection[str], groups: Mapping[str, Collection[str]]
+) -> dict[str, tuple[str, ...]]:
+    """The groups whose sums bear on a client sending ``own_tensors``: every group carrying one of
+    its tensors or a tensor of the same family (a pseudo group it is not in still cancels peers'
+    values out of one it is in).  ``groups``: group -> its tensors."""
+    families = {value_family(t) for t in own_tensors}
+    return {
+        name: tuple(tensors)
+        for name, tensors in groups.items()
+        if any(value_family(t) in families for t in tensors)
+    }
 
 
 # Mersenne prime exponents: the elimination runs modulo the first 2^e - 1 above the Hadamard bound.
@@ -129,25 +176,76 @@ def exposed_clients(
     tensor-identity rule one client's tensor is one unknown across all groups; ``distinct`` names,
     per client, the tensors it sends with *different* values to different groups: each of those is
     then one unknown per group, and the client counts as exposed when any of them is determined.
+    Several names of one server-parameterised family (:func:`value_family`) are examined together,
+    under the adversarial rule (one key, the names joined by `` + ``).
     """
     distinct = distinct or {}
-    by_tensor: dict[str, list[tuple[str, Sequence[str]]]] = {}
+    by_family: dict[str, dict[str, list[tuple[str, Sequence[str]]]]] = {}
     for name, (survivors, tensors) in groups.items():
         for tensor in tensors:
-            by_tensor.setdefault(tensor, []).append((name, survivors))
+            by_family.setdefault(value_family(tensor), {}).setdefault(tensor, []).append((name, survivors))
     out: dict[str, tuple[str, ...]] = {}
-    for tensor in sorted(by_tensor):
+    for family in sorted(by_family):
+        names = by_family[family]
+        if len(names) > 1:  # several server-parameterised names: the adversarial rule
+            found = _family_exposed(names, distinct)
+            if found:
+                out[" + ".join(sorted(names))] = found
+            continue
+        ((tensor, entries),) = names.items()
 
         def variable(client: str, group: str, tensor: str = tensor) -> tuple[str, ...]:
             if tensor in distinct.get(client, ()):
                 return (client, tensor, group)
             return (client, tensor)
 
-        rows = [{variable(c, g) for c in survivors} for g, survivors in by_tensor[tensor]]
-        found = sorted({var[0] for var in determined(rows)})
-        if found:
-            out[tensor] = tuple(found)
+        rows = [{variable(c, g) for c in survivors} for g, survivors in entries]
+        exposed = sorted({var[0] for var in determined(rows)})
+        if exposed:
+            out[tensor] = tuple(exposed)
     return out
+
+
+def _family_exposed(
+    names: Mapping[str, Sequence[tuple[str, Sequence[str]]]], distinct: Mapping[str, Collection[str]]
+) -> tuple[str, ...]:
+    """The clients exposed through one family's sums, each in its worst case: its own values one
+    unknown per name (per group where ``distinct``), every other client's one unknown across the
+    family (the server can make them equal), and exposed when a non-zero combination of its own
+    values is determined (:func:`own_combination_exposed`)."""
+    entries = [(tensor, group, survivors) for tensor, where in names.items() for group, survivors in where]
+    clients = sorted({c for _, _, survivors in entries for c in survivors})
+    out = []
+    for client in clients:
+        rows = []
+        for tensor, group, survivors in entries:
+            row: set[tuple[str, ...]] = set()
+            for c in survivors:
+                if c == client:
+                    own = (c, tensor, group) if tensor in distinct.get(c, ()) else (c, tensor)
+                    row.add(own)
+                else:
+                    row.add((c, value_family(tensor)))
+            rows.append(row)
+        if own_combination_exposed(rows, client):
+            out.append(client)
+    return tuple(out)
+
+
+def own_combination_exposed(
+    rows: Sequence[Collection[tuple[str, ...]]], owner: str
+) -> tuple[str, ...] | None:
+    """One of ``owner``'s variables (``(owner, ...)``) whose column lies outside the span of the
+    other clients' columns, or None.  Some non-zero linear combination of the owner's values is
+    determined by the sums exactly when one exists: rank(all columns) > rank(others' columns) iff
+    some functional y vanishes on every other column but not on one of the owner's.  Tested as
+    "that variable is determined once the owner's other values are taken as known"."""
+    own = sorted({var for row in rows for var in row if var[0] == owner})
+    for target in own:
+        others = set(own) - {target}
+        if target in determined([set(row) - others for row in rows]):
+            return target
+    return None
 
 
 # --- the client's own check -----------------------------------------------------------------------
@@ -224,17 +322,26 @@ def client_exposures(
     ``groups``: this session's groups -> (survivors, tensors).  Unknowns: this client's own values
     (by digest, so a value it sends unchanged to several groups, *or under several names*, is one
     unknown, and different values are different unknowns); a peer's tensor is one unknown across
-    groups (the tensor-identity rule).  Tensors that share one of this client's values are examined
-    together.  With ``colluders = 0`` every client the sums determine is reported; with c > 0 this
+    groups (the tensor-identity rule), and one across the names of a server-parameterised family
+    (:func:`value_family`).  Tensors that share one of this client's values, or a family, are
+    examined together, with the family's groups this client is not in.  This client counts as
+    exposed when a non-zero combination of its own values is determined, not only one of them
+    (:func:`own_combination_exposed`; the module docstring says why).  With ``colluders = 0``
+    every client the sums determine is reported; with c > 0 this
     client's own values are tested against every set of at most c colluding peers as well (exact:
     :func:`isolating_colluders`); the peers test their own.
     """
     findings = []
     verdicts: dict[tuple, tuple[str, tuple[str, ...]] | None] = {}  # one search per membership pattern
+    carried_by = {name: set(carried) for name, (_, carried) in groups.items()}
     for component in _components(own_values):
+        # The component's tensors and every tensor of their families the groups carry.
+        families = {value_family(t) for t in component}
+        linked = {t for carried in carried_by.values() for t in carried if value_family(t) in families}
+        tensors = sorted(set(component) | linked)
         current = [
             (name, tuple(survivors), tensor)
-            for tensor in component
+            for tensor in tensors
             for name, (survivors, carried) in sorted(groups.items())
             if tensor in carried and survivors
         ]
@@ -242,6 +349,8 @@ def client_exposures(
         label = " + ".join(component)
         alone = determined(rows)
         exposed = sorted({var[0] for var in alone})
+        if client_id not in exposed and own_combination_exposed(rows, client_id) is not None:
+            exposed = sorted({*exposed, client_id})
         if exposed:
             findings.append(
                 ExposureFinding(
@@ -286,8 +395,12 @@ def _colluder_verdict(
     the bounded search could not tell for one (a refusal), None when none can be isolated."""
     undecided = False
     for target in own:
+        # A non-zero combination of the owner's values counts (module docstring): the target is
+        # tested with the owner's other values taken as known, so any combination is covered.
+        others = set(own) - {target}
+        reduced = [kept for row in rows if (kept := set(row) - others)]
         try:
-            witness = isolating_colluders(rows, target, client_id, colluders)
+            witness = isolating_colluders(reduced, target, client_id, colluders)
         except ColluderSearchLimitError:
             undecided = True
             continue
@@ -313,7 +426,8 @@ def _membership_key(client_id: str, rows: Sequence[Collection[tuple[str, ...]]])
 
 
 def _components(own_values: OwnValues) -> list[tuple[str, ...]]:
-    """This client's tensors, linked where it sends one value under several names."""
+    """This client's tensors, linked where it sends one value under several names or the names
+    are of one server-parameterised family."""
     parent: dict[str, str] = {}
 
     def find(x: str) -> str:
@@ -322,12 +436,20 @@ def _components(own_values: OwnValues) -> list[tuple[str, ...]]:
         return x
 
     by_digest: dict[str, str] = {}
+    by_family: dict[str, str] = {}
     for (_, tensor), digest in sorted(own_values.items()):
         find(tensor)
         if digest in by_digest:
             parent[find(tensor)] = find(by_digest[digest])
         else:
             by_digest[digest] = tensor
+        family = value_family(tensor)
+        if family != tensor:
+            if family in by_family:
+                if find(tensor) != find(by_family[family]):
+                    parent[find(tensor)] = find(by_family[family])
+            else:
+                by_family[family] = tensor
     out: dict[str, list[str]] = {}
     for tensor in sorted(parent):
         out.setdefault(find(tensor), []).append(tensor)
@@ -350,7 +472,7 @@ def _rows(
                 # This client's value in that group, by digest (a group it is in always has one).
                 row.add((cid, own_values.get((group, tensor), f"unknown:{group}/{tensor}")))
             else:
-                row.add((cid, tensor))
+                row.add((cid, value_family(tensor)))  # a family's names: one unknown per peer
         rows.append(row)
     return rows
 

@@ -22,7 +22,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from secure_afl.privacy.exposure import client_exposures
+from secure_afl.privacy.exposure import client_exposures, linked_groups
 
 ThresholdRule = Literal["majority", "two-thirds"]
 ThreatModel = Literal["active", "honest-but-curious"]
@@ -181,7 +181,7 @@ def layout_refusals(
             continue
         own_values = {(g, t): f"the value of {t}" for g in own for t in tensors[g]}
         own_tensors = {t for _, t in own_values}
-        relevant = {g: tuple(tensors[g]) for g in members if own_tensors & set(tensors[g])}
+        relevant = linked_groups(own_tensors, {g: tuple(tensors[g]) for g in members})
         stages = [("R1", members)] + ([("R3", survivors)] if survivors is not None else [])
         for round_name, alive in stages:
             view = {g: (tuple(alive.get(g, ())), relevant[g]) for g in relevant}

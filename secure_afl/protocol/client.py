@@ -228,6 +228,8 @@ class ClientSession:
     computed from), signed in its advertisement; every client's exposure check treats a member that
     committed 0 rows to a group as a known value there, and refuses a session whose values come from
     fewer than c + 2 members with rows (:class:`~secure_afl.core.errors.IncrementTooSmallError`).
+    ``row_floors`` (tensor -> count) extends "known" to a member that committed fewer rows than a
+    non-zero value of every tensor of the group needs (round 2, from the client's own study).
     """
 
     def __init__(
@@ -246,6 +248,7 @@ class ClientSession:
         release: Release | None = None,
         context: bytes = binding.NO_CONTEXT,
         rows: Mapping[str, int] | None = None,
+        row_floors: Mapping[str, int] | None = None,
     ) -> None:
         if client_id not in roster:
             raise LocalProtocolError(f"client {client_id!r} is not in the roster")
@@ -283,6 +286,9 @@ class ClientSession:
         self._random = default_random(random)
         self._gate = ExposureGate(client_id, identity_key, self._inputs, policy, ledger, release)
         self._rows = committed_rows(rows, self._inputs)
+        # tensor -> the committed count below which a member's value is known (its own study's
+        # rule: round 2's too-small members send zeros); the server has no say in it.
+        self._row_floors = dict(row_floors or {})
         self._state = ClientState.AWAIT_ADVERTISE_REQUEST
         self._limits: dict[type, int] = {}
         self._clear_session()
@@ -446,12 +452,11 @@ class ClientSession:
         self._gate.start(config.session_id)
         limits = codec.message_limits(config, len(self._roster), groups=self._inputs)
         own_tensors = {name for tensors in self._inputs.values() for name in tensors}
-        # The groups whose sums matter to this client's check: those carrying a tensor it sends.
-        relevant = {
-            group.name: tuple(t.name for t in group.tensors)
-            for group in config.groups
-            if own_tensors & {t.name for t in group.tensors}
-        }
+        # The groups whose sums matter to this client's check: those carrying a tensor it sends, or
+        # one of the same server-parameterised family (round 2's pseudo groups: exposure.py).
+        relevant = exposure.linked_groups(
+            own_tensors, {group.name: tuple(t.name for t in group.tensors) for group in config.groups}
+        )
         encryption_key = crypto.new_x25519_key(self._random)
         mask_key = crypto.new_x25519_key(self._random)
         seed = self._random.token_bytes(SEED_BYTES)
@@ -845,7 +850,11 @@ class ClientSession:
             round_name,
             action,
             groups,
-            known_zero=zero_commitments((self._adverts if adverts is None else adverts).values()),
+            known_zero=zero_commitments(
+                (self._adverts if adverts is None else adverts).values(),
+                floors=self._row_floors,
+                tensors={g.name: [t.name for t in g.tensors] for g in config.groups},
+            ),
             session_id=config.session_id,
             # c = n - (this client's own floor for t), never n - (the session's t): a server that
             # raised t would otherwise shrink the colluders assumed (to none at t = n).

@@ -14,9 +14,11 @@ drift apart:
   answered before (a forked or rebuilt client)?  The answer is recorded before the reply leaves.
 - **before a step that lets the server learn sums**: would the sums over the live members determine
   a client's value, with up to c = n - t colluding peers' values known (deployment policy)?
-- **committed counts**: a member that signed 0 rows for a group contributes a value the server
-  knows (zero); it leaves that group's sums in the check, like a colluder's value, and a session
-  whose sums come from fewer than c + 2 members with rows is refused (deployment policy).
+- **committed counts**: a member that signed 0 rows for a group, or fewer than the group's
+  tensors need for a non-zero value (round 2: too few rows to qualify for any pseudo-label),
+  contributes a value the server knows (zero); it leaves that group's sums in the check, like a
+  colluder's value, and a session whose sums come from fewer than c + 2 members with rows is
+  refused (deployment policy).
 - **at the release point** (masking R3, CKKS R2), atomically with the last check: record the
   release and the survivor set signed; a second survivor set for one session id is refused.
 """
@@ -225,9 +227,21 @@ def committed_rows(
     return out
 
 
-def zero_commitments(adverts: Iterable[Any]) -> dict[str, frozenset[str]] | None:
-    """group -> the members that committed 0 rows to it (None: nobody committed counts), from either
-    backend's advertisements (``client_id``, ``groups`` and the signed ``rows``)."""
+def zero_commitments(
+    adverts: Iterable[Any],
+    *,
+    floors: Mapping[str, int] | None = None,
+    tensors: Mapping[str, Iterable[str]] | None = None,
+) -> dict[str, frozenset[str]] | None:
+    """group -> the members whose value there is known (None: nobody committed counts), from either
+    backend's advertisements (``client_id``, ``groups`` and the signed ``rows``).
+
+    A member is known in a group when it committed 0 rows there, or fewer than the ``floors`` of
+    every tensor the group carries (``tensors``: group -> its tensor names): tensor -> the count
+    below which a member's value of it is a public function of its count (round 2: a member too
+    small to qualify for any pseudo-label uploads zeros, :func:`~secure_afl.deploy.study.round2_row_floors`).
+    Floors are keyed by tensor, so a server that renames a group changes nothing."""
+    floors = floors or {}
     found: dict[str, set[str]] = {}
     committed = False
     for advert in adverts:
@@ -235,7 +249,9 @@ def zero_commitments(adverts: Iterable[Any]) -> dict[str, frozenset[str]] | None
             continue
         committed = True
         for group, count in zip(advert.groups, advert.rows, strict=True):
-            if count == 0:
+            carried = list((tensors or {}).get(group, ()))
+            below = bool(carried) and all(count < floors.get(t, 0) for t in carried)
+            if count == 0 or below:
                 found.setdefault(group, set()).add(advert.client_id)
     return {g: frozenset(ids) for g, ids in found.items()} if committed else None
 

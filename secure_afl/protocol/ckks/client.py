@@ -146,6 +146,7 @@ class CkksClientSession:
         random: RandomSource | None = None,
         context: bytes = NO_CONTEXT,
         rows: Mapping[str, int] | None = None,
+        row_floors: Mapping[str, int] | None = None,
     ) -> None:
         if client_id not in roster:
             raise LocalProtocolError(f"client {client_id!r} is not in the roster")
@@ -174,6 +175,9 @@ class CkksClientSession:
         self._policy = policy
         self._gate = ExposureGate(client_id, identity_key, self._inputs, policy, ledger, release)
         self._rows = committed_rows(rows, self._inputs)
+        # tensor -> the committed count below which a member's value is known (its own study's
+        # rule: round 2's too-small members send zeros); the server has no say in it.
+        self._row_floors = dict(row_floors or {})
         self._random = default_random(random)
         self._replaying = False  # see replay_bytes
         self._state = CkksClientState.AWAIT_ADVERTISE_REQUEST
@@ -754,14 +758,11 @@ class CkksClientSession:
     # --- helpers ----------------------------------------------------------------------------------
 
     def _relevant(self) -> dict[str, tuple[str, ...]]:
-        """The session's groups that carry a tensor this client sends, with their tensors."""
+        """The session's groups that carry a tensor this client sends (or one of the same
+        server-parameterised family), with their tensors."""
         config = self._require_config()
         own = {name for tensors in self._inputs.values() for name in tensors}
-        return {
-            group.name: tuple(t.name for t in group.tensors)
-            for group in config.groups
-            if own & {t.name for t in group.tensors}
-        }
+        return exposure.linked_groups(own, {g.name: tuple(t.name for t in g.tensors) for g in config.groups})
 
     def _own_exposure_gate(
         self,
@@ -786,7 +787,11 @@ class CkksClientSession:
             round_name,
             action,
             groups,
-            known_zero=zero_commitments((self._adverts if adverts is None else adverts).values()),
+            known_zero=zero_commitments(
+                (self._adverts if adverts is None else adverts).values(),
+                floors=self._row_floors,
+                tensors={g.name: [t.name for t in g.tensors] for g in self._require_config().groups},
+            ),
             session_id=self._require_config().session_id,
             colluders=self._policy.colluders(n, self._policy.min_threshold(n)),
             release_survivors=tuple(sorted(live)) if release else None,
