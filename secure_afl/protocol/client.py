@@ -27,10 +27,9 @@ The client defends itself against the server (the party we do not trust), by its
 
 from __future__ import annotations
 
-import unicodedata
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
@@ -40,21 +39,16 @@ from secure_afl.core.errors import (
     BothSharesRequestedError,
     DifferentSessionViewError,
     DuplicateParticipantError,
-    GroupBelowMinimumError,
     InconsistentSurvivorsError,
     InvalidSessionConfigError,
     InvalidShareError,
-    LocalProtocolError,
-    MessageDecodeError,
-    OutOfOrderMessageError,
-    ProtocolError,
     RelayedSignatureError,
     ReplayedMessageError,
     ServerProtocolError,
     SurvivorsBelowThresholdError,
     UnknownParticipantError,
 )
-from secure_afl.core.randomness import RandomSource, default_random
+from secure_afl.core.randomness import RandomSource
 from secure_afl.keys.identity import IdentityKey
 from secure_afl.keys.roster import Roster
 from secure_afl.privacy import exposure
@@ -62,7 +56,8 @@ from secure_afl.privacy.policy import ClientPolicy
 from secure_afl.privacy.release import Release
 
 from . import binding, codec, crypto, prg, shamir
-from .exposure_gate import ExposureGate, committed_rows, message_digest, zero_commitments
+from .driver import Handled, SessionDriver, check_name, check_session_fits_inputs
+from .exposure_gate import zero_commitments
 from .fields import tagged_fields
 from .messages import (
     AdvertiseKeys,
@@ -71,7 +66,6 @@ from .messages import (
     ConsistencyCheckRequest,
     ConsistencyResponse,
     EncryptedShare,
-    GroupSpec,
     MaskedInput,
     MaskedInputRequest,
     RevealedShare,
@@ -105,78 +99,6 @@ class _PeerSecrets:
     mask: bytes
 
 
-# Characters refused in group and tensor names: control (Cc), format (Cf: bidi overrides,
-# zero-width characters), surrogates (Cs) and line/paragraph separators (Zl, Zp).
-_FORBIDDEN_NAME_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
-
-
-def check_name(kind: str, name: object) -> None:
-    """Refuse a group or tensor name that is empty, over-long or holds control characters."""
-    if not isinstance(name, str):
-        raise InvalidSessionConfigError(f"{kind} name must be a string, got {type(name).__name__}")
-    if not name:
-        raise InvalidSessionConfigError(f"{kind} names must not be empty")
-    try:
-        size = len(name.encode("utf-8"))
-    except UnicodeEncodeError:
-        raise InvalidSessionConfigError(f"{kind} name {name!r} is not valid Unicode text") from None
-    if size > codec.MAX_STRING_BYTES:
-        raise InvalidSessionConfigError(
-            f"{kind} name {name[:32]!r}... is {size} UTF-8 bytes, more than {codec.MAX_STRING_BYTES}"
-        )
-    if name.isprintable():  # C-speed fast path: no Cc, Cf, Cs, Zl, Zp character (nor Co, Cn, Zs but space)
-        return
-    bad = sorted({f"U+{ord(c):04X}" for c in name if unicodedata.category(c) in _FORBIDDEN_NAME_CATEGORIES})
-    if bad:
-        raise InvalidSessionConfigError(
-            f"{kind} name {name!r} contains control or invisible formatting characters ({', '.join(bad)})"
-        )
-
-
-def check_group_sizes(
-    members: Mapping[str, tuple[str, ...]],
-    live: set[str] | frozenset[str],
-    min_group_size: int,
-    *,
-    only: Collection[str] | None = None,
-) -> None:
-    """Refuse to go on when a group (of ``only``, if given) would be summed with 1..min-1 live members."""
-    for group, group_members in members.items():
-        if only is not None and group not in only:
-            continue
-        count = sum(1 for cid in group_members if cid in live)
-        if 0 < count < min_group_size:
-            raise GroupBelowMinimumError(
-                f"group {group!r} would have {count} live member(s), below the minimum {min_group_size}"
-            )
-
-
-def check_session_fits_inputs(
-    groups: Collection[GroupSpec],
-    min_group_size: int,
-    own_min_group_size: int,
-    inputs: Mapping[str, Mapping[str, np.ndarray]],
-) -> None:
-    """R0, every backend: the session's minimum group size is not below this client's, and every
-    group this client holds inputs for is in the session's layout with the same tensor lengths."""
-    if min_group_size < own_min_group_size:
-        raise InvalidSessionConfigError(
-            f"minimum group size {min_group_size} is below this client's minimum {own_min_group_size}"
-        )
-    layouts = {group.name: {tensor.name: tensor.length for tensor in group.tensors} for group in groups}
-    for group, tensors in inputs.items():
-        if group not in layouts:
-            raise LocalProtocolError(
-                f"group {group!r} of this client's inputs is not in the session layout: "
-                "check that this client and the server run the same study"
-            )
-        actual = {name: values.shape[0] for name, values in tensors.items()}
-        if layouts[group] != actual:
-            raise LocalProtocolError(
-                f"group {group!r}: inputs {actual} do not match the session layout {layouts[group]}"
-            )
-
-
 def validate_config(config: SessionConfig, roster_size: int) -> None:
     """Structural checks on a session config (raises :class:`InvalidSessionConfigError`)."""
     if len(config.session_id) != 32:
@@ -206,7 +128,7 @@ def validate_config(config: SessionConfig, roster_size: int) -> None:
             )
 
 
-class ClientSession:
+class ClientSession(SessionDriver):
     """One client's side of one secure-aggregation session.
 
     ``inputs`` maps group name -> tensor name -> 1-D float64 array (pack symmetric matrices with
@@ -250,76 +172,15 @@ class ClientSession:
         rows: Mapping[str, int] | None = None,
         row_floors: Mapping[str, int] | None = None,
     ) -> None:
-        if client_id not in roster:
-            raise LocalProtocolError(f"client {client_id!r} is not in the roster")
-        if roster.public_key(client_id) != identity_key.public_key:
-            raise LocalProtocolError(f"the identity key does not match the roster's key for {client_id!r}")
-        self._inputs: dict[str, dict[str, np.ndarray]] = {}
-        # One array given to several groups (a driver's shared Gram) is checked and copied once,
-        # and stays one object here (a copy: the caller's later writes cannot reach it): the release
-        # and exposure digests then read it once too.
-        copies: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # id -> (the input, kept alive; copy)
-        for group, tensors in inputs.items():
-            if not tensors:
-                raise LocalProtocolError(f"group {group!r} has no tensors")
-            self._inputs[group] = {}
-            for name, values in tensors.items():
-                entry = copies.get(id(values))
-                if entry is None or entry[0] is not values:
-                    entry = (values, encoding.check_float_tensor(values, tensor=f"{group}/{name}").copy())
-                    copies[id(values)] = entry
-                self._inputs[group][name] = entry[1]
-        policy = ClientPolicy.deployment() if policy is None else policy
-        if not isinstance(policy, ClientPolicy):
-            raise LocalProtocolError(f"policy must be a ClientPolicy, got {type(policy).__name__}")
-        self.client_id = client_id
-        self._identity = identity_key
-        self._roster = roster
-        self._policy = policy
-        self._min_threshold = policy.min_threshold(len(roster)) if min_threshold is None else min_threshold
-        min_group_size = policy.min_group_size if min_group_size is None else min_group_size
-        if min_group_size < 1:
-            raise LocalProtocolError("min_group_size must be at least 1")
-        self._min_group_size = min_group_size
-        self._expected_session_id = session_id
-        self._context = binding.check_context(context)
-        self._random = default_random(random)
-        self._gate = ExposureGate(client_id, identity_key, self._inputs, policy, ledger, release)
-        self._rows = committed_rows(rows, self._inputs)
-        # tensor -> the committed count below which a member's value is known (its own study's
-        # rule: round 2's too-small members send zeros); the server has no say in it.
-        self._row_floors = dict(row_floors or {})
-        self._state = ClientState.AWAIT_ADVERTISE_REQUEST
         self._limits: dict[type, int] = {}
-        self._clear_session()
+        self._context = binding.check_context(context)
+        super().__init__(
+            client_id, identity_key, roster, inputs, policy=policy, min_group_size=min_group_size,
+            min_threshold=min_threshold, session_id=session_id, random=random, ledger=ledger,
+            release=release, rows=rows, row_floors=row_floors,
+        )  # fmt: skip
 
     # --- public API -------------------------------------------------------------------------------
-
-    @property
-    def state(self) -> ClientState:
-        return self._state
-
-    @property
-    def groups(self) -> tuple[str, ...]:
-        return tuple(sorted(self._inputs))
-
-    @property
-    def policy(self) -> ClientPolicy:
-        return self._policy
-
-    @property
-    def release(self) -> Release:
-        """What this client releases in the session (the one-contribution rule's unit)."""
-        return self._gate.release
-
-    @property
-    def exposure_findings(self) -> tuple[exposure.ExposureFinding, ...]:
-        """What the exposure checks found and this client went on past (simulator policy), in order.
-
-        Under a policy that refuses exposure the findings are in the :class:`ExposureRefusedError`
-        instead (and recorded here too).  Kept after the session ends, for the audit.
-        """
-        return tuple(self._gate.findings)
 
     @property
     def incoming_message_limit(self) -> int:
@@ -355,24 +216,8 @@ class ClientSession:
         """The size limit for encoding one of this client's replies (its own groups only)."""
         return self._limits[type(message)]
 
-    def receive_bytes(self, data: bytes) -> list[bytes]:
-        """Decode ``data`` under :attr:`incoming_message_limit`, handle it, and return the encoded replies.
-
-        Bytes that do not decode (too large for the expected message type, malformed) are the
-        server's doing like any other bad message: the client fails and drops its secrets.
-        """
-        if self._state in (ClientState.FAILED, ClientState.DONE):
-            raise LocalProtocolError(f"the session is over (state {self._state.name}); start a new one")
-        try:
-            message = codec.decode(data, max_message_bytes=self.incoming_message_limit)
-        except MessageDecodeError:
-            self._fail()
-            raise
-        if type(message) not in _SERVER_MESSAGES:
-            self._fail()
-            raise OutOfOrderMessageError(f"the server sent a client message ({type(message).__name__})")
-        replies = self._receive(message, message_digest(data))
-        return [self._encoded(reply) for reply in replies]
+    def _decode(self, data: bytes) -> object:
+        return codec.decode(data, max_message_bytes=self.incoming_message_limit)
 
     def _encoded(self, reply: ClientMessage) -> bytes:
         """The wire bytes of ``reply``: R2's masked input was framed as it was masked (its bytes are
@@ -382,48 +227,27 @@ class ClientSession:
             return framed[1]
         return codec.encode(reply, max_message_bytes=self.reply_limit(reply))
 
-    def receive(self, message: object) -> list[ClientMessage]:
-        """Handle one server message and return the replies to send to the server."""
-        if type(message) not in _SERVER_MESSAGES:
-            raise LocalProtocolError(f"not a server message: {type(message).__name__}")
-        try:
-            data = codec.encode(message)  # type: ignore[arg-type]
-        except ProtocolError:  # a message no codec would carry: the checks below refuse it anyway
-            data = repr(message).encode()
-        return self._receive(message, message_digest(data))
+    def _encode_message(self, message: object) -> bytes:
+        return codec.encode(message)  # type: ignore[arg-type]
 
-    def _receive(self, message: object, digest: str) -> list[ClientMessage]:
-        if self._state in (ClientState.FAILED, ClientState.DONE):
-            raise LocalProtocolError(f"the session is over (state {self._state.name}); start a new one")
-        expected, next_state = CLIENT_TRANSITIONS[self._state]
-        handlers = {
+    def _handlers(self) -> Mapping[type, Callable[[Any], Handled]]:
+        return {
             AdvertiseRequest: self._on_advertise_request,
             ShareKeysRequest: self._on_share_keys_request,
             MaskedInputRequest: self._on_masked_input_request,
             ConsistencyCheckRequest: self._on_consistency_request,
             UnmaskRequest: self._on_unmask_request,
         }
-        if type(message) not in handlers:
-            raise LocalProtocolError(f"not a server message: {type(message).__name__}")
-        try:
-            if type(message) is not expected:
-                raise OutOfOrderMessageError(
-                    f"{type(message).__name__} received while awaiting {expected.__name__}"
-                )
-            self._encoded_reply = None  # R2's framed bytes of a reply that was never sent
-            reply, commit = handlers[type(message)](message)  # type: ignore[operator]
-            # One answer per round: recorded (durably, with a file ledger) before the reply leaves.
-            self._gate.answer(self._message_session(message), _ROUND_OF[type(message)], digest)
-        except LocalProtocolError:
-            raise  # local misuse: nothing was sent, nothing changed
-        except ProtocolError:
-            self._fail()
-            raise
-        commit()
-        self._state = next_state
-        if next_state is ClientState.DONE:
-            self._clear_session()
-        return [reply]
+
+    def _handle(self, message: object, repeated: bool) -> Handled:
+        reply, commit = self._handlers()[type(message)](message)  # each handler answers once
+        return [reply], commit
+
+    def _round_key(self, message: object) -> str:
+        return _ROUND_OF[type(message)]
+
+    def _before_handler(self) -> None:
+        self._encoded_reply = None  # R2's framed bytes of a reply that was never sent
 
     # --- R0 ---------------------------------------------------------------------------------------
 
@@ -858,37 +682,9 @@ class ClientSession:
             session_id=config.session_id,
             # c = n - (this client's own floor for t), never n - (the session's t): a server that
             # raised t would otherwise shrink the colluders assumed (to none at t = n).
-            colluders=self._policy.colluders(len(self._roster), self._min_threshold),
+            colluders=self.colluders,
             release_survivors=tuple(sorted(live)) if release else None,
         )
-
-    @staticmethod
-    def _message_session(message: object) -> bytes:
-        if isinstance(message, AdvertiseRequest):
-            return message.config.session_id
-        return message.session_id  # type: ignore[attr-defined]
-
-    def _check_group_sizes(
-        self,
-        members: Mapping[str, tuple[str, ...]],
-        live: set[str] | frozenset[str],
-        *,
-        own_groups_only: bool,
-    ) -> None:
-        own = self._inputs if own_groups_only else None
-        check_group_sizes(members, live, self._require_config().min_group_size, only=own)
-
-    def _check_session(self, session_id: bytes) -> None:
-        if session_id != self._require_config().session_id:
-            raise ReplayedMessageError("message from another session")
-
-    def _require_config(self) -> SessionConfig:
-        assert self._config is not None  # guaranteed by the transition table
-        return self._config
-
-    def _fail(self) -> None:
-        self._state = ClientState.FAILED
-        self._clear_session()
 
     def _clear_session(self) -> None:
         # Drop every session secret; Python cannot zeroise memory, but nothing keeps a reference.
@@ -910,6 +706,8 @@ class ClientSession:
         self._encoded_reply: tuple[MaskedInput, bytes] | None = None
 
 
+ClientSession.States = ClientState
+ClientSession.TRANSITIONS = CLIENT_TRANSITIONS
 _ROUND_OF = {
     AdvertiseRequest: "R0",
     ShareKeysRequest: "R1",
@@ -925,3 +723,4 @@ _SERVER_MESSAGES = (
     ConsistencyCheckRequest,
     UnmaskRequest,
 )
+ClientSession.SERVER_MESSAGES = _SERVER_MESSAGES

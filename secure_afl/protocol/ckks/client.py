@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -23,24 +23,27 @@ from secure_afl.core.errors import (
     InvalidShareError,
     InvalidSignatureError,
     LocalProtocolError,
-    OutOfOrderMessageError,
-    ProtocolError,
     ReplayedMessageError,
     ServerProtocolError,
     ShareAuthenticationError,
     UnknownClientError,
 )
-from secure_afl.core.randomness import RandomSource, default_random
+from secure_afl.core.randomness import RandomSource
 from secure_afl.keys.identity import IdentityKey
 from secure_afl.keys.roster import Roster
 from secure_afl.privacy import exposure
 from secure_afl.privacy.policy import ClientPolicy
 from secure_afl.privacy.release import Release
 from secure_afl.protocol import codec as masking_codec
-from secure_afl.protocol import crypto, encoding
+from secure_afl.protocol import crypto
 from secure_afl.protocol.binding import NO_CONTEXT, check_context
-from secure_afl.protocol.client import check_group_sizes, check_name, check_session_fits_inputs
-from secure_afl.protocol.exposure_gate import ExposureGate, committed_rows, message_digest, zero_commitments
+from secure_afl.protocol.driver import (
+    Handled,
+    SessionDriver,
+    check_name,
+    check_session_fits_inputs,
+)
+from secure_afl.protocol.exposure_gate import zero_commitments
 
 from . import binding, codec, context
 from .errors import (
@@ -107,7 +110,7 @@ def validate_config(config: CkksSessionConfig, roster_size: int) -> None:
                 )
 
 
-class CkksClientSession:
+class CkksClientSession(SessionDriver):
     """One client's side of one CKKS session.
 
     ``inputs`` maps group name -> tensor name -> 1-D float64 array (symmetric matrices packed as
@@ -148,64 +151,20 @@ class CkksClientSession:
         rows: Mapping[str, int] | None = None,
         row_floors: Mapping[str, int] | None = None,
     ) -> None:
-        if client_id not in roster:
-            raise LocalProtocolError(f"client {client_id!r} is not in the roster")
-        if roster.public_key(client_id) != identity_key.public_key:
-            raise LocalProtocolError(f"the identity key does not match the roster's key for {client_id!r}")
-        policy = ClientPolicy.deployment() if policy is None else policy
-        if not isinstance(policy, ClientPolicy):
-            raise LocalProtocolError(f"policy must be a ClientPolicy, got {type(policy).__name__}")
-        min_group_size = policy.min_group_size if min_group_size is None else min_group_size
-        if min_group_size < 1:
-            raise LocalProtocolError("min_group_size must be at least 1")
-        self._inputs: dict[str, dict[str, np.ndarray]] = {}
-        for group, tensors in inputs.items():
-            if not tensors:
-                raise LocalProtocolError(f"group {group!r} has no tensors")
-            self._inputs[group] = {
-                name: encoding.check_float_tensor(values, tensor=f"{group}/{name}").copy()
-                for name, values in tensors.items()
-            }
-        self.client_id = client_id
-        self._identity = identity_key
-        self._roster = roster
-        self._min_group_size = min_group_size
-        self._expected_session_id = session_id
         self._session_context = check_context(context)  # one view: signed within the config digest (R0, R1)
-        self._policy = policy
-        self._gate = ExposureGate(client_id, identity_key, self._inputs, policy, ledger, release)
-        self._rows = committed_rows(rows, self._inputs)
-        # tensor -> the committed count below which a member's value is known (its own study's
-        # rule: round 2's too-small members send zeros); the server has no say in it.
-        self._row_floors = dict(row_floors or {})
-        self._random = default_random(random)
         self._replaying = False  # see replay_bytes
-        self._state = CkksClientState.AWAIT_ADVERTISE_REQUEST
-        self._message_limit = min(policy.max_config_bytes, masking_codec.DEFAULT_MAX_MESSAGE_BYTES)
-        self._clear_session()
+        super().__init__(
+            client_id, identity_key, roster, inputs, policy=policy, min_group_size=min_group_size,
+            min_threshold=None, session_id=session_id, random=random, ledger=ledger, release=release,
+            rows=rows, row_floors=row_floors,
+        )  # fmt: skip
+        self._message_limit = min(self._policy.max_config_bytes, masking_codec.DEFAULT_MAX_MESSAGE_BYTES)
 
     # --- public API -------------------------------------------------------------------------------
 
     @property
-    def state(self) -> CkksClientState:
-        return self._state
-
-    @property
-    def groups(self) -> tuple[str, ...]:
-        return tuple(sorted(self._inputs))
-
-    @property
     def max_message_bytes(self) -> int:
         return self._message_limit
-
-    @property
-    def policy(self) -> ClientPolicy:
-        return self._policy
-
-    @property
-    def exposure_findings(self) -> tuple[exposure.ExposureFinding, ...]:
-        """What the exposure checks found and this client went on past (or refused), in order."""
-        return tuple(self._gate.findings)
 
     @property
     def is_key_holder(self) -> bool:
@@ -229,58 +188,31 @@ class CkksClientSession:
         finally:
             self._replaying = False
 
-    def receive_bytes(self, data: bytes) -> list[bytes]:
-        """Decode ``data`` under :attr:`max_message_bytes`, handle it, and return the encoded replies."""
-        message = codec.decode(data, max_message_bytes=self.max_message_bytes)
-        replies = self._receive(message, message_digest(data))
-        return [codec.encode(reply, max_message_bytes=self.max_message_bytes) for reply in replies]
+    def _decode(self, data: bytes) -> object:
+        return codec.decode(data, max_message_bytes=self.max_message_bytes)
 
-    def receive(self, message: object) -> list[CkksClientMessage]:
-        """Handle one server message and return the replies to send to the server (maybe none)."""
-        try:
-            data = codec.encode(message, max_message_bytes=masking_codec.DEFAULT_MAX_MESSAGE_BYTES)  # type: ignore[arg-type]
-        except ProtocolError:  # a message no codec would carry: the checks below refuse it anyway
-            data = repr(message).encode()
-        return self._receive(message, message_digest(data))
+    def _encoded(self, reply: object) -> bytes:
+        return codec.encode(reply, max_message_bytes=self.max_message_bytes)  # type: ignore[arg-type]
 
-    def _receive(self, message: object, digest: str) -> list[CkksClientMessage]:
-        if self._state in (CkksClientState.FAILED, CkksClientState.DONE):
-            raise LocalProtocolError(f"the session is over (state {self._state.name}); start a new one")
-        expected, next_state = CLIENT_TRANSITIONS[self._state]
-        repeat = CLIENT_REPEATS.get(self._state)
-        if repeat is not None and type(message) is repeat[0]:
-            expected, next_state = repeat
-        handlers = {
+    def _encode_message(self, message: object) -> bytes:
+        return codec.encode(message, max_message_bytes=masking_codec.DEFAULT_MAX_MESSAGE_BYTES)  # type: ignore[arg-type]
+
+    def _handlers(self) -> Mapping[type, Callable[[Any], Handled]]:
+        return {
             CkksAdvertiseRequest: self._on_advertise_request,
             CkksKeyRequest: self._on_key_request,
             CkksInputRequest: self._on_input_request,
             CkksViewRequest: self._on_view_request,
             CkksDecryptRequest: self._on_decrypt_request,
         }
-        if type(message) not in handlers:
-            raise LocalProtocolError(f"not a CKKS server message: {type(message).__name__}")
-        try:
-            if type(message) is not expected:
-                raise OutOfOrderMessageError(
-                    f"{type(message).__name__} received while awaiting {expected.__name__}"
-                )
-            handler = handlers[type(message)]
-            if repeat is not None and expected is repeat[0]:
-                handler = self._on_key_reelection
-            replies, commit = handler(message)  # type: ignore[operator]
-            # One answer per round, recorded before the reply leaves (a replayed message is the same).
-            if not self._replaying:
-                self._gate.answer(
-                    self._session_of(message), self._round_key(message), self._answer_digest(message, digest)
-                )
-        except LocalProtocolError:
-            raise
-        except ProtocolError:
-            self._fail()
-            raise
-        commit()
-        self._state = next_state
-        return replies
+
+    def _handle(self, message: object, repeated: bool) -> Handled:
+        if repeated:  # CLIENT_REPEATS: the key request again, a re-election
+            return self._on_key_reelection(message)  # type: ignore[arg-type]
+        return self._handlers()[type(message)](message)
+
+    def _records_answer(self) -> bool:
+        return not self._replaying  # a replayed message was answered (and recorded) before
 
     # --- R0 ---------------------------------------------------------------------------------------
 
@@ -782,7 +714,6 @@ class CkksClientSession:
             name: (tuple(c for c in members.get(name, ()) if c in live), tensors)
             for name, tensors in self._relevant().items()
         }
-        n = len(self._roster)
         return self._gate.check(
             round_name,
             action,
@@ -793,15 +724,9 @@ class CkksClientSession:
                 tensors={g.name: [t.name for t in g.tensors] for g in self._require_config().groups},
             ),
             session_id=self._require_config().session_id,
-            colluders=self._policy.colluders(n, self._policy.min_threshold(n)),
+            colluders=self.colluders,
             release_survivors=tuple(sorted(live)) if release else None,
         )
-
-    @staticmethod
-    def _session_of(message: object) -> bytes:
-        if isinstance(message, CkksAdvertiseRequest):
-            return message.config.session_id
-        return message.session_id  # type: ignore[attr-defined]
 
     def _round_key(self, message: object) -> str:
         """The one-answer record's key: one per round (a re-election repeats R1 once)."""
@@ -859,28 +784,6 @@ class CkksClientSession:
             raise ExposingDecryptionError(action, findings)
         return findings
 
-    def _check_group_sizes(
-        self,
-        members: Mapping[str, tuple[str, ...]],
-        live: set[str] | frozenset[str],
-        *,
-        own_groups_only: bool,
-    ) -> None:
-        own = self._inputs if own_groups_only else None
-        check_group_sizes(members, live, self._require_config().min_group_size, only=own)
-
-    def _check_session(self, session_id: bytes) -> None:
-        if session_id != self._require_config().session_id:
-            raise ReplayedMessageError("message from another session")
-
-    def _require_config(self) -> CkksSessionConfig:
-        assert self._config is not None  # guaranteed by the transition table
-        return self._config
-
-    def _fail(self) -> None:
-        self._state = CkksClientState.FAILED
-        self._clear_session()
-
     def _clear_session(self) -> None:
         # Drop every session secret; Python cannot zeroise memory, but nothing keeps a reference.
         self._config: CkksSessionConfig | None = None
@@ -895,3 +798,15 @@ class CkksClientSession:
         self._upload_digest = b""  # this client's own upload (unknown to a client rebuilt by replay)
         self._view = b""  # the digest of the view this client signed in R3
         self._decrypted: dict[str, set[int]] = {}  # group -> chunk indices decrypted (R4)
+
+
+CkksClientSession.States = CkksClientState
+CkksClientSession.TRANSITIONS = CLIENT_TRANSITIONS
+CkksClientSession.REPEATS = CLIENT_REPEATS
+CkksClientSession.SERVER_MESSAGES = (
+    CkksAdvertiseRequest,
+    CkksKeyRequest,
+    CkksInputRequest,
+    CkksViewRequest,
+    CkksDecryptRequest,
+)
