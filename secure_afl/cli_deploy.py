@@ -7,10 +7,10 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 import numpy as np
@@ -31,6 +31,10 @@ from secure_afl.deploy.study import (
     round2_classes,
     round2_min_group_size,
 )
+
+if TYPE_CHECKING:
+    from secure_afl.keys.recognition import Recognition
+    from secure_afl.keys.roster import RosterEntry
 
 ClientData = tuple[np.ndarray, np.ndarray, tuple[int, ...]]  # features, labels, active classes
 # ``deploy local --secure ckks`` against the masked simulation: CKKS rounds every decrypted sum to
@@ -1219,6 +1223,35 @@ def _key_value_pairs(items: tuple[str, ...], hint: str) -> dict[str, object]:
     return pairs
 
 
+def stdin_is_terminal() -> bool:
+    """Whether a person can answer a prompt here (standard input is a terminal)."""
+    import sys
+
+    return sys.stdin is not None and sys.stdin.isatty()
+
+
+def _recognition(expected: tuple[str, ...], yes: bool, option: str, question: str) -> Recognition:
+    """The command's way of recognising the roster's entries (secure_afl/keys/recognition.py): the
+    expected fingerprints, --yes, or else a prompt where a person can answer one (else none: refused)."""
+    from secure_afl.keys.recognition import FingerprintSyntaxError, Recognition, RecognitionModeError
+
+    def confirm(entries: Sequence[RosterEntry]) -> bool:
+        return click.confirm(
+            f"{question} Answer y only if each of these {len(entries)} ids and fingerprints is one you heard "
+            "from that institution itself",
+            default=False,
+        )
+
+    try:
+        return Recognition.from_options(
+            expected, assume_recognised=yes, confirm=confirm if stdin_is_terminal() else None
+        )
+    except FingerprintSyntaxError as exc:
+        raise click.BadParameter(str(exc), param_hint=option) from None
+    except RecognitionModeError as exc:
+        raise click.UsageError(f"{option} and --yes: {exc}") from None
+
+
 @deploy.command("provision")
 @click.option("--out", "out_dir", type=click.Path(path_type=Path, file_okay=False), required=True,
               help="The federation directory to write: roster.json, tls/, app/, server/, kits/.")  # fmt: skip
@@ -1260,17 +1293,28 @@ def _key_value_pairs(items: tuple[str, ...], hint: str) -> dict[str, object]:
 @click.option(
     "--force", is_flag=True, help="Replace an existing roster, app, TLS material and kits in --out."
 )
+@click.option("--fingerprint", "expected", multiple=True, metavar="ID=FINGERPRINT",
+              help="A hospital's fingerprint as you heard it from that hospital (`keys init`/`keys show` "
+                   "print it; quote it): repeat for every --hospital. Any mismatch, or a --hospital "
+                   "without one, refuses and writes nothing.")  # fmt: skip
+@click.option("--yes", is_flag=True,
+              help="Do not ask to confirm each hospital's fingerprint (a script that compared them "
+                   "itself). Without --fingerprint or --yes, provision asks at the terminal, and "
+                   "refuses where there is none.")  # fmt: skip
 def deploy_provision(
     out_dir: Path, hospitals: tuple[Path, ...], coordinator_keys: Path | None, passphrase_file: Path | None,
     passphrase_env: str | None, hosts: tuple[str, ...], ips: tuple[str, ...], port: int, federation: str,
     features_path: Path | None, backbone: str | None, weights: Path | None, rounds: int, gamma: float,
     protection: str, round_timeout: float, extra: tuple[str, ...], days: int, force: bool,
+    expected: tuple[str, ...], yes: bool,
 ) -> None:  # fmt: skip
     """Write the federation (the coordinator): roster, CA, app and one kit per hospital.
 
     \b
     Reads:  each --hospital's identity.pub.json, the coordinator's key (decrypted: it signs the
             kits' manifests and, in the run, the classifier), the study's backbone record.
+    Checks: every hospital's fingerprint against --fingerprint ID=FINGERPRINT (or a prompt at the
+            terminal, or --yes), after every other check and before anything is written.
     Writes: OUT/roster.json (to be co-signed), OUT/tls/ (deploy tls's four files), OUT/app/
             (deploy app's pyproject.toml), OUT/server/, and OUT/kits/ID/ for every hospital (0700):
             ca.crt, roster.json, app/pyproject.toml, kit.json (signed manifest), node-config.toml,
@@ -1279,11 +1323,13 @@ def deploy_provision(
     """
     from secure_afl.deploy.provision import provision
     from secure_afl.keys.commands import PUBLIC_FILE, default_key_dir, load_key, read_entry_file
+    from secure_afl.keys.recognition import RosterNotRecognisedError
 
     if (passphrase_file is None) == (passphrase_env is None):
         raise click.UsageError(
             "give exactly one of --passphrase-file and --passphrase-env (the run reads it too)"
         )
+    recognition = _recognition(expected, yes, "--fingerprint", "Provision a roster of these hospitals?")
     directory = coordinator_keys or default_key_dir()
     entries = [read_entry_file(p / PUBLIC_FILE if p.is_dir() else p) for p in hospitals]
     coordinator = read_entry_file(directory / PUBLIC_FILE)
@@ -1298,9 +1344,9 @@ def deploy_provision(
         }  # fmt: skip
         result = provision(
             out_dir, entries, coordinator, key, study, hosts=hosts, ips=ips, port=port,
-            federation=federation, days=days, force=force,
+            federation=federation, days=days, force=force, recognition=recognition, say=click.echo,
         )  # fmt: skip
-    except (ConfigurationError, DeploymentError) as exc:
+    except (ConfigurationError, DeploymentError, RosterNotRecognisedError) as exc:
         raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
     out = result.out_dir
     click.echo(f"wrote {out / 'roster.json'}: {len(result.roster)} hospitals, {result.roster.fingerprint}")
@@ -1343,18 +1389,29 @@ def deploy_provision(
 @click.option("--no-connect", is_flag=True, help="Do not check the SuperLink's address and certificate.")
 @click.option("--timeout", type=click.FloatRange(0.1), default=10.0, show_default=True,
               help="Seconds to wait for the SuperLink.")  # fmt: skip
+@click.option("--expect", "expected", multiple=True, metavar="ID=FINGERPRINT",
+              help="An entry's fingerprint as you heard it from that institution (quote it): repeat for "
+                   "every other hospital and the coordinator (yours is checked by your key). Any "
+                   "mismatch, an entry not named, or a name not in the roster refuses: nothing is "
+                   "signed or written.")  # fmt: skip
+@click.option("--yes", is_flag=True,
+              help="Do not ask to confirm each entry (a script that compared the fingerprints itself). "
+                   "Without --expect or --yes, join asks at the terminal, and refuses where there is "
+                   "none.")  # fmt: skip
 def deploy_join(
     kit_dir: Path, features_path: Path, key_dir: Path | None, passphrase_file: Path | None,
     passphrase_env: str | None, state_dir: Path | None, protection: str, extra: tuple[str, ...],
-    node_port: int, user: str | None, no_connect: bool, timeout: float,
+    node_port: int, user: str | None, no_connect: bool, timeout: float, expected: tuple[str, ...],
+    yes: bool,
 ) -> None:  # fmt: skip
     """Check this hospital's kit, co-sign its roster, and print the command that starts the node.
 
     \b
     Checks: the manifest's signature by the roster's coordinator, the CA and the app against it,
     this hospital's key in the roster, its feature file against the study, its ledger and
-    out-dir, the SuperLink's TLS certificate against the kit's CA (unless --no-connect), and
-    the roster's co-signatures.
+    out-dir, the SuperLink's TLS certificate against the kit's CA (unless --no-connect), the
+    roster's co-signatures, and last every roster entry against --expect ID=FINGERPRINT (or a
+    prompt at the terminal, or --yes): it co-signs only a roster whose every entry you recognise.
     Writes in KIT: ID.reply.json (send it to the coordinator: the roster co-signature and the
     SuperNode's key), node-config.toml and supernode.service; in --state-dir: the SuperNode's
     authentication key (0600, once).
@@ -1367,11 +1424,13 @@ def deploy_join(
     from secure_afl.deploy.check import NodeCheckError
     from secure_afl.deploy.kit import EXIT_WAITING, KitError, NodeLayout, join_kit
     from secure_afl.keys.commands import KEY_FILE, default_key_dir, load_public_entry
+    from secure_afl.keys.recognition import RosterNotRecognisedError
 
     if (passphrase_file is None) == (passphrase_env is None):
         raise click.UsageError(
             "give exactly one of --passphrase-file and --passphrase-env (the node reads it)"
         )
+    recognition = _recognition(expected, yes, "--expect", "Co-sign this roster?")
     keys_dir = (key_dir or default_key_dir()).resolve()
     entry = load_public_entry(keys_dir)
     kit = kit_dir.resolve()
@@ -1384,12 +1443,12 @@ def deploy_join(
     )  # fmt: skip
     try:
         result = join_kit(
-            layout, key_entry_public_key=entry.public_key, connect=not no_connect, timeout=timeout,
-            say=click.echo,
+            layout, recognition=recognition, key_entry_public_key=entry.public_key, connect=not no_connect,
+            timeout=timeout, say=click.echo,
         )  # fmt: skip
     except NodeCheckError as exc:
         raise click.ClickException(f"FAILED {exc}") from None
-    except (KitError, ConfigurationError, DeploymentError) as exc:
+    except (KitError, ConfigurationError, DeploymentError, RosterNotRecognisedError) as exc:
         raise click.ClickException(f"FAILED {type(exc).__name__}: {exc}") from None
     click.echo(f"wrote {result.reply_path}: send it to the coordinator (your co-signature and SuperNode key)")
     if not result.ready:

@@ -157,17 +157,14 @@ def _b64(text: object) -> bytes:
 
 
 def normalise_fingerprint(text: str) -> str:
-    """``SHA256:ab12 cd34 ...`` from any spacing or case, with or without the ``SHA256:`` prefix."""
-    compact = text.strip()
-    if compact.upper().startswith("SHA256:"):
-        compact = compact[7:]
-    compact = "".join(compact.split()).lower()
-    if len(compact) != 64 or any(c not in "0123456789abcdef" for c in compact):
-        raise click.BadParameter(
-            f"{text!r} is not a fingerprint: expected 64 hex digits, as `secure-afl keys show` prints them",
-            param_hint="--fingerprint",
-        )
-    return "SHA256:" + " ".join(compact[i : i + 4] for i in range(0, 64, 4))
+    """``SHA256:ab12 cd34 ...`` from any spacing or case, with or without the ``SHA256:`` prefix
+    (:func:`secure_afl.keys.recognition.parse_fingerprint`)."""
+    from .recognition import FingerprintSyntaxError, parse_fingerprint
+
+    try:
+        return parse_fingerprint(text)
+    except FingerprintSyntaxError as exc:
+        raise click.BadParameter(str(exc), param_hint="--fingerprint") from None
 
 
 def load_roster_file(path: Path) -> Roster:
