@@ -1524,7 +1524,9 @@ def deploy_collect(
 @click.option("--features", "features_path", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="A feature file (secure-afl-features/v1).")  # fmt: skip
 @click.option("--data-dir", type=click.Path(path_type=Path, file_okay=False), default=None,
-              help="A directory of PNG images (features extracted with the model's backbone).")  # fmt: skip
+              help="Or: a directory of images, PNG or DICOM (.dcm, .dicom), in DIR/images/ or "
+                   "DIR/images_*/images/ (ChestXray14's layout); features are extracted here with the "
+                   "model's backbone.")  # fmt: skip
 @click.option("--weights", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="The backbone's weight file (with --data-dir; default: the library cache).")  # fmt: skip
 @click.option(
@@ -1562,16 +1564,20 @@ def predict(
     evaluate: bool,
     metrics_out: Path | None,
 ) -> None:
-    """Per-image probabilities and decisions of a signed classifier file, as CSV.
+    """Per-image scores and decisions of a signed classifier file, as CSV.
 
     \b
     Reads: --model (classifier.json), --roster (verifies the coordinator's signature), and either
-    --features (a feature file) or --data-dir (PNG images, features extracted here).
-    Writes: --out, a CSV with one row per image: image_id, then p(CLASS) for every class (the
-    probability σ(h·w)), then positive(CLASS) for every class (1 when p > the file's threshold).
+    --features (a feature file) or --data-dir (PNG or DICOM images, features extracted here).
+    Writes: --out, a CSV with one row per image: image_id, then score(CLASS) for every class (the
+    linear score h·w: it ranks images; it is not a probability), then positive(CLASS) for every
+    class (1 when score > logit of the file's signed threshold: score > 0 at its default 0.5).
+    The decisions are the balanced rule: the weights are fit to class-balanced targets, so a
+    decision weighs a class's sensitivity and specificity equally; it is not calibrated to
+    prevalence (on a rare class it flags many more images than are positive). No probability is
+    offered: none is calibrated.
     With --evaluate (labelled --features only): prints BACC, AUC and mAP; --metrics-out writes them.
     """
-    import scipy.special
 
     from secure_afl.deploy.classifier import Classifier
     from secure_afl.deploy.errors import ClassifierFileError, ModelMismatchError, RosterMismatchError
@@ -1609,22 +1615,15 @@ def predict(
         click.echo(f"verified: signed by the coordinator {model.signer} ({coordinator.fingerprint})")  # type: ignore[union-attr]
     else:
         click.echo("WARNING: --no-verify: the coordinator's signature was NOT checked", err=True)
-    probabilities = scipy.special.expit(scores)
     decisions = model.decide(scores)
-    model.write_predictions(out_path, ids, probabilities, decisions)
+    model.write_predictions(out_path, ids, scores, decisions)
     for line in [*model.summary_lines(), *model.privacy_lines()]:
         click.echo(line)
     positives = decisions.sum(axis=0)
     counts = ", ".join(f"{c} {int(n)}" for c, n in zip(model.classes, positives, strict=True))
     click.echo(f"wrote {out_path}: {len(ids)} images; positives per class: {counts}")
-    spread = float(np.max(np.abs(probabilities - 0.5))) if probabilities.size else 0.0
-    if spread < 0.01:
-        click.echo(
-            f"note: every probability lies within {spread:.4f} of 0.5. The closed-form solve's scores "
-            "h·w are small when the features' class signal is weak (as in the embedded synthetic "
-            "features) or γ is large; p = σ(h·w) is a monotone score, not a calibrated risk: decisions "
-            "(p > threshold, i.e. h·w > 0 at 0.5) and rankings (AUC) are what to read."
-        )
+    for line in model.prediction_legend():
+        click.echo(f"  {line}")
     if evaluate and labels is not None and features_path is not None:  # require_labels: never None
         result = evaluate_classifier(model, scores, labels, active)
         _print_metrics(result, features_path)
@@ -1639,7 +1638,7 @@ def evaluate_classifier(
     """The simulator's metrics (:func:`secure_afl.sim.metrics.evaluate`) of a classifier's scores on
     the classes a feature file labels (the others' columns are all zeros: unlabelled, not negative).
 
-    AUC and AP rank the scores (logits); BACC scores the file's own decisions (σ(score) > threshold,
+    AUC and AP rank the scores; BACC scores the file's own decisions (score > logit(threshold),
     which is the simulator's ``score > 0`` at the default threshold 0.5).
     """
     from secure_afl.sim.metrics import evaluate
@@ -1700,7 +1699,10 @@ def _extract_directory(model, data_dir: Path, weights: Path | None, cache_dir: P
     )  # fmt: skip
     images = index_images(data_dir)
     if not images:
-        raise ModelMismatchError(f"{data_dir}: no PNG images found")
+        raise ModelMismatchError(
+            f"{data_dir}: no images found (PNG or DICOM, in {data_dir}/images/ or "
+            f"{data_dir}/images_*/images/)"
+        )
     names = sorted(images)
     cache = cache_dir or Path.home() / ".cache" / "secure-afl" / "features"
     result = extract_features([images[n] for n in names], backbone, cache_dir=cache, device=device)
