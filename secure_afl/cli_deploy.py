@@ -7,10 +7,10 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import click
 import numpy as np
@@ -31,10 +31,6 @@ from secure_afl.deploy.study import (
     round2_classes,
     round2_min_group_size,
 )
-
-if TYPE_CHECKING:
-    from secure_afl.keys.recognition import Recognition
-    from secure_afl.keys.roster import RosterEntry
 
 ClientData = tuple[np.ndarray, np.ndarray, tuple[int, ...]]  # features, labels, active classes
 # ``deploy local --secure ckks`` against the masked simulation: CKKS rounds every decrypted sum to
@@ -1223,35 +1219,6 @@ def _key_value_pairs(items: tuple[str, ...], hint: str) -> dict[str, object]:
     return pairs
 
 
-def stdin_is_terminal() -> bool:
-    """Whether a person can answer a prompt here (standard input is a terminal)."""
-    import sys
-
-    return sys.stdin is not None and sys.stdin.isatty()
-
-
-def _recognition(expected: tuple[str, ...], yes: bool, option: str, question: str) -> Recognition:
-    """The command's way of recognising the roster's entries (secure_afl/keys/recognition.py): the
-    expected fingerprints, --yes, or else a prompt where a person can answer one (else none: refused)."""
-    from secure_afl.keys.recognition import FingerprintSyntaxError, Recognition, RecognitionModeError
-
-    def confirm(entries: Sequence[RosterEntry]) -> bool:
-        return click.confirm(
-            f"{question} Answer y only if each of these {len(entries)} ids and fingerprints is one you heard "
-            "from that institution itself",
-            default=False,
-        )
-
-    try:
-        return Recognition.from_options(
-            expected, assume_recognised=yes, confirm=confirm if stdin_is_terminal() else None
-        )
-    except FingerprintSyntaxError as exc:
-        raise click.BadParameter(str(exc), param_hint=option) from None
-    except RecognitionModeError as exc:
-        raise click.UsageError(f"{option} and --yes: {exc}") from None
-
-
 @deploy.command("provision")
 @click.option("--out", "out_dir", type=click.Path(path_type=Path, file_okay=False), required=True,
               help="The federation directory to write: roster.json, tls/, app/, server/, kits/.")  # fmt: skip
@@ -1322,14 +1289,22 @@ def deploy_provision(
     Send each hospital its kit directory; it runs `secure-afl deploy join KIT`.
     """
     from secure_afl.deploy.provision import provision
-    from secure_afl.keys.commands import PUBLIC_FILE, default_key_dir, load_key, read_entry_file
+    from secure_afl.keys.commands import (
+        PUBLIC_FILE,
+        default_key_dir,
+        load_key,
+        read_entry_file,
+        recognition_from_options,
+    )
     from secure_afl.keys.recognition import RosterNotRecognisedError
 
     if (passphrase_file is None) == (passphrase_env is None):
         raise click.UsageError(
             "give exactly one of --passphrase-file and --passphrase-env (the run reads it too)"
         )
-    recognition = _recognition(expected, yes, "--fingerprint", "Provision a roster of these hospitals?")
+    recognition = recognition_from_options(
+        expected, yes, "--fingerprint", "Provision a roster of these hospitals?"
+    )
     directory = coordinator_keys or default_key_dir()
     entries = [read_entry_file(p / PUBLIC_FILE if p.is_dir() else p) for p in hospitals]
     coordinator = read_entry_file(directory / PUBLIC_FILE)
@@ -1423,14 +1398,19 @@ def deploy_join(
 
     from secure_afl.deploy.check import NodeCheckError
     from secure_afl.deploy.kit import EXIT_WAITING, KitError, NodeLayout, join_kit
-    from secure_afl.keys.commands import KEY_FILE, default_key_dir, load_public_entry
+    from secure_afl.keys.commands import (
+        KEY_FILE,
+        default_key_dir,
+        load_public_entry,
+        recognition_from_options,
+    )
     from secure_afl.keys.recognition import RosterNotRecognisedError
 
     if (passphrase_file is None) == (passphrase_env is None):
         raise click.UsageError(
             "give exactly one of --passphrase-file and --passphrase-env (the node reads it)"
         )
-    recognition = _recognition(expected, yes, "--expect", "Co-sign this roster?")
+    recognition = recognition_from_options(expected, yes, "--expect", "Co-sign this roster?")
     keys_dir = (key_dir or default_key_dir()).resolve()
     entry = load_public_entry(keys_dir)
     kit = kit_dir.resolve()

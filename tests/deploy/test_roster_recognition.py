@@ -15,12 +15,14 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-import secure_afl.cli_deploy as cli_deploy
+import secure_afl.keys.commands as key_commands
 from secure_afl.cli_deploy import deploy
 from secure_afl.deploy.kit import EXIT_WAITING
 from secure_afl.deploy.local import free_port
 from secure_afl.features.file import save_feature_file
-from secure_afl.keys import IdentityKey, RosterEntry, save_identity_key
+from secure_afl.keys import IdentityKey, Roster, RosterEntry, save_identity_key
+from secure_afl.keys.commands import keys
+from secure_afl.keys.cosign import read_roster_document
 from secure_afl.keys.recognition import (
     FingerprintSyntaxError,
     Recognition,
@@ -284,7 +286,7 @@ def test_join_asks_at_a_terminal_and_refuses_without_one(
     assert code == 1 and "nobody can confirm the entries here (no terminal)" in output, output
     assert "--expect ID=FINGERPRINT" in output and "--yes" in output
     assert _snapshot(a.root) == before
-    monkeypatch.setattr(cli_deploy, "stdin_is_terminal", lambda: True)
+    monkeypatch.setattr(key_commands, "stdin_is_terminal", lambda: True)
     code, output = _join(a, input="n\n")
     assert code == 1 and "you did not confirm every entry" in output, output
     prompt = output.index("Co-sign this roster?")
@@ -331,7 +333,7 @@ def test_provision_checks_every_hospitals_fingerprint(
     code, output = _invoke(*args)  # no terminal, no --fingerprint, no --yes
     assert code == 1 and "nobody can confirm" in output and "--fingerprint ID=FINGERPRINT" in output, output
     assert not out.exists()
-    monkeypatch.setattr(cli_deploy, "stdin_is_terminal", lambda: True)
+    monkeypatch.setattr(key_commands, "stdin_is_terminal", lambda: True)
     code, output = _invoke(*args, input="n\n")
     assert code == 1 and "Provision a roster of these hospitals?" in output and "did not confirm" in output
     assert not out.exists()
@@ -343,3 +345,39 @@ def test_provision_checks_every_hospitals_fingerprint(
     code, output = _invoke(*args, "--force", input="y\n")  # the prompt confirms
     assert code == 0 and "you confirmed every entry" in output, output
     assert hashlib.sha256((out / "roster.json").read_bytes()).hexdigest() == digest  # the same roster
+
+
+def test_keys_roster_sign_checks_every_entry_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The other way to co-sign (without a kit) holds to the same rule.
+    sites = [_site(tmp_path, cid) for cid in HOSPITALS]
+    coordinator = _site(tmp_path, "coordinator")
+    roster = Roster(
+        [RosterEntry(s.client_id, s.client_id.title(), s.key.public_key) for s in sites],
+        RosterEntry("coordinator", "Coordinator", coordinator.key.public_key),
+    )
+    path = tmp_path / "roster.json"
+    path.write_text(roster.to_json())
+    text = path.read_bytes()
+    a = sites[0]
+    args = ["roster", "sign", "--roster", path, "--dir", a.keys, "--passphrase-file", a.keys / "pass"]
+
+    def sign(*extra: object, input: str | None = None) -> tuple[int, str]:
+        result = CliRunner().invoke(keys, [str(x) for x in (*args, *extra)], input=input)
+        return result.exit_code, result.output
+
+    wrong = ["--expect", f"hospital-b={sites[2].key.fingerprint}", "--expect", sites[2].expect()]
+    code, output = sign(*wrong, "--expect", coordinator.expect())
+    assert code == 1 and "FINGERPRINT MISMATCH for 'hospital-b'" in output, output
+    code, output = sign("--expect", sites[1].expect(), "--expect", sites[2].expect())  # no coordinator
+    assert code == 1 and "'coordinator' (" in output and "is not expected" in output, output
+    code, output = sign()  # no terminal
+    assert code == 1 and "nobody can confirm" in output, output
+    monkeypatch.setattr(key_commands, "stdin_is_terminal", lambda: True)
+    code, output = sign(input="n\n")
+    assert code == 1 and "did not confirm" in output, output
+    assert path.read_bytes() == text  # nothing signed by any refusal
+    code, output = sign(
+        "--expect", sites[1].expect(), "--expect", sites[2].expect(), "--expect", coordinator.expect()
+    )
+    assert code == 0 and "every entry matches" in output, output
+    assert set(read_roster_document(path.read_text())[1]) == {"hospital-a"}
