@@ -1553,9 +1553,9 @@ def predict(
     linear score h·w: it ranks images; it is not a probability), then positive(CLASS) for every
     class (1 when score > logit of the file's signed threshold: score > 0 at its default 0.5).
     The decisions are the balanced rule: the weights are fit to class-balanced targets, so a
-    decision weighs a class's sensitivity and specificity equally; it is not calibrated to
-    prevalence (on a rare class it flags many more images than are positive). No probability is
-    offered: none is calibrated.
+    decision weighs a class's positives and negatives equally, aiming at balanced sensitivity and
+    specificity; it is not calibrated to prevalence (on a rare class it flags many more images
+    than are positive). No probability is offered: none is calibrated.
     With --evaluate (labelled --features only): prints BACC, AUC and mAP; --metrics-out writes them.
     """
 
