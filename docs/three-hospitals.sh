@@ -4,6 +4,8 @@
 # file, a SuperLink behind its Fleet-only front and three SuperNodes, on 127.0.0.1 with free ports.
 # Every party command is README's, run from that party's directory; only these differ:
 #   - addresses and ports (--host localhost --ip 127.0.0.1 --port, --listen, --control-port, --node-port),
+#   - the fingerprints README writes as 'SHA256:…' are the ones each party's `keys init` printed
+#     (what the others hear read aloud),
 #   - the "agreed weight file" is a randomly initialised ResNet-18 saved here (no download), and
 #   - each hospital's images are random PNGs with random labels: training images and held-out ones.
 # Files "sent" between parties are copied (cp) in the order of README's table. Then each hospital
@@ -89,20 +91,36 @@ for h in "${HOSPITALS[@]}"; do cp resnet18-agreed.pth "$h/"; done  # each party 
 cp resnet18-agreed.pth coordinator/
 for who in "${HOSPITALS[@]}" coordinator; do (umask 077; printf '%s\n' "${PASS[$who]}" > "$who/pass"); done
 
-echo "== H1. key (each hospital): send ~/.secure-afl/identity.pub.json to the coordinator"
+# FP[ID]: the fingerprint `keys init` printed for ID, as the others hear it read aloud (the script
+# takes it from that party's own output, never from a file that travelled).
+declare -A FP
+fingerprint_of() {  # fingerprint_of ID OUTPUT_FILE: the "fingerprint:" line keys init printed
+  FP[$1]=$(sed -n 's/^fingerprint: *//p' "$2")
+  [[ "${FP[$1]}" =~ ^SHA256:[0-9a-f\ ]+$ ]] || { cat "$2"; echo "FAILED: no fingerprint for $1"; exit 1; }
+}
+
+echo "== H1. key (each hospital): send ~/.secure-afl/identity.pub.json to the coordinator, read the fingerprint aloud"
 for h in "${HOSPITALS[@]}"; do
-  party "$h" "secure-afl keys init --id $h --name \"${NAME[$h]}\" --passphrase-file pass"
+  party "$h" "secure-afl keys init --id $h --name \"${NAME[$h]}\" --passphrase-file pass" > "$h/keys.out"
+  fingerprint_of "$h" "$h/keys.out"
   mkdir -p "coordinator/$h"
-  cp "$h/home/.secure-afl/identity.pub.json" "coordinator/$h/"   # its fingerprint, read aloud: in the roster
+  cp "$h/home/.secure-afl/identity.pub.json" "coordinator/$h/"
+  echo "$h: ${FP[$h]}"
 done
 
-echo "== C1. key (coordinator)"
-party coordinator 'secure-afl keys init --id coordinator --name "Coordinator" --passphrase-file pass'
+echo "== C1. key (coordinator): read its fingerprint aloud to each hospital"
+party coordinator 'secure-afl keys init --id coordinator --name "Coordinator" --passphrase-file pass' \
+    > coordinator/keys.out
+fingerprint_of coordinator coordinator/keys.out
+echo "coordinator: ${FP[coordinator]}"
 
 echo "== C2. provision (coordinator): send fed/kits/ID/ to each hospital"
 party coordinator "secure-afl deploy provision --out fed/ --hospital hospital-a/ --hospital hospital-b/ \
-    --hospital hospital-c/ --passphrase-file pass --host localhost --ip 127.0.0.1 --port $LINK_PORT \
-    --backbone resnet18 --weights resnet18-agreed.pth"
+    --hospital hospital-c/ --fingerprint hospital-a='${FP[hospital-a]}' \
+    --fingerprint hospital-b='${FP[hospital-b]}' --fingerprint hospital-c='${FP[hospital-c]}' \
+    --passphrase-file pass --host localhost --ip 127.0.0.1 --port $LINK_PORT \
+    --backbone resnet18 --weights resnet18-agreed.pth" > coordinator/provision.out
+grep -E "^ok  roster entries" coordinator/provision.out
 for h in "${HOSPITALS[@]}"; do cp -r "coordinator/fed/kits/$h" "$h/kit"; done
 
 echo "== C3. SuperLink (coordinator; keep it running)"
@@ -122,16 +140,32 @@ for h in "${HOSPITALS[@]}"; do
       || { cat "$h/held-out.out"; echo "FAILED: $h held-out features extract"; exit 1; }
 done
 
+echo "== as hospital-a: a join that expects another key for hospital-b is refused, and signs nothing"
+if party hospital-a "secure-afl deploy join kit/ --features features.npz --passphrase-file pass \
+    --expect hospital-b='${FP[hospital-c]}' --expect hospital-c='${FP[hospital-c]}' \
+    --expect coordinator='${FP[coordinator]}' --no-connect" > hospital-a/join-mismatch.out 2>&1; then
+  cat hospital-a/join-mismatch.out; echo "FAILED: a join with a wrong fingerprint co-signed"; exit 1
+fi
+grep -q "FINGERPRINT MISMATCH for 'hospital-b'" hospital-a/join-mismatch.out \
+    || { cat hospital-a/join-mismatch.out; echo "FAILED: not refused for the fingerprint"; exit 1; }
+[ ! -e hospital-a/kit/hospital-a.reply.json ] && [ ! -e hospital-a/kit/state ] \
+    || { echo "FAILED: the refused join wrote into the kit"; exit 1; }
+echo "refused: $(grep -m1 "FINGERPRINT MISMATCH" hospital-a/join-mismatch.out | sed 's/^ *//')"
+
 echo "== H3. join (each hospital): send kit/ID.reply.json to the coordinator"
 declare -A START
 for h in "${HOSPITALS[@]}"; do
   node_port=$(free_port)
+  expect=""  # every other entry, as heard from that party (its own entry is checked by its key)
+  for who in "${HOSPITALS[@]}" coordinator; do
+    [ "$who" = "$h" ] || expect+=" --expect $who='${FP[$who]}'"
+  done
   code=0
-  party "$h" "secure-afl deploy join kit/ --features features.npz --passphrase-file pass --node-port $node_port" \
-      > "$h/join.out" 2>&1 || code=$?
+  party "$h" "secure-afl deploy join kit/ --features features.npz --passphrase-file pass$expect \
+      --node-port $node_port" > "$h/join.out" 2>&1 || code=$?
   # 3: the kit is sound, the other hospitals have not co-signed yet (nobody has, at this point).
   [ "$code" = 3 ] || { cat "$h/join.out"; echo "FAILED: $h join exited $code, not 3 (waiting)"; exit 1; }
-  grep -E "^ok  recorded study|^WAITING" "$h/join.out"
+  grep -E "^ok  roster entries|^ok  recorded study|^WAITING" "$h/join.out"
   START[$h]=$(grep -E "^  .*flower-supernode " "$h/join.out" | sed 's/^  //')
   [ -n "${START[$h]}" ] || { cat "$h/join.out"; echo "FAILED: $h join printed no start command"; exit 1; }
   cp "$h/kit/$h.reply.json" coordinator/

@@ -1306,17 +1306,28 @@ def _key_value_pairs(items: tuple[str, ...], hint: str) -> dict[str, object]:
 @click.option(
     "--force", is_flag=True, help="Replace an existing roster, app, TLS material and kits in --out."
 )
+@click.option("--fingerprint", "expected", multiple=True, metavar="ID=FINGERPRINT",
+              help="A hospital's fingerprint as you heard it from that hospital (`keys init`/`keys show` "
+                   "print it; quote it): repeat for every --hospital. Any mismatch, or a --hospital "
+                   "without one, refuses and writes nothing.")  # fmt: skip
+@click.option("--yes", is_flag=True,
+              help="Do not ask to confirm each hospital's fingerprint (a script that compared them "
+                   "itself). Without --fingerprint or --yes, provision asks at the terminal, and "
+                   "refuses where there is none.")  # fmt: skip
 def deploy_provision(
     out_dir: Path, hospitals: tuple[Path, ...], coordinator_keys: Path | None, passphrase_file: Path | None,
     passphrase_env: str | None, hosts: tuple[str, ...], ips: tuple[str, ...], port: int, federation: str,
     features_path: Path | None, backbone: str | None, weights: Path | None, rounds: int, gamma: float,
     protection: str, round_timeout: float, extra: tuple[str, ...], days: int, force: bool,
+    expected: tuple[str, ...], yes: bool,
 ) -> None:  # fmt: skip
     """Write the federation (the coordinator): roster, CA, app and one kit per hospital.
 
     \b
     Reads:  each --hospital's identity.pub.json, the coordinator's key (decrypted: it signs the
             kits' manifests and, in the run, the classifier), the study's backbone record.
+    Checks: every hospital's fingerprint against --fingerprint ID=FINGERPRINT (or a prompt at the
+            terminal, or --yes), after every other check and before anything is written.
     Writes: OUT/roster.json (to be co-signed), OUT/tls/ (deploy tls's four files), OUT/app/
             (deploy app's pyproject.toml), OUT/server/, and OUT/kits/ID/ for every hospital (0700):
             ca.crt, roster.json, app/pyproject.toml, kit.json (signed manifest), node-config.toml,
@@ -1324,12 +1335,22 @@ def deploy_provision(
     Send each hospital its kit directory; it runs `secure-afl deploy join KIT`.
     """
     from secure_afl.deploy.provision import provision
-    from secure_afl.keys.commands import PUBLIC_FILE, default_key_dir, load_key, read_entry_file
+    from secure_afl.keys.commands import (
+        PUBLIC_FILE,
+        default_key_dir,
+        load_key,
+        read_entry_file,
+        recognition_from_options,
+    )
+    from secure_afl.keys.recognition import RosterNotRecognisedError
 
     if (passphrase_file is None) == (passphrase_env is None):
         raise click.UsageError(
             "give exactly one of --passphrase-file and --passphrase-env (the run reads it too)"
         )
+    recognition = recognition_from_options(
+        expected, yes, "--fingerprint", "Provision a roster of these hospitals?"
+    )
     directory = coordinator_keys or default_key_dir()
     entries = [read_entry_file(p / PUBLIC_FILE if p.is_dir() else p) for p in hospitals]
     coordinator = read_entry_file(directory / PUBLIC_FILE)
@@ -1344,9 +1365,9 @@ def deploy_provision(
         }  # fmt: skip
         result = provision(
             out_dir, entries, coordinator, key, study, hosts=hosts, ips=ips, port=port,
-            federation=federation, days=days, force=force,
+            federation=federation, days=days, force=force, recognition=recognition, say=click.echo,
         )  # fmt: skip
-    except (ConfigurationError, DeploymentError) as exc:
+    except (ConfigurationError, DeploymentError, RosterNotRecognisedError) as exc:
         raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
     out = result.out_dir
     click.echo(f"wrote {out / 'roster.json'}: {len(result.roster)} hospitals, {result.roster.fingerprint}")
@@ -1389,18 +1410,29 @@ def deploy_provision(
 @click.option("--no-connect", is_flag=True, help="Do not check the SuperLink's address and certificate.")
 @click.option("--timeout", type=click.FloatRange(0.1), default=10.0, show_default=True,
               help="Seconds to wait for the SuperLink.")  # fmt: skip
+@click.option("--expect", "expected", multiple=True, metavar="ID=FINGERPRINT",
+              help="An entry's fingerprint as you heard it from that institution (quote it): repeat for "
+                   "every other hospital and the coordinator (yours is checked by your key). Any "
+                   "mismatch, an entry not named, or a name not in the roster refuses: nothing is "
+                   "signed or written.")  # fmt: skip
+@click.option("--yes", is_flag=True,
+              help="Do not ask to confirm each entry (a script that compared the fingerprints itself). "
+                   "Without --expect or --yes, join asks at the terminal, and refuses where there is "
+                   "none.")  # fmt: skip
 def deploy_join(
     kit_dir: Path, features_path: Path, key_dir: Path | None, passphrase_file: Path | None,
     passphrase_env: str | None, state_dir: Path | None, protection: str, extra: tuple[str, ...],
-    node_port: int, user: str | None, no_connect: bool, timeout: float,
+    node_port: int, user: str | None, no_connect: bool, timeout: float, expected: tuple[str, ...],
+    yes: bool,
 ) -> None:  # fmt: skip
     """Check this hospital's kit, co-sign its roster, and print the command that starts the node.
 
     \b
     Checks: the manifest's signature by the roster's coordinator, the CA and the app against it,
     this hospital's key in the roster, its feature file against the study, its ledger and
-    out-dir, the SuperLink's TLS certificate against the kit's CA (unless --no-connect), and
-    the roster's co-signatures.
+    out-dir, the SuperLink's TLS certificate against the kit's CA (unless --no-connect), the
+    roster's co-signatures, and last every roster entry against --expect ID=FINGERPRINT (or a
+    prompt at the terminal, or --yes): it co-signs only a roster whose every entry you recognise.
     Writes in KIT: ID.reply.json (send it to the coordinator: the roster co-signature and the
     SuperNode's key), node-config.toml and supernode.service; in --state-dir: the SuperNode's
     authentication key (0600, once).
@@ -1412,12 +1444,19 @@ def deploy_join(
 
     from secure_afl.deploy.check import NodeCheckError
     from secure_afl.deploy.kit import EXIT_WAITING, KitError, NodeLayout, join_kit
-    from secure_afl.keys.commands import KEY_FILE, default_key_dir, load_public_entry
+    from secure_afl.keys.commands import (
+        KEY_FILE,
+        default_key_dir,
+        load_public_entry,
+        recognition_from_options,
+    )
+    from secure_afl.keys.recognition import RosterNotRecognisedError
 
     if (passphrase_file is None) == (passphrase_env is None):
         raise click.UsageError(
             "give exactly one of --passphrase-file and --passphrase-env (the node reads it)"
         )
+    recognition = recognition_from_options(expected, yes, "--expect", "Co-sign this roster?")
     keys_dir = (key_dir or default_key_dir()).resolve()
     entry = load_public_entry(keys_dir)
     kit = kit_dir.resolve()
@@ -1430,12 +1469,12 @@ def deploy_join(
     )  # fmt: skip
     try:
         result = join_kit(
-            layout, key_entry_public_key=entry.public_key, connect=not no_connect, timeout=timeout,
-            say=click.echo,
+            layout, recognition=recognition, key_entry_public_key=entry.public_key, connect=not no_connect,
+            timeout=timeout, say=click.echo,
         )  # fmt: skip
     except NodeCheckError as exc:
         raise click.ClickException(f"FAILED {exc}") from None
-    except (KitError, ConfigurationError, DeploymentError) as exc:
+    except (KitError, ConfigurationError, DeploymentError, RosterNotRecognisedError) as exc:
         raise click.ClickException(f"FAILED {type(exc).__name__}: {exc}") from None
     click.echo(f"wrote {result.reply_path}: send it to the coordinator (your co-signature and SuperNode key)")
     if not result.ready:
@@ -1511,7 +1550,9 @@ def deploy_collect(
 @click.option("--features", "features_path", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="A feature file (secure-afl-features/v1).")  # fmt: skip
 @click.option("--data-dir", type=click.Path(path_type=Path, file_okay=False), default=None,
-              help="A directory of PNG images (features extracted with the model's backbone).")  # fmt: skip
+              help="Or: a directory of images, PNG or DICOM (.dcm, .dicom), in DIR/images/ or "
+                   "DIR/images_*/images/ (ChestXray14's layout); features are extracted here with the "
+                   "model's backbone.")  # fmt: skip
 @click.option("--weights", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="The backbone's weight file (with --data-dir; default: the library cache).")  # fmt: skip
 @click.option(
@@ -1549,16 +1590,20 @@ def predict(
     evaluate: bool,
     metrics_out: Path | None,
 ) -> None:
-    """Per-image probabilities and decisions of a signed classifier file, as CSV.
+    """Per-image scores and decisions of a signed classifier file, as CSV.
 
     \b
     Reads: --model (classifier.json), --roster (verifies the coordinator's signature), and either
-    --features (a feature file) or --data-dir (PNG images, features extracted here).
-    Writes: --out, a CSV with one row per image: image_id, then p(CLASS) for every class (the
-    probability σ(h·w)), then positive(CLASS) for every class (1 when p > the file's threshold).
+    --features (a feature file) or --data-dir (PNG or DICOM images, features extracted here).
+    Writes: --out, a CSV with one row per image: image_id, then score(CLASS) for every class (the
+    linear score h·w: it ranks images; it is not a probability), then positive(CLASS) for every
+    class (1 when score > logit of the file's signed threshold: score > 0 at its default 0.5).
+    The decisions are the balanced rule: the weights are fit to class-balanced targets, so a
+    decision weighs a class's positives and negatives equally, aiming at balanced sensitivity and
+    specificity; it is not calibrated to prevalence (on a rare class it flags many more images
+    than are positive). No probability is offered: none is calibrated.
     With --evaluate (labelled --features only): prints BACC, AUC and mAP; --metrics-out writes them.
     """
-    import scipy.special
 
     from secure_afl.deploy.classifier import Classifier
     from secure_afl.deploy.errors import ClassifierFileError, ModelMismatchError, RosterMismatchError
@@ -1596,22 +1641,15 @@ def predict(
         click.echo(f"verified: signed by the coordinator {model.signer} ({coordinator.fingerprint})")  # type: ignore[union-attr]
     else:
         click.echo("WARNING: --no-verify: the coordinator's signature was NOT checked", err=True)
-    probabilities = scipy.special.expit(scores)
     decisions = model.decide(scores)
-    model.write_predictions(out_path, ids, probabilities, decisions)
+    model.write_predictions(out_path, ids, scores, decisions)
     for line in [*model.summary_lines(), *model.privacy_lines()]:
         click.echo(line)
     positives = decisions.sum(axis=0)
     counts = ", ".join(f"{c} {int(n)}" for c, n in zip(model.classes, positives, strict=True))
     click.echo(f"wrote {out_path}: {len(ids)} images; positives per class: {counts}")
-    spread = float(np.max(np.abs(probabilities - 0.5))) if probabilities.size else 0.0
-    if spread < 0.01:
-        click.echo(
-            f"note: every probability lies within {spread:.4f} of 0.5. The closed-form solve's scores "
-            "h·w are small when the features' class signal is weak (as in the embedded synthetic "
-            "features) or γ is large; p = σ(h·w) is a monotone score, not a calibrated risk: decisions "
-            "(p > threshold, i.e. h·w > 0 at 0.5) and rankings (AUC) are what to read."
-        )
+    for line in model.prediction_legend():
+        click.echo(f"  {line}")
     if evaluate and labels is not None and features_path is not None:  # require_labels: never None
         result = evaluate_classifier(model, scores, labels, active)
         _print_metrics(result, features_path)
@@ -1626,7 +1664,7 @@ def evaluate_classifier(
     """The simulator's metrics (:func:`secure_afl.sim.metrics.evaluate`) of a classifier's scores on
     the classes a feature file labels (the others' columns are all zeros: unlabelled, not negative).
 
-    AUC and AP rank the scores (logits); BACC scores the file's own decisions (σ(score) > threshold,
+    AUC and AP rank the scores; BACC scores the file's own decisions (score > logit(threshold),
     which is the simulator's ``score > 0`` at the default threshold 0.5).
     """
     from secure_afl.sim.metrics import evaluate
@@ -1687,7 +1725,10 @@ def _extract_directory(model, data_dir: Path, weights: Path | None, cache_dir: P
     )  # fmt: skip
     images = index_images(data_dir)
     if not images:
-        raise ModelMismatchError(f"{data_dir}: no PNG images found")
+        raise ModelMismatchError(
+            f"{data_dir}: no images found (PNG or DICOM, in {data_dir}/images/ or "
+            f"{data_dir}/images_*/images/)"
+        )
     names = sorted(images)
     cache = cache_dir or Path.home() / ".cache" / "secure-afl" / "features"
     result = extract_features([images[n] for n in names], backbone, cache_dir=cache, device=device)

@@ -7,7 +7,8 @@ One JSON document (``secure-afl-classifier/v2``), nothing executable, no pickle:
       "classes": ["Atelectasis", ...],                    # column order of the weights
       "weights": {"dtype": "<f8", "shape": [d, C],         # w_c as columns, little-endian float64
                   "data": base64, "sha256": hex},          # exact bits, and their digest
-      "decision_threshold": 0.5,                           # positive when sigmoid(h . w_c) > 0.5
+      "decision_threshold": 0.5,                           # positive when sigmoid(h . w_c) > 0.5,
+                                                           # i.e. h . w_c > 0: a rule, not a risk
       "backbone": {"name", "weights_id", "preprocessing"}, # what the features must come from
       "preprocessing": "...",                              # the same description, for readers
       "method": {"gamma", "balance", "gram", "rounds", "alpha", "tau", "min_pos", "min_neg"},
@@ -403,45 +404,57 @@ class Classifier:
             raise ModelMismatchError(f"the feature file's classes {tuple(classes)} differ from the model's")
 
     def decision_function(self, features: np.ndarray) -> np.ndarray:
-        """The scores (logits) ``h · w_c`` in float64, N × C."""
+        """The linear scores ``h · w_c`` in float64, N × C (a ranking, not a probability)."""
         features = np.asarray(features)
         if features.ndim != 2 or features.shape[1] != self.dim:
             raise ModelMismatchError(f"features must be N × {self.dim}, got {features.shape}")
         return features.astype(np.float64) @ self.weights
 
-    def predict_proba(self, features: np.ndarray) -> np.ndarray:
-        import scipy.special
-
-        return scipy.special.expit(self.decision_function(features))
-
     def decide(self, scores: np.ndarray) -> np.ndarray:
         """0/1 decisions from the scores: ``σ(score) > threshold``, computed as ``score > logit(threshold)``
         (exactly ``score > 0`` at 0.5, the simulator's rule, where σ would round tiny scores to 0.5)."""
+        return np.asarray(scores) > self.score_threshold
+
+    @property
+    def score_threshold(self) -> float:
+        """The decision threshold on the score ``h · w_c``: ``logit(decision_threshold)``, 0 at 0.5."""
         import scipy.special
 
-        return np.asarray(scores) > scipy.special.logit(self.decision_threshold)
+        return float(scipy.special.logit(self.decision_threshold))
+
+    def prediction_legend(self) -> list[str]:
+        """What the columns of :meth:`write_predictions` are, and the rule behind the decisions."""
+        return [
+            "score(CLASS) = h·w_CLASS, the classifier's linear score: it ranks images (what AUC and mAP "
+            "read); it is not a probability, and none is offered (none is calibrated)",
+            f"positive(CLASS) = 1 when score(CLASS) > {self.score_threshold:g} (the file's signed "
+            f"threshold {self.decision_threshold:g} on σ(score)): the balanced rule. The weights are fit to "
+            "class-balanced targets (+1/N⁺, −1/N⁻), so the rule weighs a class's positives and negatives "
+            "equally: it aims at balanced sensitivity and specificity (what BACC scores), it is not "
+            "calibrated to prevalence, and on a rare class it flags many more images than are positive",
+        ]
 
     def write_predictions(
         self,
         path: Path,
         image_ids: Sequence[str],
-        probabilities: np.ndarray,
+        scores: np.ndarray,
         decisions: np.ndarray | None = None,
     ) -> None:
-        """CSV: ``image_id``, one probability column per class, then one 0/1 decision column per class
-        (``decisions``, default ``probabilities > threshold``)."""
+        """CSV: ``image_id``, one ``score(CLASS)`` column per class (``h · w_c``), then one 0/1
+        ``positive(CLASS)`` column per class (``decisions``, default :meth:`decide` of the scores):
+        see :meth:`prediction_legend`."""
         import csv
 
         if decisions is None:
-            decisions = probabilities > self.decision_threshold
+            decisions = self.decide(scores)
         decisions = np.asarray(decisions).astype(int)
         with open(path, "w", newline="", encoding="utf-8") as handle:
             writer = csv.writer(handle)
-            writer.writerow(
-                ["image_id"] + [f"p({c})" for c in self.classes] + [f"positive({c})" for c in self.classes]
-            )
-            for image_id, row, decision in zip(image_ids, probabilities, decisions, strict=True):
-                writer.writerow([image_id, *(f"{p:.6f}" for p in row), *(int(x) for x in decision)])
+            scores_header = [f"score({c})" for c in self.classes]
+            writer.writerow(["image_id", *scores_header, *(f"positive({c})" for c in self.classes)])
+            for image_id, row, decision in zip(image_ids, scores, decisions, strict=True):
+                writer.writerow([image_id, *(f"{float(x):.9g}" for x in row), *(int(x) for x in decision)])
 
 
 def write_classifier_file(path: str | os.PathLike[str], data: bytes) -> None:

@@ -20,7 +20,10 @@ A kit is one directory per hospital (mode 0700), named after its roster id::
 ``/var/lib/secure-afl-ID``); ``join`` rewrites both for the paths the hospital gives.  Both use
 :func:`render_node_files`, so the two can never differ in form.
 
-Trust: the hospital recognises every roster entry (its co-signature says so); the roster names the
+Trust: the hospital recognises every roster entry (its co-signature says so: ``join`` signs only
+after every entry, the coordinator's included, matched a fingerprint the hospital expected
+(``--expect``), or a person confirmed each at a prompt, or ``--yes`` said it was checked another
+way: :mod:`secure_afl.keys.recognition`); the roster names the
 coordinator, whose signature on kit.json vouches for the CA and the app; the SuperLink's certificate
 must chain to that CA.  So a replaced CA, an altered app or a kit for another hospital is refused
 (:class:`KitTamperedError`), whoever carried the kit.
@@ -51,6 +54,7 @@ from secure_afl.keys.cosign import (
     sign_roster,
 )
 from secure_afl.keys.identity import IdentityKey
+from secure_afl.keys.recognition import Recognition
 from secure_afl.keys.roster import Roster, RosterError
 
 from .errors import ConfigurationError, DeploymentError
@@ -328,9 +332,11 @@ study digest: {manifest.study_digest}
 1. Check every roster entry: `secure-afl keys roster show --roster roster.json`. Each id and
    fingerprint must be one you heard from that institution itself (read aloud, not by e-mail).
 2. secure-afl deploy join THIS_DIR --features FEATURES.npz --passphrase-file FILE (or
-   --passphrase-env VAR) [--key-dir DIR] [--state-dir DIR]: checks the kit (the coordinator's
-   signature, the CA, the app), your key, your features against the study, the SuperLink; co-signs
-   the roster; writes {manifest.institution}.reply.json, node-config.toml and supernode.service.
+   --passphrase-env VAR) --expect ID='SHA256:...' for every other entry, the coordinator's
+   included (or, at a terminal, answer its prompt) [--key-dir DIR] [--state-dir DIR]: checks the
+   kit (the coordinator's signature, the CA, the app), your key, your features against the study,
+   the SuperLink, every entry's fingerprint; co-signs the roster; writes
+   {manifest.institution}.reply.json, node-config.toml and supernode.service.
 3. Send {manifest.institution}.reply.json to the coordinator. It returns roster.json co-signed by every
    institution: put it here (same name). Running step 2 again checks it and exits 0 (optional: the
    node itself refuses a roster that an institution has not co-signed).
@@ -502,6 +508,7 @@ def read_kit(kit_dir: Path) -> tuple[Manifest, CosignatureStatus]:
 def join_kit(
     layout: NodeLayout,
     *,
+    recognition: Recognition,
     key_entry_public_key: bytes | None = None,
     connect: bool = True,
     timeout: float = 10.0,
@@ -509,7 +516,13 @@ def join_kit(
 ) -> JoinResult:
     """Check a kit and complete it for this hospital: see the module's docstring.
 
-    Raises :class:`KitError` / :class:`KitTamperedError` for the kit, and
+    ``recognition``: how the hospital recognises every roster entry, the coordinator's included
+    (its own entry is verified by its key); checked once the kit is verified and before the node's
+    checks (which record the study in the ledger), so a refusal leaves no reply, node file,
+    SuperNode key or recorded study.
+
+    Raises :class:`KitError` / :class:`KitTamperedError` for the kit,
+    :class:`~secure_afl.keys.recognition.RosterNotRecognisedError` for an entry not recognised, and
     :class:`~secure_afl.deploy.check.NodeCheckError` (the run's own error, named) for the node.
     """
     from .check import NodeCheckError, check_node, study_from_file
@@ -533,13 +546,21 @@ def join_kit(
                 f"{kit_dir}: this kit was made for {manifest.institution!r}, your key is "
                 f"{mine[0].client_id!r} in the roster: ask the coordinator for your own kit"
             )
+    # The human step, before anything is written (check_node records the study in the ledger): every
+    # entry, the coordinator's included, must be recognised, or nothing is signed or written (no
+    # reply, no node files, no SuperNode key, no recorded study).  This hospital's own entry is
+    # verified by its key (here, and by _identity below before anything is signed).
     say(f"roster {roster.fingerprint}: {len(roster)} institutions; co-sign it only if you recognise each:")
     for entry in roster:
         mark = " (you)" if entry.client_id == manifest.institution else ""
         say(f"      {entry.client_id:<20} {entry.fingerprint}  {entry.name}{mark}")
-    if roster.coordinator is not None:
-        c = roster.coordinator
-        say(f"      {c.client_id:<20} {c.fingerprint}  {c.name} (coordinator)")
+    coordinator = roster.coordinator
+    assert coordinator is not None  # Manifest.verified refuses a roster without one
+    say(f"      {coordinator.client_id:<20} {coordinator.fingerprint}  {coordinator.name} (coordinator)")
+    how = recognition.verify(  # RosterNotRecognisedError
+        (*roster.entries, coordinator), known=(manifest.institution,), what=f"the roster {roster.fingerprint}"
+    )
+    say(f"ok  roster entries: {how}")
     config = layout.node_config()
     # The node's own checks, on the node config it will run with (while some co-signatures are
     # missing, every other check still runs: the node itself would refuse the roster).

@@ -31,6 +31,7 @@ from secure_afl.keys.cosign import (
     read_roster_document,
 )
 from secure_afl.keys.identity import IdentityKey
+from secure_afl.keys.recognition import Recognition
 from secure_afl.keys.roster import Roster, RosterEntry, RosterError
 
 from .errors import ConfigurationError, DeploymentError
@@ -128,8 +129,14 @@ def provision(
     federation: str = "federation",
     days: int = 365,
     force: bool = False,
+    recognition: Recognition,
+    say: Say = print,
 ) -> ProvisionResult:
     """Write the roster, the TLS material, the coordinator's app and one kit per hospital.
+
+    ``recognition``: how the coordinator recognises every hospital's entry (each id with the
+    fingerprint heard from that hospital itself); checked after every other check, before anything
+    is written (:class:`~secure_afl.keys.recognition.RosterNotRecognisedError`).
 
     ``coordinator_key`` (already decrypted) signs every kit's manifest; it is never written into the
     app: ``deploy run`` signs the classifier in its own process, the ServerApp never holds the key.
@@ -169,6 +176,15 @@ def provision(
     }
     study = study_from_run_config(config)  # every value checked before anything is written
     parse_colluders(config.get("colluders", "n-t"), len(roster), study.threshold_for(len(roster)))
+    say(f"roster {roster.fingerprint}: {len(roster)} hospitals; provision it only if you recognise each:")
+    for entry in roster:
+        say(f"      {entry.client_id:<20} {entry.fingerprint}  {entry.name}")
+    how = recognition.verify(  # RosterNotRecognisedError: nothing written yet
+        (*roster.entries, coordinator),
+        known=(coordinator.client_id,),
+        what=f"the roster {roster.fingerprint}",
+    )
+    say(f"ok  roster entries: {how}")
     out_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     write_text(out_dir / ROSTER_FILE, roster.to_json() + "\n", 0o644)
     try:

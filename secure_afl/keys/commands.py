@@ -15,12 +15,15 @@ import json
 import os
 import secrets
 import stat
+import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import click
 
 from .files import KeyFileError, load_identity_key, save_identity_key
 from .identity import IdentityKey, fingerprint
+from .recognition import Recognition
 from .roster import Roster, RosterEntry, RosterError
 
 KEY_FILE = "identity.key"
@@ -157,17 +160,42 @@ def _b64(text: object) -> bytes:
 
 
 def normalise_fingerprint(text: str) -> str:
-    """``SHA256:ab12 cd34 ...`` from any spacing or case, with or without the ``SHA256:`` prefix."""
-    compact = text.strip()
-    if compact.upper().startswith("SHA256:"):
-        compact = compact[7:]
-    compact = "".join(compact.split()).lower()
-    if len(compact) != 64 or any(c not in "0123456789abcdef" for c in compact):
-        raise click.BadParameter(
-            f"{text!r} is not a fingerprint: expected 64 hex digits, as `secure-afl keys show` prints them",
-            param_hint="--fingerprint",
+    """``SHA256:ab12 cd34 ...`` from any spacing or case, with or without the ``SHA256:`` prefix
+    (:func:`secure_afl.keys.recognition.parse_fingerprint`)."""
+    from .recognition import FingerprintSyntaxError, parse_fingerprint
+
+    try:
+        return parse_fingerprint(text)
+    except FingerprintSyntaxError as exc:
+        raise click.BadParameter(str(exc), param_hint="--fingerprint") from None
+
+
+def stdin_is_terminal() -> bool:
+    """Whether a person can answer a prompt here (standard input is a terminal)."""
+    return sys.stdin is not None and sys.stdin.isatty()
+
+
+def recognition_from_options(expected: Sequence[str], yes: bool, option: str, question: str) -> Recognition:
+    """A command's way of recognising a roster's entries (:mod:`secure_afl.keys.recognition`): the
+    expected ``ID=FINGERPRINT`` items of ``option``, ``--yes``, or else a prompt asking ``question``
+    where a person can answer one (where nobody can, none: the entries are then refused)."""
+    from .recognition import FingerprintSyntaxError, RecognitionModeError
+
+    def confirm(entries: Sequence[RosterEntry]) -> bool:
+        return click.confirm(
+            f"{question} Answer y only if each of these {len(entries)} ids and fingerprints is one you heard "
+            "from that institution itself",
+            default=False,
         )
-    return "SHA256:" + " ".join(compact[i : i + 4] for i in range(0, 64, 4))
+
+    try:
+        return Recognition.from_options(
+            expected, assume_recognised=yes, confirm=confirm if stdin_is_terminal() else None
+        )
+    except FingerprintSyntaxError as exc:
+        raise click.BadParameter(str(exc), param_hint=option) from None
+    except RecognitionModeError as exc:
+        raise click.UsageError(f"{option} and --yes: {exc}") from None
 
 
 def load_roster_file(path: Path) -> Roster:
@@ -466,8 +494,28 @@ def _show_cosignatures(roster_path: Path) -> None:
 @_roster_option
 @_passphrase_option
 @_dir_option
+@click.option(
+    "--expect",
+    "expected",
+    multiple=True,
+    metavar="ID=FINGERPRINT",
+    help="An entry's fingerprint as you heard it from that institution (quote it): repeat for every "
+    "other institution and the coordinator. Any mismatch, an entry not named, or a name not in the "
+    "roster refuses: nothing is signed.",
+)
+@click.option(
+    "--yes",
+    is_flag=True,
+    help="Do not ask to confirm each entry (a script that compared the fingerprints itself). Without "
+    "--expect or --yes, sign asks at the terminal, and refuses where there is none.",
+)
 def roster_sign(
-    roster_path: Path, passphrase_file: Path | None, passphrase_env: str | None, directory: Path | None
+    roster_path: Path,
+    passphrase_file: Path | None,
+    passphrase_env: str | None,
+    directory: Path | None,
+    expected: tuple[str, ...],
+    yes: bool,
 ) -> None:
     """Co-sign the roster with this institution's key, only if you recognise every entry.
 
@@ -476,9 +524,13 @@ def roster_sign(
     co-signatures already there, each verified). A node takes part only under a roster that every
     institution co-signed (secure_afl/keys/cosign.py). `secure-afl deploy join KIT` does the same
     for a provisioned kit. Signing says: every id, name and fingerprint below is one this
-    institution heard from that institution itself.
+    institution heard from that institution itself: --expect ID=FINGERPRINT checks it, or the
+    terminal prompt asks (--yes: you compared them another way).
     """
     from .cosign import check_cosignatures, cosigned_roster_json, read_roster_document, sign_roster
+    from .recognition import RosterNotRecognisedError
+
+    recognition = recognition_from_options(expected, yes, "--expect", "Co-sign this roster?")
 
     try:
         current, cosignatures = read_roster_document(roster_path.read_text(encoding="utf-8"))
@@ -493,10 +545,22 @@ def roster_sign(
         client_id, signature = sign_roster(current, key)
     except RosterError as exc:
         raise click.ClickException(f"{roster_path}: {exc}") from None
-    cosignatures[client_id] = signature
-    write_roster_file_text(roster_path, cosigned_roster_json(current, cosignatures))
     for entry in current:
         click.echo(f"{entry.client_id:<20} {entry.fingerprint}  {entry.name}")
+    entries = tuple(current.entries)
+    if current.coordinator is not None:
+        c = current.coordinator
+        click.echo(f"{c.client_id:<20} {c.fingerprint}  {c.name}  (coordinator)")
+        entries += (c,)
+    try:
+        how = recognition.verify(
+            entries, known=(client_id,), what=f"{roster_path}: the roster {current.fingerprint}"
+        )
+    except RosterNotRecognisedError as exc:
+        raise click.ClickException(f"RosterNotRecognisedError: {exc}") from None
+    click.echo(f"ok  roster entries: {how}")
+    cosignatures[client_id] = signature
+    write_roster_file_text(roster_path, cosigned_roster_json(current, cosignatures))
     click.echo(
         f"{client_id} co-signed the roster {current.fingerprint} ({len(current)} institutions) in "
         f"{roster_path}"

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import scipy.special
 from click.testing import CliRunner
 
 from secure_afl.cli import main
@@ -125,7 +124,7 @@ def test_classifier_file_round_trips_exactly_and_detects_corruption(tmp_path: Pa
         Classifier.load(path, roster=ROSTER)
 
 
-def test_predict_writes_probabilities_and_decisions(tmp_path: Path) -> None:
+def test_predict_writes_scores_and_decisions(tmp_path: Path) -> None:
     classifier = _classifier()
     model = _save(tmp_path, classifier)
     features = _features(tmp_path)
@@ -137,24 +136,39 @@ def test_predict_writes_probabilities_and_decisions(tmp_path: Path) -> None:
     )  # fmt: skip
     assert result.exit_code == 0, result.output
     rows = list(csv.reader(out.open()))
-    assert rows[0] == ["image_id", "p(A)", "p(B)", "positive(A)", "positive(B)"]
+    assert rows[0] == ["image_id", "score(A)", "score(B)", "positive(A)", "positive(B)"]
     data = load_feature_file(features)
-    expected = scipy.special.expit(data.features.astype(np.float64) @ classifier.weights)
+    expected = data.features.astype(np.float64) @ classifier.weights
     assert [r[0] for r in rows[1:]] == list(data.image_ids)
-    assert np.allclose([[float(x) for x in r[1:3]] for r in rows[1:]], expected, atol=1e-6)
-    assert [[int(x) for x in r[3:]] for r in rows[1:]] == (expected > 0.5).astype(int).tolist()
+    assert np.allclose([[float(x) for x in r[1:3]] for r in rows[1:]], expected, rtol=1e-8, atol=0)
+    assert [[int(x) for x in r[3:]] for r in rows[1:]] == (expected > 0).astype(int).tolist()
 
 
-def test_predict_explains_probabilities_that_all_sit_at_one_half(tmp_path: Path) -> None:
+def test_predict_states_its_decision_rule_and_offers_no_probability(tmp_path: Path) -> None:
     features = _features(tmp_path)
-    for scale, noted in ((1.0, False), (1e-4, True)):
-        model = _save(tmp_path, _classifier(weights=scale * _classifier().weights), name=f"{scale}.json")
+    data = load_feature_file(features)
+    for scale in (1.0, 1e-4):  # at 1e-4 every σ(score) would lie within 1e-4 of 0.5
+        classifier = _classifier(weights=scale * _classifier().weights)
+        model = _save(tmp_path, classifier, name=f"{scale}.json")
+        out = tmp_path / f"{scale}.csv"
         result = CliRunner().invoke(main, ["predict", "--model", str(model), "--roster",
                                            str(tmp_path / "roster.json"), "--features", str(features),
-                                           "--out", str(tmp_path / "p.csv")])  # fmt: skip
+                                           "--out", str(out)])  # fmt: skip
         assert result.exit_code == 0, result.output
-        assert ("note: every probability lies within" in result.output) is noted
-        assert ("not a calibrated risk" in result.output) is noted
+        assert "score(CLASS) = h·w_CLASS" in result.output and "it is not a probability" in result.output
+        assert "positive(CLASS) = 1 when score(CLASS) > 0 (the file's signed threshold 0.5" in result.output
+        assert "balanced sensitivity and specificity" in result.output
+        assert "not calibrated to prevalence" in result.output
+        rows = list(csv.reader(out.open()))
+        assert not any(name.startswith("p(") for name in rows[0])
+        # Tiny scores keep their sign and their decisions (σ would have rounded them towards 0.5).
+        scores = np.array([[float(x) for x in r[1:3]] for r in rows[1:]])
+        expected = data.features.astype(np.float64) @ classifier.weights
+        assert np.allclose(scores, expected, rtol=1e-8, atol=0)
+        assert [[int(x) for x in r[3:]] for r in rows[1:]] == (expected > 0).astype(int).tolist()
+    help_text = CliRunner().invoke(main, ["predict", "--help"]).output
+    assert "score(CLASS)" in help_text and "not a probability" in help_text and "p(CLASS)" not in help_text
+    assert "not calibrated to" in help_text and "PNG or DICOM" in help_text
 
 
 @pytest.mark.parametrize(

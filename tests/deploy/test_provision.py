@@ -112,7 +112,7 @@ def _provision(tmp_path: Path) -> Provisioned:
         "provision", "--out", out, *(a for s in sites.values() for a in ("--hospital", s.keys)),
         "--coordinator-keys", coordinator.keys, "--passphrase-file", coordinator.passfile,
         "--ip", "127.0.0.1", "--port", port, "--features", sites["hospital-a"].features,
-        "--set", "colluders=0",
+        "--set", "colluders=0", "--yes",
     )  # fmt: skip
     assert code == 0, output
     for site in sites.values():  # each hospital receives its kit directory
@@ -122,7 +122,7 @@ def _provision(tmp_path: Path) -> Provisioned:
 
 def _join(site: Site, *extra: object, connect: bool = False) -> tuple[int, str]:
     args = ["join", site.kit, "--features", site.features, "--key-dir", site.keys]
-    args += ["--passphrase-file", site.passfile, "--set", "colluders=0", *extra]
+    args += ["--passphrase-file", site.passfile, "--set", "colluders=0", "--yes", *extra]
     return _invoke(*args, *([] if connect else ["--no-connect"]))
 
 
@@ -294,7 +294,7 @@ def test_join_refuses_a_replaced_ca_an_altered_app_or_manifest_and_another_hospi
     resnet = _site(tmp_path / "resnet", "hospital-a", backbone="resnet50")
     code, output = _invoke(
         "join", a.kit, "--features", resnet.features, "--key-dir", a.keys, "--passphrase-file", a.passfile,
-        "--no-connect",
+        "--no-connect", "--yes",
     )  # fmt: skip
     assert code == 1 and "feature file against the study: StudyMismatchError:" in output
     assert "backbone name is 'toy', this feature file's is 'resnet50'" in output

@@ -120,7 +120,7 @@ def test_keys_roster_sign_adds_each_signature_and_roster_add_drops_them(tmp_path
         directory = tmp_path / cid
         directory.mkdir()
         save_identity_key(directory / "identity.key", key, b"a long test passphrase", scrypt_n=2**10)
-        args = ["roster", "sign", "--roster", str(path), "--dir", str(directory)]
+        args = ["roster", "sign", "--roster", str(path), "--dir", str(directory), "--yes"]
         result = runner.invoke(keys, [*args, "--passphrase-file", str(passfile)])
         assert result.exit_code == 0, result.output
         assert f"{cid} co-signed the roster {roster.fingerprint}" in result.output
