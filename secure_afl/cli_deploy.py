@@ -604,10 +604,11 @@ def _run_config_value(text: str) -> object:
     return {"true": True, "false": False}.get(text.lower(), text)
 
 
-def _synthetic_image_digests(names: np.ndarray) -> list[str]:
-    """The embedded cohort's stand-in for each row's image-file digest (its features are synthetic):
-    SHA-256 of the image's name, so a rerun of `deploy local` names the same images."""
-    return [hashlib.sha256(b"secure-afl/synthetic-image\x00" + str(n).encode()).hexdigest() for n in names]
+def _synthetic_image_digests(names: np.ndarray, of: str = "image") -> list[str]:
+    """The embedded cohort's stand-in for each row's image-file digest (``of="image"``) or pixel
+    digest (``of="pixels"``; its features are synthetic): SHA-256 of the image's name, so a rerun of
+    `deploy local` names the same images."""
+    return [hashlib.sha256(f"secure-afl/synthetic-{of}\x00{n}".encode()).hexdigest() for n in names]
 
 
 def _backbone_record(features: Path | None, backbone: str | None, weights: Path | None) -> dict[str, object]:
@@ -888,6 +889,7 @@ def deploy_local(
                 preprocessing=study.backbone["preprocessing"],
                 patient_ids=[str(p) for p in data.cohort.patient_ids[rows]],
                 image_sha256=_synthetic_image_digests(data.cohort.image_names[rows]),
+                pixel_sha256=_synthetic_image_digests(data.cohort.image_names[rows], "pixels"),
             )  # fmt: skip
             client_data[cid] = (data.features[rows], labels, tuple(assignment.active[k]))
 

@@ -365,6 +365,15 @@ def _summary(path: Path, data: FeatureFile, digest: str) -> list[str]:
         same_pixels = len(data.pixel_sha256) - len(set(data.pixel_sha256))
         extra = f"; {same_pixels} rows repeat another row's pixels" if same_pixels else ""
         lines.append(f"pixel digests  present (SHA-256 of each decoded image{extra})")
+    elif data.image_sha256 is not None:
+        lines.append(
+            "pixel digests  absent: no node releases this file (a lossless re-export of its images "
+            f"would not be recognised); {REEXTRACT_ADVICE}"
+        )
+    if data.sop_instance_uids is not None:
+        lines.append(
+            f"DICOM UIDs     {sum(map(bool, data.sop_instance_uids))} rows name their SOP Instance UID"
+        )
     lines += [
         f"backbone       {data.backbone}",
         f"weights-id     {data.weights_id}",
@@ -391,6 +400,7 @@ def _toml_string(value: str) -> str:
 
 def _summary_json(path: Path, data: FeatureFile, digest: str) -> dict[str, object]:
     labels = data.labels
+    uids = None if data.sop_instance_uids is None else sum(map(bool, data.sop_instance_uids))
     positives = {} if labels is None else {data.classes[c]: int(labels[:, c].sum()) for c in data.active}
     return {
         "file": str(path),
@@ -407,6 +417,7 @@ def _summary_json(path: Path, data: FeatureFile, digest: str) -> dict[str, objec
         "image_digests": data.image_sha256 is not None,
         "distinct_images": len(set(data.image_sha256)) if data.image_sha256 is not None else None,
         "pixel_digests": data.pixel_sha256 is not None,
+        "sop_instance_uids": uids,
         "backbone": data.backbone,
         "weights_id": data.weights_id,
         "preprocessing": data.preprocessing,
@@ -577,9 +588,12 @@ def extract(
     MONOCHROME1 is inverted. Compressed DICOM is read where a decoder is installed
     (RLE, JPEG Baseline, JPEG 2000); others are left out with the reason and how to
     convert them (gdcmconv --raw IN OUT).
-    Each row records the SHA-256 of its image file's bytes (image_sha256): the image
-    named by its content, which the ledger counts releases by, and which keys the
-    cache, so images overwritten under the same names get fresh features.
+    Each row records the SHA-256 of its image file's bytes (image_sha256), which keys the
+    cache (images overwritten under the same names get fresh features), the SHA-256 of
+    its decoded pixels (pixel_sha256) and, for DICOM, its SOP Instance UID: the names
+    the ledger counts releases by (one image: any name agrees; a lossless re-export
+    keeps the pixels). A file listing one image twice is written, with a note, but no
+    node releases it.
 
     \b
     The labels CSV (--labels), UTF-8, comma-separated, a header line first:
@@ -636,7 +650,12 @@ def extract(
         raise click.BadParameter(f"{out_path} is a directory; give a file name", param_hint="--out")
 
     from secure_afl.features.backbones import UnknownBackboneError, WeightsError, load_backbone
-    from secure_afl.features.images import ImageChangedError, ImagesNotFoundError
+    from secure_afl.features.images import (
+        DicomError,
+        ImageChangedError,
+        ImagesNotFoundError,
+        sop_instance_uid,
+    )
 
     try:
         if dataset == "nih":
@@ -680,6 +699,12 @@ def extract(
     assert all(d is not None for d in digests)  # a file unreadable when hashed was skipped
     pixels = [result.pixel_sha256[i] for i in keep]
     try:
+        uids = [sop_instance_uid(data.paths[i]) for i in keep]  # DICOM: a third name of the image
+    except (DicomError, OSError) as exc:  # changed or removed since its pixels were read
+        raise click.ClickException(
+            f"{type(exc).__name__}: {exc}; nothing was written to {out_path}"
+        ) from None
+    try:
         save_feature_file(
             out_path,
             result.features[keep],
@@ -693,6 +718,7 @@ def extract(
             patient_ids=[data.patient_ids[i] for i in keep] if write_patients else None,  # type: ignore[index]
             image_sha256=digests,  # type: ignore[arg-type]
             pixel_sha256=pixels,  # type: ignore[arg-type]
+            sop_instance_uids=uids if any(uids) else None,
         )
         written = load_feature_file(out_path)
     except FeatureFileError as exc:
@@ -717,6 +743,10 @@ def extract(
             f"note: {same_pixels} further images decode to the same pixels as another image read here "
             "(the same X-ray exported twice?); their rows are kept"
         )
+    try:
+        written.require_image_identities()
+    except FeatureFileError as exc:  # one image in two rows: written, but no node releases it
+        click.echo(f"note: no federation node releases this file as it is: {exc}")
     unlabelled_sources = [c for c in data.labelled if data.classes.index(c) not in active]
     if unlabelled_sources:
         click.echo(f"note: labels of {', '.join(unlabelled_sources)} were not recorded (not in --active)")

@@ -235,11 +235,12 @@ def _unreleased(settings: Any, client_id: str, identity: Any, study: Any) -> int
     from secure_afl.privacy.release import Release
     from secure_afl.protocol.exposure_gate import check_images_unreleased
 
-    digests = load_feature_file(settings.features, require_labels=True).require_image_digests()
+    names = load_feature_file(settings.features, require_labels=True).require_image_identities()
     if not study.extends:
         state = FileLedger(settings.ledger_dir).load(LedgerOwner(client_id, identity))
-        check_images_unreleased(Release.of({}, images=digests), state)
-    return len(digests)
+        release = Release.of({}, images=[row[0] for row in names], aliases=[row[1:] for row in names])
+        check_images_unreleased(release, state)
+    return len(names)
 
 
 def _ledger_state(directory: Path, client_id: str, identity: Any) -> str:

@@ -666,7 +666,7 @@ def _inputs(
         raise SessionReplayError(f"unknown session {label!r}")
     method = study.method
     clean = None
-    images = data.require_image_digests()  # the release's unit: no digests, no release
+    images = data.require_image_identities()  # the release's unit: each row's image by all its names
     if study.dp is not None:
         layout, contributions, clean, keep = _private_inputs(
             label, study, data, envelope, groups, settings, roster_size, client_id
@@ -704,7 +704,8 @@ def _inputs(
     scope = release_scope(study, label)
     release = Release.of(
         inputs if clean is None else _flat(layout, clean),
-        images=images,
+        images=[names[0] for names in images],
+        aliases=[names[1:] for names in images],
         scope=scope,
         reuses=release_scope(study, "1") if label == "2" else "",
     )
@@ -724,7 +725,8 @@ def _unreleased(data: Any, settings: NodeSettings, client_id: str, identity: Ide
     from secure_afl.privacy.ledger import LedgerOwner
 
     released = _ledger(settings).load(LedgerOwner(client_id, identity)).released_images(b"")
-    keep = np.array([bytes.fromhex(d) not in released for d in data.require_image_digests()], dtype=bool)
+    names = data.require_image_identities()  # an image is released when any of its names is
+    keep = np.array([released.keys().isdisjoint(row) for row in names], dtype=bool)
     log(settings, f"{client_id}: growing study: {int(keep.sum())} of {len(keep)} rows are new images")
 
     def rows(values: Any) -> Any:
@@ -736,7 +738,9 @@ def _unreleased(data: Any, settings: NodeSettings, client_id: str, identity: Ide
         labels=data.labels[keep],
         image_ids=rows(data.image_ids),
         patient_ids=rows(data.patient_ids),
-        image_sha256=rows(data.require_image_digests()),
+        image_sha256=rows(data.image_sha256),
+        pixel_sha256=rows(data.pixel_sha256),
+        sop_instance_uids=rows(data.sop_instance_uids),
     )
 
 

@@ -21,20 +21,26 @@ name               dtype / shape                  meaning
                                                   protects patients (``dp-unit = "patient"``), which
                                                   caps each patient's images before the statistics
 ``image_sha256``   str, N (optional)              SHA-256 of each row's image file (64 lowercase hex
-                                                  digits): the image named by its content, which the
-                                                  ledger counts releases by (one release per image).
-                                                  Two rows may share a digest: two files with the same
-                                                  bytes are one image, kept as two rows; a ledger counts
-                                                  it once. Files written before digests were recorded
-                                                  lack the array: they still load, and
-                                                  :meth:`FeatureFile.require_image_digests` refuses
-                                                  them where digests are needed
+                                                  digits): one of the names the ledger counts releases
+                                                  by (one release per image). Files written before
+                                                  digests were recorded lack the array: they still
+                                                  load, and :meth:`FeatureFile.require_image_digests`
+                                                  refuses them where digests are needed
 ``pixel_sha256``   str, N (optional)              SHA-256 of each row's decoded 8-bit image (size and
                                                   pixels, :func:`secure_afl.features.images.pixel_sha256`):
                                                   the same X-ray re-exported losslessly (recompressed,
                                                   new DICOM UIDs or metadata) keeps it while its file
-                                                  digest changes; written by ``features extract``
+                                                  digest changes; written by ``features extract``.
+                                                  A release needs it
+                                                  (:meth:`FeatureFile.require_image_identities`)
+``sop_instance_uid`` str, N (optional)            each row's DICOM SOP Instance UID, ``""`` for a row
+                                                  without one (a PNG); written by ``features extract``
 =================  =============================  ==================================================
+
+Each row's image has up to three names (:func:`secure_afl.privacy.release.image_keys`): its file
+digest, its pixel digest and its SOP Instance UID; two rows are one image when any name agrees.
+Two rows of one image may be written (``features extract`` keeps both, and says so), but no release
+takes such a file: :meth:`FeatureFile.require_image_identities` refuses it, naming both rows.
 
 The backbone fields travel into the classifier file, and ``predict`` refuses features whose
 backbone, weights or preprocessing differ from the model's.
@@ -67,8 +73,9 @@ _NAMES = (
     "weights_id",
     "preprocessing",
 )
-_OPTIONAL_NAMES = ("patient_ids", "image_sha256", "pixel_sha256")
+_OPTIONAL_NAMES = ("patient_ids", "image_sha256", "pixel_sha256", "sop_instance_uid")
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+_DICOM_UID = re.compile(r"[0-9]+(\.[0-9]+)*")  # PS3.5 9.1: digits and dots, at most 64 characters
 PRIVATE_FILE_MODE = 0o600  # feature files and cache files: the hospital's user only
 PRIVATE_DIR_MODE = 0o700  # directories features/ creates for them
 REEXTRACT_ADVICE = "re-extract with `secure-afl features extract`"
@@ -105,6 +112,11 @@ class FeatureFileError(ValueError):
     """A feature file that is missing, malformed or inconsistent (the message says which field)."""
 
 
+class RepeatedImageRowsError(FeatureFileError):
+    """A feature file that lists one image in two rows (by any of its names): a release would count
+    that image twice.  ``rows`` are the two rows' indices, ``image_ids`` their ids."""
+
+
 @dataclass(frozen=True)
 class FeatureFile:
     features: np.ndarray
@@ -118,6 +130,7 @@ class FeatureFile:
     patient_ids: tuple[str, ...] | None = None
     image_sha256: tuple[str, ...] | None = None  # per row: SHA-256 of the image file's bytes
     pixel_sha256: tuple[str, ...] | None = None  # per row: SHA-256 of the decoded image
+    sop_instance_uids: tuple[str, ...] | None = None  # per row: DICOM SOP Instance UID, "" if none
     path: Path | None = field(default=None, compare=False)  # where it was read from, for messages
 
     @property
@@ -134,6 +147,43 @@ class FeatureFile:
                 f"recorded: {REEXTRACT_ADVICE} (the feature cache makes that quick)"
             )
         return self.image_sha256
+
+    def require_image_identities(self) -> tuple[tuple[bytes, ...], ...]:
+        """Per row, its image's names (:func:`secure_afl.privacy.release.image_keys`: file digest
+        first, then the pixel digest and the SOP Instance UID), what a release counts images by.
+
+        Refuses (:class:`FeatureFileError`) a file without file or pixel digests, written before they
+        were recorded: its images would be known by their file bytes only, which a lossless
+        re-export changes; and (:class:`RepeatedImageRowsError`) a file that lists one image in two
+        rows, naming both."""
+        from secure_afl.privacy.release import first_repeat, image_keys
+
+        files = self.require_image_digests()
+        where = f"{self.path}: " if self.path is not None else ""
+        if self.pixel_sha256 is None:
+            raise FeatureFileError(
+                f"{where}this feature file has no pixel digests (pixel_sha256: the SHA-256 of each row's "
+                "decoded image, which names an image across lossless re-exports, so that a re-encoded copy "
+                f"of a released image is not released again); it was written before they were recorded: "
+                f"{REEXTRACT_ADVICE} (the feature cache makes that quick)"
+            )
+        uids = self.sop_instance_uids or ("",) * len(files)
+        rows = tuple(
+            image_keys(file, pixels, uid)
+            for file, pixels, uid in zip(files, self.pixel_sha256, uids, strict=True)
+        )
+        repeat = first_repeat(rows)
+        if repeat is not None:
+            first, second, name = repeat
+            ids = (self.image_ids[first], self.image_ids[second])
+            error = RepeatedImageRowsError(
+                f"{where}rows {first} ({ids[0]}) and {second} ({ids[1]}) are one image (the same {name}): "
+                "a release would count it twice, twice the weight (and the sensitivity) of one image. "
+                f"Remove one of them from the labels CSV and {REEXTRACT_ADVICE}"
+            )
+            error.rows, error.image_ids = (first, second), ids
+            raise error
+        return rows
 
     def describe_backbone(self) -> dict[str, str]:
         return {"name": self.backbone, "weights_id": self.weights_id, "preprocessing": self.preprocessing}
@@ -153,6 +203,7 @@ def save_feature_file(
     patient_ids: Sequence[str] | None = None,
     image_sha256: Sequence[str] | None = None,
     pixel_sha256: Sequence[str] | None = None,
+    sop_instance_uids: Sequence[str] | None = None,
 ) -> None:
     """Write a feature file (checked as it would be read), mode 0600; a temporary file is renamed into place.
 
@@ -188,6 +239,8 @@ def save_feature_file(
         arrays["image_sha256"] = np.array([str(d) for d in image_sha256], dtype=str)
     if pixel_sha256 is not None:
         arrays["pixel_sha256"] = np.array([str(d) for d in pixel_sha256], dtype=str)
+    if sop_instance_uids is not None:
+        arrays["sop_instance_uid"] = np.array([str(u) for u in sop_instance_uids], dtype="<U64")
     _validate(Path(path), arrays)
     path = Path(path)
     temporary = path.with_name(f".{path.name}.tmp.npz")
@@ -282,6 +335,7 @@ def _validate(path: Path, arrays: dict[str, np.ndarray]) -> FeatureFile:
         raise FeatureFileError(f"{path}: 'patient_ids' must hold one string per feature row ({n})")
     digests = _digests(path, arrays, "image_sha256", n)
     pixel_digests = _digests(path, arrays, "pixel_sha256", n)
+    uids = _sop_instance_uids(path, arrays, n)
     return FeatureFile(
         features=features,
         image_ids=tuple(ids.tolist()),
@@ -294,6 +348,7 @@ def _validate(path: Path, arrays: dict[str, np.ndarray]) -> FeatureFile:
         patient_ids=tuple(patients.tolist()) if patients is not None else None,
         image_sha256=digests,
         pixel_sha256=pixel_digests,
+        sop_instance_uids=uids,
         path=path,
     )
 
@@ -311,5 +366,24 @@ def _digests(path: Path, arrays: dict[str, np.ndarray], name: str, n: int) -> tu
         raise FeatureFileError(
             f"{path}: {name!r} row {bad} is {listed[bad]!r}, not a SHA-256 digest (64 lowercase hex "
             f"digits); {REEXTRACT_ADVICE}"
+        )
+    return listed
+
+
+def _sop_instance_uids(path: Path, arrays: dict[str, np.ndarray], n: int) -> tuple[str, ...] | None:
+    """The optional per-row SOP Instance UIDs ("" for a row without one)."""
+    value = arrays.get("sop_instance_uid")
+    if value is None:
+        return None
+    if value.shape != (n,) or value.dtype.kind != "U":
+        raise FeatureFileError(f"{path}: 'sop_instance_uid' must hold one string per feature row ({n})")
+    listed = tuple(str(u) for u in value.tolist())
+    bad = next(
+        (i for i, u in enumerate(listed) if u and not (len(u) <= 64 and _DICOM_UID.fullmatch(u))), None
+    )
+    if bad is not None:
+        raise FeatureFileError(
+            f"{path}: 'sop_instance_uid' row {bad} is {listed[bad]!r}, not a DICOM UID (digits and dots, at "
+            f"most 64 characters) or empty; {REEXTRACT_ADVICE}"
         )
     return listed

@@ -21,6 +21,10 @@ Public API
     The SHA-256 of a decoded 8-bit grayscale image (size and pixels): the image named by what the
     backbone sees, unchanged by a lossless re-export of the file. The extraction records it per row
     beside the file digest.
+``sop_instance_uid(path) -> str``
+    A DICOM file's SOP Instance UID (its header only is read), ``""`` for another file or a DICOM
+    file without one. The extraction records it per row: a third name of the image
+    (:func:`secure_afl.privacy.release.image_keys`).
 ``load_grayscale(path) -> PIL.Image.Image``
     Opens a PNG, JPEG or DICOM file as 8-bit grayscale (mode ``L``); RGB(A)/palette images are
     converted, 16-bit ones rescaled to 8 bits. NIH PNGs are 8-bit, a few of them RGBA. DICOM: see
@@ -83,6 +87,7 @@ __all__ = [
     "load_grayscale",
     "pixel_sha256",
     "resolve_image_paths",
+    "sop_instance_uid",
 ]
 
 # Searched in this order; the first layout that holds a name wins.
@@ -218,6 +223,30 @@ def pixel_sha256(image: Image.Image) -> str:
     digest.update(gray.width.to_bytes(8, "big") + gray.height.to_bytes(8, "big"))
     digest.update(np.ascontiguousarray(np.asarray(gray, dtype=np.uint8)).tobytes())
     return digest.hexdigest()
+
+
+def sop_instance_uid(path: Path) -> str:
+    """The SOP Instance UID of a DICOM file (``""`` for a PNG or JPEG, or a DICOM file without one).
+
+    Reads the header only (pydicom stops before the pixel data). A DICOM file whose header cannot
+    be read raises :class:`DicomError` naming the file; the extraction has read its pixels already,
+    so that is a file changed or truncated since.
+    """
+    path = Path(path)
+    with open(path, "rb") as handle:
+        head = handle.read(132)
+    if not is_dicom(head, path):
+        return ""
+    import pydicom
+    from pydicom.errors import InvalidDicomError
+
+    try:
+        dataset = pydicom.dcmread(path, stop_before_pixels=True, force=True, specific_tags=["SOPInstanceUID"])
+    except (InvalidDicomError, EOFError, OSError, ValueError, KeyError, TypeError) as exc:
+        raise DicomError(
+            f"{path}: the DICOM header cannot be read ({exc.__class__.__name__}: {exc})"
+        ) from None
+    return str(dataset.get("SOPInstanceUID", "") or "").strip(" \x00")
 
 
 def is_dicom(data: bytes, name: str | Path = "") -> bool:

@@ -6,8 +6,10 @@ value, one answer per round"):
 - **One contribution per image** (where a release names its images: the deployment's always do).
   Each session that released something keeps the images it released, as sorted distinct 32-byte
   SHA-256 digests of the image files (:attr:`SessionEntry.images`; 3.2 MB at 100,000 images, 4.3 MB
-  in the file as base64, under the same signature), and what it released them under (the study's
-  digest and round).  A later session over any of them, under any study, backbone, layout or
+  in the file as base64, under the same signature), their further names (:attr:`SessionEntry.aliases`:
+  decoded pixels, DICOM SOP Instance UID; :func:`~secure_afl.privacy.release.image_keys`), and what
+  it released them under (the study's digest and round).  A later session over any of them (an
+  image matches when any of its names does), under any study, backbone, layout or
   protection, is refused (:class:`~secure_afl.core.errors.ImageAlreadyReleasedError`, with the
   number of such rows and the earlier session), except round 2 of the same study, which may use
   its round 1's images once (:meth:`LedgerState.released_images`).
@@ -99,6 +101,9 @@ class SessionEntry:
     images: bytes = b""
     scope: str = ""
     spend: str = ""  # under DP, what the release spent here (a NodeSpend's canonical JSON)
+    # The released images' further names (decoded pixels, SOP Instance UIDs: release.image_keys),
+    # sorted distinct 32-byte keys concatenated (64 bytes an image more; absent in older ledgers).
+    aliases: bytes = b""
 
     def to_json(self, *, with_images: bool = True) -> dict:
         out = {
@@ -112,6 +117,8 @@ class SessionEntry:
             out["scope"] = self.scope
         if self.spend:  # a ledger without DP releases keeps the document it had
             out["spend"] = self.spend
+        if self.aliases:  # a ledger written before images had further names keeps its document
+            out["aliases"] = base64.b64encode(self.aliases).decode("ascii") if with_images else ""
         return out
 
     @classmethod
@@ -130,6 +137,7 @@ class SessionEntry:
             images=_packed_digests(item.get("images", "")),
             scope=str(item.get("scope", "")),
             spend=_string(item.get("spend", "")),
+            aliases=_packed_digests(item.get("aliases", "")),
         )
 
 
@@ -153,8 +161,9 @@ class LedgerState:
         return ids, anchors
 
     def released_images(self, session_id: bytes, *, reuses: str = "") -> dict[bytes, str]:
-        """image digest -> session, over every *other* session that released images, except those
-        released under ``reuses`` (round 2 of a study may use its round 1's images again)."""
+        """image key (a file digest or a further name) -> session, over every *other* session that
+        released images, except those released under ``reuses`` (round 2 of a study may use its
+        round 1's images again)."""
         own = session_id.hex()
         out: dict[bytes, str] = {}
         for sid, entry in self.sessions.items():
@@ -163,6 +172,7 @@ class LedgerState:
             if reuses and entry.scope == reuses:
                 continue
             out.update(dict.fromkeys(split_digests(entry.images), sid))
+            out.update(dict.fromkeys(split_digests(entry.aliases), sid))
         return out
 
     def entry(self, session_id: bytes) -> SessionEntry:
@@ -172,7 +182,14 @@ class LedgerState:
         return LedgerState(
             {
                 sid: SessionEntry(
-                    dict(e.answers), e.survivors, e.released, e.anchors, e.images, e.scope, e.spend
+                    dict(e.answers),
+                    e.survivors,
+                    e.released,
+                    e.anchors,
+                    e.images,
+                    e.scope,
+                    e.spend,
+                    e.aliases,
                 )
                 for sid, e in self.sessions.items()
             },
@@ -197,8 +214,9 @@ class Ledger(Protocol):
 
 
 def _session_bytes(entry: SessionEntry) -> int:
-    """A session's record without its images (their size is one digest an image, bounded by the
-    ledger's own cap: about 1.5 million images in :data:`MAX_LEDGER_BYTES`)."""
+    """A session's record without its images (their size is one to three keys an image, bounded by
+    the ledger's own cap: about 1.5 million images named by their files alone, 500,000 named by their
+    files, pixels and SOP Instance UIDs, in :data:`MAX_LEDGER_BYTES`)."""
     return len(json.dumps(entry.to_json(with_images=False), separators=(",", ":")))
 
 

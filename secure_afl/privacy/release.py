@@ -14,10 +14,14 @@ the server calls it:
   like a released one is a part of it (the halves attack: ``x`` released whole, then ``x[:k]`` and
   ``x[k:]`` under other names);
 - **source ids** the caller may add: what the values are computed from;
-- **images** (the deployment's unit, issue 29): the SHA-256 of each row's image file, with the
-  scope they are released under (the study's digest and round) and the one scope whose images the
+- **images** (the deployment's unit): each row's image by every name it has
+  (:func:`image_keys`): the SHA-256 of its file, of its decoded pixels, and its DICOM SOP Instance
+  UID where it has one; two rows are one image when **any** of these names agree.  With the scope
+  they are released under (the study's digest and round) and the one scope whose images the
   release may use again (round 2: its own round 1).  Two studies over the same images (another
-  balance, backbone or protection, a re-extracted file: other bytes) are then one release.
+  balance, backbone or protection, a re-extracted file, an image re-exported losslessly: other
+  bytes, the same pixels) are then one release.  A release lists each image once
+  (:func:`first_repeat`); a lossy copy is another image to every exact name (SECURITY.md).
 
 Within one session, an input that is a contiguous part of another input is refused outright
 (:func:`contained_parts`).  What is *not* recognised (SECURITY.md): parts shorter than
@@ -42,7 +46,9 @@ _VALUE_DOMAIN = b"secure-afl/v2/value\x00"
 _PREFIX_DOMAIN = b"secure-afl/v2/value-prefix\x00"
 _SUFFIX_DOMAIN = b"secure-afl/v2/value-suffix\x00"
 _SOURCE_DOMAIN = b"secure-afl/v2/source\x00"
-IMAGE_DIGEST_BYTES = 32  # SHA-256 of an image file's bytes
+_PIXELS_DOMAIN = b"secure-afl/v2/image-pixels\x00"
+_SOP_INSTANCE_DOMAIN = b"secure-afl/v2/image-sop-instance\x00"
+IMAGE_DIGEST_BYTES = 32  # SHA-256 of an image file's bytes (and the size of every image key)
 
 
 def _words(values: np.ndarray) -> np.ndarray:
@@ -99,8 +105,8 @@ class Release:
     value_anchors: Mapping[tuple[str, str], tuple[str, ...]]  # (group, tensor) -> its anchors
     sources: frozenset[str]
     parts: tuple[tuple[str, str], ...] = ()  # (part, whole) inside this release (contained_parts)
-    # One contribution per image: the 32-byte SHA-256 of each row's image file, sorted (one per row,
-    # so a file listing an image twice counts it twice); empty where the caller names no images.
+    # One contribution per image: the 32-byte SHA-256 of each row's image file, sorted (one per row);
+    # empty where the caller names no images.
     images: tuple[bytes, ...] = ()
     scope: str = ""  # what the images are released under: "study:<digest>/round:<r>"
     reuses: str = ""  # the one scope whose images this release may use again (round 2: its round 1)
@@ -108,6 +114,9 @@ class Release:
     # none): kept in the signed ledger with the release, so a node's dp-epsilon can bound the
     # composition of everything it released (secure_afl.deploy.client).
     spend: str = ""
+    # Per row of ``images`` (in its order): the image's further names (image_keys after the file's
+    # digest: its decoded pixels, its SOP Instance UID); empty where the caller names none.
+    aliases: tuple[tuple[bytes, ...], ...] = ()
 
     @classmethod
     def of(
@@ -118,9 +127,13 @@ class Release:
         images: Iterable[str | bytes] = (),
         scope: str = "",
         reuses: str = "",
+        aliases: Iterable[Iterable[bytes]] | None = None,
     ) -> Release:
         """The release of ``inputs`` (the statistics *before* randomisation) plus ``sources``, over
-        ``images`` (each row's image digest, hex or 32 bytes) released under ``scope``.
+        ``images`` (each row's image-file digest, hex or 32 bytes) released under ``scope``;
+        ``aliases``: per row of ``images``, in the same order, its further names (:func:`image_keys`
+        after the first).  A row that names an image an earlier row names raises
+        :class:`RepeatedImageError` (one image in two rows would count twice in the sums).
 
         Each distinct value is read once (:class:`_Distinct`): a Gram that several groups carry is
         hashed once and searched for parts once, whatever the number of groups.
@@ -129,7 +142,27 @@ class Release:
         values = {key: distinct.value_id(key) for key in distinct.keys}
         found = {key: distinct.anchors(key) for key in distinct.keys}
         parts = distinct.contained_parts()
-        return cls(values, found, frozenset(sources), parts, image_digests(images), scope, reuses)
+        files = [_digest_bytes(item) for item in images]
+        named = [() for _ in files] if aliases is None else [tuple(map(bytes, a)) for a in aliases]
+        if len(named) != len(files):
+            raise ValueError(f"{len(named)} rows of aliases for {len(files)} images: one per image")
+        rows = [(file, *more) for file, more in zip(files, named, strict=True)]
+        repeat = first_repeat(rows)
+        if repeat is not None:
+            raise RepeatedImageError(*repeat)
+        rows.sort()
+        kept = tuple(row[1:] for row in rows) if any(named) else ()
+        return cls(
+            values, found, frozenset(sources), parts, tuple(row[0] for row in rows), scope, reuses,
+            aliases=kept,
+        )  # fmt: skip
+
+    @property
+    def image_names(self) -> tuple[tuple[bytes, ...], ...]:
+        """Per row (sorted by file digest): every name of its image, the file's digest first."""
+        if not self.aliases:
+            return tuple((image,) for image in self.images)
+        return tuple((image, *more) for image, more in zip(self.images, self.aliases, strict=True))
 
     @property
     def anchors(self) -> frozenset[str]:
@@ -146,6 +179,7 @@ class Release:
             "scope": self.scope,
             "reuses": self.reuses,
             "spend": self.spend,
+            **({"aliases": _pack_rows(self.aliases)} if self.aliases else {}),
         }
 
     @classmethod
@@ -159,6 +193,7 @@ class Release:
             str(document.get("scope", "")),
             str(document.get("reuses", "")),
             str(document.get("spend", "")),
+            _unpack_rows(str(document.get("aliases", ""))),
         )
 
     @property
@@ -174,15 +209,86 @@ class Release:
         return tuple(dict.fromkeys(out))
 
 
+class RepeatedImageError(ValueError):
+    """One release lists one image in two rows (by any of its names, :func:`image_keys`): its rows
+    would count twice in every sum, twice the sensitivity a DP plan is sized for.  ``first`` and
+    ``second`` index the rows (in the order given), ``name`` is which name they share."""
+
+    def __init__(self, first: int, second: int, name: str) -> None:
+        self.first, self.second, self.name = first, second, name
+        super().__init__(
+            f"rows {first} and {second} are one image (the same {name}): each image is one row of a "
+            "release; remove one of them from the labels CSV and extract again"
+        )
+
+
+_NAME_OF_KEY = ("image file's SHA-256", "decoded pixels' SHA-256", "DICOM SOP Instance UID")
+
+
+def image_keys(file_sha256: str, pixel_sha256: str, sop_instance_uid: str = "") -> tuple[bytes, ...]:
+    """One image's names as a ledger keeps them (32 bytes each), the file's digest first.
+
+    - the SHA-256 of the image file's bytes, as it is (the name every ledger has held; a ledger
+      written before the other names still matches on it);
+    - the SHA-256 of its decoded pixels (:func:`secure_afl.features.images.pixel_sha256`: the 8-bit
+      image the backbone reads, before any resize), under a domain tag: the same for every lossless
+      encoding of the image (uncompressed, JPEG 2000 lossless, RLE, a recompressed PNG);
+    - its DICOM SOP Instance UID where it has one (``""``: none), under a domain tag: the instance's
+      own name, kept by a re-export that changes its pixels' encoding or its display window.
+
+    Two rows are one image when **any** name agrees (a re-encoded copy with a new UID shares the
+    pixels, a lossy copy keeping its UID shares the UID): the conservative reading, since counting
+    two images as one only refuses a row, while counting one image twice gives its row to a
+    difference of two sums.  A lossy copy with a new UID shares no name (SECURITY.md).
+    """
+    keys = [_digest_bytes(file_sha256), hashlib.sha256(_PIXELS_DOMAIN + _digest_bytes(pixel_sha256)).digest()]
+    if sop_instance_uid:
+        keys.append(hashlib.sha256(_SOP_INSTANCE_DOMAIN + sop_instance_uid.encode("ascii")).digest())
+    return tuple(keys)
+
+
+def first_repeat(rows: Iterable[Iterable[bytes]]) -> tuple[int, int, str] | None:
+    """The first row that names an image an earlier row names (rows of :func:`image_keys`):
+    ``(earlier row, row, which name)``, or None when every row is its own image."""
+    seen: dict[bytes, tuple[int, int]] = {}
+    for row, keys in enumerate(rows):
+        for position, key in enumerate(keys):
+            earlier = seen.get(key)
+            if earlier is not None and earlier[0] != row:
+                return earlier[0], row, _NAME_OF_KEY[min(position, len(_NAME_OF_KEY) - 1)]
+        for position, key in enumerate(keys):
+            seen.setdefault(key, (row, position))
+    return None
+
+
+def _digest_bytes(item: str | bytes) -> bytes:
+    raw = bytes.fromhex(item) if isinstance(item, str) else bytes(item)
+    if len(raw) != IMAGE_DIGEST_BYTES:
+        raise ValueError(f"an image digest is a {IMAGE_DIGEST_BYTES}-byte SHA-256, got {len(raw)} bytes")
+    return raw
+
+
 def image_digests(images: Iterable[str | bytes]) -> tuple[bytes, ...]:
     """Image digests (64 hex digits or 32 bytes each) as sorted 32-byte values; ValueError otherwise."""
-    out = []
-    for item in images:
-        raw = bytes.fromhex(item) if isinstance(item, str) else bytes(item)
-        if len(raw) != IMAGE_DIGEST_BYTES:
-            raise ValueError(f"an image digest is a {IMAGE_DIGEST_BYTES}-byte SHA-256, got {len(raw)} bytes")
-        out.append(raw)
-    return tuple(sorted(out))
+    return tuple(sorted(_digest_bytes(item) for item in images))
+
+
+def _pack_rows(rows: tuple[tuple[bytes, ...], ...]) -> str:
+    """Per-row key lists as base64: per row, one byte (its number of keys), then its keys."""
+    return base64.b64encode(b"".join(bytes([len(row)]) + b"".join(row) for row in rows)).decode("ascii")
+
+
+def _unpack_rows(text: str) -> tuple[tuple[bytes, ...], ...]:
+    packed = base64.b64decode(text, validate=True)
+    rows, at = [], 0
+    while at < len(packed):
+        count = packed[at]
+        end = at + 1 + count * IMAGE_DIGEST_BYTES
+        if end > len(packed):
+            raise ValueError("truncated image aliases")
+        rows.append(split_digests(packed[at + 1 : end]))
+        at = end
+    return tuple(rows)
 
 
 def split_digests(packed: bytes) -> tuple[bytes, ...]:

@@ -182,6 +182,7 @@ class ExposureGate:
             entry.released = tuple(sorted(self.release.ids))
             entry.anchors = tuple(sorted(self.release.anchors))
             entry.images = b"".join(sorted(set(self.release.images)))
+            entry.aliases = b"".join(sorted({key for row in self.release.aliases for key in row}))
             entry.scope = self.release.scope
             entry.spend = self.release.spend
 
@@ -259,11 +260,13 @@ def zero_commitments(
 def check_images_unreleased(release: Release, state: LedgerState, session_id: bytes = b"") -> None:
     """One contribution per image: refuse (:class:`ImageAlreadyReleasedError`) a release over an
     image that ``state`` records as released by another session, other than under the one scope the
-    release may reuse (round 2: its own round 1).  A release naming no images passes."""
+    release may reuse (round 2: its own round 1).  An image is released when any of its names is
+    (its file's digest, its decoded pixels, its SOP Instance UID).  A release naming no images passes."""
     if not release.images:
         return
     released = state.released_images(session_id, reuses=release.reuses)
-    hits = [image for image in release.images if image in released]
+    found = (next((name for name in names if name in released), None) for names in release.image_names)
+    hits = [name for name in found if name is not None]  # per row: the first of its names released
     if hits:
         earlier = released[hits[0]]
         raise ImageAlreadyReleasedError(

@@ -31,6 +31,11 @@ def row_digests(tag: str, n: int, start: int = 0) -> list[str]:
     return [hashlib.sha256(f"{tag}/image-{i}".encode()).hexdigest() for i in range(start, start + n)]
 
 
+def pixel_digests(file_digests: Collection[str]) -> list[str]:
+    """Stand-ins for the decoded pixels' SHA-256 of the images with these file digests (one each)."""
+    return [hashlib.sha256(f"pixels/{digest}".encode()).hexdigest() for digest in file_digests]
+
+
 class DictState:
     def __init__(self) -> None:
         self.records: dict[str, dict[str, Any]] = {}
@@ -110,6 +115,7 @@ def make_federation(
             features_path, features, labels=labels, active=mine, classes=CLASSES,
             backbone="toy", weights_id="sha256:00", preprocessing="none",
             image_sha256=row_digests(f"{seed}/{cid}", rows),
+            pixel_sha256=pixel_digests(row_digests(f"{seed}/{cid}", rows)),
         )  # fmt: skip
         settings = NodeSettings(
             identity_key=key_path, passphrase_file=passfile, roster=roster_path, features=features_path,

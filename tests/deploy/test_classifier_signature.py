@@ -74,6 +74,7 @@ def _features(tmp_path: Path, rows: int = 40, dim: int = 6, active=(0, 1, 2)) ->
         path, rng.normal(size=(rows, dim)).astype(np.float32), labels=labels, active=active, classes=CLASSES,
         backbone="toy", weights_id="sha256:00", preprocessing="none",
         image_sha256=[hashlib.sha256(f"{path}/{i}".encode()).hexdigest() for i in range(rows)],
+        pixel_sha256=[hashlib.sha256(f"{path}/pixels/{i}".encode()).hexdigest() for i in range(rows)],
     )  # fmt: skip
     return path
 

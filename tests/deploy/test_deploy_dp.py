@@ -33,7 +33,7 @@ from secure_afl.deploy.study import (
 from secure_afl.deploy.wire import Envelope
 from secure_afl.features.file import save_feature_file
 
-from .helpers import InProcessTransport, check_study, make_federation, row_digests, run_server
+from .helpers import InProcessTransport, check_study, make_federation, pixel_digests, row_digests, run_server
 
 EPSILON = 1.0
 CLIP = 8.0  # toy features: gamma(2, 1) rows of 40 values have norms near 14, so most rows are clipped
@@ -308,6 +308,7 @@ def test_the_patient_unit_caps_each_patients_images_at_each_institution(tmp_path
             backbone="toy", weights_id="sha256:00", preprocessing="none",
             patient_ids=[f"{cid}-patient-{i // 3}" for i in range(len(features))],  # 3 images each
             image_sha256=row_digests(f"patients/{cid}", len(features)),
+            pixel_sha256=pixel_digests(row_digests(f"patients/{cid}", len(features))),
         )  # fmt: skip
     _, classifier, _ = run_server(federation)
     logged = capsys.readouterr().err

@@ -36,6 +36,7 @@ def _arrive(federation: Federation, full: dict, counts: dict[str, int]) -> None:
             node.settings.features, file.features[:n], labels=file.labels[:n], active=file.active,
             classes=file.classes, backbone=file.backbone, weights_id=file.weights_id,
             preprocessing=file.preprocessing, image_sha256=file.image_sha256[:n],
+            pixel_sha256=file.pixel_sha256[:n],
         )  # fmt: skip
         node.state.records.clear()  # a new Flower run
 

@@ -62,6 +62,7 @@ def _arrive(federation: Federation, full: dict, n: int, start: int = 0) -> None:
             node.settings.features, file.features[rows], labels=file.labels[rows], active=file.active,
             classes=file.classes, backbone=file.backbone, weights_id=file.weights_id,
             preprocessing=file.preprocessing, image_sha256=file.image_sha256[rows],
+            pixel_sha256=file.pixel_sha256[rows],
             patient_ids=file.patient_ids[rows],
         )  # fmt: skip
         node.state.records.clear()  # a new Flower run

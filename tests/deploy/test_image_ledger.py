@@ -17,7 +17,15 @@ from secure_afl.deploy.server import FederationServer
 from secure_afl.deploy.study import Method
 from secure_afl.features.file import load_feature_file, save_feature_file
 
-from .helpers import Federation, InProcessTransport, check_study, make_federation, row_digests, run_server
+from .helpers import (
+    Federation,
+    InProcessTransport,
+    check_study,
+    make_federation,
+    pixel_digests,
+    row_digests,
+    run_server,
+)
 
 
 def _fresh_run(federation: Federation) -> None:
@@ -32,10 +40,12 @@ def _rewrite(path: Path, *, features=None, order=None, digests=None, keep_digest
     rows = np.arange(len(file.features)) if order is None else np.asarray(order)
     values = file.features if features is None else features
     sha = list(file.image_sha256 or ()) if digests is None else list(digests)
+    pixels = list(file.pixel_sha256 or ()) if digests is None else pixel_digests(digests)
     save_feature_file(
         path, values[rows], labels=file.labels[rows], active=file.active, classes=file.classes,
         backbone=file.backbone, weights_id=file.weights_id, preprocessing=file.preprocessing,
         image_sha256=[sha[i] for i in rows] if keep_digests else None,
+        pixel_sha256=[pixels[i] for i in rows] if keep_digests else None,
     )  # fmt: skip
 
 
@@ -74,6 +84,7 @@ def test_retraining_after_one_added_image_is_refused_by_the_unchanged_peers(tmp_
         labels=np.vstack([file.labels, file.labels[:1]]), active=file.active, classes=file.classes,
         backbone=file.backbone, weights_id=file.weights_id, preprocessing=file.preprocessing,
         image_sha256=[*file.image_sha256, *row_digests("added", 1)],
+        pixel_sha256=[*file.pixel_sha256, *pixel_digests(row_digests("added", 1))],
     )  # fmt: skip
     _fresh_run(federation)
     _, refusals = _refusals(federation)

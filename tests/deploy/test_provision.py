@@ -31,7 +31,7 @@ from secure_afl.keys.cosign import (
     sign_roster,
 )
 
-from .helpers import make_federation, row_digests, run_server, write_cosigned_roster
+from .helpers import make_federation, pixel_digests, row_digests, run_server, write_cosigned_roster
 
 HOSPITALS = ("hospital-a", "hospital-b", "hospital-c")
 CLASSES = ("A", "B", "C")
@@ -84,7 +84,7 @@ def _site(root: Path, client_id: str, backbone: str = "toy") -> Site:
     save_feature_file(
         root / client_id / "features.npz", rng.random((12, 40)), labels=labels, active=(0, 1, 2),
         classes=CLASSES, backbone=backbone, weights_id="sha256:00", preprocessing="none",
-        image_sha256=row_digests(client_id, 12),
+        image_sha256=row_digests(client_id, 12), pixel_sha256=pixel_digests(row_digests(client_id, 12)),
     )  # fmt: skip
     return Site(client_id, root / client_id, key)
 

@@ -130,3 +130,45 @@ def test_predicts_image_path_reads_dicom_beside_png(
     assert ids == ["x.dcm", "y.png"] and model.checked and model.checked[0][1] == 8
     reference = load_toy("toy", weights_file)
     np.testing.assert_allclose(rows, direct_features(reference, [reference_png, png]), atol=1e-6)
+
+
+def test_a_real_radiographs_lossless_encodings_record_one_pixel_digest_and_their_uids(
+    tmp_path: Path, weights_file: Path, toy_cli: None
+) -> None:
+    """pydicom-data's PA chest CR (MONOCHROME1, 15 bits) uncompressed, JPEG 2000 lossless and lossy,
+    extracted together: the lossless pair records one pixel digest (other bytes, other UIDs), the
+    lossy file another; the extraction says no node releases the file (one image in two rows)."""
+    import shutil
+
+    from pydicom.data import get_testdata_file
+
+    from secure_afl.features.file import RepeatedImageRowsError
+
+    images = tmp_path / "dicom"
+    images.mkdir()
+    for name in ("RG1_UNCR.dcm", "RG1_J2KR.dcm", "RG1_J2KI.dcm"):
+        found = get_testdata_file(name, download=False)
+        if found is None:
+            pytest.fail(
+                f"pydicom-data's {name} is not installed: install the test extra (pip install -e '.[test]')"
+            )
+        shutil.copyfile(str(found), images / name)
+    out = tmp_path / "f.npz"
+    result = features("extract", "--images", images, *common(weights_file, out, tmp_path / "cache"))
+    assert result.exit_code == 0, result.output
+    file = load_feature_file(out)
+    assert file.image_ids == ("RG1_J2KI.dcm", "RG1_J2KR.dcm", "RG1_UNCR.dcm")
+    lossy, lossless, original = range(3)
+    assert len(set(file.image_sha256)) == 3
+    assert file.pixel_sha256[lossless] == file.pixel_sha256[original] != file.pixel_sha256[lossy]
+    assert file.sop_instance_uids == tuple(
+        str(pydicom.dcmread(images / i, stop_before_pixels=True).SOPInstanceUID) for i in file.image_ids
+    )
+    assert len(set(file.sop_instance_uids)) == 3
+    with pytest.raises(
+        RepeatedImageRowsError, match=r"rows 1 \(RG1_J2KR.dcm\) and 2 \(RG1_UNCR.dcm\) are one"
+    ):
+        file.require_image_identities()
+    assert "note: no federation node releases this file as it is" in result.output
+    shown = features("show", out).output
+    assert "DICOM UIDs     3 rows name their SOP Instance UID" in shown
