@@ -1,8 +1,9 @@
 """``secure-afl deploy check``: what a hospital runs before the coordinator starts the federation.
 
 Every check runs the ClientApp's own loading code (:class:`~secure_afl.deploy.client.NodeSettings`,
-``_roster``, ``_identity``, ``_check_study``, ``_backend``) on the node config the SuperNode will be
-given, so a failure here is the refusal the hospital would otherwise send 15 s into a session, with
+``node_roster``, ``node_identity``, ``check_node_study``, ``node_backend``) on the node config the
+SuperNode will be given, so a failure here is the refusal the hospital would otherwise send 15 s
+into a session, with
 the same error class and message, but named by hospital and before anything starts.  The ledger is
 loaded and its signature checked, the output directories must be writable, and with a SuperLink
 address the SuperLink must accept a TCP connection (and, with its CA, a TLS handshake whose
@@ -148,7 +149,7 @@ def check_node(
     """Run every check in order, printing each that passes; raise :class:`NodeCheckError` at the
     first that fails.  ``cosigned=False`` (``deploy join`` while co-signatures are still being
     collected) checks the co-signatures the roster holds but lets missing ones pass, noting them."""
-    from .client import NodeSettings, _backend, _check_study, _identity, _roster
+    from .client import NodeSettings, check_node_study, node_backend, node_identity, node_roster
     from .wire import Envelope
 
     hospital = _hospital(config)
@@ -170,7 +171,7 @@ def check_node(
     if unknown:  # Flower passes them on and secure-afl ignores them: a misspelt optional key?
         say(f"note: the node config's keys {unknown} mean nothing to secure-afl (misspelt?)")
     if cosigned:
-        roster = step("roster", lambda: _roster(settings))
+        roster = step("roster", lambda: node_roster(settings))
         ok(f"roster {settings.roster}: {len(roster)} institutions, fingerprint {roster.fingerprint}, "
            "co-signed by every institution")  # fmt: skip
     else:
@@ -181,7 +182,7 @@ def check_node(
         signed = list(status.signed) or "nobody yet"
         ok(f"roster {settings.roster}: {len(roster)} institutions, fingerprint {roster.fingerprint}; "
            f"co-signed by {signed}, not yet by {list(status.missing)}")  # fmt: skip
-    client_id, identity = step("identity key", lambda: _identity(settings, roster))
+    client_id, identity = step("identity key", lambda: node_identity(settings, roster))
     hospital = client_id
     ok(f"identity key {settings.identity_key}: {client_id} ({identity.fingerprint}), in the roster")
     if study is None:
@@ -194,9 +195,9 @@ def check_node(
             "(no --study: not compared with the study)"
         )
     else:
-        data = step("feature file against the study", lambda: _check_study(study, settings))
+        data = step("feature file against the study", lambda: check_node_study(study, settings))
         probe = Envelope("advertise", {"backend": study.protection})
-        step("protection", lambda: _backend(probe, study, settings, len(roster)))
+        step("protection", lambda: node_backend(probe, study, settings, len(roster)))
         ok(
             f"feature file {settings.features}: {len(data.features)} rows, labels "
             f"{[data.classes[c] for c in data.active]}; matches the study (classes, {study.dim}-d, backbone "

@@ -253,7 +253,7 @@ def roster_id(settings: NodeSettings) -> str | None:
     """The roster id of this node's identity key, from the key file's public half (no passphrase);
     None when the key file or the roster cannot be read or the key is not in the roster."""
     try:
-        return key_owner(settings.identity_key, _roster(settings))
+        return key_owner(settings.identity_key, node_roster(settings))
     except Exception:  # an unreadable key or roster: the refusal itself says what is wrong
         return None
 
@@ -270,7 +270,7 @@ def key_owner(identity_key: Path, roster: Roster) -> str | None:
 # --- sessions ---------------------------------------------------------------------------------
 
 
-def _identity(settings: NodeSettings, roster: Roster) -> tuple[str, IdentityKey]:
+def node_identity(settings: NodeSettings, roster: Roster) -> tuple[str, IdentityKey]:
     from secure_afl.keys.commands import read_passphrase
 
     try:
@@ -287,7 +287,7 @@ def _identity(settings: NodeSettings, roster: Roster) -> tuple[str, IdentityKey]
     )
 
 
-def _roster(settings: NodeSettings) -> Roster:
+def node_roster(settings: NodeSettings) -> Roster:
     """The pinned roster, only if every institution co-signed it (:mod:`secure_afl.keys.cosign`):
     a roster with an entry its own key has not signed is refused (``RosterNotCosignedError``)."""
     from secure_afl.keys.cosign import load_cosigned_roster
@@ -372,7 +372,7 @@ def _check_round(label: str, study: Study) -> None:
     raise RoundNotInStudyError(f"unknown session {label!r}: the study runs sessions 1 and 2 only")
 
 
-def _check_study(study: Study, settings: NodeSettings) -> Any:
+def check_node_study(study: Study, settings: NodeSettings) -> Any:
     from secure_afl.features.file import load_feature_file
 
     data = load_feature_file(settings.features, require_labels=True)
@@ -766,18 +766,18 @@ def _start_session(envelope: Envelope, label: str, state: LocalState, settings: 
         raise SessionReplayError(
             f"session {label} of this run was already started: a second start over the same inputs is refused"
         )
-    roster = _roster(settings)
+    roster = node_roster(settings)
     if envelope.text("roster") != roster.fingerprint:
         raise RosterMismatchError(
             f"the server's roster is {envelope.text('roster')}, this institution pinned {roster.fingerprint} "
             f"({settings.roster}): compare rosters with `secure-afl keys roster show`"
         )
-    client_id, identity = _identity(settings, roster)
+    client_id, identity = node_identity(settings, roster)
     study = Study.from_json(envelope.text("study"))
     _check_pinned_study(study, settings)
     _check_round(label, study)
-    data = _check_study(study, settings)
-    backend = _backend(envelope, study, settings, len(roster))
+    data = check_node_study(study, settings)
+    backend = node_backend(envelope, study, settings, len(roster))
     # Decoded once under the client policy's bound on a first message, to read the layout.
     request = backend.decode(envelope.payload, backend.client_policy.max_config_bytes)  # type: ignore[attr-defined]
     _check_protocol_parameters(request.config, study, len(roster))  # type: ignore[attr-defined]
@@ -840,8 +840,8 @@ def _continue_session(envelope: Envelope, label: str, state: LocalState, setting
         )
     if saved.get("status") != "active":
         raise SessionReplayError(f"session {label} is over ({saved.get('status')}); the message is refused")
-    roster = _roster(settings)
-    client_id, identity = _identity(settings, roster)
+    roster = node_roster(settings)
+    client_id, identity = node_identity(settings, roster)
     if client_id != saved["client_id"]:
         raise IdentityNotInRosterError("the identity key changed during the session")
     study = Study.from_json(str(saved["study"]))
@@ -973,7 +973,9 @@ def _check_protocol_parameters(config: Any, study: Study, roster_size: int) -> N
         )
 
 
-def _backend(envelope: Envelope, study: Study, settings: NodeSettings, roster_size: int) -> ProtectionBackend:
+def node_backend(
+    envelope: Envelope, study: Study, settings: NodeSettings, roster_size: int
+) -> ProtectionBackend:
     name = envelope.text("backend")
     if study.protection not in settings.protections:
         raise StudyMismatchError(
@@ -1013,7 +1015,7 @@ def _store_classifier(envelope: Envelope, state: LocalState, settings: NodeSetti
     the file it held before stays in the history)."""
     from .classifier import keep_classifier
 
-    roster = _roster(settings)
+    roster = node_roster(settings)
     # Raises ClassifierTamperedError, UnsignedClassifierError, ClassifierSignatureError (also when the
     # pinned roster names no coordinator) or RosterMismatchError (made with another roster).
     classifier = Classifier.from_json(envelope.payload, roster=roster, source="the server's classifier")

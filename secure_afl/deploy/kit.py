@@ -526,7 +526,7 @@ def join_kit(
     :class:`~secure_afl.deploy.check.NodeCheckError` (the run's own error, named) for the node.
     """
     from .check import NodeCheckError, check_node, study_from_file
-    from .client import NodeSettings, _identity
+    from .client import NodeSettings, node_identity
     from .writers import write_node_auth_key
 
     kit_dir = layout.kit_dir
@@ -549,7 +549,7 @@ def join_kit(
     # The human step, before anything is written (check_node records the study in the ledger): every
     # entry, the coordinator's included, must be recognised, or nothing is signed or written (no
     # reply, no node files, no SuperNode key, no recorded study).  This hospital's own entry is
-    # verified by its key (here, and by _identity below before anything is signed).
+    # verified by its key (here, and by node_identity below before anything is signed).
     say(f"roster {roster.fingerprint}: {len(roster)} institutions; co-sign it only if you recognise each:")
     for entry in roster:
         mark = " (you)" if entry.client_id == manifest.institution else ""
@@ -571,7 +571,7 @@ def join_kit(
     )  # fmt: skip
     settings = NodeSettings.from_node_config(config)
     try:
-        client_id, key = _identity(settings, roster)
+        client_id, key = node_identity(settings, roster)
     except Exception as exc:  # passed check_node a moment ago: a changed file
         raise NodeCheckError(manifest.institution, "identity key", exc) from exc
     if client_id != manifest.institution:
