@@ -563,7 +563,8 @@ def _real_features(
         if len(missing.get(site.key, ())) == int(rows.sum()):
             raise MultisiteError(
                 f"none of the {int(rows.sum())} images of {site.name} is under "
-                f"{table.directories[site.key]}: {missing[site.key][0]} does not exist (layout: {site.layout})"
+                f"{table.directories[site.key]}: {missing[site.key][0]} does not exist "
+                f"(layout: {site.layout})"
             )
     present = np.array([p is not None for p in paths])
     table = table.subset(np.flatnonzero(present))
@@ -890,7 +891,8 @@ def summary_lines(result: MultisiteResult) -> list[str]:
         f"Theorem 1: max |W - W_centralised| = {t1['max_abs_w_vs_centralised']:.2e} "
         f"(max |W| {t1['max_abs_w_vs_centralised_scale']:.2e}; AFL 1 round, per-site balance); "
         f"global balance {t1['max_abs_w_vs_centralised_global_balance']:.2e}",
-        f"protection: {result.config.sim.secure}; " + privacy_verdict(setting),
+        f"protection: {result.config.sim.secure}; "
+        + privacy_verdict(setting).replace("missing 0", "the sites"),
     ]
     if setting.undefined_balance:
         names = ", ".join(
