@@ -126,8 +126,11 @@ class Site:
     def image_path(self, directory: Path, image_id: str, index: Mapping[str, Path]) -> Path | None:
         """Where torchxrayvision's dataset class reads this image under ``directory`` (None: absent).
         ``index``: file name -> path of the files under it, for the layouts found by name."""
-        if self.key in ("nih", "google", "siim"):
-            return index.get(image_id if self.key != "siim" else f"{image_id}.dcm")
+        if self.key in ("nih", "google"):  # torchxrayvision's flat folder, or the official archives
+            flat = directory / image_id
+            return flat if flat.is_file() else index.get(image_id)
+        if self.key == "siim":
+            return index.get(f"{image_id}.dcm")
         if self.key == "chexpert":
             relative = image_id.replace("CheXpert-v1.0-small/", "").replace("CheXpert-v1.0/", "")
             candidates = [directory / relative]
@@ -563,8 +566,7 @@ def _real_features(
         if len(missing.get(site.key, ())) == int(rows.sum()):
             raise MultisiteError(
                 f"none of the {int(rows.sum())} images of {site.name} is under "
-                f"{table.directories[site.key]}: {missing[site.key][0]} does not exist "
-                f"(layout: {site.layout})"
+                f"{table.directories[site.key]}: {missing[site.key][0]} does not exist"
             )
     present = np.array([p is not None for p in paths])
     table = table.subset(np.flatnonzero(present))
