@@ -24,11 +24,12 @@ under new anonymous ids that the tables do not map back: that overlap cannot be 
 tables.  With real images it is removed by content: a row whose decoded pixels (the extraction's
 ``pixel_sha256``) equal an earlier row's is dropped (``duplicate_images_removed``).
 
-**Split.**  Patient-wise, per site: every patient (``<namespace>:<id>``) draws one uniform number
-from a generator seeded with ``(seed, 0x5175)`` over the sorted patient keys, and goes to the test
-side when it is below 0.3.  A patient's rows are never on both sides, at any site.  VinDr and SIIM
-record no patient in their tables, so each image is its own patient there; RSNA's ``patientId``
-is one image.  ``fraction < 1`` keeps that random fraction of each site's rows first.
+**Split.**  Patient-wise, per site: every patient (``<namespace>:<id>``) draws one uniform number,
+the first 8 bytes of ``SHA-256("<seed>:<0x5175>:<patient>")`` over 2⁶⁴ (a simulation split, nothing
+secret), and goes to the test side when it is below 0.3: a patient's side depends on nothing else,
+so it is the same at every site, fraction and subset of sites.  A patient's rows are never on both
+sides, at any site.  VinDr and SIIM record no patient in their tables, so each image is its own
+patient there; RSNA's ``patientId`` is one image.  ``fraction < 1`` keeps that random fraction of each site's rows first.
 
 **Features.**  Synthetic, from :mod:`secure_afl.sim.synthetic`'s seeded model (one model for every
 site: the same class signatures; the unknown entries carry no signature, since the truth there is
@@ -59,6 +60,7 @@ the pooled rows' balanced labels (no site information at all).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -371,9 +373,16 @@ def load_site_table(
 
 
 def patient_split(patients: np.ndarray, seed: int, test_fraction: float = TEST_FRACTION) -> np.ndarray:
-    """True for the test rows: each patient draws once (see the module doc)."""
+    """True for the test rows: each patient's side is a function of its key and the seed alone (see
+    the module doc), the same whichever rows, sites or fraction a run keeps."""
     keys, inverse = np.unique(patients, return_inverse=True)
-    draw = np.random.default_rng([seed, SPLIT_STREAM]).random(len(keys))
+    draw = np.array(
+        [
+            int.from_bytes(hashlib.sha256(f"{seed}:{SPLIT_STREAM}:{key}".encode()).digest()[:8], "big")
+            / 2**64
+            for key in keys
+        ]
+    )
     return (draw < test_fraction)[inverse]
 
 
@@ -916,7 +925,10 @@ def summary_lines(result: MultisiteResult) -> list[str]:
 def print_multisite_report(result: MultisiteResult, console: Console) -> None:
     if result.notice:
         console.print(f"[bold yellow]{result.notice}[/]")
-    for title, header, rows in result_tables(result):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a site whose every class is one-sided: NaN
+        tables = result_tables(result)
+    for title, header, rows in tables:
         table = Table(title=title, title_justify="left")
         for i, name in enumerate(header):
             table.add_column(name, justify="left" if i == 0 else "right")
@@ -1001,7 +1013,10 @@ def write_multisite_reports(result: MultisiteResult, out_dir: Path) -> tuple[Pat
     lines = ["# secure-afl sim --scenario multisite", ""]
     if result.notice:
         lines += [f"**{result.notice}**", ""]
-    for title, header, rows in result_tables(result):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        tables = result_tables(result)
+    for title, header, rows in tables:
         lines += [f"## {title}", "", _md_table(header, rows), ""]
     lines += [f"- {line}" for line in summary_lines(result)]
     md_path = out_dir / "report.md"
