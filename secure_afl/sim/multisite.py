@@ -29,7 +29,8 @@ the first 8 bytes of ``SHA-256("<seed>:<0x5175>:<patient>")`` over 2⁶⁴ (a si
 secret), and goes to the test side when it is below 0.3: a patient's side depends on nothing else,
 so it is the same at every site, fraction and subset of sites.  A patient's rows are never on both
 sides, at any site.  VinDr and SIIM record no patient in their tables, so each image is its own
-patient there; RSNA's ``patientId`` is one image.  ``fraction < 1`` keeps that random fraction of each site's rows first.
+patient there; RSNA's ``patientId`` is one image.  ``fraction < 1`` keeps that random fraction of
+each site's rows first.
 
 **Features.**  Synthetic, from :mod:`secure_afl.sim.synthetic`'s seeded model (one model for every
 site: the same class signatures; the unknown entries carry no signature, since the truth there is
