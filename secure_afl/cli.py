@@ -310,12 +310,43 @@ def main() -> None:
 )
 @click.option(
     "--scenario",
-    type=click.Choice(["partial-labels", "mixed-type", "growing"]),
+    type=click.Choice(["partial-labels", "mixed-type", "growing", "multisite"]),
     default="partial-labels",
     show_default=True,
     help="partial-labels: the paper's experiment; mixed-type: FedMT's setting (fine-labelled centre, "
     "coarse-labelled clients; see secure_afl/sim/mixed_type.py); growing: each client's rows arrive "
-    "over --sessions sessions and the server accumulates them (secure_afl/sim/growing.py).",
+    "over --sessions sessions and the server accumulates them (secure_afl/sim/growing.py); multisite: "
+    "seven public collections as sites, each labelling what its table labels (secure_afl/sim/multisite.py).",
+)
+@click.option(
+    "--sites",
+    default="all",
+    show_default=True,
+    help="multisite: a comma list of nih,chexpert,padchest,vindr,rsna,siim,google, or 'all'.",
+)
+@click.option(
+    "--classes",
+    "class_list",
+    default="paper",
+    show_default=True,
+    help="multisite: 'paper' (the 8 classes), 'all' (torchxrayvision's 18 default pathologies some "
+    "site labels) or a comma list of their names.",
+)
+@click.option(
+    "--site-shift",
+    type=click.FloatRange(min=0),
+    default=0.1,
+    show_default=True,
+    help="multisite: the standard deviation of each site's pre-activation shift of the synthetic "
+    "features (0: none).",
+)
+@click.option(
+    "--site-dir",
+    "site_dirs",
+    multiple=True,
+    metavar="SITE=DIR",
+    help="multisite on real images: the directory of a site's images, as its collection lays them out "
+    "(repeatable, one per site of --sites); with --backbone, --weights, --cache-dir.",
 )
 @click.option(
     "--sessions",
@@ -406,6 +437,10 @@ def sim(
     dp_row_centre: bool,
     dp_sweep: bool,
     scenario: str,
+    sites: str,
+    class_list: str,
+    site_shift: float,
+    site_dirs: tuple[str, ...],
     sessions: int,
     idle: tuple[str, ...],
     centre_n: str,
@@ -463,6 +498,51 @@ def sim(
         except DpError as exc:
             raise click.BadParameter(str(exc)) from exc
     names = [b.strip() for b in backbones.split(",") if b.strip()]
+    given = click.get_current_context().get_parameter_source
+    multisite_options = ("sites", "class_list", "site_shift", "site_dirs")
+    if scenario != "multisite" and any(given(o) is not ParameterSource.DEFAULT for o in multisite_options):
+        raise click.UsageError("--sites, --classes, --site-shift and --site-dir need --scenario multisite")
+    if scenario == "multisite":
+        if dp is not None or dataset != "embedded" or data_dir is not None or csv_path is not None:
+            raise click.UsageError(
+                "--scenario multisite reads the label tables shipped with torchxrayvision and, for real "
+                "images, --site-dir per site; --dp-epsilon, --dp-sweep, --dataset, --data-dir and --csv do "
+                "not apply"
+            )
+        if len(names) != 1:
+            raise click.UsageError("--scenario multisite runs one backbone at a time")
+        gradient_rounds = SCHEDULES[schedule] if fedavg_rounds is None else fedavg_rounds
+        _run_multisite(
+            Console(),
+            out_dir=out_dir,
+            sites=sites,
+            classes=class_list,
+            site_shift=site_shift,
+            site_dirs=site_dirs,
+            backbone=names[0],
+            weights=weights,
+            cache_dir=cache_dir,
+            batch_size=batch_size,
+            workers=workers,
+            amp=amp,
+            rounds=rounds,
+            seed=seed,
+            gamma=gamma,
+            secure=secure,
+            ckks_poly_degree=int(ckks_degree),
+            dropout=dropout,
+            dropout_stage=dropout_stage,
+            threshold=threshold,
+            min_group_size=min_group_size,
+            client_policy=client_policy,
+            fraction=fraction,
+            dim=dim,
+            device=device,
+            gradient_rounds=gradient_rounds,
+            schedule=schedule if gradient_rounds == SCHEDULES[schedule] else "custom",
+            baselines=baselines,
+        )
+        return
     sources: list[ImageSource | None] = [None]
     if dataset == "nih":
         if data_dir is None:
@@ -674,6 +754,82 @@ def _run_growing(
     print_growing_report(result, console)
     for path in write_growing_reports(result, out_dir):
         console.print(f"wrote {path}", markup=False, highlight=False, width=_report_width(console))
+
+
+def _run_multisite(
+    console: Console,
+    *,
+    out_dir: Path,
+    sites: str,
+    classes: str,
+    site_shift: float,
+    site_dirs: tuple[str, ...],
+    backbone: str,
+    weights: tuple[str, ...],
+    cache_dir: Path | None,
+    batch_size: int,
+    workers: int | None,
+    amp: bool,
+    gradient_rounds: int,
+    schedule: str,
+    **sim: object,
+) -> None:
+    from secure_afl.sim.baselines import BaselineConfig
+    from secure_afl.sim.fedavg import FedAvgConfig
+    from secure_afl.sim.multisite import (
+        SITE_KEYS,
+        MultisiteConfig,
+        MultisiteError,
+        print_multisite_report,
+        run_multisite,
+        write_multisite_reports,
+    )
+    from secure_afl.sim.runner import SimConfig
+
+    keys = SITE_KEYS if sites == "all" else tuple(k.strip() for k in sites.split(",") if k.strip())
+    dirs = []
+    for item in site_dirs:
+        key, sep, path = item.partition("=")
+        if not sep or not key.strip() or not path.strip():
+            raise click.BadParameter(f"expected SITE=DIR, got {item!r}", param_hint="--site-dir")
+        dirs.append((key.strip(), Path(path.strip())))
+    images = None
+    if dirs:
+        weight_files = _parse_weights(weights, [backbone])
+        images = ImageSource(
+            data_dir=dirs[0][1],  # unused: every site has its own directory
+            backbone=backbone,
+            weights=weight_files.get(backbone),
+            cache_dir=cache_dir,
+            device=str(sim["device"]),
+            batch_size=batch_size,
+            num_workers=workers,
+            amp=amp,
+        )
+    elif weights:
+        raise click.UsageError("--weights needs real images (--site-dir)")
+    seed = int(sim["seed"])  # type: ignore[call-overload]
+    config = MultisiteConfig(
+        sim=SimConfig(
+            **sim,  # type: ignore[arg-type]
+            fedavg=dataclasses.replace(FedAvgConfig(), rounds=gradient_rounds, seed=seed),
+            baseline=dataclasses.replace(
+                BaselineConfig(), rounds=gradient_rounds, seed=seed, schedule=schedule
+            ),
+        ),
+        sites=keys,
+        classes=classes,
+        site_shift=site_shift,
+        site_dirs=tuple(dirs),
+        images=images,
+    )
+    try:
+        result = run_multisite(config, progress=_ProgressBars(console))
+    except (MultisiteError, *_sim_errors()) as exc:
+        raise click.ClickException(str(exc)) from exc
+    print_multisite_report(result, console)
+    for path in write_multisite_reports(result, out_dir):
+        console.print(f"wrote {path}", markup=False, highlight=False)
 
 
 def _parse_centre_n(value: str) -> tuple[int, ...]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import time
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
@@ -206,6 +206,8 @@ class SettingResult:
     sent_by_difference: Mapping[str, Mapping[str, tuple[str, ...]]] = field(default_factory=dict)
     # the Gram copies a client sends, mean over clients: the method's groups and as sent
     gram_copies: Mapping[str, float] = field(default_factory=dict)
+    # method -> its fitted W (features × classes): the analytic methods only
+    coefs: Mapping[str, np.ndarray] = field(default_factory=dict, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -457,21 +459,40 @@ def run_setting(
     timer: PhaseTimer,
     progress: Progress = _no_progress,
     gradient: GradientMethods | None = None,
+    *,
+    assignment: LabelAssignment | None = None,
+    score: Callable[[str, np.ndarray], Metrics] | None = None,
 ) -> SettingResult:
+    """One setting: the missing level's label assignment (or ``assignment``, which clients label
+    which classes, when the caller has its own: a multi-site federation), round 1, round 2, the
+    gradient methods and the audit.  ``score(method, logits)`` gives a method's metrics on the test
+    rows (default: every test row counts for every class)."""
     if config.dp is not None:
+        if assignment is not None or score is not None:
+            raise ExperimentError("differential privacy runs the partial-label protocol's assignment only")
         from secure_afl.sim.dp_run import run_private_setting
 
         return run_private_setting(data, missing, config, timer, progress)
     n_classes = data.cohort.labels.shape[1]
-    assignment = assign_partial_labels(
-        config.n_clients, n_classes, missing, seed=config.seed, missing1=config.missing1
-    )
+    if assignment is None:
+        assignment = assign_partial_labels(
+            config.n_clients, n_classes, missing, seed=config.seed, missing1=config.missing1
+        )
+    elif assignment.n_clients != config.n_clients or assignment.n_classes != n_classes:
+        raise ExperimentError(
+            f"the assignment covers {assignment.n_clients} clients and {assignment.n_classes} classes; "
+            f"the run has {config.n_clients} clients and {n_classes} classes"
+        )
     clients = [client_id(k) for k in range(config.n_clients)]
     undefined = _undefined_balance(stats, clients, assignment)
     dropped = _dropped_clients(config)
     dropouts = {config.dropout_stage: dropped} if dropped else {}
     test_x = data.features[data.split.test].astype(np.float64)  # once, not per method
     test_y = data.cohort.labels[data.split.test]
+    if score is None:
+
+        def score(method: str, logits: np.ndarray) -> Metrics:
+            return evaluate(test_y, logits, kind="logits")
 
     with timer.phase("statistics"), warnings.catch_warnings():
         # reported per setting (undefined_balance), not as one Python warning per client
@@ -562,12 +583,9 @@ def run_setting(
     with timer.phase("metrics"):
         # AUC and AP rank the scores (logits); BACC counts each method's decisions, score > 0
         # (= σ(score) > 0.5, what predict() returns).  AFL's first: the gradient methods may still train.
-        metrics = {
-            name: evaluate(test_y, model.decision_function(test_x), kind="logits")
-            for name, model in models.items()
-        }
+        metrics = {name: score(name, model.decision_function(test_x)) for name, model in models.items()}
         for name, model in other_models.items():
-            metrics[name] = evaluate(test_y, model.decision_function(test_x), kind="logits")
+            metrics[name] = score(name, model.decision_function(test_x))
     uploads = {c: {**groups, **round2.get(c, {})} for c, groups in round1.items()}
     # The run's audit is of the groups the server summed; each method's, of its own groups alone
     # (a difference plan's wire sums span the same as the method's, SECURITY.md §4).
@@ -631,8 +649,8 @@ def run_setting(
             )
     with timer.phase("metrics"):
         for name, trained in heads.items():
-            metrics[name] = evaluate(test_y, trained.decision_function(test_x), kind="logits")
-        metrics.update({name: evaluate(test_y, scores, kind="logits") for name, scores in extra.items()})
+            metrics[name] = score(name, trained.decision_function(test_x))
+        metrics.update({name: score(name, scores) for name, scores in extra.items()})
     order = (AFL_1, AFL_2, AFL_2_RESCALED, AFL_GLOBAL_BALANCE, AFL_GLOBAL_GRAM, FEDAVG, *BASELINES)
     ordered = {m: metrics[m] for m in order if m in metrics}
     ordered.update({m: metrics[m] for m in sorted(other_models)})
@@ -652,6 +670,7 @@ def run_setting(
         pseudo_labels_rescaled=tuple(rescaled_reports),
         undefined_balance=undefined,
         method_seconds=method_seconds,
+        coefs={name: model.coef_ for name, model in models.items() if model.coef_ is not None},
     )
 
 

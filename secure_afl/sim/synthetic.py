@@ -50,11 +50,15 @@ def synthetic_features(
     dim: int = 1024,
     seed: int = 0,
     progress: Callable[[int], None] | None = None,
+    offsets: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> np.ndarray:
     """Features (rows × ``dim``, float32) for the given label rows, from the model above.
 
     Deterministic in ``seed`` and the rows given.  ``progress`` is called with the number of rows
-    finished after each chunk.
+    finished after each chunk.  ``offsets``: ``(group, shifts)``, the group index of every row and a
+    ``groups × dim`` array added to its pre-activation ``z`` (a site's shift,
+    :mod:`secure_afl.sim.multisite`); it draws nothing from the model's generator, so the rest of
+    the features are those without it.
     """
     labels = np.asarray(labels)
     if labels.ndim != 2 or len(labels) != len(patient_ids):
@@ -63,6 +67,15 @@ def synthetic_features(
         )
     if dim < 1:
         raise ValueError(f"dim must be positive, got {dim}")
+    if offsets is not None:
+        group, shifts = np.asarray(offsets[0]), np.asarray(offsets[1], dtype=np.float32)
+        if group.shape != (len(labels),) or shifts.ndim != 2 or shifts.shape[1] != dim:
+            raise ValueError(
+                f"offsets must be a group per row ({len(labels)}) and groups × dim ({dim}) shifts; "
+                f"got {group.shape} and {shifts.shape}"
+            )
+        if len(group) and not 0 <= group.min() <= group.max() < len(shifts):
+            raise ValueError(f"offsets' group indices must lie in 0..{len(shifts) - 1}")
     rng = np.random.default_rng(seed)
     n_classes = labels.shape[1]
     mean = rng.normal(-0.5, 0.5, size=dim).astype(np.float32)
@@ -99,6 +112,8 @@ def synthetic_features(
             z += rng.standard_normal((rows, NUISANCE_RANK), dtype=np.float32) @ nuisance
             z += patient_effect[patient_index[start:stop]] @ patient_load
             z += labels[start:stop].astype(np.float32) @ signatures
+            if offsets is not None:
+                z += shifts[group[start:stop]]
             if pending:
                 for job in pending:
                     job.result()
