@@ -254,7 +254,8 @@ class ClientSession:
         self._inputs: dict[str, dict[str, np.ndarray]] = {}
         # One array given to several groups (a driver's shared Gram) is checked and copied once,
         # and stays one object here (a copy: the caller's later writes cannot reach it): the release
-        # and exposure digests then read it once too.
+        # and exposure digests then read it once too.  An input no one can write to is kept as it
+        # is (no copy: at d = 4096 a Gram's triangle is 64 MiB per client).
         copies: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # id -> (the input, kept alive; copy)
         for group, tensors in inputs.items():
             if not tensors:
@@ -263,7 +264,8 @@ class ClientSession:
             for name, values in tensors.items():
                 entry = copies.get(id(values))
                 if entry is None or entry[0] is not values:
-                    entry = (values, encoding.check_float_tensor(values, tensor=f"{group}/{name}").copy())
+                    checked = encoding.check_float_tensor(values, tensor=f"{group}/{name}")
+                    entry = (values, checked if encoding.immutable(checked) else checked.copy())
                     copies[id(values)] = entry
                 self._inputs[group][name] = entry[1]
         policy = ClientPolicy.deployment() if policy is None else policy
