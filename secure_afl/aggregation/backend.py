@@ -321,7 +321,10 @@ class CkksBackend:
             raise ValueError("CKKS sums are approximate: a difference plan is for exact sums only")
         result = server.result()  # type: ignore[attr-defined]
         sums = {
-            group: {name: _shaped(layout, name, np.array(values), unpack) for name, values in group_sum.sums.items()}
+            group: {
+                name: _shaped(layout, name, np.array(values), unpack)
+                for name, values in group_sum.sums.items()
+            }
             for group, group_sum in result.groups.items()
         }
         return SessionOutcome(
