@@ -38,13 +38,14 @@ pseudo-label.  :meth:`AnalyticClassifier.rescaled_scores` gives the documented v
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from secure_afl.core.encoding import immutable, unpack_symmetric
 from secure_afl.statistics import (  # the client's statistics: numpy, no torch (re-exported)
     ALL_GROUP,
     Balance,
@@ -236,7 +237,12 @@ def uploaded_by(
 
 
 def sum_contributions(contributions: Iterable[Contributions]) -> Contributions:
-    """Plaintext aggregation: the per-group, per-tensor sums (what secure aggregation also yields)."""
+    """Plaintext aggregation: the per-group, per-tensor sums (what secure aggregation also yields).
+
+    A symmetric tensor given as its packed upper triangle is summed as one (the triangle of the
+    full sum, bit for bit).  A group's first value is copied unless it is read-only and nothing
+    writeable shares it (:func:`~secure_afl.core.encoding.immutable`): the sum of a group of one
+    is then that very array."""
     sums: Contributions = {}
     for contribution in contributions:
         for group, tensors in contribution.items():
@@ -249,6 +255,8 @@ def sum_contributions(contributions: Iterable[Contributions]) -> Contributions:
                             f"and {target[name].shape} at another"
                         )
                     target[name] = target[name] + value
+                elif isinstance(value, np.ndarray) and value.dtype == np.float64 and immutable(value):
+                    target[name] = value  # no write can reach it: a sum of one needs no copy
                 else:
                     target[name] = np.array(value, dtype=np.float64, copy=True)
     return sums
@@ -287,24 +295,41 @@ def _tensor(sums: GroupSums, group: str, name: str) -> np.ndarray:
         ) from None
 
 
+def _regularised_gram(gram: np.ndarray, gamma: float) -> np.ndarray:
+    """``G + γI`` in one fresh ``d×d`` array, from the full ``G`` or its packed upper triangle (1-D,
+    as the aggregation may leave it): the triangle is unpacked straight into it, and ``γ`` added to
+    the diagonal in place (the same values as ``G + γ·eye(d)``)."""
+    matrix = unpack_symmetric(gram) if gram.ndim == 1 else np.array(gram, dtype=np.float64)
+    diagonal = np.einsum("ii->i", matrix)  # a writeable view of the diagonal
+    diagonal += gamma
+    return matrix
+
+
 class GramFactors:
     """Cholesky factors of one set of sums' regularised Grams ``G + γI``, each computed once.
 
     Models fitted on the same sums with the same ``γ`` (AFL, its global-balance and global-Gram
-    variants, round 2's refinements) factorise the same matrices: give them one instance.
+    variants, round 2's refinements) factorise the same matrices: give them one instance.  A Gram
+    sum may be the full matrix or its packed upper triangle.  ``keep`` names the groups whose
+    factors stay cached (None: every group's); :func:`fit_together` fits several models one Gram
+    at a time, so a factor that is not kept is computed once and dropped after its last use (at
+    d = 4096 a factor is 128 MiB).
     """
 
-    def __init__(self, sums: GroupSums, gamma: float) -> None:
+    def __init__(self, sums: GroupSums, gamma: float, *, keep: Collection[str] | None = None) -> None:
         self.sums = sums
         self.gamma = float(gamma)
+        self.keep = None if keep is None else frozenset(keep)
         self._factors: dict[str, torch.Tensor] = {}
 
     def factor(self, group: str, what: str) -> torch.Tensor:
         """The lower factor of ``group``'s regularised Gram (``what`` names it in errors)."""
-        if group not in self._factors:
-            gram = _tensor(self.sums, group, "gram")
-            self._factors[group] = _cholesky(gram + self.gamma * np.eye(gram.shape[0]), what)
-        return self._factors[group]
+        factor = self._factors.get(group)
+        if factor is None:
+            factor = _cholesky(_regularised_gram(_tensor(self.sums, group, "gram"), self.gamma), what)
+            if self.keep is None or group in self.keep:
+                self._factors[group] = factor
+        return factor
 
     def check_for(self, sums: GroupSums, gamma: float) -> GramFactors:
         if sums is not self.sums or float(gamma) != self.gamma:
@@ -313,6 +338,35 @@ class GramFactors:
                 "from the sums being fitted"
             )
         return self
+
+
+def fit_together(
+    models: Sequence[AnalyticClassifier], sums: GroupSums, *, factors: GramFactors | None = None
+) -> None:
+    """Round 1 (:meth:`AnalyticClassifier.fit`) for several models on the same sums, one Gram at a
+    time: each group's factor is computed once, solves every class of every model that uses it,
+    and is dropped unless ``factors`` keeps it.  Each coefficient is the same solve as a model
+    fitted alone (one right-hand side at a time, the same factor), bit for bit.
+    """
+    if not models:
+        return
+    gammas = {m.gamma for m in models}
+    if len(gammas) != 1:
+        raise StatisticsError(f"models fitted together share one gamma, got {sorted(gammas)}")
+    grams = models[0]._factors(sums, factors)
+    uses: dict[str, tuple[str, list[tuple[int, int]]]] = {}  # group -> (its name in errors, (model, class))
+    for i, model in enumerate(models):
+        for c in range(model.n_classes):
+            group, what = model._gram_group(c)
+            uses.setdefault(group, (what, []))[1].append((i, c))
+    columns: list[dict[int, np.ndarray]] = [{} for _ in models]
+    for group, (what, needed) in uses.items():
+        factor = grams.factor(group, what)
+        for i, c in needed:
+            columns[i][c] = _cho_solve(factor, models[i]._class_rhs(sums, c))
+        del factor  # the last reference unless ``grams`` keeps it
+    for model, solved in zip(models, columns, strict=True):
+        model.coef_ = np.stack([solved[c] for c in range(model.n_classes)], axis=1)
 
 
 class AnalyticClassifier:
@@ -359,15 +413,12 @@ class AnalyticClassifier:
 
         ``factors``: the sums' :class:`GramFactors`, shared with other models fitted on them.
         """
-        grams = self._factors(sums, factors)
-        shared = grams.factor(ALL_GROUP, "the global Gram") if self.gram == "global" else None
-        columns = []
-        for c in range(self.n_classes):
-            rhs = self._class_rhs(sums, c)
-            factor = shared if shared is not None else grams.factor(class_group(c), f"class {c}")
-            columns.append(_cho_solve(factor, rhs))
-        self.coef_ = np.stack(columns, axis=1)
+        fit_together([self], sums, factors=factors)
         return self
+
+    def _gram_group(self, c: int) -> tuple[str, str]:
+        """The group whose Gram class ``c``'s solve uses, and its name in errors."""
+        return (ALL_GROUP, "the global Gram") if self.gram == "global" else (class_group(c), f"class {c}")
 
     def training_score_means(self, sums: GroupSums) -> tuple[np.ndarray, np.ndarray]:
         """Per class, the mean fitted score ``h·w_c`` of the labelled positives and of the labelled

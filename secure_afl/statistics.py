@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 import numpy as np
+
+from secure_afl.core.encoding import pack_symmetric
 
 if TYPE_CHECKING:
     import torch
@@ -178,6 +180,9 @@ class ClientStatistics:
     Everything a client might upload derives from these without touching the features again:
     ``gram = HᵀH``, ``feat_sum = Hᵀ1``, ``pos_sum = HᵀY`` (per class), the row count and the
     positive counts.  Columns of classes the client does not label are never uploaded.
+
+    ``gram`` is the ``d×d`` matrix, or, after :meth:`packed`, its upper triangle (row-major,
+    diagonal included, read-only): half the memory, and what the wire carries anyway.
     """
 
     gram: np.ndarray
@@ -189,6 +194,23 @@ class ClientStatistics:
     @property
     def dim(self) -> int:
         return self.feat_sum.shape[0]
+
+    @property
+    def gram_is_packed(self) -> bool:
+        return self.gram.ndim == 1
+
+    def packed(self) -> ClientStatistics:
+        """These statistics with ``gram`` as its read-only upper triangle (the full matrix can go).
+
+        The contributions then carry the triangle, which the aggregation layouts take as the
+        symmetric tensor it packs, and the sums of it are triangles too (the same values, bit for
+        bit, as the triangles of the full sums: the Gram is exactly symmetric).
+        """
+        if self.gram_is_packed:
+            return self
+        triangle = pack_symmetric(self.gram)
+        triangle.setflags(write=False)
+        return replace(self, gram=triangle)
 
     def balanced_projection(self, c: int) -> np.ndarray:
         """``b_{k,c} = H_kᵀ y_{k,c}`` with the balanced labels of Eq. 9 (Eq. 14).

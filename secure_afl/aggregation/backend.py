@@ -44,7 +44,7 @@ from secure_afl.protocol.server import ServerSession
 
 from .layout import Layout
 
-GroupSums = dict[str, dict[str, np.ndarray]]  # group -> tensor -> float64 array (full matrix if symmetric)
+GroupSums = dict[str, dict[str, np.ndarray]]  # group -> tensor -> float64 array (symmetric: full, or packed)
 
 MASK_TRUST_MODEL = (
     "pairwise masking: the server learns only group sums over survivors; it would need t colluding "
@@ -120,7 +120,10 @@ class ProtectionBackend(Protocol):
 
     def decode(self, data: bytes, max_message_bytes: int) -> object: ...
 
-    def outcome(self, server: ServerSessionLike, layout: Layout) -> SessionOutcome: ...
+    def outcome(self, server: ServerSessionLike, layout: Layout, *, unpack: bool = True) -> SessionOutcome:
+        """The float64 sums; ``unpack=False`` leaves each symmetric tensor's sum as its packed upper
+        triangle (1-D: half the memory; the solve unpacks one at a time)."""
+        ...
 
     def sender(self, message: object) -> str:
         """The client id a client message claims (its signature is the server session's to check)."""
@@ -141,6 +144,13 @@ def _client_floor(policy: ClientPolicy, min_group_size: int) -> int:
     """A client's minimum group size: the policy's floor, raised (never lowered) by the session's
     agreed ``min_group_size`` (a deployed client takes it from its study, not from the server)."""
     return max(policy.min_group_size, min_group_size)
+
+
+def _shaped(layout: Layout, name: str, flat: np.ndarray, unpack: bool) -> np.ndarray:
+    """A decoded wire sum in its tensor's shape; a symmetric one stays packed unless ``unpack``."""
+    if not unpack and name in layout.symmetric:
+        return flat
+    return layout.unflatten(name, flat)
 
 
 def _sender(message: object) -> str:
@@ -221,13 +231,13 @@ class MaskingBackend:
     def decode(self, data: bytes, max_message_bytes: int) -> object:
         return masking_codec.decode(data, max_message_bytes=max_message_bytes)
 
-    def outcome(self, server: ServerSessionLike, layout: Layout) -> SessionOutcome:
+    def outcome(self, server: ServerSessionLike, layout: Layout, *, unpack: bool = True) -> SessionOutcome:
         result = server.result()  # type: ignore[attr-defined]
         # A difference plan's sums are derived on the words (exact mod 2⁶⁴), then decoded.
         words = layout.logical_words({group: s.sums for group, s in result.groups.items()})
         sums = {
             group: {
-                name: layout.unflatten(name, encoding.decode(values, frac_bits=self.frac_bits))
+                name: _shaped(layout, name, encoding.decode(values, frac_bits=self.frac_bits), unpack)
                 for name, values in tensors.items()
             }
             for group, tensors in words.items()
@@ -311,12 +321,15 @@ class CkksBackend:
     def decode(self, data: bytes, max_message_bytes: int) -> object:
         return ckks.codec.decode(data, max_message_bytes=max_message_bytes)
 
-    def outcome(self, server: ServerSessionLike, layout: Layout) -> SessionOutcome:
+    def outcome(self, server: ServerSessionLike, layout: Layout, *, unpack: bool = True) -> SessionOutcome:
         if layout.derived:
             raise ValueError("CKKS sums are approximate: a difference plan is for exact sums only")
         result = server.result()  # type: ignore[attr-defined]
         sums = {
-            group: {name: layout.unflatten(name, np.array(values)) for name, values in group_sum.sums.items()}
+            group: {
+                name: _shaped(layout, name, np.array(values), unpack)
+                for name, values in group_sum.sums.items()
+            }
             for group, group_sum in result.groups.items()
         }
         return SessionOutcome(

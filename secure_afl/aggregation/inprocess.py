@@ -62,6 +62,7 @@ def run_in_process(
     session_id: bytes | None = None,
     context: bytes = b"",
     difference: bool = True,
+    unpack: bool = True,
 ) -> InProcessRun:
     """Sum ``contributions`` (client -> group -> tensor -> float64 array) per group through ``backend``.
 
@@ -70,7 +71,9 @@ def run_in_process(
     bind (:func:`secure_afl.protocol.binding.session_context`; empty: none).  ``difference``: a
     backend with exact sums sends the Gram by difference where that sends fewer copies
     (:mod:`.difference`; the same sums, bit for bit, and the same span of them); False keeps
-    every group as the contributions name it.  The run's ``layout`` is the wire's.
+    every group as the contributions name it.  The run's ``layout`` is the wire's.  ``unpack=False``
+    leaves each symmetric tensor's sum as its packed upper triangle (as a contribution may also
+    give it: :func:`~secure_afl.aggregation.layout.flatten`).
     """
     random = OsRandomSource() if random is None else random
     client_ids = tuple(sorted(contributions))
@@ -102,7 +105,10 @@ def run_in_process(
         key = (id(values), name in layout.symmetric)
         entry = flattened.get(key)
         if entry is None or entry[0] is not values:
-            entry = (values, flatten(values, key[1]))
+            vector = flatten(values, key[1])
+            if vector.base is None and vector is not values:  # a packed copy of the driver's own:
+                vector.setflags(write=False)  # read-only, so the client session keeps it uncopied
+            entry = (values, vector)
             flattened[key] = entry
         return entry[1]
 
@@ -170,7 +176,7 @@ def run_in_process(
         server_seconds[round_name] += time.perf_counter() - started
 
     return InProcessRun(
-        outcome=backend.outcome(server, layout),
+        outcome=backend.outcome(server, layout, unpack=unpack),
         costs=SessionCosts(bytes_sent, bytes_received, client_seconds, server_seconds),
         session_id=session_id,
         clients=clients,

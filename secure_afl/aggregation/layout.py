@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from secure_afl.core import encoding
+from secure_afl.core.errors import LocalProtocolError
 from secure_afl.protocol.messages import GroupSpec, TensorSpec
 
 Contributions = Mapping[str, Mapping[str, np.ndarray]]  # group -> tensor -> array
@@ -77,9 +78,30 @@ class Layout:
 
 
 def flatten(values: np.ndarray, is_symmetric: bool) -> np.ndarray:
-    """float64 wire vector: the upper triangle of a symmetric matrix, else the array raveled."""
+    """float64 wire vector: the upper triangle of a symmetric matrix, else the array raveled.
+
+    A symmetric tensor given as its upper triangle already (1-D, :func:`symmetric_dimension`) is
+    the wire vector as it is: no copy (a read-only one then stays shared with its owner)."""
     array = np.asarray(values, dtype=np.float64)
+    if is_symmetric and array.ndim == 1:
+        return array
     return encoding.pack_symmetric(array) if is_symmetric else np.ascontiguousarray(array).ravel()
+
+
+def symmetric_dimension(name: str, shape: tuple[int, ...]) -> int:
+    """``d`` of a symmetric tensor given as a ``d×d`` matrix or as its packed upper triangle (1-D
+    of length d(d+1)/2); anything else raises ``ValueError`` saying what was expected."""
+    if len(shape) == 2 and shape[0] == shape[1]:
+        return shape[0]
+    if len(shape) == 1:
+        try:
+            return encoding.dimension_from_triangle_length(shape[0])
+        except LocalProtocolError:
+            pass
+    raise ValueError(
+        f"symmetric tensor {name!r} must be a square matrix or its packed upper triangle "
+        f"(length d(d+1)/2), got shape {shape}"
+    )
 
 
 def unflatten(flat: np.ndarray, shape: tuple[int, ...], is_symmetric: bool) -> np.ndarray:
@@ -96,13 +118,14 @@ def layout_of(contributions: Mapping[str, Contributions], symmetric: Collection[
             lengths: dict[str, int] = {}
             for name, values in tensors.items():
                 shape = np.shape(values)
+                if name in symmetric:  # a matrix or its packed triangle: the same d × d tensor
+                    d = symmetric_dimension(name, shape)
+                    shape = (d, d)
                 if shapes.setdefault(name, shape) != shape:
                     raise ValueError(
                         f"tensor {name!r} has shape {shape} at {cid!r} but {shapes[name]} elsewhere"
                     )
                 if name in symmetric:
-                    if len(shape) != 2 or shape[0] != shape[1]:
-                        raise ValueError(f"symmetric tensor {name!r} must be a square matrix, got {shape}")
                     lengths[name] = encoding.upper_triangle_length(shape[0])
                 else:
                     lengths[name] = int(np.prod(shape))

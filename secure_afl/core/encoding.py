@@ -28,6 +28,7 @@ from .errors import EncodingOverflowError, LocalProtocolError, NonFiniteValueErr
 DEFAULT_FRAC_BITS = 32
 MAX_FRAC_BITS = 52
 _INT63_MAX = 2**63 - 1
+_ENCODE_CHUNK = 1 << 15  # words per chunk of encode's work: 256 KiB of float64 stays in cache
 
 
 def encoding_bound(frac_bits: int, group_size: int) -> float:
@@ -50,8 +51,17 @@ def encode(
     """Encode a float64 array as uint64 fixed point, refusing values whose group sum could wrap."""
     array = check_float_tensor(values, tensor=tensor)
     check_encodable(array, tensor=tensor, frac_bits=frac_bits, group_size=group_size)
-    scaled = np.rint(array * 2.0**frac_bits)
-    return scaled.astype(np.int64).view(np.uint64).ravel()
+    # rint(x · 2^f) as int64, a cache-sized chunk at a time through one small buffer: one array
+    # the size of the tensor (the words), not three (the product, its rounding, the cast).
+    words = np.empty(array.shape[0], dtype=np.int64)
+    scale = 2.0**frac_bits
+    buffer = np.empty(min(_ENCODE_CHUNK, array.shape[0]))
+    for start in range(0, array.shape[0], _ENCODE_CHUNK):
+        part = buffer[: min(_ENCODE_CHUNK, array.shape[0] - start)]
+        np.multiply(array[start : start + part.shape[0]], scale, out=part)
+        np.rint(part, out=part)
+        words[start : start + part.shape[0]] = part
+    return words.view(np.uint64)
 
 
 def check_encodable(values: np.ndarray, *, tensor: str, frac_bits: int, group_size: int) -> None:
@@ -96,6 +106,18 @@ def check_float_tensor(values: np.ndarray, *, tensor: str) -> np.ndarray:
     return values
 
 
+def immutable(array: np.ndarray) -> bool:
+    """Whether no writeable array shares ``array``'s memory: it and every base it views are
+    read-only numpy arrays, over memory of their own or immutable bytes.  Such an array can be
+    kept without a copy: no later write can reach it."""
+    base: object = array
+    while isinstance(base, np.ndarray):
+        if base.flags.writeable:
+            return False
+        base = base.base
+    return base is None or isinstance(base, bytes)
+
+
 def upper_triangle_length(d: int) -> int:
     """Number of entries of a d x d matrix's upper triangle, diagonal included."""
     return d * (d + 1) // 2
@@ -117,7 +139,13 @@ def pack_symmetric(matrix: np.ndarray) -> np.ndarray:
     """
     if matrix.ndim != 2 or matrix.shape[0] != matrix.shape[1]:
         raise LocalProtocolError(f"a symmetric matrix must be square, got shape {matrix.shape}")
-    return matrix[_upper_triangle_mask(matrix.shape[0])]
+    d = matrix.shape[0]
+    packed = np.empty(upper_triangle_length(d), dtype=matrix.dtype)
+    start = 0
+    for i in range(d):  # row i's part of the triangle: d - i consecutive entries (row-major)
+        packed[start : start + d - i] = matrix[i, i:]
+        start += d - i
+    return packed
 
 
 _MIRROR_BLOCK = 256  # 256 x 256 float64 = 512 KiB: a block and its transpose stay in cache
@@ -141,12 +169,6 @@ def unpack_symmetric(packed: np.ndarray) -> np.ndarray:
         below = np.tril_indices(diagonal.shape[0], -1)
         diagonal[below] = diagonal.T[below]
     return matrix
-
-
-def _upper_triangle_mask(d: int) -> np.ndarray:
-    # Boolean indexing walks the triangle in row-major order, as triu_indices does, but without
-    # materialising two index arrays of d(d+1)/2 int64 each (seconds at d = 2048).
-    return np.triu(np.ones((d, d), dtype=bool))
 
 
 def _check_frac_bits(frac_bits: int) -> None:

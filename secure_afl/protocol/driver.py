@@ -131,7 +131,8 @@ Handled = tuple[list[Any], Callable[[], None]]
 def copied_inputs(inputs: Mapping[str, Mapping[str, np.ndarray]]) -> dict[str, dict[str, np.ndarray]]:
     """The client's own copy of its inputs: each checked once, one array given to several groups
     (a driver's shared Gram) one copy (the caller's later writes cannot reach it; the release and
-    exposure digests then read it once too)."""
+    exposure digests then read it once too).  An input no one can write to is kept as it is (no
+    copy: at d = 4096 a Gram's triangle is 64 MiB per client)."""
     copied: dict[str, dict[str, np.ndarray]] = {}
     copies: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # id -> (the input, kept alive; its copy)
     for group, tensors in inputs.items():
@@ -141,7 +142,8 @@ def copied_inputs(inputs: Mapping[str, Mapping[str, np.ndarray]]) -> dict[str, d
         for name, values in tensors.items():
             entry = copies.get(id(values))
             if entry is None or entry[0] is not values:
-                entry = (values, encoding.check_float_tensor(values, tensor=f"{group}/{name}").copy())
+                checked = encoding.check_float_tensor(values, tensor=f"{group}/{name}")
+                entry = (values, checked if encoding.immutable(checked) else checked.copy())
                 copies[id(values)] = entry
             copied[group][name] = entry[1]
     return copied

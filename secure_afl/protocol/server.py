@@ -56,8 +56,10 @@ from .state import SERVER_ACCEPTS, SERVER_NEXT_ROUND, ServerRound
 ServerReply = ShareKeysRequest | MaskedInputRequest | ConsistencyCheckRequest | UnmaskRequest
 
 # R2's inputs held (as views of their messages) before they are added to the sums, a batch at a
-# time: 256 MiB, about 8 clients' inputs at d = 1024 with 7 Gram copies each.
-ADD_BATCH_BYTES = 1 << 28
+# time: 64 MiB, about 2 clients' inputs at d = 1024 with 7 Gram copies each.  Batching saves passes
+# over the sums; a larger batch holds more messages (at d = 4096 one Gram triangle is 64 MiB, so a
+# client's message is added as soon as it is received).
+ADD_BATCH_BYTES = 1 << 26
 
 C = TypeVar("C", EncryptedShares, RevealedShares)
 

@@ -23,6 +23,7 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from secure_afl.analytic import (
+    ALL_GROUP,
     PSEUDO_TENSOR,
     PSEUDO_TENSOR_RESCALED,
     AnalyticClassifier,
@@ -36,6 +37,7 @@ from secure_afl.analytic import (
     UndefinedBalanceWarning,
     class_group,
     client_statistics,
+    fit_together,
     pseudo_label_rounds,
     sum_contributions,
     uploaded_by,
@@ -279,7 +281,8 @@ def _upload_bytes(contributions: Mapping[str, Contributions]) -> dict[str, int]:
         total = 0
         for tensors in groups.values():
             for name, value in tensors.items():
-                n = value.shape[0] * (value.shape[0] + 1) // 2 if name in SYMMETRIC_TENSORS else value.size
+                square = name in SYMMETRIC_TENSORS and value.ndim == 2  # else a triangle already
+                n = value.shape[0] * (value.shape[0] + 1) // 2 if square else value.size
                 total += 8 * n
         out[client] = total
     return out
@@ -393,6 +396,7 @@ def _protected_sums(
             min_group_size=config.min_group_size,
             dropouts=dropouts,
             context=context,
+            unpack=False,  # the Grams' sums stay triangles: the solve unpacks one at a time
         )
     except InsufficientParticipantsError as exc:
         raise ExperimentError(
@@ -487,7 +491,6 @@ def run_setting(
     undefined = _undefined_balance(stats, clients, assignment)
     dropped = _dropped_clients(config)
     dropouts = {config.dropout_stage: dropped} if dropped else {}
-    test_x = data.features[data.split.test].astype(np.float64)  # once, not per method
     test_y = data.cohort.labels[data.split.test]
     if score is None:
 
@@ -509,14 +512,14 @@ def run_setting(
     _check_coverage(agg, n_classes)
     with timer.phase("solve"), warnings.catch_warnings():
         warnings.simplefilter("ignore", UndefinedBalanceWarning)
-        models, factors = _round1_models(agg.sums, n_classes, config.gamma)
+        models, factors = _round1_models(agg.sums, n_classes, config.gamma, config.rounds)
     afl = models[AFL_1]
     # With several protections, the others' sums fit the same models, reported as "<method> via <name>".
     other_models: dict[str, AnalyticClassifier] = {}
     other_factors: dict[str, GramFactors] = {}
     with timer.phase("solve"):
         for name, sums in agg.other_sums.items():
-            fitted, other_factors[name] = _round1_models(sums, n_classes, config.gamma)
+            fitted, other_factors[name] = _round1_models(sums, n_classes, config.gamma, config.rounds)
             other_models.update({f"{method} via {name}": model for method, model in fitted.items()})
 
     upload = _upload_bytes(round1)
@@ -583,6 +586,7 @@ def run_setting(
     with timer.phase("metrics"):
         # AUC and AP rank the scores (logits); BACC counts each method's decisions, score > 0
         # (= σ(score) > 0.5, what predict() returns).  AFL's first: the gradient methods may still train.
+        test_x = data.features[data.split.test].astype(np.float64)  # once, not per method
         metrics = {name: score(name, model.decision_function(test_x)) for name, model in models.items()}
         for name, model in other_models.items():
             metrics[name] = score(name, model.decision_function(test_x))
@@ -682,18 +686,18 @@ def _copies(groups: _GroupsSummed, tensor: str) -> float:
 
 
 def _round1_models(
-    sums: Contributions, n_classes: int, gamma: float
+    sums: Contributions, n_classes: int, gamma: float, rounds: int = 2
 ) -> tuple[dict[str, AnalyticClassifier], GramFactors]:
-    """AFL and its global-balance and global-Gram variants on one set of sums, and the Grams'
-    factors they share (round 2's refinements reuse them)."""
-    factors = GramFactors(sums, gamma)
+    """AFL and its global-balance and global-Gram variants on one set of sums, fitted one Gram at a
+    time (each class's factor serves both models that use it, then goes), and the factors round
+    2's refinements reuse (the global Gram's, kept only when there is a round 2)."""
+    factors = GramFactors(sums, gamma, keep=(ALL_GROUP,) if rounds == 2 else ())
     models = {
-        AFL_1: AnalyticClassifier(n_classes, gamma=gamma).fit(sums, factors=factors),
-        AFL_GLOBAL_BALANCE: AnalyticClassifier(n_classes, gamma=gamma, balance="global").fit(
-            sums, factors=factors
-        ),
-        AFL_GLOBAL_GRAM: AnalyticClassifier(n_classes, gamma=gamma, gram="global").fit(sums, factors=factors),
+        AFL_1: AnalyticClassifier(n_classes, gamma=gamma),
+        AFL_GLOBAL_BALANCE: AnalyticClassifier(n_classes, gamma=gamma, balance="global"),
+        AFL_GLOBAL_GRAM: AnalyticClassifier(n_classes, gamma=gamma, gram="global"),
     }
+    fit_together(list(models.values()), sums, factors=factors)
     return models, factors
 
 
@@ -796,7 +800,9 @@ def run_experiment(
             # Beside the gradient methods, the clients' Grams run on the threads they leave (numpy's
             # BLAS releases the GIL; each Gram is the same computation whatever the thread).
             def statistics_of(rows: np.ndarray) -> ClientStatistics:
-                return client_statistics(data.features[rows], data.cohort.labels[rows], device=config.device)
+                # Held packed (the Gram's triangle, read-only): the full d × d goes as soon as it is made.
+                stats = client_statistics(data.features[rows], data.cohort.labels[rows], device=config.device)
+                return stats.packed()
 
             clients = data.split.clients if config.dp is None else ()  # DP: later
             jobs = [pool.submit(statistics_of, rows) for rows in clients]

@@ -32,7 +32,7 @@ SecureAggregationCosts = SessionCosts
 class SecureAggregationResult:
     """The group sums the server learns, and the audit of what that reveals."""
 
-    sums: Mapping[str, Mapping[str, np.ndarray]]  # group -> tensor -> float64 (full matrix if symmetric)
+    sums: Mapping[str, Mapping[str, np.ndarray]]  # group -> tensor -> float64 (symmetric: full, or packed)
     members: Mapping[str, tuple[str, ...]]
     survivors: Mapping[str, tuple[str, ...]]
     audit: PrivacyAudit  # per group, and what linear combinations of the sums expose
@@ -73,6 +73,7 @@ def secure_aggregate(
     client_policy: ClientPolicy | None = None,
     ledgers: Mapping[str, Ledger] | None = None,
     difference: bool = True,
+    unpack: bool = True,
 ) -> SecureAggregationResult:
     """Sum ``contributions`` (client -> group -> tensor -> float64 array) per group by secure aggregation.
 
@@ -88,7 +89,8 @@ def secure_aggregate(
     session context every client binds (:func:`secure_afl.protocol.binding.session_context`).
     ``difference``: send the Gram by difference where that sends fewer copies (the default; the
     same sums and the same span of them, :mod:`secure_afl.aggregation.difference`); False keeps
-    every group as the contributions name it.
+    every group as the contributions name it.  ``unpack=False``: the sums of symmetric tensors stay
+    packed (their upper triangles, 1-D), as :meth:`~secure_afl.analytic.GramFactors` takes them.
     """
     client_policy = ClientPolicy.simulator() if client_policy is None else client_policy
     client_ids = tuple(sorted(contributions))
@@ -117,6 +119,7 @@ def secure_aggregate(
         # complements are single clients, whose Grams the class sums determine anyway (the audit
         # says so either way).  The run's audit lists the groups as sent.
         difference=difference,
+        unpack=unpack,
     )
     outcome = run.outcome
     members, survivors, audit = audit_run(run, contributions, protection="mask")

@@ -1,0 +1,209 @@
+"""The secure path at Table III's widths: ``sim --missing 7 --fraction 0.2 --fedavg-rounds 1`` at
+d = 1024, 2048, 4096, ``--secure none`` and ``--secure mask`` side by side, each run in a child
+process.
+
+Per run: wall seconds, the aggregation phase's seconds (from results.json), the child's peak RSS
+(``os.wait4``'s ``ru_maxrss``: the child and its own children) and that peak over one packed Gram
+triangle's bytes (``8·d(d+1)/2``).  Per d: the masked aggregation's floor, measured here in the
+same run: the AES-CTR keystream of every mask over a Gram (each member of a group masks with its
+self mask and one pairwise mask per other member, the server removes each self mask), one pass
+encoding every Gram copy to fixed point and one add per mask, at the rates this host gives on one
+triangle right now.  The other tensors (d-vectors) are left out of the floor (under 1% of words).
+
+``--tree PATH`` (repeatable) runs another checkout's code on the same data in the same loop (e.g.
+the code before a change, unpacked with ``git archive``), the trees interleaved per d and path;
+``--pairs`` repeats each.  Results go to ``--json``.
+
+Run from the repository root: ``python bench/bench_large.py [--dims 1024,2048,4096] [--tree OLD]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+N_CLIENTS = 8
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def run_child(tree: Path, dim: int, secure: str, out: Path) -> dict[str, object]:
+    """One ``secure-afl sim`` in a child process with ``tree`` first on the path."""
+    env = dict(os.environ, PYTHONPATH=str(tree))
+    command = [
+        sys.executable,
+        "-c",
+        "from secure_afl.console import run; run()",
+        "sim",
+        "--missing",
+        "7",
+        "--fraction",
+        "0.2",
+        "--fedavg-rounds",
+        "1",
+        "--dim",
+        str(dim),
+        "--secure",
+        secure,
+        "--out",
+        str(out),
+    ]
+    load = os.getloadavg()[0]
+    started = time.perf_counter()
+    child = subprocess.Popen(command, cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(child.pid, 0)
+    wall = time.perf_counter() - started
+    stderr = child.stderr.read().decode() if child.stderr else ""
+    if status != 0:
+        raise SystemExit(f"sim --dim {dim} --secure {secure} in {tree} failed:\n{stderr[-2000:]}")
+    phases = json.loads((out / "results.json").read_text())["seconds_per_phase"]
+    peak = usage.ru_maxrss * 1024  # kilobytes on Linux
+    triangle = 8 * dim * (dim + 1) // 2
+    return {
+        "wall_s": wall,
+        "aggregation_s": phases.get("aggregation", 0.0),
+        "solve_s": phases.get("solve", 0.0),
+        "statistics_s": phases.get("statistics", 0.0),
+        "peak_rss_gib": peak / 2**30,
+        "peak_rss_triangles": peak / triangle,
+        "load": load,
+    }
+
+
+def mask_floor(dim: int) -> dict[str, float]:
+    """Seconds of the masked aggregation's arithmetic floor at ``dim`` (see the module docstring),
+    from this host's rates on one triangle now."""
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
+    from secure_afl.core import encoding
+    from secure_afl.sim.partial import assign_partial_labels
+
+    words = dim * (dim + 1) // 2
+    values = np.random.default_rng(0).standard_normal(words)
+    chunk = 1 << 15
+    zeros = bytearray(8 * chunk)
+    out = bytearray(8 * chunk + 15)
+
+    def keystream() -> None:
+        stream = Cipher(algorithms.AES(bytes(32)), modes.CTR(bytes(16))).encryptor()
+        for _ in range(0, words, chunk):
+            stream.update_into(zeros, out)
+
+    acc = np.zeros(words, dtype=np.uint64)
+    other = np.ones(words, dtype=np.uint64)
+
+    def best(fn, repeat: int = 3) -> float:
+        times = []
+        for _ in range(repeat):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return min(times)
+
+    t_stream = best(keystream)
+    t_encode = best(lambda: encoding.encode(values, tensor="gram", group_size=N_CLIENTS))
+    t_add = best(lambda: np.add(acc, other, out=acc))
+    # The Gram's groups at missing 7: each class group's annotators, and `all` (every client).
+    assignment = assign_partial_labels(N_CLIENTS, 8, 7, seed=0, missing1="permutation")
+    sizes = [len(m) for m in assignment.coverage()] + [N_CLIENTS]
+    masks = sum(m * m + m for m in sizes)  # m members × (self + m - 1 pairs), and m self unmasks
+    copies = sum(sizes)
+    return {
+        "keystream_s": masks * t_stream,
+        "encode_s": copies * t_encode,
+        "add_s": (masks + copies) * t_add,
+        "floor_s": masks * t_stream + copies * t_encode + (masks + copies) * t_add,
+        "mask_streams": masks,
+        "gram_copies": copies,
+        "keystream_gb_per_s": 8 * words / t_stream / 1e9,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dims", default="1024,2048,4096")
+    parser.add_argument("--tree", action="append", default=[], help="another checkout to run beside this one")
+    parser.add_argument("--pairs", type=int, default=1)
+    parser.add_argument("--json", default="bench_large.json")
+    args = parser.parse_args()
+    trees = {"this": ROOT, **{f"tree{i}:{Path(t).name}": Path(t).resolve() for i, t in enumerate(args.tree)}}
+    dims = [int(d) for d in args.dims.split(",")]
+    report: dict[str, object] = {
+        "host": cpu_name(),
+        "cpus": os.cpu_count(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "trees": {k: str(v) for k, v in trees.items()},
+        "dims": {},
+    }
+    with tempfile.TemporaryDirectory() as scratch:
+        for dim in dims:
+            runs: dict[str, dict[str, list[dict[str, object]]]] = {t: {"none": [], "mask": []} for t in trees}
+            for i in range(args.pairs):
+                order = ("mask", "none") if i % 2 == 0 else ("none", "mask")
+                for name, tree in trees.items():
+                    for secure in order:
+                        out = Path(scratch) / f"{dim}-{secure}-{i}-{len(runs)}"
+                        result = run_child(tree, dim, secure, out)
+                        runs[name][secure].append(result)
+                        print(
+                            f"d={dim} {name} {secure}: wall {result['wall_s']:.1f} s, aggregation "
+                            f"{result['aggregation_s']:.2f} s, peak {result['peak_rss_gib']:.2f} GiB "
+                            f"({result['peak_rss_triangles']:.1f} triangles), load {result['load']:.1f}",
+                            flush=True,
+                        )
+            floor = mask_floor(dim)
+            summary = {}
+            for name in trees:
+                m, n = runs[name]["mask"], runs[name]["none"]
+                summary[name] = {
+                    "wall_mask_over_none": statistics.median(
+                        a["wall_s"] / b["wall_s"] for a, b in zip(m, n, strict=True)
+                    ),
+                    "aggregation_mask_s": statistics.median(a["aggregation_s"] for a in m),
+                    "aggregation_none_s": statistics.median(b["aggregation_s"] for b in n),
+                    "aggregation_mask_over_floor": statistics.median(a["aggregation_s"] for a in m)
+                    / floor["floor_s"],
+                    "peak_rss_gib": {
+                        "mask": max(a["peak_rss_gib"] for a in m),
+                        "none": max(b["peak_rss_gib"] for b in n),
+                    },
+                    "peak_rss_triangles": {
+                        "mask": max(a["peak_rss_triangles"] for a in m),
+                        "none": max(b["peak_rss_triangles"] for b in n),
+                    },
+                    "runs": runs[name],
+                }
+                s = summary[name]
+                print(
+                    f"d={dim} {name}: wall mask/none {s['wall_mask_over_none']:.2f}; aggregation "
+                    f"{s['aggregation_mask_s']:.2f} / {s['aggregation_none_s']:.2f} s "
+                    f"({s['aggregation_mask_over_floor']:.2f}× the floor {floor['floor_s']:.2f} s); "
+                    f"peak {s['peak_rss_gib']['mask']:.2f} / {s['peak_rss_gib']['none']:.2f} GiB",
+                    flush=True,
+                )
+            report["dims"][str(dim)] = {"floor": floor, "trees": summary}  # type: ignore[index]
+            Path(args.json).write_text(json.dumps(report, indent=1))
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
