@@ -4,11 +4,8 @@ simulator (data partition, the in-process reference) and the deployment (which n
 
 from __future__ import annotations
 
-import hashlib
 import json
-import time
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,150 +16,15 @@ from secure_afl.cli_options import (
     check_dp_mechanism_options,
     ckks_degree_option,
     dp_options,
-    resolve_clip,
-    resolve_dp_ridge,
 )
 from secure_afl.deploy.errors import ConfigurationError, DeploymentError
 from secure_afl.deploy.study import (
-    Study,
     parse_colluders,
-    pseudo_group,
-    pseudo_members,
-    round2_classes,
-    round2_min_group_size,
 )
-
-ClientData = tuple[np.ndarray, np.ndarray, tuple[int, ...]]  # features, labels, active classes
-# ``deploy local --secure ckks`` against the masked simulation: CKKS rounds every decrypted sum to
-# 2^-24, so the weights are equal only within a tolerance.  Measured (4 clients, missing 1):
-# max |Δw| / max |w| = 1.0e-7 at d = 32 (fraction 0.08) and 3.6e-7 at d = 1024 (full data), metrics
-# equal within 1e-7.  The check allows 1e-4 of the largest weight and 1e-3 on BACC, AUC and mAP.
-CKKS_RELATIVE_WEIGHT_TOLERANCE = 1e-4
-CKKS_METRIC_TOLERANCE = 1e-3
-
-
-@dataclass(frozen=True)
-class Reference:
-    """The in-process simulation of the same federation: its classifier and its survivors."""
-
-    coef: np.ndarray
-    survivors: tuple[str, ...]
-    seconds: float
-
-
-def reference_classifier(
-    clients: Mapping[str, ClientData],
-    study: Study,
-    *,
-    roster_size: int,
-    dropouts: Mapping[str, Collection[str]],
-    device: str = "auto",
-    colluders: str = "n-t",
-) -> Reference:
-    """The simulator's secure aggregation (``sim.secure.secure_aggregate``) and the same solve.
-
-    Same statistics, same fixed-point encoding, same survivors: the sums are the same integers, so
-    the classifier must be the deployment's bit for bit.  Round 2 goes on without every client that
-    dropped in round 1, over the pseudo-label groups the deployment's rule keeps.
-    """
-    from secure_afl.analytic import (
-        AnalyticClassifier,
-        PseudoLabelConfig,
-        client_statistics,
-        pseudo_label_contributions,
-    )
-    from secure_afl.sim.secure import secure_aggregate
-
-    started = time.perf_counter()
-    method, threshold = study.method, study.threshold_for(roster_size)
-    contributions = {}
-    for cid, (features, labels, active) in sorted(clients.items()):
-        stats = client_statistics(features, labels, device=device)
-        contributions[cid] = stats.contributions(
-            active, balance=method.balance, gram=method.gram, include_global_gram=method.rounds == 2
-        )
-    round1 = secure_aggregate(
-        contributions,
-        symmetric=("gram",),
-        threshold=threshold,
-        min_group_size=study.min_group_size,
-        dropouts=dropouts,
-        frac_bits=study.frac_bits,
-    )
-    model = AnalyticClassifier(study.n_classes, gamma=method.gamma, balance=method.balance, gram=method.gram)
-    model.fit(round1.sums)
-    survivors = tuple(sorted({c for ids in round1.survivors.values() for c in ids}))
-    if method.rounds == 2:
-        dropped = {c for ids in dropouts.values() for c in ids}
-        live = [cid for cid in sorted(clients) if cid not in dropped]
-        members = pseudo_members({cid: clients[cid][2] for cid in live}, live, study.n_classes)
-        minimum = round2_min_group_size(study, roster_size, colluders)  # the server's rule
-        kept = {pseudo_group(c) for c in round2_classes(members, minimum)}
-        if kept:
-            config = PseudoLabelConfig(
-                tau=method.tau, alpha=method.alpha, min_pos=method.min_pos, min_neg=method.min_neg
-            )
-            round2 = {}
-            for cid in live:
-                features, _, active = clients[cid]
-                mine, _ = pseudo_label_contributions(
-                    features, model.coef_, active, config=config, device=device
-                )
-                round2[cid] = {g: t for g, t in mine.items() if g in kept}
-            sums2 = secure_aggregate(
-                round2,
-                threshold=threshold,
-                min_group_size=study.min_group_size,
-                frac_bits=study.frac_bits,
-            ).sums
-            model = AnalyticClassifier(study.n_classes, gamma=method.gamma, balance=method.balance).refine(
-                round1.sums, sums2, alpha=method.alpha
-            )
-    return Reference(np.array(model.coef_), survivors, time.perf_counter() - started)
 
 
 def _click_errors(exc: Exception) -> click.ClickException:
     return click.ClickException(f"{type(exc).__name__}: {exc}")
-
-
-__all__ = ["DeploymentError", "Reference", "reference_classifier"]
-
-
-# --- secure-afl deploy local ---------------------------------------------------------------------
-
-
-def _parse_drops(values: tuple[str, ...], client_ids: list[str], protection: str = "mask") -> dict[str, str]:
-    from secure_afl.deploy.local import DROP_ROUNDS_BY_PROTECTION
-
-    rounds = DROP_ROUNDS_BY_PROTECTION[protection]
-    drops: dict[str, str] = {}
-    for value in values:
-        cid, sep, round_name = value.partition("@")
-        if not sep or cid not in client_ids or round_name not in rounds:
-            raise click.BadParameter(
-                f"{value!r}: expected CLIENT@ROUND with CLIENT in {client_ids[0]}..{client_ids[-1]} and "
-                f"ROUND one of {', '.join(rounds)} with --secure {protection} (e.g. client-2@R2)",
-                param_hint="--drop",
-            )
-        if cid in drops:
-            raise click.BadParameter(f"{cid} is dropped twice", param_hint="--drop")
-        drops[cid] = round_name
-    return drops
-
-
-def _reference_dropouts(report: Mapping, participants: Collection[str]) -> dict[str, list[str]]:
-    """From the server's report: the first round of session 1 each participant failed to answer."""
-    first: dict[str, str] = {}
-    events = [*report["dropouts"], *report["refusals"], *report["rejections"]]
-    for event in sorted(events, key=lambda e: e["at"]):
-        who = event.get("client", event.get("from"))
-        if not event["at"].startswith("session 1 ") or who not in participants:
-            continue
-        first.setdefault(who, event["at"].split()[-1])
-    dropouts: dict[str, list[str]] = {}
-    for cid, round_name in first.items():
-        dropouts.setdefault(round_name, []).append(cid)
-    return dropouts
 
 
 class _PorcelainGroup(click.Group):
@@ -604,13 +466,6 @@ def _run_config_value(text: str) -> object:
     return {"true": True, "false": False}.get(text.lower(), text)
 
 
-def _synthetic_image_digests(names: np.ndarray, of: str = "image") -> list[str]:
-    """The embedded cohort's stand-in for each row's image-file digest (``of="image"``) or pixel
-    digest (``of="pixels"``; its features are synthetic): SHA-256 of the image's name, so a rerun of
-    `deploy local` names the same images."""
-    return [hashlib.sha256(f"secure-afl/synthetic-{of}\x00{n}".encode()).hexdigest() for n in names]
-
-
 def _backbone_record(features: Path | None, backbone: str | None, weights: Path | None) -> dict[str, object]:
     """The study's classes, dim, backbone, weights-id and preprocessing (run-config keys)."""
     from secure_afl.deploy.provision import backbone_record
@@ -721,37 +576,7 @@ def _backbone_record(features: Path | None, backbone: str | None, weights: Path 
               "released so far (under --dp-epsilon reported, not checked: the sums are noisy; each "
               "node's dp-epsilon then covers the chain's K sessions).")  # fmt: skip
 @dp_options
-def deploy_local(
-    sessions: int,
-    clients: int,
-    tls: bool,
-    drops: tuple[str, ...],
-    secure: str,
-    ckks_degree: str,
-    missing: int,
-    rounds: int,
-    gram: str,
-    balance: str | None,
-    gamma: float,
-    seed: int,
-    fraction: float,
-    dim: int,
-    round_timeout: float,
-    out_dir: Path,
-    keep: bool,
-    colluders: str,
-    rehearse_abort: bool,
-    dp_epsilon: float | None,
-    dp_delta: float,
-    clip: float | None,
-    dp_unit: str,
-    dp_max_images_per_patient: int,
-    dp_dim: int | None,
-    dp_projection_seed: int,
-    dp_ridge: str | None,
-    dp_class_sums: str | None,
-    dp_row_centre: bool,
-) -> None:
+def deploy_local(secure: str, drops: tuple[str, ...], out_dir: Path, **options: Any) -> None:
     """A federation of N SuperNodes on this machine, compared with the in-process simulation.
 
     With --dp-epsilon the institutions noise their statistics before masking (SECURITY.md §9): the
@@ -760,335 +585,101 @@ def deploy_local(
     2^-32): with --secure mask the weights must be equal bit for bit, with --secure ckks within CKKS
     precision (CKKS_RELATIVE_WEIGHT_TOLERANCE).
     """
-    import shutil
-    import tempfile
-
     from rich.console import Console
-    from rich.table import Table
 
-    from secure_afl.deploy.local import run_local
-    from secure_afl.deploy.study import Method, StudyDp, deployment_threshold
-    from secure_afl.features.file import save_feature_file
-    from secure_afl.sim.data import CLASSES
-    from secure_afl.sim.datasets import prepare
-    from secure_afl.sim.metrics import evaluate
-    from secure_afl.sim.partial import PartialLabelError, assign_partial_labels
+    from secure_afl.rehearsal import (
+        RehearsalError,
+        RehearsalFailed,
+        RehearsalOptions,
+        plan_rehearsal,
+        rehearse,
+    )
 
+    check_dp_mechanism_options(
+        options["dp_epsilon"] is not None, options["dp_dim"], options["dp_ridge"],
+        options["dp_projection_seed"], options["dp_class_sums"], options["dp_row_centre"],
+    )  # fmt: skip
     console = Console()
     say = console.print if console.is_terminal else (lambda text: click.echo(text))
-    client_ids = [f"client-{k}" for k in range(clients)]
-    drop_rounds = _parse_drops(drops, client_ids, secure)
-    check_dp_mechanism_options(
-        dp_epsilon is not None, dp_dim, dp_ridge, dp_projection_seed, dp_class_sums, dp_row_centre
-    )
-    if dp_epsilon is not None and (balance == "client" or gram == "class"):
-        raise click.UsageError(
-            "--dp-epsilon needs --balance global and --gram global (plain sums and counts with clean "
-            "sensitivities, SECURITY.md §9)"
-        )
-    balance = balance or ("global" if dp_epsilon is not None or sessions > 1 else "client")
-    if sessions > 1 and (balance != "global" or rounds != 1 or drops or rehearse_abort):
-        raise click.UsageError(
-            "--sessions > 1 (a federation that grows) needs --balance global and --rounds 1, without "
-            "--drop or --rehearse-abort: the paper's per-client balance and round 2 do not add across "
-            "sessions (README, a federation that grows)"
-        )
     try:
-        assignment = assign_partial_labels(clients, len(CLASSES), missing, seed=seed)
-    except PartialLabelError as exc:
-        raise click.BadParameter(str(exc), param_hint="--missing") from None
+        plan = plan_rehearsal(RehearsalOptions(secure=secure, drops=drops, **options))
+    except RehearsalError as exc:
+        if exc.option is None:
+            raise click.UsageError(str(exc)) from None
+        raise click.BadParameter(str(exc), param_hint=exc.option or None) from None
     try:
-        study = Study(
-            classes=CLASSES,
-            dim=dim,
-            backbone={
-                "name": "embedded-synthetic",
-                "weights_id": f"synthetic-seed-{seed}-dim-{dim}-fraction-{fraction}",
-                "preprocessing": "none (synthetic features of the embedded ChestXray14 cohort)",
-            },
-            method=Method(gamma=gamma, balance=balance, gram=gram, rounds=rounds),
-            protection=secure,
-            ckks_degree=int(ckks_degree),
-            dp=None
-            if dp_epsilon is None
-            else StudyDp(
-                epsilon=dp_epsilon,
-                delta=dp_delta,
-                clip=resolve_clip(clip, dp_row_centre),
-                unit=dp_unit,
-                max_images_per_patient=dp_max_images_per_patient,
-                # the class lists are public under DP: every client sizes its noise from them
-                class_lists={cid: tuple(assignment.active[k]) for k, cid in enumerate(client_ids)},
-                projection_dim=dp_dim,
-                projection_seed=dp_projection_seed,
-                ridge=resolve_dp_ridge(dp_ridge, dp_dim),
-                class_sums=dp_class_sums or "split",
-                row_centre=dp_row_centre,
-            ),
-        )
-    except ConfigurationError as exc:
-        raise click.BadParameter(str(exc)) from None
-    live = [k for k, cid in enumerate(client_ids) if cid not in drop_rounds]
-    # A client dropped after its upload (R3, R4) is still in the sums: only R1/R2 drops shrink a group.
-    summed = [k for k, cid in enumerate(client_ids) if drop_rounds.get(cid) not in ("R1", "R2")]
-    threshold = deployment_threshold(clients)
-    if secure == "mask" and len(live) < threshold:
-        raise click.UsageError(
-            f"{len(live)} of {clients} institutions would remain, fewer than the threshold t={threshold} "
-            f"(⌊2n/3⌋+1): drop fewer"
-        )
-    # Each node refuses a class group that its assumed colluders would reduce to one honest member
-    # (SECURITY.md §3): such a run is known to abort, so it is refused here, before any process starts.
-    assumed = _assumed_colluders(colluders, clients, threshold)
-    needed = max(study.min_group_size, assumed + 2)
-    for c, name in enumerate(CLASSES):
-        labelling = [client_ids[k] for k in summed if c in assignment.active[k]]
-        if len(labelling) < needed:
-            why = (
-                f"the minimum group size {study.min_group_size}"
-                if needed == study.min_group_size
-                else f"the {needed} that each institution's exposure check needs with {assumed} "
-                f"colluder(s) assumed (--colluders {colluders})"
-            )
-            raise click.UsageError(
-                f"class {name} would be labelled by {len(labelling)} surviving institution(s) "
-                f"{labelling}, fewer than {why}: use more --clients, a lower --missing, another --seed "
-                "or another --drop"
-            )
-    from secure_afl.deploy.local import exposing_layout_refusal
-
-    refusal = exposing_layout_refusal(study, assignment.active, client_ids, summed, assumed)
-    if refusal:
-        raise click.UsageError(refusal)
-    # --out gets everything worth keeping (report, classifier, every process's log, a feature file
-    # predict accepts), also when the run fails; keys, certificates and ledgers stay in a temporary
-    # directory deleted at the end, so no line printed names a file in it (unless --keep).
-    out_dir = out_dir.resolve()
-    logs_dir = out_dir / "logs"
-    if logs_dir.is_dir():
-        shutil.rmtree(logs_dir)  # an earlier run's logs: one run's logs only
-    logs_dir.mkdir(parents=True)
-    work_dir = Path(tempfile.mkdtemp(prefix="secure-afl-deploy-"))
-    try:
-        started = time.perf_counter()
-        say(f"preparing the embedded data for {clients} institutions (as `secure-afl sim` partitions it)")
-        data = prepare(None, fraction=fraction, dim=dim, seed=seed, n_clients=clients)
-        (work_dir / "data").mkdir()
-        client_data: dict[str, ClientData] = {}
-        files = {}
-
-        def write(k: int, cid: str, arrived: int) -> None:
-            """client k's feature file with its first ``arrived`` of ``sessions`` batches of rows."""
-            rows = data.split.clients[k]
-            rows = rows[: -(-len(rows) * arrived // sessions)]
-            labels = data.cohort.labels[rows].astype(np.uint8)
-            labels[:, [c for c in range(len(CLASSES)) if c not in assignment.active[k]]] = 0
-            save_feature_file(
-                files[cid], data.features[rows], labels=labels, active=assignment.active[k], classes=CLASSES,
-                backbone=study.backbone["name"], weights_id=study.backbone["weights_id"],
-                preprocessing=study.backbone["preprocessing"],
-                patient_ids=[str(p) for p in data.cohort.patient_ids[rows]],
-                image_sha256=_synthetic_image_digests(data.cohort.image_names[rows]),
-                pixel_sha256=_synthetic_image_digests(data.cohort.image_names[rows], "pixels"),
-            )  # fmt: skip
-            client_data[cid] = (data.features[rows], labels, tuple(assignment.active[k]))
-
-        def arrive(session: int) -> None:
-            for k, cid in enumerate(client_ids):
-                write(k, cid, session + 1)
-            if session:
-                say(f"session {session + 1}: each institution's batch {session + 1} of {sessions} arrived")
-
-        for k, cid in enumerate(client_ids):
-            files[cid] = work_dir / "data" / f"{cid}.npz"
-            write(k, cid, 1 if sessions > 1 else sessions)
-        test_rows = data.split.test
-        test_features = out_dir / "test-features.npz"
-        save_feature_file(
-            test_features, data.features[test_rows], labels=data.cohort.labels[test_rows].astype(np.uint8),
-            active=range(len(CLASSES)), classes=CLASSES, backbone=study.backbone["name"],
-            weights_id=study.backbone["weights_id"], preprocessing=study.backbone["preprocessing"],
-        )  # fmt: skip
-        say(f"wrote {test_features}: the {len(test_rows)} held-out images' features, labelled (for predict)")
-        data_seconds = time.perf_counter() - started
-        say(
-            f"  {len(data.split.test)} test rows; classes each institution labels: "
-            f"{[list(a) for a in assignment.active]}"
-        )
-        try:
-            result = run_local(
-                work_dir, files, study, tls=tls, drops=drop_rounds, round_timeout=round_timeout, say=say,
-                colluders=colluders,
-                server_dir=out_dir, logs_dir=logs_dir, rehearse_abort=rehearse_abort,
-                sessions=sessions, arrive=arrive if sessions > 1 else None,
-            )  # fmt: skip
-        except DeploymentError as exc:
-            raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
-        if sessions > 1:
-            _report_growth(result, study, data, assignment, client_ids, sessions, out_dir, say)
-            return
-        session1 = result.report["sessions"][0]
-        participants = session1["participants"]
-        dropouts = _reference_dropouts(result.report, participants)
-        say("computing the in-process simulation over the same survivors")
-        reference = reference_classifier(
-            {cid: client_data[cid] for cid in participants}, study, roster_size=clients, dropouts=dropouts,
-            colluders=colluders,
-        )  # fmt: skip
-        test_x, test_y = data.features[data.split.test], data.cohort.labels[data.split.test]
-        # metrics rank the scores (logits), as the simulator's do
-        deployed = evaluate(
-            test_y, test_x.astype(np.float64) @ result.classifier.weights, kind="logits"
-        ).macro
-        simulated = evaluate(test_y, test_x.astype(np.float64) @ reference.coef, kind="logits").macro
-        identical = result.classifier.weights.tobytes() == reference.coef.tobytes()
-        same_survivors = tuple(session1["survivors"]) == reference.survivors
-        private = study.dp is not None
-        weight_error = float(np.max(np.abs(result.classifier.weights - reference.coef)))
-        relative_error = weight_error / max(float(np.max(np.abs(reference.coef))), np.finfo(float).tiny)
-        metric_error = max(abs(deployed[k] - simulated[k]) for k in ("bacc", "auc", "map"))
-        table = Table(title=f"Deployment vs simulation over the same survivors {list(reference.survivors)}")
-        table.add_column("metric")
-        table.add_column(f"deployment (Flower{', DP' if private else ''})", justify="right")
-        table.add_column(f"simulation (in-process{', no DP' if private else ''})", justify="right")
-        for key, label, scale in (("bacc", "BACC %", 100), ("auc", "AUC %", 100), ("map", "mAP", 1)):
-            table.add_row(label, f"{scale * deployed[key]:.4f}", f"{scale * simulated[key]:.4f}")
-        console.print(table)
-        digest = hashlib.sha256(result.classifier.weights.tobytes()).hexdigest()[:16]
-        say(f"protection: {study.describe_protection()}")
-        if private:
-            for line in result.classifier.privacy_lines():
-                say(line)
-            say(f"weights (sha256 {digest}...): noisy, so not compared bit for bit with the simulation")
-            agree = True
-        elif secure == "mask":
-            say(f"weights bit for bit equal: {'yes' if identical else 'NO'} (sha256 {digest}...)")
-            agree = identical
-        else:  # CKKS rounds the decrypted sums: equal within its precision, not bit for bit
-            agree = relative_error <= CKKS_RELATIVE_WEIGHT_TOLERANCE and metric_error <= CKKS_METRIC_TOLERANCE
-            say(
-                f"weights equal within CKKS precision: {'yes' if agree else 'NO'} "
-                f"(max |Δw| {weight_error:.3g}, {relative_error:.3g} of max |w|, "
-                f"tolerance {CKKS_RELATIVE_WEIGHT_TOLERANCE:g}; "
-                f"max |Δ metric| {metric_error:.3g}, tolerance {CKKS_METRIC_TOLERANCE:g})"
-            )
-            say(f"key holder: {session1.get('key_holder')}; decryptors: {session1.get('decryptors')}")
-        say(f"killed: {result.killed or 'none'}; dropouts seen by the server: {dropouts or 'none'}")
-        copies = {
-            cid: _same_bytes(path, result.classifier_path) for cid, path in result.node_classifiers.items()
-        }
-        say(f"classifier stored by {sorted(copies)}; identical copies: {all(copies.values())}")
-        seconds = Table(title="Seconds per stage")
-        seconds.add_column("stage")
-        seconds.add_column("s", justify="right")
-        seconds.add_row("data (embedded cohort, partition)", f"{data_seconds:.1f}")
-        for name, value in result.seconds.items():
-            seconds.add_row(name, f"{value:.1f}")
-        for session in result.report["sessions"]:
-            for round_name, value in session["round_seconds"].items():
-                seconds.add_row(f"  session {session['label']} {round_name}", f"{value:.1f}")
-        for name in ("solve", "deliver"):
-            if name in result.report["seconds"]:
-                seconds.add_row(f"  {name} (server)", f"{result.report['seconds'][name]:.2f}")
-        seconds.add_row("simulation (in-process reference)", f"{reference.seconds:.1f}")
-        console.print(seconds)
-        # classifier.json is the ServerApp's own file, written in --out as `deploy run` leaves it
-        (out_dir / "report.json").write_text(
-            json.dumps({**result.report, "local_seconds": result.seconds, "killed": result.killed}, indent=1)
-        )
-        say(f"wrote {out_dir / 'classifier.json'} and {out_dir / 'report.json'}")
-        rehearsal = result.abort_rehearsal
-        if rehearsal is not None:
-            moved = [p for p in rehearsal.moved if p.name.startswith("classifier.")]
-            code = 0 if rehearsal.ok else 1
-            say(f"abort rehearsal: `secure-afl deploy run` exits {code}: {rehearsal.error}")
-            say(f"  earlier classifier moved aside: {moved[0] if moved else 'NO'}")
-            say(f"  report: {rehearsal.report_path}")
-            if rehearsal.ok or not moved or rehearsal.classifier_path.exists():
-                raise click.ClickException(
-                    "the abort rehearsal did not fail as it must (the coordinator's command would have "
-                    f"exited 0 or left a classifier.json); see {rehearsal.log_path}"
-                )
-        if not (agree and same_survivors):
-            raise click.ClickException(
-                "the deployed classifier differs from the simulation's over the same survivors"
-            )
-    finally:
-        roster_file = work_dir / "keys" / "roster.json"
-        if roster_file.is_file():  # public; verifies the classifier's signature, also after a failure
-            shutil.copyfile(roster_file, out_dir / "roster.json")
-        if keep:
-            say(f"kept {work_dir}")
-        else:
-            shutil.rmtree(work_dir, ignore_errors=True)
-
-
-def _report_growth(
-    result: Any, study: Any, data: Any, assignment: Any, client_ids: list[str], sessions: int,
-    out_dir: Path, say: Callable[[str], None],
-) -> None:  # fmt: skip
-    """Each session's classifier against the centralised fit on every image released so far (float64
-    statistics of the pooled rows, no protocol), with the test metrics; raises if any is off."""
-    from secure_afl.analytic import AnalyticClassifier, client_statistics, sum_contributions
-    from secure_afl.sim.metrics import evaluate
-
-    test_x, test_y = data.features[data.split.test], data.cohort.labels[data.split.test]
-    method, records, private = study.method, [], study.dp is not None
-    for k, (classifier, report) in enumerate(result.sessions):
-        contributions = []
-        for i, _ in enumerate(client_ids):
-            rows = data.split.clients[i]
-            rows = rows[: -(-len(rows) * (k + 1) // sessions)]
-            labels = data.cohort.labels[rows].astype(np.uint8)
-            stats = client_statistics(data.features[rows], labels, device="cpu")
-            contributions.append(
-                stats.contributions(assignment.active[i], balance="global", gram=method.gram)
-            )
-        centralised = AnalyticClassifier(
-            len(study.classes), gamma=method.gamma, balance="global", gram=method.gram
-        ).fit(sum_contributions(contributions))
-        error = float(np.max(np.abs(classifier.weights - centralised.coef_)))
-        metrics = evaluate(test_y, test_x.astype(np.float64) @ classifier.weights, kind="logits").macro
-        records.append(
-            {"session": k + 1, "study_digest": classifier.study_digest, "max_abs_w_vs_centralised": error,
-             "metrics": {key: float(metrics[key]) for key in ("bacc", "auc", "map")},
-             "survivors": report["sessions"][0]["survivors"]}
-        )  # fmt: skip
-        noisy = " (DP: noisy sums, reported, not checked)" if private else ""
-        say(
-            f"session {k + 1}: max |w - w_centralised| = {error:.3g} over every image released so far"
-            f"{noisy}; BACC {100 * metrics['bacc']:.2f} %, AUC {100 * metrics['auc']:.2f} %, "
-            f"mAP {metrics['map']:.4f}"
-        )
-    (out_dir / "report.json").write_text(json.dumps({**result.report, "growth": records}, indent=1))
-    say(f"wrote {out_dir / 'classifier.json'} (session {sessions}'s) and {out_dir / 'report.json'}")
-    if private:  # the chain's ε per institution, as its signed classifier records it
-        for line in result.sessions[-1][0].privacy_lines():
-            say(line)
-        return
-    worst = max(r["max_abs_w_vs_centralised"] for r in records)
-    if not worst <= GROWTH_TOLERANCE:
+        report = rehearse(plan, out_dir, say=say)
+    except (DeploymentError, RehearsalFailed) as exc:
         raise click.ClickException(
-            f"a session's classifier is {worst:.3g} from the centralised fit (tolerance {GROWTH_TOLERANCE:g})"
-        )
-
-
-GROWTH_TOLERANCE = 1e-9  # issue 29: the grown classifier equals the centralised fit to 1e-9
-
-
-def _assumed_colluders(value: str, clients: int, threshold: int) -> int:
-    """The colluders a node assumes under ``--colluders`` (its node config's ``colluders``)."""
-    try:
-        return parse_colluders(value, clients, threshold)
-    except ConfigurationError:
-        raise click.BadParameter(
-            f'{value!r}: give "n-t" or a number of institutions', param_hint="--colluders"
+            f"{type(exc).__name__}: {exc}" if isinstance(exc, DeploymentError) else str(exc)
         ) from None
+    if report.reference is not None:
+        _render_rehearsal(report, console, say, out_dir.resolve())
+    failure = report.failure()
+    if failure:
+        raise click.ClickException(failure)
 
 
-def _same_bytes(path: Path, reference: Path | None) -> bool:
-    """A node's classifier.json is the coordinator's signed file, byte for byte."""
-    return reference is not None and path.read_bytes() == reference.read_bytes()
+def _render_rehearsal(report: Any, console: Any, say: Callable[[str], None], out_dir: Path) -> None:
+    """The comparison, the protection, the weights, the copies and the seconds, as tables and lines."""
+    from rich.table import Table
+
+    from secure_afl.rehearsal import CKKS_METRIC_TOLERANCE, CKKS_RELATIVE_WEIGHT_TOLERANCE
+
+    study, result, reference = report.plan.study, report.result, report.reference
+    private = study.dp is not None
+    table = Table(title=f"Deployment vs simulation over the same survivors {list(reference.survivors)}")
+    table.add_column("metric")
+    table.add_column(f"deployment (Flower{', DP' if private else ''})", justify="right")
+    table.add_column(f"simulation (in-process{', no DP' if private else ''})", justify="right")
+    for key, label, scale in (("bacc", "BACC %", 100), ("auc", "AUC %", 100), ("map", "mAP", 1)):
+        table.add_row(label, f"{scale * report.deployed[key]:.4f}", f"{scale * report.simulated[key]:.4f}")
+    console.print(table)
+    digest = report.weights_digest
+    say(f"protection: {study.describe_protection()}")
+    if private:
+        for line in result.classifier.privacy_lines():
+            say(line)
+        say(f"weights (sha256 {digest}...): noisy, so not compared bit for bit with the simulation")
+    elif study.protection == "mask":
+        say(f"weights bit for bit equal: {'yes' if report.identical else 'NO'} (sha256 {digest}...)")
+    else:  # CKKS rounds the decrypted sums: equal within its precision, not bit for bit
+        within = (
+            report.relative_error <= CKKS_RELATIVE_WEIGHT_TOLERANCE
+            and report.metric_error <= CKKS_METRIC_TOLERANCE
+        )
+        say(
+            f"weights equal within CKKS precision: {'yes' if within else 'NO'} "
+            f"(max |Δw| {report.weight_error:.3g}, {report.relative_error:.3g} of max |w|, "
+            f"tolerance {CKKS_RELATIVE_WEIGHT_TOLERANCE:g}; "
+            f"max |Δ metric| {report.metric_error:.3g}, tolerance {CKKS_METRIC_TOLERANCE:g})"
+        )
+        session1 = result.report["sessions"][0]
+        say(f"key holder: {session1.get('key_holder')}; decryptors: {session1.get('decryptors')}")
+    say(f"killed: {result.killed or 'none'}; dropouts seen by the server: {report.dropouts or 'none'}")
+    say(f"classifier stored by {sorted(report.copies)}; identical copies: {all(report.copies.values())}")
+    seconds = Table(title="Seconds per stage")
+    seconds.add_column("stage")
+    seconds.add_column("s", justify="right")
+    seconds.add_row("data (embedded cohort, partition)", f"{report.data_seconds:.1f}")
+    for name, value in result.seconds.items():
+        seconds.add_row(name, f"{value:.1f}")
+    for session in result.report["sessions"]:
+        for round_name, value in session["round_seconds"].items():
+            seconds.add_row(f"  session {session['label']} {round_name}", f"{value:.1f}")
+    for name in ("solve", "deliver"):
+        if name in result.report["seconds"]:
+            seconds.add_row(f"  {name} (server)", f"{result.report['seconds'][name]:.2f}")
+    seconds.add_row("simulation (in-process reference)", f"{reference.seconds:.1f}")
+    console.print(seconds)
+    say(f"wrote {out_dir / 'classifier.json'} and {out_dir / 'report.json'}")
+    rehearsal = result.abort_rehearsal
+    if rehearsal is not None:
+        moved = [p for p in rehearsal.moved if p.name.startswith("classifier.")]
+        code = 0 if rehearsal.ok else 1
+        say(f"abort rehearsal: `secure-afl deploy run` exits {code}: {rehearsal.error}")
+        say(f"  earlier classifier moved aside: {moved[0] if moved else 'NO'}")
+        say(f"  report: {rehearsal.report_path}")
 
 
 # --- secure-afl deploy check / deploy run ----------------------------------------------------------

@@ -56,7 +56,7 @@ def _processes_mentioning(text: str) -> list[str]:
 CLI = [sys.executable, "-c", "from secure_afl.cli import main; main()"]
 
 # README's command for a federation that grows (section "A federation that grows"): every class group
-# must hold the same institutions (--missing 0), see cli_deploy._refuse_exposing_layout.
+# must hold the same institutions (--missing 0), see rehearsal.plan_rehearsal.
 GROWING = ["deploy", "local", "--clients", "3", "--sessions", "3", "--missing", "0", "--fraction", "0.08",
            "--dim", "32"]  # fmt: skip
 

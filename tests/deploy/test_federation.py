@@ -8,13 +8,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from secure_afl.cli_deploy import reference_classifier
 from secure_afl.deploy.classifier import Classifier
 from secure_afl.deploy.errors import FederationAbortedError
 from secure_afl.deploy.server import FederationServer
 from secure_afl.deploy.study import Method, round1_layout
 from secure_afl.deploy.wire import Envelope
 from secure_afl.keys import IdentityKey, Roster, RosterEntry, save_identity_key
+from secure_afl.rehearsal import reference_classifier
 
 from .helpers import PASSPHRASE, InProcessTransport, make_federation, run_server, write_cosigned_roster
 

@@ -16,7 +16,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from secure_afl.cli_deploy import reference_classifier
 from secure_afl.deploy.client import NodeSettings, _client_session
 from secure_afl.deploy.errors import ConfigurationError, FederationAbortedError
 from secure_afl.deploy.server import FederationServer
@@ -28,6 +27,7 @@ from secure_afl.privacy.release import Release
 from secure_afl.protocol.ckks import codec, context
 from secure_afl.protocol.ckks.context import CkksParameters
 from secure_afl.protocol.ckks.messages import CkksAdvertiseRequest, CkksKeyDistribution
+from secure_afl.rehearsal import reference_classifier
 
 from .helpers import PASSPHRASE, InProcessTransport, make_federation, run_server
 
