@@ -10,7 +10,7 @@ import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 from click.core import ParameterSource
@@ -396,59 +396,7 @@ def main() -> None:
     help="Print the full report (every group and client check of the privacy audit, the costs per "
     "protocol round, the seconds) instead of the table and a short, aggregated summary.",
 )
-def sim(
-    missing: tuple[int, ...],
-    rounds: int,
-    seed: int,
-    gamma: float,
-    split_by: str,
-    missing1: str,
-    secure: str,
-    ckks_degree: str,
-    dropout: int,
-    dropout_stage: str,
-    threshold: int | None,
-    min_group_size: int,
-    client_policy: str,
-    fraction: float,
-    dim: int,
-    schedule: str,
-    fedavg_rounds: int | None,
-    baselines: tuple[str, ...],
-    device: str,
-    dataset: str,
-    data_dir: Path | None,
-    csv_path: Path | None,
-    backbones: str,
-    weights: tuple[str, ...],
-    cache_dir: Path | None,
-    batch_size: int,
-    workers: int | None,
-    amp: bool,
-    dp_epsilon: float | None,
-    dp_delta: float,
-    clip: float | None,
-    dp_unit: str,
-    dp_max_images_per_patient: int,
-    dp_dim: int | None,
-    dp_projection_seed: int,
-    dp_ridge: str | None,
-    dp_class_sums: str | None,
-    dp_row_centre: bool,
-    dp_sweep: bool,
-    scenario: str,
-    sites: str,
-    class_list: str,
-    site_shift: float,
-    site_dirs: tuple[str, ...],
-    sessions: int,
-    idle: tuple[str, ...],
-    centre_n: str,
-    xi: float,
-    fedmt_rounds: int,
-    out_dir: Path,
-    verbose: bool,
-) -> None:
+def sim(**options: Any) -> None:
     """Run the paper's ChestXray14 experiment (Table II; Table III over several backbones).
 
     With --scenario mixed-type: FedMT's setting instead (the centre alone, FedMT with M known and
@@ -457,6 +405,29 @@ def sim(
     accumulated by the server; every session's classifier is compared with the centralised fit
     (under --dp-epsilon: the noisy sums accumulate and every session's ε is recorded).
     """
+    _check_device(options["device"])
+    _check_writable(options["out_dir"])
+    dp = _dp_config(options)
+    names = [b.strip() for b in options["backbones"].split(",") if b.strip()]
+    given = click.get_current_context().get_parameter_source
+    scenario = options["scenario"]
+    for option_names, (needs, flags) in _SCENARIO_OPTIONS.items():  # a scenario's options, only there
+        if scenario != needs and any(given(o) is not ParameterSource.DEFAULT for o in option_names):
+            raise click.UsageError(f"{flags} need --scenario {needs}")
+    _SCENARIOS[scenario](Console(), options, dp, names)
+
+
+# option names (as click passes them) -> the scenario they belong to, and their flags
+_SCENARIO_OPTIONS = {
+    ("sites", "class_list", "site_shift", "site_dirs"): (
+        "multisite",
+        "--sites, --classes, --site-shift and --site-dir",
+    ),
+    ("sessions", "idle"): ("growing", "--sessions and --idle"),
+}
+
+
+def _check_device(device: str) -> None:
     if device not in ("auto", "cpu"):  # these two are always valid; checking others imports torch
         from secure_afl.analytic import resolve_device
 
@@ -464,171 +435,94 @@ def sim(
             resolve_device(device)
         except (ValueError, RuntimeError) as exc:
             raise click.BadParameter(str(exc), param_hint="--device") from exc
-    _check_writable(out_dir)
-    dp = None
-    check_dp_mechanism_options(
-        dp_epsilon is not None or dp_sweep, dp_dim, dp_ridge, dp_projection_seed, dp_class_sums, dp_row_centre
-    )
-    sweep_baseline_clip = resolve_clip(clip, False)
-    if dp_epsilon is not None or dp_sweep:
-        from secure_afl.privacy.dp import DpConfig, DpError
 
-        projection_dim = dp_dim
-        # The sweep compares today's mechanism with another: unless one is described, the centred
-        # rows with positive class sums.
-        unchanged = dp_dim is None and dp_ridge is None and dp_class_sums is None and not dp_row_centre
-        if dp_sweep and unchanged:
-            dp_class_sums, dp_row_centre = "positives", True
-        dp = DpConfig(
-            epsilon=1.0 if dp_epsilon is None else dp_epsilon,
-            delta=dp_delta,
-            clip=resolve_clip(clip, dp_row_centre),
-            unit=dp_unit,  # type: ignore[arg-type]
-            max_images_per_patient=dp_max_images_per_patient,
-            projection_dim=projection_dim,
-            projection_seed=dp_projection_seed,
-            ridge=resolve_dp_ridge(dp_ridge, projection_dim),  # type: ignore[arg-type]
-            class_sums=dp_class_sums or "split",  # type: ignore[arg-type]
-            row_centre=dp_row_centre,
-        )
-        try:
-            dp.validate()
-            if dataset != "nih":  # the embedded data's dimension is --dim (real features: once known)
-                dp.statistics_dim(dim)
-        except DpError as exc:
-            raise click.BadParameter(str(exc)) from exc
-    names = [b.strip() for b in backbones.split(",") if b.strip()]
-    given = click.get_current_context().get_parameter_source
-    multisite_options = ("sites", "class_list", "site_shift", "site_dirs")
-    if scenario != "multisite" and any(given(o) is not ParameterSource.DEFAULT for o in multisite_options):
-        raise click.UsageError("--sites, --classes, --site-shift and --site-dir need --scenario multisite")
-    if scenario == "multisite":
-        if dp is not None or dataset != "embedded" or data_dir is not None or csv_path is not None:
-            raise click.UsageError(
-                "--scenario multisite reads the label tables shipped with torchxrayvision and, for real "
-                "images, --site-dir per site; --dp-epsilon, --dp-sweep, --dataset, --data-dir and --csv do "
-                "not apply"
-            )
-        if len(names) != 1:
-            raise click.UsageError("--scenario multisite runs one backbone at a time")
-        gradient_rounds = SCHEDULES[schedule] if fedavg_rounds is None else fedavg_rounds
-        _run_multisite(
-            Console(),
-            out_dir=out_dir,
-            sites=sites,
-            classes=class_list,
-            site_shift=site_shift,
-            site_dirs=site_dirs,
-            backbone=names[0],
-            weights=weights,
-            cache_dir=cache_dir,
-            batch_size=batch_size,
-            workers=workers,
-            amp=amp,
-            rounds=rounds,
-            seed=seed,
-            gamma=gamma,
-            secure=secure,
-            ckks_poly_degree=int(ckks_degree),
-            dropout=dropout,
-            dropout_stage=dropout_stage,
-            threshold=threshold,
-            min_group_size=min_group_size,
-            client_policy=client_policy,
-            fraction=fraction,
-            dim=dim,
-            device=device,
-            gradient_rounds=gradient_rounds,
-            schedule=schedule if gradient_rounds == SCHEDULES[schedule] else "custom",
-            baselines=baselines,
-        )
-        return
-    sources: list[ImageSource | None] = [None]
-    if dataset == "nih":
-        if data_dir is None:
-            raise click.UsageError("--dataset nih needs --data-dir DIR (the unpacked ChestXray14 images)")
-        weight_files = _parse_weights(weights, names)
-        sources = [
-            ImageSource(
-                data_dir=data_dir,
-                backbone=name,
-                weights=weight_files.get(name),
-                csv=csv_path,
-                cache_dir=cache_dir,
-                device=device,
-                batch_size=batch_size,
-                num_workers=workers,
-                amp=amp,
-            )
-            for name in names
-        ]
-    elif len(names) > 1 or weights or data_dir:
-        raise click.UsageError("--backbones, --weights and --data-dir need --dataset nih")
-    console = Console()
-    if scenario == "mixed-type":
-        if len(sources) != 1:
-            raise click.UsageError("--scenario mixed-type runs one backbone at a time")
-        if dp is not None:
-            raise click.UsageError("--dp-epsilon and --dp-sweep are not supported with --scenario mixed-type")
-        _run_mixed_type(
-            console,
-            source=sources[0],
-            centre_n=_parse_centre_n(centre_n),
-            seed=seed,
-            gamma=gamma,
-            split=split_by,
-            secure=secure,
-            threshold=threshold,
-            min_group_size=min_group_size,
-            fraction=fraction,
-            dim=dim,
-            xi=xi,
-            rounds=fedmt_rounds,
-            dropout=dropout,
-            out_dir=out_dir,
-        )
-        return
-    given_sessions = (
-        click.get_current_context().get_parameter_source("sessions") is not ParameterSource.DEFAULT
+
+def _dp_config(o: dict[str, Any]) -> Any:
+    """The DP mechanism ``--dp-epsilon`` (or ``--dp-sweep``) asks for, checked; None without DP."""
+    check_dp_mechanism_options(
+        o["dp_epsilon"] is not None or o["dp_sweep"], o["dp_dim"], o["dp_ridge"], o["dp_projection_seed"],
+        o["dp_class_sums"], o["dp_row_centre"],
+    )  # fmt: skip
+    if o["dp_epsilon"] is None and not o["dp_sweep"]:
+        return None
+    from secure_afl.privacy.dp import DpConfig, DpError
+
+    # The sweep compares today's mechanism with another: unless one is described, the centred
+    # rows with positive class sums.
+    unchanged = o["dp_dim"] is None and o["dp_ridge"] is None and o["dp_class_sums"] is None
+    if o["dp_sweep"] and unchanged and not o["dp_row_centre"]:
+        o["dp_class_sums"], o["dp_row_centre"] = "positives", True
+    dp = DpConfig(
+        epsilon=1.0 if o["dp_epsilon"] is None else o["dp_epsilon"],
+        delta=o["dp_delta"],
+        clip=resolve_clip(o["clip"], o["dp_row_centre"]),
+        unit=o["dp_unit"],
+        max_images_per_patient=o["dp_max_images_per_patient"],
+        projection_dim=o["dp_dim"],
+        projection_seed=o["dp_projection_seed"],
+        ridge=resolve_dp_ridge(o["dp_ridge"], o["dp_dim"]),  # type: ignore[arg-type]
+        class_sums=o["dp_class_sums"] or "split",
+        row_centre=o["dp_row_centre"],
     )
-    if (idle or given_sessions) and scenario != "growing":
-        raise click.UsageError("--sessions and --idle need --scenario growing")
-    if scenario == "growing":
-        if len(sources) != 1:
-            raise click.UsageError("--scenario growing runs one backbone at a time")
-        if dp_sweep or baselines:
-            raise click.UsageError("--dp-sweep and --baselines are not run with --scenario growing")
-        if click.get_current_context().get_parameter_source("rounds") is ParameterSource.DEFAULT:
-            rounds = 1  # round 2 is refused in a growing study (secure_afl/sim/growing.py says why)
-        _run_growing(
-            console,
-            sessions=sessions,
-            idle=_parse_idle(idle),
-            out_dir=out_dir,
-            missing=missing,
-            rounds=rounds,
-            seed=seed,
-            gamma=gamma,
-            split=split_by,
-            missing1=missing1,
-            secure=secure,
-            ckks_poly_degree=int(ckks_degree),
-            dropout=dropout,
-            threshold=threshold,
-            min_group_size=min_group_size,
-            fraction=fraction,
-            dim=dim,
-            device=device,
-            images=sources[0],
-            dp=dp,
+    try:
+        dp.validate()
+        if o["dataset"] != "nih":  # the embedded data's dimension is --dim (real features: once known)
+            dp.statistics_dim(o["dim"])
+    except DpError as exc:
+        raise click.BadParameter(str(exc)) from exc
+    return dp
+
+
+def _image_sources(o: dict[str, Any], names: list[str]) -> list[ImageSource | None]:
+    """One image source per backbone with ``--dataset nih``; [None] (the embedded data) otherwise."""
+    if o["dataset"] != "nih":
+        if len(names) > 1 or o["weights"] or o["data_dir"]:
+            raise click.UsageError("--backbones, --weights and --data-dir need --dataset nih")
+        return [None]
+    if o["data_dir"] is None:
+        raise click.UsageError("--dataset nih needs --data-dir DIR (the unpacked ChestXray14 images)")
+    weight_files = _parse_weights(o["weights"], names)
+    return [
+        ImageSource(
+            data_dir=o["data_dir"],
+            backbone=name,
+            weights=weight_files.get(name),
+            csv=o["csv_path"],
+            cache_dir=o["cache_dir"],
+            device=o["device"],
+            batch_size=o["batch_size"],
+            num_workers=o["workers"],
+            amp=o["amp"],
         )
-        return
-    gradient_rounds = SCHEDULES[schedule] if fedavg_rounds is None else fedavg_rounds
-    schedule_name = schedule if gradient_rounds == SCHEDULES[schedule] else "custom"
+        for name in names
+    ]
+
+
+def _gradient_schedule(o: dict[str, Any]) -> tuple[int, str]:
+    """FedAvg's and the baselines' rounds, and the schedule's name ("custom" for another count)."""
+    rounds = SCHEDULES[o["schedule"]] if o["fedavg_rounds"] is None else o["fedavg_rounds"]
+    return rounds, o["schedule"] if rounds == SCHEDULES[o["schedule"]] else "custom"
+
+
+def _sim_config_options(o: dict[str, Any]) -> dict[str, Any]:
+    """The options every scenario's SimConfig takes, by its field names."""
+    return dict(
+        missing=o["missing"], rounds=o["rounds"], seed=o["seed"], gamma=o["gamma"], split=o["split_by"],
+        missing1=o["missing1"], secure=o["secure"], ckks_poly_degree=int(o["ckks_degree"]),
+        dropout=o["dropout"], dropout_stage=o["dropout_stage"], threshold=o["threshold"],
+        min_group_size=o["min_group_size"], client_policy=o["client_policy"], fraction=o["fraction"],
+        dim=o["dim"], device=o["device"],
+    )  # fmt: skip
+
+
+def _run_paper(console: Console, o: dict[str, Any], dp: Any, names: list[str]) -> None:
+    """The paper's experiment (Table II; Table III over several backbones), or the DP sweep."""
+    sources = _image_sources(o, names)
+    gradient_rounds, schedule_name = _gradient_schedule(o)
     progress = _ProgressBars(console)
     preparing = None
-    if sources == [None] and not dp_sweep:
-        request = DataRequest(fraction, dim, seed, N_CLIENTS, split_by)  # type: ignore[arg-type]
+    if sources == [None] and not o["dp_sweep"]:
+        request = DataRequest(o["fraction"], o["dim"], o["seed"], N_CLIENTS, o["split_by"])
         preparing = PreparingData(request, progress)
     try:
         if preparing is not None:
@@ -646,34 +540,20 @@ def sim(
             from secure_afl.sim.runner import SimConfig, run_experiment
 
         results = []
+        seed, out_dir = o["seed"], o["out_dir"]
         for source in sources:
             config = SimConfig(
-                missing=missing,
-                rounds=rounds,
-                seed=seed,
-                gamma=gamma,
-                split=split_by,  # type: ignore[arg-type]
-                missing1=missing1,  # type: ignore[arg-type]
-                secure=secure,  # type: ignore[arg-type]
-                ckks_poly_degree=int(ckks_degree),
-                dropout=dropout,
-                dropout_stage=dropout_stage,  # type: ignore[arg-type]
-                threshold=threshold,
-                min_group_size=min_group_size,
-                client_policy=client_policy,
-                fraction=fraction,
-                dim=dim,
-                device=device,
+                **_sim_config_options(o),
                 images=source,
                 fedavg=dataclasses.replace(FedAvgConfig(), rounds=gradient_rounds, seed=seed),
-                baselines=baselines,
+                baselines=o["baselines"],
                 dp=dp,
                 baseline=dataclasses.replace(
                     BaselineConfig(), rounds=gradient_rounds, seed=seed, schedule=schedule_name
                 ),
             )
-            if dp_sweep:
-                _run_sweep(config, out_dir, console, sweep_baseline_clip)
+            if o["dp_sweep"]:
+                _run_sweep(config, out_dir, console, resolve_clip(o["clip"], False))
                 return
             try:
                 result = run_experiment(config, progress=progress, preparing=preparing)
@@ -681,7 +561,7 @@ def sim(
                 raise click.ClickException(str(exc)) from exc
             where = out_dir if len(sources) == 1 else out_dir / source.backbone  # type: ignore[union-attr]
             if len(sources) == 1:
-                print_report(result, console, verbose=verbose)
+                print_report(result, console, verbose=o["verbose"])
             json_path, md_path = write_reports(result, where)
             written = [json_path, md_path] + ([where / FIGURE] if len(result.settings) > 1 else [])
             for path in written:  # one a line: the default report keeps to SUMMARY_WIDTH columns
@@ -738,6 +618,54 @@ def _parse_idle(values: tuple[str, ...]) -> tuple[tuple[int, int], ...]:
                 param_hint="--idle",
             ) from None
     return tuple(dict.fromkeys(out))
+
+
+def _scenario_growing(console: Console, o: dict[str, Any], dp: Any, names: list[str]) -> None:
+    sources = _image_sources(o, names)
+    if len(sources) != 1:
+        raise click.UsageError("--scenario growing runs one backbone at a time")
+    if o["dp_sweep"] or o["baselines"]:
+        raise click.UsageError("--dp-sweep and --baselines are not run with --scenario growing")
+    options = _sim_config_options(o)
+    del options["dropout_stage"], options["client_policy"]
+    if click.get_current_context().get_parameter_source("rounds") is ParameterSource.DEFAULT:
+        options["rounds"] = 1  # round 2 is refused in a growing study (secure_afl/sim/growing.py says why)
+    _run_growing(console, sessions=o["sessions"], idle=_parse_idle(o["idle"]), out_dir=o["out_dir"],
+                 images=sources[0], dp=dp, **options)  # fmt: skip
+
+
+def _scenario_multisite(console: Console, o: dict[str, Any], dp: Any, names: list[str]) -> None:
+    if dp is not None or o["dataset"] != "embedded" or o["data_dir"] is not None or o["csv_path"] is not None:
+        raise click.UsageError(
+            "--scenario multisite reads the label tables shipped with torchxrayvision and, for real "
+            "images, --site-dir per site; --dp-epsilon, --dp-sweep, --dataset, --data-dir and --csv do "
+            "not apply"
+        )
+    if len(names) != 1:
+        raise click.UsageError("--scenario multisite runs one backbone at a time")
+    gradient_rounds, schedule = _gradient_schedule(o)
+    options = _sim_config_options(o)
+    del options["missing"], options["split"], options["missing1"]
+    _run_multisite(
+        console, out_dir=o["out_dir"], sites=o["sites"], classes=o["class_list"], site_shift=o["site_shift"],
+        site_dirs=o["site_dirs"], backbone=names[0], weights=o["weights"], cache_dir=o["cache_dir"],
+        batch_size=o["batch_size"], workers=o["workers"], amp=o["amp"], gradient_rounds=gradient_rounds,
+        schedule=schedule, baselines=o["baselines"], **options,
+    )  # fmt: skip
+
+
+def _scenario_mixed_type(console: Console, o: dict[str, Any], dp: Any, names: list[str]) -> None:
+    sources = _image_sources(o, names)
+    if len(sources) != 1:
+        raise click.UsageError("--scenario mixed-type runs one backbone at a time")
+    if dp is not None:
+        raise click.UsageError("--dp-epsilon and --dp-sweep are not supported with --scenario mixed-type")
+    _run_mixed_type(
+        console, source=sources[0], centre_n=_parse_centre_n(o["centre_n"]), seed=o["seed"], gamma=o["gamma"],
+        split=o["split_by"], secure=o["secure"], threshold=o["threshold"], min_group_size=o["min_group_size"],
+        fraction=o["fraction"], dim=o["dim"], xi=o["xi"], rounds=o["fedmt_rounds"], dropout=o["dropout"],
+        out_dir=o["out_dir"],
+    )  # fmt: skip
 
 
 def _run_growing(
@@ -929,3 +857,12 @@ class _ProgressBars:
             if not self._bar.tasks:
                 self._bar.stop()
                 self._live = False
+
+
+# --scenario -> the function that runs it
+_SCENARIOS = {
+    "partial-labels": _run_paper,
+    "mixed-type": _scenario_mixed_type,
+    "growing": _scenario_growing,
+    "multisite": _scenario_multisite,
+}

@@ -318,7 +318,10 @@ def test_the_default_report_is_short_and_verbose_prints_the_full_audit(tmp_path:
     full = CliRunner().invoke(main, ["sim", *args, "--verbose", "--out", str(tmp_path / "full")])
     assert full.exit_code == 0, full.output
     audit = json.loads((tmp_path / "full" / "results.json").read_text())["settings"][0]["privacy_audit"]
-    assert len(audit["warnings"]) == 8 and len(audit["seen_by_clients"]) == 8
+    # 8 single-member groups, and round 2's pseudo sums under the adversarial rule (a teacher W
+    # chosen to link classes would let them determine each client's pseudo statistics)
+    assert len(audit["warnings"]) == 9 and len(audit["seen_by_clients"]) == 8
+    assert audit["warnings"][-1].startswith("a server that chose round 2's teacher W adversarially")
     for c in range(8):  # today's full output: every group's line and WARNING, every client's check
         assert f"group 'class/{c}' has a single surviving member (client-{c})" in full.output
         assert f"client-{c}'s own check saw values the sums determine" in full.output

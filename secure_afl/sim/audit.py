@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from secure_afl.aggregation.difference import complemented_group
-from secure_afl.privacy.exposure import ExposureFinding, exposed_clients
+from secure_afl.privacy.exposure import ExposureFinding, exposed_clients, value_family
 
 if TYPE_CHECKING:
     from secure_afl.aggregation.inprocess import InProcessRun
@@ -91,11 +91,21 @@ class PrivacyAudit:
         for tensor, clients in self.exposed_by_overlap().items():
             by_clients.setdefault(clients, []).append(tensor)
         for clients, tensors in by_clients.items():
-            lines.append(
-                f"the group sums determine the individual values of {', '.join(tensors)} for "
-                f"{', '.join(clients)}: sum a tensor that every client sends to several groups in one "
-                "all-clients group instead (for the Gram: gram='global')"
-            )
+            linked = [t for t in tensors if value_family(t.split(" + ")[0]).startswith("family:")]
+            plain = [t for t in tensors if t not in linked]
+            if plain:
+                lines.append(
+                    f"the group sums determine the individual values of {', '.join(plain)} for "
+                    f"{', '.join(clients)}: sum a tensor that every client sends to several groups in one "
+                    "all-clients group instead (for the Gram: gram='global')"
+                )
+            if linked:
+                lines.append(
+                    f"a server that chose round 2's teacher W adversarially (columns made equal or "
+                    f"related) could recover the round-2 statistics {', '.join(linked)} of "
+                    f"{', '.join(clients)} from these groups: the deployment forms only pseudo groups "
+                    "no node refuses (SECURITY.md, the adversarial rule), or run one round"
+                )
         return lines
 
     def exposed_by_overlap(self) -> dict[str, tuple[str, ...]]:

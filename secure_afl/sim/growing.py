@@ -64,6 +64,7 @@ from secure_afl.analytic import (
     class_group,
     client_statistics,
 )
+from secure_afl.core.encoding import unpack_symmetric
 from secure_afl.core.randomness import OsRandomSource, RandomSource
 from secure_afl.growth import accumulate_sums
 from secure_afl.sim.audit import SINGLE_SURVIVOR_WARNING, PrivacyAudit, audit_groups
@@ -71,7 +72,7 @@ from secure_afl.sim.data import CLASSES
 from secure_afl.sim.datasets import PreparedData, Progress
 from secure_afl.sim.metrics import Metrics, evaluate
 from secure_afl.sim.partial import LabelAssignment, assign_partial_labels
-from secure_afl.sim.runner import ExperimentError, SimConfig, aggregate, client_id
+from secure_afl.sim.runner import SYMMETRIC_TENSORS, ExperimentError, SimConfig, aggregate, client_id
 from secure_afl.torch_threads import one_torch_thread
 
 GROWING_SECURE = ("none", "mask", "ckks")
@@ -325,7 +326,7 @@ def run_growing(
             agg = aggregate(
                 contributions, sim, dropouts={}, round_label=f"growing session {s + 1}/{config.sessions}"
             )
-            total = accumulate_sums(total, agg.sums)
+            total = accumulate_sums(total, _full_matrices(agg.sums))
             released = [np.concatenate([released[k], session[k]]) for k in range(len(names))]
             privacy = None
             if private is not None:
@@ -382,7 +383,7 @@ def run_growing(
                     seconds=session_seconds,
                     idle=idle,
                     privacy=privacy,
-                    released_sums=agg.sums,
+                    released_sums=_full_matrices(agg.sums),
                 )
             )
     seconds["sessions"] = sum(r.seconds for r in results)
@@ -620,3 +621,15 @@ def write_growing_reports(result: GrowingResult, out_dir: Path) -> tuple[Path, P
     md_path = out_dir / "report.md"
     md_path.write_text("\n".join(lines))
     return json_path, md_path
+
+
+def _full_matrices(sums: Mapping[str, Mapping[str, np.ndarray]]) -> dict[str, dict[str, np.ndarray]]:
+    """A session's sums with each symmetric tensor as its full matrix (the aggregation leaves the
+    Grams as packed triangles for the solve; the accumulated sums and the growth check take them whole)."""
+    return {
+        group: {
+            name: unpack_symmetric(v) if name in SYMMETRIC_TENSORS and np.ndim(v) == 1 else v
+            for name, v in tensors.items()
+        }
+        for group, tensors in sums.items()
+    }

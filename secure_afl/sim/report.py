@@ -9,6 +9,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from secure_afl.privacy.exposure import value_family
 from secure_afl.privacy.policy import active_threshold, majority_threshold, threat_model
 from secure_afl.sim.audit import PrivacyAudit, trust_models
 from secure_afl.sim.baselines import FAMILY
@@ -458,21 +459,31 @@ def undefined_balance_summary(setting: SettingResult) -> str | None:
     )
 
 
+def _tensor_key(label: str) -> str:
+    """A tensor, or several, as the audit and the clients' checks both name it: the names of one
+    server-parameterised family (round 2's pseudo tensors, examined together under the adversarial
+    rule) are one key, whichever of them a client sends; any other label is itself."""
+    families = {value_family(name) for name in label.split(" + ")}
+    if len(families) == 1 and next(iter(families)).startswith("family:"):
+        return next(iter(families))
+    return label
+
+
 def client_checks_agreement(audit: PrivacyAudit) -> tuple[list[str], list[str], list[str]]:
     """The session's clients by how their own exposure checks compare with the audit: (found
     exactly what the audit lists for the tensors they send, found nothing where the audit lists
     exposures (a client that dropped out never checked), found something else).  A finding that
     needs colluders' values, or combines tensors, is not in the audit's per-tensor terms."""
     clients = sorted({c for g in audit.groups for c in g.members})
-    exposed = {(t, c) for t, cs in audit.exposed.items() for c in cs}
+    exposed = {(_tensor_key(t), c) for t, cs in audit.exposed.items() for c in cs}
     agree: list[str] = []
     silent: list[str] = []
     other: list[str] = []
     for client in clients:
-        sent = {t for g in audit.groups if client in g.members for t in g.tensors}
+        sent = {_tensor_key(t) for g in audit.groups if client in g.members for t in g.tensors}
         findings = audit.client_findings.get(client, ())
         found = {
-            (f.tensor if not f.colluders else f"{f.tensor} (colluders)", c)
+            (_tensor_key(f.tensor) if not f.colluders else f"{f.tensor} (colluders)", c)
             for f in findings
             for c in f.clients
         }
