@@ -20,6 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 # Only torch-free modules here: `sim` starts preparing the embedded data on a thread before it
 # imports torch and the training code (about two seconds), so that the two overlap.
 from secure_afl.cli_options import (
+    LibraryErrorsGroup,
     check_dp_mechanism_options,
     ckks_degree_option,
     dp_options,
@@ -103,7 +104,7 @@ def _sim_errors() -> tuple[type[Exception], ...]:
     return (PartialLabelError, CohortError, *loaded)
 
 
-class _LazyGroup(click.Group):
+class _LazyGroup(LibraryErrorsGroup):
     """A group whose listed subcommands are imported only when they run or help lists them.
 
     ``sim`` starts preparing its data as soon as its options are parsed; importing the deployment
@@ -127,7 +128,7 @@ class _LazyGroup(click.Group):
 @click.group(
     cls=_LazyGroup,
     lazy={
-        "keys": "secure_afl.keys.commands:keys",
+        "keys": "secure_afl.cli_keys:keys",
         "deploy": "secure_afl.cli_deploy:deploy",
         "predict": "secure_afl.cli_deploy:predict",
         "features": "secure_afl.cli_features:features",

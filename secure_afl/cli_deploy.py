@@ -13,6 +13,7 @@ import click
 import numpy as np
 
 from secure_afl.cli_options import (
+    LibraryErrorsGroup,
     check_dp_mechanism_options,
     ckks_degree_option,
     dp_options,
@@ -27,7 +28,7 @@ def _click_errors(exc: Exception) -> click.ClickException:
     return click.ClickException(f"{type(exc).__name__}: {exc}")
 
 
-class _PorcelainGroup(click.Group):
+class _PorcelainGroup(LibraryErrorsGroup):
     """``deploy --help`` lists the walk-through's steps in their order, then the building blocks."""
 
     WALK_THROUGH = ("provision", "superlink", "join", "collect", "run", "check", "local")
@@ -382,7 +383,7 @@ def deploy_app(
     """
     from secure_afl.deploy.apps import coordinator_signer, study_from_run_config
     from secure_afl.deploy.writers import write_app
-    from secure_afl.keys.commands import load_roster_file
+    from secure_afl.keys.store import load_roster_file
 
     if (features_path is None) == (backbone is None):
         raise click.UsageError("give --features FILE, or --backbone NAME with --weights FILE")
@@ -927,15 +928,10 @@ def deploy_provision(
             supernode.service, README.txt.
     Send each hospital its kit directory; it runs `secure-afl deploy join KIT`.
     """
+    from secure_afl.cli_keys import load_key, recognition_from_options
     from secure_afl.deploy.provision import provision
-    from secure_afl.keys.commands import (
-        PUBLIC_FILE,
-        default_key_dir,
-        load_key,
-        read_entry_file,
-        recognition_from_options,
-    )
     from secure_afl.keys.recognition import RosterNotRecognisedError
+    from secure_afl.keys.store import PUBLIC_FILE, default_key_dir, read_entry_file
 
     if (passphrase_file is None) == (passphrase_env is None):
         raise click.UsageError(
@@ -1035,15 +1031,11 @@ def deploy_join(
     """
     import getpass
 
+    from secure_afl.cli_keys import recognition_from_options
     from secure_afl.deploy.check import NodeCheckError
     from secure_afl.deploy.kit import EXIT_WAITING, KitError, NodeLayout, join_kit
-    from secure_afl.keys.commands import (
-        KEY_FILE,
-        default_key_dir,
-        load_public_entry,
-        recognition_from_options,
-    )
     from secure_afl.keys.recognition import RosterNotRecognisedError
+    from secure_afl.keys.store import KEY_FILE, default_key_dir, load_public_entry
 
     if (passphrase_file is None) == (passphrase_env is None):
         raise click.UsageError(
@@ -1201,7 +1193,7 @@ def predict(
     from secure_afl.deploy.classifier import Classifier
     from secure_afl.deploy.errors import ClassifierFileError, ModelMismatchError, RosterMismatchError
     from secure_afl.features.file import FeatureFileError, load_feature_file
-    from secure_afl.keys.commands import load_roster_file
+    from secure_afl.keys.store import load_roster_file
 
     if (features_path is None) == (data_dir is None):
         raise click.UsageError("give exactly one of --features FILE or --data-dir DIR")

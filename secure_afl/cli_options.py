@@ -145,3 +145,17 @@ def check_dp_mechanism_options(
             "mechanism: add --dp-epsilon (or --dp-sweep), or drop "
             f"{'them' if len(given) > 1 else 'it'} (without DP the statistics are exact and never projected)"
         )
+
+
+class LibraryErrorsGroup(click.Group):
+    """A command group that shows the library's "what to do next" errors as click shows its own
+    (``Error: ...``, exit 1): a :class:`~secure_afl.keys.store.KeyStoreError` names the file and
+    the remedy already, so the commands need not catch it one by one."""
+
+    def invoke(self, ctx: click.Context) -> object:
+        from secure_afl.keys.store import KeyStoreError
+
+        try:
+            return super().invoke(ctx)
+        except KeyStoreError as exc:
+            raise click.ClickException(str(exc)) from None

@@ -72,7 +72,7 @@ def test_the_deployment_and_key_commands_load_only_when_used() -> None:
     loaded = _python(
         """
         import sys, secure_afl.cli
-        print('secure_afl.cli_deploy' in sys.modules, 'secure_afl.keys.commands' in sys.modules)
+        print('secure_afl.cli_deploy' in sys.modules, 'secure_afl.cli_keys' in sys.modules)
         """
     )
     assert loaded.stdout.split() == ["False", "False"]

@@ -175,10 +175,9 @@ def study_from_run_config(config: Mapping[str, Any]) -> Study:
 
 def coordinator_signer(config: Mapping[str, Any], roster: Roster) -> ClassifierSigner:
     """The coordinator's identity from the run config (``identity-key``, ``passphrase-file``)."""
-    import click
 
-    from secure_afl.keys.commands import read_passphrase
     from secure_afl.keys.files import KeyFileError, load_identity_key
+    from secure_afl.keys.store import KeyStoreError, read_passphrase
 
     sources = [key for key in ("passphrase-file", "passphrase-env") if str(config.get(key, ""))]
     missing = [] if str(config.get("identity-key", "")) else ["identity-key"]
@@ -199,7 +198,7 @@ def coordinator_signer(config: Mapping[str, Any], roster: Roster) -> ClassifierS
             Path(str(config["passphrase-file"])) if "passphrase-file" in sources else None,
             str(config["passphrase-env"]) if "passphrase-env" in sources else None,
         )
-    except click.ClickException as exc:  # a missing file, open permissions, an unset variable
+    except KeyStoreError as exc:  # a missing file, open permissions, an unset variable
         raise ConfigurationError(f"the run config's {sources[0]}: {exc.message}") from None
     try:
         key = load_identity_key(Path(str(config["identity-key"])), passphrase)

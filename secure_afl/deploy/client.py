@@ -271,12 +271,12 @@ def key_owner(identity_key: Path, roster: Roster) -> str | None:
 
 
 def node_identity(settings: NodeSettings, roster: Roster) -> tuple[str, IdentityKey]:
-    from secure_afl.keys.commands import read_passphrase
+    from secure_afl.keys.store import KeyStoreError, read_passphrase
 
     try:
         passphrase = read_passphrase(settings.passphrase_file, settings.passphrase_env)
-    except Exception as exc:  # click.ClickException: bad permissions, missing file, unset variable
-        raise ConfigurationError(getattr(exc, "message", str(exc))) from None
+    except KeyStoreError as exc:  # bad permissions, a missing file, an unset variable
+        raise ConfigurationError(str(exc)) from None
     identity = load_identity_key(settings.identity_key, passphrase)
     for entry in roster:
         if entry.public_key == identity.public_key:

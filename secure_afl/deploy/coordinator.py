@@ -114,16 +114,15 @@ def load_signer(
     """The coordinator's signing identity, in ``deploy run``'s own process: its encrypted identity
     key, decrypted with the passphrase from a 0600 file or an environment variable of this process,
     which must be the coordinator of the roster the app's run config names."""
-    import click
 
-    from secure_afl.keys.commands import read_passphrase
     from secure_afl.keys.files import KeyFileError, load_identity_key
+    from secure_afl.keys.store import KeyStoreError, read_passphrase
 
     config = read_run_config(app_dir, run_config)
     roster = _read_roster(config)
     try:
         passphrase = read_passphrase(passphrase_file, passphrase_env)
-    except click.ClickException as exc:  # a missing file, open permissions, an unset variable
+    except KeyStoreError as exc:  # a missing file, open permissions, an unset variable
         raise ConfigurationError(f"the coordinator's passphrase: {exc.message}") from None
     try:
         key = load_identity_key(identity_key, passphrase)

@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-import secure_afl.keys.commands as key_commands
+import secure_afl.cli_keys as key_commands
 from secure_afl.cli_deploy import deploy
+from secure_afl.cli_keys import keys
 from secure_afl.deploy.kit import EXIT_WAITING
 from secure_afl.deploy.local import free_port
 from secure_afl.features.file import save_feature_file
 from secure_afl.keys import IdentityKey, Roster, RosterEntry, save_identity_key
-from secure_afl.keys.commands import keys
 from secure_afl.keys.cosign import read_roster_document
 from secure_afl.keys.recognition import (
     FingerprintSyntaxError,
@@ -33,7 +33,7 @@ from secure_afl.keys.recognition import (
     unrecognised,
 )
 
-from .helpers import row_digests
+from .helpers import pixel_digests, row_digests
 
 HOSPITALS = ("hospital-a", "hospital-b", "hospital-c")
 CLASSES = ("A", "B", "C")
@@ -157,7 +157,7 @@ def _site(root: Path, client_id: str, key: IdentityKey | None = None) -> Site:
         root / client_id / "features.npz", rng.random((12, 40)),
         labels=(rng.random((12, 3)) < 0.5).astype(np.uint8), active=(0, 1, 2), classes=CLASSES,
         backbone="toy", weights_id="sha256:00", preprocessing="none",
-        image_sha256=row_digests(client_id, 12),
+        image_sha256=row_digests(client_id, 12), pixel_sha256=pixel_digests(row_digests(client_id, 12)),
     )  # fmt: skip
     return Site(client_id, root / client_id, key)
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from secure_afl.cli_keys import keys
 from secure_afl.keys import IdentityKey, Roster, RosterEntry, RosterError, save_identity_key
-from secure_afl.keys.commands import keys
 from secure_afl.keys.cosign import (
     RosterCosignatureError,
     RosterNotCosignedError,

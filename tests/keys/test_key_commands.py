@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from secure_afl import cli_keys as key_commands
 from secure_afl.cli import main
 from secure_afl.keys import Roster, load_identity_key, load_roster
-from secure_afl.keys import commands as key_commands
 
 
 @pytest.fixture(autouse=True)

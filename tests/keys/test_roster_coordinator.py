@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from secure_afl import cli_keys as key_commands
 from secure_afl.cli import main
 from secure_afl.keys import IdentityKey, Roster, RosterEntry, RosterError
-from secure_afl.keys import commands as key_commands
 from secure_afl.keys.roster import ROSTER_FORMAT
 
 

@@ -1,4 +1,4 @@
-"""``secure-afl keys ...``: identity keys and the roster, as each institution's IT team uses them.
+"""``secure-afl keys ...``: identity keys, the roster and the ledger, as each institution's IT team uses them.
 
 An institution runs ``keys init`` once: it writes ``DIR/identity.key`` (the encrypted key file of
 :mod:`secure_afl.keys.files`, mode 0600) and ``DIR/identity.pub.json`` (its roster entry: id, name,
@@ -10,91 +10,33 @@ institution pins the same roster file and checks it with ``keys roster show`` / 
 from __future__ import annotations
 
 import base64
-import binascii
 import json
-import os
-import secrets
-import stat
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 import click
 
-from .files import KeyFileError, load_identity_key, save_identity_key
-from .identity import IdentityKey, fingerprint
-from .recognition import Recognition
-from .roster import Roster, RosterEntry, RosterError
-
-KEY_FILE = "identity.key"
-PUBLIC_FILE = "identity.pub.json"
-PUBLIC_FORMAT = "secure-afl-roster-entry/v1"
-MAX_PASSPHRASE_BYTES = 4096
-# A new key's passphrase is what stands between a stolen key file and the institution's identity;
-# scrypt slows each guess, it cannot make a short passphrase long.
-MIN_PASSPHRASE_CHARS = 12
-
-
-def default_key_dir() -> Path:
-    """``$SECURE_AFL_HOME`` or ``~/.secure-afl``."""
-    return Path(os.environ.get("SECURE_AFL_HOME") or Path.home() / ".secure-afl")
-
-
-def read_passphrase_file(path: Path) -> bytes:
-    """The passphrase: the file's first line (its line break removed); the file must be private."""
-    try:
-        info = path.stat()
-    except OSError as exc:
-        raise click.ClickException(f"{path}: cannot read the passphrase file: {exc.strerror}") from None
-    if os.name == "posix" and info.st_mode & 0o077:
-        raise click.ClickException(
-            f"{path}: permissions {stat.S_IMODE(info.st_mode):04o} are too open for a passphrase file "
-            f"(chmod 600 {path})"
-        )
-    data = path.read_bytes()[: MAX_PASSPHRASE_BYTES + 1]
-    line = data.split(b"\n", 1)[0].rstrip(b"\r")
-    if not line:
-        raise click.ClickException(f"{path}: the passphrase file is empty")
-    if len(line) > MAX_PASSPHRASE_BYTES:
-        raise click.ClickException(f"{path}: the passphrase is longer than {MAX_PASSPHRASE_BYTES} bytes")
-    return line
-
-
-def read_passphrase_env(variable: str) -> bytes:
-    """The passphrase from the environment variable ``variable`` (a SuperNode started by a service
-    manager, or ``read -s`` in a shell: never on a command line, where ``ps`` shows it)."""
-    value = os.environ.get(variable)
-    if value is None:
-        raise click.ClickException(
-            f"the environment variable {variable} is not set: export it (e.g. `read -rs {variable} && "
-            f"export {variable}`) or use a passphrase file"
-        )
-    if not value:
-        raise click.ClickException(f"the environment variable {variable} is empty")
-    data = value.encode("utf-8")
-    if len(data) > MAX_PASSPHRASE_BYTES:
-        raise click.ClickException(f"{variable}: the passphrase is longer than {MAX_PASSPHRASE_BYTES} bytes")
-    return data
-
-
-def read_passphrase(passphrase_file: Path | None = None, passphrase_env: str | None = None) -> bytes:
-    """The passphrase from exactly one of a private file and an environment variable."""
-    if (passphrase_file is None) == (passphrase_env is None):
-        raise click.ClickException("give exactly one of a passphrase file and a passphrase variable")
-    if passphrase_file is not None:
-        return read_passphrase_file(passphrase_file)
-    return read_passphrase_env(passphrase_env)  # type: ignore[arg-type]
-
-
-def check_new_passphrase(passphrase: bytes) -> bytes:
-    """Refuse a passphrase too short to protect a new key (fewer than MIN_PASSPHRASE_CHARS)."""
-    length = len(passphrase.decode("utf-8", errors="replace"))
-    if length < MIN_PASSPHRASE_CHARS:
-        raise click.ClickException(
-            f"the passphrase has {length} character(s); a new key needs at least {MIN_PASSPHRASE_CHARS}: "
-            "use a few random words (e.g. 'correct horse battery staple')"
-        )
-    return passphrase
+from secure_afl.cli_options import LibraryErrorsGroup
+from secure_afl.keys.files import KeyFileError, load_identity_key, save_identity_key
+from secure_afl.keys.identity import IdentityKey, fingerprint
+from secure_afl.keys.recognition import Recognition
+from secure_afl.keys.roster import Roster, RosterEntry, RosterError
+from secure_afl.keys.store import (
+    KEY_FILE,
+    PUBLIC_FILE,
+    PUBLIC_FORMAT,
+    check_local_key_in,
+    check_new_passphrase,
+    decode_public_key,
+    default_key_dir,
+    load_public_entry,
+    load_roster_file,
+    read_entry_file,
+    read_passphrase,
+    write_roster_file,
+    write_roster_file_text,
+)
 
 
 def _passphrase(
@@ -125,44 +67,10 @@ def load_key(directory: Path, passphrase_file: Path | None, passphrase_env: str 
         raise click.ClickException(str(exc)) from None
 
 
-def load_public_entry(directory: Path) -> RosterEntry:
-    """The institution's own roster entry, ``DIR/identity.pub.json``."""
-    return read_entry_file(directory / PUBLIC_FILE)
-
-
-def read_entry_file(path: Path) -> RosterEntry:
-    try:
-        document = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise click.ClickException(f"{path}: cannot read the roster entry: {exc.strerror}") from None
-    except ValueError:
-        raise click.ClickException(f"{path}: not a {PUBLIC_FORMAT} file (not JSON)") from None
-    if not isinstance(document, dict) or document.get("format") != PUBLIC_FORMAT:
-        raise click.ClickException(f"{path}: not a {PUBLIC_FORMAT} file")
-    try:
-        entry = RosterEntry(
-            document["id"], document.get("name", document["id"]), _b64(document["public_key"])
-        )
-    except (KeyError, TypeError, RosterError) as exc:
-        raise click.ClickException(f"{path}: malformed roster entry: {exc}") from None
-    if document.get("fingerprint", entry.fingerprint) != entry.fingerprint:
-        raise click.ClickException(f"{path}: the fingerprint does not match the public key")
-    return entry
-
-
-def _b64(text: object) -> bytes:
-    if not isinstance(text, str):
-        raise RosterError("the public key must be a base64 string")
-    try:
-        return base64.b64decode(text, validate=True)
-    except (binascii.Error, ValueError):
-        raise RosterError("the public key is not base64") from None
-
-
 def normalise_fingerprint(text: str) -> str:
     """``SHA256:ab12 cd34 ...`` from any spacing or case, with or without the ``SHA256:`` prefix
     (:func:`secure_afl.keys.recognition.parse_fingerprint`)."""
-    from .recognition import FingerprintSyntaxError, parse_fingerprint
+    from secure_afl.keys.recognition import FingerprintSyntaxError, parse_fingerprint
 
     try:
         return parse_fingerprint(text)
@@ -179,7 +87,7 @@ def recognition_from_options(expected: Sequence[str], yes: bool, option: str, qu
     """A command's way of recognising a roster's entries (:mod:`secure_afl.keys.recognition`): the
     expected ``ID=FINGERPRINT`` items of ``option``, ``--yes``, or else a prompt asking ``question``
     where a person can answer one (where nobody can, none: the entries are then refused)."""
-    from .recognition import FingerprintSyntaxError, RecognitionModeError
+    from secure_afl.keys.recognition import FingerprintSyntaxError, RecognitionModeError
 
     def confirm(entries: Sequence[RosterEntry]) -> bool:
         return click.confirm(
@@ -196,46 +104,6 @@ def recognition_from_options(expected: Sequence[str], yes: bool, option: str, qu
         raise click.BadParameter(str(exc), param_hint=option) from None
     except RecognitionModeError as exc:
         raise click.UsageError(f"{option} and --yes: {exc}") from None
-
-
-def load_roster_file(path: Path) -> Roster:
-    try:
-        return Roster.from_json(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise click.ClickException(f"{path}: cannot read the roster: {exc.strerror}") from None
-    except RosterError as exc:
-        raise click.ClickException(f"{path}: {exc}") from None
-
-
-def write_roster_file(path: Path, roster: Roster) -> None:
-    """Atomically: a temporary file beside it, then a rename (never a half-written roster).
-
-    The roster's co-signatures are not kept: a changed roster must be co-signed again."""
-    write_roster_file_text(path, roster.to_json())
-
-
-def write_roster_file_text(path: Path, text: str) -> None:
-    temporary = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
-    try:
-        temporary.write_text(text + "\n", encoding="utf-8")
-        os.replace(temporary, path)
-    finally:
-        if temporary.exists():
-            temporary.unlink()
-
-
-def check_local_key_in(roster: Roster, entry: RosterEntry, roster_path: Path) -> None:
-    """Refuse a roster that lacks this institution's key (or lists its id with another key)."""
-    if entry.client_id not in roster:
-        raise click.ClickException(
-            f"{roster_path}: the roster lacks this institution ({entry.client_id!r}, {entry.fingerprint}); "
-            f"ask the coordinator to add {PUBLIC_FILE} with `secure-afl keys roster add`"
-        )
-    if roster.public_key(entry.client_id) != entry.public_key:
-        raise click.ClickException(
-            f"{roster_path}: the roster lists {entry.client_id!r} with the key "
-            f"{roster.entry(entry.client_id).fingerprint}, but this institution's key is {entry.fingerprint}"
-        )
 
 
 _dir_option = click.option(
@@ -272,7 +140,7 @@ _roster_option = click.option(
 )
 
 
-@click.group()
+@click.group(cls=LibraryErrorsGroup)
 def keys() -> None:
     """Identity keys and the roster of institutions."""
 
@@ -399,7 +267,7 @@ def roster_add(
         if client_id is None:
             raise click.UsageError("--public-key needs --id")
         try:
-            entry = RosterEntry(client_id, name or client_id, _b64(public_key))
+            entry = RosterEntry(client_id, name or client_id, decode_public_key(public_key))
         except RosterError as exc:
             raise click.BadParameter(str(exc), param_hint="--id/--public-key") from None
     if fingerprint is not None and normalise_fingerprint(fingerprint) != entry.fingerprint:
@@ -475,7 +343,7 @@ def roster_show(roster_path: Path, directory: Path | None) -> None:
 
 
 def _show_cosignatures(roster_path: Path) -> None:
-    from .cosign import roster_status
+    from secure_afl.keys.cosign import roster_status
 
     try:
         status = roster_status(roster_path.read_text(encoding="utf-8"))
@@ -527,8 +395,9 @@ def roster_sign(
     institution heard from that institution itself: --expect ID=FINGERPRINT checks it, or the
     terminal prompt asks (--yes: you compared them another way).
     """
-    from .cosign import check_cosignatures, cosigned_roster_json, read_roster_document, sign_roster
-    from .recognition import RosterNotRecognisedError
+    from secure_afl.keys.recognition import RosterNotRecognisedError
+
+    from secure_afl.keys.cosign import check_cosignatures, cosigned_roster_json, read_roster_document, sign_roster
 
     recognition = recognition_from_options(expected, yes, "--expect", "Co-sign this roster?")
 
@@ -601,6 +470,76 @@ def roster_verify(roster_path: Path, client_id: str, fingerprint: str, directory
 __all__ = ["fingerprint", "keys"]
 
 
-from secure_afl.keys.ledger_command import ledger as _ledger_group  # noqa: E402
+# --- secure-afl keys ledger ------------------------------------------------------------------
 
-keys.add_command(_ledger_group)
+
+@keys.group()
+def ledger() -> None:
+    """The ledger of released values and answered rounds (SECURITY.md, one contribution per value)."""
+
+
+def _ledger_options(function):  # type: ignore[no-untyped-def]
+    function = click.option(
+        "--client-id", required=True, help="The institution's id in the roster (the ledger file's name)."
+    )(function)
+    return click.option(
+        "--ledger-dir",
+        type=click.Path(path_type=Path, file_okay=False),
+        required=True,
+        help="The node's ledger-dir (its node config's ledger-dir).",
+    )(function)
+
+
+@ledger.command("show")
+@_ledger_options
+def ledger_show(ledger_dir: Path, client_id: str) -> None:
+    """Print the sessions in the ledger file (read without the key: nothing is verified or changed).
+
+    Reads LEDGER_DIR/CLIENT.ledger.json and its generation marker.
+    """
+    path = ledger_dir / f"{client_id}.ledger.json"
+    if not path.exists():
+        raise click.ClickException(
+            f"{path} does not exist (the node has not taken part yet, or it was removed)"
+        )
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+        sessions = document["sessions"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise click.ClickException(f"{path} is not a ledger file: {exc}") from None
+    click.echo(f"{path}: generation {document.get('generation')}, {len(sessions)} session(s)")
+    for sid, entry in sessions.items():
+        released = "released " + str(len(entry.get("released", []))) if entry.get("survivors") else "open"
+        if entry.get("survivors") and entry.get("images"):
+            # base64 of 32-byte digests: 4 characters for every 3 bytes
+            images = len(entry["images"]) * 3 // 4 // 32
+            released += f" value id(s), {images} image(s) under {entry.get('scope') or '-'}"
+        rounds = ",".join(sorted(entry.get("answers", {})))
+        click.echo(f"  {sid[:16]}...  {released}  rounds answered: {rounds or '-'}")
+
+
+@ledger.command("reset")
+@_ledger_options
+@click.option("--reason", required=True, help="Why (kept in LEDGER_DIR/ledger-resets.log).")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+def ledger_reset(ledger_dir: Path, client_id: str, reason: str, yes: bool) -> None:
+    """Start an empty history: move the ledger aside (CLIENT.ledger.json.reset-TIME), drop its
+    generation marker, and log the reset with its reason.
+
+    Needed when the ledger is missing or older than the last one written (the node refuses to take
+    part until then).  A reset forgets which values were released: the coordinator may then obtain a
+    second sum of them, so reset only when you know why the ledger was lost.
+    """
+    from secure_afl.privacy.ledger import FileLedger
+
+    if not yes:
+        click.confirm(
+            f"Reset {client_id}'s ledger in {ledger_dir}? The values it lists could then be released again",
+            abort=True,
+        )
+    try:
+        archived = FileLedger(ledger_dir).reset(client_id, reason)
+    except (OSError, ValueError) as exc:
+        raise click.ClickException(f"cannot reset the ledger in {ledger_dir}: {exc}") from None
+    where = f"moved to {archived}" if archived is not None else "there was no ledger file"
+    click.echo(f"reset {client_id}'s ledger ({where}); logged in {ledger_dir / 'ledger-resets.log'}")
