@@ -30,7 +30,7 @@ from secure_afl.privacy.ledger import FileLedger, LedgerOwner
 from secure_afl.protocol import codec
 from secure_afl.protocol.messages import ShareKeys
 
-from .helpers import BACKBONE, CLASSES, check_study, make_federation, row_digests
+from .helpers import BACKBONE, CLASSES, check_study, make_federation, pixel_digests, row_digests
 from .test_deploy_one_view import hostile_session
 
 # Finding 1 (n = 9, t = 7, c = 2): the victim misses class 0 only; four peers miss classes 0 and 1
@@ -199,6 +199,7 @@ def _shrink(federation, cid: str, rows: int) -> None:
         node.settings.features, features, labels=labels, active=active, classes=CLASSES,
         backbone=BACKBONE["name"], weights_id=BACKBONE["weights_id"], preprocessing=BACKBONE["preprocessing"],
         image_sha256=row_digests(f"small/{cid}", rows),
+        pixel_sha256=pixel_digests(row_digests(f"small/{cid}", rows)),
     )  # fmt: skip
     federation.data[cid] = (features, labels, active)
 
