@@ -377,10 +377,7 @@ def test_the_terminal_and_report_md_say_what_chance_is_and_name_no_local_path(tm
     data = prepare(None, fraction=0.06, dim=48, seed=0)
     test_labels = data.cohort.labels[data.split.test]
     prevalence = test_labels.mean(axis=0)[(test_labels.min(axis=0) == 0) & (test_labels.max(axis=0) == 1)]
-    line = (
-        f"Chance level: BACC 50, AUC 50, mAP {prevalence.mean():.4f} "
-        "(mean class prevalence in the test labels)"
-    )
+    line = f"Chance: BACC 50, AUC 50, mAP {prevalence.mean():.4f} (the test labels' mean class prevalence)"
     assert 0.03 < prevalence.mean() < 0.12  # ChestXray14's 8 classes: about 0.07
     assert line in " ".join(result.output.split())
     report = (tmp_path / "report.md").read_text()

@@ -389,7 +389,7 @@ def chance_line(result: ExperimentResult) -> str:
         maps = next(iter(levels), "n/a")
     else:
         maps = ", ".join(f"{value} at missing {','.join(map(str, m))}" for value, m in levels.items())
-    return f"Chance level: BACC 50, AUC 50, mAP {maps} (mean class prevalence in the test labels)"
+    return f"Chance: BACC 50, AUC 50, mAP {maps} (the test labels' mean class prevalence)"
 
 
 def label_source_name(source: object) -> str:
