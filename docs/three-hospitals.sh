@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# README's "Three hospitals" section (H1-H4, C1-C5), run literally on one machine: three hospitals
+# docs/how-to-three-hospitals.md's table (H1-H5, C1-C5), run literally on one machine: three hospitals
 # and a coordinator, each in its own directory with its own HOME (hence ~/.secure-afl) and passphrase
 # file, a SuperLink behind its Fleet-only front and three SuperNodes, on 127.0.0.1 with free ports.
-# Every party command is README's, run from that party's directory; only these differ:
+# Every party command is that page's, run from that party's directory; only these differ:
 #   - addresses and ports (--host localhost --ip 127.0.0.1 --port, --listen, --control-port, --node-port),
-#   - the fingerprints README writes as 'SHA256:…' are the ones each party's `keys init` printed
+#   - the fingerprints the page writes as 'SHA256:…' are the ones each party's `keys init` printed
 #     (what the others hear read aloud),
 #   - the "agreed weight file" is a randomly initialised ResNet-18 saved here (no download), and
 #   - each hospital's images are random PNGs with random labels: training images and held-out ones.
-# Files "sent" between parties are copied (cp) in the order of README's table. Then each hospital
+# Files "sent" between parties are copied (cp) in the order of the page's table. Then each hospital
 # evaluates its received classifier on its held-out features, and, as a hospital, `flwr ls`, `flwr run`
 # and `flwr supernode register` against the hospitals' address must fail. Any failing step exits non-zero.
 # Usage: bash docs/three-hospitals.sh [WORK_DIR]   (with the project's venv on PATH)
@@ -35,7 +35,7 @@ declare -A NAME=([hospital-a]="Hospital A" [hospital-b]="Hospital B" [hospital-c
 declare -A PASS=([hospital-a]="alpha correct horse battery" [hospital-b]="bravo staple lamp cactus"
                  [hospital-c]="charlie river nine window" [coordinator]="delta orbit salt meadow")
 
-# party NAME 'COMMAND': COMMAND as README writes it, in NAME's directory with NAME's HOME, stopped
+# party NAME 'COMMAND': COMMAND as the how-to page writes it, in NAME's directory with NAME's HOME, stopped
 # after STEP_TIMEOUT seconds (900).
 party() {
   local who=$1; shift
@@ -134,7 +134,7 @@ for h in "${HOSPITALS[@]}"; do
       --weights resnet18-agreed.pth --out features.npz' > "$h/features.out" 2>&1 \
       || { cat "$h/features.out"; echo "FAILED: $h features extract"; exit 1; }
   echo "$h: $(grep -E '^wrote ' "$h/features.out")"
-  # Not one of README's four: the held-out set this script evaluates on (README: "on held-out images").
+  # The held-out set H5 evaluates on (the page: "on held-out images").
   party "$h" 'secure-afl features extract --images data/held-out --labels data/held-out.csv --backbone resnet18 \
       --weights resnet18-agreed.pth --out held-out.npz' > "$h/held-out.out" 2>&1 \
       || { cat "$h/held-out.out"; echo "FAILED: $h held-out features extract"; exit 1; }

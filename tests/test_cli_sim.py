@@ -362,3 +362,31 @@ def test_the_short_report_aggregates_overlaps_dropouts_and_refusals(tmp_path: Pa
     refused = [m for m, r in setting["deployed_client_refusals"].items() if r]
     assert f"Deployed clients (missing 1) refuse {len(refused)} of" in text
     assert "own check saw" not in text and "Protocol costs, missing 1" not in text  # --verbose only
+
+
+def test_the_terminal_and_report_md_say_what_chance_is_and_name_no_local_path(tmp_path: Path) -> None:
+    import sys
+
+    import numpy as np
+
+    from secure_afl.sim.datasets import prepare
+
+    result = CliRunner().invoke(
+        main,
+        ["sim", "--missing", "7", "--rounds", "1", *SMALL, "--out", str(tmp_path)],
+        env={"COLUMNS": "200"},
+    )
+    assert result.exit_code == 0, result.output
+    data = prepare(None, fraction=0.06, dim=48, seed=0)
+    test_labels = data.cohort.labels[data.split.test]
+    prevalence = test_labels.mean(axis=0)[(test_labels.min(axis=0) == 0) & (test_labels.max(axis=0) == 1)]
+    line = f"Chance: BACC 50, AUC 50, mAP {prevalence.mean():.4f} (the test labels' mean class prevalence)"
+    assert 0.03 < prevalence.mean() < 0.12  # ChestXray14's 8 classes: about 0.07
+    assert line in " ".join(result.output.split())
+    report = (tmp_path / "report.md").read_text()
+    assert line in report
+    # the label table is named by its place in its package, not by this environment's directories
+    assert '"label_source": "torchxrayvision/data/' in report
+    for local in {sys.prefix, sys.base_prefix, str(Path.home()), str(tmp_path)}:
+        assert local not in report
+    assert "site-packages" not in report and np.isfinite(prevalence).all()

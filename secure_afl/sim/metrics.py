@@ -23,11 +23,16 @@ import numpy as np
 
 @dataclass(frozen=True)
 class Metrics:
-    """Per-class arrays and their macro averages; a class absent from the test labels is NaN."""
+    """Per-class arrays and their macro averages; a class absent from the test labels is NaN.
+
+    ``prevalence``: per class, the fraction of positives among the scored test rows (NaN where the
+    class is not scored), from which :attr:`chance` follows; not part of :meth:`to_dict`.
+    """
 
     bacc: np.ndarray
     auc: np.ndarray
     ap: np.ndarray
+    prevalence: np.ndarray | None = None
 
     @property
     def macro(self) -> dict[str, float]:
@@ -35,6 +40,20 @@ class Metrics:
             "bacc": float(np.nanmean(self.bacc)),
             "auc": float(np.nanmean(self.auc)),
             "map": float(np.nanmean(self.ap)),
+        }
+
+    @property
+    def chance(self) -> dict[str, float]:
+        """What a scorer without information gets, macro-averaged as :attr:`macro` is: BACC ½ (any
+        constant decision), AUC ½ (a random ranking), and mAP the mean prevalence of the scored
+        classes (a random ranking's expected average precision is about its class's prevalence).
+        """
+        prevalence = np.full(len(self.ap), np.nan) if self.prevalence is None else self.prevalence
+        scored = ~np.isnan(self.ap) & ~np.isnan(prevalence)
+        return {
+            "bacc": 0.5,
+            "auc": 0.5,
+            "map": float(prevalence[scored].mean()) if scored.any() else float("nan"),
         }
 
     def to_dict(self) -> dict[str, object]:
@@ -120,7 +139,7 @@ def evaluate(
     if decisions.shape != labels.shape:
         raise ValueError(f"decisions {decisions.shape} must have the shape of the labels {labels.shape}")
     n_classes = labels.shape[1]
-    bacc, auc, ap = (np.full(n_classes, np.nan) for _ in range(3))
+    bacc, auc, ap, prevalence = (np.full(n_classes, np.nan) for _ in range(4))
     for c in range(n_classes):
         y = labels[:, c]
         if y.min() == y.max():  # one-sided test labels: these scores are undefined
@@ -128,4 +147,5 @@ def evaluate(
         bacc[c] = balanced_accuracy(y, decisions[:, c])
         auc[c] = roc_auc(y, scores[:, c])
         ap[c] = average_precision(y, scores[:, c])
-    return Metrics(bacc=bacc, auc=auc, ap=ap)
+        prevalence[c] = float(y.mean())
+    return Metrics(bacc=bacc, auc=auc, ap=ap, prevalence=prevalence)

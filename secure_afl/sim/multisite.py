@@ -644,14 +644,15 @@ class MultisiteResult:
 def _class_metrics(labels: np.ndarray, known: np.ndarray, logits: np.ndarray) -> Metrics:
     """Per class over the rows where it is known (NaN where none, or one-sided)."""
     n_classes = labels.shape[1]
-    out = [np.full(n_classes, np.nan) for _ in range(3)]
+    out = [np.full(n_classes, np.nan) for _ in range(4)]
     for c in range(n_classes):
         rows = known[:, c]
         if not rows.any():
             continue
         m = evaluate(labels[rows][:, [c]], logits[rows][:, [c]], kind="logits")
         out[0][c], out[1][c], out[2][c] = m.bacc[0], m.auc[0], m.ap[0]
-    return Metrics(bacc=out[0], auc=out[1], ap=out[2])
+        out[3][c] = m.prevalence[0] if m.prevalence is not None else np.nan
+    return Metrics(bacc=out[0], auc=out[1], ap=out[2], prevalence=out[3])
 
 
 def _sim_config(config: MultisiteConfig, n_sites: int) -> SimConfig:

@@ -379,6 +379,33 @@ def _audit_lines(setting: SettingResult) -> list[str]:
     return lines
 
 
+def chance_line(result: ExperimentResult) -> str:
+    """What the table's numbers are against: BACC and AUC 50 %, and a random ranking's mAP, the mean
+    prevalence of the classes scored on the run's test labels (per missing level where they differ)."""
+    levels: dict[str, list[int]] = {}
+    for setting in result.settings:
+        chance = next(iter(setting.metrics.values())).chance if setting.metrics else {"map": float("nan")}
+        levels.setdefault(_fmt("map", chance["map"]), []).append(setting.missing)
+    if len(levels) <= 1:
+        maps = next(iter(levels), "n/a")
+    else:
+        maps = ", ".join(f"{value} at missing {','.join(map(str, m))}" for value, m in levels.items())
+    return f"Chance: BACC 50, AUC 50, mAP {maps} (the test labels' mean class prevalence)"
+
+
+def label_source_name(source: object) -> str:
+    """The label table's name without this machine's directories: the path inside its installed
+    package (``torchxrayvision/data/…``), or else the file's name."""
+    path = Path(str(source))
+    if not path.is_absolute():
+        return str(source)
+    parts = path.parts
+    for marker in ("site-packages", "dist-packages"):
+        if marker in parts:
+            return "/".join(parts[parts.index(marker) + 1 :])
+    return path.name
+
+
 def _print_results_table(result: ExperimentResult, console: Console, width: int | None = None) -> None:
     header, rows = results_table_rows(result)
     title = "Results (BACC and AUC in %, mAP as a fraction)"
@@ -392,6 +419,7 @@ def _print_results_table(result: ExperimentResult, console: Console, width: int 
                 width=width,
             )
             title = ""
+    console.print(chance_line(result), markup=False, highlight=False, width=width)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -817,9 +845,13 @@ def markdown_report(result: ExperimentResult) -> str:
     parts = ["# secure-afl simulation report", ""]
     if result.notice:
         parts += [f"> **{result.notice}**", ""]
-    parts += [f"Dataset: {json.dumps(dict(result.dataset))}", "", threat_model_line(result.config), ""]
+    dataset = dict(result.dataset)
+    if "label_source" in dataset:
+        dataset["label_source"] = label_source_name(dataset["label_source"])
+    parts += [f"Dataset: {json.dumps(dataset)}", "", threat_model_line(result.config), ""]
     header, rows = results_table_rows(result)
     parts += ["## Results (BACC and AUC in %, mAP as a fraction)", "", _md_table(header, rows), ""]
+    parts += [chance_line(result), ""]
     if len(result.settings) > 1:
         parts += [f"![BACC and AUC against the number of missing classes, per method]({FIGURE})", ""]
     else:
