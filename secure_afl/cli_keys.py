@@ -395,9 +395,13 @@ def roster_sign(
     institution heard from that institution itself: --expect ID=FINGERPRINT checks it, or the
     terminal prompt asks (--yes: you compared them another way).
     """
+    from secure_afl.keys.cosign import (
+        check_cosignatures,
+        cosigned_roster_json,
+        read_roster_document,
+        sign_roster,
+    )
     from secure_afl.keys.recognition import RosterNotRecognisedError
-
-    from secure_afl.keys.cosign import check_cosignatures, cosigned_roster_json, read_roster_document, sign_roster
 
     recognition = recognition_from_options(expected, yes, "--expect", "Co-sign this roster?")
 
