@@ -44,7 +44,7 @@ from secure_afl.sim.dp_run import (
     run_private_setting,
 )
 from secure_afl.sim.partial import assign_partial_labels
-from secure_afl.sim.runner import PhaseTimer, SimConfig
+from secure_afl.sim.setting import PhaseTimer, SimConfig
 
 
 def _parse_k(text: str) -> int | None:

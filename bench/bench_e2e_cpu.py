@@ -26,7 +26,8 @@ def main() -> None:
     parser.add_argument("--dropout", type=int, default=0)
     args = parser.parse_args()
     from secure_afl.sim.fedavg import FedAvgConfig
-    from secure_afl.sim.runner import SimConfig, run_experiment
+    from secure_afl.sim.runner import run_experiment
+    from secure_afl.sim.setting import SimConfig
 
     options: dict[str, object] = {"missing": (1,), "fedavg": FedAvgConfig(rounds=1)}
     if args.dropout:

@@ -307,7 +307,8 @@ E2E_PHASES = ("statistics", "aggregation", "solve")
 
 def end_to_end(repeats: int, quick: bool) -> str:
     from secure_afl.sim.fedavg import FedAvgConfig
-    from secure_afl.sim.runner import SimConfig, run_experiment
+    from secure_afl.sim.runner import run_experiment
+    from secure_afl.sim.setting import SimConfig
 
     options: dict[str, object] = {
         "missing": (1,),

@@ -38,7 +38,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from secure_afl.sim.runner import SimConfig, run_experiment
+from secure_afl.sim.runner import run_experiment
+from secure_afl.sim.setting import SimConfig
 
 PHASES = ("data", "statistics", "aggregation", "solve", "gradient methods (wait)", "metrics")
 

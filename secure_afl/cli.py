@@ -33,7 +33,7 @@ from secure_afl.sim.methods import FEDNCA, MISSING_ALL, SCHEDULES, BaselineError
 from secure_afl.sim.partial import PartialLabelError
 
 if TYPE_CHECKING:
-    from secure_afl.sim.runner import SimConfig
+    from secure_afl.sim.setting import SimConfig
 
 
 @contextlib.contextmanager
@@ -538,7 +538,8 @@ def _run_paper(console: Console, o: dict[str, Any], dp: Any, names: list[str]) -
                 write_backbone_table,
                 write_reports,
             )
-            from secure_afl.sim.runner import SimConfig, run_experiment
+            from secure_afl.sim.runner import run_experiment
+            from secure_afl.sim.setting import SimConfig
 
         results = []
         seed, out_dir = o["seed"], o["out_dir"]
@@ -673,7 +674,7 @@ def _run_growing(
     console: Console, *, sessions: int, idle: tuple[tuple[int, int], ...], out_dir: Path, **options
 ) -> None:
     from secure_afl.sim.growing import GrowingConfig, print_growing_report, run_growing, write_growing_reports
-    from secure_afl.sim.runner import SimConfig
+    from secure_afl.sim.setting import SimConfig
 
     try:
         config = GrowingConfig(sim=SimConfig(**options), sessions=sessions, idle=idle)
@@ -713,7 +714,7 @@ def _run_multisite(
         run_multisite,
         write_multisite_reports,
     )
-    from secure_afl.sim.runner import SimConfig
+    from secure_afl.sim.setting import SimConfig
 
     keys = SITE_KEYS if sites == "all" else tuple(k.strip() for k in sites.split(",") if k.strip())
     dirs = []

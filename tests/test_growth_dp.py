@@ -22,7 +22,7 @@ from secure_afl.privacy.dp_solve import fit_private
 from secure_afl.sim.datasets import DataRequest
 from secure_afl.sim.growing import GrowingConfig, run_growing
 from secure_afl.sim.partial import assign_partial_labels
-from secure_afl.sim.runner import SimConfig
+from secure_afl.sim.setting import SimConfig
 
 D = 5
 ACTIVE = {"a": (0, 1), "b": (0, 1), "c": (0,), "d": (1,)}

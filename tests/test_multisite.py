@@ -24,7 +24,7 @@ from secure_afl.sim.multisite import (
     site_shifts,
     to_json,
 )
-from secure_afl.sim.runner import AFL_1, SimConfig
+from secure_afl.sim.setting import AFL_1, SimConfig
 from secure_afl.sim.synthetic import synthetic_features
 
 PAPER = (

@@ -26,7 +26,8 @@ from secure_afl.sim.fedavg import FedAvgConfig, missing_as_negative
 from secure_afl.sim.metrics import evaluate
 from secure_afl.sim.partial import PartialLabelError, assign_partial_labels
 from secure_afl.sim.report import markdown_report
-from secure_afl.sim.runner import AFL_2, AFL_2_RESCALED, SimConfig, run_experiment
+from secure_afl.sim.runner import run_experiment
+from secure_afl.sim.setting import AFL_2, AFL_2_RESCALED, SimConfig
 
 # ---------------------------------------------------------------------------------------------
 # missing 1: every class labelled by exactly K − 1 clients

@@ -28,16 +28,9 @@ from secure_afl.core.randomness import DeterministicRandomSource
 from secure_afl.sim.fedavg import FedAvgConfig
 from secure_afl.sim.metrics import Metrics, evaluate
 from secure_afl.sim.partial import assign_partial_labels
-from secure_afl.sim.runner import (
-    AFL_1,
-    SYMMETRIC_TENSORS,
-    ExperimentResult,
-    SimConfig,
-    client_id,
-    data_request,
-    run_experiment,
-)
+from secure_afl.sim.runner import data_request, run_experiment
 from secure_afl.sim.secure import secure_aggregate
+from secure_afl.sim.setting import AFL_1, SYMMETRIC_TENSORS, ExperimentResult, SimConfig, client_id
 
 BASE = {
     "missing": (1,),

@@ -12,7 +12,8 @@ import pytest
 from secure_afl.sim import runner
 from secure_afl.sim.fedavg import FedAvgConfig
 from secure_afl.sim.gradient import WORKERS_ENV, GradientMethods
-from secure_afl.sim.runner import SimConfig, run_experiment
+from secure_afl.sim.runner import run_experiment
+from secure_afl.sim.setting import SimConfig
 
 
 def test_default_run_with_fedavg_in_the_background_equals_the_main_thread_run(monkeypatch) -> None:
@@ -46,7 +47,8 @@ def test_default_run_with_fedavg_in_the_background_equals_the_main_thread_run(mo
 
 def test_data_prepared_on_a_thread_are_the_runs_own(monkeypatch) -> None:
     from secure_afl.sim.datasets import DataRequest, PreparingData
-    from secure_afl.sim.runner import ExperimentError, data_request
+    from secure_afl.sim.runner import data_request
+    from secure_afl.sim.setting import ExperimentError
 
     config = SimConfig(missing=(3,), fraction=0.03, dim=32, secure="none", fedavg=FedAvgConfig(rounds=2))
     request = data_request(config)

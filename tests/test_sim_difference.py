@@ -15,7 +15,8 @@ from secure_afl.aggregation import inprocess
 from secure_afl.sim import secure
 from secure_afl.sim.fedavg import FedAvgConfig
 from secure_afl.sim.report import _audit_lines, cost_summary, privacy_verdict, result_dict
-from secure_afl.sim.runner import SettingResult, SimConfig, run_experiment
+from secure_afl.sim.runner import run_experiment
+from secure_afl.sim.setting import SettingResult, SimConfig
 
 SMALL = {"fraction": 0.05, "dim": 32, "fedavg": FedAvgConfig(rounds=1), "device": "cpu", "secure": "mask"}
 CLASSES = range(8)

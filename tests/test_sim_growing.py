@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from secure_afl.cli import main
 from secure_afl.sim.datasets import DataRequest
 from secure_afl.sim.growing import EXACT_BAR, GrowingConfig, arrivals, run_growing
-from secure_afl.sim.runner import ExperimentError, SimConfig
+from secure_afl.sim.setting import ExperimentError, SimConfig
 
 SMALL = {"fraction": 0.02, "dim": 16, "device": "cpu", "rounds": 1}
 

@@ -51,6 +51,16 @@ from secure_afl.sim.audit import audit_groups
 from secure_afl.sim.datasets import PreparedData, Progress
 from secure_afl.sim.metrics import evaluate
 from secure_afl.sim.partial import assign_partial_labels
+from secure_afl.sim.setting import (
+    PhaseTimer,
+    SettingResult,
+    SimConfig,
+    aggregate,
+    check_coverage,
+    client_id,
+    dropped_clients,
+    upload_bytes,
+)
 
 AFL_DP_1 = "AFL DP (1 round)"
 AFL_DP_2 = "AFL DP (2 rounds)"
@@ -89,24 +99,23 @@ def _capped_rows(data: PreparedData, dp: DpConfig, rows: list[np.ndarray]) -> li
 def run_private_setting(
     data: PreparedData,
     missing: int,
-    config: object,
-    timer: object,
+    config: SimConfig,
+    timer: PhaseTimer,
     progress: Progress,
     *,
     random: RandomSource | None = None,
     stats: Mapping[str, PrivateStatistics] | None = None,
-):  # -> runner.SettingResult (imported lazily: the runner imports this module)
-    from secure_afl.sim import runner
+) -> SettingResult:
     from secure_afl.sim.secure import default_threshold
 
-    dp: DpConfig = config.dp  # type: ignore[attr-defined]
+    dp: DpConfig = config.dp  # type: ignore[assignment]  (set: this path runs only with DP)
     random = OsRandomSource() if random is None else random
     n_classes = data.cohort.labels.shape[1]
     assignment = assign_partial_labels(
         config.n_clients, n_classes, missing, seed=config.seed, missing1=config.missing1
     )
-    clients = [runner.client_id(k) for k in range(config.n_clients)]
-    dropped = runner._dropped_clients(config)
+    clients = [client_id(k) for k in range(config.n_clients)]
+    dropped = dropped_clients(config)
     dropouts = {config.dropout_stage: dropped} if dropped else {}
     test_x = data.features[data.split.test]
     test_y = data.cohort.labels[data.split.test]
@@ -136,8 +145,8 @@ def run_private_setting(
             for k, name in enumerate(clients)
         }
     with timer.phase("aggregation"):
-        agg = runner.aggregate(round1, config, dropouts=dropouts)
-    runner._check_coverage(agg, n_classes)
+        agg = aggregate(round1, config, dropouts=dropouts)
+    check_coverage(agg, n_classes)
     with timer.phase("solve"):
         model, solve, converted = fit_private(
             agg.sums, plan, n_classes=n_classes, gamma=config.gamma, gram_survivors=len(agg.survivors["all"])
@@ -167,9 +176,7 @@ def run_private_setting(
                 for name in live
             }
         with timer.phase("aggregation"):
-            agg2 = runner.aggregate(
-                round2, config, dropouts={}, round_label="2", arrays={"coef": model.coef_}
-            )
+            agg2 = aggregate(round2, config, dropouts={}, round_label="2", arrays={"coef": model.coef_})
         with timer.phase("solve"):
             count_std = pseudo_count_noise_std(plan, {g: len(ids) for g, ids in agg2.survivors.items()})
             refined, solve2 = refine_private(
@@ -196,13 +203,13 @@ def run_private_setting(
     audit = audit_groups(
         protection=config.secure, members=members, survivors=survivors, tensors=tensors, contributions=uploads
     )
-    upload_bytes = runner._upload_bytes(uploads)
-    return runner.SettingResult(
+    sent_bytes = upload_bytes(uploads)
+    return SettingResult(
         missing=missing,
         assignment=assignment,
         metrics=metrics,
         dropped=dropped,
-        upload_bytes=upload_bytes,
+        upload_bytes=sent_bytes,
         audit=audit,
         method_audits={AFL_DP_2 if config.rounds == 2 else AFL_DP_1: audit},
         pseudo_labels=(),
@@ -212,22 +219,21 @@ def run_private_setting(
 
 
 def client_private_statistics(
-    data: PreparedData, config: object, active: Sequence[Sequence[int]] | None = None
+    data: PreparedData, config: SimConfig, active: Sequence[Sequence[int]] | None = None
 ) -> dict[str, PrivateStatistics]:
     """Every client's clipped statistics (they depend on the clip bound, the unit and the
     projection, not on ε or the ridge); with ``active`` (each client's classes) also the
     label-normalised positive sums of ``class_sums="positives"``, which depend on those classes."""
-    from secure_afl.sim import runner
 
-    dp: DpConfig = config.dp  # type: ignore[attr-defined]
+    dp: DpConfig = config.dp  # type: ignore[assignment]  (set: this path runs only with DP)
     projection = dp_projection(dp, data.features.shape[1])
     return {
-        runner.client_id(k): private_statistics(
+        client_id(k): private_statistics(
             data.features[r],
             data.cohort.labels[r],
             dp.clip,
             projection=projection,
-            device=config.device,  # type: ignore[attr-defined]
+            device=config.device,
             active=None if active is None else active[k],
         )
         for k, r in enumerate(_client_rows(data, dp))
@@ -371,7 +377,7 @@ def mechanism_label(dp: DpConfig) -> str:
 
 
 def run_dp_sweep(
-    config: object,
+    config: SimConfig,
     *,
     epsilons: Sequence[float] = SWEEP_EPSILONS,
     progress: Progress | None = None,
@@ -384,10 +390,9 @@ def run_dp_sweep(
     ``balance="global"``, ``gram="global"``) with no noise and no DP ridge: the price of privacy
     alone, not of clipping or of the projection (which the ∞ points of the two mechanisms compare).
     """
-    from secure_afl.sim import runner
     from secure_afl.sim.datasets import prepare
 
-    dp: DpConfig = config.dp  # type: ignore[attr-defined]
+    dp: DpConfig = config.dp  # type: ignore[assignment]  (set: this path runs only with DP)
     data = prepare(
         config.images,
         fraction=config.fraction,
@@ -414,7 +419,7 @@ def run_dp_sweep(
                 ).active
                 stats = client_private_statistics(data, mech_config, active)
             for eps in epsilons:
-                timer = runner.PhaseTimer()
+                timer = PhaseTimer()
                 ridge = None
                 if math.isinf(eps):
                     metrics = _non_private_metrics(data, missing, mech_config, stats)
@@ -457,12 +462,12 @@ def run_dp_sweep(
 
 
 def _non_private_metrics(
-    data: PreparedData, missing: int, config: object, stats: Mapping[str, PrivateStatistics]
+    data: PreparedData, missing: int, config: SimConfig, stats: Mapping[str, PrivateStatistics]
 ) -> dict[str, object]:
     from secure_afl.analytic import AnalyticClassifier, sum_contributions
     from secure_afl.privacy.dp_solve import analytic_sums
 
-    dp: DpConfig = config.dp  # type: ignore[attr-defined]
+    dp: DpConfig = config.dp  # type: ignore[assignment]  (set: this path runs only with DP)
     projection = dp_projection(dp, data.features.shape[1])
     n_classes = data.cohort.labels.shape[1]
     assignment = assign_partial_labels(
@@ -569,14 +574,13 @@ class PrivateGrowth:
     """
 
     def __init__(
-        self, data: PreparedData, config: object, active: Sequence[Sequence[int]], random: RandomSource
+        self, data: PreparedData, config: SimConfig, active: Sequence[Sequence[int]], random: RandomSource
     ) -> None:
-        from secure_afl.sim import runner
         from secure_afl.sim.secure import default_threshold
 
-        dp: DpConfig = config.dp  # type: ignore[attr-defined]
+        dp: DpConfig = config.dp  # type: ignore[assignment]  (set: this path runs only with DP)
         self.dp, self.config, self.data, self.active, self.random = dp, config, data, active, random
-        self.names = [runner.client_id(k) for k in range(len(active))]
+        self.names = [client_id(k) for k in range(len(active))]
         self.feature_dim = int(data.features.shape[1])
         self.n_classes = int(data.cohort.labels.shape[1])
         self.projection = dp_projection(dp, self.feature_dim)
@@ -585,8 +589,8 @@ class PrivateGrowth:
             active={name: active[k] for k, name in enumerate(self.names)},
             n_classes=self.n_classes,
             dim=dp.statistics_dim(self.feature_dim),
-            threshold=config.threshold or default_threshold(n_clients),  # type: ignore[attr-defined]
-            min_group_size=config.min_group_size,  # type: ignore[attr-defined]
+            threshold=config.threshold or default_threshold(n_clients),
+            min_group_size=config.min_group_size,
             rounds=1,
             masked=config.secure == "mask",  # type: ignore[attr-defined]
             patient_clients=n_clients,  # the split may spread a patient's images (run_private_setting)

@@ -72,7 +72,7 @@ from secure_afl.sim.data import CLASSES
 from secure_afl.sim.datasets import PreparedData, Progress
 from secure_afl.sim.metrics import Metrics, evaluate
 from secure_afl.sim.partial import LabelAssignment, assign_partial_labels
-from secure_afl.sim.runner import SYMMETRIC_TENSORS, ExperimentError, SimConfig, aggregate, client_id
+from secure_afl.sim.setting import SYMMETRIC_TENSORS, ExperimentError, SimConfig, aggregate, client_id
 from secure_afl.torch_threads import one_torch_thread
 
 GROWING_SECURE = ("none", "mask", "ckks")
@@ -389,7 +389,7 @@ def run_growing(
     seconds["sessions"] = sum(r.seconds for r in results)
     notice = ""
     if data.description.get("synthetic_features"):
-        from secure_afl.sim.runner import SYNTHETIC_NOTICE
+        from secure_afl.sim.setting import SYNTHETIC_NOTICE
 
         notice = SYNTHETIC_NOTICE
     return GrowingResult(

@@ -627,7 +627,7 @@ def run_mixed_type(config: MixedTypeConfig, *, progress: Progress | None = None)
         }
     notice = ""
     if data.description.get("synthetic_features"):
-        from secure_afl.sim.runner import SYNTHETIC_NOTICE
+        from secure_afl.sim.setting import SYNTHETIC_NOTICE
 
         notice = SYNTHETIC_NOTICE
     counts = np.bincount(split.fine[split.fine >= 0], minlength=len(FINE_CLASSES))

@@ -86,7 +86,8 @@ from secure_afl.sim.data import CLASSES, Cohort, Split
 from secure_afl.sim.datasets import ImageSource, PreparedData, Progress, default_cache_dir
 from secure_afl.sim.metrics import Metrics, evaluate
 from secure_afl.sim.partial import LabelAssignment
-from secure_afl.sim.runner import (
+from secure_afl.sim.runner import run_setting
+from secure_afl.sim.setting import (
     AFL_1,
     AFL_2,
     AFL_GLOBAL_BALANCE,
@@ -96,7 +97,6 @@ from secure_afl.sim.runner import (
     SettingResult,
     SimConfig,
     client_id,
-    run_setting,
 )
 from secure_afl.sim.synthetic import synthetic_features
 from secure_afl.torch_threads import one_torch_thread

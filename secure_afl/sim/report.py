@@ -14,7 +14,8 @@ from secure_afl.privacy.policy import active_threshold, majority_threshold, thre
 from secure_afl.sim.audit import PrivacyAudit, trust_models
 from secure_afl.sim.baselines import FAMILY
 from secure_afl.sim.data import CLASSES
-from secure_afl.sim.runner import AFL_1, FEDAVG, FEDNCA, ExperimentResult, SettingResult, SimConfig
+from secure_afl.sim.runner import FEDAVG, FEDNCA
+from secure_afl.sim.setting import AFL_1, ExperimentResult, SettingResult, SimConfig
 
 FIGURE = "figure.png"
 

@@ -14,7 +14,8 @@ from secure_afl.cli import main
 from secure_afl.core.randomness import DeterministicRandomSource
 from secure_afl.privacy.policy import ClientPolicy
 from secure_afl.sim.fedavg import FedAvgConfig
-from secure_afl.sim.runner import SimConfig, run_experiment
+from secure_afl.sim.runner import run_experiment
+from secure_afl.sim.setting import SimConfig
 
 from .helpers import plain_sums, small_contributions
 

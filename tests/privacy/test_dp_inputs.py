@@ -160,7 +160,7 @@ def test_alpha_and_the_qualification_thresholds_do_not_reach_the_clients_dp_uplo
 
 
 def test_the_simulator_refuses_a_dp_round_2_below_tau_one_half_before_running() -> None:
-    from secure_afl.sim.runner import SimConfig
+    from secure_afl.sim.setting import SimConfig
 
     dp = DpConfig(epsilon=1.0)
     with pytest.raises(PseudoLabelThresholdError, match=r"use tau >= 0\.5"):

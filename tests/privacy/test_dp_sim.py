@@ -16,7 +16,8 @@ from secure_afl.sim.dp_run import AFL_DP_1, AFL_DP_2, run_dp_sweep, write_sweep
 from secure_afl.sim.fedavg import FedAvgConfig
 from secure_afl.sim.metrics import evaluate
 from secure_afl.sim.partial import assign_partial_labels
-from secure_afl.sim.runner import AFL_GLOBAL_BALANCE, SimConfig, run_experiment
+from secure_afl.sim.runner import run_experiment
+from secure_afl.sim.setting import AFL_GLOBAL_BALANCE, SimConfig
 
 SMALL = ["--fraction", "0.05", "--dim", "24", "--fedavg-rounds", "1"]
 

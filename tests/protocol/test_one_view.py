@@ -363,7 +363,7 @@ def test_the_simulator_binds_its_round_context_through_the_same_path() -> None:
     ``client_session(..., context=)``), and the simulator's context names its config and round."""
     from secure_afl.aggregation.backend import MaskingBackend
     from secure_afl.aggregation.inprocess import run_in_process
-    from secure_afl.sim.runner import SimConfig, simulation_context
+    from secure_afl.sim.setting import SimConfig, simulation_context
 
     fed = federation(3)
     config = SimConfig()

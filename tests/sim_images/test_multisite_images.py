@@ -21,7 +21,7 @@ from secure_afl.sim.multisite import (
     load_site_table,
     patient_split,
 )
-from secure_afl.sim.runner import SimConfig
+from secure_afl.sim.setting import SimConfig
 
 from .test_dicom import write_dicom
 
