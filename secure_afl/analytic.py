@@ -55,18 +55,18 @@ from secure_afl.statistics import (  # the client's statistics: numpy, no torch 
     GroupSums,
     StatisticsError,
     UndefinedBalanceWarning,  # noqa: F401  (re-exported)
-    _as_batches,
-    _balanced_projection,
-    _check_batch,
-    _check_options,
-    _warn_undefined,
     active_class_indices,
+    as_batches,
     balanced_labels,  # noqa: F401  (re-exported)
+    balanced_projection,
+    check_batch,
+    check_options,
     class_group,
     client_statistics,  # noqa: F401  (re-exported)
     pseudo_group,
     pseudo_label_fewest_rows,
     resolve_device,
+    warn_undefined,
 )
 from secure_afl.torch_threads import one_torch_thread
 
@@ -180,9 +180,9 @@ def pseudo_label_rounds(
     # rows: the pseudo-positive then the pseudo-negative feature sums of every (rule, class)
     sums = torch.zeros((2 * len(rules) * m, d), dtype=torch.float64, device=dev)
     counts = torch.zeros(2 * len(rules) * m, dtype=torch.float64, device=dev)
-    for batch in _as_batches(features, batch_size):
+    for batch in as_batches(features, batch_size):
         batch = np.asarray(batch)
-        _check_batch(batch, d)
+        check_batch(batch, d)
         h = torch.as_tensor(batch, device=dev).to(torch.float64)
         with _one_thread():
             p = torch.sigmoid(h @ w + shift)
@@ -215,7 +215,7 @@ def uploaded_by(
     pseudo_tensor: str = PSEUDO_TENSOR,
 ) -> Callable[[str, str], bool]:
     """Which (group, tensor) pairs one configuration of the method sums (the per-method audit uses it)."""
-    _check_options(balance, gram)
+    check_options(balance, gram)
 
     def needed(group: str, tensor: str) -> bool:
         if group.startswith("pseudo/"):
@@ -281,7 +281,7 @@ def _cho_solve(factor: torch.Tensor, b: np.ndarray) -> np.ndarray:
         return torch.cholesky_solve(rhs, factor).reshape(np.shape(b)).numpy()
 
 
-def _solve_spd(a: np.ndarray, b: np.ndarray, what: str) -> np.ndarray:
+def solve_spd(a: np.ndarray, b: np.ndarray, what: str) -> np.ndarray:
     return _cho_solve(_cholesky(a, what), b)
 
 
@@ -386,7 +386,7 @@ class AnalyticClassifier:
     ) -> None:
         if not gamma > 0 or not np.isfinite(gamma):
             raise StatisticsError(f"gamma must be a positive finite number, got {gamma}")
-        _check_options(balance, gram)
+        check_options(balance, gram)
         self.n_classes = n_classes
         self.gamma = float(gamma)
         self.balance = balance
@@ -401,9 +401,9 @@ class AnalyticClassifier:
         n_pos = round(float(_tensor(sums, group, f"n_pos/{c}")[0]))
         n = round(float(_tensor(sums, group, "n")[0]))
         if n_pos in (0, n):
-            _warn_undefined(c, n_pos, n, "global balance over S_c")
+            warn_undefined(c, n_pos, n, "global balance over S_c")
         pos_sum = _tensor(sums, group, f"pos_sum/{c}")
-        return _balanced_projection(pos_sum, _tensor(sums, group, "feat_sum"), n_pos, n)
+        return balanced_projection(pos_sum, _tensor(sums, group, "feat_sum"), n_pos, n)
 
     def _factors(self, sums: GroupSums, factors: GramFactors | None) -> GramFactors:
         return GramFactors(sums, self.gamma) if factors is None else factors.check_for(sums, self.gamma)
@@ -503,7 +503,7 @@ class AnalyticClassifier:
     def decision_function(self, features: np.ndarray) -> np.ndarray:
         coef = self._coef()
         features = np.asarray(features)
-        _check_batch(features, coef.shape[0])
+        check_batch(features, coef.shape[0])
         return np.asarray(features, dtype=np.float64) @ coef
 
     def predict_proba(self, features: np.ndarray) -> np.ndarray:

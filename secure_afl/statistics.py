@@ -37,7 +37,7 @@ class UndefinedBalanceWarning(UserWarning):
     """Eq. 9 is undefined for a labelled class with no positive (or no negative) sample."""
 
 
-def _warn_undefined(c: int, n_pos: int, n: int, where: str) -> None:
+def warn_undefined(c: int, n_pos: int, n: int, where: str) -> None:
     side = "no positive" if n_pos == 0 else "no negative"
     consequence = " and the class will be predicted all-negative" if n_pos == 0 else ""
     warnings.warn(
@@ -131,13 +131,13 @@ def _on_cpu(device: str) -> bool:
     return resolve_device(device).type == "cpu"
 
 
-def _as_batches(features: np.ndarray | Iterable[np.ndarray], batch_size: int) -> Iterable[np.ndarray]:
+def as_batches(features: np.ndarray | Iterable[np.ndarray], batch_size: int) -> Iterable[np.ndarray]:
     if isinstance(features, np.ndarray):
         return (features[i : i + batch_size] for i in range(0, len(features), batch_size))
     return features
 
 
-def _check_batch(batch: np.ndarray, d: int | None, *, finite: bool = True) -> None:
+def check_batch(batch: np.ndarray, d: int | None, *, finite: bool = True) -> None:
     """Shape and dtype of a feature batch; with ``finite`` also that every value is finite (the CPU
     path leaves that to :func:`_check_finite` on the batch's Gram, which reads no extra pass)."""
     if batch.ndim != 2:
@@ -157,7 +157,7 @@ def _check_finite(batch: np.ndarray, gram: np.ndarray) -> None:
     makes its column's diagonal entry NaN or infinite, so a finite diagonal proves the batch finite;
     otherwise (that, or squares that overflow) the batch itself is read."""
     if not np.isfinite(np.diagonal(gram)).all():
-        _check_batch(batch, None)
+        check_batch(batch, None)
 
 
 def _check_labels(labels: np.ndarray, n_rows: int | None = None) -> np.ndarray:
@@ -219,8 +219,8 @@ class ClientStatistics:
         """
         n_pos = int(self.n_pos[c])
         if n_pos in (0, self.n):
-            _warn_undefined(c, n_pos, self.n, "client statistics")
-        return _balanced_projection(self.pos_sum[:, c], self.feat_sum, n_pos, self.n)
+            warn_undefined(c, n_pos, self.n, "client statistics")
+        return balanced_projection(self.pos_sum[:, c], self.feat_sum, n_pos, self.n)
 
     def undefined_classes(self, active: Sequence[int] | Sequence[bool] | np.ndarray) -> dict[int, str]:
         """Active classes where Eq. 9 is undefined here: ``{c: "no positive" | "no negative"}``."""
@@ -246,7 +246,7 @@ class ClientStatistics:
         ``all`` group (round 2 needs it).
         """
         active = active_class_indices(active, self.pos_sum.shape[1])
-        _check_options(balance, gram)
+        check_options(balance, gram)
         out: Contributions = {}
         for c in active:
             tensors: dict[str, np.ndarray] = {}
@@ -265,7 +265,7 @@ class ClientStatistics:
         return out
 
 
-def _check_options(balance: str, gram: str) -> None:
+def check_options(balance: str, gram: str) -> None:
     if balance not in ("client", "global"):
         raise StatisticsError(f"balance must be 'client' or 'global', got {balance!r}")
     if gram not in ("class", "global"):
@@ -292,9 +292,9 @@ def client_statistics(
     sums: np.ndarray | None = None  # rows 0..C-1: YᵀH; row C: 1ᵀH
     cast: np.ndarray | None = None
     seen = 0
-    for raw in _as_batches(features, batch_size):
+    for raw in as_batches(features, batch_size):
         batch = np.asarray(raw)
-        _check_batch(batch, None if gram is None else gram.shape[0], finite=False)
+        check_batch(batch, None if gram is None else gram.shape[0], finite=False)
         rows = len(batch)
         _check_row_count(seen + rows, len(labels))
         # numpy's BLAS computes hᵀh as a symmetric rank-k update (syrk): half the flops of the
@@ -374,9 +374,9 @@ def _cuda_statistics(
     gram_t = pos_t = sum_t = None
     d: int | None = None
     seen = 0
-    for raw in _as_batches(features, batch_size):
+    for raw in as_batches(features, batch_size):
         batch = np.asarray(raw)
-        _check_batch(batch, d)
+        check_batch(batch, d)
         if d is None:
             d = batch.shape[1]
             gram_t = torch.zeros((d, d), dtype=torch.float64, device=dev)
@@ -416,7 +416,7 @@ def balanced_labels(labels: np.ndarray, active: Sequence[int] | Sequence[bool] |
         pos = labels[:, c]
         n_pos, n_neg = int(pos.sum()), int((~pos).sum())
         if not n_pos or not n_neg:
-            _warn_undefined(c, n_pos, len(pos), "balanced labels")
+            warn_undefined(c, n_pos, len(pos), "balanced labels")
         if n_pos:
             out[pos, c] = 1.0 / n_pos
         if n_neg:
@@ -424,7 +424,7 @@ def balanced_labels(labels: np.ndarray, active: Sequence[int] | Sequence[bool] |
     return out
 
 
-def _balanced_projection(pos_sum: np.ndarray, feat_sum: np.ndarray, n_pos: int, n: int) -> np.ndarray:
+def balanced_projection(pos_sum: np.ndarray, feat_sum: np.ndarray, n_pos: int, n: int) -> np.ndarray:
     """``Hᵀy`` for the balanced label vector of Eq. 9, from positive and total feature sums."""
     b = np.zeros_like(feat_sum)
     if n_pos:

@@ -86,7 +86,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from secure_afl.analytic import _solve_spd, sum_contributions
+from secure_afl.analytic import solve_spd, sum_contributions
 from secure_afl.sim.data import CLASSES, SplitBy
 from secure_afl.sim.datasets import DataRequest, ImageSource, PreparedData, Progress
 from secure_afl.torch_threads import one_torch_thread
@@ -204,7 +204,7 @@ def solve_soft_ridge(gram: np.ndarray, rhs: np.ndarray, gamma: float) -> np.ndar
     """``W = (G + γI)⁻¹ B`` by Cholesky (never an explicit inverse); ``(d+1) × K``."""
     if not gamma > 0:
         raise MixedTypeError(f"gamma must be positive, got {gamma}")
-    return _solve_spd(np.asarray(gram) + gamma * np.eye(len(gram)), np.asarray(rhs), "mixed-type ridge")
+    return solve_spd(np.asarray(gram) + gamma * np.eye(len(gram)), np.asarray(rhs), "mixed-type ridge")
 
 
 def ridge_scores(coef: np.ndarray, features: np.ndarray) -> np.ndarray:
