@@ -19,9 +19,6 @@ from secure_afl.cli_options import (
     dp_options,
 )
 from secure_afl.deploy.errors import ConfigurationError, DeploymentError
-from secure_afl.deploy.study import (
-    parse_colluders,
-)
 
 
 def _click_errors(exc: Exception) -> click.ClickException:
@@ -381,8 +378,11 @@ def deploy_app(
     Every value is checked as the ServerApp will check it (the study, the coordinator's key and
     passphrase), so a run does not fail minutes later on a typo.
     """
-    from secure_afl.deploy.apps import coordinator_signer, study_from_run_config
-    from secure_afl.deploy.writers import write_app
+    from secure_afl.deploy.coordinator_app import (
+        SuperLinkConnection,
+        plan_coordinator_app,
+        write_coordinator_app,
+    )
     from secure_afl.keys.store import load_roster_file
 
     if (features_path is None) == (backbone is None):
@@ -394,67 +394,34 @@ def deploy_app(
     if superlink is not None and (root_certificates is None) == (not insecure):
         raise click.UsageError("with --superlink give --root-certificates ca.crt (TLS) or --insecure")
     record = _backbone_record(features_path, backbone, weights)
-    # The key is checked here but not written: deploy run signs, the ServerApp never sees it.
     signing = {
         "identity-key": str(identity_key.resolve()),
         **({"passphrase-file": str(passphrase_file.resolve())} if passphrase_file else {}),
         **({"passphrase-env": passphrase_env} if passphrase_env else {}),
     }
-    config: dict[str, object] = {
-        "roster": str(roster_path.resolve()),
-        "out-dir": str(server_out.resolve()),
-        **record,
-        "gamma": gamma,
-        "gram": gram,
-        "rounds": rounds,
-        "protection": protection,
-        "round-timeout": round_timeout,
-        "colluders": colluders,
-    }
-    if balance is not None:
-        config["balance"] = balance
-    for item in extra:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise click.BadParameter(f"{item!r}: expected KEY=VALUE", param_hint="--set")
-        config[key.strip()] = _run_config_value(value.strip())
-    roster = load_roster_file(roster_path)
+    study = {**record, "gamma": gamma, "gram": gram, "rounds": rounds, "protection": protection,
+             "round-timeout": round_timeout, "colluders": colluders,
+             **({"balance": balance} if balance is not None else {}),
+             **_key_value_pairs(extra, "--set")}  # fmt: skip
+    home = (flwr_home or Path.home() / ".flwr").resolve()
+    connection = None
+    if superlink is not None:
+        connection = SuperLinkConnection(superlink, federation, home, root_certificates)
     try:
-        study = study_from_run_config(config)
-        signer = coordinator_signer(signing, roster)
-        parse_colluders(colluders, len(roster), study.threshold_for(len(roster)))
+        app = plan_coordinator_app(app_dir, load_roster_file(roster_path), roster_path, signing,
+                                   server_out, study, connection=connection, force=force)  # fmt: skip
     except ConfigurationError as exc:
         raise click.ClickException(f"ConfigurationError: {exc}") from None
-    target = app_dir / "pyproject.toml"
-    if target.exists() and not force:
-        raise click.ClickException(f"{target} exists: choose another --out or pass --force")
-    home = (flwr_home or Path.home() / ".flwr").resolve()
-    connection = home / "config.toml"
-    if superlink is not None and connection.exists() and not force:
-        raise click.ClickException(f"{connection} exists: pass --force to replace it, or another --flwr-home")
-    write_app(app_dir, config)
-    click.echo(f"wrote {target}: {study.describe_protection()}, {rounds} round(s), {len(roster)} hospitals")
+    write_coordinator_app(app)
+    click.echo(f"wrote {app.pyproject}: {app.study.describe_protection()}, {rounds} round(s), "
+               f"{len(app.roster)} hospitals")  # fmt: skip
     click.echo(f"  backbone {record['backbone']} ({record['weights-id']}), dim {record['dim']}")
-    click.echo(f"  signed by {signer.coordinator_id} ({signer.key.fingerprint})")
-    if superlink is not None:
-        lines = ["[superlink]", f'default = "{federation}"', "", f"[superlink.{federation}]"]
-        lines.append(f'address = "{superlink}"')
-        if root_certificates is not None:
-            lines.append(f"root-certificates = {json.dumps(str(root_certificates.resolve()))}")
-        else:
-            lines.append("insecure = true")
-        home.mkdir(parents=True, exist_ok=True)
-        connection.write_text("\n".join(lines) + "\n", encoding="utf-8")
-        click.echo(f"wrote {connection} (export FLWR_HOME={home} for flwr supernode register)")
-    secret = (
-        f"--passphrase-file {signing['passphrase-file']}"
-        if passphrase_file
-        else f"--passphrase-env {passphrase_env}"
-    )
-    click.echo(
-        f"next: secure-afl deploy run {app_dir} {federation} --flwr-home {home} --identity-key "
-        f"{signing['identity-key']} {secret}"
-    )
+    click.echo(f"  signed by {app.signer.coordinator_id} ({app.signer.key.fingerprint})")
+    if connection is not None:
+        click.echo(f"wrote {connection.path} (export FLWR_HOME={home} for flwr supernode register)")
+    secret = " ".join(f"--{k} {v}" for k, v in signing.items() if k != "identity-key")
+    click.echo(f"next: secure-afl deploy run {app_dir} {federation} --flwr-home {home} --identity-key "
+               f"{signing['identity-key']} {secret}")  # fmt: skip
 
 
 def _run_config_value(text: str) -> object:
