@@ -6,24 +6,21 @@
   of :mod:`secure_afl.features.file` (``secure-afl-features/v1``) atomically.
 - ``features show``: prints what a feature file holds, including the strings a study must match.
 
-The labels CSV of ``--images`` mode is read by :func:`read_labels_csv`; a malformed one raises
-:class:`LabelsCsvError` before anything is computed or written.  Importing this module loads neither
-torch nor the backbones, so ``--help`` is quick: they are imported when ``extract`` runs.
+The labels CSV of ``--images`` mode is read by :func:`secure_afl.features.labels.read_labels_csv`;
+a malformed one raises :class:`~secure_afl.features.labels.LabelsCsvError` before anything is
+computed or written.  Importing this module loads neither torch nor the backbones, so ``--help`` is
+quick: they are imported when ``extract`` runs.
 """
 
 from __future__ import annotations
 
-import csv
-import difflib
-import hashlib
 import json
-from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import click
 import numpy as np
 
+from secure_afl.features.build import ExtractionInput, FeatureBuildError, write_extracted
 from secure_afl.features.file import (
     FEATURE_FILE_FORMAT,
     REEXTRACT_ADVICE,
@@ -31,192 +28,24 @@ from secure_afl.features.file import (
     FeatureFileError,
     load_feature_file,
 )
+from secure_afl.features.labels import (
+    IMAGE_COLUMN,
+    IMAGE_SUFFIXES,
+    PATIENT_COLUMN,
+    LabelsCsvError,
+    file_digest,
+    read_labels_csv,
+)
 from secure_afl.sim.data import CLASSES
 
-__all__ = [
-    "IMAGE_COLUMN",
-    "IMAGE_SUFFIXES",
-    "PATIENT_COLUMN",
-    "LabelTable",
-    "LabelsCsvError",
-    "features",
-    "file_digest",
-    "read_labels_csv",
-]
+__all__ = ["features"]
 
-IMAGE_COLUMN = "image"
-PATIENT_COLUMN = "patient"
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".dcm", ".dicom")  # what --images DIR without --labels reads
 NIH_TABLES = ("Data_Entry_2017_v2020.csv", "Data_Entry_2017.csv")  # looked for in --data-dir
 BACKBONES_HELP = (
     "densenet121-xrv (TorchXRayVision, 1024-d), resnet18|34|50|101|152, vgg11|13|16|19, "
     "efficientnet_b0 ... efficientnet_b7 (torchvision ImageNet)"
 )
-_SHOWN = 5  # how many offending names an error message lists
-
-
-class LabelsCsvError(ValueError):
-    """A labels CSV that cannot be used; the message says what is wrong, where, and how to fix it."""
-
-
-@dataclass(frozen=True)
-class LabelTable:
-    """What a labels CSV says, checked against the images folder and the class list."""
-
-    image_ids: tuple[str, ...]  # the ``image`` cells, in file order
-    paths: tuple[Path, ...]  # the images, under the images folder
-    labelled: tuple[str, ...]  # the class columns present, in the class list's order
-    labels: np.ndarray | None  # N × C uint8 over the whole class list; None without class columns
-    patient_ids: tuple[str, ...] | None  # the ``patient`` column, when there is one
-
-
-def file_digest(path: Path) -> str:
-    """``sha256:<hex>`` of a file's bytes, read in 1 MiB chunks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(1 << 20):
-            digest.update(chunk)
-    return f"sha256:{digest.hexdigest()}"
-
-
-def _shown(names: Sequence[str]) -> str:
-    listed = ", ".join(repr(n) for n in names[:_SHOWN])
-    return listed + (f", ... ({len(names)} in all)" if len(names) > _SHOWN else "")
-
-
-def _unknown_class(path: Path, column: str, classes: Sequence[str]) -> LabelsCsvError:
-    close = difflib.get_close_matches(column, classes, n=1) or [
-        c for c in classes if c.lower() == column.lower()
-    ]
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return LabelsCsvError(
-        f"{path}: column {column!r} is not a class{hint}. The classes are {', '.join(classes)}; a labels "
-        f"CSV holds only the column {IMAGE_COLUMN!r}, optionally {PATIENT_COLUMN!r}, and one column per "
-        "class this hospital labels, named exactly as the class. Rename or remove the column, or pass "
-        "--classes with the study's class list."
-    )
-
-
-def read_labels_csv(path: Path, images_dir: Path, classes: Sequence[str] = CLASSES) -> LabelTable:
-    """Reads and checks a labels CSV (the format is in ``features extract --help``).
-
-    Raises :class:`LabelsCsvError` on a missing ``image`` column, a duplicate or unknown column,
-    a cell other than 0 or 1, an empty cell, a row of the wrong length, an image listed twice, an
-    image name outside ``images_dir``, or images listed but absent.
-    """
-    path, images_dir = Path(path), Path(images_dir)
-    try:
-        with open(path, encoding="utf-8-sig", newline="") as handle:
-            rows = list(csv.reader(handle))
-    except FileNotFoundError:
-        raise LabelsCsvError(f"{path}: no such labels CSV") from None
-    except UnicodeDecodeError as exc:
-        raise LabelsCsvError(f"{path}: not UTF-8 text ({exc}); save the CSV as UTF-8") from None
-    except csv.Error as exc:
-        raise LabelsCsvError(f"{path}: not a readable CSV ({exc})") from None
-    except OSError as exc:
-        raise LabelsCsvError(f"{path}: cannot read the labels CSV: {exc.strerror}") from None
-    numbered = [(line, row) for line, row in enumerate(rows, start=1) if any(cell.strip() for cell in row)]
-    if not numbered:
-        raise LabelsCsvError(
-            f"{path}: empty; the first line must be the header, e.g. {IMAGE_COLUMN},{','.join(classes[:2])}"
-        )
-    header = [cell.strip() for cell in numbered[0][1]]
-    body = numbered[1:]
-    seen: set[str] = set()
-    for column in header:
-        if not column:
-            raise LabelsCsvError(f"{path}: the header has an empty column name; name every column")
-        if column in seen:
-            raise LabelsCsvError(f"{path}: the header names column {column!r} twice; keep one")
-        seen.add(column)
-    if IMAGE_COLUMN not in header:
-        raise LabelsCsvError(
-            f"{path}: no {IMAGE_COLUMN!r} column (the header is {', '.join(header)}). The first line must "
-            f"name the image column {IMAGE_COLUMN!r} (file names relative to {images_dir}), then one column "
-            f"per labelled class, e.g. {IMAGE_COLUMN},{','.join(classes[:2])}"
-        )
-    class_columns = [c for c in header if c not in (IMAGE_COLUMN, PATIENT_COLUMN)]
-    for column in class_columns:
-        if column not in classes:
-            raise _unknown_class(path, column, classes)
-    if not body:
-        raise LabelsCsvError(f"{path}: a header but no image rows; list one image per line")
-    where = {column: i for i, column in enumerate(header)}
-    labelled = tuple(c for c in classes if c in class_columns)
-    root = images_dir.resolve()
-    labels = np.zeros((len(body), len(classes)), dtype=np.uint8)
-    ids: list[str] = []
-    paths: list[Path] = []
-    patients: list[str] = []
-    first_line: dict[str, int] = {}
-    for row_index, (line, row) in enumerate(body):
-        if len(row) != len(header):
-            raise LabelsCsvError(
-                f"{path}, line {line}: {len(row)} fields, but the header has {len(header)} "
-                f"({', '.join(header)}); give every row one value per column"
-            )
-        image = row[where[IMAGE_COLUMN]].strip()
-        if not image:
-            raise LabelsCsvError(f"{path}, line {line}: empty {IMAGE_COLUMN!r} cell; name the image file")
-        if image in first_line:
-            raise LabelsCsvError(
-                f"{path}, line {line}: image {image!r} is listed twice (also on line {first_line[image]}); "
-                "list each image once, with all its labels on that line"
-            )
-        first_line[image] = line
-        image_path = images_dir / image
-        if Path(image).is_absolute() or not image_path.resolve().is_relative_to(root):
-            raise LabelsCsvError(
-                f"{path}, line {line}: image {image!r} is not inside {images_dir}; give file names "
-                "relative to the --images folder"
-            )
-        ids.append(image)
-        paths.append(image_path)
-        if PATIENT_COLUMN in where:
-            patient = row[where[PATIENT_COLUMN]].strip()
-            if not patient:
-                raise LabelsCsvError(
-                    f"{path}, line {line}: empty {PATIENT_COLUMN!r} cell for {image!r}; give every image "
-                    f"its patient id, or remove the {PATIENT_COLUMN!r} column"
-                )
-            patients.append(patient)
-        for class_name in labelled:
-            value = row[where[class_name]].strip()
-            if value not in ("0", "1"):
-                raise LabelsCsvError(
-                    f"{path}, line {line}: {class_name} = {value!r} for {image!r}; class cells must be 0 "
-                    "(negative) or 1 (positive): no blanks, no other values. A class this hospital does "
-                    "not label has no column at all."
-                )
-            labels[row_index, classes.index(class_name)] = int(value)
-    absent = [image for image, image_path in zip(ids, paths, strict=True) if not image_path.is_file()]
-    if absent:
-        raise LabelsCsvError(
-            f"{path}: {len(absent)} of the {len(ids)} listed images are not in {images_dir}: "
-            f"{_shown(absent)}. Copy them there, fix their names, or remove their lines."
-        )
-    return LabelTable(
-        image_ids=tuple(ids),
-        paths=tuple(paths),
-        labelled=labelled,
-        labels=labels if labelled else None,
-        patient_ids=tuple(patients) if PATIENT_COLUMN in where else None,
-    )
-
-
-@dataclass
-class _Input:
-    """The images to extract and what the feature file records beside their features."""
-
-    paths: list[Path]
-    image_ids: list[str]
-    classes: tuple[str, ...]
-    labels: np.ndarray | None  # N × C uint8 over classes
-    labelled: tuple[str, ...]  # classes with labels in the source
-    patient_ids: list[str] | None
-    source: str
-    notes: list[str] = field(default_factory=list)
+_SHOWN = 5  # how many unreadable images the command lists
 
 
 def _parse_names(value: str | None) -> tuple[str, ...] | None:
@@ -225,7 +54,7 @@ def _parse_names(value: str | None) -> tuple[str, ...] | None:
     return tuple(dict.fromkeys(part.strip() for part in value.split(",") if part.strip()))
 
 
-def _nih_input(data_dir: Path, csv_path: Path | None, view: str) -> _Input:
+def _nih_input(data_dir: Path, csv_path: Path | None, view: str) -> ExtractionInput:
     from secure_afl.features.images import resolve_image_paths
     from secure_afl.sim.data import load_cohort
 
@@ -245,7 +74,7 @@ def _nih_input(data_dir: Path, csv_path: Path | None, view: str) -> _Input:
             f"{len(missing)} {view} images of the label table are not under {data_dir} and were left out "
             f"(e.g. {sorted(missing)[0]})"
         )
-    return _Input(
+    return ExtractionInput(
         paths=list(found.paths),
         image_ids=[str(n) for n in cohort.image_names],
         classes=CLASSES,
@@ -257,7 +86,7 @@ def _nih_input(data_dir: Path, csv_path: Path | None, view: str) -> _Input:
     )
 
 
-def _folder_input(images_dir: Path, labels_csv: Path | None, classes: tuple[str, ...]) -> _Input:
+def _folder_input(images_dir: Path, labels_csv: Path | None, classes: tuple[str, ...]) -> ExtractionInput:
     if not images_dir.is_dir():
         raise click.BadParameter(f"{images_dir} is not a directory", param_hint="--images")
     if labels_csv is None:
@@ -268,7 +97,7 @@ def _folder_input(images_dir: Path, labels_csv: Path | None, classes: tuple[str,
                 "a labels CSV may name files in subfolders)",
                 param_hint="--images",
             )
-        return _Input(
+        return ExtractionInput(
             paths=paths,
             image_ids=[p.name for p in paths],
             classes=classes,
@@ -288,7 +117,7 @@ def _folder_input(images_dir: Path, labels_csv: Path | None, classes: tuple[str,
     if unlisted:
         notes.append(f"{unlisted} images in {images_dir} are not in {labels_csv} and were not read")
     kind = "" if table.labels is not None else " (no class columns: a prediction-only file)"
-    return _Input(
+    return ExtractionInput(
         paths=list(table.paths),
         image_ids=list(table.image_ids),
         classes=classes,
@@ -300,7 +129,7 @@ def _folder_input(images_dir: Path, labels_csv: Path | None, classes: tuple[str,
     )
 
 
-def _active(data: _Input, requested: tuple[str, ...] | None) -> tuple[int, ...]:
+def _active(data: ExtractionInput, requested: tuple[str, ...] | None) -> tuple[int, ...]:
     """Indices of the classes this hospital labels: ``--active``, or every class the source labels."""
     if requested is None:
         return tuple(data.classes.index(c) for c in data.labelled)
@@ -620,41 +449,14 @@ def extract(
     """
     from secure_afl.sim.data import CohortError
 
-    if (dataset is None) == (images_dir is None):
-        raise click.UsageError("give either --dataset nih --data-dir DIR or --images DIR (one of the two)")
-    if dataset == "nih":
-        if data_dir is None:
-            raise click.UsageError("--dataset nih needs --data-dir DIR (the ChestXray14 folder)")
-        if labels_csv is not None or classes_text is not None:
-            raise click.UsageError(
-                "--labels and --classes belong to --images; with --dataset nih the labels come from the "
-                "label table (--csv) and the classes are the 8 ChestXray14 classes"
-            )
-    else:
-        if data_dir is not None or csv_path is not None:
-            raise click.UsageError("--data-dir and --csv belong to --dataset nih; with --images use --labels")
-    classes = CLASSES
-    if classes_text is not None:
-        listed = [part.strip() for part in classes_text.split(",") if part.strip()]
-        classes = tuple(dict.fromkeys(listed))
-        if not classes:
-            raise click.BadParameter("name at least one class", param_hint="--classes")
-        if len(classes) != len(listed):
-            raise click.BadParameter("a class is named twice; list each class once", param_hint="--classes")
-        reserved = [c for c in classes if c in (IMAGE_COLUMN, PATIENT_COLUMN)]
-        if reserved:
-            raise click.BadParameter(
-                f"{reserved[0]!r} names a column of the labels CSV, not a class", param_hint="--classes"
-            )
+    classes = _input_classes(dataset, data_dir, csv_path, images_dir, labels_csv, classes_text)
     if out_path.is_dir():
         raise click.BadParameter(f"{out_path} is a directory; give a file name", param_hint="--out")
 
     from secure_afl.features.backbones import UnknownBackboneError, WeightsError, load_backbone
     from secure_afl.features.images import (
-        DicomError,
         ImageChangedError,
         ImagesNotFoundError,
-        sop_instance_uid,
     )
 
     try:
@@ -682,81 +484,50 @@ def extract(
                                  shard_size, amp, progress)  # fmt: skip
     except ImageChangedError as exc:
         raise click.ClickException(f"ImageChangedError: {exc}; nothing was written to {out_path}") from None
-    keep = np.setdiff1d(np.arange(len(data.paths)), np.asarray(result.skipped, dtype=np.int64))
-    if len(keep) == 0:
-        raise click.ClickException(
-            f"none of the {len(data.paths)} images could be read (first: "
-            f"{result.skip_reasons[result.skipped[0]]}); nothing was written to {out_path}"
-        )
-    labels = None
-    if data.labels is not None:
-        labels = data.labels[keep].copy()
-        labels[:, [c for c in range(len(data.classes)) if c not in active]] = 0
-    from secure_afl.features.file import describe_preprocessing, make_private_dirs, save_feature_file
-
-    make_private_dirs(out_path.parent)
-    digests = [result.image_sha256[i] for i in keep]
-    assert all(d is not None for d in digests)  # a file unreadable when hashed was skipped
-    pixels = [result.pixel_sha256[i] for i in keep]
     try:
-        uids = [sop_instance_uid(data.paths[i]) for i in keep]  # DICOM: a third name of the image
-    except (DicomError, OSError) as exc:  # changed or removed since its pixels were read
-        raise click.ClickException(
-            f"{type(exc).__name__}: {exc}; nothing was written to {out_path}"
-        ) from None
-    try:
-        save_feature_file(
-            out_path,
-            result.features[keep],
-            classes=data.classes,
-            backbone=model.name,
-            weights_id=model.weights_id,
-            preprocessing=describe_preprocessing(model.preprocess),
-            labels=labels,
-            active=active,
-            image_ids=[data.image_ids[i] for i in keep],
-            patient_ids=[data.patient_ids[i] for i in keep] if write_patients else None,  # type: ignore[index]
-            image_sha256=digests,  # type: ignore[arg-type]
-            pixel_sha256=pixels,  # type: ignore[arg-type]
-            sop_instance_uids=uids if any(uids) else None,
-        )
-        written = load_feature_file(out_path)
-    except FeatureFileError as exc:
-        raise click.ClickException(f"FeatureFileError: {exc}") from None
-
+        written, notes = write_extracted(data, model, result, out_path, active, write_patients)
+    except FeatureBuildError as exc:
+        raise click.ClickException(str(exc)) from None
     click.echo(f"read {data.source}")
-    for note in data.notes:
-        click.echo(f"note: {note}")
-    if result.skipped:
-        click.echo(f"note: {len(result.skipped)} unreadable images were left out:")
-        for index in result.skipped[:_SHOWN]:
-            click.echo(f"  {result.skip_reasons[index]}")
-    repeated = len(digests) - len(set(digests))
-    if repeated:
-        click.echo(
-            f"note: {repeated} images have the same bytes as another image read here (the same SHA-256); "
-            "their rows are kept, and a ledger counts each such image once"
-        )
-    same_pixels = len(pixels) - len(set(pixels)) - repeated
-    if same_pixels > 0:
-        click.echo(
-            f"note: {same_pixels} further images decode to the same pixels as another image read here "
-            "(the same X-ray exported twice?); their rows are kept"
-        )
-    try:
-        written.require_image_identities()
-    except FeatureFileError as exc:  # one image in two rows: written, but no node releases it
-        click.echo(f"note: no federation node releases this file as it is: {exc}")
-    unlabelled_sources = [c for c in data.labelled if data.classes.index(c) not in active]
-    if unlabelled_sources:
-        click.echo(f"note: labels of {', '.join(unlabelled_sources)} were not recorded (not in --active)")
-    click.echo(
-        f"features: {result.forward_passes} forward passes on {result.device}; cache shards "
-        f"{result.shards_computed} computed, {result.shards_reused} reused ({result.cache_path})"
-    )
+    for note in notes:
+        click.echo(note)
     click.echo(f"wrote {out_path}")
     for line in _summary(out_path, written, file_digest(out_path)):
         click.echo(line)
+
+
+def _input_classes(
+    dataset: str | None, data_dir: Path | None, csv_path: Path | None, images_dir: Path | None,
+    labels_csv: Path | None, classes_text: str | None,
+) -> tuple[str, ...]:  # fmt: skip
+    """Check that the input options describe one source; the class list (``--classes`` or the 8)."""
+    if (dataset is None) == (images_dir is None):
+        raise click.UsageError("give either --dataset nih --data-dir DIR or --images DIR (one of the two)")
+    if dataset == "nih":
+        if data_dir is None:
+            raise click.UsageError("--dataset nih needs --data-dir DIR (the ChestXray14 folder)")
+        if labels_csv is not None or classes_text is not None:
+            raise click.UsageError(
+                "--labels and --classes belong to --images; with --dataset nih the labels come from the "
+                "label table (--csv) and the classes are the 8 ChestXray14 classes"
+            )
+    else:
+        if data_dir is not None or csv_path is not None:
+            raise click.UsageError("--data-dir and --csv belong to --dataset nih; with --images use --labels")
+    classes = CLASSES
+    if classes_text is not None:
+        listed = [part.strip() for part in classes_text.split(",") if part.strip()]
+        classes = tuple(dict.fromkeys(listed))
+        if not classes:
+            raise click.BadParameter("name at least one class", param_hint="--classes")
+        if len(classes) != len(listed):
+            raise click.BadParameter("a class is named twice; list each class once", param_hint="--classes")
+        reserved = [c for c in classes if c in (IMAGE_COLUMN, PATIENT_COLUMN)]
+        if reserved:
+            raise click.BadParameter(
+                f"{reserved[0]!r} names a column of the labels CSV, not a class", param_hint="--classes"
+            )
+    return tuple(classes)
 
 
 def _check_device(device: str) -> None:
@@ -770,7 +541,7 @@ def _check_device(device: str) -> None:
 
 def _run_extraction(
     ctx: click.Context,
-    data: _Input,
+    data: ExtractionInput,
     model: object,
     out_path: Path,
     cache_dir: Path | None,

@@ -121,3 +121,24 @@ def _strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_the_cycle_finder_finds_a_cycle() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
     assert _strongly_connected(graph) == [["a", "b", "c"]]
+
+
+def test_every_command_is_thin() -> None:
+    """A click command parses, calls one library function and prints: no body over 60 lines."""
+    long = []
+    for path in sorted(PACKAGE.glob("cli*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.FunctionDef):
+                continue
+            if not any(
+                ".command" in ast.unparse(d) or ".group" in ast.unparse(d) for d in node.decorator_list
+            ):
+                continue
+            body = node.body
+            first = (
+                body[1] if len(body) > 1 and isinstance(body[0], ast.Expr) else body[0]
+            )  # after the docstring
+            lines = (node.end_lineno or first.lineno) - first.lineno + 1
+            if lines > 60:
+                long.append(f"{path.name}:{node.lineno} {node.name}: {lines} lines")
+    assert long == [], "move the logic into the library: " + "; ".join(long)

@@ -27,7 +27,6 @@ from torch import nn
 
 import secure_afl.features.backbones as backbones_module
 from secure_afl.cli import main
-from secure_afl.cli_features import LabelsCsvError, read_labels_csv
 from secure_afl.features.backbones import (
     BACKBONES,
     Backbone,
@@ -43,6 +42,7 @@ from secure_afl.features.file import (
     save_feature_file,
 )
 from secure_afl.features.images import load_grayscale
+from secure_afl.features.labels import LabelsCsvError, read_labels_csv
 from secure_afl.sim.data import CLASSES
 
 NIH_HEADER = ["Image Index", "Finding Labels", "Follow-up #", "Patient ID", "View Position"]
@@ -425,7 +425,7 @@ def test_malformed_labels_csv_is_refused_with_what_to_fix(tmp_path: Path, case: 
     write_png(tmp_path / "a.png", 2)  # exists, but outside the images folder
     labels = write_csv(tmp_path / "labels.csv", rows)
     with pytest.raises(LabelsCsvError) as raised:
-        read_labels_csv(labels, images)
+        read_labels_csv(labels, images, CLASSES)
     assert message in str(raised.value)
 
 
