@@ -91,6 +91,28 @@ def decode(words: np.ndarray, *, frac_bits: int = DEFAULT_FRAC_BITS) -> np.ndarr
     return array.view(np.int64).astype(np.float64) / 2.0**frac_bits
 
 
+def decode_in_place(words: np.ndarray, *, frac_bits: int = DEFAULT_FRAC_BITS) -> np.ndarray:
+    """:func:`decode` into the words' own memory: the same float64 values (bit for bit), returned
+    as a float64 view of ``words``, whose uint64 content is gone.  For a sum no one else reads:
+    ``words`` must be a writeable, contiguous 1-D uint64 array.  A cache-sized chunk at a time
+    through one small buffer, so the decoded sum costs no second array of its size."""
+    _check_frac_bits(frac_bits)
+    if not isinstance(words, np.ndarray) or words.dtype != np.uint64 or words.ndim != 1:
+        raise LocalProtocolError("decode_in_place expects a 1-D uint64 array")
+    if not (words.flags.writeable and words.flags.c_contiguous):
+        raise LocalProtocolError("decode_in_place needs a writeable, contiguous array (decode copies)")
+    integers = words.view(np.int64)
+    values = words.view(np.float64)
+    scale = 2.0**frac_bits
+    buffer = np.empty(min(_ENCODE_CHUNK, words.shape[0]))
+    for start in range(0, words.shape[0], _ENCODE_CHUNK):
+        part = buffer[: min(_ENCODE_CHUNK, words.shape[0] - start)]
+        part[...] = integers[start : start + part.shape[0]]  # int64 -> float64, as astype
+        np.divide(part, scale, out=part)
+        values[start : start + part.shape[0]] = part
+    return values
+
+
 def check_float_tensor(values: np.ndarray, *, tensor: str) -> np.ndarray:
     """Return ``values`` as a 1-D float64 array, rejecting other dtypes and non-finite entries."""
     if not isinstance(values, np.ndarray):
