@@ -123,17 +123,17 @@ def add_masks(
     for start in range(0, n_words, size):
         words = min(size, n_words - start)
         target = accumulator[start : start + words]
-        if scratch is None:
-            part = target
-        else:
-            part = scratch[:words]
-            np.copyto(part, target if base is None else base[start : start + words])
+        part = target if scratch is None else scratch[:words]
+        # The first mask is added to the words where they are (the base, or the accumulator):
+        # no pass copying them into the scratch first.
+        source = target if base is None else base[start : start + words]
         mask = np.frombuffer(out, dtype="<u8", count=words)
         for stream, add in streams:
             stream.update_into(zeros[: 8 * words], out)
             if add:
-                np.add(part, mask, out=part)
+                np.add(source, mask, out=part)
             else:
-                np.subtract(part, mask, out=part)
+                np.subtract(source, mask, out=part)
+            source = part
         if scratch is not None:
             np.copyto(target, part)
