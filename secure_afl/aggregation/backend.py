@@ -153,6 +153,15 @@ def _shaped(layout: Layout, name: str, flat: np.ndarray, unpack: bool) -> np.nda
     return layout.unflatten(name, flat)
 
 
+def _decoded(words: np.ndarray, frac_bits: int) -> np.ndarray:
+    """A handed-over word sum decoded in its own memory; one that shares memory with another
+    array (none does today) is decoded into a new one."""
+    if words.base is None and words.flags.owndata:
+        words.setflags(write=True)  # its own memory: a derived sum is returned read-only
+        return encoding.decode_in_place(words, frac_bits=frac_bits)
+    return encoding.decode(words, frac_bits=frac_bits)
+
+
 def _sender(message: object) -> str:
     # An advertisement names its client (``client_id``); every later client message its ``sender``.
     for name in ("client_id", "sender"):
@@ -232,22 +241,30 @@ class MaskingBackend:
         return masking_codec.decode(data, max_message_bytes=max_message_bytes)
 
     def outcome(self, server: ServerSessionLike, layout: Layout, *, unpack: bool = True) -> SessionOutcome:
-        result = server.result()  # type: ignore[attr-defined]
-        # A difference plan's sums are derived on the words (exact mod 2⁶⁴), then decoded.
-        words = layout.logical_words({group: s.sums for group, s in result.groups.items()})
-        sums = {
-            group: {
-                name: _shaped(layout, name, encoding.decode(values, frac_bits=self.frac_bits), unpack)
-                for name, values in tensors.items()
-            }
-            for group, tensors in words.items()
-        }
+        # The server hands its sums over (it keeps none), so each is decoded in its own memory:
+        # at d = 4096 nine Gram sums are 0.56 GiB of words, which would otherwise coexist with as
+        # many decoded copies.  A difference plan's sums are derived on the words first (exact
+        # mod 2⁶⁴); the wire sums that only served a derivation go with `wire`.
+        result = server.take_result()  # type: ignore[attr-defined]
+        members = {g: s.members for g, s in result.groups.items()}
+        survivors = {g: s.survivors for g, s in result.groups.items()}
+        clients = tuple(result.survivors)
+        wire = {group: s.sums for group, s in result.groups.items()}
+        del result
+        words = layout.logical_words(wire)
+        del wire
+        sums: GroupSums = {}
+        for group in list(words):
+            tensors = words.pop(group)
+            sums[group] = {}
+            for name in list(tensors):
+                sums[group][name] = _shaped(layout, name, _decoded(tensors.pop(name), self.frac_bits), unpack)
         return SessionOutcome(
             sums=sums,
-            members={g: s.members for g, s in result.groups.items()},
-            survivors={g: s.survivors for g, s in result.groups.items()},
+            members=members,
+            survivors=survivors,
             details={"threshold": self.threshold, "frac_bits": self.frac_bits},
-            clients=tuple(result.survivors),
+            clients=clients,
         )
 
     def sender(self, message: object) -> str:

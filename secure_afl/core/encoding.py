@@ -51,17 +51,30 @@ def encode(
     """Encode a float64 array as uint64 fixed point, refusing values whose group sum could wrap."""
     array = check_float_tensor(values, tensor=tensor)
     check_encodable(array, tensor=tensor, frac_bits=frac_bits, group_size=group_size)
-    # rint(x · 2^f) as int64, a cache-sized chunk at a time through one small buffer: one array
-    # the size of the tensor (the words), not three (the product, its rounding, the cast).
-    words = np.empty(array.shape[0], dtype=np.int64)
+    words = np.empty(array.shape[0], dtype=np.uint64)
+    encode_into(array, words, frac_bits=frac_bits)
+    return words
+
+
+def encode_into(
+    values: np.ndarray, out: np.ndarray, *, frac_bits: int, buffer: np.ndarray | None = None
+) -> None:
+    """Write :func:`encode`'s words of ``values`` into ``out`` (uint64, the same length), for
+    values that :func:`check_float_tensor` and :func:`check_encodable` have passed (nothing is
+    checked here).  rint(x · 2^f) as int64, a cache-sized chunk at a time through one small
+    float64 ``buffer`` (made here unless given): no array the size of the tensor but ``out``."""
+    if values.shape[0] == 0:
+        return
     scale = 2.0**frac_bits
-    buffer = np.empty(min(_ENCODE_CHUNK, array.shape[0]))
-    for start in range(0, array.shape[0], _ENCODE_CHUNK):
-        part = buffer[: min(_ENCODE_CHUNK, array.shape[0] - start)]
-        np.multiply(array[start : start + part.shape[0]], scale, out=part)
+    if buffer is None or buffer.shape[0] == 0:
+        buffer = np.empty(min(_ENCODE_CHUNK, values.shape[0]))
+    integers = out.view(np.int64)
+    step = buffer.shape[0]
+    for start in range(0, values.shape[0], step):
+        part = buffer[: min(step, values.shape[0] - start)]
+        np.multiply(values[start : start + part.shape[0]], scale, out=part)
         np.rint(part, out=part)
-        words[start : start + part.shape[0]] = part
-    return words.view(np.uint64)
+        integers[start : start + part.shape[0]] = part
 
 
 def check_encodable(values: np.ndarray, *, tensor: str, frac_bits: int, group_size: int) -> None:
@@ -89,6 +102,28 @@ def decode(words: np.ndarray, *, frac_bits: int = DEFAULT_FRAC_BITS) -> np.ndarr
     if array.dtype != np.uint64:
         raise LocalProtocolError(f"decode expects uint64 words, got {array.dtype}")
     return array.view(np.int64).astype(np.float64) / 2.0**frac_bits
+
+
+def decode_in_place(words: np.ndarray, *, frac_bits: int = DEFAULT_FRAC_BITS) -> np.ndarray:
+    """:func:`decode` into the words' own memory: the same float64 values (bit for bit), returned
+    as a float64 view of ``words``, whose uint64 content is gone.  For a sum no one else reads:
+    ``words`` must be a writeable, contiguous 1-D uint64 array.  A cache-sized chunk at a time
+    through one small buffer, so the decoded sum costs no second array of its size."""
+    _check_frac_bits(frac_bits)
+    if not isinstance(words, np.ndarray) or words.dtype != np.uint64 or words.ndim != 1:
+        raise LocalProtocolError("decode_in_place expects a 1-D uint64 array")
+    if not (words.flags.writeable and words.flags.c_contiguous):
+        raise LocalProtocolError("decode_in_place needs a writeable, contiguous array (decode copies)")
+    integers = words.view(np.int64)
+    values = words.view(np.float64)
+    scale = 2.0**frac_bits
+    buffer = np.empty(min(_ENCODE_CHUNK, words.shape[0]))
+    for start in range(0, words.shape[0], _ENCODE_CHUNK):
+        part = buffer[: min(_ENCODE_CHUNK, words.shape[0] - start)]
+        part[...] = integers[start : start + part.shape[0]]  # int64 -> float64, as astype
+        np.divide(part, scale, out=part)
+        values[start : start + part.shape[0]] = part
+    return values
 
 
 def check_float_tensor(values: np.ndarray, *, tensor: str) -> np.ndarray:

@@ -138,7 +138,21 @@ class Release:
         Each distinct value is read once (:class:`_Distinct`): a Gram that several groups carry is
         hashed once and searched for parts once, whatever the number of groups.
         """
-        distinct = _Distinct(inputs)
+        return cls._of(
+            _Distinct(inputs), sources=sources, images=images, scope=scope, reuses=reuses, aliases=aliases
+        )
+
+    @classmethod
+    def _of(
+        cls,
+        distinct: _Distinct,
+        *,
+        sources: Iterable[str],
+        images: Iterable[str | bytes],
+        scope: str,
+        reuses: str,
+        aliases: Iterable[Iterable[bytes]] | None,
+    ) -> Release:
         values = {key: distinct.value_id(key) for key in distinct.keys}
         found = {key: distinct.anchors(key) for key in distinct.keys}
         parts = distinct.contained_parts()
@@ -298,6 +312,18 @@ def split_digests(packed: bytes) -> tuple[bytes, ...]:
     return tuple(packed[i : i + IMAGE_DIGEST_BYTES] for i in range(0, len(packed), IMAGE_DIGEST_BYTES))
 
 
+def release_and_digests(
+    inputs: Mapping[str, Mapping[str, np.ndarray]],
+) -> tuple[Release, dict[tuple[str, str], str]]:
+    """``Release.of(inputs)`` and every input's content digest ((group, tensor) -> :func:`value_id`,
+    constants included: equal values, equal digests), from one read of each distinct value.  What
+    a client that makes its own release also needs to recognise its own values (the exposure
+    check's unknowns), without hashing each value a second time."""
+    distinct = _Distinct(inputs)
+    release = Release._of(distinct, sources=(), images=(), scope="", reuses="", aliases=None)
+    return release, {key: distinct.digest(key) for key in distinct.keys}
+
+
 def contained_parts(inputs: Mapping[str, Mapping[str, np.ndarray]]) -> tuple[tuple[str, str], ...]:
     """Pairs (part, whole) of this session's inputs where one value's bytes are a contiguous,
     word-aligned, strictly shorter part of another value of a different name (the halves attack
@@ -349,6 +375,10 @@ class _Distinct:
                 self._of_key[key] = index
         self._anchors: dict[int, tuple[str, ...]] = {}
 
+    def digest(self, key: tuple[str, str]) -> str:
+        """:func:`value_id` of the value at ``key``, a constant's too."""
+        return self._digests[self._of_key[key]]
+
     def value_id(self, key: tuple[str, str]) -> str | None:
         index = self._of_key[key]
         return None if self._constant[index] else self._digests[index]
@@ -368,13 +398,7 @@ class _Distinct:
             by_name[f"{group}/{name}"] = (group, name)
         indices = {full: self._of_key[key] for full, key in by_name.items()}
         tensor = {full: full.split("/", 1)[1] for full in by_name}
-        words: dict[int, bytes] = {}
         searched: dict[tuple[int, int], bool] = {}
-
-        def raw(index: int) -> bytes:
-            if index not in words:
-                words[index] = self._flat[index].tobytes()
-            return words[index]
 
         out = []
         for part, small in indices.items():
@@ -390,10 +414,34 @@ class _Distinct:
                     continue
                 pair = (small, large)
                 if pair not in searched:
-                    searched[pair] = _aligned_find(raw(large), raw(small))
+                    searched[pair] = _contains_words(self._flat[large], self._flat[small])
                 if searched[pair]:
                     out.append((part, whole))
         return tuple(out)
+
+
+# Where a part's first word occurs more often than this in a whole, the whole is searched as bytes.
+_WORD_CANDIDATES = 64
+
+
+def _contains_words(whole: np.ndarray, part: np.ndarray) -> bool:
+    """Whether ``part``'s bytes occur in ``whole``'s at a multiple of 8 bytes (a whole word): the
+    answer of :func:`_aligned_find` on their bytes, without copying ``whole`` (a 64 MiB Gram at
+    d = 4096).  The words are compared as uint64 (bit patterns, as the bytes are: -0.0 is not 0.0).
+    The places where ``part``'s first and last words both occur are checked one by one; where
+    there are many (a whole of repeated words, such as zeros), the byte search decides."""
+    haystack = whole.view(np.uint64)
+    needle = part.view(np.uint64)
+    m = needle.shape[0]
+    span = haystack.shape[0] - m + 1
+    if m == 0 or span <= 0:
+        return m == 0
+    candidates = np.flatnonzero(haystack[:span] == needle[0])
+    if candidates.shape[0] > _WORD_CANDIDATES:
+        candidates = candidates[haystack[candidates + (m - 1)] == needle[-1]]
+    if candidates.shape[0] > _WORD_CANDIDATES:
+        return _aligned_find(whole.tobytes(), part.tobytes())
+    return any(np.array_equal(haystack[c : c + m], needle) for c in candidates.tolist())
 
 
 def _aligned_find(haystack: bytes, needle: bytes) -> bool:

@@ -485,9 +485,10 @@ class ClientSession(SessionDriver):
         own_prk = prg.key_prk(self._seed)
         pair_prks: dict[str, bytes] = {}
         plan: list[tuple[str, str, np.ndarray, list[tuple[bytes, int]]]] = []
-        # One input array in several groups is encoded once; each group checks its own bound and
-        # masks its own copy of the words.
-        encoded: dict[int, np.ndarray] = {}
+        # One input array in several groups is checked as a float tensor once; each group checks
+        # its own bound, and its words are encoded where they are masked, in the message's frame
+        # (prg.add_masks): no array of the words (at d = 4096 a fresh 64 MiB per Gram).
+        checked: dict[int, np.ndarray] = {}
         for group in sorted(self._inputs):
             group_size = len(self._members[group])
             peers = [cid for cid in self._members[group] if cid in live and cid != self.client_id]
@@ -497,16 +498,12 @@ class ClientSession(SessionDriver):
             for name in sorted(self._inputs[group]):
                 values = self._inputs[group][name]
                 label = f"{group}/{name}"
-                base = encoded.get(id(values))
+                base = checked.get(id(values))
                 if base is None:
-                    base = encoding.encode(
-                        values, tensor=label, frac_bits=config.frac_bits, group_size=group_size
-                    )
-                    encoded[id(values)] = base
-                else:
-                    encoding.check_encodable(
-                        values, tensor=label, frac_bits=config.frac_bits, group_size=group_size
-                    )
+                    base = checked[id(values)] = encoding.check_float_tensor(values, tensor=label)
+                encoding.check_encodable(
+                    base, tensor=label, frac_bits=config.frac_bits, group_size=group_size
+                )
                 own = prg.self_mask_key_from_prk(own_prk, config.session_id, group, name, self.client_id)
                 keys = [(own, 1)] + [
                     (
@@ -527,7 +524,7 @@ class ClientSession(SessionDriver):
             max_message_bytes=self._limits[MaskedInput],
         )
         for index, (_, _, base, keys) in enumerate(plan):
-            prg.add_masks(frame.words(index), keys, base=base)
+            prg.add_masks(frame.words(index), keys, values=base, frac_bits=config.frac_bits)
         data, reply = frame.finish()
         self._encoded_reply = (reply, data)
 

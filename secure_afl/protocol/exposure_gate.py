@@ -45,7 +45,7 @@ from secure_afl.keys.identity import IdentityKey
 from secure_afl.privacy import exposure
 from secure_afl.privacy.ledger import Ledger, LedgerOwner, LedgerState, MemoryLedger
 from secure_afl.privacy.policy import ClientPolicy
-from secure_afl.privacy.release import Release
+from secure_afl.privacy.release import Release, release_and_digests
 
 # group -> (live members, tensor names)
 LiveGroups = Mapping[str, tuple[tuple[str, ...], tuple[str, ...]]]
@@ -70,11 +70,13 @@ class ExposureGate:
     ) -> None:
         self.client_id = client_id
         self.policy = policy
-        # What this client sends where, by digest: its own unknowns in the exposure check.
-        self.own_values = exposure.own_value_digests(inputs)
+        # What this client sends where, by digest: its own unknowns in the exposure check (equal
+        # values, equal digests).  A release made here gives them from the same read of each value.
         if release is None:
-            release = Release.of(inputs)
-        elif not isinstance(release, Release):
+            release, self.own_values = release_and_digests(inputs)
+        else:
+            self.own_values = exposure.own_value_digests(inputs)
+        if not isinstance(release, Release):
             raise LocalProtocolError(f"release must be a Release, got {type(release).__name__}")
         elif set(release.values) != set(self.own_values):
             raise LocalProtocolError("the release names other tensors than the inputs")

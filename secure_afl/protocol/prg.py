@@ -23,6 +23,8 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF, HKDFExpand
 
+from secure_afl.core import encoding
+
 from .fields import tagged_fields
 
 SELF_MASK_DOMAIN = b"secure-afl/v1/self-mask"
@@ -84,10 +86,19 @@ def add_mask(accumulator: np.ndarray, key: bytes, sign: int) -> None:
 
 
 def add_masks(
-    accumulator: np.ndarray, keys: Iterable[tuple[bytes, int]], *, base: np.ndarray | None = None
+    accumulator: np.ndarray,
+    keys: Iterable[tuple[bytes, int]],
+    *,
+    base: np.ndarray | None = None,
+    values: np.ndarray | None = None,
+    frac_bits: int = encoding.DEFAULT_FRAC_BITS,
 ) -> None:
     """``accumulator += sum(sign * mask(key))`` modulo 2^64 over ``(key, sign)`` pairs, in place;
-    with ``base``, ``accumulator = base + sum(sign * mask(key))`` (its prior content is not read).
+    with ``base``, ``accumulator = base + sum(sign * mask(key))`` (its prior content is not read);
+    with float64 ``values`` (which :func:`~secure_afl.core.encoding.check_encodable` passed),
+    ``accumulator = encode(values) + sum(sign * mask(key))``, each chunk encoded where it is masked:
+    the words of ``encode`` without an array of them (at d = 4096 a fresh 64 MiB per Gram, whose
+    first touch costs more than the encoding).
 
     The words added are exactly :func:`mask_words`': each key's keystream is produced in chunks of
     :data:`CHUNK_WORDS` (CTR mode continues across ``update_into`` calls) into one reused buffer,
@@ -105,35 +116,46 @@ def add_masks(
             f"the base must be a uint64 array of the accumulator's shape {accumulator.shape}, "
             f"got {base.dtype} {base.shape}"
         )
+    if values is not None and (
+        base is not None or values.dtype != np.float64 or values.shape != accumulator.shape
+    ):
+        raise ValueError(
+            f"the values must be a float64 array of the accumulator's shape {accumulator.shape}, "
+            f"and no base beside them; got {values.dtype} {values.shape}"
+        )
     streams = [
         (Cipher(algorithms.AES(key), modes.CTR(_ZERO_COUNTER)).encryptor(), sign > 0) for key, sign in keys
     ]
     n_words = accumulator.shape[0]
     if n_words == 0:
         return
-    if not streams:
+    if not streams and values is None:
         if base is not None:
             np.copyto(accumulator, base)
         return
     size = min(CHUNK_WORDS, n_words)
     zeros = memoryview(bytearray(8 * size))
     out = bytearray(8 * size + 15)  # update_into wants block_size - 1 spare bytes
-    staged = base is not None or not accumulator.flags.aligned
+    staged = base is not None or values is not None or not accumulator.flags.aligned
     scratch = np.empty(size, dtype=np.uint64) if staged else None
+    floats = np.empty(size) if values is not None else None
     for start in range(0, n_words, size):
         words = min(size, n_words - start)
         target = accumulator[start : start + words]
-        if scratch is None:
-            part = target
-        else:
-            part = scratch[:words]
-            np.copyto(part, target if base is None else base[start : start + words])
+        part = target if scratch is None else scratch[:words]
+        # The first mask is added to the words where they are (the base, or the accumulator):
+        # no pass copying them into the scratch first.
+        source = target if base is None else base[start : start + words]
+        if values is not None:
+            encoding.encode_into(values[start : start + words], part, frac_bits=frac_bits, buffer=floats)
+            source = part
         mask = np.frombuffer(out, dtype="<u8", count=words)
         for stream, add in streams:
             stream.update_into(zeros[: 8 * words], out)
             if add:
-                np.add(part, mask, out=part)
+                np.add(source, mask, out=part)
             else:
-                np.subtract(part, mask, out=part)
+                np.subtract(source, mask, out=part)
+            source = part
         if scratch is not None:
             np.copyto(target, part)

@@ -3,7 +3,8 @@
 ``start()`` returns the advertise request; ``receive(message)`` accepts one client message of the
 current round (a rejected message raises and changes nothing: that client is treated as dropped);
 ``next_round()`` closes the round and returns the messages to send, keyed by recipient;
-``result()`` returns the unmasked uint64 sums per group and tensor once the session is DONE.
+``result()`` returns the unmasked uint64 sums per group and tensor once the session is DONE;
+``take_result()`` hands them over instead (the server keeps none).
 """
 
 from __future__ import annotations
@@ -146,6 +147,7 @@ class ServerSession:
         self._u4: tuple[str, ...] = ()
         self._dropped: tuple[str, ...] = ()  # U2 - U3, sorted: whose mask keys R4 reveals
         self._result: AggregationResult | None = None
+        self._handed_over = False  # take_result() gave the sums away
 
     @property
     def round(self) -> ServerRound:
@@ -208,9 +210,25 @@ class ServerSession:
         return replies
 
     def result(self) -> AggregationResult:
+        if self._handed_over:
+            raise LocalProtocolError("the result was handed over (take_result); the server keeps no sums")
         if self._result is None:
             raise LocalProtocolError(f"no result before the session is DONE (round {self._round.name})")
         return self._result
+
+    def take_result(self) -> AggregationResult:
+        """The result, handed over once: its sums become the caller's own (writeable, and this
+        session keeps no reference to them), so that the caller can decode each in place and let
+        it go as soon as it is used (at d = 4096 a group's Gram sum is 64 MiB).  Afterwards
+        :meth:`result` and this method raise :class:`LocalProtocolError`."""
+        result = self.result()
+        self._result = None
+        self._sums = {}
+        self._handed_over = True
+        for group in result.groups.values():
+            for words in group.sums.values():
+                words.setflags(write=True)  # the accumulator owns its memory: nothing else shares it
+        return result
 
     # --- receiving --------------------------------------------------------------------------------
 
