@@ -1,11 +1,11 @@
-"""Costs of CKKS encryption (TenSEAL) against pairwise masking, and CKKS precision (issue 9, item 8).
+"""Costs of CKKS encryption (TenSEAL) against pairwise masking, and CKKS precision.
 
 Prints markdown tables for 8 clients with d = 1024 at missing 1 and missing 7: per client the
 seconds to encrypt (masking: encode and mask), the server's seconds to aggregate, the seconds to
 decrypt (masking: reveal shares and unmask), and the bytes each client sends and receives, for
 masking and for CKKS at N = 8192 and N = 16384 (coefficient moduli [60, 40, 40, 60], scale 2^40);
 then the error of the decrypted sums against float64 plaintext sums, and the one-view step's share of
-the CKKS session (issue 27: every survivor signs the view in R3, and each R4 request carries the
+the CKKS session (every survivor signs the view in R3, and each R4 request carries the
 view and the signatures), measured in the same runs.
 
 Synthetic federations as in ``bench_secure.py``: 5,889 rows of random non-negative features per

@@ -1,4 +1,4 @@
-"""Adding pairwise masks: one fresh keystream per key (before issue 30, part 2) against
+"""Adding pairwise masks: one fresh keystream per key (the code before 2026-12-02) against
 :func:`secure_afl.protocol.prg.add_masks` (chunked through one reused buffer), side by side.
 
 Both add the same words (asserted).  ``--words`` defaults to a d = 1024 Gram triangle, ``--keys``
