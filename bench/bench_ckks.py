@@ -1,11 +1,11 @@
-"""Costs of CKKS encryption (TenSEAL) against pairwise masking, and CKKS precision (issue 9, item 8).
+"""Costs of CKKS encryption (TenSEAL) against pairwise masking, and CKKS precision.
 
 Prints markdown tables for 8 clients with d = 1024 at missing 1 and missing 7: per client the
 seconds to encrypt (masking: encode and mask), the server's seconds to aggregate, the seconds to
 decrypt (masking: reveal shares and unmask), and the bytes each client sends and receives, for
 masking and for CKKS at N = 8192 and N = 16384 (coefficient moduli [60, 40, 40, 60], scale 2^40);
 then the error of the decrypted sums against float64 plaintext sums, and the one-view step's share of
-the CKKS session (issue 27: every survivor signs the view in R3, and each R4 request carries the
+the CKKS session (every survivor signs the view in R3, and each R4 request carries the
 view and the signatures), measured in the same runs.
 
 Synthetic federations as in ``bench_secure.py``: 5,889 rows of random non-negative features per
@@ -37,6 +37,7 @@ Run from the repository root: ``python bench/bench_ckks.py [--quick] [--degrees 
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import statistics
 import sys
@@ -128,6 +129,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="d = 128 and 500 rows (a smoke run)")
     parser.add_argument("--degrees", default="8192,16384", help="CKKS ring degrees to run (comma-separated)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the printed tables to this file")
     args = parser.parse_args()
     d, rows = (128, 500) if args.quick else (1024, ROWS_PER_CLIENT)
     print(f"Run on {date.today()} ({platform.python_version()}, {platform.machine()}); d = {d}, 8 clients\n")
@@ -191,20 +193,22 @@ def main() -> None:
         "sent / client", "received / client", "wall, all parties",
     ]  # fmt: skip
     print(table(header, cost_rows))
+    tables = {"costs": {"header": header, "rows": cost_rows}}
     print("\n#### Error of the decrypted sums against float64 plaintext sums\n")
-    print(
-        table(
-            ["missing", "protection", "max abs error, Gram", "max abs error, other", "max abs sum"],
-            error_rows,
-        )
-    )
-    print("\n#### The one-view step (R3, issue 27) beside the whole CKKS session, in the same runs\n")
+    header = ["missing", "protection", "max abs error, Gram", "max abs error, other", "max abs sum"]
+    print(table(header, error_rows))
+    tables["errors"] = {"header": header, "rows": error_rows}
+    print("\n#### The one-view step (R3) beside the whole CKKS session, in the same runs\n")
     header = [
         "missing", "protection", "R3 seconds of the session's, all parties", "ratio",
         "R3 bytes / client", "view + signatures in each R4 request", "session bytes / client",
         "(R3 + one R4's view) / session bytes",
     ]  # fmt: skip
     print(table(header, view_rows))
+    tables["one_view"] = {"header": header, "rows": view_rows}
+    if args.json is not None:
+        report = {"date": date.today().isoformat(), "d": d, "rows_per_client": rows, "tables": tables}
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
 
 
 if __name__ == "__main__":

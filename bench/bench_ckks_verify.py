@@ -1,4 +1,4 @@
-"""What a CKKS decryptor pays to decrypt only sums it verified (issue 21, item 5).
+"""What a CKKS decryptor pays to decrypt only sums it verified.
 
 Since wire version 0xC2 a decryptor no longer receives one summed ciphertext per tensor from the
 server: it receives every surviving member's signed upload of each group it decrypts, checks each
@@ -6,7 +6,7 @@ signature over the chunk digests, and adds the ciphertexts itself.  This prints,
 CKKS session (8 clients, d = 256 by default, the bench_ckks layout: the Gram in every class group
 and in ``all``, N = 8192):
 
-- bytes a decryptor receives in R4 (R3 before issue 27's signed view), next to what the old request
+- bytes a decryptor receives in R4 (R3 before the signed view), next to what the old request
   carried (one ciphertext set per group, the size of one member's upload of it): the ratio is about
   the group's survivors;
 - per group, the seconds to check and add the uploads next to the seconds to decrypt the sum,
@@ -18,7 +18,7 @@ times the decryption's seconds checking and adding; at missing 1 (7 members per 
 times the bytes (210 MB vs 29.5 MB) and 6.4 times.  The bytes scale with the group's survivors: the
 price of never decrypting a ciphertext the server chose.
 
-``--clients N`` (issue 30) adds, per group, what its decryptor downloads (every surviving member's
+``--clients N`` adds, per group, what its decryptor downloads (every surviving member's
 upload of the group: its chunks, the digests of all its other chunks, its signature) next to the
 formula ``bytes(g) = S_g * (C_g * b + 32 * C_u + s)`` (S_g the group's survivors, C_g its chunks per
 member, b the bytes of one ciphertext, C_u the chunks of a member's whole upload, s the signature and
@@ -33,7 +33,7 @@ decrypt the sums), then checks the per-decryptor formula ``Σ_items S_g * (|K_j|
 plus a per-request framing against every decryptor's measured bytes.
 
 Run from the repository root: ``python bench/bench_ckks_verify.py [--dim D] [--missing M] [--clients N]``;
-issue 30's figure: ``python bench/bench_ckks_verify.py --clients 100 --dim 8 --missing 1 --rows 200``.
+the figure at n = 100: ``python bench/bench_ckks_verify.py --clients 100 --dim 8 --missing 1 --rows 200``.
 """
 
 from __future__ import annotations

@@ -15,15 +15,18 @@ Run from the repository root: ``python bench/bench_e2e_cpu.py [--pairs 4] [--dro
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import time
+from pathlib import Path
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=4)
     parser.add_argument("--dropout", type=int, default=0)
+    parser.add_argument("--json", type=Path, default=None, help="also write the figures to this file")
     args = parser.parse_args()
     from secure_afl.sim.fedavg import FedAvgConfig
     from secure_afl.sim.runner import run_experiment
@@ -33,12 +36,14 @@ def main() -> None:
     if args.dropout:
         options.update(dropout=args.dropout, dropout_stage="R2")
     cpu: dict[str, list[float]] = {"mask": [], "none": []}
+    loads: list[float] = []
     wall: dict[str, list[float]] = {"mask": [], "none": []}
     run_experiment(SimConfig(secure="mask", **options))  # type: ignore[arg-type]  # warm-up: imports, caches
     for i in range(args.pairs):
         metrics = {}
         for secure in ("mask", "none") if i % 2 == 0 else ("none", "mask"):
             load = os.getloadavg()[0]
+            loads.append(load)
             c, w = time.process_time(), time.perf_counter()
             result = run_experiment(SimConfig(secure=secure, **options))  # type: ignore[arg-type]
             cpu[secure].append(time.process_time() - c)
@@ -58,6 +63,20 @@ def main() -> None:
         f"wall median {statistics.median(wall_ratios):.3f} "
         f"(pairs {', '.join(f'{r:.3f}' for r in wall_ratios)}); metrics identical in every pair: yes"
     )
+    if args.json is not None:
+        report = {
+            "command": "bench_e2e_cpu.py",
+            "pairs": args.pairs,
+            "dropout": args.dropout,
+            "cpu_seconds": cpu,
+            "wall_seconds": wall,
+            "load_average_per_run": loads,
+            "cpu_ratios": cpu_ratios,
+            "wall_ratios": wall_ratios,
+            "cpu_ratio_median": statistics.median(cpu_ratios),
+            "wall_ratio_median": statistics.median(wall_ratios),
+        }
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ Run from the repository root (with the package installed, or ``PYTHONPATH=.``):
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 import time
 from collections.abc import Callable
@@ -60,6 +61,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--num-workers", type=int, default=default_num_workers())
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--json", type=Path, default=None, help="also write the figures to this file")
     args = parser.parse_args()
 
     device = resolve_device(args.device)
@@ -127,6 +129,17 @@ def main() -> None:
     print(f"{'stage':<48} {'images/s':>10} {'ms/image':>10}")
     for stage, rate in rows:
         print(f"{stage:<48} {rate:>10.1f} {1000 / rate:>10.2f}")
+    if args.json is not None:
+        report = {
+            "images": n,
+            "image_size": args.image_size,
+            "mean_file_kib": float(mean_kb),
+            "device": str(device),
+            "torch_threads": torch.get_num_threads(),
+            "loader_workers": args.num_workers,
+            "images_per_second": dict(rows),
+        }
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""`secure-afl deploy local` against a bare Flower app that sends the same messages (issue 30).
+"""`secure-afl deploy local` against a bare Flower app that sends the same messages.
 
 The floor is a Flower 1.42 app (a ServerApp and a ClientApp, generated in a temporary directory) that
 sends, round after round, as many messages of the same sizes as `deploy local` does, to the same

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -59,11 +61,17 @@ def _measure(count: int, new: list[str]) -> tuple[int, float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--images", type=int, default=100_000)
-    n = parser.parse_args().images
+    parser.add_argument("--json", type=Path, default=None, help="also write the figures to this file")
+    args = parser.parse_args()
+    n = args.images
+    rows = []
     new = _digests("new", 1_000)
     for label, count in (("empty", 0), (f"{n} images", n)):
         size, load, start = _measure(count, new)
         print(f"{label}: file {size / 1e6:.2f} MB, load {load * 1e3:.1f} ms, R0 check {start * 1e3:.1f} ms")
+        rows.append({"images": count, "file_bytes": size, "load_seconds": load, "r0_check_seconds": start})
+    if args.json is not None:
+        args.json.write_text(json.dumps({"new_images": len(new), "ledgers": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

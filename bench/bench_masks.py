@@ -1,4 +1,4 @@
-"""Adding pairwise masks: one fresh keystream per key (before issue 30, part 2) against
+"""Adding pairwise masks: one fresh keystream per key (the code before 2026-12-02) against
 :func:`secure_afl.protocol.prg.add_masks` (chunked through one reused buffer), side by side.
 
 Both add the same words (asserted).  ``--words`` defaults to a d = 1024 Gram triangle, ``--keys``
@@ -11,8 +11,10 @@ Run from the repository root: ``python bench/bench_masks.py [--words N] [--keys 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
@@ -36,6 +38,7 @@ def main() -> None:
     parser.add_argument("--words", type=int, default=1024 * 1025 // 2)
     parser.add_argument("--keys", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", type=Path, default=None, help="also write the figures to this file")
     args = parser.parse_args()
     keys = [(bytes([k + 1]) * 32, 1 if k % 2 == 0 else -1) for k in range(args.keys)]
     start = np.arange(args.words, dtype=np.uint64)
@@ -56,6 +59,15 @@ def main() -> None:
         f"{args.keys} masks over {args.words:,} words: fresh keystream per key {old * 1e3:.2f} ms, ", end=""
     )
     print(f"add_masks {new * 1e3:.2f} ms ({old / new:.1f}x); same words: yes")
+    if args.json is not None:
+        report = {
+            "words": args.words,
+            "keys": args.keys,
+            "repeats": args.repeats,
+            "cpu_seconds_per_call": times,
+        }
+        report["median_seconds"] = {name: statistics.median(v) for name, v in times.items()}
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
 
 
 if __name__ == "__main__":

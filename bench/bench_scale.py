@@ -1,4 +1,4 @@
-"""Growth with the number of institutions (issue 30): one client's protocol seconds, the server's
+"""Growth with the number of institutions: one client's protocol seconds, the server's
 seconds and one client's exposure-check seconds, per layout.
 
 Layouts (labels from ``assign_partial_labels(n, 8, missing, seed)``, 8 classes, the first seed

@@ -1,4 +1,4 @@
-"""Costs of secure aggregation by pairwise masking against plaintext sums (issue 3, item 6).
+"""Costs of secure aggregation by pairwise masking against plaintext sums.
 
 Prints markdown tables:
 
@@ -6,13 +6,13 @@ Prints markdown tables:
    against plaintext, for d=1024 and 8 clients at missing 1 and missing 7;
 2. scaling with the number of clients (8, 16, 32, 64 at d=256, missing 1 and missing 7);
 3. scaling with the dimension (256, 1024, 2048 at 8 clients, missing 7);
-4. the end-to-end ratio the issue asks for: ``secure-afl sim --missing 1 --dropout 2 --dropout-stage R2``
+4. the end-to-end ratio: ``secure-afl sim --missing 1 --dropout 2 --dropout-stage R2``
    with ``--secure mask`` against ``--secure none``, (statistics + aggregation + solve) from
    ``run_experiment``'s phase timer, full embedded data, one FedAvg round (FedAvg is not in the ratio);
 5. with ``--flower``: Flower's SecAgg+ utilities (quantisation, numpy Mersenne-Twister masks, Shamir
-   shares, share encryption, unmasking) driven directly on the same vectors as ours, in a separate
-   virtualenv (``--flower-python``, default ../flwr-venv/bin/python; flwr is never a dependency of
-   this project).
+   shares, share encryption, unmasking) driven directly on the same vectors as ours, in another
+   interpreter (``--flower-python``, default ../flwr-venv/bin/python): any Python that imports flwr
+   1.42 and numpy, such as this project's own with the ``deploy`` extra installed.
 
 Synthetic federations: every client holds ``--rows`` random non-negative features (exponential) and
 random labels (prevalence 0.1); its statistics come from :func:`secure_afl.analytic.client_statistics`
@@ -347,7 +347,7 @@ def end_to_end(repeats: int, quick: bool) -> str:
         "",
         f"ratio (mask / none) of statistics + aggregation + solve, median of {repeats} paired runs: "
         f"**{median(ratios):.2f}** (runs: {', '.join(f'{r:.2f}' for r in ratios)}; "
-        "issue 3's limit 2, issue 30's goal 1.3)",
+        "goal ≤ 1.3)",
         f"dropped clients: {', '.join(dropped)}; macro metrics of every method identical between the two "
         f"paths: {'yes' if same else 'NO'}",
     ]
@@ -631,7 +631,9 @@ def flower_comparison(args: argparse.Namespace) -> str:
     if not python.exists():
         return (
             f"Flower comparison skipped: no Python at {python}. Create it with\n"
-            "`python3 -m venv ../flwr-venv && ../flwr-venv/bin/pip install flwr numpy cryptography`."
+            "`python3 -m venv ../flwr-venv && ../flwr-venv/bin/pip install 'flwr>=1.42,<1.43' numpy "
+            "cryptography`,\n"
+            "or pass `--flower-python` a Python that has this project's `deploy` extra installed."
         )
     probe = subprocess.run([str(python), "-c", "import flwr"], capture_output=True, text=True)
     if probe.returncode != 0:
@@ -641,7 +643,7 @@ def flower_comparison(args: argparse.Namespace) -> str:
     gram = np.stack([encoding.pack_symmetric(s.gram) for s in stats])
     b = np.stack([s.balanced_projection(0) for s in stats])
     threshold = default_threshold(n)
-    dropped = {1, 5}  # two clients drop after sharing keys (R2), as in the issue's run
+    dropped = {1, 5}  # two clients drop after sharing keys (R2), as in the end-to-end run
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "vectors.npz"
         np.savez(path, gram=gram, b=b)

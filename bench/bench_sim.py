@@ -13,8 +13,9 @@ one thread and on every core. This machine's speed drifts by the hour (the same 
 `--calibrate` prints the calibration alone.
 
 With --ab (which implies --cli): each repeat runs the committed code and then
-`bench/fedavg_last_bits.py` (FedAvg's float32 arithmetic changed in its last bits: issue 10's open
-choice), alternately, and compares their `results.json` value by value (seconds left out).
+`bench/fedavg_last_bits.py` (FedAvg's float32 arithmetic changed in its last bits: the option left
+open by the 15 s wall-time target, withdrawn on 2026-12-01), alternately, and compares their
+`results.json` value by value (seconds left out).
 
 Prints one markdown row per protection: the median over the repeats of each phase (data,
 statistics, aggregation, solve, the wait for the gradient methods, metrics) and of the whole run, as

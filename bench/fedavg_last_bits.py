@@ -3,11 +3,11 @@
 Run by hand:  python bench/fedavg_last_bits.py sim --missing 7 --out DIR
 (`python bench/bench_sim.py --cli --ab` alternates it with the committed code.)
 
-Issue 10 asks for `sim --missing 7` in 15 s wall "without changing any result". This runs the
-option left to the steering group: FedAvg's local steps with torch's fused Adam (one kernel instead
-of eight) and the logits as ``bmm(x, Wᵀ)`` (the product in the layout torch computes fastest
-here). Both are the same mathematics in another rounding order, so FedAvg's head, and the values in
-`results.json` that depend on it, move in their last bits. AFL is not touched.
+A target since withdrawn (2026-12-01) asked for `sim --missing 7` in 15 s wall "without changing any
+result". This runs the option that was left to the maintainers: FedAvg's local steps with torch's
+fused Adam (one kernel instead of eight) and the logits as ``bmm(x, Wᵀ)`` (the product in the layout
+torch computes fastest here). Both are the same mathematics in another rounding order, so FedAvg's
+head, and the values in `results.json` that depend on it, move in their last bits. AFL is not touched.
 
 The patch is applied when `secure_afl.sim.fedavg` is first imported, not before: importing it here
 would import torch at start-up and change the run's schedule, which is what is being measured.

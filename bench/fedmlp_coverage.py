@@ -13,6 +13,8 @@ stage-2 round of the schedule and prints the share of (row, missing class) pairs
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 import torch
 
@@ -41,10 +43,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--missing", default="1,7")
     parser.add_argument("--rounds", default="50,500")
+    parser.add_argument("--json", type=Path, default=None, help="also write the figures to this file")
     args = parser.parse_args()
     data = prepare(None)
     x = stack_clients(data.features, data.split.clients)
     labels = [data.cohort.labels[rows] for rows in data.split.clients]
+    report = []
     for missing in (int(m) for m in args.missing.split(",")):
         assignment = assign_partial_labels(len(labels), labels[0].shape[1], missing, seed=0)
         fed = Federation.from_stacked(x, labels, assignment.active)
@@ -54,6 +58,9 @@ def main() -> None:
                 f"missing {missing}, R = {rounds} ({stage2} stage-2 rounds): "
                 f"{100 * share:.1f} % of (row, missing class) pairs pseudo-labelled"
             )
+            report.append({"missing": missing, "rounds": rounds, "stage2_rounds": stage2, "share": share})
+    if args.json is not None:
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
 
 
 if __name__ == "__main__":

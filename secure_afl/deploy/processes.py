@@ -28,8 +28,8 @@ from .errors import LocalDeploymentError
 # the only polling Flower 1.42 lets a deployment set: a SuperNode that pulled no message sleeps 3 s
 # (flwr/supernode/start_client_internal.py, a constant) and waits for its ClientApp's reply in 0.5 s
 # steps, and neither flower-supernode nor flower-superlink has an option for them; the bare Flower
-# app of bench/bench_flower_floor.py pays the same (bench/README.md, "deploy local against a bare
-# Flower app").
+# app of bench/bench_flower_floor.py pays the same (bench/README.md, "bench_flower_floor.py";
+# bench/history/flower-floor.md).
 CHILD_ENV = {
     "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.1",
     "FLWR_TELEMETRY_ENABLED": "0",

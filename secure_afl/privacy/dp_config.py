@@ -19,7 +19,7 @@ DpUnit = Literal["image", "patient"]
 DpRidge = Literal["bound", "adaptive", "adassp"]
 DP_RIDGES: tuple[str, ...] = ("bound", "adaptive", "adassp")
 # The K that --dp-sweep compares with today's mechanism when --dp-dim is not given: the best mean AUC
-# of the K sweep on the embedded data (bench/README.md, "DP: a projection before the statistics"),
+# of the K sweep on the embedded data (bench/history/dp.md, "DP: a projection before the statistics"),
 # where no K beats the unprojected statistics; --dp-dim itself has no default (off).
 DEFAULT_DP_DIM = 128
 # The ridge when --dp-ridge is not given: the adaptive one with a projection, today's without.
@@ -33,7 +33,7 @@ DEFAULT_RIDGE_WITH_DIM = "adaptive"
 DpClassSums = Literal["split", "positives"]
 # --clip when not given: the default, and the one for rows centred by --dp-row-centre.  The centred
 # rows of the embedded data's public generator drawn with another seed have a median norm of about
-# 20.7 (bench/README.md); a deployment takes its clip from public data of its own backbone.
+# 20.7 (bench/history/dp.md); a deployment takes its clip from public data of its own backbone.
 DEFAULT_CLIP = 32.0
 DEFAULT_CENTRED_CLIP = 20.0
 DP_CLASS_SUMS: tuple[str, ...] = ("split", "positives")
