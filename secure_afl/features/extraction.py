@@ -1,4 +1,4 @@
-"""Batched feature extraction with a resumable on-disk cache (SPEC §4, issue 4).
+"""Batched feature extraction with a resumable on-disk cache (SPEC §4).
 
 Public API
 ----------

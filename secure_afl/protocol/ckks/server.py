@@ -175,8 +175,8 @@ class CkksServerSession:
             raise LocalProtocolError(str(exc)) from exc
         if max_decryptors_per_group is not None and max_decryptors_per_group < 1:
             raise LocalProtocolError("max_decryptors_per_group must be at least 1 (or None: no cap)")
-        # m = min(S_g, C_g, this cap): 1 is the decryption of a whole group by one member (before
-        # issue 30); None splits each group over as many signers as it has chunks.
+        # m = min(S_g, C_g, this cap): 1 is the decryption of a whole group by one member (the earlier
+        # protocol); None splits each group over as many signers as it has chunks.
         self._max_decryptors = max_decryptors_per_group
         self._roster = roster
         self._config = config
