@@ -81,7 +81,8 @@ class LocalState(Protocol):
 # or "publish one record at random" would meet it; 1e-6 is below 1/N for every collection under a
 # million images (NIH ChestX-ray14 has 112,120, CheXpert 224,316), and it is the study's default
 # δ, so a node and a study left at their defaults agree.  Without a floor a node asking for ε = 1
-# accepted δ = 0.999999, whose noise is 0.045 of the ε = 1, δ = 1e-6 level (measured when the floor was added).
+# accepted δ = 0.999999, whose noise is 0.045 of the ε = 1, δ = 1e-6 level (measured
+# when the floor was added).
 DEFAULT_DP_DELTA_FLOOR = 1e-6
 
 
