@@ -124,7 +124,7 @@ grep -E "^ok  roster entries" coordinator/provision.out
 for h in "${HOSPITALS[@]}"; do cp -r "coordinator/fed/kits/$h" "$h/kit"; done
 
 echo "== C3. SuperLink (coordinator; keep it running)"
-party_bg coordinator "$W/coordinator/superlink.out" "secure-afl deploy superlink --tls fed/tls \
+party_bg coordinator "$W/coordinator/superlink.out" "secure-afl deploy superlink --tls-dir fed/tls \
     --listen 127.0.0.1:$LINK_PORT --control-port $CONTROL_PORT --state-dir fed/superlink"
 wait_for coordinator/superlink.out "^ready: " 60
 

@@ -24,8 +24,10 @@ from secure_afl.cli_options import (
     check_dp_mechanism_options,
     ckks_degree_option,
     dp_options,
+    renamed_option,
     resolve_clip,
     resolve_dp_ridge,
+    split_pair,
 )
 from secure_afl.sim.data import CLASSES, N_CLIENTS, CohortError
 from secure_afl.sim.datasets import DataRequest, ImageSource, PreparingData
@@ -175,13 +177,15 @@ def main() -> None:
     help="Missing 1: withheld classes a random permutation (every class labelled by 7 clients, as the "
     "paper) or the earlier random draw with coverage (|S_c| 3..8 by seed).",
 )
-@click.option(
-    "--secure",
+@renamed_option(
+    "--protection",
+    old_names=("--secure",),
     type=click.Choice(["none", "mask", "ckks", "mask,ckks"]),
     default="mask",
     show_default=True,
     help="How client statistics are protected on their way to the server: pairwise masking, CKKS "
-    "encryption (TenSEAL), or both side by side (the first fits the reported models).",
+    "encryption (TenSEAL), or both side by side (the first fits the reported models). The deploy "
+    "commands take the same --protection.",
 )
 @ckks_degree_option
 @click.option(
@@ -189,7 +193,9 @@ def main() -> None:
     type=click.IntRange(min=0),
     default=0,
     show_default=True,
-    help="Random clients that drop out.",
+    help="Clients that drop out, drawn at random from --seed, at --dropout-stage. (deploy local "
+    "--drop CLIENT@ROUND instead kills a named SuperNode at a round: its R1..R3 are these stages, its "
+    "R4 the unmasking.)",
 )
 @click.option(
     "--dropout-stage",
@@ -283,6 +289,7 @@ def main() -> None:
     "--weights",
     "weights",
     multiple=True,
+    metavar="[NAME=]FILE",
     help="Weight file (FILE, or NAME=FILE per backbone; repeatable). Default: the library cache file.",
 )
 @click.option(
@@ -402,7 +409,7 @@ def sim(**options: Any) -> None:
 
     With --scenario mixed-type: FedMT's setting instead (the centre alone, FedMT with M known and
     estimated, and the one-round analytic counterpart), over the --centre-n sweep.  With --scenario
-    growing: each client's rows arrive over --sessions sessions, each released through --secure and
+    growing: each client's rows arrive over --sessions sessions, each released through --protection and
     accumulated by the server; every session's classifier is compared with the centralised fit
     (under --dp-epsilon: the noisy sums accumulate and every session's ε is recorded).
     """
@@ -509,7 +516,7 @@ def _sim_config_options(o: dict[str, Any]) -> dict[str, Any]:
     """The options every scenario's SimConfig takes, by its field names."""
     return dict(
         missing=o["missing"], rounds=o["rounds"], seed=o["seed"], gamma=o["gamma"], split=o["split_by"],
-        missing1=o["missing1"], secure=o["secure"], ckks_poly_degree=int(o["ckks_degree"]),
+        missing1=o["missing1"], secure=o["protection"], ckks_poly_degree=int(o["ckks_degree"]),
         dropout=o["dropout"], dropout_stage=o["dropout_stage"], threshold=o["threshold"],
         min_group_size=o["min_group_size"], client_policy=o["client_policy"], fraction=o["fraction"],
         dim=o["dim"], device=o["device"],
@@ -664,9 +671,9 @@ def _scenario_mixed_type(console: Console, o: dict[str, Any], dp: Any, names: li
         raise click.UsageError("--dp-epsilon and --dp-sweep are not supported with --scenario mixed-type")
     _run_mixed_type(
         console, source=sources[0], centre_n=_parse_centre_n(o["centre_n"]), seed=o["seed"], gamma=o["gamma"],
-        split=o["split_by"], secure=o["secure"], threshold=o["threshold"], min_group_size=o["min_group_size"],
-        fraction=o["fraction"], dim=o["dim"], xi=o["xi"], rounds=o["fedmt_rounds"], dropout=o["dropout"],
-        out_dir=o["out_dir"],
+        split=o["split_by"], secure=o["protection"], threshold=o["threshold"],
+        min_group_size=o["min_group_size"], fraction=o["fraction"], dim=o["dim"], xi=o["xi"],
+        rounds=o["fedmt_rounds"], dropout=o["dropout"], out_dir=o["out_dir"],
     )  # fmt: skip
 
 
@@ -717,12 +724,8 @@ def _run_multisite(
     from secure_afl.sim.setting import SimConfig
 
     keys = SITE_KEYS if sites == "all" else tuple(k.strip() for k in sites.split(",") if k.strip())
-    dirs = []
-    for item in site_dirs:
-        key, sep, path = item.partition("=")
-        if not sep or not key.strip() or not path.strip():
-            raise click.BadParameter(f"expected SITE=DIR, got {item!r}", param_hint="--site-dir")
-        dirs.append((key.strip(), Path(path.strip())))
+    pairs = [split_pair(item, "--site-dir", "SITE=DIR", "nih=/data/chestxray14") for item in site_dirs]
+    dirs = [(site, Path(path)) for site, path in pairs]
     images = None
     if dirs:
         weight_files = _parse_weights(weights, [backbone])
@@ -815,14 +818,15 @@ def _parse_weights(values: tuple[str, ...], backbones: list[str]) -> dict[str, P
     """``FILE`` (one backbone) or ``NAME=FILE`` entries, checked against the backbones asked for."""
     out: dict[str, Path] = {}
     for value in values:
-        name, sep, path = value.partition("=")
-        if not sep:
+        if "=" not in value:
             if len(backbones) != 1:
                 raise click.BadParameter(
                     f"{value!r}: with several backbones give --weights NAME=FILE for each",
                     param_hint="--weights",
                 )
             name, path = backbones[0], value
+        else:
+            name, path = split_pair(value, "--weights", "NAME=FILE", "resnet18=resnet18.pt")
         if name not in backbones:
             raise click.BadParameter(
                 f"{name!r} is not among the backbones {backbones}", param_hint="--weights"

@@ -17,6 +17,9 @@ from secure_afl.cli_options import (
     check_dp_mechanism_options,
     ckks_degree_option,
     dp_options,
+    key_dir_option,
+    renamed_option,
+    split_pair,
 )
 from secure_afl.deploy.errors import ConfigurationError, DeploymentError
 
@@ -91,7 +94,7 @@ def deploy_tls(hosts: tuple[str, ...], ips: tuple[str, ...], out_dir: Path, days
       superlink.key  its private key (0600): stays on the coordinator host
     \b
     What takes them:
-      secure-afl deploy superlink --tls DIR ...   (the coordinator: its front serves superlink.pem)
+      secure-afl deploy superlink --tls-dir DIR ...   (the coordinator: its front serves superlink.pem)
       flower-supernode --root-certificates ca.crt   (each hospital)
 
     The certificate's subjectAltName lists every --host and --ip: it must cover the exact name or IP
@@ -117,14 +120,16 @@ def deploy_tls(hosts: tuple[str, ...], ips: tuple[str, ...], out_dir: Path, days
     click.echo(f"      {files.key} (0600) and {files.ca_key} (0600, keep it offline)")
     click.echo(f"valid for {days} days for: {', '.join(names)}")
     target = f"[{names[0]}]" if ":" in names[0] else names[0]  # an IPv6 address needs brackets
-    click.echo(f"SuperLink: secure-afl deploy superlink --tls {out_dir} --listen ADDR:9092 --state-dir DIR")
+    click.echo(
+        f"SuperLink: secure-afl deploy superlink --tls-dir {out_dir} --listen ADDR:9092 --state-dir DIR"
+    )
     click.echo(f"SuperNode: flower-supernode --root-certificates ca.crt --superlink {target}:9092 ...")
 
 
 @deploy.command("superlink")
-@click.option("--tls", "tls_dir", required=True,
-              type=click.Path(path_type=Path, file_okay=False, exists=True),
-              help="The directory `deploy tls` wrote (ca.crt, superlink.pem, superlink.key).")  # fmt: skip
+@renamed_option("--tls-dir", "tls_dir", old_names=("--tls",), required=True, metavar="DIR",
+                type=click.Path(path_type=Path, file_okay=False, exists=True),
+                help="The directory `deploy tls` wrote (ca.crt, superlink.pem, superlink.key).")  # fmt: skip
 @click.option("--listen", required=True, metavar="ADDR:PORT",
               help="The hospitals' address: the Fleet API only (e.g. 10.0.0.5:9092; 0.0.0.0:9092 for "
                    "every address).")  # fmt: skip
@@ -158,7 +163,7 @@ def deploy_superlink(
     it runs code as this user) on the same port as the Fleet API.  So the SuperLink listens on
     127.0.0.1:--control-port only, and a reverse-proxy front on --listen (Caddy, or nginx with
     --front nginx) serves the Fleet API alone (what SuperNodes call) with the certificate of
-    --tls; every other path gets 404.
+    --tls-dir; every other path gets 404.
     \b
     Writes under --state-dir (0700, files 0600):
       superlink.db       node registrations and runs (kept across restarts)
@@ -290,7 +295,8 @@ def deploy_node_key(path: Path, force: bool) -> None:
     type=click.Choice(["mask", "ckks"]),
     default="mask",
     show_default=True,
-    help="Pairwise masking or CKKS; every hospital's node config must agree (protection=...).",
+    help="Pairwise masking or CKKS (sim's and deploy local's --protection); every hospital's node "
+    "config must agree (protection=...).",
 )
 @click.option(
     "--round-timeout",
@@ -463,11 +469,14 @@ def _backbone_record(features: Path | None, backbone: str | None, weights: Path 
     "--drop",
     "drops",
     multiple=True,
-    help="CLIENT@ROUND: kill that SuperNode at that protocol round (R1..R4; with ckks R3 is the signed "
-    "view and R4 reaches only decryptors; a key holder killed at R1 is replaced by a re-election).",
+    metavar="CLIENT@ROUND",
+    help="Kill that SuperNode at that protocol round (R1..R4; with ckks R3 is the signed view and R4 "
+    "reaches only decryptors; a key holder killed at R1 is replaced by a re-election). Repeatable. "
+    "(sim --dropout N --dropout-stage R instead drops N clients drawn from --seed at round R1..R3.)",
 )
-@click.option(
-    "--secure",
+@renamed_option(
+    "--protection",
+    old_names=("--secure",),
     type=click.Choice(["mask", "ckks"]),
     default="mask",
     show_default=True,
@@ -512,7 +521,9 @@ def _backbone_record(features: Path | None, backbone: str | None, weights: Path 
     "--dim", type=click.IntRange(min=1), default=1024, show_default=True, help="Synthetic feature dimension."
 )
 @click.option("--round-timeout", type=click.FloatRange(1), default=30.0, show_default=True,
-              help="Seconds after which a node that has not answered a round is a dropout.")  # fmt: skip
+              help="Seconds after which a node that has not answered a round is a dropout. Shorter than "
+              "provision's and app's 120: nodes on one machine answer within seconds, and a round that "
+              "lost a SuperNode to --drop may wait this long before it goes on.")  # fmt: skip
 @click.option(
     "--out",
     "out_dir",
@@ -544,13 +555,13 @@ def _backbone_record(features: Path | None, backbone: str | None, weights: Path 
               "released so far (under --dp-epsilon reported, not checked: the sums are noisy; each "
               "node's dp-epsilon then covers the chain's K sessions).")  # fmt: skip
 @dp_options
-def deploy_local(secure: str, drops: tuple[str, ...], out_dir: Path, **options: Any) -> None:
+def deploy_local(protection: str, drops: tuple[str, ...], out_dir: Path, **options: Any) -> None:
     """A federation of N SuperNodes on this machine, compared with the in-process simulation.
 
     With --dp-epsilon the institutions noise their statistics before masking (SECURITY.md §9): the
     classifier then differs from any rerun, so it is compared with the simulation's non-private one
     (the price of privacy) instead of bit for bit.  The simulation is the masked one (exact to
-    2^-32): with --secure mask the weights must be equal bit for bit, with --secure ckks within CKKS
+    2^-32): with --protection mask the weights must be equal bit for bit, with ckks within CKKS
     precision (CKKS_RELATIVE_WEIGHT_TOLERANCE).
     """
     from rich.console import Console
@@ -567,10 +578,12 @@ def deploy_local(secure: str, drops: tuple[str, ...], out_dir: Path, **options: 
         options["dp_epsilon"] is not None, options["dp_dim"], options["dp_ridge"],
         options["dp_projection_seed"], options["dp_class_sums"], options["dp_row_centre"],
     )  # fmt: skip
+    for item in drops:
+        split_pair(item, "--drop", "CLIENT@ROUND", "client-2@R2")
     console = Console()
     say = console.print if console.is_terminal else (lambda text: click.echo(text))
     try:
-        plan = plan_rehearsal(RehearsalOptions(secure=secure, drops=drops, **options))
+        plan = plan_rehearsal(RehearsalOptions(secure=protection, drops=drops, **options))
     except RehearsalError as exc:
         if exc.option is None:
             raise click.UsageError(str(exc)) from None
@@ -817,13 +830,9 @@ def deploy_run(
 
 
 def _key_value_pairs(items: tuple[str, ...], hint: str) -> dict[str, object]:
-    pairs: dict[str, object] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise click.BadParameter(f"{item!r}: expected KEY=VALUE", param_hint=hint)
-        pairs[key.strip()] = _run_config_value(value.strip())
-    return pairs
+    """``--set KEY=VALUE`` items as config keys, each value typed as TOML types it."""
+    pairs = (split_pair(item, hint, "KEY=VALUE", "dp-epsilon=1", value_optional=True) for item in items)
+    return {key: _run_config_value(value) for key, value in pairs}
 
 
 @deploy.command("provision")
@@ -833,9 +842,8 @@ def _key_value_pairs(items: tuple[str, ...], hint: str) -> dict[str, object]:
               type=click.Path(path_type=Path, exists=True),
               help="A hospital's identity.pub.json (`keys init`), or the directory holding it; repeat per "
                    "hospital.")  # fmt: skip
-@click.option("--coordinator-keys", type=click.Path(path_type=Path, file_okay=False), default=None,
-              help="The coordinator's key directory (`keys init --id coordinator`; default: "
-                   "$SECURE_AFL_HOME or ~/.secure-afl).")  # fmt: skip
+@key_dir_option("The coordinator's key directory (`keys init --id coordinator`; default: "
+                "$SECURE_AFL_HOME or ~/.secure-afl).", old_names=("--coordinator-keys",))  # fmt: skip
 @click.option("--passphrase-file", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="The coordinator key's passphrase file (0600).")  # fmt: skip
 @click.option("--passphrase-env", metavar="VAR", default=None,
@@ -876,7 +884,7 @@ def _key_value_pairs(items: tuple[str, ...], hint: str) -> dict[str, object]:
                    "itself). Without --fingerprint or --yes, provision asks at the terminal, and "
                    "refuses where there is none.")  # fmt: skip
 def deploy_provision(
-    out_dir: Path, hospitals: tuple[Path, ...], coordinator_keys: Path | None, passphrase_file: Path | None,
+    out_dir: Path, hospitals: tuple[Path, ...], key_dir: Path | None, passphrase_file: Path | None,
     passphrase_env: str | None, hosts: tuple[str, ...], ips: tuple[str, ...], port: int, federation: str,
     features_path: Path | None, backbone: str | None, weights: Path | None, rounds: int, gamma: float,
     protection: str, round_timeout: float, extra: tuple[str, ...], days: int, force: bool,
@@ -907,7 +915,7 @@ def deploy_provision(
     recognition = recognition_from_options(
         expected, yes, "--fingerprint", "Provision a roster of these hospitals?"
     )
-    directory = coordinator_keys or default_key_dir()
+    directory = key_dir or default_key_dir()
     entries = [read_entry_file(p / PUBLIC_FILE if p.is_dir() else p) for p in hospitals]
     coordinator = read_entry_file(directory / PUBLIC_FILE)
     key = load_key(directory, passphrase_file, passphrase_env)
@@ -934,7 +942,7 @@ def deploy_provision(
     for cid, kit in result.kits.items():
         click.echo(f"  {kit}  -> send the whole directory to {cid}")
     click.echo(f"hospitals dial {result.superlink}. Next, on this host:")
-    click.echo(f"  secure-afl deploy superlink --tls {out / 'tls'} --listen ADDRESS:{port} "
+    click.echo(f"  secure-afl deploy superlink --tls-dir {out / 'tls'} --listen ADDRESS:{port} "
                f"--state-dir {out / 'superlink'} --federation {federation}")  # fmt: skip
     click.echo(f"  secure-afl deploy collect {out} ID.reply.json ...   (the hospitals' replies)")
     click.echo(
@@ -947,8 +955,8 @@ def deploy_provision(
 @click.argument("kit_dir", type=click.Path(path_type=Path, file_okay=False, exists=True))
 @click.option("--features", "features_path", type=click.Path(path_type=Path, dir_okay=False), required=True,
               help="This hospital's labelled feature file (`features extract`).")  # fmt: skip
-@click.option("--key-dir", type=click.Path(path_type=Path, file_okay=False), default=None,
-              help="The key directory (`keys init`; default $SECURE_AFL_HOME or ~/.secure-afl).")  # fmt: skip
+@key_dir_option("This hospital's key directory (`keys init`; default $SECURE_AFL_HOME or ~/.secure-afl).",
+                old_names=())  # fmt: skip
 @click.option("--passphrase-file", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="The key's passphrase file (0600): the node reads it too.")  # fmt: skip
 @click.option("--passphrase-env", metavar="VAR", default=None,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import click
 
-from secure_afl.cli_options import LibraryErrorsGroup
+from secure_afl.cli_options import LibraryErrorsGroup, key_dir_option, split_pair
 from secure_afl.keys.files import KeyFileError, load_identity_key, save_identity_key
 from secure_afl.keys.identity import IdentityKey, fingerprint
 from secure_afl.keys.recognition import Recognition
@@ -96,6 +96,8 @@ def recognition_from_options(expected: Sequence[str], yes: bool, option: str, qu
             default=False,
         )
 
+    for item in expected:  # the syntax as every KEY=VALUE option checks it; the fingerprints below
+        split_pair(item, option, "ID=FINGERPRINT", "hospital-a='SHA256:ab12 cd34 ...' (quote it)")
     try:
         return Recognition.from_options(
             expected, assume_recognised=yes, confirm=confirm if stdin_is_terminal() else None
@@ -106,12 +108,10 @@ def recognition_from_options(expected: Sequence[str], yes: bool, option: str, qu
         raise click.UsageError(f"{option} and --yes: {exc}") from None
 
 
-_dir_option = click.option(
-    "--dir",
-    "directory",
-    type=click.Path(path_type=Path, file_okay=False),
-    default=None,
-    help="Key directory (default: $SECURE_AFL_HOME or ~/.secure-afl).",
+_dir_option = key_dir_option(
+    "This institution's key directory (default: $SECURE_AFL_HOME or ~/.secure-afl).",
+    old_names=("--dir",),
+    dest="directory",
 )
 
 
@@ -164,8 +164,8 @@ def init(
     """Create this institution's Ed25519 identity key, encrypted under a passphrase.
 
     \b
-    Writes DIR/identity.key (the encrypted key, 0600) and DIR/identity.pub.json (the roster entry
-    to send to the coordinator).  The passphrase (prompted, or --passphrase-file/--passphrase-env)
+    Writes KEY_DIR/identity.key (the encrypted key, 0600) and KEY_DIR/identity.pub.json (the roster
+    entry to send to the coordinator).  The passphrase (prompted, or --passphrase-file/--passphrase-env)
     must have at least 12 characters.
     """
     directory = directory or default_key_dir()

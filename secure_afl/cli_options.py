@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
 
 import click
 
@@ -18,9 +19,89 @@ ckks_degree_option = click.option(
     type=click.Choice(["8192", "16384"]),
     default="8192",
     show_default=True,
-    help="CKKS ring degree N, with --secure ckks (16384: twice the slots and a larger security "
+    help="CKKS ring degree N, with --protection ckks (16384: twice the slots and a larger security "
     "margin, slower).",
 )
+
+
+class RenamedOption(click.Option):
+    """An option that still answers to its ``old_names`` for one release.
+
+    The old names are parsed as the option itself, never listed in ``--help`` (so the generated
+    reference shows one name per concept), and using one prints a one-line deprecation note to
+    standard error.  Giving the new and an old name together is refused: which one was meant?
+    """
+
+    def __init__(self, *args: Any, old_names: Sequence[str] = (), **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.is_flag and old_names:
+            raise TypeError("RenamedOption: a flag's old names are not supported")
+        self.old_names = tuple(old_names)
+
+    def _old_dest(self, index: int) -> str:
+        return f"{self.name} old name {index}"  # never an identifier: no clash with another option
+
+    def add_to_parser(self, parser: Any, ctx: click.Context) -> None:
+        super().add_to_parser(parser, ctx)
+        action = "append" if self.multiple else "store"
+        for index, old in enumerate(self.old_names):  # one destination each: the note names it
+            parser.add_option(
+                obj=self, opts=[old], dest=self._old_dest(index), action=action, nargs=self.nargs
+            )
+
+    def consume_value(self, ctx: click.Context, opts: Any) -> Any:
+        used = [
+            (old, opts[self._old_dest(i)])
+            for i, old in enumerate(self.old_names)
+            if self._old_dest(i) in opts
+        ]
+        new = self.opts[0]
+        if used:
+            names = [old for old, _ in used]
+            if self.name in opts or len(used) > 1:
+                given = " and ".join(([new] if self.name in opts else []) + names)
+                raise click.UsageError(f"{given} name one option: give {new} only", ctx=ctx)
+            click.echo(
+                f"{ctx.command_path}: {names[0]} is deprecated, use {new} (the old name goes in the "
+                "next release)",
+                err=True,
+            )
+            opts = {**opts, self.name: used[0][1]}
+        return super().consume_value(ctx, opts)
+
+
+def renamed_option(*param_decls: str, old_names: Sequence[str], **attrs: Any) -> Callable[[F], F]:
+    """``click.option`` for an option renamed for one vocabulary: ``old_names`` still work, with a
+    deprecation note (:class:`RenamedOption`)."""
+    return click.option(*param_decls, cls=RenamedOption, old_names=old_names, **attrs)
+
+
+def key_dir_option(help: str, *, old_names: Sequence[str], dest: str = "key_dir") -> Callable[[F], F]:
+    """``--key-dir DIR``: the directory of this party's own identity key (``keys init``: identity.key
+    and identity.pub.json), in every command that uses one.  A key *file* is another concept:
+    ``--identity-key FILE`` (``deploy app``, ``deploy run``)."""
+    return renamed_option(
+        "--key-dir", dest, old_names=old_names, type=click.Path(path_type=Path, file_okay=False),
+        default=None, metavar="DIR", help=help,
+    )  # fmt: skip
+
+
+def split_pair(
+    item: str, option: str, metavar: str, example: str, *, value_optional: bool = False
+) -> tuple[str, str]:
+    """One ``NAME=VALUE`` item of a repeatable option (``--set``, ``--expect``, ``--site-dir``,
+    ``--weights``, and ``--drop`` with its ``@``), split at the separator ``metavar`` shows.
+
+    Every such option refuses a malformed item with the same words: the item, what was expected,
+    and an example.  Both halves are stripped; the name may not be empty, nor the value unless
+    ``value_optional`` (``--set KEY=`` sets an empty string).
+    """
+    separator = "@" if "@" in metavar else "="
+    name, sep, value = item.partition(separator)
+    name, value = name.strip(), value.strip()
+    if not sep or not name or not (value or value_optional):
+        raise click.BadParameter(f"{item!r}: expected {metavar}, e.g. {example}", param_hint=option)
+    return name, value
 
 
 def dp_options(command: F) -> F:

@@ -60,7 +60,7 @@ __all__ = [
 
 Say = Callable[[str], None]
 ClientData = tuple[np.ndarray, np.ndarray, tuple[int, ...]]  # features, labels, active classes
-# ``deploy local --secure ckks`` against the masked simulation: CKKS rounds every decrypted sum to
+# ``deploy local --protection ckks`` against the masked simulation: CKKS rounds every decrypted sum to
 # 2^-24, so the weights are equal only within a tolerance.  Measured (4 clients, missing 1):
 # max |Δw| / max |w| = 1.0e-7 at d = 32 (fraction 0.08) and 3.6e-7 at d = 1024 (full data), metrics
 # equal within 1e-7.  The check allows 1e-4 of the largest weight and 1e-3 on BACC, AUC and mAP.
@@ -225,7 +225,7 @@ def parse_drops(
         if not sep or cid not in ids or round_name not in rounds:
             raise RehearsalError(
                 f"{value!r}: expected CLIENT@ROUND with CLIENT in {ids[0]}..{ids[-1]} and "
-                f"ROUND one of {', '.join(rounds)} with --secure {protection} (e.g. client-2@R2)",
+                f"ROUND one of {', '.join(rounds)} with --protection {protection} (e.g. client-2@R2)",
                 "--drop",
             )
         if cid in drops:

@@ -148,7 +148,7 @@ def test_sim_schedule_sets_the_rounds_of_fedavg_and_the_baselines(tmp_path) -> N
         "0.02",
         "--dim",
         "16",
-        "--secure",
+        "--protection",
         "none",
         "--rounds",
         "1",

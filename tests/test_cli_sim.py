@@ -28,7 +28,7 @@ def _run(args: list[str]):
 
 
 def test_sim_missing_all_writes_every_method_and_setting(tmp_path: Path) -> None:
-    result = _run(["--missing", "all", "--secure", "none", "--out", str(tmp_path), *SMALL])
+    result = _run(["--missing", "all", "--protection", "none", "--out", str(tmp_path), *SMALL])
     assert result.exit_code == 0, result.output
     assert "FEATURES ARE SYNTHETIC" in result.output
     assert "Class coverage, missing 7" in result.output
@@ -58,7 +58,7 @@ def test_sim_missing_all_writes_every_method_and_setting(tmp_path: Path) -> None
 
 
 def test_sim_one_round_leaves_out_round_two(tmp_path: Path) -> None:
-    result = _run(["--missing", "3", "--rounds", "1", "--secure", "none", "--out", str(tmp_path), *SMALL])
+    result = _run(["--missing", "3", "--rounds", "1", "--protection", "none", "--out", str(tmp_path), *SMALL])
     assert result.exit_code == 0, result.output
     data = json.loads((tmp_path / "results.json").read_text())
     assert set(data["settings"][0]["metrics"]) == METHODS - {"AFL (2 rounds)", "AFL (2 rounds, rescaled τ)"}
@@ -79,7 +79,7 @@ def test_sim_rejects_a_device_it_cannot_use(tmp_path: Path) -> None:
 
 def test_sim_secure_mask_with_dropouts_reports_audit_and_costs(tmp_path: Path) -> None:
     result = _run([
-        "--missing", "1", "--secure", "mask", "--dropout", "2", "--dropout-stage", "R2",
+        "--missing", "1", "--protection", "mask", "--dropout", "2", "--dropout-stage", "R2",
         "--out", str(tmp_path), "--verbose", *SMALL,
     ])  # fmt: skip
     assert result.exit_code == 0, result.output
@@ -106,7 +106,7 @@ def test_sim_secure_mask_with_dropouts_reports_audit_and_costs(tmp_path: Path) -
 
 
 def test_sim_plaintext_audit_says_everything_is_visible(tmp_path: Path) -> None:
-    result = _run(["--missing", "3", "--secure", "none", "--rounds", "1", "--out", str(tmp_path), *SMALL])
+    result = _run(["--missing", "3", "--protection", "none", "--rounds", "1", "--out", str(tmp_path), *SMALL])
     assert result.exit_code == 0, result.output
     audit = json.loads((tmp_path / "results.json").read_text())["settings"][0]["privacy_audit"]
     assert audit["warnings"] == ["plaintext run: the server receives every client's statistics individually"]
@@ -240,7 +240,7 @@ def test_sim_runs_the_experiment_with_the_collector_on(
         return real(*args, **kwargs)
 
     monkeypatch.setattr(runner, "run_experiment", recording)
-    result = _run(["--missing", "7", "--secure", "none", "--rounds", "1", "--out", str(tmp_path), *SMALL])
+    result = _run(["--missing", "7", "--protection", "none", "--rounds", "1", "--out", str(tmp_path), *SMALL])
     assert result.exit_code == 0, result.output
     assert seen == [True]
 

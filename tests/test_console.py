@@ -38,7 +38,7 @@ def test_the_console_script_keeps_click_exit_status_and_messages() -> None:
     assert version.returncode == 0 and "secure-afl, version" in version.stdout
     bad = _console("sim", "--missing", "99")
     assert bad.returncode == 2 and "unknown missing level 99" in bad.stderr
-    no_key = _console("keys", "show", "--dir", "/nonexistent/secure-afl-keys")  # a ClickException
+    no_key = _console("keys", "show", "--key-dir", "/nonexistent/secure-afl-keys")  # a ClickException
     assert no_key.returncode == 1 and "Error:" in no_key.stderr
 
 

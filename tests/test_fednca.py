@@ -200,7 +200,7 @@ def test_sim_baselines_fednca_ml_adds_its_row(tmp_path) -> None:
 
     from secure_afl.cli import main
 
-    args = ["sim", "--missing", "7", "--secure", "none", "--rounds", "1", "--baselines", "fednca-ml"]
+    args = ["sim", "--missing", "7", "--protection", "none", "--rounds", "1", "--baselines", "fednca-ml"]
     args += ["--fraction", "0.05", "--dim", "16", "--fedavg-rounds", "1", "--out", str(tmp_path)]
     result = CliRunner().invoke(main, args, catch_exceptions=False)
     assert result.exit_code == 0, result.output

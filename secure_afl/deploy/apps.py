@@ -186,7 +186,7 @@ def coordinator_signer(config: Mapping[str, Any], roster: Roster) -> ClassifierS
     if missing:
         raise ConfigurationError(
             f"the run config lacks {missing}: the coordinator signs the classifier file with its roster "
-            "identity. Create it with `secure-afl keys init --id coordinator --dir DIR`, add "
+            "identity. Create it with `secure-afl keys init --id coordinator --key-dir DIR`, add "
             "DIR/identity.pub.json to the roster with `secure-afl keys roster add --coordinator --entry "
             "...`, and set identity-key (DIR/identity.key) and passphrase-file (or passphrase-env, an "
             "environment variable of the SuperLink's process) in the run config"

@@ -223,7 +223,7 @@ def plan_superlink(
     missing = [str(p) for p in files if not p.is_file()]
     if missing:
         raise SuperLinkSetupError(
-            f"--tls {tls_dir}: {', '.join(missing)} missing; write them with "
+            f"--tls-dir {tls_dir}: {', '.join(missing)} missing; write them with "
             "`secure-afl deploy tls --host NAME --ip ADDR --out DIR`"
         )
     host, port = parse_listen(listen)

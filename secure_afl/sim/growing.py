@@ -29,7 +29,7 @@ and re-labelling earlier rows with the new teacher would release them a second t
 one-contribution-per-image rule.  There is no exact round 2 of a union, so a growing study fits
 round 1 only (which, with the paper's ``±1/N`` targets and τ = 0.7, is what round 2 leaves anyway).
 
-**Under --dp-epsilon** (``--secure mask`` or ``none``; :class:`secure_afl.sim.dp_run.PrivateGrowth`)
+**Under --dp-epsilon** (``--protection mask`` or ``none``; :class:`secure_afl.sim.dp_run.PrivateGrowth`)
 every client clips, rounds and noises the DP layout's statistics of its new rows under one noise
 plan for the study (a client with none noises zeros: it commits nothing, so nothing is a known
 zero), the server accumulates the noisy sums and solves with the chain's noise
@@ -492,7 +492,7 @@ def print_growing_report(result: GrowingResult, console: Console) -> None:
     table = Table(
         title=(
             f"A growing federation: {result.config.sessions} sessions, missing {sim.missing[0]}, "
-            f"--secure {sim.secure}, balance=global, gram={result.config.gram}"
+            f"--protection {sim.secure}, balance=global, gram={result.config.gram}"
         ),
         title_justify="left",
         box=box.SIMPLE_HEAD,

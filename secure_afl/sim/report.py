@@ -308,8 +308,8 @@ def threat_model_line(config: SimConfig) -> str:
         f"t >= {active_threshold(n)}, groups of at least 2 and clients that refuse exposing sessions "
         f"(ClientPolicy.deployment(); --client-policy deployment shows what they would refuse)."
         + (
-            " CKKS (--secure ckks) defends an honest-but-curious server colluding with no client, whatever"
-            " t: TenSEAL has no threshold decryption (SECURITY.md section 7)."
+            " CKKS (--protection ckks) defends an honest-but-curious server colluding with no client,"
+            " whatever t: TenSEAL has no threshold decryption (SECURITY.md section 7)."
             if "ckks" in config.secure
             else ""
         )

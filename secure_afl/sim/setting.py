@@ -145,7 +145,8 @@ class SimConfig:
             if self.secure not in ("none", "mask"):
                 raise ExperimentError(
                     f"differential privacy adds its noise inside the masking protocol (or in the clear), "
-                    f"not under --secure {self.secure}; use --secure mask or none with it"
+                    f"not under --protection {self.secure}; use --protection mask or none with it "
+                    "(--secure mask or none, its old name)"
                 )
 
 

@@ -54,7 +54,7 @@ def test_embedded_data_missing_7_ckks_metrics_equal_plaintext_within_1e_3() -> N
 
 
 def test_cli_mask_and_ckks_side_by_side(tmp_path: Path) -> None:
-    args = ["sim", "--missing", "1", "--secure", "mask,ckks", "--dropout", "1", "--dropout-stage", "R3"]
+    args = ["sim", "--missing", "1", "--protection", "mask,ckks", "--dropout", "1", "--dropout-stage", "R3"]
     args += ["--fraction", "0.06", "--dim", "48", "--fedavg-rounds", "1", "--out", str(tmp_path)]
     result = CliRunner().invoke(main, args, catch_exceptions=False)
     assert result.exit_code == 0, result.output

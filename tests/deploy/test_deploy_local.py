@@ -69,7 +69,7 @@ TLS = ["deploy", "local", "--clients", "4", "--tls", "--drop", "client-0@R4", "-
 
 # seed 2: every class is labelled by 3 or more of the 4 (seed 0 leaves a class group of two, which the
 # nodes' exposure check refuses with one colluder assumed; deploy local says so)
-CKKS = ["deploy", "local", "--clients", "4", "--seed", "2", "--no-tls", "--secure", "ckks",
+CKKS = ["deploy", "local", "--clients", "4", "--seed", "2", "--no-tls", "--protection", "ckks",
         "--fraction", "0.08", "--dim", "32", "--round-timeout", "30"]  # fmt: skip
 
 
@@ -260,7 +260,7 @@ def test_deploy_local_with_ckks_equals_the_simulation_within_ckks_precision(fede
     assert set(session["decryptors"].values()) <= set(session["survivors"])
     assert np.isfinite(classifier.weights).all() and classifier.weights.shape == (32, 8)
     assert _processes_mentioning(str(tmp_path)) == []
-    print(f"deploy local --secure ckks took {time.monotonic() - federation.started:.0f} s")
+    print(f"deploy local --protection ckks took {time.monotonic() - federation.started:.0f} s")
 
 
 def test_process_groups_stop_grandchildren_even_in_new_sessions(tmp_path: Path) -> None:

@@ -110,7 +110,7 @@ def _provision(tmp_path: Path) -> Provisioned:
     port = free_port()
     code, output = _invoke(
         "provision", "--out", out, *(a for s in sites.values() for a in ("--hospital", s.keys)),
-        "--coordinator-keys", coordinator.keys, "--passphrase-file", coordinator.passfile,
+        "--key-dir", coordinator.keys, "--passphrase-file", coordinator.passfile,
         "--ip", "127.0.0.1", "--port", port, "--features", sites["hospital-a"].features,
         "--set", "colluders=0", "--yes",
     )  # fmt: skip
@@ -178,7 +178,7 @@ def test_provision_writes_the_roster_tls_app_and_private_signed_kits(tmp_path: P
     # Nothing is replaced without --force.
     code, output = _invoke(
         "provision", "--out", p.out, "--hospital", p.sites["hospital-a"].keys, "--hospital",
-        p.sites["hospital-b"].keys, "--coordinator-keys", p.coordinator.keys, "--passphrase-file",
+        p.sites["hospital-b"].keys, "--key-dir", p.coordinator.keys, "--passphrase-file",
         p.coordinator.passfile, "--ip", "127.0.0.1", "--features", p.sites["hospital-a"].features,
     )  # fmt: skip
     assert code == 1 and "already exist(s)" in output

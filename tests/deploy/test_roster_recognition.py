@@ -170,7 +170,7 @@ def _invoke(*args: object, input: str | None = None) -> tuple[int, str]:
 def _provision_args(out: Path, hospitals: list[Site], coordinator: Site) -> list[object]:
     return [
         "provision", "--out", out, *(a for s in hospitals for a in ("--hospital", s.keys)),
-        "--coordinator-keys", coordinator.keys, "--passphrase-file", coordinator.keys / "pass",
+        "--key-dir", coordinator.keys, "--passphrase-file", coordinator.keys / "pass",
         "--ip", "127.0.0.1", "--port", free_port(), "--features", hospitals[0].features,
         "--set", "colluders=0",
     ]  # fmt: skip
@@ -359,7 +359,7 @@ def test_keys_roster_sign_checks_every_entry_too(tmp_path: Path, monkeypatch: py
     path.write_text(roster.to_json())
     text = path.read_bytes()
     a = sites[0]
-    args = ["roster", "sign", "--roster", path, "--dir", a.keys, "--passphrase-file", a.keys / "pass"]
+    args = ["roster", "sign", "--roster", path, "--key-dir", a.keys, "--passphrase-file", a.keys / "pass"]
 
     def sign(*extra: object, input: str | None = None) -> tuple[int, str]:
         result = CliRunner().invoke(keys, [str(x) for x in (*args, *extra)], input=input)

@@ -78,7 +78,7 @@ class Link:
         self.starts += 1
         log = self.work / f"deploy-superlink-{self.starts}.log"
         listen = f"{HOSPITALS_HOST}:{self.fleet_port}"
-        args = ["deploy", "superlink", "--tls", str(self.tls), "--state-dir", str(self.state),
+        args = ["deploy", "superlink", "--tls-dir", str(self.tls), "--state-dir", str(self.state),
                 "--listen", listen, "--control-port", str(self.control_port)]  # fmt: skip
         script = (
             f"import sys; sys.argv = ['secure-afl', *{args!r}]; from secure_afl.console import run; run()"

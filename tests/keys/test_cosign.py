@@ -120,13 +120,15 @@ def test_keys_roster_sign_adds_each_signature_and_roster_add_drops_them(tmp_path
         directory = tmp_path / cid
         directory.mkdir()
         save_identity_key(directory / "identity.key", key, b"a long test passphrase", scrypt_n=2**10)
-        args = ["roster", "sign", "--roster", str(path), "--dir", str(directory), "--yes"]
+        args = ["roster", "sign", "--roster", str(path), "--key-dir", str(directory), "--yes"]
         result = runner.invoke(keys, [*args, "--passphrase-file", str(passfile)])
         assert result.exit_code == 0, result.output
         assert f"{cid} co-signed the roster {roster.fingerprint}" in result.output
     assert "every institution has co-signed it" in result.output
     assert load_cosigned_roster(path) == roster
-    shown = runner.invoke(keys, ["roster", "show", "--roster", str(path), "--dir", str(tmp_path / "none")])
+    shown = runner.invoke(
+        keys, ["roster", "show", "--roster", str(path), "--key-dir", str(tmp_path / "none")]
+    )
     assert "co-signed by every institution" in shown.output
     # Any change to the roster drops the co-signatures: it must be signed again.
     extra = IdentityKey.generate()
@@ -149,7 +151,7 @@ def test_keys_roster_sign_adds_each_signature_and_roster_add_drops_them(tmp_path
             "sign",
             "--roster",
             str(path),
-            "--dir",
+            "--key-dir",
             str(directory),
             "--passphrase-file",
             str(passfile),

@@ -37,7 +37,9 @@ def run(*args: str) -> tuple[int, str]:
 
 def init(tmp_path: Path, cid: str, passfile: Path) -> Path:
     directory = tmp_path / cid
-    code, out = run("keys", "init", "--id", cid, "--passphrase-file", str(passfile), "--dir", str(directory))
+    code, out = run(
+        "keys", "init", "--id", cid, "--passphrase-file", str(passfile), "--key-dir", str(directory)
+    )
     assert code == 0, out
     return directory
 
@@ -54,11 +56,11 @@ def test_init_writes_a_private_encrypted_key_and_a_public_entry(tmp_path: Path) 
     key = load_identity_key(key_file, b"correct horse battery staple")
     entry = json.loads((directory / "identity.pub.json").read_text())
     assert entry["id"] == "hospital-a" and entry["fingerprint"] == key.fingerprint
-    code, out = run("keys", "show", "--passphrase-file", str(passfile), "--dir", str(directory))
+    code, out = run("keys", "show", "--passphrase-file", str(passfile), "--key-dir", str(directory))
     assert code == 0 and key.fingerprint in out and "hospital-a" in out
     # A second init refuses to destroy the key.
     code, out = run(
-        "keys", "init", "--id", "hospital-a", "--passphrase-file", str(passfile), "--dir", str(directory)
+        "keys", "init", "--id", "hospital-a", "--passphrase-file", str(passfile), "--key-dir", str(directory)
     )
     assert code != 0 and "already exists" in out
 
@@ -66,14 +68,16 @@ def test_init_writes_a_private_encrypted_key_and_a_public_entry(tmp_path: Path) 
 def test_show_names_a_wrong_passphrase_and_an_open_key_file(tmp_path: Path) -> None:
     directory = init(tmp_path, "hospital-a", _passfile(tmp_path))
     wrong = _passfile(tmp_path, "wrong", name="wrong")
-    code, out = run("keys", "show", "--passphrase-file", str(wrong), "--dir", str(directory))
+    code, out = run("keys", "show", "--passphrase-file", str(wrong), "--key-dir", str(directory))
     assert code != 0 and "wrong passphrase" in out
     (directory / "identity.key").chmod(0o644)
-    code, out = run("keys", "show", "--passphrase-file", str(_passfile(tmp_path)), "--dir", str(directory))
+    code, out = run(
+        "keys", "show", "--passphrase-file", str(_passfile(tmp_path)), "--key-dir", str(directory)
+    )
     assert code != 0 and "too open" in out and "chmod 600" in out
     open_pass = _passfile(tmp_path, name="open")
     open_pass.chmod(0o644)
-    code, out = run("keys", "show", "--passphrase-file", str(open_pass), "--dir", str(directory))
+    code, out = run("keys", "show", "--passphrase-file", str(open_pass), "--key-dir", str(directory))
     assert code != 0 and "passphrase file" in out
 
 
@@ -90,12 +94,14 @@ def test_roster_add_show_verify_remove(tmp_path: Path) -> None:
         assert code == 0, out
     roster = load_roster(roster_path)
     assert roster.client_ids == ("hospital-a", "hospital-b", "hospital-c")
-    code, out = run("keys", "roster", "show", "--roster", str(roster_path), "--dir", str(dirs["hospital-b"]))
+    code, out = run(
+        "keys", "roster", "show", "--roster", str(roster_path), "--key-dir", str(dirs["hospital-b"])
+    )
     assert code == 0 and "(this institution)" in out and roster.fingerprint in out
     fp_c = fingerprint_of(dirs["hospital-c"])
     code, out = run(
         "keys", "roster", "verify", "--roster", str(roster_path), "--id", "hospital-c",
-        "--fingerprint", fp_c, "--dir", str(dirs["hospital-a"]),
+        "--fingerprint", fp_c, "--key-dir", str(dirs["hospital-a"]),
     )  # fmt: skip
     assert code == 0 and "matches" in out
     code, out = run("keys", "roster", "remove", "--roster", str(roster_path), "--id", "hospital-c")
@@ -140,7 +146,7 @@ def test_roster_errors_are_specific(tmp_path: Path) -> None:
     )
     assert code != 0 and "not a fingerprint" in out
     # A roster without the local key.
-    code, out = run("keys", "roster", "show", "--roster", str(roster_path), "--dir", str(b))
+    code, out = run("keys", "roster", "show", "--roster", str(roster_path), "--key-dir", str(b))
     assert code != 0 and "lacks this institution" in out and "hospital-b" in out
     # A malformed roster.
     bad = tmp_path / "bad.json"
@@ -166,16 +172,16 @@ def test_roster_fingerprint_ignores_formatting_but_not_content(tmp_path: Path) -
 def test_init_refuses_a_short_passphrase_from_every_source(tmp_path: Path, monkeypatch) -> None:
     short = _passfile(tmp_path, "eleven char", name="short")  # 11 characters
     code, out = run(
-        "keys", "init", "--id", "h", "--passphrase-file", str(short), "--dir", str(tmp_path / "a")
+        "keys", "init", "--id", "h", "--passphrase-file", str(short), "--key-dir", str(tmp_path / "a")
     )
     assert code != 0 and "has 11 character(s); a new key needs at least 12" in out
     assert not (tmp_path / "a").exists()  # nothing written
     monkeypatch.setenv("SHORT_PASS", "tiny")
     code, out = run(
-        "keys", "init", "--id", "h", "--passphrase-env", "SHORT_PASS", "--dir", str(tmp_path / "b")
+        "keys", "init", "--id", "h", "--passphrase-env", "SHORT_PASS", "--key-dir", str(tmp_path / "b")
     )
     assert code != 0 and "has 4 character(s)" in out and not (tmp_path / "b").exists()
-    result = CliRunner().invoke(main, ["keys", "init", "--id", "h", "--dir", str(tmp_path / "c")],
+    result = CliRunner().invoke(main, ["keys", "init", "--id", "h", "--key-dir", str(tmp_path / "c")],
                                 input="short\nshort\n")  # fmt: skip
     assert result.exit_code != 0 and "has 5 character(s)" in result.output
     assert not (tmp_path / "c" / "identity.key").exists()
@@ -185,13 +191,13 @@ def test_the_passphrase_from_an_environment_variable(tmp_path: Path, monkeypatch
     monkeypatch.setenv("HOSPITAL_A_PASS", "correct horse battery staple")
     directory = tmp_path / "a"
     code, out = run("keys", "init", "--id", "hospital-a", "--passphrase-env", "HOSPITAL_A_PASS",
-                    "--dir", str(directory))  # fmt: skip
+                    "--key-dir", str(directory))  # fmt: skip
     assert code == 0, out
     key = load_identity_key(directory / "identity.key", b"correct horse battery staple")
-    code, out = run("keys", "show", "--passphrase-env", "HOSPITAL_A_PASS", "--dir", str(directory))
+    code, out = run("keys", "show", "--passphrase-env", "HOSPITAL_A_PASS", "--key-dir", str(directory))
     assert code == 0 and key.fingerprint in out
-    code, out = run("keys", "show", "--passphrase-env", "NOT_SET_ANYWHERE", "--dir", str(directory))
+    code, out = run("keys", "show", "--passphrase-env", "NOT_SET_ANYWHERE", "--key-dir", str(directory))
     assert code != 0 and "NOT_SET_ANYWHERE is not set" in out
     code, out = run("keys", "show", "--passphrase-env", "HOSPITAL_A_PASS", "--passphrase-file",
-                    str(_passfile(tmp_path)), "--dir", str(directory))  # fmt: skip
+                    str(_passfile(tmp_path)), "--key-dir", str(directory))  # fmt: skip
     assert code != 0 and "not both" in out

@@ -71,7 +71,7 @@ def test_keys_roster_add_coordinator_show_verify_remove(tmp_path: Path) -> None:
     for cid in ("hospital-a", "coordinator"):
         dirs[cid] = tmp_path / cid
         code, out = _run(
-            "keys", "init", "--id", cid, "--passphrase-file", str(passfile), "--dir", str(dirs[cid])
+            "keys", "init", "--id", cid, "--passphrase-file", str(passfile), "--key-dir", str(dirs[cid])
         )
         assert code == 0, out
     roster = tmp_path / "roster.json"
@@ -84,7 +84,7 @@ def test_keys_roster_add_coordinator_show_verify_remove(tmp_path: Path) -> None:
     assert code == 0, out
     pinned = Roster.from_json(roster.read_text())
     assert pinned.client_ids == ("hospital-a",) and pinned.coordinator is not None  # kept by the second add
-    code, out = _run("keys", "roster", "show", "--roster", str(roster), "--dir", str(dirs["hospital-a"]))
+    code, out = _run("keys", "roster", "show", "--roster", str(roster), "--key-dir", str(dirs["hospital-a"]))
     assert code == 0 and "(coordinator: signs the classifier)" in out
     fingerprint = pinned.coordinator.fingerprint
     code, out = _run(

@@ -62,7 +62,7 @@ def test_sim_dp_patient_unit_and_bad_options(tmp_path: Path) -> None:
             "patient",
             "--dp-max-images-per-patient",
             "2",
-            "--secure",
+            "--protection",
             "none",
             "--out",
             str(tmp_path),
@@ -198,7 +198,7 @@ def test_dp_dim_and_ridge_without_dp_or_out_of_range_are_refused(tmp_path: Path)
 def test_sim_positive_class_sums_run_under_masking_with_both_rounds(tmp_path: Path) -> None:
     result = _run(
         ["--missing", "1", "--rounds", "2", "--dp-epsilon", "2", "--dp-class-sums", "positives",
-         "--secure", "mask", "--out", str(tmp_path), *SMALL]
+         "--protection", "mask", "--out", str(tmp_path), *SMALL]
     )  # fmt: skip
     assert result.exit_code == 0, result.output
     assert "label-normalised positive sums + total" in " ".join(result.output.split())

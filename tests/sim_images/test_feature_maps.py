@@ -132,7 +132,7 @@ def test_sim_fednca_on_images_trains_on_the_cached_feature_maps(tmp_path: Path) 
     data = tmp_path / "data"
     args = [
         "sim", "--dataset", "nih", "--data-dir", str(data), "--csv", str(data / "labels.csv"),
-        "--backbone", "resnet18", "--weights", str(weights), "--missing", "7", "--secure", "none",
+        "--backbone", "resnet18", "--weights", str(weights), "--missing", "7", "--protection", "none",
         "--fedavg-rounds", "1", "--baselines", "fednca-ml", "--workers", "0",
         "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "out"),
     ]  # fmt: skip
