@@ -111,10 +111,11 @@ def run_federation(args: argparse.Namespace, dim: int, out: Path) -> dict[str, o
             if sample is None:
                 continue
             hwm, rss, cmd = sample
-            entry = processes.setdefault(pid, {"peak_bytes": 0})
-            entry.update(
-                role=_role(cmd), port=_port(cmd)
-            )  # as it runs now (a fork execs after its first sample)
+            entry = processes.setdefault(pid, {"peak_bytes": 0, "cmd": None, "role": "other", "port": None})
+            if cmd.strip() and cmd != entry["cmd"]:
+                # A fork sampled before its exec shows its parent (its memory too): what it runs now
+                # counts, from its new peak (an exec starts VmHWM again); an exited one shows nothing.
+                entry.update(cmd=cmd, role=_role(cmd), port=_port(cmd), peak_bytes=0)
             entry["peak_bytes"] = max(int(entry["peak_bytes"]), hwm)  # type: ignore[call-overload]
             if entry["port"] is not None and entry["role"] != "flwr-serverapp":
                 sums[str(entry["port"])] = sums.get(str(entry["port"]), 0) + rss
@@ -154,6 +155,13 @@ def run_federation(args: argparse.Namespace, dim: int, out: Path) -> dict[str, o
         "nodes": nodes,
         "peak_gib_by_role": by_role,
         "clientapp_processes": sum(1 for e in processes.values() if e["role"] == "flwr-clientapp"),
+        "processes": sorted(
+            (
+                {"role": e["role"], "port": e["port"], "peak_gib": int(e["peak_bytes"]) / 2**30}
+                for e in processes.values()
+            ),  # type: ignore[call-overload]
+            key=lambda e: (str(e["role"]), str(e["port"])),
+        ),
     }
 
 
