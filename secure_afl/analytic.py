@@ -262,12 +262,36 @@ def sum_contributions(contributions: Iterable[Contributions]) -> Contributions:
     return sums
 
 
-def _cholesky(a: np.ndarray, what: str) -> torch.Tensor:
-    """Lower Cholesky factor, in float64 with torch (scipy's LAPACK fights torch's threads for cores)."""
-    matrix = torch.as_tensor(a, dtype=torch.float64)
+def _all_finite(matrix: torch.Tensor) -> bool:
+    """Whether every entry is finite, a block of columns at a time (``torch.isfinite`` makes a
+    temporary of the matrix's size: 128 MiB at d = 4096)."""
+    values = matrix.detach().numpy()
+    step = max(1, (1 << 20) // max(1, values.shape[0]))
+    return all(bool(np.isfinite(values[:, j : j + step]).all()) for j in range(0, values.shape[1], step))
+
+
+def _cholesky(a: np.ndarray | torch.Tensor, what: str) -> torch.Tensor:
+    """Lower Cholesky factor, in float64 with torch (scipy's LAPACK fights torch's threads for cores).
+
+    An array is copied (the caller keeps it).  A float64 torch tensor in column-major layout
+    (:func:`_regularised_gram` makes one) is the caller's to give up: it is factored in its own
+    memory and becomes the factor (the same LAPACK call on the same values and layout as the copy
+    gets, so the same factor bit for bit; at d = 4096 no second 128 MiB matrix)."""
+    in_place = (
+        isinstance(a, torch.Tensor) and a.dtype == torch.float64 and a.ndim == 2 and a.mT.is_contiguous()
+    )
+    matrix = a if in_place else torch.as_tensor(a, dtype=torch.float64)
+    if in_place and not _all_finite(matrix):  # checked before its values are overwritten
+        raise StatisticsError(
+            f"{what}: the regularised Gram matrix is not positive definite; "
+            "check the statistics for NaN, or increase gamma"
+        )
     with _one_thread():
-        factor, info = torch.linalg.cholesky_ex(matrix)
-    if int(info) != 0 or not torch.isfinite(matrix).all():
+        if in_place:
+            factor, info = torch.linalg.cholesky_ex(matrix, out=(matrix, torch.empty((), dtype=torch.int32)))
+        else:
+            factor, info = torch.linalg.cholesky_ex(matrix)
+    if int(info) != 0 or (not in_place and not _all_finite(matrix)):
         raise StatisticsError(
             f"{what}: the regularised Gram matrix is not positive definite; "
             "check the statistics for NaN, or increase gamma"
@@ -295,14 +319,16 @@ def _tensor(sums: GroupSums, group: str, name: str) -> np.ndarray:
         ) from None
 
 
-def _regularised_gram(gram: np.ndarray, gamma: float) -> np.ndarray:
-    """``G + γI`` in one fresh ``d×d`` array, from the full ``G`` or its packed upper triangle (1-D,
-    as the aggregation may leave it): the triangle is unpacked straight into it, and ``γ`` added to
-    the diagonal in place (the same values as ``G + γ·eye(d)``)."""
-    matrix = unpack_symmetric(gram) if gram.ndim == 1 else np.array(gram, dtype=np.float64)
+def _regularised_gram(gram: np.ndarray, gamma: float) -> torch.Tensor:
+    """``G + γI`` in one fresh ``d×d`` matrix, column-major (LAPACK's layout: :func:`_cholesky`
+    factors it in its own memory), from the full ``G`` or its packed upper triangle (1-D, as the
+    aggregation may leave it): the triangle is unpacked straight into it, and ``γ`` added to the
+    diagonal in place (the same values as ``G + γ·eye(d)``)."""
+    # A triangle unpacks to an exactly symmetric matrix: its transpose is the same values, column-major.
+    matrix = unpack_symmetric(gram).T if gram.ndim == 1 else np.array(gram, dtype=np.float64, order="F")
     diagonal = np.einsum("ii->i", matrix)  # a writeable view of the diagonal
     diagonal += gamma
-    return matrix
+    return torch.from_numpy(matrix)
 
 
 class GramFactors:

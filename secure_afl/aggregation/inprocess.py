@@ -9,7 +9,7 @@ security boundary.
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, MutableMapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -63,6 +63,7 @@ def run_in_process(
     context: bytes = b"",
     difference: bool = True,
     unpack: bool = True,
+    consume: bool = False,
 ) -> InProcessRun:
     """Sum ``contributions`` (client -> group -> tensor -> float64 array) per group through ``backend``.
 
@@ -73,8 +74,16 @@ def run_in_process(
     (:mod:`.difference`; the same sums, bit for bit, and the same span of them); False keeps
     every group as the contributions name it.  The run's ``layout`` is the wire's.  ``unpack=False``
     leaves each symmetric tensor's sum as its packed upper triangle (as a contribution may also
-    give it: :func:`~secure_afl.aggregation.layout.flatten`).
+    give it: :func:`~secure_afl.aggregation.layout.flatten`).  ``consume=True`` hands the inputs
+    over: ``contributions`` (a dict) is emptied once every client session holds its own, and a
+    session that lets its values go once sent (the masking client after R2) frees them then, when
+    nothing else holds them (at d = 4096 a client's Gram is 64 MiB).
     """
+    if consume and not isinstance(contributions, MutableMapping):
+        raise TypeError(
+            f"consume=True empties the contributions: pass a dict, not a {type(contributions).__name__}"
+        )
+    given = contributions
     random = OsRandomSource() if random is None else random
     client_ids = tuple(sorted(contributions))
     if not client_ids:
@@ -128,6 +137,13 @@ def run_in_process(
         )
         for cid in client_ids
     }
+    # Every session holds its own inputs now: the driver keeps none (and with `consume`, neither
+    # does the caller's mapping), so what a session lets go is freed.
+    del contributions
+    flattened.clear()
+    if consume:
+        given.clear()  # type: ignore[attr-defined]
+    del given
     server = backend.server_session(
         roster, layout, session_id=session_id, min_group_size=min_group_size, context=context
     )

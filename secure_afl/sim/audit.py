@@ -223,6 +223,33 @@ def audit_groups(
     )
 
 
+def audit_view(
+    contributions: Mapping[str, Mapping[str, Mapping[str, np.ndarray]]],
+) -> dict[str, dict[str, dict[str, np.ndarray]]]:
+    """What :func:`audit_groups` reads of ``contributions``, without their memory: per client and
+    tensor name, each value becomes a one-word token, the same token object for one array object
+    or for equal arrays, different tokens for different values (all the audit compares), so the
+    audit of the view is the audit of the contributions and the arrays can go (at d = 4096 a
+    client's Gram is 64 MiB)."""
+    view: dict[str, dict[str, dict[str, np.ndarray]]] = {}
+    for client, by_group in contributions.items():
+        classes: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}  # tensor -> (a value, its token)
+        view[client] = {}
+        for group, tensors in by_group.items():
+            view[client][group] = {}
+            for name, values in tensors.items():
+                seen = classes.setdefault(name, [])
+                token = next((t for v, t in seen if v is values), None)
+                if token is None:
+                    token = next((t for v, t in seen if np.array_equal(v, values)), None)
+                if token is None:
+                    token = np.array([float(len(seen))])
+                    token.setflags(write=False)
+                    seen.append((values, token))
+                view[client][group][name] = token
+    return view
+
+
 def _distinct_values(
     contributions: Mapping[str, Mapping[str, Mapping[str, np.ndarray]]], names: Sequence[str]
 ) -> dict[str, set[str]]:

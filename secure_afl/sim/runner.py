@@ -11,7 +11,7 @@ reported models, the second's are fitted too and its costs sit beside the first'
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import replace
@@ -36,7 +36,7 @@ from secure_afl.analytic import (
     pseudo_label_rounds,
 )
 from secure_afl.privacy.policy import ClientPolicy, layout_refusals
-from secure_afl.sim.audit import audit_groups, restrict
+from secure_afl.sim.audit import audit_groups, audit_view, restrict
 from secure_afl.sim.baselines import BASELINES as TABLE2_BASELINES
 from secure_afl.sim.datasets import DataRequest, PreparedData, PreparingData, Progress
 from secure_afl.sim.gradient import GradientMethods
@@ -80,11 +80,19 @@ def run_setting(
     *,
     assignment: LabelAssignment | None = None,
     score: Callable[[str, np.ndarray], Metrics] | None = None,
+    last_use: bool = False,
 ) -> SettingResult:
     """One setting: the missing level's label assignment (or ``assignment``, which clients label
     which classes, when the caller has its own: a multi-site federation), round 1, round 2, the
     gradient methods and the audit.  ``score(method, logits)`` gives a method's metrics on the test
-    rows (default: every test row counts for every class)."""
+    rows (default: every test row counts for every class).  ``last_use``: no later setting needs
+    ``stats`` (a dict): it is emptied once round 1's contributions are made, and the masked
+    aggregation takes those over, so each client's Gram goes once the client has sent it (the
+    clients' Grams and the server's sums then never all coexist: at d = 4096 each is 64 MiB)."""
+    if last_use and not isinstance(stats, MutableMapping):
+        raise ExperimentError(
+            f"last_use=True empties the statistics: pass a dict, not a {type(stats).__name__}"
+        )
     if config.dp is not None:
         if assignment is not None or score is not None:
             raise ExperimentError("differential privacy runs the partial-label protocol's assignment only")
@@ -114,15 +122,15 @@ def run_setting(
     with timer.phase("statistics"), warnings.catch_warnings():
         # reported per setting (undefined_balance), not as one Python warning per client
         warnings.simplefilter("ignore", UndefinedBalanceWarning)
-        round1 = {}
-        for k, name in enumerate(clients):
-            mine = stats[name].contributions(assignment.active[k], balance="client", include_global_gram=True)
-            balanced_globally = stats[name].contributions(assignment.active[k], balance="global")
-            for group, tensors in balanced_globally.items():
-                mine[group].update(tensors)
-            round1[name] = mine
+        round1 = _round1_contributions(stats, clients, assignment)
+    upload = upload_bytes(round1)
+    if last_use:
+        stats.clear()  # type: ignore[attr-defined]  # round 1's contributions hold what is still needed
+        audited = audit_view(round1)  # what the audit reads of round 1, without the arrays
     with timer.phase("aggregation"):
-        agg = aggregate(round1, config, dropouts=dropouts)
+        agg = aggregate(round1, config, dropouts=dropouts, consume=last_use)
+    if last_use:
+        round1 = audited
     check_coverage(agg, n_classes)
     with timer.phase("solve"), warnings.catch_warnings():
         warnings.simplefilter("ignore", UndefinedBalanceWarning)
@@ -136,7 +144,6 @@ def run_setting(
             fitted, other_factors[name] = _round1_models(sums, n_classes, config.gamma, config.rounds)
             other_models.update({f"{method} via {name}": model for method, model in fitted.items()})
 
-    upload = upload_bytes(round1)
     pseudo_reports: list[tuple[str, PseudoLabelReport]] = []
     rescaled_reports: list[tuple[str, PseudoLabelReport]] = []
     method_groups, wire_groups = agg.method, agg.wire
@@ -292,6 +299,21 @@ def run_setting(
     )
 
 
+def _round1_contributions(
+    stats: Mapping[str, ClientStatistics], clients: list[str], assignment: LabelAssignment
+) -> dict[str, Contributions]:
+    """Each client's round-1 uploads: its class groups' tensors under both balances and the
+    global Gram (in a function of its own: no local name outlives it holding a client's Gram)."""
+    round1 = {}
+    for k, name in enumerate(clients):
+        mine = stats[name].contributions(assignment.active[k], balance="client", include_global_gram=True)
+        balanced_globally = stats[name].contributions(assignment.active[k], balance="global")
+        for group, tensors in balanced_globally.items():
+            mine[group].update(tensors)
+        round1[name] = mine
+    return round1
+
+
 def _copies(groups: GroupsSummed, tensor: str) -> float:
     """How many groups a client sends ``tensor`` to, mean over the clients in any group."""
     clients = {c for members in groups.members.values() for c in members}
@@ -422,15 +444,27 @@ def run_experiment(
             jobs = [pool.submit(statistics_of, rows) for rows in clients]
             stats = {}
             try:
-                for k, job in enumerate(jobs):
-                    stats[client_id(k)] = job.result()
+                for k in range(len(jobs)):
+                    stats[client_id(k)] = jobs[k].result()
                     progress("client statistics", k + 1, config.n_clients)
             except BaseException:
                 for job in jobs:  # an error or Ctrl-C: the Grams not yet started are dropped
                     job.cancel()
                 raise
+            jobs.clear()  # a future holds its result: from here only `stats` holds the Grams
+        # The last setting is the statistics' last use: each client's Gram can go once it is sent.
         settings = tuple(
-            run_setting(data, stats, missing, config, timer, progress, gradient) for missing in config.missing
+            run_setting(
+                data,
+                stats,
+                missing,
+                config,
+                timer,
+                progress,
+                gradient,
+                last_use=index == len(config.missing) - 1,
+            )
+            for index, missing in enumerate(config.missing)
         )
     return ExperimentResult(
         config=config,

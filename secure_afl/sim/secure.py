@@ -20,7 +20,7 @@ from secure_afl.core import encoding
 from secure_afl.core.randomness import RandomSource
 from secure_afl.privacy.ledger import Ledger
 from secure_afl.privacy.policy import ClientPolicy
-from secure_afl.sim.audit import PrivacyAudit, audit_run
+from secure_afl.sim.audit import PrivacyAudit, audit_run, audit_view
 
 ROUNDS = ("R0", "R1", "R2", "R3", "R4")
 DROPOUT_STAGES = ("R1", "R2", "R3", "R4")
@@ -74,6 +74,7 @@ def secure_aggregate(
     ledgers: Mapping[str, Ledger] | None = None,
     difference: bool = True,
     unpack: bool = True,
+    consume: bool = False,
 ) -> SecureAggregationResult:
     """Sum ``contributions`` (client -> group -> tensor -> float64 array) per group by secure aggregation.
 
@@ -91,6 +92,9 @@ def secure_aggregate(
     same sums and the same span of them, :mod:`secure_afl.aggregation.difference`); False keeps
     every group as the contributions name it.  ``unpack=False``: the sums of symmetric tensors stay
     packed (their upper triangles, 1-D), as :meth:`~secure_afl.analytic.GramFactors` takes them.
+    ``consume=True`` hands the inputs over (:func:`run_in_process`): ``contributions`` (a dict) is
+    emptied, and each client's values go once it has sent them; the audit reads an
+    :func:`~secure_afl.sim.audit.audit_view` of them taken before.
     """
     client_policy = ClientPolicy.simulator() if client_policy is None else client_policy
     client_ids = tuple(sorted(contributions))
@@ -101,6 +105,7 @@ def secure_aggregate(
     if not 1 <= threshold <= n:
         raise ValueError(f"threshold must be in 1..{n}, got {threshold}")
     dropout_stages(dropouts, client_ids, DROPOUT_STAGES)
+    audited = audit_view(contributions) if consume else contributions
     run = run_in_process(
         MaskingBackend(
             threshold=threshold, frac_bits=frac_bits, client_policy=client_policy, ledgers=ledgers or {}
@@ -120,9 +125,10 @@ def secure_aggregate(
         # says so either way).  The run's audit lists the groups as sent.
         difference=difference,
         unpack=unpack,
+        consume=consume,
     )
     outcome = run.outcome
-    members, survivors, audit = audit_run(run, contributions, protection="mask")
+    members, survivors, audit = audit_run(run, audited, protection="mask")
     return SecureAggregationResult(
         sums=outcome.sums,
         members=members,

@@ -278,25 +278,27 @@ def aggregate(
     dropouts: Mapping[str, tuple[str, ...]],
     round_label: str = "1",
     arrays: Mapping[str, np.ndarray] | None = None,
+    consume: bool = False,
 ) -> Aggregate:
     """Per-group sums over the surviving members, in the clear or through the masking protocol.
 
     Through a protocol, every client binds the session context of this run's config, the round and
     what the server sent for it (``arrays``: round 2's teacher W), as a deployed client binds its
-    study's (:func:`secure_afl.protocol.binding.session_context`, the one-view rule)."""
-    members: dict[str, list[str]] = {}
-    tensors: dict[str, set[str]] = {}
-    for client, groups in contributions.items():
-        for group, named in groups.items():
-            members.setdefault(group, []).append(client)
-            tensors.setdefault(group, set()).update(named)
+    study's (:func:`secure_afl.protocol.binding.session_context`, the one-view rule).
+    ``consume=True``: the caller needs ``contributions`` (a dict) no more; when the last protection
+    is masking, its run takes them over (:func:`secure_afl.sim.secure.secure_aggregate`): the dict
+    is emptied and each client's values go once it has sent them."""
+    members, tensors = _membership(contributions)
     if config.secure != "none":
         from secure_afl.sim.secure import SecureAggregationResult
 
         context = simulation_context(config, round_label, arrays)
+        names = config.secure.split(",")
         runs = {
-            name: _protected_sums(name, contributions, config, dropouts, context)
-            for name in config.secure.split(",")
+            name: _protected_sums(
+                name, contributions, config, dropouts, context, consume=consume and index == len(names) - 1
+            )
+            for index, name in enumerate(names)
         }
         first = next(iter(runs.values()))
         # Under a difference plan (masking, aggregation/difference.py) the Gram travels to `all` and
@@ -332,6 +334,20 @@ def aggregate(
     return Aggregate(sums=sum_contributions(alive.values()), method=groups, wire=groups, costs=None)
 
 
+def _membership(
+    contributions: Mapping[str, Contributions],
+) -> tuple[dict[str, list[str]], dict[str, set[str]]]:
+    """Per group its members and tensor names (in a function of its own: no loop variable outlives
+    it holding a client's tensors, which a consuming aggregation frees as it goes)."""
+    members: dict[str, list[str]] = {}
+    tensors: dict[str, set[str]] = {}
+    for client, groups in contributions.items():
+        for group, named in groups.items():
+            members.setdefault(group, []).append(client)
+            tensors.setdefault(group, set()).update(named)
+    return members, tensors
+
+
 def simulation_context(config: SimConfig, round_label: str, arrays: Mapping[str, np.ndarray] | None) -> bytes:
     """The one-view session context of a simulated round: the run config (its repr: every field,
     the pseudo-label and DP parameters included), the round and round 2's teacher arrays."""
@@ -347,8 +363,11 @@ def _protected_sums(
     config: SimConfig,
     dropouts: Mapping[str, tuple[str, ...]],
     context: bytes = b"",
+    *,
+    consume: bool = False,
 ):  # -> SecureAggregationResult | CkksAggregationRun
-    """Group sums through one protection backend ("mask" or "ckks"); aborts become ExperimentErrors."""
+    """Group sums through one protection backend ("mask" or "ckks"); aborts become ExperimentErrors.
+    ``consume``: masking takes ``contributions`` over (CKKS leaves them)."""
     from secure_afl.core.errors import (
         EncodingOverflowError,
         GroupTooSmallError,
@@ -380,6 +399,7 @@ def _protected_sums(
             dropouts=dropouts,
             context=context,
             unpack=False,  # the Grams' sums stay triangles: the solve unpacks one at a time
+            consume=consume,
         )
     except InsufficientParticipantsError as exc:
         raise ExperimentError(
