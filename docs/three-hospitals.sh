@@ -116,8 +116,8 @@ echo "coordinator: ${FP[coordinator]}"
 
 echo "== C2. provision (coordinator): send fed/kits/ID/ to each hospital"
 party coordinator "secure-afl deploy provision --out fed/ --hospital hospital-a/ --hospital hospital-b/ \
-    --hospital hospital-c/ --fingerprint hospital-a='${FP[hospital-a]}' \
-    --fingerprint hospital-b='${FP[hospital-b]}' --fingerprint hospital-c='${FP[hospital-c]}' \
+    --hospital hospital-c/ --expect hospital-a='${FP[hospital-a]}' \
+    --expect hospital-b='${FP[hospital-b]}' --expect hospital-c='${FP[hospital-c]}' \
     --passphrase-file pass --host localhost --ip 127.0.0.1 --port $LINK_PORT \
     --backbone resnet18 --weights resnet18-agreed.pth" > coordinator/provision.out
 grep -E "^ok  roster entries" coordinator/provision.out

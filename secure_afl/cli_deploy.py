@@ -875,13 +875,13 @@ def _key_value_pairs(items: tuple[str, ...], hint: str) -> dict[str, object]:
 @click.option(
     "--force", is_flag=True, help="Replace an existing roster, app, TLS material and kits in --out."
 )
-@click.option("--fingerprint", "expected", multiple=True, metavar="ID=FINGERPRINT",
+@renamed_option("--expect", "expected", old_names=("--fingerprint",), multiple=True, metavar="ID=FINGERPRINT",
               help="A hospital's fingerprint as you heard it from that hospital (`keys init`/`keys show` "
                    "print it; quote it): repeat for every --hospital. Any mismatch, or a --hospital "
                    "without one, refuses and writes nothing.")  # fmt: skip
 @click.option("--yes", is_flag=True,
               help="Do not ask to confirm each hospital's fingerprint (a script that compared them "
-                   "itself). Without --fingerprint or --yes, provision asks at the terminal, and "
+                   "itself). Without --expect or --yes, provision asks at the terminal, and "
                    "refuses where there is none.")  # fmt: skip
 def deploy_provision(
     out_dir: Path, hospitals: tuple[Path, ...], key_dir: Path | None, passphrase_file: Path | None,
@@ -895,7 +895,7 @@ def deploy_provision(
     \b
     Reads:  each --hospital's identity.pub.json, the coordinator's key (decrypted: it signs the
             kits' manifests and, in the run, the classifier), the study's backbone record.
-    Checks: every hospital's fingerprint against --fingerprint ID=FINGERPRINT (or a prompt at the
+    Checks: every hospital's fingerprint against --expect ID=FINGERPRINT (or a prompt at the
             terminal, or --yes), after every other check and before anything is written.
     Writes: OUT/roster.json (to be co-signed), OUT/tls/ (deploy tls's four files), OUT/app/
             (deploy app's pyproject.toml), OUT/server/, and OUT/kits/ID/ for every hospital (0700):
@@ -913,7 +913,7 @@ def deploy_provision(
             "give exactly one of --passphrase-file and --passphrase-env (the run reads it too)"
         )
     recognition = recognition_from_options(
-        expected, yes, "--fingerprint", "Provision a roster of these hospitals?"
+        expected, yes, "--expect", "Provision a roster of these hospitals?"
     )
     directory = key_dir or default_key_dir()
     entries = [read_entry_file(p / PUBLIC_FILE if p.is_dir() else p) for p in hospitals]

@@ -107,6 +107,19 @@ def test_provision_coordinator_keys_is_key_dir_under_its_old_name(tmp_path: Path
     assert not (tmp_path / "fed").exists()
 
 
+def test_provision_fingerprint_is_expect_under_its_old_name(tmp_path: Path) -> None:
+    hospital = _key_dir(tmp_path, "hospital-a")
+    coordinator = _key_dir(tmp_path, "coordinator")
+    result = _invoke(
+        "deploy", "provision", "--out", tmp_path / "fed", "--hospital", hospital, "--key-dir", coordinator,
+        "--passphrase-file", _passfile(tmp_path), "--backbone", "resnet18", "--weights", tmp_path / "w.pt",
+        "--fingerprint", "hospital-a=SHA256:" + "0" * 64,
+    )  # fmt: skip
+    assert _note("--fingerprint", "--expect") in result.stderr
+    assert result.exit_code == 1, result.output  # the weights are absent: refused before anything is written
+    assert not (tmp_path / "fed").exists()
+
+
 @pytest.mark.parametrize(
     ("command", "old", "new"),
     [
@@ -114,6 +127,7 @@ def test_provision_coordinator_keys_is_key_dir_under_its_old_name(tmp_path: Path
         (["deploy", "local"], "--secure", "--protection"),
         (["deploy", "superlink"], "--tls", "--tls-dir"),
         (["deploy", "provision"], "--coordinator-keys", "--key-dir"),
+        (["deploy", "provision"], "--fingerprint", "--expect"),
         (["keys", "init"], "--dir", "--key-dir"),
         (["keys", "show"], "--dir", "--key-dir"),
         (["keys", "roster", "show"], "--dir", "--key-dir"),

@@ -9,7 +9,7 @@ the coordinator, likewise, before it provisions a roster from the identity files
 :class:`Recognition` is how the caller says it recognised the entries, one of:
 
 - **expected fingerprints** (``deploy join --expect ID=FINGERPRINT``, ``deploy provision
-  --fingerprint ID=FINGERPRINT``): every entry must be named, each with its own fingerprint; an entry
+  --expect ID=FINGERPRINT``): every entry must be named, each with its own fingerprint; an entry
   named with another fingerprint, an entry not named, or a name that is not an entry is refused
   (:class:`RosterNotRecognisedError`), listing every problem at once;
 - **a confirmation** (a terminal prompt): the caller has shown every entry to a person, who answers;
@@ -176,8 +176,8 @@ class Recognition:
             raise RosterNotRecognisedError(
                 f"{what}: nobody can confirm the entries here (no terminal), so nothing was signed or "
                 "written: give each entry's fingerprint, heard from that institution, with "
-                "--expect ID=FINGERPRINT (deploy join) or --fingerprint ID=FINGERPRINT (deploy provision), "
-                "or --yes if you compared them another way"
+                "--expect ID=FINGERPRINT (deploy join, deploy provision, keys roster sign), or --yes if "
+                "you compared them another way"
             )
         if not self.confirm(entries):
             raise RosterNotRecognisedError(

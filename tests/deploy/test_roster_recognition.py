@@ -1,5 +1,5 @@
 """Recognising every roster entry before co-signing (``deploy join --expect``) or provisioning
-(``deploy provision --fingerprint``): a mismatch, an entry not named, a name not in the roster, a
+(``deploy provision --expect``): a mismatch, an entry not named, a name not in the roster, a
 refused prompt, or no way to confirm at all refuses, and nothing is signed or written."""
 
 from __future__ import annotations
@@ -317,9 +317,9 @@ def test_provision_checks_every_hospitals_fingerprint(
     coordinator = _site(tmp_path, "coordinator")
     out = tmp_path / "fed"
     args = _provision_args(out, sites, coordinator)
-    true = [a for s in sites for a in ("--fingerprint", s.expect())]
+    true = [a for s in sites for a in ("--expect", s.expect())]
     # A mismatch (hospital-b's file carries another key than the one B read aloud): nothing written.
-    swapped = [*true[:2], "--fingerprint", f"hospital-b={sites[2].key.fingerprint}", *true[4:]]
+    swapped = [*true[:2], "--expect", f"hospital-b={sites[2].key.fingerprint}", *true[4:]]
     code, output = _invoke(*args, *swapped)
     assert (
         code == 1
@@ -330,8 +330,8 @@ def test_provision_checks_every_hospitals_fingerprint(
     code, output = _invoke(*args, *true[:4])  # hospital-c not named
     assert code == 1 and "'hospital-c' (" in output and "is not expected" in output, output
     assert not out.exists()
-    code, output = _invoke(*args)  # no terminal, no --fingerprint, no --yes
-    assert code == 1 and "nobody can confirm" in output and "--fingerprint ID=FINGERPRINT" in output, output
+    code, output = _invoke(*args)  # no terminal, no --expect, no --yes
+    assert code == 1 and "nobody can confirm" in output and "--expect ID=FINGERPRINT" in output, output
     assert not out.exists()
     monkeypatch.setattr(key_commands, "stdin_is_terminal", lambda: True)
     code, output = _invoke(*args, input="n\n")
