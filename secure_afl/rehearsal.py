@@ -378,6 +378,15 @@ class RehearsalReport:
         return None
 
     @property
+    def within_ckks_precision(self) -> bool:
+        """The weights and metrics within CKKS's tolerances of the simulation's (CKKS rounds every
+        decrypted sum, so they are not equal bit for bit)."""
+        return (
+            self.relative_error <= CKKS_RELATIVE_WEIGHT_TOLERANCE
+            and self.metric_error <= CKKS_METRIC_TOLERANCE
+        )
+
+    @property
     def agree(self) -> bool:
         """The deployment's classifier is the simulation's: bit for bit (mask), within CKKS's
         precision (ckks); under DP the sums are noisy, so only the survivors are compared."""
@@ -387,10 +396,7 @@ class RehearsalReport:
         elif study.protection == "mask":
             same = self.identical
         else:
-            same = (
-                self.relative_error <= CKKS_RELATIVE_WEIGHT_TOLERANCE
-                and self.metric_error <= CKKS_METRIC_TOLERANCE
-            )
+            same = self.within_ckks_precision
         return same and self.same_survivors
 
 

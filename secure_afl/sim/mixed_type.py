@@ -84,7 +84,6 @@ import numpy as np
 import pandas as pd
 import torch
 from rich.console import Console
-from rich.table import Table
 
 from secure_afl.analytic import solve_spd, sum_contributions
 from secure_afl.sim.data import CLASSES, SplitBy
@@ -681,13 +680,10 @@ def print_mixed_type_report(result: MixedTypeResult, console: Console) -> None:
     tables = [("Label spaces: coarse (clients) and fine (centre)", *grouping_rows())]
     for metric, title in (("accuracy", "Accuracy (%)"), ("balanced_accuracy", "Balanced accuracy (%)")):
         tables.append((f"{title} against the centre's images per class n", *results_rows(result, metric)))
+    from secure_afl.sim.report import rich_table
+
     for title, header, rows in tables:
-        table = Table(title=title, title_justify="left")
-        for i, name in enumerate(header):
-            table.add_column(name, justify="left" if i == 0 else "right")
-        for row in rows:
-            table.add_row(*row)
-        console.print(table)
+        console.print(rich_table(title, header, rows))
     for line in result.aggregation.get("warnings", []):
         console.print(f"[bold red]WARNING: {line}[/]")
 

@@ -76,7 +76,6 @@ from pathlib import Path
 
 import numpy as np
 from rich.console import Console
-from rich.table import Table
 from scipy.linalg import cho_factor, cho_solve
 from threadpoolctl import threadpool_limits
 
@@ -930,13 +929,10 @@ def print_multisite_report(result: MultisiteResult, console: Console) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # a site whose every class is one-sided: NaN
         tables = result_tables(result)
+    from secure_afl.sim.report import rich_table
+
     for title, header, rows in tables:
-        table = Table(title=title, title_justify="left")
-        for i, name in enumerate(header):
-            table.add_column(name, justify="left" if i == 0 else "right")
-        for row in rows:
-            table.add_row(*row)
-        console.print(table)
+        console.print(rich_table(title, header, rows))
     for line in summary_lines(result):
         console.print(line, markup=False, highlight=False)
 

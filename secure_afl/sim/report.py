@@ -74,7 +74,7 @@ def coverage_rows(setting: SettingResult, *, short: bool = False) -> tuple[list[
     return header, rows
 
 
-def _rich_table(title: str, header: list[str], rows: list[list[str]]) -> Table:
+def rich_table(title: str, header: list[str], rows: list[list[str]]) -> Table:
     table = Table(title=title, title_justify="left")
     for i, name in enumerate(header):
         table.add_column(name, justify="left" if i == 0 or name == "Method" else "right")
@@ -411,12 +411,12 @@ def _print_results_table(result: ExperimentResult, console: Console, width: int 
     header, rows = results_table_rows(result)
     title = "Results (BACC and AUC in %, mAP as a fraction)"
     if len(header) <= 8:
-        console.print(_rich_table(title, header, rows), width=width)
+        console.print(rich_table(title, header, rows), width=width)
     else:  # side by side the settings would not fit a terminal: one block of columns per setting
         for start in range(2, len(header), 3):
             block = [0, 1, start, start + 1, start + 2]
             console.print(
-                _rich_table(title, [header[i] for i in block], [[row[i] for i in block] for row in rows]),
+                rich_table(title, [header[i] for i in block], [[row[i] for i in block] for row in rows]),
                 width=width,
             )
             title = ""
@@ -693,7 +693,7 @@ def print_summary(result: ExperimentResult, console: Console) -> None:
         if _several_protections(setting):
             h, r = backend_comparison_rows(setting)
             console.print(
-                _rich_table(f"Protections side by side, missing {setting.missing}", h, r), width=width
+                rich_table(f"Protections side by side, missing {setting.missing}", h, r), width=width
             )
         verdict = privacy_verdict(setting)
         say(verdict, "bold red" if "WARNING" in verdict else "")
@@ -720,29 +720,29 @@ def print_report(result: ExperimentResult, console: Console, *, verbose: bool = 
         for line in _undefined_balance_lines(setting):
             console.print(line, style="bold red", markup=False, highlight=False)
         h, r = coverage_rows(setting, short=True)
-        console.print(_rich_table(coverage_title(setting), h, r))
+        console.print(rich_table(coverage_title(setting), h, r))
         legend = ", ".join(f"{short} = {name}" for name, short in SHORT_NAMES.items())
         console.print(legend, style="dim", markup=False, highlight=False)
         h, r = _upload_rows(setting)
         console.print(
-            _rich_table(
+            rich_table(
                 f"Bytes each client uploads in the clear (all compared methods), missing {setting.missing}",
                 h,
                 r,
             )
         )
         for title, h, r in _protocol_tables(setting):
-            console.print(_rich_table(title, h, r))
+            console.print(rich_table(title, h, r))
         for line in _privacy_lines(setting):
             console.print(line, markup=False, highlight=False)
         if _several_protections(setting):
             h, r = backend_comparison_rows(setting)
-            console.print(_rich_table(f"Protections side by side, missing {setting.missing}", h, r))
+            console.print(rich_table(f"Protections side by side, missing {setting.missing}", h, r))
         h, r = method_exposure_rows(setting)
-        console.print(_rich_table(f"What each method alone reveals, missing {setting.missing}", h, r))
+        console.print(rich_table(f"What each method alone reveals, missing {setting.missing}", h, r))
         if setting.client_refusals:
             h, r = client_refusal_rows(setting)
-            console.print(_rich_table(f"Layouts a deployed client refuses, missing {setting.missing}", h, r))
+            console.print(rich_table(f"Layouts a deployed client refuses, missing {setting.missing}", h, r))
         console.print(
             f"[bold]Privacy audit of this run (all methods' statistics), missing {setting.missing}[/]"
         )
@@ -751,9 +751,9 @@ def print_report(result: ExperimentResult, console: Console, *, verbose: bool = 
             console.print(f"  {line}", style=style, markup=False, highlight=False)
     console.print(threat_model_line(result.config), markup=False, highlight=False)
     h, r = _cost_rows(result)
-    console.print(_rich_table("Seconds per phase", h, r))
+    console.print(rich_table("Seconds per phase", h, r))
     h, r = method_seconds_rows(result)
-    console.print(_rich_table("Seconds per gradient method", h, r))
+    console.print(rich_table("Seconds per gradient method", h, r))
 
 
 def result_dict(result: ExperimentResult) -> dict[str, object]:
@@ -1010,7 +1010,7 @@ def backbone_table_rows(results: list[ExperimentResult]) -> tuple[list[str], lis
 
 def print_backbone_table(results: list[ExperimentResult], console: Console) -> None:
     header, rows = backbone_table_rows(results)
-    console.print(_rich_table("AFL (1 round) per backbone (Table III layout)", header, rows))
+    console.print(rich_table("AFL (1 round) per backbone (Table III layout)", header, rows))
 
 
 def write_backbone_table(results: list[ExperimentResult], out_dir: Path) -> Path:

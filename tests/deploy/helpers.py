@@ -67,6 +67,35 @@ class Federation:
     identities: dict[str, IdentityKey] = field(default_factory=dict)  # every institution's key
 
 
+@dataclass
+class Site:
+    """A hospital's directory in a test: its keys, passphrase file, features and kit."""
+
+    client_id: str
+    root: Path
+    key: IdentityKey
+
+    @property
+    def keys(self) -> Path:
+        return self.root / "keys"
+
+    @property
+    def passfile(self) -> Path:
+        return self.keys / "pass"
+
+    @property
+    def features(self) -> Path:
+        return self.root / "features.npz"
+
+    @property
+    def kit(self) -> Path:
+        return self.root / "kit"
+
+    def expect(self) -> str:
+        """``ID=FINGERPRINT`` for ``--expect``."""
+        return f"{self.client_id}={self.key.fingerprint}"
+
+
 def write_cosigned_roster(path: Path, roster: Roster, keys: Mapping[str, IdentityKey]) -> Path:
     """The roster file as a deployment pins it: co-signed by every institution it lists."""
     signatures = dict(sign_roster(roster, keys[entry.client_id]) for entry in roster)

@@ -31,34 +31,11 @@ from secure_afl.keys.cosign import (
     sign_roster,
 )
 
-from .helpers import make_federation, pixel_digests, row_digests, run_server, write_cosigned_roster
+from .helpers import Site, make_federation, pixel_digests, row_digests, run_server, write_cosigned_roster
 
 HOSPITALS = ("hospital-a", "hospital-b", "hospital-c")
 CLASSES = ("A", "B", "C")
 PASSPHRASE = b"a long test passphrase"
-
-
-@dataclass
-class Site:
-    client_id: str
-    root: Path
-    key: IdentityKey
-
-    @property
-    def keys(self) -> Path:
-        return self.root / "keys"
-
-    @property
-    def passfile(self) -> Path:
-        return self.keys / "pass"
-
-    @property
-    def features(self) -> Path:
-        return self.root / "features.npz"
-
-    @property
-    def kit(self) -> Path:
-        return self.root / "kit"
 
 
 def _site(root: Path, client_id: str, backbone: str = "toy") -> Site:

@@ -33,7 +33,7 @@ from secure_afl.keys.recognition import (
     unrecognised,
 )
 
-from .helpers import pixel_digests, row_digests
+from .helpers import Site, pixel_digests, row_digests
 
 HOSPITALS = ("hospital-a", "hospital-b", "hospital-c")
 CLASSES = ("A", "B", "C")
@@ -115,28 +115,6 @@ def test_recognition_refuses_without_a_way_to_confirm_and_on_a_no() -> None:
 
 
 # --- deploy join and deploy provision ------------------------------------------------------------
-
-
-@dataclass
-class Site:
-    client_id: str
-    root: Path
-    key: IdentityKey
-
-    @property
-    def keys(self) -> Path:
-        return self.root / "keys"
-
-    @property
-    def kit(self) -> Path:
-        return self.root / "kit"
-
-    @property
-    def features(self) -> Path:
-        return self.root / "features.npz"
-
-    def expect(self) -> str:
-        return f"{self.client_id}={self.key.fingerprint}"
 
 
 def _site(root: Path, client_id: str, key: IdentityKey | None = None) -> Site:

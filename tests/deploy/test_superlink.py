@@ -453,11 +453,16 @@ def test_a_missing_front_says_how_to_install_it(tmp_path: Path, monkeypatch: pyt
 
 
 def test_the_superlinks_environment_keeps_no_secret() -> None:
-    given = {"PATH": "/usr/bin", "HOME": "/home/c", "COORDINATOR_PASS": SECRET, "AWS_SECRET_ACCESS_KEY": "x"}
+    given = {
+        "PATH": "system-bin",
+        "HOME": "coordinator-home",
+        "COORDINATOR_PASS": SECRET,
+        "AWS_SECRET_ACCESS_KEY": "x",
+    }
     env = scrubbed_environment({**given, "FLWR_INTERNAL_GRPC_CONTROL_API": "1"})
     assert SECRET not in env.values() and "AWS_SECRET_ACCESS_KEY" not in env
     assert not any(name.startswith("FLWR_INTERNAL") for name in env)
-    assert env["HOME"] == "/home/c" and env["PATH"].endswith("/usr/bin")
+    assert env["HOME"] == "coordinator-home" and env["PATH"].endswith("system-bin")
 
 
 # --- the front against an upstream that records what reaches it -----------------------------------
