@@ -45,7 +45,6 @@ BACKBONES_HELP = (
     "densenet121-xrv (TorchXRayVision, 1024-d), resnet18|34|50|101|152, vgg11|13|16|19, "
     "efficientnet_b0 ... efficientnet_b7 (torchvision ImageNet)"
 )
-_SHOWN = 5  # how many unreadable images the command lists
 
 
 def _parse_names(value: str | None) -> tuple[str, ...] | None:
