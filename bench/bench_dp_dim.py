@@ -6,7 +6,8 @@ Run by hand:  python bench/bench_dp_dim.py [--ks none,16,32,64,128,256] [--epsil
 
 Every point is `secure-afl sim --rounds 1 --dp-epsilon E [--dp-dim K --dp-ridge R]` on the full
 embedded data (seed 0, masking protocol, one image protected, δ = 1e-6, clip 32): the simulator's own
-`run_private_setting`, the exact discrete Gaussian noise, the secure aggregation.  The noise is
+`run_setting` under the private mechanism, the exact discrete Gaussian noise, the secure
+aggregation.  The noise is
 drawn from a seeded stream (`DeterministicRandomSource`, one seed per repeat, the same seeds for
 every mechanism), so the table is reproducible; each cell is the mean over the repeats of the macro
 BACC and AUC (in %), ± the standard deviation over the repeats.  `ε = ∞` is the same clipped (and
@@ -37,13 +38,10 @@ import numpy as np
 from secure_afl.core.randomness import DeterministicRandomSource
 from secure_afl.privacy.dp import DpConfig
 from secure_afl.sim.datasets import prepare
-from secure_afl.sim.dp_run import (
-    AFL_DP_1,
-    _non_private_metrics,
-    client_private_statistics,
-    run_private_setting,
-)
+from secure_afl.sim.dp_sweep import noise_free_metrics
 from secure_afl.sim.partial import assign_partial_labels
+from secure_afl.sim.private import AFL_DP_1, client_private_statistics
+from secure_afl.sim.runner import run_setting
 from secure_afl.sim.setting import PhaseTimer, SimConfig
 
 
@@ -95,7 +93,7 @@ def main() -> None:
                 base.n_clients, 8, m, seed=base.seed, missing1=base.missing1
             ).active
             stats = client_private_statistics(data, replace(base, dp=dp_k), active)
-            ceiling = _non_private_metrics(data, m, replace(base, dp=dp_k), stats)[AFL_DP_1]
+            ceiling = noise_free_metrics(data, m, replace(base, dp=dp_k), stats)[AFL_DP_1]
             rows.append(
                 _row(k, "-", m, math.inf, [ceiling.macro["bacc"]], [ceiling.macro["auc"]], [None], sums)
             )
@@ -105,9 +103,7 @@ def main() -> None:
                     for r in range(args.repeats):
                         cfg = replace(base, dp=replace(dp_k, epsilon=eps, ridge=ridge))
                         source = DeterministicRandomSource(f"bench-dp-dim/{m}/{eps}/{r}".encode())
-                        setting = run_private_setting(
-                            data, m, cfg, PhaseTimer(), lambda *a: None, random=source, stats=stats
-                        )
+                        setting = run_setting(data, stats, m, cfg, PhaseTimer(), random=source)
                         metric = setting.metrics[AFL_DP_1]
                         bacc.append(metric.macro["bacc"])
                         auc.append(metric.macro["auc"])
@@ -168,9 +164,9 @@ def decompose(data, base: SimConfig, ks, epsilons, missing, repeats: int, seed: 
     from secure_afl.privacy.dp import FederationLayout, plan_noise, round1_upload
     from secure_afl.privacy.dp_solve import analytic_sums, fit_private, lift
     from secure_afl.sim import runner
-    from secure_afl.sim.dp_run import dp_projection
     from secure_afl.sim.metrics import evaluate
     from secure_afl.sim.partial import assign_partial_labels
+    from secure_afl.sim.private import dp_projection
     from secure_afl.sim.secure import default_threshold
 
     test_x, test_y = data.features[data.split.test], data.cohort.labels[data.split.test]
@@ -190,7 +186,7 @@ def decompose(data, base: SimConfig, ks, epsilons, missing, repeats: int, seed: 
                     n_classes=8,
                     dim=dp.statistics_dim(data.features.shape[1]),
                     threshold=default_threshold(base.n_clients),
-                    patient_clients=base.n_clients,  # as sim/dp_run.py: the split may spread a patient
+                    patient_clients=base.n_clients,  # as sim/private.py: the split may spread a patient
                 )
                 plan = plan_noise(dp, layout)
                 for keep in ("all", "gram", "sums+counts"):

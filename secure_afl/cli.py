@@ -592,7 +592,7 @@ def _report_width(console: Console) -> int:
 
 
 def _run_sweep(config: SimConfig, out_dir: Path, console: Console, baseline_clip: float) -> None:
-    from secure_afl.sim.dp_run import run_dp_sweep, write_sweep
+    from secure_afl.sim.dp_sweep import run_dp_sweep, write_sweep
 
     try:
         config.validate()

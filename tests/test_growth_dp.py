@@ -166,8 +166,8 @@ def data():
 
 
 def test_three_dp_sessions_under_masking_accumulate_the_noisy_uploads_exactly(data):
-    from secure_afl.sim.dp_run import PrivateGrowth
     from secure_afl.sim.growing import arrivals
+    from secure_afl.sim.private import PrivateGrowth
 
     sim = SimConfig(secure="mask", dp=DpConfig(epsilon=1.0, clip=8.0), **SMALL)
     config = GrowingConfig(sim=sim, idle=((2, 3),))

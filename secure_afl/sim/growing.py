@@ -29,7 +29,7 @@ and re-labelling earlier rows with the new teacher would release them a second t
 one-contribution-per-image rule.  There is no exact round 2 of a union, so a growing study fits
 round 1 only (which, with the paper's ``±1/N`` targets and τ = 0.7, is what round 2 leaves anyway).
 
-**Under --dp-epsilon** (``--protection mask`` or ``none``; :class:`secure_afl.sim.dp_run.PrivateGrowth`)
+**Under --dp-epsilon** (``--protection mask`` or ``none``; :class:`secure_afl.sim.private.PrivateGrowth`)
 every client clips, rounds and noises the DP layout's statistics of its new rows under one noise
 plan for the study (a client with none noises zeros: it commits nothing, so nothing is a known
 zero), the server accumulates the noisy sums and solves with the chain's noise
@@ -297,7 +297,7 @@ def run_growing(
         released = [np.concatenate([released[k], session[k]]) for k in range(len(names))]
     private = None
     if sim.dp is not None:
-        from secure_afl.sim.dp_run import PrivateGrowth
+        from secure_afl.sim.private import PrivateGrowth
 
         private = PrivateGrowth(data, sim, assignment.active, OsRandomSource() if random is None else random)
     test_x = data.features[data.split.test].astype(np.float64)

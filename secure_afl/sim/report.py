@@ -292,7 +292,7 @@ def method_exposure_rows(setting: SettingResult) -> tuple[list[str], list[list[s
 def _privacy_lines(setting: SettingResult) -> list[str]:
     if not setting.privacy:
         return []
-    from secure_afl.sim.dp_run import privacy_lines
+    from secure_afl.sim.private import privacy_lines
 
     return privacy_lines(setting.privacy)
 
@@ -592,10 +592,7 @@ def privacy_verdict(setting: SettingResult) -> str:
                 )
         else:
             text += " No combination of overlapping group sums singles out any other value."
-        if private and not audit.client_findings:
-            text += " (A private run does not record the clients' own exposure checks.)"
-        else:
-            text += _client_checks_sentence(audit, setting.dropped)
+        text += _client_checks_sentence(audit, setting.dropped)
     if setting.dropped:
         text += f" Dropped: {', '.join(setting.dropped)}."
     clear = [m for m in setting.metrics if method_type(m) != "Analytic"]

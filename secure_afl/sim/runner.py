@@ -10,7 +10,6 @@ reported models, the second's are fitted too and its costs sit beside the first'
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Mapping, MutableMapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
@@ -20,37 +19,22 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from secure_afl.analytic import (
-    ALL_GROUP,
-    PSEUDO_TENSOR,
-    PSEUDO_TENSOR_RESCALED,
-    AnalyticClassifier,
     ClientStatistics,
     Contributions,
-    GramFactors,
-    PseudoLabelReport,
-    PseudoScoreRule,
-    StatisticsError,
-    UndefinedBalanceWarning,
     client_statistics,
-    fit_together,
-    pseudo_label_rounds,
 )
+from secure_afl.core.randomness import OsRandomSource, RandomSource
 from secure_afl.privacy.policy import ClientPolicy, layout_refusals
-from secure_afl.sim.audit import audit_groups, audit_view, restrict
+from secure_afl.sim.audit import PrivacyAudit, audit_groups, audit_view, restrict
 from secure_afl.sim.baselines import BASELINES as TABLE2_BASELINES
 from secure_afl.sim.datasets import DataRequest, PreparedData, PreparingData, Progress
 from secure_afl.sim.gradient import GradientMethods
+from secure_afl.sim.mechanism import Mechanism, PaperMechanism
 from secure_afl.sim.methods import FEDAVG, FEDNCA
 from secure_afl.sim.metrics import Metrics, evaluate
 from secure_afl.sim.partial import LabelAssignment, assign_partial_labels
 from secure_afl.sim.setting import (
-    AFL_1,
-    AFL_2,
-    AFL_2_RESCALED,
-    AFL_GLOBAL_BALANCE,
-    AFL_GLOBAL_GRAM,
     BASELINES,
-    METHOD_UPLOADS,
     SYNTHETIC_NOTICE,
     ExperimentError,
     ExperimentResult,
@@ -69,9 +53,28 @@ from secure_afl.sim.setting import (
 from secure_afl.torch_threads import one_torch_thread
 
 
+def mechanism_for(
+    data: PreparedData,
+    config: SimConfig,
+    stats: Mapping[str, object],
+    assignment: LabelAssignment,
+    random: RandomSource | None = None,
+) -> Mechanism:
+    """The mechanism of ``config``'s settings: the private one under ``config.dp`` (``random``: its
+    noise's randomness, the operating system's by default), else the paper's."""
+    if config.dp is not None:
+        from secure_afl.sim.private import PrivateMechanism
+
+        given = dict(stats) if stats else None  # type: ignore[arg-type]
+        return PrivateMechanism(
+            data, config, assignment, OsRandomSource() if random is None else random, given
+        )
+    return PaperMechanism(data, config, stats)  # type: ignore[arg-type]
+
+
 def run_setting(
     data: PreparedData,
-    stats: Mapping[str, ClientStatistics],
+    stats: Mapping[str, object],
     missing: int,
     config: SimConfig,
     timer: PhaseTimer,
@@ -81,24 +84,24 @@ def run_setting(
     assignment: LabelAssignment | None = None,
     score: Callable[[str, np.ndarray], Metrics] | None = None,
     last_use: bool = False,
+    random: RandomSource | None = None,
 ) -> SettingResult:
-    """One setting: the missing level's label assignment (or ``assignment``, which clients label
-    which classes, when the caller has its own: a multi-site federation), round 1, round 2, the
-    gradient methods and the audit.  ``score(method, logits)`` gives a method's metrics on the test
-    rows (default: every test row counts for every class).  ``last_use``: no later setting needs
-    ``stats`` (a dict): it is emptied once round 1's contributions are made, and the masked
-    aggregation takes those over, so each client's Gram goes once the client has sent it (the
-    clients' Grams and the server's sums then never all coexist: at d = 4096 each is 64 MiB)."""
+    """One setting, every mechanism through the same stages (:mod:`secure_afl.sim.mechanism`):
+    the missing level's label assignment (or ``assignment``, which clients label which classes,
+    when the caller has its own: a multi-site federation), statistics, privatize, protect, solve,
+    round 2, the metrics, the audit and the gradient methods beside it.
+
+    ``stats``: the clients' statistics for ``config``'s mechanism (the paper's: every client's,
+    made once for all settings; under DP: clipped statistics to reuse, or empty).  ``score(method,
+    logits)`` gives a method's metrics on the test rows (default: every test row counts for every
+    class).  ``last_use``: no later setting needs ``stats`` (a dict): it is emptied once round 1's
+    contributions are made, and the masked aggregation takes those over, so each client's Gram goes
+    once the client has sent it (the clients' Grams and the server's sums then never all coexist:
+    at d = 4096 each is 64 MiB).  ``random``: the DP noise's randomness (default: the OS's)."""
     if last_use and not isinstance(stats, MutableMapping):
         raise ExperimentError(
             f"last_use=True empties the statistics: pass a dict, not a {type(stats).__name__}"
         )
-    if config.dp is not None:
-        if assignment is not None or score is not None:
-            raise ExperimentError("differential privacy runs the partial-label protocol's assignment only")
-        from secure_afl.sim.dp_run import run_private_setting
-
-        return run_private_setting(data, missing, config, timer, progress)
     n_classes = data.cohort.labels.shape[1]
     if assignment is None:
         assignment = assign_partial_labels(
@@ -109,8 +112,8 @@ def run_setting(
             f"the assignment covers {assignment.n_clients} clients and {assignment.n_classes} classes; "
             f"the run has {config.n_clients} clients and {n_classes} classes"
         )
+    mechanism = mechanism_for(data, config, stats, assignment, random)
     clients = [client_id(k) for k in range(config.n_clients)]
-    undefined = _undefined_balance(stats, clients, assignment)
     dropped = dropped_clients(config)
     dropouts = {config.dropout_stage: dropped} if dropped else {}
     test_y = data.cohort.labels[data.split.test]
@@ -119,10 +122,13 @@ def run_setting(
         def score(method: str, logits: np.ndarray) -> Metrics:
             return evaluate(test_y, logits, kind="logits")
 
-    with timer.phase("statistics"), warnings.catch_warnings():
-        # reported per setting (undefined_balance), not as one Python warning per client
-        warnings.simplefilter("ignore", UndefinedBalanceWarning)
-        round1 = _round1_contributions(stats, clients, assignment)
+    # Round 1: statistics → privatize → protect → solve.
+    with timer.phase("statistics"):
+        mine = mechanism.statistics(clients, assignment)
+        undefined = mechanism.undefined_balance(mine, clients, assignment)
+    with timer.phase(mechanism.privatize_phase):
+        round1 = mechanism.privatize(mine, clients, assignment)
+    del mine
     upload = upload_bytes(round1)
     if last_use:
         stats.clear()  # type: ignore[attr-defined]  # round 1's contributions hold what is still needed
@@ -132,69 +138,31 @@ def run_setting(
     if last_use:
         round1 = audited
     check_coverage(agg, n_classes)
-    with timer.phase("solve"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", UndefinedBalanceWarning)
-        models, factors = _round1_models(agg.sums, n_classes, config.gamma, config.rounds)
-    afl = models[AFL_1]
-    # With several protections, the others' sums fit the same models, reported as "<method> via <name>".
-    other_models: dict[str, AnalyticClassifier] = {}
-    other_factors: dict[str, GramFactors] = {}
     with timer.phase("solve"):
-        for name, sums in agg.other_sums.items():
-            fitted, other_factors[name] = _round1_models(sums, n_classes, config.gamma, config.rounds)
-            other_models.update({f"{method} via {name}": model for method, model in fitted.items()})
+        fitted = mechanism.solve(agg)
+    models, other_models = fitted.models, fitted.other_models
 
-    pseudo_reports: list[tuple[str, PseudoLabelReport]] = []
-    rescaled_reports: list[tuple[str, PseudoLabelReport]] = []
     method_groups, wire_groups = agg.method, agg.wire
     sent_by_difference = dict(agg.derived)
     costs = named_costs("round1", agg.costs_by_protection) or None
     findings = {c: tuple(f) for c, f in agg.client_findings.items()}
     round2: dict[str, Contributions] = {}
     if config.rounds == 2:
-        # A client that dropped at any stage of round 1 is offline: round 2 goes on without it.
+        # Round 2: the server's teacher → statistics → privatize → protect → refine.  A client that
+        # dropped at any stage of round 1 is offline: round 2 goes on without it.
         live = [c for c in clients if c not in dropped]
-        # The rescaled-τ variant: the server sends the round-1 scores rescaled so that ±1 are the mean
-        # training scores of S_c's labelled positives / negatives; clients apply Eq. 19 unchanged.
-        rescaled = _rescaled_or_none(afl, agg.sums)
-        rules = [PseudoScoreRule(afl.coef_, None, PSEUDO_TENSOR)]
-        if rescaled is not None:
-            rules.append(PseudoScoreRule(rescaled[0], rescaled[1], PSEUDO_TENSOR_RESCALED))
+        teacher = mechanism.teacher(agg)
         with timer.phase("statistics"):
-            for name in live:
-                k = clients.index(name)
-                round2[name], reports = pseudo_label_rounds(
-                    data.features[data.split.clients[k]],
-                    rules,
-                    assignment.active[k],
-                    config=config.pseudo,
-                    device=config.device,
-                )
-                pseudo_reports.extend((name, r) for r in reports[PSEUDO_TENSOR])
-                rescaled_reports.extend((name, r) for r in reports.get(PSEUDO_TENSOR_RESCALED, []))
+            mine2 = mechanism.round2_statistics(live, assignment)
+        with timer.phase(mechanism.privatize_phase):
+            round2 = mechanism.privatize_round2(mine2, live, assignment)
+        del mine2
         with timer.phase("aggregation"):
-            teacher = {"coef": afl.coef_}
-            if rescaled is not None:
-                teacher.update({"rescaled/coef": rescaled[0], "rescaled/offset": rescaled[1]})
             agg2 = aggregate(round2, config, dropouts={}, round_label="2", arrays=teacher)
-        with timer.phase("solve"), warnings.catch_warnings():
-            warnings.simplefilter("ignore", UndefinedBalanceWarning)
-            models[AFL_2] = AnalyticClassifier(n_classes, gamma=config.gamma).refine(
-                agg.sums, agg2.sums, alpha=config.pseudo.alpha, pseudo_tensor=PSEUDO_TENSOR, factors=factors
-            )
-            for name, sums2 in agg2.other_sums.items():
-                refined = AnalyticClassifier(n_classes, gamma=config.gamma)
-                other_models[f"{AFL_2} via {name}"] = refined.refine(
-                    agg.other_sums[name], sums2, alpha=config.pseudo.alpha, factors=other_factors[name]
-                )
-            if rescaled is not None:
-                models[AFL_2_RESCALED] = AnalyticClassifier(n_classes, gamma=config.gamma).refine(
-                    agg.sums,
-                    agg2.sums,
-                    alpha=config.pseudo.alpha,
-                    pseudo_tensor=PSEUDO_TENSOR_RESCALED,
-                    factors=factors,
-                )
+        with timer.phase("solve"):
+            refined = mechanism.refine(agg, agg2)
+        models.update(refined.models)
+        other_models.update(refined.other_models)
         for name, size in upload_bytes(round2).items():
             upload[name] += size
         method_groups, wire_groups = method_groups.merged(agg2.method), wire_groups.merged(agg2.wire)
@@ -212,8 +180,60 @@ def run_setting(
         for name, model in other_models.items():
             metrics[name] = score(name, model.decision_function(test_x))
     uploads = {c: {**groups, **round2.get(c, {})} for c, groups in round1.items()}
-    # The run's audit is of the groups the server summed; each method's, of its own groups alone
-    # (a difference plan's wire sums span the same as the method's, SECURITY.md §4).
+    audit, method_audits = _audits(config, uploads, wire_groups, method_groups, findings, mechanism, models)
+    refusals = {}
+    if config.client_policy == "deployment":
+        deployment = ClientPolicy.deployment()
+        refusals = {
+            method: layout_refusals(
+                {g.group: g.members for g in a.groups},
+                {g.group: g.tensors for g in a.groups},
+                {g.group: g.survivors for g in a.groups},
+                policy=deployment,
+            )
+            for method, a in method_audits.items()
+        }
+    method_seconds: Mapping[str, float] = {}
+    if mechanism.compares_gradient_methods:
+        method_seconds = _compare_gradient_methods(
+            data, config, missing, assignment, gradient, timer, progress, score, test_x, metrics
+        )
+    order = (*mechanism.methods, FEDAVG, *BASELINES)
+    ordered = {m: metrics[m] for m in order if m in metrics}
+    ordered.update({m: metrics[m] for m in sorted(other_models)})
+    pseudo_labels, pseudo_labels_rescaled = mechanism.pseudo_labels()
+    return SettingResult(
+        missing=missing,
+        assignment=assignment,
+        metrics=ordered,
+        dropped=dropped,
+        upload_bytes=upload,
+        audit=audit,
+        method_audits=method_audits,
+        pseudo_labels=pseudo_labels,
+        protocol_costs=costs,
+        privacy=mechanism.privacy(),
+        client_refusals=refusals,
+        sent_by_difference=sent_by_difference,
+        gram_copies={"method": _copies(method_groups, "gram"), "sent": _copies(wire_groups, "gram")},
+        pseudo_labels_rescaled=pseudo_labels_rescaled,
+        undefined_balance=undefined,
+        method_seconds=method_seconds,
+        coefs={name: model.coef_ for name, model in models.items() if model.coef_ is not None},
+    )
+
+
+def _audits(
+    config: SimConfig,
+    uploads: Mapping[str, Contributions],
+    wire_groups: GroupsSummed,
+    method_groups: GroupsSummed,
+    findings: Mapping[str, tuple],
+    mechanism: Mechanism,
+    models: Mapping[str, object],
+) -> tuple[PrivacyAudit, dict[str, PrivacyAudit]]:
+    """The run's audit, of the groups the server summed, and each method's, of its own uploads
+    alone (a difference plan's wire sums span the same as the method's, SECURITY.md §4)."""
     audit = audit_groups(
         protection=config.secure,
         members=wire_groups.members,
@@ -234,24 +254,27 @@ def run_setting(
         )
     )
     method_audits = {
-        method: restrict(methods_audit, keep, contributions=uploads)
-        for method, keep in METHOD_UPLOADS.items()
+        method: methods_audit if keep is None else restrict(methods_audit, keep, contributions=uploads)
+        for method, keep in mechanism.method_uploads().items()
         if method in models
     }
-    refusals = {}
-    if config.client_policy == "deployment":
-        deployment = ClientPolicy.deployment()
-        refusals = {
-            method: layout_refusals(
-                {g.group: g.members for g in a.groups},
-                {g.group: g.tensors for g in a.groups},
-                {g.group: g.survivors for g in a.groups},
-                policy=deployment,
-            )
-            for method, a in method_audits.items()
-        }
-    # FedAvg and the baselines: training since the data were ready, beside AFL (sim/gradient.py), on the
-    # same rows, features and label assignment
+    return audit, method_audits
+
+
+def _compare_gradient_methods(
+    data: PreparedData,
+    config: SimConfig,
+    missing: int,
+    assignment: LabelAssignment,
+    gradient: GradientMethods | None,
+    timer: PhaseTimer,
+    progress: Progress,
+    score: Callable[[str, np.ndarray], Metrics],
+    test_x: np.ndarray,
+    metrics: dict[str, Metrics],
+) -> Mapping[str, float]:
+    """FedAvg and the baselines on the same rows, features and label assignment, training since
+    the data were ready (sim/gradient.py); their metrics go into ``metrics``, their seconds out."""
     jobs = gradient or _gradient_methods(data, config, {missing: assignment}, workers=0)
     with timer.phase("gradient methods (wait)"):
         heads, method_seconds = jobs.collect(
@@ -276,42 +299,7 @@ def run_setting(
         for name, trained in heads.items():
             metrics[name] = score(name, trained.decision_function(test_x))
         metrics.update({name: score(name, scores) for name, scores in extra.items()})
-    order = (AFL_1, AFL_2, AFL_2_RESCALED, AFL_GLOBAL_BALANCE, AFL_GLOBAL_GRAM, FEDAVG, *BASELINES)
-    ordered = {m: metrics[m] for m in order if m in metrics}
-    ordered.update({m: metrics[m] for m in sorted(other_models)})
-    return SettingResult(
-        missing=missing,
-        assignment=assignment,
-        metrics=ordered,
-        dropped=dropped,
-        upload_bytes=upload,
-        audit=audit,
-        method_audits=method_audits,
-        pseudo_labels=tuple(pseudo_reports),
-        protocol_costs=costs,
-        client_refusals=refusals,
-        sent_by_difference=sent_by_difference,
-        gram_copies={"method": _copies(method_groups, "gram"), "sent": _copies(wire_groups, "gram")},
-        pseudo_labels_rescaled=tuple(rescaled_reports),
-        undefined_balance=undefined,
-        method_seconds=method_seconds,
-        coefs={name: model.coef_ for name, model in models.items() if model.coef_ is not None},
-    )
-
-
-def _round1_contributions(
-    stats: Mapping[str, ClientStatistics], clients: list[str], assignment: LabelAssignment
-) -> dict[str, Contributions]:
-    """Each client's round-1 uploads: its class groups' tensors under both balances and the
-    global Gram (in a function of its own: no local name outlives it holding a client's Gram)."""
-    round1 = {}
-    for k, name in enumerate(clients):
-        mine = stats[name].contributions(assignment.active[k], balance="client", include_global_gram=True)
-        balanced_globally = stats[name].contributions(assignment.active[k], balance="global")
-        for group, tensors in balanced_globally.items():
-            mine[group].update(tensors)
-        round1[name] = mine
-    return round1
+    return method_seconds
 
 
 def _copies(groups: GroupsSummed, tensor: str) -> float:
@@ -319,45 +307,6 @@ def _copies(groups: GroupsSummed, tensor: str) -> float:
     clients = {c for members in groups.members.values() for c in members}
     copies = sum(len(groups.members[g]) for g, tensors in groups.tensors.items() if tensor in tensors)
     return copies / max(1, len(clients))
-
-
-def _round1_models(
-    sums: Contributions, n_classes: int, gamma: float, rounds: int = 2
-) -> tuple[dict[str, AnalyticClassifier], GramFactors]:
-    """AFL and its global-balance and global-Gram variants on one set of sums, fitted one Gram at a
-    time (each class's factor serves both models that use it, then goes), and the factors round
-    2's refinements reuse (the global Gram's, kept only when there is a round 2)."""
-    factors = GramFactors(sums, gamma, keep=(ALL_GROUP,) if rounds == 2 else ())
-    models = {
-        AFL_1: AnalyticClassifier(n_classes, gamma=gamma),
-        AFL_GLOBAL_BALANCE: AnalyticClassifier(n_classes, gamma=gamma, balance="global"),
-        AFL_GLOBAL_GRAM: AnalyticClassifier(n_classes, gamma=gamma, gram="global"),
-    }
-    fit_together(list(models.values()), sums, factors=factors)
-    return models, factors
-
-
-def _rescaled_or_none(model: AnalyticClassifier, sums: Contributions) -> tuple[np.ndarray, np.ndarray] | None:
-    """The rescaled round-1 scores, or None when a class's mean training scores are undefined."""
-    try:
-        return model.rescaled_scores(sums)
-    except StatisticsError:
-        return None
-
-
-def _undefined_balance(
-    stats: Mapping[str, ClientStatistics], clients: list[str], assignment: LabelAssignment
-) -> tuple[tuple[str, int, str], ...]:
-    """Where Eq. 9 is undefined: per (client, labelled class), and per class across S_c."""
-    out = []
-    for k, name in enumerate(clients):
-        out += [(name, c, why) for c, why in stats[name].undefined_classes(assignment.active[k]).items()]
-    for c, members in enumerate(assignment.coverage()):
-        n_pos = sum(int(stats[clients[k]].n_pos[c]) for k in members)
-        n = sum(stats[clients[k]].n for k in members)
-        if members and n_pos in (0, n):
-            out.append(("S_c", c, "no positive" if n_pos == 0 else "no negative"))
-    return tuple(out)
 
 
 def _assignments(data: PreparedData, config: SimConfig) -> dict[int, LabelAssignment]:

@@ -2,8 +2,9 @@
 scenarios): the configuration, the client names, the phase timer, a setting's result, and the
 aggregation stage (in the clear, masked or encrypted) with its coverage check.
 
-Split out of :mod:`secure_afl.sim.runner` so that the DP run (:mod:`secure_afl.sim.dp_run`) walks
-the same stages without importing the runner that dispatches to it.
+Below the pipeline (:mod:`secure_afl.sim.runner`) and its mechanisms (:mod:`secure_afl.sim.mechanism`,
+:mod:`secure_afl.sim.private`), so that the scenarios and the mechanisms share it without importing
+the runner.
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ class SimConfig:
     ckks_poly_degree: int = 8192  # CKKS ring degree N (8192 or 16384)
     device: str = "auto"
     images: ImageSource | None = None  # None: the embedded dataset (synthetic features)
-    dp: DpConfig | None = None  # differential privacy (secure_afl/sim/dp_run.py); None: off
+    dp: DpConfig | None = None  # differential privacy (secure_afl/sim/private.py); None: off
     pseudo: PseudoLabelConfig = field(default_factory=PseudoLabelConfig)
     fedavg: FedAvgConfig = field(default_factory=FedAvgConfig)
     baselines: tuple[str, ...] = ()  # names from BASELINES, trained after FedAvg

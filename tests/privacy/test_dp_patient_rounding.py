@@ -28,7 +28,7 @@ from secure_afl.privacy.dp import (
 from secure_afl.privacy.dp_sampler import noise_words
 from secure_afl.sim.data import load_cohort, split_cohort
 from secure_afl.sim.datasets import PreparedData
-from secure_afl.sim.dp_run import _client_rows
+from secure_afl.sim.private import client_rows
 
 CLIP = 2.0
 P = 4  # images per patient (the default cap)
@@ -165,7 +165,7 @@ def test_the_simulators_split_spreads_patients_within_its_public_bound() -> None
     cohort = load_cohort()
     split = split_cohort(cohort, n_clients=8, by="image", seed=0)
     data = PreparedData(cohort=cohort, features=np.zeros((len(cohort), 1)), split=split, description={})
-    rows = _client_rows(data, DpConfig(epsilon=1.0, unit="patient", max_images_per_patient=P))
+    rows = client_rows(data, DpConfig(epsilon=1.0, unit="patient", max_images_per_patient=P))
     clients_of: dict[object, set[int]] = {}
     for k, r in enumerate(rows):
         for pid in cohort.patient_ids[r]:

@@ -12,10 +12,11 @@ from secure_afl.analytic import AnalyticClassifier, client_statistics, sum_contr
 from secure_afl.cli import main
 from secure_afl.privacy.dp import DpConfig
 from secure_afl.sim.datasets import prepare
-from secure_afl.sim.dp_run import AFL_DP_1, AFL_DP_2, run_dp_sweep, write_sweep
+from secure_afl.sim.dp_sweep import run_dp_sweep, write_sweep
 from secure_afl.sim.fedavg import FedAvgConfig
 from secure_afl.sim.metrics import evaluate
 from secure_afl.sim.partial import assign_partial_labels
+from secure_afl.sim.private import AFL_DP_1, AFL_DP_2
 from secure_afl.sim.runner import run_experiment
 from secure_afl.sim.setting import AFL_GLOBAL_BALANCE, SimConfig
 
@@ -161,7 +162,7 @@ def test_sim_dp_dim_runs_under_masking_and_reports_the_mechanism(tmp_path: Path)
 def test_the_simulators_clients_project_with_the_studys_matrix() -> None:
     from secure_afl.privacy.dp import private_statistics
     from secure_afl.privacy.projection import projection_matrix
-    from secure_afl.sim.dp_run import client_private_statistics
+    from secure_afl.sim.private import client_private_statistics
 
     dp = DpConfig(epsilon=1.0, clip=20.0, projection_dim=6, projection_seed=3)
     config = SimConfig(missing=(1,), rounds=1, fraction=0.05, dim=24, device="cpu", dp=dp)
