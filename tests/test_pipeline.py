@@ -15,7 +15,7 @@ from secure_afl.sim.datasets import prepare
 from secure_afl.sim.mechanism import PaperMechanism
 from secure_afl.sim.private import AFL_DP_1, AFL_DP_2, PrivateMechanism, client_private_statistics
 from secure_afl.sim.report import privacy_verdict
-from secure_afl.sim.setting import AFL_1, AFL_2, PhaseTimer, SimConfig
+from secure_afl.sim.setting import AFL_1, AFL_2, PhaseTimer, SettingResult, SimConfig
 
 BASE = SimConfig(missing=(7,), rounds=2, fraction=0.05, dim=16, secure="mask", device="cpu")
 ROUND1 = ["statistics", "undefined_balance", "privatize", "solve"]
@@ -56,7 +56,7 @@ class Recording:
         return call
 
 
-def _recorded(monkeypatch, data, config: SimConfig) -> tuple[list[str], object, object]:
+def _recorded(monkeypatch, data, config: SimConfig) -> tuple[list[str], SettingResult, SettingResult, type]:
     made = runner.mechanism_for
     calls: list[str] = []
     kinds: list[type] = []
