@@ -178,7 +178,7 @@ def test_three_dp_sessions_under_masking_accumulate_the_noisy_uploads_exactly(da
     again = PrivateGrowth(data, sim, active, DeterministicRandomSource(b"\x07" * 32))
     want = None
     for s, session in enumerate(arrivals(data.split.clients, 3, config.idle, 0)):
-        noisy, _, _ = again.uploads(session)
+        noisy, _ = again.uploads(session, lambda *a: None, "session")
         plain = sum_contributions(noisy.values())
         released = result.sessions[s].released_sums
         for group, tensors in plain.items():

@@ -135,3 +135,19 @@ def test_clipped_statistics_handed_in_are_used_not_made_again(monkeypatch, data)
     assert made == [1]
     np.testing.assert_array_equal(given.coefs[AFL_DP_1], fresh.coefs[AFL_DP_1])
     assert given.privacy == fresh.privacy
+
+
+def test_a_growing_study_walks_one_session_loop_with_either_growth() -> None:
+    """The growing scenario's loop calls the same steps of the plain and the private growth."""
+    import inspect
+
+    from secure_afl.sim.growing import PlainGrowth
+    from secure_afl.sim.private import PrivateGrowth
+
+    for step in ("uploads", "solve", "reference"):
+        plain, noisy = (
+            inspect.signature(getattr(PlainGrowth, step)),
+            inspect.signature(getattr(PrivateGrowth, step)),
+        )
+        assert list(plain.parameters) == list(noisy.parameters), step
+    assert PlainGrowth.knows_idle_zeros and not PrivateGrowth.knows_idle_zeros

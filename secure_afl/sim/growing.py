@@ -257,6 +257,49 @@ def _fit(sums: Contributions, n_classes: int, gamma: float, gram: GramScope) -> 
     return model.coef_
 
 
+class PlainGrowth:
+    """The growing study's sessions without DP: each client's exact global-balance statistics of
+    its new rows (an idle member's are zeros, which the server knows: it committed to 0 rows), the
+    solve on the accumulated sums, and the centralised reference of every released row pooled.
+    :class:`secure_afl.sim.private.PrivateGrowth` supplies the same steps under DP."""
+
+    knows_idle_zeros = True
+
+    def __init__(self, data: PreparedData, config: GrowingConfig, assignment: LabelAssignment) -> None:
+        self.data, self.config, self.assignment, self.active = data, config, assignment, assignment.active
+        self.names = [client_id(k) for k in range(len(self.active))]
+        self.n_classes = int(data.cohort.labels.shape[1])
+
+    def uploads(
+        self, session: Sequence[np.ndarray], progress: Progress, label: str
+    ) -> tuple[dict[str, Contributions], dict[str, Contributions]]:
+        """Every client's upload over its new rows ``session[k]``, and the same values (nothing is
+        noised: the reference needs no clean copy)."""
+        sim, dim = self.config.sim, int(self.data.features.shape[1])
+        out: dict[str, Contributions] = {}
+        for k, name in enumerate(self.names):
+            rows = session[k]
+            stats = (
+                client_statistics(self.data.features[rows], self.data.cohort.labels[rows], device=sim.device)
+                if len(rows)
+                else _zero_statistics(dim, self.n_classes)
+            )
+            out[name] = stats.contributions(self.active[k], balance="global", gram=self.config.gram)
+            progress(label, k + 1, len(self.names))
+        return out, out
+
+    def solve(
+        self, total: Contributions, clean: Mapping[str, Contributions], gram_survivors: int
+    ) -> tuple[np.ndarray, Mapping[str, object] | None]:
+        return _fit(total, self.n_classes, self.config.sim.gamma, self.config.gram), None
+
+    def reference(self, released: Sequence[np.ndarray]) -> np.ndarray:
+        """The centralised global-balance fit of every released row, pooled, in one plaintext pass."""
+        sim = self.config.sim
+        sums = centralised_sums(self.data, self.assignment, released, self.config.gram, sim.device)
+        return _fit(sums, self.n_classes, sim.gamma, self.config.gram)
+
+
 def run_growing(
     config: GrowingConfig,
     *,
@@ -277,7 +320,6 @@ def run_growing(
         data = request.prepare(sim.images, progress)
     seconds["data"] = time.perf_counter() - started
     n_classes = data.cohort.labels.shape[1]
-    dim = data.features.shape[1]
     assignment = assign_partial_labels(
         sim.n_clients, n_classes, sim.missing[0], seed=sim.seed, missing1=sim.missing1
     )
@@ -295,11 +337,14 @@ def run_growing(
                     "change --idle"
                 )
         released = [np.concatenate([released[k], session[k]]) for k in range(len(names))]
-    private = None
+    # One session loop; the growth mechanism supplies the uploads, the solve and the reference.
+    growth: PlainGrowth | PrivateGrowth
     if sim.dp is not None:
         from secure_afl.sim.private import PrivateGrowth
 
-        private = PrivateGrowth(data, sim, assignment.active, OsRandomSource() if random is None else random)
+        growth = PrivateGrowth(data, sim, assignment.active, OsRandomSource() if random is None else random)
+    else:
+        growth = PlainGrowth(data, config, assignment)
     test_x = data.features[data.split.test].astype(np.float64)
     test_y = data.cohort.labels[data.split.test]
     total: Contributions | None = None
@@ -308,47 +353,23 @@ def run_growing(
     with one_torch_thread():
         for s, session in enumerate(parts):
             began = time.perf_counter()
-            contributions: dict[str, Contributions] = {}
-            if private is not None:
-                contributions, clean, _ = private.uploads(session)
-                progress(f"session {s + 1} statistics", len(names), len(names))
-            for k, name in enumerate(names if private is None else ()):
-                rows = session[k]
-                stats = (
-                    client_statistics(data.features[rows], data.cohort.labels[rows], device=sim.device)
-                    if len(rows)
-                    else _zero_statistics(dim, n_classes)
-                )
-                contributions[name] = stats.contributions(
-                    assignment.active[k], balance="global", gram=config.gram
-                )
-                progress(f"session {s + 1} statistics", k + 1, len(names))
+            contributions, clean = growth.uploads(session, progress, f"session {s + 1} statistics")
             agg = aggregate(
                 contributions, sim, dropouts={}, round_label=f"growing session {s + 1}/{config.sessions}"
             )
             total = accumulate_sums(total, _full_matrices(agg.sums))
             released = [np.concatenate([released[k], session[k]]) for k in range(len(names))]
-            privacy = None
-            if private is not None:
-                coef, reference, privacy = private.solve(total, clean, len(agg.survivors[ALL_GROUP]))
-                session_seconds = time.perf_counter() - began
-            else:
-                coef = _fit(total, n_classes, sim.gamma, config.gram)
-                session_seconds = time.perf_counter() - began
-                began = time.perf_counter()
-                reference = _fit(
-                    centralised_sums(data, assignment, released, config.gram, sim.device),
-                    n_classes,
-                    sim.gamma,
-                    config.gram,
-                )
-                seconds["centralised reference"] = seconds.get("centralised reference", 0.0) + (
-                    time.perf_counter() - began
-                )
+            coef, privacy = growth.solve(total, clean, len(agg.survivors.get(ALL_GROUP, ())))
+            session_seconds = time.perf_counter() - began
+            began = time.perf_counter()
+            reference = growth.reference(released)
+            seconds["centralised reference"] = seconds.get("centralised reference", 0.0) + (
+                time.perf_counter() - began
+            )
             idle = tuple(name for k, name in enumerate(names) if not len(session[k]))
             # Under DP no member commits counts and an idle member's upload is its own noise: no
             # value is known to the server, so there is no second audit with known zeros.
-            known = idle if private is None else ()
+            known = idle if growth.knows_idle_zeros else ()
             audit = audit_groups(
                 protection=sim.secure,
                 members=agg.members,
@@ -377,7 +398,7 @@ def run_growing(
                     audit=audit,
                     known_zero=known,
                     exposed_knowing_zeros=(
-                        dict(knowing.exposed) if sim.secure != "none" and private is None else {}
+                        dict(knowing.exposed) if sim.secure != "none" and growth.knows_idle_zeros else {}
                     ),
                     costs=agg.costs,
                     seconds=session_seconds,

@@ -50,7 +50,7 @@ from secure_afl.privacy.dp_solve import (
     refine_private,
 )
 from secure_afl.privacy.projection import row_map
-from secure_afl.sim.datasets import PreparedData
+from secure_afl.sim.datasets import PreparedData, Progress
 from secure_afl.sim.mechanism import Fitted, PseudoReports, UploadFilter
 from secure_afl.sim.partial import LabelAssignment
 from secure_afl.sim.setting import Aggregate, ExperimentError, SimConfig, client_id
@@ -365,14 +365,19 @@ def privacy_lines(privacy: Mapping[str, object]) -> list[str]:
 
 
 class PrivateGrowth:
-    """The DP side of ``--scenario growing``: one noise plan for the study (its layout does not
-    depend on the rows), each session's noisy uploads over the clients' new rows, and the chain's
-    solve on the accumulated noisy sums (:mod:`secure_afl.privacy.dp_growth`).
+    """``--scenario growing``'s session steps under DP (those of
+    :class:`secure_afl.sim.growing.PlainGrowth`): one noise plan for the study (its layout does not
+    depend on the rows), each session's noisy uploads over the clients' new rows, the chain's solve
+    on the accumulated noisy sums (:mod:`secure_afl.privacy.dp_growth`), and the noise-free reference.
+    No member commits a row count and an idle member's upload is its own noise: no value is a known
+    zero.
 
     Under the patient unit the cap ``max_images_per_patient`` holds per session (over every client,
     as the simulator knows every patient id): a deployment's institution caps each session's new
     images, so a patient may contribute in several sessions, and the chain's ε composes.
     """
+
+    knows_idle_zeros = False
 
     def __init__(
         self, data: PreparedData, config: SimConfig, active: Sequence[Sequence[int]], random: RandomSource
@@ -404,12 +409,12 @@ class PrivateGrowth:
         return _capped_rows(self.data, self.dp, [np.asarray(r, dtype=np.int64) for r in session])
 
     def uploads(
-        self, session: Sequence[np.ndarray]
-    ) -> tuple[dict[str, Contributions], dict[str, Contributions], dict[str, int]]:
+        self, session: Sequence[np.ndarray], progress: Progress, label: str
+    ) -> tuple[dict[str, Contributions], dict[str, Contributions]]:
         """Every client's noisy round-1 upload over its new rows ``session[k]`` (a client without
-        any still noises its zeros), the clean uploads, and the rows each clipped."""
-        noisy, clean, clipped = {}, {}, {}
-        device = self.config.device  # type: ignore[attr-defined]
+        any still noises its zeros), and the clean uploads they came from."""
+        noisy, clean = {}, {}
+        device = self.config.device
         for k, rows in enumerate(self._capped(session)):
             name = self.names[k]
             stats = private_statistics(
@@ -421,27 +426,34 @@ class PrivateGrowth:
                 active=self.active[k],
             )
             noisy[name], clean[name] = round1_upload(stats, self.active[k], self.plan, self.random)
-            clipped[name] = stats.n_clipped
-        return noisy, clean, clipped
+        progress(label, len(self.names), len(self.names))
+        return noisy, clean
 
     def solve(
         self, total: Contributions, clean: Mapping[str, Contributions], gram_survivors: int
-    ) -> tuple[np.ndarray, np.ndarray, dict[str, object]]:
-        """The chain's classifier on the accumulated noisy sums ``total`` (this session's last),
-        the noise-free reference (the same clipped rows' sums, pooled), and the privacy record."""
-        from secure_afl.analytic import AnalyticClassifier
+    ) -> tuple[np.ndarray, dict[str, object]]:
+        """The chain's classifier on the accumulated noisy sums ``total`` (this session's last) and
+        the privacy record; the session's clean sums join the noise-free reference's."""
         from secure_afl.growth import accumulate_sums
-        from secure_afl.privacy.dp_solve import analytic_sums
 
         noise = SessionNoise.of(self.plan, gram_survivors, feature_dim=self.feature_dim)
         self.chain = ChainNoise((noise,)) if self.chain is None else self.chain.extended(noise)
         self.clean_total = accumulate_sums(self.clean_total, sum_contributions(clean.values()))
-        gamma = self.config.gamma  # type: ignore[attr-defined]
         model, solve, _ = fit_private(
-            total, self.plan, n_classes=self.n_classes, gamma=gamma, gram_survivors=gram_survivors,
-            chain=self.chain,
+            total, self.plan, n_classes=self.n_classes, gamma=self.config.gamma,
+            gram_survivors=gram_survivors, chain=self.chain,
         )  # fmt: skip
-        reference = AnalyticClassifier(self.n_classes, gamma=gamma, balance="global", gram="global")
-        reference.fit(analytic_sums(self.clean_total, self.n_classes))
         record = privacy_record(self.plan, solve, None, feature_dim=self.feature_dim, chain=self.chain)
-        return lift(model, self.projection).coef_, lift(reference, self.projection).coef_, record
+        return lift(model, self.projection).coef_, record
+
+    def reference(self, released: Sequence[np.ndarray]) -> np.ndarray:
+        """The noise-free fit of the same clipped (and projected) rows, every released row pooled
+        (the clean sums of every session so far)."""
+        from secure_afl.privacy.dp_solve import analytic_sums
+
+        assert self.clean_total is not None, "solve() comes first"
+        reference = AnalyticClassifier(
+            self.n_classes, gamma=self.config.gamma, balance="global", gram="global"
+        )
+        reference.fit(analytic_sums(self.clean_total, self.n_classes))
+        return lift(reference, self.projection).coef_
