@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -39,6 +39,12 @@ from secure_afl.deploy.study import (
     round2_min_group_size,
 )
 from secure_afl.privacy.dp_config import DEFAULT_CENTRED_CLIP, DEFAULT_CLIP, default_ridge
+
+if TYPE_CHECKING:  # the simulator loads only when a rehearsal computes its reference
+    from secure_afl.analytic import AnalyticClassifier, ClientStatistics, Contributions
+    from secure_afl.sim.mechanism import Fitted
+    from secure_afl.sim.partial import LabelAssignment
+    from secure_afl.sim.setting import Aggregate
 
 __all__ = [
     "CKKS_METRIC_TOLERANCE",
@@ -91,6 +97,112 @@ class Reference:
     seconds: float
 
 
+class StudyMechanism:
+    """The pipeline's stages (:mod:`secure_afl.sim.mechanism`) for the one method a study fixes,
+    over the institutions' own rows: what the deployment's nodes and server compute, in process.
+
+    Statistics: each institution's Gram and class projections.  Privatize: the study's layout
+    (its balance and Gram scope; the global Gram too when there is a round 2).  Solve: the study's
+    classifier.  Round 2: the pseudo-label sums of the groups the server's rule keeps
+    (``round2_groups``), and the refinement.
+    """
+
+    privatize_phase = "statistics"
+    compares_gradient_methods = False
+    methods = ("study",)
+
+    def __init__(
+        self, clients: Mapping[str, ClientData], study: Study, round2_groups: Collection[str], device: str
+    ) -> None:
+        self.clients, self.study, self.method, self.device = clients, study, study.method, device
+        self.round2_groups = frozenset(round2_groups)
+        self.model: AnalyticClassifier | None = None
+
+    def statistics(
+        self, clients: Collection[str], assignment: LabelAssignment
+    ) -> dict[str, ClientStatistics]:
+        from secure_afl.analytic import client_statistics
+
+        return {
+            cid: client_statistics(self.clients[cid][0], self.clients[cid][1], device=self.device)
+            for cid in clients
+        }
+
+    def undefined_balance(
+        self, stats: Mapping[str, ClientStatistics], clients: Collection[str], assignment: LabelAssignment
+    ) -> tuple[tuple[str, int, str], ...]:
+        return ()
+
+    def privatize(
+        self, stats: Mapping[str, ClientStatistics], clients: Collection[str], assignment: LabelAssignment
+    ) -> dict[str, Contributions]:
+        method = self.method
+        return {
+            cid: stats[cid].contributions(
+                self.clients[cid][2],
+                balance=method.balance,
+                gram=method.gram,
+                include_global_gram=method.rounds == 2,
+            )
+            for cid in clients
+        }
+
+    def solve(self, agg: Aggregate) -> Fitted:
+        from secure_afl.analytic import AnalyticClassifier
+        from secure_afl.sim.mechanism import Fitted
+
+        method = self.method
+        self.model = AnalyticClassifier(
+            self.study.n_classes, gamma=method.gamma, balance=method.balance, gram=method.gram
+        ).fit(agg.sums)
+        return Fitted({"study": self.model})
+
+    def teacher(self, agg: Aggregate) -> dict[str, np.ndarray]:
+        assert self.model is not None and self.model.coef_ is not None, "solve() comes first"
+        return {"coef": self.model.coef_}
+
+    def round2_statistics(
+        self, live: Collection[str], assignment: LabelAssignment
+    ) -> dict[str, Contributions]:
+        from secure_afl.analytic import PseudoLabelConfig, pseudo_label_contributions
+
+        assert self.model is not None and self.model.coef_ is not None, "solve() comes first"
+        method = self.method
+        config = PseudoLabelConfig(
+            tau=method.tau, alpha=method.alpha, min_pos=method.min_pos, min_neg=method.min_neg
+        )
+        out = {}
+        for cid in live:
+            features, _, active = self.clients[cid]
+            mine, _ = pseudo_label_contributions(
+                features, self.model.coef_, active, config=config, device=self.device
+            )
+            out[cid] = {g: t for g, t in mine.items() if g in self.round2_groups}
+        return out
+
+    def privatize_round2(
+        self, stats: Mapping[str, Contributions], live: Collection[str], assignment: LabelAssignment
+    ) -> dict[str, Contributions]:
+        return dict(stats)
+
+    def refine(self, agg: Aggregate, agg2: Aggregate) -> Fitted:
+        from secure_afl.analytic import AnalyticClassifier
+        from secure_afl.sim.mechanism import Fitted
+
+        method = self.method
+        refined = AnalyticClassifier(self.study.n_classes, gamma=method.gamma, balance=method.balance)
+        return Fitted({"study": refined.refine(agg.sums, agg2.sums, alpha=method.alpha)})
+
+    def pseudo_labels(self) -> tuple[tuple[()], tuple[()]]:
+        return (), ()
+
+    def method_uploads(self) -> dict[str, None]:
+        return {"study": None}
+
+    def privacy(self) -> None:
+        return None
+
+
 def reference_classifier(
     clients: Mapping[str, ClientData],
     study: Study,
@@ -100,66 +212,62 @@ def reference_classifier(
     device: str = "auto",
     colluders: str = "n-t",
 ) -> Reference:
-    """The simulator's secure aggregation (``sim.secure.secure_aggregate``) and the same solve.
+    """The deployment's classifier computed in process: the simulator's pipeline
+    (:func:`secure_afl.sim.runner.walk`) over :class:`StudyMechanism`, through the simulator's
+    secure aggregation at the study's precision.
 
     Same statistics, same fixed-point encoding, same survivors: the sums are the same integers, so
     the classifier must be the deployment's bit for bit.  Round 2 goes on without every client that
     dropped in round 1, over the pseudo-label groups the deployment's rule keeps.
     """
-    from secure_afl.analytic import (
-        AnalyticClassifier,
-        PseudoLabelConfig,
-        client_statistics,
-        pseudo_label_contributions,
-    )
-    from secure_afl.sim.secure import secure_aggregate
+    from secure_afl.sim.partial import LabelAssignment
+    from secure_afl.sim.runner import walk
+    from secure_afl.sim.setting import SimConfig, aggregate
 
     started = time.perf_counter()
     method, threshold = study.method, study.threshold_for(roster_size)
-    contributions = {}
-    for cid, (features, labels, active) in sorted(clients.items()):
-        stats = client_statistics(features, labels, device=device)
-        contributions[cid] = stats.contributions(
-            active, balance=method.balance, gram=method.gram, include_global_gram=method.rounds == 2
-        )
-    round1 = secure_aggregate(
-        contributions,
-        symmetric=("gram",),
-        threshold=threshold,
-        min_group_size=study.min_group_size,
-        dropouts=dropouts,
-        frac_bits=study.frac_bits,
-    )
-    model = AnalyticClassifier(study.n_classes, gamma=method.gamma, balance=method.balance, gram=method.gram)
-    model.fit(round1.sums)
-    survivors = tuple(sorted({c for ids in round1.survivors.values() for c in ids}))
+    cids = sorted(clients)
+    dropped = {c for ids in dropouts.values() for c in ids}
+    live = [cid for cid in cids if cid not in dropped]
+    kept: set[str] = set()
     if method.rounds == 2:
-        dropped = {c for ids in dropouts.values() for c in ids}
-        live = [cid for cid in sorted(clients) if cid not in dropped]
         members = pseudo_members({cid: clients[cid][2] for cid in live}, live, study.n_classes)
         minimum = round2_min_group_size(study, roster_size, colluders)  # the server's rule
         kept = {pseudo_group(c) for c in round2_classes(members, minimum)}
-        if kept:
-            config = PseudoLabelConfig(
-                tau=method.tau, alpha=method.alpha, min_pos=method.min_pos, min_neg=method.min_neg
-            )
-            round2 = {}
-            for cid in live:
-                features, _, active = clients[cid]
-                mine, _ = pseudo_label_contributions(
-                    features, model.coef_, active, config=config, device=device
-                )
-                round2[cid] = {g: t for g, t in mine.items() if g in kept}
-            sums2 = secure_aggregate(
-                round2,
-                threshold=threshold,
-                min_group_size=study.min_group_size,
-                frac_bits=study.frac_bits,
-            ).sums
-            model = AnalyticClassifier(study.n_classes, gamma=method.gamma, balance=method.balance).refine(
-                round1.sums, sums2, alpha=method.alpha
-            )
-    return Reference(np.array(model.coef_), survivors, time.perf_counter() - started)
+    config = SimConfig(
+        n_clients=len(cids), secure="mask", threshold=threshold, min_group_size=study.min_group_size
+    )
+
+    def protect(
+        contributions: dict[str, Contributions],
+        round_label: str,
+        arrays: Mapping[str, np.ndarray] | None,
+        consume: bool,
+    ) -> Aggregate:
+        drops = dropouts if round_label == "1" else {}
+        return aggregate(
+            contributions,
+            config,
+            dropouts=drops,
+            round_label=round_label,
+            arrays=arrays,
+            frac_bits=study.frac_bits,
+        )
+
+    assignment = LabelAssignment(
+        missing=0, n_classes=study.n_classes, active=tuple(tuple(clients[cid][2]) for cid in cids)
+    )
+    walked = walk(
+        StudyMechanism(clients, study, kept, device),
+        cids,
+        assignment,
+        protect,
+        rounds=2 if kept else 1,
+        dropped=dropped,
+    )
+    survivors = tuple(sorted({c for ids in walked.agg.method.survivors.values() for c in ids}))
+    coef = walked.fitted.models["study"].coef_
+    return Reference(np.array(coef), survivors, time.perf_counter() - started)
 
 
 # --- the plan ------------------------------------------------------------------------------------

@@ -10,10 +10,10 @@ reported models, the second's are fitted too and its costs sit beside the first'
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Collection, Mapping, MutableMapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 from threadpoolctl import threadpool_limits
@@ -29,13 +29,14 @@ from secure_afl.sim.audit import PrivacyAudit, audit_groups, audit_view, restric
 from secure_afl.sim.baselines import BASELINES as TABLE2_BASELINES
 from secure_afl.sim.datasets import DataRequest, PreparedData, PreparingData, Progress
 from secure_afl.sim.gradient import GradientMethods
-from secure_afl.sim.mechanism import Mechanism, PaperMechanism
+from secure_afl.sim.mechanism import Fitted, Mechanism, PaperMechanism
 from secure_afl.sim.methods import FEDAVG, FEDNCA
 from secure_afl.sim.metrics import Metrics, evaluate
 from secure_afl.sim.partial import LabelAssignment, assign_partial_labels
 from secure_afl.sim.setting import (
     BASELINES,
     SYNTHETIC_NOTICE,
+    Aggregate,
     ExperimentError,
     ExperimentResult,
     GroupsSummed,
@@ -70,6 +71,81 @@ def mechanism_for(
             data, config, assignment, OsRandomSource() if random is None else random, given
         )
     return PaperMechanism(data, config, stats)  # type: ignore[arg-type]
+
+
+Protect = Callable[[dict[str, Contributions], str, Mapping[str, np.ndarray] | None, bool], Aggregate]
+
+
+@dataclass
+class Walk:
+    """What walking the stages leaves: each round's uploads (round 1's as the audit reads them
+    when the protection took the arrays over), the sums, the released models and the bytes sent."""
+
+    round1: dict[str, Contributions]
+    round2: dict[str, Contributions]
+    agg: Aggregate
+    agg2: Aggregate | None
+    fitted: Fitted
+    undefined: tuple[tuple[str, int, str], ...]
+    upload: dict[str, int]
+
+
+def walk(
+    mechanism: Mechanism,
+    clients: Sequence[str],
+    assignment: LabelAssignment,
+    protect: Protect,
+    *,
+    rounds: int,
+    dropped: Collection[str] = (),
+    timer: PhaseTimer | None = None,
+    free: MutableMapping[str, object] | None = None,
+) -> Walk:
+    """The stages, in their one order: round 1's statistics → privatize → protect → solve, then,
+    with ``rounds=2``, the server's teacher and round 2's statistics → privatize → protect → refine
+    over the clients that did not drop (``dropped``).
+
+    ``protect(contributions, round_label, teacher_arrays, consume)`` sums the groups (in the clear,
+    masked or encrypted).  ``free``: the caller's statistics, emptied once round 1's uploads are made;
+    the protection then takes the uploads over (``consume``), so each client's Gram goes once sent."""
+    timer = PhaseTimer() if timer is None else timer
+    with timer.phase("statistics"):
+        mine = mechanism.statistics(clients, assignment)
+        undefined = mechanism.undefined_balance(mine, clients, assignment)
+    with timer.phase(mechanism.privatize_phase):
+        round1 = mechanism.privatize(mine, clients, assignment)
+    del mine
+    upload = upload_bytes(round1)
+    consume = free is not None
+    if free is not None:
+        free.clear()  # round 1's uploads hold what is still needed
+        audited = audit_view(round1)  # what the audit reads of round 1, without the arrays
+    with timer.phase("aggregation"):
+        agg = protect(round1, "1", None, consume)
+    if consume:
+        round1 = audited
+    check_coverage(agg, assignment.n_classes)
+    with timer.phase("solve"):
+        fitted = mechanism.solve(agg)
+    round2: dict[str, Contributions] = {}
+    agg2 = None
+    if rounds == 2:
+        live = [c for c in clients if c not in dropped]
+        teacher = mechanism.teacher(agg)
+        with timer.phase("statistics"):
+            mine2 = mechanism.round2_statistics(live, assignment)
+        with timer.phase(mechanism.privatize_phase):
+            round2 = mechanism.privatize_round2(mine2, live, assignment)
+        del mine2
+        with timer.phase("aggregation"):
+            agg2 = protect(round2, "2", teacher, False)
+        with timer.phase("solve"):
+            refined = mechanism.refine(agg, agg2)
+        fitted.models.update(refined.models)
+        fitted.other_models.update(refined.other_models)
+        for name, size in upload_bytes(round2).items():
+            upload[name] = upload.get(name, 0) + size
+    return Walk(round1, round2, agg, agg2, fitted, undefined, upload)
 
 
 def run_setting(
@@ -122,49 +198,40 @@ def run_setting(
         def score(method: str, logits: np.ndarray) -> Metrics:
             return evaluate(test_y, logits, kind="logits")
 
-    # Round 1: statistics → privatize → protect → solve.
-    with timer.phase("statistics"):
-        mine = mechanism.statistics(clients, assignment)
-        undefined = mechanism.undefined_balance(mine, clients, assignment)
-    with timer.phase(mechanism.privatize_phase):
-        round1 = mechanism.privatize(mine, clients, assignment)
-    del mine
-    upload = upload_bytes(round1)
-    if last_use:
-        stats.clear()  # type: ignore[attr-defined]  # round 1's contributions hold what is still needed
-        audited = audit_view(round1)  # what the audit reads of round 1, without the arrays
-    with timer.phase("aggregation"):
-        agg = aggregate(round1, config, dropouts=dropouts, consume=last_use)
-    if last_use:
-        round1 = audited
-    check_coverage(agg, n_classes)
-    with timer.phase("solve"):
-        fitted = mechanism.solve(agg)
-    models, other_models = fitted.models, fitted.other_models
+    def protect(
+        contributions: dict[str, Contributions],
+        round_label: str,
+        arrays: Mapping[str, np.ndarray] | None,
+        consume: bool,
+    ) -> Aggregate:
+        # round 2 goes on without every client that dropped in round 1: nobody drops there
+        drops = dropouts if round_label == "1" else {}
+        return aggregate(
+            contributions, config, dropouts=drops, round_label=round_label, arrays=arrays, consume=consume
+        )
 
+    walked = walk(
+        mechanism,
+        clients,
+        assignment,
+        protect,
+        rounds=config.rounds,
+        dropped=dropped,
+        timer=timer,
+        free=stats if last_use else None,  # type: ignore[arg-type]
+    )
+    round1, round2, agg, agg2 = walked.round1, walked.round2, walked.agg, walked.agg2
+    models, other_models, undefined, upload = (
+        walked.fitted.models,
+        walked.fitted.other_models,
+        walked.undefined,
+        walked.upload,
+    )
     method_groups, wire_groups = agg.method, agg.wire
     sent_by_difference = dict(agg.derived)
     costs = named_costs("round1", agg.costs_by_protection) or None
     findings = {c: tuple(f) for c, f in agg.client_findings.items()}
-    round2: dict[str, Contributions] = {}
-    if config.rounds == 2:
-        # Round 2: the server's teacher → statistics → privatize → protect → refine.  A client that
-        # dropped at any stage of round 1 is offline: round 2 goes on without it.
-        live = [c for c in clients if c not in dropped]
-        teacher = mechanism.teacher(agg)
-        with timer.phase("statistics"):
-            mine2 = mechanism.round2_statistics(live, assignment)
-        with timer.phase(mechanism.privatize_phase):
-            round2 = mechanism.privatize_round2(mine2, live, assignment)
-        del mine2
-        with timer.phase("aggregation"):
-            agg2 = aggregate(round2, config, dropouts={}, round_label="2", arrays=teacher)
-        with timer.phase("solve"):
-            refined = mechanism.refine(agg, agg2)
-        models.update(refined.models)
-        other_models.update(refined.other_models)
-        for name, size in upload_bytes(round2).items():
-            upload[name] += size
+    if agg2 is not None:
         method_groups, wire_groups = method_groups.merged(agg2.method), wire_groups.merged(agg2.wire)
         sent_by_difference.update(agg2.derived)
         for client, seen in agg2.client_findings.items():

@@ -280,6 +280,7 @@ def aggregate(
     round_label: str = "1",
     arrays: Mapping[str, np.ndarray] | None = None,
     consume: bool = False,
+    frac_bits: int | None = None,
 ) -> Aggregate:
     """Per-group sums over the surviving members, in the clear or through the masking protocol.
 
@@ -288,7 +289,8 @@ def aggregate(
     study's (:func:`secure_afl.protocol.binding.session_context`, the one-view rule).
     ``consume=True``: the caller needs ``contributions`` (a dict) no more; when the last protection
     is masking, its run takes them over (:func:`secure_afl.sim.secure.secure_aggregate`): the dict
-    is emptied and each client's values go once it has sent them."""
+    is emptied and each client's values go once it has sent them.  ``frac_bits``: the masking's
+    fixed-point precision (a study's; default the encoding's)."""
     members, tensors = _membership(contributions)
     if config.secure != "none":
         from secure_afl.sim.secure import SecureAggregationResult
@@ -297,7 +299,13 @@ def aggregate(
         names = config.secure.split(",")
         runs = {
             name: _protected_sums(
-                name, contributions, config, dropouts, context, consume=consume and index == len(names) - 1
+                name,
+                contributions,
+                config,
+                dropouts,
+                context,
+                consume=consume and index == len(names) - 1,
+                frac_bits=frac_bits,
             )
             for index, name in enumerate(names)
         }
@@ -366,6 +374,7 @@ def _protected_sums(
     context: bytes = b"",
     *,
     consume: bool = False,
+    frac_bits: int | None = None,
 ):  # -> SecureAggregationResult | CkksAggregationRun
     """Group sums through one protection backend ("mask" or "ckks"); aborts become ExperimentErrors.
     ``consume``: masking takes ``contributions`` over (CKKS leaves them)."""
@@ -390,6 +399,7 @@ def _protected_sums(
                 parameters=CkksParameters(poly_modulus_degree=config.ckks_poly_degree),
                 context=context,
             )
+        from secure_afl.core.encoding import DEFAULT_FRAC_BITS
         from secure_afl.sim.secure import secure_aggregate
 
         return secure_aggregate(
@@ -401,6 +411,7 @@ def _protected_sums(
             context=context,
             unpack=False,  # the Grams' sums stay triangles: the solve unpacks one at a time
             consume=consume,
+            frac_bits=DEFAULT_FRAC_BITS if frac_bits is None else frac_bits,
         )
     except InsufficientParticipantsError as exc:
         raise ExperimentError(
