@@ -222,7 +222,7 @@ def reference_classifier(
     """
     from secure_afl.sim.partial import LabelAssignment
     from secure_afl.sim.runner import walk
-    from secure_afl.sim.setting import SimConfig, aggregate
+    from secure_afl.sim.setting import SimConfig, protection
 
     started = time.perf_counter()
     method, threshold = study.method, study.threshold_for(roster_size)
@@ -238,22 +238,6 @@ def reference_classifier(
         n_clients=len(cids), secure="mask", threshold=threshold, min_group_size=study.min_group_size
     )
 
-    def protect(
-        contributions: dict[str, Contributions],
-        round_label: str,
-        arrays: Mapping[str, np.ndarray] | None,
-        consume: bool,
-    ) -> Aggregate:
-        drops = dropouts if round_label == "1" else {}
-        return aggregate(
-            contributions,
-            config,
-            dropouts=drops,
-            round_label=round_label,
-            arrays=arrays,
-            frac_bits=study.frac_bits,
-        )
-
     assignment = LabelAssignment(
         missing=0, n_classes=study.n_classes, active=tuple(tuple(clients[cid][2]) for cid in cids)
     )
@@ -261,7 +245,7 @@ def reference_classifier(
         StudyMechanism(clients, study, kept, device),
         cids,
         assignment,
-        protect,
+        protection(config, dropouts, frac_bits=study.frac_bits),
         rounds=2 if kept else 1,
         dropped=dropped,
     )

@@ -41,14 +41,15 @@ from secure_afl.sim.setting import (
     ExperimentResult,
     GroupsSummed,
     PhaseTimer,
+    Protect,
     SettingResult,
     SimConfig,
-    aggregate,
     check_coverage,
     client_id,
     dropped_clients,
     named_costs,
     no_progress,
+    protection,
     upload_bytes,
 )
 from secure_afl.torch_threads import one_torch_thread
@@ -71,9 +72,6 @@ def mechanism_for(
             data, config, assignment, OsRandomSource() if random is None else random, given
         )
     return PaperMechanism(data, config, stats)  # type: ignore[arg-type]
-
-
-Protect = Callable[[dict[str, Contributions], str, Mapping[str, np.ndarray] | None, bool], Aggregate]
 
 
 @dataclass
@@ -198,23 +196,11 @@ def run_setting(
         def score(method: str, logits: np.ndarray) -> Metrics:
             return evaluate(test_y, logits, kind="logits")
 
-    def protect(
-        contributions: dict[str, Contributions],
-        round_label: str,
-        arrays: Mapping[str, np.ndarray] | None,
-        consume: bool,
-    ) -> Aggregate:
-        # round 2 goes on without every client that dropped in round 1: nobody drops there
-        drops = dropouts if round_label == "1" else {}
-        return aggregate(
-            contributions, config, dropouts=drops, round_label=round_label, arrays=arrays, consume=consume
-        )
-
     walked = walk(
         mechanism,
         clients,
         assignment,
-        protect,
+        protection(config, dropouts),
         rounds=config.rounds,
         dropped=dropped,
         timer=timer,

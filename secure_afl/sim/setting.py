@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Literal
@@ -341,6 +341,35 @@ def aggregate(
         {g: tuple(sorted(t)) for g, t in tensors.items()},
     )
     return Aggregate(sums=sum_contributions(alive.values()), method=groups, wire=groups, costs=None)
+
+
+# protect(contributions, round label, round 2's teacher arrays, consume) -> the groups' sums
+Protect = Callable[[dict[str, Contributions], str, Mapping[str, np.ndarray] | None, bool], Aggregate]
+
+
+def protection(
+    config: SimConfig, dropouts: Mapping[str, tuple[str, ...]], *, frac_bits: int | None = None
+) -> Protect:
+    """The pipeline's protect stage for ``config``: :func:`aggregate` with ``dropouts`` in round 1;
+    round 2 goes on without every client that dropped in round 1, so nobody drops there."""
+
+    def protect(
+        contributions: dict[str, Contributions],
+        round_label: str,
+        arrays: Mapping[str, np.ndarray] | None,
+        consume: bool,
+    ) -> Aggregate:
+        return aggregate(
+            contributions,
+            config,
+            dropouts=dropouts if round_label == "1" else {},
+            round_label=round_label,
+            arrays=arrays,
+            consume=consume,
+            frac_bits=frac_bits,
+        )
+
+    return protect
 
 
 def _membership(
