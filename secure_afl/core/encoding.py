@@ -166,14 +166,8 @@ def magnitude(values: np.ndarray) -> float:
 
 
 def check_float_tensor(values: np.ndarray, *, tensor: str) -> np.ndarray:
-    """Return ``values`` as a 1-D float64 array, rejecting other dtypes and non-finite entries."""
-    checked_magnitude(values, tensor=tensor)
-    return values
-
-
-def checked_magnitude(values: np.ndarray, *, tensor: str) -> float:
-    """:func:`check_float_tensor`'s checks, returning the values' :func:`magnitude` (the same
-    reductions decide finiteness), for :func:`check_encodable`'s ``max_abs``."""
+    """Return ``values`` as a 1-D float64 array, rejecting other dtypes and non-finite entries
+    (decided by :func:`magnitude`'s two reductions: no array of flags the size of the tensor)."""
     if not isinstance(values, np.ndarray):
         raise LocalProtocolError(f"tensor {tensor!r} must be a numpy array, got {type(values).__name__}")
     if values.dtype != np.float64:
@@ -182,10 +176,9 @@ def checked_magnitude(values: np.ndarray, *, tensor: str) -> float:
         raise LocalProtocolError(
             f"tensor {tensor!r} must be 1-D (pack matrices first), got shape {values.shape}"
         )
-    max_abs = magnitude(values)
-    if not math.isfinite(max_abs):
+    if not math.isfinite(magnitude(values)):
         raise NonFiniteValueError(f"tensor {tensor!r} holds NaN or infinity, which cannot be encoded")
-    return max_abs
+    return values
 
 
 def immutable(array: np.ndarray) -> bool:
