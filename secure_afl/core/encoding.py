@@ -21,6 +21,8 @@ Symmetric matrices travel as their upper triangle (row-major, diagonal included)
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from .errors import EncodingOverflowError, LocalProtocolError, NonFiniteValueError
@@ -61,8 +63,9 @@ def encode_into(
 ) -> None:
     """Write :func:`encode`'s words of ``values`` into ``out`` (uint64, the same length), for
     values that :func:`check_float_tensor` and :func:`check_encodable` have passed (nothing is
-    checked here).  rint(x · 2^f) as int64, a cache-sized chunk at a time through one small
-    float64 ``buffer`` (made here unless given): no array the size of the tensor but ``out``."""
+    checked here; :func:`check_part` checks a chunk as it is encoded).  rint(x · 2^f) as int64, a
+    cache-sized chunk at a time through one small float64 ``buffer`` (made here unless given): no
+    array the size of the tensor but ``out``."""
     if values.shape[0] == 0:
         return
     scale = 2.0**frac_bits
@@ -77,22 +80,46 @@ def encode_into(
         integers[start : start + part.shape[0]] = part
 
 
-def check_encodable(values: np.ndarray, *, tensor: str, frac_bits: int, group_size: int) -> None:
+def check_part(part: np.ndarray, *, whole: np.ndarray, tensor: str, frac_bits: int, group_size: int) -> None:
+    """:func:`check_float_tensor`'s finiteness and :func:`check_encodable`'s bound, decided on
+    ``part``, a slice of the float64 1-D ``whole``: for an encoder that checks each chunk while it
+    is in cache instead of reading the whole first.  The largest |x| of the whole is the largest
+    over its parts, so checking every part is the whole's check; a failing part raises what those
+    functions raise over ``whole`` (the same error and message)."""
+    largest = magnitude(part)
+    if math.isfinite(largest) and not _over_bound(largest, frac_bits, group_size):
+        return
+    check_float_tensor(whole, tensor=tensor)
+    check_encodable(whole, tensor=tensor, frac_bits=frac_bits, group_size=group_size)
+    raise AssertionError(f"{tensor!r}: a part failed the checks that its whole passed")  # unreachable
+
+
+def _over_bound(max_abs: float, frac_bits: int, group_size: int) -> bool:
+    """:func:`check_encodable`'s rule on the values' largest magnitude (False for NaN, which
+    :func:`check_float_tensor` refuses).  The float test can pass by a rounding hair at the very
+    edge, so the integer is tested too (rint is monotone: the largest |rint(x * 2^f)| is
+    rint(max|x| * 2^f))."""
+    return max_abs > encoding_bound(frac_bits, group_size) or (
+        float(np.rint(max_abs * 2.0**frac_bits)) > _INT63_MAX // group_size
+    )
+
+
+def check_encodable(
+    values: np.ndarray, *, tensor: str, frac_bits: int, group_size: int, max_abs: float | None = None
+) -> None:
     """Raise :class:`EncodingOverflowError` unless every entry can be encoded for ``group_size``.
 
     Exactly the check :func:`encode` makes, without encoding: a client runs it as soon as it knows
     its groups' sizes (R1), before it shares any secret, so it never commits to a round it cannot
-    finish.
+    finish.  ``max_abs``: :func:`magnitude` of ``values``, where the caller has just taken it (one
+    array checked for several groups: the same decision without reading it again).
     """
-    bound = encoding_bound(frac_bits, group_size)
-    # max(max, -min) is max |x| for finite floats, without an |x| array the size of the tensor.
-    max_abs = max(float(np.max(values)), -float(np.min(values))) if values.size else 0.0
-    if max_abs > bound:
-        raise EncodingOverflowError(tensor, max_abs, bound, frac_bits, group_size)
-    # The float check can pass by a rounding hair at the very edge; check the integer too
-    # (rint is monotone, so the largest |rint(x * 2^f)| is rint(max|x| * 2^f)).
-    if values.size and float(np.rint(max_abs * 2.0**frac_bits)) > _INT63_MAX // group_size:
-        raise EncodingOverflowError(tensor, max_abs, bound, frac_bits, group_size)
+    if max_abs is None:
+        max_abs = magnitude(values)
+    if values.size and _over_bound(max_abs, frac_bits, group_size):
+        raise EncodingOverflowError(
+            tensor, max_abs, encoding_bound(frac_bits, group_size), frac_bits, group_size
+        )
 
 
 def decode(words: np.ndarray, *, frac_bits: int = DEFAULT_FRAC_BITS) -> np.ndarray:
@@ -126,8 +153,21 @@ def decode_in_place(words: np.ndarray, *, frac_bits: int = DEFAULT_FRAC_BITS) ->
     return values
 
 
+def magnitude(values: np.ndarray) -> float:
+    """max |x| over a float64 array (0 for an empty one), as ``max(max, -min)``: two reductions and
+    no |x| array the size of the tensor.  NaN when an entry is NaN (both reductions propagate it),
+    infinite when one is infinite (it is an extreme): finite exactly when every entry is."""
+    if not values.size:
+        return 0.0
+    high, low = float(np.max(values)), float(np.min(values))
+    if high != high or low != low:  # NaN: max(high, -low) would drop it where it is the second
+        return float("nan")
+    return max(high, -low)
+
+
 def check_float_tensor(values: np.ndarray, *, tensor: str) -> np.ndarray:
-    """Return ``values`` as a 1-D float64 array, rejecting other dtypes and non-finite entries."""
+    """Return ``values`` as a 1-D float64 array, rejecting other dtypes and non-finite entries
+    (decided by :func:`magnitude`'s two reductions: no array of flags the size of the tensor)."""
     if not isinstance(values, np.ndarray):
         raise LocalProtocolError(f"tensor {tensor!r} must be a numpy array, got {type(values).__name__}")
     if values.dtype != np.float64:
@@ -136,7 +176,7 @@ def check_float_tensor(values: np.ndarray, *, tensor: str) -> np.ndarray:
         raise LocalProtocolError(
             f"tensor {tensor!r} must be 1-D (pack matrices first), got shape {values.shape}"
         )
-    if not np.all(np.isfinite(values)):
+    if not math.isfinite(magnitude(values)):
         raise NonFiniteValueError(f"tensor {tensor!r} holds NaN or infinity, which cannot be encoded")
     return values
 

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import numpy as np
 
 ANCHOR_WORDS = 4
+_CONSTANT_HEAD = 64  # words is_constant reads first
 _VALUE_DOMAIN = b"secure-afl/v2/value\x00"
 _PREFIX_DOMAIN = b"secure-afl/v2/value-prefix\x00"
 _SUFFIX_DOMAIN = b"secure-afl/v2/value-suffix\x00"
@@ -71,7 +72,14 @@ def is_constant(values: np.ndarray) -> bool:
     released twice; a caller that must spend such values too names their source (:func:`source_id`).
     """
     flat = _words(values).reshape(-1)
-    return bool(flat.size == 0 or (flat == flat[0]).all() or np.isnan(flat).all())
+    if flat.size == 0:
+        return True
+    # A value that is not constant almost always shows it in its first words: decide there when
+    # they are neither all equal nor all NaN (then the whole is neither), without a pass over a Gram.
+    head = flat[:_CONSTANT_HEAD]
+    if not ((head == head[0]).all() or np.isnan(head).all()):
+        return False
+    return bool((flat == flat[0]).all() or np.isnan(flat).all())
 
 
 def anchors(values: np.ndarray) -> tuple[str, ...]:
@@ -398,9 +406,7 @@ class _Distinct:
             by_name[f"{group}/{name}"] = (group, name)
         indices = {full: self._of_key[key] for full, key in by_name.items()}
         tensor = {full: full.split("/", 1)[1] for full in by_name}
-        searched: dict[tuple[int, int], bool] = {}
-
-        out = []
+        pairs: list[tuple[str, str, int, int]] = []
         for part, small in indices.items():
             if self._flat[small].size < 2:
                 continue
@@ -412,36 +418,60 @@ class _Distinct:
                 # A constant whole (a member with no rows sends zeros) holds nothing a part could add.
                 if self._flat[large].size <= self._flat[small].size or self._constant[large]:
                     continue
-                pair = (small, large)
-                if pair not in searched:
-                    searched[pair] = _contains_words(self._flat[large], self._flat[small])
-                if searched[pair]:
-                    out.append((part, whole))
-        return tuple(out)
+                pairs.append((part, whole, small, large))
+        # Each distinct whole is read once for all the parts searched in it (a Gram holds several).
+        wanted: dict[int, list[int]] = {}
+        for _, _, small, large in pairs:
+            if small not in wanted.setdefault(large, []):
+                wanted[large].append(small)
+        searched: dict[tuple[int, int], bool] = {}
+        for large, smalls in wanted.items():
+            found = _contains_each(self._flat[large], [self._flat[small] for small in smalls])
+            searched.update(((small, large), hit) for small, hit in zip(smalls, found, strict=True))
+        return tuple((part, whole) for part, whole, small, large in pairs if searched[(small, large)])
 
 
 # Where a part's first word occurs more often than this in a whole, the whole is searched as bytes.
 _WORD_CANDIDATES = 64
 
 
-def _contains_words(whole: np.ndarray, part: np.ndarray) -> bool:
-    """Whether ``part``'s bytes occur in ``whole``'s at a multiple of 8 bytes (a whole word): the
-    answer of :func:`_aligned_find` on their bytes, without copying ``whole`` (a 64 MiB Gram at
-    d = 4096).  The words are compared as uint64 (bit patterns, as the bytes are: -0.0 is not 0.0).
-    The places where ``part``'s first and last words both occur are checked one by one; where
-    there are many (a whole of repeated words, such as zeros), the byte search decides."""
+_SCAN_WORDS = 1 << 15  # words of a whole compared at a time: the slice stays in cache for every part
+
+
+def _contains_each(whole: np.ndarray, parts: list[np.ndarray]) -> list[bool]:
+    """For each part, whether its bytes occur in ``whole``'s at a multiple of 8 bytes (a whole
+    word): the answers of :func:`_aligned_find` on their bytes, without copying ``whole`` (a
+    64 MiB Gram at d = 4096), reading it once for all the parts.  The words are compared as uint64
+    (bit patterns, as the bytes are: -0.0 is not 0.0).  The places where a part's first and last
+    words both occur are checked one by one; where there are many (a whole of repeated words,
+    such as zeros), the byte search decides."""
     haystack = whole.view(np.uint64)
-    needle = part.view(np.uint64)
-    m = needle.shape[0]
-    span = haystack.shape[0] - m + 1
-    if m == 0 or span <= 0:
-        return m == 0
-    candidates = np.flatnonzero(haystack[:span] == needle[0])
-    if candidates.shape[0] > _WORD_CANDIDATES:
-        candidates = candidates[haystack[candidates + (m - 1)] == needle[-1]]
-    if candidates.shape[0] > _WORD_CANDIDATES:
-        return _aligned_find(whole.tobytes(), part.tobytes())
-    return any(np.array_equal(haystack[c : c + m], needle) for c in candidates.tolist())
+    needles = [part.view(np.uint64) for part in parts]
+    spans = [haystack.shape[0] - needle.shape[0] + 1 for needle in needles]
+    # Where each part's first word occurs, a cache-sized slice of the whole at a time.
+    hits: list[list[np.ndarray]] = [[] for _ in needles]
+    searching = [k for k, needle in enumerate(needles) if needle.shape[0] and spans[k] > 0]
+    for start in range(0, max((spans[k] for k in searching), default=0), _SCAN_WORDS):
+        window = haystack[start : start + _SCAN_WORDS]
+        for k in searching:
+            if start < spans[k]:
+                found = np.flatnonzero(window[: spans[k] - start] == needles[k][0])
+                if found.shape[0]:
+                    hits[k].append(found + start)
+    out = []
+    for k, needle in enumerate(needles):
+        m = needle.shape[0]
+        if m == 0 or spans[k] <= 0:
+            out.append(m == 0)
+            continue
+        candidates = np.concatenate(hits[k]) if hits[k] else np.zeros(0, dtype=np.intp)
+        if candidates.shape[0] > _WORD_CANDIDATES:
+            candidates = candidates[haystack[candidates + (m - 1)] == needle[-1]]
+        if candidates.shape[0] > _WORD_CANDIDATES:
+            out.append(_aligned_find(whole.tobytes(), parts[k].tobytes()))
+        else:
+            out.append(any(np.array_equal(haystack[c : c + m], needle) for c in candidates.tolist()))
+    return out
 
 
 def _aligned_find(haystack: bytes, needle: bytes) -> bool:

@@ -394,13 +394,19 @@ class ClientSession(SessionDriver):
             self._exposure_gate("R1", "share keys (R1)", members, set(adverts), adverts=adverts)
         # The group sizes are known now: refuse inputs that would overflow before sharing anything,
         # so an overflow never strands this client after its shares are out (R2 checks again).
+        # One array in several groups (a shared Gram) is read once, each group tests its own bound.
+        magnitudes: dict[int, float] = {}
         for group in sorted(self._inputs):
             for name in sorted(self._inputs[group]):
+                values = self._inputs[group][name]
+                if id(values) not in magnitudes:
+                    magnitudes[id(values)] = encoding.magnitude(values)
                 encoding.check_encodable(
-                    self._inputs[group][name],
+                    values,
                     tensor=f"{group}/{name}",
                     frac_bits=config.frac_bits,
                     group_size=len(members[group]),
+                    max_abs=magnitudes[id(values)],
                 )
 
         holders = sorted(adverts)
@@ -484,11 +490,11 @@ class ClientSession(SessionDriver):
         # step per group and tensor: the same keys as prg.self_mask_key / prg.pair_mask_key.
         own_prk = prg.key_prk(self._seed)
         pair_prks: dict[str, bytes] = {}
-        plan: list[tuple[str, str, np.ndarray, list[tuple[bytes, int]]]] = []
-        # One input array in several groups is checked as a float tensor once; each group checks
-        # its own bound, and its words are encoded where they are masked, in the message's frame
-        # (prg.add_masks): no array of the words (at d = 4096 a fresh 64 MiB per Gram).
-        checked: dict[int, np.ndarray] = {}
+        plan: list[tuple[str, str, np.ndarray, int, list[tuple[bytes, int]]]] = []
+        # Each input's words are encoded where they are masked, in the message's frame
+        # (prg.add_masks): no array of the words (at d = 4096 a fresh 64 MiB per Gram).  The
+        # encoding checks them as it goes (finite, within the group's bound: encoding.encode_into),
+        # each chunk while it is in cache; a refusal raises before the reply exists.
         for group in sorted(self._inputs):
             group_size = len(self._members[group])
             peers = [cid for cid in self._members[group] if cid in live and cid != self.client_id]
@@ -496,14 +502,7 @@ class ClientSession(SessionDriver):
                 if peer not in pair_prks:
                     pair_prks[peer] = prg.key_prk(self._peer_secrets[peer].mask)
             for name in sorted(self._inputs[group]):
-                values = self._inputs[group][name]
-                label = f"{group}/{name}"
-                base = checked.get(id(values))
-                if base is None:
-                    base = checked[id(values)] = encoding.check_float_tensor(values, tensor=label)
-                encoding.check_encodable(
-                    base, tensor=label, frac_bits=config.frac_bits, group_size=group_size
-                )
+                base = self._inputs[group][name]
                 own = prg.self_mask_key_from_prk(own_prk, config.session_id, group, name, self.client_id)
                 keys = [(own, 1)] + [
                     (
@@ -514,17 +513,24 @@ class ClientSession(SessionDriver):
                     )
                     for peer in peers
                 ]
-                plan.append((group, name, base, keys))
+                plan.append((group, name, base, group_size, keys))
         # The words are masked straight into the message's frame: no copy of them per group, no
         # bytes of each tensor, no join (the same bytes as codec.encode of the same message).
         frame = codec.MaskedInputFrame(
             config.session_id,
             self.client_id,
-            [(group, name, base.shape[0]) for group, name, base, _ in plan],
+            [(group, name, base.shape[0]) for group, name, base, _, _ in plan],
             max_message_bytes=self._limits[MaskedInput],
         )
-        for index, (_, _, base, keys) in enumerate(plan):
-            prg.add_masks(frame.words(index), keys, values=base, frac_bits=config.frac_bits)
+        for index, (group, name, base, group_size, keys) in enumerate(plan):
+            prg.add_masks(
+                frame.words(index),
+                keys,
+                values=base,
+                frac_bits=config.frac_bits,
+                group_size=group_size,
+                tensor=f"{group}/{name}",
+            )
         data, reply = frame.finish()
         self._encoded_reply = (reply, data)
 

@@ -92,13 +92,18 @@ def add_masks(
     base: np.ndarray | None = None,
     values: np.ndarray | None = None,
     frac_bits: int = encoding.DEFAULT_FRAC_BITS,
+    group_size: int | None = None,
+    tensor: str = "",
 ) -> None:
     """``accumulator += sum(sign * mask(key))`` modulo 2^64 over ``(key, sign)`` pairs, in place;
     with ``base``, ``accumulator = base + sum(sign * mask(key))`` (its prior content is not read);
-    with float64 ``values`` (which :func:`~secure_afl.core.encoding.check_encodable` passed),
-    ``accumulator = encode(values) + sum(sign * mask(key))``, each chunk encoded where it is masked:
-    the words of ``encode`` without an array of them (at d = 4096 a fresh 64 MiB per Gram, whose
-    first touch costs more than the encoding).
+    with float64 ``values``, ``accumulator = encode(values) + sum(sign * mask(key))``, each chunk
+    encoded where it is masked: the words of ``encode`` without an array of them (at d = 4096 a
+    fresh 64 MiB per Gram, whose first touch costs more than the encoding).  The values are
+    checked chunk by chunk as they are encoded, for a group of ``group_size`` members, as
+    ``tensor`` (:func:`~secure_afl.core.encoding.check_part`: a refusal raises the whole's error,
+    leaving the accumulator part-written); without ``group_size`` they must have passed
+    :func:`~secure_afl.core.encoding.check_encodable`.
 
     The words added are exactly :func:`mask_words`': each key's keystream is produced in chunks of
     :data:`CHUNK_WORDS` (CTR mode continues across ``update_into`` calls) into one reused buffer,
@@ -147,7 +152,12 @@ def add_masks(
         # no pass copying them into the scratch first.
         source = target if base is None else base[start : start + words]
         if values is not None:
-            encoding.encode_into(values[start : start + words], part, frac_bits=frac_bits, buffer=floats)
+            chunk = values[start : start + words]
+            if group_size is not None:
+                encoding.check_part(
+                    chunk, whole=values, tensor=tensor, frac_bits=frac_bits, group_size=group_size
+                )
+            encoding.encode_into(chunk, part, frac_bits=frac_bits, buffer=floats)
             source = part
         mask = np.frombuffer(out, dtype="<u8", count=words)
         for stream, add in streams:

@@ -178,3 +178,33 @@ def test_a_part_is_found_in_a_whole_of_many_repeated_words() -> None:
     part = np.array([0.0, 0.0, 1.0, 2.0, 3.0])
     assert contained_parts({"g": {"whole": whole, "part": part}}) == (("g/part", "g/whole"),)
     assert contained_parts({"g": {"whole": whole, "part": np.array([0.0, 1.0, 3.0])}}) == ()
+
+
+def test_several_parts_searched_in_one_read_of_a_large_whole_as_pair_by_pair() -> None:
+    """A whole longer than the scan's slices (1 << 15 words), read once for all its parts: parts
+    across a slice's edge, at its very end, absent, and one whose first word is everywhere."""
+    rng = np.random.default_rng(11)
+    whole = rng.standard_normal(3 * (1 << 15) + 17)
+    whole[: 1 << 15] = np.round(whole[: 1 << 15])  # many repeated words in the first slice
+    edge = (1 << 15) - 2
+    parts = {
+        "across": whole[edge : edge + 5].copy(),
+        "at_end": whole[-4:].copy(),
+        "absent": np.append(whole[100:103], 0.123456789),
+        "common": whole[10:13].copy(),  # a first word such as 0.0 or 1.0, repeated all over
+        "unaligned": np.frombuffer(whole[200:204].tobytes()[3:] + b"\0\0\0", dtype="<f8").copy(),
+    }
+    inputs = {"g": {"whole": whole, **parts}}
+    expected = _old_contained_parts(inputs)
+    assert contained_parts(inputs) == expected
+    found = {part for part, whole_name in expected if whole_name == "g/whole"}
+    assert found == {"g/across", "g/at_end", "g/common"}
+
+
+def test_is_constant_reads_past_a_constant_head_as_before() -> None:
+    for head in (np.zeros(200), np.full(200, np.nan)):
+        tail_differs = np.concatenate([head, [1.0]])
+        assert not is_constant(tail_differs)
+        assert is_constant(np.concatenate([head, head]))
+    assert not is_constant(np.array([np.nan, 1.0] + [np.nan] * 100))
+    assert is_constant(np.zeros(0)) and is_constant(np.array([3.0]))
