@@ -1,19 +1,23 @@
 """What a setting's clients upload and how the server solves: the mechanism of one data path.
 
-Every setting of the simulator walks one pipeline (:func:`secure_afl.sim.runner.run_setting`)::
+Every setting of the simulator walks one pipeline (:func:`secure_afl.sim.runner.walk`, called by
+:func:`~secure_afl.sim.runner.run_setting`)::
 
-    statistics → privatize → protect → solve → round 2 (statistics → privatize → protect → refine)
+    round 1: statistics → privatize → protect → solve
+    round 2: the server's teacher → statistics → privatize → protect → refine
 
-The pipeline owns the order, the dropouts, the protection (:func:`secure_afl.sim.setting.aggregate`:
+The pipeline owns the order, the dropouts, the protection (:func:`secure_afl.sim.setting.protection`:
 the layout, a difference plan, masking or CKKS or the clear), the coverage check, the metrics, the
 audit and the comparison with the gradient methods.  A mechanism supplies the stages' contents:
 
 * :class:`PaperMechanism`: the paper's AFL and its variants, not private (this module);
 * :class:`secure_afl.sim.private.PrivateMechanism`: the same stages under differential privacy
-  (clipped and possibly projected rows, noise before the protection, the private solve).
+  (clipped and possibly projected rows, noise before the protection, the private solve);
+* ``secure_afl.rehearsal.StudyMechanism``: a study's one method over the institutions' rows, the
+  in-process reference of ``deploy local``.
 
-A mechanism is made for one setting (:func:`secure_afl.sim.private.mechanism_for` picks it) and
-keeps what its later stages need, as an estimator keeps its fit.
+A mechanism is made for one setting (:func:`secure_afl.sim.runner.mechanism_for` picks the
+simulator's) and keeps what its later stages need, as an estimator keeps its fit.
 """
 
 from __future__ import annotations
