@@ -42,6 +42,7 @@ from secure_afl.privacy.dp_config import DEFAULT_CENTRED_CLIP, DEFAULT_CLIP, def
 
 if TYPE_CHECKING:  # the simulator loads only when a rehearsal computes its reference
     from secure_afl.analytic import AnalyticClassifier, ClientStatistics, Contributions
+    from secure_afl.deploy.solve import StudySolver
     from secure_afl.sim.mechanism import Fitted
     from secure_afl.sim.partial import LabelAssignment
     from secure_afl.sim.setting import Aggregate
@@ -117,6 +118,7 @@ class StudyMechanism:
         self.clients, self.study, self.method, self.device = clients, study, study.method, device
         self.round2_groups = frozenset(round2_groups)
         self.model: AnalyticClassifier | None = None
+        self.solver: StudySolver | None = None
 
     def statistics(
         self, clients: Collection[str], assignment: LabelAssignment
@@ -148,13 +150,11 @@ class StudyMechanism:
         }
 
     def solve(self, agg: Aggregate) -> Fitted:
-        from secure_afl.analytic import AnalyticClassifier
+        from secure_afl.deploy.solve import StudySolver
         from secure_afl.sim.mechanism import Fitted
 
-        method = self.method
-        self.model = AnalyticClassifier(
-            self.study.n_classes, gamma=method.gamma, balance=method.balance, gram=method.gram
-        ).fit(agg.sums)
+        self.solver = StudySolver(self.study)  # the Flower server's solve
+        self.model = self.solver.fit(agg.sums)
         return Fitted({"study": self.model})
 
     def teacher(self, agg: Aggregate) -> dict[str, np.ndarray]:
@@ -186,12 +186,10 @@ class StudyMechanism:
         return dict(stats)
 
     def refine(self, agg: Aggregate, agg2: Aggregate) -> Fitted:
-        from secure_afl.analytic import AnalyticClassifier
         from secure_afl.sim.mechanism import Fitted
 
-        method = self.method
-        refined = AnalyticClassifier(self.study.n_classes, gamma=method.gamma, balance=method.balance)
-        return Fitted({"study": refined.refine(agg.sums, agg2.sums, alpha=method.alpha)})
+        assert self.model is not None and self.solver is not None, "solve() comes first"
+        return Fitted({"study": self.solver.refine(self.model, agg2.sums, {})})
 
     def pseudo_labels(self) -> tuple[tuple[()], tuple[()]]:
         return (), ()

@@ -35,10 +35,10 @@ from secure_afl.privacy.policy import active_threshold
 
 from .classifier import Classifier, ClassifierSigner
 from .errors import ConfigurationError, FederationAbortedError
+from .solve import StudySolver
 from .study import (
     Study,
     class_group,
-    dp_projection,
     noise_plan,
     pseudo_members,
     round1_plan,
@@ -201,8 +201,6 @@ class FederationServer:
     # --- the run ------------------------------------------------------------------------------
 
     def run(self) -> Classifier:
-        from secure_afl.analytic import AnalyticClassifier  # torch: only the server's solve needs it
-
         started = time.perf_counter()
         # Under DP the plan comes first: a study it cannot satisfy stops the run before any session.
         plan = noise_plan(self.study, len(self.roster)) if self.study.dp is not None else None
@@ -221,27 +219,13 @@ class FederationServer:
                 f"round 1: {len(difference.complements)} class Gram(s) sent by difference "
                 f"({saved['wire']} Gram copies instead of {saved['direct']})"
             )
+        solver = StudySolver(self.study, plan, self.earlier_noise)
         record1, outcome1 = self._session("1", nodes, layout1, {})
-        sums1 = outcome1.sums
         solve_started = time.perf_counter()
-        if plan is not None:
-            from secure_afl.privacy.dp_growth import ChainNoise, SessionNoise
-            from secure_afl.privacy.dp_solve import fit_private
-
-            gram_survivors = len(self._group(record1, "all")["survivors"])
-            noise = SessionNoise.of(plan, gram_survivors, feature_dim=self.study.dim)
-            chain = ChainNoise((noise,)) if self.earlier_noise is None else self.earlier_noise.extended(noise)
-            fitted = self._accumulate(record1, sums1, noise)
-            model, solve, sums1 = fit_private(
-                fitted, plan, n_classes=self.study.n_classes, gamma=method.gamma,
-                gram_survivors=gram_survivors, chain=chain if self.study.extends else None,
-            )  # fmt: skip
-            solve2 = None
-        else:
-            fitted = self._accumulate(record1, sums1)
-            model = AnalyticClassifier(
-                self.study.n_classes, gamma=method.gamma, balance=method.balance, gram=method.gram
-            ).fit(fitted)
+        # Under DP the session's noise record goes into a growing chain's entry before the solve.
+        gram_survivors = len(self._group(record1, "all")["survivors"]) if plan is not None else 0
+        noise = solver.session_noise(gram_survivors)
+        model = solver.fit(self._accumulate(record1, outcome1.sums, noise), gram_survivors)
         self.report.seconds["solve"] = time.perf_counter() - solve_started
         if method.rounds == 2:
             labelled = {
@@ -260,25 +244,12 @@ class FederationServer:
                 layout2 = round2_layout(self.study, classes)
                 targets = [self._node_of[cid] for cid in record1.completed]
                 record2, outcome2 = self._session("2", targets, layout2, {"coef": model.coef_})
-                sums2 = outcome2.sums
                 solve_started = time.perf_counter()
-                if plan is not None:
-                    model, solve2 = self._refine_private(model, sums1, sums2, solve, plan, record2)
-                else:
-                    model = AnalyticClassifier(
-                        self.study.n_classes, gamma=method.gamma, balance=method.balance
-                    ).refine(sums1, sums2, alpha=method.alpha)
+                survivors2 = {g["name"]: len(g["survivors"]) for g in record2.groups}
+                model = solver.refine(model, outcome2.sums, survivors2)
                 self.report.seconds["solve"] += time.perf_counter() - solve_started
-        weights = model.coef_
-        if plan is not None:
-            from secure_afl.privacy.dp_solve import privacy_record
-            from secure_afl.privacy.projection import lift_weights
-
-            growing = chain if self.study.extends else None  # every session's ε, and the chain's
-            self.privacy = privacy_record(plan, solve, solve2, feature_dim=self.study.dim, chain=growing)
-            projection = dp_projection(self.study)  # --dp-dim: the classifier holds W = P W_K
-            if projection is not None:
-                weights = lift_weights(projection, weights)
+        weights = solver.weights(model)  # under --dp-dim the classifier holds W = P W_K
+        self.privacy = solver.privacy_record()  # under DP: every session's ε, and a chain's
         classifier = self._classifier(weights)
         self.report.seconds["federation"] = time.perf_counter() - started
         return classifier
@@ -310,23 +281,6 @@ class FederationServer:
         chain = (*(() if earlier is None else earlier.chain), entry)
         self.accumulated = AccumulatedSums(self.study.digest(), total, chain)
         return total if earlier is not None else sums
-
-    def _refine_private(self, model: Any, sums1: Any, sums2: Any, solve: Any, plan: Any, record2: Any):
-        """Round 2 under DP: Eq. 20's thresholds on the noisy federation counts (dp_solve)."""
-        from secure_afl.analytic import PseudoLabelConfig
-        from secure_afl.privacy.dp_solve import pseudo_count_noise_std, refine_private
-
-        m = self.study.method
-        survivors = {g["name"]: len(g["survivors"]) for g in record2.groups}
-        return refine_private(
-            model,
-            sums1,
-            sums2,
-            solve,
-            n_classes=self.study.n_classes,
-            config=PseudoLabelConfig(tau=m.tau, alpha=m.alpha, min_pos=m.min_pos, min_neg=m.min_neg),
-            count_noise_std=pseudo_count_noise_std(plan, survivors),
-        )
 
     def sign(self, classifier: Classifier) -> bytes:
         """The classifier file, signed by the coordinator (Ed25519 is deterministic: same bytes each time)."""
