@@ -206,13 +206,8 @@ def run_setting(
         timer=timer,
         free=stats if last_use else None,  # type: ignore[arg-type]
     )
-    round1, round2, agg, agg2 = walked.round1, walked.round2, walked.agg, walked.agg2
-    models, other_models, undefined, upload = (
-        walked.fitted.models,
-        walked.fitted.other_models,
-        walked.undefined,
-        walked.upload,
-    )
+    agg, agg2 = walked.agg, walked.agg2
+    models, other_models = walked.fitted.models, walked.fitted.other_models
     method_groups, wire_groups = agg.method, agg.wire
     sent_by_difference = dict(agg.derived)
     costs = named_costs("round1", agg.costs_by_protection) or None
@@ -232,7 +227,7 @@ def run_setting(
         metrics = {name: score(name, model.decision_function(test_x)) for name, model in models.items()}
         for name, model in other_models.items():
             metrics[name] = score(name, model.decision_function(test_x))
-    uploads = {c: {**groups, **round2.get(c, {})} for c, groups in round1.items()}
+    uploads = {c: {**groups, **walked.round2.get(c, {})} for c, groups in walked.round1.items()}
     audit, method_audits = _audits(config, uploads, wire_groups, method_groups, findings, mechanism, models)
     refusals = {}
     if config.client_policy == "deployment":
@@ -260,7 +255,7 @@ def run_setting(
         assignment=assignment,
         metrics=ordered,
         dropped=dropped,
-        upload_bytes=upload,
+        upload_bytes=walked.upload,
         audit=audit,
         method_audits=method_audits,
         pseudo_labels=pseudo_labels,
@@ -270,7 +265,7 @@ def run_setting(
         sent_by_difference=sent_by_difference,
         gram_copies={"method": _copies(method_groups, "gram"), "sent": _copies(wire_groups, "gram")},
         pseudo_labels_rescaled=pseudo_labels_rescaled,
-        undefined_balance=undefined,
+        undefined_balance=walked.undefined,
         method_seconds=method_seconds,
         coefs={name: model.coef_ for name, model in models.items() if model.coef_ is not None},
     )
