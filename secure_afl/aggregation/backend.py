@@ -28,6 +28,7 @@ from typing import Protocol
 import numpy as np
 
 from secure_afl.core.randomness import RandomSource
+from secure_afl.core.workers import Workers, for_this_process
 from secure_afl.keys.identity import IdentityKey
 from secure_afl.keys.roster import Roster
 from secure_afl.privacy.ledger import Ledger
@@ -183,6 +184,9 @@ class MaskingBackend:
     trust_model: str = MASK_TRUST_MODEL
     exact_sums: bool = True  # integer sums mod 2⁶⁴: a difference plan's derived sums are bit-exact
     rounds: tuple[str, ...] = ("R0", "R1", "R2", "R3", "R4")
+    # Who masks a large tensor (a client in R2) and removes its self masks (the server in R4):
+    # the same words on any count; by default this process's CPUs, at most workers.MAX_THREADS.
+    workers: Workers = field(default_factory=for_this_process)
 
     def server_session(
         self, roster: Roster, layout: Layout, *, session_id: bytes, min_group_size: int, context: bytes = b""
@@ -194,7 +198,9 @@ class MaskingBackend:
             frac_bits=self.frac_bits,
             groups=layout.group_specs(),
         )
-        return ServerSession(roster, config, context=context, may_be_empty=layout.complement_groups)
+        return ServerSession(
+            roster, config, context=context, may_be_empty=layout.complement_groups, workers=self.workers
+        )
 
     def client_session(  # type: ignore[no-untyped-def]
         self,
@@ -232,6 +238,7 @@ class MaskingBackend:
             context=context,
             rows=rows,
             row_floors=row_floors,
+            workers=self.workers,
         )
 
     def encode(self, message: object, max_message_bytes: int) -> bytes:

@@ -49,6 +49,7 @@ from secure_afl.core.errors import (
     UnknownParticipantError,
 )
 from secure_afl.core.randomness import RandomSource
+from secure_afl.core.workers import ONE_THREAD, Workers
 from secure_afl.keys.identity import IdentityKey
 from secure_afl.keys.roster import Roster
 from secure_afl.privacy import exposure
@@ -152,6 +153,8 @@ class ClientSession(SessionDriver):
     fewer than c + 2 members with rows (:class:`~secure_afl.core.errors.IncrementTooSmallError`).
     ``row_floors`` (tensor -> count) extends "known" to a member that committed fewer rows than a
     non-zero value of every tensor of the group needs (round 2, from the client's own study).
+    ``workers`` (:mod:`secure_afl.core.workers`, default the caller's thread) mask a large tensor
+    together in R2: the same words.
     """
 
     def __init__(
@@ -171,9 +174,11 @@ class ClientSession(SessionDriver):
         context: bytes = binding.NO_CONTEXT,
         rows: Mapping[str, int] | None = None,
         row_floors: Mapping[str, int] | None = None,
+        workers: Workers = ONE_THREAD,
     ) -> None:
         self._limits: dict[type, int] = {}
         self._context = binding.check_context(context)
+        self._workers = workers
         super().__init__(
             client_id, identity_key, roster, inputs, policy=policy, min_group_size=min_group_size,
             min_threshold=min_threshold, session_id=session_id, random=random, ledger=ledger,
@@ -530,6 +535,7 @@ class ClientSession(SessionDriver):
                 frac_bits=config.frac_bits,
                 group_size=group_size,
                 tensor=f"{group}/{name}",
+                workers=self._workers,
             )
         data, reply = frame.finish()
         self._encoded_reply = (reply, data)

@@ -16,6 +16,8 @@ mask's cost was their page faults, not AES) and with each slice of the accumulat
 
 from __future__ import annotations
 
+import functools
+import itertools
 from collections.abc import Iterable
 
 import numpy as np
@@ -24,6 +26,7 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF, HKDFExpand
 
 from secure_afl.core import encoding
+from secure_afl.core.workers import ONE_THREAD, Workers
 
 from .fields import tagged_fields
 
@@ -31,6 +34,9 @@ SELF_MASK_DOMAIN = b"secure-afl/v1/self-mask"
 PAIR_MASK_DOMAIN = b"secure-afl/v1/pairwise-mask"
 _ZERO_COUNTER = bytes(16)
 CHUNK_WORDS = 1 << 15  # 256 KiB of keystream per key at a time: the accumulator's slice stays in cache
+# An accumulator this long (8 MiB) is split among the workers (add_masks); a shorter one costs
+# less than starting them.
+PARALLEL_MIN_WORDS = 1 << 20
 
 
 def self_mask_key(seed: bytes, session_id: bytes, group: str, tensor: str, client_id: str) -> bytes:
@@ -94,6 +100,7 @@ def add_masks(
     frac_bits: int = encoding.DEFAULT_FRAC_BITS,
     group_size: int | None = None,
     tensor: str = "",
+    workers: Workers = ONE_THREAD,
 ) -> None:
     """``accumulator += sum(sign * mask(key))`` modulo 2^64 over ``(key, sign)`` pairs, in place;
     with ``base``, ``accumulator = base + sum(sign * mask(key))`` (its prior content is not read);
@@ -111,6 +118,12 @@ def add_masks(
     that is not 8-byte aligned (a tensor's place in a message frame, see
     :class:`~secure_afl.protocol.codec.MaskedInputFrame`) is summed chunk by chunk in an aligned
     buffer and each chunk copied in once: numpy adds unaligned words about twice as slowly.
+
+    ``workers`` (:mod:`secure_afl.core.workers`): an accumulator of at least
+    :data:`PARALLEL_MIN_WORDS` words (a Gram triangle from d of about 1,450) is split into
+    ``workers.count`` runs of whole chunks, each with its own keystreams started at its first
+    word's counter block (CTR mode is seekable: the same words, bit for bit); a refusal in any
+    run raises once all have ended.  AES-CTR (``cryptography``) and numpy's adds release the GIL.
     """
     if accumulator.dtype != np.uint64 or accumulator.ndim != 1:
         raise ValueError(
@@ -128,44 +141,88 @@ def add_masks(
             f"the values must be a float64 array of the accumulator's shape {accumulator.shape}, "
             f"and no base beside them; got {values.dtype} {values.shape}"
         )
-    streams = [
-        (Cipher(algorithms.AES(key), modes.CTR(_ZERO_COUNTER)).encryptor(), sign > 0) for key, sign in keys
-    ]
+    keys = [(key, sign > 0) for key, sign in keys]
     n_words = accumulator.shape[0]
     if n_words == 0:
         return
-    if not streams and values is None:
+    if not keys and values is None:
         if base is not None:
             np.copyto(accumulator, base)
         return
     size = min(CHUNK_WORDS, n_words)
-    zeros = memoryview(bytearray(8 * size))
-    out = bytearray(8 * size + 15)  # update_into wants block_size - 1 spare bytes
-    staged = base is not None or values is not None or not accumulator.flags.aligned
-    scratch = np.empty(size, dtype=np.uint64) if staged else None
-    floats = np.empty(size) if values is not None else None
-    for start in range(0, n_words, size):
-        words = min(size, n_words - start)
-        target = accumulator[start : start + words]
-        part = target if scratch is None else scratch[:words]
-        # The first mask is added to the words where they are (the base, or the accumulator):
-        # no pass copying them into the scratch first.
-        source = target if base is None else base[start : start + words]
-        if values is not None:
-            chunk = values[start : start + words]
-            if group_size is not None:
-                encoding.check_part(
-                    chunk, whole=values, tensor=tensor, frac_bits=frac_bits, group_size=group_size
-                )
-            encoding.encode_into(chunk, part, frac_bits=frac_bits, buffer=floats)
-            source = part
-        mask = np.frombuffer(out, dtype="<u8", count=words)
-        for stream, add in streams:
-            stream.update_into(zeros[: 8 * words], out)
-            if add:
-                np.add(source, mask, out=part)
-            else:
-                np.subtract(source, mask, out=part)
-            source = part
-        if scratch is not None:
-            np.copyto(target, part)
+    n_chunks = -(-n_words // size)
+    runs = min(workers.count, n_chunks) if n_words >= PARALLEL_MIN_WORDS else 1
+    # Runs of whole chunks: each starts on a chunk (so on an AES block, 2 words) boundary.
+    bounds = [size * (n_chunks * i // runs) for i in range(runs)] + [n_words]
+    job = _MaskJob(accumulator, keys, base, values, frac_bits, group_size, tensor, size)
+    if runs == 1:
+        job.run(0, n_words)
+        return
+    workers.run([functools.partial(job.run, lo, hi) for lo, hi in itertools.pairwise(bounds)])
+
+
+class _MaskJob:
+    """One :func:`add_masks` call's arguments, masked a run of chunks at a time (any thread)."""
+
+    def __init__(
+        self,
+        accumulator: np.ndarray,
+        keys: list[tuple[bytes, bool]],
+        base: np.ndarray | None,
+        values: np.ndarray | None,
+        frac_bits: int,
+        group_size: int | None,
+        tensor: str,
+        size: int,
+    ) -> None:
+        self.accumulator = accumulator
+        self.keys = keys
+        self.base = base
+        self.values = values
+        self.frac_bits = frac_bits
+        self.group_size = group_size
+        self.tensor = tensor
+        self.size = size
+
+    def run(self, lo: int, hi: int) -> None:
+        """Words ``lo:hi`` (``lo`` a multiple of the chunk size) with their own buffers and
+        keystreams started at word ``lo``'s counter block."""
+        accumulator, base, values, size = self.accumulator, self.base, self.values, self.size
+        counter = (8 * lo // 16).to_bytes(16, "big")
+        streams = [
+            (Cipher(algorithms.AES(key), modes.CTR(counter)).encryptor(), add) for key, add in self.keys
+        ]
+        zeros = memoryview(bytearray(8 * size))
+        out = bytearray(8 * size + 15)  # update_into wants block_size - 1 spare bytes
+        staged = base is not None or values is not None or not accumulator.flags.aligned
+        scratch = np.empty(size, dtype=np.uint64) if staged else None
+        floats = np.empty(size) if values is not None else None
+        for start in range(lo, hi, size):
+            words = min(size, hi - start)
+            target = accumulator[start : start + words]
+            part = target if scratch is None else scratch[:words]
+            # The first mask is added to the words where they are (the base, or the accumulator):
+            # no pass copying them into the scratch first.
+            source = target if base is None else base[start : start + words]
+            if values is not None:
+                chunk = values[start : start + words]
+                if self.group_size is not None:
+                    encoding.check_part(
+                        chunk,
+                        whole=values,
+                        tensor=self.tensor,
+                        frac_bits=self.frac_bits,
+                        group_size=self.group_size,
+                    )
+                encoding.encode_into(chunk, part, frac_bits=self.frac_bits, buffer=floats)
+                source = part
+            mask = np.frombuffer(out, dtype="<u8", count=words)
+            for stream, add in streams:
+                stream.update_into(zeros[: 8 * words], out)
+                if add:
+                    np.add(source, mask, out=part)
+                else:
+                    np.subtract(source, mask, out=part)
+                source = part
+            if scratch is not None:
+                np.copyto(target, part)

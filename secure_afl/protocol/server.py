@@ -31,6 +31,7 @@ from secure_afl.core.errors import (
     ReplayedMessageError,
     UnknownClientError,
 )
+from secure_afl.core.workers import ONE_THREAD, Workers
 from secure_afl.keys.roster import Roster
 
 from . import binding, codec, crypto, prg, shamir
@@ -103,6 +104,7 @@ class ServerSession:
         *,
         context: bytes = binding.NO_CONTEXT,
         may_be_empty: Collection[str] = (),
+        workers: Workers = ONE_THREAD,
     ) -> None:
         """``may_be_empty``: groups this server may finish with no live member (their sums are
         then zero and reveal nothing), where a group with fewer live members than the minimum
@@ -117,6 +119,7 @@ class ServerSession:
         if unknown:
             raise LocalProtocolError(f"may_be_empty names groups the session does not have: {unknown}")
         self._may_be_empty = frozenset(may_be_empty)
+        self._workers = workers  # who removes the self masks of a large sum (prg.add_masks)
         self._roster = roster
         self._config = config
         self._digest = binding.config_digest(config, context)  # the session context its clients bind
@@ -484,6 +487,7 @@ class ServerSession:
                         (prg.self_mask_key_from_prk(seed_prks[v], session_id, group.name, tensor.name, v), -1)
                         for v in live
                     ),
+                    workers=self._workers,
                 )
                 # A survivor v added pair_sign(v, d) * PRG(s_vd) for each member d that dropped after R1.
                 prg.add_masks(
@@ -497,6 +501,7 @@ class ServerSession:
                         )
                         for d, v in pairs
                     ),
+                    workers=self._workers,
                 )
                 accumulator.setflags(write=False)
         self._result = AggregationResult(

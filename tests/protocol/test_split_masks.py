@@ -1,0 +1,102 @@
+"""A large mask split among workers: the same words as one thread, refusals as one thread's."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from secure_afl.core.errors import EncodingOverflowError, NonFiniteValueError
+from secure_afl.core.workers import ONE_THREAD, Threads
+from secure_afl.protocol import prg
+
+KEYS = [(bytes([k + 1]) * 32, 1 if k % 2 else -1) for k in range(4)]
+
+
+@pytest.fixture
+def small_split(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Small chunks and a small split size: several runs of several chunks in a fast test.
+    monkeypatch.setattr(prg, "CHUNK_WORDS", 64)
+    monkeypatch.setattr(prg, "PARALLEL_MIN_WORDS", 256)
+
+
+class CountingThreads(Threads):
+    """Threads that record how many runs each call was split into (tests/test_workers.py shows
+    that the runs are on threads of their own)."""
+
+    def __init__(self, count: int) -> None:
+        super().__init__(count)
+        object.__setattr__(self, "splits", [])
+
+    def run(self, tasks):  # type: ignore[no-untyped-def]
+        self.splits.append(len(tasks))  # type: ignore[attr-defined]
+        super().run(tasks)
+
+
+def _expected(start: np.ndarray) -> np.ndarray:
+    expected = start.copy()
+    for key, sign in KEYS:
+        mask = prg.mask_words(key, start.shape[0])
+        expected = expected + mask if sign > 0 else expected - mask
+    return expected
+
+
+@pytest.mark.parametrize("n_words", [256, 257, 1000, 64 * 7 + 3])
+@pytest.mark.parametrize("count", [2, 3])
+def test_split_masks_add_the_same_words(small_split: None, n_words: int, count: int) -> None:
+    rng = np.random.default_rng(n_words)
+    start = rng.integers(0, 2**64 - 1, size=n_words, dtype=np.uint64, endpoint=True)
+    expected = _expected(start)
+    workers = CountingThreads(count)
+    in_place = start.copy()
+    prg.add_masks(in_place, KEYS, workers=workers)
+    assert in_place.tobytes() == expected.tobytes()
+    assert workers.splits == [count]  # type: ignore[attr-defined]
+    # From a base, into an unaligned view (a tensor's place in a message frame).
+    buffer = bytearray(8 * n_words + 3)
+    target = np.frombuffer(buffer, dtype="<u8", count=n_words, offset=3)
+    prg.add_masks(target, KEYS, base=start, workers=workers)
+    assert target.tobytes() == expected.tobytes()
+
+
+def test_split_encoding_masks_the_same_words_as_one_thread(small_split: None) -> None:
+    values = np.random.default_rng(3).normal(size=1000)
+    alone = np.zeros(1000, dtype=np.uint64)
+    prg.add_masks(alone, KEYS, values=values, group_size=4, tensor="g/gram", workers=ONE_THREAD)
+    split = np.zeros(1000, dtype=np.uint64)
+    workers = CountingThreads(2)
+    prg.add_masks(split, KEYS, values=values, group_size=4, tensor="g/gram", workers=workers)
+    assert split.tobytes() == alone.tobytes()
+    assert workers.splits == [2]  # type: ignore[attr-defined]
+
+
+def test_below_the_split_size_one_thread_masks(small_split: None) -> None:
+    workers = CountingThreads(2)
+    words = np.zeros(255, dtype=np.uint64)
+    prg.add_masks(words, KEYS, workers=workers)
+    assert words.tobytes() == _expected(np.zeros(255, dtype=np.uint64)).tobytes()
+    assert not workers.splits  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(("bad", "error"), [(np.nan, NonFiniteValueError), (1e300, EncodingOverflowError)])
+@pytest.mark.parametrize("where", [10, 990])  # in the first run, in the last
+def test_a_refusal_in_any_run_raises_the_whole_error(
+    small_split: None, bad: float, error: type[Exception], where: int
+) -> None:
+    values = np.ones(1000)
+    values[where] = bad
+    with pytest.raises(error) as alone:
+        prg.add_masks(np.zeros(1000, dtype=np.uint64), KEYS, values=values, group_size=4, tensor="g/gram")
+    before = threading.active_count()
+    with pytest.raises(error) as split:
+        prg.add_masks(
+            np.zeros(1000, dtype=np.uint64),
+            KEYS,
+            values=values,
+            group_size=4,
+            tensor="g/gram",
+            workers=Threads(3),
+        )
+    assert str(split.value) == str(alone.value)
+    assert threading.active_count() == before  # no run left behind

@@ -1,0 +1,67 @@
+"""core.workers: tasks on one thread or several, every one ended before the call returns."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from secure_afl.core.workers import MAX_THREADS, ONE_THREAD, Threads, for_this_process
+
+
+def test_threads_run_every_task_on_their_own_threads() -> None:
+    seen: list[int] = []
+    barrier = threading.Barrier(3, timeout=10)  # only passes if the three tasks run at once
+
+    def task() -> None:
+        barrier.wait()
+        seen.append(threading.get_ident())
+
+    Threads(3).run([task, task, task])
+    assert len(set(seen)) == 3 and threading.get_ident() in seen
+
+
+def test_the_first_error_in_task_order_is_raised_after_every_task_ended() -> None:
+    ended: list[str] = []
+    second_started = threading.Event()
+
+    def first() -> None:
+        second_started.wait(10)
+        ended.append("first")
+        raise KeyError("first")
+
+    def second() -> None:
+        second_started.set()
+        ended.append("second")
+        raise ValueError("second")
+
+    def third() -> None:
+        ended.append("third")
+
+    with pytest.raises(KeyError, match="first"):
+        Threads(3).run([first, second, third])
+    assert sorted(ended) == ["first", "second", "third"]
+
+
+def test_one_thread_stops_at_the_first_error() -> None:
+    ran: list[int] = []
+
+    def failing() -> None:
+        ran.append(1)
+        raise RuntimeError("stop")
+
+    with pytest.raises(RuntimeError, match="stop"):
+        ONE_THREAD.run([failing, lambda: ran.append(2)])
+    assert ran == [1]
+
+
+@pytest.mark.parametrize("count", [0, -1, 1.5])
+def test_a_thread_count_is_a_positive_integer(count: object) -> None:
+    with pytest.raises(ValueError, match="thread count"):
+        Threads(count)  # type: ignore[arg-type]
+
+
+def test_this_process_gets_at_most_max_threads() -> None:
+    workers = for_this_process()
+    assert 1 <= workers.count <= MAX_THREADS
+    assert Threads(2) == Threads(2) and Threads(2) != Threads(3)
