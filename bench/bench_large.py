@@ -10,7 +10,9 @@ self mask and one pairwise mask per other member, the server removes each self m
 encoding every Gram copy to fixed point and one add per mask, at the rates this host gives on one
 triangle right now.  The other tensors (d-vectors) are left out of the floor (under 1% of words).
 Reported beside it, not in it: the floor with the protocol's digests, one SHA-256 pass per client
-over its Gram (the release's value id, which the one-contribution rule needs before R0).
+over its Gram (the release's value id, which the one-contribution rule needs before R0), and the
+floor on the threads the masking sessions split a large mask among (``core/workers``: this
+process's CPUs, at most 2), each thread on its share of the words.
 
 ``--tree PATH`` (repeatable) runs another checkout's code on the same data in the same loop (e.g.
 the code before a change, unpacked with ``git archive``), the trees interleaved per d and path;
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import os
 import platform
@@ -31,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -98,6 +102,7 @@ def mask_floor(dim: int) -> dict[str, float]:
     from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
     from secure_afl.core import encoding
+    from secure_afl.core.workers import for_this_process
     from secure_afl.sim.partial import assign_partial_labels
 
     words = dim * (dim + 1) // 2
@@ -125,6 +130,27 @@ def mask_floor(dim: int) -> dict[str, float]:
     t_stream = best(keystream)
     t_encode = best(lambda: encoding.encode(values, tensor="gram", group_size=N_CLIENTS))
     t_add = best(lambda: np.add(acc, other, out=acc))
+    # The same work on the threads the masking sessions use (core/workers: this process's CPUs,
+    # at most 2), each on its share of the words, as prg.add_masks splits them.
+    threads = for_this_process().count
+    bounds = [words * i // threads for i in range(threads + 1)]
+    shares = list(itertools.pairwise(bounds))
+
+    def on_threads(work) -> float:
+        with ThreadPoolExecutor(threads) as pool:
+            return best(lambda: list(pool.map(lambda share: work(*share), shares)))
+
+    def keystream_share(lo: int, hi: int) -> None:
+        stream = Cipher(algorithms.AES(bytes(32)), modes.CTR(bytes(16))).encryptor()
+        zeros_, out_ = bytearray(8 * chunk), bytearray(8 * chunk + 15)
+        for _ in range(lo, hi, chunk):
+            stream.update_into(zeros_, out_)
+
+    t_stream_threads = on_threads(keystream_share)
+    t_encode_threads = on_threads(
+        lambda lo, hi: encoding.encode(values[lo:hi], tensor="gram", group_size=N_CLIENTS)
+    )
+    t_add_threads = on_threads(lambda lo, hi: np.add(acc[lo:hi], other[lo:hi], out=acc[lo:hi]))
     t_digest = best(lambda: hashlib.sha256(values).digest())
     # The Gram's groups at missing 7: each class group's annotators, and `all` (every client).
     assignment = assign_partial_labels(N_CLIENTS, 8, 7, seed=0, missing1="permutation")
@@ -143,6 +169,12 @@ def mask_floor(dim: int) -> dict[str, float]:
         + copies * t_encode
         + (masks + copies) * t_add
         + N_CLIENTS * t_digest,
+        # The floor on the sessions' threads (their count in "threads"): what the masking could
+        # reach there, against which the aggregation's wall seconds are also reported.
+        "threads": threads,
+        "floor_threads_s": masks * t_stream_threads
+        + copies * t_encode_threads
+        + (masks + copies) * t_add_threads,
         "mask_streams": masks,
         "gram_copies": copies,
         "keystream_gb_per_s": 8 * words / t_stream / 1e9,
@@ -197,6 +229,8 @@ def main() -> None:
                         a["aggregation_s"] for a in m
                     )
                     / floor["floor_with_digest_s"],
+                    "aggregation_mask_over_floor_threads": statistics.median(a["aggregation_s"] for a in m)
+                    / floor["floor_threads_s"],
                     "peak_rss_gib": {
                         "mask": max(a["peak_rss_gib"] for a in m),
                         "none": max(b["peak_rss_gib"] for b in n),
@@ -213,7 +247,9 @@ def main() -> None:
                     f"{s['aggregation_mask_s']:.2f} / {s['aggregation_none_s']:.2f} s "
                     f"({s['aggregation_mask_over_floor']:.2f}× the floor {floor['floor_s']:.2f} s, "
                     f"{s['aggregation_mask_over_floor_with_digest']:.2f}× with the digests "
-                    f"{floor['floor_with_digest_s']:.2f} s); "
+                    f"{floor['floor_with_digest_s']:.2f} s, "
+                    f"{s['aggregation_mask_over_floor_threads']:.2f}× the floor on "
+                    f"{floor['threads']} threads {floor['floor_threads_s']:.2f} s); "
                     f"peak {s['peak_rss_gib']['mask']:.2f} / {s['peak_rss_gib']['none']:.2f} GiB",
                     flush=True,
                 )
