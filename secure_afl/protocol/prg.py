@@ -150,15 +150,22 @@ def add_masks(
             np.copyto(accumulator, base)
         return
     size = min(CHUNK_WORDS, n_words)
-    n_chunks = -(-n_words // size)
-    runs = min(workers.count, n_chunks) if n_words >= PARALLEL_MIN_WORDS else 1
-    # Runs of whole chunks: each starts on a chunk (so on an AES block, 2 words) boundary.
-    bounds = [size * (n_chunks * i // runs) for i in range(runs)] + [n_words]
     job = _MaskJob(accumulator, keys, base, values, frac_bits, group_size, tensor, size)
-    if runs == 1:
+    runs = word_runs(n_words, workers)
+    if len(runs) == 1:
         job.run(0, n_words)
         return
-    workers.run([functools.partial(job.run, lo, hi) for lo, hi in itertools.pairwise(bounds)])
+    workers.run([functools.partial(job.run, lo, hi) for lo, hi in runs])
+
+
+def word_runs(n_words: int, workers: Workers) -> list[tuple[int, int]]:
+    """``(start, stop)`` runs of whole :data:`CHUNK_WORDS` chunks (each start on a chunk, so on
+    an AES block boundary) that ``workers`` share an array of ``n_words`` in: one run below
+    :data:`PARALLEL_MIN_WORDS`, else ``workers.count`` runs (no more than the chunks)."""
+    n_chunks = -(-n_words // CHUNK_WORDS)
+    count = min(workers.count, n_chunks) if n_words >= PARALLEL_MIN_WORDS else 1
+    bounds = [min(n_words, CHUNK_WORDS * (n_chunks * i // count)) for i in range(count)] + [n_words]
+    return list(itertools.pairwise(bounds))
 
 
 class _MaskJob:

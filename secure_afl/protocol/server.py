@@ -9,6 +9,7 @@ current round (a rejected message raises and changes nothing: that client is tre
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from operator import itemgetter
@@ -306,13 +307,15 @@ class ServerSession:
 
     def _add_pending(self) -> None:
         """Add every queued input to its sum: per sum, one cache-sized slice at a time against all
-        the queued inputs (the same sums mod 2⁶⁴, in any order)."""
+        the queued inputs (the same sums mod 2⁶⁴, in any order); a large sum split among the
+        workers as :func:`prg.add_masks <secure_afl.protocol.prg.add_masks>` splits a mask."""
         for key, inputs in self._pending.items():
             total = self._sums[key]
-            for start in range(0, total.shape[0], prg.CHUNK_WORDS):
-                part = total[start : start + prg.CHUNK_WORDS]
-                for words in inputs:
-                    np.add(part, words[start : start + prg.CHUNK_WORDS], out=part)
+            runs = prg.word_runs(total.shape[0], self._workers)
+            if len(runs) == 1:
+                _add_inputs(total, inputs, 0, total.shape[0])
+            else:
+                self._workers.run([functools.partial(_add_inputs, total, inputs, lo, hi) for lo, hi in runs])
         self._pending = {}
         self._pending_bytes = 0
 
@@ -529,3 +532,12 @@ class ServerSession:
         rows = [self._unmask[revealer][part] for revealer in revealers]
         # Column k: every revealer's share of owner k.
         return [shamir.combine(basis, column) for column in zip(*rows, strict=True)]
+
+
+def _add_inputs(total: np.ndarray, inputs: list[np.ndarray], lo: int, hi: int) -> None:
+    """``total[lo:hi] += sum(inputs[lo:hi])`` mod 2⁶⁴, a cache-sized slice at a time."""
+    for start in range(lo, hi, prg.CHUNK_WORDS):
+        end = min(start + prg.CHUNK_WORDS, hi)
+        part = total[start:end]
+        for words in inputs:
+            np.add(part, words[start:end], out=part)
