@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 import numpy as np
@@ -100,3 +101,14 @@ def test_a_refusal_in_any_run_raises_the_whole_error(
         )
     assert str(split.value) == str(alone.value)
     assert threading.active_count() == before  # no run left behind
+
+
+@pytest.mark.parametrize("n_words", [0, 1, 255, 256, 257, 64 * 5, 64 * 7 + 3, 10_000])
+@pytest.mark.parametrize("count", [1, 2, 3, 8])
+def test_word_runs_cover_the_words_in_whole_chunks(small_split: None, n_words: int, count: int) -> None:
+    runs = prg.word_runs(n_words, Threads(count))
+    assert runs[0][0] == 0 and runs[-1][1] == n_words
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(runs))
+    assert all(start % 64 == 0 and start < stop for start, stop in runs) or n_words == 0
+    chunks = -(-n_words // 64)
+    assert len(runs) == (1 if n_words < 256 else min(count, chunks))
