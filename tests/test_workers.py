@@ -65,3 +65,17 @@ def test_this_process_gets_at_most_max_threads() -> None:
     workers = for_this_process()
     assert 1 <= workers.count <= MAX_THREADS
     assert Threads(2) == Threads(2) and Threads(2) != Threads(3)
+
+
+def test_more_tasks_than_threads_each_run_once_shared_by_the_threads() -> None:
+    runs: list[tuple[int, int]] = []
+    both = threading.Barrier(2, timeout=10)  # the first two tasks only end once they run at once
+
+    def task(index: int) -> None:
+        if index < 2:
+            both.wait()
+        runs.append((index, threading.get_ident()))
+
+    Threads(2).run([lambda i=i: task(i) for i in range(7)])
+    assert sorted(index for index, _ in runs) == list(range(7))
+    assert len({ident for _, ident in runs}) == 2

@@ -28,7 +28,7 @@ from typing import Protocol
 import numpy as np
 
 from secure_afl.core.randomness import RandomSource
-from secure_afl.core.workers import Workers, for_this_process
+from secure_afl.core.workers import ONE_THREAD, Workers, for_this_process
 from secure_afl.keys.identity import IdentityKey
 from secure_afl.keys.roster import Roster
 from secure_afl.privacy.ledger import Ledger
@@ -96,6 +96,8 @@ class ProtectionBackend(Protocol):
     trust_model: str
     rounds: tuple[str, ...]  # round labels in order; a repeated last round keeps its label
     exact_sums: bool  # whether a difference plan (aggregation/difference.py) may be used
+    # Threads a driver may start client sessions on, and the sessions' own for large tensors.
+    workers: Workers
 
     def server_session(
         self, roster: Roster, layout: Layout, *, session_id: bytes, min_group_size: int, context: bytes = b""
@@ -297,6 +299,7 @@ class CkksBackend:
     trust_model: str = CKKS_TRUST_MODEL
     exact_sums: bool = False  # approximate sums: no difference plan (it would scale up the noise)
     rounds: tuple[str, ...] = ("R0", "R1", "R2", "R3", "R4")
+    workers: Workers = ONE_THREAD  # TenSEAL's contexts are not known to be safe across threads
 
     def server_session(
         self, roster: Roster, layout: Layout, *, session_id: bytes, min_group_size: int, context: bytes = b""

@@ -8,6 +8,7 @@ them.  :data:`ONE_THREAD` (the sessions' default) runs everything in the caller'
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -48,7 +49,8 @@ ONE_THREAD = OneThread()
 
 @dataclass(frozen=True)
 class Threads:
-    """``count`` threads: the caller's runs the first task, a pool the others, for each call."""
+    """``count`` threads for each call: the caller's and ``count - 1`` of a pool, each taking the
+    next task not yet taken until none is left."""
 
     count: int
 
@@ -60,15 +62,22 @@ class Threads:
         if len(tasks) <= 1 or self.count == 1:
             ONE_THREAD.run(tasks)
             return
-        errors: list[BaseException | None] = []
-        with ThreadPoolExecutor(max_workers=min(self.count, len(tasks)) - 1) as pool:
-            others = [pool.submit(task) for task in tasks[1:]]
-            try:
-                tasks[0]()
-                errors.append(None)
-            except BaseException as error:  # raised below, once the others have ended
-                errors.append(error)
-            errors.extend(future.exception() for future in others)
+        errors: list[BaseException | None] = [None] * len(tasks)
+        taken = itertools.count()  # next() on it is atomic under the GIL: each index taken once
+
+        def take_tasks() -> None:
+            while (index := next(taken)) < len(tasks):
+                try:
+                    tasks[index]()
+                except BaseException as error:  # raised by run(), once every task has ended
+                    errors[index] = error
+
+        others = min(self.count, len(tasks)) - 1
+        with ThreadPoolExecutor(max_workers=others) as pool:
+            helpers = [pool.submit(take_tasks) for _ in range(others)]
+            take_tasks()
+            for helper in helpers:
+                helper.result()
         for error in errors:
             if error is not None:
                 raise error
