@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -79,3 +81,16 @@ def test_more_tasks_than_threads_each_run_once_shared_by_the_threads() -> None:
     Threads(2).run([lambda i=i: task(i) for i in range(7)])
     assert sorted(index for index, _ in runs) == list(range(7))
     assert len({ident for _, ident in runs}) == 2
+
+
+def test_a_process_held_to_one_cpu_masks_on_one_thread() -> None:
+    # What an operator's CPUAffinity= (systemd) or taskset does: the CPUs a process may run on.
+    code = (
+        "import os\n"
+        "os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})\n"
+        "from secure_afl.core.workers import ONE_THREAD, for_this_process\n"
+        "print(for_this_process() == ONE_THREAD)\n"
+    )
+    command = [sys.executable, "-c", code]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=True)
+    assert done.stdout.strip() == "True"
