@@ -8,10 +8,14 @@ import pytest
 
 from secure_afl.aggregation.backend import MaskingBackend
 from secure_afl.aggregation.inprocess import run_in_process
+from secure_afl.aggregation.layout import flatten, layout_of
 from secure_afl.core.randomness import DeterministicRandomSource
 from secure_afl.core.workers import ONE_THREAD, Threads
+from secure_afl.keys.identity import IdentityKey
+from secure_afl.keys.roster import Roster, RosterEntry
 from secure_afl.privacy.policy import ClientPolicy
 from secure_afl.protocol import prg
+from secure_afl.protocol.codec import encode
 
 
 class CountingThreads(Threads):
@@ -73,3 +77,32 @@ def test_split_masks_give_one_threads_sums_and_messages(monkeypatch: pytest.Monk
 def test_the_backend_masks_on_this_processs_threads_by_default() -> None:
     backend = MaskingBackend(threshold=3)
     assert 1 <= backend.workers.count <= 2
+
+
+class NoDraws:
+    """A random source that refuses every draw."""
+
+    def token_bytes(self, n: int) -> bytes:
+        raise AssertionError(f"a draw of {n} bytes")
+
+
+def test_a_client_session_draws_nothing_at_random_until_r0() -> None:
+    # The in-process driver starts the sessions on several threads from one random source: were a
+    # session to draw as it starts, a seeded run's draws would come in the threads' order.
+    contributions = _contributions()
+    seeded = DeterministicRandomSource(b"keys")
+    identities = {cid: IdentityKey.generate(seeded) for cid in contributions}
+    roster = Roster(RosterEntry(cid, cid, key.public_key) for cid, key in identities.items())
+    backend = MaskingBackend(threshold=3, client_policy=ClientPolicy.simulator())
+    session = backend.client_session(
+        "site-0",
+        identities["site-0"],
+        roster,
+        {g: {n: flatten(v, n == "gram") for n, v in t.items()} for g, t in contributions["site-0"].items()},
+        session_id=b"s" * 32,
+        min_group_size=2,
+        random=NoDraws(),
+    )
+    server = backend.server_session(roster, layout_of(contributions), session_id=b"s" * 32, min_group_size=2)
+    with pytest.raises(AssertionError, match="a draw of"):  # R0 is where it first draws
+        session.receive_bytes(encode(server.start(), max_message_bytes=server.max_message_bytes))
