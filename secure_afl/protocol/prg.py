@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import numpy as np
 from cryptography.hazmat.primitives import hashes
@@ -168,28 +169,18 @@ def word_runs(n_words: int, workers: Workers) -> list[tuple[int, int]]:
     return list(itertools.pairwise(bounds))
 
 
+@dataclass(frozen=True)
 class _MaskJob:
     """One :func:`add_masks` call's arguments, masked a run of chunks at a time (any thread)."""
 
-    def __init__(
-        self,
-        accumulator: np.ndarray,
-        keys: list[tuple[bytes, bool]],
-        base: np.ndarray | None,
-        values: np.ndarray | None,
-        frac_bits: int,
-        group_size: int | None,
-        tensor: str,
-        size: int,
-    ) -> None:
-        self.accumulator = accumulator
-        self.keys = keys
-        self.base = base
-        self.values = values
-        self.frac_bits = frac_bits
-        self.group_size = group_size
-        self.tensor = tensor
-        self.size = size
+    accumulator: np.ndarray
+    keys: list[tuple[bytes, bool]]
+    base: np.ndarray | None
+    values: np.ndarray | None
+    frac_bits: int
+    group_size: int | None
+    tensor: str
+    size: int
 
     def run(self, lo: int, hi: int) -> None:
         """Words ``lo:hi`` (``lo`` a multiple of the chunk size) with their own buffers and

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from secure_afl.core.randomness import DeterministicRandomSource
+from secure_afl.core.workers import Threads
 from secure_afl.keys.identity import IdentityKey
 from secure_afl.keys.roster import Roster, RosterEntry
 from secure_afl.privacy.policy import ClientPolicy
@@ -122,3 +123,16 @@ def play(fed: Federation, *, until: str = "R4", drops: Mapping[str, set[str]] | 
         play_round(fed, round_name, drop=dropped)
         if round_name == until:
             return
+
+
+class CountingThreads(Threads):
+    """Threads that record how many tasks each call was split into (tests/test_workers.py shows
+    that the tasks run on threads of their own)."""
+
+    def __init__(self, count: int) -> None:
+        super().__init__(count)
+        object.__setattr__(self, "splits", [])
+
+    def run(self, tasks):  # type: ignore[no-untyped-def]
+        self.splits.append(len(tasks))  # type: ignore[attr-defined]
+        super().run(tasks)

@@ -12,6 +12,8 @@ from secure_afl.core.errors import EncodingOverflowError, NonFiniteValueError
 from secure_afl.core.workers import ONE_THREAD, Threads
 from secure_afl.protocol import prg
 
+from .helpers import CountingThreads
+
 KEYS = [(bytes([k + 1]) * 32, 1 if k % 2 else -1) for k in range(4)]
 
 
@@ -20,19 +22,6 @@ def small_split(monkeypatch: pytest.MonkeyPatch) -> None:
     # Small chunks and a small split size: several runs of several chunks in a fast test.
     monkeypatch.setattr(prg, "CHUNK_WORDS", 64)
     monkeypatch.setattr(prg, "PARALLEL_MIN_WORDS", 256)
-
-
-class CountingThreads(Threads):
-    """Threads that record how many runs each call was split into (tests/test_workers.py shows
-    that the runs are on threads of their own)."""
-
-    def __init__(self, count: int) -> None:
-        super().__init__(count)
-        object.__setattr__(self, "splits", [])
-
-    def run(self, tasks):  # type: ignore[no-untyped-def]
-        self.splits.append(len(tasks))  # type: ignore[attr-defined]
-        super().run(tasks)
 
 
 def _expected(start: np.ndarray) -> np.ndarray:

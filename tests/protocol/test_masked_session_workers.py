@@ -10,22 +10,14 @@ from secure_afl.aggregation.backend import MaskingBackend
 from secure_afl.aggregation.inprocess import run_in_process
 from secure_afl.aggregation.layout import flatten, layout_of
 from secure_afl.core.randomness import DeterministicRandomSource
-from secure_afl.core.workers import ONE_THREAD, Threads
+from secure_afl.core.workers import ONE_THREAD
 from secure_afl.keys.identity import IdentityKey
 from secure_afl.keys.roster import Roster, RosterEntry
 from secure_afl.privacy.policy import ClientPolicy
 from secure_afl.protocol import prg
 from secure_afl.protocol.codec import encode
 
-
-class CountingThreads(Threads):
-    def __init__(self, count: int) -> None:
-        super().__init__(count)
-        object.__setattr__(self, "splits", [])
-
-    def run(self, tasks):  # type: ignore[no-untyped-def]
-        self.splits.append(len(tasks))  # type: ignore[attr-defined]
-        super().run(tasks)
+from .helpers import CountingThreads
 
 
 def _contributions(d: int = 40) -> dict:
