@@ -1,7 +1,8 @@
 """Client statistics against a bare syrk at Table III's widths: ``client_statistics`` on float64
 and on float32 features over CPU-seconds of numpy's ``HᵀH`` of the same float64 shape, one BLAS
-thread, the median of ``--repeats`` interleaved calls, ``--runs`` times per width (5,889 rows, the
-embedded data's largest client).  :func:`bench_scale.statistics_ratio` measures each run.
+thread, the median of ``--repeats`` calls, each alternated with a syrk's, one dtype at a time,
+``--runs`` times per width (5,889 rows, the embedded data's largest client).
+:func:`bench_scale.statistics_ratio` measures each run.
 
 Run from the repository root: ``python bench/bench_statistics.py [--dims 1024,2048,4096]
 [--repeats 15] [--runs 3] [--json FILE]``.
