@@ -186,6 +186,8 @@ class _MaskJob:
         """Words ``lo:hi`` (``lo`` a multiple of the chunk size) with their own buffers and
         keystreams started at word ``lo``'s counter block."""
         accumulator, base, values, size = self.accumulator, self.base, self.values, self.size
+        if lo % 2:  # 2 words to an AES block: an odd start has no counter block of its own
+            raise ValueError(f"a run of masked words starts on an even word, got {lo}")
         counter = (8 * lo // 16).to_bytes(16, "big")
         streams = [
             (Cipher(algorithms.AES(key), modes.CTR(counter)).encryptor(), add) for key, add in self.keys

@@ -120,7 +120,7 @@ class ServerSession:
         if unknown:
             raise LocalProtocolError(f"may_be_empty names groups the session does not have: {unknown}")
         self._may_be_empty = frozenset(may_be_empty)
-        self._workers = workers  # who removes the self masks of a large sum (prg.add_masks)
+        self._workers = workers  # who adds a large sum's inputs and removes its masks (prg.word_runs)
         self._roster = roster
         self._config = config
         self._digest = binding.config_digest(config, context)  # the session context its clients bind

@@ -101,3 +101,15 @@ def test_word_runs_cover_the_words_in_whole_chunks(small_split: None, n_words: i
     assert all(start % 64 == 0 and start < stop for start, stop in runs) or n_words == 0
     chunks = -(-n_words // 64)
     assert len(runs) == (1 if n_words < 256 else min(count, chunks))
+
+
+def test_a_run_starts_on_an_aes_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Two words to a 16-byte block: a run from an odd word would need half a block of keystream,
+    # so odd chunks (here 7 words: the second run would start at word 49) are refused.
+    monkeypatch.setattr(prg, "CHUNK_WORDS", 7)
+    monkeypatch.setattr(prg, "PARALLEL_MIN_WORDS", 50)
+    with pytest.raises(ValueError, match="even word"):
+        prg.add_masks(np.zeros(100, dtype=np.uint64), KEYS, workers=Threads(2))
+    words = np.zeros(100, dtype=np.uint64)
+    prg.add_masks(words, KEYS)  # one thread: one run from word 0
+    assert words.tobytes() == _expected(np.zeros(100, dtype=np.uint64)).tobytes()
