@@ -8,7 +8,6 @@ solve and round 2 live in :mod:`secure_afl.analytic`, which re-exports everythin
 
 from __future__ import annotations
 
-import mmap
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -305,10 +304,10 @@ def client_statistics(
             h64 = batch
         else:
             if cast is None or cast.shape[1] != batch.shape[1] or len(cast) < rows:
-                cast = _fresh_empty(max(rows, batch_size), batch.shape[1], aligned=True)
+                cast = _huge_page_aligned_empty(max(rows, batch_size), batch.shape[1])
             h64 = cast[:rows]
             np.copyto(h64, batch)
-        part = np.matmul(h64.T, h64, out=_fresh_empty(h64.shape[1], h64.shape[1]))
+        part = h64.T @ h64
         _check_finite(batch, part)
         # [Y, 1]ᵀH: the positive sums and the column sums in one product (one more pass over H
         # would cost as much as the products themselves at C = 14)
@@ -337,38 +336,6 @@ def client_statistics(
 
 _HUGE_PAGE = 1 << 21  # a transparent huge page on x86-64 (2 MiB)
 _NUMPY_HUGE_PAGE_MIN = 1 << 22  # numpy asks the kernel for huge pages (madvise) from 4 MiB up
-# From this size a buffer is mapped with its pages made at once (_populated_empty), not huge pages.
-_POPULATED_MIN_BYTES = 1 << 27
-
-
-def _fresh_empty(rows: int, cols: int, *, aligned: bool = False) -> np.ndarray:
-    """An uninitialised C-contiguous float64 ``rows×cols`` buffer for one call's products or casts.
-
-    From 128 MiB (a d×d product, or a 4,096-row cast buffer, at d = 4096): :func:`_populated_empty`
-    where the platform has it.  numpy asks for huge pages for large arrays, and a kernel whose THP
-    defrag is ``madvise`` compacts memory to make them when none are free: on the host of
-    ``bench/bench_statistics.py`` 0.29 s of kernel time per call at d = 4096 (against a 1.9 s syrk),
-    0.09 s with pages made in the ``mmap`` call.  Below it, huge pages cost less than 4 KiB ones
-    (at d = 2048, 1.045× a syrk against 1.07×): numpy's ``np.empty``, or, ``aligned``,
-    :func:`_huge_page_aligned_empty`.  Only where the buffer lives differs: the values written into
-    it, and so the statistics, are the same bit for bit.
-    """
-    if rows * cols * 8 >= _POPULATED_MIN_BYTES:
-        populated = _populated_empty(rows, cols)
-        if populated is not None:
-            return populated
-    return _huge_page_aligned_empty(rows, cols) if aligned else np.empty((rows, cols))
-
-
-def _populated_empty(rows: int, cols: int) -> np.ndarray | None:
-    """A float64 ``rows×cols`` array on an anonymous mapping whose pages the kernel makes in the
-    ``mmap`` call itself (``MAP_POPULATE``: one call, not a fault per page; numpy asks for no huge
-    pages for it); None where ``mmap`` has no ``MAP_POPULATE`` (not Linux)."""
-    flag = getattr(mmap, "MAP_POPULATE", None)
-    if flag is None:
-        return None
-    region = mmap.mmap(-1, rows * cols * 8, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | flag)
-    return np.frombuffer(region, dtype=np.float64).reshape(rows, cols)  # the array keeps the mapping
 
 
 def _huge_page_aligned_empty(rows: int, cols: int) -> np.ndarray:

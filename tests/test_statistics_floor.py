@@ -117,29 +117,3 @@ def test_a_big_cast_buffer_starts_on_a_huge_page() -> None:
     assert big.ctypes.data % (1 << 21) == 0
     small = _huge_page_aligned_empty(7, 12)
     assert small.shape == (7, 12) and small.base is None  # small: a plain array, no slack
-
-
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_products_in_populated_mappings_are_the_same_statistics(monkeypatch, dtype) -> None:
-    """From 128 MiB the batch products and the cast buffer live on a mapping populated in one
-    call (statistics._fresh_empty); here from any size: the same statistics, bit for bit."""
-    import mmap
-
-    import secure_afl.statistics as statistics_module
-
-    rng = np.random.default_rng(5)
-    h = (rng.standard_normal((300, 40)) * 2).astype(dtype)
-    y = (rng.random((300, 4)) < 0.3).astype(np.int64)
-    plain = client_statistics(h, y, device="cpu", batch_size=128)
-    monkeypatch.setattr(statistics_module, "_POPULATED_MIN_BYTES", 1)
-    mapped = client_statistics(h, y, device="cpu", batch_size=128)
-    owner = mapped.gram
-    for _ in range(5):  # the array's owners, down to the memory: a view, a 1-D array, the mapping
-        owner = owner.obj if isinstance(owner, memoryview) else owner.base
-        if owner is None or isinstance(owner, mmap.mmap):
-            break
-    assert isinstance(owner, mmap.mmap)
-    assert np.array_equal(mapped.gram, plain.gram)
-    assert np.array_equal(mapped.feat_sum, plain.feat_sum)
-    assert np.array_equal(mapped.pos_sum, plain.pos_sum)
-    mapped.gram[0, 0] += 1.0  # writable, as a plain array is
