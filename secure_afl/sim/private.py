@@ -150,7 +150,9 @@ class PrivateMechanism:
         if self.given is not None and _stats_fit(self.given, self.dp, assignment.active):
             self.stats = self.given
         else:
-            self.stats = client_private_statistics(self.data, self.config, assignment.active)
+            self.stats = client_private_statistics(
+                self.data, self.config, assignment.active, rows=self.rows, projection=self.projection
+            )
         return self.stats
 
     def undefined_balance(
@@ -232,14 +234,23 @@ class PrivateMechanism:
 
 
 def client_private_statistics(
-    data: PreparedData, config: SimConfig, active: Sequence[Sequence[int]] | None = None
+    data: PreparedData,
+    config: SimConfig,
+    active: Sequence[Sequence[int]] | None = None,
+    *,
+    rows: Sequence[np.ndarray] | None = None,
+    projection: np.ndarray | None = None,
 ) -> dict[str, PrivateStatistics]:
     """Every client's clipped statistics (they depend on the clip bound, the unit and the
     projection, not on ε or the ridge); with ``active`` (each client's classes) also the
-    label-normalised positive sums of ``class_sums="positives"``, which depend on those classes."""
+    label-normalised positive sums of ``class_sums="positives"``, which depend on those classes.
+    ``rows``: :func:`client_rows`, where the caller has them; with them, ``projection`` is taken as
+    given (:func:`dp_projection`'s, None for none)."""
 
     dp: DpConfig = config.dp  # type: ignore[assignment]  (set: this path runs only with DP)
-    projection = dp_projection(dp, data.features.shape[1])
+    if rows is None:
+        rows = client_rows(data, dp)
+        projection = dp_projection(dp, data.features.shape[1])
     return {
         client_id(k): private_statistics(
             data.features[r],
@@ -249,7 +260,7 @@ def client_private_statistics(
             device=config.device,
             active=None if active is None else active[k],
         )
-        for k, r in enumerate(client_rows(data, dp))
+        for k, r in enumerate(rows)
     }
 
 
