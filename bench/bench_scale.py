@@ -65,6 +65,7 @@ import argparse
 import gc
 import json
 import platform
+import resource
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -702,11 +703,12 @@ def shamir_recovery(n: int, *, textbook: bool) -> float:
     return time.process_time() - started
 
 
-def statistics_ratio(rows: int = 5889, d: int = 1024, repeats: int = 5) -> dict:
+def statistics_ratio(rows: int = 5889, d: int = 1024, repeats: int = 5, memory: str = "warm") -> dict:
     """client_statistics against a bare numpy syrk of the same float64 shape, one thread, CPU-s
     (median of ``repeats``, each dtype's calls alternated with the syrk's), for float64 and
-    float32 features.  One thread means numpy's BLAS too (threadpoolctl): torch's setting alone
-    left OpenBLAS on every core, and ``process_time`` summed them."""
+    float32 features, both timed with their memory in the same state (``memory``, see
+    :func:`_statistics_ratio`).  One thread means numpy's BLAS too (threadpoolctl): torch's
+    setting alone left OpenBLAS on every core, and ``process_time`` summed them."""
     import torch
     from threadpoolctl import threadpool_limits
 
@@ -714,37 +716,62 @@ def statistics_ratio(rows: int = 5889, d: int = 1024, repeats: int = 5) -> dict:
 
     torch.set_num_threads(1)
     with threadpool_limits(limits=1):
-        return _statistics_ratio(client_statistics, rows, d, repeats)
+        return _statistics_ratio(client_statistics, rows, d, repeats, memory)
 
 
-def _statistics_ratio(client_statistics: Callable[..., object], rows: int, d: int, repeats: int) -> dict:
-    """Each dtype in its own loop, its calls alternated with the syrk's: a client has features of
-    one dtype, and the kernel's huge pages left by one path's buffers change what the other's cost
-    when they are interleaved (float32 at d = 2048: 1.09× alone, 1.22-1.34× between float64 calls)."""
+# Seconds a freed page waits before this host's kernel hands it back to the hypervisor (virtio
+# balloon free page reporting: 2 s after a 2 MiB block is freed), with a margin.
+COLD_IDLE_SECONDS = 4.0
+
+
+def _statistics_ratio(
+    client_statistics: Callable[..., object], rows: int, d: int, repeats: int, memory: str = "warm"
+) -> dict:
+    """Each dtype in its own loop, its calls alternated with the syrk's; every timed call finds its
+    memory in the same state as the one it is compared with.
+
+    ``memory="warm"``: each timed call comes right after an untimed call of its own kind, whose
+    freed buffers it lands on.  ``"cold"``: each comes after :data:`COLD_IDLE_SECONDS` idle, so
+    every buffer it allocates is memory the kernel had given back (on a VM with free page
+    reporting the hypervisor maps it in again on first touch: kernel time per byte).  Timing
+    one call straight after the other's (the method until 2026-12-05) left the syrk on warm
+    memory and the statistics on memory freed two seconds earlier: at d = 4096 their second
+    128 MiB product was cold, 0.28 CPU-s of kernel time that the syrk never paid."""
+    if memory not in ("warm", "cold"):
+        raise ValueError(f"memory is 'warm' or 'cold', got {memory!r}")
     rng = np.random.default_rng(0)
     h32 = rng.standard_normal((rows, d)).astype(np.float32)
     h64 = h32.astype(np.float64)
     y = (rng.random((rows, N_CLASSES)) < 0.2).astype(np.float64)
-    ratios: dict[str, float] = {}
-    floors: dict[str, float] = {}
+
+    def timed(call: Callable[[], object]) -> tuple[float, float]:
+        if memory == "warm":
+            call()
+        else:
+            gc.collect()
+            time.sleep(COLD_IDLE_SECONDS)
+        before = resource.getrusage(resource.RUSAGE_SELF)
+        call()
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        kernel = after.ru_stime - before.ru_stime
+        return after.ru_utime - before.ru_utime + kernel, kernel
+
+    out: dict[str, object] = {"memory": memory}
     for name, h in (("float64", h64), ("float32", h32)):
-        syrk: list[float] = []
-        stats: list[float] = []
+        syrk: list[tuple[float, float]] = []
+        stats: list[tuple[float, float]] = []
         for _ in range(repeats):
-            started = time.process_time()
-            h64.T @ h64
-            syrk.append(time.process_time() - started)
-            started = time.process_time()
-            client_statistics(h, y, device="cpu")
-            stats.append(time.process_time() - started)
-        floors[name] = statistics.median(syrk)
-        ratios[name] = statistics.median(stats) / floors[name]
-    return {
-        "syrk_cpu_seconds": floors["float64"],
-        "syrk_cpu_seconds_beside_float32": floors["float32"],
-        "float64_over_syrk": ratios["float64"],
-        "float32_over_syrk": ratios["float32"],
-    }
+            syrk.append(timed(lambda: h64.T @ h64))
+            stats.append(timed(lambda h=h: client_statistics(h, y, device="cpu")))
+        floor = statistics.median(t for t, _ in syrk)
+        out[f"syrk_cpu_seconds_beside_{name}"] = floor
+        out[f"{name}_cpu_seconds"] = statistics.median(t for t, _ in stats)
+        out[f"{name}_over_syrk"] = statistics.median(t for t, _ in stats) / floor
+        # Kernel time within those: page faults, and on a VM memory mapped in again.
+        out[f"syrk_kernel_seconds_beside_{name}"] = statistics.median(k for _, k in syrk)
+        out[f"{name}_kernel_seconds"] = statistics.median(k for _, k in stats)
+    out["syrk_cpu_seconds"] = out["syrk_cpu_seconds_beside_float64"]
+    return out
 
 
 def main() -> None:
