@@ -1,4 +1,4 @@
-"""Every stage of the baselines runs, and the second stages change the heads (issue 23 item 1)."""
+"""Every stage of the baselines runs, and the second stages change the heads."""
 
 from __future__ import annotations
 

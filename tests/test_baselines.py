@@ -344,7 +344,7 @@ def test_batches_with_targets_are_the_batches_and_their_taken_targets() -> None:
 def test_fedavg_with_reused_buffers_is_the_plain_loop_bit_for_bit() -> None:
     """FedAvg's loop reuses its buffers (batch, targets, gradient, Adam's denominator) and computes
     σ(z) − y (with pos_weight: σ(z)·(1 + (w − 1)y) − w·y) in place: the head must be the one of fresh
-    tensors at every step.  Weight decay 5e-4 and pos_weight are FedMLP's train() (issue 23)."""
+    tensors at every step.  Weight decay 5e-4 and pos_weight are FedMLP's train()."""
     from secure_afl.sim.baselines.engine import stack_clients
     from secure_afl.sim.fedavg import FedAvgConfig, train_fedavg_stacked, true_count_pos_weight
 

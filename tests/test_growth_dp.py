@@ -1,4 +1,4 @@
-"""DP under growth (issue 29): noisy DP sums accumulate across sessions, the chain's ridge is sized
+"""DP under growth: noisy DP sums accumulate across sessions, the chain's ridge is sized
 from the summed noise variance, and the chain's ε is the max over sessions (image unit) or their
 composition (patient unit)."""
 

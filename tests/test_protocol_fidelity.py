@@ -1,4 +1,4 @@
-"""Where the simulator's protocol follows the paper exactly (issue 10): the missing-1 permutation,
+"""Where the simulator's protocol follows the paper exactly: the missing-1 permutation,
 boolean masks of active classes, the undefined Eq. 9, metrics from scores, and round 2's τ."""
 
 from __future__ import annotations

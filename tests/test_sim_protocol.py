@@ -107,7 +107,7 @@ def test_metrics_reject_mismatched_shapes() -> None:
 
 
 def test_logits_inside_0_1_are_logits_and_probabilities_are_thresholded_at_one_half() -> None:
-    """The kind is the caller's word, never read from the values (issue 23)."""
+    """The kind is the caller's word, never read from the values."""
     labels = np.array([[1, 0], [0, 1], [1, 1], [0, 0]])
     weak = np.array([[0.9, 0.2], [0.1, 0.8], [0.7, 0.6], [0.3, 0.1]])  # logits of a weak model
     as_logits = evaluate(labels, weak, kind="logits")  # every logit > 0: every decision positive

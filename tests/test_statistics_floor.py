@@ -1,4 +1,4 @@
-"""Client statistics on the CPU without the extra passes (issue 30): no float64 copy of float64
+"""Client statistics on the CPU without the extra passes: no float64 copy of float64
 input, no (G + Gᵀ)/2, the finiteness check read off the batch's Gram; the same numbers."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 30: a group's decryption split by chunk over m of its survivors (SECURITY.md §7.6).
+"""A group's decryption split by chunk over m of its survivors (SECURITY.md §7.6).
 
 Each decryptor receives, from every surviving member, only its chunks of the group (with the
 digests of all the member's chunks and its signature), checks them against the signed digests and
@@ -84,7 +84,7 @@ def test_split_decryption_gives_the_sums_and_each_decryptor_receives_only_its_ch
         assert sum(len(c) for u in item.uploads for c in u.chunks) == sum(
             len(u.chunks[item.chunks[0]]) for u in fed.server._requested["all"].uploads
         )
-    # The whole group decrypted by one member (the cap m = 1, as before issue 30): the same sums.
+    # The whole group decrypted by one member (the cap m = 1, as before the split): the same sums.
     whole = Federation(contributions, max_decryptors_per_group=1)
     whole.run()
     (decryptor,) = whole.server.result().groups["all"].decryptors

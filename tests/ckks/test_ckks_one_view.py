@@ -1,4 +1,5 @@
-"""Issue 27, recovery 2: CKKS decryptors shown different survivor sets, as a scripted hostile server.
+"""CKKS decryptors shown different survivor sets, to recover one upload as the difference of two
+sums, as a scripted hostile server.
 
 Before R4 every survivor signs, once per session, the view (every upload that counts, by sender and
 upload digest); a decryptor decrypts only under the view it signed, and only with at least t of the

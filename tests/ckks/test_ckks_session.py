@@ -462,8 +462,8 @@ def test_a_decryption_request_with_foreign_bytes_is_refused() -> None:
 
 @pytest.mark.parametrize("how", ["one upload alone", "one upload twice", "another group's chunks"])
 def test_a_decryptor_decrypts_only_a_sum_it_computed_from_every_survivors_signed_upload(how: str) -> None:
-    """Issue 21.5: the server sends one client's ciphertext in place of a group sum.  The decryptor
-    now receives the signed uploads and sums them itself: it refuses anything but all of them."""
+    """The server sends one client's ciphertext in place of a group sum.  The decryptor receives
+    the signed uploads and sums them itself: it refuses anything but all of them."""
     contributions = {
         cid: {"a": {"gram": np.eye(3) * (k + 1)}, "b": {"gram": np.eye(3) * (k + 1)}}
         for k, cid in enumerate(("c0", "c1", "c2"))
@@ -492,7 +492,7 @@ def test_a_decryptor_decrypts_only_a_sum_it_computed_from_every_survivors_signed
 
 
 def test_a_key_holder_that_seals_another_secret_context_for_one_peer_is_caught_by_that_peer() -> None:
-    """Issue 21.5: a malicious key holder gives one peer a different secret key (its public context
+    """A malicious key holder gives one peer a different secret key (its public context
     and signature unchanged).  The key holder signs a digest of the secret context it seals; the
     peer checks its copy against it and refuses before encrypting anything."""
     from secure_afl.protocol.ckks.messages import CkksKeyDistribution

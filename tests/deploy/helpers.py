@@ -247,7 +247,7 @@ def centralised_global_fit(
     """The global-balance ridge fit on the pooled rows, by numpy alone (no secure-afl code): class c
     over the rows of the institutions that label c (positives' mean minus negatives' mean), the Gram
     over every row; ``rows[cid]`` and ``labels[cid]`` are one institution's released rows, in any
-    order.  What a growing federation's classifier must equal (issue 29)."""
+    order.  What a growing federation's classifier must equal."""
     h = np.vstack([np.asarray(rows[cid], dtype=np.float64) for cid in rows])
     gram = h.T @ h
     weights = np.empty((h.shape[1], n_classes))

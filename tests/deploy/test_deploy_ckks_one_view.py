@@ -1,4 +1,5 @@
-"""Issue 27, recovery 2 through the real deployment handler with protection ``ckks``.
+"""CKKS decryptors shown different survivor sets, through the real deployment handler with
+protection ``ckks``.
 
 The deployment's server runs R0..R2 (clients rebuilt per message, file ledgers, deployment
 policy); at R3 the transport keeps the honest view requests and delivers none, and the test, as a

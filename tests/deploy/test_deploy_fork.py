@@ -1,4 +1,4 @@
-"""Issue 21, attack 2 through the real deployment handler: a node rebuilt from a copied context
+"""A forked node through the real deployment handler: a node rebuilt from a copied context
 state (Flower loads it when a task starts and saves it when it ends; two concurrent messages can
 start from one state) is shown a second survivor set.  The node's file ledger holds the answer."""
 

@@ -303,7 +303,7 @@ def test_credentials_are_generated_with_cryptography(tmp_path: Path) -> None:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc to find leftover processes")
 def test_deploy_local_grows_over_three_sessions_to_the_centralised_fit(federations: Federations) -> None:
     """Three studies through Flower's processes, each extending the last and releasing only the
-    images that arrived since (issue 29): every session's signed classifier equals numpy's fit on
+    images that arrived since: every session's signed classifier equals numpy's fit on
     the rows its institutions' ledgers record as released so far, to 1e-9; the coordinator's
     out-dir holds the chain; each image is released exactly once."""
     from secure_afl.deploy.sums import load_sums

@@ -1,10 +1,11 @@
-"""Issue 27 through the real deployment handler (``secure_afl.deploy.client.handle``): a scripted
+"""One view through the real deployment handler (``secure_afl.deploy.client.handle``): a scripted
 hostile server shows the nodes different sessions, or raises t, or sends a weak DP study; each
 recovery ends with a node refusing before anything that completes it leaves (SECURITY.md, "One
 view").  The protocol-level versions are in tests/protocol/test_one_view.py.
 
-Recoveries of issue 27 tested here: 1 (round 2's teacher and study), 3 (the colluder bound) and 4
-(the DP δ floor), each in the round, with the error class, the node's state and its replies.
+Attacks tested here: round 2's teacher and study shown differently, a raised t against the colluder
+bound, and a study's DP δ above the node's floor, each in the round, with the error class, the
+node's state and its replies.
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ def _teacher(federation) -> np.ndarray:
     return np.random.default_rng(27).normal(size=(federation.study.dim, len(federation.study.classes)))
 
 
-# --- recovery 1: round 2's teacher W and the study -----------------------------------------------
+# --- round 2's teacher W and the study ------------------------------------------------------------
 
 
 @pytest.mark.parametrize("protection", ["mask", "ckks"])
@@ -222,7 +223,7 @@ def test_a_study_other_than_the_checked_one_is_refused_in_r0_by_the_pin(tmp_path
     assert reply.payload == b"" and node.state.load("1") == {"status": "failed: UncheckedStudyError"}
 
 
-# --- recovery 3: the server raises t, the colluder bound must not fall ---------------------------
+# --- the server raises t, the colluder bound must not fall ----------------------------------------
 
 PAIR = {"client-0": (0, 1, 2), "client-1": (0, 1, 2), "client-2": (1, 2), "client-3": (1, 2)}
 
@@ -249,7 +250,7 @@ def test_a_study_threshold_of_n_does_not_drop_the_colluder_bound(tmp_path: Path,
         }
 
 
-# --- recovery 4: DP floors --------------------------------------------------------------------------
+# --- DP floors ------------------------------------------------------------------------------------
 
 
 def _dp_study(federation, **dp) -> Study:

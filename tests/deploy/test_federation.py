@@ -189,7 +189,7 @@ def test_a_message_replayed_from_an_earlier_run_is_refused_by_its_recipient(tmp_
         server.run()
     refusals = {(r["at"], r["from"], r["error"]) for r in server.report.refusals}
     # The same statistics summed again without client-0 would isolate client-0's (run 1 minus run 2):
-    # every peer released them in run 1 and refuses in R0 (one contribution per value, issue 21).
+    # every peer released them in run 1 and refuses in R0 (one contribution per value).
     peers = (1001, 1002, 1003)
     assert refusals == {("session 1 R0", f"client-{k - 1000}", "ImageAlreadyReleasedError") for k in peers}
 

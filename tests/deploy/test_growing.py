@@ -1,6 +1,6 @@
 """A federation that grows, through the deployment's handler (in process): three studies, each
 extending the last, each releasing only the images not yet released; the classifier after the
-third equals the centralised fit on every image (issue 29)."""
+third equals the centralised fit on every image."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """A growing federation under differential privacy, through the deployment's handler (in process):
 three DP studies, each extending the last; every session's noisy sums add, the chain's solve sizes
 its ridge from every session's noise, and the classifier file records every session's ε and the
-chain's (issue 29, DP under growth)."""
+chain's."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """A node's own dp-epsilon over a growing DP chain, through the deployment's handler (in process):
 under the patient unit one patient's images fall in several sessions, so the node composes its
 released sessions of the chain with the new one and refuses, in R0, a session that would take the
-chain past its limit; under the image unit the chain's ε is the max over sessions (issue 29)."""
+chain past its limit; under the image unit the chain's ε is the max over sessions."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
-"""One contribution per image (issue 29): the ledger names images by the digest of their files' bytes.
+"""One contribution per image: the ledger names images by the digest of their files' bytes.
 
-The retraining recoveries of issue 29, through the deployment's handler (in process): every one of
-them ends in a refusal that names how many rows are already released and in which session.
+Retraining over released images (an added image, re-extracted files, a reordered file, another
+layout), through the deployment's handler (in process): every one of them ends in a refusal that
+names how many rows are already released and in which session.
 """
 
 from __future__ import annotations
@@ -99,8 +100,8 @@ def test_retraining_after_one_added_image_is_refused_by_the_unchanged_peers(tmp_
 
 @pytest.mark.parametrize("absent", [None, "client-0"])
 def test_re_extracted_files_of_released_images_are_refused(tmp_path: Path, absent: str | None) -> None:
-    """Issue 29's recoveries 2 and 3: every peer re-extracts (one ulp moves), with the victim in run 2
-    or absent from it: the difference of the two sums would give the victim's h hᵀ or its Gram."""
+    """Retraining on re-extracted files: every peer re-extracts (one ulp moves), with the victim in
+    run 2 or absent from it: the difference of the two sums would give the victim's h hᵀ or its Gram."""
     federation = make_federation(tmp_path)
     first, _, _ = run_server(federation)
     for k, node in federation.nodes.items():

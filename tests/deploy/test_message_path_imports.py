@@ -1,4 +1,4 @@
-"""The ClientApp's per-message path imports no torch (issue 30).
+"""The ClientApp's per-message path imports no torch.
 
 Flower starts a fresh ClientApp process for every message, so whatever ``handle`` imports for a
 message is paid on every one (torch alone: about 1.7 CPU-s).  R0 computes round 1's statistics on

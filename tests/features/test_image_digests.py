@@ -1,6 +1,6 @@
 """Images named by their content: ``features extract`` records each row's image SHA-256, the feature
-cache is keyed by those digests (the stale-cache reproducer of issue 28), and feature files, the cache
-and their directories are private to the hospital's user (0600 / 0700)."""
+cache is keyed by those digests (images overwritten under the same names get fresh features), and
+feature files, the cache and their directories are private to the hospital's user (0600 / 0700)."""
 
 from __future__ import annotations
 
@@ -246,7 +246,7 @@ def test_an_image_changed_after_it_was_hashed_is_not_decoded_under_the_old_diges
 def test_stale_cache_reproducer_overwritten_images_get_fresh_features(
     tmp_path: Path, weights_file: Path, toy_cli: None
 ) -> None:
-    """Issue 28, item 2: extract, overwrite the images under the same names, extract again."""
+    """The stale-cache reproducer: extract, overwrite the images under the same names, extract again."""
     reference = load_toy("resnet18", weights_file)
     images, labels, paths = labelled_folder(tmp_path, [1, 2, 3, 4])
     out, cache = tmp_path / "f.npz", tmp_path / "cache"

@@ -1,5 +1,6 @@
-"""The colluder enumeration the exposure check ran before issue 30, kept as the tests' exact
-reference: every maximal choice of peer types within the budget, one elimination each."""
+"""The exhaustive colluder enumeration the exposure check ran before its bounded search, kept as
+the tests' exact reference: every maximal choice of peer types within the budget, one elimination
+each."""
 
 from __future__ import annotations
 

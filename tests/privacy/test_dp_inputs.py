@@ -1,5 +1,5 @@
 """What the DP mechanism takes from its caller: active-class masks, the pseudo-label threshold τ,
-and the row bound that keeps every encoding inside the fixed-point range (issues 21 and 23)."""
+and the row bound that keeps every encoding inside the fixed-point range."""
 
 from __future__ import annotations
 
@@ -236,7 +236,7 @@ def test_within_the_plans_bounds_the_encoding_check_cannot_fire() -> None:
 
 
 def test_without_the_plans_bound_the_same_rows_overflow_at_encoding() -> None:
-    """What the plan's check prevents: the data-dependent refusal at encode time (issue 21)."""
+    """What the plan's check prevents: the data-dependent refusal at encode time."""
     plan = _plan(1)
     x = np.zeros((263_000, 4))
     x[:, 0] = BIG_CLIP

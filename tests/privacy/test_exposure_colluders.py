@@ -1,4 +1,4 @@
-"""The colluder search (issue 30): exact where it ends, never accepting what the old exhaustive
+"""The colluder search: exact where it ends, never accepting what the old exhaustive
 enumeration refuses, bounded, and one search per membership pattern."""
 
 from __future__ import annotations

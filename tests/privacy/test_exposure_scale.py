@@ -1,4 +1,4 @@
-"""The colluder search at scale (issue 30): the line bound is sound (never above the true minimum
+"""The colluder search at scale: the line bound is sound (never above the true minimum
 cut, on random layouts by brute force over every flat), and the per-class Gram layouts at
 n = 100 and n = 1,000 are decided within the work bound, agreeing with independent checks."""
 

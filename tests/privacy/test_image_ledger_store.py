@@ -1,4 +1,4 @@
-"""The ledger's image set (issue 29): exact, signed, and quick at 100,000 images."""
+"""The ledger's image set: exact, signed, and quick at 100,000 images."""
 
 from __future__ import annotations
 

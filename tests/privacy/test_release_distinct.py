@@ -1,4 +1,4 @@
-"""Release.of reads each distinct value once (issue 30): the same release as the per-input
+"""Release.of reads each distinct value once: the same release as the per-input
 definitions it replaced, on the study layouts and on small random layouts with shared objects,
 equal copies, parts and constants."""
 
@@ -18,7 +18,7 @@ def _words(values: np.ndarray) -> np.ndarray:
 
 def _old_contained_parts(inputs) -> tuple[tuple[str, str], ...]:
     """The per-pair search Release.of ran before (one bytes copy and find per ordered pair), with
-    the rule issue 29 added (a constant whole is skipped)."""
+    the rule added since (a constant whole is skipped)."""
     flat = {f"{g}/{n}": _words(a).reshape(-1) for g, tensors in inputs.items() for n, a in tensors.items()}
     names = {key: key.split("/", 1)[1] for key in flat}
     out = []
@@ -29,7 +29,7 @@ def _old_contained_parts(inputs) -> tuple[tuple[str, str], ...]:
         for whole, large in flat.items():
             if whole == part or names[whole] == names[part] or large.size <= small.size:
                 continue
-            if is_constant(large):  # issue 29: a constant whole (an idle member's zeros) holds no part
+            if is_constant(large):  # a constant whole (an idle member's zeros) holds no part
                 continue
             haystack = large.tobytes()
             start = haystack.find(needle)

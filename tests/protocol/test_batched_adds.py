@@ -1,4 +1,4 @@
-"""R2's inputs are added to the sums a batch at a time (issue 30): the same sums whatever the
+"""R2's inputs are added to the sums a batch at a time: the same sums whatever the
 batch, the inputs held as views of their messages until then, a rejected input never queued."""
 
 from __future__ import annotations

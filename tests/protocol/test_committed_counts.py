@@ -1,4 +1,4 @@
-"""Committed counts (issue 29 item 4): a member committing 0 rows to a group is a known value.
+"""Committed counts: a member committing 0 rows to a group is a known value.
 
 Each member signs, in its advertisement, how many rows it releases in each group.  Every client's
 exposure check removes the members that committed 0 from a group's sum (their value, zero, is known

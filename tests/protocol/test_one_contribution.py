@@ -1,4 +1,6 @@
-"""Issue 21's recoveries, scripted as hostile servers over the real codec, under deployment defaults.
+"""Attempts to make a client release a value twice (rotating absentees, a forked client state, the
+same value renamed or split, a group cut to victim and colluder), scripted as hostile servers over
+the real codec, under deployment defaults.
 
 Each runs against ``ClientSession``'s public API (bytes in, bytes out) with the clients' ledgers,
 and asserts the refusing client, the round, the error class, and that no seed, key share or

@@ -1,11 +1,11 @@
-"""Issue 27, "one view" (SECURITY.md): every value the server chooses that shapes a release is one
+"""One view (SECURITY.md): every value the server chooses that shapes a release is one
 value for all honest clients, and a client holds t advertisements signed over its own digest of it
 before any share leaves (R1).  Scripted hostile servers over the real codec and the real client
 state machines of both backends; the deployment handler's versions are in
 tests/deploy/test_deploy_one_view.py.
 
-Recoveries of issue 27 tested here: 1 (round 2's teacher W and study not signed) and 3 (a raised
-threshold shrank the colluder bound), then other attempts against one view.
+Attacks tested here: round 2's teacher W and study not signed, and a raised threshold that shrank
+the colluder bound, then other attempts against one view.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def assert_refused_in_r1(wire: Wire, cids, error: type) -> None:
         assert not any(isinstance(m, ShareKeys) for m in sent)
 
 
-# --- recovery 1: round 2's teacher and study ------------------------------------------------------
+# --- round 2's teacher and study ------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -190,7 +190,7 @@ def test_the_ckks_client_binds_the_same_context_and_refuses_another_view_in_r1()
     assert [type(r) for r in replies] == [CkksKeyDistribution]
 
 
-# --- recovery 3: the colluder bound from the client's own floor, not the session's t --------------
+# --- the colluder bound from the client's own floor, not the session's t --------------------------
 
 PAIR = {"all": ("c0", "c1", "c2", "c3"), "class/0": ("c0", "c1")}
 

@@ -1,4 +1,4 @@
-"""Shamir recovery with one Lagrange basis per share-holder set (issue 30), against the textbook
+"""Shamir recovery with one Lagrange basis per share-holder set, against the textbook
 interpolation it replaced, and the roster's cached share points."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The server's share path read and written a column at a time (issue 30): the same bytes as the
+"""The server's share path read and written a column at a time: the same bytes as the
 share-by-share path, and every malformed share refused with the error that path gives."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""R2 without copies (issue 30): the same bytes on the wire, the same keys, the same sums.
+"""R2 without copies: the same bytes on the wire, the same keys, the same sums.
 
 A client masks its words straight into its message's frame (:class:`codec.MaskedInputFrame`), the
 decoder hands the server read-only views of the received bytes, the server unmasks its sums in
