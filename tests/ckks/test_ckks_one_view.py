@@ -135,7 +135,7 @@ def _refuses(
     assert client.state is CkksClientState.FAILED and client._context is None
 
 
-def test_the_issue_27_recovery_two_decryptors_shown_two_survivor_sets_is_refused_by_both() -> None:
+def test_two_decryptors_shown_two_survivor_sets_both_refuse() -> None:
     # Four clients, one group; the server shows half of them every upload (S1) and half all but the
     # victim's (S2).  Each view gets two signatures: below t = 3, so neither decryptor decrypts.
     fed = _federation(4)
