@@ -5,7 +5,9 @@ The masked aggregation's in-process driver builds one client's message at a time
 client builds its own.  Left to its defaults, glibc maps every allocation above its mmap threshold
 (at most 32 MiB) afresh and unmaps it when it is freed, so each message's pages are faulted in and
 zeroed by the kernel again: on the host of ``bench/bench_large.py`` 1.1 of the 3.1 CPU-seconds of
-the masked aggregation at d = 4096.  Within :func:`reused_pages`, large allocations come from the
+the masked aggregation at d = 4096 (a VM whose kernel reports freed memory to its hypervisor
+adds more: the hypervisor maps memory freed seconds ago in again, bench/README.md's
+bench_statistics section).  Within :func:`reused_pages`, large allocations come from the
 heap and the heap keeps what is freed, so the next message of the same size lands on pages already
 mapped; on leaving, the heap's free memory goes back to the system (``malloc_trim``), so what was
 kept for reuse outlives the block in no process's peak beyond the one message it held.
