@@ -175,7 +175,7 @@ def exposure_check(contributions: Mapping[str, Contributions], cid: str) -> tupl
     verdict and findings."""
     n = len(contributions)
     colluders = ClientPolicy.deployment().colluders(n, active_threshold(n))
-    own = exposure.own_value_digests(contributions[cid])
+    own = exposure.own_value_labels(contributions[cid])
     own_tensors = {t for _, t in own}
     relevant = {g: v for g, v in groups_of(contributions).items() if own_tensors & set(v[1])}
     started, cpu = time.perf_counter(), time.process_time()

@@ -144,9 +144,9 @@ def run_in_process(
             context=context,
         )
 
-    # A session reads its inputs when it starts (the release's digest of each value: at d = 4096
-    # 0.3 s of SHA-256 in all), and draws nothing at random before R0: the backend's workers
-    # start several at once where it has them.
+    # A session reads its inputs when it starts (their checks; under the one-contribution rule the
+    # release's SHA-256 of each value: at d = 4096 0.3 s in all), and draws nothing at random
+    # before R0: the backend's workers start several at once where it has them.
     backend.workers.run([functools.partial(make_session, cid) for cid in client_ids])
     clients = {cid: made[cid] for cid in client_ids}
     inputs.clear()

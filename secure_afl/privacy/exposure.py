@@ -34,7 +34,6 @@ Who runs it:
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Collection, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -42,10 +41,9 @@ from fractions import Fraction
 
 import numpy as np
 
-# (group, tensor) -> hex SHA-256 of the client's value: how a client tells its own values apart.
+# (group, tensor) -> a label of the client's value (:func:`own_value_labels`): how a client tells
+# its own values apart, equal labels for equal values.
 OwnValues = Mapping[tuple[str, str], str]
-
-_VALUE_DOMAIN = b"secure-afl/v1/input-value\x00"
 
 # Tensor-name prefixes (before ``/<class>``) whose values a function the server parameterises
 # computes: round 2's pseudo-label statistics, scored with the teacher W the server sends.  The
@@ -283,28 +281,55 @@ class ExposureFinding:
         )
 
 
-def value_digest(values: np.ndarray) -> str:
-    """Hex SHA-256 of a float64 array's shape and bytes (how a client recognises its own values)."""
-    array = np.ascontiguousarray(values, dtype=np.float64)
-    digest = hashlib.sha256(_VALUE_DOMAIN)
-    digest.update(repr(array.shape).encode())
-    digest.update(array.astype("<f8", copy=False).reshape(-1))  # the buffer: the bytes tobytes() copies
-    return digest.hexdigest()
+# Words of a value compared before the whole (its bucket): a few spread over it, so that values
+# that differ almost anywhere never meet in one bucket.
+_SAMPLE_WORDS = 8
+# Words compared at a time between two values of one bucket: a difference ends the comparison.
+_COMPARE_WORDS = 1 << 15
 
 
-def own_value_digests(inputs: Mapping[str, Mapping[str, np.ndarray]]) -> dict[tuple[str, str], str]:
-    """(group, tensor) -> :func:`value_digest` of a client's inputs, each array object hashed once
-    (the drivers pass one Gram object to every group that carries it)."""
-    seen: dict[int, tuple[np.ndarray, str]] = {}  # id -> (the array, kept alive; its digest)
-    out = {}
+def own_value_labels(inputs: Mapping[str, Mapping[str, np.ndarray]]) -> dict[tuple[str, str], str]:
+    """(group, tensor) -> a label of a client's value there: equal labels exactly where the values
+    are equal (the same shape and the same float64 bit patterns: -0.0 is not 0.0), which is all
+    the exposure check asks of them.  One array object sent to several groups (the drivers pass one
+    Gram object to every group that carries it) is one value without being read; distinct objects
+    are told apart by a few sampled words, and only those that agree there are compared in full, a
+    slice at a time.  Nothing is hashed: a client's own values never leave it, and equality decided
+    on the words is exact where a digest would be equal only up to a collision."""
+    by_object: dict[int, tuple[np.ndarray, str]] = {}  # id -> (the array, kept alive; its label)
+    buckets: dict[tuple[object, ...], list[tuple[np.ndarray, str]]] = {}
+    out: dict[tuple[str, str], str] = {}
     for group, tensors in inputs.items():
         for name, values in tensors.items():
-            entry = seen.get(id(values))
+            entry = by_object.get(id(values))
             if entry is None or entry[0] is not values:
-                entry = (values, value_digest(values))
-                seen[id(values)] = entry
+                words = _bit_patterns(values)
+                sample = np.linspace(0, max(words.shape[0] - 1, 0), _SAMPLE_WORDS).astype(np.intp)
+                key = (values.shape, words[sample].tobytes() if words.shape[0] else b"")
+                same = buckets.setdefault(key, [])
+                label = next((lab for other, lab in same if _equal_words(other, words)), None)
+                if label is None:
+                    label = f"value {len(by_object)}"
+                    same.append((words, label))
+                entry = (values, label)
+                by_object[id(values)] = entry
             out[(group, name)] = entry[1]
     return out
+
+
+def _bit_patterns(values: np.ndarray) -> np.ndarray:
+    """A float64 array's words as flat uint64 bit patterns (a view where it can be)."""
+    array = np.ascontiguousarray(values, dtype=np.float64).reshape(-1)
+    return array.view(np.uint64)
+
+
+def _equal_words(a: np.ndarray, b: np.ndarray) -> bool:
+    if a.shape != b.shape:
+        return False
+    for start in range(0, a.shape[0], _COMPARE_WORDS):
+        if not np.array_equal(a[start : start + _COMPARE_WORDS], b[start : start + _COMPARE_WORDS]):
+            return False
+    return True
 
 
 def client_exposures(
@@ -318,9 +343,10 @@ def client_exposures(
     """What a client sees before it shares keys (R1), signs (R3) or reveals (R4): the values its
     tensors' sums determine, with up to ``colluders`` peers' values known to the server.
 
-    ``own_values``: (group, tensor) -> digest of this client's value there; the tensors it sends.
+    ``own_values``: (group, tensor) -> :func:`own_value_labels`' label of this client's value there;
+    the tensors it sends.
     ``groups``: this session's groups -> (survivors, tensors).  Unknowns: this client's own values
-    (by digest, so a value it sends unchanged to several groups, *or under several names*, is one
+    (by value, so a value it sends unchanged to several groups, *or under several names*, is one
     unknown, and different values are different unknowns); a peer's tensor is one unknown across
     groups (the tensor-identity rule), and one across the names of a server-parameterised family
     (:func:`value_family`).  Tensors that share one of this client's values, or a family, are
@@ -435,14 +461,14 @@ def _components(own_values: OwnValues) -> list[tuple[str, ...]]:
             x = parent[x]
         return x
 
-    by_digest: dict[str, str] = {}
+    by_value: dict[str, str] = {}
     by_family: dict[str, str] = {}
-    for (_, tensor), digest in sorted(own_values.items()):
+    for (_, tensor), value in sorted(own_values.items()):
         find(tensor)
-        if digest in by_digest:
-            parent[find(tensor)] = find(by_digest[digest])
+        if value in by_value:
+            parent[find(tensor)] = find(by_value[value])
         else:
-            by_digest[digest] = tensor
+            by_value[value] = tensor
         family = value_family(tensor)
         if family != tensor:
             if family in by_family:
@@ -469,7 +495,7 @@ def _rows(
         row = set()
         for cid in survivors:
             if cid == client_id:
-                # This client's value in that group, by digest (a group it is in always has one).
+                # This client's value in that group, by its label (a group it is in always has one).
                 row.add((cid, own_values.get((group, tensor), f"unknown:{group}/{tensor}")))
             else:
                 row.add((cid, value_family(tensor)))  # a family's names: one unknown per peer

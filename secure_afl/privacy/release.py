@@ -320,18 +320,6 @@ def split_digests(packed: bytes) -> tuple[bytes, ...]:
     return tuple(packed[i : i + IMAGE_DIGEST_BYTES] for i in range(0, len(packed), IMAGE_DIGEST_BYTES))
 
 
-def release_and_digests(
-    inputs: Mapping[str, Mapping[str, np.ndarray]],
-) -> tuple[Release, dict[tuple[str, str], str]]:
-    """``Release.of(inputs)`` and every input's content digest ((group, tensor) -> :func:`value_id`,
-    constants included: equal values, equal digests), from one read of each distinct value.  What
-    a client that makes its own release also needs to recognise its own values (the exposure
-    check's unknowns), without hashing each value a second time."""
-    distinct = _Distinct(inputs)
-    release = Release._of(distinct, sources=(), images=(), scope="", reuses="", aliases=None)
-    return release, {key: distinct.digest(key) for key in distinct.keys}
-
-
 def contained_parts(inputs: Mapping[str, Mapping[str, np.ndarray]]) -> tuple[tuple[str, str], ...]:
     """Pairs (part, whole) of this session's inputs where one value's bytes are a contiguous,
     word-aligned, strictly shorter part of another value of a different name (the halves attack
@@ -382,10 +370,6 @@ class _Distinct:
                 by_object[id(array)] = (array, index)
                 self._of_key[key] = index
         self._anchors: dict[int, tuple[str, ...]] = {}
-
-    def digest(self, key: tuple[str, str]) -> str:
-        """:func:`value_id` of the value at ``key``, a constant's too."""
-        return self._digests[self._of_key[key]]
 
     def value_id(self, key: tuple[str, str]) -> str | None:
         index = self._of_key[key]

@@ -222,8 +222,17 @@ class SessionDriver:
 
     @property
     def release(self) -> Release:
-        """What this client releases in the session (the one-contribution rule's unit)."""
-        return self._gate.release
+        """What this client releases in the session (the one-contribution rule's unit).  Under a
+        policy without that rule none is made when the session starts; it is made here from the
+        inputs while the session still holds them."""
+        if self._gate.release is not None:
+            return self._gate.release
+        if any(not tensors for tensors in self._inputs.values()):
+            raise LocalProtocolError(
+                "this session made no release (its policy has no one-contribution rule) and has "
+                "let its inputs go since: read the release before R2, or use a policy with the rule"
+            )
+        return Release.of(self._inputs)
 
     @property
     def exposure_findings(self) -> tuple[exposure.ExposureFinding, ...]:

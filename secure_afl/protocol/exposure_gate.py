@@ -45,7 +45,7 @@ from secure_afl.keys.identity import IdentityKey
 from secure_afl.privacy import exposure
 from secure_afl.privacy.ledger import Ledger, LedgerOwner, LedgerState, MemoryLedger
 from secure_afl.privacy.policy import ClientPolicy
-from secure_afl.privacy.release import Release, release_and_digests
+from secure_afl.privacy.release import Release
 
 # group -> (live members, tensor names)
 LiveGroups = Mapping[str, tuple[tuple[str, ...], tuple[str, ...]]]
@@ -70,17 +70,20 @@ class ExposureGate:
     ) -> None:
         self.client_id = client_id
         self.policy = policy
-        # What this client sends where, by digest: its own unknowns in the exposure check (equal
-        # values, equal digests).  A release made here gives them from the same read of each value.
-        if release is None:
-            release, self.own_values = release_and_digests(inputs)
-        else:
-            self.own_values = exposure.own_value_digests(inputs)
-        if not isinstance(release, Release):
-            raise LocalProtocolError(f"release must be a Release, got {type(release).__name__}")
-        elif set(release.values) != set(self.own_values):
-            raise LocalProtocolError("the release names other tensors than the inputs")
-        self.release = release
+        # What this client sends where, by value: its own unknowns in the exposure check (equal
+        # values, equal labels; nothing hashed).
+        self.own_values = exposure.own_value_labels(inputs)
+        # The release (each value's SHA-256 id, its parts): what the one-contribution rule checks
+        # and records.  Under a policy without that rule (the simulator's) nothing reads it, so
+        # none is made here (at d = 4096 a Gram's id is 64 MiB of SHA-256 per client).
+        if release is None and policy.one_contribution:
+            release = Release.of(inputs)
+        if release is not None:
+            if not isinstance(release, Release):
+                raise LocalProtocolError(f"release must be a Release, got {type(release).__name__}")
+            if set(release.values) != set(self.own_values):
+                raise LocalProtocolError("the release names other tensors than the inputs")
+        self.release: Release | None = release
         # Without a ledger the rules hold within this object only (a fork of it is not seen):
         # deployed clients always have a FileLedger.
         self._ledger: Ledger = MemoryLedger() if ledger is None else ledger
@@ -93,7 +96,7 @@ class ExposureGate:
         """R0, before anything leaves: the one-contribution rule (deployment policy)."""
         if not self.policy.one_contribution:
             return
-        parts = self.release.parts
+        parts = self._rule_release().parts
         if parts:
             raise ValueAlreadyReleasedError(
                 tuple(f"{part} (a part of {whole})" for part, whole in parts),
@@ -180,28 +183,36 @@ class ExposureGate:
                 )
             self._check_unreleased(state, session_id)
             run_check()
+            release = self._rule_release()
             entry.survivors = survivors
-            entry.released = tuple(sorted(self.release.ids))
-            entry.anchors = tuple(sorted(self.release.anchors))
-            entry.images = b"".join(sorted(set(self.release.images)))
-            entry.aliases = b"".join(sorted({key for row in self.release.aliases for key in row}))
-            entry.scope = self.release.scope
-            entry.spend = self.release.spend
+            entry.released = tuple(sorted(release.ids))
+            entry.anchors = tuple(sorted(release.anchors))
+            entry.images = b"".join(sorted(set(release.images)))
+            entry.aliases = b"".join(sorted({key for row in release.aliases for key in row}))
+            entry.scope = release.scope
+            entry.spend = release.spend
 
         self._ledger.update(self._owner, change)
         return tuple(found)
 
+    def _rule_release(self) -> Release:
+        """The release the one-contribution rule reads (made whenever the policy has the rule)."""
+        if self.release is None:
+            raise LocalProtocolError("the one-contribution rule needs a release, and none was made")
+        return self.release
+
     def _check_unreleased(self, state: LedgerState, session_id: bytes) -> None:
         """One contribution per image (where the release names its images), then per value."""
-        check_images_unreleased(self.release, state, session_id)
+        release = self._rule_release()
+        check_images_unreleased(release, state, session_id)
         ids, anchors = state.released_in(session_id)
-        spent = sorted(self.release.ids & set(ids))
+        spent = sorted(release.ids & set(ids))
         if spent:
-            raise ValueAlreadyReleasedError(self.release.names(spent), bytes.fromhex(ids[spent[0]]))
-        shared = sorted(self.release.anchors & set(anchors))
+            raise ValueAlreadyReleasedError(release.names(spent), bytes.fromhex(ids[spent[0]]))
+        shared = sorted(release.anchors & set(anchors))
         if shared:
             raise ValueAlreadyReleasedError(
-                self.release.names(shared),
+                release.names(shared),
                 bytes.fromhex(anchors[shared[0]]),
                 how="start or end like a value (are parts of a value) released",
             )

@@ -127,18 +127,6 @@ def test_random_layouts_give_the_old_release(layout, seed) -> None:
     _assert_same(inputs)
 
 
-def test_own_value_digests_hash_each_object_once_with_the_same_digests() -> None:
-    from secure_afl.privacy import exposure
-
-    stats = _statistics(np.random.default_rng(3))
-    inputs = stats.contributions([0, 2, 5], include_global_gram=True)
-    inputs["extra"] = {"gram_copy": stats.gram.copy(), "v": stats.gram[0][::2]}  # a strided view too
-    digests = exposure.own_value_digests(inputs)
-    assert digests == {(g, n): exposure.value_digest(a) for g, t in inputs.items() for n, a in t.items()}
-    assert digests[("class/0", "gram")] == digests[("extra", "gram_copy")]
-    assert digests[("class/0", "gram")] != digests[("extra", "v")]
-
-
 def _byte_search(whole: np.ndarray, part: np.ndarray) -> bool:
     haystack, needle = _words(whole).tobytes(), _words(part).tobytes()
     start = haystack.find(needle)
