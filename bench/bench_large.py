@@ -10,7 +10,8 @@ self mask and one pairwise mask per other member, the server removes each self m
 encoding every Gram copy to fixed point and one add per mask, at the rates this host gives on one
 triangle right now.  The other tensors (d-vectors) are left out of the floor (under 1% of words).
 Reported beside it, not in it: the floor with the protocol's digests, one SHA-256 pass per client
-over its Gram (the release's value id, which the one-contribution rule needs before R0), and the
+over its Gram (the release's value id, which the one-contribution rule needs before R0: a deployed
+client's work; the simulator's policy has no such rule and its clients make no release), and the
 floor on the threads the masking sessions split a large mask among (``core/workers``: this
 process's CPUs, at most 2), each thread on its share of the words.
 
@@ -163,7 +164,8 @@ def mask_floor(dim: int) -> dict[str, float]:
         "add_s": (masks + copies) * t_add,
         "floor_s": masks * t_stream + copies * t_encode + (masks + copies) * t_add,
         # Not in the floor: the protocol's digest of each client's Gram (the release's value id,
-        # privacy/release.py: one SHA-256 pass per client, whatever the number of its groups).
+        # privacy/release.py: one SHA-256 pass per client, whatever the number of its groups),
+        # made by a deployed client (the one-contribution rule), not by the simulator's.
         "digest_s": N_CLIENTS * t_digest,
         "floor_with_digest_s": masks * t_stream
         + copies * t_encode
