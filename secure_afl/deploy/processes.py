@@ -10,6 +10,7 @@ import contextlib
 import os
 import queue
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -51,9 +52,47 @@ def flower_bin(name: str) -> str:
     return found
 
 
-def free_port() -> int:
+# Ports below this are left to well-known and registered services.
+_PORT_FLOOR = 10000
+# The kernel's default range for the local ports of outgoing connections (Linux), where it cannot
+# be read.
+_DEFAULT_EPHEMERAL = (32768, 60999)
+_PORT_TRIES = 200
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The range from which the kernel gives outgoing connections their local ports."""
+    try:
+        low, high = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        return _DEFAULT_EPHEMERAL
+    return low, high
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that is free now, for a child to bind, chosen outside the kernel's
+    ephemeral range: a port from that range (what binding port 0 returns) may be handed to any
+    process's outgoing connection between this check and the child's bind, and the child then
+    fails with "address already in use" (seen: a SuperNode's HTTP API, while other SuperNodes
+    were connecting).  Where no range outside it is left, the kernel's choice."""
+    low, high = ephemeral_ports()
+    spans = [(a, b) for a, b in ((_PORT_FLOOR, low - 1), (max(high + 1, _PORT_FLOOR), 65535)) if b >= a]
+    total = sum(b - a + 1 for a, b in spans)
+    for _ in range(_PORT_TRIES if total else 0):
+        index = secrets.randbelow(total)  # uniform over the spans (a port is no secret)
+        for a, b in spans:
+            if index <= b - a:
+                port = a + index
+                break
+            index -= b - a + 1
+        with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue  # taken: another
+            return port
     with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         return int(sock.getsockname()[1])
 
 

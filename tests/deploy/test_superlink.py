@@ -21,14 +21,13 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import closing
 from pathlib import Path
 from typing import ClassVar
 
 import pytest
 
 from secure_afl.deploy.errors import SuperLinkSetupError
-from secure_afl.deploy.processes import ProcessGroups, descendants, flower_bin
+from secure_afl.deploy.processes import ProcessGroups, descendants, flower_bin, free_port
 from secure_afl.deploy.superlink import (
     FLEET_PATHS,
     NOT_FORWARDED,
@@ -51,9 +50,7 @@ FLWR_ENV = {"FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1"}
 
 
 def _free_port(host: str) -> int:
-    with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    return free_port(host)  # outside the ephemeral range: no outgoing connection takes it meanwhile
 
 
 class Link:
