@@ -324,8 +324,7 @@ def _bit_patterns(values: np.ndarray) -> np.ndarray:
 
 
 def _equal_words(a: np.ndarray, b: np.ndarray) -> bool:
-    if a.shape != b.shape:
-        return False
+    """Whether two values of one bucket (the same shape) have the same words."""
     for start in range(0, a.shape[0], _COMPARE_WORDS):
         if not np.array_equal(a[start : start + _COMPARE_WORDS], b[start : start + _COMPARE_WORDS]):
             return False

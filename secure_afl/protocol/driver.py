@@ -199,6 +199,7 @@ class SessionDriver:
         self._expected_session_id = session_id
         self._random = default_random(random)
         self._gate = ExposureGate(client_id, identity_key, self._inputs, policy, ledger, release)
+        self._asked_release: Release | None = None  # made on request where the gate made none
         self._rows = committed_rows(rows, self._inputs)
         # tensor -> the committed count below which a member's value is known (its own study's
         # rule: round 2's too-small members send zeros); the server has no say in it.
@@ -227,12 +228,14 @@ class SessionDriver:
         inputs while the session still holds them."""
         if self._gate.release is not None:
             return self._gate.release
-        if any(not tensors for tensors in self._inputs.values()):
-            raise LocalProtocolError(
-                "this session made no release (its policy has no one-contribution rule) and has "
-                "let its inputs go since: read the release before R2, or use a policy with the rule"
-            )
-        return Release.of(self._inputs)
+        if self._asked_release is None:
+            if any(not tensors for tensors in self._inputs.values()):
+                raise LocalProtocolError(
+                    "this session made no release (its policy has no one-contribution rule) and has "
+                    "let its inputs go since: read the release before R2, or use a policy with the rule"
+                )
+            self._asked_release = Release.of(self._inputs)
+        return self._asked_release
 
     @property
     def exposure_findings(self) -> tuple[exposure.ExposureFinding, ...]:
