@@ -9,7 +9,10 @@ same run: the AES-CTR keystream of every mask over a Gram (each member of a grou
 self mask and one pairwise mask per other member, the server removes each self mask), one pass
 encoding every Gram copy to fixed point and one add per mask, at the rates this host gives on one
 triangle right now.  The other tensors (d-vectors) are left out of the floor (under 1% of words).
-Reported beside it, not in it: the floor with the protocol's digests, one SHA-256 pass per client
+Beside it, the floor of the groups as sent (``wire_floor_s``): at missing 7 the class groups
+partition the clients and the plan every driver makes sums `all`'s Gram from theirs instead of
+sending it (``aggregation/difference.py``), so the protocol's arithmetic is below the method's
+floor.  Reported beside it, not in it: the floor with the protocol's digests, one SHA-256 pass per client
 over its Gram (the release's value id, which the one-contribution rule needs before R0: a deployed
 client's work; the simulator's policy has no such rule and its clients make no release), and the
 floor on the threads the masking sessions split a large mask among (``core/workers``: this
@@ -97,6 +100,35 @@ def run_child(tree: Path, dim: int, secure: str, out: Path) -> dict[str, object]
     }
 
 
+def gram_group_sizes() -> tuple[list[int], list[int]]:
+    """The sizes of the groups summing a Gram at missing 7: the method's (each class group's
+    annotators, and `all`: every client), and as sent after ``difference.plan_wire`` (a tree
+    without it sends the method's)."""
+    from secure_afl.aggregation.layout import Layout
+    from secure_afl.sim.partial import assign_partial_labels
+
+    assignment = assign_partial_labels(N_CLIENTS, 8, 7, seed=0, missing1="permutation")
+    clients = [f"client-{k}" for k in range(N_CLIENTS)]
+    members = {f"class/{c}": [clients[k] for k in m] for c, m in enumerate(assignment.coverage()) if m}
+    members["all"] = clients
+    sizes = [len(m) for m in members.values()]
+    try:
+        from secure_afl.aggregation.difference import plan_wire
+    except ImportError:  # an older tree: every group as the method names it
+        return sizes, sizes
+    layout = Layout(
+        groups={g: {"gram": 1, **({} if g == "all" else {"b": 1})} for g in members},
+        shapes={"gram": (1, 1), "b": (1,)},
+        symmetric=frozenset({"gram"}),
+    )
+    plan = plan_wire(members, layout, min_group_size=1, frac_bits=32)
+    if plan is None:
+        return sizes, sizes
+    wire = plan.wire_layout(layout)
+    everyone = {**members, **plan.members}
+    return sizes, [len(everyone[g]) for g, tensors in wire.groups.items() if "gram" in tensors]
+
+
 def mask_floor(dim: int) -> dict[str, float]:
     """Seconds of the masked aggregation's arithmetic floor at ``dim`` (see the module docstring),
     from this host's rates on one triangle now."""
@@ -104,7 +136,6 @@ def mask_floor(dim: int) -> dict[str, float]:
 
     from secure_afl.core import encoding
     from secure_afl.core.workers import for_this_process
-    from secure_afl.sim.partial import assign_partial_labels
 
     words = dim * (dim + 1) // 2
     values = np.random.default_rng(0).standard_normal(words)
@@ -153,11 +184,11 @@ def mask_floor(dim: int) -> dict[str, float]:
     )
     t_add_threads = on_threads(lambda lo, hi: np.add(acc[lo:hi], other[lo:hi], out=acc[lo:hi]))
     t_digest = best(lambda: hashlib.sha256(values).digest())
-    # The Gram's groups at missing 7: each class group's annotators, and `all` (every client).
-    assignment = assign_partial_labels(N_CLIENTS, 8, 7, seed=0, missing1="permutation")
-    sizes = [len(m) for m in assignment.coverage()] + [N_CLIENTS]
+    sizes, wire_sizes = gram_group_sizes()
     masks = sum(m * m + m for m in sizes)  # m members × (self + m - 1 pairs), and m self unmasks
     copies = sum(sizes)
+    wire_masks = sum(m * m + m for m in wire_sizes)
+    wire_copies = sum(wire_sizes)
     return {
         "keystream_s": masks * t_stream,
         "encode_s": copies * t_encode,
@@ -179,6 +210,11 @@ def mask_floor(dim: int) -> dict[str, float]:
         + (masks + copies) * t_add_threads,
         "mask_streams": masks,
         "gram_copies": copies,
+        # The floor of the Gram groups as sent, after the plan every driver makes (at missing 7 the
+        # class groups partition the clients: `all`'s Gram is summed from theirs, not sent).
+        "wire_floor_s": wire_masks * t_stream + wire_copies * t_encode + (wire_masks + wire_copies) * t_add,
+        "wire_mask_streams": wire_masks,
+        "wire_gram_copies": wire_copies,
         "keystream_gb_per_s": 8 * words / t_stream / 1e9,
     }
 
@@ -233,6 +269,8 @@ def main() -> None:
                     / floor["floor_with_digest_s"],
                     "aggregation_mask_over_floor_threads": statistics.median(a["aggregation_s"] for a in m)
                     / floor["floor_threads_s"],
+                    "aggregation_mask_over_wire_floor": statistics.median(a["aggregation_s"] for a in m)
+                    / floor["wire_floor_s"],
                     "peak_rss_gib": {
                         "mask": max(a["peak_rss_gib"] for a in m),
                         "none": max(b["peak_rss_gib"] for b in n),
@@ -251,7 +289,9 @@ def main() -> None:
                     f"{s['aggregation_mask_over_floor_with_digest']:.2f}× with the digests "
                     f"{floor['floor_with_digest_s']:.2f} s, "
                     f"{s['aggregation_mask_over_floor_threads']:.2f}× the floor on "
-                    f"{floor['threads']} threads {floor['floor_threads_s']:.2f} s); "
+                    f"{floor['threads']} threads {floor['floor_threads_s']:.2f} s, "
+                    f"{s['aggregation_mask_over_wire_floor']:.2f}× the floor of the groups as sent "
+                    f"{floor['wire_floor_s']:.2f} s); "
                     f"peak {s['peak_rss_gib']['mask']:.2f} / {s['peak_rss_gib']['none']:.2f} GiB",
                     flush=True,
                 )

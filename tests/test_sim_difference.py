@@ -12,11 +12,12 @@ from __future__ import annotations
 import pytest
 
 from secure_afl.aggregation import inprocess
+from secure_afl.aggregation.layout import Derivation
 from secure_afl.sim import secure
 from secure_afl.sim.fedavg import FedAvgConfig
 from secure_afl.sim.report import _audit_lines, cost_summary, privacy_verdict, result_dict
 from secure_afl.sim.runner import run_experiment
-from secure_afl.sim.setting import SettingResult, SimConfig
+from secure_afl.sim.setting import ExperimentError, SettingResult, SimConfig
 
 SMALL = {"fraction": 0.05, "dim": 32, "fedavg": FedAvgConfig(rounds=1), "device": "cpu", "secure": "mask"}
 CLASSES = range(8)
@@ -50,7 +51,7 @@ def test_missing_1_sends_the_gram_by_difference_and_learns_nothing_more(
     direct = _setting(monkeypatch, direct=True, missing=(1,), **overrides)
 
     assert planned.sent_by_difference == {
-        f"class/{c}": {"gram": ("all", f"others/class/{c}")} for c in CLASSES
+        f"class/{c}": {"gram": Derivation(("all",), (f"others/class/{c}",))} for c in CLASSES
     }
     assert direct.sent_by_difference == {}
     assert planned.gram_copies == {"method": 8.0, "sent": 2.0}
@@ -89,26 +90,59 @@ def test_missing_1_sends_the_gram_by_difference_and_learns_nothing_more(
         assert "8 complement group(s) (others/class/0 … others/class/7) carry" in privacy_verdict(planned)
     assert {g.group for g in direct.audit.groups} == {g for g in wire if not g.startswith("others/")}
 
-    assert "the Gram by difference: 2 copies per client, not 8" in cost_summary(planned)
+    assert "the Gram: 2 copies per client, not 8" in cost_summary(planned)
     assert any(
-        line.startswith("sent by difference") and "gram of class/3 = all − others/class/3" in line
+        line.startswith("derived from the sums as sent") and "gram of class/3 = all − others/class/3" in line
         for line in _audit_lines(planned)
     )
 
 
-def test_missing_7_keeps_every_group_direct(monkeypatch: pytest.MonkeyPatch) -> None:
-    setting = _setting(monkeypatch, direct=False, missing=(7,))
-    assert setting.sent_by_difference == {}
-    assert setting.gram_copies["sent"] == setting.gram_copies["method"]
-    assert not any(g.group.startswith("others/") for g in setting.audit.groups)
-    assert "by difference" not in cost_summary(setting)
+def test_missing_7_sums_the_global_gram_from_the_class_groups_and_learns_nothing_more(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # missing 7 at 8 clients: each client labels one class, so the class groups partition the
+    # clients and `all`'s Gram sum is theirs added (a partition plan): one Gram copy, not two
+    planned = _setting(monkeypatch, direct=False, missing=(7,))
+    direct = _setting(monkeypatch, direct=True, missing=(7,))
+    wire = {g.group: g for g in planned.audit.groups}
+    parts = tuple(sorted(g for g in wire if g.startswith("class/")))
+    assert planned.sent_by_difference == {"all": {"gram": Derivation(parts)}}
+    assert direct.sent_by_difference == {}
+    assert planned.gram_copies == {"method": 2.0, "sent": 1.0}
+    assert direct.gram_copies == {"method": 2.0, "sent": 2.0}
+    saved = [d - p for d, p in zip(_r2_bytes(direct), _r2_bytes(planned), strict=True)]
+    assert all(528 * 8 <= s < 528 * 8 + 1_000 for s in saved if s) and any(saved), saved
+    # the same sums bit for bit (so every figure), the same exposures, nothing new on the wire
+    assert {m: v.to_dict() for m, v in planned.metrics.items()} == {
+        m: v.to_dict() for m, v in direct.metrics.items()
+    }
+    assert planned.audit.exposed == direct.audit.exposed
+    assert planned.method_audits == direct.method_audits
+    assert planned.dropped == direct.dropped
+    assert set(wire) == {g.group for g in direct.audit.groups} - {"all"}
+    assert all(wire[g].tensors == d.tensors for d in direct.audit.groups for g in [d.group] if g in wire)
+    assert "the Gram: 1 copy per client, not 2" in cost_summary(planned)
+    assert any(f"gram of all = {' + '.join(parts)}" in line for line in _audit_lines(planned))
+
+
+def test_missing_7_with_a_dropout_aborts_as_the_direct_layout_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a dropped client empties its class group: the method cannot fit that class, with or without
+    # the plan, and the run says so the same way (a part never ends empty quietly)
+    messages = []
+    for direct in (False, True):
+        with pytest.raises(ExperimentError, match="has 0 live member") as caught:
+            _setting(monkeypatch, direct=direct, missing=(7,), dropout=2, dropout_stage="R2")
+        messages.append(str(caught.value))
+    assert messages[0] == messages[1]
 
 
 def test_results_json_names_the_derivations(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.undo()
     result = run_experiment(SimConfig(**{**SMALL, "missing": (1,), "rounds": 1}))  # type: ignore[arg-type]
     (entry,) = result_dict(result)["settings"]  # type: ignore[index]
-    assert entry["sent_by_difference"]["class/0"] == {"gram": ["all", "others/class/0"]}
+    assert entry["sent_by_difference"]["class/0"] == {
+        "gram": {"added": ["all"], "subtracted": ["others/class/0"]}
+    }
     assert entry["gram_copies_per_client"] == {"method": 8.0, "sent": 2.0}
 
 

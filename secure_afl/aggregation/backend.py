@@ -255,8 +255,9 @@ class MaskingBackend:
         # many decoded copies.  A difference plan's sums are derived on the words first (exact
         # mod 2⁶⁴); the wire sums that only served a derivation go with `wire`.
         result = server.take_result()  # type: ignore[attr-defined]
-        members = {g: s.members for g, s in result.groups.items()}
-        survivors = {g: s.survivors for g, s in result.groups.items()}
+        # a derived group not on the wire (a partition plan's `all`) has its parts' clients
+        members = layout.logical_members({g: s.members for g, s in result.groups.items()})
+        survivors = layout.logical_members({g: s.survivors for g, s in result.groups.items()})
         clients = tuple(result.survivors)
         wire = {group: s.sums for group, s in result.groups.items()}
         del result

@@ -31,7 +31,10 @@ from fractions import Fraction
 
 import numpy as np
 
-from .layout import Layout
+from secure_afl.core import encoding
+from secure_afl.core.errors import EncodingOverflowError, NonFiniteValueError
+
+from .layout import Derivation, Layout
 
 COMPLEMENT_PREFIX = "others/"
 
@@ -63,17 +66,26 @@ class DifferencePlan:
     everyone_added: bool
     savings: Mapping[str, int] = field(default_factory=dict)  # copies of the tensor: direct, wire
 
+    def describe(self) -> str:
+        """One line for logs: what the plan sends and what it saves."""
+        return (
+            f"{len(self.complements)} class Gram(s) sent by difference "
+            f"({self.savings['wire']} Gram copies instead of {self.savings['direct']})"
+        )
+
     def applies_to(self, contribution: Mapping[str, Mapping[str, np.ndarray]]) -> bool:
         """Whether this client sends one value of ``tensor`` to every group it sends it to (the
         plan sends it once per wire group; different values per group must stay apart)."""
-        values = [tensors[self.tensor] for tensors in contribution.values() if self.tensor in tensors]
-        return all(v is values[0] or np.array_equal(v, values[0]) for v in values[1:])
+        return _one_value(contribution, self.tensor)
 
-    def wire(self, contribution: Mapping[str, Mapping[str, np.ndarray]]) -> dict[str, dict[str, np.ndarray]]:
+    def wire(
+        self, contribution: Mapping[str, Mapping[str, np.ndarray]], *, checked: bool = False
+    ) -> dict[str, dict[str, np.ndarray]]:
         """One client's contribution as sent: ``tensor`` out of the planned groups it is in, into
-        ``everyone`` and the complement of each planned group it is not in (the same array)."""
+        ``everyone`` and the complement of each planned group it is not in (the same array).
+        ``checked``: :meth:`applies_to` said so just now (the same test is not made again)."""
         out = {group: dict(tensors) for group, tensors in contribution.items()}
-        if not self.applies_to(contribution):
+        if not checked and not self.applies_to(contribution):
             raise ValueError(
                 f"the difference plan needs one value of {self.tensor!r} in every group a client sends it to"
             )
@@ -94,11 +106,12 @@ class DifferencePlan:
         """The session's groups as sent, with the derivation that gives back ``layout``'s sums."""
         length = next(g[self.tensor] for g in layout.groups.values() if self.tensor in g)
         groups = {group: dict(tensors) for group, tensors in layout.groups.items()}
-        derived: dict[tuple[str, str], tuple[str, str | None]] = {}
+        derived: dict[tuple[str, str], Derivation] = {}
         hidden: set[tuple[str, str]] = set()
         for group, complement in self.complements.items():
             del groups[group][self.tensor]
-            derived[(group, self.tensor)] = (self.everyone, complement)
+            subtracted = () if complement is None else (complement,)
+            derived[(group, self.tensor)] = Derivation((self.everyone,), subtracted)
             if complement is not None:
                 groups[complement] = {self.tensor: length}
                 hidden.add((complement, self.tensor))
@@ -175,6 +188,166 @@ def plan_difference(
         everyone_added=not present,
         savings={"direct": direct, "wire": direct - saved + (0 if present else n)},
     )
+
+
+@dataclass(frozen=True)
+class PartitionPlan:
+    """``everyone``'s ``tensor`` not sent but derived as the sum of ``parts``' sums: groups that
+    carry it anyway and partition the clients (each client in exactly one), e.g. the class groups
+    when every institution labels one class (``--missing 7`` at 8 clients and 8 classes).
+
+    The wire sums are a subset of the method's, so the server learns no more than it would; the
+    derived sum over any survivor set is the sum of the parts' over the same survivors (exact mod
+    2⁶⁴).  A client's value is checked here against the fixed-point bound of ``everyone``'s size
+    (its session checks only its part's, a smaller group, and the derived sum must not wrap).
+    """
+
+    tensor: str
+    everyone: str
+    parts: tuple[str, ...]
+    group_size: int  # everyone's members: each value's bound (encoding.encoding_bound)
+    frac_bits: int
+    savings: Mapping[str, int] = field(default_factory=dict)  # copies of the tensor: direct, wire
+    members: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # no wire group added
+
+    def describe(self) -> str:
+        return (
+            f"the {self.everyone} group's Gram summed from the {len(self.parts)} class groups that "
+            f"partition the clients ({self.savings['wire']} Gram copies instead of {self.savings['direct']})"
+        )
+
+    def applies_to(self, contribution: Mapping[str, Mapping[str, np.ndarray]]) -> bool:
+        """Whether this client sends one value of ``tensor`` everywhere and to one part only, and
+        that value is encodable in a sum over ``everyone``."""
+        if not _one_value(contribution, self.tensor):
+            return False
+        parts = [g for g in self.parts if self.tensor in contribution.get(g, {})]
+        value = contribution.get(self.everyone, {}).get(self.tensor)
+        if value is None:
+            return not parts
+        if len(parts) != 1:
+            return False
+        try:
+            self._check(value)
+        except (EncodingOverflowError, NonFiniteValueError):
+            return False  # the method's layout: the client's own session refuses it there
+        return True
+
+    def _check(self, value: np.ndarray) -> None:
+        encoding.check_encodable(
+            np.asarray(value, dtype=np.float64),
+            tensor=f"{self.everyone}/{self.tensor}",
+            frac_bits=self.frac_bits,
+            group_size=self.group_size,
+        )
+
+    def wire(
+        self, contribution: Mapping[str, Mapping[str, np.ndarray]], *, checked: bool = False
+    ) -> dict[str, dict[str, np.ndarray]]:
+        """One client's contribution as sent: ``tensor`` out of ``everyone`` (the group goes when
+        nothing else is in it).  Raises ``ValueError`` for a client outside the plan's premise, and
+        the encoding's error (:class:`EncodingOverflowError`, :class:`NonFiniteValueError`) for a
+        value that a sum over ``everyone`` could not hold.  ``checked``: :meth:`applies_to` said
+        so just now (the value is not read again)."""
+        out = {group: dict(tensors) for group, tensors in contribution.items()}
+        value = out.get(self.everyone, {}).get(self.tensor)
+        if value is None:
+            return out
+        if not checked:
+            parts = [g for g in self.parts if self.tensor in out.get(g, {})]
+            if len(parts) != 1 or not _one_value(contribution, self.tensor):
+                raise ValueError(
+                    f"the partition plan derives {self.everyone}'s {self.tensor!r} from its parts: this "
+                    f"client sends it to {len(parts)} of them (one needed), or different values to "
+                    "different groups"
+                )
+            self._check(value)
+        del out[self.everyone][self.tensor]
+        if not out[self.everyone]:
+            del out[self.everyone]
+        return out
+
+    def wire_layout(self, layout: Layout) -> Layout:
+        groups = {group: dict(tensors) for group, tensors in layout.groups.items()}
+        del groups[self.everyone][self.tensor]
+        if not groups[self.everyone]:
+            del groups[self.everyone]
+        return Layout(
+            groups=groups,
+            shapes=layout.shapes,
+            symmetric=layout.symmetric,
+            derived={(self.everyone, self.tensor): Derivation(self.parts)},
+        )
+
+
+WirePlan = DifferencePlan | PartitionPlan
+
+
+def plan_partition(
+    members: Mapping[str, Collection[str]],
+    layout: Layout,
+    *,
+    frac_bits: int,
+    tensor: str = "gram",
+    everyone: str = "all",
+) -> PartitionPlan | None:
+    """The plan deriving ``everyone``'s ``tensor`` from the other groups carrying it, when those
+    partition the clients; else None.
+
+    ``members``: group -> its members, as every client declares them (public).  ``everyone`` must
+    carry ``tensor`` (the method sums it; a plan never adds a sum) and have every client; the other
+    groups carrying it must be pairwise disjoint, non-empty and together hold every client.  A
+    dropout changes nothing: the parts' survivors partition the survivors, and a part left empty
+    aborts the session as it would without the plan (a method group).
+    """
+    clients = sorted({cid for ids in members.values() for cid in ids})
+    if not clients or layout.derived or tensor not in layout.groups.get(everyone, {}):
+        return None
+    if set(members.get(everyone, ())) != set(clients):
+        return None
+    parts = sorted(g for g, tensors in layout.groups.items() if tensor in tensors and g != everyone)
+    seen: set[str] = set()
+    for group in parts:
+        inside = set(members.get(group, ()))
+        if not inside or inside & seen:
+            return None
+        seen |= inside
+    if seen != set(clients):
+        return None
+    n = len(clients)
+    return PartitionPlan(
+        tensor=tensor,
+        everyone=everyone,
+        parts=tuple(parts),
+        group_size=n,
+        frac_bits=frac_bits,
+        savings={"direct": 2 * n, "wire": n},
+    )
+
+
+def plan_wire(
+    members: Mapping[str, Collection[str]],
+    layout: Layout,
+    *,
+    min_group_size: int,
+    frac_bits: int,
+    tensor: str = "gram",
+    everyone: str = "all",
+) -> WirePlan | None:
+    """The plan that sends fewest copies of ``tensor`` (:func:`plan_difference`,
+    :func:`plan_partition`), or None when neither applies or saves anything.  Every driver calls
+    this on the public memberships, so the server and every client agree on the wire layout."""
+    plans = [
+        plan_difference(members, layout, min_group_size=min_group_size, tensor=tensor, everyone=everyone),
+        plan_partition(members, layout, frac_bits=frac_bits, tensor=tensor, everyone=everyone),
+    ]
+    made = [plan for plan in plans if plan is not None]
+    return min(made, key=lambda plan: plan.savings["wire"]) if made else None
+
+
+def _one_value(contribution: Mapping[str, Mapping[str, np.ndarray]], tensor: str) -> bool:
+    values = [tensors[tensor] for tensors in contribution.values() if tensor in tensors]
+    return all(v is values[0] or np.array_equal(v, values[0]) for v in values[1:])
 
 
 def _ones_in_row_space(groups: list[set[str]], clients: list[str]) -> bool:

@@ -22,7 +22,7 @@ from secure_afl.keys.identity import IdentityKey
 from secure_afl.keys.roster import Roster, RosterEntry
 
 from .backend import ProtectionBackend, SessionOutcome
-from .difference import plan_difference
+from .difference import plan_wire
 from .layout import Layout, flatten, layout_of
 
 
@@ -98,11 +98,15 @@ def run_in_process(
         for cid in client_ids:
             for group in contributions[cid]:
                 members.setdefault(group, []).append(cid)
-        plan = plan_difference(members, layout, min_group_size=min_group_size)
+        # an exact backend's fixed point: a partition plan checks each value against `all`'s bound
+        frac_bits: int = backend.frac_bits  # type: ignore[attr-defined]
+        plan = plan_wire(members, layout, min_group_size=min_group_size, frac_bits=frac_bits)
         if plan is not None and not all(plan.applies_to(contributions[cid]) for cid in client_ids):
-            plan = None  # a client sends different Grams to different groups: keep them apart
+            # a client sends different Grams to different groups (keep them apart), or one that
+            # only its own session should refuse (the method's layout, where it would)
+            plan = None
     if plan is not None:
-        contributions = {cid: plan.wire(contributions[cid]) for cid in client_ids}
+        contributions = {cid: plan.wire(contributions[cid], checked=True) for cid in client_ids}
         layout = plan.wire_layout(layout)
     session_id = random.token_bytes(32) if session_id is None else session_id
     identities = {cid: IdentityKey.generate(random) for cid in client_ids}

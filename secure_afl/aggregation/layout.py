@@ -6,7 +6,7 @@ protocol sums flat vectors; symmetric matrices travel as their upper triangle.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -19,19 +19,64 @@ Contributions = Mapping[str, Mapping[str, np.ndarray]]  # group -> tensor -> arr
 
 
 @dataclass(frozen=True)
+class Derivation:
+    """A sum that is not sent: the sum of the ``added`` wire sums minus the ``subtracted`` ones
+    (exact on the unmasked words, mod 2⁶⁴).  Its members are the ``added`` groups' less the
+    ``subtracted`` groups' (the plans that make one keep each client in one added group, and a
+    subtracted group's members inside the added ones)."""
+
+    added: tuple[str, ...]
+    subtracted: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.added:
+            raise ValueError("a derivation adds at least one wire sum")
+        if set(self.added) & set(self.subtracted):
+            raise ValueError(f"a derivation adds and subtracts the same sum: {self}")
+
+    def __str__(self) -> str:
+        text = " + ".join(self.added)
+        return text + "".join(f" − {group}" for group in self.subtracted)
+
+    def to_dict(self) -> dict[str, list[str]]:
+        """The JSON form (records, results.json)."""
+        return {"added": list(self.added), "subtracted": list(self.subtracted)}
+
+    def words(self, sums: Mapping[str, Mapping[str, np.ndarray]], tensor: str) -> np.ndarray:
+        """The derived sum's uint64 words from the wire sums (a new array, read-only)."""
+        terms = [(np.add, group) for group in self.added[1:]] + [(np.subtract, g) for g in self.subtracted]
+        first = sums[self.added[0]][tensor]
+        if not terms:
+            words = first.copy()
+        else:  # the first operation allocates the result, the others work in it
+            (op, group), *rest = terms
+            words = op(first, sums[group][tensor])
+            for op, group in rest:
+                op(words, sums[group][tensor], out=words)
+        words.setflags(write=False)
+        return words
+
+    def members(self, wire: Mapping[str, Sequence[str]]) -> tuple[str, ...]:
+        """The derived group's clients from the wire groups' (members or survivors)."""
+        inside = {cid for group in self.added for cid in wire.get(group, ())}
+        outside = {cid for group in self.subtracted for cid in wire.get(group, ())}
+        return tuple(sorted(inside - outside))
+
+
+@dataclass(frozen=True)
 class Layout:
     """Per group its tensors' wire lengths; per tensor name its array shape; which are symmetric.
 
-    ``derived`` and ``hidden`` are set by a difference plan (:mod:`.difference`): a (group, tensor)
-    sum that is not sent but derived from two wire sums, ``everyone − complement`` (or
-    ``everyone`` alone when the complement is None), and the wire sums that only serve a
-    derivation.  :meth:`logical_words` applies both to the unmasked words.
+    ``derived`` and ``hidden`` are set by a plan (:mod:`.difference`): a (group, tensor) sum that
+    is not sent but derived from wire sums (:class:`Derivation`: ``everyone − complement``, or a
+    sum of groups that partition the clients), and the wire sums that only serve a derivation.
+    :meth:`logical_words` applies both to the unmasked words.
     """
 
     groups: Mapping[str, Mapping[str, int]]
     shapes: Mapping[str, tuple[int, ...]]
     symmetric: frozenset[str]
-    derived: Mapping[tuple[str, str], tuple[str, str | None]] = field(default_factory=dict)
+    derived: Mapping[tuple[str, str], Derivation] = field(default_factory=dict)
     hidden: frozenset[tuple[str, str]] = frozenset()
 
     @property
@@ -39,15 +84,23 @@ class Layout:
         """The wire groups whose sums are only subtracted (``everyone − complement``): when every
         member of one drops, its sum is zero and the derived sums are ``everyone``'s, so the
         session may finish without it (the server's ``may_be_empty``)."""
-        return frozenset(c for _, c in self.derived.values() if c is not None)
+        return frozenset(group for d in self.derived.values() for group in d.subtracted)
 
-    def derivations(self) -> dict[str, dict[str, tuple[str, ...]]]:
-        """Group -> tensor -> the wire sums its sum is derived from: ``(everyone, complement)``
-        (everyone − complement) or ``(everyone,)``; empty without a difference plan.  What an
+    def derivations(self) -> dict[str, dict[str, Derivation]]:
+        """Group -> tensor -> how its sum is derived from wire sums; empty without a plan.  What an
         audit prints beside the groups as sent."""
-        out: dict[str, dict[str, tuple[str, ...]]] = {}
-        for (group, tensor), (everyone, complement) in sorted(self.derived.items()):
-            out.setdefault(group, {})[tensor] = (everyone,) if complement is None else (everyone, complement)
+        out: dict[str, dict[str, Derivation]] = {}
+        for (group, tensor), derivation in sorted(self.derived.items()):
+            out.setdefault(group, {})[tensor] = derivation
+        return out
+
+    def logical_members(self, wire: Mapping[str, Sequence[str]]) -> dict[str, tuple[str, ...]]:
+        """Group -> clients (members or survivors) for the method's groups: the wire groups', and
+        each derived group that is not on the wire from its derivation's groups."""
+        out = {group: tuple(ids) for group, ids in wire.items()}
+        for (group, _), derivation in sorted(self.derived.items()):
+            if group not in out:
+                out[group] = derivation.members(wire)
         return out
 
     def group_specs(self) -> tuple[GroupSpec, ...]:
@@ -61,11 +114,8 @@ class Layout:
         """The method's group sums from the wire's (uint64 words, exact mod 2⁶⁴): derived sums
         added, the sums that only served a derivation left out (a group left empty goes too)."""
         out = {group: dict(tensors) for group, tensors in sums.items()}
-        for (group, tensor), (everyone, complement) in self.derived.items():
-            total = sums[everyone][tensor]
-            words = total.copy() if complement is None else np.subtract(total, sums[complement][tensor])
-            words.setflags(write=False)
-            out.setdefault(group, {})[tensor] = words
+        for (group, tensor), derivation in self.derived.items():
+            out.setdefault(group, {})[tensor] = derivation.words(sums, tensor)
         for group, tensor in self.hidden:
             del out[group][tensor]
         return {group: tensors for group, tensors in out.items() if tensors}

@@ -683,7 +683,7 @@ def _inputs(
         )
         if empty:
             contributions = _zero(contributions)
-        if plan is not None:  # the Gram by difference: into `all` and the complements, out of the classes
+        if plan is not None:  # the wire's groups: the Gram by difference, or `all`'s from the classes
             contributions = plan.wire(contributions)
     else:
         from secure_afl.analytic import pseudo_label_contributions  # round 2 scores with torch

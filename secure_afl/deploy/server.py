@@ -214,11 +214,7 @@ class FederationServer:
         nodes = self._wait_for_nodes()
         method = self.study.method
         if difference is not None:
-            saved = difference.savings
-            self.log(
-                f"round 1: {len(difference.complements)} class Gram(s) sent by difference "
-                f"({saved['wire']} Gram copies instead of {saved['direct']})"
-            )
+            self.log(f"round 1: {difference.describe()}")
         solver = StudySolver(self.study, plan, self.earlier_noise)
         record1, outcome1 = self._session("1", nodes, layout1, {})
         solve_started = time.perf_counter()
@@ -503,7 +499,7 @@ class FederationServer:
         record.completed = tuple(sorted(set(outcome.clients) - failed))
         # The audit names the groups as summed on the wire (what the server learned, as the
         # simulator's audit does): under a difference plan also the groups that only serve a
-        # derivation, and each derived sum says which wire sums give it (everyone − complement).
+        # derivation, and each derived sum says which wire sums give it (added and subtracted).
         derived = layout.derivations()
         for name in sorted(set(outcome.sums) | {group for group, _ in layout.hidden}):
             entry: dict[str, Any] = {
@@ -514,7 +510,7 @@ class FederationServer:
                 "tensors": sorted(layout.groups[name] if name in layout.groups else outcome.sums[name]),
             }
             if name in derived:
-                entry["derived"] = {tensor: list(sums) for tensor, sums in derived[name].items()}
+                entry["derived"] = {tensor: d.to_dict() for tensor, d in derived[name].items()}
             record.groups.append(entry)
         if "key_holder" in outcome.details:
             record.key_holder = str(outcome.details["key_holder"])

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     import numpy as np
 
     from secure_afl.aggregation.backend import ProtectionBackend
-    from secure_afl.aggregation.difference import DifferencePlan
+    from secure_afl.aggregation.difference import WirePlan
     from secure_afl.privacy.dp import NoisePlan
     from secure_afl.protocol.ckks.context import CkksParameters
 
@@ -528,14 +528,16 @@ def round1_layout(study: Study) -> Layout:
     return Layout(groups=groups, shapes=shapes, symmetric=SYMMETRIC_TENSORS)
 
 
-def round1_plan(study: Study, roster_ids: Collection[str]) -> tuple[Layout, DifferencePlan | None]:
-    """Round 1's layout as sent, and the difference plan that made it (None: the method's layout).
+def round1_plan(study: Study, roster_ids: Collection[str]) -> tuple[Layout, WirePlan | None]:
+    """Round 1's layout as sent, and the plan that made it (None: the method's layout).
 
     The server and every node call this on the same public inputs (the study and the roster), so
     they agree on the wire groups without a message about them; a node applies ``plan.wire`` to its
     contributions.  Under the per-class Gram layout, a class that most institutions label has its
-    Gram sum sent as the ``all`` group's minus the complement group of those that do not
-    (:mod:`secure_afl.aggregation.difference`: the same sums bit for bit, the same span of sums).
+    Gram sum sent as the ``all`` group's minus the complement group of those that do not, and when
+    each institution labels one class (the class groups partition the roster) the ``all`` group's
+    Gram is not sent but summed from the class groups' (:mod:`secure_afl.aggregation.difference`:
+    the same sums bit for bit, the same span of sums).
     A plan needs the study's published class lists (the complements' members must be public
     before any data moves) and exact sums (masking; CKKS's noise would grow in a difference);
     never under DP (each client's noise is sized for the method's groups).  A complement may lose
@@ -554,14 +556,14 @@ def round1_plan(study: Study, roster_ids: Collection[str]) -> tuple[Layout, Diff
     n = len(ids)
     if not study.backend(n).exact_sums:  # pragma: no cover - masking's sums are exact
         return layout, None
-    from secure_afl.aggregation.difference import plan_difference
+    from secure_afl.aggregation.difference import plan_wire
 
     members: dict[str, list[str]] = {
         class_group(c): [cid for cid in ids if c in study.class_lists[cid]] for c in range(study.n_classes)
     }
     if ALL_GROUP in layout.groups:
         members[ALL_GROUP] = ids
-    plan = plan_difference(members, layout, min_group_size=study.min_group_size)
+    plan = plan_wire(members, layout, min_group_size=study.min_group_size, frac_bits=study.frac_bits)
     return (layout, None) if plan is None else (plan.wire_layout(layout), plan)
 
 

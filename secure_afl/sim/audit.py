@@ -160,15 +160,17 @@ def audit_run(
     *,
     protection: str,
 ) -> tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]], PrivacyAudit]:
-    """Members, survivors and the audit of an in-process run of any protection backend."""
+    """Members and survivors of the method's groups, and the audit of the groups as sent, of an
+    in-process run of any protection backend."""
     outcome = run.outcome
     members = {group: tuple(outcome.members[group]) for group in sorted(outcome.members)}
     survivors = {group: tuple(outcome.survivors[group]) for group in members}
+    wire = [group for group in members if group in run.layout.groups]  # the audit: groups as sent
     audit = audit_groups(
         protection=protection,
-        members=members,
-        survivors=survivors,
-        tensors={group: tuple(run.layout.groups[group]) for group in members},
+        members={group: members[group] for group in wire},
+        survivors={group: survivors[group] for group in wire},
+        tensors={group: tuple(run.layout.groups[group]) for group in wire},
         contributions=contributions,
         client_findings={cid: client.exposure_findings for cid, client in run.clients.items()},  # type: ignore[attr-defined]
     )

@@ -358,13 +358,13 @@ def _audit_lines(setting: SettingResult) -> list[str]:
         )
     if setting.sent_by_difference:
         derived = "; ".join(
-            f"{tensor} of {group} = {' − '.join(sums)}"
+            f"{tensor} of {group} = {derivation}"
             for group, tensors in setting.sent_by_difference.items()
-            for tensor, sums in tensors.items()
+            for tensor, derivation in tensors.items()
         )
         lines.append(
-            f"sent by difference ({_gram_copies(setting)}; the same sums, bit for bit, and the wire sums "
-            f"determine exactly what the method's would, SECURITY.md §4): {derived}"
+            f"derived from the sums as sent ({_gram_copies(setting)}; the same sums, bit for bit, and "
+            f"the wire sums determine exactly what the method's would, SECURITY.md §4): {derived}"
         )
     lines += [f"WARNING: {w}" for w in audit.warnings()]
     for client, findings in sorted(audit.client_findings.items()):
@@ -645,7 +645,8 @@ def cost_summary(setting: SettingResult) -> str:
 
 def _gram_copies(setting: SettingResult) -> str:
     copies = setting.gram_copies
-    return f"the Gram by difference: {copies['sent']:g} copies per client, not {copies['method']:g}"
+    sent = f"{copies['sent']:g} cop{'y' if copies['sent'] == 1 else 'ies'}"
+    return f"the Gram: {sent} per client, not {copies['method']:g}"
 
 
 def seconds_summary(result: ExperimentResult) -> str:
@@ -826,7 +827,7 @@ def result_dict(result: ExperimentResult) -> dict[str, object]:
                 ],
                 "protocol_costs": s.protocol_costs,
                 "sent_by_difference": {
-                    g: {t: list(w) for t, w in ts.items()} for g, ts in s.sent_by_difference.items()
+                    g: {t: d.to_dict() for t, d in ts.items()} for g, ts in s.sent_by_difference.items()
                 },
                 "gram_copies_per_client": dict(s.gram_copies),
                 "differential_privacy": s.privacy,

@@ -16,6 +16,7 @@ import numpy as np
 
 from secure_afl.aggregation.backend import MaskingBackend
 from secure_afl.aggregation.inprocess import SessionCosts, dropout_stages, run_in_process
+from secure_afl.aggregation.layout import Derivation
 from secure_afl.core import encoding
 from secure_afl.core.randomness import RandomSource
 from secure_afl.privacy.ledger import Ledger
@@ -40,8 +41,8 @@ class SecureAggregationResult:
     threshold: int
     frac_bits: int
     session_id: bytes
-    # group -> tensor -> the wire sums it was derived from (a difference plan; empty without one)
-    derived: Mapping[str, Mapping[str, tuple[str, ...]]] = field(default_factory=dict)
+    # group -> tensor -> how it was derived from wire sums (a plan; empty without one)
+    derived: Mapping[str, Mapping[str, Derivation]] = field(default_factory=dict)
 
     @property
     def exposed(self) -> Mapping[str, tuple[str, ...]]:

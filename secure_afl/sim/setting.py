@@ -18,6 +18,7 @@ from typing import Literal
 
 import numpy as np
 
+from secure_afl.aggregation.layout import Derivation
 from secure_afl.analytic import (
     PSEUDO_TENSOR_RESCALED,
     Contributions,
@@ -187,9 +188,10 @@ class SettingResult:
     undefined_balance: tuple[tuple[str, int, str], ...] = ()
     # wall seconds per gradient method (on its thread or in its worker process, beside AFL)
     method_seconds: Mapping[str, float] = field(default_factory=dict)
-    # group -> tensor -> the wire sums it was derived from: a difference plan sent the Gram to `all`
-    # and to complement groups instead of to each class group (empty without one)
-    sent_by_difference: Mapping[str, Mapping[str, tuple[str, ...]]] = field(default_factory=dict)
+    # group -> tensor -> how it was derived from wire sums: a difference plan sent the Gram to `all`
+    # and to complement groups instead of to each class group, a partition plan derived `all`'s
+    # from the class groups' (empty without a plan)
+    sent_by_difference: Mapping[str, Mapping[str, Derivation]] = field(default_factory=dict)
     # the Gram copies a client sends, mean over clients: the method's groups and as sent
     gram_copies: Mapping[str, float] = field(default_factory=dict)
     # method -> its fitted W (features × classes): the analytic methods only
@@ -241,8 +243,8 @@ class Aggregate:
     client_findings: Mapping[str, tuple] = field(default_factory=dict)  # what each client's own check saw
     other_sums: Mapping[str, Contributions] = field(default_factory=dict)  # the other backends' sums
     costs_by_protection: Mapping[str, Mapping[str, object]] = field(default_factory=dict)
-    # group -> tensor -> the wire sums it was derived from (a difference plan; empty without one)
-    derived: Mapping[str, Mapping[str, tuple[str, ...]]] = field(default_factory=dict)
+    # group -> tensor -> how it was derived from wire sums (a plan; empty without one)
+    derived: Mapping[str, Mapping[str, Derivation]] = field(default_factory=dict)
 
     # What the server summed: the audits of a run read these.
     @property

@@ -105,8 +105,8 @@ def test_a_planned_deployment_gives_the_unplanned_classifier_and_sums_bit_for_bi
     assert audit["others/class/0"]["members"] == [f"client-{k}" for k in range(5)]
     assert audit["others/class/0"]["survivors"] == [f"client-{k}" for k in range(5) if k != 3]
     assert audit["others/class/0"]["tensors"] == ["gram"]
-    assert audit["class/0"]["derived"] == {"gram": ["all", "others/class/0"]}
-    assert audit["class/2"]["derived"] == {"gram": ["all"]}
+    assert audit["class/0"]["derived"] == {"gram": {"added": ["all"], "subtracted": ["others/class/0"]}}
+    assert audit["class/2"]["derived"] == {"gram": {"added": ["all"], "subtracted": []}}
     assert "gram" not in audit["class/0"]["tensors"] and "b/0" in audit["class/0"]["tensors"]
     audit_d = {g["name"]: g for g in classifier_d.audit["groups"]}
     assert set(audit_d) == {"class/0", "class/1", "class/2"} and "derived" not in audit_d["class/0"]
@@ -209,3 +209,45 @@ def test_the_run_configs_class_lists_are_published_in_a_study_without_dp() -> No
     private = study_from_run_config({**config, "class-lists": "h-a=0,1; h-b=2,1", "dp-epsilon": 1.0})
     assert private.class_lists == {} and private.dp is not None  # DP keeps them in its own settings
     assert private.dp.class_lists == plain.class_lists
+
+
+# Six institutions, three classes, each labelling one (two per class): the class groups partition
+# the roster, so under round 2 (which needs the `all` group's Gram) that sum is the class groups'
+# added, and no node sends its Gram to `all` (a partition plan).
+PARTITIONED = {f"client-{k}": (k % 3,) for k in range(6)}
+
+
+def test_a_partitioned_deployment_sums_the_global_gram_from_the_classes_bit_for_bit(tmp_path: Path) -> None:
+    method = dataclasses.replace(METHOD, rounds=2)
+    federations = {}
+    for name, published in (("planned", True), ("direct", False)):
+        federation = make_federation(
+            tmp_path / name, n_clients=6, dim=8, rows=40, active=PARTITIONED, method=method
+        )
+        for node in federation.nodes.values():
+            node.settings = dataclasses.replace(node.settings, allow_class_gram=True)
+        if published:
+            federation.study = dataclasses.replace(federation.study, class_lists=dict(PARTITIONED))
+        federations[name] = federation
+    layout, plan = round1_plan(federations["planned"].study, PARTITIONED)
+    assert plan is not None and plan.parts == ("class/0", "class/1", "class/2")  # type: ignore[union-attr]
+    assert "all" not in layout.groups and plan.savings == {"direct": 12, "wire": 6}
+    server_p, classifier_p, log_p = _run(federations["planned"])
+    server_d, classifier_d, _ = _run(federations["direct"])
+
+    assert np.array_equal(classifier_p.weights, classifier_d.weights)  # round 2 solves with `all`
+    sums_p, sums_d = server_p.outcomes[0].sums, server_d.outcomes[0].sums
+    assert sums_p.keys() == sums_d.keys() == {"all", "class/0", "class/1", "class/2"}
+    for group, tensors in sums_d.items():
+        for name, value in tensors.items():
+            assert np.array_equal(sums_p[group][name], value), (group, name)
+    adverts = {
+        node: federations["planned"].study.backend(6).decode(reply.payload, 1 << 24)
+        for node, group, reply in server_p.transport.received
+        if group == "s1-R0"
+    }
+    assert all(set(advert.groups) == {f"class/{(node - 1000) % 3}"} for node, advert in adverts.items())
+    assert "round 1: the all group's Gram summed from the 3 class groups" in "\n".join(log_p)
+    audit = {g["name"]: g for g in classifier_p.audit["groups"] if g["session"] == "1"}
+    assert audit["all"]["derived"] == {"gram": {"added": ["class/0", "class/1", "class/2"], "subtracted": []}}
+    assert audit["all"]["members"] == audit["all"]["survivors"] == sorted(PARTITIONED)
