@@ -10,7 +10,7 @@ from 0 that gives every class at least two labellers):
   ``gram`` once, in ``all``.
 
 Every layout is sent as the product's masked driver sends it: where
-:func:`secure_afl.aggregation.difference.plan_difference` makes a plan (at n = 1,000 missing 1 and 3:
+:func:`secure_afl.aggregation.difference.plan_wire` makes a plan (at n = 1,000 missing 1 and 3:
 ``all`` plus a complement group per class, 2,000 Gram copies instead of 7,000 and 4,000 instead of
 5,000) the clients send the wire groups and the server derives the class sums; ``difference_plan``
 records the copies of each (null: no plan).  ``--direct`` sends every group as the method names it,
@@ -75,7 +75,7 @@ from datetime import UTC, datetime
 import numpy as np
 
 from secure_afl.aggregation.backend import MaskingBackend
-from secure_afl.aggregation.difference import DifferencePlan, plan_difference
+from secure_afl.aggregation.difference import WirePlan, plan_wire
 from secure_afl.aggregation.inprocess import run_in_process
 from secure_afl.aggregation.layout import Layout, layout_of
 from secure_afl.analytic import ClientStatistics, Contributions, sum_contributions
@@ -147,11 +147,13 @@ def contributions_for(
 
 def planned(
     contributions: Mapping[str, Contributions],
-) -> tuple[dict[str, Contributions], DifferencePlan | None]:
+) -> tuple[dict[str, Contributions], WirePlan | None]:
     """The contributions as the product's masked sessions send them: :func:`run_in_process`'s
-    difference plan (groups of at least 2), or unchanged where it makes none."""
+    plan (groups of at least 2), or unchanged where it makes none."""
     members = {g: ids for g, (ids, _) in groups_of(contributions).items()}
-    plan = plan_difference(members, layout_of(contributions), min_group_size=2)
+    plan = plan_wire(
+        members, layout_of(contributions), min_group_size=2, frac_bits=encoding.DEFAULT_FRAC_BITS
+    )
     if plan is None:
         return dict(contributions), None
     return {cid: plan.wire(c) for cid, c in contributions.items()}, plan
@@ -386,8 +388,12 @@ def one_client_session(n: int, d: int, layout: str, *, seed: int = 0, difference
     me = ids[0]
     labels = labelling(n, layout, seed=seed)
     session_layout, members = _layout(n, d, layout, labels)
-    # The product's difference plan (run_in_process makes the same one): the wire's groups.
-    plan = plan_difference(members, session_layout, min_group_size=2) if difference else None
+    # The product's plan (run_in_process makes the same one): the wire's groups.
+    plan = (
+        plan_wire(members, session_layout, min_group_size=2, frac_bits=encoding.DEFAULT_FRAC_BITS)
+        if difference
+        else None
+    )
     if plan is not None:
         session_layout = plan.wire_layout(session_layout)
         members = {**members, **plan.members}
