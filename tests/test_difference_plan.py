@@ -13,7 +13,7 @@ import pytest
 from secure_afl.aggregation.backend import CkksBackend, MaskingBackend
 from secure_afl.aggregation.difference import complement_group, plan_difference
 from secure_afl.aggregation.inprocess import run_in_process
-from secure_afl.aggregation.layout import layout_of
+from secure_afl.aggregation.layout import layout_of, members_of
 from secure_afl.analytic import ClientStatistics
 from secure_afl.core.errors import GroupTooSmallError
 from secure_afl.core.randomness import DeterministicRandomSource
@@ -42,14 +42,6 @@ def _contributions(n: int, labelled: int, *, seed: int = 0, global_gram: bool = 
         active = sorted(rng.choice(N_CLASSES, labelled, replace=False).tolist())
         out[f"site-{k:02d}"] = stats.contributions(active, include_global_gram=global_gram)
     return out
-
-
-def _members(contributions):
-    members: dict[str, list[str]] = {}
-    for cid in sorted(contributions):
-        for group in contributions[cid]:
-            members.setdefault(group, []).append(cid)
-    return members
 
 
 def _assert_same_sums(planned, direct) -> None:
@@ -96,7 +88,7 @@ def test_the_wire_sums_span_the_class_sums_for_every_survivor_set() -> None:
     plan's wire groups and the method's groups must give the same space for any survivors."""
     contributions = _contributions(30, 6, seed=3)
     direct = layout_of(contributions)
-    members = _members(contributions)
+    members = members_of(contributions)
     plan = plan_difference(members, direct, min_group_size=2)
     assert plan is not None
     wire = plan.wire_layout(direct)
@@ -124,7 +116,7 @@ def test_exposure_verdicts_are_the_same_on_the_wire_groups() -> None:
     for seed, labelled in ((1, 6), (2, 7), (4, 5)):
         contributions = _contributions(12, labelled, seed=seed)
         direct = layout_of(contributions)
-        members = _members(contributions)
+        members = members_of(contributions)
         plan = plan_difference(members, direct, min_group_size=1)
         if plan is None:
             continue
@@ -162,13 +154,13 @@ def test_no_plan_where_the_everyone_sum_is_not_already_known() -> None:
         if k % 3 == 0:  # a third of the clients also label... one class fewer
             dropped = sorted(contributions[cid])[0]
             del contributions[cid][dropped]
-    members = _members(contributions)
+    members = members_of(contributions)
     assert plan_difference(members, layout_of(contributions), min_group_size=2) is None
 
 
 def test_a_plan_without_an_all_group_when_every_client_labels_as_many_classes() -> None:
     contributions = _contributions(60, 7, global_gram=False)
-    members = _members(contributions)
+    members = members_of(contributions)
     plan = plan_difference(members, layout_of(contributions), min_group_size=2)
     assert plan is not None and plan.everyone_added
     run = _run(contributions, difference=True, threshold=58)
@@ -180,7 +172,7 @@ def test_a_plan_without_an_all_group_when_every_client_labels_as_many_classes() 
 
 def test_complements_have_the_minimum_group_size_and_fewer_members_than_their_group() -> None:
     contributions = _contributions(40, 6, seed=7)
-    members = _members(contributions)
+    members = members_of(contributions)
     sizes = []
     for minimum in (2, 5, 10, 17):
         plan = plan_difference(members, layout_of(contributions), min_group_size=minimum)
@@ -211,7 +203,7 @@ def test_no_plan_when_a_client_sends_different_grams_to_different_groups() -> No
 
 def test_ckks_takes_no_plan() -> None:
     contributions = _contributions(30, 6)
-    members = _members(contributions)
+    members = members_of(contributions)
     plan = plan_difference(members, layout_of(contributions), min_group_size=2)
     assert plan is not None
     with pytest.raises(ValueError, match="approximate"):
@@ -236,7 +228,7 @@ def test_a_complement_smaller_than_the_dropouts_is_planned_and_may_lose_every_me
     made (2 Grams per client instead of 5), and a whole block dropping leaves its complement empty:
     the session finishes with the direct layout's class sums, bit for bit."""
     contributions = _blocks(6, 4)  # 24 clients, t = 17: up to 7 may drop, a block is 4
-    members = _members(contributions)
+    members = members_of(contributions)
     plan = plan_difference(members, layout_of(contributions), min_group_size=2)
     assert plan is not None and plan.everyone_added
     assert all(len(plan.members[c]) == 4 for c in plan.complements.values() if c is not None)

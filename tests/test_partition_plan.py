@@ -17,7 +17,7 @@ from secure_afl.aggregation.difference import (
     plan_wire,
 )
 from secure_afl.aggregation.inprocess import run_in_process
-from secure_afl.aggregation.layout import Derivation, layout_of
+from secure_afl.aggregation.layout import Derivation, layout_of, members_of
 from secure_afl.core import encoding
 from secure_afl.core.errors import EncodingOverflowError
 from secure_afl.core.randomness import DeterministicRandomSource
@@ -39,14 +39,6 @@ def _contributions(classes: dict[str, tuple[int, ...]], *, seed: int = 0, scale:
     return out
 
 
-def _members(contributions):
-    members: dict[str, list[str]] = {}
-    for cid in sorted(contributions):
-        for group in contributions[cid]:
-            members.setdefault(group, []).append(cid)
-    return members
-
-
 def _run(contributions, *, difference: bool, dropouts=None):
     return run_in_process(
         MaskingBackend(threshold=4, client_policy=ClientPolicy.simulator()),
@@ -62,7 +54,7 @@ NINE = {f"site-{k}": (k % 3,) for k in range(9)}  # three classes, three sites e
 
 
 @pytest.mark.parametrize("dropouts", [{}, {"R2": ["site-4"]}, {"R3": ["site-0", "site-8"]}])
-def test_all_is_summed_from_the_parts_bit_for_bit_with_the_same_members(dropouts) -> None:
+def test_all_is_summed_from_the_parts_bit_for_bit_with_the_samemembers_of(dropouts) -> None:
     contributions = _contributions(NINE)
     planned = _run(contributions, difference=True, dropouts=dropouts)
     direct = _run(contributions, difference=False, dropouts=dropouts)
@@ -82,14 +74,14 @@ def test_all_is_summed_from_the_parts_bit_for_bit_with_the_same_members(dropouts
 
 def test_no_plan_where_the_class_groups_overlap_or_leave_a_client_out() -> None:
     overlapping = {**NINE, "site-0": (0, 1)}
-    assert plan_partition(_members(c := _contributions(overlapping)), layout_of(c), frac_bits=32) is None
+    assert plan_partition(members_of(c := _contributions(overlapping)), layout_of(c), frac_bits=32) is None
     uncovered = _contributions(NINE)
     del uncovered["site-4"]["class/1"]  # a client in `all` that labels no class
-    assert plan_partition(_members(uncovered), layout_of(uncovered), frac_bits=32) is None
+    assert plan_partition(members_of(uncovered), layout_of(uncovered), frac_bits=32) is None
     without_all = {
         cid: {g: t for g, t in groups.items() if g != "all"} for cid, groups in _contributions(NINE).items()
     }
-    assert plan_partition(_members(without_all), layout_of(without_all), frac_bits=32) is None
+    assert plan_partition(members_of(without_all), layout_of(without_all), frac_bits=32) is None
 
 
 def test_plan_wire_takes_the_plan_that_sends_fewer_copies() -> None:
@@ -97,7 +89,7 @@ def test_plan_wire_takes_the_plan_that_sends_fewer_copies() -> None:
     # saves two copies, the partition four
     classes = {"site-0": (0,), "site-1": (0,), "site-2": (0,), "site-3": (1,)}
     contributions = _contributions(classes)
-    members, layout = _members(contributions), layout_of(contributions)
+    members, layout = members_of(contributions), layout_of(contributions)
     plan = plan_wire(members, layout, min_group_size=1, frac_bits=32)
     assert isinstance(plan, PartitionPlan) and plan.savings == {"direct": 8, "wire": 4}
     other = plan_difference(members, layout, min_group_size=1)
@@ -113,7 +105,7 @@ def test_a_value_the_all_sum_cannot_hold_is_refused_as_without_the_plan() -> Non
     gram[0, 0] = big
     contributions["site-2"]["all"]["gram"] = gram
     contributions["site-2"]["class/2"]["gram"] = gram
-    plan = plan_partition(_members(contributions), layout_of(contributions), frac_bits=frac_bits)
+    plan = plan_partition(members_of(contributions), layout_of(contributions), frac_bits=frac_bits)
     assert plan is not None and not plan.applies_to(contributions["site-2"])
     with pytest.raises(EncodingOverflowError, match="all/gram"):  # a deployed node's refusal
         plan.wire(contributions["site-2"])

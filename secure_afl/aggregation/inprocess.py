@@ -23,7 +23,7 @@ from secure_afl.keys.roster import Roster, RosterEntry
 
 from .backend import ProtectionBackend, SessionOutcome
 from .difference import plan_wire
-from .layout import Layout, flatten, layout_of
+from .layout import Layout, flatten, layout_of, members_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,10 +94,7 @@ def run_in_process(
     layout = layout_of(contributions, symmetric)
     plan = None
     if difference and backend.exact_sums:
-        members: dict[str, list[str]] = {}
-        for cid in client_ids:
-            for group in contributions[cid]:
-                members.setdefault(group, []).append(cid)
+        members = members_of(contributions)
         # an exact backend's fixed point: a partition plan checks each value against `all`'s bound
         frac_bits: int = backend.frac_bits  # type: ignore[attr-defined]
         plan = plan_wire(members, layout, min_group_size=min_group_size, frac_bits=frac_bits)

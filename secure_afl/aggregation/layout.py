@@ -158,6 +158,15 @@ def unflatten(flat: np.ndarray, shape: tuple[int, ...], is_symmetric: bool) -> n
     return encoding.unpack_symmetric(flat) if is_symmetric else np.asarray(flat).reshape(shape)
 
 
+def members_of(contributions: Mapping[str, Contributions]) -> dict[str, list[str]]:
+    """Group -> the clients that send to it, in sorted order (what every client declares: public)."""
+    members: dict[str, list[str]] = {}
+    for cid in sorted(contributions):
+        for group in contributions[cid]:
+            members.setdefault(group, []).append(cid)
+    return members
+
+
 def layout_of(contributions: Mapping[str, Contributions], symmetric: Collection[str] = ("gram",)) -> Layout:
     """The layout of every client's contributions (client -> group -> tensor); every member must agree."""
     symmetric = frozenset(symmetric)
