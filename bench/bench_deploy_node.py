@@ -97,7 +97,7 @@ def _port(command: str) -> str | None:
 def run_federation(args: argparse.Namespace, dim: int, out: Path) -> dict[str, object]:
     command = [sys.executable, "-c", "from secure_afl.console import run; run()", "deploy", "local"]
     command += ["--dim", str(dim), "--fraction", str(args.fraction), "--clients", str(args.clients)]
-    command += ["--secure", args.secure, "--out", str(out)]
+    command += ["--protection", args.secure, "--out", str(out)]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     load = os.getloadavg()[0]
     started = time.perf_counter()

@@ -57,6 +57,13 @@ def cpu_name() -> str:
     return platform.processor() or "unknown"
 
 
+def protection_option(tree: Path) -> str:
+    """``sim``'s option naming the protection in ``tree``: ``--protection``, or ``--secure`` in a
+    tree from before it (where the new name would be refused)."""
+    cli = tree / "secure_afl" / "cli.py"
+    return "--protection" if '"--protection"' in cli.read_text() else "--secure"
+
+
 def run_child(tree: Path, dim: int, secure: str, out: Path) -> dict[str, object]:
     """One ``secure-afl sim`` in a child process with ``tree`` first on the path."""
     env = dict(os.environ, PYTHONPATH=str(tree))
@@ -73,7 +80,7 @@ def run_child(tree: Path, dim: int, secure: str, out: Path) -> dict[str, object]
         "1",
         "--dim",
         str(dim),
-        "--secure",
+        protection_option(tree),
         secure,
         "--out",
         str(out),
