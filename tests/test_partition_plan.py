@@ -123,3 +123,15 @@ def test_a_client_sending_another_gram_to_all_keeps_the_method_layout() -> None:
     contributions["site-5"]["all"]["gram"] = contributions["site-5"]["all"]["gram"] + 1.0
     planned = _run(contributions, difference=True)
     assert "all" in planned.layout.groups and not planned.layout.derived
+
+
+def test_a_derivation_reads_as_it_sums_and_refuses_a_sum_both_added_and_subtracted() -> None:
+    assert str(Derivation(("all",), ("others/class/0",))) == "all − others/class/0"
+    assert Derivation(("class/0", "class/1")).to_dict() == {"added": ["class/0", "class/1"], "subtracted": []}
+    words = {g: {"gram": np.array([v], dtype=np.uint64)} for g, v in (("a", 5), ("b", 7), ("c", 2**64 - 1))}
+    assert Derivation(("a", "b"), ("c",)).words(words, "gram").tolist() == [13]  # 5 + 7 − (−1) mod 2⁶⁴
+    assert Derivation(("a", "b")).members({"a": ["x"], "b": ["y", "z"]}) == ("x", "y", "z")
+    with pytest.raises(ValueError, match="adds and subtracts"):
+        Derivation(("a",), ("a",))
+    with pytest.raises(ValueError, match="at least one"):
+        Derivation(())
