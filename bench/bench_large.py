@@ -109,8 +109,8 @@ def run_child(tree: Path, dim: int, secure: str, out: Path) -> dict[str, object]
 
 def gram_group_sizes() -> tuple[list[int], list[int]]:
     """The sizes of the groups summing a Gram at missing 7: the method's (each class group's
-    annotators, and `all`: every client), and as sent after ``difference.plan_wire`` (a tree
-    without it sends the method's)."""
+    annotators, and `all`: every client), and as sent after ``difference.plan_wire``."""
+    from secure_afl.aggregation.difference import plan_wire
     from secure_afl.aggregation.layout import Layout
     from secure_afl.sim.partial import assign_partial_labels
 
@@ -119,10 +119,6 @@ def gram_group_sizes() -> tuple[list[int], list[int]]:
     members = {f"class/{c}": [clients[k] for k in m] for c, m in enumerate(assignment.coverage()) if m}
     members["all"] = clients
     sizes = [len(m) for m in members.values()]
-    try:
-        from secure_afl.aggregation.difference import plan_wire
-    except ImportError:  # an older tree: every group as the method names it
-        return sizes, sizes
     layout = Layout(
         groups={g: {"gram": 1, **({} if g == "all" else {"b": 1})} for g in members},
         shapes={"gram": (1, 1), "b": (1,)},

@@ -219,27 +219,30 @@ class PartitionPlan:
     def applies_to(self, contribution: Mapping[str, Mapping[str, np.ndarray]]) -> bool:
         """Whether this client sends one value of ``tensor`` everywhere and to one part only, and
         that value is encodable in a sum over ``everyone``."""
-        if not _one_value(contribution, self.tensor):
-            return False
-        parts = [g for g in self.parts if self.tensor in contribution.get(g, {})]
-        value = contribution.get(self.everyone, {}).get(self.tensor)
-        if value is None:
-            return not parts
-        if len(parts) != 1:
-            return False
         try:
-            self._check(value)
-        except (EncodingOverflowError, NonFiniteValueError):
-            return False  # the method's layout: the client's own session refuses it there
+            self._check(contribution)
+        except (ValueError, EncodingOverflowError, NonFiniteValueError):
+            return False  # the method's layout: the client's own session refuses a bad value there
         return True
 
-    def _check(self, value: np.ndarray) -> None:
-        encoding.check_encodable(
-            np.asarray(value, dtype=np.float64),
-            tensor=f"{self.everyone}/{self.tensor}",
-            frac_bits=self.frac_bits,
-            group_size=self.group_size,
-        )
+    def _check(self, contribution: Mapping[str, Mapping[str, np.ndarray]]) -> None:
+        """Raise ``ValueError`` for a client outside the plan's premise, the encoding's error for a
+        value that a sum over ``everyone`` could not hold."""
+        parts = [g for g in self.parts if self.tensor in contribution.get(g, {})]
+        value = contribution.get(self.everyone, {}).get(self.tensor)
+        if len(parts) != (0 if value is None else 1) or not _one_value(contribution, self.tensor):
+            raise ValueError(
+                f"the partition plan derives {self.everyone}'s {self.tensor!r} from its parts: this "
+                f"client sends it to {len(parts)} of them and {'not ' if value is None else ''}to "
+                f"{self.everyone} (one of each needed), or different values to different groups"
+            )
+        if value is not None:
+            encoding.check_encodable(
+                np.asarray(value, dtype=np.float64),
+                tensor=f"{self.everyone}/{self.tensor}",
+                frac_bits=self.frac_bits,
+                group_size=self.group_size,
+            )
 
     def wire(
         self, contribution: Mapping[str, Mapping[str, np.ndarray]], *, checked: bool = False
@@ -249,19 +252,11 @@ class PartitionPlan:
         the encoding's error (:class:`EncodingOverflowError`, :class:`NonFiniteValueError`) for a
         value that a sum over ``everyone`` could not hold.  ``checked``: :meth:`applies_to` said
         so just now (the value is not read again)."""
-        out = {group: dict(tensors) for group, tensors in contribution.items()}
-        value = out.get(self.everyone, {}).get(self.tensor)
-        if value is None:
-            return out
         if not checked:
-            parts = [g for g in self.parts if self.tensor in out.get(g, {})]
-            if len(parts) != 1 or not _one_value(contribution, self.tensor):
-                raise ValueError(
-                    f"the partition plan derives {self.everyone}'s {self.tensor!r} from its parts: this "
-                    f"client sends it to {len(parts)} of them (one needed), or different values to "
-                    "different groups"
-                )
-            self._check(value)
+            self._check(contribution)
+        out = {group: dict(tensors) for group, tensors in contribution.items()}
+        if self.tensor not in out.get(self.everyone, {}):
+            return out
         del out[self.everyone][self.tensor]
         if not out[self.everyone]:
             del out[self.everyone]
