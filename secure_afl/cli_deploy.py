@@ -543,6 +543,15 @@ def _backbone_record(features: Path | None, backbone: str | None, weights: Path 
     "colluders would reduce to one honest member. 0 weakens the check; a dropout can otherwise leave "
     "a class group too small and abort the session (SECURITY.md §3).",
 )
+@click.option(
+    "--coordinator",
+    type=click.Choice(["active", "honest-but-curious"]),
+    default="active",
+    show_default=True,
+    help="What every institution's node config declares of the coordinator. Under active (the deployment "
+    "policy) nodes refuse a study whose uploads depend on a coordinator's choice they cannot check: "
+    "--rounds 2 needs honest-but-curious (SECURITY.md §3.6).",
+)
 @click.option("--keep", is_flag=True, help="Keep the temporary directory (keys, logs, certificates).")
 @click.option("--rehearse-abort", is_flag=True,
               help="After the run, kill SuperNodes until too few remain and run again: the session must "

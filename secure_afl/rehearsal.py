@@ -275,6 +275,7 @@ class RehearsalOptions:
     dim: int = 1024
     round_timeout: float = 30.0
     colluders: str = "n-t"
+    coordinator: str = "active"  # every node's node config `coordinator` (round 2 needs honest-but-curious)
     rehearse_abort: bool = False
     keep: bool = False
     dp_epsilon: float | None = None
@@ -331,6 +332,8 @@ def plan_rehearsal(options: RehearsalOptions) -> RehearsalPlan:
     reduce to one honest member, sums that isolate one institution's value) is refused here,
     before any process starts: such a run is known to abort.
     """
+    from secure_afl.deploy.client import COORDINATOR_HONEST, check_coordinator_choices
+    from secure_afl.deploy.errors import CoordinatorChoiceRefusedError
     from secure_afl.deploy.local import exposing_layout_refusal
     from secure_afl.sim.data import CLASSES
     from secure_afl.sim.partial import PartialLabelError, assign_partial_labels
@@ -388,6 +391,14 @@ def plan_rehearsal(options: RehearsalOptions) -> RehearsalPlan:
         )
     except ConfigurationError as exc:
         raise RehearsalError(str(exc), "") from None
+    try:  # each node's own rule (SECURITY.md §3.6): refused here, before any process starts
+        check_coordinator_choices(study, o.coordinator)
+    except CoordinatorChoiceRefusedError as exc:
+        raise RehearsalError(
+            f"{exc}. deploy local: --coordinator {COORDINATOR_HONEST} writes that declaration into every "
+            "node's config",
+            "--coordinator",
+        ) from None
     live = [k for k, cid in enumerate(client_ids) if cid not in drops]
     # A client dropped after its upload (R3, R4) is still in the sums: only R1/R2 drops shrink a group.
     summed = [k for k, cid in enumerate(client_ids) if drops.get(cid) not in ("R1", "R2")]
@@ -583,7 +594,8 @@ def rehearse(plan: RehearsalPlan, out_dir: Path, *, say: Say = print) -> Rehears
         )
         result = run_local(
             work_dir, files, study, tls=o.tls, drops=dict(plan.drops), round_timeout=o.round_timeout, say=say,
-            colluders=o.colluders, server_dir=out_dir, logs_dir=logs_dir, rehearse_abort=o.rehearse_abort,
+            colluders=o.colluders, coordinator=o.coordinator, server_dir=out_dir, logs_dir=logs_dir,
+            rehearse_abort=o.rehearse_abort,
             sessions=sessions, arrive=arrive if sessions > 1 else None,
         )  # fmt: skip
         report = RehearsalReport(plan, result, data_seconds)

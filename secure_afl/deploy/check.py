@@ -50,6 +50,9 @@ NODE_CONFIG_KEYS: dict[str, str] = {
     "allow-class-gram": '"true" accepts a study that sums per-class Gram matrices (default "false"; '
     "SECURITY.md)",
     "device": '"auto" (default), "cpu" or "cuda": where the statistics are computed',
+    "coordinator": '"active" (default) or "honest-but-curious": what this hospital assumes of the '
+    "coordinator; a two-round study (its teacher is the coordinator's choice) needs the second "
+    "(SECURITY.md §3.6)",
 }
 
 Say = Callable[[str], None]

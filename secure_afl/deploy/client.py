@@ -44,6 +44,7 @@ from .classifier import Classifier
 from .errors import (
     ChainBudgetExceededError,
     ConfigurationError,
+    CoordinatorChoiceRefusedError,
     IdentityNotInRosterError,
     RosterMismatchError,
     RoundNotInStudyError,
@@ -85,6 +86,16 @@ class LocalState(Protocol):
 # when the floor was added).
 DEFAULT_DP_DELTA_FLOOR = 1e-6
 
+# What a node assumes of its coordinator (node config ``coordinator``).  "active" (the deployment
+# policy's default): the coordinator may deviate arbitrarily, so the node sends nothing whose value
+# depends on a coordinator's choice it cannot check against its pinned study or derive itself.
+# "honest-but-curious": the consortium trusts the coordinator to follow the protocol; the node then
+# also takes part in round 2, whose uploads are computed with a teacher the coordinator picks
+# (SECURITY.md §3.6), and every session's release records the declaration.
+COORDINATOR_ACTIVE = "active"
+COORDINATOR_HONEST = "honest-but-curious"
+COORDINATOR_MODELS = (COORDINATOR_ACTIVE, COORDINATOR_HONEST)
+
 
 @dataclass(frozen=True)
 class NodeSettings:
@@ -112,6 +123,7 @@ class NodeSettings:
     # weakens its exposure check (SECURITY.md, "Colluders"); the server cannot change it.
     colluders: int | None = None
     passphrase_env: str | None = None  # node config ``passphrase-env``: the SuperNode's variable
+    coordinator: str = COORDINATOR_ACTIVE  # node config ``coordinator``: see COORDINATOR_MODELS
 
     KEYS = ("identity-key", "roster", "features", "ledger-dir", "out-dir")
 
@@ -164,7 +176,19 @@ class NodeSettings:
             dp_unit=dp_unit,
             protections=_protections(config.get("protection", "mask")),
             colluders=_colluders(config.get("colluders", "n-t")),
+            coordinator=_coordinator(config.get("coordinator", COORDINATOR_ACTIVE)),
         )
+
+
+def _coordinator(value: object) -> str:
+    text = str(value).strip()
+    if text not in COORDINATOR_MODELS:
+        raise ConfigurationError(
+            f'the SuperNode\'s --node-config coordinator={text!r} must be "{COORDINATOR_ACTIVE}" (the '
+            f'default: the coordinator may deviate) or "{COORDINATOR_HONEST}" (the consortium trusts it '
+            f"to follow the protocol; needed for round 2, SECURITY.md §3.6)"
+        )
+    return text
 
 
 def _colluders(value: object) -> int | None:
@@ -355,13 +379,21 @@ def _check_pinned_study(study: Study, settings: NodeSettings) -> None:
         )
 
 
-def _check_round(label: str, study: Study) -> None:
+def _check_round(label: str, study: Study, arrays: Mapping[str, np.ndarray]) -> None:
     """The session's round is one the pinned study runs: "1", or "2" only for a two-round study.
 
     The label decides what the node computes (round 2 scores its rows with a teacher the server
     sends) and which earlier release the session may reuse (round 2 its own study's round 1, once:
     the release scope names the study's digest and the round).  A label the study does not run is
-    refused before anything is computed (:class:`RoundNotInStudyError`)."""
+    refused before anything is computed (:class:`RoundNotInStudyError`), and so are arrays the round
+    does not use (round 1 none, round 2 only its teacher ``coef``): the advertisement signs every
+    array sent, and a node signs nothing the coordinator chose that it does not need (§3.6)."""
+    used = {"2": {"coef"}}.get(label, set())
+    if set(arrays) - used:
+        raise CoordinatorChoiceRefusedError(
+            f"the server sent the arrays {sorted(set(arrays) - used)} with session {label!r}, which uses "
+            f"{sorted(used) or 'none'}: this node signs nothing the coordinator chose that it does not use"
+        )
     if label == "1" or (label == "2" and study.method.rounds == 2):
         return
     if label == "2":
@@ -373,9 +405,34 @@ def _check_round(label: str, study: Study) -> None:
     raise RoundNotInStudyError(f"unknown session {label!r}: the study runs sessions 1 and 2 only")
 
 
+def coordinator_choices(study: Study) -> tuple[str, ...]:
+    """What of ``study`` would make this node's uploads a function of its data that the coordinator
+    chooses and the node cannot check or derive (SECURITY.md §3.6): round 2's teacher W, the round-1
+    classifier the server sends, with which every node scores its rows into pseudo-labels."""
+    if study.method.rounds == 2:
+        return ("round 2's pseudo-labels, computed with a teacher W the coordinator sends",)
+    return ()
+
+
+def check_coordinator_choices(study: Study, coordinator: str) -> None:
+    """No lever: under the node's default model of its ``coordinator`` (active) a study that needs a
+    coordinator's choice is refused, before the feature file is read (:func:`coordinator_choices`)."""
+    choices = coordinator_choices(study)
+    if choices and coordinator != COORDINATOR_HONEST:
+        raise CoordinatorChoiceRefusedError(
+            f"the study has {'; '.join(choices)}: an active coordinator can choose it so that the sums "
+            "determine one hospital's values exactly, and no check by this node bounds that choice "
+            "(SECURITY.md §3.6), so this node refuses the study. A consortium that trusts its coordinator "
+            "to follow the protocol opts in per node with the node config "
+            f'coordinator="{COORDINATOR_HONEST}" '
+            "(recorded with each session in the node's ledger); otherwise run the study with one round"
+        )
+
+
 def check_node_study(study: Study, settings: NodeSettings) -> Any:
     from secure_afl.features.file import load_feature_file
 
+    check_coordinator_choices(study, settings.coordinator)
     data = load_feature_file(settings.features, require_labels=True)
     if data.classes != study.classes:
         raise StudyMismatchError(
@@ -702,20 +759,23 @@ def _inputs(
     # One contribution per image: the images are the unit (a re-extracted, re-ordered or re-exported
     # file of released images is refused), and round 2 may use its own study's round-1 images again.
     # The values' ids and anchors stay beside them (a round-2 value equal to a released one).
-    scope = release_scope(study, label)
+    scope = release_scope(study, label, settings)
     release = Release.of(
         inputs if clean is None else _flat(layout, clean),
         images=[names[0] for names in images],
         aliases=[names[1:] for names in images],
         scope=scope,
-        reuses=release_scope(study, "1") if label == "2" else "",
+        reuses=release_scope(study, "1", settings) if label == "2" else "",
     )
     return inputs, release
 
 
-def release_scope(study: Study, label: str) -> str:
-    """What a session's images are released under: the study's digest and the round."""
-    return f"study:{study.digest()}/round:{label}"
+def release_scope(study: Study, label: str, settings: NodeSettings) -> str:
+    """What a session's images are released under: the study's digest and the round, and the
+    node's declaration of an honest-but-curious coordinator where it made one (the ledger keeps it
+    with the session: ``keys ledger show`` lists it)."""
+    declared = f"/coordinator:{settings.coordinator}" if settings.coordinator != COORDINATOR_ACTIVE else ""
+    return f"study:{study.digest()}/round:{label}{declared}"
 
 
 def _unreleased(data: Any, settings: NodeSettings, client_id: str, identity: IdentityKey) -> Any:
@@ -776,7 +836,7 @@ def _start_session(envelope: Envelope, label: str, state: LocalState, settings: 
     client_id, identity = node_identity(settings, roster)
     study = Study.from_json(envelope.text("study"))
     _check_pinned_study(study, settings)
-    _check_round(label, study)
+    _check_round(label, study, envelope.arrays)
     data = check_node_study(study, settings)
     backend = node_backend(envelope, study, settings, len(roster))
     # Decoded once under the client policy's bound on a first message, to read the layout.

@@ -39,6 +39,12 @@ class RoundNotInStudyError(StudyMismatchError):
     """A session labelled with a round the pinned study does not run (round 2 of a one-round study)."""
 
 
+class CoordinatorChoiceRefusedError(StudyMismatchError):
+    """A study whose uploads would be a function the coordinator chooses of this node's data (round 2's
+    teacher), refused under the deployment policy before anything is computed; a node opts in only by
+    declaring an honest-but-curious coordinator (node config ``coordinator``)."""
+
+
 class SessionReplayError(DeploymentError):
     """A session message that belongs to another run, or a session started twice in one run."""
 

@@ -86,6 +86,7 @@ def run_local(
     start_timeout: float = 120.0,
     run_timeout: float = 900.0,
     colluders: str = "n-t",
+    coordinator: str = "active",
     say: Say = print,
     server_dir: Path | None = None,
     logs_dir: Path | None = None,
@@ -228,6 +229,7 @@ def run_local(
                 "out-dir": str(out_dir / cid),
                 "protection": study.protection,  # each institution agreed to the study's protection
                 "colluders": colluders,  # each institution's own colluder bound (SECURITY.md §3)
+                "coordinator": coordinator,  # what each assumes of the coordinator (SECURITY.md §3.6)
             }
             if study.dp is not None:  # each hospital insists on the study's privacy itself
                 limit = node_dp_epsilon(study, len(client_ids), cid, sessions)

@@ -591,6 +591,14 @@ class FederationServer:
             for g in groups
             if len(g["survivors"]) == 1
         ]
+        if any(s.label == "2" for s in self.report.sessions):
+            # Every node in it declared this (the rest refuse a two-round study in R0: SECURITY.md §3.6).
+            warnings.append(
+                "session 2 (round 2) scored each node's rows with a teacher the coordinator chose; every "
+                "node in it declared an honest-but-curious coordinator (node config coordinator = "
+                '"honest-but-curious"): an active coordinator could choose a teacher that reveals one '
+                "hospital's values exactly (SECURITY.md §3.6)"
+            )
         return Classifier(
             weights=np.array(coef, dtype=np.float64),
             classes=self.study.classes,

@@ -114,10 +114,17 @@ def make_federation(
     seed: int = 0,
     protection: str = "mask",
     colluders: int | None = 0,
+    coordinator: str | None = None,
 ) -> Federation:
     """``colluders``: each node's own bound (0 here: these federations of three to five institutions,
     each missing a class, keep groups of two, which one colluder would break; None is the
-    deployment's default n - t, which tests of the colluder check ask for)."""
+    deployment's default n - t, which tests of the colluder check ask for).  ``coordinator``: what
+    every node's config declares of the coordinator; None: "honest-but-curious" for a two-round
+    ``method`` (the tests of round 2's mechanics; a node that declares nothing refuses round 2,
+    tests/deploy/test_round2_bounds.py), else the default "active"."""
+    model = coordinator
+    if model is None:
+        model = "honest-but-curious" if method is not None and method.rounds == 2 else "active"
     tmp_path.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     identities = {f"client-{k}": IdentityKey.generate() for k in range(n_clients)}
@@ -149,7 +156,7 @@ def make_federation(
         settings = NodeSettings(
             identity_key=key_path, passphrase_file=passfile, roster=roster_path, features=features_path,
             out_dir=tmp_path / f"out-{cid}", ledger_dir=tmp_path / f"ledger-{cid}", device="cpu",
-            protections=frozenset({protection}), colluders=colluders,
+            protections=frozenset({protection}), colluders=colluders, coordinator=model,
         )  # fmt: skip
         nodes[1000 + k] = Node(cid, settings)
         data[cid] = (features, labels, mine)

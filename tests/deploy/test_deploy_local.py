@@ -64,7 +64,8 @@ GROWING = ["deploy", "local", "--clients", "3", "--sessions", "3", "--missing", 
 # (round 2's only pseudo-label group): groups of two, which one assumed colluder (n = 4, t = 3) would
 # forbid, so --colluders 0 (deploy local refuses the default up front).
 TLS = ["deploy", "local", "--clients", "4", "--tls", "--drop", "client-0@R4", "--colluders", "0",
-       "--rounds", "2", "--rehearse-abort", "--fraction", "0.08", "--dim", "32",
+       "--rounds", "2", "--coordinator", "honest-but-curious", "--rehearse-abort", "--fraction", "0.08",
+       "--dim", "32",
        "--round-timeout", "30"]  # fmt: skip
 
 # seed 2: every class is labelled by 3 or more of the 4 (seed 0 leaves a class group of two, which the

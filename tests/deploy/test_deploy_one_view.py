@@ -188,7 +188,9 @@ def test_the_session_context_is_the_studys_canonical_document_round_and_arrays(t
     ids=["round-2 alpha", "ridge", "rounds count"],
 )
 def test_a_round1_study_shown_differently_to_one_node_is_refused_in_r1(tmp_path: Path, change) -> None:
-    federation = make_federation(tmp_path, n_clients=4)
+    # Nodes that declared an honest-but-curious coordinator (else the victim refuses the two-round
+    # study in R0 already, SECURITY.md §3.6): one view is what refuses here.
+    federation = make_federation(tmp_path, n_clients=4, coordinator="honest-but-curious")
     other = dataclasses.replace(
         federation.study, method=dataclasses.replace(federation.study.method, **change)
     )

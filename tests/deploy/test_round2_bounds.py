@@ -1,10 +1,12 @@
-"""Round 2 bounded, not only bound: a scripted hostile server over the real deployment handler
-(``secure_afl.deploy.client.handle``), co-signed rosters, pinned studies and FileLedgers, at the
-deployment's defaults (t = floor(2n/3) + 1, c = n - t colluders).  SECURITY.md, "Inventory of
-server choices": the teacher W is a server choice the one-view rule makes equal for everyone but
-does not bound; the exposure check models it adversarially, and the round label is bounded by the
-pinned study.
+"""Round 2 under the deployment policy: no lever, then bounded where a node opts in.  A scripted
+hostile server over the real deployment handler (``secure_afl.deploy.client.handle``), co-signed
+rosters, pinned studies and FileLedgers, at the deployment's defaults (t = floor(2n/3) + 1, c = n - t).
 
+0. No lever (SECURITY.md §3.6): round 2's uploads are a function of the node's data that the
+   coordinator picks (the teacher W).  A node that declares nothing of its coordinator refuses a
+   two-round study in R0, whatever W, before its feature file is read, and writes no ledger entry;
+   ``deploy check --study`` and ``deploy local --rounds 2`` refuse it the same way and say how to opt in.
+Under the opt-in (node config coordinator = "honest-but-curious"), the node's own checks still run:
 1. Equal teacher columns (no colluder): peers missing both classes upload one vector under two
    names, and S(pseudo/0) - S(pseudo/1) would be the victim's value; the victim refuses in R1.
 2. A round 2 nobody agreed to: every node pinned a one-round study; a session labelled 2 is
@@ -74,6 +76,149 @@ def _assert_only_refusals(federation, r1: Mapping[str, Envelope], refusing: Mapp
             assert ids[cid].state.load(label) == {"status": f"failed: {refusing[cid]}"}  # secrets gone
         else:
             assert reply.kind == "reply", (cid, reply.meta)
+
+
+# --- 0: no lever -------------------------------------------------------------------------------------
+
+
+def _hostile_teachers(study: Study) -> dict[str, np.ndarray]:
+    """Teachers an active coordinator would send: each makes some group sum one hospital's value
+    (SECURITY.md §3.6; the node refuses without looking at W, so none of them is special here)."""
+    w = _teacher(study)
+    equal = w.copy()
+    equal[:, 1] = equal[:, 0]  # peers missing classes 0 and 1 upload one vector under two names
+    rare = w.copy()
+    rare[:, 2] = 1e-3 * w[:, 2]  # scores near 0.5: no pseudo-label qualifies, peers upload zeros
+    cancel = w.copy()
+    cancel[:, 2] = -1e4 * w[:, 0]  # round 2's class 2 is round 1's class 0 with the labels swapped
+    return {"random": w, "equal columns": equal, "rare positives": rare, "negated round-1 column": cancel}
+
+
+@pytest.mark.parametrize("protection", ["mask", "ckks"])
+@pytest.mark.parametrize("label", ["1", "2"])
+def test_a_two_round_study_is_refused_in_r0_whatever_the_teacher_by_a_node_that_declares_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, protection: str, label: str
+) -> None:
+    """Every node at the default (coordinator = "active"), each having pinned the two-round study:
+    every hostile teacher, in round 2 or already in the study's round 1, is refused in R0 with
+    CoordinatorChoiceRefusedError; no advertisement, no feature file read, no ledger session."""
+    import secure_afl.features.file as feature_files
+
+    federation = make_federation(
+        tmp_path, n_clients=6, method=METHOD, protection=protection, colluders=None, coordinator="active"
+    )
+    check_study(federation)  # pinned directly: `deploy check --study` itself refuses it (below)
+    read: list[Path] = []
+    original = feature_files.load_feature_file
+    monkeypatch.setattr(
+        feature_files, "load_feature_file", lambda path, **kw: read.append(path) or original(path, **kw)
+    )
+    study = federation.study
+    backend = study.backend(len(federation.roster))
+    for name, w in _hostile_teachers(study).items():
+        layout = round2_layout(study, [0, 1, 2])
+        server = backend.server_session(
+            federation.roster, layout, session_id=bytes([len(name)]) * 32, min_group_size=study.min_group_size
+        )
+        first = backend.encode(server.start(), server.max_message_bytes)
+        for node in federation.nodes.values():
+            node.state.records.clear()
+            meta = {"session": label, "study": study.to_json(), "roster": federation.roster.fingerprint,
+                    "backend": backend.name, "round": "R0"}  # fmt: skip
+            arrays = {"coef": w} if label == "2" else {}
+            reply = _wired(
+                handle(_wired(Envelope("advertise", meta, first, arrays)), node.state, node.settings)
+            )
+            assert reply.kind == "refused", (name, reply.meta)
+            assert reply.meta["error"] == "CoordinatorChoiceRefusedError" and reply.meta["round"] == "R0"
+            assert 'coordinator="honest-but-curious"' in reply.meta["message"]  # how to opt in
+            assert reply.payload == b""
+            assert node.state.load(label) == {"status": "failed: CoordinatorChoiceRefusedError"}
+            owner = LedgerOwner(node.client_id, federation.identities[node.client_id])
+            assert FileLedger(node.settings.ledger_dir).load(owner).sessions == {}
+    assert read == []  # refused before the node read its images' features
+
+
+def test_a_round1_session_carrying_an_array_it_does_not_use_is_refused_in_r0(tmp_path: Path) -> None:
+    """Another lever closed: the advertisement signs every array the server sent, so a round-1
+    session with a teacher attached (or any array) is refused before anything is signed."""
+    federation = make_federation(tmp_path, n_clients=4, method=Method(rounds=1))
+    check_study(federation)
+    study = federation.study
+    backend = study.backend(len(federation.roster))
+    server = backend.server_session(
+        federation.roster, round2_layout(study, [0]), session_id=b"\x11" * 32, min_group_size=2
+    )
+    first = backend.encode(server.start(), server.max_message_bytes)
+    for node in federation.nodes.values():
+        meta = {"session": "1", "study": study.to_json(), "roster": federation.roster.fingerprint,
+                "backend": backend.name, "round": "R0"}  # fmt: skip
+        envelope = Envelope("advertise", meta, first, {"coef": _teacher(study)})
+        reply = _wired(handle(_wired(envelope), node.state, node.settings))
+        assert reply.kind == "refused" and reply.meta["error"] == "CoordinatorChoiceRefusedError"
+        assert "['coef']" in reply.meta["message"] and reply.payload == b""
+        owner = LedgerOwner(node.client_id, federation.identities[node.client_id])
+        assert FileLedger(node.settings.ledger_dir).load(owner).sessions == {}
+
+
+def test_deploy_check_refuses_a_two_round_study_unless_the_node_declares_an_honest_coordinator(
+    tmp_path: Path,
+) -> None:
+    """The check a hospital runs before it pins a study is the R0 rule (one function decides both),
+    and the node config's ``coordinator`` takes only the two models."""
+    import dataclasses
+
+    from secure_afl.deploy.client import NodeSettings, check_node_study
+    from secure_afl.deploy.errors import ConfigurationError, CoordinatorChoiceRefusedError
+
+    federation = make_federation(tmp_path, n_clients=4, method=METHOD, coordinator="active")
+    settings = next(iter(federation.nodes.values())).settings
+    with pytest.raises(CoordinatorChoiceRefusedError, match="round 2's pseudo-labels"):
+        check_node_study(federation.study, settings)
+    one_round = dataclasses.replace(federation.study, method=Method(rounds=1, min_pos=1, min_neg=1))
+    check_node_study(one_round, settings)  # one round: nothing the coordinator chooses
+    declared = dataclasses.replace(settings, coordinator="honest-but-curious")
+    assert check_node_study(federation.study, declared).dim == federation.study.dim
+    config = {"identity-key": "k", "passphrase-file": "p", "roster": "r", "features": "f",
+              "ledger-dir": "l", "out-dir": "o"}  # fmt: skip
+    assert NodeSettings.from_node_config(config).coordinator == "active"
+    parsed = NodeSettings.from_node_config({**config, "coordinator": "honest-but-curious"})
+    assert parsed.coordinator == "honest-but-curious"
+    with pytest.raises(ConfigurationError, match="coordinator='trusted'"):
+        NodeSettings.from_node_config({**config, "coordinator": "trusted"})
+
+
+def test_deploy_local_rounds_2_says_why_and_how_to_opt_in_before_starting_anything(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from secure_afl.cli import main
+
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["deploy", "local", "--rounds", "2", "--out", str(out)])
+    assert result.exit_code == 2, result.output
+    assert "teacher W the coordinator sends" in result.output
+    assert "--coordinator honest-but-curious" in result.output
+    assert not out.exists()  # nothing started, nothing written
+
+
+def test_under_the_opt_in_every_session_records_the_declaration_and_the_classifier_says_so(
+    tmp_path: Path,
+) -> None:
+    """A two-round federation of nodes that declared an honest-but-curious coordinator: each node's
+    ledger keeps the declaration with both sessions (their scope), and the classifier's audit names
+    the trust round 2 ran under."""
+    from .helpers import run_server
+
+    active = {"client-0": (1, 2), "client-1": (1, 2), "client-2": (0, 1, 2), "client-3": (0, 1, 2)}
+    federation = make_federation(tmp_path, n_clients=4, active=active, method=METHOD)  # opts in
+    _, classifier, _ = run_server(federation)
+    assert [s["label"] for s in classifier.sessions] == ["1", "2"]
+    for node in federation.nodes.values():
+        owner = LedgerOwner(node.client_id, federation.identities[node.client_id])
+        scopes = sorted(e.scope for e in FileLedger(node.settings.ledger_dir).load(owner).sessions.values())
+        digest = federation.study.digest()
+        assert scopes == [f"study:{digest}/round:{r}/coordinator:honest-but-curious" for r in ("1", "2")]
+    assert any("honest-but-curious" in w and "round 2" in w for w in classifier.audit["warnings"])
 
 
 # --- finding 1: equal teacher columns ------------------------------------------------------------
