@@ -345,10 +345,13 @@ def _identity(private_hex: str) -> IdentityKey:
     return IdentityKey(Ed25519PrivateKey.from_private_bytes(h(private_hex)))
 
 
+def _entry(item: dict) -> RosterEntry:
+    return RosterEntry(item["id"], item["name"], h(item["public_key"]))
+
+
 def _roster() -> Roster:
     data = SIGNATURES["roster"]
-    entry = lambda item: RosterEntry(item["id"], item["name"], h(item["public_key"]))  # noqa: E731
-    return Roster((entry(item) for item in data["clients"]), coordinator=entry(data["coordinator"]))
+    return Roster((_entry(item) for item in data["clients"]), coordinator=_entry(data["coordinator"]))
 
 
 def _config() -> SessionConfig:
@@ -438,16 +441,18 @@ def test_code_derives_the_vectors_keys_and_keystreams() -> None:
         ikm = h(mask["ikm"])
         if mask["kind"] == "self":
             (cid,) = mask["clients"]
+            info = tagged_fields(prg.SELF_MASK_DOMAIN, SESSION_ID, g, t, cid)
             key = prg.self_mask_key(ikm, SESSION_ID, g, t, cid)
             via_prk = prg.self_mask_key_from_prk(prg.key_prk(ikm), SESSION_ID, g, t, cid)
         else:
             low, high = mask["clients"]
             own = X25519PrivateKey.from_private_bytes(h(CLIENTS[high]["mask_private_key"]))
             assert crypto.x25519_shared_secret(own, h(CLIENTS[low]["mask_public_key"])) == ikm
+            info = tagged_fields(prg.PAIR_MASK_DOMAIN, SESSION_ID, g, t, low, high)
             key = prg.pair_mask_key(ikm, SESSION_ID, g, t, high, low)  # either order: the same key
             via_prk = prg.pair_mask_key_from_prk(prg.key_prk(ikm), SESSION_ID, g, t, low, high)
             assert prg.pair_sign(low, high) == 1 and prg.pair_sign(high, low) == -1
-        assert key == via_prk == h(mask["key"])
+        assert key == via_prk == h(mask["key"]) and info == h(mask["hkdf_info"])
         count = len(mask["words"])
         assert [f"{w:016x}" for w in prg.mask_words(key, count)] == mask["words"]
         assert [f"{w:016x}" for w in prg.mask_words(key, offset + count)[offset:]] == mask["words_at_offset"]
