@@ -87,7 +87,7 @@ SHARES_AN_ANCHOR = {**STARTS_LIKE_X, **ENDS_LIKE_X}
 
 
 @pytest.mark.parametrize("value", list(SHARES_AN_ANCHOR.values()), ids=list(SHARES_AN_ANCHOR))
-def test_a_value_sharing_a_released_values_first_or_last_4_words_is_refused(value) -> None:
+def test_sharing_the_first_or_last_4_words_is_refused(value) -> None:
     ledger = _ledger_with(X)
     with pytest.raises(ValueAlreadyReleasedError, match=BY_ANCHOR) as caught:
         _gate(ledger, {"h": {"w": value}}).start(SECOND)
@@ -111,7 +111,7 @@ WINDOWS = {"first 2 words": (0, 2), "interior 2 words": (5, 7), "interior 6 word
 
 @pytest.mark.parametrize("same_group", [True, False], ids=["same group", "another group"])
 @pytest.mark.parametrize("window", list(WINDOWS.values()), ids=list(WINDOWS))
-def test_a_contiguous_part_of_2_or_more_words_of_another_input_is_refused(window, same_group) -> None:
+def test_a_part_of_2_words_or_more_within_one_session_is_refused(window, same_group) -> None:
     start, stop = window
     part = X[start:stop].copy()
     inputs = {"A": {"gram": X, "part": part}} if same_group else {"A": {"gram": X}, "B": {"part": part}}
@@ -145,13 +145,13 @@ PASSES_ACROSS = {
 
 
 @pytest.mark.parametrize("value", list(PASSES_ACROSS.values()), ids=list(PASSES_ACROSS))
-def test_across_sessions_these_kinds_of_a_released_value_pass(value) -> None:
+def test_across_sessions_these_pass(value) -> None:
     ledger = _ledger_with(X, Y)
     _release(ledger, {"h": {"w": value}}, SECOND)  # R0 and the release point both pass
     assert ledger.load(OWNER).entry(SECOND).survivors == ("a", "b", "c")
 
 
-def test_constant_values_and_parts_at_a_constant_head_or_tail_pass_across_sessions() -> None:
+def test_constants_and_parts_at_a_constant_end_pass() -> None:
     padded = np.concatenate([np.zeros(4), X[:4], np.zeros(4)])  # all-equal first and last 4 words
     ledger = _ledger_with(np.zeros(12), np.full(12, 3.0), np.array([7.0]), padded)
     again = {"zeros": np.zeros(12), "threes": np.full(12, 3.0), "count": np.array([7.0])}
