@@ -9,7 +9,8 @@ fractional bits (masking) or the CKKS parameters, each to a value the protocol i
 ``_check_protocol_parameters``) stands between the server and an advertisement: each node answers
 ``StudyMismatchError`` naming both values, keeps no session, and its ledger directory holds only the
 study it checked.  The control runs the same script unchanged: the nodes advertise and write their
-ledgers in R0."""
+ledgers in R0.  Last, a pinned study that the node's feature file (``classes``, ``dim``,
+``backbone``) or node config (``gram = class`` without ``allow-class-gram``) does not meet."""
 
 from __future__ import annotations
 
@@ -22,10 +23,11 @@ import pytest
 from secure_afl.deploy.client import CHECKED_STUDY
 from secure_afl.deploy.errors import FederationAbortedError
 from secure_afl.deploy.server import FederationServer
+from secure_afl.deploy.study import Method
 from secure_afl.deploy.wire import Envelope
 from secure_afl.protocol.ckks.context import CkksParameters
 
-from .helpers import Federation, InProcessTransport, make_federation
+from .helpers import BACKBONE, Federation, InProcessTransport, make_federation
 
 LIMIT = 1 << 24
 
@@ -133,3 +135,30 @@ def test_the_same_script_without_a_change_is_answered_and_written_to_the_ledger_
         assert reply.kind == "reply" and reply.payload, reply.meta
         assert federation.nodes[node_id].state.records["1"]["status"] == "active"
         assert len(transport.ledger_after_r0[node_id]) > 1  # the release and the R0 answer, recorded
+
+
+FEATURE_FILE = {  # the study each node checked, which its feature file or node config does not meet
+    "classes": ({"classes": ("A", "B", "D")}, "the study's classes ('A', 'B', 'D') differ from this feature"),
+    "dim": ({"dim": 41}, "the study expects 41-d features, this feature file has 40"),
+    "backbone": (
+        {"backbone": {**BACKBONE, "weights_id": "sha256:01"}},
+        "the study's backbone weights_id is 'sha256:01', this feature file's is 'sha256:00'",
+    ),
+    "gram": (
+        {"method": Method(gram="class")},
+        "this node refuses it unless its node config sets allow-class-gram",
+    ),
+}
+
+
+@pytest.mark.parametrize("field", sorted(FEATURE_FILE))
+def test_a_pinned_study_the_feature_file_or_node_config_does_not_meet_is_refused_in_r0(
+    tmp_path: Path, field: str
+) -> None:
+    """The node checked (pinned) this study, so only its own file and node config can refuse it:
+    ``classes``, ``dim`` and ``backbone`` against the feature file; a per-class Gram without
+    ``allow-class-gram``."""
+    federation = make_federation(tmp_path, n_clients=4)
+    change, message = FEATURE_FILE[field]
+    federation.study = dataclasses.replace(federation.study, **change)
+    _assert_refused_in_r0(federation, _r0(federation, {}), message)
