@@ -23,13 +23,25 @@ import pytest
 from secure_afl.deploy.client import CHECKED_STUDY
 from secure_afl.deploy.errors import FederationAbortedError
 from secure_afl.deploy.server import FederationServer
-from secure_afl.deploy.study import Method
+from secure_afl.deploy.study import Method, StudyDp
 from secure_afl.deploy.wire import Envelope
 from secure_afl.protocol.ckks.context import CkksParameters
 
 from .helpers import BACKBONE, Federation, InProcessTransport, make_federation
 
 LIMIT = 1 << 24
+META = ("backend", "study-nonce")  # the envelope's; every other change is the session config's
+
+
+def _federation(tmp_path: Path, protection: str) -> Federation:
+    """Four institutions, each missing one class; "dp": masking under the study's DP."""
+    federation = make_federation(tmp_path, n_clients=4, dim=6, protection=protection.removesuffix("+dp"))
+    if protection.endswith("+dp"):
+        lists = {cid: tuple(data[2]) for cid, data in federation.data.items()}
+        federation.study = dataclasses.replace(
+            federation.study, method=Method(balance="global"), dp=StudyDp(epsilon=1.0, class_lists=lists)
+        )
+    return federation
 
 
 class R0Only(InProcessTransport):
@@ -43,7 +55,7 @@ class R0Only(InProcessTransport):
 
     def _rewrite(self, node_id: int, group: str, envelope: Envelope) -> Envelope:
         change = dict(self.change)
-        meta = {**envelope.meta, "backend": change.pop("backend")} if "backend" in change else envelope.meta
+        meta = {**envelope.meta, **{key: change.pop(key) for key in META if key in change}}
         payload = envelope.payload
         if change:  # the session config's own fields
             backend = self.federation.study.backend(len(self.federation.roster))
@@ -119,17 +131,25 @@ CKKS = {
 
 @pytest.mark.parametrize("field", sorted(CKKS))
 def test_a_ckks_session_other_than_the_pinned_study_is_refused_in_r0(tmp_path: Path, field: str) -> None:
-    federation = make_federation(tmp_path, n_clients=4, dim=6, protection="ckks")
+    federation = _federation(tmp_path, "ckks")
     change, message = CKKS[field]
     _assert_refused_in_r0(federation, _r0(federation, change), message)
 
 
-@pytest.mark.parametrize("protection", ["mask", "ckks"])
+def test_a_dp_session_id_that_does_not_commit_to_the_study_and_its_nonce_is_refused_in_r0(
+    tmp_path: Path,
+) -> None:
+    federation = _federation(tmp_path, "mask+dp")
+    message = "the session id does not commit to the study this client received"
+    _assert_refused_in_r0(federation, _r0(federation, {"study-nonce": "00" * 32}), message)
+
+
+@pytest.mark.parametrize("protection", ["mask", "ckks", "mask+dp"])
 def test_the_same_script_without_a_change_is_answered_and_written_to_the_ledger_in_r0(
     tmp_path: Path, protection: str
 ) -> None:
     """The control: the refusals above are the changed field's doing, and the ledger check can fail."""
-    federation = make_federation(tmp_path, n_clients=4, dim=6, protection=protection)
+    federation = _federation(tmp_path, protection)
     transport = _r0(federation, {})
     for node_id, _, reply in transport.received:
         assert reply.kind == "reply" and reply.payload, reply.meta
