@@ -54,7 +54,7 @@ NINE = {f"site-{k}": (k % 3,) for k in range(9)}  # three classes, three sites e
 
 
 @pytest.mark.parametrize("dropouts", [{}, {"R2": ["site-4"]}, {"R3": ["site-0", "site-8"]}])
-def test_all_is_summed_from_the_parts_bit_for_bit_with_the_samemembers_of(dropouts) -> None:
+def test_all_is_summed_from_the_parts_bit_for_bit_with_the_same_members(dropouts) -> None:
     contributions = _contributions(NINE)
     planned = _run(contributions, difference=True, dropouts=dropouts)
     direct = _run(contributions, difference=False, dropouts=dropouts)
