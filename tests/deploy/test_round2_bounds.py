@@ -391,3 +391,33 @@ def test_members_at_the_qualifying_floor_are_not_known(tmp_path: Path) -> None:
         arrays_of=lambda cid: {"coef": _teacher(federation.study)},
     )
     _assert_only_refusals(federation, r1, {}, "2")
+
+
+def test_a_coordinators_kit_cannot_declare_the_honest_coordinator_for_a_hospital(tmp_path: Path) -> None:
+    """The declaration is the hospital's alone: `deploy join` writes the node config from the
+    hospital's own options, so a kit whose node-config.toml the coordinator wrote with the
+    declaration still refuses a two-round study; the hospital's own `--set` opts in."""
+    import shutil
+
+    from .test_provision import HOSPITALS, _invoke, _join, _site
+
+    sites = {cid: _site(tmp_path, cid) for cid in HOSPITALS}
+    coordinator = _site(tmp_path, "coordinator")
+    out = tmp_path / "coordinator" / "fed"
+    code, output = _invoke(
+        "provision", "--out", out, *(a for s in sites.values() for a in ("--hospital", s.keys)),
+        "--key-dir", coordinator.keys, "--passphrase-file", coordinator.passfile, "--ip", "127.0.0.1",
+        "--port", "9092", "--features", sites["hospital-a"].features, "--rounds", "2",
+        "--set", "colluders=0", "--yes",
+    )  # fmt: skip
+    assert code == 0, output
+    site = sites["hospital-a"]
+    shutil.copytree(out / "kits" / site.client_id, site.kit)
+    written = site.kit / "node-config.toml"
+    assert "coordinator" not in written.read_text()  # provision never declares it
+    written.write_text(written.read_text() + 'coordinator = "honest-but-curious"\n')  # the kit's author tries
+    code, output = _join(site)
+    assert code == 1 and "CoordinatorChoiceRefusedError" in output, output
+    code, output = _join(site, "--set", "coordinator=honest-but-curious")
+    assert code == 3, output  # the study is accepted; it waits for the others' co-signatures
+    assert 'coordinator = "honest-but-curious"' in written.read_text()
