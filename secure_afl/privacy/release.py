@@ -300,7 +300,7 @@ WITHHELD_REASONS = {
     "uid-released": "its DICOM SOP Instance UID was released in an earlier session with other pixels",
 }
 WITHHELD_LISTED = 100  # rows a release's record lists (index, reason); the counts cover them all
-WITHHELD_NAMED = 1000  # rows the node's log names per reason; the count covers them all
+WITHHELD_NAMED = 200  # rows the node's log names per reason; the count covers them all
 
 
 @dataclass(frozen=True, slots=True)
