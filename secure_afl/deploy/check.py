@@ -209,11 +209,8 @@ def check_node(
     state = step("ledger", lambda: _ledger_state(settings.ledger_dir, client_id, identity))
     ok(f"ledger {settings.ledger_dir}: {state}")
     if study is not None:
-        images = step("ledger against the study", lambda: _unreleased(settings, client_id, identity, study))
-        if study.extends:
-            ok(f"ledger: a growing study: this node releases only its new ones of {images} images")
-        else:
-            ok(f"ledger: none of this feature file's {images} images was released before")
+        found = step("ledger against the study", lambda: _unreleased(settings, client_id, identity, study))
+        ok(f"ledger: {found}")
     step("out-dir", lambda: _writable(settings.out_dir, "out-dir"))
     ok(f"out-dir {settings.out_dir}: writable")
     if superlink is not None:
@@ -229,22 +226,25 @@ def check_node(
     return CheckResult(client_id, tuple(lines))
 
 
-def _unreleased(settings: Any, client_id: str, identity: Any, study: Any) -> int:
-    """The run's one-contribution check in R0, on what this node's ledger already holds: a study
-    over images it released is refused with the session's own
-    :class:`~secure_afl.core.errors.ImageAlreadyReleasedError` (a study that extends another
-    releases only the new images: nothing to refuse).  Returns the number of images checked."""
+def _unreleased(settings: Any, client_id: str, identity: Any, study: Any) -> str:
+    """The run's one-contribution selection in R0, on what this node's ledger already holds
+    (:func:`~secure_afl.privacy.release.select_rows`): a study whose every row would be withheld is
+    refused with the session's own error (a study that extends another releases only the new
+    images: nothing to refuse).  Returns what the check found, for its line."""
     from secure_afl.features.file import load_feature_file
     from secure_afl.privacy.ledger import FileLedger, LedgerOwner
-    from secure_afl.privacy.release import Release
-    from secure_afl.protocol.exposure_gate import check_images_unreleased
+    from secure_afl.privacy.release import select_rows
 
     names = load_feature_file(settings.features, require_labels=True).require_image_identities()
-    if not study.extends:
-        state = FileLedger(settings.ledger_dir).load(LedgerOwner(client_id, identity))
-        release = Release.of({}, images=[row[0] for row in names], aliases=[row[1:] for row in names])
-        check_images_unreleased(release, state)
-    return len(names)
+    if study.extends:
+        return f"a growing study: this node releases only its new ones of {len(names)} images"
+    state = FileLedger(settings.ledger_dir).load(LedgerOwner(client_id, identity))
+    selection = select_rows(names, state.released_images(b""))
+    selection.require_some({sid: entry.scope for sid, entry in state.sessions.items()})
+    withheld = "; ".join(line.split(":", 1)[0] for line in selection.log_lines(["-"] * len(names)))
+    return f"{len(selection.kept)} of this feature file's {len(names)} images are new" + (
+        f" ({withheld}: the session's log names them)" if withheld else ""
+    )
 
 
 def _ledger_state(directory: Path, client_id: str, identity: Any) -> str:

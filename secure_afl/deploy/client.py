@@ -710,14 +710,15 @@ def _round1_coef(study: Study, envelope: Envelope) -> np.ndarray:
 
 def _inputs(
     label: str, study: Study, data: Any, envelope: Envelope, groups: set[str], settings: NodeSettings,
-    roster_size: int = 0, client_id: str = "", roster_ids: Sequence[str] = (),
+    roster_size: int = 0, client_id: str = "", roster_ids: Sequence[str] = (), withheld: str = "",
 ) -> tuple[dict[str, dict[str, np.ndarray]], Release]:  # fmt: skip
     """This client's protocol inputs for session ``label`` (group -> tensor -> flat float64 vector)
     and what they release: the images the statistics are computed from (each row's image digest,
     the one-contribution rule's unit: another study, backbone, layout or protection over the same
     images, or a re-extracted file of them, is the same release), and the values before any noise
     (a rerun draws fresh noise over the same data: the same values).  Round 1's inputs are in the
-    groups of :func:`~secure_afl.deploy.study.round1_plan` over ``roster_ids`` (the server's too)."""
+    groups of :func:`~secure_afl.deploy.study.round1_plan` over ``roster_ids`` (the server's too);
+    ``withheld``: the record of the file's rows :func:`_unreleased` left out."""
     from secure_afl.statistics import client_statistics  # numpy: R0 imports no torch on a CPU host
 
     if label not in ("1", "2"):
@@ -767,7 +768,7 @@ def _inputs(
         scope=scope,
         reuses=release_scope(study, "1", settings) if label == "2" else "",
     )
-    return inputs, release
+    return inputs, replace(release, withheld=withheld)  # the rows left out (_unreleased), for the DPO
 
 
 def release_scope(study: Study, label: str, settings: NodeSettings) -> str:
@@ -778,17 +779,31 @@ def release_scope(study: Study, label: str, settings: NodeSettings) -> str:
     return f"study:{study.digest()}/round:{label}{declared}"
 
 
-def _unreleased(data: Any, settings: NodeSettings, client_id: str, identity: IdentityKey) -> Any:
-    """The feature file's rows whose images this institution's ledger has not released (a growing
-    study's increment; a study that extends another releases nothing else).  May have no rows."""
+def _unreleased(
+    data: Any, study: Study, label: str, settings: NodeSettings, client_id: str, identity: IdentityKey
+) -> tuple[Any, str]:
+    """The feature file's rows a release may take, and the record of the others
+    (:func:`~secure_afl.privacy.release.select_rows`): a row naming an image this institution's
+    ledger released (round 2 may use its own round 1's again), or repeating an image or a UID of the
+    file, is withheld, named with its reason in the node's log.  A growing study's increment may have
+    no rows (it commits 0 and sends zeros); another study with none left is refused."""
     import dataclasses
 
     from secure_afl.privacy.ledger import LedgerOwner
+    from secure_afl.privacy.release import select_rows
 
-    released = _ledger(settings).load(LedgerOwner(client_id, identity)).released_images(b"")
-    names = data.require_image_identities()  # an image is released when any of its names is
-    keep = np.array([released.keys().isdisjoint(row) for row in names], dtype=bool)
-    log(settings, f"{client_id}: growing study: {int(keep.sum())} of {len(keep)} rows are new images")
+    state = _ledger(settings).load(LedgerOwner(client_id, identity))
+    reuses = release_scope(study, "1", settings) if label == "2" and not study.extends else ""
+    selection = select_rows(data.require_image_identities(), state.released_images(b"", reuses=reuses))
+    for line in selection.log_lines(data.image_ids, data.sop_instance_uids):
+        log(settings, f"{client_id}: {line}")
+    total = selection.total
+    if study.extends:
+        log(settings, f"{client_id}: growing study: {len(selection.kept)} of {total} rows are new images")
+    if not study.extends:
+        selection.require_some({sid: entry.scope for sid, entry in state.sessions.items()})
+    keep = np.zeros(total, dtype=bool)
+    keep[list(selection.kept)] = True
 
     def rows(values: Any) -> Any:
         return None if values is None else tuple(v for v, k in zip(values, keep, strict=True) if k)
@@ -802,7 +817,7 @@ def _unreleased(data: Any, settings: NodeSettings, client_id: str, identity: Ide
         image_sha256=rows(data.image_sha256),
         pixel_sha256=rows(data.pixel_sha256),
         sop_instance_uids=rows(data.sop_instance_uids),
-    )
+    ), selection.record()
 
 
 def _one_row(study: Study) -> tuple[np.ndarray, np.ndarray]:
@@ -850,15 +865,15 @@ def _start_session(envelope: Envelope, label: str, state: LocalState, settings: 
     spend = ""
     if study.dp is not None and label == "1":  # round 1 carries the study's spend (both rounds)
         spend = _check_dp_budget(study, settings, client_id, identity, len(roster))
-    if study.extends:  # a growing study: only this institution's images not yet released
-        data = _unreleased(data, settings, client_id, identity)
+    # Only images not yet released, none repeated in the file (a growing study: its new images)
+    data, withheld = _unreleased(data, study, label, settings, client_id, identity)
     if study.class_lists:  # round 1's wire groups are planned from the published lists: they must be true
         _check_class_list(
             study.class_lists, data, client_id, roster, "round 1's groups are planned from these lists"
         )
     roster_ids = [entry.client_id for entry in roster]
     inputs, release = _inputs(
-        label, study, data, envelope, groups, settings, len(roster), client_id, roster_ids
+        label, study, data, envelope, groups, settings, len(roster), client_id, roster_ids, withheld
     )
     # One view: the digest of the study, the round and the arrays (round 2's W) this node was given;
     # its advertisement signs it and R1 goes on only if every advertisement signs the same.

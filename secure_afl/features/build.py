@@ -119,10 +119,12 @@ def write_extracted(
             f"note: {same_pixels} further images decode to the same pixels as another image read here "
             "(the same X-ray exported twice?); their rows are kept"
         )
-    try:
-        written.require_image_identities()
-    except FeatureFileError as exc:  # one image in two rows: written, but no node releases it
-        notes.append(f"note: no federation node releases this file as it is: {exc}")
+    from secure_afl.privacy.release import select_rows
+
+    for line in select_rows(written.require_image_identities(), {}).log_lines(
+        written.image_ids, written.sop_instance_uids
+    ):  # one image (or one UID) in two rows: written, but every node withholds those rows
+        notes.append(f"note: a federation node releases this file's other rows only: {line}")
     unlabelled_sources = [c for c in data.labelled if data.classes.index(c) not in active]
     if unlabelled_sources:
         notes.append(f"note: labels of {', '.join(unlabelled_sources)} were not recorded (not in --active)")

@@ -39,8 +39,9 @@ name               dtype / shape                  meaning
 
 Each row's image has up to three names (:func:`secure_afl.privacy.release.image_keys`): its file
 digest, its pixel digest and its SOP Instance UID; two rows are one image when any name agrees.
-Two rows of one image may be written (``features extract`` keeps both, and says so), but no release
-takes such a file: :meth:`FeatureFile.require_image_identities` refuses it, naming both rows.
+Two rows of one image (or of one SOP Instance UID) may be written (``features extract`` keeps both,
+and says so), but no release takes either: a node withholds both, naming them in its log
+(:func:`secure_afl.privacy.release.select_rows`), and releases the file's other rows.
 
 The backbone fields travel into the classifier file, and ``predict`` refuses features whose
 backbone, weights or preprocessing differ from the model's.
@@ -112,11 +113,6 @@ class FeatureFileError(ValueError):
     """A feature file that is missing, malformed or inconsistent (the message says which field)."""
 
 
-class RepeatedImageRowsError(FeatureFileError):
-    """A feature file that lists one image in two rows (by any of its names): a release would count
-    that image twice.  ``rows`` are the two rows' indices, ``image_ids`` their ids."""
-
-
 @dataclass(frozen=True)
 class FeatureFile:
     features: np.ndarray
@@ -154,9 +150,9 @@ class FeatureFile:
 
         Refuses (:class:`FeatureFileError`) a file without file or pixel digests, written before they
         were recorded: its images would be known by their file bytes only, which a lossless
-        re-export changes; and (:class:`RepeatedImageRowsError`) a file that lists one image in two
-        rows, naming both."""
-        from secure_afl.privacy.release import first_repeat, image_keys
+        re-export changes.  Rows that repeat a name are returned as they are: which of them a
+        release takes is :func:`~secure_afl.privacy.release.select_rows`' decision (none of them)."""
+        from secure_afl.privacy.release import image_keys
 
         files = self.require_image_digests()
         where = f"{self.path}: " if self.path is not None else ""
@@ -168,22 +164,10 @@ class FeatureFile:
                 f"{REEXTRACT_ADVICE} (the feature cache makes that quick)"
             )
         uids = self.sop_instance_uids or ("",) * len(files)
-        rows = tuple(
+        return tuple(
             image_keys(file, pixels, uid)
             for file, pixels, uid in zip(files, self.pixel_sha256, uids, strict=True)
         )
-        repeat = first_repeat(rows)
-        if repeat is not None:
-            first, second, name = repeat
-            ids = (self.image_ids[first], self.image_ids[second])
-            error = RepeatedImageRowsError(
-                f"{where}rows {first} ({ids[0]}) and {second} ({ids[1]}) are one image (the same {name}): "
-                "a release would count it twice, twice the weight (and the sensitivity) of one image. "
-                f"Remove one of them from the labels CSV and {REEXTRACT_ADVICE}"
-            )
-            error.rows, error.image_ids = (first, second), ids
-            raise error
-        return rows
 
     def describe_backbone(self) -> dict[str, str]:
         return {"name": self.backbone, "weights_id": self.weights_id, "preprocessing": self.preprocessing}

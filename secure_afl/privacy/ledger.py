@@ -104,6 +104,9 @@ class SessionEntry:
     # The released images' further names (decoded pixels, SOP Instance UIDs: release.image_keys),
     # sorted distinct 32-byte keys concatenated (64 bytes an image more; absent in older ledgers).
     aliases: bytes = b""
+    # The feature file's rows the release left out, with their reasons (release.RowSelection.record:
+    # JSON, at most WITHHELD_LISTED rows listed, counts for all; "" when none), for the DPO.
+    withheld: str = ""
 
     def to_json(self, *, with_images: bool = True) -> dict:
         out = {
@@ -119,6 +122,8 @@ class SessionEntry:
             out["spend"] = self.spend
         if self.aliases:  # a ledger written before images had further names keeps its document
             out["aliases"] = base64.b64encode(self.aliases).decode("ascii") if with_images else ""
+        if self.withheld:  # a release that withheld no row keeps the document it had
+            out["withheld"] = self.withheld
         return out
 
     @classmethod
@@ -138,6 +143,7 @@ class SessionEntry:
             scope=str(item.get("scope", "")),
             spend=_string(item.get("spend", "")),
             aliases=_packed_digests(item.get("aliases", "")),
+            withheld=_string(item.get("withheld", "")),
         )
 
 
@@ -190,6 +196,7 @@ class LedgerState:
                     e.scope,
                     e.spend,
                     e.aliases,
+                    e.withheld,
                 )
                 for sid, e in self.sessions.items()
             },

@@ -22,6 +22,8 @@ the server calls it:
   balance, backbone or protection, a re-extracted file, an image re-exported losslessly: other
   bytes, the same pixels) are then one release.  A release lists each image once
   (:func:`first_repeat`); a lossy copy is another image to every exact name (SECURITY.md).
+  Which rows of a file a release may take is :func:`select_rows`' decision: rows that repeat an
+  image or a UID of the file, or name a released image, are withheld, each with its reason.
 
 Within one session, an input that is a contiguous part of another input is refused outright
 (:func:`contained_parts`).  What is *not* recognised (SECURITY.md): parts shorter than
@@ -36,7 +38,8 @@ from __future__ import annotations
 
 import base64
 import hashlib
-from collections.abc import Collection, Iterable, Mapping
+import json
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -125,6 +128,9 @@ class Release:
     # Per row of ``images`` (in its order): the image's further names (image_keys after the file's
     # digest: its decoded pixels, its SOP Instance UID); empty where the caller names none.
     aliases: tuple[tuple[bytes, ...], ...] = ()
+    # The file's rows this release leaves out, with their reasons (RowSelection.record: canonical
+    # JSON, bounded; "" for none): kept in the signed ledger with the release, for the DPO.
+    withheld: str = ""
 
     @classmethod
     def of(
@@ -202,6 +208,7 @@ class Release:
             "reuses": self.reuses,
             "spend": self.spend,
             **({"aliases": _pack_rows(self.aliases)} if self.aliases else {}),
+            **({"withheld": self.withheld} if self.withheld else {}),
         }
 
     @classmethod
@@ -216,6 +223,7 @@ class Release:
             str(document.get("reuses", "")),
             str(document.get("spend", "")),
             _unpack_rows(str(document.get("aliases", ""))),
+            str(document.get("withheld", "")),
         )
 
     @property
@@ -281,6 +289,148 @@ def first_repeat(rows: Iterable[Iterable[bytes]]) -> tuple[int, int, str] | None
         for position, key in enumerate(keys):
             seen.setdefault(key, (row, position))
     return None
+
+
+# Why a row of a feature file is left out of a release (select_rows), by the reason's code.
+WITHHELD_REASONS = {
+    "listed-twice": "the same image (its file or decoded pixels) is another row of this file",
+    "uid-repeated": "its DICOM SOP Instance UID is another row's, with other pixels (a faulty export or "
+    "anonymiser)",
+    "released": "released in an earlier session",
+    "uid-released": "its DICOM SOP Instance UID was released in an earlier session with other pixels",
+}
+WITHHELD_LISTED = 100  # rows a release's record lists (index, reason); the counts cover them all
+WITHHELD_NAMED = 200  # rows the node's log names per reason; the count covers them all
+
+
+@dataclass(frozen=True, slots=True)
+class WithheldRow:
+    """A row left out of a release: its index in the file, the reason's code (:data:`WITHHELD_REASONS`),
+    the file's other row it shares a name with (in-file reasons) or the earlier session (hex) that
+    released a name of it (the ledger's reasons)."""
+
+    row: int
+    reason: str
+    other: int | None = None
+    session: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class RowSelection:
+    """Which rows of a file a release takes (``kept``, in file order) and which it withholds."""
+
+    kept: tuple[int, ...]
+    withheld: tuple[WithheldRow, ...]
+
+    @property
+    def total(self) -> int:
+        return len(self.kept) + len(self.withheld)
+
+    def counts(self) -> dict[str, int]:
+        """Withheld rows per reason code (codes in :data:`WITHHELD_REASONS`' order)."""
+        found = [row.reason for row in self.withheld]
+        return {code: found.count(code) for code in WITHHELD_REASONS if code in found}
+
+    def record(self) -> str:
+        """The withheld rows as a release keeps them (canonical JSON; "" when none): the file's row
+        count, the count per reason, and the first :data:`WITHHELD_LISTED` rows as [index, reason]."""
+        if not self.withheld:
+            return ""
+        document = {
+            "rows": self.total,
+            "withheld": self.counts(),
+            "listed": [[row.row, row.reason] for row in self.withheld[:WITHHELD_LISTED]],
+        }
+        return json.dumps(document, sort_keys=True, separators=(",", ":"))
+
+    def require_some(self, scopes: Mapping[str, str]) -> None:
+        """Refuses a selection that keeps no row: :class:`ImageAlreadyReleasedError` when every row
+        names a released image (``scopes``: session hex -> what it released under), otherwise
+        :class:`NothingToReleaseError`."""
+        if self.kept:
+            return
+        from secure_afl.core.errors import ImageAlreadyReleasedError
+
+        if all(row.reason in ("released", "uid-released") for row in self.withheld):
+            first, total = self.withheld[0].session, self.total
+            raise ImageAlreadyReleasedError(total, total, bytes.fromhex(first), scopes.get(first, ""))
+        raise NothingToReleaseError(self)
+
+    def log_lines(self, image_ids: Sequence[str], uids: Sequence[str] | None = None) -> list[str]:
+        """One line per reason: the count and each row by index, image id and SOP Instance UID (never
+        a pixel value), with the row it repeats or the session that released it; at most
+        :data:`WITHHELD_NAMED` rows named a line."""
+        lines = []
+        for code, count in self.counts().items():
+            rows = [row for row in self.withheld if row.reason == code]
+            named = []
+            for row in rows[:WITHHELD_NAMED]:
+                uid = f", UID {uids[row.row]}" if uids and uids[row.row] else ""
+                how = f", as row {row.other}" if row.other is not None else ""
+                how += f", session {row.session[:16]}" if row.session else ""
+                named.append(f"row {row.row} ({image_ids[row.row]}{uid}{how})")
+            more = f" and {count - WITHHELD_NAMED} more" if count > WITHHELD_NAMED else ""
+            lines.append(
+                f"withheld {count} of {self.total} rows, {WITHHELD_REASONS[code]}: {', '.join(named)}{more}"
+            )
+        return lines
+
+
+def select_rows(rows: Sequence[Sequence[bytes]], released: Mapping[bytes, str]) -> RowSelection:
+    """The rows of a file (each row's :func:`image_keys`: file digest, pixel digest, UID if any) that
+    a release may take, and the others with a reason each; ``released``: key -> session that
+    released it (:meth:`~secure_afl.privacy.ledger.LedgerState.released_images`).
+
+    - a row with **any** name of a released image is withheld (one contribution per image):
+      ``released`` when its file or pixels match, ``uid-released`` when only its UID does;
+    - rows sharing a name with another row of the file are **all** withheld: ``listed-twice`` when
+      they share the file or the pixels (one image in two rows: the rows may carry different labels
+      or patients, and which is right is the hospital's to say; keeping the first would make the
+      sums depend on the file's order), ``uid-repeated`` when they share only the UID (a faulty export
+      or anonymiser gave one instance's UID to other pixels: which row is that instance is unknown);
+    - every other row is kept: no kept row shares a name with another row or with a released image.
+    """
+    owners: dict[bytes, list[int]] = {}
+    for index, keys in enumerate(rows):
+        for key in dict.fromkeys(keys):
+            owners.setdefault(key, []).append(index)
+    kept: list[int] = []
+    withheld: list[WithheldRow] = []
+    for index, keys in enumerate(rows):
+        content, uid = tuple(keys[:2]), tuple(keys[2:])
+        hit = next((key for key in content if key in released), None)
+        if hit is not None:
+            withheld.append(WithheldRow(index, "released", session=released[hit]))
+            continue
+        hit = next((key for key in uid if key in released), None)
+        if hit is not None:
+            withheld.append(WithheldRow(index, "uid-released", session=released[hit]))
+            continue
+        same = sorted({other for key in content for other in owners[key]} - {index})
+        if same:
+            withheld.append(WithheldRow(index, "listed-twice", other=same[0]))
+            continue
+        same = sorted({other for key in uid for other in owners[key]} - {index})
+        if same:
+            withheld.append(WithheldRow(index, "uid-repeated", other=same[0]))
+            continue
+        kept.append(index)
+    return RowSelection(tuple(kept), tuple(withheld))
+
+
+class NothingToReleaseError(ValueError):
+    """Every row of a node's feature file is withheld (:func:`select_rows`), some for repeating an
+    image or a UID of the file: the session would release nothing, and is refused."""
+
+    def __init__(self, selection: RowSelection, where: str = "") -> None:
+        self.selection = selection
+        reasons = "; ".join(f"{n} {WITHHELD_REASONS[code]}" for code, n in selection.counts().items())
+        super().__init__(
+            f"refusing the session: {where}every one of this feature file's {selection.total} rows is "
+            f"withheld ({reasons}), so it would release nothing; the node's log names each row. Give "
+            "each row's image its own DICOM UID (export it again) or remove repeated rows from the "
+            "labels CSV, and extract again; images released before enter only once"
+        )
 
 
 def _digest_bytes(item: str | bytes) -> bytes:

@@ -191,6 +191,7 @@ class ExposureGate:
             entry.aliases = b"".join(sorted({key for row in release.aliases for key in row}))
             entry.scope = release.scope
             entry.spend = release.spend
+            entry.withheld = release.withheld
 
         self._ledger.update(self._owner, change)
         return tuple(found)

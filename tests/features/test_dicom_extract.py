@@ -137,12 +137,13 @@ def test_a_real_radiographs_lossless_encodings_record_one_pixel_digest_and_their
 ) -> None:
     """pydicom-data's PA chest CR (MONOCHROME1, 15 bits) uncompressed, JPEG 2000 lossless and lossy,
     extracted together: the lossless pair records one pixel digest (other bytes, other UIDs), the
-    lossy file another; the extraction says no node releases the file (one image in two rows)."""
+    lossy file another; the extraction says a node withholds the lossless pair (one image in two rows)
+    and releases the lossy file's row only."""
     import shutil
 
     from pydicom.data import get_testdata_file
 
-    from secure_afl.features.file import RepeatedImageRowsError
+    from secure_afl.privacy.release import select_rows
 
     images = tmp_path / "dicom"
     images.mkdir()
@@ -165,10 +166,15 @@ def test_a_real_radiographs_lossless_encodings_record_one_pixel_digest_and_their
         str(pydicom.dcmread(images / i, stop_before_pixels=True).SOPInstanceUID) for i in file.image_ids
     )
     assert len(set(file.sop_instance_uids)) == 3
-    with pytest.raises(
-        RepeatedImageRowsError, match=r"rows 1 \(RG1_J2KR.dcm\) and 2 \(RG1_UNCR.dcm\) are one"
-    ):
-        file.require_image_identities()
-    assert "note: no federation node releases this file as it is" in result.output
+    selection = select_rows(file.require_image_identities(), {})
+    assert selection.kept == (lossy,)
+    assert [(r.row, r.reason, r.other) for r in selection.withheld] == [
+        (1, "listed-twice", 2),
+        (2, "listed-twice", 1),
+    ]
+    assert (
+        "note: a federation node releases this file's other rows only: withheld 2 of 3 rows" in result.output
+    )
+    assert "row 1 (RG1_J2KR.dcm, UID " in result.output and ", as row 2)" in result.output
     shown = features("show", out).output
     assert "DICOM UIDs     3 rows name their SOP Instance UID" in shown
