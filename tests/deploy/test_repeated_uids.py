@@ -89,12 +89,16 @@ def _run(federation: Federation, study: Study | None = None, earlier=None):
     return server, classifier, {r["from"]: r for r in server.report.refusals}
 
 
-def _released(federation: Federation, client_id: str) -> list[SessionEntry]:
-    """The client's ledger entries of the sessions that released images, oldest first."""
+def _released(federation: Federation, client_id: str, *servers: FederationServer) -> list[SessionEntry]:
+    """The client's ledger entries of the sessions that released images; with ``servers``, those
+    of their sessions in their order (the ledger keeps no order among sessions)."""
     node = _node(federation, client_id)
     state = FileLedger(node.settings.ledger_dir).load(
         LedgerOwner(client_id, federation.identities[client_id])
     )
+    if servers:
+        ids = [s.session_id.hex() for server in servers for s in server.report.sessions]
+        return [state.sessions[sid] for sid in ids if state.sessions[sid].survivors is not None]
     return [entry for entry in state.sessions.values() if entry.survivors is not None]
 
 
@@ -147,7 +151,7 @@ def test_a_new_image_reusing_a_released_uid_is_withheld_and_the_session_goes_on(
     other pixels, and its row 1 is a re-encoded copy of a released image (other file, other UID, the
     same pixels).  Both are withheld (one image never enters two releases), the session completes."""
     federation, first_names = _hospitals(tmp_path)
-    _, classifier, refusals = _run(federation)
+    first, classifier, refusals = _run(federation)
     assert refusals == {} and classifier is not None
     session = next(sid for sid, e in _ledger_sessions(federation, VICTIM) if e.survivors is not None)
     rng = np.random.default_rng(11)
@@ -162,7 +166,7 @@ def test_a_new_image_reusing_a_released_uid_is_withheld_and_the_session_goes_on(
                second_names[cid])  # fmt: skip
     capsys.readouterr()
     second = dataclasses.replace(federation.study, method=Method(balance="global", gamma=2.0))
-    _, classifier, refusals = _run(federation, second)
+    again, classifier, refusals = _run(federation, second)
     assert refusals == {} and classifier is not None
     log = capsys.readouterr().err
     assert (
@@ -173,7 +177,7 @@ def test_a_new_image_reusing_a_released_uid_is_withheld_and_the_session_goes_on(
         f"{VICTIM}: withheld 1 of {ROWS} rows, its DICOM SOP Instance UID was released in an earlier "
         f"session with other pixels: row 0 (row-0, UID {reused}, session {session[:16]})\n"
     ) in log
-    entries = _released(federation, VICTIM)
+    entries = _released(federation, VICTIM, first, again)
     assert len(entries) == 2 and len(split_digests(entries[1].images)) == ROWS - 2
     assert not _keys(entries[0]) & _keys(entries[1])  # no name of a released image released again
     assert json.loads(entries[1].withheld)["listed"] == [[0, "uid-released"], [1, "released"]]
@@ -199,7 +203,7 @@ def test_a_growing_study_names_the_row_it_drops(tmp_path: Path, capsys) -> None:
         _write(federation, cid, features, labels, names[cid])
     capsys.readouterr()
     extended = dataclasses.replace(federation.study, extends=federation.study.digest())
-    _, classifier, refusals = _run(federation, extended, first.accumulated)
+    second, classifier, refusals = _run(federation, extended, first.accumulated)
     assert refusals == {} and classifier is not None
     log = capsys.readouterr().err
     assert f"{VICTIM}: growing study: 19 of {ROWS} rows are new images\n" in log
@@ -208,7 +212,7 @@ def test_a_growing_study_names_the_row_it_drops(tmp_path: Path, capsys) -> None:
         f"session with other pixels: row 25 (row-25, UID {names[VICTIM][2][2]}, session "
     ) in log
     assert f"{VICTIM}: withheld 20 of {ROWS} rows, released in an earlier session: row 0 (row-0, " in log
-    entries = _released(federation, VICTIM)
+    entries = _released(federation, VICTIM, first, second)
     assert [len(split_digests(e.images)) for e in entries] == [20, 19]
     assert json.loads(entries[1].withheld)["withheld"] == {"released": 20, "uid-released": 1}
     kept = {cid: np.ones(ROWS, dtype=bool) for cid in federation.data}
