@@ -410,12 +410,14 @@ class Study:
             document = json.loads(text)
             return cls(
                 classes=tuple(str(c) for c in document["classes"]),
-                dim=int(document["dim"]),
+                # The numbers as sent: the study refuses a bool, a text or a value out of range by
+                # name (StudyParameterError) where int() would pass it on.
+                dim=document["dim"],
                 backbone={k: str(v) for k, v in document["backbone"].items()},
                 method=Method(**document["method"]),
-                threshold=int(document["threshold"]),
-                min_group_size=int(document["min_group_size"]),
-                frac_bits=int(document["frac_bits"]),
+                threshold=document["threshold"],
+                min_group_size=document["min_group_size"],
+                frac_bits=document["frac_bits"],
                 dp=StudyDp.from_dict(document["dp"]) if document.get("dp") is not None else None,
                 extends=str(document.get("extends", "")),
                 class_lists={
