@@ -60,7 +60,9 @@ RUN_CONFIG_KEYS = {
 }  # fmt: skip
 
 
-def parameter_error(name: str, value: object, allowed: str, why: str, where: str = "") -> StudyParameterError:
+def _parameter_error(
+    name: str, value: object, allowed: str, why: str, where: str = ""
+) -> StudyParameterError:
     """The refusal of a study parameter: its name, value and range, why, and where it is set."""
     key = RUN_CONFIG_KEYS[name]
     return StudyParameterError(
@@ -75,9 +77,9 @@ def _study_integer(study: Study, name: str, low: int, high: int | None, why: str
     value = getattr(study, name)
     allowed = f"an integer ≥ {low}" if high is None else f"an integer in [{low}, {high}]"
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise parameter_error(name, value, allowed, why)
+        raise _parameter_error(name, value, allowed, why)
     if value < low or (high is not None and value > high):
-        raise parameter_error(name, value, allowed, why)
+        raise _parameter_error(name, value, allowed, why)
     object.__setattr__(study, name, int(value))
 
 
@@ -104,14 +106,14 @@ class Method:
             try:
                 value = check_method_parameter(name, getattr(self, name))
             except MethodParameterError as exc:
-                raise parameter_error(name, exc.value, exc.allowed, exc.why, "method.") from None
+                raise _parameter_error(name, exc.value, exc.allowed, exc.why, "method.") from None
             object.__setattr__(self, name, value)
         if self.balance not in ("client", "global"):
             raise ConfigurationError(f"balance must be 'client' or 'global', got {self.balance!r}")
         if self.gram not in ("class", "global"):
             raise ConfigurationError(f"gram must be 'class' or 'global', got {self.gram!r}")
         if isinstance(self.rounds, bool) or not isinstance(self.rounds, int) or self.rounds not in (1, 2):
-            raise parameter_error(
+            raise _parameter_error(
                 "rounds", self.rounds, "1 or 2", "round 2 adds the pseudo-label round (paper §III)", "method."
             )
 
