@@ -53,6 +53,7 @@ from secure_afl.statistics import (  # the client's statistics: numpy, no torch 
     Contributions,
     GramScope,
     GroupSums,
+    MethodParameterError,  # noqa: F401  (re-exported)
     StatisticsError,
     UndefinedBalanceWarning,  # noqa: F401  (re-exported)
     active_class_indices,
@@ -60,6 +61,7 @@ from secure_afl.statistics import (  # the client's statistics: numpy, no torch 
     balanced_labels,  # noqa: F401  (re-exported)
     balanced_projection,
     check_batch,
+    check_method_parameter,
     check_options,
     class_group,
     client_statistics,  # noqa: F401  (re-exported)
@@ -86,6 +88,12 @@ class PseudoLabelConfig:
     alpha: float = 0.5
     min_pos: int = 5  # δ⁺
     min_neg: int = 50  # δ⁻
+
+    def __post_init__(self) -> None:
+        """Each value in its range (:data:`~secure_afl.statistics.METHOD_PARAMETERS`, the same rule
+        as a deployment's study): :class:`MethodParameterError` names the first that is not."""
+        for name in ("tau", "alpha", "min_pos", "min_neg"):
+            object.__setattr__(self, name, check_method_parameter(name, getattr(self, name)))
 
     @property
     def fewest_rows(self) -> int:
@@ -410,8 +418,7 @@ class AnalyticClassifier:
         balance: Balance = "client",
         gram: GramScope = "class",
     ) -> None:
-        if not gamma > 0 or not np.isfinite(gamma):
-            raise StatisticsError(f"gamma must be a positive finite number, got {gamma}")
+        gamma = check_method_parameter("gamma", gamma)
         check_options(balance, gram)
         self.n_classes = n_classes
         self.gamma = float(gamma)
@@ -509,6 +516,8 @@ class AnalyticClassifier:
 
         ``factors``: ``round1_sums``' :class:`GramFactors`, shared with other models fitted on them.
         """
+        # The solve accepts Eq. 23's limit α = 0 (round 1 with the global Gram); a configuration
+        # (PseudoLabelConfig, a deployment's study) refuses it: round 2 would then be sent for nothing.
         if not 0 <= alpha <= 1:
             raise StatisticsError(f"alpha must lie in [0, 1], got {alpha}")
         factor = self._factors(round1_sums, factors).factor(ALL_GROUP, "the global Gram")

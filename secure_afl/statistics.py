@@ -8,8 +8,10 @@ solve and round 2 live in :mod:`secure_afl.analytic`, which re-exports everythin
 
 from __future__ import annotations
 
+import math
+import numbers
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -263,6 +265,82 @@ class ClientStatistics:
         if gram == "global" or include_global_gram:
             out[ALL_GROUP] = {"gram": self.gram}
         return out
+
+
+class MethodParameterError(StatisticsError):
+    """A method parameter (γ, τ, α, δ⁺, δ⁻) outside its range: names it, its value, the range and
+    why (:func:`check_method_parameter`).  ``name``, ``value`` and ``allowed`` are kept for callers
+    that report it in their own words (the deployment's study)."""
+
+    def __init__(self, name: str, value: object, allowed: str, why: str) -> None:
+        self.name, self.value, self.allowed, self.why = name, value, allowed, why
+        super().__init__(f"{name} must be {allowed}, got {value!r}: {why}")
+
+
+@dataclass(frozen=True)
+class ParameterRange:
+    """One method parameter's range: an integer or a real number for which ``holds`` is true."""
+
+    allowed: str  # the range in words, e.g. "a number in [0.5, 1)"
+    integer: bool
+    holds: Callable[[float], bool]
+    why: str  # what the method needs it for, and a value to use
+
+
+# The one statement of the method's ranges (paper §III): the deployment's study, the simulator's
+# config and the classifier's own arguments all check with it.
+METHOD_PARAMETERS: Mapping[str, ParameterRange] = {
+    "gamma": ParameterRange(
+        "a positive finite number",
+        False,
+        lambda v: 0 < v < math.inf,
+        "the ridge γI of Eq. 15 makes the Gram positive definite (it is singular when a class has "
+        "fewer images than dimensions); use e.g. 1.0",
+    ),
+    "tau": ParameterRange(
+        "a number in [0.5, 1)",
+        False,
+        lambda v: 0.5 <= v < 1,
+        "Eq. 19 labels an image pseudo-positive when σ > τ and pseudo-negative when σ < 1 − τ: below "
+        "0.5 an image can be both, and from 1 none is pseudo-positive (Eq. 19 would divide by a zero "
+        "count); use e.g. the paper's 0.7",
+    ),
+    "alpha": ParameterRange(
+        "a number in (0, 1]",
+        False,
+        lambda v: 0 < v <= 1,
+        "Eq. 23 weighs the pseudo-label sums by α: 0 discards round 2 (use rounds = 1 instead) and "
+        "above 1 trusts pseudo-labels more than real ones; use e.g. the paper's 0.5",
+    ),
+    "min_pos": ParameterRange(
+        "an integer ≥ 1",
+        True,
+        lambda v: v >= 1,
+        "Eq. 20's δ⁺: a client qualifies with at least δ⁺ pseudo-positive images and Eq. 19 divides "
+        "by their count, so it must be at least 1; use e.g. the paper's 5",
+    ),
+    "min_neg": ParameterRange(
+        "an integer ≥ 1",
+        True,
+        lambda v: v >= 1,
+        "Eq. 20's δ⁻: a client qualifies with at least δ⁻ pseudo-negative images and Eq. 19 divides "
+        "by their count, so it must be at least 1; use e.g. the paper's 50",
+    ),
+}
+
+
+def check_method_parameter(name: str, value: object) -> float | int:
+    """``value`` as the method uses it (a float, or an int for δ⁺ and δ⁻), or
+    :class:`MethodParameterError` when it is not of :data:`METHOD_PARAMETERS`' type (a bool or a
+    string is not a number) or lies outside its range (NaN and ±inf included)."""
+    rule = METHOD_PARAMETERS[name]
+    kind = numbers.Integral if rule.integer else numbers.Real
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, kind):
+        raise MethodParameterError(name, value, rule.allowed, rule.why)
+    number = int(value) if rule.integer else float(value)
+    if not (math.isfinite(number) and rule.holds(number)):
+        raise MethodParameterError(name, value, rule.allowed, rule.why)
+    return number
 
 
 def check_options(balance: str, gram: str) -> None:

@@ -12,7 +12,9 @@ Run config (``[tool.flwr.app.config]``, all read by the ServerApp on the server'
 ``report.json`` go), ``sign-timeout`` (300 s: how long the ServerApp waits for ``deploy run``'s
 signature), ``classes``
 (comma-separated), ``dim``, ``backbone``, ``weights-id``, ``preprocessing``, ``gamma``, ``balance``,
-``gram``, ``rounds``, ``protection`` (``mask``, the default, or ``ckks``), ``ckks-degree`` (8192),
+``gram``, ``rounds``, round 2's ``tau`` (0.7), ``alpha`` (0.5), ``min-pos`` (5) and ``min-neg`` (50)
+(paper §III; each refused out of range, :class:`~secure_afl.deploy.errors.StudyParameterError`),
+``protection`` (``mask``, the default, or ``ckks``), ``ckks-degree`` (8192),
 ``ckks-moduli`` (comma-separated bit sizes, ``60,40,40,60``), ``ckks-scale-bits`` (40),
 ``threshold`` (0: ⌊2n/3⌋+1; masking only), ``min-group-size``, ``frac-bits`` (masking only),
 ``round-timeout``, ``statistics-timeout`` (a session's first round, where clients compute) and
@@ -138,22 +140,28 @@ def study_from_run_config(config: Mapping[str, Any]) -> Study:
     try:
         return Study(
             classes=tuple(c.strip() for c in str(config["classes"]).split(",") if c.strip()),
-            dim=int(config["dim"]),
+            # The numbers as the run config types them: the study refuses a bool, a string or a value
+            # out of range by name (StudyParameterError), where int() or float() would pass it on.
+            dim=config["dim"],
             backbone={
                 "name": str(config["backbone"]),
                 "weights_id": str(config["weights-id"]),
                 "preprocessing": str(config["preprocessing"]),
             },
             method=Method(
-                gamma=float(config.get("gamma", 1.0)),
+                gamma=config.get("gamma", 1.0),
                 # DP needs plain sums and counts: its default balance is "global"
                 balance=str(config.get("balance", "global" if "dp-epsilon" in config else "client")),
                 gram=str(config.get("gram", "global")),
-                rounds=int(config.get("rounds", 1)),
+                rounds=config.get("rounds", 1),
+                alpha=config.get("alpha", 0.5),
+                tau=config.get("tau", 0.7),
+                min_pos=config.get("min-pos", 5),
+                min_neg=config.get("min-neg", 50),
             ),
-            threshold=int(config.get("threshold", 0)),
-            min_group_size=int(config.get("min-group-size", 2)),
-            frac_bits=int(config.get("frac-bits", 32)),
+            threshold=config.get("threshold", 0),
+            min_group_size=config.get("min-group-size", 2),
+            frac_bits=config.get("frac-bits", 32),
             dp=_dp_from_run_config(config),
             protection=str(config.get("protection", "mask")),
             ckks_degree=int(config.get("ckks-degree", 8192)),

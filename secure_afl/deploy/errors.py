@@ -11,6 +11,13 @@ class ConfigurationError(DeploymentError):
     """A node or run setting that is missing or invalid (names the setting and how to fix it)."""
 
 
+class StudyParameterError(ConfigurationError):
+    """A study's method or protocol parameter (γ, τ, α, δ⁺, δ⁻, rounds, threshold, minimum group size,
+    fractional bits, dimension) of the wrong type or outside its range: names it, its value, the
+    range and how to fix it.  Raised wherever a study is made: ``deploy app``, ``check --study``,
+    ``provision``, and at a node on the study the server sent (R0, before anything is computed)."""
+
+
 class IdentityNotInRosterError(DeploymentError):
     """This institution's identity key is not in the roster it pinned (raised at that institution)."""
 

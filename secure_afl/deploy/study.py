@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import numbers
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from secure_afl.aggregation.layout import Layout
-from secure_afl.core.encoding import DEFAULT_FRAC_BITS, upper_triangle_length
+from secure_afl.core.encoding import DEFAULT_FRAC_BITS, MAX_FRAC_BITS, upper_triangle_length
 from secure_afl.privacy.dp_config import DEFAULT_MAX_ROWS, DpConfig, DpError, check_pseudo_label_threshold
+from secure_afl.statistics import MethodParameterError, check_method_parameter
 
-from .errors import ConfigurationError
+from .errors import ConfigurationError, StudyParameterError
 
 if TYPE_CHECKING:
     import numpy as np
@@ -50,6 +52,37 @@ def deployment_threshold(n_clients: int) -> int:
     return (2 * n_clients) // 3 + 1
 
 
+# Each parameter's run-config key (`deploy app` or `deploy provision` --set KEY=VALUE).
+RUN_CONFIG_KEYS = {
+    "gamma": "gamma", "tau": "tau", "alpha": "alpha", "min_pos": "min-pos", "min_neg": "min-neg",
+    "rounds": "rounds", "dim": "dim", "threshold": "threshold", "min_group_size": "min-group-size",
+    "frac_bits": "frac-bits",
+}  # fmt: skip
+
+
+def _parameter_error(
+    name: str, value: object, allowed: str, why: str, where: str = ""
+) -> StudyParameterError:
+    """The refusal of a study parameter: its name, value and range, why, and where it is set."""
+    key = RUN_CONFIG_KEYS[name]
+    return StudyParameterError(
+        f"the study's {where}{name} = {value!r} is not {allowed}: {why}. The coordinator sets it in the "
+        f"run config ({key} = ...; `deploy app` or `deploy provision` --set {key}=VALUE)"
+    )
+
+
+def _study_integer(study: Study, name: str, low: int, high: int | None, why: str) -> None:
+    """The study's ``name`` as an int if it is an integer (not a bool) in ``[low, high]``, else
+    :class:`StudyParameterError`."""
+    value = getattr(study, name)
+    allowed = f"an integer ≥ {low}" if high is None else f"an integer in [{low}, {high}]"
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise _parameter_error(name, value, allowed, why)
+    if value < low or (high is not None and value > high):
+        raise _parameter_error(name, value, allowed, why)
+    object.__setattr__(study, name, int(value))
+
+
 @dataclass(frozen=True)
 class Method:
     """The analytic method's options (paper §III; ``gram="global"`` by default in deployments)."""
@@ -64,14 +97,25 @@ class Method:
     min_neg: int = 50
 
     def __post_init__(self) -> None:
-        if not (self.gamma > 0 and self.gamma < float("inf")):
-            raise ConfigurationError(f"gamma must be a positive number, got {self.gamma}")
+        """γ, α, τ, δ⁺ and δ⁻ by the method's own rule (:data:`~secure_afl.statistics.METHOD_PARAMETERS`,
+        which the simulator's config shares), whatever the rounds: the study document carries them
+        all, and a node refuses a study out of range in R0 (:meth:`Study.from_json`) before it
+        computes anything.  Numbers are stored as the method uses them (γ = 2 as 2.0), so one
+        study has one digest."""
+        for name in ("gamma", "alpha", "tau", "min_pos", "min_neg"):
+            try:
+                value = check_method_parameter(name, getattr(self, name))
+            except MethodParameterError as exc:
+                raise _parameter_error(name, exc.value, exc.allowed, exc.why, "method.") from None
+            object.__setattr__(self, name, value)
         if self.balance not in ("client", "global"):
             raise ConfigurationError(f"balance must be 'client' or 'global', got {self.balance!r}")
         if self.gram not in ("class", "global"):
             raise ConfigurationError(f"gram must be 'class' or 'global', got {self.gram!r}")
-        if self.rounds not in (1, 2):
-            raise ConfigurationError(f"rounds must be 1 or 2, got {self.rounds}")
+        if isinstance(self.rounds, bool) or not isinstance(self.rounds, int) or self.rounds not in (1, 2):
+            raise _parameter_error(
+                "rounds", self.rounds, "1 or 2", "round 2 adds the pseudo-label round (paper §III)", "method."
+            )
 
 
 @dataclass(frozen=True)
@@ -217,12 +261,12 @@ class Study:
     def __post_init__(self) -> None:
         if not self.classes or len(set(self.classes)) != len(self.classes):
             raise ConfigurationError("the study needs distinct class names")
-        if self.dim < 1:
-            raise ConfigurationError(f"the feature dimension must be positive, got {self.dim}")
+        _study_integer(self, "dim", 1, None, "the features' dimension (the feature file's)")
         if set(self.backbone) != {"name", "weights_id", "preprocessing"}:
             raise ConfigurationError("the backbone needs exactly name, weights_id and preprocessing")
-        if self.min_group_size < 1:
-            raise ConfigurationError(f"min_group_size must be at least 1, got {self.min_group_size}")
+        _study_integer(self, "threshold", 0, None, "0 means ⌊2n/3⌋ + 1 for a roster of n (SECURITY.md §3)")
+        _study_integer(self, "min_group_size", 1, None, "the fewest live members a group is summed over")
+        _study_integer(self, "frac_bits", 0, MAX_FRAC_BITS, "masking's fixed-point bits (core/encoding.py)")
         if self.protection not in PROTECTIONS:
             raise ConfigurationError(
                 f"protection must be one of {', '.join(PROTECTIONS)}, got {self.protection!r}"
@@ -368,12 +412,14 @@ class Study:
             document = json.loads(text)
             return cls(
                 classes=tuple(str(c) for c in document["classes"]),
-                dim=int(document["dim"]),
+                # The numbers as sent: the study refuses a bool, a text or a value out of range by
+                # name (StudyParameterError) where int() would pass it on.
+                dim=document["dim"],
                 backbone={k: str(v) for k, v in document["backbone"].items()},
                 method=Method(**document["method"]),
-                threshold=int(document["threshold"]),
-                min_group_size=int(document["min_group_size"]),
-                frac_bits=int(document["frac_bits"]),
+                threshold=document["threshold"],
+                min_group_size=document["min_group_size"],
+                frac_bits=document["frac_bits"],
                 dp=StudyDp.from_dict(document["dp"]) if document.get("dp") is not None else None,
                 extends=str(document.get("extends", "")),
                 class_lists={

@@ -24,6 +24,7 @@ from secure_afl.analytic import (
     Contributions,
     PseudoLabelConfig,
     PseudoLabelReport,
+    check_method_parameter,
     class_group,
     sum_contributions,
     uploaded_by,
@@ -113,6 +114,9 @@ class SimConfig:
                     f"unknown missing level {m!r}: use 1, 3, 5, 7 or 'all' "
                     f"(any integer 0..{len(CLASSES) - 1})"
                 )
+        # γ by the method's rule, as a deployment's study checks it (the pseudo-label settings are
+        # checked when their PseudoLabelConfig is made): MethodParameterError names it.
+        check_method_parameter("gamma", self.gamma)
         if self.missing1 not in ("permutation", "random"):
             raise ExperimentError(f"missing1 must be 'permutation' or 'random', got {self.missing1!r}")
         if self.rounds not in (1, 2):

@@ -1,8 +1,12 @@
 """Under DP, a client refuses a study whose noise plan does not hold for it: round 2's threshold
-τ below 0.5 (the pseudo-label sets would overlap) or more feature rows than the plan's bound."""
+τ below 0.5 (the pseudo-label sets would overlap) or more feature rows than the plan's bound.
+
+A study with τ below 0.5 cannot be made (:class:`StudyParameterError`, tests/deploy/test_study_ranges.py):
+the tests below force one, as a hostile server would send it, to show the refusals that remain."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from pathlib import Path
@@ -10,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import secure_afl.deploy.server as server_module
-from secure_afl.deploy.errors import ConfigurationError, FederationAbortedError
+from secure_afl.deploy.errors import ConfigurationError, FederationAbortedError, StudyParameterError
 from secure_afl.deploy.server import FederationServer
 from secure_afl.deploy.study import Method, Study, StudyDp, noise_plan
 from secure_afl.privacy.dp_config import DEFAULT_MAX_ROWS
@@ -28,6 +32,14 @@ def _federation(tmp_path: Path, *, tau: float, rounds: int = 2, **dp):
     federation.study = dataclasses.replace(
         federation.study, dp=StudyDp(epsilon=1.0, clip=8.0, class_lists=lists, **dp)
     )
+    return federation
+
+
+def _forced_tau(federation, tau: float):
+    """The federation with its study's τ set around the study's own check (a hostile server's study)."""
+    method = copy.copy(federation.study.method)
+    object.__setattr__(method, "tau", tau)
+    object.__setattr__(federation.study, "method", method)
     return federation
 
 
@@ -51,10 +63,10 @@ def _hostile_run(federation, monkeypatch) -> tuple[FederationServer, InProcessTr
 
 
 def test_every_client_refuses_a_round_2_study_with_tau_below_one_half(tmp_path: Path, monkeypatch) -> None:
-    federation = _federation(tmp_path, tau=0.3)
+    federation = _forced_tau(_federation(tmp_path, tau=0.5), 0.3)
     server, transport = _hostile_run(federation, monkeypatch)
-    assert [r["error"] for r in server.report.refusals] == ["StudyMismatchError"] * 4
-    assert all("tau = 0.3 is not in [0.5, 1)" in r["message"] for r in server.report.refusals)
+    assert [r["error"] for r in server.report.refusals] == ["StudyParameterError"] * 4
+    assert all("tau = 0.3 is not a number in [0.5, 1)" in r["message"] for r in server.report.refusals)
     assert {r.kind for _, _, r in transport.received} == {"refused"}  # nothing else left any client
 
 
@@ -66,7 +78,10 @@ def test_the_same_study_at_tau_one_half_runs_both_rounds(tmp_path: Path) -> None
 
 
 def test_an_honest_server_refuses_tau_below_one_half_before_any_session(tmp_path: Path) -> None:
-    federation = _federation(tmp_path, tau=0.3)
+    for rounds in (2, 1):  # the study's rule, in one round or two
+        with pytest.raises(StudyParameterError, match=r"tau = 0\.3 is not a number in \[0\.5, 1\)"):
+            _federation(tmp_path / str(rounds), tau=0.3, rounds=rounds)
+    federation = _forced_tau(_federation(tmp_path, tau=0.5), 0.3)  # the noise plan's own check remains
     with pytest.raises(ConfigurationError, match=r"tau = 0\.3 is not in \[0\.5, 1\)"):
         noise_plan(federation.study, len(federation.roster))
     transport = InProcessTransport(federation)
@@ -76,7 +91,6 @@ def test_an_honest_server_refuses_tau_below_one_half_before_any_session(tmp_path
     with pytest.raises(ConfigurationError, match=r"use tau >= 0\.5"):
         server.run()
     assert transport.sent == []
-    noise_plan(_federation(tmp_path / "one", tau=0.3, rounds=1).study, 4)  # no round 2, no such set
 
 
 def test_a_client_with_more_rows_than_the_studys_bound_refuses_it(tmp_path: Path) -> None:

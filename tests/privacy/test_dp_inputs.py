@@ -8,7 +8,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from secure_afl.analytic import ALL_GROUP, PseudoLabelConfig, StatisticsError, class_group, pseudo_group
+from secure_afl.analytic import (
+    ALL_GROUP,
+    MethodParameterError,
+    PseudoLabelConfig,
+    StatisticsError,
+    class_group,
+    pseudo_group,
+)
 from secure_afl.core import encoding
 from secure_afl.core.errors import EncodingOverflowError
 from secure_afl.core.randomness import DeterministicRandomSource
@@ -134,8 +141,13 @@ def test_at_tau_below_one_half_an_image_would_be_in_both_sets_so_round_2_refuses
     p = 1 / (1 + np.exp(-(x @ coef[:, 0])))
     assert ((p > 0.3) & (p < 0.7)).any()  # at τ = 0.3 these rows would move both sums of pseudo/0
     for tau in (0.3, 0.49, float("nan"), 1.0):
+        with pytest.raises(MethodParameterError, match=r"tau must be a number in \[0\.5, 1\)"):
+            PseudoLabelConfig(tau=tau)  # the method's own rule, with or without DP
+        unchecked = object.__new__(PseudoLabelConfig)  # made around that rule: the DP round still refuses
+        for name, value in {"tau": tau, "alpha": 0.5, "min_pos": 5, "min_neg": 50}.items():
+            object.__setattr__(unchecked, name, value)
         with pytest.raises(PseudoLabelThresholdError, match=r"tau = .* is not in \[0\.5, 1\)"):
-            pseudo_label_round(x, coef, [1], PseudoLabelConfig(tau=tau))
+            pseudo_label_round(x, coef, [1], unchecked)
     assert issubclass(PseudoLabelThresholdError, DpError) and issubclass(DpError, ValueError)
     upload = pseudo_label_round(x, coef, [1], PseudoLabelConfig(tau=0.5))
     for c in (0, 2, 3):  # at τ = 0.5 every row is in at most one set
@@ -152,7 +164,7 @@ def test_alpha_and_the_qualification_thresholds_do_not_reach_the_clients_dp_uplo
     x, _, _ = _stats()
     coef = np.random.default_rng(2).normal(size=(5, 4))
     base = pseudo_label_round(x, coef, [0], PseudoLabelConfig(tau=0.7))
-    other = pseudo_label_round(x, coef, [0], PseudoLabelConfig(tau=0.7, alpha=0.9, min_pos=500, min_neg=0))
+    other = pseudo_label_round(x, coef, [0], PseudoLabelConfig(tau=0.7, alpha=0.9, min_pos=500, min_neg=1))
     assert base.keys() == other.keys()
     for group, tensors in base.items():
         for name, values in tensors.items():
@@ -163,11 +175,11 @@ def test_the_simulator_refuses_a_dp_round_2_below_tau_one_half_before_running() 
     from secure_afl.sim.setting import SimConfig
 
     dp = DpConfig(epsilon=1.0)
-    with pytest.raises(PseudoLabelThresholdError, match=r"use tau >= 0\.5"):
-        SimConfig(rounds=2, dp=dp, pseudo=PseudoLabelConfig(tau=0.3)).validate()
     SimConfig(rounds=2, dp=dp, pseudo=PseudoLabelConfig(tau=0.5)).validate()
-    SimConfig(rounds=1, dp=dp, pseudo=PseudoLabelConfig(tau=0.3)).validate()  # no round 2: no such set
-    SimConfig(rounds=2, pseudo=PseudoLabelConfig(tau=0.3)).validate()  # no DP: no sensitivity
+    # Below 0.5 Eq. 19's two sets overlap with or without DP, in one round or two: the study's rule.
+    for rounds, private in ((2, dp), (1, dp), (2, None)):
+        with pytest.raises(MethodParameterError, match=r"tau must be a number in \[0\.5, 1\)"):
+            SimConfig(rounds=rounds, dp=private, pseudo=PseudoLabelConfig(tau=0.3)).validate()
 
 
 # ------------------------------------------------------------------------------------------------
