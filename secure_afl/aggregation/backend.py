@@ -16,7 +16,8 @@ Both sessions take a ``context`` (:func:`secure_afl.protocol.binding.session_con
 its round, round 2's teacher W), which both backends bind the same way: into the config digest that
 every advertisement signs, so a client goes on only with advertisements that all sign its own view.
 
-What each backend protects against is in SECURITY.md; ``trust_model`` says it in one line for audits.
+What each backend protects against is in SECURITY.md; ``trust_model`` says it in one line for audits,
+from :mod:`secure_afl.privacy.guarantees` (the entry for the backend under its client policy).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from secure_afl.core.randomness import RandomSource
 from secure_afl.core.workers import ONE_THREAD, Workers, for_this_process
 from secure_afl.keys.identity import IdentityKey
 from secure_afl.keys.roster import Roster
+from secure_afl.privacy.guarantees import guarantee
 from secure_afl.privacy.ledger import Ledger
 from secure_afl.privacy.policy import ClientPolicy
 from secure_afl.privacy.release import Release
@@ -46,17 +48,6 @@ from secure_afl.protocol.server import ServerSession
 from .layout import Layout
 
 GroupSums = dict[str, dict[str, np.ndarray]]  # group -> tensor -> float64 array (symmetric: full, or packed)
-
-MASK_TRUST_MODEL = (
-    "pairwise masking: the server learns only group sums over survivors; it would need t colluding "
-    "clients to read a single contribution; active-server checks (signed survivor sets, no double reveal)"
-)
-CKKS_TRUST_MODEL = (
-    "CKKS (TenSEAL, one shared secret key held by every client): the server learns only group sums while "
-    "it follows the protocol and colludes with no client; any one client colluding with the server reads "
-    "every contribution (no threshold decryption), and an active server can have a single contribution "
-    "decrypted in place of a sum"
-)
 
 
 class ServerSessionLike(Protocol):
@@ -93,11 +84,15 @@ class ProtectionBackend(Protocol):
     """What a driver needs from a protection; see the module docstring."""
 
     name: str
-    trust_model: str
     rounds: tuple[str, ...]  # round labels in order; a repeated last round keeps its label
     exact_sums: bool  # whether a difference plan (aggregation/difference.py) may be used
     # Threads a driver may start client sessions on, and the sessions' own for large tensors.
     workers: Workers
+
+    @property
+    def trust_model(self) -> str:
+        """What this backend guarantees under its client policy, in one line (privacy.guarantees)."""
+        ...
 
     def server_session(
         self, roster: Roster, layout: Layout, *, session_id: bytes, min_group_size: int, context: bytes = b""
@@ -183,12 +178,15 @@ class MaskingBackend:
     client_policy: ClientPolicy = field(default_factory=ClientPolicy.deployment)
     ledgers: Mapping[str, Ledger] = field(default_factory=dict)
     name: str = "mask"
-    trust_model: str = MASK_TRUST_MODEL
     exact_sums: bool = True  # integer sums mod 2⁶⁴: a difference plan's derived sums are bit-exact
     rounds: tuple[str, ...] = ("R0", "R1", "R2", "R3", "R4")
     # Who masks a large tensor (a client in R2) and removes its self masks (the server in R4):
     # the same words on any count; by default this process's CPUs, at most workers.MAX_THREADS.
     workers: Workers = field(default_factory=for_this_process)
+
+    @property
+    def trust_model(self) -> str:
+        return guarantee(self.name, self.client_policy).text
 
     def server_session(
         self, roster: Roster, layout: Layout, *, session_id: bytes, min_group_size: int, context: bytes = b""
@@ -297,10 +295,13 @@ class CkksBackend:
     client_policy: ClientPolicy = field(default_factory=ClientPolicy.deployment)
     ledgers: Mapping[str, Ledger] = field(default_factory=dict)
     name: str = "ckks"
-    trust_model: str = CKKS_TRUST_MODEL
     exact_sums: bool = False  # approximate sums: no difference plan (it would scale up the noise)
     rounds: tuple[str, ...] = ("R0", "R1", "R2", "R3", "R4")
     workers: Workers = ONE_THREAD  # TenSEAL's contexts are not known to be safe across threads
+
+    @property
+    def trust_model(self) -> str:
+        return guarantee(self.name, self.client_policy).text
 
     def server_session(
         self, roster: Roster, layout: Layout, *, session_id: bytes, min_group_size: int, context: bytes = b""

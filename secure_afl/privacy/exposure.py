@@ -35,7 +35,7 @@ Who runs it:
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -78,6 +78,72 @@ def linked_groups(
         for name, tensors in groups.items()
         if any(value_family(t) in families for t in tensors)
     }
+
+
+def tensor_kind(tensor: str) -> str:
+    """What kind of value ``tensor`` names, whatever its class: the name before ``/`` (``b/3`` ->
+    ``b``), a server-parameterised family's names one kind (``b_pseudo_rescaled/2`` -> ``b_pseudo``)."""
+    head, sep, _ = tensor.partition("/")
+    return SERVER_PARAMETERISED_FAMILIES.get(head, head) if sep else tensor
+
+
+@dataclass(frozen=True, slots=True)
+class OneMemberApart:
+    """Two groups carrying one kind of tensor whose memberships differ by exactly ``member``.
+
+    ``larger`` = ``smaller`` plus ``member``.  Where the server knows that the other members' values
+    of the two groups' tensors are equal (the same tensor, or side knowledge: peers with no positive
+    of either class send equal ``b/0`` and ``b/1``), the difference of the two sums is ``member``'s
+    value exactly.  Side knowledge of peers' values is equivalent to those peers colluding (it counts
+    against c); nodes do not refuse such layouts, the simulator's report lists them.
+    """
+
+    larger: str
+    smaller: str
+    member: str
+    kinds: tuple[str, ...]  # the tensor kinds both groups carry
+
+    def describe(self) -> str:
+        """``larger = smaller + member (kinds)``."""
+        return f"{self.larger} = {self.smaller} + {self.member} ({', '.join(self.kinds)})"
+
+
+def one_member_apart(
+    members: Mapping[str, Collection[str]],
+    tensors: Mapping[str, Collection[str]],
+    *,
+    kind: Callable[[str], str] = tensor_kind,
+) -> tuple[OneMemberApart, ...]:
+    """Every pair of groups carrying a tensor of one kind whose memberships differ by exactly one
+    member, that member named; sorted by (larger, smaller).
+
+    ``members``: group -> the clients summed (members, or survivors for the sums a server got);
+    ``tensors``: group -> its tensor names; ``kind``: which names are values of one shape and
+    meaning (:func:`tensor_kind`).  A group with no member sums nothing and pairs with none (a
+    group of one is a single-member group, reported as such).  Linear in the memberships: each
+    group is looked up with each of its members taken out.
+    """
+    missing = sorted(set(members) - set(tensors))
+    if missing:
+        raise ValueError(
+            f"groups {', '.join(missing)} have members but no tensors: give each group its tensors"
+        )
+    by_set: dict[frozenset[str], list[str]] = {}
+    for group, ids in members.items():
+        if ids:
+            by_set.setdefault(frozenset(ids), []).append(group)
+    kinds = {group: {kind(t) for t in tensors[group]} for group in members}
+    out = []
+    for group in sorted(members):
+        ids = frozenset(members[group])
+        if len(ids) < 2:
+            continue
+        for member in sorted(ids):
+            for smaller in by_set.get(ids - {member}, ()):
+                shared = tuple(sorted(kinds[group] & kinds[smaller]))
+                if shared:
+                    out.append(OneMemberApart(group, smaller, member, shared))
+    return tuple(sorted(out, key=lambda p: (p.larger, p.smaller)))
 
 
 # Mersenne prime exponents: the elimination runs modulo the first 2^e - 1 above the Hadamard bound.

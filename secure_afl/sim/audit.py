@@ -22,21 +22,25 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from secure_afl.aggregation.difference import complemented_group
-from secure_afl.privacy.exposure import ExposureFinding, exposed_clients, value_family
+from secure_afl.privacy.exposure import (
+    ExposureFinding,
+    OneMemberApart,
+    exposed_clients,
+    one_member_apart,
+    value_family,
+)
+from secure_afl.privacy.guarantees import guarantee
 
 if TYPE_CHECKING:
     from secure_afl.aggregation.inprocess import InProcessRun
 
 SINGLE_SURVIVOR_WARNING = "the server learns this client's statistics exactly"
-PLAINTEXT_TRUST_MODEL = "none: the server receives every client's statistics individually"
 
 
-def trust_models(protection: str) -> dict[str, str]:
-    """What each protection of a run ("none", "mask", "ckks" or "mask,ckks") trusts, one line each."""
-    from secure_afl.aggregation.backend import CKKS_TRUST_MODEL, MASK_TRUST_MODEL
-
-    known = {"none": PLAINTEXT_TRUST_MODEL, "mask": MASK_TRUST_MODEL, "ckks": CKKS_TRUST_MODEL}
-    return {name: known[name] for name in protection.split(",") if name in known}
+def trust_models(protection: str, client_policy: str = "simulator") -> dict[str, str]:
+    """What each protection of a run ("none", "mask", "ckks" or "mask,ckks") guarantees under its
+    clients' policy, one line each (:mod:`secure_afl.privacy.guarantees`)."""
+    return {name: guarantee(name, client_policy).text for name in protection.split(",")}
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,10 @@ class PrivacyAudit:
     exposed: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     # client -> what its own exposure check found (R3/R4) and went on past (simulator policy)
     client_findings: Mapping[str, tuple[ExposureFinding, ...]] = field(default_factory=dict)
+    # the policy the session's clients ran under (privacy.guarantees: which guarantee applies)
+    client_policy: str = "simulator"
+    # pairs of groups one member apart over survivors (privacy.exposure.one_member_apart)
+    one_member_apart: tuple[OneMemberApart, ...] = ()
 
     def seen_by_clients(self) -> dict[str, list[str]]:
         """Client -> one line per tensor its own check found exposed (last round it checked)."""
@@ -133,9 +141,13 @@ class PrivacyAudit:
     def to_dict(self) -> dict[str, object]:
         return {
             "protection": self.protection,
-            "trust_model": trust_models(self.protection),
+            "trust_model": trust_models(self.protection, self.client_policy),
             "groups": [g.to_dict() for g in self.groups],
             "individually_exposed": {t: list(c) for t, c in self.exposed.items()},
+            "one_member_apart": [
+                {"larger": p.larger, "smaller": p.smaller, "member": p.member, "kinds": list(p.kinds)}
+                for p in self.one_member_apart
+            ],
             "seen_by_clients": self.seen_by_clients(),
             "warnings": self.warnings(),
         }
@@ -147,6 +159,7 @@ def restrict(audit: PrivacyAudit, keep: Callable[[str, str], bool], **kwargs: ob
     groups = [g for g in audit.groups if tensors[g.group]]
     return audit_groups(
         protection=audit.protection,
+        client_policy=audit.client_policy,
         members={g.group: g.members for g in groups},
         survivors={g.group: g.survivors for g in groups},
         tensors={g.group: tensors[g.group] for g in groups},
@@ -159,15 +172,17 @@ def audit_run(
     contributions: Mapping[str, Mapping[str, Mapping[str, np.ndarray]]],
     *,
     protection: str,
+    client_policy: str = "simulator",
 ) -> tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]], PrivacyAudit]:
     """Members and survivors of the method's groups, and the audit of the groups as sent, of an
-    in-process run of any protection backend."""
+    in-process run of any protection backend whose clients ran under ``client_policy``."""
     outcome = run.outcome
     members = {group: tuple(outcome.members[group]) for group in sorted(outcome.members)}
     survivors = {group: tuple(outcome.survivors[group]) for group in members}
     wire = [group for group in members if group in run.layout.groups]  # the audit: groups as sent
     audit = audit_groups(
         protection=protection,
+        client_policy=client_policy,
         members={group: members[group] for group in wire},
         survivors={group: survivors[group] for group in wire},
         tensors={group: tuple(run.layout.groups[group]) for group in wire},
@@ -185,13 +200,16 @@ def audit_groups(
     tensors: Mapping[str, Sequence[str]],
     contributions: Mapping[str, Mapping[str, Mapping[str, np.ndarray]]] | None = None,
     client_findings: Mapping[str, Sequence[ExposureFinding]] | None = None,
+    client_policy: str = "simulator",
 ) -> PrivacyAudit:
     """Build the audit from group memberships, survivor sets and the tensors summed per group.
 
     A tensor name is taken to denote one client value across groups.  When ``contributions`` are at
     hand (in the simulator) that is checked: a client that sends different values of one tensor to
     different groups has one unknown per group for it.  ``client_findings`` are what the clients'
-    own checks found (attributed to the client that saw them).
+    own checks found (attributed to the client that saw them); ``client_policy`` the policy they
+    ran under.  The audit also lists the groups whose survivors are one member apart
+    (:func:`~secure_afl.privacy.exposure.one_member_apart`).
     """
     clients = sorted({c for group in members.values() for c in group})
     groups = []
@@ -220,8 +238,18 @@ def audit_groups(
         distinct = {} if contributions is None else _distinct_values(contributions, names)
         exposed = exposed_clients({g.group: (g.survivors, g.tensors) for g in groups}, distinct=distinct)
     findings = {c: tuple(f) for c, f in (client_findings or {}).items() if f}
+    apart = (
+        ()
+        if protection == "none"
+        else one_member_apart({g.group: g.survivors for g in groups}, {g.group: g.tensors for g in groups})
+    )
     return PrivacyAudit(
-        protection=protection, groups=tuple(groups), exposed=exposed, client_findings=findings
+        protection=protection,
+        groups=tuple(groups),
+        exposed=exposed,
+        client_findings=findings,
+        client_policy=client_policy,
+        one_member_apart=apart,
     )
 
 

@@ -17,6 +17,7 @@ import numpy as np
 from secure_afl.aggregation.backend import CkksBackend
 from secure_afl.aggregation.inprocess import SessionCosts, run_in_process
 from secure_afl.core.randomness import RandomSource
+from secure_afl.privacy.guarantees import policy_name
 from secure_afl.privacy.ledger import Ledger
 from secure_afl.privacy.policy import ClientPolicy
 from secure_afl.protocol.ckks.context import CkksParameters
@@ -88,7 +89,9 @@ def ckks_aggregate(
         context=context,
     )
     outcome = run.outcome
-    members, survivors, audit = audit_run(run, contributions, protection="ckks")
+    members, survivors, audit = audit_run(
+        run, contributions, protection="ckks", client_policy=policy_name(backend.client_policy)
+    )
     findings: list[str] = []
     for client in run.clients.values():
         findings.extend(f.describe() for f in client.exposure_findings if f.describe() not in findings)  # type: ignore[attr-defined]

@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from secure_afl.privacy.exposure import value_family
+from secure_afl.privacy.guarantees import ROUND_TWO, guarantee
 from secure_afl.privacy.policy import active_threshold, majority_threshold, threat_model
 from secure_afl.sim.audit import PrivacyAudit, trust_models
 from secure_afl.sim.baselines import FAMILY
@@ -307,13 +308,21 @@ def threat_model_line(config: SimConfig) -> str:
         f"{config.min_group_size}, clients report exposures instead of refusing). An active server needs "
         f"t >= {active_threshold(n)}, groups of at least 2 and clients that refuse exposing sessions "
         f"(ClientPolicy.deployment(); --client-policy deployment shows what they would refuse)."
-        + (
-            " CKKS (--protection ckks) defends an honest-but-curious server colluding with no client,"
-            " whatever t: TenSEAL has no threshold decryption (SECURITY.md section 7)."
-            if "ckks" in config.secure
-            else ""
-        )
     )
+
+
+def guarantee_lines(config: SimConfig) -> list[str]:
+    """What each protection of the run guarantees (privacy.guarantees, the one source): under the
+    simulator policy its clients ran, under the deployment policy too with ``--client-policy
+    deployment``; and, with round 2 under a protection, what a coordinator choosing the teacher learns."""
+    protections = config.secure.split(",")
+    lines = [guarantee(p, "simulator").line() for p in protections]
+    if config.client_policy == "deployment":
+        where = "for the layouts deployed clients accept"
+        lines += [guarantee(p, "deployment").line(where) for p in protections]
+    if config.rounds == 2 and config.secure != "none":
+        lines.append(ROUND_TWO)
+    return lines
 
 
 def client_refusal_rows(setting: SettingResult) -> tuple[list[str], list[list[str]]]:
@@ -347,10 +356,21 @@ def gradient_method_exposure(method: str) -> str:
     return exposure
 
 
+# What a pair of groups one member apart gives a server with side knowledge (privacy.exposure).
+ONE_MEMBER_APART = (
+    "larger = smaller + member, over survivors, carrying tensors of the kinds named: a server that knows "
+    "the other members' values are equal across the two reads the member's value from the difference of "
+    "the sums; such knowledge counts as colluding peers, and nodes do not refuse it"
+)
+
+
 def _audit_lines(setting: SettingResult) -> list[str]:
     audit = setting.audit
     lines = [f"protection: {audit.protection}"]
-    lines += [f"trust model ({name}): {model}" for name, model in trust_models(audit.protection).items()]
+    lines += [
+        f"trust model ({name}): {model}"
+        for name, model in trust_models(audit.protection, audit.client_policy).items()
+    ]
     for group in audit.groups:
         lines.append(
             f"{group.group}: members {len(group.members)}, survivors {len(group.survivors)}"
@@ -375,6 +395,9 @@ def _audit_lines(setting: SettingResult) -> list[str]:
         lines.append(
             f"{client}'s own check saw values the sums determine (went on: simulator policy): {seen}"
         )
+    if audit.protection != "none":
+        apart = "; ".join(p.describe() for p in audit.one_member_apart) or "none"
+        lines.append(f"groups one member apart ({ONE_MEMBER_APART}): {apart}")
     if setting.dropped:
         lines.append(f"dropped clients: {', '.join(setting.dropped)}")
     return lines
@@ -593,6 +616,12 @@ def privacy_verdict(setting: SettingResult) -> str:
         else:
             text += " No combination of overlapping group sums singles out any other value."
         text += _client_checks_sentence(audit, setting.dropped)
+        apart = audit.one_member_apart
+        if apart:
+            text += (
+                f" {len(apart)} pair(s) of groups are one member apart (report.md names them): a server "
+                "that knows the other members' values are equal across a pair reads that member's value."
+            )
     if setting.dropped:
         text += f" Dropped: {', '.join(setting.dropped)}."
     clear = [m for m in setting.metrics if method_type(m) != "Analytic"]
@@ -700,6 +729,8 @@ def print_summary(result: ExperimentResult, console: Console) -> None:
             say(refusals)
         say(cost_summary(setting))
     say(threat_model_line(result.config))
+    for line in guarantee_lines(result.config):
+        say(line)
     say(seconds_summary(result))
     say(DETAILS_LINE, "dim")
 
@@ -748,6 +779,8 @@ def print_report(result: ExperimentResult, console: Console, *, verbose: bool = 
             style = "bold red" if line.startswith("WARNING") else ""
             console.print(f"  {line}", style=style, markup=False, highlight=False)
     console.print(threat_model_line(result.config), markup=False, highlight=False)
+    for line in guarantee_lines(result.config):
+        console.print(line, markup=False, highlight=False)
     h, r = _cost_rows(result)
     console.print(rich_table("Seconds per phase", h, r))
     h, r = method_seconds_rows(result)
@@ -773,6 +806,7 @@ def result_dict(result: ExperimentResult) -> dict[str, object]:
             "dropout_stage": config.dropout_stage,
             "client_policy": config.client_policy,
             "threat_model": threat_model_line(config),
+            "guarantees": guarantee_lines(config),
             "ckks_poly_degree": config.ckks_poly_degree,
             "pseudo": asdict(config.pseudo),
             "fedavg": asdict(config.fedavg),
@@ -848,6 +882,7 @@ def markdown_report(result: ExperimentResult) -> str:
     if "label_source" in dataset:
         dataset["label_source"] = label_source_name(dataset["label_source"])
     parts += [f"Dataset: {json.dumps(dataset)}", "", threat_model_line(result.config), ""]
+    parts += [line for text in guarantee_lines(result.config) for line in (text, "")]
     header, rows = results_table_rows(result)
     parts += ["## Results (BACC and AUC in %, mAP as a fraction)", "", _md_table(header, rows), ""]
     parts += [chance_line(result), ""]

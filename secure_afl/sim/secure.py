@@ -19,6 +19,7 @@ from secure_afl.aggregation.inprocess import SessionCosts, dropout_stages, run_i
 from secure_afl.aggregation.layout import Derivation
 from secure_afl.core import encoding
 from secure_afl.core.randomness import RandomSource
+from secure_afl.privacy.guarantees import policy_name
 from secure_afl.privacy.ledger import Ledger
 from secure_afl.privacy.policy import ClientPolicy
 from secure_afl.sim.audit import PrivacyAudit, audit_run, audit_view
@@ -129,7 +130,9 @@ def secure_aggregate(
         consume=consume,
     )
     outcome = run.outcome
-    members, survivors, audit = audit_run(run, audited, protection="mask")
+    members, survivors, audit = audit_run(
+        run, audited, protection="mask", client_policy=policy_name(client_policy)
+    )
     return SecureAggregationResult(
         sums=outcome.sums,
         members=members,
