@@ -99,7 +99,7 @@ GUARANTEES: dict[tuple[str, str], Guarantee] = {
 ROUND_TWO = (
     "Round 2's uploads are computed with a teacher the coordinator chooses; an honest-but-curious "
     "coordinator learns the pseudo-label sums as listed; an active one can choose the teacher to read a "
-    "hospital's round-2 values exactly (SECURITY.md §10.9); a deployed node refuses round 2 unless its "
+    "hospital's round-2 values exactly (SECURITY.md §3.6); a deployed node refuses round 2 unless its "
     'node config declares an honest coordinator (coordinator = "honest-but-curious").'
 )
 
