@@ -1114,10 +1114,10 @@ def deploy_collect(
                    "checked). Anyone could have written a file used this way.")  # fmt: skip
 @click.option("--features", "features_path", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="A feature file (secure-afl-features/v1).")  # fmt: skip
-@click.option("--data-dir", type=click.Path(path_type=Path, file_okay=False), default=None,
-              help="Or: a directory of images, PNG or DICOM (.dcm, .dicom), in DIR/images/ or "
-                   "DIR/images_*/images/ (ChestXray14's layout); features are extracted here with the "
-                   "model's backbone.")  # fmt: skip
+@click.option("--data-dir", type=click.Path(path_type=Path, file_okay=False, exists=True), default=None,
+              help="Or: a directory of images, PNG, JPEG or DICOM (.png .jpg .jpeg .dcm .dicom), in "
+                   "DIR itself, DIR/images/ or DIR/images_*/images/ (ChestXray14's layout); features "
+                   "are extracted here with the model's backbone.")  # fmt: skip
 @click.option("--weights", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="The backbone's weight file (with --data-dir; default: the library cache).")  # fmt: skip
 @click.option(
@@ -1159,7 +1159,9 @@ def predict(
 
     \b
     Reads: --model (classifier.json), --roster (verifies the coordinator's signature), and either
-    --features (a feature file) or --data-dir (PNG or DICOM images, features extracted here).
+    --features (a feature file) or --data-dir (PNG, JPEG or DICOM images, features extracted
+    here; a file that cannot be read is named with why, and the command exits 1 after writing
+    the others' rows; none found or none readable: nothing is written).
     Writes: --out, a CSV with one row per image: image_id, then score(CLASS) for every class (the
     linear score h·w: it ranks images; it is not a probability), then positive(CLASS) for every
     class (1 when score > logit of the file's signed threshold: score > 0 at its default 0.5).
@@ -1189,7 +1191,7 @@ def predict(
     if evaluate and features_path is None:
         raise click.UsageError("--evaluate needs a labelled --features file (images have no labels)")
     roster = load_roster_file(roster_path) if roster_path is not None else None
-    labels, active = None, ()
+    labels, active, unreadable = None, (), None
     try:
         model = Classifier.load(model_path, roster=roster)
         if features_path is not None:
@@ -1197,7 +1199,9 @@ def predict(
             model.check_features(data.describe_backbone(), data.dim, data.classes)
             features, ids, labels, active = data.features, data.image_ids, data.labels, data.active
         else:
-            features, ids = _extract_directory(model, data_dir, weights, cache_dir, device)  # type: ignore[arg-type]
+            assert data_dir is not None  # exactly one of the two, checked above
+            found = _extract_directory(model, data_dir, weights, cache_dir, device, out_path)
+            features, ids, unreadable = found
         scores = model.decision_function(features)
     except (ClassifierFileError, RosterMismatchError, ModelMismatchError, FeatureFileError) as exc:
         raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
@@ -1221,6 +1225,8 @@ def predict(
         if metrics_out is not None:
             metrics_out.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
             click.echo(f"wrote {metrics_out}")
+    if unreadable is not None:  # the readable images' rows are written; the run still failed
+        raise click.ClickException(f"{type(unreadable).__name__}: {unreadable}")
 
 
 def evaluate_classifier(
@@ -1272,12 +1278,17 @@ def _print_metrics(result: Mapping[str, object], source: Path) -> None:
         )
 
 
-def _extract_directory(model, data_dir: Path, weights: Path | None, cache_dir: Path | None, device: str):
+def _extract_directory(
+    model, data_dir: Path, weights: Path | None, cache_dir: Path | None, device: str, out_path: Path
+):
+    """The features and ids of the images :func:`~secure_afl.features.images.find_images` finds, and
+    the error naming those that could not be read (None when all were): the caller raises it after
+    writing the others' rows. None readable, or none found, raises here."""
     from secure_afl.deploy.errors import ModelMismatchError
     from secure_afl.features.backbones import UnknownBackboneError, WeightsError, load_backbone
     from secure_afl.features.extraction import extract_features
     from secure_afl.features.file import describe_preprocessing
-    from secure_afl.features.images import index_images
+    from secure_afl.features.images import CorruptImageError, NoImagesError, find_images
 
     try:
         backbone = load_backbone(model.backbone["name"], weights)
@@ -1288,14 +1299,15 @@ def _extract_directory(model, data_dir: Path, weights: Path | None, cache_dir: P
          "preprocessing": describe_preprocessing(backbone.preprocess)},
         backbone.feature_dim,
     )  # fmt: skip
-    images = index_images(data_dir)
-    if not images:
-        raise ModelMismatchError(
-            f"{data_dir}: no images found (PNG or DICOM, in {data_dir}/images/ or "
-            f"{data_dir}/images_*/images/)"
-        )
-    names = sorted(images)
-    cache = cache_dir or Path.home() / ".cache" / "secure-afl" / "features"
-    result = extract_features([images[n] for n in names], backbone, cache_dir=cache, device=device)
+    try:
+        images = find_images(data_dir)  # the same rule as `features extract --images`
+        names = sorted(images)
+        cache = cache_dir or Path.home() / ".cache" / "secure-afl" / "features"
+        result = extract_features([images[n] for n in names], backbone, cache_dir=cache, device=device)
+    except (NoImagesError, CorruptImageError) as exc:  # CorruptImageError: an image changed meanwhile
+        raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
+    unreadable = result.unreadable_error(out_path)
+    if unreadable is not None and len(result.skipped) == len(names):
+        raise click.ClickException(f"{type(unreadable).__name__}: {unreadable}")
     keep = [i for i in range(len(names)) if i not in set(result.skipped)]
-    return result.features[keep], [names[i] for i in keep]
+    return result.features[keep], [names[i] for i in keep], unreadable

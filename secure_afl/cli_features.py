@@ -30,7 +30,6 @@ from secure_afl.features.file import (
 )
 from secure_afl.features.labels import (
     IMAGE_COLUMN,
-    IMAGE_SUFFIXES,
     PATIENT_COLUMN,
     LabelsCsvError,
     file_digest,
@@ -88,14 +87,10 @@ def _nih_input(data_dir: Path, csv_path: Path | None, view: str) -> ExtractionIn
 def _folder_input(images_dir: Path, labels_csv: Path | None, classes: tuple[str, ...]) -> ExtractionInput:
     if not images_dir.is_dir():
         raise click.BadParameter(f"{images_dir} is not a directory", param_hint="--images")
+    from secure_afl.features.images import NoImagesError, list_images
+
     if labels_csv is None:
-        paths = sorted(p for p in images_dir.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
-        if not paths:
-            raise click.BadParameter(
-                f"{images_dir} holds no {'/'.join(IMAGE_SUFFIXES)} files (subfolders are not searched; "
-                "a labels CSV may name files in subfolders)",
-                param_hint="--images",
-            )
+        paths = list_images(images_dir)  # NoImagesError (the extensions looked for) when there is none
         return ExtractionInput(
             paths=paths,
             image_ids=[p.name for p in paths],
@@ -107,11 +102,10 @@ def _folder_input(images_dir: Path, labels_csv: Path | None, classes: tuple[str,
         )
     table = read_labels_csv(labels_csv, images_dir, classes)
     listed = {p.resolve() for p in table.paths}
-    unlisted = sum(
-        1
-        for p in images_dir.iterdir()
-        if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES and p.resolve() not in listed
-    )
+    try:
+        unlisted = sum(1 for p in list_images(images_dir) if p.resolve() not in listed)
+    except NoImagesError:  # the CSV may name files in subfolders only
+        unlisted = 0
     notes = []
     if unlisted:
         notes.append(f"{unlisted} images in {images_dir} are not in {labels_csv} and were not read")
@@ -442,9 +436,10 @@ def extract(
     \b
     Resumable: features are cached in shards; an interrupted run (Ctrl-C, a crash) keeps
     its completed shards, and the same command run again resumes from them.  Unreadable
-    images are left out and counted.  At the end it prints what was written, including
-    the weights id (sha256 of the weight file), the preprocessing and the file's digest:
-    the values the study must match (see secure-afl features show).
+    images are left out, each named with why, and the command then exits 1 (the file of
+    the readable ones is written; none readable: nothing).  At the end it prints what was
+    written, including the weights id (sha256 of the weight file), the preprocessing
+    and the file's digest: the values the study must match (see secure-afl features show).
     """
     from secure_afl.sim.data import CohortError
 
@@ -483,6 +478,9 @@ def extract(
                                  shard_size, amp, progress)  # fmt: skip
     except ImageChangedError as exc:
         raise click.ClickException(f"ImageChangedError: {exc}; nothing was written to {out_path}") from None
+    unreadable = result.unreadable_error(out_path)  # the same rule as predict's
+    if unreadable is not None and len(result.skipped) == len(data.paths):
+        raise click.ClickException(f"{type(unreadable).__name__}: {unreadable}")
     try:
         written, notes = write_extracted(data, model, result, out_path, active, write_patients)
     except FeatureBuildError as exc:
@@ -493,6 +491,8 @@ def extract(
     click.echo(f"wrote {out_path}")
     for line in _summary(out_path, written, file_digest(out_path)):
         click.echo(line)
+    if unreadable is not None:  # the file holds the readable ones, but the run did not read every image
+        raise click.ClickException(f"{type(unreadable).__name__}: {unreadable}")
 
 
 def _input_classes(

@@ -275,11 +275,13 @@ def _writable(directory: Path, key: str) -> None:
 
 def connect(address: str, root_certificates: Path | None, timeout: float = 10.0) -> str:
     """Open a TCP connection to the SuperLink (and, with its CA, a TLS handshake); a line saying how."""
+    from .superlink import DEFAULT_FLEET_PORT
+
     host, sep, port_text = address.rpartition(":")
     host = host.strip("[]")
     if not sep or not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
         raise ConfigurationError(
-            f"--superlink {address!r}: expected HOST:PORT, e.g. superlink.example.org:8000"
+            f"--superlink {address!r}: expected HOST:PORT, e.g. superlink.example.org:{DEFAULT_FLEET_PORT}"
         )
     port = int(port_text)
     try:
@@ -290,8 +292,9 @@ def connect(address: str, root_certificates: Path | None, timeout: float = 10.0)
         ) from None
     except ConnectionRefusedError:
         raise ConfigurationError(
-            f"nothing listens on {host}:{port}: is the SuperLink running, listening on an address this "
-            "hospital reaches (flower-superlink --host ADDRESS), and is this its --port (default 8000)?"
+            f"nothing listens on {host}:{port}: is the SuperLink running (the coordinator starts it with "
+            "`secure-afl deploy superlink --listen ADDRESS:PORT`), on an address this hospital reaches, "
+            f"and is this its port (the kits' default {DEFAULT_FLEET_PORT})?"
         ) from None
     except OSError as exc:
         raise ConfigurationError(

@@ -343,12 +343,13 @@ def diagnose(
         if started is not None:
             return (
                 f"{where} stopped answering during run {started} (killed, restarted or unreachable): the "
-                "run is lost; restart the SuperLink (with its --database the nodes stay registered) and "
-                "run again"
+                "run is lost; restart the SuperLink (`secure-afl deploy superlink` with the same "
+                "--state-dir: its database keeps the nodes registered) and run again"
             )
         return (
-            f"cannot reach {where}: is the SuperLink running (`flower-superlink`, or `secure-afl deploy "
-            "superlink`) and is that address in config.toml its Control API's?"
+            f"cannot reach {where}: is the SuperLink running (`secure-afl deploy superlink`, whose "
+            "Control API is on 127.0.0.1 at its --control-port, default 9093) and is that address in "
+            "config.toml its Control API's?"
         )
     if _NO_CONNECTION in text:
         return f"no SuperLink connection named {connection!r} in Flower's config.toml (FLWR_HOME)"

@@ -30,8 +30,6 @@ from .images import DicomError, sop_instance_uid
 
 __all__ = ["ExtractionInput", "FeatureBuildError", "write_extracted"]
 
-SHOWN = 5  # how many unreadable images the notes list
-
 
 class FeatureBuildError(ValueError):
     """No feature file could be written; the message says why and that nothing was written."""
@@ -60,15 +58,12 @@ def write_extracted(
     write_patients: bool,
 ) -> tuple[FeatureFile, list[str]]:
     """Write ``out_path`` from the readable rows of ``result``; returns the file as written and the
-    notes for the hospital (the source's notes, unreadable images, repeated images, classes left
-    unlabelled, the cache's work)."""
+    notes for the hospital (the source's notes, repeated images, classes left unlabelled, the
+    cache's work). The unreadable images are the caller's to report (``result.unreadable_error``)."""
     notes: list[str] = []
     keep = np.setdiff1d(np.arange(len(data.paths)), np.asarray(result.skipped, dtype=np.int64))
     if len(keep) == 0:
-        raise FeatureBuildError(
-            f"none of the {len(data.paths)} images could be read (first: "
-            f"{result.skip_reasons[result.skipped[0]]}); nothing was written to {out_path}"
-        )
+        raise FeatureBuildError(str(result.unreadable_error(out_path)))
     labels = None
     if data.labels is not None:
         labels = data.labels[keep].copy()
@@ -103,10 +98,6 @@ def write_extracted(
 
     for note in data.notes:
         notes.append(f"note: {note}")
-    if result.skipped:
-        notes.append(f"note: {len(result.skipped)} unreadable images were left out:")
-        for index in result.skipped[:SHOWN]:
-            notes.append(f"  {result.skip_reasons[index]}")
     repeated = len(digests) - len(set(digests))
     if repeated:
         notes.append(

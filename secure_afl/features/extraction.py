@@ -10,7 +10,8 @@ amp=False, shard_size=2048, progress=True, strict=False) -> ExtractionResult``
     - ``features``: float32 array ``len(paths) x backbone.feature_dim``; the rows of skipped images are
       NaN, so that a caller who forgets to drop them fails loudly downstream;
     - ``skipped``: sorted indices (into ``paths``) of unreadable or corrupt PNGs, with the reasons in
-      ``skip_reasons``; the caller drops these rows (their labels too) and reports the count.
+      ``skip_reasons``; the caller drops these rows (their labels too) and reports each file:
+      ``unreadable_error(out_path)`` is the error naming them that the commands raise.
       ``strict=True`` raises :class:`secure_afl.features.images.CorruptImageError` instead;
     - ``forward_passes``: batches run through the network in this call (0 on a complete cache);
     - ``from_cache``: True when every shard came from the cache; ``shards_computed`` /
@@ -182,6 +183,22 @@ class ExtractionResult:
     maps: FeatureMaps | None = None  # with spatial=True
     image_sha256: tuple[str | None, ...] = ()  # per path; None: unreadable (skipped)
     pixel_sha256: tuple[str | None, ...] = ()  # per path, of the decoded image; None where skipped
+
+    def unreadable_error(self, out_path: Path) -> CorruptImageError | None:
+        """None when every image was read; else the error that ``features extract`` and ``predict``
+        raise, naming every file left out and why: before writing ``out_path`` when no image could
+        be read, after writing the readable ones' rows to it otherwise (the run is still a failure)."""
+        if not self.skipped:
+            return None
+        total, bad = len(self.features), len(self.skipped)
+        if bad == total:
+            head = f"none of the {total} images could be read, so nothing was written to {out_path}:"
+        else:
+            head = (
+                f"{bad} of the {total} images could not be read and have no row in {out_path} (the "
+                f"other {total - bad} were written):"
+            )
+        return CorruptImageError("\n".join([head, *(f"  {self.skip_reasons[i]}" for i in self.skipped)]))
 
 
 @dataclass

@@ -8,6 +8,13 @@ Public API
     DICOM files (``*.dcm``, ``*.dicom``) in the same folders.
 ``index_images(data_dir) -> dict[str, Path]``
     File name (``00000001_000.png``) -> path, over these layouts.
+``list_images(folder) -> list[Path]``, ``find_images(data_dir) -> dict[str, Path]``
+    The one place that decides which files of a folder are images: a name ending in one of
+    :data:`~secure_afl.features.labels.IMAGE_SUFFIXES` (PNG, JPEG, DICOM; any case).
+    ``list_images``: the files directly in ``folder`` (``features extract --images DIR``);
+    ``find_images``: those, then the same under ``DIR/images/`` and ``DIR/images_*/images/``
+    (``predict --data-dir DIR``), by file name, the first found winning. Both raise
+    :class:`NoImagesError`, naming the extensions and the folders searched, when there is none.
 ``resolve_image_paths(data_dir, image_names) -> ImagePaths(paths, missing_names)``
     ``paths`` holds the path of every name that was found, in the order of ``image_names``;
     ``missing_names`` the names that were not (the caller drops those rows, and should report them).
@@ -62,8 +69,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 from torch.utils.data import Dataset
+
+from secure_afl.features.labels import IMAGE_SUFFIXES
 
 __all__ = [
     "DICOM_LAYOUTS",
@@ -78,12 +87,15 @@ __all__ = [
     "ImagePaths",
     "ImagesNotFoundError",
     "LoadedImage",
+    "NoImagesError",
     "collate_images",
     "dicom_grayscale",
+    "find_images",
     "hash_image_files",
     "image_sha256",
     "index_images",
     "is_dicom",
+    "list_images",
     "load_grayscale",
     "pixel_sha256",
     "resolve_image_paths",
@@ -98,6 +110,8 @@ DICOM_LAYOUTS: tuple[str, ...] = tuple(
 )
 
 DICOM_SUFFIXES: tuple[str, ...] = (".dcm", ".dicom")
+# Where find_images looks under a folder, after the folder itself (ChestXray14's two layouts).
+IMAGE_SUBFOLDERS: tuple[str, ...] = ("images", "images_*/images")
 _HASH_CHUNK = 1 << 20
 _DICOM_CONVERT_ADVICE = (
     "convert it to an uncompressed transfer syntax first, e.g. `gdcmconv --raw IN.dcm OUT.dcm` (GDCM) or "
@@ -113,8 +127,14 @@ class ImagesNotFoundError(FileNotFoundError):
     """None of the requested images exists under the data directory."""
 
 
+class NoImagesError(ImagesNotFoundError):
+    """A folder holds no file with an image extension where it was searched: the message names the
+    extensions looked for and the folders searched."""
+
+
 class CorruptImageError(OSError):
-    """An image could not be read or preprocessed (raised only in strict mode)."""
+    """Images that could not be read or preprocessed: raised by the extraction in strict mode, and by
+    the commands (``features extract``, ``predict``) naming every file left out and why."""
 
 
 class ImageChangedError(CorruptImageError):
@@ -155,6 +175,45 @@ def index_images(data_dir: Path) -> dict[str, Path]:
     for pattern in IMAGE_LAYOUTS + DICOM_LAYOUTS:
         for path in sorted(data_dir.glob(pattern)):
             found.setdefault(path.name, path)
+    return found
+
+
+def _image_files(folder: Path) -> list[Path]:
+    """The files directly in ``folder`` whose name ends in an image extension, sorted by name."""
+    return sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
+
+
+def _no_images(folders: Sequence[str]) -> NoImagesError:
+    return NoImagesError(
+        f"no image files in {' or '.join(folders)}: looked for the extensions {' '.join(IMAGE_SUFFIXES)} "
+        "(PNG, JPEG, DICOM; any case)"
+    )
+
+
+def list_images(folder: Path) -> list[Path]:
+    """The image files directly in ``folder`` (not its subfolders), sorted by name; see the module doc."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise NoImagesError(f"{folder} is not a folder")
+    found = _image_files(folder)
+    if not found:
+        raise _no_images([f"{folder} (subfolders are not searched)"])
+    return found
+
+
+def find_images(data_dir: Path) -> dict[str, Path]:
+    """File name -> path of the images in ``data_dir``, then under :data:`IMAGE_SUBFOLDERS`; see the
+    module doc."""
+    data_dir = Path(data_dir)
+    if not data_dir.is_dir():
+        raise NoImagesError(f"{data_dir} is not a folder")
+    folders = [data_dir, *(p for pattern in IMAGE_SUBFOLDERS for p in sorted(data_dir.glob(pattern)))]
+    found: dict[str, Path] = {}
+    for folder in folders:
+        for path in _image_files(folder) if folder.is_dir() else ():
+            found.setdefault(path.name, path)
+    if not found:
+        raise _no_images([str(data_dir), *(f"{data_dir}/{pattern}/" for pattern in IMAGE_SUBFOLDERS)])
     return found
 
 
@@ -262,7 +321,13 @@ def load_grayscale(path: Path) -> Image.Image:
 def _decode(data: bytes, path: Path) -> Image.Image:
     if is_dicom(data, path):
         return Image.fromarray(dicom_grayscale(data, path), mode="L")
-    with Image.open(io.BytesIO(data)) as image:
+    try:
+        opened = Image.open(io.BytesIO(data))
+    except UnidentifiedImageError:  # its own message shows the BytesIO object, not the file
+        raise UnidentifiedImageError(
+            "not a PNG, JPEG or DICOM image (Pillow cannot identify its format)"
+        ) from None
+    with opened as image:
         image.load()
         if image.mode in ("I", "I;16", "I;16B", "I;16L"):
             # 16-bit grayscale: rescale to 8 bits, as the backbones' preprocessing expects 0…255.

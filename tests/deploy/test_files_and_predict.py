@@ -168,7 +168,7 @@ def test_predict_states_its_decision_rule_and_offers_no_probability(tmp_path: Pa
         assert [[int(x) for x in r[3:]] for r in rows[1:]] == (expected > 0).astype(int).tolist()
     help_text = CliRunner().invoke(main, ["predict", "--help"]).output
     assert "score(CLASS)" in help_text and "not a probability" in help_text and "p(CLASS)" not in help_text
-    assert "not calibrated to" in help_text and "PNG or DICOM" in help_text
+    assert "not calibrated to" in help_text and "PNG, JPEG or DICOM" in help_text
 
 
 @pytest.mark.parametrize(

@@ -80,13 +80,13 @@ def test_a_folder_of_dicom_files_extracts_like_the_same_pngs(
 
     out = tmp_path / "f.npz"
     result = features("extract", "--images", images, *common(weights_file, out, tmp_path / "cache"))
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == 1, result.output  # written without the unreadable one, which fails the run
     file = load_feature_file(out)
     assert file.image_ids == ("a.dcm", "b.dicom")
     reference = load_toy("toy", weights_file)
     np.testing.assert_allclose(file.features, direct_features(reference, pngs), atol=1e-6)
     assert file.image_sha256 == tuple(hashlib.sha256(p.read_bytes()).hexdigest() for p in (a, b))
-    assert "note: 1 unreadable images were left out" in result.output
+    assert "CorruptImageError: 1 of the 3 images could not be read and have no row in" in result.output
     assert (
         "c.dcm" in result.output and "JPEG-LS Lossless" in result.output and "gdcmconv --raw" in result.output
     )
@@ -126,8 +126,10 @@ def test_predicts_image_path_reads_dicom_beside_png(
     reference_png = tmp_path / "x.png"
     Image.fromarray(pixels_of(4), mode="L").save(reference_png)
     model = _ModelStub()
-    rows, ids = _extract_directory(model, data, weights_file, tmp_path / "cache", "cpu")
-    assert ids == ["x.dcm", "y.png"] and model.checked and model.checked[0][1] == 8
+    rows, ids, unreadable = _extract_directory(
+        model, data, weights_file, tmp_path / "cache", "cpu", tmp_path / "p.csv"
+    )
+    assert unreadable is None and ids == ["x.dcm", "y.png"] and model.checked and model.checked[0][1] == 8
     reference = load_toy("toy", weights_file)
     np.testing.assert_allclose(rows, direct_features(reference, [reference_png, png]), atol=1e-6)
 
