@@ -74,7 +74,8 @@ class _PorcelainGroup(LibraryErrorsGroup):
         limit = formatter.width - 6 - max(len(name) for name in self.commands)
         shown: set[str] = set()
         for title, names in self.SECTIONS:
-            rows = [(n, self.commands[n].get_short_help_str(limit)) for n in names if n in self.commands]
+            width = formatter.width - 6 - max(len(n) for n in names)  # each section aligns its own
+            rows = [(n, self.commands[n].get_short_help_str(width)) for n in names if n in self.commands]
             shown.update(n for n, _ in rows)
             with formatter.section(title):
                 formatter.write_dl(rows)

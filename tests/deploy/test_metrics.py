@@ -4,6 +4,7 @@ ledger-dir; ``deploy status`` and ``deploy node-metrics --textfile``."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -27,7 +28,7 @@ from secure_afl.deploy.metrics import (
     value,
 )
 from secure_afl.deploy.processes import free_port
-from secure_afl.deploy.study import Study
+from secure_afl.deploy.study import Method, Study, StudyDp
 from secure_afl.deploy.wire import Envelope
 
 from .helpers import DictState, InProcessTransport, check_study, make_federation, run_server
@@ -133,8 +134,10 @@ class NodeCountingTransport(InProcessTransport):
         replies = super().exchange(outgoing, group, timeout)
         for node_id, reply in replies.items():
             settings = self.federation.nodes[node_id].settings
+            error = str(reply.meta.get("error", ""))
+            kind = outgoing[node_id].kind
             record_node_message(
-                settings.ledger_dir, outgoing[node_id].kind, reply.kind, str(reply.meta.get("error", "")), 0.5
+                settings.ledger_dir, kind, reply.kind, error, 0.5, dp_epsilon=settings.dp_epsilon
             )
         return replies
 
@@ -173,6 +176,28 @@ def test_a_refusal_and_the_dp_budget_in_a_node_s_counters(tmp_path: Path) -> Non
     assert value(samples, "secure_afl_refusals_total", rule="ChainBudgetExceededError") == 1
     assert value(samples, "secure_afl_dp_epsilon_limit") == 2.0
     assert value(samples, "secure_afl_dp_epsilon_remaining", unit="image") == 2.0  # nothing released yet
+
+
+def test_dp_epsilon_spent_at_the_coordinator_and_spent_and_remaining_at_each_node(tmp_path: Path) -> None:
+    federation = make_federation(tmp_path, method=Method(balance="global", min_pos=1, min_neg=1))
+    lists = {cid: tuple(data[2]) for cid, data in federation.data.items()}
+    federation.study = dataclasses.replace(
+        federation.study, dp=StudyDp(epsilon=1.0, clip=32.0, class_lists=lists)
+    )
+    for node in federation.nodes.values():
+        node.settings = dataclasses.replace(node.settings, dp_epsilon=3.0)
+    metrics = Metrics()
+    _, classifier, _ = run_server(federation, NodeCountingTransport(federation), metrics=metrics)
+    coordinator = parse_text(metrics)
+    spent = classifier.privacy["epsilon_spent"]
+    assert spent and 0 < max(spent.values()) <= 1.0 + 1e-9
+    for cid, epsilon in spent.items():
+        assert value(coordinator, "secure_afl_dp_epsilon_spent", institution=cid) == pytest.approx(epsilon)
+    node = parse_text_of(federation.nodes[1000].settings.ledger_dir)
+    at_node = value(node, "secure_afl_dp_epsilon_spent", unit="image")
+    assert 0 < at_node <= 1.0 + 1e-9  # the ε its ledger's one DP release spent (image unit)
+    assert value(node, "secure_afl_dp_epsilon_limit") == 3.0
+    assert value(node, "secure_afl_dp_epsilon_remaining", unit="image") == pytest.approx(3.0 - at_node)
 
 
 def parse_text_of(ledger_dir: Path) -> dict:
