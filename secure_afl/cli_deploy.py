@@ -24,6 +24,34 @@ from secure_afl.cli_options import (
 from secure_afl.deploy.errors import ConfigurationError, DeploymentError
 
 
+def _metrics_address(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[str, int] | None:
+    return None if value is None else _address(value, "--metrics")
+
+
+def _address(value: str, option: str) -> tuple[str, int]:
+    """A metrics endpoint's HOST:PORT; a note on stderr when it is not loopback."""
+    from secure_afl.deploy.metrics import is_loopback, parse_address
+
+    try:
+        host, port = parse_address(value, option=option)
+    except ConfigurationError as exc:
+        raise click.BadParameter(str(exc)) from None
+    if not is_loopback(host):
+        click.echo(
+            f"note: the metrics endpoint on {host} has no TLS and no authentication; it shows counts, never "
+            "data, but restrict who reaches that port (firewall) or keep it on loopback",
+            err=True,
+        )
+    return host, port
+
+
+METRICS_HELP = (
+    "Serve the coordinator's Prometheus metrics at HOST:PORT/metrics while the federation runs "
+    "(a port alone: on 127.0.0.1; 0: a free port, printed). Off when absent; `deploy status` reads "
+    "the same counters from the out-dir's metrics.json."
+)
+
+
 def _click_errors(exc: Exception) -> click.ClickException:
     return click.ClickException(f"{type(exc).__name__}: {exc}")
 
@@ -35,6 +63,7 @@ class _PorcelainGroup(LibraryErrorsGroup):
     SECTIONS = (
         ("Walk-through (in this order; `local` rehearses it on one machine)", WALK_THROUGH),
         ("Building blocks (what the walk-through runs for you)", ("tls", "node-key", "app")),
+        ("Monitoring", ("status", "node-metrics")),
     )
 
     def list_commands(self, ctx: click.Context) -> list[str]:
@@ -45,7 +74,8 @@ class _PorcelainGroup(LibraryErrorsGroup):
         limit = formatter.width - 6 - max(len(name) for name in self.commands)
         shown: set[str] = set()
         for title, names in self.SECTIONS:
-            rows = [(n, self.commands[n].get_short_help_str(limit)) for n in names if n in self.commands]
+            width = formatter.width - 6 - max(len(n) for n in names)  # each section aligns its own
+            rows = [(n, self.commands[n].get_short_help_str(width)) for n in names if n in self.commands]
             shown.update(n for n, _ in rows)
             with formatter.section(title):
                 formatter.write_dl(rows)
@@ -563,6 +593,8 @@ def _backbone_record(features: Path | None, backbone: str | None, weights: Path 
               "round). Each session's classifier is compared with the centralised fit on every image "
               "released so far (under --dp-epsilon reported, not checked: the sums are noisy; each "
               "node's dp-epsilon then covers the chain's K sessions).")  # fmt: skip
+@click.option("--metrics", default=None, metavar="HOST:PORT", callback=_metrics_address,
+              help=METRICS_HELP + " After the run it is scraped and must match the report.")  # fmt: skip
 @dp_options
 def deploy_local(protection: str, drops: tuple[str, ...], out_dir: Path, **options: Any) -> None:
     """A federation of N SuperNodes on this machine, compared with the in-process simulation.
@@ -764,9 +796,11 @@ def deploy_check(
     default=None,
     help="Or: an environment variable of this command that holds it (not passed to flwr run).",
 )
+@click.option("--metrics", default=None, metavar="HOST:PORT", callback=_metrics_address, help=METRICS_HELP)
 def deploy_run(
     app_dir: Path, federation: str, flwr_home: Path | None, run_config: tuple[str, ...], timeout: float,
     tick: float, identity_key: Path, passphrase_file: Path | None, passphrase_env: str | None,
+    metrics: tuple[str, int] | None,
 ) -> None:  # fmt: skip
     """Run the federation (the coordinator): `flwr run APP_DIR FEDERATION --stream`, honestly.
 
@@ -811,7 +845,7 @@ def deploy_run(
         click.echo(f"signing as {signer.coordinator_id} ({signer.key.fingerprint})")
         outcome = run_federation(
             app_dir.resolve(), federation, env=env, run_config=run_config, run_timeout=timeout, tick=tick,
-            say=click.echo, signer=signer,
+            say=click.echo, signer=signer, metrics=metrics,
         )  # fmt: skip
     except (ConfigurationError, DeploymentError) as exc:
         raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
@@ -829,6 +863,81 @@ def deploy_run(
         )
     click.echo(f"classifier stored by {report.get('acknowledged', [])}")
     click.echo(f"wrote {outcome.classifier_path} and {outcome.report_path} ({outcome.seconds:.0f} s)")
+
+
+# --- monitoring -------------------------------------------------------------------------------------
+
+
+@deploy.command("status")
+@click.argument("directory", type=click.Path(path_type=Path, file_okay=False, exists=True), required=False)
+@click.option("--url", default=None, metavar="URL",
+              help="Or: scrape this metrics endpoint (deploy run --metrics, deploy node-metrics), e.g. "
+              "http://127.0.0.1:9101/metrics.")  # fmt: skip
+def deploy_status(directory: Path | None, url: str | None) -> None:
+    """Print a party's counters for a person: sessions, rounds, refusals, dropouts, DP ε, the last success.
+
+    \b
+    DIRECTORY: the coordinator's out-dir (the run config's; the ServerApp keeps metrics.json there)
+    or a hospital's ledger-dir (its ClientApp keeps metrics.json there).  The same numbers a
+    monitoring system scrapes from `deploy run --metrics` and `deploy node-metrics`.
+    """
+    from secure_afl.deploy import metrics as m
+
+    if (directory is None) == (url is None):
+        raise click.UsageError("give a DIRECTORY (an out-dir or a ledger-dir) or --url, not both")
+    try:
+        if url is not None:
+            samples = m.scrape(url)
+            source = url
+        else:
+            path = directory / m.METRICS_NAME  # type: ignore[operator]
+            samples = m.samples_of(m.registry_of(lambda: m.read_state(path)))
+            source = str(path)
+    except ConfigurationError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"{source}:")
+    for line in m.status_lines(samples):
+        click.echo(line)
+
+
+@deploy.command("node-metrics")
+@click.option("--ledger-dir", type=click.Path(path_type=Path, file_okay=False), required=True,
+              help="The node config's ledger-dir (its ClientApp keeps metrics.json there).")  # fmt: skip
+@click.option("--listen", default="127.0.0.1:9101", show_default=True, metavar="HOST:PORT",
+              help="Where to serve /metrics (a port alone: on 127.0.0.1).")  # fmt: skip
+@click.option("--textfile", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="Instead: write the metrics once to this file, in node_exporter's textfile-collector "
+              "format (name it *.prom in its --collector.textfile.directory; run it from a timer), and "
+              "exit.")  # fmt: skip
+def deploy_node_metrics(ledger_dir: Path, listen: str, textfile: Path | None) -> None:
+    """Serve a hospital's Prometheus metrics (run it beside its SuperNode; Ctrl-C stops it).
+
+    Flower starts the ClientApp once per message, so it cannot serve an endpoint itself: it counts
+    each message into ledger-dir/metrics.json (sessions advertised in and released, messages
+    answered, refusals by rule, classifiers stored, the ε its ledger records).  This process
+    serves that file, read at each scrape; it reads nothing else and needs no key.
+    """
+    import threading
+
+    from secure_afl.deploy import metrics as m
+
+    registry = m.file_registry(ledger_dir / m.METRICS_NAME, "node")
+    if textfile is not None:
+        m.write_textfile(textfile, registry)
+        click.echo(f"wrote {textfile}")
+        return
+    host, port = _address(listen, "--listen")
+    try:
+        endpoint = m.serve(registry, host, port)
+    except ConfigurationError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"serving {ledger_dir / m.METRICS_NAME} on {endpoint.url} (Ctrl-C stops)")
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        endpoint.close()
 
 
 # --- provision, join, collect: the kits ------------------------------------------------------------

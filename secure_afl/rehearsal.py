@@ -288,6 +288,7 @@ class RehearsalOptions:
     dp_ridge: str | None = None
     dp_class_sums: str | None = None
     dp_row_centre: bool = False
+    metrics: tuple[str, int] | None = None  # where the coordinator's metrics are served (host, port)
 
 
 @dataclass(frozen=True)
@@ -596,7 +597,7 @@ def rehearse(plan: RehearsalPlan, out_dir: Path, *, say: Say = print) -> Rehears
             work_dir, files, study, tls=o.tls, drops=dict(plan.drops), round_timeout=o.round_timeout, say=say,
             colluders=o.colluders, coordinator=o.coordinator, server_dir=out_dir, logs_dir=logs_dir,
             rehearse_abort=o.rehearse_abort,
-            sessions=sessions, arrive=arrive if sessions > 1 else None,
+            sessions=sessions, arrive=arrive if sessions > 1 else None, metrics=o.metrics,
         )  # fmt: skip
         report = RehearsalReport(plan, result, data_seconds)
         if sessions > 1:

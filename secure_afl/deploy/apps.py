@@ -72,6 +72,7 @@ from .classifier import (
 )
 from .client import NodeSettings, handle, path_free
 from .errors import ConfigurationError, DeploymentError, FederationAbortedError
+from .metrics import METRICS_NAME, Metrics, record_node_message
 from .server import FederationServer
 from .study import Method, Study, StudyDp, parse_class_lists
 from .sums import load_sums, save_sums
@@ -287,6 +288,7 @@ def server_main(grid: Grid, context: Context) -> None:
         log=_log,
         colluders=config.get("colluders", "n-t"),
         earlier=earlier,
+        metrics=Metrics(out_dir / METRICS_NAME),  # served by deploy run --metrics, read by deploy status
     )
     report_path = out_dir / "report.json"
     try:
@@ -390,5 +392,23 @@ def client_query(message: Message, context: Context) -> Message:
         print(f"secure-afl client: REFUSED: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         refusal = Envelope("refused", {"error": type(exc).__name__, "message": path_free(str(exc), None)})
         return Message(to_record_dict(refusal), reply_to=message)
+    started = time.perf_counter()
     reply = handle(envelope, FlowerState(context), settings)
+    _count(settings, envelope, reply, time.perf_counter() - started)
     return Message(to_record_dict(reply), reply_to=message)
+
+
+def _count(settings: NodeSettings, envelope: Envelope, reply: Envelope, seconds: float) -> None:
+    """This message in the node's counters (ledger-dir/metrics.json, deploy/metrics.py): this
+    process ends with the message, so ``deploy node-metrics`` serves them.  A counter that cannot be
+    written is said on stderr and changes no answer."""
+    from .client import DEFAULT_DP_DELTA_FLOOR
+
+    try:
+        record_node_message(
+            settings.ledger_dir, envelope.kind, reply.kind, str(reply.meta.get("error", "")), seconds,
+            dp_epsilon=settings.dp_epsilon,
+            dp_delta=settings.dp_delta if settings.dp_delta is not None else DEFAULT_DP_DELTA_FLOOR,
+        )  # fmt: skip
+    except (OSError, DeploymentError) as exc:
+        print(f"secure-afl client: metrics not written: {exc}", file=sys.stderr, flush=True)

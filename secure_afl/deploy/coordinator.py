@@ -192,12 +192,14 @@ def run_federation(
     say: Say = print,
     on_poll: Callable[[], None] | None = None,
     signer: ClassifierSigner | None = None,
+    metrics: tuple[str, int] | None = None,
 ) -> RunOutcome:
     """Run ``flwr run APP CONNECTION --stream``; return whether the federation produced a classifier.
 
     ``on_poll`` is called about ten times a second while the run goes on (``deploy local`` kills
     nodes from it).  Every process started here is stopped before returning unless ``children`` (the
-    caller's) is given.
+    caller's) is given.  ``metrics``: (host, port) where the coordinator's counters, which the
+    ServerApp keeps in ``out-dir/metrics.json``, are served while the run goes on.
     """
     config = read_run_config(app_dir, run_config)
     # env: flwr run's whole environment (the caller's children carry their own)
@@ -213,6 +215,12 @@ def run_federation(
     for path in moved:
         say(f"moved the earlier {path.name.split('.before-')[0]}.json aside: {path}")
     own = children is None
+    endpoint = None
+    if metrics is not None:
+        from .metrics import METRICS_NAME, file_registry, serve
+
+        endpoint = serve(file_registry(out_dir / METRICS_NAME, "coordinator"), *metrics)
+        say(f"serving the coordinator's metrics on {endpoint.url}")
     # flwr run prints the ServerApp's lines with print(): unbuffered, each reaches us as it is written.
     children = children or ProcessGroups({**merged_env, "PYTHONUNBUFFERED": "1"})
     argv = [flower_bin("flwr"), "run", str(app_dir), connection, "--stream"]
@@ -263,6 +271,8 @@ def run_federation(
     finally:
         if own:
             children.stop_all()
+        if endpoint is not None:
+            endpoint.close()
     outcome.seconds = time.perf_counter() - started
     cause = diagnose(progress.flower_lines, outcome.exit_code, started=progress.run_id, address=address,
                      connection=connection)  # fmt: skip

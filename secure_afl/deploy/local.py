@@ -93,6 +93,7 @@ def run_local(
     rehearse_abort: bool = False,
     sessions: int = 1,
     arrive: Callable[[int], None] | None = None,
+    metrics: tuple[str, int] | None = None,
 ) -> LocalResult:
     """Start the federation under ``work_dir``, run it, stop every process; return the classifier.
 
@@ -106,6 +107,8 @@ def run_local(
     ``sessions`` > 1: a federation that grows.  Before run k (0, 1, ...) ``arrive(k)`` rewrites the
     feature files (the images arrived so far); run k > 0 is a study that extends run k - 1's
     (run config ``extends``), over the same SuperNodes, ledgers and server out-dir.
+    ``metrics``: (host, port) where the coordinator's metrics are served while the federation runs
+    (``deploy run --metrics``); after the last run they are scraped there and must match the reports.
     """
     drops = dict(drops or {})
     client_ids = sorted(feature_files)
@@ -174,6 +177,7 @@ def run_local(
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
     children = ProcessGroups(env)
     killed: dict[str, str] = {}
+    endpoint: Any = None  # with metrics: the coordinator's /metrics, served until the end
     previous_term = signal.getsignal(signal.SIGTERM)
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, raise_interrupt)  # a terminated parent still stops its children
@@ -284,6 +288,13 @@ def run_local(
         grown: list[tuple[Classifier, dict]] = []
         roster = Roster.from_json(roster_path.read_text(encoding="utf-8"))
         classifier_path = server_dir / "classifier.json"
+        before = None
+        if metrics is not None:
+            from .metrics import METRICS_NAME, file_registry, scrape, serve
+
+            endpoint = serve(file_registry(server_dir / METRICS_NAME, "coordinator"), *metrics)
+            before = scrape(endpoint.url)  # the out-dir's counters of earlier runs, if any
+            say(f"serving the coordinator's metrics on {endpoint.url}")
         for k in range(sessions):
             if k:
                 stage = time.perf_counter()
@@ -312,6 +323,8 @@ def run_local(
             # signed by the coordinator
             grown.append((Classifier.load(classifier_path, roster=roster), outcome.report))
         classifier, report = grown[-1]
+        if endpoint is not None:
+            _check_metrics(endpoint.url, [r for _, r in grown], before, say)
         node_files = {
             cid: out_dir / cid / "classifier.json"
             for cid in client_ids
@@ -328,11 +341,26 @@ def run_local(
         return result
     finally:
         children.stop_all()
+        if endpoint is not None:
+            endpoint.close()
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, previous_term)
         left = children.alive()
         if left:  # pragma: no cover
             say(f"WARNING: processes still running in process groups {left}")
+
+
+def _check_metrics(url: str, reports: Sequence[dict], before: Any, say: Say) -> None:
+    """Scrape the coordinator's endpoint while the federation still runs: its counters must have
+    grown by what the runs' reports record."""
+    from .metrics import mismatches, scrape
+
+    wrong = mismatches(scrape(url), reports, before)
+    if wrong:
+        raise LocalDeploymentError(
+            f"the metrics scraped from {url} differ from the report: {'; '.join(wrong)}"
+        )
+    say(f"metrics scraped from {url}: the counters match the report{'s' if len(reports) > 1 else ''}")
 
 
 def _rehearse_abort(

@@ -35,6 +35,7 @@ from secure_afl.privacy.policy import active_threshold
 
 from .classifier import Classifier, ClassifierSigner
 from .errors import ConfigurationError, FederationAbortedError
+from .metrics import Metrics
 from .solve import StudySolver
 from .study import (
     Study,
@@ -144,8 +145,11 @@ class FederationServer:
         signer: ClassifierSigner | None = None,
         colluders: object = "n-t",
         earlier: AccumulatedSums | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         self.transport = transport
+        # What a monitoring system scrapes (deploy/metrics.py): counted where the report records it.
+        self.metrics = metrics or Metrics()
         # A growing study: the sums of the chain it extends (the coordinator's own earlier outputs).
         if study.extends and (earlier is None or earlier.study_digest != study.extends):
             raise ConfigurationError(
@@ -246,6 +250,7 @@ class FederationServer:
                 self.report.seconds["solve"] += time.perf_counter() - solve_started
         weights = solver.weights(model)  # under --dp-dim the classifier holds W = P W_K
         self.privacy = solver.privacy_record()  # under DP: every session's ε, and a chain's
+        self.metrics.privacy(self.privacy)
         classifier = self._classifier(weights)
         self.report.seconds["federation"] = time.perf_counter() - started
         return classifier
@@ -311,12 +316,16 @@ class FederationServer:
             elif envelope.kind == "dropped":
                 reason = f"Flower reports it gone ({one_line(envelope.meta.get('error', '?'), 100)})"
                 self.report.dropouts.append({"at": "classifier", "client": client_of[node], "reason": reason})
+                self.metrics.dropout()
                 self.log(f"classifier: {client_of[node]} {reason} (dropout)")
         for node in sorted(set(outgoing) - set(replies)):
             reason = f"did not answer within {self.round_timeout:.0f} s"
             self.report.dropouts.append({"at": "classifier", "client": client_of[node], "reason": reason})
+            self.metrics.dropout()
             self.log(f"classifier: {client_of[node]} {reason} (dropout)")
         self.report.acknowledged = tuple(sorted(stored))
+        if stored:
+            self.metrics.delivered()
         return self.report.acknowledged
 
     # --- sessions -----------------------------------------------------------------------------
@@ -348,6 +357,20 @@ class FederationServer:
         return nodes
 
     def _session(
+        self, label: str, nodes: Sequence[int], layout: Layout, arrays: Mapping[str, np.ndarray]
+    ) -> tuple[SessionRecord, SessionOutcome]:
+        """One session (:meth:`_run_session`), counted started, then finished or aborted."""
+        self.metrics.session_started()
+        started = time.perf_counter()
+        try:
+            result = self._run_session(label, nodes, layout, arrays)
+        except Exception:
+            self.metrics.session_aborted(time.perf_counter() - started)
+            raise
+        self.metrics.session_finished(time.perf_counter() - started)
+        return result
+
+    def _run_session(
         self, label: str, nodes: Sequence[int], layout: Layout, arrays: Mapping[str, np.ndarray]
     ) -> tuple[SessionRecord, SessionOutcome]:
         """Run one session: follow the server session's ``next_round()`` until it sends nothing.
@@ -438,6 +461,7 @@ class FederationServer:
                     self.report.rejections.append(
                         {"at": at, "from": who, "error": type(exc).__name__, "message": text}
                     )
+                    self.metrics.rejection(type(exc).__name__)
                     self.log(f"{at}: rejected the reply of {who}: {type(exc).__name__}: {text}")
                     if who in node_of:
                         failed.add(who)
@@ -458,6 +482,7 @@ class FederationServer:
                     else f"did not answer within {timeout:.0f} s"
                 )
                 self.report.dropouts.append({"at": at, "client": who, "reason": why})
+                self.metrics.dropout()
                 self.log(f"{at}: {who} {why} (dropout)")
                 silent.add(who)
             failed |= silent & set(node_of)
@@ -470,9 +495,9 @@ class FederationServer:
                 requests = session.next_round()
             except SessionAbortedError as exc:
                 raise FederationAbortedError(f"session {label} aborted after {round_name}: {exc}") from exc
-            record.round_seconds[round_name] = record.round_seconds.get(round_name, 0.0) + (
-                time.perf_counter() - started
-            )
+            elapsed = time.perf_counter() - started
+            record.round_seconds[round_name] = record.round_seconds.get(round_name, 0.0) + elapsed
+            self.metrics.round_done(elapsed, repeated=again)
             repeated = " (again: replacing the key holder or decryptors)" if again else ""
             names = f" ({', '.join(sorted(answered))})" if answered else ""
             self.log(f"{at}{repeated}: {answers} answer(s) in {time.perf_counter() - started:.1f} s{names}")
@@ -553,6 +578,7 @@ class FederationServer:
         error = one_line(envelope.meta.get("error", "?"), 100)
         message = one_line(envelope.meta.get("message", ""), 2000)
         self.report.refusals.append({"at": where, "from": who, "error": error, "message": message})
+        self.metrics.refusal(error)
         self.log(f"{where}: {who} refused: {error}: {message}")
 
     def _protocol(self) -> dict[str, Any]:

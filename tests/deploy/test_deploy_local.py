@@ -62,11 +62,13 @@ GROWING = ["deploy", "local", "--clients", "3", "--sessions", "3", "--missing", 
 
 # 4 clients, seed 0: class 2 is labelled by client-0 and client-1 and missed by client-2 and client-3
 # (round 2's only pseudo-label group): groups of two, which one assumed colluder (n = 4, t = 3) would
-# forbid, so --colluders 0 (deploy local refuses the default up front).
+# forbid, so --colluders 0 (deploy local refuses the default up front).  --metrics: the coordinator's
+# endpoint, on a port the kernel picks when it binds.
 TLS = ["deploy", "local", "--clients", "4", "--tls", "--drop", "client-0@R4", "--colluders", "0",
        "--rounds", "2", "--coordinator", "honest-but-curious", "--rehearse-abort", "--fraction", "0.08",
        "--dim", "32",
-       "--round-timeout", "30"]  # fmt: skip
+       "--round-timeout", "30",
+       "--metrics", "127.0.0.1:0"]  # fmt: skip
 
 # seed 2: every class is labelled by 3 or more of the 4 (seed 0 leaves a class group of two, which the
 # nodes' exposure check refuses with one colluder assumed; deploy local says so)
@@ -182,9 +184,10 @@ def test_deploy_local_tls_a_dropout_round2_and_an_abort_that_deploy_run_reports(
     """One real federation (the suite's slowest test, so it carries several things): TLS and node
     authentication; a SuperNode killed as it receives session 1's R4 (its masked input is already in
     the sums); round 2's pseudo-label group through Flower processes, equal bit for bit to the
-    simulation's two rounds; then --rehearse-abort: SuperNodes killed until too few remain, and the
-    coordinator's command (deploy run's code) must fail and move the earlier classifier aside.
-    predict --evaluate then verifies and scores what --out holds."""
+    simulation's two rounds; the coordinator's metrics endpoint (--metrics) scraped during the run;
+    then --rehearse-abort: SuperNodes killed until too few remain, and the coordinator's command
+    (deploy run's code) must fail and move the earlier classifier aside. predict --evaluate then
+    verifies and scores what --out holds."""
     import json
 
     from click.testing import CliRunner
@@ -202,6 +205,17 @@ def test_deploy_local_tls_a_dropout_round2_and_an_abort_that_deploy_run_reports(
     assert "classifier stored by ['client-1', 'client-2', 'client-3']; identical copies: True" in output
     # Signed in deploy local's own process (deploy run's code), not by the ServerApp, which has no key.
     assert "sign request " in output and "signed the classifier " in output and " as coordinator (" in output
+    # --metrics: deploy local scraped the coordinator's endpoint while the federation ran, and its
+    # counters matched the report; the file the ServerApp kept (deploy status's) matches it too.
+    from secure_afl.deploy.metrics import file_registry, mismatches, samples_of, value
+
+    assert "metrics scraped from http://127.0.0.1:" in output
+    assert "/metrics: the counters match the report" in output
+    report = json.loads((out / "report.json").read_text())
+    counters = samples_of(file_registry(out / "metrics.json", "coordinator"))
+    assert mismatches(counters, [report]) == []
+    assert value(counters, "secure_afl_sessions_finished_total") == 2
+    assert value(counters, "secure_afl_dropouts_total") == len(report["dropouts"]) >= 1
     # signed by the coordinator; --out holds the roster that verifies it (predict --roster)
     classifier = Classifier.load(out / "classifier.json", roster=load_roster(out / "roster.json"))
     assert classifier.signer == "coordinator"
