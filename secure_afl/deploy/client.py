@@ -780,7 +780,13 @@ def release_scope(study: Study, label: str, settings: NodeSettings) -> str:
 
 
 def _unreleased(
-    data: Any, study: Study, label: str, settings: NodeSettings, client_id: str, identity: IdentityKey
+    data: Any,
+    study: Study,
+    label: str,
+    settings: NodeSettings,
+    client_id: str,
+    identity: IdentityKey,
+    session_id: bytes = b"",
 ) -> tuple[Any, str]:
     """The feature file's rows a release may take, and the record of the others
     (:func:`~secure_afl.privacy.release.select_rows`): a row naming an image this institution's
@@ -794,7 +800,9 @@ def _unreleased(
 
     state = _ledger(settings).load(LedgerOwner(client_id, identity))
     reuses = release_scope(study, "1", settings) if label == "2" and not study.extends else ""
-    selection = select_rows(data.require_image_identities(), state.released_images(b"", reuses=reuses))
+    # ``session_id``: this session's own release is not "another" one (Flower may deliver its R0 again)
+    released = state.released_images(session_id, reuses=reuses)
+    selection = select_rows(data.require_image_identities(), released)
     for line in selection.log_lines(data.image_ids, data.sop_instance_uids):
         log(settings, f"{client_id}: {line}")
     total = selection.total
@@ -866,7 +874,8 @@ def _start_session(envelope: Envelope, label: str, state: LocalState, settings: 
     if study.dp is not None and label == "1":  # round 1 carries the study's spend (both rounds)
         spend = _check_dp_budget(study, settings, client_id, identity, len(roster))
     # Only images not yet released, none repeated in the file (a growing study: its new images)
-    data, withheld = _unreleased(data, study, label, settings, client_id, identity)
+    session_id = request.config.session_id  # type: ignore[attr-defined]
+    data, withheld = _unreleased(data, study, label, settings, client_id, identity, session_id)
     if study.class_lists:  # round 1's wire groups are planned from the published lists: they must be true
         _check_class_list(
             study.class_lists, data, client_id, roster, "round 1's groups are planned from these lists"
