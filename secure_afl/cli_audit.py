@@ -48,6 +48,8 @@ def _path(log_path: Path | None, ledger_dir: Path | None) -> Path:
 def show(log_path: Path | None, ledger_dir: Path | None) -> None:
     """Print the log's records, one a line (read as stored: `audit verify` checks them)."""
     path = _path(log_path, ledger_dir)
+    if not path.is_file():
+        raise click.ClickException(f"{path}: no audit log here (nothing recorded yet, or the path is wrong)")
     try:
         contents = read_log(path)
     except AuditLogError as exc:
