@@ -131,6 +131,7 @@ class _LazyGroup(LibraryErrorsGroup):
     cls=_LazyGroup,
     lazy={
         "keys": "secure_afl.cli_keys:keys",
+        "audit": "secure_afl.cli_audit:audit",
         "deploy": "secure_afl.cli_deploy:deploy",
         "predict": "secure_afl.cli_deploy:predict",
         "features": "secure_afl.cli_features:features",

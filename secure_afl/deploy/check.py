@@ -221,6 +221,10 @@ def check_node(
         checked = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         path = step("checked study", lambda: pin_study(settings, study, checked))
         ok(f"recorded study {study.digest()} in {path}: this node takes part in this study only")
+        from .audit import record_study_pinned
+
+        log = step("audit log", lambda: record_study_pinned(settings, client_id, identity, study, checked))
+        ok(f"audit log {log}: study-pinned recorded, signed by {client_id}")
     else:
         say("note: no --study: no study recorded; the node refuses every study until `deploy check --study`")
     return CheckResult(client_id, tuple(lines))

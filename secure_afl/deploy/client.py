@@ -40,6 +40,7 @@ from secure_afl.keys.identity import IdentityKey
 from secure_afl.keys.roster import Roster
 from secure_afl.privacy.release import Release
 
+from .audit import record_accepted, record_refusal
 from .classifier import Classifier
 from .errors import (
     ChainBudgetExceededError,
@@ -218,9 +219,9 @@ def _ledger(settings: NodeSettings) -> Any:
     before: the answers are the same digests (recorded once), the release the same (its own session
     is not "another" one), so the replay needs no special ledger; a *different* message for an
     answered round (a forked context state) meets the record and is refused."""
-    from secure_afl.privacy.ledger import FileLedger
+    from .audit import AuditedLedger  # the ledger that also writes each release in LEDGER_DIR/audit.log
 
-    return FileLedger(settings.ledger_dir)
+    return AuditedLedger(settings, DEFAULT_DP_DELTA_FLOOR)
 
 
 def log(settings: NodeSettings | None, text: str) -> None:
@@ -233,7 +234,9 @@ def handle(envelope: Envelope, state: LocalState, settings: NodeSettings) -> Env
     round_name = str(envelope.meta.get("round", ""))
     try:
         if envelope.kind == "advertise":
-            return _start_session(envelope, label, state, settings)
+            reply = _start_session(envelope, label, state, settings)
+            record_accepted(envelope, state, settings)  # in LEDGER_DIR/audit.log, or the session is refused
+            return reply
         if envelope.kind == "protocol":
             return _continue_session(envelope, label, state, settings)
         if envelope.kind == "classifier":
@@ -241,17 +244,19 @@ def handle(envelope: Envelope, state: LocalState, settings: NodeSettings) -> Env
         raise SessionReplayError(f"unexpected {envelope.kind!r} message from the server")
     except Exception as exc:  # every failure is answered (its class named), logged, and ends the session
         log(settings, f"REFUSED session {label or '-'} {round_name}: {type(exc).__name__}: {exc}")
-        if label and envelope.kind in ("advertise", "protocol"):
-            saved = state.load(label)
-            if saved is None or saved.get("status") == "active":
-                state.save(label, {"status": f"failed: {type(exc).__name__}"})
         # The coordinator learns the error's class, a message without this machine's paths, and the
         # roster id this node holds the key of (read without the passphrase; a claim, not signed).
-        return Envelope(
+        refusal = Envelope(
             "refused",
             {"session": label, "round": round_name, "error": type(exc).__name__,
              "message": path_free(str(exc), settings), "client": roster_id(settings) or ""},
         )  # fmt: skip
+        record_refusal(envelope, refusal, state, settings)  # as sent, in LEDGER_DIR/audit.log
+        if label and envelope.kind in ("advertise", "protocol"):
+            saved = state.load(label)
+            if saved is None or saved.get("status") == "active":
+                state.save(label, {"status": f"failed: {type(exc).__name__}"})
+        return refusal
 
 
 _PATH = re.compile(r"(?<![\w.~-])(?:~|\.{1,2})?/[^\s'\"`,;:()\[\]]+")

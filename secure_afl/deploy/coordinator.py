@@ -35,6 +35,7 @@ from typing import Any
 
 from secure_afl.keys.roster import Roster
 
+from .audit import record_run, record_signed
 from .classifier import (
     LATEST_NAME,
     SIGN_REQUEST,
@@ -276,7 +277,9 @@ def run_federation(
     outcome.seconds = time.perf_counter() - started
     cause = diagnose(progress.flower_lines, outcome.exit_code, started=progress.run_id, address=address,
                      connection=connection)  # fmt: skip
-    return _decide(outcome, failure, started_wall=time.time() - outcome.seconds, cause=cause)
+    outcome = _decide(outcome, failure, started_wall=time.time() - outcome.seconds, cause=cause)
+    record_run(signing, outcome, say)  # the sessions and the outcome, in OUT_DIR/audit.log
+    return outcome
 
 
 @dataclass(frozen=True)
@@ -324,6 +327,8 @@ class _Signing:
             study_digest=self.study_digest,
             content_sha256=content_sha256,
         )
+        # Recorded in OUT_DIR/audit.log before the file is written (a failure here: nothing signed)
+        record_signed(out_dir, self.signer, self.roster, self.study_digest, content_sha256)
         write_classifier_file(out_dir / LATEST_NAME, signed)
         return (
             f"signed the classifier {content_sha256[:16]}... as {self.signer.coordinator_id} "

@@ -82,6 +82,7 @@ def test_check_passes_a_good_node_and_names_every_check(tmp_path: Path) -> None:
         assert f"ok  {check}" in output
     assert "client-0 (" in output and "matches the study" in output
     assert "client-0: every check passed" in output
+    assert "study-pinned recorded, signed by client-0" in output
     # The same keys from a file: a TOML file and a file of key="value" pairs.
     toml = tmp_path / "node.toml"
     toml.write_text(_node_config(federation).replace('" ', '"\n') + "\n")
@@ -90,9 +91,10 @@ def test_check_passes_a_good_node_and_names_every_check(tmp_path: Path) -> None:
     for path in (toml, plain):
         code, output = _check("--config", str(path))
         assert code == 0 and "client-0: every check passed" in output, output
-    # The check writes only the study it checked (with --study): no ledger file, no out-dir.
+    # The check writes only the study it checked (with --study) and its audit record: no ledger file,
+    # no out-dir.
     settings = federation.nodes[1000].settings
-    assert [p.name for p in settings.ledger_dir.iterdir()] == ["checked-study.json"]
+    assert sorted(p.name for p in settings.ledger_dir.iterdir()) == ["audit.log", "checked-study.json"]
     assert not settings.out_dir.exists()
 
 

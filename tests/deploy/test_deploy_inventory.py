@@ -25,6 +25,7 @@ from secure_afl.deploy.errors import FederationAbortedError
 from secure_afl.deploy.server import FederationServer
 from secure_afl.deploy.study import Method, StudyDp
 from secure_afl.deploy.wire import Envelope
+from secure_afl.keys.auditlog import AUDIT_FILE
 from secure_afl.protocol.ckks.context import CkksParameters
 
 from .helpers import BACKBONE, Federation, InProcessTransport, make_federation
@@ -91,7 +92,8 @@ def _assert_refused_in_r0(federation: Federation, transport: R0Only, message: st
         assert reply.meta["error"] == "StudyMismatchError" and message in str(reply.meta["message"])
         assert reply.payload == b""  # no advertisement, no key
         assert federation.nodes[node_id].state.records == {"1": {"status": "failed: StudyMismatchError"}}
-        assert transport.ledger_after_r0[node_id] == [CHECKED_STUDY]  # nothing released or answered
+        # Nothing released or answered; the audit log records the refusal.
+        assert transport.ledger_after_r0[node_id] == sorted([AUDIT_FILE, CHECKED_STUDY])
 
 
 MASKING = {  # n = 4: the study's t = 3 (every node's floor), minimum group size 2, 32 fractional bits
