@@ -316,3 +316,26 @@ def test_add_rotate_revoke_and_remove_as_commands_each_checked_by_update(fast_sc
     pinned.write_text(v3.read_text())
     with pytest.raises(RosterNotPinnedError):
         check_pin(Roster.from_json(pinned.read_text()), ledger_dir, pinned)
+
+
+def test_the_coordinators_key_rotates_by_its_statement_and_a_new_coordinator_is_recognised(v1) -> None:
+    keys, coordinator, pinned = v1
+    new = IdentityKey.generate()
+    entry = RosterEntry("coordinator", "Coordinator", new.public_key)
+    rotation = KeyRotation.make("coordinator", coordinator, new.public_key)
+    rotated = next_version(pinned).replace(
+        coordinator=entry, revoked=(coordinator.fingerprint,), rotations=(rotation,)
+    )
+    assert accept_successor(_signed(pinned, keys), _signed(rotated, keys), Recognition()).rotated == (
+        "coordinator",
+    )
+    unvouched = next_version(pinned).replace(coordinator=entry)
+    with pytest.raises(RosterSuccessionError, match="'coordinator' has another key"):
+        accept_successor(_signed(pinned, keys), _signed(unvouched, keys), Recognition())
+    other = next_version(pinned).replace(coordinator=RosterEntry("operator", "Operator", new.public_key))
+    with pytest.raises(RosterNotRecognisedError, match="'operator'"):
+        accept_successor(
+            _signed(pinned, keys),
+            _signed(other, keys),
+            Recognition(expected={"hospital-a": keys["hospital-a"].fingerprint}),
+        )
