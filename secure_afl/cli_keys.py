@@ -703,9 +703,10 @@ def roster_update(
         click.echo(f"ok  {line}")
     if ledger_dir is not None:
         click.echo(f"ok  pinned version {following.version} in {write_pin(ledger_dir, following)}")
+    carried = " The ledger and its DP budget carry over." if ledger_dir is not None else ""
     click.echo(
         f"{roster_path} is now roster version {following.version} ({following.fingerprint}); version "
-        f"{pinned.version} kept as {archive}. The ledger and its DP budget carry over."
+        f"{pinned.version} kept as {archive}.{carried}"
     )
     if local is not None and local.fingerprint in following.revoked:
         click.echo(
