@@ -339,3 +339,55 @@ def test_the_coordinators_key_rotates_by_its_statement_and_a_new_coordinator_is_
             _signed(other, keys),
             Recognition(expected={"hospital-a": keys["hospital-a"].fingerprint}),
         )
+
+
+def test_keys_rotate_moves_the_ledger_and_leaves_key_and_ledger_as_they_were_when_the_ledger_is_refused(
+    fast_scrypt, tmp_path: Path
+) -> None:
+    from secure_afl.keys import load_identity_key
+    from secure_afl.privacy.ledger import SessionEntry
+
+    passfile = tmp_path / "pass"
+    passfile.write_text(PASS + "\n")
+    passfile.chmod(0o600)
+    keys_dir, ledger_dir = tmp_path / "keys", tmp_path / "ledger"
+    assert (
+        run("keys", "init", "--id", "hospital-a", "--passphrase-file", passfile, "--key-dir", keys_dir)[0]
+        == 0
+    )
+    old = load_identity_key(keys_dir / "identity.key", PASS.encode())
+    ledger = FileLedger(ledger_dir)
+    ledger.update(
+        LedgerOwner("hospital-a", old),
+        lambda s: s.sessions.update({"cd" * 32: SessionEntry(survivors=("hospital-a",), released=("v",))}),
+    )
+    # a hand-edited ledger: the rotation is refused, the key and the ledger stay as they were
+    good = ledger.path("hospital-a").read_bytes()
+    ledger.path("hospital-a").write_bytes(good.replace(b'"v"', b'"w"'))
+    args = (
+        "keys",
+        "rotate",
+        "--passphrase-file",
+        passfile,
+        "--key-dir",
+        keys_dir,
+        "--ledger-dir",
+        ledger_dir,
+    )
+    code, out = run(*args)
+    assert code == 1 and "LedgerTamperedError" in out
+    assert load_identity_key(keys_dir / "identity.key", PASS.encode()).public_key == old.public_key
+    assert sorted(p.name for p in keys_dir.iterdir()) == ["identity.key", "identity.pub.json"]
+    ledger.path("hospital-a").write_bytes(good)
+    code, out = run(*args)
+    assert code == 0 and "1 session(s) kept" in out, out
+    new = load_identity_key(keys_dir / "identity.key", PASS.encode())
+    assert new.public_key != old.public_key and _fp(keys_dir) == new.fingerprint
+    state = ledger.load(LedgerOwner("hospital-a", new))
+    assert (
+        state.sessions["cd" * 32].released == ("v",) and state.rotations[0].old_public_key == old.public_key
+    )
+    statement = KeyRotation.from_json((keys_dir / "rotation.json").read_text()).verify()
+    assert (statement.old_public_key, statement.new_public_key) == (old.public_key, new.public_key)
+    retired = [p for p in keys_dir.iterdir() if p.name.startswith("identity.key.rotated-")]
+    assert len(retired) == 1 and retired[0].stat().st_mode & 0o777 == 0o600
