@@ -226,4 +226,91 @@ for out in hospital-a/flwr-ls.out hospital-a/flwr-run.out hospital-a/flwr-regist
   grep -q "404" "$out" || { cat "$out"; echo "FAILED: $out is not the front's refusal"; exit 1; }
 done
 echo "refused by the front (404): flwr ls, flwr run and flwr supernode register from a hospital"
+
+# Membership and keys after the first classifier (the page's section 4): roster versions 2-4, each co-signed
+# by every institution it lists and pinned by each node with `keys roster update` (its kit/roster.json).
+# sign_in FILE ID...: each ID co-signs FILE in turn (the file travels from party to party), expecting every
+# other entry's fingerprint as heard from that party.
+sign_in() {
+  local file=$1; shift
+  for who in "$@"; do
+    local expect=""
+    for other in "${MEMBERS[@]}" coordinator; do [ "$other" = "$who" ] || expect+=" --expect $other='${FP[$other]}'"; done
+    cp "$file" "$who/roster.next.json"
+    party "$who" "secure-afl keys roster sign --roster roster.next.json --passphrase-file pass$expect" \
+        > "$who/sign.out" || { cat "$who/sign.out"; echo "FAILED: $who keys roster sign"; exit 1; }
+    cp "$who/roster.next.json" "$file"
+  done
+}
+# update_at FILE [OPTIONS] ID...: each ID (a hospital: its kit/roster.json and ledger; the coordinator:
+# fed/roster.json) moves to roster FILE; OPTIONS (--expect ...) go to every update.
+update_at() {
+  local file=$1 options=$2; shift 2
+  for who in "$@"; do
+    cp "$file" "$who/roster.new.json"
+    if [ "$who" = coordinator ]; then
+      party coordinator "secure-afl keys roster update --roster fed/roster.json --new roster.new.json $options"
+    else
+      party "$who" "secure-afl keys roster update --roster kit/roster.json --new roster.new.json \
+          --ledger-dir kit/state/ledger $options"
+    fi > "$who/update.out" || { cat "$who/update.out"; echo "FAILED: $who keys roster update"; exit 1; }
+    grep -E "^ok  |is now roster version" "$who/update.out" | sed "s/^/$who: /"
+  done
+}
+node_check() {  # node_check ID: the node's own checks (roster and its pin, key, ledger) on its node config
+  party "$1" 'secure-afl deploy check --config kit/node-config.toml' > "$1/check.out" 2>&1 \
+      || { cat "$1/check.out"; echo "FAILED: $1 deploy check"; exit 1; }
+  grep -E "^ok  (roster|identity key|ledger) " "$1/check.out" | sed "s/^/$1: /"
+}
+
+echo "== D1. a fourth hospital joins: key (hospital-d), added to roster version 2, co-signed by all four"
+mkdir -p hospital-d
+(umask 077; printf '%s\n' "delta four river lantern" > hospital-d/pass)
+party hospital-d 'secure-afl keys init --id hospital-d --name "Hospital D" --passphrase-file pass' > hospital-d/keys.out
+fingerprint_of hospital-d hospital-d/keys.out
+mkdir -p coordinator/hospital-d && cp hospital-d/home/.secure-afl/identity.pub.json coordinator/hospital-d/
+party coordinator "secure-afl keys roster next --roster fed/roster.json --out roster.v2.json && secure-afl keys \
+    roster add --roster roster.v2.json --entry hospital-d/identity.pub.json --fingerprint '${FP[hospital-d]}'"
+MEMBERS=(hospital-a hospital-b hospital-c hospital-d)
+sign_in coordinator/roster.v2.json "${MEMBERS[@]}"
+update_at coordinator/roster.v2.json "--expect hospital-d='${FP[hospital-d]}'" hospital-a hospital-b hospital-c coordinator
+node_check hospital-a
+
+echo "== a node refuses to go back: roster version 1 again is refused by update, and by the node if copied"
+cp coordinator/fed/kits/hospital-a/roster.json hospital-a/roster.v1.json
+if party hospital-a 'secure-afl keys roster update --roster kit/roster.json --new roster.v1.json \
+    --ledger-dir kit/state/ledger' > hospital-a/rollback.out 2>&1; then
+  cat hospital-a/rollback.out; echo "FAILED: a rollback to version 1 was accepted"; exit 1
+fi
+grep -q "RosterSuccessionError" hospital-a/rollback.out || { cat hospital-a/rollback.out; echo "FAILED: rollback"; exit 1; }
+cp hospital-a/kit/roster.json hospital-a/roster.pinned.json && cp hospital-a/roster.v1.json hospital-a/kit/roster.json
+if party hospital-a 'secure-afl deploy check --config kit/node-config.toml' > hospital-a/copied.out 2>&1; then
+  cat hospital-a/copied.out; echo "FAILED: the node accepted a roster copied back by hand"; exit 1
+fi
+grep -q "RosterNotPinnedError" hospital-a/copied.out || { cat hospital-a/copied.out; echo "FAILED: not the pin"; exit 1; }
+mv hospital-a/roster.pinned.json hospital-a/kit/roster.json
+echo "refused: RosterSuccessionError (update), RosterNotPinnedError (the node)"
+
+echo "== R1. hospital-b rotates its key (its ledger moves to the new key); roster version 3 carries the statement"
+party hospital-b 'secure-afl keys rotate --passphrase-file pass --ledger-dir kit/state/ledger' > hospital-b/rotate.out
+grep -E "^ok  moved the ledger" hospital-b/rotate.out
+FP[hospital-b]=$(sed -n 's/^fingerprint: *//p' hospital-b/rotate.out)
+cp hospital-b/home/.secure-afl/rotation.json coordinator/hospital-b.rotation.json
+party coordinator "secure-afl keys roster next --roster fed/roster.json --out roster.v3.json && secure-afl keys \
+    roster rotate --roster roster.v3.json --statement hospital-b.rotation.json --fingerprint '${FP[hospital-b]}'"
+sign_in coordinator/roster.v3.json "${MEMBERS[@]}"
+update_at coordinator/roster.v3.json "" hospital-a hospital-b hospital-c coordinator
+node_check hospital-b
+
+echo "== X1. hospital-c leaves: roster version 4 without it, co-signed by the three that stay"
+party coordinator 'secure-afl keys roster next --roster fed/roster.json --out roster.v4.json && secure-afl keys \
+    roster remove --roster roster.v4.json --id hospital-c'
+MEMBERS=(hospital-a hospital-b hospital-d)
+sign_in coordinator/roster.v4.json "${MEMBERS[@]}"
+update_at coordinator/roster.v4.json "" hospital-a hospital-b coordinator
+for h in hospital-a hospital-b; do
+  node_check "$h"
+  party "$h" "secure-afl keys ledger show --ledger-dir kit/state/ledger --client-id $h" | sed -n "1,2s/^/$h: /p"
+done
+party hospital-a 'secure-afl keys roster show --roster kit/roster.json' | grep -E "^hospital-|^version|^revoked|co-signed"
 echo "done in $(( $(date +%s) - started )) s: $W"

@@ -184,14 +184,7 @@ def init(
     except KeyFileError as exc:
         raise click.ClickException(str(exc)) from None
     entry = RosterEntry(entry_check.client_id, entry_check.name, key.public_key)
-    document = {
-        "format": PUBLIC_FORMAT,
-        "id": entry.client_id,
-        "name": entry.name,
-        "public_key": base64.b64encode(entry.public_key).decode("ascii"),
-        "fingerprint": entry.fingerprint,
-    }
-    (directory / PUBLIC_FILE).write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
+    _write_public_entry(directory, entry)
     click.echo(f"wrote {key_path} (private, 0600) and {directory / PUBLIC_FILE} (send it to the coordinator)")
     click.echo(f"id:          {entry.client_id}")
     click.echo(f"fingerprint: {entry.fingerprint}")
@@ -287,9 +280,9 @@ def roster_add(
         )
     try:
         if coordinator:
-            updated = Roster(current.entries, entry)
+            updated = current.replace(coordinator=entry)
         else:
-            updated = Roster((*current.entries, entry), current.coordinator)
+            updated = current.replace(entries=(*current.entries, entry))
     except RosterError as exc:
         raise click.ClickException(f"{roster_path}: {exc}") from None
     write_roster_file(roster_path, updated)
@@ -306,12 +299,12 @@ def roster_remove(roster_path: Path, client_id: str) -> None:
     """Remove an institution, or the coordinator."""
     current = load_roster_file(roster_path)
     if current.coordinator is not None and client_id == current.coordinator.client_id:
-        write_roster_file(roster_path, Roster(current.entries))
+        write_roster_file(roster_path, current.replace(coordinator=None))
         click.echo(f"removed the coordinator {client_id}; the roster names no coordinator now")
         return
     if client_id not in current:
         raise click.ClickException(f"{roster_path}: {client_id!r} is not in the roster")
-    updated = Roster((e for e in current.entries if e.client_id != client_id), current.coordinator)
+    updated = current.replace(entries=tuple(e for e in current.entries if e.client_id != client_id))
     write_roster_file(roster_path, updated)
     click.echo(f"removed {client_id}; the roster has {len(current) - 1} institution(s)")
 
@@ -337,6 +330,11 @@ def roster_show(roster_path: Path, directory: Path | None) -> None:
     else:
         click.echo("no coordinator: add one (keys roster add --coordinator) before a deployment")
     click.echo(f"roster fingerprint: {current.fingerprint}")
+    if current.versioned:
+        previous = current.previous.hex()[:16] + "..." if current.previous is not None else "none"
+        click.echo(f"version {current.version}, after roster {previous}")
+        for revoked in current.revoked:
+            click.echo(f"revoked or rotated away: {revoked}")
     _show_cosignatures(roster_path)
     if local is not None:
         check_local_key_in(current, local, roster_path)
@@ -469,6 +467,332 @@ def roster_verify(roster_path: Path, client_id: str, fingerprint: str, directory
     if local is not None:
         check_local_key_in(current, local, roster_path)
     click.echo(f"{client_id}: fingerprint matches ({actual})")
+
+
+# --- roster versions and key lifecycle (secure_afl/keys/lifecycle.py) --------------------------
+
+
+def _read_cosigned(path: Path, what: str) -> tuple[str, Roster]:
+    from secure_afl.keys.cosign import require_cosigned, roster_status
+
+    try:
+        text = path.read_text(encoding="utf-8")
+        return text, require_cosigned(roster_status(text), f"{path} ({what})")
+    except OSError as exc:
+        raise click.ClickException(f"{path}: cannot read the roster: {exc.strerror}") from None
+    except RosterError as exc:
+        raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
+
+
+@roster.command("next")
+@click.option(
+    "--roster",
+    "roster_path",
+    type=click.Path(path_type=Path, dir_okay=False),
+    required=True,
+    help="The roster every institution pins now (co-signed by every institution).",
+)
+@click.option(
+    "--out",
+    "out_path",
+    type=click.Path(path_type=Path, dir_okay=False),
+    required=True,
+    help="Where to write the draft of the next version (refused if it exists).",
+)
+def roster_next(roster_path: Path, out_path: Path) -> None:
+    """Start the next roster version: the same entries, version + 1, the current roster's digest as
+    its predecessor, its revocations kept (coordinator).
+
+    \b
+    Then change the draft with keys roster add / remove / rotate / revoke, have every institution of
+    the new version co-sign it (keys roster sign), and send it to every institution, which moves to
+    it with keys roster update.
+    """
+    from secure_afl.keys.lifecycle import next_version
+
+    _, current = _read_cosigned(roster_path, "the current roster")
+    if out_path.exists():
+        raise click.ClickException(f"{out_path} already exists: choose another --out")
+    draft = next_version(current)
+    write_roster_file(out_path, draft)
+    click.echo(
+        f"wrote {out_path}: roster version {draft.version} after {current.fingerprint} (version "
+        f"{current.version}), {len(draft)} institution(s), not co-signed yet"
+    )
+
+
+@roster.command("rotate")
+@_roster_option
+@click.option(
+    "--statement",
+    "statement_path",
+    type=click.Path(path_type=Path, dir_okay=False),
+    required=True,
+    help="The institution's rotation.json (written by its `secure-afl keys rotate`).",
+)
+@click.option(
+    "--fingerprint",
+    default=None,
+    help="The new key's fingerprint as the institution read it aloud: the statement must match it.",
+)
+def roster_rotate(roster_path: Path, statement_path: Path, fingerprint: str | None) -> None:
+    """Put an institution's new key into a draft roster version (from keys roster next).
+
+    The statement must be signed by the key the draft lists for that institution (its current key); the
+    draft then holds the new key, the statement, and the old key's fingerprint as revoked (rotated away).
+    """
+    from secure_afl.keys.rotation import KeyRotation, KeyRotationError
+
+    current = load_roster_file(roster_path)
+    try:
+        rotation = KeyRotation.from_json(statement_path.read_text(encoding="utf-8")).verify()
+    except OSError as exc:
+        raise click.ClickException(f"{statement_path}: cannot read the statement: {exc.strerror}") from None
+    except KeyRotationError as exc:
+        raise click.ClickException(f"{statement_path}: KeyRotationError: {exc}") from None
+    if fingerprint is not None and normalise_fingerprint(fingerprint) != rotation.new_fingerprint:
+        raise click.ClickException(
+            f"fingerprint mismatch for {rotation.client_id!r}'s new key: the statement names "
+            f"{rotation.new_fingerprint}, you were given {normalise_fingerprint(fingerprint)}; do not use it"
+        )
+    if current.version == 1:
+        raise click.ClickException(
+            f"{roster_path} is a first roster: start the next version with `keys roster next`, "
+            "and rotate there"
+        )
+    coordinator = current.coordinator
+    is_coordinator = coordinator is not None and coordinator.client_id == rotation.client_id
+    if not is_coordinator and rotation.client_id not in current:
+        raise click.ClickException(f"{roster_path}: {rotation.client_id!r} is not in the roster")
+    old = coordinator if is_coordinator else current.entry(rotation.client_id)
+    assert old is not None
+    if old.public_key != rotation.old_public_key:
+        raise click.ClickException(
+            f"{statement_path}: signed by {rotation.old_fingerprint}, but the roster lists "
+            f"{rotation.client_id!r} with {old.fingerprint}: the statement must be signed by the key the "
+            "roster holds"
+        )
+    entry = RosterEntry(old.client_id, old.name, rotation.new_public_key)
+    others = tuple(r for r in current.rotations if r.client_id != rotation.client_id)
+    try:
+        if is_coordinator:
+            updated = current.replace(coordinator=entry)
+        else:
+            entries = tuple(entry if e.client_id == entry.client_id else e for e in current.entries)
+            updated = current.replace(entries=entries)
+        updated = updated.replace(
+            revoked=(*current.revoked, rotation.old_fingerprint), rotations=(*others, rotation)
+        )
+    except RosterError as exc:
+        raise click.ClickException(f"{roster_path}: {exc}") from None
+    write_roster_file(roster_path, updated)
+    click.echo(
+        f"rotated {rotation.client_id}: {rotation.old_fingerprint} -> {rotation.new_fingerprint} (the old "
+        f"key is listed as rotated away) in roster version {updated.version}; every institution co-signs "
+        "it again"
+    )
+
+
+@roster.command("revoke")
+@_roster_option
+@click.option(
+    "--fingerprint",
+    "revoked",
+    required=True,
+    help="The fingerprint of the key to revoke (a key that leaked): no roster of the federation may hold it "
+    "again. The entry that holds it is removed; add the institution's new key with keys roster add.",
+)
+def roster_revoke(roster_path: Path, revoked: str) -> None:
+    """Revoke a key in a draft roster version (from keys roster next)."""
+    current = load_roster_file(roster_path)
+    wanted = normalise_fingerprint(revoked)
+    if current.version == 1:
+        raise click.ClickException(
+            f"{roster_path} is a first roster: start the next version with `keys roster next`, "
+            "and revoke there"
+        )
+    holder = next((e for e in current.entries if e.fingerprint == wanted), None)
+    coordinator = current.coordinator
+    if coordinator is not None and coordinator.fingerprint == wanted:
+        updated = current.replace(coordinator=None, revoked=(*current.revoked, wanted))
+        who = f"the coordinator {coordinator.client_id} (add its new key with keys roster add --coordinator)"
+    else:
+        entries = tuple(e for e in current.entries if e.fingerprint != wanted)
+        updated = current.replace(entries=entries, revoked=(*current.revoked, wanted))
+        who = f"{holder.client_id} (removed)" if holder is not None else "no entry of this version"
+    write_roster_file(roster_path, updated)
+    click.echo(f"revoked {wanted}, held by {who}, in roster version {updated.version}")
+
+
+@roster.command("update")
+@click.option(
+    "--roster",
+    "roster_path",
+    type=click.Path(path_type=Path, dir_okay=False),
+    required=True,
+    help="The roster this node pins (its node config's roster file): replaced atomically.",
+)
+@click.option(
+    "--new",
+    "new_path",
+    type=click.Path(path_type=Path, dir_okay=False),
+    required=True,
+    help="The next roster version, co-signed by every institution it lists (from the coordinator).",
+)
+@click.option(
+    "--ledger-dir",
+    type=click.Path(path_type=Path, file_okay=False),
+    default=None,
+    help="The node's ledger-dir: records the version moved to (roster-pin.json), so the node refuses any "
+    "other roster at its path from then on (an older one copied back, a fork).",
+)
+@_dir_option
+@click.option(
+    "--expect",
+    "expected",
+    multiple=True,
+    metavar="ID=FINGERPRINT",
+    help="A newcomer's fingerprint (or a replaced key's, or a new coordinator's) as you heard it from that "
+    "institution (quote it); repeat for each. A mismatch, a newcomer not named, or a name not in the "
+    "roster refuses: nothing is written.",
+)
+@click.option(
+    "--yes", is_flag=True, help="Do not ask to confirm the newcomers (you compared them another way)."
+)
+def roster_update(
+    roster_path: Path,
+    new_path: Path,
+    ledger_dir: Path | None,
+    directory: Path | None,
+    expected: tuple[str, ...],
+    yes: bool,
+) -> None:
+    """Move this node to the next roster version, only if it follows the pinned one.
+
+    \b
+    The next version must be co-signed by every institution it lists, be the pinned version + 1 and
+    name the pinned roster's digest as its predecessor (no rollback, no fork), keep every revocation,
+    and change a key only by a rotation statement signed by the pinned key or after the old key's
+    revocation; every newcomer must match --expect (as deploy join). The pinned roster is kept beside
+    it as ROSTER.vN.json. The ledger and the DP budget carry over: a new roster is not a fresh budget.
+    """
+    from secure_afl.keys.lifecycle import accept_successor, write_pin
+    from secure_afl.keys.recognition import RosterNotRecognisedError
+
+    recognition = recognition_from_options(expected, yes, "--expect", "Move to this roster?")
+    pinned_text, pinned = _read_cosigned(roster_path, "the pinned roster")
+    try:
+        next_text = new_path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise click.ClickException(f"{new_path}: cannot read the roster: {exc.strerror}") from None
+    local = _local_entry(directory)
+    try:
+        succession = accept_successor(
+            pinned_text, next_text, recognition,
+            own_id=None if local is None else local.client_id, what=f"{new_path}: the roster",
+        )  # fmt: skip
+    except RosterNotRecognisedError as exc:
+        raise click.ClickException(f"RosterNotRecognisedError: {exc}") from None
+    except RosterError as exc:
+        raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
+    following = succession.next
+    archive = roster_path.with_name(f"{roster_path.stem}.v{pinned.version}{roster_path.suffix}")
+    write_roster_file_text(archive, pinned_text.rstrip("\n"))
+    write_roster_file_text(roster_path, next_text.rstrip("\n"))
+    for line in succession.describe():
+        click.echo(f"ok  {line}")
+    if ledger_dir is not None:
+        click.echo(f"ok  pinned version {following.version} in {write_pin(ledger_dir, following)}")
+    carried = " The ledger and its DP budget carry over." if ledger_dir is not None else ""
+    click.echo(
+        f"{roster_path} is now roster version {following.version} ({following.fingerprint}); version "
+        f"{pinned.version} kept as {archive}.{carried}"
+    )
+    if local is not None and local.fingerprint in following.revoked:
+        click.echo(
+            f"this institution's key ({local.fingerprint}) is revoked in it: the node refuses to run with it "
+            "(KeyRevokedError) until its new key is in the roster"
+        )
+    elif local is not None and local.client_id not in following:
+        click.echo(f"{local.client_id} is not in this roster version: the node takes no further part")
+
+
+@keys.command()
+@_passphrase_option
+@_dir_option
+@click.option(
+    "--ledger-dir",
+    type=click.Path(path_type=Path, file_okay=False),
+    default=None,
+    help="The node's ledger-dir: its ledger moves to the new key with its history (re-signed by the new key, "
+    "the rotation statement recorded in it). Give it on a node, or the node cannot open its ledger.",
+)
+def rotate(
+    passphrase_file: Path | None, passphrase_env: str | None, directory: Path | None, ledger_dir: Path | None
+) -> None:
+    """Replace this institution's identity key: the old key signs the new one.
+
+    \b
+    Writes a new KEY_DIR/identity.key (same passphrase) and identity.pub.json, keeps the old key as
+    KEY_DIR/identity.key.rotated-FINGERPRINT (0600; delete it once the new roster is pinned), and writes
+    KEY_DIR/rotation.json: send it to the coordinator (keys roster rotate) and read the new fingerprint
+    aloud. Peers accept the new key only from a roster version every institution co-signed; until
+    this node pins it, the node takes no part (its key is not in its roster).
+    """
+    from secure_afl.keys.rotation import KeyRotation
+
+    directory = directory or default_key_dir()
+    old_key = load_key(directory, passphrase_file, passphrase_env)
+    entry = load_public_entry(directory)
+    if entry.public_key != old_key.public_key:
+        raise click.ClickException(
+            f"{directory / PUBLIC_FILE} does not belong to {directory / KEY_FILE}: run `keys show` first"
+        )
+    passphrase = _passphrase(passphrase_file, confirm=False, passphrase_env=passphrase_env, new=True)
+    new_key = IdentityKey.generate()
+    rotation = KeyRotation.make(entry.client_id, old_key, new_key.public_key)
+    key_path = directory / KEY_FILE
+    staged = directory / f"{KEY_FILE}.next"
+    try:
+        save_identity_key(staged, new_key, passphrase, overwrite=True)
+    except KeyFileError as exc:
+        raise click.ClickException(str(exc)) from None
+    if ledger_dir is not None:
+        from secure_afl.privacy.ledger import FileLedger, LedgerOwner
+
+        try:
+            state = FileLedger(ledger_dir).rotate(
+                LedgerOwner(entry.client_id, old_key), LedgerOwner(entry.client_id, new_key), rotation
+            )
+        except Exception as exc:  # the ledger's own errors name the file and the remedy
+            staged.unlink()
+            raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
+        click.echo(
+            f"ok  moved the ledger in {ledger_dir} to the new key ({len(state.sessions)} session(s) kept)"
+        )
+    retired = directory / f"{KEY_FILE}.rotated-{old_key.public_key.hex()[:16]}"
+    key_path.replace(retired)
+    staged.replace(key_path)
+    new_entry = RosterEntry(entry.client_id, entry.name, new_key.public_key)
+    _write_public_entry(directory, new_entry)
+    (directory / "rotation.json").write_text(rotation.to_json() + "\n", encoding="utf-8")
+    click.echo(f"wrote {key_path} (new key), {directory / PUBLIC_FILE} and {directory / 'rotation.json'}")
+    click.echo(f"old key kept as {retired} (delete it once the new roster is pinned)")
+    click.echo(f"id:              {entry.client_id}")
+    click.echo(f"old fingerprint: {old_key.fingerprint}")
+    click.echo(f"fingerprint:     {new_key.fingerprint}")
+    click.echo("send rotation.json to the coordinator and read the new fingerprint aloud")
+
+
+def _write_public_entry(directory: Path, entry: RosterEntry) -> None:
+    document = {
+        "format": PUBLIC_FORMAT,
+        "id": entry.client_id,
+        "name": entry.name,
+        "public_key": base64.b64encode(entry.public_key).decode("ascii"),
+        "fingerprint": entry.fingerprint,
+    }
+    (directory / PUBLIC_FILE).write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
 
 
 __all__ = ["fingerprint", "keys"]

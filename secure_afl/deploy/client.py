@@ -308,6 +308,9 @@ def node_identity(settings: NodeSettings, roster: Roster) -> tuple[str, Identity
     except KeyStoreError as exc:  # bad permissions, a missing file, an unset variable
         raise ConfigurationError(str(exc)) from None
     identity = load_identity_key(settings.identity_key, passphrase)
+    from secure_afl.keys.lifecycle import check_not_revoked
+
+    check_not_revoked(roster, identity.fingerprint)  # KeyRevokedError: revoked or rotated away
     for entry in roster:
         if entry.public_key == identity.public_key:
             return entry.client_id, identity
@@ -319,13 +322,17 @@ def node_identity(settings: NodeSettings, roster: Roster) -> tuple[str, Identity
 
 def node_roster(settings: NodeSettings) -> Roster:
     """The pinned roster, only if every institution co-signed it (:mod:`secure_afl.keys.cosign`):
-    a roster with an entry its own key has not signed is refused (``RosterNotCosignedError``)."""
+    a roster with an entry its own key has not signed is refused (``RosterNotCosignedError``), and
+    so is any roster but the one ``keys roster update`` moved to last (``RosterNotPinnedError``)."""
     from secure_afl.keys.cosign import load_cosigned_roster
+    from secure_afl.keys.lifecycle import check_pin
 
     try:
-        return load_cosigned_roster(settings.roster)
+        roster = load_cosigned_roster(settings.roster)
     except OSError as exc:
         raise ConfigurationError(f"{settings.roster}: cannot read the roster: {exc.strerror}") from None
+    check_pin(roster, settings.ledger_dir, settings.roster)
+    return roster
 
 
 CHECKED_STUDY = "checked-study.json"  # in ledger-dir: the study `deploy check --study` checked

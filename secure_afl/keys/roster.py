@@ -19,6 +19,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from .identity import PUBLIC_KEY_BYTES, fingerprint
+from .rotation import KeyRotation, KeyRotationError
 
 ROSTER_FORMAT = "secure-afl-roster/v1"
 MAX_CLIENT_ID_LENGTH = 64
@@ -26,6 +27,7 @@ MAX_NAME_LENGTH = 256
 # ASCII letters and digits, then also '.', '_' or '-': no Unicode look-alikes, spaces, control or
 # bidirectional-override characters can make two ids look alike or an id look like another.
 CLIENT_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+FINGERPRINT_PATTERN = re.compile(r"SHA256:[0-9a-f]{4}( [0-9a-f]{4}){15}")
 # Refused in names: control (Cc), format (Cf: bidi overrides, zero-width), surrogates, line breaks.
 _FORBIDDEN_NAME_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
 
@@ -70,16 +72,34 @@ class RosterEntry:
 
 @dataclass(frozen=True, slots=True)
 class Roster:
-    """Roster entries sorted by client id; duplicate ids or public keys are rejected."""
+    """Roster entries sorted by client id; duplicate ids or public keys are rejected.
+
+    A roster version after the first (:mod:`secure_afl.keys.lifecycle`) also carries its ``version``,
+    the digest of the roster it replaces (``previous``), every fingerprint revoked or rotated away so
+    far (``revoked``: no entry may hold one) and the rotation statements of this version.
+    """
 
     entries: tuple[RosterEntry, ...]
     coordinator: RosterEntry | None
+    version: int
+    previous: bytes | None
+    revoked: tuple[str, ...]
+    rotations: tuple[KeyRotation, ...]
     # client id -> position in ``entries``: built once (share points and look-ups at n = 1,000 peers)
     _positions: dict[str, int] = field(init=False, repr=False, compare=False)
     # the ids in order, built once: the server checks each R0 sender against them (n times)
     _client_ids: tuple[str, ...] = field(init=False, repr=False, compare=False)
 
-    def __init__(self, entries: Iterable[RosterEntry], coordinator: RosterEntry | None = None) -> None:
+    def __init__(
+        self,
+        entries: Iterable[RosterEntry],
+        coordinator: RosterEntry | None = None,
+        *,
+        version: int = 1,
+        previous: bytes | None = None,
+        revoked: Iterable[str] = (),
+        rotations: Iterable[KeyRotation] = (),
+    ) -> None:
         ordered = tuple(sorted(entries, key=lambda entry: entry.client_id))
         ids = [entry.client_id for entry in ordered]
         duplicates = sorted(i for i, count in Counter(ids).items() if count > 1)
@@ -99,8 +119,32 @@ class Roster:
                     "the coordinator's public key is also an institution's: the coordinator needs its own "
                     "identity key (secure-afl keys init --id coordinator in another directory)"
                 )
+        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+            raise RosterError(f"the roster version must be a positive integer, got {version!r}")
+        if (version == 1) != (previous is None):
+            raise RosterError(
+                "the first roster version names no predecessor and every later one names the digest of the "
+                f"roster it replaces (version {version}, "
+                f"predecessor {'none' if previous is None else 'given'})"
+            )
+        if previous is not None and (not isinstance(previous, bytes) or len(previous) != 32):
+            raise RosterError("the predecessor must be a roster digest (32 bytes)")
+        revoked = tuple(sorted(set(revoked)))
+        bad = [fp for fp in revoked if not isinstance(fp, str) or not FINGERPRINT_PATTERN.fullmatch(fp)]
+        if bad:
+            raise RosterError(f"revoked fingerprints {bad!r} are not in the form SHA256:ab12 cd34 ...")
+        holders = [e.client_id for e in (*ordered, coordinator) if e is not None and e.fingerprint in revoked]
+        if holders:
+            raise RosterError(
+                f"{holders} hold a revoked key: a revoked or rotated-away key never returns to the roster; "
+                "give the institution a new key (secure-afl keys init, then keys roster add)"
+            )
         object.__setattr__(self, "entries", ordered)
         object.__setattr__(self, "coordinator", coordinator)
+        object.__setattr__(self, "version", version)
+        object.__setattr__(self, "previous", previous)
+        object.__setattr__(self, "revoked", revoked)
+        object.__setattr__(self, "rotations", tuple(sorted(rotations, key=lambda r: r.client_id)))
         object.__setattr__(self, "_positions", {cid: i for i, cid in enumerate(ids)})
         object.__setattr__(self, "_client_ids", tuple(ids))
 
@@ -149,7 +193,20 @@ class Roster:
             entry = self.coordinator
             for part in (entry.client_id.encode("ascii"), entry.name.encode("utf-8"), entry.public_key):
                 hasher.update(len(part).to_bytes(4, "big") + part)
+        if self.versioned:
+            hasher.update(b"\xfeversion")  # after the coordinator's marker; a first roster keeps its digest
+            parts = [self.version.to_bytes(8, "big"), self.previous or b""]
+            parts += [fp.encode("ascii") for fp in self.revoked]
+            parts.append(b"\xfdrotations")
+            parts += [json.dumps(r.to_dict(), sort_keys=True).encode("ascii") for r in self.rotations]
+            for part in parts:
+                hasher.update(len(part).to_bytes(4, "big") + part)
         return hasher.digest()
+
+    @property
+    def versioned(self) -> bool:
+        """Whether it carries lifecycle fields (a first roster without them keeps its old form)."""
+        return self.version != 1 or bool(self.revoked) or bool(self.rotations)
 
     @property
     def fingerprint(self) -> str:
@@ -164,6 +221,11 @@ class Roster:
         }
         if self.coordinator is not None:
             document["coordinator"] = _entry_json(self.coordinator)
+        if self.versioned:
+            document["version"] = self.version
+            document["previous"] = None if self.previous is None else self.previous.hex()
+            document["revoked"] = list(self.revoked)
+            document["rotations"] = [r.to_dict() for r in self.rotations]
         return json.dumps(document, indent=2)
 
     @classmethod
@@ -175,11 +237,42 @@ class Roster:
             entries = [_entry_from_json(item) for item in document["clients"]]
             coordinator = document.get("coordinator")
             coordinator_entry = None if coordinator is None else _entry_from_json(coordinator)
+            version = document.get("version", 1)
+            previous = document.get("previous")
+            revoked = document.get("revoked", [])
+            rotations = [KeyRotation.from_dict(item) for item in document.get("rotations", [])]
+            if not isinstance(revoked, list) or (previous is not None and not isinstance(previous, str)):
+                raise RosterError("malformed roster: revoked must be a list, previous a hex digest")
+            previous_digest = None if previous is None else bytes.fromhex(previous)
         except RosterError:
             raise
+        except KeyRotationError as exc:
+            raise RosterError(f"malformed roster: {exc}") from exc
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise RosterError(f"malformed roster: {exc}") from exc
-        return cls(entries, coordinator_entry)
+        return cls(
+            entries,
+            coordinator_entry,
+            version=version,
+            previous=previous_digest,
+            revoked=revoked,
+            rotations=rotations,
+        )
+
+    def replace(self, **changes: object) -> Roster:
+        """This roster with some of its fields changed (entries, coordinator, version, ...)."""
+        fields: dict[str, object] = {
+            "entries": self.entries,
+            "coordinator": self.coordinator,
+            "version": self.version,
+            "previous": self.previous,
+            "revoked": self.revoked,
+            "rotations": self.rotations,
+        }
+        fields.update(changes)
+        entries = fields.pop("entries")
+        coordinator = fields.pop("coordinator")
+        return Roster(entries, coordinator, **fields)  # type: ignore[arg-type]
 
 
 def _entry_json(entry: RosterEntry) -> dict[str, str]:

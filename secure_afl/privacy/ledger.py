@@ -31,6 +31,12 @@ missing, or older than the last one written (restored from a backup), is refused
 (:class:`LedgerMissingError`) until an operator resets it explicitly (:meth:`FileLedger.reset`,
 ``secure-afl keys ledger reset``), which archives the old file and logs the reset.
 
+Key rotation (``secure-afl keys rotate --ledger-dir``): :meth:`FileLedger.rotate` loads the ledger
+with the old key, appends the rotation statement (the old key's signature of the new public key,
+:class:`~secure_afl.keys.rotation.KeyRotation`) to the ledger's ``rotations`` and writes it signed by
+the new key, one generation on: every session, release and DP spend is kept, the old key no longer
+opens it, and a load checks the chain of statements ends at the key that signed the file.
+
 Hygiene: a session's record holds only what the rules need (the ids of the values this client
 sends, their anchors, the survivor set it signed, one digest per round answered) and is capped at
 :data:`MAX_SESSION_RECORD_BYTES`; sessions that released nothing are kept for their answers, at most
@@ -43,6 +49,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import fcntl
+import itertools
 import json
 import os
 import time
@@ -61,6 +68,7 @@ from secure_afl.core.errors import (
     LedgerUnreadableError,
 )
 from secure_afl.keys.identity import IdentityKey
+from secure_afl.keys.rotation import KeyRotation, KeyRotationError
 from secure_afl.privacy.release import split_digests
 
 FORMAT = "secure-afl-ledger/v2"
@@ -153,6 +161,7 @@ class LedgerState:
 
     sessions: dict[str, SessionEntry] = field(default_factory=dict)  # hex session id -> entry
     generation: int = 0
+    rotations: tuple[KeyRotation, ...] = ()  # the owner's key rotations, oldest first (FileLedger.rotate)
 
     def released_in(self, session_id: bytes) -> tuple[dict[str, str], dict[str, str]]:
         """(id -> session, anchor -> session) over every *other* session that released something."""
@@ -201,6 +210,7 @@ class LedgerState:
                 for sid, e in self.sessions.items()
             },
             self.generation,
+            self.rotations,
         )
 
 
@@ -311,6 +321,32 @@ class FileLedger:
             os.fsync(log.fileno())
         return archived
 
+    def rotate(self, old: LedgerOwner, new: LedgerOwner, rotation: KeyRotation) -> LedgerState:
+        """Move the ledger from the owner's old identity key to its new one, keeping its history.
+
+        ``rotation`` (signed by the old key, naming the new) is verified and recorded in the ledger,
+        which is then signed by the new key; a ledger that does not verify with the old key is refused
+        as :meth:`load` refuses it.  Returns the state written.
+        """
+        if not (old.client_id == new.client_id == rotation.client_id):
+            raise ValueError(
+                f"a rotation moves one owner's ledger: {old.client_id!r}, {new.client_id!r}, "
+                f"{rotation.client_id!r} differ"
+            )
+        if (rotation.old_public_key, rotation.new_public_key) != (
+            old.identity.public_key,
+            new.identity.public_key,
+        ):
+            raise ValueError("the rotation statement names other keys than the ledger's old and new keys")
+        rotation.verify()
+        with self._locked(old):
+            state = self._load(old)
+            moved = state.copy()
+            moved.rotations = (*state.rotations, rotation)
+            moved.generation = state.generation + 1
+            self._write(new, moved)
+        return moved
+
     # --- file format ------------------------------------------------------------------------------
 
     @contextlib.contextmanager
@@ -382,6 +418,7 @@ class FileLedger:
             state = LedgerState(
                 {sid: SessionEntry.from_json(item) for sid, item in document["sessions"].items()},
                 int(document["generation"]),
+                _rotations(document.get("rotations", []), owner),
             )
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise LedgerUnreadableError(f"the ledger {path} has a malformed record: {exc}") from exc
@@ -400,6 +437,8 @@ class FileLedger:
             "generation": state.generation,
             "sessions": {sid: entry.to_json() for sid, entry in state.sessions.items()},
         }
+        if state.rotations:  # a ledger whose key never rotated keeps the document it had
+            document["rotations"] = [rotation.to_dict() for rotation in state.rotations]
         signature = owner.identity.private_key.sign(_SIGNATURE_DOMAIN + _canonical(document))
         data = json.dumps({**document, "signature": signature.hex()}, indent=1, sort_keys=True).encode()
         if len(data) > MAX_LEDGER_BYTES:
@@ -433,6 +472,25 @@ def _write_atomically(path: Path, data: bytes) -> None:
         os.fsync(directory)
     finally:
         os.close(directory)
+
+
+def _rotations(items: object, owner: LedgerOwner) -> tuple[KeyRotation, ...]:
+    """The ledger's key rotations, each verified, chained, and ending at the owner's key."""
+    if not isinstance(items, list):
+        raise ValueError("rotations must be a list")
+    try:
+        rotations = tuple(KeyRotation.from_dict(item).verify() for item in items)
+    except KeyRotationError as exc:
+        raise ValueError(str(exc)) from None
+    for earlier, later in itertools.pairwise(rotations):
+        if earlier.new_public_key != later.old_public_key:
+            raise ValueError("the key rotations do not form a chain")
+    if rotations and (
+        rotations[-1].new_public_key != owner.identity.public_key
+        or any(r.client_id != owner.client_id for r in rotations)
+    ):
+        raise ValueError(f"the key rotations do not end at {owner.client_id}'s key")
+    return rotations
 
 
 def _canonical(document: dict) -> bytes:
