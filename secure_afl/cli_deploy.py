@@ -1210,6 +1210,9 @@ def predict(
         click.echo(f"verified: signed by the coordinator {model.signer} ({coordinator.fingerprint})")  # type: ignore[union-attr]
     else:
         click.echo("WARNING: --no-verify: the coordinator's signature was NOT checked", err=True)
+    from secure_afl.deploy.verify import verification_status
+
+    click.echo(verification_status(model_path))  # did this node check it against the session's sums
     decisions = model.decide(scores)
     model.write_predictions(out_path, ids, scores, decisions)
     for line in [*model.summary_lines(), *model.privacy_lines()]:

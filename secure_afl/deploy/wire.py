@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 MESSAGE_TYPE = "query"  # Flower's message category for a ClientApp function that answers
-KINDS = frozenset({"advertise", "protocol", "classifier", "reply", "refused", "ack", "dropped"})
+KINDS = frozenset({"advertise", "protocol", "classifier", "verify", "reply", "refused", "ack", "dropped"})
 MetaValue = str | int | float | bool
 
 
