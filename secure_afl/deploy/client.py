@@ -125,7 +125,7 @@ class NodeSettings:
     colluders: int | None = None
     passphrase_env: str | None = None  # node config ``passphrase-env``: the SuperNode's variable
     coordinator: str = COORDINATOR_ACTIVE  # node config ``coordinator``: see COORDINATOR_MODELS
-    # node config ``require-verified-classifier`` (secure_afl.deploy.verify, SECURITY.md §5.4)
+    # node config ``require-verified-classifier`` (secure_afl.deploy.verify, SECURITY.md §5.1)
     require_verified: str = "when-offered"
 
     KEYS = ("identity-key", "roster", "features", "ledger-dir", "out-dir")
@@ -1165,7 +1165,5 @@ def _check_classifier(envelope: Envelope, state: LocalState, settings: NodeSetti
     from .verify import answer_check
 
     roster = node_roster(settings)
-    client_id, identity = node_identity(settings, roster)
-    return answer_check(
-        envelope, state, roster, client_id, identity, settings.out_dir, lambda text: log(settings, text)
-    )
+    identity = lambda: node_identity(settings, roster)  # noqa: E731 - the passphrase only when signing
+    return answer_check(envelope, state, roster, identity, settings.out_dir, lambda text: log(settings, text))

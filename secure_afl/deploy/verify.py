@@ -1,4 +1,4 @@
-"""Every survivor checks the classifier it receives against the sums it helped form (SECURITY.md §5.4).
+"""Every survivor checks the classifier it receives against the sums it helped form (SECURITY.md §5.1).
 
 Freivalds' check per class ``c``: for the challenge ``u`` (:func:`secure_afl.protocol.verify.challenge`)
 the published weights satisfy ``Σ_k (uᵀ G_{k,c} w_c − uᵀ b_{k,c}) + γ uᵀ w_c = 0`` up to the float
@@ -35,7 +35,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from secure_afl.core.encoding import unpack_symmetric
 from secure_afl.core.randomness import OsRandomSource, RandomSource
 from secure_afl.protocol import verify as pv
 
@@ -53,6 +52,7 @@ RHO_PER_DIM = 16 * 2.0**-53  # ρ = 16 d u: 16 times float64's rounding bound d�
 REQUIRE_KEY = "require-verified-classifier"
 REQUIRE_VALUES = ("when-offered", "true", "false")
 STATE_LABEL = "verify"  # the node's record of the check, beside its sessions' records
+STATE_INPUTS = "verify-inputs"  # the values it uploaded in session 1, until it computed its terms
 RECORD_SUFFIX = ".verified.json"
 RECORD_FORMAT = "secure-afl-classifier-check/v1"
 CHECKS_DIR = "checks"  # OUT_DIR/checks/: the records of the history's files
@@ -111,15 +111,26 @@ def node_terms(
     """This survivor's ``[t_0, ..., t_{C-1}, m_k]``: ``t_c = uᵀ G_k w_c − uᵀ b_{k,c}`` over the groups
     it is in (``inputs``: ``"group|tensor"`` -> the flat values it uploaded), and its scale
     ``m_k = max ‖G_k‖_F + max_c ‖b_{k,c}‖₂``."""
-    n_classes = weights.shape[1]
+    n_classes, dim = weights.shape[1], weights.shape[0]
     projected: dict[str, np.ndarray] = {}
     fro = 0.0
+    rows = np.repeat(np.arange(dim), dim - np.arange(dim))  # each packed entry's row and column
+    starts = np.arange(dim) * dim - np.arange(dim) * (np.arange(dim) - 1) // 2  # row i's first: G[i, i]
+    columns = np.arange(rows.size) - starts[rows] + rows
     for key, values in inputs.items():
         group, tensor = key.split("|", 1)
         if tensor == "gram":
-            matrix = unpack_symmetric(_encoded(values, frac_bits))
-            projected[group] = matrix @ u
-            fro = max(fro, float(np.linalg.norm(matrix)))
+            packed = _encoded(values, frac_bits)  # the row-major upper triangle: BLAS's column-major lower
+            if packed.shape != (dim * (dim + 1) // 2,):
+                raise UnverifiedClassifierError(
+                    f"this node's {key} has {packed.size} values, not a {dim}-d Gram"
+                )
+            # G u from the packed triangle (no d×d matrix): the upper part by rows, its mirror by columns
+            upper = np.add.reduceat(packed * u[columns], starts)
+            lower = np.bincount(columns, weights=packed * u[rows], minlength=dim)
+            diagonal = packed[starts]
+            projected[group] = upper + lower - diagonal * u
+            fro = max(fro, float(np.sqrt(max(0.0, 2 * float(packed @ packed) - float(diagonal @ diagonal)))))
     terms = np.zeros(n_classes)
     b_norm = 0.0
     for c in range(n_classes):
@@ -179,7 +190,8 @@ def commit_meta(
     commitment = pv.commit(secret, client_id, session_id, identity.private_key)
     state.save(
         STATE_LABEL,
-        {"status": "committed", "session_id": session_id.hex(), "nonce": secret.nonce, "key": secret.key,
+        {"status": "committed", "session_id": session_id.hex(), "client_id": client_id, "nonce": secret.nonce,
+         "key": secret.key,
          "commitment": commitment.to_text(), "gram": study.method.gram, "gamma": study.method.gamma,
          "frac_bits": study.frac_bits},
     )  # fmt: skip
@@ -190,7 +202,8 @@ def keep_inputs(label: str, saved: Mapping[str, Any], state: Any) -> None:
     """At the end of session 1: keep the values this node uploaded for its terms (until the check)."""
     record = state.load(STATE_LABEL)
     if label == "1" and record is not None and record.get("session_id") == saved.get("session_id"):
-        state.save(STATE_LABEL, {**record, "inputs": dict(saved["inputs"])})
+        state.save(STATE_INPUTS, {"session_id": saved["session_id"], "inputs": dict(saved["inputs"])})
+        state.save(STATE_LABEL, {**record, "kept": True})
 
 
 @dataclass
@@ -239,7 +252,7 @@ def _begin_check(
             "this node's check was already answered or belongs to another session: a classifier is "
             "checked once per session (run the session again)"
         )
-    if "inputs" not in record:
+    if not record.get("kept"):
         raise UnverifiedClassifierError("this node kept no values of session 1 to check the classifier with")
     session_id = bytes.fromhex(record["session_id"])
     survivors = [str(s) for s in session["survivors"]]
@@ -261,7 +274,7 @@ def _begin_check(
 
 
 def answer_check(
-    envelope: Envelope, state: Any, roster: Roster, client_id: str, identity: IdentityKey,
+    envelope: Envelope, state: Any, roster: Roster, identity_of: Callable[[], tuple[str, IdentityKey]],
     out_dir: Path, log: Callable[[str], None],
 ) -> Envelope:  # fmt: skip
     """The node's answer to a ``verify`` envelope: its signed masked terms (``verify-reveal``), or
@@ -272,13 +285,14 @@ def answer_check(
     round_name = str(envelope.meta.get("round", ""))
     if record is None or "classifier" not in record:
         raise pv.VerificationError(f"a {round_name} message, but this node holds no classifier to check")
-    session_id = bytes.fromhex(record["session_id"])
+    session_id, client_id = bytes.fromhex(record["session_id"]), str(record["client_id"])
     commitments = {
         c: pv.Commitment.from_text(c, session_id, t) for c, t in json.loads(record["commitments"]).items()
     }
     keys = {entry.client_id: entry.public_key for entry in roster}
     payload = bytes(record["classifier"])
-    classifier = Classifier.from_json(payload, roster=roster, source="the held classifier")
+    # Its signature was checked on delivery; the bytes held since are this node's own state.
+    classifier = Classifier.from_json(payload, roster=None, source="the held classifier")
     context = hashlib.sha256(payload).digest()
     if round_name == "verify-reveal":
         if record.get("status") != "revealed":
@@ -291,15 +305,22 @@ def answer_check(
         pv.check_reveals(commitments, reveals)
         seed = pv.transcript(context, commitments, reveals)
         u = pv.challenge(seed, classifier.weights.shape[0])
-        inputs = {k: np.asarray(v, dtype=np.float64) for k, v in record["inputs"].items()}
+        kept = state.load(STATE_INPUTS) or {}
+        if kept.get("session_id") != record["session_id"] or "inputs" not in kept:
+            raise UnverifiedClassifierError("this node no longer holds its session-1 values to check with")
+        inputs = {k: np.asarray(v, dtype=np.float64) for k, v in kept["inputs"].items()}
         terms = node_terms(
             inputs, classifier.weights, u, gram=str(record["gram"]), frac_bits=int(record["frac_bits"])
         )
         secret = pv.VerifySecret(bytes(record["nonce"]), bytes(record["key"]))
         words = pv.mask(terms, client_id, secret, commitments, seed)
+        signer, identity = identity_of()
+        if signer != client_id:
+            raise UnverifiedClassifierError("the identity key changed since the session")
         masked = pv.sign_masked(client_id, words, seed, identity.private_key)
-        kept = {k: v for k, v in record.items() if k not in ("inputs", "key")}  # the terms are sent
-        state.save(STATE_LABEL, {**kept, "status": "masked", "seed": seed, "masked": masked.to_text()})
+        state.save(STATE_INPUTS, {"session_id": record["session_id"]})  # the values are no longer needed
+        rest = {k: v for k, v in record.items() if k != "key"}  # the mask key neither
+        state.save(STATE_LABEL, {**rest, "status": "masked", "seed": seed, "masked": masked.to_text()})
         return Envelope("reply", {"round": round_name, "verify-masked": masked.to_text()})
     if round_name != "verify-sums" or record.get("status") != "masked":
         raise pv.VerificationError(f"unexpected {round_name!r} message at this point of the check")
@@ -377,7 +398,7 @@ def verification_status(classifier_path: Path) -> str:
         document = json.loads(path.read_text(encoding="utf-8"))
         data = Path(classifier_path).read_bytes()
     except (OSError, ValueError):
-        return "classifier check: NOT verified (no check record beside the file: SECURITY.md §5.4)"
+        return "classifier check: NOT verified (no check record beside the file: SECURITY.md §5.1)"
     if (
         not isinstance(document, dict)
         or document.get("format") != RECORD_FORMAT

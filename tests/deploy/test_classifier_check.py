@@ -1,4 +1,4 @@
-"""Every survivor checks the classifier against the session's sums (Freivalds, SECURITY.md §5.4):
+"""Every survivor checks the classifier against the session's sums (Freivalds, SECURITY.md §5.1):
 an honest coordinator's classifier is verified and stored; a coordinator that changes the classifier
 or the check's relays is refused by every honest node, which then stores nothing."""
 
