@@ -644,6 +644,8 @@ def _render_rehearsal(report: Any, console: Any, say: Callable[[str], None], out
         say(f"key holder: {session1.get('key_holder')}; decryptors: {session1.get('decryptors')}")
     say(f"killed: {result.killed or 'none'}; dropouts seen by the server: {report.dropouts or 'none'}")
     say(f"classifier stored by {sorted(report.copies)}; identical copies: {all(report.copies.values())}")
+    checked = result.report.get("verified") or []  # each node's check against the sums (SECURITY.md §5.1)
+    say(f"classifier verified against the sums by {checked if checked else 'no node (not checked)'}")
     seconds = Table(title="Seconds per stage")
     seconds.add_column("stage")
     seconds.add_column("s", justify="right")
@@ -653,7 +655,7 @@ def _render_rehearsal(report: Any, console: Any, say: Callable[[str], None], out
     for session in result.report["sessions"]:
         for round_name, value in session["round_seconds"].items():
             seconds.add_row(f"  session {session['label']} {round_name}", f"{value:.1f}")
-    for name in ("solve", "deliver"):
+    for name in ("solve", "deliver", "verify"):  # verify: the classifier check (§5.1)
         if name in result.report["seconds"]:
             seconds.add_row(f"  {name} (server)", f"{result.report['seconds'][name]:.2f}")
     seconds.add_row("simulation (in-process reference)", f"{reference.seconds:.1f}")
