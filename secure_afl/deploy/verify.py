@@ -184,8 +184,7 @@ def commit_meta(
                 f"this node stores only a verified classifier ({REQUIRE_KEY} = true), and {why}: set "
                 f'{REQUIRE_KEY}="when-offered" in the node config to take part without the check'
             )
-        state.save(STATE_LABEL, {"status": "not offered"})
-        return {}
+        return {}  # no record: the classifier is stored unverified
     secret = pv.VerifySecret.draw(random or OsRandomSource())
     commitment = pv.commit(secret, client_id, session_id, identity.private_key)
     state.save(
@@ -244,7 +243,7 @@ def _begin_check(
     client_id: str, require: str,
 ) -> Held:  # fmt: skip
     record = state.load(STATE_LABEL)
-    if record is None or record.get("status") == "not offered":
+    if record is None:  # the study is not checked (no commitment was made in R0)
         return Held(False, why="not offered for this study")
     session = classifier.sessions[0]
     if record.get("status") != "committed" or record.get("session_id") != session["session_id"]:
