@@ -249,3 +249,18 @@ def test_predict_says_whether_the_classifier_was_verified(tmp_path: Path) -> Non
     (node.settings.out_dir / "classifier.verified.json").unlink()
     again = CliRunner().invoke(main, args)
     assert again.exit_code == 0 and "classifier check: NOT verified" in again.output
+
+
+def test_the_node_config_names_the_requirement_and_refuses_other_values(tmp_path: Path) -> None:
+    from secure_afl.deploy.client import NodeSettings
+    from secure_afl.deploy.errors import ConfigurationError
+
+    config = {"identity-key": "k", "passphrase-file": "p", "roster": "r", "features": "f", "ledger-dir": "l",
+              "out-dir": "o"}  # fmt: skip
+    assert NodeSettings.from_node_config(config).require_verified == "when-offered"
+    assert (
+        NodeSettings.from_node_config({**config, "require-verified-classifier": "false"}).require_verified
+        == "false"
+    )
+    with pytest.raises(ConfigurationError, match="require-verified-classifier='maybe' must be one of"):
+        NodeSettings.from_node_config({**config, "require-verified-classifier": "maybe"})
