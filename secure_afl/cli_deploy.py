@@ -676,6 +676,8 @@ def _render_rehearsal(report: Any, console: Any, say: Callable[[str], None], out
         say(f"key holder: {session1.get('key_holder')}; decryptors: {session1.get('decryptors')}")
     say(f"killed: {result.killed or 'none'}; dropouts seen by the server: {report.dropouts or 'none'}")
     say(f"classifier stored by {sorted(report.copies)}; identical copies: {all(report.copies.values())}")
+    checked = result.report.get("verified") or []  # each node's check against the sums (SECURITY.md §5.1)
+    say(f"classifier verified against the sums by {checked if checked else 'no node (not checked)'}")
     seconds = Table(title="Seconds per stage")
     seconds.add_column("stage")
     seconds.add_column("s", justify="right")
@@ -685,7 +687,7 @@ def _render_rehearsal(report: Any, console: Any, say: Callable[[str], None], out
     for session in result.report["sessions"]:
         for round_name, value in session["round_seconds"].items():
             seconds.add_row(f"  session {session['label']} {round_name}", f"{value:.1f}")
-    for name in ("solve", "deliver"):
+    for name in ("solve", "deliver", "verify"):  # verify: the classifier check (§5.1)
         if name in result.report["seconds"]:
             seconds.add_row(f"  {name} (server)", f"{result.report['seconds'][name]:.2f}")
     seconds.add_row("simulation (in-process reference)", f"{reference.seconds:.1f}")
@@ -1319,6 +1321,9 @@ def predict(
         click.echo(f"verified: signed by the coordinator {model.signer} ({coordinator.fingerprint})")  # type: ignore[union-attr]
     else:
         click.echo("WARNING: --no-verify: the coordinator's signature was NOT checked", err=True)
+    from secure_afl.deploy.verify import verification_status
+
+    click.echo(verification_status(model_path))  # did this node check it against the session's sums
     decisions = model.decide(scores)
     model.write_predictions(out_path, ids, scores, decisions)
     for line in [*model.summary_lines(), *model.privacy_lines()]:

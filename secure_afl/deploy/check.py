@@ -53,6 +53,9 @@ NODE_CONFIG_KEYS: dict[str, str] = {
     "coordinator": '"active" (default) or "honest-but-curious": what this hospital assumes of the '
     "coordinator; a two-round study (its teacher is the coordinator's choice) needs the second "
     "(SECURITY.md §3.6)",
+    "require-verified-classifier": '"when-offered" (default): store a classifier the check covers only '
+    'once every survivor verified it against the sums; "true": also refuse studies it does not cover; '
+    '"false": store every classifier on receipt (SECURITY.md §5.1)',
 }
 
 Say = Callable[[str], None]

@@ -64,6 +64,7 @@ from .study import (
     session_context,
     statistics_dim,
 )
+from .verify import begin_check, keep_inputs
 from .wire import Envelope
 
 if TYPE_CHECKING:
@@ -125,6 +126,8 @@ class NodeSettings:
     colluders: int | None = None
     passphrase_env: str | None = None  # node config ``passphrase-env``: the SuperNode's variable
     coordinator: str = COORDINATOR_ACTIVE  # node config ``coordinator``: see COORDINATOR_MODELS
+    # node config ``require-verified-classifier`` (secure_afl.deploy.verify, SECURITY.md §5.1)
+    require_verified: str = "when-offered"
 
     KEYS = ("identity-key", "roster", "features", "ledger-dir", "out-dir")
 
@@ -178,7 +181,14 @@ class NodeSettings:
             protections=_protections(config.get("protection", "mask")),
             colluders=_colluders(config.get("colluders", "n-t")),
             coordinator=_coordinator(config.get("coordinator", COORDINATOR_ACTIVE)),
+            require_verified=_require_verified(config),
         )
+
+
+def _require_verified(config: Mapping[str, object]) -> str:
+    from .verify import REQUIRE_KEY, require_setting
+
+    return require_setting(config.get(REQUIRE_KEY, "when-offered"))
 
 
 def _coordinator(value: object) -> str:
@@ -241,6 +251,8 @@ def handle(envelope: Envelope, state: LocalState, settings: NodeSettings) -> Env
             return _continue_session(envelope, label, state, settings)
         if envelope.kind == "classifier":
             return _store_classifier(envelope, state, settings)
+        if envelope.kind == "verify":
+            return _check_classifier(envelope, state, settings)
         raise SessionReplayError(f"unexpected {envelope.kind!r} message from the server")
     except Exception as exc:  # every failure is answered (its class named), logged, and ends the session
         log(settings, f"REFUSED session {label or '-'} {round_name}: {type(exc).__name__}: {exc}")
@@ -878,6 +890,7 @@ def _start_session(envelope: Envelope, label: str, state: LocalState, settings: 
     request = backend.decode(envelope.payload, backend.client_policy.max_config_bytes)  # type: ignore[attr-defined]
     _check_protocol_parameters(request.config, study, len(roster))  # type: ignore[attr-defined]
     groups = {group.name for group in request.config.groups}  # type: ignore[attr-defined]
+    commitment = _verify_commitment(label, study, roster, client_id, identity, request, state, settings)
     if study.dp is not None:
         _check_dp_session(
             study, data, client_id, roster, backend, request, str(envelope.meta.get("study-nonce", ""))
@@ -926,7 +939,7 @@ def _start_session(envelope: Envelope, label: str, state: LocalState, settings: 
         },
     )
     log(settings, f"{client_id}: session {label} R0 answered (groups {sorted(inputs)}, {backend.name})")
-    return Envelope("reply", {"session": label, "round": "R0"}, _one_reply(replies))
+    return Envelope("reply", {"session": label, "round": "R0", **commitment}, _one_reply(replies))
 
 
 def _continue_session(envelope: Envelope, label: str, state: LocalState, settings: NodeSettings) -> Envelope:
@@ -973,6 +986,7 @@ def _continue_session(envelope: Envelope, label: str, state: LocalState, setting
     round_name = str(envelope.meta.get("round", ""))
     if getattr(session, "state", None) is not None and session.state.name == "DONE":  # type: ignore[attr-defined]
         # The session's secrets are no longer needed: keep only what the classifier check uses.
+        keep_inputs(label, saved, state)  # the values uploaded, for Freivalds' check (verify.py)
         state.save(label, {"status": "done", "client_id": client_id, "session_id": saved["session_id"]})
     else:
         # ``finished``: the session needs nothing more of this client for sure (CKKS after R2); its
@@ -1129,6 +1143,13 @@ def _store_classifier(envelope: Envelope, state: LocalState, settings: NodeSetti
                 f"institution took part in {saved['session_id'][:16]}..."
             )
         mine[session["label"]] = saved["client_id"]
+    held = begin_check(
+        classifier, envelope.payload, envelope.meta, state, roster, mine["1"], settings.require_verified
+    )
+    if held.hold:  # stored only once every survivor verified it (verify.py)
+        digest = _sha256(envelope.payload)
+        log(settings, f"holding the classifier until every survivor checked it (sha256 {digest[:16]}...)")
+        return Envelope("ack", {"sha256": digest, "kept": "", "held": True, **held.meta})
     settings.out_dir.mkdir(parents=True, exist_ok=True)
     stored = keep_classifier(settings.out_dir, envelope.payload)  # the signed bytes, as every party got them
     replaced = f"; the earlier classifier.json is kept as {stored.replaced}" if stored.replaced else ""
@@ -1139,4 +1160,31 @@ def _store_classifier(envelope: Envelope, state: LocalState, settings: NodeSetti
         f"{classifier.sessions[0]['session_id'][:16]}...){replaced}",
     )
     # No path in the acknowledgement: the coordinator learns only that the file was kept, and which.
-    return Envelope("ack", {"sha256": stored.sha256, "kept": stored.kept.name})
+    return Envelope("ack", {"sha256": stored.sha256, "kept": stored.kept.name, **held.meta})
+
+
+def _sha256(data: bytes) -> str:
+    import hashlib
+
+    return hashlib.sha256(data).hexdigest()
+
+
+def _verify_commitment(
+    label: str, study: Study, roster: Roster, client_id: str, identity: IdentityKey, request: Any,
+    state: LocalState, settings: NodeSettings,
+) -> dict[str, str]:  # fmt: skip
+    """R0: the signed commitment of the classifier check (or a refusal where this node requires it)."""
+    from .verify import commit_meta
+
+    ids = [entry.client_id for entry in roster]
+    session_id = request.config.session_id  # type: ignore[attr-defined]
+    return commit_meta(label, study, ids, client_id, identity, session_id, state, settings.require_verified)
+
+
+def _check_classifier(envelope: Envelope, state: LocalState, settings: NodeSettings) -> Envelope:
+    """A ``verify`` message of the classifier check (secure_afl.deploy.verify)."""
+    from .verify import answer_check
+
+    roster = node_roster(settings)
+    identity = lambda: node_identity(settings, roster)  # noqa: E731 - the passphrase only when signing
+    return answer_check(envelope, state, roster, identity, settings.out_dir, lambda text: log(settings, text))

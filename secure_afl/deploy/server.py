@@ -50,6 +50,7 @@ from .study import (
     study_session_id,
 )
 from .sums import AccumulatedSums, chain_entry, is_additive
+from .verify import ServerCheck
 from .wire import Envelope
 
 
@@ -97,6 +98,7 @@ class FederationReport:
     dropouts: list[dict[str, str]] = field(default_factory=list)  # no answer within the timeout
     seconds: dict[str, float] = field(default_factory=dict)
     acknowledged: tuple[str, ...] = ()
+    verified: tuple[str, ...] = ()  # who verified the classifier against the sums (deploy/verify.py)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -125,6 +127,7 @@ class FederationReport:
             "dropouts": self.dropouts,
             "seconds": self.seconds,
             "acknowledged": list(self.acknowledged),
+            "verified": list(self.verified),
         }
 
 
@@ -185,6 +188,7 @@ class FederationServer:
         self.min_nodes = len(roster) if min_nodes is None else min_nodes
         self.log = log
         self.report = FederationReport()
+        self.check = ServerCheck(study, [entry.client_id for entry in roster])  # the classifier check
         self._session_ids = list(session_ids or [])  # under DP: the nonces the session ids commit with
         self._node_of: dict[str, int] = {}
         self.privacy: dict[str, Any] | None = None
@@ -299,10 +303,8 @@ class FederationServer:
         stored it."""
         last = self.report.sessions[-1]
         data = self.sign(classifier) if data is None else data
-        outgoing = {
-            self._node_of[cid]: Envelope("classifier", {"round": "classifier"}, data)
-            for cid in last.completed
-        }
+        meta = {"round": "classifier", **self.check.delivery_meta(last.survivors)}
+        outgoing = {self._node_of[cid]: Envelope("classifier", meta, data) for cid in last.completed}
         started = time.perf_counter()
         replies = self.transport.exchange(outgoing, "classifier", self.round_timeout)
         self.report.seconds["deliver"] = time.perf_counter() - started
@@ -326,6 +328,19 @@ class FederationServer:
         self.report.acknowledged = tuple(sorted(stored))
         if stored:
             self.metrics.delivered()
+        return self._verify_classifier(replies)
+
+    def _verify_classifier(self, replies: Mapping[int, Envelope]) -> tuple[str, ...]:
+        """The classifier check's relays (secure_afl.deploy.verify); who stored the classifier: a
+        node that held it until verified counts once it verified it."""
+        verified = self.check.run(self.transport, self._node_of, replies, self.round_timeout, self.log)
+        self.report.seconds["verify"] = self.check.seconds
+        self.report.verified = verified
+        for step, who, envelope in self.check.refusals:
+            self._refused(who, f"classifier check {step}", envelope)
+        client_of = {node: cid for cid, node in self._node_of.items()}
+        held = {client_of[n] for n, e in replies.items() if e.kind == "ack" and e.meta.get("held")}
+        self.report.acknowledged = tuple(sorted((set(self.report.acknowledged) - held) | set(verified)))
         return self.report.acknowledged
 
     # --- sessions -----------------------------------------------------------------------------
@@ -468,6 +483,7 @@ class FederationServer:
                     continue
                 if round_name == "R0":
                     node_of[sender] = node
+                    self.check.note(label, sender, envelope.meta)  # its classifier-check commitment
                 answers += 1
                 answered.append(sender if round_name == "R0" else who)
             for node, envelope in unnamed:  # a claimed name only: it changes no one's part in the session

@@ -223,6 +223,8 @@ ORDER = [
     "s2-R3",
     "s2-R4",
     "classifier",
+    "verify-reveal",
+    "verify-sums",
 ]
 
 

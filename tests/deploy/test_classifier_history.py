@@ -44,6 +44,10 @@ def test_a_node_keeps_every_classifier_and_classifier_json_is_the_latest(tmp_pat
         classifier, weights=classifier.weights * 2, created="2031-01-02T03:04:05+00:00"
     )
     second = server.sign(second_model)
+    # A node checks one classifier per session (SECURITY.md §5.4): by default it refuses a second.
+    reply = handle(Envelope("classifier", {"round": "classifier"}, second), node.state, node.settings)
+    assert reply.kind == "refused" and reply.meta["error"] == "VerificationError"
+    node.settings = dataclasses.replace(node.settings, require_verified="false")  # stores every one
     reply = handle(Envelope("classifier", {"round": "classifier"}, second), node.state, node.settings)
     assert reply.kind == "ack", reply.meta
     assert "path" not in reply.meta and str(out) not in str(dict(reply.meta))  # no path to the coordinator

@@ -1,0 +1,73 @@
+"""The classifier check's cost beside the session's (SECURITY.md §5.1, secure_afl/deploy/verify.py).
+
+An in-process federation (the deployment's server and node handler, every node in this process, no
+Flower: tests/deploy/helpers.py) of ``--clients`` institutions, ``--classes`` classes (client k
+does not label class k), ``--rows`` random non-negative rows each, masking, one round, client
+balance, global Gram.  Per width: the seconds of the session (``federation``: every node's
+statistics and protocol rounds and the solve), of the classifier's delivery and of the check (its
+two relays and every node's terms, masks and decision), all nodes' work summed since they share
+this process; and the largest honest residual/bound any node saw (the tolerance's margin).
+
+Run from the repository root: ``python bench/bench_verify.py [--dims 1024,2048] [--clients 8]
+[--classes 8] [--rows 2000]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def measure(dim: int, clients: int, classes: int, rows: int) -> dict[str, float]:
+    import tests.deploy.helpers as helpers
+
+    helpers.CLASSES = tuple(f"class-{c}" for c in range(classes))
+    with tempfile.TemporaryDirectory() as tmp:
+        federation = helpers.make_federation(Path(tmp), n_clients=clients, dim=dim, rows=rows)
+        started = time.perf_counter()
+        server, _, _ = helpers.run_server(federation)
+        total = time.perf_counter() - started
+        ratios = [
+            json.loads((n.settings.out_dir / "classifier.verified.json").read_text())[
+                "max_residual_over_bound"
+            ]
+            for n in federation.nodes.values()
+        ]
+    seconds = server.report.seconds
+    assert len(server.report.verified) == clients, server.report.refusals
+    return {
+        "dim": dim,
+        "session_s": seconds["federation"],
+        "deliver_s": seconds["deliver"],
+        "verify_s": seconds["verify"],
+        "total_s": total,
+        "verify_over_session": seconds["verify"] / seconds["federation"],
+        "max_residual_over_bound": max(ratios),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dims", default="1024,2048")
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--classes", type=int, default=8)
+    parser.add_argument("--rows", type=int, default=2000)
+    args = parser.parse_args()
+    import io
+    from contextlib import redirect_stderr
+
+    for dim in (int(d) for d in args.dims.split(",")):
+        with redirect_stderr(io.StringIO()):  # the nodes' log lines
+            row = measure(dim, args.clients, args.classes, args.rows)
+        print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,482 @@
+"""Every survivor checks the classifier it receives against the sums it helped form (SECURITY.md §5.1).
+
+Freivalds' check per class ``c``: for the challenge ``u`` (:func:`secure_afl.protocol.verify.challenge`)
+the published weights satisfy ``Σ_k (uᵀ G_{k,c} w_c − uᵀ b_{k,c}) + γ uᵀ w_c = 0`` up to the float
+arithmetic's rounding.  Each survivor ``k`` computes its own terms :func:`node_terms` from the values
+it uploaded, as the masking encoded them (``decode(encode(x))``: the sums the coordinator solved are
+exactly the sums of those), and the scale ``m_k`` of its statistics; the terms are summed by
+:mod:`secure_afl.protocol.verify` (commit, reveal, pairwise masks, signed relays), and each survivor
+accepts (:func:`decide`) iff every class's ``|S_c + γ uᵀ w_c| ≤ ρ ‖u‖ ((M + γ) ‖w_c‖ + M)`` with
+``M = Σ_k m_k`` and ρ = 16 d 2^-53 (:func:`rho`).
+
+Messages (the deployment's envelopes; the protocol's own messages are unchanged): a node's session-1
+advertisement reply carries ``verify-commit`` in its metadata; the classifier delivery carries
+``verify-commitments`` (every survivor's, relayed); the node's ``ack`` carries ``verify-reveal``; a
+``verify`` envelope of round ``verify-reveal`` relays every reveal and the node answers its signed
+masked terms (``verify-masked``); a ``verify`` envelope of round ``verify-sums`` relays every
+survivor's, and the node answers ``ack`` with ``verified`` (or refuses).
+
+Offered for one-round masking studies without DP, with client balance, not growing and without a
+difference plan (:func:`not_offered` says why otherwise).  A node's ``require-verified-classifier``:
+``when-offered`` (default: a classifier of a study the check covers is stored only once verified),
+``true`` (also refuses, in R0, every study the check does not cover), ``false`` (stores every
+classifier when received; a passing check adds the record).
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from secure_afl.core.randomness import OsRandomSource, RandomSource
+from secure_afl.protocol import verify as pv
+
+from .errors import ConfigurationError, DeploymentError
+from .wire import Envelope
+
+if TYPE_CHECKING:
+    from secure_afl.keys.identity import IdentityKey
+    from secure_afl.keys.roster import Roster
+
+    from .classifier import Classifier
+    from .study import Study
+
+RHO_PER_DIM = 16 * 2.0**-53  # ρ = 16 d u: 16 times float64's rounding bound d·u of a d-term inner product
+REQUIRE_KEY = "require-verified-classifier"
+REQUIRE_VALUES = ("when-offered", "true", "false")
+STATE_LABEL = "verify"  # the node's record of the check, beside its sessions' records
+STATE_INPUTS = "verify-inputs"  # the values it uploaded in session 1, until it computed its terms
+RECORD_SUFFIX = ".verified.json"
+RECORD_FORMAT = "secure-afl-classifier-check/v1"
+CHECKS_DIR = "checks"  # OUT_DIR/checks/: the records of the history's files
+
+
+class UnverifiedClassifierError(DeploymentError):
+    """The classifier could not be checked, and this node stores only a checked one."""
+
+
+class ClassifierCheckFailedError(DeploymentError):
+    """The classifier is not the solution of the session's sums (Freivalds' check failed)."""
+
+
+def require_setting(value: object) -> str:
+    text = str(value).strip().lower()
+    if text not in REQUIRE_VALUES:
+        raise ConfigurationError(
+            f"the SuperNode's --node-config {REQUIRE_KEY}={text!r} must be one of "
+            f"{', '.join(REQUIRE_VALUES)} (when-offered: the default, store a classifier of a study the "
+            "check covers only once every survivor verified it; true: also refuse studies it does not "
+            "cover; false: store every classifier)"
+        )
+    return text
+
+
+def not_offered(study: Study, roster_ids: Collection[str]) -> str | None:
+    """Why the check does not cover ``study`` (None: it does)."""
+    from .study import round1_plan
+
+    if study.protection != "mask":
+        return "CKKS studies are not checked (the key holder could decrypt a single survivor's term)"
+    if study.dp is not None:
+        return "DP studies are not checked (the solve's ridge and counts come from the noisy sums)"
+    if study.method.rounds != 1:
+        return "two-round studies are not checked (round 2's refinement is not one linear system)"
+    if study.method.balance != "client":
+        return "balance=global is not checked (the right-hand side needs the federation's counts)"
+    if study.extends:
+        return "growing studies are not checked (earlier sessions' survivors are not all present)"
+    if round1_plan(study, roster_ids)[1] is not None:
+        return "studies whose round 1 sends Grams by difference are not checked"
+    return None
+
+
+# --- the Freivalds terms ---------------------------------------------------------------------
+
+
+def _encoded(values: np.ndarray, frac_bits: int) -> np.ndarray:
+    """``decode(encode(x))``: the value the masking summed (rint(x·2^f)·2^-f)."""
+    return np.rint(np.asarray(values, dtype=np.float64) * 2.0**frac_bits) * 2.0**-frac_bits
+
+
+def node_terms(
+    inputs: Mapping[str, np.ndarray], weights: np.ndarray, u: np.ndarray, *, gram: str, frac_bits: int
+) -> list[float]:
+    """This survivor's ``[t_0, ..., t_{C-1}, m_k]``: ``t_c = uᵀ G_k w_c − uᵀ b_{k,c}`` over the groups
+    it is in (``inputs``: ``"group|tensor"`` -> the flat values it uploaded), and its scale
+    ``m_k = max ‖G_k‖_F + max_c ‖b_{k,c}‖₂``."""
+    n_classes, dim = weights.shape[1], weights.shape[0]
+    projected: dict[str, np.ndarray] = {}
+    fro = 0.0
+    rows = np.repeat(np.arange(dim), dim - np.arange(dim))  # each packed entry's row and column
+    starts = np.arange(dim) * dim - np.arange(dim) * (np.arange(dim) - 1) // 2  # row i's first: G[i, i]
+    columns = np.arange(rows.size) - starts[rows] + rows
+    for key, values in inputs.items():
+        group, tensor = key.split("|", 1)
+        if tensor == "gram":
+            packed = _encoded(values, frac_bits)  # the row-major upper triangle: BLAS's column-major lower
+            if packed.shape != (dim * (dim + 1) // 2,):
+                raise UnverifiedClassifierError(
+                    f"this node's {key} has {packed.size} values, not a {dim}-d Gram"
+                )
+            # G u from the packed triangle (no d×d matrix): the upper part by rows, its mirror by columns
+            upper = np.add.reduceat(packed * u[columns], starts)
+            lower = np.bincount(columns, weights=packed * u[rows], minlength=dim)
+            diagonal = packed[starts]
+            projected[group] = upper + lower - diagonal * u
+            fro = max(fro, float(np.sqrt(max(0.0, 2 * float(packed @ packed) - float(diagonal @ diagonal)))))
+    terms = np.zeros(n_classes)
+    b_norm = 0.0
+    for c in range(n_classes):
+        gram_group = "all" if gram == "global" else f"class/{c}"
+        if gram_group in projected:
+            terms[c] += float(projected[gram_group] @ weights[:, c])
+        b = inputs.get(f"class/{c}|b/{c}")
+        if b is not None:
+            encoded = _encoded(b, frac_bits)
+            terms[c] -= float(u @ encoded)
+            b_norm = max(b_norm, float(np.linalg.norm(encoded)))
+    return [*terms.tolist(), fro + b_norm]
+
+
+def rho(dim: int) -> float:
+    """The tolerance's relative size: 16 d u (u = 2^-53), above the rounding of the solve's and the
+    terms' d-term inner products (measured honest residuals are below 10^-3 of it: bench/bench_verify.py)."""
+    return RHO_PER_DIM * dim
+
+
+def decide(sums: list[float], weights: np.ndarray, u: np.ndarray, gamma: float) -> tuple[bool, list[float]]:
+    """Accept iff every class's residual is within the bound; also each class's residual/bound."""
+    n_classes = weights.shape[1]
+    scale = sums[n_classes]
+    u_norm = float(np.linalg.norm(u))
+    ratios = []
+    for c in range(n_classes):
+        w = weights[:, c]
+        residual = abs(sums[c] + gamma * float(u @ w))
+        bound = rho(len(u)) * u_norm * ((scale + gamma) * float(np.linalg.norm(w)) + scale)
+        ratios.append(residual / bound if bound > 0 else float("inf"))
+    return all(r <= 1.0 for r in ratios) and scale >= 0, ratios
+
+
+# --- the node --------------------------------------------------------------------------------
+
+
+def commit_meta(
+    label: str, study: Study, roster_ids: Collection[str], client_id: str, identity: IdentityKey,
+    session_id: bytes, state: Any, require: str, random: RandomSource | None = None,
+) -> dict[str, str]:  # fmt: skip
+    """At a session's R0: refuse a study the check does not cover when this node requires it; for
+    one it covers, draw the check's secret, keep it (the node's local state) and return the signed
+    commitment for the advertisement reply's metadata."""
+    if label != "1":
+        return {}
+    why = not_offered(study, roster_ids)
+    if why is not None:
+        if require == "true":
+            raise UnverifiedClassifierError(
+                f"this node stores only a verified classifier ({REQUIRE_KEY} = true), and {why}: set "
+                f'{REQUIRE_KEY}="when-offered" in the node config to take part without the check'
+            )
+        return {}  # no record: the classifier is stored unverified
+    secret = pv.VerifySecret.draw(random or OsRandomSource())
+    commitment = pv.commit(secret, client_id, session_id, identity.private_key)
+    state.save(
+        STATE_LABEL,
+        {"status": "committed", "session_id": session_id.hex(), "client_id": client_id, "nonce": secret.nonce,
+         "key": secret.key,
+         "commitment": commitment.to_text(), "gram": study.method.gram, "gamma": study.method.gamma,
+         "frac_bits": study.frac_bits},
+    )  # fmt: skip
+    return {"verify-commit": commitment.to_text()}
+
+
+def keep_inputs(label: str, saved: Mapping[str, Any], state: Any) -> None:
+    """At the end of session 1: keep the values this node uploaded for its terms (until the check)."""
+    record = state.load(STATE_LABEL)
+    if label == "1" and record is not None and record.get("session_id") == saved.get("session_id"):
+        state.save(STATE_INPUTS, {"session_id": saved["session_id"], "inputs": dict(saved["inputs"])})
+        state.save(STATE_LABEL, {**record, "kept": True})
+
+
+@dataclass
+class Held:
+    """What :func:`begin_check` decided for a classifier: hold it (store only once verified) or not."""
+
+    hold: bool
+    meta: dict[str, Any] = field(default_factory=dict)
+    why: str = ""
+
+
+def _commitments(meta: Mapping[str, Any], session_id: bytes) -> dict[str, pv.Commitment]:
+    try:
+        relayed = json.loads(str(meta["verify-commitments"]))
+        assert isinstance(relayed, dict)
+    except (KeyError, ValueError, AssertionError):
+        raise pv.VerificationError("the classifier came without every survivor's commitment") from None
+    return {str(cid): pv.Commitment.from_text(str(cid), session_id, text) for cid, text in relayed.items()}
+
+
+def begin_check(
+    classifier: Classifier, payload: bytes, meta: Mapping[str, Any], state: Any, roster: Roster,
+    client_id: str, require: str,
+) -> Held:  # fmt: skip
+    """On the classifier's delivery: check every survivor's commitment (this node's own included,
+    each signed by its roster key) and reveal this node's nonce; hold the classifier unless this
+    node stores every classifier (``false``: a classifier it cannot check is then stored unverified)."""
+    try:
+        return _begin_check(classifier, payload, meta, state, roster, client_id, require)
+    except (pv.VerificationError, UnverifiedClassifierError) as exc:
+        if require != "false":
+            raise
+        return Held(False, why=f"{type(exc).__name__}: {exc}")
+
+
+def _begin_check(
+    classifier: Classifier, payload: bytes, meta: Mapping[str, Any], state: Any, roster: Roster,
+    client_id: str, require: str,
+) -> Held:  # fmt: skip
+    record = state.load(STATE_LABEL)
+    if record is None:  # the study is not checked (no commitment was made in R0)
+        return Held(False, why="not offered for this study")
+    session = classifier.sessions[0]
+    if record.get("status") != "committed" or record.get("session_id") != session["session_id"]:
+        raise pv.VerificationError(
+            "this node's check was already answered or belongs to another session: a classifier is "
+            "checked once per session (run the session again)"
+        )
+    if not record.get("kept"):
+        raise UnverifiedClassifierError("this node kept no values of session 1 to check the classifier with")
+    session_id = bytes.fromhex(record["session_id"])
+    survivors = [str(s) for s in session["survivors"]]
+    if client_id not in survivors:
+        raise pv.VerificationError(
+            f"the classifier's survivors {survivors} omit {client_id}, whose masked values the session summed"
+        )
+    own = pv.Commitment.from_text(client_id, session_id, record["commitment"])
+    commitments = _commitments(meta, session_id)
+    keys = {entry.client_id: entry.public_key for entry in roster}
+    pv.check_commitments(commitments, survivors, keys, own)
+    hold = require != "false"
+    state.save(
+        STATE_LABEL,
+        {**record, "status": "revealed", "classifier": payload, "held": hold,
+         "commitments": json.dumps({c: x.to_text() for c, x in commitments.items()})},
+    )  # fmt: skip
+    return Held(hold, {"verify-reveal": bytes(record["nonce"]).hex()})
+
+
+def answer_check(
+    envelope: Envelope, state: Any, roster: Roster, identity_of: Callable[[], tuple[str, IdentityKey]],
+    out_dir: Path, log: Callable[[str], None],
+) -> Envelope:  # fmt: skip
+    """The node's answer to a ``verify`` envelope: its signed masked terms (``verify-reveal``), or
+    the decision (``verify-sums``): on a pass the held classifier is stored with its record."""
+    from .classifier import Classifier
+
+    record = state.load(STATE_LABEL)
+    round_name = str(envelope.meta.get("round", ""))
+    if record is None or "classifier" not in record:
+        raise pv.VerificationError(f"a {round_name} message, but this node holds no classifier to check")
+    session_id, client_id = bytes.fromhex(record["session_id"]), str(record["client_id"])
+    commitments = {
+        c: pv.Commitment.from_text(c, session_id, t) for c, t in json.loads(record["commitments"]).items()
+    }
+    keys = {entry.client_id: entry.public_key for entry in roster}
+    payload = bytes(record["classifier"])
+    # Its signature was checked on delivery; the bytes held since are this node's own state.
+    classifier = Classifier.from_json(payload, roster=None, source="the held classifier")
+    context = hashlib.sha256(payload).digest()
+    if round_name == "verify-reveal":
+        if record.get("status") != "revealed":
+            raise pv.VerificationError("this node answers one challenge per classifier")
+        try:
+            relayed = json.loads(envelope.text("reveals"))
+            reveals = {str(c): bytes.fromhex(str(r)) for c, r in relayed.items()}
+        except (ValueError, AttributeError):
+            raise pv.VerificationError("the relayed nonces are not a JSON object of hex strings") from None
+        pv.check_reveals(commitments, reveals)
+        seed = pv.transcript(context, commitments, reveals)
+        u = pv.challenge(seed, classifier.weights.shape[0])
+        kept = state.load(STATE_INPUTS) or {}
+        if kept.get("session_id") != record["session_id"] or "inputs" not in kept:
+            raise UnverifiedClassifierError("this node no longer holds its session-1 values to check with")
+        inputs = {k: np.asarray(v, dtype=np.float64) for k, v in kept["inputs"].items()}
+        terms = node_terms(
+            inputs, classifier.weights, u, gram=str(record["gram"]), frac_bits=int(record["frac_bits"])
+        )
+        secret = pv.VerifySecret(bytes(record["nonce"]), bytes(record["key"]))
+        words = pv.mask(terms, client_id, secret, commitments, seed)
+        signer, identity = identity_of()
+        if signer != client_id:
+            raise UnverifiedClassifierError("the identity key changed since the session")
+        masked = pv.sign_masked(client_id, words, seed, identity.private_key)
+        state.save(STATE_INPUTS, {"session_id": record["session_id"]})  # the values are no longer needed
+        rest = {k: v for k, v in record.items() if k != "key"}  # the mask key neither
+        state.save(STATE_LABEL, {**rest, "status": "masked", "seed": seed, "masked": masked.to_text()})
+        return Envelope("reply", {"round": round_name, "verify-masked": masked.to_text()})
+    if round_name != "verify-sums" or record.get("status") != "masked":
+        raise pv.VerificationError(f"unexpected {round_name!r} message at this point of the check")
+    seed = bytes(record["seed"])
+    own = pv.MaskedValue.from_text(client_id, record["masked"])
+    try:
+        relayed = json.loads(envelope.text("masked"))
+        masked = {str(c): pv.MaskedValue.from_text(str(c), t) for c, t in relayed.items()}
+    except (ValueError, AttributeError):
+        raise pv.VerificationError("the relayed masked values are not a JSON object") from None
+    state.save(STATE_LABEL, {"status": "failed", "session_id": record["session_id"]})  # one decision
+    sums = pv.unmask_sum(masked, commitments, keys, seed, own)
+    u = pv.challenge(seed, classifier.weights.shape[0])
+    ok, ratios = decide(sums, classifier.weights, u, float(record["gamma"]))
+    if not ok:
+        bad = [c for c, r in enumerate(ratios) if not r <= 1.0]
+        raise ClassifierCheckFailedError(
+            f"the classifier is not the solution of the session's sums: classes {bad} fail Freivalds' check "
+            f"(residual/bound {max(ratios):.3g}); it is not stored as verified"
+        )
+    stored_latest = _store(out_dir, payload, bool(record["held"]), log)
+    document = {
+        "format": RECORD_FORMAT, "classifier_sha256": hashlib.sha256(payload).hexdigest(),
+        "verified": True, "transcript_sha256": seed.hex(), "survivors": sorted(commitments),
+        "max_residual_over_bound": max(ratios), "rho": rho(classifier.weights.shape[0]),
+        "checked": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }  # fmt: skip
+    for path in stored_latest:
+        _write_record(path, document)
+    state.save(STATE_LABEL, {"status": "verified", "session_id": record["session_id"]})
+    log(
+        f"{client_id}: verified the classifier (Freivalds, {len(commitments)} survivors, residual/bound "
+        f"at most {max(ratios):.2g})"
+    )
+    return Envelope("ack", {"round": round_name, "verified": True, "sha256": document["classifier_sha256"]})
+
+
+def _store(out_dir: Path, payload: bytes, held: bool, log: Callable[[str], None]) -> list[Path]:
+    from .classifier import HISTORY_DIR, LATEST_NAME, history_name, keep_classifier
+
+    if held:
+        stored = keep_classifier(out_dir, payload)
+        log(f"stored the verified classifier in {stored.latest} and {stored.kept}")
+        return [stored.latest, stored.kept]
+    paths = [out_dir / HISTORY_DIR / history_name(payload)]
+    latest = out_dir / LATEST_NAME
+    if latest.is_file() and latest.read_bytes() == payload:
+        paths.append(latest)
+    return paths
+
+
+def record_path(classifier_path: Path) -> Path:
+    """The check's record of a classifier file: ``classifier.verified.json`` beside ``classifier.json``;
+    for a history file ``OUT_DIR/classifiers/X.json``, ``OUT_DIR/checks/X.verified.json``."""
+    from .classifier import HISTORY_DIR
+
+    name = classifier_path.name.removesuffix(".json") + RECORD_SUFFIX
+    if classifier_path.parent.name == HISTORY_DIR:
+        return classifier_path.parent.parent / CHECKS_DIR / name
+    return classifier_path.with_name(name)
+
+
+def _write_record(classifier_path: Path, document: Mapping[str, Any]) -> None:
+    from .tls import write_with_mode
+
+    path = record_path(classifier_path)
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    write_with_mode(path, (json.dumps(document, indent=1) + "\n").encode(), 0o600)
+
+
+def verification_status(classifier_path: Path) -> str:
+    """One line for ``predict``: whether this node verified the classifier file's exact bytes."""
+    path = record_path(Path(classifier_path))
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+        data = Path(classifier_path).read_bytes()
+    except (OSError, ValueError):
+        return "classifier check: NOT verified (no check record beside the file: SECURITY.md §5.1)"
+    if (
+        not isinstance(document, dict)
+        or document.get("format") != RECORD_FORMAT
+        or document.get("classifier_sha256") != hashlib.sha256(data).hexdigest()
+        or document.get("verified") is not True
+    ):
+        return f"classifier check: NOT verified ({path.name} is not a passing record of this file)"
+    return (
+        f"classifier check: verified by this node at {document.get('checked')} against the sums of "
+        f"{len(document.get('survivors', []))} survivors (transcript "
+        f"{str(document.get('transcript_sha256'))[:16]}...)"
+    )
+
+
+# --- the coordinator -------------------------------------------------------------------------
+
+
+class ServerCheck:
+    """The coordinator's part: keep the commitments, relay reveals and masked terms (it computes
+    nothing and can change nothing without every honest node refusing)."""
+
+    def __init__(self, study: Study, roster_ids: Collection[str]) -> None:
+        self.offered = not_offered(study, roster_ids) is None
+        self.commitments: dict[str, str] = {}
+        self.verified: tuple[str, ...] = ()
+        self.refusals: list[tuple[str, str, Envelope]] = []  # (step, client, its refusal)
+        self.seconds = 0.0
+
+    def note(self, label: str, client_id: str, meta: Mapping[str, Any]) -> None:
+        if label == "1" and isinstance(meta.get("verify-commit"), str):
+            self.commitments[client_id] = str(meta["verify-commit"])
+
+    def delivery_meta(self, survivors: Collection[str]) -> dict[str, str]:
+        if not self.offered:
+            return {}
+        return {
+            "verify-commitments": json.dumps(
+                {c: self.commitments[c] for c in survivors if c in self.commitments}
+            )
+        }
+
+    def run(
+        self, transport: Any, node_of: Mapping[str, int], replies: Mapping[int, Envelope], timeout: float,
+        log: Callable[[str], None],
+    ) -> tuple[str, ...]:  # fmt: skip
+        """The two relays after the delivery's ``replies``; returns who verified."""
+        import time
+
+        if not self.offered:
+            return ()
+        started = time.perf_counter()
+        client_of = {node: cid for cid, node in node_of.items()}
+        reveals = {
+            client_of[n]: str(e.meta["verify-reveal"])
+            for n, e in replies.items()
+            if e.kind == "ack" and "verify-reveal" in e.meta and n in client_of
+        }
+        outgoing = {
+            node_of[c]: Envelope("verify", {"round": "verify-reveal", "reveals": json.dumps(reveals)})
+            for c in reveals
+        }
+        answers = transport.exchange(outgoing, "verify-reveal", timeout)
+        masked = {
+            client_of[n]: str(e.meta["verify-masked"])
+            for n, e in answers.items()
+            if e.kind == "reply" and "verify-masked" in e.meta
+        }
+        outgoing = {
+            node_of[c]: Envelope("verify", {"round": "verify-sums", "masked": json.dumps(masked)})
+            for c in masked
+        }
+        decisions = transport.exchange(outgoing, "verify-sums", timeout)
+        self.verified = tuple(
+            sorted(client_of[n] for n, e in decisions.items() if e.kind == "ack" and e.meta.get("verified"))
+        )
+        for step, replied in (("verify-reveal", answers), ("verify-sums", decisions)):
+            self.refusals += [
+                (step, client_of[n], e) for n, e in sorted(replied.items()) if e.kind == "refused"
+            ]
+        self.seconds = time.perf_counter() - started
+        log(f"classifier check: verified by {', '.join(self.verified) or 'no node'} in {self.seconds:.2f} s")
+        return self.verified

@@ -1,0 +1,266 @@
+"""Every survivor checks the classifier against the session's sums (Freivalds, SECURITY.md §5.1):
+an honest coordinator's classifier is verified and stored; a coordinator that changes the classifier
+or the check's relays is refused by every honest node, which then stores nothing."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from secure_afl.cli import main
+from secure_afl.deploy.classifier import Classifier
+from secure_afl.deploy.errors import FederationAbortedError
+from secure_afl.deploy.server import FederationServer
+from secure_afl.deploy.study import Method
+from secure_afl.deploy.verify import verification_status
+from secure_afl.deploy.wire import Envelope
+from secure_afl.keys import IdentityKey
+from secure_afl.protocol import verify as pv
+
+from .helpers import Federation, InProcessTransport, make_federation, run_server
+
+
+def _run(federation: Federation, *, change=None, tamper=None) -> tuple[FederationServer, bytes]:
+    """A coordinator that (``change``) alters the classifier before signing it, and (``tamper``) its
+    relays; returns the server and the signed bytes it delivered."""
+    transport = InProcessTransport(federation, tamper=tamper)
+    server = FederationServer(
+        transport, federation.roster, federation.study, round_timeout=1, signer=federation.signer,
+        colluders=0, log=lambda s: None,
+    )  # fmt: skip
+    classifier = server.run()
+    if change is not None:
+        classifier = change(classifier)
+    data = server.sign(classifier)
+    server.deliver(classifier, data)
+    return server, data
+
+
+def _stored(federation: Federation) -> dict[str, bool]:
+    return {n.client_id: (n.settings.out_dir / "classifier.json").exists() for n in federation.nodes.values()}
+
+
+def _refused_by_all(server: FederationServer, federation: Federation, nodes: set[str], error: str) -> None:
+    assert server.report.verified == () and server.report.acknowledged == ()
+    assert not any(_stored(federation).values())
+    refused = {r["from"] for r in server.report.refusals if r["error"] == error}
+    assert refused == nodes, server.report.refusals
+
+
+def test_an_honest_coordinators_classifier_is_verified_by_every_survivor_with_a_dropout(
+    tmp_path: Path,
+) -> None:
+    federation = make_federation(tmp_path, n_clients=4)
+    federation.nodes[1002].dead_from = "s1-R1"  # client-2 advertises, then is gone: not a survivor
+    server, classifier, transport = run_server(federation)
+    survivors = ("client-0", "client-1", "client-3")
+    assert classifier.sessions[0]["survivors"] == list(survivors)
+    assert server.report.verified == survivors and server.report.acknowledged == survivors
+    signed = server.sign(classifier)
+    for node in federation.nodes.values():
+        path = node.settings.out_dir / "classifier.json"
+        if node.client_id == "client-2":
+            assert not path.exists()
+            continue
+        assert path.read_bytes() == signed
+        assert verification_status(path).startswith("classifier check: verified by this node")
+        record = json.loads((node.settings.out_dir / "classifier.verified.json").read_text())
+        assert record["survivors"] == list(survivors) and record["max_residual_over_bound"] < 1e-3
+    # Masking: each relayed vector alone is a uniform word, nowhere near the terms it hides.
+    relayed = next(json.loads(str(e.meta["masked"])) for _, g, e in transport.sent if g == "verify-sums")
+    for cid, text in relayed.items():
+        words = pv.MaskedValue.from_text(cid, text).words
+        assert len(words) == len(federation.study.classes) + 1
+        assert all(abs(pv.from_fixed(w)) > 2.0**90 for w in words)
+
+
+def _perturb(classifier: Classifier) -> Classifier:
+    weights = classifier.weights.copy()
+    weights[5, 1] += 1e-6 * np.linalg.norm(weights[:, 1])  # one weight, by a millionth of its column
+    return dataclasses.replace(classifier, weights=weights)
+
+
+def _swap(classifier: Classifier) -> Classifier:
+    return dataclasses.replace(classifier, weights=classifier.weights[:, [1, 0, 2]].copy())
+
+
+@pytest.mark.parametrize("change", ["perturb", "swap", "other study"])
+def test_a_changed_classifier_is_refused_by_every_survivor(tmp_path: Path, change: str) -> None:
+    federation = make_federation(tmp_path / "study", n_clients=4)
+    if change == "other study":
+        other = make_federation(tmp_path / "other", n_clients=4, seed=7)
+        _, theirs, _ = run_server(other)
+
+        def edit(classifier: Classifier) -> Classifier:
+            weights = classifier.weights.copy()
+            weights[:, 2] = theirs.weights[:, 2]
+            return dataclasses.replace(classifier, weights=weights)
+    else:
+        edit = _perturb if change == "perturb" else _swap
+    server, _ = _run(federation, change=edit)
+    _refused_by_all(server, federation, {f"client-{k}" for k in range(4)}, "ClassifierCheckFailedError")
+
+
+def test_a_different_survivor_set_is_refused(tmp_path: Path) -> None:
+    """The coordinator leaves client-3's statistics in the sums but reports it as no survivor, does
+    not deliver to it, and relays the others' commitments only: the sum lacks client-3's terms."""
+    federation = make_federation(tmp_path, n_clients=4)
+    federation.nodes[1003].dead_from = "classifier"
+
+    def edit(classifier: Classifier) -> Classifier:
+        sessions = [
+            {**s, "survivors": [c for c in s["survivors"] if c != "client-3"]} for s in classifier.sessions
+        ]
+        return dataclasses.replace(classifier, sessions=tuple(sessions))
+
+    def tamper(node: int, group: str, envelope: Envelope) -> Envelope:
+        if group == "classifier":
+            commitments = json.loads(str(envelope.meta["verify-commitments"]))
+            del commitments["client-3"]
+            return Envelope(
+                envelope.kind,
+                {**envelope.meta, "verify-commitments": json.dumps(commitments)},
+                envelope.payload,
+            )
+        return envelope
+
+    server, _ = _run(federation, change=edit, tamper=tamper)
+    _refused_by_all(server, federation, {"client-0", "client-1", "client-2"}, "ClassifierCheckFailedError")
+
+
+def test_a_node_left_out_of_the_survivors_refuses_the_classifier(tmp_path: Path) -> None:
+    federation = make_federation(tmp_path, n_clients=4)
+
+    def edit(classifier: Classifier) -> Classifier:
+        sessions = [
+            {**s, "survivors": [c for c in s["survivors"] if c != "client-3"]} for s in classifier.sessions
+        ]
+        return dataclasses.replace(classifier, sessions=tuple(sessions))
+
+    server, _ = _run(federation, change=edit)
+    _refused_by_all(server, federation, {f"client-{k}" for k in range(4)}, "VerificationError")
+
+
+def _edit_json(envelope: Envelope, key: str, edit) -> Envelope:
+    relayed = json.loads(str(envelope.meta[key]))
+    edit(relayed)
+    return Envelope(envelope.kind, {**envelope.meta, key: json.dumps(relayed)}, envelope.payload)
+
+
+def _forge(relayed: dict) -> None:
+    parts = relayed["client-1"].split(".")
+    parts[0] = format((int(parts[0], 16) + 1) % pv.MODULUS, "064x")
+    relayed["client-1"] = ".".join(parts)
+
+
+def _fix_u(relayed: dict) -> None:
+    relayed["client-0"] = "00" * 32  # a nonce of the coordinator's choosing
+
+
+def _foreign_commitment(relayed: dict) -> None:
+    # A commitment the coordinator made itself (its key, not client-1's): it would choose r and the mask key.
+    secret = pv.VerifySecret(b"\x01" * 32, b"\x02" * 32)
+    session = bytes(32)
+    relayed["client-1"] = pv.commit(secret, "client-1", session, IdentityKey.generate().private_key).to_text()
+
+
+@pytest.mark.parametrize(
+    ("step", "edit", "refusers"),
+    [
+        ("verify-sums", lambda r: r.pop("client-2"), {"client-0", "client-1", "client-2", "client-3"}),
+        ("verify-sums", _forge, {"client-0", "client-1", "client-2", "client-3"}),
+        ("verify-reveal", _fix_u, {"client-0", "client-1", "client-2", "client-3"}),
+        ("classifier", _foreign_commitment, {"client-0", "client-1", "client-2", "client-3"}),
+    ],
+    ids=["withheld value", "forged value", "u fixed in advance", "foreign commitment"],
+)
+def test_a_tampered_relay_is_refused_by_every_survivor(
+    tmp_path: Path, step: str, edit, refusers: set[str]
+) -> None:
+    federation = make_federation(tmp_path, n_clients=4)
+    key = {"verify-sums": "masked", "verify-reveal": "reveals", "classifier": "verify-commitments"}[step]
+
+    def tamper(node: int, group: str, envelope: Envelope) -> Envelope:
+        return _edit_json(envelope, key, edit) if group == step else envelope
+
+    server, _ = _run(federation, tamper=tamper)
+    _refused_by_all(server, federation, refusers, "VerificationError")
+
+
+def test_a_survivor_that_drops_during_the_check_leaves_the_classifier_unverified(tmp_path: Path) -> None:
+    federation = make_federation(tmp_path, n_clients=4)
+    federation.nodes[1001].dead_from = "verify-reveal"
+    server, _, _ = run_server(federation)
+    assert server.report.verified == () and server.report.acknowledged == ()
+    assert not any(_stored(federation).values())  # held until verified: the session can be run again
+
+
+def test_a_node_that_stores_every_classifier_marks_it_verified_after_the_check(tmp_path: Path) -> None:
+    federation = make_federation(tmp_path, n_clients=3)
+    for node in federation.nodes.values():
+        node.settings = dataclasses.replace(node.settings, require_verified="false")
+    server, _ = _run(federation, change=_swap)  # stored on delivery, never marked verified
+    assert server.report.acknowledged == ("client-0", "client-1", "client-2") and server.report.verified == ()
+    for node in federation.nodes.values():
+        assert verification_status(node.settings.out_dir / "classifier.json").startswith(
+            "classifier check: NOT"
+        )
+
+
+def test_a_study_the_check_does_not_cover_is_stored_unverified_or_refused_where_required(
+    tmp_path: Path,
+) -> None:
+    every = {f"client-{k}": (0, 1, 2) for k in range(3)}  # global balance: each class group is everyone
+    federation = make_federation(
+        tmp_path / "default", n_clients=3, method=Method(balance="global"), active=every
+    )
+    server, _, _ = run_server(federation)
+    assert server.report.acknowledged == ("client-0", "client-1", "client-2") and server.report.verified == ()
+    path = federation.nodes[1000].settings.out_dir / "classifier.json"
+    assert verification_status(path).startswith("classifier check: NOT verified")
+    strict = make_federation(tmp_path / "strict", n_clients=3, method=Method(balance="global"), active=every)
+    for node in strict.nodes.values():
+        node.settings = dataclasses.replace(node.settings, require_verified="true")
+    server = FederationServer(
+        InProcessTransport(strict), strict.roster, strict.study, round_timeout=1, signer=strict.signer,
+        colluders=0, log=lambda s: None,
+    )  # fmt: skip
+    with pytest.raises(FederationAbortedError):
+        server.run()
+    assert {r["error"] for r in server.report.refusals} == {"UnverifiedClassifierError"}
+    assert len(server.report.refusals) == 3 and not any(_stored(strict).values())
+
+
+def test_predict_says_whether_the_classifier_was_verified(tmp_path: Path) -> None:
+    federation = make_federation(tmp_path, n_clients=3)
+    run_server(federation)
+    node = federation.nodes[1000]
+    model = node.settings.out_dir / "classifier.json"
+    args = ["predict", "--model", str(model), "--roster", str(node.settings.roster), "--features",
+            str(node.settings.features), "--out", str(tmp_path / "p.csv")]  # fmt: skip
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert "classifier check: verified by this node" in result.output
+    (node.settings.out_dir / "classifier.verified.json").unlink()
+    again = CliRunner().invoke(main, args)
+    assert again.exit_code == 0 and "classifier check: NOT verified" in again.output
+
+
+def test_the_node_config_names_the_requirement_and_refuses_other_values(tmp_path: Path) -> None:
+    from secure_afl.deploy.client import NodeSettings
+    from secure_afl.deploy.errors import ConfigurationError
+
+    config = {"identity-key": "k", "passphrase-file": "p", "roster": "r", "features": "f", "ledger-dir": "l",
+              "out-dir": "o"}  # fmt: skip
+    assert NodeSettings.from_node_config(config).require_verified == "when-offered"
+    assert (
+        NodeSettings.from_node_config({**config, "require-verified-classifier": "false"}).require_verified
+        == "false"
+    )
+    with pytest.raises(ConfigurationError, match="require-verified-classifier='maybe' must be one of"):
+        NodeSettings.from_node_config({**config, "require-verified-classifier": "maybe"})
