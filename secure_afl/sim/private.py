@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from secure_afl import stages
 from secure_afl.analytic import (
     ALL_GROUP,
     AnalyticClassifier,
@@ -35,10 +36,6 @@ from secure_afl.privacy.dp import (
     PrivateStatistics,
     cap_images_per_patient,
     plan_noise,
-    private_rows,
-    private_statistics,
-    pseudo_label_upload,
-    round1_upload,
 )
 from secure_afl.privacy.dp_growth import ChainNoise, SessionNoise
 from secure_afl.privacy.dp_solve import (
@@ -164,7 +161,7 @@ class PrivateMechanism:
         self, stats: Mapping[str, PrivateStatistics], clients: Sequence[str], assignment: LabelAssignment
     ) -> dict[str, Contributions]:
         return {
-            name: round1_upload(stats[name], assignment.active[k], self.plan, self.random)[0]
+            name: stages.noised_round1(stats[name], assignment.active[k], self.plan, self.random)[0]
             for k, name in enumerate(clients)
         }
 
@@ -185,9 +182,9 @@ class PrivateMechanism:
     def round2_statistics(self, live: Sequence[str], assignment: LabelAssignment) -> dict[str, np.ndarray]:
         """Each live client's clipped (and projected) rows: what its pseudo-label sums are made of."""
         return {
-            name: private_rows(
-                self.data.features[self.rows[self.clients.index(name)]], self.dp.clip, self.projection
-            )[0]
+            name: stages.dp_rows(
+                self.data.features[self.rows[self.clients.index(name)]], self.dp, self.projection
+            )
             for name in live
         }
 
@@ -196,7 +193,7 @@ class PrivateMechanism:
     ) -> dict[str, Contributions]:
         assert self.model is not None and self.model.coef_ is not None, "solve() comes first"
         return {
-            name: pseudo_label_upload(
+            name: stages.noised_round2(
                 stats[name],
                 self.model.coef_,
                 assignment.active[self.clients.index(name)],
@@ -252,10 +249,10 @@ def client_private_statistics(
         rows = client_rows(data, dp)
         projection = dp_projection(dp, data.features.shape[1])
     return {
-        client_id(k): private_statistics(
+        client_id(k): stages.dp_statistics(
             data.features[r],
             data.cohort.labels[r],
-            dp.clip,
+            dp,
             projection=projection,
             device=config.device,
             active=None if active is None else active[k],
@@ -428,15 +425,15 @@ class PrivateGrowth:
         device = self.config.device
         for k, rows in enumerate(self._capped(session)):
             name = self.names[k]
-            stats = private_statistics(
+            stats = stages.dp_statistics(
                 self.data.features[rows],
                 self.data.cohort.labels[rows],
-                self.dp.clip,
+                self.dp,
                 projection=self.projection,
                 device=device,
                 active=self.active[k],
             )
-            noisy[name], clean[name] = round1_upload(stats, self.active[k], self.plan, self.random)
+            noisy[name], clean[name] = stages.noised_round1(stats, self.active[k], self.plan, self.random)
         progress(label, len(self.names), len(self.names))
         return noisy, clean
 
