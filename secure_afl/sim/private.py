@@ -74,10 +74,18 @@ def client_rows(data: PreparedData, dp: DpConfig) -> list[np.ndarray]:
 
 def _capped_rows(data: PreparedData, dp: DpConfig, rows: list[np.ndarray]) -> list[np.ndarray]:
     """``rows`` (one index array per client) with, for the patient unit, at most the cap of each
-    patient's images over all of them; unchanged for the image unit."""
+    patient's images over all of them; unchanged for the image unit.
+
+    Each patient keeps its first images in the cohort's order (the rows' own order, public and the
+    same whatever the split), not in the clients' order: no client loses rows because of its place
+    in the list (capped in client order, the last of 8 clients lost a third of its rows)."""
     if dp.unit != "patient" or not sum(len(r) for r in rows):
         return rows
-    keep = cap_images_per_patient(data.cohort.patient_ids[np.concatenate(rows)], dp.max_images_per_patient)
+    together = np.concatenate(rows)
+    order = np.argsort(together, kind="stable")  # the cohort's order
+    kept = cap_images_per_patient(data.cohort.patient_ids[together[order]], dp.max_images_per_patient)
+    keep = np.empty_like(kept)
+    keep[order] = kept
     out, start = [], 0
     for r in rows:
         out.append(r[keep[start : start + len(r)]])
@@ -280,15 +288,16 @@ def privacy_summary(
     *,
     feature_dim: int | None = None,
 ) -> dict[str, object]:
-    """What the report says about DP: the release's record, plus the rows each client clipped."""
+    """What the report says about DP: the release's record and the public cap on each client's rows.
+
+    No exact per-client count (rows used, rows clipped): the DP guarantee does not cover them (one
+    image moves them by one, and no noise hides it), so results.json and the terminal publish only
+    the public caps (``clip``, ``max_images_per_patient``, ``max_rows``; SECURITY.md §9).  ``stats``
+    (the clients' statistics) is not read: it is the signature of every mechanism's record."""
     summary = privacy_record(plan, solve, solve2, feature_dim=feature_dim)
     position = list(summary).index("blocks")
     items = list(summary.items())
-    clipping = [
-        ("rows_clipped", {k: s.n_clipped for k, s in stats.items()}),  # type: ignore[attr-defined]
-        ("rows_used", {k: s.n_rows for k, s in stats.items()}),  # type: ignore[attr-defined]
-    ]
-    return dict(items[:position] + clipping + items[position:])
+    return dict([*items[:position], ("max_rows", plan.config.max_rows), *items[position:]])
 
 
 def _class_sums(privacy: Mapping[str, object]) -> str:
@@ -306,9 +315,6 @@ def privacy_lines(privacy: Mapping[str, object]) -> list[str]:
     assert isinstance(spent, Mapping)
     blocks = privacy["blocks"]
     assert isinstance(blocks, list)
-    clipped = privacy["rows_clipped"]
-    used = privacy["rows_used"]
-    assert isinstance(clipped, Mapping) and isinstance(used, Mapping)
     unit = privacy["unit"]
     if unit == "patient":
         unit = f"patient (at most {privacy['max_images_per_patient']} images each)"
@@ -328,8 +334,8 @@ def privacy_lines(privacy: Mapping[str, object]) -> list[str]:
         f"unit: one {unit}, rows clipped to L2 norm {privacy['clip']:g}",
         f"mechanism: {rows}; ridge: {privacy.get('ridge_kind', 'bound')}; class sums: {_class_sums(privacy)}",
         "ε spent per institution: " + ", ".join(f"{k} {v:.4f}" for k, v in spent.items()),
-        f"rows clipped: {sum(clipped.values())} of {sum(used.values())} "
-        f"({', '.join(f'{k} {v}' for k, v in clipped.items())})",
+        f"rows: at most {privacy.get('max_rows')} per client; how many each client used or clipped is not "
+        "published (an exact count is not covered by the DP guarantee)",
     ]
     for kind in ("gram", "eigen", "sums", "counts"):
         ofkind = [b for b in blocks if b["block"] == kind]
