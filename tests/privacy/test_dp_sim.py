@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -51,6 +52,13 @@ def test_sim_dp_missing7_runs_with_masking_and_spends_at_most_epsilon(tmp_path: 
     assert not {"rows_clipped", "rows_used"} & set(dp) and dp["max_rows"] >= 1
     said = " ".join(result.output.split())  # the terminal's lines unwrapped
     assert "rows clipped:" not in said and "used or clipped is not published" in said
+    # The audit and the clients' own checks in one vocabulary: the terminal's count is report.md's list.
+    report = (tmp_path / "report.md").read_text()
+    agreeing = re.search(r"own exposure checks against this audit \(.*?\): agree: ([^;\n]*)", report)
+    assert agreeing is not None, report
+    count = len(agreeing.group(1).split(", "))
+    assert f"{count} of 8 clients' own exposure checks agree with this audit" in said and count == 8
+    assert "pseudo_n_neg/0 + pseudo_n_neg/1" not in said and "(8 tensors)" in said  # report.md names them
     assert "Differential privacy" in (tmp_path / "report.md").read_text()
 
 
