@@ -100,7 +100,8 @@ class Reference:
 
 class StudyMechanism:
     """The pipeline's stages (:mod:`secure_afl.sim.mechanism`) for the one method a study fixes,
-    over the institutions' own rows: what the deployment's nodes and server compute, in process.
+    over the institutions' own rows: what the deployment's nodes and server compute, in process
+    (each client's stage is the node's own function of :mod:`secure_afl.stages`).
 
     Statistics: each institution's Gram and class projections.  Privatize: the study's layout
     (its balance and Gram scope; the global Gram too when there is a round 2).  Solve: the study's
@@ -123,10 +124,10 @@ class StudyMechanism:
     def statistics(
         self, clients: Collection[str], assignment: LabelAssignment
     ) -> dict[str, ClientStatistics]:
-        from secure_afl.analytic import client_statistics
+        from secure_afl import stages
 
         return {
-            cid: client_statistics(self.clients[cid][0], self.clients[cid][1], device=self.device)
+            cid: stages.clear_statistics(self.clients[cid][0], self.clients[cid][1], device=self.device)
             for cid in clients
         }
 
@@ -138,9 +139,12 @@ class StudyMechanism:
     def privatize(
         self, stats: Mapping[str, ClientStatistics], clients: Collection[str], assignment: LabelAssignment
     ) -> dict[str, Contributions]:
+        from secure_afl import stages
+
         method = self.method
         return {
-            cid: stats[cid].contributions(
+            cid: stages.clear_contributions(
+                stats[cid],
                 self.clients[cid][2],
                 balance=method.balance,
                 gram=method.gram,
@@ -164,20 +168,18 @@ class StudyMechanism:
     def round2_statistics(
         self, live: Collection[str], assignment: LabelAssignment
     ) -> dict[str, Contributions]:
-        from secure_afl.analytic import PseudoLabelConfig, pseudo_label_contributions
+        from secure_afl import stages
+        from secure_afl.deploy.study import recipe
 
         assert self.model is not None and self.model.coef_ is not None, "solve() comes first"
-        method = self.method
-        config = PseudoLabelConfig(
-            tau=method.tau, alpha=method.alpha, min_pos=method.min_pos, min_neg=method.min_neg
-        )
+        config = recipe(self.study, len(self.clients), "2").pseudo  # the nodes' rule, from the study
+        assert config is not None
         out = {}
         for cid in live:
             features, _, active = self.clients[cid]
-            mine, _ = pseudo_label_contributions(
-                features, self.model.coef_, active, config=config, device=self.device
+            out[cid] = stages.pseudo_labels(
+                features, self.model.coef_, active, config, device=self.device, groups=self.round2_groups
             )
-            out[cid] = {g: t for g, t in mine.items() if g in self.round2_groups}
         return out
 
     def privatize_round2(

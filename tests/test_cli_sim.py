@@ -264,6 +264,7 @@ def test_matching_the_sim_errors_imports_nothing(fresh_python) -> None:
 def test_a_failed_client_statistic_drops_the_grams_not_yet_started(monkeypatch: pytest.MonkeyPatch) -> None:
     import secure_afl.sim.gradient as gradient
     import secure_afl.sim.runner as runner
+    from secure_afl import stages
     from secure_afl.analytic import StatisticsError
     from secure_afl.sim.fedavg import FedAvgConfig
 
@@ -278,7 +279,7 @@ def test_a_failed_client_statistic_drops_the_grams_not_yet_started(monkeypatch: 
             never.wait(2)
         raise StatisticsError("a client's features are broken")
 
-    monkeypatch.setattr(runner, "client_statistics", failing)
+    monkeypatch.setattr(stages, "clear_statistics", failing)  # the runner's statistics stage
     config = runner.SimConfig(
         missing=(7,), fraction=0.03, dim=32, secure="none", fedavg=FedAvgConfig(rounds=1)
     )
@@ -311,7 +312,12 @@ def test_the_default_report_is_short_and_verbose_prints_the_full_audit(tmp_path:
     assert "the server learns each client's class statistics exactly" in text
     assert "8 of 8 clients' own exposure checks agree with this audit" in text
     assert "Threat model these parameters defend: honest-but-curious server (t = 5 of 8" in text
-    assert "Costs, missing 7: each client uploads" in text and "round1" in text and "round2" in text
+    assert (
+        "Costs, missing 7: each client would upload" in text
+        and "unprotected" in text
+        and "round1" in text
+        and "round2" in text
+    )
     assert "report.md and results.json hold the full audit" in text and "--verbose" in text
     assert f"wrote {tmp_path / 'short' / 'report.md'}" in text
 

@@ -182,6 +182,25 @@ def test_all_classes_keeps_those_some_site_labels() -> None:
     assert table.labelled.any(axis=0).all()
 
 
+def test_the_privacy_paragraphs_count_of_agreeing_checks_is_report_mds_list(
+    result: MultisiteResult, tmp_path: Path
+) -> None:
+    import re
+
+    from secure_afl.sim.multisite import summary_lines, write_multisite_reports
+
+    _, md = write_multisite_reports(result, tmp_path)
+    report = md.read_text()
+    listed = re.search(r"own exposure checks against this audit \(.*?\): ([^\n]*)", report)
+    assert listed is not None, report
+    parts = dict(part.split(": ", 1) for part in listed.group(1).split("; "))
+    counted = re.search(r"(\d+) of (\d+) clients' own exposure checks agree", " ".join(summary_lines(result)))
+    assert counted is not None
+    agree = parts["agree"].split(", ") if "agree" in parts else []
+    assert int(counted.group(1)) == len(agree)
+    assert int(counted.group(2)) == sum(len(names.split(", ")) for names in parts.values())
+
+
 def test_cli_runs_the_scenario_and_refuses_its_options_elsewhere(tmp_path: Path) -> None:
     runner = CliRunner()
     refused = runner.invoke(main, ["sim", "--site-shift", "0", "--out", str(tmp_path / "x")])

@@ -15,7 +15,7 @@ from secure_afl.aggregation import inprocess
 from secure_afl.aggregation.layout import Derivation
 from secure_afl.sim import secure
 from secure_afl.sim.fedavg import FedAvgConfig
-from secure_afl.sim.report import _audit_lines, cost_summary, privacy_verdict, result_dict
+from secure_afl.sim.report import audit_lines, cost_summary, privacy_verdict, result_dict
 from secure_afl.sim.runner import run_experiment
 from secure_afl.sim.setting import ExperimentError, SettingResult, SimConfig
 
@@ -93,7 +93,7 @@ def test_missing_1_sends_the_gram_by_difference_and_learns_nothing_more(
     assert "the Gram: 2 copies per client, not 8" in cost_summary(planned)
     assert any(
         line.startswith("derived from the sums as sent") and "gram of class/3 = all − others/class/3" in line
-        for line in _audit_lines(planned)
+        for line in audit_lines(planned)
     )
 
 
@@ -122,7 +122,7 @@ def test_missing_7_sums_the_global_gram_from_the_class_groups_and_learns_nothing
     assert set(wire) == {g.group for g in direct.audit.groups} - {"all"}
     assert all(wire[g].tensors == d.tensors for d in direct.audit.groups for g in [d.group] if g in wire)
     assert "the Gram: 1 copy per client, not 2" in cost_summary(planned)
-    assert any(f"gram of all = {' + '.join(parts)}" in line for line in _audit_lines(planned))
+    assert any(f"gram of all = {' + '.join(parts)}" in line for line in audit_lines(planned))
 
 
 def test_missing_7_with_a_dropout_aborts_as_the_direct_layout_does(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from secure_afl import stages
 from secure_afl.core.randomness import RandomSource
 from secure_afl.keys.files import load_identity_key
 from secure_afl.keys.identity import IdentityKey
@@ -56,8 +57,7 @@ from .errors import (
 from .study import (
     PROTECTIONS,
     Study,
-    dp_projection,
-    round1_layout,
+    recipe,
     round1_plan,
     round2_layout,
     round2_row_floors,
@@ -576,9 +576,7 @@ def _check_dp_session(
             "the study protects one patient (dp-unit patient) but this feature file has no patient_ids: "
             "write them with save_feature_file(..., patient_ids=...)"
         )
-    from secure_afl.privacy.dp import rows_of_units
-
-    rows = int(rows_of_units(dp.config(), len(data.features), data.patient_ids).sum())
+    rows = int(stages.unit_rows(dp.config(), len(data.features), data.patient_ids).sum())
     if rows > dp.max_rows:
         raise StudyMismatchError(
             f"this feature file has {rows} rows{' (after the patient cap)' if dp.unit == 'patient' else ''}, "
@@ -673,57 +671,6 @@ def _noise_random() -> RandomSource:
     return OsRandomSource()
 
 
-def _private_inputs(
-    label: str, study: Study, data: Any, envelope: Envelope, groups: set[str], settings: NodeSettings,
-    roster_size: int, client_id: str,
-) -> tuple[Any, Any, Any, np.ndarray]:  # fmt: skip
-    """Under DP: (layout, noisy contributions, the clean ones, the rows used) of session ``label``."""
-    from secure_afl.privacy.dp import (
-        private_rows,
-        private_statistics,
-        pseudo_label_upload,
-        round1_upload,
-        rows_of_units,
-    )
-
-    from .study import noise_plan
-
-    assert study.dp is not None
-    config = study.dp.config()
-    plan = noise_plan(study, roster_size)
-    # --dp-dim: the study's public projection, derived here from (dim, K, seed) as at every peer
-    projection = dp_projection(study)
-    keep = rows_of_units(config, len(data.features), data.patient_ids)
-    features, labels = data.features[keep], data.labels[keep]
-    if label == "1":
-        stats = private_statistics(
-            features, labels, config.clip, projection=projection, device=settings.device, active=data.active
-        )
-        projected = "" if projection is None else f" (projected to K = {projection.shape[1]})"
-        log(
-            settings,
-            f"{client_id}: DP: {stats.n_clipped} of {stats.n_rows} rows{projected} clipped to norm "
-            f"{config.clip:g}",
-        )
-        noisy, clean = round1_upload(stats, data.active, plan, _noise_random())
-        return round1_layout(study), noisy, clean, keep
-    coef = _round1_coef(study, envelope)
-    pseudo = _pseudo_config(study)
-    classes = [int(g.split("/")[1]) for g in groups if g.startswith("pseudo/")]
-    clipped, _ = private_rows(features, config.clip, projection)
-    noisy, clean = pseudo_label_upload(
-        clipped, coef, data.active, plan, _noise_random(), pseudo, groups=groups
-    )
-    return round2_layout(study, classes), noisy, clean, keep
-
-
-def _pseudo_config(study: Study) -> Any:
-    from secure_afl.analytic import PseudoLabelConfig
-
-    m = study.method
-    return PseudoLabelConfig(tau=m.tau, alpha=m.alpha, min_pos=m.min_pos, min_neg=m.min_neg)
-
-
 def _round1_coef(study: Study, envelope: Envelope) -> np.ndarray:
     dim = statistics_dim(study)  # under --dp-dim the server sends W_K: round 2 scores projected rows
     coef = envelope.arrays.get("coef")
@@ -740,59 +687,52 @@ def _inputs(
     and what they release: the images the statistics are computed from (each row's image digest,
     the one-contribution rule's unit: another study, backbone, layout or protection over the same
     images, or a re-extracted file of them, is the same release), and the values before any noise
-    (a rerun draws fresh noise over the same data: the same values).  Round 1's inputs are in the
-    groups of :func:`~secure_afl.deploy.study.round1_plan` over ``roster_ids`` (the server's too);
-    ``withheld``: the record of the file's rows :func:`_unreleased` left out."""
-    from secure_afl.statistics import client_statistics  # numpy: R0 imports no torch on a CPU host
-
+    (a rerun draws fresh noise over the same data: the same values).  The inputs are the stages of
+    :mod:`secure_afl.stages` (the simulator's) for the study's recipe and the round; round 1's are
+    in the groups of :func:`~secure_afl.deploy.study.round1_plan` over ``roster_ids`` (the
+    server's too); ``withheld``: the record of the file's rows :func:`_unreleased` left out."""
     if label not in ("1", "2"):
         raise SessionReplayError(f"unknown session {label!r}")
-    method = study.method
-    clean = None
     images = data.require_image_identities()  # the release's unit: each row's image by all its names
-    if study.dp is not None:
-        layout, contributions, clean, keep = _private_inputs(
-            label, study, data, envelope, groups, settings, roster_size, client_id
-        )
-        images = tuple(d for d, kept in zip(images, keep, strict=True) if kept)
-    elif label == "1":
+    how = recipe(study, roster_size, label)
+    noise = _noise_random() if study.dp is not None else None
+    if label == "1":
         layout, plan = round1_plan(study, roster_ids)
-        empty = len(data.features) == 0  # a growing study's member without new images
-        features, labels = (data.features, data.labels) if not empty else _one_row(study)
-        stats = client_statistics(features, labels, device=settings.device)
-        contributions = stats.contributions(
-            data.active, balance=method.balance, gram=method.gram, include_global_gram=method.rounds == 2
-        )
-        if empty:
-            contributions = _zero(contributions)
-        if plan is not None:  # the wire's groups: the Gram by difference, or `all`'s from the classes
-            contributions = plan.wire(contributions)
+        upload = stages.node_round1(
+            data.features, data.labels, data.active, how, layout=layout, wire=plan,
+            patient_ids=data.patient_ids, device=settings.device, random=noise,
+        )  # fmt: skip
+        if upload.clipped is not None:
+            projected = "" if how.projection is None else f" (projected to K = {how.projection.shape[1]})"
+            log(
+                settings,
+                f"{client_id}: DP: {upload.clipped} of {int(upload.rows.sum())} rows{projected} clipped to "
+                f"norm {how.dp.clip:g}",  # type: ignore[union-attr]
+            )
     else:
-        from secure_afl.analytic import pseudo_label_contributions  # round 2 scores with torch
-
         coef = _round1_coef(study, envelope)
-        contributions, _ = pseudo_label_contributions(
-            data.features, coef, data.active, config=_pseudo_config(study), device=settings.device
-        )
         classes = [int(g.split("/")[1]) for g in groups if g.startswith("pseudo/")]
-        layout = round2_layout(study, classes)
-        contributions = {g: t for g, t in contributions.items() if g in groups}
-    unknown = set(contributions) - groups
+        upload = stages.node_round2(
+            data.features, coef, data.active, how, layout=round2_layout(study, classes), groups=groups,
+            patient_ids=data.patient_ids, device=settings.device, random=noise,
+        )  # fmt: skip
+    unknown = set(upload.inputs) - groups
     if unknown:
         raise StudyMismatchError(f"the session lacks this client's groups {sorted(unknown)}")
-    inputs = _flat(layout, contributions)
+    if study.dp is not None:
+        images = tuple(d for d, kept in zip(images, upload.rows, strict=True) if kept)
     # One contribution per image: the images are the unit (a re-extracted, re-ordered or re-exported
     # file of released images is refused), and round 2 may use its own study's round-1 images again.
     # The values' ids and anchors stay beside them (a round-2 value equal to a released one).
     scope = release_scope(study, label, settings)
     release = Release.of(
-        inputs if clean is None else _flat(layout, clean),
+        upload.clean,
         images=[names[0] for names in images],
         aliases=[names[1:] for names in images],
         scope=scope,
         reuses=release_scope(study, "1", settings) if label == "2" else "",
     )
-    return inputs, replace(release, withheld=withheld)  # the rows left out (_unreleased), for the DPO
+    return upload.inputs, replace(release, withheld=withheld)  # the rows left out (_unreleased), for the DPO
 
 
 def release_scope(study: Study, label: str, settings: NodeSettings) -> str:
@@ -850,23 +790,6 @@ def _unreleased(
         pixel_sha256=rows(data.pixel_sha256),
         sop_instance_uids=rows(data.sop_instance_uids),
     ), selection.record()
-
-
-def _one_row(study: Study) -> tuple[np.ndarray, np.ndarray]:
-    """A stand-in row giving the layout's shapes (its statistics are zeroed, :func:`_zero`)."""
-    return np.zeros((1, study.dim)), np.zeros((1, study.n_classes), dtype=np.uint8)
-
-
-def _zero(contributions: Any) -> Any:
-    """A member with no new rows sends zeros (the value its committed count of 0 announces)."""
-    return {g: {t: np.zeros_like(v) for t, v in tensors.items()} for g, tensors in contributions.items()}
-
-
-def _flat(layout: Any, contributions: Any) -> dict[str, dict[str, np.ndarray]]:
-    return {
-        group: {name: layout.flatten(name, values) for name, values in tensors.items()}
-        for group, tensors in contributions.items()
-    }
 
 
 def _start_session(envelope: Envelope, label: str, state: LocalState, settings: NodeSettings) -> Envelope:

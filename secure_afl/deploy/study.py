@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from secure_afl.aggregation.difference import WirePlan
     from secure_afl.privacy.dp import NoisePlan
     from secure_afl.protocol.ckks.context import CkksParameters
+    from secure_afl.stages import Recipe
 
 SYMMETRIC_TENSORS = frozenset({"gram"})
 ALL_GROUP = "all"  # the same names as secure_afl.analytic (which imports torch; this module must not)
@@ -504,6 +505,26 @@ def noise_plan(study: Study, roster_size: int) -> NoisePlan:
         return plan_noise(study.dp.config(), layout)
     except DpError as exc:
         raise ConfigurationError(str(exc)) from None
+
+
+def recipe(study: Study, roster_size: int, label: str) -> Recipe:
+    """What session ``label`` of ``study`` asks of a node's upload (:mod:`secure_afl.stages`), from
+    the study alone: its method, round 2's pseudo-label rule, and under DP the noise plan and the
+    public projection (every party derives them alike)."""
+    from secure_afl.stages import Recipe
+
+    m, pseudo = study.method, None
+    if label == "2":
+        from secure_afl.analytic import PseudoLabelConfig  # round 2 scores with torch
+
+        pseudo = PseudoLabelConfig(tau=m.tau, alpha=m.alpha, min_pos=m.min_pos, min_neg=m.min_neg)
+    dp = study.dp
+    return Recipe(
+        balance=m.balance, gram=m.gram, rounds=m.rounds, pseudo=pseudo, dim=study.dim,
+        n_classes=study.n_classes, dp=None if dp is None else dp.config(),
+        noise=None if dp is None else noise_plan(study, roster_size),
+        projection=None if dp is None else dp_projection(study),
+    )  # fmt: skip
 
 
 def statistics_dim(study: Study) -> int:

@@ -16,6 +16,9 @@ audit and the comparison with the gradient methods.  A mechanism supplies the st
 * ``secure_afl.rehearsal.StudyMechanism``: a study's one method over the institutions' rows, the
   in-process reference of ``deploy local``.
 
+What one client computes (its statistics, their privatizing, round 2's pseudo-labels) is a stage of
+:mod:`secure_afl.stages`, the functions a deployed node calls for its own uploads.
+
 A mechanism is made for one setting (:func:`secure_afl.sim.runner.mechanism_for` picks the
 simulator's) and keeps what its later stages need, as an estimator keeps its fit.
 """
@@ -29,6 +32,7 @@ from typing import Protocol
 
 import numpy as np
 
+from secure_afl import stages
 from secure_afl.analytic import (
     ALL_GROUP,
     PSEUDO_TENSOR,
@@ -42,7 +46,6 @@ from secure_afl.analytic import (
     StatisticsError,
     UndefinedBalanceWarning,
     fit_together,
-    pseudo_label_rounds,
 )
 from secure_afl.sim.datasets import PreparedData
 from secure_afl.sim.partial import LabelAssignment
@@ -163,13 +166,7 @@ class PaperMechanism:
             # reported per setting (undefined_balance), not as one Python warning per client
             warnings.simplefilter("ignore", UndefinedBalanceWarning)
             for k, name in enumerate(clients):
-                mine = stats[name].contributions(
-                    assignment.active[k], balance="client", include_global_gram=True
-                )
-                balanced_globally = stats[name].contributions(assignment.active[k], balance="global")
-                for group, tensors in balanced_globally.items():
-                    mine[group].update(tensors)
-                round1[name] = mine
+                round1[name] = stages.every_variant(stats[name], assignment.active[k])
         return round1
 
     def solve(self, agg: Aggregate) -> Fitted:
@@ -222,11 +219,11 @@ class PaperMechanism:
         clients = self.data.split.clients
         for name in live:
             k = self.clients.index(name)
-            out[name], reports = pseudo_label_rounds(
+            out[name], reports = stages.pseudo_label_variants(
                 self.data.features[clients[k]],
                 rules,
                 assignment.active[k],
-                config=self.config.pseudo,
+                self.config.pseudo,
                 device=self.config.device,
             )
             self.reports.extend((name, r) for r in reports[PSEUDO_TENSOR])

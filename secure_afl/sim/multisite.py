@@ -1017,6 +1017,9 @@ def write_multisite_reports(result: MultisiteResult, out_dir: Path) -> tuple[Pat
     for title, header, rows in tables:
         lines += [f"## {title}", "", _md_table(header, rows), ""]
     lines += [f"- {line}" for line in summary_lines(result)]
+    from secure_afl.sim.report import audit_lines
+
+    lines += ["", "## Privacy audit", ""] + [f"- {line}" for line in audit_lines(result.setting)]
     md_path = out_dir / "report.md"
     md_path.write_text("\n".join(lines) + "\n")
     return json_path, md_path

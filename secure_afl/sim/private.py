@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from secure_afl import stages
 from secure_afl.analytic import (
     ALL_GROUP,
     AnalyticClassifier,
@@ -35,10 +36,6 @@ from secure_afl.privacy.dp import (
     PrivateStatistics,
     cap_images_per_patient,
     plan_noise,
-    private_rows,
-    private_statistics,
-    pseudo_label_upload,
-    round1_upload,
 )
 from secure_afl.privacy.dp_growth import ChainNoise, SessionNoise
 from secure_afl.privacy.dp_solve import (
@@ -77,10 +74,18 @@ def client_rows(data: PreparedData, dp: DpConfig) -> list[np.ndarray]:
 
 def _capped_rows(data: PreparedData, dp: DpConfig, rows: list[np.ndarray]) -> list[np.ndarray]:
     """``rows`` (one index array per client) with, for the patient unit, at most the cap of each
-    patient's images over all of them; unchanged for the image unit."""
+    patient's images over all of them; unchanged for the image unit.
+
+    Each patient keeps its first images in the cohort's order (the rows' own order, public and the
+    same whatever the split), not in the clients' order: no client loses rows because of its place
+    in the list (capped in client order, the last of 8 clients lost a third of its rows)."""
     if dp.unit != "patient" or not sum(len(r) for r in rows):
         return rows
-    keep = cap_images_per_patient(data.cohort.patient_ids[np.concatenate(rows)], dp.max_images_per_patient)
+    together = np.concatenate(rows)
+    order = np.argsort(together, kind="stable")  # the cohort's order
+    kept = cap_images_per_patient(data.cohort.patient_ids[together[order]], dp.max_images_per_patient)
+    keep = np.empty_like(kept)
+    keep[order] = kept
     out, start = [], 0
     for r in rows:
         out.append(r[keep[start : start + len(r)]])
@@ -164,7 +169,7 @@ class PrivateMechanism:
         self, stats: Mapping[str, PrivateStatistics], clients: Sequence[str], assignment: LabelAssignment
     ) -> dict[str, Contributions]:
         return {
-            name: round1_upload(stats[name], assignment.active[k], self.plan, self.random)[0]
+            name: stages.noised_round1(stats[name], assignment.active[k], self.plan, self.random)[0]
             for k, name in enumerate(clients)
         }
 
@@ -185,9 +190,9 @@ class PrivateMechanism:
     def round2_statistics(self, live: Sequence[str], assignment: LabelAssignment) -> dict[str, np.ndarray]:
         """Each live client's clipped (and projected) rows: what its pseudo-label sums are made of."""
         return {
-            name: private_rows(
-                self.data.features[self.rows[self.clients.index(name)]], self.dp.clip, self.projection
-            )[0]
+            name: stages.dp_rows(
+                self.data.features[self.rows[self.clients.index(name)]], self.dp, self.projection
+            )
             for name in live
         }
 
@@ -196,7 +201,7 @@ class PrivateMechanism:
     ) -> dict[str, Contributions]:
         assert self.model is not None and self.model.coef_ is not None, "solve() comes first"
         return {
-            name: pseudo_label_upload(
+            name: stages.noised_round2(
                 stats[name],
                 self.model.coef_,
                 assignment.active[self.clients.index(name)],
@@ -252,10 +257,10 @@ def client_private_statistics(
         rows = client_rows(data, dp)
         projection = dp_projection(dp, data.features.shape[1])
     return {
-        client_id(k): private_statistics(
+        client_id(k): stages.dp_statistics(
             data.features[r],
             data.cohort.labels[r],
-            dp.clip,
+            dp,
             projection=projection,
             device=config.device,
             active=None if active is None else active[k],
@@ -283,15 +288,16 @@ def privacy_summary(
     *,
     feature_dim: int | None = None,
 ) -> dict[str, object]:
-    """What the report says about DP: the release's record, plus the rows each client clipped."""
+    """What the report says about DP: the release's record and the public cap on each client's rows.
+
+    No exact per-client count (rows used, rows clipped): the DP guarantee does not cover them (one
+    image moves them by one, and no noise hides it), so results.json and the terminal publish only
+    the public caps (``clip``, ``max_images_per_patient``, ``max_rows``; SECURITY.md §9).  ``stats``
+    (the clients' statistics) is not read: it is the signature of every mechanism's record."""
     summary = privacy_record(plan, solve, solve2, feature_dim=feature_dim)
     position = list(summary).index("blocks")
     items = list(summary.items())
-    clipping = [
-        ("rows_clipped", {k: s.n_clipped for k, s in stats.items()}),  # type: ignore[attr-defined]
-        ("rows_used", {k: s.n_rows for k, s in stats.items()}),  # type: ignore[attr-defined]
-    ]
-    return dict(items[:position] + clipping + items[position:])
+    return dict([*items[:position], ("max_rows", plan.config.max_rows), *items[position:]])
 
 
 def _class_sums(privacy: Mapping[str, object]) -> str:
@@ -309,9 +315,6 @@ def privacy_lines(privacy: Mapping[str, object]) -> list[str]:
     assert isinstance(spent, Mapping)
     blocks = privacy["blocks"]
     assert isinstance(blocks, list)
-    clipped = privacy["rows_clipped"]
-    used = privacy["rows_used"]
-    assert isinstance(clipped, Mapping) and isinstance(used, Mapping)
     unit = privacy["unit"]
     if unit == "patient":
         unit = f"patient (at most {privacy['max_images_per_patient']} images each)"
@@ -331,8 +334,8 @@ def privacy_lines(privacy: Mapping[str, object]) -> list[str]:
         f"unit: one {unit}, rows clipped to L2 norm {privacy['clip']:g}",
         f"mechanism: {rows}; ridge: {privacy.get('ridge_kind', 'bound')}; class sums: {_class_sums(privacy)}",
         "ε spent per institution: " + ", ".join(f"{k} {v:.4f}" for k, v in spent.items()),
-        f"rows clipped: {sum(clipped.values())} of {sum(used.values())} "
-        f"({', '.join(f'{k} {v}' for k, v in clipped.items())})",
+        f"rows: at most {privacy.get('max_rows')} per client; how many each client used or clipped is not "
+        "published (an exact count is not covered by the DP guarantee)",
     ]
     for kind in ("gram", "eigen", "sums", "counts"):
         ofkind = [b for b in blocks if b["block"] == kind]
@@ -428,15 +431,15 @@ class PrivateGrowth:
         device = self.config.device
         for k, rows in enumerate(self._capped(session)):
             name = self.names[k]
-            stats = private_statistics(
+            stats = stages.dp_statistics(
                 self.data.features[rows],
                 self.data.cohort.labels[rows],
-                self.dp.clip,
+                self.dp,
                 projection=self.projection,
                 device=device,
                 active=self.active[k],
             )
-            noisy[name], clean[name] = round1_upload(stats, self.active[k], self.plan, self.random)
+            noisy[name], clean[name] = stages.noised_round1(stats, self.active[k], self.plan, self.random)
         progress(label, len(self.names), len(self.names))
         return noisy, clean
 

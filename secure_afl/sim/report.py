@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import asdict
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
-from secure_afl.privacy.exposure import value_family
+from secure_afl.privacy.exposure import tensor_kind, value_family
 from secure_afl.privacy.guarantees import ROUND_TWO, guarantee
 from secure_afl.privacy.policy import active_threshold, majority_threshold, threat_model
 from secure_afl.sim.audit import PrivacyAudit, trust_models
@@ -364,7 +365,8 @@ ONE_MEMBER_APART = (
 )
 
 
-def _audit_lines(setting: SettingResult) -> list[str]:
+def audit_lines(setting: SettingResult) -> list[str]:
+    """report.md's privacy audit: every group, what the server learns, every client's own check."""
     audit = setting.audit
     lines = [f"protection: {audit.protection}"]
     lines += [
@@ -396,6 +398,7 @@ def _audit_lines(setting: SettingResult) -> list[str]:
             f"{client}'s own check saw values the sums determine (went on: simulator policy): {seen}"
         )
     if audit.protection != "none":
+        lines.append(client_checks_line(audit, setting.dropped))
         apart = "; ".join(p.describe() for p in audit.one_member_apart) or "none"
         lines.append(f"groups one member apart ({ONE_MEMBER_APART}): {apart}")
     if setting.dropped:
@@ -522,30 +525,50 @@ def _tensor_key(label: str) -> str:
 
 
 def client_checks_agreement(audit: PrivacyAudit) -> tuple[list[str], list[str], list[str]]:
-    """The session's clients by how their own exposure checks compare with the audit: (found
-    exactly what the audit lists for the tensors they send, found nothing where the audit lists
-    exposures (a client that dropped out never checked), found something else).  A finding that
-    needs colluders' values, or combines tensors, is not in the audit's per-tensor terms."""
+    """The session's clients by how their own exposure checks compare with the audit, in one
+    vocabulary: each client's own values, named as :func:`_tensor_key` names them (a tensor, or a
+    server-parameterised family as one value).  (Found exactly the values of its own the audit lists
+    as determined, found nothing where the audit lists some (a client that dropped out never checked),
+    found something else.)  A client's check decides only whether its own values are determined, so
+    what it found of peers is not compared; a finding that needs colluders' values is not in the
+    audit's terms (the audit assumes none)."""
     clients = sorted({c for g in audit.groups for c in g.members})
-    exposed = {(_tensor_key(t), c) for t, cs in audit.exposed.items() for c in cs}
     agree: list[str] = []
     silent: list[str] = []
     other: list[str] = []
     for client in clients:
-        sent = {_tensor_key(t) for g in audit.groups if client in g.members for t in g.tensors}
+        listed = {_tensor_key(t) for t, cs in audit.exposed.items() if client in cs}
         findings = audit.client_findings.get(client, ())
         found = {
-            (_tensor_key(f.tensor) if not f.colluders else f"{f.tensor} (colluders)", c)
+            _tensor_key(f.tensor) if not f.colluders else f"{f.tensor} (colluders)"
             for f in findings
-            for c in f.clients
+            if client in f.clients
         }
-        if found == {(t, c) for t, c in exposed if t in sent}:
-            agree.append(client)
-        elif not findings:
+        survived = any(client in g.survivors for g in audit.groups)
+        if not found and (not survived or listed):  # dropped out before its check, or saw nothing
             silent.append(client)
+        elif found == listed:
+            agree.append(client)
         else:
             other.append(client)
     return agree, silent, other
+
+
+def client_checks_line(audit: PrivacyAudit, dropped_clients: tuple[str, ...] = ()) -> str:
+    """report.md's list of the comparison the terminal counts (:func:`client_checks_agreement`)."""
+    agree, silent, other = client_checks_agreement(audit)
+    dropped = [c for c in silent if c in dropped_clients]
+    parts = [
+        ("agree", agree),
+        ("dropped out before checking", dropped),
+        ("found nothing", [c for c in silent if c not in dropped]),
+        ("found other values", other),
+    ]
+    listed = "; ".join(f"{label}: {', '.join(names)}" for label, names in parts if names)
+    return (
+        f"clients' own exposure checks against this audit (each client's own values, a round-2 family "
+        f"as one value): {listed}"
+    )
 
 
 def _client_checks_sentence(audit: PrivacyAudit, dropped_clients: tuple[str, ...]) -> str:
@@ -559,9 +582,44 @@ def _client_checks_sentence(audit: PrivacyAudit, dropped_clients: tuple[str, ...
         text += f"; {len(silent) - len(dropped)} found nothing"
     if other:
         names = f" ({', '.join(other)})" if len(other) <= 3 else ""
-        text += f"; {len(other)} found other combinations{names}, listed in report.md"
+        text += f"; {len(other)} found other values{names}, listed in report.md"
     found = len(audit.client_findings)
     return text + (f" ({found} saw exposures and went on: simulator policy)." if found else ".")
+
+
+def _overlap_sentences(overlap: Mapping[str, tuple[str, ...]]) -> str:
+    """What overlapping group sums determine, in at most two WARNING sentences: the individual values
+    by kind, and round 2's values (server-parameterised families) by family; how many tensors and
+    how many clients (report.md names every tensor)."""
+    sentences = []
+    for linked in (False, True):
+        kinds: dict[str, set[str]] = {}  # kind -> its tensors
+        whose: set[str] = set()
+        for label, clients in overlap.items():
+            key = _tensor_key(label)
+            if key.startswith("family:") != linked:
+                continue
+            kinds.setdefault(key.removeprefix("family:") if linked else tensor_kind(label), set()).update(
+                label.split(" + ")
+            )
+            whose.update(clients)
+        if not kinds:
+            continue
+        named = ", ".join(
+            f"{kind} ({len(tensors)} tensors)" if len(tensors) > 1 else next(iter(tensors))
+            for kind, tensors in sorted(kinds.items())
+        )
+        if linked:
+            sentences.append(
+                f"WARNING: for a server that chose round 2's teacher adversarially, the sums determine "
+                f"the round-2 values {named} of {len(whose)} client(s) (report.md names them)."
+            )
+        else:
+            sentences.append(
+                f"WARNING: overlapping group sums determine the individual {named} of {len(whose)} "
+                "client(s) (sum such a tensor in one all-clients group: gram='global')."
+            )
+    return "".join(f" {sentence}" for sentence in sentences)
 
 
 def privacy_verdict(setting: SettingResult) -> str:
@@ -603,11 +661,7 @@ def privacy_verdict(setting: SettingResult) -> str:
             text = head + f"every one of the {len(groups)} groups sums over at least {fewest} clients."
         overlap = audit.exposed_by_overlap()
         if overlap:
-            exposed = sorted({c for cs in overlap.values() for c in cs})
-            text += (
-                f" WARNING: overlapping group sums determine the individual {', '.join(sorted(overlap))} "
-                f"of {len(exposed)} client(s) (sum such a tensor in one all-clients group: gram='global')."
-            )
+            text += _overlap_sentences(overlap)
             if carriers:
                 text += (
                     f" {len(carriers)} complement group(s) ({_names([g.group for g in carriers])}) carry one "
@@ -651,8 +705,8 @@ def cost_summary(setting: SettingResult) -> str:
     """Bytes and protocol seconds of one setting, as means over clients, in one line."""
     uploads = list(setting.upload_bytes.values())
     text = (
-        f"Costs, missing {setting.missing}: each client uploads "
-        f"{_size(sum(uploads) / max(1, len(uploads)))} in the clear"
+        f"Costs, missing {setting.missing}: each client would upload "
+        f"{_size(sum(uploads) / max(1, len(uploads)))} unprotected"
     )
     sessions = []
     for name, costs in (setting.protocol_costs or {}).items():
@@ -755,7 +809,8 @@ def print_report(result: ExperimentResult, console: Console, *, verbose: bool = 
         h, r = _upload_rows(setting)
         console.print(
             rich_table(
-                f"Bytes each client uploads in the clear (all compared methods), missing {setting.missing}",
+                "Bytes each client would upload unprotected (all compared methods), missing "
+                f"{setting.missing}",
                 h,
                 r,
             )
@@ -775,7 +830,7 @@ def print_report(result: ExperimentResult, console: Console, *, verbose: bool = 
         console.print(
             f"[bold]Privacy audit of this run (all methods' statistics), missing {setting.missing}[/]"
         )
-        for line in _audit_lines(setting):
+        for line in audit_lines(setting):
             style = "bold red" if line.startswith("WARNING") else ""
             console.print(f"  {line}", style=style, markup=False, highlight=False)
     console.print(threat_model_line(result.config), markup=False, highlight=False)
@@ -901,7 +956,7 @@ def markdown_report(result: ExperimentResult) -> str:
         parts += [f"### {coverage_title(setting)}", "", _md_table(h, r), ""]
         h, r = _upload_rows(setting)
         parts += [
-            "### Bytes each client uploads in the clear (all compared methods)",
+            "### Bytes each client would upload unprotected (all compared methods)",
             "",
             _md_table(h, r),
             "",
@@ -926,7 +981,7 @@ def markdown_report(result: ExperimentResult) -> str:
             parts += ["### Layouts a deployed client refuses", "", _md_table(h, r), ""]
         parts += (
             ["### Privacy audit of this run (all methods' statistics in one session)", ""]
-            + [f"- {line}" for line in _audit_lines(setting)]
+            + [f"- {line}" for line in audit_lines(setting)]
             + [""]
         )
     h, r = _cost_rows(result)

@@ -18,10 +18,10 @@ from dataclasses import dataclass, replace
 import numpy as np
 from threadpoolctl import threadpool_limits
 
+from secure_afl import stages
 from secure_afl.analytic import (
     ClientStatistics,
     Contributions,
-    client_statistics,
 )
 from secure_afl.core.randomness import OsRandomSource, RandomSource
 from secure_afl.privacy.policy import ClientPolicy, layout_refusals
@@ -434,7 +434,9 @@ def run_experiment(
             # BLAS releases the GIL; each Gram is the same computation whatever the thread).
             def statistics_of(rows: np.ndarray) -> ClientStatistics:
                 # Held packed (the Gram's triangle, read-only): the full d × d goes as soon as it is made.
-                stats = client_statistics(data.features[rows], data.cohort.labels[rows], device=config.device)
+                stats = stages.clear_statistics(
+                    data.features[rows], data.cohort.labels[rows], device=config.device
+                )
                 return stats.packed()
 
             clients = data.split.clients if config.dp is None else ()  # DP: later

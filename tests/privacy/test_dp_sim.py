@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -46,7 +47,18 @@ def test_sim_dp_missing7_runs_with_masking_and_spends_at_most_epsilon(tmp_path: 
     assert all(b["fewest_survivors"] == 1 for b in sums)
     gram = next(b for b in dp["blocks"] if b["block"] == "gram")
     assert gram["fewest_survivors"] == 5  # threshold 5 of 8: at most 3 members can be missing
-    assert sum(dp["rows_clipped"].values()) >= 0 and dp["ridge"] > 0
+    assert dp["ridge"] > 0
+    # No exact per-client count that DP does not cover: only the public cap on each client's rows.
+    assert not {"rows_clipped", "rows_used"} & set(dp) and dp["max_rows"] >= 1
+    said = " ".join(result.output.split())  # the terminal's lines unwrapped
+    assert "rows clipped:" not in said and "used or clipped is not published" in said
+    # The audit and the clients' own checks in one vocabulary: the terminal's count is report.md's list.
+    report = (tmp_path / "report.md").read_text()
+    agreeing = re.search(r"own exposure checks against this audit \(.*?\): agree: ([^;\n]*)", report)
+    assert agreeing is not None, report
+    count = len(agreeing.group(1).split(", "))
+    assert f"{count} of 8 clients' own exposure checks agree with this audit" in said and count == 8
+    assert "pseudo_n_neg/0 + pseudo_n_neg/1" not in said and "(8 tensors)" in said  # report.md names them
     assert "Differential privacy" in (tmp_path / "report.md").read_text()
 
 
@@ -79,6 +91,24 @@ def test_sim_dp_patient_unit_and_bad_options(tmp_path: Path) -> None:
     assert all(e <= 4 for e in dp["epsilon_spent"].values())
     bad = _run(["--dp-epsilon", "-1", "--out", str(tmp_path), *SMALL])
     assert bad.exit_code != 0 and "dp-epsilon" in bad.output
+
+
+def test_the_patient_cap_does_not_depend_on_a_clients_place_in_the_list() -> None:
+    """Each patient keeps its first images in the cohort's order: the clients listed in another
+    order keep the same rows (capped in the list's order, the last client lost a third of its rows)."""
+    import dataclasses
+
+    from secure_afl.sim.private import client_rows
+
+    data = prepare(None, fraction=0.05, dim=8, seed=0, n_clients=8)
+    dp = DpConfig(epsilon=1.0, unit="patient", max_images_per_patient=1)
+    kept = client_rows(data, dp)
+    split = dataclasses.replace(data.split, clients=data.split.clients[::-1])
+    reversed_kept = client_rows(dataclasses.replace(data, split=split), dp)
+    assert [r.tolist() for r in reversed_kept] == [r.tolist() for r in kept[::-1]]
+    ids = data.cohort.patient_ids[np.concatenate(kept)]
+    assert len(set(ids.tolist())) == len(ids)  # the cap holds over every client together
+    assert sum(map(len, kept)) < sum(map(len, data.split.clients))  # and takes rows away
 
 
 def test_dp_off_reproduces_the_non_private_pipeline() -> None:
