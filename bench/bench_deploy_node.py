@@ -203,7 +203,7 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=2048)
     parser.add_argument("--fraction", type=float, default=0.05)
     parser.add_argument("--clients", type=int, default=5)
-    parser.add_argument("--secure", choices=("mask", "ckks"), default="mask")
+    parser.add_argument("--protection", "--secure", dest="secure", choices=("mask", "ckks"), default="mask")
     parser.add_argument(
         "--baseline-dim", type=int, default=32, help="the same federation at this width first (0: none)"
     )
@@ -214,7 +214,7 @@ def main() -> None:
         "cpus": os.cpu_count(),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "command": f"deploy local --dim {args.dim} --fraction {args.fraction} --clients {args.clients} "
-        f"--secure {args.secure}",
+        f"--protection {args.secure}",
     }
     with tempfile.TemporaryDirectory() as scratch:
         if args.baseline_dim:

@@ -2,7 +2,7 @@
 
 On a loaded host wall seconds swing by 2-4x between runs (other processes take the cores), so the
 wall ratio of ``bench_secure.py --only e2e`` says little there; this script runs ``run_experiment``
-in one process, ``--secure mask`` and ``--secure none`` interleaved (the order alternating), and
+in one process, ``--protection mask`` and ``none`` interleaved (the order alternating), and
 reports, after one warm-up run that is not counted, this process's CPU-seconds
 (``time.process_time``: every thread of it, not FedAvg's forked trainer) and its wall seconds for
 each run, with the load average.  ``--dropout 2`` adds the

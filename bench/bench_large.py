@@ -1,5 +1,5 @@
 """The secure path at Table III's widths: ``sim --missing 7 --fraction 0.2 --fedavg-rounds 1`` at
-d = 1024, 2048, 4096, ``--secure none`` and ``--secure mask`` side by side, each run in a child
+d = 1024, 2048, 4096, ``--protection none`` and ``mask`` side by side, each run in a child
 process.
 
 Per run: wall seconds, the aggregation phase's seconds (from results.json), the child's peak RSS
@@ -92,7 +92,9 @@ def run_child(tree: Path, dim: int, secure: str, out: Path) -> dict[str, object]
     wall = time.perf_counter() - started
     stderr = child.stderr.read().decode() if child.stderr else ""
     if status != 0:
-        raise SystemExit(f"sim --dim {dim} --secure {secure} in {tree} failed:\n{stderr[-2000:]}")
+        raise SystemExit(
+            f"sim --dim {dim} {protection_option(tree)} {secure} in {tree} failed:\n{stderr[-2000:]}"
+        )
     phases = json.loads((out / "results.json").read_text())["seconds_per_phase"]
     peak = usage.ru_maxrss * 1024  # kilobytes on Linux
     triangle = 8 * dim * (dim + 1) // 2

@@ -7,7 +7,7 @@ Prints markdown tables:
 2. scaling with the number of clients (8, 16, 32, 64 at d=256, missing 1 and missing 7);
 3. scaling with the dimension (256, 1024, 2048 at 8 clients, missing 7);
 4. the end-to-end ratio: ``secure-afl sim --missing 1 --dropout 2 --dropout-stage R2``
-   with ``--secure mask`` against ``--secure none``, (statistics + aggregation + solve) from
+   with ``--protection mask`` against ``--protection none``, (statistics + aggregation + solve) from
    ``run_experiment``'s phase timer, full embedded data, one FedAvg round (FedAvg is not in the ratio);
 5. with ``--flower``: Flower's SecAgg+ utilities (quantisation, numpy Mersenne-Twister masks, Shamir
    shares, share encryption, unmasking) driven directly on the same vectors as ours, in another
@@ -343,7 +343,7 @@ def end_to_end(repeats: int, quick: bool) -> str:
     rows.append(["**statistics + aggregation + solve**", fmt_s(total["none"]), fmt_s(total["mask"])])
     same = metrics["mask"] == metrics["none"]
     out = [
-        table(["phase (median of runs)", "--secure none", "--secure mask"], rows),
+        table(["phase (median of runs)", "--protection none", "--protection mask"], rows),
         "",
         f"ratio (mask / none) of statistics + aggregation + solve, median of {repeats} paired runs: "
         f"**{median(ratios):.2f}** (runs: {', '.join(f'{r:.2f}' for r in ratios)}; "

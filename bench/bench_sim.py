@@ -1,6 +1,6 @@
 """Seconds per phase of `secure-afl sim --missing 7` on the full embedded dataset.
 
-Run by hand:  python bench/bench_sim.py [--repeats 3] [--missing 7] [--secure none,mask]
+Run by hand:  python bench/bench_sim.py [--repeats 3] [--missing 7] [--protection none,mask]
               python bench/bench_sim.py --cli [--repeats 5] [--ab]
 
 With --cli: the console script itself, as a user runs it (`secure-afl sim --missing 7` in a
@@ -51,7 +51,9 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--missing", default="7", help="comma list of missing levels")
-    parser.add_argument("--secure", default="none,mask", help="comma list of protections")
+    parser.add_argument(
+        "--protection", "--secure", dest="secure", default="none,mask", help="comma list of protections"
+    )
     parser.add_argument("--cli", action="store_true", help="time the console script in fresh processes")
     parser.add_argument("--calibrate", action="store_true", help="time FedAvg's rounds alone, then stop")
     parser.add_argument(

@@ -115,7 +115,7 @@ fingerprint_of coordinator coordinator/keys.out
 echo "coordinator: ${FP[coordinator]}"
 
 echo "== C2. provision (coordinator): send fed/kits/ID/ to each hospital"
-party coordinator "secure-afl deploy provision --out fed/ --hospital hospital-a/ --hospital hospital-b/ \
+party coordinator "secure-afl deploy provision --federation-dir fed/ --hospital hospital-a/ --hospital hospital-b/ \
     --hospital hospital-c/ --expect hospital-a='${FP[hospital-a]}' \
     --expect hospital-b='${FP[hospital-b]}' --expect hospital-c='${FP[hospital-c]}' \
     --passphrase-file pass --host localhost --ip 127.0.0.1 --port $LINK_PORT \
@@ -172,7 +172,7 @@ for h in "${HOSPITALS[@]}"; do
 done
 
 echo "== C4. collect (coordinator): send fed/kits/ID/roster.json back to each hospital"
-party coordinator 'secure-afl deploy collect fed/ hospital-a.reply.json hospital-b.reply.json hospital-c.reply.json'
+party coordinator 'secure-afl deploy collect --federation-dir fed/ hospital-a.reply.json hospital-b.reply.json hospital-c.reply.json'
 for h in "${HOSPITALS[@]}"; do cp "coordinator/fed/kits/$h/roster.json" "$h/kit/roster.json"; done
 
 echo "== H4. start (each hospital): the command join printed"
@@ -182,8 +182,8 @@ for h in "${HOSPITALS[@]}"; do
 done
 
 echo "== C5. run (coordinator; it signs the classifier, here)"
-party coordinator 'secure-afl deploy run fed/app federation --flwr-home fed/superlink/flwr \
-    --identity-key ~/.secure-afl/identity.key --passphrase-file pass'
+party coordinator 'secure-afl deploy run fed/app --federation federation --flwr-home fed/superlink/flwr \
+    --key-dir ~/.secure-afl --passphrase-file pass'
 
 echo "== each hospital verifies the classifier it received and evaluates it on held-out features"
 for h in "${HOSPITALS[@]}"; do

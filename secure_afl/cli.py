@@ -278,10 +278,10 @@ def main() -> None:
     type=click.Path(path_type=Path, dir_okay=False),
     help="Label table (default: bundled).",
 )
-@click.option(
+@renamed_option(
     "--backbone",
-    "--backbones",
     "backbones",
+    old_names=("--backbones",),
     default="densenet121-xrv",
     show_default=True,
     help="Backbone, or a comma list for the Table III loop (resnet18,vgg11,efficientnet_b0,...).",
@@ -486,7 +486,7 @@ def _image_sources(o: dict[str, Any], names: list[str]) -> list[ImageSource | No
     """One image source per backbone with ``--dataset nih``; [None] (the embedded data) otherwise."""
     if o["dataset"] != "nih":
         if len(names) > 1 or o["weights"] or o["data_dir"]:
-            raise click.UsageError("--backbones, --weights and --data-dir need --dataset nih")
+            raise click.UsageError("--backbone, --weights and --data-dir need --dataset nih")
         return [None]
     if o["data_dir"] is None:
         raise click.UsageError("--dataset nih needs --data-dir DIR (the unpacked ChestXray14 images)")

@@ -94,9 +94,10 @@ def verify(
     """Check the chain and every record's signature; name the first bad record.
 
     Exit 0: every record verifies (an unfinished last line, what a crash mid-write leaves, is
-    reported, not counted against the log); 1: a record fails (its line, index and why), or the
-    log or the key cannot be read; 2: usage.  A log cut at a record boundary, or deleted, cannot be
-    told from a shorter one: compare with the copy kept elsewhere.
+    reported, not counted against the log); 1: a record fails (its line, index and why), the log
+    holds no complete record, or the log or the key cannot be read; 2: usage.  A log cut at a
+    record boundary, or deleted, cannot be told from a shorter one: compare with the copy kept
+    elsewhere.
     """
     path = _path(log_path, ledger_dir)
     if roster_path is None and not public_keys:
@@ -108,3 +109,8 @@ def verify(
     click.echo(result.describe())
     if not result.ok:
         raise SystemExit(1)
+    if result.records == 0:  # the first record creates the log: an empty one verifies nothing
+        raise click.ClickException(
+            f"{path}: nothing verified: no complete record (a log is created by its first record, so an "
+            "empty one was cut to nothing or is not the log): compare with the copy kept elsewhere"
+        )

@@ -13,11 +13,17 @@ import click
 import numpy as np
 
 from secure_afl.cli_options import (
+    DeprecatedArgument,
+    DeprecatedOption,
     LibraryErrorsGroup,
     check_dp_mechanism_options,
     ckks_degree_option,
+    deprecation_note,
     dp_options,
+    identity_key_alias,
+    identity_key_file,
     key_dir_option,
+    positional_or_option,
     renamed_option,
     split_pair,
 )
@@ -172,7 +178,7 @@ def deploy_tls(hosts: tuple[str, ...], ips: tuple[str, ...], out_dir: Path, days
     "--federation",
     default="federation",
     show_default=True,
-    help="The connection's name in STATE_DIR/flwr/config.toml (`deploy run APP_DIR FEDERATION`).",
+    help="The connection's name in STATE_DIR/flwr/config.toml (`deploy run APP_DIR --federation NAME`).",
 )
 @click.option("--front", type=click.Choice(["caddy", "nginx"]), default="caddy", show_default=True,
               help="The reverse proxy on --listen: Caddy (installed with the deploy extra) or the "
@@ -180,8 +186,8 @@ def deploy_tls(hosts: tuple[str, ...], ips: tuple[str, ...], out_dir: Path, days
 @click.option("--front-binary", default=None, metavar="PATH",
               help="The front's executable (default: the one beside this Python, then PATH; for nginx "
                    "also /usr/sbin/nginx).")  # fmt: skip
-@click.option("--nginx", "nginx_path", default=None, metavar="PATH", hidden=True,
-              help="Deprecated: --front nginx --front-binary PATH.")  # fmt: skip
+@click.option("--nginx", "nginx_path", cls=DeprecatedOption, replacement="--front nginx --front-binary PATH",
+              default=None, metavar="PATH")  # fmt: skip
 def deploy_superlink(
     tls_dir: Path, listen: str, state_dir: Path, control_port: int, federation: str, front: str,
     front_binary: str | None, nginx_path: str | None,
@@ -208,8 +214,7 @@ def deploy_superlink(
     from secure_afl.deploy.errors import SuperLinkSetupError
     from secure_afl.deploy.superlink import plan_superlink, serve_superlink
 
-    if nginx_path is not None:
-        click.echo("--nginx PATH is deprecated: use --front nginx --front-binary PATH", err=True)
+    if nginx_path is not None:  # the old name, with its note
         front, front_binary = "nginx", front_binary or nginx_path
     try:
         plan = plan_superlink(tls_dir, listen, state_dir, control_port=control_port, front=front,
@@ -263,12 +268,9 @@ def deploy_node_key(path: Path, force: bool) -> None:
     required=True,
     help="The roster every hospital pinned; it must name the coordinator.",
 )
-@click.option(
-    "--identity-key",
-    type=click.Path(path_type=Path, dir_okay=False, exists=True),
-    required=True,
-    help="The coordinator's identity key (`keys init --id coordinator`): signs the classifier.",
-)
+@key_dir_option("The coordinator's key directory (`keys init --id coordinator`; default: $SECURE_AFL_HOME or "
+                "~/.secure-afl): its identity.key signs the classifier.", old_names=())  # fmt: skip
+@identity_key_alias
 @click.option(
     "--passphrase-file",
     type=click.Path(path_type=Path, dir_okay=False),
@@ -376,13 +378,14 @@ def deploy_node_key(path: Path, force: bool) -> None:
     "--federation",
     default="federation",
     show_default=True,
-    help="The federation's name in config.toml (`deploy run APP_DIR FEDERATION`).",
+    help="The federation's name in config.toml (`deploy run APP_DIR --federation NAME`).",
 )
 @click.option("--force", is_flag=True, help="Replace an existing APP_DIR/pyproject.toml or config.toml.")
 def deploy_app(
     app_dir: Path,
     roster_path: Path,
-    identity_key: Path,
+    key_dir: Path | None,
+    identity_key: Path | None,
     passphrase_file: Path | None,
     passphrase_env: str | None,
     server_out: Path,
@@ -407,7 +410,7 @@ def deploy_app(
     """Write the coordinator's Flower app: the study and the roster (the key is checked, not written).
 
     \b
-    Reads:  --roster, --identity-key (decrypted once, to check it is the roster's coordinator),
+    Reads:  --roster, --key-dir's identity.key (decrypted once, to check it is the roster's coordinator),
             the study's backbone record from --features or --backbone/--weights.
     Writes: APP_DIR/pyproject.toml ([tool.flwr.app.config]: the run config the ServerApp reads) and,
             with --superlink, FLWR_HOME/config.toml ([superlink.FEDERATION]).
@@ -429,6 +432,7 @@ def deploy_app(
         raise click.UsageError("--root-certificates and --insecure go with --superlink HOST:PORT")
     if superlink is not None and (root_certificates is None) == (not insecure):
         raise click.UsageError("with --superlink give --root-certificates ca.crt (TLS) or --insecure")
+    identity_key = identity_key_file(key_dir, identity_key)
     record = _backbone_record(features_path, backbone, weights)
     signing = {
         "identity-key": str(identity_key.resolve()),
@@ -456,8 +460,8 @@ def deploy_app(
     if connection is not None:
         click.echo(f"wrote {connection.path} (export FLWR_HOME={home} for flwr supernode register)")
     secret = " ".join(f"--{k} {v}" for k, v in signing.items() if k != "identity-key")
-    click.echo(f"next: secure-afl deploy run {app_dir} {federation} --flwr-home {home} --identity-key "
-               f"{signing['identity-key']} {secret}")  # fmt: skip
+    click.echo(f"next: secure-afl deploy run {app_dir} --federation {federation} --flwr-home {home} "
+               f"--key-dir {identity_key.resolve().parent} {secret}")  # fmt: skip
 
 
 def _run_config_value(text: str) -> object:
@@ -777,19 +781,24 @@ def deploy_check(
 
 @deploy.command("run")
 @click.argument("app_dir", type=click.Path(path_type=Path, file_okay=False, exists=True))
-@click.argument("federation")
+@click.argument("federation_positional", cls=DeprecatedArgument, replacement="--federation",
+                metavar="FEDERATION")  # fmt: skip
+@click.option("--federation", default=None,
+              help="The federation's name: its [superlink.NAME] in FLWR_HOME/config.toml (`deploy superlink "
+                   "--federation`, `deploy provision --federation`).  [default: federation]")  # fmt: skip
 @click.option("--flwr-home", type=click.Path(path_type=Path, file_okay=False), default=None,
               envvar="FLWR_HOME", show_envvar=True,
-              help="Directory whose config.toml names FEDERATION's SuperLink (address, CA).")  # fmt: skip
+              help="Directory whose config.toml names the federation's SuperLink (address, CA).")  # fmt: skip
 @click.option("--run-config", "run_config", multiple=True, metavar="'KEY=VALUE ...'",
               help="Override run-config keys of APP_DIR/pyproject.toml (passed to flwr run).")  # fmt: skip
 @click.option("--timeout", type=click.FloatRange(1), default=24 * 3600.0, show_default=True,
               help="Stop waiting (and stop flwr run) after this many seconds.")  # fmt: skip
 @click.option("--tick", type=click.FloatRange(0), default=10.0, show_default=True,
               help="While a round waits, print the elapsed time this often (0: never).")  # fmt: skip
-@click.option("--identity-key", type=click.Path(path_type=Path, dir_okay=False, exists=True), required=True,
-              help="The coordinator's identity key (`keys init --id coordinator`, the roster's coordinator): "
-              "deploy run signs the classifier with it, in its own process.")  # fmt: skip
+@key_dir_option("The coordinator's key directory (`keys init --id coordinator`, the roster's coordinator; "
+                "default: $SECURE_AFL_HOME or ~/.secure-afl): deploy run signs the classifier with its "
+                "identity.key, in its own process.", old_names=())  # fmt: skip
+@identity_key_alias
 @click.option("--passphrase-file", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="The key's passphrase file (0600).")  # fmt: skip
 @click.option(
@@ -799,16 +808,18 @@ def deploy_check(
     help="Or: an environment variable of this command that holds it (not passed to flwr run).",
 )
 @click.option("--metrics", default=None, metavar="HOST:PORT", callback=_metrics_address, help=METRICS_HELP)
+@click.pass_context
 def deploy_run(
-    app_dir: Path, federation: str, flwr_home: Path | None, run_config: tuple[str, ...], timeout: float,
-    tick: float, identity_key: Path, passphrase_file: Path | None, passphrase_env: str | None,
+    ctx: click.Context, app_dir: Path, federation_positional: str | None, federation: str | None,
+    flwr_home: Path | None, run_config: tuple[str, ...], timeout: float, tick: float, key_dir: Path | None,
+    identity_key: Path | None, passphrase_file: Path | None, passphrase_env: str | None,
     metrics: tuple[str, int] | None,
 ) -> None:  # fmt: skip
-    """Run the federation (the coordinator): `flwr run APP_DIR FEDERATION --stream`, honestly.
+    """Run the federation (the coordinator): `flwr run APP_DIR NAME --stream` (NAME: --federation), honestly.
 
     \b
     Reads APP_DIR/pyproject.toml ([tool.flwr.app.config]: the study, roster, out-dir) and
-    $FLWR_HOME/config.toml ([superlink.FEDERATION]: address, root-certificates).
+    $FLWR_HOME/config.toml ([superlink.NAME]: address, root-certificates).
     Writes in the run config's out-dir: classifier.json and report.json (the ServerApp's),
     flwr-run.log (the whole stream); an earlier classifier.json or report.json there is first
     renamed classifier.before-<UTC time>.json (report.before-...), so a stale classifier is never
@@ -816,8 +827,8 @@ def deploy_run(
 
     Signs the classifier here, not in the ServerApp: the ServerApp (a process the SuperLink starts)
     writes the unsigned record (classifier.unsigned.json) and asks for the signature; this command
-    checks it is this run's study and roster, signs it into classifier.json with --identity-key,
-    and the ServerApp sends those bytes to the hospitals.  The key and passphrase never reach a
+    checks it is this run's study and roster, signs it into classifier.json with --key-dir's
+    identity.key, and the ServerApp sends those bytes to the hospitals.  The key and passphrase never reach a
     process the SuperLink starts.
 
     Prints each round as the ServerApp logs it, with the hospitals addressed and answering, and the
@@ -829,6 +840,8 @@ def deploy_run(
 
     from secure_afl.deploy.coordinator import load_signer, run_federation
 
+    federation = positional_or_option(ctx, federation_positional, federation, default="federation")
+    identity_key = identity_key_file(key_dir, identity_key)
     if (passphrase_file is None) == (passphrase_env is None):
         raise click.UsageError("give exactly one of --passphrase-file and --passphrase-env")
     env = dict(os.environ)
@@ -839,7 +852,7 @@ def deploy_run(
     config_toml = Path(env.get("FLWR_HOME", Path.home() / ".flwr")) / "config.toml"
     if not config_toml.is_file():
         raise click.UsageError(
-            f"{config_toml} does not exist: flwr run reads FEDERATION's SuperLink from it; set "
+            f"{config_toml} does not exist: flwr run reads the federation's SuperLink from it; set "
             f"--flwr-home (or export FLWR_HOME) to the directory holding it"
         )
     try:
@@ -903,8 +916,9 @@ def deploy_status(directory: Path | None, url: str | None) -> None:
 
 
 @deploy.command("node-metrics")
-@click.option("--ledger-dir", type=click.Path(path_type=Path, file_okay=False), required=True,
-              help="The node config's ledger-dir (its ClientApp keeps metrics.json there).")  # fmt: skip
+@click.option("--ledger-dir", type=click.Path(path_type=Path, file_okay=False, exists=True), required=True,
+              help="The node config's ledger-dir (its ClientApp keeps metrics.json there; it must exist: "
+                   "a mistyped one would serve zeros for ever).")  # fmt: skip
 @click.option("--listen", default="127.0.0.1:9101", show_default=True, metavar="HOST:PORT",
               help="Where to serve /metrics (a port alone: on 127.0.0.1).")  # fmt: skip
 @click.option("--textfile", type=click.Path(path_type=Path, dir_okay=False), default=None,
@@ -952,8 +966,10 @@ def _key_value_pairs(items: tuple[str, ...], hint: str) -> dict[str, object]:
 
 
 @deploy.command("provision")
-@click.option("--out", "out_dir", type=click.Path(path_type=Path, file_okay=False), required=True,
-              help="The federation directory to write: roster.json, tls/, app/, server/, kits/.")  # fmt: skip
+@renamed_option("--federation-dir", "out_dir", old_names=("--out",), type=click.Path(path_type=Path,
+                file_okay=False), required=True, metavar="DIR",
+                help="The federation directory to write: roster.json, tls/, app/, server/, "
+                     "kits/.")  # fmt: skip
 @click.option("--hospital", "hospitals", multiple=True, required=True,
               type=click.Path(path_type=Path, exists=True),
               help="A hospital's identity.pub.json (`keys init`), or the directory holding it; repeat per "
@@ -981,7 +997,8 @@ def _key_value_pairs(items: tuple[str, ...], hint: str) -> dict[str, object]:
               help="2 adds the pseudo-label round.")  # fmt: skip
 @click.option("--gamma", type=float, default=1.0, show_default=True, help="The ridge γ of the solve.")
 @click.option("--protection", type=click.Choice(["mask", "ckks"]), default="mask", show_default=True,
-              help="Pairwise masking or CKKS (each hospital agrees at join: --protection).")  # fmt: skip
+              help="The study's protection: pairwise masking or CKKS (each hospital accepts it at join: "
+                   "--accept-protection).")  # fmt: skip
 @click.option("--round-timeout", type=click.FloatRange(1), default=120.0, show_default=True,
               help="Seconds after which a hospital that has not answered a round is a dropout.")  # fmt: skip
 @click.option("--set", "extra", multiple=True, metavar="KEY=VALUE",
@@ -989,7 +1006,9 @@ def _key_value_pairs(items: tuple[str, ...], hint: str) -> dict[str, object]:
 @click.option("--days", type=click.IntRange(1, 3650), default=365, show_default=True,
               help="Validity of the CA and the SuperLink certificate, in days.")  # fmt: skip
 @click.option(
-    "--force", is_flag=True, help="Replace an existing roster, app, TLS material and kits in --out."
+    "--force",
+    is_flag=True,
+    help="Replace an existing roster, app, TLS material and kits in --federation-dir.",
 )
 @renamed_option("--expect", "expected", old_names=("--fingerprint",), multiple=True, metavar="ID=FINGERPRINT",
               help="A hospital's fingerprint as you heard it from that hospital (`keys init`/`keys show` "
@@ -1013,8 +1032,8 @@ def deploy_provision(
             kits' manifests and, in the run, the classifier), the study's backbone record.
     Checks: every hospital's fingerprint against --expect ID=FINGERPRINT (or a prompt at the
             terminal, or --yes), after every other check and before anything is written.
-    Writes: OUT/roster.json (to be co-signed), OUT/tls/ (deploy tls's four files), OUT/app/
-            (deploy app's pyproject.toml), OUT/server/, and OUT/kits/ID/ for every hospital (0700):
+    Writes: DIR/roster.json (to be co-signed), DIR/tls/ (deploy tls's four files), DIR/app/
+            (deploy app's pyproject.toml), DIR/server/, and DIR/kits/ID/ for every hospital (0700):
             ca.crt, roster.json, app/pyproject.toml, kit.json (signed manifest), node-config.toml,
             supernode.service, README.txt.
     Send each hospital its kit directory; it runs `secure-afl deploy join KIT`.
@@ -1060,10 +1079,12 @@ def deploy_provision(
     click.echo(f"hospitals dial {result.superlink}. Next, on this host:")
     click.echo(f"  secure-afl deploy superlink --tls-dir {out / 'tls'} --listen ADDRESS:{port} "
                f"--state-dir {out / 'superlink'} --federation {federation}")  # fmt: skip
-    click.echo(f"  secure-afl deploy collect {out} ID.reply.json ...   (the hospitals' replies)")
     click.echo(
-        f"  secure-afl deploy run {result.app_dir} {federation} --flwr-home {out / 'superlink' / 'flwr'} "
-        f"--identity-key {directory / 'identity.key'} {secret}"
+        f"  secure-afl deploy collect --federation-dir {out} ID.reply.json ...   (the hospitals' replies)"
+    )
+    click.echo(
+        f"  secure-afl deploy run {result.app_dir} --federation {federation} --flwr-home "
+        f"{out / 'superlink' / 'flwr'} --key-dir {directory} {secret}"
     )
 
 
@@ -1080,8 +1101,10 @@ def deploy_provision(
 @click.option("--state-dir", type=click.Path(path_type=Path, file_okay=False), default=None,
               help="The node's state: ledger/, out/, SuperNode key, supernode.log (default: "
                    "KIT/state; /var/lib/secure-afl-ID for a service).")  # fmt: skip
-@click.option("--protection", default="mask", show_default=True,
-              help="The protections this hospital agrees to (mask, ckks or mask,ckks).")  # fmt: skip
+@renamed_option("--accept-protection", "protection", old_names=("--protection",), default="mask",
+                show_default=True, metavar="mask|ckks|mask,ckks",
+                help="The protections this hospital accepts (node config protection=): a study must use "
+                     "one of them (mask,ckks: either).")  # fmt: skip
 @click.option("--set", "extra", multiple=True, metavar="KEY=VALUE",
               help="Another node-config key (repeatable): dp-epsilon=1, colluders=0, ...")  # fmt: skip
 @click.option("--node-port", type=click.IntRange(1, 65535), default=9094, show_default=True,
@@ -1170,23 +1193,28 @@ def deploy_join(
 
 
 @deploy.command("collect")
-@click.argument("out_dir", type=click.Path(path_type=Path, file_okay=False, exists=True))
-@click.argument("replies", nargs=-1, type=click.Path(path_type=Path, dir_okay=False, exists=True))
+@click.argument("replies", nargs=-1, type=click.Path(path_type=Path, exists=True))
+@click.option("--federation-dir", "out_dir", type=click.Path(path_type=Path, file_okay=False, exists=True),
+              default=None, metavar="DIR",
+              help="The federation directory `deploy provision --federation-dir` wrote.  "
+                   "[required]")  # fmt: skip
 @click.option("--flwr-home", type=click.Path(path_type=Path, file_okay=False), default=None,
-              help="The coordinator's Flower config directory (default OUT_DIR/superlink/flwr, as "
-                   "`deploy superlink --state-dir OUT_DIR/superlink` writes it).")  # fmt: skip
+              help="The coordinator's Flower config directory (default DIR/superlink/flwr, as "
+                   "`deploy superlink --state-dir DIR/superlink` writes it).")  # fmt: skip
 @click.option("--federation", default="federation", show_default=True, help="The federation's name.")
 @click.option("--no-register", is_flag=True, help="Only merge the co-signatures; register no SuperNode key.")
+@click.pass_context
 def deploy_collect(
-    out_dir: Path, replies: tuple[Path, ...], flwr_home: Path | None, federation: str, no_register: bool
-) -> None:
+    ctx: click.Context, replies: tuple[Path, ...], out_dir: Path | None, flwr_home: Path | None,
+    federation: str, no_register: bool,
+) -> None:  # fmt: skip
     """Merge the hospitals' replies (the coordinator): co-signed roster, SuperNode registrations.
 
     \b
-    Verifies each ID.reply.json against OUT_DIR/roster.json (its co-signature and its SuperNode
+    Verifies each ID.reply.json against DIR/roster.json (its co-signature and its SuperNode
     key, both signed with that hospital's identity key), writes the co-signed roster to
-    OUT_DIR/roster.json and to every OUT_DIR/kits/ID/roster.json, each SuperNode key to
-    OUT_DIR/supernodes/ID.pub, and registers them (`flwr supernode register`) with the running
+    DIR/roster.json and to every DIR/kits/ID/roster.json, each SuperNode key to
+    DIR/supernodes/ID.pub, and registers them (`flwr supernode register`) with the running
     SuperLink.  Then send each hospital its kits/ID/roster.json.
     Exit status: 0 every hospital co-signed; 3 some have not yet (they are named); 1 an error.
     """
@@ -1194,6 +1222,7 @@ def deploy_collect(
     from secure_afl.deploy.processes import flower_bin
     from secure_afl.deploy.provision import collect
 
+    out_dir, replies = _federation_dir_and_replies(ctx, out_dir, replies)
     try:
         result = collect(
             out_dir, replies, register=not no_register, flwr_home=flwr_home, federation=federation,
@@ -1209,6 +1238,23 @@ def deploy_collect(
         click.echo(f"WAITING for {list(status.missing)}: run collect again with their replies")
         raise SystemExit(EXIT_WAITING)
     click.echo(f"every hospital co-signed ({status.roster.fingerprint}): send each its kits/ID/roster.json")
+
+
+def _federation_dir_and_replies(
+    ctx: click.Context, out_dir: Path | None, replies: tuple[Path, ...]
+) -> tuple[Path, tuple[Path, ...]]:
+    """``collect --federation-dir DIR REPLY...``, or the old ``collect DIR REPLY...`` (with a note)."""
+    if out_dir is None:
+        if not replies or not replies[0].is_dir():
+            raise click.UsageError(
+                "give --federation-dir DIR: the directory `deploy provision` wrote", ctx=ctx
+            )
+        out_dir, replies = replies[0], replies[1:]
+        deprecation_note(ctx, "the positional OUT_DIR", "--federation-dir", f"--federation-dir {out_dir}")
+    for reply in replies:
+        if reply.is_dir():
+            raise click.BadParameter(f"{reply} is a directory, not an ID.reply.json", param_hint="REPLIES")
+    return out_dir, replies
 
 
 # --- secure-afl predict ----------------------------------------------------------------------------

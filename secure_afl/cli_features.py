@@ -20,6 +20,7 @@ from pathlib import Path
 import click
 import numpy as np
 
+from secure_afl.cli_options import renamed_option
 from secure_afl.features.build import ExtractionInput, FeatureBuildError, write_extracted
 from secure_afl.features.file import (
     FEATURE_FILE_FORMAT,
@@ -309,10 +310,10 @@ def features() -> None:
     help="--images: the study's class list, comma-separated, in the study's order. Default: the "
     "project's 8 ChestXray14 classes " + ", ".join(CLASSES) + ".",
 )
-@click.option(
+@renamed_option(
     "--active",
-    "--classes-labelled",
     "active_text",
+    old_names=("--classes-labelled",),
     default=None,
     help="The classes this hospital labels, comma-separated names; the others are written as all-zero "
     "columns. Default: every class with labels in the source (nih: all 8; --labels: its class columns).",

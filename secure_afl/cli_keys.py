@@ -860,13 +860,22 @@ def ledger_reset(ledger_dir: Path, client_id: str, reason: str, yes: bool) -> No
     """
     from secure_afl.privacy.ledger import FileLedger
 
+    store = FileLedger(ledger_dir)
+    if not store.path(client_id).exists() and not store.marker(client_id).exists():
+        # Nothing to reset: a typo in either option would otherwise log a reset that did nothing.
+        found = sorted(p.name for p in ledger_dir.glob("*.ledger.json")) if ledger_dir.is_dir() else []
+        raise click.ClickException(
+            f"nothing to reset: {ledger_dir} holds neither {store.path(client_id).name} nor its generation "
+            f"marker; give the node config's ledger-dir and the roster id as --client-id"
+            + (f" (ledgers there: {', '.join(found)})" if found else "")
+        )
     if not yes:
         click.confirm(
             f"Reset {client_id}'s ledger in {ledger_dir}? The values it lists could then be released again",
             abort=True,
         )
     try:
-        archived = FileLedger(ledger_dir).reset(client_id, reason)
+        archived = store.reset(client_id, reason)
     except (OSError, ValueError) as exc:
         raise click.ClickException(f"cannot reset the ledger in {ledger_dir}: {exc}") from None
     where = f"moved to {archived}" if archived is not None else "there was no ledger file"

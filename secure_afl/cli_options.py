@@ -61,11 +61,7 @@ class RenamedOption(click.Option):
             if self.name in opts or len(used) > 1:
                 given = " and ".join(([new] if self.name in opts else []) + names)
                 raise click.UsageError(f"{given} name one option: give {new} only", ctx=ctx)
-            click.echo(
-                f"{ctx.command_path}: {names[0]} is deprecated, use {new} (the old name goes in the "
-                "next release)",
-                err=True,
-            )
+            deprecation_note(ctx, names[0], new)
             opts = {**opts, self.name: used[0][1]}
         return super().consume_value(ctx, opts)
 
@@ -76,14 +72,106 @@ def renamed_option(*param_decls: str, old_names: Sequence[str], **attrs: Any) ->
     return click.option(*param_decls, cls=RenamedOption, old_names=old_names, **attrs)
 
 
+def deprecation_note(ctx: click.Context, old: str, new: str, hint: str = "") -> None:
+    """The one line every old name prints (:class:`RenamedOption`'s words)."""
+    click.echo(
+        f"{ctx.command_path}: {old} is deprecated, use {new} (the old name goes in the next release)"
+        + (f": {hint}" if hint else ""),
+        err=True,
+    )
+
+
+class DeprecatedOption(click.Option):
+    """A hidden option kept for one release whose value is not the new option's (``--identity-key
+    FILE`` for ``--key-dir DIR``): given, it prints the note naming ``replacement``; the command maps
+    its value (e.g. :func:`identity_key_file`)."""
+
+    def __init__(
+        self, *args: Any, replacement: str, hint: Callable[[Any], str] | None = None, **kwargs: Any
+    ) -> None:
+        super().__init__(*args, hidden=True, **kwargs)
+        self.replacement = replacement
+        self.hint = hint
+
+    def process_value(self, ctx: click.Context, value: Any) -> Any:
+        value = super().process_value(ctx, value)
+        if value is not None and not ctx.resilient_parsing:
+            deprecation_note(ctx, self.opts[0], self.replacement, self.hint(value) if self.hint else "")
+        return value
+
+
+class DeprecatedArgument(click.Argument):
+    """A positional argument that became an option (``deploy run APP_DIR FEDERATION`` is now
+    ``--federation NAME``): still parsed for one release, never shown in the usage line; the command
+    resolves it with :func:`positional_or_option`, which prints the note."""
+
+    def __init__(self, *args: Any, replacement: str, **kwargs: Any) -> None:
+        super().__init__(*args, required=False, **kwargs)
+        self.replacement = replacement
+
+    def get_usage_pieces(self, ctx: click.Context) -> list[str]:
+        return []
+
+
+def positional_or_option(ctx: click.Context, positional: Any, option: Any, *, default: Any) -> Any:
+    """The value of a :class:`DeprecatedArgument` or of the option that replaced it (not both)."""
+    param = next(p for p in ctx.command.params if isinstance(p, DeprecatedArgument))
+    if positional is None:
+        return default if option is None else option
+    name = (param.metavar or (param.name or "").upper()).strip()
+    if option is not None:
+        raise click.UsageError(f"{name} (positional) and {param.replacement} name one value: give "
+                               f"{param.replacement} only", ctx=ctx)  # fmt: skip
+    deprecation_note(ctx, f"the positional {name}", param.replacement, f"{param.replacement} {positional}")
+    return positional
+
+
 def key_dir_option(help: str, *, old_names: Sequence[str], dest: str = "key_dir") -> Callable[[F], F]:
     """``--key-dir DIR``: the directory of this party's own identity key (``keys init``: identity.key
-    and identity.pub.json), in every command that uses one.  A key *file* is another concept:
-    ``--identity-key FILE`` (``deploy app``, ``deploy run``)."""
+    and identity.pub.json), in every command that uses one, the coordinator's ``deploy app`` and
+    ``deploy run`` included (their old ``--identity-key FILE``: :func:`identity_key_alias`)."""
     return renamed_option(
         "--key-dir", dest, old_names=old_names, type=click.Path(path_type=Path, file_okay=False),
         default=None, metavar="DIR", help=help,
     )  # fmt: skip
+
+
+def identity_key_alias(command: F) -> F:
+    """The hidden ``--identity-key FILE`` of ``deploy app`` and ``deploy run``, before ``--key-dir``."""
+
+    def hint(path: Path) -> str:
+        from secure_afl.keys.store import KEY_FILE
+
+        return (
+            f"--key-dir {path.parent}"
+            if path.name == KEY_FILE
+            else f"--key-dir DIR, the key at DIR/{KEY_FILE}"
+        )
+
+    return click.option(
+        "--identity-key", "identity_key", cls=DeprecatedOption, replacement="--key-dir", hint=hint,
+        type=click.Path(path_type=Path, dir_okay=False, exists=True), default=None,
+    )(command)  # fmt: skip
+
+
+def identity_key_file(key_dir: Path | None, identity_key: Path | None) -> Path:
+    """The key file ``--key-dir DIR`` names (DIR/identity.key, as ``keys init`` writes it; default
+    $SECURE_AFL_HOME or ~/.secure-afl), or the old ``--identity-key FILE`` itself."""
+    from secure_afl.keys.store import KEY_FILE, default_key_dir
+
+    if identity_key is not None:
+        if key_dir is not None:
+            raise click.UsageError("--key-dir and --identity-key name one key: give --key-dir only")
+        return identity_key
+    directory = key_dir or default_key_dir()
+    path = directory / KEY_FILE
+    if not path.is_file():
+        raise click.BadParameter(
+            f"{directory}: no {KEY_FILE} here: give the directory `secure-afl keys init --id coordinator` "
+            "wrote",
+            param_hint="--key-dir",
+        )
+    return path
 
 
 def split_pair(

@@ -7,6 +7,7 @@ only the new name.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -185,3 +186,194 @@ def test_split_pair_splits_at_the_metavars_separator() -> None:
     for item in ("k=", "=v", "kv", "k@v"):
         with pytest.raises(click.BadParameter, match="expected KEY=VALUE"):
             split_pair(item, "--set", "KEY=VALUE", "k=v")
+
+
+# --- the vocabulary across every command ------------------------------------------------------------
+
+# One concept, one option name: the commands listed take the concept under this name, and no other
+# command shows the name (it would then mean something else there).  Old names are hidden aliases.
+VOCABULARY = {
+    "a party's own identity key directory (identity.key, identity.pub.json)": ("--key-dir", {
+        "deploy provision", "deploy join", "deploy run", "deploy app", "keys init", "keys show",
+        "keys rotate", "keys roster show", "keys roster sign", "keys roster update", "keys roster verify"}),
+    "the federation directory deploy provision writes": ("--federation-dir", {
+        "deploy provision", "deploy collect"}),
+    "the federation's name (FLWR_HOME/config.toml's [superlink.NAME])": ("--federation", {
+        "deploy provision", "deploy superlink", "deploy collect", "deploy run", "deploy app"}),
+    "the protection a study or run uses": ("--protection", {
+        "sim", "deploy local", "deploy provision", "deploy app"}),
+    "the protections a hospital accepts (node config protection=)": ("--accept-protection", {"deploy join"}),
+    "a fingerprint heard out of band, ID=FINGERPRINT": ("--expect", {
+        "deploy provision", "deploy join", "keys roster sign", "keys roster update"}),
+    "a node's ledger directory": ("--ledger-dir", {
+        "audit show", "audit verify", "deploy node-metrics", "keys ledger reset", "keys ledger show",
+        "keys roster update", "keys rotate"}),
+    "the passphrase file": ("--passphrase-file", {
+        "deploy provision", "deploy join", "deploy run", "deploy app", "keys init", "keys show",
+        "keys rotate", "keys roster sign"}),
+    "the directory deploy tls writes": ("--tls-dir", {"deploy superlink"}),
+    "the Flower config directory": ("--flwr-home", {"deploy collect", "deploy run", "deploy app"}),
+    "the frozen backbone": ("--backbone", {"sim", "deploy provision", "deploy app", "features extract"}),
+    "the classes a hospital labels": ("--active", {"features extract"}),
+}  # fmt: skip
+
+
+def _commands() -> dict[str, click.Command]:
+    """Every command of ``secure-afl``, by its path without the program name."""
+    found: dict[str, click.Command] = {}
+
+    def walk(command: click.Command, ctx: click.Context) -> None:
+        found[ctx.command_path.removeprefix("secure-afl").strip()] = command
+        if isinstance(command, click.Group):
+            for name in command.list_commands(ctx):
+                sub = command.get_command(ctx, name)
+                assert sub is not None
+                walk(sub, click.Context(sub, info_name=name, parent=ctx))
+
+    walk(main, click.Context(main, info_name="secure-afl"))
+    return found
+
+
+def _shown(command: click.Command) -> list[click.Option]:
+    return [p for p in command.params if isinstance(p, click.Option) and not p.hidden]
+
+
+def test_every_command_is_walked() -> None:
+    # The walk finds every command docs/cli.md documents (a new command joins the checks below by itself).
+    reference = Path(__file__).parents[1] / "docs" / "cli.md"
+    documented = {
+        line.removeprefix("## secure-afl").strip()
+        for line in reference.read_text(encoding="utf-8").splitlines()
+        if line.startswith("## secure-afl")
+    }
+    assert set(_commands()) == documented and len(documented) == 39
+
+
+@pytest.mark.parametrize("concept", list(VOCABULARY))
+def test_one_name_per_concept_across_every_command(concept: str) -> None:
+    name, expected = VOCABULARY[concept]
+    having = {path for path, command in _commands().items() if any(name in p.opts for p in _shown(command))}
+    assert having == expected, (concept, having ^ expected)
+
+
+def test_every_shown_option_has_one_name() -> None:
+    # "--x/--no-x" pairs are one flag; any other second name is an old name and is hidden.
+    for path, command in _commands().items():
+        for param in _shown(command):
+            assert len(param.opts) == 1, (path, param.opts)
+
+
+def test_no_positional_takes_a_concept_an_option_names() -> None:
+    from secure_afl.cli_options import DeprecatedArgument
+
+    shown = {
+        (path, p.name)
+        for path, command in _commands().items()
+        for p in command.params
+        if isinstance(p, click.Argument) and not isinstance(p, DeprecatedArgument)
+    }
+    assert shown == {("deploy join", "kit_dir"), ("deploy collect", "replies"), ("deploy run", "app_dir"),
+                     ("deploy node-key", "path"), ("deploy status", "directory"),
+                     ("features show", "file")}  # fmt: skip
+
+
+# Every old name: (command, old name, what to use instead, a value the old name takes).
+ALIASES = [
+    ("sim", "--secure", "--protection", "none"),
+    ("sim", "--backbones", "--backbone", "resnet18"),
+    ("deploy local", "--secure", "--protection", "mask"),
+    ("deploy superlink", "--tls", "--tls-dir", "{dir}"),
+    ("deploy superlink", "--nginx", "--front nginx --front-binary PATH", "/usr/sbin/nginx"),
+    ("deploy provision", "--out", "--federation-dir", "{dir}"),
+    ("deploy provision", "--coordinator-keys", "--key-dir", "{dir}"),
+    ("deploy provision", "--fingerprint", "--expect", "a=SHA256:x"),
+    ("deploy join", "--protection", "--accept-protection", "mask,ckks"),
+    ("deploy app", "--identity-key", "--key-dir", "{key}"),
+    ("deploy run", "--identity-key", "--key-dir", "{key}"),
+    ("features extract", "--classes-labelled", "--active", "Effusion"),
+    *((f"keys {c}", "--dir", "--key-dir", "{dir}") for c in
+      ("init", "show", "rotate", "roster show", "roster sign", "roster update", "roster verify")),
+]  # fmt: skip
+
+
+def test_the_alias_table_holds_every_old_name() -> None:
+    from secure_afl.cli_options import DeprecatedOption, RenamedOption
+
+    found = set()
+    for path, command in _commands().items():
+        for param in command.params:
+            if isinstance(param, RenamedOption):
+                found |= {(path, old, param.opts[0]) for old in param.old_names}
+            elif isinstance(param, DeprecatedOption):
+                found.add((path, param.opts[0], param.replacement))
+            else:
+                assert not getattr(param, "hidden", False), (path, param.name)  # hidden: an old name only
+    assert found == {(path, old, new) for path, old, new, _ in ALIASES}
+
+
+@pytest.mark.parametrize(("path", "old", "new", "value"), ALIASES, ids=lambda v: str(v))
+def test_each_old_name_prints_what_to_use_instead(
+    path: str, old: str, new: str, value: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    key = tmp_path / "keys" / "identity.key"
+    key.parent.mkdir()
+    key.write_text("{}")
+    command = _commands()[path]
+    given = value.format(dir=tmp_path, key=key)
+    # Parse and convert only (nothing runs); a required option left out may stop it after the note.
+    with contextlib.suppress(click.UsageError):
+        command.make_context(path, [old, given])
+    note = capsys.readouterr().err
+    assert _note(old, new) in note, note
+    if old == "--identity-key":
+        assert f"--key-dir {key.parent}" in note  # the directory to give instead
+    help_text = _invoke(*path.split(), "--help").stdout
+    assert f"  {old} " not in help_text and f"{old}," not in help_text and f"{new.split()[0]} " in help_text
+
+
+def test_deploy_run_takes_the_federation_as_an_option_and_its_old_positional_with_a_note(
+    tmp_path: Path,
+) -> None:
+    app = tmp_path / "app"
+    app.mkdir()
+    nokey = tmp_path / "empty"
+    nokey.mkdir()
+    env = {"SECURE_AFL_HOME": str(nokey)}
+    old = CliRunner().invoke(main, ["deploy", "run", str(app), "fed"], env=env)
+    assert _note("the positional FEDERATION", "--federation") in old.stderr
+    assert "--federation fed" in old.stderr
+    # The key is looked for next, in --key-dir's default: its absence is the error, naming --key-dir.
+    assert old.exit_code == 2 and f"--key-dir: {nokey}: no identity.key here" in old.output
+    new = CliRunner().invoke(main, ["deploy", "run", str(app), "--federation", "fed"], env=env)
+    assert new.exit_code == 2 and "deprecated" not in new.stderr
+    both = CliRunner().invoke(main, ["deploy", "run", str(app), "fed", "--federation", "fed"], env=env)
+    assert both.exit_code == 2 and "give --federation only" in both.output
+    usage = _invoke("deploy", "run", "--help").stdout
+    assert "deploy run [OPTIONS] APP_DIR\n" in usage and "FEDERATION" not in usage.split("\n")[0]
+
+
+def test_deploy_run_key_dir_and_identity_key_name_one_key(tmp_path: Path) -> None:
+    keys = _key_dir(tmp_path, "coordinator")
+    app = tmp_path / "app"
+    app.mkdir()
+    args = ["deploy", "run", app, "--key-dir", keys, "--identity-key", keys / "identity.key"]
+    result = _invoke(*args)
+    assert result.exit_code == 2 and "--key-dir and --identity-key name one key: give --key-dir only" in (
+        result.output
+    )
+
+
+def test_deploy_collect_takes_the_federation_dir_as_an_option_and_its_old_positional_with_a_note(
+    tmp_path: Path,
+) -> None:
+    federation = tmp_path / "fed"
+    federation.mkdir()  # no roster: collect says which directory it wants, after the note
+    old = _invoke("deploy", "collect", federation, "--no-register")
+    assert _note("the positional OUT_DIR", "--federation-dir") in old.stderr
+    assert old.exit_code == 1 and "give the directory `deploy provision --federation-dir` wrote" in old.output
+    new = _invoke("deploy", "collect", "--federation-dir", federation, "--no-register")
+    assert new.exit_code == 1 and "deprecated" not in new.stderr
+    none = _invoke("deploy", "collect", "--no-register")
+    assert none.exit_code == 2 and "give --federation-dir DIR" in none.output
+    reply_dir = _invoke("deploy", "collect", "--federation-dir", federation, tmp_path, "--no-register")
+    assert reply_dir.exit_code == 2 and "is a directory, not an ID.reply.json" in reply_dir.output

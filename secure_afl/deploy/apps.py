@@ -208,11 +208,13 @@ def coordinator_signer(config: Mapping[str, Any], roster: Roster) -> ClassifierS
             str(config["passphrase-env"]) if "passphrase-env" in sources else None,
         )
     except KeyStoreError as exc:  # a missing file, open permissions, an unset variable
-        raise ConfigurationError(f"the run config's {sources[0]}: {exc.message}") from None
+        raise ConfigurationError(f"the coordinator's {sources[0]}: {exc.message}") from None
     try:
         key = load_identity_key(Path(str(config["identity-key"])), passphrase)
-    except KeyFileError as exc:
-        raise ConfigurationError(f"the run config's identity-key: {exc}") from None
+    except KeyFileError as exc:  # deploy app's --key-dir (its identity.key), as deploy run's
+        raise ConfigurationError(
+            f"the coordinator's key {config['identity-key']} (--key-dir): {exc}"
+        ) from None
     return ClassifierSigner.for_roster(roster, key)
 
 
@@ -270,7 +272,7 @@ def server_main(grid: Grid, context: Context) -> None:
         raise ConfigurationError(
             f"the run config names {named}: the coordinator's key and passphrase are never given to the "
             "ServerApp (a process the SuperLink starts); remove them from the app and give them to "
-            "`secure-afl deploy run --identity-key ... --passphrase-env ...`, which signs the classifier"
+            "`secure-afl deploy run --key-dir ... --passphrase-env ...`, which signs the classifier"
         )
     roster = Roster.from_json(Path(str(config["roster"])).read_text(encoding="utf-8"))
     study = study_from_run_config(config)

@@ -42,7 +42,8 @@ NODE_CONFIG_KEYS: dict[str, str] = {
     "ledger-dir": "(required) directory of this hospital's signed session history (created 0700; keep "
     "it across runs: it refuses sessions that would isolate this hospital's statistics)",
     "out-dir": "(required) directory where the node stores the classifier it receives",
-    "protection": '"mask" (default), "ckks" or "mask,ckks": the protections this hospital agreed to',
+    "protection": '"mask" (default), "ckks" or "mask,ckks": the protections this hospital accepts (`deploy '
+    "join --accept-protection`); the study's own protection must be one of them",
     "dp-epsilon": "take part only under differential privacy with an ε at most this (optional)",
     "dp-delta": "with dp-epsilon: the largest δ accepted (optional; default 1e-6)",
     "dp-unit": '"image" or "patient" (with dp-epsilon): "patient" refuses a study protecting single '

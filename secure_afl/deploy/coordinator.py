@@ -128,7 +128,7 @@ def load_signer(
     try:
         key = load_identity_key(identity_key, passphrase)
     except KeyFileError as exc:
-        raise ConfigurationError(f"--identity-key {identity_key}: {exc}") from None
+        raise ConfigurationError(f"the coordinator's key {identity_key} (--key-dir): {exc}") from None
     return ClassifierSigner.for_roster(roster, key)
 
 
@@ -299,12 +299,12 @@ class _Signing:
             raise ConfigurationError(
                 f"the app's run config names {named}: Flower hands the run config to the ServerApp, a "
                 "process the SuperLink starts, and the coordinator's key stays out of its reach; remove "
-                "them from the app's [tool.flwr.app.config] and give deploy run --identity-key with "
+                "them from the app's [tool.flwr.app.config] and give deploy run --key-dir with "
                 "--passphrase-env or --passphrase-file"
             )
         if signer is None:
             raise ConfigurationError(
-                "deploy run signs the classifier with the roster's coordinator key: give --identity-key "
+                "deploy run signs the classifier with the roster's coordinator key: give --key-dir "
                 "and --passphrase-env (or --passphrase-file)"
             )
         roster = _read_roster(config)

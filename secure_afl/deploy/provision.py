@@ -5,7 +5,7 @@ directory::
 
     OUT/roster.json          the roster (no co-signatures yet: ``collect`` adds them)
     OUT/tls/                 ca.crt, ca.key (0600, keep offline), superlink.pem, superlink.key (0600)
-    OUT/app/pyproject.toml   the coordinator's app (the study): ``deploy run OUT/app FEDERATION``
+    OUT/app/pyproject.toml   the coordinator's app (the study): ``deploy run OUT/app --federation NAME``
     OUT/server/              where the ServerApp writes classifier.json and report.json
     OUT/kits/ID/             one kit per hospital (0700): see :mod:`secure_afl.deploy.kit`
 
@@ -243,7 +243,7 @@ def collect(
     roster_path = out_dir / ROSTER_FILE
     if not roster_path.is_file():
         raise ConfigurationError(
-            f"{roster_path}: no roster here: give the directory `deploy provision --out` wrote"
+            f"{roster_path}: no roster here: give the directory `deploy provision --federation-dir` wrote"
         )
     try:
         roster, cosignatures = read_roster_document(roster_path.read_text(encoding="utf-8"))

@@ -645,7 +645,10 @@ def _serve(
             f"  register a SuperNode: FLWR_HOME={plan.flwr_home} flwr supernode register NODE.pub "
             f"{plan.federation}"
         )
-        say(f"  run: secure-afl deploy run APP_DIR {plan.federation} --flwr-home {plan.flwr_home}")
+        say(
+            f"  run: secure-afl deploy run APP_DIR --federation {plan.federation} --flwr-home "
+            f"{plan.flwr_home}"
+        )
         say(f"  logs: {superlink.log}, {plan.front_dir / 'error.log'}; Ctrl-C or SIGTERM stops both")
         while stop is None or not stop.is_set():
             for child in (superlink, front):

@@ -341,7 +341,7 @@ def coordinator(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, 
     (out / "classifier.json").write_text('{"earlier": true}')
     (out / "report.json").write_text('{"earlier": true}')
     federation = make_federation(tmp_path / "fed", n_clients=3)
-    _coordinator_key(federation, tmp_path)  # tmp_path/coordinator.key: deploy run signs with it
+    _coordinator_key(federation, tmp_path)  # tmp_path/coordinator/identity.key: deploy run signs with it
     app = _study_app(
         tmp_path / "app", **{"out-dir": str(out), "roster": str(tmp_path / "fed" / "roster.json")}
     )
@@ -371,14 +371,14 @@ def coordinator(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, 
 
 def _signing(app: Path) -> list[str]:
     """deploy run's key options: the toy federation's coordinator key (the coordinator fixture's)."""
-    return ["--identity-key", str(app.parent / "coordinator.key"), "--passphrase-file",
+    return ["--key-dir", str(app.parent / "coordinator"), "--passphrase-file",
             str(app.parent / "fed" / "pass")]  # fmt: skip
 
 
 def _run(app: Path, home: Path, scenario: str) -> tuple[int, str]:
     result = CliRunner().invoke(
         deploy,
-        ["run", str(app), "federation", "--flwr-home", str(home), "--tick", "0.2", *_signing(app)],
+        ["run", str(app), "--flwr-home", str(home), "--tick", "0.2", *_signing(app)],
         env={"FAKE_FLWR_SCENARIO": scenario},
     )
     return result.exit_code, result.output
@@ -453,13 +453,13 @@ def test_run_refuses_a_federation_name_or_a_run_config_key_flower_would_refuse(
 ) -> None:
     app, home = coordinator
     out = app.parent / "server"
-    result = CliRunner().invoke(deploy, ["run", str(app), "nosuch", "--flwr-home", str(home), *_signing(app)],
-                                env={"FAKE_FLWR_SCENARIO": "ok"})  # fmt: skip
+    result = CliRunner().invoke(deploy, ["run", str(app), "--federation", "nosuch", "--flwr-home", str(home),
+                                         *_signing(app)], env={"FAKE_FLWR_SCENARIO": "ok"})  # fmt: skip
     assert result.exit_code == 1
     assert "no SuperLink connection named 'nosuch'" in result.output and "['federation']" in result.output
     result = CliRunner().invoke(
         deploy,
-        ["run", str(app), "federation", "--flwr-home", str(home), "--run-config", "gama=2", *_signing(app)],
+        ["run", str(app), "--flwr-home", str(home), "--run-config", "gama=2", *_signing(app)],
         env={"FAKE_FLWR_SCENARIO": "ok"},
     )
     assert result.exit_code == 1
@@ -513,7 +513,7 @@ def test_run_progress_is_live(coordinator: tuple[Path, Path]) -> None:
     env = {**os.environ, "FAKE_FLWR_SCENARIO": "live"}
     env.pop("PYTHONUNBUFFERED", None)
     process = subprocess.Popen(
-        [sys.executable, "-c", code, "run", str(app), "federation", "--flwr-home", str(home), "--tick", "0",
+        [sys.executable, "-c", code, "run", str(app), "--flwr-home", str(home), "--tick", "0",
          *_signing(app)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True,
     )  # fmt: skip
@@ -553,7 +553,8 @@ def _coordinator_key(federation: Federation, directory: Path) -> Path:
     from .helpers import PASSPHRASE
 
     assert federation.signer is not None
-    path = directory / "coordinator.key"
+    path = directory / "coordinator" / "identity.key"
+    path.parent.mkdir(mode=0o700)
     save_identity_key(path, federation.signer.key, PASSPHRASE, scrypt_n=2**10)
     return path
 
@@ -569,7 +570,7 @@ def test_app_writes_a_run_config_the_serverapp_accepts(tmp_path: Path) -> None:
     ca, _, _ = write_tls_certificates(tmp_path / "tls")
     args = [
         "app", "--out", str(tmp_path / "app"), "--roster", str(tmp_path / "fed" / "roster.json"),
-        "--identity-key", str(key), "--passphrase-file", str(settings.passphrase_file),
+        "--key-dir", str(key.parent), "--passphrase-file", str(settings.passphrase_file),
         "--out-dir", str(tmp_path / "server"), "--features", str(settings.features), "--rounds", "2",
         "--set", "min-nodes=3", "--superlink", "10.0.0.5:9092", "--root-certificates", str(ca),
         "--flwr-home", str(tmp_path / "flwr"),
@@ -584,8 +585,8 @@ def test_app_writes_a_run_config_the_serverapp_accepts(tmp_path: Path) -> None:
     # signs, and the next step says how.
     assert not set(config) & {"identity-key", "passphrase-file", "passphrase-env"}
     assert (
-        f"--identity-key {key.resolve()} --passphrase-file {settings.passphrase_file.resolve()}"
-        in result.output
+        f"--federation federation --flwr-home {(tmp_path / 'flwr').resolve()} --key-dir "
+        f"{key.parent.resolve()} --passphrase-file {settings.passphrase_file.resolve()}" in result.output
     )
     from secure_afl.deploy.coordinator import load_signer
 
@@ -611,19 +612,26 @@ def test_app_refuses_a_key_the_roster_does_not_name_and_a_wrong_passphrase(tmp_p
         "--out-dir", str(tmp_path / "server"), "--features", str(settings.features),
     ]  # fmt: skip
     # A hospital's key in place of the coordinator's: the ServerApp would refuse it before any session.
-    result = CliRunner().invoke(deploy, [*base, "--identity-key", str(settings.identity_key),
+    hospital = tmp_path / "hospital"
+    hospital.mkdir()
+    (hospital / "identity.key").write_bytes(settings.identity_key.read_bytes())
+    (hospital / "identity.key").chmod(0o600)
+    result = CliRunner().invoke(deploy, [*base, "--key-dir", str(hospital),
                                          "--passphrase-file", str(settings.passphrase_file)])  # fmt: skip
     assert result.exit_code == 1 and "ConfigurationError" in result.output and "coordinator" in result.output
-    other = tmp_path / "other.key"
+    other = tmp_path / "other" / "identity.key"
+    other.parent.mkdir()
     save_identity_key(other, IdentityKey.generate(), b"test passphrase", scrypt_n=2**10)
     wrong = tmp_path / "wrong"
     wrong.write_text("not the passphrase\n")
     wrong.chmod(0o600)
-    result = CliRunner().invoke(deploy, [*base, "--identity-key", str(_coordinator_key(federation, tmp_path)),
+    coordinator_keys = _coordinator_key(federation, tmp_path).parent
+    result = CliRunner().invoke(deploy, [*base, "--key-dir", str(coordinator_keys),
                                          "--passphrase-file", str(wrong)])  # fmt: skip
-    assert result.exit_code == 1 and "identity-key" in result.output and "passphrase" in result.output
+    assert result.exit_code == 1 and "passphrase" in result.output
+    assert f"the coordinator's key {coordinator_keys / 'identity.key'} (--key-dir):" in result.output
     assert not (tmp_path / "app").exists()
-    bad_set = ["--identity-key", str(other), "--passphrase-file", str(settings.passphrase_file)]
+    bad_set = ["--key-dir", str(other.parent), "--passphrase-file", str(settings.passphrase_file)]
     result = CliRunner().invoke(deploy, [*base, *bad_set, "--set", "no-equals-sign"])
     assert result.exit_code == 2 and "expected KEY=VALUE" in result.output
 

@@ -167,6 +167,17 @@ def test_a_node_counts_its_messages_in_its_ledger_dir_and_node_metrics_writes_th
     assert "classifiers stored: 1" in status.output
 
 
+def test_node_metrics_refuses_a_ledger_dir_that_does_not_exist(tmp_path: Path) -> None:
+    # A mistyped --ledger-dir would otherwise write (or serve) zeros, exit 0, for ever.
+    textfile = tmp_path / "secure_afl.prom"
+    missing = tmp_path / "ledgr"
+    result = CliRunner().invoke(
+        main, ["deploy", "node-metrics", "--ledger-dir", str(missing), "--textfile", str(textfile)]
+    )
+    assert result.exit_code == 2 and "--ledger-dir" in result.output and "does not exist" in result.output
+    assert not textfile.exists()
+
+
 def test_a_refusal_and_the_dp_budget_in_a_node_s_counters(tmp_path: Path) -> None:
     state = record_node_message(
         tmp_path, "advertise", "refused", "ChainBudgetExceededError", 0.1, dp_epsilon=2.0

@@ -86,7 +86,7 @@ def _provision(tmp_path: Path) -> Provisioned:
     out = tmp_path / "coordinator" / "fed"
     port = free_port()
     code, output = _invoke(
-        "provision", "--out", out, *(a for s in sites.values() for a in ("--hospital", s.keys)),
+        "provision", "--federation-dir", out, *(a for s in sites.values() for a in ("--hospital", s.keys)),
         "--key-dir", coordinator.keys, "--passphrase-file", coordinator.passfile,
         "--ip", "127.0.0.1", "--port", port, "--features", sites["hospital-a"].features,
         "--set", "colluders=0", "--yes",
@@ -154,7 +154,7 @@ def test_provision_writes_the_roster_tls_app_and_private_signed_kits(tmp_path: P
         assert unit["Service"]["StateDirectory"] == f"secure-afl-{cid}"
     # Nothing is replaced without --force.
     code, output = _invoke(
-        "provision", "--out", p.out, "--hospital", p.sites["hospital-a"].keys, "--hospital",
+        "provision", "--federation-dir", p.out, "--hospital", p.sites["hospital-a"].keys, "--hospital",
         p.sites["hospital-b"].keys, "--key-dir", p.coordinator.keys, "--passphrase-file",
         p.coordinator.passfile, "--ip", "127.0.0.1", "--features", p.sites["hospital-a"].features,
     )  # fmt: skip
@@ -182,9 +182,9 @@ def test_join_collect_join_makes_a_startable_node_under_a_roster_every_hospital_
     for cid in ("hospital-b", "hospital-c"):
         assert _join(p.sites[cid])[0] == EXIT_WAITING
     replies = [p.sites[cid].kit / f"{cid}.reply.json" for cid in HOSPITALS]
-    code, output = _invoke("collect", p.out, *replies[:2], "--no-register")
+    code, output = _invoke("collect", "--federation-dir", p.out, *replies[:2], "--no-register")
     assert code == EXIT_WAITING and "WAITING for ['hospital-c']" in output
-    code, output = _invoke("collect", p.out, *replies, "--no-register")
+    code, output = _invoke("collect", "--federation-dir", p.out, *replies, "--no-register")
     assert code == 0 and "every hospital co-signed" in output, output
     assert (
         load_cosigned_roster(p.out / "roster.json").fingerprint
@@ -315,12 +315,12 @@ def test_join_and_collect_refuse_co_signatures_that_do_not_verify(tmp_path: Path
     # A reply whose SuperNode key was swapped in transit: not signed by hospital-b's identity.
     swapped = dict(reply, supernode_public_key=(a.kit / "state" / "supernode-auth.pub").read_text().strip())
     (tmp_path / "swapped.json").write_text(json.dumps(swapped))
-    code, output = _invoke("collect", p.out, tmp_path / "swapped.json", "--no-register")
+    code, output = _invoke("collect", "--federation-dir", p.out, tmp_path / "swapped.json", "--no-register")
     assert code == 1 and "the SuperNode key is not signed by hospital-b's identity key" in output
     # A co-signature by another key than the entry's.
     forged = dict(reply, cosignature=json.loads((a.kit / "hospital-a.reply.json").read_text())["cosignature"])
     (tmp_path / "forged.json").write_text(json.dumps(forged))
-    code, output = _invoke("collect", p.out, tmp_path / "forged.json", "--no-register")
+    code, output = _invoke("collect", "--federation-dir", p.out, tmp_path / "forged.json", "--no-register")
     assert code == 1 and "the co-signature of 'hospital-b' does not verify" in output
     assert read_roster_document((p.out / "roster.json").read_text())[1] == {}  # nothing merged
     # The coordinator adds an entry it controls after the hospitals signed: their signatures break,

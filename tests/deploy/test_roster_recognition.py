@@ -147,7 +147,7 @@ def _invoke(*args: object, input: str | None = None) -> tuple[int, str]:
 
 def _provision_args(out: Path, hospitals: list[Site], coordinator: Site) -> list[object]:
     return [
-        "provision", "--out", out, *(a for s in hospitals for a in ("--hospital", s.keys)),
+        "provision", "--federation-dir", out, *(a for s in hospitals for a in ("--hospital", s.keys)),
         "--key-dir", coordinator.keys, "--passphrase-file", coordinator.keys / "pass",
         "--ip", "127.0.0.1", "--port", free_port(), "--features", hospitals[0].features,
         "--set", "colluders=0",

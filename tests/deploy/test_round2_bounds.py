@@ -405,7 +405,7 @@ def test_a_coordinators_kit_cannot_declare_the_honest_coordinator_for_a_hospital
     coordinator = _site(tmp_path, "coordinator")
     out = tmp_path / "coordinator" / "fed"
     code, output = _invoke(
-        "provision", "--out", out, *(a for s in sites.values() for a in ("--hospital", s.keys)),
+        "provision", "--federation-dir", out, *(a for s in sites.values() for a in ("--hospital", s.keys)),
         "--key-dir", coordinator.keys, "--passphrase-file", coordinator.passfile, "--ip", "127.0.0.1",
         "--port", "9092", "--features", sites["hospital-a"].features, "--rounds", "2",
         "--set", "colluders=0", "--yes",

@@ -110,9 +110,11 @@ def test_deploy_run_needs_the_key_and_refuses_an_app_that_names_it(
     coordinator: tuple[Path, Path],  # noqa: F811
 ) -> None:
     app, home = coordinator
-    base = ["run", str(app), "federation", "--flwr-home", str(home)]
-    result = CliRunner().invoke(deploy, base, env={"FAKE_FLWR_SCENARIO": "ok"})
-    assert result.exit_code == 2 and "--identity-key" in result.output
+    base = ["run", str(app), "--flwr-home", str(home)]
+    nokey = app.parent / "no-key"
+    nokey.mkdir()
+    result = CliRunner().invoke(deploy, base, env={"FAKE_FLWR_SCENARIO": "ok", "SECURE_AFL_HOME": str(nokey)})
+    assert result.exit_code == 2 and f"--key-dir: {nokey}: no identity.key here" in result.output
     key_only = _signing(app)[:2]
     result = CliRunner().invoke(deploy, [*base, *key_only], env={"FAKE_FLWR_SCENARIO": "ok"})
     assert result.exit_code == 2 and "exactly one of --passphrase-file and --passphrase-env" in result.output
@@ -122,7 +124,11 @@ def test_deploy_run_needs_the_key_and_refuses_an_app_that_names_it(
     result = CliRunner().invoke(
         deploy, [*base, *key_only, "--passphrase-file", str(wrong)], env={"FAKE_FLWR_SCENARIO": "ok"}
     )
-    assert result.exit_code == 1 and f"--identity-key {app.parent / 'coordinator.key'}:" in result.output
+    assert (
+        result.exit_code == 1
+        and f"the coordinator's key {app.parent / 'coordinator' / 'identity.key'} (--key-dir):"
+        in result.output
+    )
     assert not (app.parent / "server" / "flwr-started").exists()  # nothing started
     toml = app / "pyproject.toml"
     toml.write_text(toml.read_text() + 'identity-key = "/keys/coordinator.key"\n')
@@ -144,8 +150,8 @@ def test_the_passphrase_variable_is_not_passed_to_flwr_run(coordinator: tuple[Pa
     )  # fmt: skip
     result = CliRunner().invoke(
         deploy,
-        ["run", str(app), "federation", "--flwr-home", str(home), "--identity-key",
-         str(app.parent / "coordinator.key"), "--passphrase-env", "COORD_PASS"],
+        ["run", str(app), "--flwr-home", str(home), "--key-dir", str(app.parent / "coordinator"),
+         "--passphrase-env", "COORD_PASS"],
         env={"FAKE_FLWR_SCENARIO": "ok", "COORD_PASS": passphrase},
     )  # fmt: skip
     assert result.exit_code == 0, result.output

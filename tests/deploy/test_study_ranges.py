@@ -127,7 +127,7 @@ def test_out_of_range_method_parameters_are_refused_at_check_and_provision(
     result = CliRunner().invoke(
         deploy,
         [
-            "provision", "--out", str(out), *hospitals,
+            "provision", "--federation-dir", str(out), *hospitals,
             "--key-dir", str(coordinator.keys), "--passphrase-file", str(coordinator.passfile),
             "--ip", "127.0.0.1", "--features", str(sites[HOSPITALS[0]].features), "--set", "colluders=0",
             "--set", f"{key}={_toml(value)}", "--yes",

@@ -149,3 +149,18 @@ def test_a_body_must_be_finite_json(tmp_path: Path) -> None:
     with pytest.raises(AuditLogError, match="finite numbers"):
         AuditLog(tmp_path / "a.log").append(IdentityKey.generate(), "h", "x", {"e": float("nan")})
     assert not (tmp_path / "a.log").exists() or (tmp_path / "a.log").read_bytes() == b""
+
+
+def test_audit_verify_of_a_log_without_a_record_exits_1(tmp_path: Path) -> None:
+    import base64
+
+    from click.testing import CliRunner
+
+    from secure_afl.cli import main
+
+    key = base64.b64encode(IdentityKey.generate().public_key).decode()
+    empty = tmp_path / "audit.log"
+    empty.write_bytes(b"")  # what a log cut to nothing looks like: it verified as "0 record(s)", exit 0
+    result = CliRunner().invoke(main, ["audit", "verify", "--log", str(empty), "--public-key", key])
+    assert result.exit_code == 1, result.output
+    assert "valid: 0 record(s)" in result.output and "nothing verified: no complete record" in result.output

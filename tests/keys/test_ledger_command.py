@@ -50,3 +50,17 @@ def test_a_missing_ledger_is_refused_until_reset_by_the_command(tmp_path: Path) 
     assert ledger.load(owner).sessions == {}
     (line,) = (tmp_path / "ledger-resets.log").read_text().splitlines()
     assert json.loads(line)["reason"] == "disk replaced"
+
+
+def test_a_reset_with_nothing_to_reset_is_refused_and_logs_nothing(tmp_path: Path) -> None:
+    _used_ledger(tmp_path)  # hospital-a's ledger; the reset names another id (a typo)
+    args = ["keys", "ledger", "reset", "--ledger-dir", str(tmp_path), "--client-id", "hospital-x"]
+    result = CliRunner().invoke(main, [*args, "--reason", "disk replaced", "--yes"])
+    assert result.exit_code == 1, result.output
+    assert "nothing to reset" in result.output and "hospital-x.ledger.json" in result.output
+    assert "ledgers there: hospital-a.ledger.json" in result.output
+    assert not (tmp_path / "ledger-resets.log").exists()
+    elsewhere = tmp_path / "no-such-dir"
+    typo = CliRunner().invoke(main, ["keys", "ledger", "reset", "--ledger-dir", str(elsewhere), "--client-id",
+                                     "hospital-a", "--reason", "r", "--yes"])  # fmt: skip
+    assert typo.exit_code == 1 and "nothing to reset" in typo.output and not elsewhere.exists()

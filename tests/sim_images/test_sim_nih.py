@@ -80,7 +80,7 @@ def test_table3_loop_over_backbones(nih_dir: Path, tmp_path: Path) -> None:
     effnet = _save(torchvision.models.efficientnet_b0(), tmp_path / "effb0.pth")
     result = _sim([
         "--data-dir", str(nih_dir), "--csv", str(nih_dir / "labels.csv"),
-        "--backbones", "resnet18,efficientnet_b0",
+        "--backbone", "resnet18,efficientnet_b0",
         "--weights", f"resnet18={resnet}", "--weights", f"efficientnet_b0={effnet}",
         "--missing", "1,7", "--rounds", "1", "--protection", "none",
         "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "out"),
