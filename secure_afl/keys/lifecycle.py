@@ -235,8 +235,8 @@ def check_pin(roster: Roster, ledger_dir: Path, roster_path: Path) -> None:
     path = ledger_dir / PIN_FILE
     try:
         document = json.loads(path.read_text(encoding="ascii"))
-    except FileNotFoundError:
-        return
+    except (FileNotFoundError, NotADirectoryError):  # no pin there: a ledger-dir that is a file is
+        return  # the ledger's own error to name (ConfigurationError), not a roster's
     except (OSError, ValueError) as exc:
         raise RosterNotPinnedError(f"{path}: cannot read the roster pin: {exc}") from None
     if not isinstance(document, dict) or document.get("format") != PIN_FORMAT:
