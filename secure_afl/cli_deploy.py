@@ -303,7 +303,8 @@ def deploy_node_key(path: Path, force: bool) -> None:
     type=click.FloatRange(1),
     default=120.0,
     show_default=True,
-    help="Seconds after which a hospital that has not answered a round is a dropout.",
+    help="Seconds a round waits for a hospital's answer; one Flower still reports online (heartbeats) is "
+    "waited for up to round-limit (default 10 times this), one Flower reports gone is a dropout at once.",
 )
 @click.option(
     "--colluders",
@@ -521,9 +522,10 @@ def _backbone_record(features: Path | None, backbone: str | None, weights: Path 
     "--dim", type=click.IntRange(min=1), default=1024, show_default=True, help="Synthetic feature dimension."
 )
 @click.option("--round-timeout", type=click.FloatRange(1), default=30.0, show_default=True,
-              help="Seconds after which a node that has not answered a round is a dropout. Shorter than "
-              "provision's and app's 120: nodes on one machine answer within seconds, and a round that "
-              "lost a SuperNode to --drop may wait this long before it goes on.")  # fmt: skip
+              help="Seconds a round waits for a node's answer; a node Flower still reports online (a busy "
+              "host) is waited for up to 10 times this, one Flower reports gone (no heartbeat for 60 s) "
+              "is a dropout at once. Shorter than provision's and app's 120: nodes on one machine answer "
+              "within seconds.")  # fmt: skip
 @click.option(
     "--out",
     "out_dir",
@@ -872,7 +874,8 @@ def _key_value_pairs(items: tuple[str, ...], hint: str) -> dict[str, object]:
 @click.option("--protection", type=click.Choice(["mask", "ckks"]), default="mask", show_default=True,
               help="Pairwise masking or CKKS (each hospital agrees at join: --protection).")  # fmt: skip
 @click.option("--round-timeout", type=click.FloatRange(1), default=120.0, show_default=True,
-              help="Seconds after which a hospital that has not answered a round is a dropout.")  # fmt: skip
+              help="Seconds a round waits for a hospital's answer; one Flower still reports online is "
+              "waited for up to round-limit (--set round-limit=S; default 10 times this).")  # fmt: skip
 @click.option("--set", "extra", multiple=True, metavar="KEY=VALUE",
               help="Another run-config key (repeatable; secure_afl/deploy/apps.py).")  # fmt: skip
 @click.option("--days", type=click.IntRange(1, 3650), default=365, show_default=True,

@@ -351,7 +351,8 @@ def _rehearse_abort(
 ) -> Any:
     """A second run after killing SuperNodes until fewer than the session needs remain.
 
-    It must fail: the server aborts (too few nodes, or too few answers within ``timeout`` s) and
+    It must fail: the server aborts (too few nodes, or too few answers within ``timeout`` s: a killed
+    node stays online in Flower's eyes for up to a minute, so ``round-limit`` is ``timeout`` too) and
     ``deploy run``'s code must say so, and move aside the classifier that its out-dir,
     ``server_dir/abort-rehearsal``, holds from the first run.
     """
@@ -372,7 +373,7 @@ def _rehearse_abort(
     shutil.copyfile(server_dir / "classifier.json", directory / "classifier.json")
     overrides = [
         f"out-dir={json.dumps(str(directory))} connect-timeout={timeout:.1f} "
-        f"statistics-timeout={timeout:.1f} round-timeout={timeout:.1f}"
+        f"statistics-timeout={timeout:.1f} round-timeout={timeout:.1f} round-limit={timeout:.1f}"
     ]
     return run_federation(
         app_dir, CONNECTION, children=children, run_config=overrides, run_timeout=run_timeout,
