@@ -33,7 +33,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -140,112 +140,27 @@ class Namespaces:
         return problems
 
 
-# --- the network of one run (inner half, in the coordinator's namespace) --------------------------
+# --- the plan of one fault (inner half, in the coordinator's namespace) ---------------------------
 
 
-class BenchNetwork:
-    """deploy local's nodes in their namespaces, each behind a fault proxy; faults timed on rounds."""
+def fault_plan(fault: Fault, prefix: str, client_ids: Sequence[str]) -> Any:
+    """The fault as secure_afl/deploy/fault_plan.py's plan: each hospital in its namespace, dialling
+    its proxy on the coordinator's end of its veth pair."""
+    from secure_afl.deploy.fault_plan import FaultPlan
 
-    def __init__(self, fault: Fault, prefix: str, client_ids: Sequence[str]) -> None:
-        from secure_afl.deploy.faults import FaultProxy
-
-        self.fault = fault
-        self.prefix = prefix
-        self.client_ids = list(client_ids)
-        self.certificate_ips = [f"{SUBNET}.{k}.1" for k in range(len(client_ids))]
-        self.persistent_superlink = fault.name == "restart"
-        self.proxies: dict[str, FaultProxy] = {}
-        self.events: list[str] = []
-        self.started = time.monotonic()
-        self._done: set[str] = set()
-        self._timers: list[tuple[float, str, Callable[[], None]]] = []
-
-    def say(self, text: str) -> None:
-        self.events.append(f"{time.monotonic() - self.started:6.1f} s {text}")
-        print(f"  [fault] {text}", flush=True)
-
-    def node_route(self, client_id: str, superlink_port: int) -> tuple[list[str], str]:
-        from secure_afl.deploy.faults import FaultProxy
-
-        k = self.client_ids.index(client_id)
-        proxy = FaultProxy(
-            ("127.0.0.1", superlink_port), listen=(f"{SUBNET}.{k}.1", 0), seed=k, name=client_id
-        )
-        proxy.start()
-        if self.fault.name == "latency":
-            proxy.set(delay=0.1, jitter=0.02)
-        elif self.fault.name == "slow-link":
-            proxy.set(rate=1_000_000)
-        self.proxies[client_id] = proxy
-        host, port = proxy.address
-        return ["ip", "netns", "exec", f"{self.prefix}h{k}"], f"{host}:{port}"
-
-    def _seen(self, nodes: Mapping[str, Any], cid: str, group: str) -> bool:
-        return f"ROUND {group}]" in nodes[cid].log.read_text(errors="replace")
-
-    def _once(self, key: str, condition: bool, action: Callable[[], None]) -> None:
-        if condition and key not in self._done:
-            self._done.add(key)
-            action()
-
-    def on_poll(self, nodes: Mapping[str, Any]) -> None:
-        now = time.monotonic()
-        for due, what, action in list(self._timers):
-            if now >= due:
-                self._timers.remove((due, what, action))
-                action()
-        name = self.fault.name
-        if name == "resets":
-            for group in ("s1-R1", "s1-R2", "s1-R3"):
-                seen = any(self._seen(nodes, cid, group) for cid in nodes)
-                self._once(group, seen, lambda g=group: self._reset_all(g))
-        elif name == "partition":
-            proxy = self.proxies[VICTIM]
-
-            def cut() -> None:
-                proxy.partition()
-                self.say(f"cut {VICTIM}'s link (R2 reached it)")
-                self._timers.append((time.monotonic() + 10.0, "restore", restore))
-
-            def restore() -> None:
-                proxy.restore()
-                self.say(f"restored {VICTIM}'s link")
-
-            self._once("cut", self._seen(nodes, VICTIM, "s1-R2"), cut)
-        elif name == "pause":
-            node = nodes[VICTIM]
-
-            def pause() -> None:
-                self._signal_tree(node.process.pid, signal.SIGSTOP)
-                self.say(f"SIGSTOP {VICTIM}'s SuperNode tree (R1 reached it)")
-                self._timers.append((time.monotonic() + 20.0, "resume", resume))
-
-            def resume() -> None:
-                self._signal_tree(node.process.pid, signal.SIGCONT)
-                self.say(f"SIGCONT {VICTIM}'s SuperNode tree")
-
-            self._once("pause", self._seen(nodes, VICTIM, "s1-R1"), pause)
-
-    def _reset_all(self, group: str) -> None:
-        count = sum(proxy.reset() for proxy in self.proxies.values())
-        self.say(f"reset {count} connection(s) as {group} reached the nodes")
-
-    def _signal_tree(self, pid: int, sig: signal.Signals) -> None:
-        from secure_afl.deploy.processes import descendants
-
-        for target in [pid, *sorted(descendants({pid}))]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(target, sig)
-
-    def between_sessions(self, k: int, restart_superlink: Callable[[], None]) -> None:
-        if self.fault.name == "restart":
-            self.say(f"restarting the SuperLink before session {k + 1}")
-            restart_superlink()
-
-    def close(self) -> None:
-        for proxy in self.proxies.values():
-            with contextlib.suppress(Exception):
-                proxy.stop()
+    where = {
+        "prefix": {cid: ["ip", "netns", "exec", f"{prefix}h{k}"] for k, cid in enumerate(client_ids)},
+        "listen": {cid: f"{SUBNET}.{k}.1" for k, cid in enumerate(client_ids)},
+    }
+    faults: dict[str, Any] = {
+        "latency": {"delay": 0.1, "jitter": 0.02},
+        "slow-link": {"rate": 1_000_000},
+        "resets": {"resets": ("s1-R1", "s1-R2", "s1-R3")},
+        "partition": {"partition": (VICTIM, "s1-R2", 10.0)},
+        "pause": {"pause": (VICTIM, "s1-R1", 20.0)},
+        "restart": {"restart_superlink": True},
+    }
+    return FaultPlan(**faults.get(fault.name, {}), **where)
 
 
 # --- checks after a run ------------------------------------------------------------------------------
@@ -308,7 +223,7 @@ def run_inner(name: str, out_dir: Path, prefix: str) -> dict[str, Any]:
         dim=32, seed=0, round_timeout=ROUND_TIMEOUT, keep=True,
     )  # fmt: skip
     plan = plan_rehearsal(options)
-    network = BenchNetwork(fault, prefix, plan.client_ids)
+    network = fault_plan(fault, prefix, plan.client_ids)
     started = time.monotonic()
     result: dict[str, Any] = {"fault": name, "what": fault.what}
     report = None
@@ -317,8 +232,6 @@ def run_inner(name: str, out_dir: Path, prefix: str) -> dict[str, Any]:
         result.update(outcome="completed", reason="")
     except (DeploymentError, Exception) as exc:  # the run's own failure is this fault's outcome
         result.update(outcome="aborted", reason=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
-    finally:
-        network.close()
     result["seconds"] = round(time.monotonic() - started, 1)
     result["events"] = network.events
     # every byte between a hospital and the coordinator went through its proxy

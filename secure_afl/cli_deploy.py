@@ -5,7 +5,7 @@ simulator (data partition, the in-process reference) and the deployment (which n
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,8 @@ from secure_afl.cli_options import (
     split_pair,
 )
 from secure_afl.deploy.errors import ConfigurationError, DeploymentError
+
+FAULT_ROUNDS = ("R0", "R1", "R2", "R3", "R4")  # deploy local --fault-*: session 1's rounds
 
 
 def _click_errors(exc: Exception) -> click.ClickException:
@@ -565,8 +567,21 @@ def _backbone_record(features: Path | None, backbone: str | None, weights: Path 
               "round). Each session's classifier is compared with the centralised fit on every image "
               "released so far (under --dp-epsilon reported, not checked: the sums are noisy; each "
               "node's dp-epsilon then covers the chain's K sessions).")  # fmt: skip
+@click.option("--fault-delay", type=click.FloatRange(0), default=0.0, metavar="SECONDS",
+              help="Put each node behind a TCP fault proxy on its link to the SuperLink that delays every "
+              "chunk this long each way (jitter ±20 %; secure_afl/deploy/faults.py).")  # fmt: skip
+@click.option("--fault-reset", "fault_resets", multiple=True, type=click.Choice(FAULT_ROUNDS),
+              help="Reset every node's connections to the SuperLink as session 1's ROUND reaches the nodes "
+              "(repeatable; through the fault proxies).")  # fmt: skip
+@click.option("--fault-pause", metavar="CLIENT@ROUND:SECONDS",
+              help="Pause (SIGSTOP) CLIENT's SuperNode and its processes as session 1's ROUND reaches it, "
+              "resume them (SIGCONT) SECONDS later: alive for Flower (heartbeats within 60 s), so not a "
+              "dropout even past --round-timeout.")  # fmt: skip
 @dp_options
-def deploy_local(protection: str, drops: tuple[str, ...], out_dir: Path, **options: Any) -> None:
+def deploy_local(
+    protection: str, drops: tuple[str, ...], out_dir: Path, fault_delay: float, fault_resets: tuple[str, ...],
+    fault_pause: str | None, **options: Any,
+) -> None:  # fmt: skip
     """A federation of N SuperNodes on this machine, compared with the in-process simulation.
 
     With --dp-epsilon the institutions noise their statistics before masking (SECURITY.md §9): the
@@ -599,8 +614,9 @@ def deploy_local(protection: str, drops: tuple[str, ...], out_dir: Path, **optio
         if exc.option is None:
             raise click.UsageError(str(exc)) from None
         raise click.BadParameter(str(exc), param_hint=exc.option or None) from None
+    network = _fault_plan(fault_delay, fault_resets, fault_pause, plan.client_ids, say)
     try:
-        report = rehearse(plan, out_dir, say=say)
+        report = rehearse(plan, out_dir, say=say, network=network)
     except (DeploymentError, RehearsalFailed) as exc:
         raise click.ClickException(
             f"{type(exc).__name__}: {exc}" if isinstance(exc, DeploymentError) else str(exc)
@@ -610,6 +626,38 @@ def deploy_local(protection: str, drops: tuple[str, ...], out_dir: Path, **optio
     failure = report.failure()
     if failure:
         raise click.ClickException(failure)
+
+
+def _fault_plan(
+    delay: float,
+    resets: tuple[str, ...],
+    pause: str | None,
+    client_ids: Sequence[str],
+    say: Callable[[str], None],
+) -> Any:
+    """deploy local's --fault-* options as a fault plan (None: no proxy, the nodes dial the SuperLink)."""
+    if not delay and not resets and pause is None:
+        return None
+    from secure_afl.deploy.fault_plan import FaultPlan
+
+    paused = None
+    if pause is not None:
+        cid, _, rest = pause.partition("@")
+        round_name, _, seconds = rest.partition(":")
+        try:
+            length = float(seconds)
+        except ValueError:
+            length = -1.0
+        if cid not in client_ids or round_name not in FAULT_ROUNDS or not 0 < length <= 600:
+            raise click.BadParameter(
+                f"{pause!r}: expected CLIENT@ROUND:SECONDS with CLIENT in {client_ids[0]}..{client_ids[-1]}, "
+                f"ROUND one of {', '.join(FAULT_ROUNDS)} and 0 < SECONDS <= 600 (e.g. client-1@R1:15)",
+                param_hint="--fault-pause",
+            )
+        paused = (cid, f"s1-{round_name}", length)
+    return FaultPlan(
+        delay=delay, jitter=0.2 * delay, resets=tuple(f"s1-{r}" for r in resets), pause=paused, say=say
+    )
 
 
 def _render_rehearsal(report: Any, console: Any, say: Callable[[str], None], out_dir: Path) -> None:

@@ -74,6 +74,10 @@ class Network(Protocol):
         """Called before run k > 0 of a federation that grows."""
         ...
 
+    def close(self) -> None:
+        """Called once the run ends, passed or failed, before its processes are stopped."""
+        ...
+
 
 @dataclass
 class LocalResult:
@@ -370,6 +374,8 @@ def run_local(
             )
         return result
     finally:
+        if network is not None:
+            network.close()
         children.stop_all()
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, previous_term)
