@@ -571,7 +571,7 @@ def _backbone_record(features: Path | None, backbone: str | None, weights: Path 
               help="Put each node behind a TCP fault proxy on its link to the SuperLink that delays every "
               "chunk this long each way (jitter ±20 %; secure_afl/deploy/faults.py).")  # fmt: skip
 @click.option("--fault-reset", "fault_resets", multiple=True, type=click.Choice(FAULT_ROUNDS),
-              help="Reset every node's connections to the SuperLink as session 1's ROUND reaches the nodes "
+              help="Reset each node's connections to the SuperLink as session 1's ROUND reaches it "
               "(repeatable; through the fault proxies).")  # fmt: skip
 @click.option("--fault-pause", metavar="CLIENT@ROUND:SECONDS",
               help="Pause (SIGSTOP) CLIENT's SuperNode and its processes as session 1's ROUND reaches it, "
@@ -656,7 +656,7 @@ def _fault_plan(
             )
         paused = (cid, f"s1-{round_name}", length)
     return FaultPlan(
-        delay=delay, jitter=0.2 * delay, resets=tuple(f"s1-{r}" for r in resets), pause=paused, say=say
+        delay=delay, jitter=0.2 * delay, node_resets=tuple(f"s1-{r}" for r in resets), pause=paused, say=say
     )
 
 

@@ -109,6 +109,7 @@ class FaultProxy:
         self.stats = LinkStats()
         self._random = random.Random(seed)
         self._pairs: set[Any] = set()
+        self._accepting: set[asyncio.Task[Any]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._open: asyncio.Event | None = None  # set: the link passes data; clear: a partition
         self._server: asyncio.base_events.Server | None = None
@@ -210,6 +211,8 @@ class FaultProxy:
         self._server.close()
         self._open.set()  # release whatever waits on a partition
         await self._reset_all(count=False)
+        if self._accepting:  # let each connection's handler end (a cancelled one is logged as an error)
+            await asyncio.wait(self._accepting, timeout=5.0)
         await self._server.wait_closed()
 
     def _call(self, action: Callable[[], None], timeout: float = 10.0) -> None:
@@ -232,6 +235,10 @@ class FaultProxy:
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.stats.connections += 1
+        task = asyncio.current_task()
+        if task is not None:
+            self._accepting.add(task)
+            task.add_done_callback(self._accepting.discard)
         pair = _Pair(writer)
         self._pairs.add(pair)
         try:

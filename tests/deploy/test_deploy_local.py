@@ -71,8 +71,8 @@ TLS = ["deploy", "local", "--clients", "4", "--tls", "--drop", "client-0@R4", "-
 
 # seed 2: every class is labelled by 3 or more of the 4 (seed 0 leaves a class group of two, which the
 # nodes' exposure check refuses with one colluder assumed; deploy local says so).  The cheapest faults
-# ride on it (each node behind a loopback fault proxy): 50 ms ± 10 ms per chunk each way, every
-# connection reset as R2 reaches the nodes, and client-1 paused (SIGSTOP) for 15 s as R1 reaches it,
+# ride on it (each node behind a loopback fault proxy): 50 ms ± 10 ms per chunk each way, each node's
+# connections reset as R2 reaches it, and client-1 paused (SIGSTOP) for 15 s as R1 reaches it,
 # past the 10 s round timeout: alive for Flower (heartbeats), so waited for, not a dropout.
 CKKS = ["deploy", "local", "--clients", "4", "--seed", "2", "--no-tls", "--protection", "ckks",
         "--fraction", "0.08", "--dim", "32", "--round-timeout", "10", "--fault-delay", "0.05",
@@ -264,7 +264,9 @@ def test_deploy_local_with_ckks_equals_the_simulation_within_ckks_precision(fede
     assert set(session["round_seconds"]) == {"R0", "R1", "R2", "R3", "R4"}  # R3: the signed view
     # the faults happened, and none made a dropout: client-1 was waited for past the 10 s timeout
     assert "fault: paused client-1's SuperNode" in output and "fault: resumed client-1" in output
-    assert re.search(r"fault: reset [1-9]\d* connection\(s\) as s1-R2", output), output[-4000:]
+    assert len(re.findall(r"fault: reset [1-9]\d* connection\(s\) of client-\d as s1-R2", output)) == 4, (
+        output[-4000:]
+    )
     assert report["dropouts"] == [] and session["round_seconds"]["R1"] >= 15
     assert session["key_holder"] in session["participants"]
     assert set(session["decryptors"].values()) <= set(session["survivors"])
