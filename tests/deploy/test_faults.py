@@ -138,3 +138,18 @@ def test_bad_settings_and_a_taken_address_are_refused(echo) -> None:
             FaultProxy(echo, listen=running.address).start()
     with pytest.raises(FaultProxyError, match="network namespace 'saf-no-such-ns'"):
         FaultProxy(echo, netns="saf-no-such-ns").start()
+
+
+def test_deploy_local_refuses_a_malformed_fault_pause_before_anything_starts(tmp_path) -> None:
+    from click.testing import CliRunner
+
+    from secure_afl.cli import main
+
+    # seed 2: a plan every node's exposure check accepts (as test_deploy_local's CKKS federation)
+    common = ["deploy", "local", "--clients", "4", "--seed", "2", "--fraction", "0.08", "--dim", "32",
+              "--out", str(tmp_path)]  # fmt: skip
+    for value in ("client-9@R1:5", "client-1@R7:5", "client-1@R1:0", "client-1@R1:soon"):
+        result = CliRunner().invoke(main, [*common, "--fault-pause", value])
+        assert result.exit_code == 2, result.output
+        assert "expected CLIENT@ROUND:SECONDS with CLIENT in client-0..client-3" in result.output
+    assert not (tmp_path / "logs").exists()  # refused before the rehearsal wrote anything
