@@ -173,11 +173,10 @@ class GridTransport:
                         "dropped",
                         {"error": "NodeOffline", "message": "no longer among the SuperLink's online nodes"},
                     )
-                if pending and not waiting_said:
-                    slow = sorted(node_of[m] for m in pending)
+                if pending and not waiting_said:  # a count: the coordinator sees roster ids, never node ids
                     self.log(
-                        f"{group}: node(s) {slow} still online after {timeout:.0f} s (Flower heartbeats): "
-                        f"slow, not gone; waiting up to {limit:.0f} s"
+                        f"{group}: {len(pending)} node(s) still online after {timeout:.0f} s (Flower "
+                        f"heartbeats): slow, not gone; waiting up to {limit:.0f} s"
                     )
                     waiting_said = True
                 next_check = now + self.ONLINE_CHECK_SECONDS
