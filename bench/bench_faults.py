@@ -205,8 +205,13 @@ def check_files(work_dir: Path, out_dir: Path, client_ids: Sequence[str], comple
         acknowledged = set(report.get("acknowledged", []))
         if acknowledged - set(holders):
             problems.append(f"acknowledged but not held: {sorted(acknowledged - set(holders))}")
-    elif holders or server_file.is_file():
-        problems.append(f"an aborted run left a classifier ({holders or 'the server'})")
+    else:  # aborted: a node may hold only what an earlier completed run delivered (moved aside by the next)
+        earlier = {p.read_bytes() for p in out_dir.glob("classifier.before-*.json")}
+        if server_file.is_file():
+            problems.append("an aborted run left the coordinator a classifier")
+        for cid in holders:
+            if (work_dir / "out" / cid / "classifier.json").read_bytes() not in earlier:
+                problems.append(f"{cid} holds a classifier of the aborted run")
     return {"problems": problems, "holders": holders, "released": {c: len(s) for c, s in released.items()}}
 
 

@@ -246,7 +246,10 @@ class FaultProxy:
             try:
                 up_reader, up_writer = await asyncio.open_connection(*self.upstream)
             except OSError:
+                # The upstream refused (restarting): reset the accepted connection, as the refusal's
+                # RST would have, not a clean EOF (which a TLS client takes for a broken handshake).
                 self.stats.upstream_failures += 1
+                _abort(writer)
                 return
             pair.upstream = up_writer
             pair.tasks = [
@@ -316,13 +319,18 @@ class FaultProxy:
             for end in (pair.downstream, pair.upstream):
                 if end is None:
                     continue
-                sock = end.get_extra_info("socket")
-                with contextlib.suppress(OSError, AttributeError):
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                end.transport.abort()  # with linger 0: an RST, not a FIN
+                _abort(end)
             for task in pair.tasks:
                 task.cancel()
         if count:
             self.stats.resets += len(pairs)
         await asyncio.sleep(0)
         return len(pairs)
+
+
+def _abort(end: asyncio.StreamWriter) -> None:
+    """Close a connection with an RST (linger 0), not a FIN."""
+    sock = end.get_extra_info("socket")
+    with contextlib.suppress(OSError, AttributeError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    end.transport.abort()

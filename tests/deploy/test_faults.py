@@ -153,3 +153,16 @@ def test_deploy_local_refuses_a_malformed_fault_pause_before_anything_starts(tmp
         assert result.exit_code == 2, result.output
         assert "expected CLIENT@ROUND:SECONDS with CLIENT in client-0..client-3" in result.output
     assert not (tmp_path / "logs").exists()  # refused before the rehearsal wrote anything
+
+
+def test_a_refused_upstream_is_a_reset_not_an_eof() -> None:
+    """A SuperLink restarting behind the proxy: the node must see what a refused connect gives (an RST,
+    which Flower retries), not a clean EOF (which its TLS client takes for a broken handshake and quits)."""
+    with socket.socket() as placeholder:
+        placeholder.bind(("127.0.0.1", 0))
+        closed = placeholder.getsockname()[:2]  # nothing listens here once it is closed
+    with FaultProxy(closed) as running, _connect(running) as client:
+        with pytest.raises(ConnectionResetError):
+            client.sendall(b"hello")
+            client.recv(10)
+        assert running.stats.upstream_failures == 1
