@@ -13,7 +13,7 @@ every ledger and file is consistent: no image released twice in a node's ledger,
 server names holds the release in its ledger (nothing lost), every node holding a classifier holds
 the coordinator's exact file and an aborted run left none (no partial classifier).
 
-    sudo python bench/bench_faults.py                 # the whole matrix (about 20 min on 2 cores)
+    sudo python bench/bench_faults.py                 # the whole matrix (about 30 min on 2 loaded cores)
     sudo python bench/bench_faults.py --only pause    # one fault (and the baseline it compares with)
 
 Needs root (CAP_NET_ADMIN) and iproute2's ``ip netns``; without them it stops with a message saying
