@@ -187,6 +187,7 @@ def run_local(
             "ckks-scale-bits": study.ckks_scale_bits,
             "extends": study.extends,  # a growing run overrides it with the previous study's digest
             "round-timeout": round_timeout,
+            "round-limit": 10 * round_timeout,  # a node Flower reports online (the abort rehearsal sets it)
             "statistics-timeout": statistics_timeout,
             "connect-timeout": connect_timeout,
             **_dp_run_config(study),
