@@ -5,7 +5,7 @@ simulator (data partition, the in-process reference) and the deployment (which n
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,8 @@ from secure_afl.cli_options import (
     split_pair,
 )
 from secure_afl.deploy.errors import ConfigurationError, DeploymentError
+
+FAULT_ROUNDS = ("R0", "R1", "R2", "R3", "R4")  # deploy local --fault-*: session 1's rounds
 
 
 def _metrics_address(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[str, int] | None:
@@ -335,7 +337,8 @@ def deploy_node_key(path: Path, force: bool) -> None:
     type=click.FloatRange(1),
     default=120.0,
     show_default=True,
-    help="Seconds after which a hospital that has not answered a round is a dropout.",
+    help="Seconds a round waits for a hospital's answer; one Flower still reports online (heartbeats) is "
+    "waited for up to round-limit (default 10 times this), one Flower reports gone is a dropout at once.",
 )
 @click.option(
     "--colluders",
@@ -555,9 +558,10 @@ def _backbone_record(features: Path | None, backbone: str | None, weights: Path 
     "--dim", type=click.IntRange(min=1), default=1024, show_default=True, help="Synthetic feature dimension."
 )
 @click.option("--round-timeout", type=click.FloatRange(1), default=30.0, show_default=True,
-              help="Seconds after which a node that has not answered a round is a dropout. Shorter than "
-              "provision's and app's 120: nodes on one machine answer within seconds, and a round that "
-              "lost a SuperNode to --drop may wait this long before it goes on.")  # fmt: skip
+              help="Seconds a round waits for a node's answer; a node Flower still reports online (a busy "
+              "host) is waited for up to 10 times this, one Flower reports gone (no heartbeat for 60 s) "
+              "is a dropout at once. Shorter than provision's and app's 120: nodes on one machine answer "
+              "within seconds.")  # fmt: skip
 @click.option(
     "--out",
     "out_dir",
@@ -599,8 +603,21 @@ def _backbone_record(features: Path | None, backbone: str | None, weights: Path 
               "node's dp-epsilon then covers the chain's K sessions).")  # fmt: skip
 @click.option("--metrics", default=None, metavar="HOST:PORT", callback=_metrics_address,
               help=METRICS_HELP + " After the run it is scraped and must match the report.")  # fmt: skip
+@click.option("--fault-delay", type=click.FloatRange(0), default=0.0, metavar="SECONDS",
+              help="Put each node behind a TCP fault proxy on its link to the SuperLink that delays every "
+              "chunk this long each way (jitter ±20 %; secure_afl/deploy/faults.py).")  # fmt: skip
+@click.option("--fault-reset", "fault_resets", multiple=True, type=click.Choice(FAULT_ROUNDS),
+              help="Reset each node's connections to the SuperLink as session 1's ROUND reaches it "
+              "(repeatable; through the fault proxies).")  # fmt: skip
+@click.option("--fault-pause", metavar="CLIENT@ROUND:SECONDS",
+              help="Pause (SIGSTOP) CLIENT's SuperNode and its processes as session 1's ROUND reaches it, "
+              "resume them (SIGCONT) SECONDS later: alive for Flower (heartbeats within 60 s), so not a "
+              "dropout even past --round-timeout.")  # fmt: skip
 @dp_options
-def deploy_local(protection: str, drops: tuple[str, ...], out_dir: Path, **options: Any) -> None:
+def deploy_local(
+    protection: str, drops: tuple[str, ...], out_dir: Path, fault_delay: float, fault_resets: tuple[str, ...],
+    fault_pause: str | None, **options: Any,
+) -> None:  # fmt: skip
     """A federation of N SuperNodes on this machine, compared with the in-process simulation.
 
     With --dp-epsilon the institutions noise their statistics before masking (SECURITY.md §9): the
@@ -633,8 +650,9 @@ def deploy_local(protection: str, drops: tuple[str, ...], out_dir: Path, **optio
         if exc.option is None:
             raise click.UsageError(str(exc)) from None
         raise click.BadParameter(str(exc), param_hint=exc.option or None) from None
+    network = _fault_plan(fault_delay, fault_resets, fault_pause, plan.client_ids, say)
     try:
-        report = rehearse(plan, out_dir, say=say)
+        report = rehearse(plan, out_dir, say=say, network=network)
     except (DeploymentError, RehearsalFailed) as exc:
         raise click.ClickException(
             f"{type(exc).__name__}: {exc}" if isinstance(exc, DeploymentError) else str(exc)
@@ -644,6 +662,38 @@ def deploy_local(protection: str, drops: tuple[str, ...], out_dir: Path, **optio
     failure = report.failure()
     if failure:
         raise click.ClickException(failure)
+
+
+def _fault_plan(
+    delay: float,
+    resets: tuple[str, ...],
+    pause: str | None,
+    client_ids: Sequence[str],
+    say: Callable[[str], None],
+) -> Any:
+    """deploy local's --fault-* options as a fault plan (None: no proxy, the nodes dial the SuperLink)."""
+    if not delay and not resets and pause is None:
+        return None
+    from secure_afl.deploy.fault_plan import FaultPlan
+
+    paused = None
+    if pause is not None:
+        cid, _, rest = pause.partition("@")
+        round_name, _, seconds = rest.partition(":")
+        try:
+            length = float(seconds)
+        except ValueError:
+            length = -1.0
+        if cid not in client_ids or round_name not in FAULT_ROUNDS or not 0 < length <= 600:
+            raise click.BadParameter(
+                f"{pause!r}: expected CLIENT@ROUND:SECONDS with CLIENT in {client_ids[0]}..{client_ids[-1]}, "
+                f"ROUND one of {', '.join(FAULT_ROUNDS)} and 0 < SECONDS <= 600 (e.g. client-1@R1:15)",
+                param_hint="--fault-pause",
+            )
+        paused = (cid, f"s1-{round_name}", length)
+    return FaultPlan(
+        delay=delay, jitter=0.2 * delay, node_resets=tuple(f"s1-{r}" for r in resets), pause=paused, say=say
+    )
 
 
 def _render_rehearsal(report: Any, console: Any, say: Callable[[str], None], out_dir: Path) -> None:
@@ -1000,7 +1050,8 @@ def _key_value_pairs(items: tuple[str, ...], hint: str) -> dict[str, object]:
               help="The study's protection: pairwise masking or CKKS (each hospital accepts it at join: "
                    "--accept-protection).")  # fmt: skip
 @click.option("--round-timeout", type=click.FloatRange(1), default=120.0, show_default=True,
-              help="Seconds after which a hospital that has not answered a round is a dropout.")  # fmt: skip
+              help="Seconds a round waits for a hospital's answer; one Flower still reports online is "
+              "waited for up to round-limit (--set round-limit=S; default 10 times this).")  # fmt: skip
 @click.option("--set", "extra", multiple=True, metavar="KEY=VALUE",
               help="Another run-config key (repeatable; secure_afl/deploy/apps.py).")  # fmt: skip
 @click.option("--days", type=click.IntRange(1, 3650), default=365, show_default=True,

@@ -526,14 +526,15 @@ def reference_dropouts(report: Mapping, participants: Collection[str]) -> dict[s
     return dropouts
 
 
-def rehearse(plan: RehearsalPlan, out_dir: Path, *, say: Say = print) -> RehearsalReport:
+def rehearse(plan: RehearsalPlan, out_dir: Path, *, say: Say = print, network: Any = None) -> RehearsalReport:
     """Run the planned federation and compare it with the simulation; see the module docstring.
 
     ``out_dir`` gets everything worth keeping (report.json, classifier.json, roster.json, every
     process's log, test-features.npz for ``predict``), also when the run fails; keys, certificates
     and ledgers stay in a temporary directory deleted at the end (unless ``keep``), so no line
     printed names a file in it.  Raises :class:`~secure_afl.deploy.errors.DeploymentError` when the
-    federation fails, :class:`RehearsalFailed` when its check does.
+    federation fails, :class:`RehearsalFailed` when its check does.  ``network``: where the nodes run
+    and how they reach the SuperLink (:class:`~secure_afl.deploy.local.Network`; bench/bench_faults.py).
     """
     from secure_afl.deploy.local import run_local
     from secure_afl.features.file import save_feature_file
@@ -600,6 +601,7 @@ def rehearse(plan: RehearsalPlan, out_dir: Path, *, say: Say = print) -> Rehears
             colluders=o.colluders, coordinator=o.coordinator, server_dir=out_dir, logs_dir=logs_dir,
             rehearse_abort=o.rehearse_abort,
             sessions=sessions, arrive=arrive if sessions > 1 else None, metrics=o.metrics,
+            network=network,
         )  # fmt: skip
         report = RehearsalReport(plan, result, data_seconds)
         if sessions > 1:

@@ -17,10 +17,12 @@ signature), ``classes``
 ``protection`` (``mask``, the default, or ``ckks``), ``ckks-degree`` (8192),
 ``ckks-moduli`` (comma-separated bit sizes, ``60,40,40,60``), ``ckks-scale-bits`` (40),
 ``threshold`` (0: ⌊2n/3⌋+1; masking only), ``min-group-size``, ``frac-bits`` (masking only),
-``round-timeout``, ``statistics-timeout`` (a session's first round, where clients compute) and
-``connect-timeout`` (seconds), ``min-nodes`` (0: the roster's size), ``colluders`` (``n-t``, the
-default, or the number the nodes' own ``colluders`` assume: round 2 forms only pseudo-label groups
-of at least that many + 2 members, which their exposure checks accept).  Differential privacy
+``round-timeout``, ``statistics-timeout`` (a session's first round, where clients compute),
+``round-limit`` (how long a node Flower still reports online is waited for past its round's timeout;
+default 10 x round-timeout, R0 at least statistics-timeout) and ``connect-timeout`` (seconds),
+``min-nodes`` (0: the roster's size), ``colluders`` (``n-t``, the default, or the number the
+nodes' own ``colluders`` assume: round 2 forms only pseudo-label groups of at least that many + 2
+members, which their exposure checks accept).  Differential privacy
 (SECURITY.md §9): ``dp-epsilon`` (its presence turns DP on), ``dp-delta`` (1e-6), ``clip`` (32),
 ``dp-unit`` (``image`` or ``patient``), ``dp-max-images-per-patient`` (4), ``dp-dim`` (K: the public
 random projection of the rows, absent: none), ``dp-projection-seed`` (0), ``dp-ridge`` (``bound``,
@@ -88,23 +90,50 @@ def _log(text: str) -> None:
 
 
 class GridTransport:
-    """Push envelopes to nodes, then pull replies until all arrive or the round's timeout passes."""
+    """Push envelopes to nodes, then pull replies until each node answers, Flower reports it gone, or
+    the round's limit passes (a :class:`~secure_afl.deploy.server.LiveTransport`).
 
-    def __init__(self, grid: Grid) -> None:
+    Liveness is Flower's own: the SuperLink counts a SuperNode online while its heartbeats arrive
+    (one about every 24 s from the SuperNode's process, whatever its ClientApp computes; offline after
+    2 x 30 s without), answers a message to a node that went offline with a NODE_UNAVAILABLE error
+    reply, and lists only online nodes in ``get_node_ids``.  A node gone is a dropout as soon as
+    Flower says so; one still online when ``timeout`` passes is slow, not gone, and is waited for up
+    to ``limit``.  Replies are pulled by this round's message ids only: a late reply to an earlier
+    round is never read."""
+
+    ONLINE_CHECK_SECONDS = 5.0
+
+    def __init__(
+        self,
+        grid: Grid,
+        *,
+        log: Any = None,
+        clock: Any = time.monotonic,
+        sleep: Any = time.sleep,
+    ) -> None:
         self.grid = grid
+        self.log = log or _log
+        self.clock = clock
+        self.sleep = sleep
 
     def node_ids(self) -> list[int]:
         return [int(n) for n in self.grid.get_node_ids()]
 
     def exchange(self, outgoing: Mapping[int, Envelope], group: str, timeout: float) -> dict[int, Envelope]:
+        return self.exchange_live(outgoing, group, timeout, timeout)
+
+    def exchange_live(
+        self, outgoing: Mapping[int, Envelope], group: str, timeout: float, limit: float
+    ) -> dict[int, Envelope]:
         nodes = list(outgoing)
+        limit = max(timeout, limit)
         messages = [
             Message(
                 to_record_dict(outgoing[node]),
                 dst_node_id=node,
                 message_type=MESSAGE_TYPE,
                 group_id=group,
-                ttl=max(timeout * 2, 60.0),
+                ttl=max(limit * 2, 60.0),
             )
             for node in nodes
         ]
@@ -112,8 +141,10 @@ class GridTransport:
         node_of = dict(zip(ids, nodes, strict=True))
         pending = set(ids)
         replies: dict[int, Envelope] = {}
-        deadline = time.monotonic() + timeout
-        while pending and time.monotonic() < deadline:
+        started = self.clock()
+        next_check = started + timeout  # past the timeout: who is still online, every few seconds
+        waiting_said = False
+        for _ in range(int(limit / POLL_SECONDS) + 2):  # bounded; the clock ends it first
             for reply in self.grid.pull_messages(list(pending)):
                 message_id = reply.metadata.reply_to_message_id
                 if message_id not in pending:
@@ -121,8 +152,8 @@ class GridTransport:
                 pending.discard(message_id)
                 node = node_of[message_id]
                 if reply.has_error():
-                    # Flower's own error (the node left, its ClientApp process died): not an answer
-                    # the hospital gave but the loss of the node, a dropout.
+                    # Flower's own error (the node went offline, its ClientApp process died): not an
+                    # answer the hospital gave but the loss of the node, a dropout.
                     error = reply.error
                     replies[node] = Envelope(
                         "dropped", {"error": f"FlowerError{error.code}", "message": str(error.reason)}
@@ -132,8 +163,26 @@ class GridTransport:
                     replies[node] = from_record_dict(reply.content)
                 except ValueError as exc:
                     replies[node] = Envelope("refused", {"error": "MalformedReply", "message": str(exc)})
+            now = self.clock()
+            if not pending or now >= started + limit:
+                break
+            if now >= next_check:
+                online = set(self.node_ids())
+                for message_id in sorted(m for m in pending if node_of[m] not in online):
+                    pending.discard(message_id)
+                    replies[node_of[message_id]] = Envelope(
+                        "dropped",
+                        {"error": "NodeOffline", "message": "no longer among the SuperLink's online nodes"},
+                    )
+                if pending and not waiting_said:  # a count: the coordinator sees roster ids, never node ids
+                    self.log(
+                        f"{group}: {len(pending)} node(s) still online after {timeout:.0f} s (Flower "
+                        f"heartbeats): slow, not gone; waiting up to {limit:.0f} s"
+                    )
+                    waiting_said = True
+                next_check = now + self.ONLINE_CHECK_SECONDS
             if pending:
-                time.sleep(POLL_SECONDS)
+                self.sleep(POLL_SECONDS)
         return replies
 
 
@@ -285,6 +334,7 @@ def server_main(grid: Grid, context: Context) -> None:
         study,
         round_timeout=float(config.get("round-timeout", 120)),
         statistics_timeout=float(config.get("statistics-timeout", 600)),
+        round_limit=float(config["round-limit"]) if "round-limit" in config else None,
         connect_timeout=float(config.get("connect-timeout", 300)),
         min_nodes=int(config.get("min-nodes", 0)) or None,
         log=_log,

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from secure_afl.keys.roster import Roster
 
@@ -52,6 +52,31 @@ DROP_ROUNDS = ("R1", "R2", "R3", "R4")  # both backends' rounds after R0 (CKKS: 
 DROP_ROUNDS_BY_PROTECTION = {"mask": DROP_ROUNDS, "ckks": DROP_ROUNDS}
 
 Say = Callable[[str], None]
+
+
+class Network(Protocol):
+    """Where ``deploy local``'s nodes run and how they reach the SuperLink, for a bench that puts
+    each hospital in its own network namespace behind a fault proxy (bench/bench_faults.py).
+    Without one, every process runs on this host's loopback."""
+
+    certificate_ips: Sequence[str]  # the SuperLink certificate's further addresses (the proxies')
+    persistent_superlink: bool  # give the SuperLink a --database, so that it may be restarted
+
+    def node_route(self, client_id: str, superlink_port: int) -> tuple[Sequence[str], str]:
+        """The node's argv prefix (e.g. ``ip netns exec NS``) and the SuperLink address it dials."""
+        ...
+
+    def on_poll(self, nodes: Mapping[str, Child]) -> None:
+        """Called about ten times a second while a run goes on (faults timed on rounds)."""
+        ...
+
+    def between_sessions(self, k: int, restart_superlink: Callable[[], None]) -> None:
+        """Called before run k > 0 of a federation that grows."""
+        ...
+
+    def close(self) -> None:
+        """Called once the run ends, passed or failed, before its processes are stopped."""
+        ...
 
 
 @dataclass
@@ -94,6 +119,7 @@ def run_local(
     sessions: int = 1,
     arrive: Callable[[int], None] | None = None,
     metrics: tuple[str, int] | None = None,
+    network: Network | None = None,
 ) -> LocalResult:
     """Start the federation under ``work_dir``, run it, stop every process; return the classifier.
 
@@ -106,7 +132,8 @@ def run_local(
     :func:`_rehearse_abort`); the second run's outcome is ``LocalResult.abort_rehearsal``.
     ``sessions`` > 1: a federation that grows.  Before run k (0, 1, ...) ``arrive(k)`` rewrites the
     feature files (the images arrived so far); run k > 0 is a study that extends run k - 1's
-    (run config ``extends``), over the same SuperNodes, ledgers and server out-dir.
+    (run config ``extends``), over the same SuperNodes, ledgers and server out-dir.  ``network``:
+    where the nodes run and which address each dials (see :class:`Network`); default loopback.
     ``metrics``: (host, port) where the coordinator's metrics are served while the federation runs
     (``deploy run --metrics``); after the last run they are scraped there and must match the reports.
     """
@@ -130,7 +157,8 @@ def run_local(
     flwr_home.mkdir(parents=True, exist_ok=True)
     superlink_port = free_port()
     if tls:
-        ca, certificate, private_key = write_tls_certificates(work_dir / "tls")
+        ips = () if network is None else network.certificate_ips
+        ca, certificate, private_key = write_tls_certificates(work_dir / "tls", ips)
         auth_keys = {cid: write_node_auth_key(work_dir / "tls" / f"auth-{cid}") for cid in client_ids}
     connection = ["[superlink]", f'default = "{CONNECTION}"', "", f"[superlink.{CONNECTION}]"]
     connection.append(f'address = "127.0.0.1:{superlink_port}"')
@@ -162,6 +190,7 @@ def run_local(
             "ckks-scale-bits": study.ckks_scale_bits,
             "extends": study.extends,  # a growing run overrides it with the previous study's digest
             "round-timeout": round_timeout,
+            "round-limit": 10 * round_timeout,  # a node Flower reports online (the abort rehearsal sets it)
             "statistics-timeout": statistics_timeout,
             "connect-timeout": connect_timeout,
             **_dp_run_config(study),
@@ -192,8 +221,20 @@ def run_local(
             link_args += ["--ssl-keyfile", str(private_key), "--enable-supernode-auth"]
         else:
             link_args += ["--insecure"]
+        if network is not None and network.persistent_superlink:
+            link_args += ["--database", str(work_dir / "superlink.db")]
         superlink = children.start("superlink", link_args, logs / "superlink.log")
         wait_for_log(superlink, READY_SUPERLINK, start_timeout, "the SuperLink")
+        restarts = [superlink]
+
+        def restart_superlink() -> None:
+            """Stop the SuperLink (and the processes it started) and start it again, same state."""
+            children.kill_tree(restarts[-1])
+            log = logs / f"superlink-{len(restarts) + 1}.log"
+            restarts.append(children.start("superlink", link_args, log))
+            wait_for_log(restarts[-1], READY_SUPERLINK, start_timeout, "the restarted SuperLink")
+            say(f"  restarted the SuperLink ({log.name})")
+
         seconds["SuperLink start"] = time.perf_counter() - stage
         say(f"  SuperLink ready ({seconds['SuperLink start']:.1f} s)")
         if tls:
@@ -246,7 +287,10 @@ def run_local(
             node_config_text = " ".join(f"{k}={json.dumps(v)}" for k, v in node_config.items())
             node_configs[cid] = node_config_text
             _check_node(cid, node_config_text, study, f"127.0.0.1:{superlink_port}", ca if tls else None, say)
-            node_args = [flower_bin("flower-supernode"), "--superlink", f"127.0.0.1:{superlink_port}"]
+            prefix, dial = [], f"127.0.0.1:{superlink_port}"
+            if network is not None:
+                prefix, dial = list((route := network.node_route(cid, superlink_port))[0]), route[1]
+            node_args = [*prefix, flower_bin("flower-supernode"), "--superlink", dial]
             node_args += ["--host", "127.0.0.1", "--port", str(free_port())]
             node_args += ["--node-config", node_config_text]
             if tls:
@@ -273,6 +317,8 @@ def run_local(
         pending = dict(drops)
 
         def kill_dropped() -> None:
+            if network is not None:
+                network.on_poll(nodes)
             for cid, round_name in list(pending.items()):
                 if f"ROUND s1-{round_name}]" in nodes[cid].log.read_text(errors="replace"):
                     children.kill(nodes[cid])
@@ -298,6 +344,8 @@ def run_local(
         for k in range(sessions):
             if k:
                 stage = time.perf_counter()
+                if network is not None:
+                    network.between_sessions(k, restart_superlink)
                 if arrive is not None:
                     arrive(k)
                 run_log = logs / f"flwr-run-{k + 1}.log"
@@ -340,6 +388,8 @@ def run_local(
             )
         return result
     finally:
+        if network is not None:
+            network.close()
         children.stop_all()
         if endpoint is not None:
             endpoint.close()
@@ -379,7 +429,8 @@ def _rehearse_abort(
 ) -> Any:
     """A second run after killing SuperNodes until fewer than the session needs remain.
 
-    It must fail: the server aborts (too few nodes, or too few answers within ``timeout`` s) and
+    It must fail: the server aborts (too few nodes, or too few answers within ``timeout`` s: a killed
+    node stays online in Flower's eyes for up to a minute, so ``round-limit`` is ``timeout`` too) and
     ``deploy run``'s code must say so, and move aside the classifier that its out-dir,
     ``server_dir/abort-rehearsal``, holds from the first run.
     """
@@ -400,7 +451,7 @@ def _rehearse_abort(
     shutil.copyfile(server_dir / "classifier.json", directory / "classifier.json")
     overrides = [
         f"out-dir={json.dumps(str(directory))} connect-timeout={timeout:.1f} "
-        f"statistics-timeout={timeout:.1f} round-timeout={timeout:.1f}"
+        f"statistics-timeout={timeout:.1f} round-timeout={timeout:.1f} round-limit={timeout:.1f}"
     ]
     return run_federation(
         app_dir, CONNECTION, children=children, run_config=overrides, run_timeout=run_timeout,

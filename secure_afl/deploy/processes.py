@@ -144,6 +144,23 @@ class ProcessGroups:
         with contextlib.suppress(subprocess.TimeoutExpired):
             child.process.wait(timeout=10)
 
+    def kill_tree(self, child: Child, grace: float = 5.0) -> None:
+        """Stop ``child`` and every process it started, in whatever process group (SIGTERM, then
+        SIGKILL after ``grace`` seconds)."""
+        pgids = {child.process.pid}
+        for pid in descendants({child.process.pid}):
+            with contextlib.suppress(OSError):
+                pgids.add(os.getpgid(pid))
+        pgids.discard(os.getpgid(0))
+        for pgid in pgids:
+            _kill_group(pgid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.process.wait(timeout=grace)
+        for pgid in pgids:
+            _kill_group(pgid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.process.wait(timeout=10)
+
     def groups(self) -> set[int]:
         """Every process group of the children and of their descendants.
 

@@ -6,7 +6,10 @@ It is generic over the study's protection backend (:mod:`secure_afl.aggregation.
 masking or CKKS): it follows the server session's ``next_round()`` until it sends nothing, sending
 each round only to the clients the session addresses, and knows Flower only through
 :class:`Transport`.  A node that does not answer a round within ``round_timeout`` seconds is a
-dropout; a reply the session rejects is logged with its error class and treated as a dropout too.
+dropout, unless the transport follows liveness (:class:`LiveTransport`, Flower's heartbeats): then a
+node it reports gone is a dropout at once, and one still alive is waited for up to ``round_limit``
+(a busy host is slow, not gone).  A reply the session rejects is logged with its error class and
+treated as a dropout too.
 Flower node ids only route: a client is known by the id its signed advertisement carries, and later
 replies must come from the node that delivered that advertisement.
 """
@@ -18,7 +21,7 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -59,6 +62,19 @@ class Transport(Protocol):
 
     def exchange(
         self, outgoing: Mapping[int, Envelope], group: str, timeout: float
+    ) -> dict[int, Envelope]: ...
+
+
+@runtime_checkable
+class LiveTransport(Transport, Protocol):
+    """A transport that knows whether a node is alive (Flower: the SuperLink's heartbeats).
+
+    ``exchange_live`` returns a ``dropped`` envelope for a node it finds gone, as soon as it does, and
+    waits for a node still alive past ``timeout``, up to ``limit`` seconds.  A reply that comes after
+    it returns is never read: the round's survivor set is fixed without it."""
+
+    def exchange_live(
+        self, outgoing: Mapping[int, Envelope], group: str, timeout: float, limit: float
     ) -> dict[int, Envelope]: ...
 
 
@@ -141,6 +157,7 @@ class FederationServer:
         backend: ProtectionBackend | None = None,
         round_timeout: float = 120.0,
         statistics_timeout: float | None = None,
+        round_limit: float | None = None,
         connect_timeout: float = 300.0,
         min_nodes: int | None = None,
         log: Log = print,
@@ -184,6 +201,10 @@ class FederationServer:
         # A session's first round is where clients compute their statistics (round 1) or their
         # pseudo-labels (round 2): it may take much longer than a protocol round.
         self.statistics_timeout = max(round_timeout, statistics_timeout or 0.0)
+        # Over a LiveTransport: how long a node that is alive (heartbeats) but has not answered yet is
+        # waited for, past its round's timeout (default 10 x round_timeout; R0: at least
+        # statistics_timeout).  A node the transport reports gone is a dropout at once.
+        self.round_limit = max(round_timeout, 10 * round_timeout if round_limit is None else round_limit)
         self.connect_timeout = connect_timeout
         self.min_nodes = len(roster) if min_nodes is None else min_nodes
         self.log = log
@@ -306,7 +327,7 @@ class FederationServer:
         meta = {"round": "classifier", **self.check.delivery_meta(last.survivors)}
         outgoing = {self._node_of[cid]: Envelope("classifier", meta, data) for cid in last.completed}
         started = time.perf_counter()
-        replies = self.transport.exchange(outgoing, "classifier", self.round_timeout)
+        replies, silence = self._exchange(outgoing, "classifier", self.round_timeout)
         self.report.seconds["deliver"] = time.perf_counter() - started
         client_of = {node: cid for cid, node in self._node_of.items()}
         stored = []
@@ -321,7 +342,7 @@ class FederationServer:
                 self.metrics.dropout()
                 self.log(f"classifier: {client_of[node]} {reason} (dropout)")
         for node in sorted(set(outgoing) - set(replies)):
-            reason = f"did not answer within {self.round_timeout:.0f} s"
+            reason = silence
             self.report.dropouts.append({"at": "classifier", "client": client_of[node], "reason": reason})
             self.metrics.dropout()
             self.log(f"classifier: {client_of[node]} {reason} (dropout)")
@@ -344,6 +365,17 @@ class FederationServer:
         return self.report.acknowledged
 
     # --- sessions -----------------------------------------------------------------------------
+
+    def _exchange(
+        self, outgoing: Mapping[int, Envelope], group: str, timeout: float
+    ) -> tuple[dict[int, Envelope], str]:
+        """One round's replies, and why a node that sent none is a dropout.  Over a
+        :class:`LiveTransport` a node alive past ``timeout`` keeps its place up to the round's limit."""
+        if isinstance(self.transport, LiveTransport):
+            limit = max(timeout, self.round_limit)
+            replies = self.transport.exchange_live(outgoing, group, timeout, limit)
+            return replies, f"was alive but did not answer within {limit:.0f} s"
+        return self.transport.exchange(outgoing, group, timeout), f"did not answer within {timeout:.0f} s"
 
     def _wait_for_nodes(self) -> list[int]:
         started = time.perf_counter()
@@ -434,7 +466,7 @@ class FederationServer:
             client_of = {node: cid for cid, node in node_of.items()}
             addressed = [client_of.get(n, f"node {n}") for n in outgoing] if node_of else []
             self.log(f"{at}: sent to {', '.join(addressed) if addressed else f'{len(outgoing)} node(s)'}")
-            replies = self.transport.exchange(outgoing, f"s{label}-{round_name}", timeout)
+            replies, silence = self._exchange(outgoing, f"s{label}-{round_name}", timeout)
             answers = 0
             answered: list[str] = []
             lost: dict[int, str] = {}  # nodes Flower reports gone: dropouts, with Flower's reason
@@ -492,11 +524,7 @@ class FederationServer:
             silent: set[str] = set()
             for node in sorted(gone):
                 who = client_of.get(node) or self._known(node) or "an unidentified node"
-                why = (
-                    f"Flower reports it gone ({lost[node]})"
-                    if node in lost
-                    else f"did not answer within {timeout:.0f} s"
-                )
+                why = f"Flower reports it gone ({lost[node]})" if node in lost else silence
                 self.report.dropouts.append({"at": at, "client": who, "reason": why})
                 self.metrics.dropout()
                 self.log(f"{at}: {who} {why} (dropout)")

@@ -24,10 +24,11 @@ from .tls import write_tls_material
 COORDINATOR = "coordinator"  # the roster id of the key that signs the classifier
 
 
-def write_tls_certificates(directory: Path) -> tuple[Path, Path, Path]:
-    """A throwaway CA and a SuperLink certificate for 127.0.0.1/localhost (one day; see deploy/tls.py)."""
+def write_tls_certificates(directory: Path, ips: Sequence[str] = ()) -> tuple[Path, Path, Path]:
+    """A throwaway CA and a SuperLink certificate for 127.0.0.1/localhost and ``ips`` (one day; see
+    deploy/tls.py)."""
     files = write_tls_material(
-        directory, hosts=["localhost"], ips=["127.0.0.1"], days=1, keep_ca_key=False,
+        directory, hosts=["localhost"], ips=["127.0.0.1", *ips], days=1, keep_ca_key=False,
         ca_common_name="secure-afl deploy local CA",
     )  # fmt: skip
     return files.ca_certificate, files.certificate, files.key

@@ -6,7 +6,8 @@ SuperNode is killed when it receives round R1; the deployed classifier must equa
 simulation's over the 3 survivors bit for bit, every survivor must hold the same classifier, and no
 process may be left behind.
 
-CKKS: one run without TLS or dropouts (about two minutes here; dropped clients and decryptors are
+CKKS: one run without TLS or dropouts, through fault proxies (a delay, resets, a node paused past
+the round timeout: see CKKS below; about two minutes here; dropped clients and decryptors are
 tested in process, tests/deploy/test_federation_ckks.py): the classifier must equal the masked
 simulation's within CKKS precision (max |Δw| measured 1e-7 of max |w| at d = 32; the command checks
 1e-4) and every institution must hold the same classifier.
@@ -71,9 +72,13 @@ TLS = ["deploy", "local", "--clients", "4", "--tls", "--drop", "client-0@R4", "-
        "--metrics", "127.0.0.1:0"]  # fmt: skip
 
 # seed 2: every class is labelled by 3 or more of the 4 (seed 0 leaves a class group of two, which the
-# nodes' exposure check refuses with one colluder assumed; deploy local says so)
+# nodes' exposure check refuses with one colluder assumed; deploy local says so).  The cheapest faults
+# ride on it (each node behind a loopback fault proxy): 50 ms ± 10 ms per chunk each way, each node's
+# connections reset as R2 reaches it, and client-1 paused (SIGSTOP) for 15 s as R1 reaches it,
+# past the 10 s round timeout: alive for Flower (heartbeats), so waited for, not a dropout.
 CKKS = ["deploy", "local", "--clients", "4", "--seed", "2", "--no-tls", "--protection", "ckks",
-        "--fraction", "0.08", "--dim", "32", "--round-timeout", "30"]  # fmt: skip
+        "--fraction", "0.08", "--dim", "32", "--round-timeout", "10", "--fault-delay", "0.05",
+        "--fault-reset", "R2", "--fault-pause", "client-1@R1:15"]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -271,6 +276,12 @@ def test_deploy_local_with_ckks_equals_the_simulation_within_ckks_precision(fede
     report = json.loads((out / "report.json").read_text())
     session = report["sessions"][0]
     assert set(session["round_seconds"]) == {"R0", "R1", "R2", "R3", "R4"}  # R3: the signed view
+    # the faults happened, and none made a dropout: client-1 was waited for past the 10 s timeout
+    assert "fault: paused client-1's SuperNode" in output and "fault: resumed client-1" in output
+    assert len(re.findall(r"fault: reset [1-9]\d* connection\(s\) of client-\d as s1-R2", output)) == 4, (
+        output[-4000:]
+    )
+    assert report["dropouts"] == [] and session["round_seconds"]["R1"] >= 15
     assert session["key_holder"] in session["participants"]
     assert set(session["decryptors"].values()) <= set(session["survivors"])
     assert np.isfinite(classifier.weights).all() and classifier.weights.shape == (32, 8)
