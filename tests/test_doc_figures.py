@@ -280,3 +280,15 @@ def test_a_planted_contradiction_is_found() -> None:
     found = contradictions(disagree, registry)
     assert len(found) == 2 and "c.md quotes 40 / 22" in found[0] and "c.md quotes 7.4" in found[1]
     assert "quoted 1 time(s)" in contradictions({"a.md": "41× and 22× the bytes"}, registry)[0]
+
+
+def test_violations_planted_in_the_real_documents_are_found() -> None:
+    docs = documents()
+    readme = docs["README.md"] + "\nThe run took 42 s wall on a busy host.\n"
+    found = violations("README.md", readme, NOT_MEASURED["README.md"])
+    assert len(found) == 1 and "42 s without command" in found[0]
+    quote = re.compile(r"(\d+)(× and \d+× the bytes)")
+    name = next(n for n, text in docs.items() if quote.search(text))
+    planted = dict(docs, **{name: quote.sub(r"99\2", docs[name], count=1)})
+    found = contradictions(planted, REGISTRY)
+    assert found and all("CKKS / masking bytes" in f and "99 / 22" in f for f in found)
