@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 NOT_CHECKED = {"cli.md", "security-history.md"}
 
 NUMBER = r"(?<![\w.^/−-])\d[\d,]*(?:\.\d+)?"
-UNIT = r"\s?(?:CPU-s|ms|min|s|h|B|kB|MB|GB|KiB|MiB|GiB|×|%|images/s|(?:AUC |BACC )?points)(?![\w/])"
+UNIT = r"(?:×|\s?(?:CPU-s|ms|min|s|h|B|kB|MB|GB|KiB|MiB|GiB|%|images/s|(?:AUC |BACC )?points))(?![\w/])"
 FIGURE = re.compile(NUMBER + UNIT)
 DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
 COMMIT = r"(?<![\w.,])[0-9a-f]{7,40}(?!\w|[.,]\d)"
@@ -47,6 +47,8 @@ NOT_MEASURED: dict[str, tuple[str, ...]] = {
         "and 120 s for every other round",
         "(it waits `sign-timeout`, 300 s",
         "The unit restarts the SuperNode 15 s after",  # the systemd unit's RestartSec
+        "one about every 24 s",  # Flower's heartbeat and liveness constants
+        "offline after 60 s without one",
     ),
     "multisite.md": ("10 % of each site's rows", "at 10 %", "Google's 10 %"),  # --fraction 0.1
     "ref-methods.md": ("50 %", "erases 20 % of the dimensions"),  # the method's parameters
