@@ -262,8 +262,8 @@ def coordinator_signer(config: Mapping[str, Any], roster: Roster) -> ClassifierS
         key = load_identity_key(Path(str(config["identity-key"])), passphrase)
     except KeyFileError as exc:  # deploy app's --key-dir (its identity.key), as deploy run's
         raise ConfigurationError(
-            f"the coordinator's key {config['identity-key']} (the run config's identity-key, which "
-            f"`deploy app --key-dir` writes): {exc}"
+            f"the coordinator's key {config['identity-key']} (--key-dir): {exc}; the run config's "
+            "identity-key names this file"
         ) from None
     return ClassifierSigner.for_roster(roster, key)
 
