@@ -162,14 +162,16 @@ def _node_key(settings: Any) -> tuple[str, IdentityKey, Any]:
     return party or identity.fingerprint, identity, roster
 
 
-def record_accepted(envelope: Any, state: Any, settings: Any) -> None:
+def record_accepted(
+    envelope: Any, state: Any, settings: Any, party: str, identity: IdentityKey, roster: Any
+) -> None:
     """``session-accepted``, after this node answered a session's R0 (raises when it cannot be
-    written: the session is then refused)."""
+    written: the session is then refused); ``party``, ``identity``, ``roster``: what R0 loaded
+    (the key is not decrypted a second time)."""
     from .study import Study
 
     label = str(envelope.meta.get("session", ""))
     saved = state.load(label) or {}
-    party, identity, roster = _node_key(settings)
     body = {
         "session": label, "round": str(envelope.meta.get("round", "R0")),
         "session_id": str(saved.get("session_id", "")),

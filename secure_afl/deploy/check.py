@@ -213,7 +213,9 @@ def check_node(
     state = step("ledger", lambda: _ledger_state(settings.ledger_dir, client_id, identity))
     ok(f"ledger {settings.ledger_dir}: {state}")
     if study is not None:
-        found = step("ledger against the study", lambda: _unreleased(settings, client_id, identity, study))
+        found = step(
+            "ledger against the study", lambda: _unreleased(settings, client_id, identity, study, data)
+        )
         ok(f"ledger: {found}")
     step("out-dir", lambda: _writable(settings.out_dir, "out-dir"))
     ok(f"out-dir {settings.out_dir}: writable")
@@ -234,16 +236,16 @@ def check_node(
     return CheckResult(client_id, tuple(lines))
 
 
-def _unreleased(settings: Any, client_id: str, identity: Any, study: Any) -> str:
+def _unreleased(settings: Any, client_id: str, identity: Any, study: Any, data: Any) -> str:
     """The run's one-contribution selection in R0, on what this node's ledger already holds
     (:func:`~secure_afl.privacy.release.select_rows`): a study whose every row would be withheld is
     refused with the session's own error (a study that extends another releases only the new
-    images: nothing to refuse).  Returns what the check found, for its line."""
-    from secure_afl.features.file import load_feature_file
+    images: nothing to refuse).  ``data``: the feature file the study check loaded.  Returns what the
+    check found, for its line."""
     from secure_afl.privacy.ledger import FileLedger, LedgerOwner
     from secure_afl.privacy.release import select_rows
 
-    names = load_feature_file(settings.features, require_labels=True).require_image_identities()
+    names = data.require_image_identities()
     if study.extends:
         return f"a growing study: this node releases only its new ones of {len(names)} images"
     state = FileLedger(settings.ledger_dir).load(LedgerOwner(client_id, identity))

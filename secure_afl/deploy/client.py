@@ -244,9 +244,7 @@ def handle(envelope: Envelope, state: LocalState, settings: NodeSettings) -> Env
     round_name = str(envelope.meta.get("round", ""))
     try:
         if envelope.kind == "advertise":
-            reply = _start_session(envelope, label, state, settings)
-            record_accepted(envelope, state, settings)  # in LEDGER_DIR/audit.log, or the session is refused
-            return reply
+            return _start_session(envelope, label, state, settings)
         if envelope.kind == "protocol":
             return _continue_session(envelope, label, state, settings)
         if envelope.kind == "classifier":
@@ -861,6 +859,7 @@ def _start_session(envelope: Envelope, label: str, state: LocalState, settings: 
             "rows": json.dumps(rows),  # the committed counts (JSON: Flower's records hold no mappings)
         },
     )
+    record_accepted(envelope, state, settings, client_id, identity, roster)  # or the session is refused
     log(settings, f"{client_id}: session {label} R0 answered (groups {sorted(inputs)}, {backend.name})")
     return Envelope("reply", {"session": label, "round": "R0", **commitment}, _one_reply(replies))
 
