@@ -180,7 +180,8 @@ def deploy_tls(hosts: tuple[str, ...], ips: tuple[str, ...], out_dir: Path, days
     "--federation",
     default="federation",
     show_default=True,
-    help="The connection's name in STATE_DIR/flwr/config.toml (`deploy run APP_DIR --federation NAME`).",
+    help="The connection's name in STATE_DIR/flwr/config.toml (`deploy run --app-dir DIR --federation "
+    "NAME`).",
 )
 @click.option("--front", type=click.Choice(["caddy", "nginx"]), default="caddy", show_default=True,
               help="The reverse proxy on --listen: Caddy (installed with the deploy extra) or the "
@@ -256,13 +257,10 @@ def deploy_node_key(path: Path, force: bool) -> None:
 
 
 @deploy.command("app")
-@click.option(
-    "--out",
-    "app_dir",
-    type=click.Path(path_type=Path, file_okay=False),
-    required=True,
-    help="The app directory to write: APP_DIR/pyproject.toml (give APP_DIR to `deploy run`).",
-)
+@renamed_option("--app-dir", "app_dir", old_names=("--out",), required=True, metavar="DIR",
+                type=click.Path(path_type=Path, file_okay=False),
+                help="The coordinator's Flower app directory to write: DIR/pyproject.toml (give it to "
+                     "`deploy run --app-dir`).")  # fmt: skip
 @click.option(
     "--roster",
     "roster_path",
@@ -381,9 +379,11 @@ def deploy_node_key(path: Path, force: bool) -> None:
     "--federation",
     default="federation",
     show_default=True,
-    help="The federation's name in config.toml (`deploy run APP_DIR --federation NAME`).",
+    help="The federation's name in config.toml (`deploy run --app-dir DIR --federation NAME`).",
 )
-@click.option("--force", is_flag=True, help="Replace an existing APP_DIR/pyproject.toml or config.toml.")
+@click.option(
+    "--force", is_flag=True, help="Replace an existing DIR/pyproject.toml (--app-dir) or config.toml."
+)
 def deploy_app(
     app_dir: Path,
     roster_path: Path,
@@ -415,7 +415,7 @@ def deploy_app(
     \b
     Reads:  --roster, --key-dir's identity.key (decrypted once, to check it is the roster's coordinator),
             the study's backbone record from --features or --backbone/--weights.
-    Writes: APP_DIR/pyproject.toml ([tool.flwr.app.config]: the run config the ServerApp reads) and,
+    Writes: --app-dir's pyproject.toml ([tool.flwr.app.config]: the run config the ServerApp reads) and,
             with --superlink, FLWR_HOME/config.toml ([superlink.FEDERATION]).
     Every value is checked as the ServerApp will check it (the study, the coordinator's key and
     passphrase), so a run does not fail minutes later on a typo.
@@ -463,8 +463,8 @@ def deploy_app(
     if connection is not None:
         click.echo(f"wrote {connection.path} (export FLWR_HOME={home} for flwr supernode register)")
     secret = " ".join(f"--{k} {v}" for k, v in signing.items() if k != "identity-key")
-    click.echo(f"next: secure-afl deploy run {app_dir} --federation {federation} --flwr-home {home} "
-               f"--key-dir {identity_key.resolve().parent} {secret}")  # fmt: skip
+    click.echo(f"next: secure-afl deploy run --app-dir {app_dir} --federation {federation} "
+               f"--flwr-home {home} --key-dir {identity_key.resolve().parent} {secret}")  # fmt: skip
 
 
 def _run_config_value(text: str) -> object:
@@ -830,17 +830,27 @@ def deploy_check(
 
 
 @deploy.command("run")
-@click.argument("app_dir", type=click.Path(path_type=Path, file_okay=False, exists=True))
+@click.argument("app_positional", cls=DeprecatedArgument, replacement="--app-dir", metavar="APP_DIR",
+                type=click.Path(path_type=Path))  # fmt: skip
 @click.argument("federation_positional", cls=DeprecatedArgument, replacement="--federation",
                 metavar="FEDERATION")  # fmt: skip
+@click.option("--app-dir", "app_dir", type=click.Path(path_type=Path, file_okay=False, exists=True),
+              default=None, metavar="DIR",
+              help="The coordinator's Flower app directory (`deploy app --app-dir DIR`, or FED/app of "
+                   "`deploy provision --federation-dir FED`).  [required]")  # fmt: skip
 @click.option("--federation", default=None,
               help="The federation's name: its [superlink.NAME] in FLWR_HOME/config.toml (`deploy superlink "
                    "--federation`, `deploy provision --federation`).  [default: federation]")  # fmt: skip
 @click.option("--flwr-home", type=click.Path(path_type=Path, file_okay=False), default=None,
               envvar="FLWR_HOME", show_envvar=True,
               help="Directory whose config.toml names the federation's SuperLink (address, CA).")  # fmt: skip
-@click.option("--run-config", "run_config", multiple=True, metavar="'KEY=VALUE ...'",
-              help="Override run-config keys of APP_DIR/pyproject.toml (passed to flwr run).")  # fmt: skip
+@click.option(
+    "--run-config",
+    "run_config",
+    multiple=True,
+    metavar="'KEY=VALUE ...'",
+    help="Override run-config keys of --app-dir's pyproject.toml (passed to flwr run).",
+)
 @click.option("--timeout", type=click.FloatRange(1), default=24 * 3600.0, show_default=True,
               help="Stop waiting (and stop flwr run) after this many seconds.")  # fmt: skip
 @click.option("--tick", type=click.FloatRange(0), default=10.0, show_default=True,
@@ -860,15 +870,15 @@ def deploy_check(
 @click.option("--metrics", default=None, metavar="HOST:PORT", callback=_metrics_address, help=METRICS_HELP)
 @click.pass_context
 def deploy_run(
-    ctx: click.Context, app_dir: Path, federation_positional: str | None, federation: str | None,
-    flwr_home: Path | None, run_config: tuple[str, ...], timeout: float, tick: float, key_dir: Path | None,
-    identity_key: Path | None, passphrase_file: Path | None, passphrase_env: str | None,
+    ctx: click.Context, app_positional: Path | None, federation_positional: str | None, app_dir: Path | None,
+    federation: str | None, flwr_home: Path | None, run_config: tuple[str, ...], timeout: float, tick: float,
+    key_dir: Path | None, identity_key: Path | None, passphrase_file: Path | None, passphrase_env: str | None,
     metrics: tuple[str, int] | None,
 ) -> None:  # fmt: skip
-    """Run the federation (the coordinator): `flwr run APP_DIR NAME --stream` (NAME: --federation), honestly.
+    """Run the federation (the coordinator): `flwr run DIR NAME --stream` (--app-dir, --federation), honestly.
 
     \b
-    Reads APP_DIR/pyproject.toml ([tool.flwr.app.config]: the study, roster, out-dir) and
+    Reads DIR/pyproject.toml ([tool.flwr.app.config]: the study, roster, out-dir) and
     $FLWR_HOME/config.toml ([superlink.NAME]: address, root-certificates).
     Writes in the run config's out-dir: classifier.json and report.json (the ServerApp's),
     flwr-run.log (the whole stream); an earlier classifier.json or report.json there is first
@@ -890,7 +900,17 @@ def deploy_run(
 
     from secure_afl.deploy.coordinator import load_signer, run_federation
 
-    federation = positional_or_option(ctx, federation_positional, federation, default="federation")
+    app_dir = positional_or_option(ctx, app_positional, app_dir, default=None, name="app_positional")
+    if app_dir is None:
+        raise click.UsageError(
+            "give --app-dir DIR: the coordinator's app directory (`deploy app --app-dir DIR` wrote it, or "
+            "`deploy provision --federation-dir FED` as FED/app)"
+        )
+    if not app_dir.is_dir():  # the old positional (the option checks this itself)
+        raise click.BadParameter(f"{app_dir}: no such directory", param_hint="--app-dir")
+    federation = positional_or_option(
+        ctx, federation_positional, federation, default="federation", name="federation_positional"
+    )
     identity_key = identity_key_file(key_dir, identity_key)
     if (passphrase_file is None) == (passphrase_env is None):
         raise click.UsageError("give exactly one of --passphrase-file and --passphrase-env")
@@ -1134,7 +1154,7 @@ def deploy_provision(
         f"  secure-afl deploy collect --federation-dir {out} ID.reply.json ...   (the hospitals' replies)"
     )
     click.echo(
-        f"  secure-afl deploy run {result.app_dir} --federation {federation} --flwr-home "
+        f"  secure-afl deploy run --app-dir {result.app_dir} --federation {federation} --flwr-home "
         f"{out / 'superlink' / 'flwr'} --key-dir {directory} {secret}"
     )
 

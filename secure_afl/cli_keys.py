@@ -17,7 +17,7 @@ from pathlib import Path
 
 import click
 
-from secure_afl.cli_options import LibraryErrorsGroup, key_dir_option, split_pair
+from secure_afl.cli_options import DeprecatedOption, LibraryErrorsGroup, key_dir_option, split_pair
 from secure_afl.keys.files import KeyFileError, load_identity_key, save_identity_key
 from secure_afl.keys.identity import IdentityKey, fingerprint
 from secure_afl.keys.recognition import Recognition
@@ -67,15 +67,52 @@ def load_key(directory: Path, passphrase_file: Path | None, passphrase_env: str 
         raise click.ClickException(str(exc)) from None
 
 
-def normalise_fingerprint(text: str) -> str:
+def normalise_fingerprint(text: str, option: str = "--expect") -> str:
     """``SHA256:ab12 cd34 ...`` from any spacing or case, with or without the ``SHA256:`` prefix
-    (:func:`secure_afl.keys.recognition.parse_fingerprint`)."""
+    (:func:`secure_afl.keys.recognition.parse_fingerprint`); a malformed one is ``option``'s error."""
     from secure_afl.keys.recognition import FingerprintSyntaxError, parse_fingerprint
 
     try:
         return parse_fingerprint(text)
     except FingerprintSyntaxError as exc:
-        raise click.BadParameter(str(exc), param_hint="--fingerprint") from None
+        raise click.BadParameter(str(exc), param_hint=option) from None
+
+
+EXPECT_EXAMPLE = "hospital-a='SHA256:ab12 cd34 ...' (quote it)"
+
+
+def expected_fingerprint(item: str) -> tuple[str, str]:
+    """One ``--expect ID=FINGERPRINT`` item: the id and the normalised fingerprint heard out of band."""
+    client_id, text = split_pair(item, "--expect", "ID=FINGERPRINT", EXPECT_EXAMPLE)
+    return client_id, normalise_fingerprint(text)
+
+
+def old_fingerprint_option():  # type: ignore[no-untyped-def]
+    """The hidden ``--fingerprint FP`` of ``keys roster add``, ``verify`` and ``rotate``, before
+    ``--expect ID=FINGERPRINT`` (the spelling of every command that checks a fingerprint heard out of
+    band): the command reads it as ``--expect`` with the id it already knows."""
+    return click.option(
+        "--fingerprint", "fingerprint", cls=DeprecatedOption, replacement="--expect", default=None,
+        hint=lambda value: f"--expect ID='{value}'",
+    )  # fmt: skip
+
+
+def _heard(expected: str | None, fingerprint: str | None, client_id: str) -> str | None:
+    """The fingerprint heard for ``client_id``: from ``--expect ID=FINGERPRINT`` (its id must be
+    ``client_id``), or from the old ``--fingerprint``; None when neither is given."""
+    if expected is not None and fingerprint is not None:
+        raise click.UsageError("--expect and --fingerprint name one fingerprint: give --expect only")
+    if fingerprint is not None:
+        return normalise_fingerprint(fingerprint, "--fingerprint")
+    if expected is None:
+        return None
+    heard_id, heard = expected_fingerprint(expected)
+    if heard_id != client_id:
+        raise click.ClickException(
+            f"--expect names {heard_id!r}, but this key belongs to {client_id!r}: a fingerprint is heard for "
+            f"one institution; give --expect {client_id}=FINGERPRINT as {client_id} read it to you"
+        )
+    return heard
 
 
 def stdin_is_terminal() -> bool:
@@ -97,7 +134,7 @@ def recognition_from_options(expected: Sequence[str], yes: bool, option: str, qu
         )
 
     for item in expected:  # the syntax as every KEY=VALUE option checks it; the fingerprints below
-        split_pair(item, option, "ID=FINGERPRINT", "hospital-a='SHA256:ab12 cd34 ...' (quote it)")
+        split_pair(item, option, "ID=FINGERPRINT", EXPECT_EXAMPLE)
     try:
         return Recognition.from_options(
             expected, assume_recognised=yes, confirm=confirm if stdin_is_terminal() else None
@@ -230,8 +267,14 @@ def roster() -> None:
 @click.option("--name", default=None, help="Display name (with --public-key).")
 @click.option("--public-key", default=None, help="Base64 Ed25519 public key (with --id).")
 @click.option(
-    "--fingerprint", default=None, help="The fingerprint heard out of band: the entry must match it."
+    "--expect",
+    "expected",
+    default=None,
+    metavar="ID=FINGERPRINT",
+    help="The entry's id and fingerprint as you heard them from that institution (quote it): the entry "
+    "must match both, or nothing is added.",
 )
+@old_fingerprint_option()
 @click.option(
     "--coordinator",
     is_flag=True,
@@ -243,6 +286,7 @@ def roster_add(
     client_id: str | None,
     name: str | None,
     public_key: str | None,
+    expected: str | None,
     fingerprint: str | None,
     coordinator: bool,
 ) -> None:
@@ -263,10 +307,11 @@ def roster_add(
             entry = RosterEntry(client_id, name or client_id, decode_public_key(public_key))
         except RosterError as exc:
             raise click.BadParameter(str(exc), param_hint="--id/--public-key") from None
-    if fingerprint is not None and normalise_fingerprint(fingerprint) != entry.fingerprint:
+    heard = _heard(expected, fingerprint, entry.client_id)
+    if heard is not None and heard != entry.fingerprint:
         raise click.ClickException(
             f"fingerprint mismatch for {entry.client_id!r}: the key's is {entry.fingerprint}, "
-            f"you were given {normalise_fingerprint(fingerprint)}; do not add this key"
+            f"you were given {heard}; do not add this key"
         )
     current = load_roster_file(roster_path) if roster_path.exists() else Roster(())
     if entry.client_id in current:
@@ -443,30 +488,58 @@ def roster_sign(
 @roster.command("verify")
 @_roster_option
 @click.option(
-    "--id", "client_id", required=True, help="The institution (or the coordinator) whose key to check."
+    "--expect",
+    "expected",
+    multiple=True,
+    metavar="ID=FINGERPRINT",
+    help="An institution's (or the coordinator's) fingerprint as you heard it from that institution "
+    "(quote it); repeat for each to check.  [required]",
 )
-@click.option("--fingerprint", required=True, help="The fingerprint heard out of band.")
+@click.option(
+    "--id", "client_id", cls=DeprecatedOption, replacement="--expect", default=None,
+    hint=lambda value: f"--expect {value}=FINGERPRINT",
+)  # fmt: skip
+@old_fingerprint_option()
 @_dir_option
-def roster_verify(roster_path: Path, client_id: str, fingerprint: str, directory: Path | None) -> None:
-    """Check one institution's fingerprint (and that the roster holds this institution's key)."""
-    current = load_roster_file(roster_path)
-    expected = normalise_fingerprint(fingerprint)
-    coordinator = current.coordinator
-    if client_id not in current and (coordinator is None or coordinator.client_id != client_id):
-        raise click.ClickException(f"{roster_path}: {client_id!r} is not in the roster")
-    if coordinator is not None and coordinator.client_id == client_id:
-        actual = coordinator.fingerprint
-    else:
-        actual = current.entry(client_id).fingerprint
-    if actual != expected:
-        raise click.ClickException(
-            f"FINGERPRINT MISMATCH for {client_id!r}: the roster holds {actual}, you were given {expected}. "
-            f"Do not use this roster until the institutions agree on the key."
+def roster_verify(
+    roster_path: Path,
+    expected: tuple[str, ...],
+    client_id: str | None,
+    fingerprint: str | None,
+    directory: Path | None,
+) -> None:
+    """Check institutions' fingerprints (and that the roster holds this institution's key)."""
+    if (client_id is None) != (fingerprint is None):
+        raise click.UsageError("the old --id and --fingerprint go together: give --expect ID=FINGERPRINT")
+    pairs = [expected_fingerprint(item) for item in expected]
+    if client_id is not None:
+        if pairs:
+            raise click.UsageError("--expect and --id/--fingerprint name the same check: give --expect only")
+        pairs = [(client_id, normalise_fingerprint(str(fingerprint), "--fingerprint"))]
+    if not pairs:
+        raise click.UsageError(
+            f"give --expect ID=FINGERPRINT, e.g. {EXPECT_EXAMPLE}: the fingerprint you heard from that "
+            "institution"
         )
+    current = load_roster_file(roster_path)
+    coordinator = current.coordinator
+    for heard_id, heard in pairs:
+        if heard_id not in current and (coordinator is None or coordinator.client_id != heard_id):
+            raise click.ClickException(f"{roster_path}: {heard_id!r} is not in the roster")
+        if coordinator is not None and coordinator.client_id == heard_id:
+            actual = coordinator.fingerprint
+        else:
+            actual = current.entry(heard_id).fingerprint
+        if actual != heard:
+            raise click.ClickException(
+                f"FINGERPRINT MISMATCH for {heard_id!r}: the roster holds {actual}, you were given {heard}. "
+                f"Do not use this roster until the institutions agree on the key."
+            )
     local = _local_entry(directory)
     if local is not None:
         check_local_key_in(current, local, roster_path)
-    click.echo(f"{client_id}: fingerprint matches ({actual})")
+    for heard_id, heard in pairs:
+        click.echo(f"{heard_id}: fingerprint matches ({heard})")
 
 
 # --- roster versions and key lifecycle (secure_afl/keys/lifecycle.py) --------------------------
@@ -531,11 +604,17 @@ def roster_next(roster_path: Path, out_path: Path) -> None:
     help="The institution's rotation.json (written by its `secure-afl keys rotate`).",
 )
 @click.option(
-    "--fingerprint",
+    "--expect",
+    "expected",
     default=None,
-    help="The new key's fingerprint as the institution read it aloud: the statement must match it.",
+    metavar="ID=FINGERPRINT",
+    help="The institution's id and new key's fingerprint as it read them aloud (quote it): the statement "
+    "must match both.",
 )
-def roster_rotate(roster_path: Path, statement_path: Path, fingerprint: str | None) -> None:
+@old_fingerprint_option()
+def roster_rotate(
+    roster_path: Path, statement_path: Path, expected: str | None, fingerprint: str | None
+) -> None:
     """Put an institution's new key into a draft roster version (from keys roster next).
 
     The statement must be signed by the key the draft lists for that institution (its current key); the
@@ -550,10 +629,11 @@ def roster_rotate(roster_path: Path, statement_path: Path, fingerprint: str | No
         raise click.ClickException(f"{statement_path}: cannot read the statement: {exc.strerror}") from None
     except KeyRotationError as exc:
         raise click.ClickException(f"{statement_path}: KeyRotationError: {exc}") from None
-    if fingerprint is not None and normalise_fingerprint(fingerprint) != rotation.new_fingerprint:
+    heard = _heard(expected, fingerprint, rotation.client_id)
+    if heard is not None and heard != rotation.new_fingerprint:
         raise click.ClickException(
             f"fingerprint mismatch for {rotation.client_id!r}'s new key: the statement names "
-            f"{rotation.new_fingerprint}, you were given {normalise_fingerprint(fingerprint)}; do not use it"
+            f"{rotation.new_fingerprint}, you were given {heard}; do not use it"
         )
     if current.version == 1:
         raise click.ClickException(
@@ -605,7 +685,7 @@ def roster_rotate(roster_path: Path, statement_path: Path, fingerprint: str | No
 def roster_revoke(roster_path: Path, revoked: str) -> None:
     """Revoke a key in a draft roster version (from keys roster next)."""
     current = load_roster_file(roster_path)
-    wanted = normalise_fingerprint(revoked)
+    wanted = normalise_fingerprint(revoked, "--fingerprint")
     if current.version == 1:
         raise click.ClickException(
             f"{roster_path} is a first roster: start the next version with `keys roster next`, "

@@ -102,8 +102,8 @@ class DeprecatedOption(click.Option):
 
 class DeprecatedArgument(click.Argument):
     """A positional argument that became an option (``deploy run APP_DIR FEDERATION`` is now
-    ``--federation NAME``): still parsed for one release, never shown in the usage line; the command
-    resolves it with :func:`positional_or_option`, which prints the note."""
+    ``deploy run --app-dir DIR --federation NAME``): still parsed for one release, never shown in the
+    usage line; the command resolves it with :func:`positional_or_option`, which prints the note."""
 
     def __init__(self, *args: Any, replacement: str, **kwargs: Any) -> None:
         super().__init__(*args, required=False, **kwargs)
@@ -113,9 +113,14 @@ class DeprecatedArgument(click.Argument):
         return []
 
 
-def positional_or_option(ctx: click.Context, positional: Any, option: Any, *, default: Any) -> Any:
-    """The value of a :class:`DeprecatedArgument` or of the option that replaced it (not both)."""
-    param = next(p for p in ctx.command.params if isinstance(p, DeprecatedArgument))
+def positional_or_option(
+    ctx: click.Context, positional: Any, option: Any, *, default: Any, name: str | None = None
+) -> Any:
+    """The value of a :class:`DeprecatedArgument` (the command's parameter ``name``; by default its
+    only one) or of the option that replaced it (not both)."""
+    param = next(
+        p for p in ctx.command.params if isinstance(p, DeprecatedArgument) and name in (None, p.name)
+    )
     if positional is None:
         return default if option is None else option
     name = (param.metavar or (param.name or "").upper()).strip()

@@ -134,6 +134,11 @@ def test_provision_fingerprint_is_expect_under_its_old_name(tmp_path: Path) -> N
         (["keys", "roster", "show"], "--dir", "--key-dir"),
         (["keys", "roster", "sign"], "--dir", "--key-dir"),
         (["keys", "roster", "verify"], "--dir", "--key-dir"),
+        (["keys", "roster", "add"], "--fingerprint", "--expect"),
+        (["keys", "roster", "verify"], "--fingerprint", "--expect"),
+        (["keys", "roster", "verify"], "--id", "--expect"),
+        (["keys", "roster", "rotate"], "--fingerprint", "--expect"),
+        (["deploy", "app"], "--out", "--app-dir"),
     ],
 )
 def test_help_lists_the_new_name_only(command: list[str], old: str, new: str) -> None:
@@ -204,7 +209,12 @@ VOCABULARY = {
         "sim", "deploy local", "deploy provision", "deploy app"}),
     "the protections a hospital accepts (node config protection=)": ("--accept-protection", {"deploy join"}),
     "a fingerprint heard out of band, ID=FINGERPRINT": ("--expect", {
-        "deploy provision", "deploy join", "keys roster sign", "keys roster update"}),
+        "deploy provision", "deploy join", "keys roster add", "keys roster sign", "keys roster update",
+        "keys roster verify", "keys roster rotate"}),
+    # Not a fingerprint heard: the key to revoke, named by its fingerprint.
+    "a key to revoke": ("--fingerprint", {"keys roster revoke"}),
+    "the coordinator's Flower app directory (DIR/pyproject.toml: the run config)": ("--app-dir", {
+        "deploy app", "deploy run"}),
     "a node's ledger directory": ("--ledger-dir", {
         "audit show", "audit verify", "deploy node-metrics", "keys ledger reset", "keys ledger show",
         "keys roster update", "keys rotate"}),
@@ -272,9 +282,8 @@ def test_no_positional_takes_a_concept_an_option_names() -> None:
         for p in command.params
         if isinstance(p, click.Argument) and not isinstance(p, DeprecatedArgument)
     }
-    assert shown == {("deploy join", "kit_dir"), ("deploy collect", "replies"), ("deploy run", "app_dir"),
-                     ("deploy node-key", "path"), ("deploy status", "directory"),
-                     ("features show", "file")}  # fmt: skip
+    assert shown == {("deploy join", "kit_dir"), ("deploy collect", "replies"), ("deploy node-key", "path"),
+                     ("deploy status", "directory"), ("features show", "file")}  # fmt: skip
 
 
 # Every old name: (command, old name, what to use instead, a value the old name takes).
@@ -289,6 +298,11 @@ ALIASES = [
     ("deploy provision", "--fingerprint", "--expect", "a=SHA256:x"),
     ("deploy join", "--protection", "--accept-protection", "mask,ckks"),
     ("deploy app", "--identity-key", "--key-dir", "{key}"),
+    ("deploy app", "--out", "--app-dir", "{dir}"),
+    ("keys roster add", "--fingerprint", "--expect", "SHA256:x"),
+    ("keys roster verify", "--fingerprint", "--expect", "SHA256:x"),
+    ("keys roster verify", "--id", "--expect", "hospital-a"),
+    ("keys roster rotate", "--fingerprint", "--expect", "SHA256:x"),
     ("deploy run", "--identity-key", "--key-dir", "{key}"),
     ("features extract", "--classes-labelled", "--active", "Effusion"),
     *((f"keys {c}", "--dir", "--key-dir", "{dir}") for c in
@@ -344,19 +358,27 @@ def test_deploy_run_takes_the_federation_as_an_option_and_its_old_positional_wit
     assert "--federation fed" in old.stderr
     # The key is looked for next, in --key-dir's default: its absence is the error, naming --key-dir.
     assert old.exit_code == 2 and f"--key-dir: {nokey}: no identity.key here" in old.output
-    new = CliRunner().invoke(main, ["deploy", "run", str(app), "--federation", "fed"], env=env)
+    assert _note("the positional APP_DIR", "--app-dir") in old.stderr and f"--app-dir {app}" in old.stderr
+    new = CliRunner().invoke(main, ["deploy", "run", "--app-dir", str(app), "--federation", "fed"], env=env)
     assert new.exit_code == 2 and "deprecated" not in new.stderr
+    assert f"--key-dir: {nokey}: no identity.key here" in new.output  # the app directory was taken
+    mixed = CliRunner().invoke(main, ["deploy", "run", "--app-dir", str(app), "fed"], env=env)
+    assert mixed.exit_code == 2 and "APP_DIR (positional) and --app-dir name one value" in mixed.output
+    missing = CliRunner().invoke(main, ["deploy", "run", str(tmp_path / "nosuch")], env=env)
+    assert missing.exit_code == 2 and f"--app-dir: {tmp_path / 'nosuch'}: no such directory" in missing.output
     both = CliRunner().invoke(main, ["deploy", "run", str(app), "fed", "--federation", "fed"], env=env)
     assert both.exit_code == 2 and "give --federation only" in both.output
+    none = CliRunner().invoke(main, ["deploy", "run", "--federation", "fed"], env=env)
+    assert none.exit_code == 2 and "give --app-dir DIR" in none.output
     usage = _invoke("deploy", "run", "--help").stdout
-    assert "deploy run [OPTIONS] APP_DIR\n" in usage and "FEDERATION" not in usage.split("\n")[0]
+    assert "deploy run [OPTIONS]\n" in usage and "APP_DIR" not in usage and "FEDERATION" not in usage
 
 
 def test_deploy_run_key_dir_and_identity_key_name_one_key(tmp_path: Path) -> None:
     keys = _key_dir(tmp_path, "coordinator")
     app = tmp_path / "app"
     app.mkdir()
-    args = ["deploy", "run", app, "--key-dir", keys, "--identity-key", keys / "identity.key"]
+    args = ["deploy", "run", "--app-dir", app, "--key-dir", keys, "--identity-key", keys / "identity.key"]
     result = _invoke(*args)
     assert result.exit_code == 2 and "--key-dir and --identity-key name one key: give --key-dir only" in (
         result.output
@@ -377,3 +399,87 @@ def test_deploy_collect_takes_the_federation_dir_as_an_option_and_its_old_positi
     assert none.exit_code == 2 and "give --federation-dir DIR" in none.output
     reply_dir = _invoke("deploy", "collect", "--federation-dir", federation, tmp_path, "--no-register")
     assert reply_dir.exit_code == 2 and "is a directory, not an ID.reply.json" in reply_dir.output
+
+
+# --- a fingerprint heard out of band is --expect ID=FINGERPRINT everywhere ---------------------------
+
+
+def _public_key() -> tuple[str, str]:
+    """A fresh key's base64 public key (``keys roster add --public-key``) and its fingerprint."""
+    import base64
+
+    from secure_afl.keys.identity import IdentityKey
+
+    key = IdentityKey.generate()
+    return base64.b64encode(key.public_key).decode("ascii"), key.fingerprint
+
+
+def test_roster_add_checks_the_id_and_fingerprint_heard_and_its_old_fingerprint_option(
+    tmp_path: Path,
+) -> None:
+    roster = tmp_path / "roster.json"
+    public, fp = _public_key()
+    add = ["keys", "roster", "add", "--roster", roster, "--id", "hospital-a", "--public-key", public]
+    other = _invoke(*add, "--expect", f"hospital-b={fp}")  # the right key, heard for another institution
+    assert (
+        other.exit_code == 1
+        and "--expect names 'hospital-b', but this key belongs to 'hospital-a'" in other.output
+    )
+    wrong = _invoke(*add, "--expect", f"hospital-a={_public_key()[1]}")
+    assert wrong.exit_code == 1 and "fingerprint mismatch for 'hospital-a'" in wrong.output
+    malformed = _invoke(*add, "--expect", fp)
+    assert malformed.exit_code == 2 and "expected ID=FINGERPRINT" in malformed.output
+    assert not roster.exists()
+    old = _invoke(*add, "--fingerprint", fp.lower())
+    assert old.exit_code == 0, old.output
+    assert _note("--fingerprint", "--expect") in old.stderr and f"--expect ID='{fp.lower()}'" in old.stderr
+    both = _invoke(*add, "--fingerprint", fp, "--expect", f"hospital-a={fp}")
+    assert both.exit_code == 2 and "give --expect only" in both.output
+    public_b, fp_b = _public_key()
+    new = _invoke("keys", "roster", "add", "--roster", roster, "--id", "hospital-b", "--public-key", public_b,
+                  "--expect", f"hospital-b={fp_b}")  # fmt: skip
+    assert new.exit_code == 0 and new.stderr == "" and "added hospital-b" in new.stdout
+
+
+def test_roster_verify_takes_expect_items_and_its_old_id_and_fingerprint(tmp_path: Path) -> None:
+    roster = tmp_path / "roster.json"
+    prints = {}
+    for cid in ("hospital-a", "hospital-b"):
+        public, prints[cid] = _public_key()
+        added = _invoke("keys", "roster", "add", "--roster", roster, "--id", cid, "--public-key", public)
+        assert added.exit_code == 0, added.output
+    verify = ["keys", "roster", "verify", "--roster", roster, "--key-dir", tmp_path / "none"]
+    both = _invoke(*verify, "--expect", f"hospital-a={prints['hospital-a']}", "--expect",
+                   f"hospital-b={prints['hospital-b']}")  # fmt: skip
+    assert both.exit_code == 0 and both.stderr == "", both.output
+    assert (
+        "hospital-a: fingerprint matches" in both.stdout and "hospital-b: fingerprint matches" in both.stdout
+    )
+    swapped = _invoke(*verify, "--expect", f"hospital-a={prints['hospital-a']}", "--expect",
+                      f"hospital-b={prints['hospital-a']}")  # fmt: skip
+    assert swapped.exit_code == 1 and "FINGERPRINT MISMATCH for 'hospital-b'" in swapped.output
+    old = _invoke(*verify, "--id", "hospital-b", "--fingerprint", prints["hospital-b"])
+    assert old.exit_code == 0 and "hospital-b: fingerprint matches" in old.stdout, old.output
+    assert _note("--id", "--expect") in old.stderr and "--expect hospital-b=FINGERPRINT" in old.stderr
+    assert _note("--fingerprint", "--expect") in old.stderr
+    half = _invoke(*verify, "--id", "hospital-b")
+    assert half.exit_code == 2 and "give --expect ID=FINGERPRINT" in half.output
+    nothing = _invoke(*verify)
+    assert nothing.exit_code == 2 and "give --expect ID=FINGERPRINT" in nothing.output
+
+
+# --- the node config's key: identity-key (a file), the CLI's: --key-dir (its directory) --------------
+
+
+def test_the_node_config_names_the_key_file_and_its_dir_keys_are_directories_the_node_writes() -> None:
+    # Decided (issue 57): the node config names each file the node reads by the file (identity-key,
+    # passphrase-file, roster, features) and a -dir only for the directories it writes (as the ServerApp's
+    # run config names the coordinator's identity-key); --key-dir DIR is the CLI's, whose DIR/identity.key
+    # is the node config's identity-key.  A key-dir key here would be a second name for the key.
+    from secure_afl.deploy.check import NODE_CONFIG_KEYS
+    from secure_afl.deploy.client import NodeSettings
+
+    assert "identity-key" in NodeSettings.KEYS and "key-dir" not in NODE_CONFIG_KEYS
+    assert {key for key in NODE_CONFIG_KEYS if key.endswith("-dir")} == {"ledger-dir", "out-dir"}
+    text = _invoke("deploy", "check", "--help").stdout
+    assert "identity-key" in text and "key-dir" not in text
