@@ -182,7 +182,7 @@ for h in "${HOSPITALS[@]}"; do
 done
 
 echo "== C5. run (coordinator; it signs the classifier, here)"
-party coordinator 'secure-afl deploy run fed/app --federation federation --flwr-home fed/superlink/flwr \
+party coordinator 'secure-afl deploy run --app-dir fed/app --federation federation --flwr-home fed/superlink/flwr \
     --key-dir ~/.secure-afl --passphrase-file pass'
 
 echo "== each hospital verifies the classifier it received and evaluates it on held-out features"
@@ -270,7 +270,7 @@ party hospital-d 'secure-afl keys init --id hospital-d --name "Hospital D" --pas
 fingerprint_of hospital-d hospital-d/keys.out
 mkdir -p coordinator/hospital-d && cp hospital-d/home/.secure-afl/identity.pub.json coordinator/hospital-d/
 party coordinator "secure-afl keys roster next --roster fed/roster.json --out roster.v2.json && secure-afl keys \
-    roster add --roster roster.v2.json --entry hospital-d/identity.pub.json --fingerprint '${FP[hospital-d]}'"
+    roster add --roster roster.v2.json --entry hospital-d/identity.pub.json --expect hospital-d='${FP[hospital-d]}'"
 MEMBERS=(hospital-a hospital-b hospital-c hospital-d)
 sign_in coordinator/roster.v2.json "${MEMBERS[@]}"
 update_at coordinator/roster.v2.json "--expect hospital-d='${FP[hospital-d]}'" hospital-a hospital-b hospital-c coordinator
@@ -297,7 +297,7 @@ grep -E "^ok  moved the ledger" hospital-b/rotate.out
 FP[hospital-b]=$(sed -n 's/^fingerprint: *//p' hospital-b/rotate.out)
 cp hospital-b/home/.secure-afl/rotation.json coordinator/hospital-b.rotation.json
 party coordinator "secure-afl keys roster next --roster fed/roster.json --out roster.v3.json && secure-afl keys \
-    roster rotate --roster roster.v3.json --statement hospital-b.rotation.json --fingerprint '${FP[hospital-b]}'"
+    roster rotate --roster roster.v3.json --statement hospital-b.rotation.json --expect hospital-b='${FP[hospital-b]}'"
 sign_in coordinator/roster.v3.json "${MEMBERS[@]}"
 update_at coordinator/roster.v3.json "" hospital-a hospital-b hospital-c coordinator
 node_check hospital-b
