@@ -345,7 +345,7 @@ def test_each_old_name_prints_what_to_use_instead(
     assert f"  {old} " not in help_text and f"{old}," not in help_text and f"{new.split()[0]} " in help_text
 
 
-def test_deploy_run_takes_the_federation_as_an_option_and_its_old_positional_with_a_note(
+def test_deploy_run_takes_the_app_dir_and_federation_as_options_and_their_old_positionals_with_a_note(
     tmp_path: Path,
 ) -> None:
     app = tmp_path / "app"
