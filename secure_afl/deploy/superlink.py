@@ -646,7 +646,7 @@ def _serve(
             f"{plan.federation}"
         )
         say(
-            f"  run: secure-afl deploy run APP_DIR --federation {plan.federation} --flwr-home "
+            f"  run: secure-afl deploy run --app-dir APP_DIR --federation {plan.federation} --flwr-home "
             f"{plan.flwr_home}"
         )
         say(f"  logs: {superlink.log}, {plan.front_dir / 'error.log'}; Ctrl-C or SIGTERM stops both")
