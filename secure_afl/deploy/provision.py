@@ -5,7 +5,7 @@ directory::
 
     OUT/roster.json          the roster (no co-signatures yet: ``collect`` adds them)
     OUT/tls/                 ca.crt, ca.key (0600, keep offline), superlink.pem, superlink.key (0600)
-    OUT/app/pyproject.toml   the coordinator's app (the study): ``deploy run --app-dir OUT/app --federation NAME``
+    OUT/app/pyproject.toml   the coordinator's app (the study): ``deploy run --app-dir OUT/app``
     OUT/server/              where the ServerApp writes classifier.json and report.json
     OUT/kits/ID/             one kit per hospital (0700): see :mod:`secure_afl.deploy.kit`
 
