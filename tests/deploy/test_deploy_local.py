@@ -81,11 +81,18 @@ CKKS = ["deploy", "local", "--clients", "4", "--seed", "2", "--no-tls", "--prote
         "--fault-reset", "R2", "--fault-pause", "client-1@R1:15"]  # fmt: skip
 
 
+# A federation that writes nothing (output, logs) for this long is stuck; one that keeps writing is
+# waited for up to HARD_LIMIT times its expected time (a host loaded by other work is slow, not stuck).
+STALL_SECONDS = 300.0
+HARD_LIMIT = 3.0
+POLL_SECONDS = 1.0
+
+
 @dataclass(frozen=True)
 class Spec:
     test: str  # the test that checks this federation
     args: list[str]  # the command's arguments but --out
-    timeout: float  # seconds from its start
+    timeout: float  # its expected seconds on an idle host (HARD_LIMIT times this at most)
 
 
 FEDERATIONS = {
@@ -114,17 +121,42 @@ class Federation:
         return self.directory / "out"
 
     def wait(self) -> subprocess.CompletedProcess[str]:
-        """The command's exit status and output, once it exits; fails (after stopping every process
-        group it started) when it is not done ``timeout`` seconds after its start."""
-        left = self.timeout - (time.monotonic() - self.started)
-        try:
-            code = self.child.process.wait(timeout=max(0.0, left))
-        except subprocess.TimeoutExpired:
+        """The command's exit status and output, once it exits.  The limit follows progress, not the
+        clock alone (a loaded host is slow, not stuck): it fails, after stopping every process group
+        it started, when nothing the federation writes (its output, its processes' logs) has grown
+        for ``STALL_SECONDS``, or when it is not done ``HARD_LIMIT`` times its expected time."""
+        deadline = self.started + HARD_LIMIT * self.timeout
+        seen, moved = -1, time.monotonic()
+        for _ in range(int(HARD_LIMIT * self.timeout / POLL_SECONDS) + 2):  # bounded; the clock ends it first
+            try:
+                code = self.child.process.wait(timeout=POLL_SECONDS)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            now, size = time.monotonic(), self.written()
+            if size != seen:
+                seen, moved = size, now
+            if now - moved > STALL_SECONDS or now > deadline:
+                self.groups.stop_all()
+                why = f"wrote nothing for {STALL_SECONDS:.0f} s" if now <= deadline else "ran past its limit"
+                took = now - self.started
+                pytest.fail(f"deploy local ({self.name}) {why} after {took:.0f} s:\n{self.output()[-4000:]}")
+        else:  # pragma: no cover - the deadline ends the loop first
             self.groups.stop_all()
-            pytest.fail(f"deploy local ({self.name}) ran past {self.timeout:.0f} s:\n{self.output()[-4000:]}")
+            pytest.fail(f"deploy local ({self.name}) did not exit")
         print(f"deploy local ({self.name}) exited after {time.monotonic() - self.started:.0f} s")
         stdout = self.stdout.read_text(errors="replace")
         return subprocess.CompletedProcess(self.child.process.args, code, stdout, self.stderr())
+
+    def written(self) -> int:
+        """Bytes the federation has written so far: its output and every log under its directory."""
+        total = 0
+        for path in [self.stdout, self.child.log, *self.directory.rglob("*.log")]:
+            try:
+                total += path.stat().st_size
+            except OSError:
+                continue
+        return total
 
     def stderr(self) -> str:
         return self.child.log.read_text(errors="replace")
