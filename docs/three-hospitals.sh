@@ -6,11 +6,15 @@
 #   - addresses and ports (--host localhost --ip 127.0.0.1 --port, --listen, --control-port, --node-port),
 #   - the fingerprints the page writes as 'SHA256:…' are the ones each party's `keys init` printed
 #     (what the others hear read aloud),
-#   - the "agreed weight file" is a randomly initialised ResNet-18 saved here (no download), and
-#   - each hospital's images are random PNGs with random labels: training images and held-out ones.
+#   - the "agreed weight file" is a randomly initialised ResNet-18 saved here (no download),
+#   - each hospital's images are random PNGs with random labels: training images and held-out ones, and
+#   - audit verify's --public-key for hospital-b's replaced key is the old_public_key of its rotation.json.
 # Files "sent" between parties are copied (cp) in the order of the page's table. Then each hospital
 # evaluates its received classifier on its held-out features, and, as a hospital, `flwr ls`, `flwr run`
-# and `flwr supernode register` against the hospitals' address must fail. Any failing step exits non-zero.
+# and `flwr supernode register` against the hospitals' address must fail. Then the page's section 5:
+# hospital-d joins (roster version 2, its kit from collect, its SuperNode) and takes part in the second
+# classifier, hospital-b rotates its key, hospital-c leaves, and every party's audit log must verify (an
+# edited copy must not). Any failing step exits non-zero.
 # Usage: bash docs/three-hospitals.sh [WORK_DIR]   (with the project's venv on PATH)
 set -euo pipefail
 W=$(realpath -m "${1:-$(mktemp -d)}")
@@ -291,6 +295,87 @@ grep -q "RosterNotPinnedError" hospital-a/copied.out || { cat hospital-a/copied.
 mv hospital-a/roster.pinned.json hospital-a/kit/roster.json
 echo "refused: RosterSuccessionError (update), RosterNotPinnedError (the node)"
 
+echo "== D2. kits at roster version 2 (coordinator): collect issues hospital-d's, and renews the members'"
+code=0
+party coordinator 'secure-afl deploy collect --federation-dir fed/ --passphrase-file pass' \
+    > coordinator/collect-v2.out 2>&1 || code=$?
+# 3: every kit is issued; hospital-d's reply (its SuperNode key) is still to come.
+[ "$code" = 3 ] || { cat coordinator/collect-v2.out; echo "FAILED: collect at version 2 exited $code, not 3"; exit 1; }
+grep -E "^wrote |^WAITING" coordinator/collect-v2.out
+cp -r coordinator/fed/kits/hospital-d hospital-d/kit
+
+echo "== D3. hospital-d: the agreed weights, its features (H2), join (H3: every other entry expected)"
+cp resnet18-agreed.pth hospital-d/
+python3 - <<'PY'
+import csv, os, random
+import numpy as np
+from PIL import Image
+rng = random.Random(1)
+# hospital-d labels every class the others label; A, B and C each add new images (their first ones are
+# released: a node releases only images its ledger has not released, whatever the study).
+every = "Atelectasis,Cardiomegaly,Effusion,Infiltration,Mass,Nodule,Pneumonia,Pneumothorax"
+parts = {"hospital-d": [("images", "i", 24, every), ("held-out", "h", 12, every)]}
+for h in ("hospital-a", "hospital-b", "hospital-c"):
+    with open(f"{h}/data/images.csv", newline="") as f:
+        parts[h] = [("images", "n", 24, ",".join(next(csv.reader(f))[1:]))]
+for h, batches in parts.items():
+    for part, prefix, count, classes in batches:
+        classes = classes.split(",")
+        os.makedirs(f"{h}/data/{part}", exist_ok=True)
+        rows = [[rng.randint(0, 1) for _ in classes] for _ in range(count)]
+        for c in range(len(classes)):
+            rows[0][c], rows[1][c] = 1, 0
+        new = not os.path.exists(f"{h}/data/{part}.csv")
+        with open(f"{h}/data/{part}.csv", "a", newline="") as f:
+            w = csv.writer(f)
+            if new:
+                w.writerow(["image", *classes])
+            for i, row in enumerate(rows):
+                pixels = np.random.default_rng(rng.randrange(2**32)).integers(0, 256, (64, 64), dtype=np.uint8)
+                Image.fromarray(pixels).save(f"{h}/data/{part}/{prefix}{i:03d}.png")
+                w.writerow([f"{prefix}{i:03d}.png", *row])
+PY
+party hospital-d 'secure-afl features extract --images data/images --labels data/images.csv --backbone resnet18 \
+    --weights resnet18-agreed.pth --out features.npz' > hospital-d/features.out 2>&1 \
+    || { cat hospital-d/features.out; echo "FAILED: hospital-d features extract"; exit 1; }
+party hospital-d 'secure-afl features extract --images data/held-out --labels data/held-out.csv --backbone resnet18 \
+    --weights resnet18-agreed.pth --out held-out.npz' > hospital-d/held-out.out 2>&1 \
+    || { cat hospital-d/held-out.out; echo "FAILED: hospital-d held-out features extract"; exit 1; }
+expect=""
+for who in hospital-a hospital-b hospital-c coordinator; do expect+=" --expect $who='${FP[$who]}'"; done
+party hospital-d "secure-afl deploy join kit/ --features features.npz --passphrase-file pass$expect \
+    --node-port $(free_port)" > hospital-d/join.out 2>&1 \
+    || { cat hospital-d/join.out; echo "FAILED: hospital-d join (version 2 is co-signed: it must exit 0)"; exit 1; }
+grep -E "^ok  roster entries|^ok  pinned roster version|ready" hospital-d/join.out
+START[hospital-d]=$(grep -E "^  .*flower-supernode " hospital-d/join.out | sed 's/^  //')
+[ -n "${START[hospital-d]}" ] || { cat hospital-d/join.out; echo "FAILED: hospital-d join printed no start command"; exit 1; }
+cp hospital-d/kit/hospital-d.reply.json coordinator/
+
+echo "== D4. collect (coordinator): hospital-d's reply, its SuperNode key registered"
+party coordinator 'secure-afl deploy collect --federation-dir fed/ hospital-d.reply.json'
+
+echo "== D5. start (hospital-d): the command join printed"
+echo "hospital-d: ${START[hospital-d]}"
+party_bg hospital-d /dev/null "${START[hospital-d]}"
+
+echo "== D6. the second classifier: A, B and C extract again with their new images (H2), the coordinator runs (C5)"
+for h in hospital-a hospital-b hospital-c; do
+  party "$h" 'secure-afl features extract --images data/images --labels data/images.csv --backbone resnet18 \
+      --weights resnet18-agreed.pth --out features.npz' > "$h/features.out" 2>&1 \
+      || { cat "$h/features.out"; echo "FAILED: $h features extract (new images)"; exit 1; }
+done
+party coordinator 'secure-afl deploy run fed/app --federation federation --flwr-home fed/superlink/flwr \
+    --key-dir ~/.secure-afl --passphrase-file pass'
+for h in "${MEMBERS[@]}"; do
+  cmp -s "$h/kit/state/out/classifier.json" coordinator/fed/server/classifier.json \
+      || { echo "FAILED: $h does not hold the second classifier"; exit 1; }
+done
+party hospital-d 'secure-afl predict --model kit/state/out/classifier.json --roster kit/roster.json \
+    --features held-out.npz --evaluate' > hospital-d/predict.out 2>&1 \
+    || { cat hospital-d/predict.out; echo "FAILED: hospital-d predict"; exit 1; }
+grep -E "verified|BACC" hospital-d/predict.out | head -2
+echo "all four hospitals hold the second classifier, byte for byte"
+
 echo "== R1. hospital-b rotates its key (its ledger moves to the new key); roster version 3 carries the statement"
 party hospital-b 'secure-afl keys rotate --passphrase-file pass --ledger-dir kit/state/ledger' > hospital-b/rotate.out
 grep -E "^ok  moved the ledger" hospital-b/rotate.out
@@ -299,7 +384,7 @@ cp hospital-b/home/.secure-afl/rotation.json coordinator/hospital-b.rotation.jso
 party coordinator "secure-afl keys roster next --roster fed/roster.json --out roster.v3.json && secure-afl keys \
     roster rotate --roster roster.v3.json --statement hospital-b.rotation.json --expect hospital-b='${FP[hospital-b]}'"
 sign_in coordinator/roster.v3.json "${MEMBERS[@]}"
-update_at coordinator/roster.v3.json "" hospital-a hospital-b hospital-c coordinator
+update_at coordinator/roster.v3.json "" hospital-a hospital-b hospital-c hospital-d coordinator
 node_check hospital-b
 
 echo "== X1. hospital-c leaves: roster version 4 without it, co-signed by the three that stay"
@@ -307,10 +392,34 @@ party coordinator 'secure-afl keys roster next --roster fed/roster.json --out ro
     roster remove --roster roster.v4.json --id hospital-c'
 MEMBERS=(hospital-a hospital-b hospital-d)
 sign_in coordinator/roster.v4.json "${MEMBERS[@]}"
-update_at coordinator/roster.v4.json "" hospital-a hospital-b coordinator
-for h in hospital-a hospital-b; do
+update_at coordinator/roster.v4.json "" hospital-a hospital-b hospital-d coordinator
+for h in hospital-a hospital-b hospital-d; do
   node_check "$h"
   party "$h" "secure-afl keys ledger show --ledger-dir kit/state/ledger --client-id $h" | sed -n "1,2s/^/$h: /p"
 done
 party hospital-a 'secure-afl keys roster show --roster kit/roster.json' | grep -E "^hospital-|^version|^revoked|co-signed"
+
+echo "== A1. audit (every party): its log verifies against its roster (hospital-b also names the key it replaced)"
+# OLD_KEY: hospital-b's replaced public key, as its own rotation.json holds it (old_public_key).
+OLD_KEY=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["old_public_key"])' \
+    hospital-b/home/.secure-afl/rotation.json)
+for h in hospital-a hospital-b hospital-c hospital-d; do
+  replaced=""; [ "$h" = hospital-b ] && replaced=" --public-key '$OLD_KEY'"
+  party "$h" "secure-afl audit verify --ledger-dir kit/state/ledger --roster kit/roster.json$replaced" \
+      > "$h/audit.out" 2>&1 || { cat "$h/audit.out"; echo "FAILED: $h's audit log does not verify"; exit 1; }
+  sed "s/^/$h: /" "$h/audit.out"
+done
+party coordinator 'secure-afl audit verify --log fed/server/audit.log --roster fed/roster.json' \
+    > coordinator/audit.out 2>&1 || { cat coordinator/audit.out; echo "FAILED: the coordinator's audit log"; exit 1; }
+sed "s/^/coordinator: /" coordinator/audit.out
+
+echo "== as hospital-a's DPO: a copy of its log with one record edited by hand is refused, the record named"
+sed '3s/"time":"20/"time":"19/' hospital-a/kit/state/ledger/audit.log > hospital-a/audit.edited.log
+cmp -s hospital-a/audit.edited.log hospital-a/kit/state/ledger/audit.log && { echo "FAILED: the edit changed nothing"; exit 1; }
+code=0
+party hospital-a 'secure-afl audit verify --log audit.edited.log --roster kit/roster.json' \
+    > hospital-a/audit-edited.out 2>&1 || code=$?
+[ "$code" = 1 ] && grep -q "INVALID at line 3 (record 2): its signature does not verify" hospital-a/audit-edited.out \
+    || { cat hospital-a/audit-edited.out; echo "FAILED: the edited record was not named (exit $code)"; exit 1; }
+echo "refused: $(grep -m1 INVALID hospital-a/audit-edited.out)"
 echo "done in $(( $(date +%s) - started )) s: $W"

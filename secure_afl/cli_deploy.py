@@ -1210,6 +1210,10 @@ def deploy_join(
     Writes in KIT: ID.reply.json (send it to the coordinator: the roster co-signature and the
     SuperNode's key), node-config.toml and supernode.service; in --state-dir: the SuperNode's
     authentication key (0600, once).
+    A newcomer to a running federation (a kit of a roster version after the first, which
+    `deploy collect` issues): that version must already be co-signed by every institution
+    (RosterNotCosignedError otherwise), and join pins it in the ledger directory, as `keys
+    roster update` does: the node then refuses any other roster.
     Exit status: 0 ready to start; 3 the kit is sound but some hospitals have not co-signed the
     roster yet (put the co-signed roster.json the coordinator sends in KIT and run join again);
     1 a check failed (the message says which and what to do).
@@ -1220,6 +1224,7 @@ def deploy_join(
     from secure_afl.deploy.check import NodeCheckError
     from secure_afl.deploy.kit import EXIT_WAITING, KitError, NodeLayout, join_kit
     from secure_afl.keys.recognition import RosterNotRecognisedError
+    from secure_afl.keys.roster import RosterError
     from secure_afl.keys.store import KEY_FILE, default_key_dir, load_public_entry
 
     if (passphrase_file is None) == (passphrase_env is None):
@@ -1244,7 +1249,7 @@ def deploy_join(
         )  # fmt: skip
     except NodeCheckError as exc:
         raise click.ClickException(f"FAILED {exc}") from None
-    except (KitError, ConfigurationError, DeploymentError, RosterNotRecognisedError) as exc:
+    except (KitError, ConfigurationError, DeploymentError, RosterNotRecognisedError, RosterError) as exc:
         raise click.ClickException(f"FAILED {type(exc).__name__}: {exc}") from None
     click.echo(f"wrote {result.reply_path}: send it to the coordinator (your co-signature and SuperNode key)")
     if not result.ready:
@@ -1274,10 +1279,17 @@ def deploy_join(
                    "`deploy superlink --state-dir DIR/superlink` writes it).")  # fmt: skip
 @click.option("--federation", default="federation", show_default=True, help="The federation's name.")
 @click.option("--no-register", is_flag=True, help="Only merge the co-signatures; register no SuperNode key.")
+@key_dir_option("The coordinator's key directory (default $SECURE_AFL_HOME or ~/.secure-afl): it signs the "
+                "kits of a roster version after the first.", old_names=())  # fmt: skip
+@click.option("--passphrase-file", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="Its passphrase file (0600), when kits are to be signed.")  # fmt: skip
+@click.option("--passphrase-env", metavar="VAR", default=None,
+              help="Or: the environment variable that holds it.")  # fmt: skip
 @click.pass_context
 def deploy_collect(
     ctx: click.Context, replies: tuple[Path, ...], out_dir: Path | None, flwr_home: Path | None,
-    federation: str, no_register: bool,
+    federation: str, no_register: bool, key_dir: Path | None, passphrase_file: Path | None,
+    passphrase_env: str | None,
 ) -> None:  # fmt: skip
     """Merge the hospitals' replies (the coordinator): co-signed roster, SuperNode registrations.
 
@@ -1287,13 +1299,23 @@ def deploy_collect(
     DIR/roster.json and to every DIR/kits/ID/roster.json, each SuperNode key to
     DIR/supernodes/ID.pub, and registers them (`flwr supernode register`) with the running
     SuperLink.  Then send each hospital its kits/ID/roster.json.
-    Exit status: 0 every hospital co-signed; 3 some have not yet (they are named); 1 an error.
+    A roster version after the first (DIR/roster.json moved there by `keys roster update`,
+    co-signed by every institution): collect, with or without replies, first writes the kit
+    of each institution whose kit is missing (a newcomer) or made for another roster, at that
+    version, its manifest signed with the coordinator's key (--passphrase-file); send the
+    newcomer its kits/ID/ (it runs `deploy join`), then collect its reply.
+    Exit status: 0 every hospital co-signed (after the first version: every institution has
+    its kit and a SuperNode key); 3 some have not yet (they are named); 1 an error.
     """
     from secure_afl.deploy.kit import EXIT_WAITING, KitError
     from secure_afl.deploy.processes import flower_bin
     from secure_afl.deploy.provision import collect
 
     out_dir, replies = _federation_dir_and_replies(ctx, out_dir, replies)
+    if _roster_version(out_dir) > 1:
+        _collect_at_version(out_dir, replies, no_register, flwr_home, federation, key_dir, passphrase_file,
+                            passphrase_env)  # fmt: skip
+        return
     try:
         result = collect(
             out_dir, replies, register=not no_register, flwr_home=flwr_home, federation=federation,
@@ -1309,6 +1331,59 @@ def deploy_collect(
         click.echo(f"WAITING for {list(status.missing)}: run collect again with their replies")
         raise SystemExit(EXIT_WAITING)
     click.echo(f"every hospital co-signed ({status.roster.fingerprint}): send each its kits/ID/roster.json")
+
+
+def _roster_version(out_dir: Path) -> int:
+    """DIR/roster.json's version (1 when it cannot be read: collect's own checks name the problem)."""
+    from secure_afl.keys.roster import Roster, RosterError
+
+    try:
+        return Roster.from_json((out_dir / "roster.json").read_text(encoding="utf-8")).version
+    except (OSError, RosterError):
+        return 1
+
+
+def _collect_at_version(
+    out_dir: Path, replies: tuple[Path, ...], no_register: bool, flwr_home: Path | None, federation: str,
+    key_dir: Path | None, passphrase_file: Path | None, passphrase_env: str | None,
+) -> None:  # fmt: skip
+    """``collect`` at a roster version after the first: the replies (a newcomer's), then every kit at
+    that version (a newcomer's written whole); waits (exit 3) for institutions without a SuperNode key."""
+    from secure_afl.cli_keys import load_key
+    from secure_afl.deploy.kit import EXIT_WAITING, KitError, issue_kits, kits_at_version
+    from secure_afl.deploy.processes import flower_bin
+    from secure_afl.deploy.provision import collect
+    from secure_afl.keys.roster import RosterError
+    from secure_afl.keys.store import default_key_dir
+
+    try:
+        if replies:
+            collect(
+                out_dir, replies, register=not no_register, flwr_home=flwr_home, federation=federation,
+                flwr=flower_bin("flwr"), say=click.echo,
+            )  # fmt: skip
+        state = kits_at_version(out_dir)
+        if state.stale:
+            if (passphrase_file is None) == (passphrase_env is None):
+                raise click.UsageError(
+                    f"the kits of {list(state.stale)} are missing or made for another roster than "
+                    f"{out_dir / 'roster.json'} (version {state.roster.version}): give --passphrase-file or "
+                    "--passphrase-env (and --key-dir) of the coordinator's key, which signs them"
+                )
+            key = load_key(key_dir or default_key_dir(), passphrase_file, passphrase_env)
+            issue_kits(out_dir, key, state.stale, say=click.echo)
+    except (KitError, ConfigurationError, DeploymentError, RosterError) as exc:
+        raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
+    roster = state.roster
+    click.echo(f"roster version {roster.version} ({roster.fingerprint}): co-signed by every institution")
+    new = [cid for cid in state.stale if cid in state.unregistered]
+    for cid in new:
+        click.echo(f"  {out_dir / 'kits' / cid}  -> send the whole directory to {cid} (it runs deploy join)")
+    if state.unregistered:
+        click.echo(f"WAITING for the replies of {list(state.unregistered)} (no SuperNode key yet): run "
+                   "collect again with their ID.reply.json")  # fmt: skip
+        raise SystemExit(EXIT_WAITING)
+    click.echo("every institution has its kit at this version and a registered SuperNode key")
 
 
 def _federation_dir_and_replies(

@@ -15,6 +15,12 @@ A kit is one directory per hospital (mode 0700), named after its roster id::
     ID.reply.json        (written by ``join``) the hospital's roster co-signature and its SuperNode's
                          authentication public key, signed with its identity key: sent to the coordinator
 
+A hospital that joins a running federation (a newcomer of a roster version after the first) gets its kit
+from ``deploy collect`` once every member co-signed that version and the coordinator moved to it
+(:func:`issue_kits`, which also re-signs the other members' kits for it); ``join`` then takes only a
+roster that every member co-signed, and pins its version in the node's ledger directory, as ``keys
+roster update`` does for the members who were there before.
+
 ``provision`` writes node-config.toml and supernode.service for a standard layout (the kit in
 ``/etc/secure-afl/ID``, the identity key in ``/etc/secure-afl/ID/keys``, state in
 ``/var/lib/secure-afl-ID``); ``join`` rewrites both for the paths the hospital gives.  Both use
@@ -49,6 +55,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from secure_afl.keys.cosign import (
     CosignatureStatus,
     RosterCosignatureError,
+    RosterNotCosignedError,
     check_cosignatures,
     read_roster_document,
     sign_roster,
@@ -86,6 +93,11 @@ class KitError(DeploymentError):
 class KitTamperedError(KitError):
     """A kit file whose digest or signature does not match: a replaced CA, an altered app, a manifest
     not signed by the roster's coordinator, or a kit made for another hospital."""
+
+
+class KeyNotInKitRosterError(KitError):
+    """This institution's identity key is not in the kit's roster: the coordinator made the roster
+    with another key (or this is another federation's kit, or a version that does not add it yet)."""
 
 
 def sha256_file(path: Path) -> str:
@@ -537,15 +549,26 @@ def join_kit(
     if key_entry_public_key is not None:
         mine = [e for e in roster if e.public_key == key_entry_public_key]
         if not mine:
-            raise KitError(
-                f"this institution's key is not in the kit's roster ({roster.fingerprint}): the coordinator "
-                "must provision with your identity.pub.json; do not sign this roster"
+            raise KeyNotInKitRosterError(
+                f"this institution's key is not in the kit's roster ({roster.fingerprint}, version "
+                f"{roster.version}): the coordinator must provision with your identity.pub.json (a newcomer: "
+                "add it to a new roster version, `keys roster add`); do not sign this roster"
             )
         if mine[0].client_id != manifest.institution:
             raise KitTamperedError(
                 f"{kit_dir}: this kit was made for {manifest.institution!r}, your key is "
                 f"{mine[0].client_id!r} in the roster: ask the coordinator for your own kit"
             )
+    if roster.version > 1 and not status.complete:
+        # A later version reaches a newcomer only after every member co-signed it (keys roster sign) and
+        # the members moved to it: there is nothing left to wait for, and nothing here to co-sign.
+        raise RosterNotCosignedError(
+            f"{kit_dir / ROSTER_FILE}: roster version {roster.version} ({roster.fingerprint}) is not "
+            f"co-signed by {list(status.missing)} (signed by {list(status.signed) or 'nobody'}): a roster "
+            "version after the first is co-signed by every institution it lists (`secure-afl keys roster "
+            "sign`) before the coordinator issues its kits (`deploy collect`); ask the coordinator for "
+            "the kit of the version every member signed"
+        )
     # The human step, before anything is written (check_node records the study in the ledger): every
     # entry, the coordinator's included, must be recognised, or nothing is signed or written (no
     # reply, no node files, no SuperNode key, no recorded study).  This hospital's own entry is
@@ -579,6 +602,13 @@ def join_kit(
             f"{kit_dir}: this kit was made for {manifest.institution!r}, this key is {client_id!r}: ask the "
             "coordinator for your own kit"
         )
+    if roster.version > 1:
+        # A newcomer's node starts at this version: from now on it refuses any other roster at its path
+        # (an older one copied back, a fork), as a member's node does after `keys roster update`.
+        # check_node accepted this roster against any pin the ledger directory held already.
+        from secure_afl.keys.lifecycle import write_pin
+
+        say(f"ok  pinned roster version {roster.version} in {write_pin(settings.ledger_dir, roster)}")
     layout.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     public_path = layout.node_auth_key.with_name(NODE_AUTH_KEY + ".pub")
     if not layout.node_auth_key.exists():
@@ -591,3 +621,107 @@ def join_kit(
     return JoinResult(
         client_id, manifest, status, reply_path, layout.start_command(manifest.superlink), kit_dir / UNIT_FILE
     )
+
+
+# --- a later roster version: the coordinator issues the kits (deploy collect) --------------------
+
+
+@dataclass(frozen=True)
+class KitsAtVersion:
+    """A federation directory's kits against its current roster (``FED/roster.json``)."""
+
+    roster: Roster
+    roster_text: str
+    stale: tuple[str, ...]  # members whose kit is missing, or made for another roster
+    unregistered: tuple[str, ...]  # members without a SuperNode key in FED/supernodes/ (no reply yet)
+
+
+def kits_at_version(out_dir: Path) -> KitsAtVersion:
+    """Which kits of ``out_dir`` (``deploy provision --federation-dir``) do not match its roster, which
+    must be co-signed by every institution (:class:`RosterNotCosignedError` otherwise)."""
+    from secure_afl.keys.cosign import require_cosigned, roster_status
+
+    path = Path(out_dir) / ROSTER_FILE
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise KitError(
+            f"{path}: cannot read the federation's roster ({exc.strerror}): give the directory `deploy "
+            "provision --federation-dir` wrote"
+        ) from None
+    roster = require_cosigned(roster_status(text), str(path))
+    stale, unregistered = [], []
+    for cid in roster.client_ids:
+        manifest = Path(out_dir) / "kits" / cid / MANIFEST
+        try:
+            made_for = json.loads(manifest.read_text(encoding="utf-8")).get("roster_fingerprint")
+        except (OSError, ValueError, AttributeError):
+            made_for = None
+        if made_for != roster.fingerprint:
+            stale.append(cid)
+        if not (Path(out_dir) / "supernodes" / f"{cid}.pub").is_file():
+            unregistered.append(cid)
+    return KitsAtVersion(roster, text, tuple(stale), tuple(unregistered))
+
+
+def _federation_and_superlink(kits_dir: Path) -> tuple[str, str]:
+    """The federation's name and the SuperLink's address, as every kit provision wrote names them."""
+    found = set()
+    for manifest in sorted(kits_dir.glob(f"*/{MANIFEST}")):
+        try:
+            document = json.loads(manifest.read_text(encoding="utf-8"))
+            found.add((str(document["federation"]), str(document["superlink"])))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    if len(found) != 1:
+        raise KitError(
+            f"{kits_dir}: the kits name {len(found)} (federation, SuperLink address) pairs, not one: this is "
+            "not a directory `deploy provision` wrote, or its kits were changed by hand"
+        )
+    return found.pop()
+
+
+def issue_kits(out_dir: Path, key: IdentityKey, client_ids: tuple[str, ...], say: Say = print) -> list[Path]:
+    """Write ``out_dir/kits/ID/`` for each id at the federation's current co-signed roster: its CA and
+    app, that roster, and a manifest for it signed by ``key`` (the roster's coordinator); a newcomer's
+    kit is made whole, like ``provision``'s.  What a hospital's ``join`` checks (:func:`read_kit`)."""
+    from .check import study_from_file
+
+    out_dir = Path(out_dir).resolve()
+    state = kits_at_version(out_dir)
+    roster, coordinator = state.roster, state.roster.coordinator
+    if coordinator is None or coordinator.public_key != key.public_key:
+        named = "none" if coordinator is None else f"{coordinator.client_id} ({coordinator.fingerprint})"
+        raise KitError(
+            f"the key {key.fingerprint} is not the coordinator of {out_dir / ROSTER_FILE} ({named}): the "
+            "kits are signed with the roster's coordinator key (--key-dir)"
+        )
+    unknown = sorted(set(client_ids) - set(roster.client_ids))
+    if unknown:
+        raise KitError(f"{unknown} are not institutions of the roster {roster.fingerprint}: no kit for them")
+    kits_dir = out_dir / "kits"
+    federation, superlink = _federation_and_superlink(kits_dir)
+    ca_text = (out_dir / "tls" / CA_FILE).read_text(encoding="ascii")
+    app_text = (out_dir / APP_FILE).read_text(encoding="utf-8")
+    study = study_from_file(out_dir / "app")
+    written = []
+    for cid in client_ids:
+        kit = kits_dir / cid
+        new = not kit.exists()
+        (kit / "app").mkdir(parents=True, exist_ok=True, mode=0o700)
+        kit.chmod(0o700)
+        write_text(kit / CA_FILE, ca_text, 0o644)
+        write_text(kit / APP_FILE, app_text, 0o644)
+        write_text(kit / ROSTER_FILE, state.roster_text.rstrip("\n") + "\n", 0o644)
+        manifest = Manifest(
+            federation=federation, institution=cid, superlink=superlink,
+            roster_fingerprint=roster.fingerprint, study_digest=study.digest(),
+            files={name: sha256_file(kit / name) for name in SIGNED_FILES},
+        )  # fmt: skip
+        write_text(kit / MANIFEST, manifest.signed_json(coordinator.client_id, key) + "\n", 0o644)
+        if new:
+            write_node_files(NodeLayout.standard(cid, study.protection), manifest, kit)
+        done = "wrote" if new else "renewed"
+        say(f"{done} {kit} for roster version {roster.version} ({roster.fingerprint})")
+        written.append(kit)
+    return written
