@@ -103,11 +103,12 @@ class GridTransport:
 
     Flower delivers a pulled message once, so a connection reset that cuts the pull's response loses
     it and the node, online, never answers.  A node still online without an answer is therefore sent
-    the same envelope again (a new Flower message) once per ``timeout`` past the first, at most
-    ``resends`` times; its replies are pulled for every id it was sent, the first that is an envelope
-    wins and later ones are ignored.  The node answers an identical repeat with its recorded reply
-    (:func:`secure_afl.deploy.client.handle`), so a slow node's repeat costs nothing.  A Flower error
-    or a malformed reply to one id decides the node only once every id it was sent is answered."""
+    the same envelope again (a new Flower message) at ``timeout``, then at 3 and 7 x ``timeout``
+    (at most ``resends`` times); its replies are pulled for every id it was sent, the first that is
+    an envelope wins and later ones are ignored.  The node answers an identical repeat with its
+    recorded reply (:func:`secure_afl.deploy.client.handle`), but a slow node still starts one
+    ClientApp process per copy before its next round's message: hence the doubling waits.  A Flower
+    error or a malformed reply to one id decides the node only once every id it was sent is answered."""
 
     ONLINE_CHECK_SECONDS = 5.0
     RESENDS = 3  # what the ServerApp asks for: re-sends per node and round
@@ -202,7 +203,7 @@ class GridTransport:
                 due = sorted(
                     n
                     for n in pending
-                    if resent[n] < self.resends and now >= started + timeout * (resent[n] + 1)
+                    if resent[n] < self.resends and now >= started + timeout * (2 ** (resent[n] + 1) - 1)
                 )
                 if due:
                     push(due)

@@ -19,7 +19,7 @@ import pytest
 from secure_afl.deploy.apps import POLL_SECONDS, GridTransport
 from secure_afl.deploy.audit import node_audit_log
 from secure_afl.deploy.client import envelope_bytes, envelope_from_bytes, handle
-from secure_afl.deploy.errors import FederationAbortedError
+from secure_afl.deploy.errors import ConfigurationError, FederationAbortedError
 from secure_afl.deploy.wire import Envelope, from_record_dict, to_record_dict
 from secure_afl.keys.auditlog import read_log
 
@@ -315,24 +315,39 @@ def test_replies_are_pulled_for_every_copy_the_first_answer_wins_and_an_error_wa
     assert grid.asked[first:] and all(m.startswith("g2/") for asked in grid.asked[first:] for m in asked)
 
 
-def test_without_resends_the_transport_never_pushes_twice(plain_messages) -> None:
+def test_a_silent_online_node_is_sent_the_message_again_at_1_3_and_7_timeouts_then_only_waited_for(
+    plain_messages,
+) -> None:
     clock = Clock()
 
     class Silent:
-        pushes = 0
+        """Node 7 stays online and never answers; each push's time is kept."""
+
+        def __init__(self) -> None:
+            self.pushed: list[float] = []
 
         def get_node_ids(self):
             return [7]
 
         def push_messages(self, messages):
-            Silent.pushes += 1
-            return [f"m{Silent.pushes}" for _ in messages]
+            self.pushed += [clock.now for _ in messages]
+            return [f"m{len(self.pushed)}"]
 
         def pull_messages(self, ids):
             return []
 
-    transport = GridTransport(Silent(), log=lambda s: None, clock=clock, sleep=clock.sleep)
-    assert transport.exchange_live({7: Envelope("protocol", {"round": "R1"})}, "g", 1.0, 30.0) == {}
-    assert Silent.pushes == 1 and 30.0 <= clock.now < 30.0 + 2 * POLL_SECONDS
-    with pytest.raises(Exception, match="resends must be a whole number"):
+    for resends, expected in ((3, [0.0, 10.0, 30.0, 70.0]), (0, [0.0])):
+        clock.now, grid = 0.0, Silent()
+        logs: list[str] = []
+        transport = GridTransport(grid, log=logs.append, clock=clock, sleep=clock.sleep, resends=resends)
+        assert transport.exchange_live({7: Envelope("protocol", {"round": "R1"})}, "g", 10.0, 100.0) == {}
+        assert 100.0 <= clock.now < 100.0 + 2 * POLL_SECONDS  # a dropout at the round's limit, as before
+        assert len(grid.pushed) == len(expected)
+        # each copy at the first liveness check (every 5 s past the timeout) from its time on
+        assert all(
+            t <= at < t + GridTransport.ONLINE_CHECK_SECONDS
+            for at, t in zip(grid.pushed, expected, strict=True)
+        )
+        assert sum("sent the round's message again to 1 node(s)" in line for line in logs) == resends
+    with pytest.raises(ConfigurationError, match="resends must be a whole number"):
         GridTransport(Silent(), resends=-1)
