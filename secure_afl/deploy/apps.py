@@ -99,9 +99,19 @@ class GridTransport:
     reply, and lists only online nodes in ``get_node_ids``.  A node gone is a dropout as soon as
     Flower says so; one still online when ``timeout`` passes is slow, not gone, and is waited for up
     to ``limit``.  Replies are pulled by this round's message ids only: a late reply to an earlier
-    round is never read."""
+    round is never read.
+
+    Flower delivers a pulled message once, so a connection reset that cuts the pull's response loses
+    it and the node, online, never answers.  A node still online without an answer is therefore sent
+    the same envelope again (a new Flower message) at ``timeout``, then at 3 and 7 x ``timeout``
+    (at most ``resends`` times); its replies are pulled for every id it was sent, the first that is
+    an envelope wins and later ones are ignored.  The node answers an identical repeat with its
+    recorded reply (:func:`secure_afl.deploy.client.handle`), but a slow node still starts one
+    ClientApp process per copy before its next round's message: hence the doubling waits.  A Flower
+    error or a malformed reply to one id decides the node only once every id it was sent is answered."""
 
     ONLINE_CHECK_SECONDS = 5.0
+    RESENDS = 3  # what the ServerApp asks for: re-sends per node and round
 
     def __init__(
         self,
@@ -110,11 +120,15 @@ class GridTransport:
         log: Any = None,
         clock: Any = time.monotonic,
         sleep: Any = time.sleep,
+        resends: int = 0,
     ) -> None:
+        if not isinstance(resends, int) or resends < 0:
+            raise ConfigurationError(f"GridTransport's resends must be a whole number >= 0, got {resends!r}")
         self.grid = grid
         self.log = log or _log
         self.clock = clock
         self.sleep = sleep
+        self.resends = resends
 
     def node_ids(self) -> list[int]:
         return [int(n) for n in self.grid.get_node_ids()]
@@ -125,52 +139,58 @@ class GridTransport:
     def exchange_live(
         self, outgoing: Mapping[int, Envelope], group: str, timeout: float, limit: float
     ) -> dict[int, Envelope]:
-        nodes = list(outgoing)
         limit = max(timeout, limit)
-        messages = [
-            Message(
-                to_record_dict(outgoing[node]),
-                dst_node_id=node,
-                message_type=MESSAGE_TYPE,
-                group_id=group,
-                ttl=max(limit * 2, 60.0),
-            )
-            for node in nodes
-        ]
-        ids = list(self.grid.push_messages(messages))
-        node_of = dict(zip(ids, nodes, strict=True))
-        pending = set(ids)
+        node_of: dict[str, int] = {}  # every message id pushed this round -> its node
+
+        def push(nodes: list[int]) -> None:
+            messages = [
+                Message(
+                    to_record_dict(outgoing[node]),
+                    dst_node_id=node,
+                    message_type=MESSAGE_TYPE,
+                    group_id=group,
+                    ttl=max(limit * 2, 60.0),
+                )
+                for node in nodes
+            ]
+            for message_id, node in zip(self.grid.push_messages(messages), nodes, strict=True):
+                if message_id:  # Flower gives None for a message it could not push: sent again later
+                    node_of[message_id] = node
+
+        push(list(outgoing))
+        pending = set(outgoing)  # nodes without an answer
+        answered: set[str] = set()  # ids whose reply was pulled
+        resent = dict.fromkeys(outgoing, 0)
+        fallback: dict[int, Envelope] = {}  # a node's first Flower error or malformed reply
         replies: dict[int, Envelope] = {}
         started = self.clock()
         next_check = started + timeout  # past the timeout: who is still online, every few seconds
         waiting_said = False
         for _ in range(int(limit / POLL_SECONDS) + 2):  # bounded; the clock ends it first
-            for reply in self.grid.pull_messages(list(pending)):
+            asked = [m for m, node in node_of.items() if node in pending and m not in answered]
+            for reply in self.grid.pull_messages(asked) if asked else ():
                 message_id = reply.metadata.reply_to_message_id
-                if message_id not in pending:
-                    continue
-                pending.discard(message_id)
+                if message_id not in asked or message_id in answered:
+                    continue  # another round's, or a node's later duplicate
+                answered.add(message_id)
                 node = node_of[message_id]
-                if reply.has_error():
-                    # Flower's own error (the node went offline, its ClientApp process died): not an
-                    # answer the hospital gave but the loss of the node, a dropout.
-                    error = reply.error
-                    replies[node] = Envelope(
-                        "dropped", {"error": f"FlowerError{error.code}", "message": str(error.reason)}
-                    )
+                if node not in pending:
                     continue
-                try:
-                    replies[node] = from_record_dict(reply.content)
-                except ValueError as exc:
-                    replies[node] = Envelope("refused", {"error": "MalformedReply", "message": str(exc)})
+                envelope, valid = _envelope_of(reply)
+                if not valid:
+                    fallback.setdefault(node, envelope)
+                    if any(m not in answered for m, n in node_of.items() if n == node):
+                        continue  # another copy may still bring the node's answer
+                pending.discard(node)
+                replies[node] = envelope if valid else fallback[node]
             now = self.clock()
             if not pending or now >= started + limit:
                 break
             if now >= next_check:
                 online = set(self.node_ids())
-                for message_id in sorted(m for m in pending if node_of[m] not in online):
-                    pending.discard(message_id)
-                    replies[node_of[message_id]] = Envelope(
+                for node in sorted(pending - online):
+                    pending.discard(node)
+                    replies[node] = Envelope(
                         "dropped",
                         {"error": "NodeOffline", "message": "no longer among the SuperLink's online nodes"},
                     )
@@ -180,10 +200,39 @@ class GridTransport:
                         f"heartbeats): slow, not gone; waiting up to {limit:.0f} s"
                     )
                     waiting_said = True
+                due = sorted(
+                    n
+                    for n in pending
+                    if resent[n] < self.resends and now >= started + timeout * (2 ** (resent[n] + 1) - 1)
+                )
+                if due:
+                    push(due)
+                    for node in due:
+                        resent[node] += 1
+                    self.log(
+                        f"{group}: sent the round's message again to {len(due)} node(s) online without an "
+                        f"answer (at most {self.resends} times each; a reset may have lost it)"
+                    )
                 next_check = now + self.ONLINE_CHECK_SECONDS
             if pending:
                 self.sleep(POLL_SECONDS)
+        for node in sorted(pending & set(fallback)):  # Flower's error or a malformed reply, and no other
+            replies[node] = fallback[node]
         return replies
+
+
+def _envelope_of(reply: Message) -> tuple[Envelope, bool]:
+    """A pulled reply as an envelope, and whether it is the node's answer (not Flower's error for the
+    message, nor malformed)."""
+    if reply.has_error():
+        # Flower's own error (the node went offline, its ClientApp process died): not an answer the
+        # hospital gave but the loss of the node, a dropout.
+        error = reply.error
+        return Envelope("dropped", {"error": f"FlowerError{error.code}", "message": str(error.reason)}), False
+    try:
+        return from_record_dict(reply.content), True
+    except ValueError as exc:
+        return Envelope("refused", {"error": "MalformedReply", "message": str(exc)}), False
 
 
 def study_from_run_config(config: Mapping[str, Any]) -> Study:
@@ -330,7 +379,7 @@ def server_main(grid: Grid, context: Context) -> None:
     # A growing study adds its sums to those of the study it extends, kept in this out-dir.
     earlier = load_sums(out_dir, study.extends) if study.extends else None
     server = FederationServer(
-        GridTransport(grid),
+        GridTransport(grid, resends=GridTransport.RESENDS),
         roster,
         study,
         round_timeout=float(config.get("round-timeout", 120)),
