@@ -392,6 +392,12 @@ party coordinator 'secure-afl keys roster next --roster fed/roster.json --out ro
 MEMBERS=(hospital-a hospital-b hospital-d)
 sign_in coordinator/roster.v4.json "${MEMBERS[@]}"
 update_at coordinator/roster.v4.json "" hospital-a hospital-b hospital-d coordinator
+# collect at version 4: kits for A, B and D, none for hospital-c, whose SuperNode key it unregisters.
+party coordinator 'secure-afl deploy collect --federation-dir fed/ --passphrase-file pass' \
+    > coordinator/collect-v4.out 2>&1 || { cat coordinator/collect-v4.out; echo "FAILED: collect at version 4"; exit 1; }
+grep -q "^unregistered the SuperNode key of hospital-c" coordinator/collect-v4.out \
+    || { cat coordinator/collect-v4.out; echo "FAILED: hospital-c's SuperNode key was not unregistered"; exit 1; }
+grep -E "^renewed |^hospital-c is not|^unregistered " coordinator/collect-v4.out
 for h in hospital-a hospital-b hospital-d; do
   node_check "$h"
   party "$h" "secure-afl keys ledger show --ledger-dir kit/state/ledger --client-id $h" | sed -n "1,2s/^/$h: /p"
