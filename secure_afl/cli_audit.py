@@ -72,7 +72,8 @@ def show(log_path: Path | None, ledger_dir: Path | None) -> None:
     "roster_path",
     type=click.Path(path_type=Path, dir_okay=False),
     default=None,
-    help="The roster holding the party's public key.",
+    help="The roster holding the party's public key. The versions kept beside it (ROSTER.vN.json, by keys "
+    "roster update) give the party's earlier keys, each for the records written while it was the party's.",
 )
 @click.option(
     "--party", default=None, help="Whose log it is (default: the one roster party its records name)."
@@ -82,7 +83,8 @@ def show(log_path: Path | None, ledger_dir: Path | None) -> None:
     "public_keys",
     multiple=True,
     metavar="BASE64",
-    help="A public key the log may be signed with (repeatable: e.g. a key the party replaced).",
+    help="A public key the log may be signed with, on any record (repeatable; an override: a key "
+    "the roster versions do not give).",
 )
 def verify(
     log_path: Path | None,
@@ -94,7 +96,8 @@ def verify(
     """Check the chain and every record's signature; name the first bad record.
 
     Exit 0: every record verifies (an unfinished last line, what a crash mid-write leaves, is
-    reported, not counted against the log); 1: a record fails (its line, index and why), the log
+    reported, not counted against the log); 1: a record fails (its line, index and why: a key used
+    before it was the party's or after it was rotated away or revoked included), the log
     holds no complete record, or the log or the key cannot be read; 2: usage.  A log cut at a
     record boundary, or deleted, cannot be told from a shorter one: compare with the copy kept
     elsewhere.

@@ -1303,9 +1303,13 @@ def deploy_collect(
     co-signed by every institution): collect, with or without replies, first writes the kit
     of each institution whose kit is missing (a newcomer) or made for another roster, at that
     version, its manifest signed with the coordinator's key (--passphrase-file); send the
-    newcomer its kits/ID/ (it runs `deploy join`), then collect its reply.
+    newcomer its kits/ID/ (it runs `deploy join`), then collect its reply. A member the version
+    removed gets no new kit (its kit is left as it was) and its SuperNode key is unregistered
+    (`flwr supernode unregister`; with --no-register, or without the node id kept at its
+    registration, the command is printed and it is not done).
     Exit status: 0 every hospital co-signed (after the first version: every institution has
-    its kit and a SuperNode key); 3 some have not yet (they are named); 1 an error.
+    its kit and a SuperNode key, every removed member's key unregistered); 3 some have not yet
+    (they are named); 1 an error.
     """
     from secure_afl.deploy.kit import EXIT_WAITING, KitError
     from secure_afl.deploy.processes import flower_bin
@@ -1352,7 +1356,7 @@ def _collect_at_version(
     from secure_afl.cli_keys import load_key
     from secure_afl.deploy.kit import EXIT_WAITING, KitError, issue_kits, kits_at_version
     from secure_afl.deploy.processes import flower_bin
-    from secure_afl.deploy.provision import collect
+    from secure_afl.deploy.provision import collect, retire_removed
     from secure_afl.keys.roster import RosterError
     from secure_afl.keys.store import default_key_dir
 
@@ -1372,6 +1376,10 @@ def _collect_at_version(
                 )
             key = load_key(key_dir or default_key_dir(), passphrase_file, passphrase_env)
             issue_kits(out_dir, key, state.stale, say=click.echo)
+        still_registered = retire_removed(
+            out_dir, state.roster, register=not no_register, flwr_home=flwr_home, federation=federation,
+            flwr="flwr" if no_register else flower_bin("flwr"), say=click.echo,
+        )  # fmt: skip
     except (KitError, ConfigurationError, DeploymentError, RosterError) as exc:
         raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
     roster = state.roster
@@ -1379,9 +1387,13 @@ def _collect_at_version(
     new = [cid for cid in state.stale if cid in state.unregistered]
     for cid in new:
         click.echo(f"  {out_dir / 'kits' / cid}  -> send the whole directory to {cid} (it runs deploy join)")
+    if still_registered:
+        click.echo(f"NOT DONE: {list(still_registered)} left the roster but their SuperNode keys are still "
+                   "registered: run the command(s) above")  # fmt: skip
     if state.unregistered:
         click.echo(f"WAITING for the replies of {list(state.unregistered)} (no SuperNode key yet): run "
                    "collect again with their ID.reply.json")  # fmt: skip
+    if state.unregistered or still_registered:
         raise SystemExit(EXIT_WAITING)
     click.echo("every institution has its kit at this version and a registered SuperNode key")
 

@@ -21,10 +21,10 @@
 ``flwr run`` ends, one ``session-run`` per session (participants, survivors, completed) and one
 ``run`` (whether it succeeded, and why not).
 
-A refusal's record is best-effort (a node whose key cannot be read refuses without one, and says
-so in its log); an accepted session or a release whose record cannot be written is refused
-(:class:`~secure_afl.keys.auditlog.AuditLogError`), and so is a classifier ``deploy run`` cannot
-record.
+A refusal's record is best-effort (a node whose key cannot be read, or is revoked or rotated away
+in its roster, refuses without one, and says so in its log); an accepted session or a release whose
+record cannot be written is refused (:class:`~secure_afl.keys.auditlog.AuditLogError`), and so is a
+classifier ``deploy run`` cannot record.
 """
 
 from __future__ import annotations
@@ -158,6 +158,11 @@ def _node_key(settings: Any) -> tuple[str, IdentityKey, Any]:
         roster = roster_status(Path(settings.roster).read_text(encoding="utf-8")).roster
     except (OSError, ValueError):
         roster = None
+    if roster is not None and identity.fingerprint in roster.revoked:
+        raise AuditLogError(
+            f"the node's key {identity.fingerprint} is revoked or rotated away in its roster: it signs no "
+            "record (audit verify would name it)"
+        )
     party = next((e.client_id for e in roster or () if e.public_key == identity.public_key), None)
     return party or identity.fingerprint, identity, roster
 

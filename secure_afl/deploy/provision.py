@@ -11,13 +11,20 @@ directory::
 
 ``collect`` takes the hospitals' ``ID.reply.json`` files (``deploy join``), verifies each
 co-signature and SuperNode key against the roster, writes the co-signed roster into OUT/roster.json
-and every kit, keeps each SuperNode key as ``OUT/supernodes/ID.pub`` and registers it with the
-SuperLink (``flwr supernode register``, through the coordinator's loopback Control API).
+and the kit of every institution it lists, keeps each SuperNode key as ``OUT/supernodes/ID.pub`` and
+registers it with the SuperLink (``flwr supernode register``, through the coordinator's loopback
+Control API), keeping the node id flwr gives it as ``OUT/supernodes/ID.node-id``.
+
+A member a later roster version removed (:func:`retire_removed`) gets no new kit (its kit directory is
+left as it was, made for the version it left) and its SuperNode key is unregistered (``flwr supernode
+unregister NODE_ID``), its files then moved to ``OUT/supernodes/removed/``; without its node id, or with
+``--no-register``, collect prints the command and reports it not done.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Callable, Mapping, Sequence
@@ -278,7 +285,7 @@ def collect(
         write_text(supernode_keys[cid], reply.supernode_public_key + "\n", 0o644)
     write_text(roster_path, text, 0o644)
     for kit in sorted((out_dir / "kits").glob("*")):
-        if (kit / ROSTER_FILE).is_file():
+        if kit.name in roster.client_ids and (kit / ROSTER_FILE).is_file():  # a removed member's: as it was
             write_text(kit / ROSTER_FILE, text, 0o644)
     status = check_cosignatures(roster, cosignatures)
     registered = []
@@ -299,5 +306,89 @@ def collect(
                     f"{output[-600:]} (is the SuperLink running? is {federation!r} its federation?)"
                 )
             registered.append(cid)
-            say(f"registered the SuperNode key of {cid} ({path})")
+            node = _REGISTERED.search(output)
+            if node is not None:  # "already registered" names none: a node id kept before stays
+                write_text(keys_dir / f"{cid}{NODE_ID_SUFFIX}", node.group(1) + "\n", 0o644)
+            named = f" as node {node.group(1)}" if node is not None else ""
+            say(f"registered the SuperNode key of {cid} ({path}){named}")
     return CollectResult(status, tuple(verified), supernode_keys, tuple(registered))
+
+
+NODE_ID_SUFFIX = ".node-id"  # OUT/supernodes/ID.node-id: the node id flwr gave ID's SuperNode key
+REMOVED_DIR = "removed"  # OUT/supernodes/removed/: the key files of members a roster version removed
+_REGISTERED = re.compile(r"SuperNode (\d+) registered")
+
+
+def retire_removed(
+    out_dir: Path,
+    roster: Roster,
+    *,
+    register: bool = True,
+    flwr_home: Path | None = None,
+    federation: str = "federation",
+    flwr: str = "flwr",
+    timeout: float = 60.0,
+    say: Say = print,
+) -> tuple[str, ...]:
+    """For each member with a kit or a SuperNode key in ``out_dir`` whom ``roster`` (the federation's
+    current version) no longer lists: say that it gets no new kit (its kit is left as it was), and
+    unregister its SuperNode key (``flwr supernode unregister NODE_ID FEDERATION``, the node id kept at
+    its registration), then move its key files to ``OUT/supernodes/removed/``.  Returns the ids whose key
+    is still registered: no node id kept, or ``register`` false; their command is printed."""
+    out_dir = Path(out_dir).resolve()
+    keys_dir, home = out_dir / "supernodes", flwr_home or out_dir / "superlink" / "flwr"
+    kits = {kit.name for kit in (out_dir / "kits").glob("*") if (kit / MANIFEST).is_file()}
+    keys = {path.name[: -len(".pub")] for path in keys_dir.glob("*.pub")}
+    not_done = []
+    for cid in sorted((kits | keys) - set(roster.client_ids)):
+        if cid in kits:
+            say(f"{cid} is not in roster version {roster.version}: no new kit ({out_dir / 'kits' / cid} is "
+                "left as it was, for the version it left)")  # fmt: skip
+        if cid not in keys:
+            continue
+        node_file = keys_dir / f"{cid}{NODE_ID_SUFFIX}"
+        node_id = node_file.read_text(encoding="ascii").strip() if node_file.is_file() else ""
+        if not node_id.isdigit():
+            node_id = ""
+        command = f"FLWR_HOME={home} flwr supernode unregister {node_id or 'NODE_ID'} {federation}"
+        if register and node_id:
+            _unregister(cid, [flwr, "supernode", "unregister", node_id, federation], home, command, timeout)
+            say(f"unregistered the SuperNode key of {cid} (node {node_id}): removed in roster version "
+                f"{roster.version}")  # fmt: skip
+        else:
+            why = "--no-register" if not register else f"no node id kept in {node_file}"
+            say(f"NOT DONE: {cid}'s SuperNode key ({keys_dir / f'{cid}.pub'}) is still registered with the "
+                f"SuperLink ({why}): run\n  {command}")  # fmt: skip
+            if not node_id:
+                say(f"  NODE_ID: the number `flwr supernode register` printed for {cid}'s key (`flwr "
+                    f"supernode list` shows the ids, not the keys); then move {keys_dir / f'{cid}.pub'} into "
+                    f"{keys_dir / REMOVED_DIR}/")  # fmt: skip
+            not_done.append(cid)
+            continue
+        removed = keys_dir / REMOVED_DIR
+        removed.mkdir(exist_ok=True, mode=0o700)
+        for name in (f"{cid}.pub", f"{cid}{NODE_ID_SUFFIX}"):
+            if (keys_dir / name).exists():
+                os.replace(keys_dir / name, removed / name)
+    return tuple(not_done)
+
+
+def _unregister(cid: str, argv: list[str], home: Path, command: str, timeout: float) -> None:
+    if not (home / "config.toml").is_file():
+        raise ConfigurationError(
+            f"{home / 'config.toml'} does not exist: give --flwr-home, the flwr/ directory of `secure-afl "
+            f"deploy superlink --state-dir`, to unregister {cid}'s SuperNode key (or --no-register)"
+        )
+    try:
+        result = subprocess.run(
+            argv, env={**os.environ, "FLWR_HOME": str(home)}, capture_output=True, text=True,
+            timeout=timeout, check=False,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise DeploymentError(f"{command}: {exc}") from None
+    output = (result.stdout + result.stderr).strip()
+    if result.returncode != 0 and "not found" not in output.lower():  # not found: unregistered already
+        raise DeploymentError(
+            f"{command} exited {result.returncode}: {output[-600:]} (is the SuperLink running?); {cid} was "
+            "removed from the roster, so its SuperNode key must go: run collect again"
+        )

@@ -23,6 +23,14 @@ file, before its own record.  Only bytes that never formed a complete record are
 
 What the chain cannot show alone: a log deleted whole, or cut at a line boundary (its last records
 removed), reads as a shorter valid log.  Keep a copy where the party cannot rewrite it (the DPO's).
+
+A party whose key changed (rotated, or replaced after a revocation) verifies its whole log against its
+roster: :func:`key_history` follows the roster versions kept beside it (``ROSTER.vN.json``, which
+``keys roster update`` keeps), each the predecessor the next names by digest and followed by it under
+the succession rules, and takes every key they list for the party, oldest first.  Each key verifies
+only the records written while it was the party's: the log moves to a later key at a ``key-changed``
+record (signed by the later key) and never back, and a key a roster version revoked or rotated away
+signs nothing after the log's ``roster-pinned`` record of that version or a later one.
 """
 
 from __future__ import annotations
@@ -51,10 +59,14 @@ __all__ = [
     "AuditLog",
     "AuditLogError",
     "AuditRecord",
+    "KeyHistory",
     "LogContents",
+    "PartyKey",
     "Verification",
+    "key_history",
     "public_key_of",
     "read_log",
+    "roster_chain",
     "summary",
     "verify_log",
     "verify_with",
@@ -65,6 +77,8 @@ SIGNATURE_DOMAIN = b"secure-afl/v1/audit-record\x00"
 AUDIT_FILE = "audit.log"  # a node's log: LEDGER_DIR/audit.log; the coordinator's: OUT_DIR/audit.log
 GENESIS = "0" * 64
 REPAIRED = "log-repaired"
+KEY_CHANGED = "key-changed"  # body {"from": fingerprint, "to": fingerprint}, signed by the new key
+ROSTER_PINNED = "roster-pinned"  # body {"roster": fingerprint, ...}
 MAX_RECORD_BYTES = 64 << 10  # one record's line; a body is counts, ids and digests, never data
 MAX_LOG_BYTES = 256 << 20  # refuse to read anything larger
 _FIELDS = ("body", "format", "index", "key", "kind", "party", "prev", "signature", "time")
@@ -335,25 +349,65 @@ def public_key_of(text: str) -> bytes:
     return key
 
 
-def verify_log(path: Path, public_keys: Iterable[bytes]) -> Verification:
+@dataclass(frozen=True)
+class PartyKey:
+    """One of a party's keys, as the roster versions list it."""
+
+    public_key: bytes
+    since: int  # the first roster version (of those read) that lists it as the party's
+    revoked_in: int | None = None  # the roster version that revoked it or rotated it away
+
+    @property
+    def fingerprint(self) -> str:
+        return fingerprint(self.public_key)
+
+
+@dataclass(frozen=True)
+class KeyHistory:
+    """A party's keys over the roster versions that were read (:func:`key_history`), oldest first:
+    the last is its key in the newest version."""
+
+    party: str
+    keys: tuple[PartyKey, ...]
+    versions: Mapping[str, int]  # roster fingerprint -> version, for every version read
+    files: tuple[str, ...] = ()  # the roster files read, oldest first
+
+
+def verify_log(path: Path, public_keys: Iterable[bytes], history: KeyHistory | None = None) -> Verification:
     """Check every record of the log at ``path``: its form, its index (0, 1, ...), its ``prev`` (the
-    previous line's SHA-256) and its signature by one of ``public_keys`` (several: a key and the one
-    it replaced).  Stops at the first record that fails and names it; an unfinished last line is
-    reported as such.  A missing file raises :class:`AuditLogError`."""
+    previous line's SHA-256) and its signature by one of ``public_keys`` (accepted on any record) or
+    by a key of ``history``, each only while it was the party's (the module's docstring).  Stops at
+    the first record that fails and names it; an unfinished last line is reported as such.  A
+    missing file raises :class:`AuditLogError`."""
     if not path.is_file():
         raise AuditLogError(
             f"{path}: no audit log here (the party has recorded nothing yet, or the path is wrong)"
         )
-    keys = {fingerprint(key): Ed25519PublicKey.from_public_bytes(key) for key in public_keys}
+    given = {fingerprint(key): Ed25519PublicKey.from_public_bytes(key) for key in public_keys}
+    keys = dict(given)
+    if history is not None:
+        keys.update(
+            (k.fingerprint, Ed25519PublicKey.from_public_bytes(k.public_key))
+            for k in history.keys
+            if k.fingerprint not in keys
+        )
     if not keys:
         raise AuditLogError("give the public key the log is signed with (the roster's, or --public-key)")
     contents = read_log(path)
+    order = _KeyOrder(history, set(given)) if history is not None else None
+    hint = "" if history is None else (
+        f"; an earlier key of {history.party} verifies only with the roster versions that list it, kept "
+        f"beside the roster as STEM.vN.json (read: {', '.join(history.files)}), or with --public-key"
+    )  # fmt: skip
     prev, parties, repairs = GENESIS, [], []
     for number, line in enumerate(contents.lines, start=1):
-        reason = _check(line, number - 1, prev, keys)
-        if reason:
+        reason = _check(line, number - 1, prev, keys, hint)
+        record = None if reason else AuditRecord.from_line(line)
+        if record is not None and order is not None:
+            following = contents.lines[number] if number < len(contents.lines) else None
+            reason = order.check(record, following)
+        if reason or record is None:
             return Verification(path, number - 1, number, reason, len(contents.unfinished), tuple(parties))
-        record = AuditRecord.from_line(line)
         if record.party not in parties:
             parties.append(record.party)
         if record.kind == REPAIRED:
@@ -364,7 +418,68 @@ def verify_log(path: Path, public_keys: Iterable[bytes]) -> Verification:
     )
 
 
-def _check(line: bytes, index: int, prev: str, keys: Mapping[str, Ed25519PublicKey]) -> str:
+class _KeyOrder:
+    """Which of a party's keys may sign the next record: the log starts with any of them, moves to a
+    later one at a ``key-changed`` record (a ``log-repaired`` record just before it may already be
+    signed by the later key: the append that repairs is the one that records the change) and never
+    back; a key revoked or rotated away signs nothing after the log pinned the version that did so.
+    Keys given outside the history (``--public-key``) are accepted anywhere."""
+
+    def __init__(self, history: KeyHistory, overrides: set[str]) -> None:
+        self.history = history
+        self.position = {key.fingerprint: n for n, key in enumerate(history.keys)}
+        self.overrides = overrides
+        self.at: int | None = None  # the position of the key the log is at
+        self.changed_at: int | None = None  # the record that moved the log to it
+        self.pinned, self.pinned_at = 0, -1  # the newest roster version the log pinned, and where
+
+    def check(self, record: AuditRecord, following: bytes | None) -> str:
+        """Why ``record`` (its signature verified) was not the party's to sign then ("" when it was)."""
+        if record.kind == ROSTER_PINNED:
+            version = self.history.versions.get(str(record.body.get("roster")))
+            if version is not None and version > self.pinned:
+                self.pinned, self.pinned_at = version, record.index
+        if record.key in self.overrides or record.key not in self.position:
+            return ""
+        party, position = self.history.party, self.position[record.key]
+        key = self.history.keys[position]
+        if key.revoked_in is not None and self.pinned >= key.revoked_in:
+            return (
+                f"it is signed by {record.key}, a key of {party} that roster version {key.revoked_in} "
+                f"revoked or rotated away, after record {self.pinned_at} pinned roster version "
+                f"{self.pinned}: a revoked key signs nothing after its revocation (a leaked key's records, "
+                "or a node still using it)"
+            )
+        if self.at is None or position == self.at:
+            self.at = position
+            return ""
+        current = self.history.keys[self.at].fingerprint
+        if position < self.at:
+            return (
+                f"it is signed by {record.key}, {party}'s key before the change to {current} at record "
+                f"{self.changed_at}: a key rotated away signs nothing after the change"
+            )
+        change = record
+        if record.kind == REPAIRED and following is not None:
+            try:
+                change = AuditRecord.from_line(following)
+            except (ValueError, UnicodeDecodeError):
+                change = record
+        if (
+            change.kind == KEY_CHANGED
+            and change.key == record.key
+            and change.body.get("from") == current
+            and change.body.get("to") == record.key
+        ):
+            self.at, self.changed_at = position, change.index
+            return ""
+        return (
+            f"it is signed by {record.key}, a later key of {party}, but the log has not recorded the change "
+            f"to it (a {KEY_CHANGED} record from {current}, signed by the new key)"
+        )
+
+
+def _check(line: bytes, index: int, prev: str, keys: Mapping[str, Ed25519PublicKey], hint: str = "") -> str:
     """Why the line fails as record ``index`` after ``prev`` ("" when it verifies)."""
     try:
         record = AuditRecord.from_line(line)
@@ -382,7 +497,7 @@ def _check(line: bytes, index: int, prev: str, keys: Mapping[str, Ed25519PublicK
         )
     key = keys.get(record.key)
     if key is None:
-        return f"it is signed by {record.key}, not by the key(s) given ({', '.join(sorted(keys))})"
+        return f"it is signed by {record.key}, not by the key(s) given ({', '.join(sorted(keys))}){hint}"
     try:
         key.verify(bytes.fromhex(record.signature), record.signed_bytes())
     except (InvalidSignature, ValueError):
@@ -405,30 +520,84 @@ def summary(record: AuditRecord) -> str:
 def verify_with(
     path: Path, *, roster_path: Path | None = None, party: str | None = None, public_keys: Iterable[str] = ()
 ) -> Verification:
-    """:func:`verify_log` against the roster's key of ``party`` (an institution or the coordinator;
-    default: the one party of the log the roster lists) and any base64 ``public_keys`` given (an
-    earlier key of that party, or a party not in the roster)."""
+    """:func:`verify_log` against ``party``'s keys in the roster (an institution or the coordinator;
+    default: the one party of the log the roster versions list): its key there and, through the
+    versions kept beside it (:func:`key_history`), every key it had before, each for its own records;
+    and any base64 ``public_keys`` given (accepted on every record: an override)."""
     keys = [public_key_of(text) for text in public_keys]
     if not path.is_file():
         raise AuditLogError(
             f"{path}: no audit log here (the party has recorded nothing yet, or the path is wrong)"
         )
+    history = None
     if roster_path is not None:
-        from .store import load_roster_file
-
-        roster = load_roster_file(roster_path)
-        entries = {entry.client_id: entry for entry in roster}
-        if roster.coordinator is not None:
-            entries[roster.coordinator.client_id] = roster.coordinator
+        chain = roster_chain(roster_path)
+        listed = {cid for _, roster in chain for cid in _party_keys(roster)}
         if party is None:
-            named = {r.party for r in read_log(path).records() if r is not None} & set(entries)
+            named = {r.party for r in read_log(path).records() if r is not None} & listed
             if len(named) != 1:
                 raise AuditLogError(
                     f"{path}: the log's records name {sorted(named) or 'no party'} of the roster "
                     f"{roster_path}: give --party ID"
                 )
             party = named.pop()
-        if party not in entries:
-            raise AuditLogError(f"{roster_path}: the roster has no {party!r} (ids: {sorted(entries)})")
-        keys.append(entries[party].public_key)
-    return verify_log(path, keys)
+        if party not in listed:
+            current = sorted(_party_keys(chain[-1][1]))
+            raise AuditLogError(f"{roster_path}: the roster has no {party!r} (ids: {current})")
+        history = key_history(chain, party)
+    return verify_log(path, keys, history)
+
+
+def _party_keys(roster: Any) -> dict[str, bytes]:
+    members = {entry.client_id: entry.public_key for entry in roster}
+    if roster.coordinator is not None:
+        members[roster.coordinator.client_id] = roster.coordinator.public_key
+    return members
+
+
+def roster_chain(roster_path: Path) -> list[tuple[Path, Any]]:
+    """The roster at ``roster_path`` and the earlier versions kept beside it as ``STEM.vN.SUFFIX``
+    (what ``keys roster update`` keeps), oldest first: down from its version until a file is missing.
+    Each earlier file must be the version the next one names by digest and be followed by it under the
+    succession rules (:func:`~secure_afl.keys.lifecycle.check_successor`), else
+    :class:`AuditLogError`: a file kept beside the roster that is not its predecessor."""
+    from .lifecycle import check_successor
+    from .roster import RosterError
+    from .store import KeyStoreError, load_roster_file
+
+    def load(file: Path) -> Any:
+        try:
+            return load_roster_file(file)
+        except KeyStoreError as exc:
+            raise AuditLogError(str(exc)) from None
+
+    chain = [(roster_path, load(roster_path))]
+    for version in range(chain[0][1].version - 1, 0, -1):
+        file = roster_path.with_name(f"{roster_path.stem}.v{version}{roster_path.suffix}")
+        if not file.is_file():
+            break
+        earlier = load(file)
+        try:
+            check_successor(earlier, chain[0][1])
+        except RosterError as exc:
+            raise AuditLogError(
+                f"{file} is not the roster version {chain[0][0]} follows, so it vouches for no key: {exc}. "
+                "Put back the file `keys roster update` kept, or move it away"
+            ) from None
+        chain.insert(0, (file, earlier))
+    return chain
+
+
+def key_history(chain: list[tuple[Path, Any]], party: str) -> KeyHistory:
+    """``party``'s keys over the roster versions ``chain`` (:func:`roster_chain`, oldest first)."""
+    keys: list[PartyKey] = []
+    for _, roster in chain:
+        public = _party_keys(roster).get(party)
+        if public is not None and all(k.public_key != public for k in keys):
+            keys.append(PartyKey(public, roster.version))
+    out = []
+    for key in keys:
+        revoked = next((r.version for _, r in chain if key.fingerprint in r.revoked), None)
+        out.append(PartyKey(key.public_key, key.since, revoked))
+    versions = {roster.fingerprint: roster.version for _, roster in chain}
+    return KeyHistory(party, tuple(out), versions, tuple(str(file) for file, _ in chain))
