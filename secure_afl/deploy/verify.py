@@ -80,21 +80,88 @@ def require_setting(value: object) -> str:
 
 def not_offered(study: Study, roster_ids: Collection[str]) -> str | None:
     """Why the check does not cover ``study`` (None: it does)."""
-    from .study import round1_plan
-
     if study.protection != "mask":
         return "CKKS studies are not checked (the key holder could decrypt a single survivor's term)"
-    if study.dp is not None:
-        return "DP studies are not checked (the solve's ridge and counts come from the noisy sums)"
     if study.method.rounds != 1:
-        return "two-round studies are not checked (round 2's refinement is not one linear system)"
-    if study.method.balance != "client":
-        return "balance=global is not checked (the right-hand side needs the federation's counts)"
+        return (
+            "two-round studies are not checked (round 2 runs only under a coordinator the nodes declared "
+            "honest-but-curious, and its right-hand side, pseudo-label sums over thresholds, is not modelled)"
+        )
     if study.extends:
-        return "growing studies are not checked (earlier sessions' survivors are not all present)"
-    if round1_plan(study, roster_ids)[1] is not None:
-        return "studies whose round 1 sends Grams by difference are not checked"
+        return (
+            "growing studies are not checked (the sums include earlier runs' uploads, which a node does "
+            "not keep past its run, so it cannot form its term)"
+        )
+    if study.dp is not None and (study.dp.projection_dim is not None or study.dp.row_centre):
+        return (
+            "DP studies with --dp-dim or row centring are not checked (the file holds the lifted weights "
+            "W = P W_K, not the solve's W_K)"
+        )
     return None
+
+
+# --- the linear system the solve fitted ------------------------------------------------------
+
+
+def rhs_form(study: Study) -> str:
+    """How the solve forms each class's right-hand side from the sums (:func:`rhs_parts`):
+    ``client`` (Σ b_k), ``global`` (counts over S_c, analytic.py), ``dp-split`` / ``dp-positives``
+    (the noisy sums, privacy/dp_solve.py's ``analytic_sums``)."""
+    if study.dp is not None:
+        return "dp-positives" if study.dp.class_sums == "positives" else "dp-split"
+    return study.method.balance
+
+
+def count_keys(form: str, n_classes: int) -> list[str]:
+    """The count tensors (``group|tensor``) whose sums the right-hand sides divide by."""
+    from secure_afl.privacy.dp import POSITIVE_COUNT, TOTAL_COUNT
+
+    if form == "global":
+        return [k for c in range(n_classes) for k in (f"class/{c}|n_pos/{c}", f"class/{c}|n")]
+    if form == "dp-split":
+        return [k for c in range(n_classes) for k in (f"class/{c}|n_pos/{c}", f"class/{c}|n_neg/{c}")]
+    if form == "dp-positives":
+        return [*(f"class/{c}|{POSITIVE_COUNT}/{c}" for c in range(n_classes)), f"all|{TOTAL_COUNT}"]
+    return []
+
+
+def count_claims(form: str, n_classes: int, sums: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
+    """The coordinator's side: the count sums it solved with (each node checks them in the sum)."""
+    out = {}
+    for key in count_keys(form, n_classes):
+        group, tensor = key.split("|", 1)
+        value = sums.get(group, {}).get(tensor)
+        out[key] = 0.0 if value is None else float(np.asarray(value, dtype=np.float64).ravel()[0])
+    return out
+
+
+def _noisy_count(value: float) -> int:
+    return max(1, round(value))  # as privacy/dp_solve.py: rounded, floored at one row
+
+
+def rhs_parts(form: str, c: int, counts: Mapping[str, float]) -> list[tuple[str, float]]:
+    """Class ``c``'s right-hand side as ``Σ coefficient · (the sum of a tensor)``, with the
+    coefficients the solve derives from the count sums ``counts``: ``(group|tensor, coefficient)``."""
+    from secure_afl.privacy.dp import POSITIVE_COUNT, POSITIVE_SUM, TOTAL_COUNT, TOTAL_SUM
+
+    group = f"class/{c}"
+    if form == "client":
+        return [(f"{group}|b/{c}", 1.0)]
+    if form == "global":  # analytic.balanced_projection: pos/N⁺ − (feat − pos)/(N − N⁺), an empty side 0
+        n_pos, n = round(counts[f"{group}|n_pos/{c}"]), round(counts[f"{group}|n"])
+        a = 1.0 / n_pos if n_pos else 0.0
+        b = 1.0 / (n - n_pos) if n - n_pos else 0.0
+        return [(f"{group}|pos_sum/{c}", a + b), (f"{group}|feat_sum", -b)]
+    if form == "dp-split":  # pos/N⁺ − neg/N⁻, each noisy count rounded and floored at 1
+        n_pos, n_neg = _noisy_count(counts[f"{group}|n_pos/{c}"]), _noisy_count(counts[f"{group}|n_neg/{c}"])
+        return [(f"{group}|pos_sum/{c}", 1.0 / n_pos), (f"{group}|neg_sum/{c}", -1.0 / n_neg)]
+    if form == "dp-positives":  # the positives' weighted mean minus the federation's mean
+        weighted = counts[f"{group}|{POSITIVE_COUNT}/{c}"]
+        n_pos = _noisy_count(weighted)
+        scale = n_pos / max(weighted, 1.0)
+        n_total = _noisy_count(counts[f"all|{TOTAL_COUNT}"])
+        return [(f"{group}|{POSITIVE_SUM}/{c}", scale / n_pos), (f"all|{TOTAL_SUM}", -1.0 / n_total)]
+    raise UnverifiedClassifierError(f"unknown right-hand side form {form!r}")
 
 
 # --- the Freivalds terms ---------------------------------------------------------------------
@@ -106,43 +173,54 @@ def _encoded(values: np.ndarray, frac_bits: int) -> np.ndarray:
 
 
 def node_terms(
-    inputs: Mapping[str, np.ndarray], weights: np.ndarray, u: np.ndarray, *, gram: str, frac_bits: int
-) -> list[float]:
-    """This survivor's ``[t_0, ..., t_{C-1}, m_k]``: ``t_c = uᵀ G_k w_c − uᵀ b_{k,c}`` over the groups
-    it is in (``inputs``: ``"group|tensor"`` -> the flat values it uploaded), and its scale
-    ``m_k = max ‖G_k‖_F + max_c ‖b_{k,c}‖₂``."""
+    inputs: Mapping[str, np.ndarray], weights: np.ndarray, u: np.ndarray, *, gram: str, frac_bits: int,
+    form: str = "client", counts: Mapping[str, float] | None = None,
+) -> list[float]:  # fmt: skip
+    """This survivor's ``[t_0, ..., t_{C-1}, m_k, its counts...]``: ``t_c = uᵀ G_k w_c − uᵀ b_{k,c}``
+    (``inputs``: ``"group|tensor"`` -> the flat values it uploaded; ``G_k`` enters class ``c`` when
+    the Gram is global or ``k`` is in ``S_c``, whatever wire groups carried it; ``b_{k,c}`` is its
+    part of :func:`rhs_parts` under the relayed count sums ``counts``), its scale
+    ``m_k = ‖G_k‖_F + max_c Σ_parts |coefficient| ‖x‖₂``, then its own values of :func:`count_keys`."""
     n_classes, dim = weights.shape[1], weights.shape[0]
-    projected: dict[str, np.ndarray] = {}
+    counts = counts or {}
+    projected: np.ndarray | None = None
     fro = 0.0
     rows = np.repeat(np.arange(dim), dim - np.arange(dim))  # each packed entry's row and column
     starts = np.arange(dim) * dim - np.arange(dim) * (np.arange(dim) - 1) // 2  # row i's first: G[i, i]
     columns = np.arange(rows.size) - starts[rows] + rows
-    for key, values in inputs.items():
-        group, tensor = key.split("|", 1)
-        if tensor == "gram":
-            packed = _encoded(values, frac_bits)  # the row-major upper triangle: BLAS's column-major lower
-            if packed.shape != (dim * (dim + 1) // 2,):
-                raise UnverifiedClassifierError(
-                    f"this node's {key} has {packed.size} values, not a {dim}-d Gram"
-                )
-            # G u from the packed triangle (no d×d matrix): the upper part by rows, its mirror by columns
-            upper = np.add.reduceat(packed * u[columns], starts)
-            lower = np.bincount(columns, weights=packed * u[rows], minlength=dim)
-            diagonal = packed[starts]
-            projected[group] = upper + lower - diagonal * u
-            fro = max(fro, float(np.sqrt(max(0.0, 2 * float(packed @ packed) - float(diagonal @ diagonal)))))
+    grams = [key for key in inputs if key.split("|", 1)[1] == "gram"]
+    if grams:  # one value G_k in every group that carries it (analytic.py's name space)
+        packed = _encoded(inputs[grams[0]], frac_bits)  # the row-major upper triangle
+        if packed.shape != (dim * (dim + 1) // 2,):
+            raise UnverifiedClassifierError(
+                f"this node's {grams[0]} has {packed.size} values, not a {dim}-d Gram"
+            )
+        if any(not np.array_equal(_encoded(inputs[key], frac_bits), packed) for key in grams[1:]):
+            raise UnverifiedClassifierError("this node's Gram differs between its groups")
+        # G u from the packed triangle (no d×d matrix): the upper part by rows, its mirror by columns
+        upper = np.add.reduceat(packed * u[columns], starts)
+        lower = np.bincount(columns, weights=packed * u[rows], minlength=dim)
+        diagonal = packed[starts]
+        projected = upper + lower - diagonal * u
+        fro = float(np.sqrt(max(0.0, 2 * float(packed @ packed) - float(diagonal @ diagonal))))
+    groups = {key.split("|", 1)[0] for key in inputs}
     terms = np.zeros(n_classes)
     b_norm = 0.0
     for c in range(n_classes):
-        gram_group = "all" if gram == "global" else f"class/{c}"
-        if gram_group in projected:
-            terms[c] += float(projected[gram_group] @ weights[:, c])
-        b = inputs.get(f"class/{c}|b/{c}")
-        if b is not None:
-            encoded = _encoded(b, frac_bits)
-            terms[c] -= float(u @ encoded)
-            b_norm = max(b_norm, float(np.linalg.norm(encoded)))
-    return [*terms.tolist(), fro + b_norm]
+        if projected is not None and (gram == "global" or f"class/{c}" in groups):
+            terms[c] += float(projected @ weights[:, c])
+        norm = 0.0
+        for key, coefficient in rhs_parts(form, c, counts):
+            if key in inputs and coefficient != 0.0:
+                encoded = _encoded(inputs[key], frac_bits)
+                terms[c] -= coefficient * float(u @ encoded)
+                norm += abs(coefficient) * float(np.linalg.norm(encoded))
+        b_norm = max(b_norm, norm)
+    own_counts = [
+        float(_encoded(inputs[key], frac_bits).ravel()[0]) if key in inputs else 0.0
+        for key in count_keys(form, n_classes)
+    ]
+    return [*terms.tolist(), fro + b_norm, *own_counts]
 
 
 def rho(dim: int) -> float:
@@ -151,10 +229,22 @@ def rho(dim: int) -> float:
     return RHO_PER_DIM * dim
 
 
-def decide(sums: list[float], weights: np.ndarray, u: np.ndarray, gamma: float) -> tuple[bool, list[float]]:
-    """Accept iff every class's residual is within the bound; also each class's residual/bound."""
+def decide(
+    sums: list[float],
+    weights: np.ndarray,
+    u: np.ndarray,
+    gamma: float,
+    counts: Mapping[str, float] | None = None,
+) -> tuple[bool, list[float]]:
+    """Accept iff every class's residual is within the bound and the survivors' count sums (after
+    ``C + 1`` terms and scale) are the ``counts`` the coordinator relayed; also each class's
+    residual/bound."""
     n_classes = weights.shape[1]
     scale = sums[n_classes]
+    claimed = list((counts or {}).values())
+    if len(sums) != n_classes + 1 + len(claimed):
+        expected = n_classes + 1 + len(claimed)
+        raise pv.VerificationError(f"the summed check has {len(sums)} values, not {expected}")
     u_norm = float(np.linalg.norm(u))
     ratios = []
     for c in range(n_classes):
@@ -162,6 +252,12 @@ def decide(sums: list[float], weights: np.ndarray, u: np.ndarray, gamma: float) 
         residual = abs(sums[c] + gamma * float(u @ w))
         bound = rho(len(u)) * u_norm * ((scale + gamma) * float(np.linalg.norm(w)) + scale)
         ratios.append(residual / bound if bound > 0 else float("inf"))
+    counted = sums[n_classes + 1 :]
+    if any(a != b for a, b in zip(counted, claimed, strict=True)):
+        raise ClassifierCheckFailedError(
+            f"the counts the coordinator relayed ({claimed}) are not the survivors' sums ({counted}): the "
+            "classifier was not solved with the session's counts; it is not stored as verified"
+        )
     return all(r <= 1.0 for r in ratios) and scale >= 0, ratios
 
 
@@ -191,8 +287,8 @@ def commit_meta(
         STATE_LABEL,
         {"status": "committed", "session_id": session_id.hex(), "client_id": client_id, "nonce": secret.nonce,
          "key": secret.key,
-         "commitment": commitment.to_text(), "gram": study.method.gram, "gamma": study.method.gamma,
-         "frac_bits": study.frac_bits},
+         "commitment": commitment.to_text(), "gamma": study.method.gamma, "frac_bits": study.frac_bits,
+         "gram": "global" if study.dp is not None else study.method.gram, "form": rhs_form(study)},
     )  # fmt: skip
     return {"verify-commit": commitment.to_text()}
 
@@ -304,13 +400,17 @@ def answer_check(
         pv.check_reveals(commitments, reveals)
         seed = pv.transcript(context, commitments, reveals)
         u = pv.challenge(seed, classifier.weights.shape[0])
+        form = str(record.get("form", "client"))
+        counts = _relayed_counts(envelope, form, classifier.weights.shape[1])
+        gamma = _solve_gamma(float(record["gamma"]), classifier)
         kept = state.load(STATE_INPUTS) or {}
         if kept.get("session_id") != record["session_id"] or "inputs" not in kept:
             raise UnverifiedClassifierError("this node no longer holds its session-1 values to check with")
         inputs = {k: np.asarray(v, dtype=np.float64) for k, v in kept["inputs"].items()}
         terms = node_terms(
-            inputs, classifier.weights, u, gram=str(record["gram"]), frac_bits=int(record["frac_bits"])
-        )
+            inputs, classifier.weights, u, gram=str(record["gram"]), frac_bits=int(record["frac_bits"]),
+            form=form, counts=counts,
+        )  # fmt: skip
         secret = pv.VerifySecret(bytes(record["nonce"]), bytes(record["key"]))
         words = pv.mask(terms, client_id, secret, commitments, seed)
         signer, identity = identity_of()
@@ -319,7 +419,11 @@ def answer_check(
         masked = pv.sign_masked(client_id, words, seed, identity.private_key)
         state.save(STATE_INPUTS, {"session_id": record["session_id"]})  # the values are no longer needed
         rest = {k: v for k, v in record.items() if k != "key"}  # the mask key neither
-        state.save(STATE_LABEL, {**rest, "status": "masked", "seed": seed, "masked": masked.to_text()})
+        state.save(
+            STATE_LABEL,
+            {**rest, "status": "masked", "seed": seed, "masked": masked.to_text(), "solve_gamma": gamma,
+             "counts": json.dumps(counts)},
+        )  # fmt: skip
         return Envelope("reply", {"round": round_name, "verify-masked": masked.to_text()})
     if round_name != "verify-sums" or record.get("status") != "masked":
         raise pv.VerificationError(f"unexpected {round_name!r} message at this point of the check")
@@ -333,7 +437,8 @@ def answer_check(
     state.save(STATE_LABEL, {"status": "failed", "session_id": record["session_id"]})  # one decision
     sums = pv.unmask_sum(masked, commitments, keys, seed, own)
     u = pv.challenge(seed, classifier.weights.shape[0])
-    ok, ratios = decide(sums, classifier.weights, u, float(record["gamma"]))
+    counts = json.loads(str(record.get("counts", "{}")))
+    ok, ratios = decide(sums, classifier.weights, u, float(record["solve_gamma"]), counts)
     if not ok:
         bad = [c for c, r in enumerate(ratios) if not r <= 1.0]
         raise ClassifierCheckFailedError(
@@ -355,6 +460,40 @@ def answer_check(
         f"at most {max(ratios):.2g})"
     )
     return Envelope("ack", {"round": round_name, "verified": True, "sha256": document["classifier_sha256"]})
+
+
+def _relayed_counts(envelope: Envelope, form: str, n_classes: int) -> dict[str, float]:
+    """The count sums the coordinator says it solved with (checked against the survivors' sum)."""
+    keys = count_keys(form, n_classes)
+    if not keys:
+        return {}
+    try:
+        relayed = json.loads(envelope.text("counts"))
+        return {key: float(relayed[key]) for key in keys}
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise pv.VerificationError(
+            f"the check's challenge came without the count sums the solve used ({', '.join(keys)})"
+        ) from None
+
+
+def _solve_gamma(gamma: float, classifier: Classifier) -> float:
+    """γ, plus under DP the public ridge λ of the file's privacy record; a solve whose noisy Gram
+    had its eigenvalues floored is no ridge solve of the sums and cannot be checked."""
+    privacy = classifier.privacy
+    if privacy is None:
+        return gamma
+    if privacy.get("eigenvalue_floor"):
+        raise UnverifiedClassifierError(
+            "the DP solve floored the noisy Gram's eigenvalues (its ridge bound failed): the classifier is "
+            "not the ridge solve of the sums, so it cannot be checked; run the session again"
+        )
+    try:
+        ridge = float(privacy["ridge"])
+    except (KeyError, TypeError, ValueError):
+        raise UnverifiedClassifierError("the DP classifier's privacy record names no ridge") from None
+    if not np.isfinite(ridge) or ridge < 0:
+        raise ClassifierCheckFailedError(f"the DP classifier's ridge {ridge!r} is not a non-negative number")
+    return gamma + ridge
 
 
 def _store(out_dir: Path, payload: bytes, held: bool, log: Callable[[str], None]) -> list[Path]:
@@ -421,6 +560,7 @@ class ServerCheck:
 
     def __init__(self, study: Study, roster_ids: Collection[str]) -> None:
         self.offered = not_offered(study, roster_ids) is None
+        self.form, self.n_classes = rhs_form(study), study.n_classes
         self.commitments: dict[str, str] = {}
         self.verified: tuple[str, ...] = ()
         self.refusals: list[tuple[str, str, Envelope]] = []  # (step, client, its refusal)
@@ -441,24 +581,25 @@ class ServerCheck:
 
     def run(
         self, transport: Any, node_of: Mapping[str, int], replies: Mapping[int, Envelope], timeout: float,
-        log: Callable[[str], None],
+        log: Callable[[str], None], counts: Mapping[str, float] | None = None,
     ) -> tuple[str, ...]:  # fmt: skip
-        """The two relays after the delivery's ``replies``; returns who verified."""
+        """The two relays after the delivery's ``replies``; returns who verified.  ``counts``: the
+        count sums the solve divided by (:func:`count_claims`), relayed with the reveals."""
         import time
 
         if not self.offered:
             return ()
         started = time.perf_counter()
+        reveal_meta = {"counts": json.dumps(dict(counts))} if counts else {}
         client_of = {node: cid for cid, node in node_of.items()}
         reveals = {
             client_of[n]: str(e.meta["verify-reveal"])
             for n, e in replies.items()
             if e.kind == "ack" and "verify-reveal" in e.meta and n in client_of
         }
-        outgoing = {
-            node_of[c]: Envelope("verify", {"round": "verify-reveal", "reveals": json.dumps(reveals)})
-            for c in reveals
-        }
+        reveal_meta["reveals"] = json.dumps(reveals)
+        reveal_meta["round"] = "verify-reveal"
+        outgoing = {node_of[c]: Envelope("verify", dict(reveal_meta)) for c in reveals}
         answers = transport.exchange(outgoing, "verify-reveal", timeout)
         masked = {
             client_of[n]: str(e.meta["verify-masked"])
