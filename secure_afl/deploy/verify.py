@@ -16,11 +16,18 @@ advertisement reply carries ``verify-commit`` in its metadata; the classifier de
 masked terms (``verify-masked``); a ``verify`` envelope of round ``verify-sums`` relays every
 survivor's, and the node answers ``ack`` with ``verified`` (or refuses).
 
-Offered for one-round masking studies without DP, with client balance, not growing and without a
-difference plan (:func:`not_offered` says why otherwise).  A node's ``require-verified-classifier``:
-``when-offered`` (default: a classifier of a study the check covers is stored only once verified),
-``true`` (also refuses, in R0, every study the check does not cover), ``false`` (stores every
-classifier when received; a passing check adds the record).
+Offered for one-round masking studies (:func:`not_offered` says why otherwise: CKKS, round 2, growing
+chains, DP with ``--dp-dim`` or row centring).  Each class's right-hand side is the one the solve
+forms (:func:`rhs_parts`): client balance ``Σ b_k``; global balance ``pos/N⁺ − (feat − pos)/(N − N⁺)``;
+under DP the noisy sums over counts rounded and floored at 1, and ``γ`` plus the file's public ridge
+λ.  The coordinator relays the count sums it divided by with the reveals; each node forms its term
+with them and adds its own counts to its masked vector, and refuses unless the survivors' sums are
+exactly those relayed (the survivors learn the federation's counts per class).  A Gram sent by
+difference is the node's one ``G_k`` in every class it labels.  A DP solve that floored the noisy
+Gram's eigenvalues is no ridge solve: the node refuses it as unverified.  A node's
+``require-verified-classifier``: ``when-offered`` (default: a classifier of a study the check
+covers is stored only once verified), ``true`` (also refuses, in R0, every study the check does not
+cover), ``false`` (stores every classifier when received; a passing check adds the record).
 """
 
 from __future__ import annotations
