@@ -179,6 +179,21 @@ def _encoded(values: np.ndarray, frac_bits: int) -> np.ndarray:
     return np.rint(np.asarray(values, dtype=np.float64) * 2.0**frac_bits) * 2.0**-frac_bits
 
 
+def _gram_times(packed: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """``G u`` from the packed row-major upper triangle, row by row (no d×d matrix, no index arrays
+    of the triangle's size): row i's part ``G[i, i:]`` gives ``(G u)_i`` and, by symmetry, its
+    entries beyond the diagonal add ``G[i, j] u_i`` to ``(G u)_j``."""
+    dim = u.shape[0]
+    out = np.zeros(dim)
+    start = 0
+    for i in range(dim):
+        row = packed[start : start + dim - i]
+        out[i] += float(row @ u[i:])
+        out[i + 1 :] += row[1:] * u[i]
+        start += dim - i
+    return out
+
+
 def node_terms(
     inputs: Mapping[str, np.ndarray], weights: np.ndarray, u: np.ndarray, *, gram: str, frac_bits: int,
     form: str = "client", counts: Mapping[str, float] | None = None,
@@ -192,9 +207,6 @@ def node_terms(
     counts = counts or {}
     projected: np.ndarray | None = None
     fro = 0.0
-    rows = np.repeat(np.arange(dim), dim - np.arange(dim))  # each packed entry's row and column
-    starts = np.arange(dim) * dim - np.arange(dim) * (np.arange(dim) - 1) // 2  # row i's first: G[i, i]
-    columns = np.arange(rows.size) - starts[rows] + rows
     grams = [key for key in inputs if key.split("|", 1)[1] == "gram"]
     if grams:  # one value G_k in every group that carries it (analytic.py's name space)
         packed = _encoded(inputs[grams[0]], frac_bits)  # the row-major upper triangle
@@ -204,11 +216,9 @@ def node_terms(
             )
         if any(not np.array_equal(_encoded(inputs[key], frac_bits), packed) for key in grams[1:]):
             raise UnverifiedClassifierError("this node's Gram differs between its groups")
-        # G u from the packed triangle (no d×d matrix): the upper part by rows, its mirror by columns
-        upper = np.add.reduceat(packed * u[columns], starts)
-        lower = np.bincount(columns, weights=packed * u[rows], minlength=dim)
+        projected = _gram_times(packed, u)
+        starts = np.arange(dim) * dim - np.arange(dim) * (np.arange(dim) - 1) // 2  # row i's first: G[i, i]
         diagonal = packed[starts]
-        projected = upper + lower - diagonal * u
         fro = float(np.sqrt(max(0.0, 2 * float(packed @ packed) - float(diagonal @ diagonal))))
     groups = {key.split("|", 1)[0] for key in inputs}
     terms = np.zeros(n_classes)
