@@ -179,18 +179,22 @@ def _encoded(values: np.ndarray, frac_bits: int) -> np.ndarray:
     return np.rint(np.asarray(values, dtype=np.float64) * 2.0**frac_bits) * 2.0**-frac_bits
 
 
-def _gram_times(packed: np.ndarray, u: np.ndarray) -> np.ndarray:
-    """``G u`` from the packed row-major upper triangle, row by row (no d×d matrix, no index arrays
-    of the triangle's size): row i's part ``G[i, i:]`` gives ``(G u)_i`` and, by symmetry, its
-    entries beyond the diagonal add ``G[i, j] u_i`` to ``(G u)_j``."""
+def _gram_times(packed: np.ndarray, u: np.ndarray, block: int = 128) -> np.ndarray:
+    """``G u`` from the packed row-major upper triangle, ``block`` rows at a time (no d×d matrix, no
+    index arrays of the triangle's size): rows ``i0..i1``' parts ``G[i, i:]`` give ``(G u)_i`` and,
+    transposed, the mirrored entries' ``G[i, j] u_i`` for ``j ≥ i0`` (the diagonal counted once)."""
     dim = u.shape[0]
     out = np.zeros(dim)
     start = 0
-    for i in range(dim):
-        row = packed[start : start + dim - i]
-        out[i] += float(row @ u[i:])
-        out[i + 1 :] += row[1:] * u[i]
-        start += dim - i
+    for i0 in range(0, dim, block):
+        i1 = min(i0 + block, dim)
+        rows = np.zeros((i1 - i0, dim - i0))
+        for i in range(i0, i1):
+            rows[i - i0, i - i0 :] = packed[start : start + dim - i]
+            start += dim - i
+        out[i0:i1] += rows @ u[i0:]
+        out[i0:] += rows.T @ u[i0:i1]
+        out[i0:i1] -= np.diagonal(rows[:, : i1 - i0]) * u[i0:i1]
     return out
 
 

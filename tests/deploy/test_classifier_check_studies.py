@@ -107,3 +107,17 @@ def test_the_studies_not_covered_say_why(tmp_path: Path) -> None:
     }
     for words, case in cases.items():
         assert words in str(not_offered(case, ids))
+
+
+@pytest.mark.parametrize("dim", [1, 127, 128, 129, 300])
+def test_a_nodes_gram_times_u_from_its_packed_triangle_is_the_full_products(dim: int) -> None:
+    import numpy as np
+
+    from secure_afl.deploy.verify import _gram_times
+
+    rng = np.random.default_rng(dim)
+    rows = rng.random((20, dim))
+    gram, u = rows.T @ rows, rng.uniform(-1, 1, dim)
+    expected = gram @ u
+    got = _gram_times(gram[np.triu_indices(dim)], u)
+    assert np.abs(got - expected).max() <= 1e-13 * np.abs(gram).sum(axis=1).max()
