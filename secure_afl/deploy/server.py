@@ -354,8 +354,10 @@ class FederationServer:
     def _verify_classifier(self, replies: Mapping[int, Envelope]) -> tuple[str, ...]:
         """The classifier check's relays (secure_afl.deploy.verify); who stored the classifier: a
         node that held it until verified counts once it verified it."""
-        sums = self.accumulated.sums if self.accumulated is not None else {}  # global balance: the counts
-        counts = count_claims(self.check.form, self.check.n_classes, sums)
+        # Global balance and DP (the additive layout): the count sums the solve divided by, relayed
+        # with the reveals; none kept (the nodes then refuse the check for want of them).
+        kept = self.accumulated
+        counts = {} if kept is None else count_claims(self.check.form, self.check.n_classes, kept.sums)
         timeout = self.round_timeout
         verified = self.check.run(self.transport, self._node_of, replies, timeout, self.log, counts)
         self.report.seconds["verify"] = self.check.seconds

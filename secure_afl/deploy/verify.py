@@ -42,7 +42,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from secure_afl.core.randomness import OsRandomSource, RandomSource
 from secure_afl.protocol import verify as pv
 
 from .errors import ConfigurationError, DeploymentError
@@ -287,11 +286,12 @@ def decide(
 
 def commit_meta(
     label: str, study: Study, roster_ids: Collection[str], client_id: str, identity: IdentityKey,
-    session_id: bytes, state: Any, require: str, random: RandomSource | None = None,
+    session_id: bytes, require: str,
 ) -> dict[str, str]:  # fmt: skip
     """At a session's R0: refuse a study the check does not cover when this node requires it; for
-    one it covers, draw the check's secret, keep it (the node's local state) and return the signed
-    commitment for the advertisement reply's metadata."""
+    one it covers, the signed commitment to the check's secret (derived from the identity key and
+    the session id: :meth:`~secure_afl.protocol.verify.VerifySecret.derive`, so the node keeps no
+    state for it until its session is done) for the advertisement reply's metadata."""
     if label != "1":
         return {}
     why = not_offered(study, roster_ids)
@@ -302,24 +302,27 @@ def commit_meta(
                 f'{REQUIRE_KEY}="when-offered" in the node config to take part without the check'
             )
         return {}  # no record: the classifier is stored unverified
-    secret = pv.VerifySecret.draw(random or OsRandomSource())
-    commitment = pv.commit(secret, client_id, session_id, identity.private_key)
-    state.save(
-        STATE_LABEL,
-        {"status": "committed", "session_id": session_id.hex(), "client_id": client_id, "nonce": secret.nonce,
-         "key": secret.key,
-         "commitment": commitment.to_text(), "gamma": study.method.gamma, "frac_bits": study.frac_bits,
-         "gram": "global" if study.dp is not None else study.method.gram, "form": rhs_form(study)},
-    )  # fmt: skip
-    return {"verify-commit": commitment.to_text()}
+    secret = pv.VerifySecret.derive(identity.private_key, client_id, session_id)
+    return {"verify-commit": pv.commit(secret, client_id, session_id, identity.private_key).to_text()}
 
 
 def keep_inputs(label: str, saved: Mapping[str, Any], state: Any) -> None:
-    """At the end of session 1: keep the values this node uploaded for its terms (until the check)."""
-    record = state.load(STATE_LABEL)
-    if label == "1" and record is not None and record.get("session_id") == saved.get("session_id"):
-        state.save(STATE_INPUTS, {"session_id": saved["session_id"], "inputs": dict(saved["inputs"])})
-        state.save(STATE_LABEL, {**record, "kept": True})
+    """At the end of session 1 of a study the check covers (its R0 reply carried the commitment):
+    keep the values this node uploaded for its terms (until the check), and what the terms need."""
+    from .study import Study
+
+    if label != "1":
+        return
+    study = Study.from_json(str(saved["study"]))
+    if not_offered(study, ()) is not None:
+        return
+    state.save(STATE_INPUTS, {"session_id": saved["session_id"], "inputs": dict(saved["inputs"])})
+    state.save(
+        STATE_LABEL,
+        {"status": "committed", "session_id": saved["session_id"], "client_id": saved["client_id"],
+         "gamma": study.method.gamma, "frac_bits": study.frac_bits, "form": rhs_form(study),
+         "gram": "global" if study.dp is not None else study.method.gram, "kept": True},
+    )  # fmt: skip
 
 
 @dataclass
@@ -342,13 +345,14 @@ def _commitments(meta: Mapping[str, Any], session_id: bytes) -> dict[str, pv.Com
 
 def begin_check(
     classifier: Classifier, payload: bytes, meta: Mapping[str, Any], state: Any, roster: Roster,
-    client_id: str, require: str,
+    client_id: str, require: str, identity_of: Callable[[], tuple[str, IdentityKey]],
 ) -> Held:  # fmt: skip
     """On the classifier's delivery: check every survivor's commitment (this node's own included,
     each signed by its roster key) and reveal this node's nonce; hold the classifier unless this
-    node stores every classifier (``false``: a classifier it cannot check is then stored unverified)."""
+    node stores every classifier (``false``: a classifier it cannot check is then stored unverified).
+    ``identity_of``: the node's roster id and identity key (the secret is derived from it)."""
     try:
-        return _begin_check(classifier, payload, meta, state, roster, client_id, require)
+        return _begin_check(classifier, payload, meta, state, roster, client_id, require, identity_of)
     except (pv.VerificationError, UnverifiedClassifierError) as exc:
         if require != "false":
             raise
@@ -357,7 +361,7 @@ def begin_check(
 
 def _begin_check(
     classifier: Classifier, payload: bytes, meta: Mapping[str, Any], state: Any, roster: Roster,
-    client_id: str, require: str,
+    client_id: str, require: str, identity_of: Callable[[], tuple[str, IdentityKey]],
 ) -> Held:  # fmt: skip
     record = state.load(STATE_LABEL)
     if record is None:  # the study is not checked (no commitment was made in R0)
@@ -376,7 +380,8 @@ def _begin_check(
         raise pv.VerificationError(
             f"the classifier's survivors {survivors} omit {client_id}, whose masked values the session summed"
         )
-    own = pv.Commitment.from_text(client_id, session_id, record["commitment"])
+    secret = _secret(identity_of, client_id, session_id)
+    own = pv.commit(secret, client_id, session_id, identity_of()[1].private_key)  # Ed25519: R0's bytes
     commitments = _commitments(meta, session_id)
     keys = {entry.client_id: entry.public_key for entry in roster}
     pv.check_commitments(commitments, survivors, keys, own)
@@ -386,7 +391,28 @@ def _begin_check(
         {**record, "status": "revealed", "classifier": payload, "held": hold,
          "commitments": json.dumps({c: x.to_text() for c, x in commitments.items()})},
     )  # fmt: skip
-    return Held(hold, {"verify-reveal": bytes(record["nonce"]).hex()})
+    return Held(hold, {"verify-reveal": secret.nonce.hex()})
+
+
+def loaded_once(load: Callable[[], tuple[str, IdentityKey]]) -> Callable[[], tuple[str, IdentityKey]]:
+    """``load`` (the node's identity: its passphrase, scrypt), called on first use only."""
+    loaded: list[tuple[str, IdentityKey]] = []
+
+    def identity() -> tuple[str, IdentityKey]:
+        if not loaded:
+            loaded.append(load())
+        return loaded[0]
+
+    return identity
+
+
+def _secret(
+    identity_of: Callable[[], tuple[str, IdentityKey]], client_id: str, session_id: bytes
+) -> pv.VerifySecret:
+    signer, identity = identity_of()
+    if signer != client_id:
+        raise UnverifiedClassifierError("the identity key changed since the session")
+    return pv.VerifySecret.derive(identity.private_key, client_id, session_id)
 
 
 def answer_check(
@@ -432,17 +458,14 @@ def answer_check(
             inputs, classifier.weights, u, gram=str(record["gram"]), frac_bits=int(record["frac_bits"]),
             form=form, counts=counts,
         )  # fmt: skip
-        secret = pv.VerifySecret(bytes(record["nonce"]), bytes(record["key"]))
+        secret = _secret(identity_of, client_id, session_id)
         words = pv.mask(terms, client_id, secret, commitments, seed)
-        signer, identity = identity_of()
-        if signer != client_id:
-            raise UnverifiedClassifierError("the identity key changed since the session")
+        identity = identity_of()[1]
         masked = pv.sign_masked(client_id, words, seed, identity.private_key)
         state.save(STATE_INPUTS, {"session_id": record["session_id"]})  # the values are no longer needed
-        rest = {k: v for k, v in record.items() if k != "key"}  # the mask key neither
         state.save(
             STATE_LABEL,
-            {**rest, "status": "masked", "seed": seed, "masked": masked.to_text(), "solve_gamma": gamma,
+            {**record, "status": "masked", "seed": seed, "masked": masked.to_text(), "solve_gamma": gamma,
              "counts": json.dumps(counts)},
         )  # fmt: skip
         return Envelope("reply", {"round": round_name, "verify-masked": masked.to_text()})

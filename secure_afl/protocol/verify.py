@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
@@ -39,6 +39,7 @@ TRANSCRIPT_DOMAIN = b"secure-afl/v1/verify-transcript"
 CHALLENGE_DOMAIN = b"secure-afl/v1/verify-challenge"
 MASK_DOMAIN = b"secure-afl/v1/verify-mask"
 MASKED_DOMAIN = b"secure-afl/v1/verify-masked"
+SECRET_DOMAIN = b"secure-afl/v1/verify-secret"
 
 FRAC_BITS = 128  # a float64 scalar below 2^126 in magnitude is held exactly down to 2^-128
 MODULUS = 2**256
@@ -58,6 +59,19 @@ class VerifySecret:
     @classmethod
     def draw(cls, random: RandomSource) -> VerifySecret:
         return cls(random.token_bytes(32), random.token_bytes(crypto.KEY_BYTES))
+
+    @classmethod
+    def derive(cls, identity: Ed25519PrivateKey, client_id: str, session_id: bytes) -> VerifySecret:
+        """The participant's secret for one session, from its identity key (HKDF-SHA256, info: the
+        domain, the session id and its id): unpredictable to anyone without that key, and derived
+        again when needed, so nothing secret is kept between a session's messages."""
+        seed = identity.private_bytes(
+            serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption()
+        )
+        info = tagged_fields(SECRET_DOMAIN, session_id, client_id)
+        kdf = HKDF(algorithm=hashes.SHA256(), length=32 + crypto.KEY_BYTES, salt=None, info=info)
+        derived = kdf.derive(seed)
+        return cls(derived[:32], derived[32:])
 
     def public_key(self) -> bytes:
         return crypto.x25519_public_bytes(X25519PrivateKey.from_private_bytes(self.key))

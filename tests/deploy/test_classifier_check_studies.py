@@ -121,3 +121,20 @@ def test_a_nodes_gram_times_u_from_its_packed_triangle_is_the_full_products(dim:
     expected = gram @ u
     got = _gram_times(gram[np.triu_indices(dim)], u)
     assert np.abs(got - expected).max() <= 1e-13 * np.abs(gram).sum(axis=1).max()
+
+
+def test_the_checks_secret_is_derived_from_the_identity_key_for_each_session_and_node() -> None:
+    from secure_afl.keys import IdentityKey
+    from secure_afl.protocol.verify import VerifySecret
+
+    key, other = IdentityKey.generate(), IdentityKey.generate()
+    one, two = bytes(32), bytes([1]) * 32
+    secret = VerifySecret.derive(key.private_key, "client-0", one)
+    assert secret == VerifySecret.derive(key.private_key, "client-0", one)  # derived again, never stored
+    others = {
+        VerifySecret.derive(key.private_key, "client-0", two),
+        VerifySecret.derive(key.private_key, "client-1", one),
+        VerifySecret.derive(other.private_key, "client-0", one),
+    }
+    assert len(others) == 3 and secret not in others
+    assert all(len(s.nonce) == 32 and s.nonce != s.key for s in (secret, *others))
