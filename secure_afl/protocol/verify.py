@@ -2,7 +2,8 @@
 
 The deployment's classifier check (:mod:`secure_afl.deploy.verify`) uses it; this module knows
 nothing of what the scalars mean.  Each participant draws a :class:`VerifySecret` (a 32-byte nonce
-``r`` and a fresh X25519 key) and, before the value to check exists, signs a :class:`Commitment` to
+``r`` and a fresh X25519 key; the deployment derives it from its identity key and the session id,
+:meth:`VerifySecret.derive`) and, before the value to check exists, signs a :class:`Commitment` to
 ``H(r)`` and its X25519 public key with its identity key.  Once the value is fixed (its digest
 ``context``), every participant checks every commitment (:func:`check_commitments`), reveals ``r``;
 the challenge seed is :func:`transcript` over the context, every commitment and every ``r`` (roster
@@ -64,7 +65,9 @@ class VerifySecret:
     def derive(cls, identity: Ed25519PrivateKey, client_id: str, session_id: bytes) -> VerifySecret:
         """The participant's secret for one session, from its identity key (HKDF-SHA256, info: the
         domain, the session id and its id): unpredictable to anyone without that key, and derived
-        again when needed, so nothing secret is kept between a session's messages."""
+        again when needed, so nothing secret is kept between a session's messages.  ``r`` is the same
+        whenever the session id is: the caller must reveal it for one session id only (the deployment:
+        a session completes once, R8, and its check is answered once)."""
         seed = identity.private_bytes(
             serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption()
         )
