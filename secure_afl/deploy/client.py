@@ -1149,9 +1149,11 @@ def _store_classifier(envelope: Envelope, state: LocalState, settings: NodeSetti
                 f"institution took part in {saved['session_id'][:16]}..."
             )
         mine[session["label"]] = saved["client_id"]
-    held = begin_check(
-        classifier, envelope.payload, envelope.meta, state, roster, mine["1"], settings.require_verified
-    )
+    from .verify import loaded_once
+
+    identity = loaded_once(lambda: node_identity(settings, roster))  # the check's secret derives from it
+    meta, require = envelope.meta, settings.require_verified
+    held = begin_check(classifier, envelope.payload, meta, state, roster, mine["1"], require, identity)
     if held.hold:  # stored only once every survivor verified it (verify.py)
         digest = _sha256(envelope.payload)
         log(settings, f"holding the classifier until every survivor checked it (sha256 {digest[:16]}...)")
@@ -1184,13 +1186,13 @@ def _verify_commitment(
 
     ids = [entry.client_id for entry in roster]
     session_id = request.config.session_id  # type: ignore[attr-defined]
-    return commit_meta(label, study, ids, client_id, identity, session_id, state, settings.require_verified)
+    return commit_meta(label, study, ids, client_id, identity, session_id, settings.require_verified)
 
 
 def _check_classifier(envelope: Envelope, state: LocalState, settings: NodeSettings) -> Envelope:
     """A ``verify`` message of the classifier check (secure_afl.deploy.verify)."""
-    from .verify import answer_check
+    from .verify import answer_check, loaded_once
 
     roster = node_roster(settings)
-    identity = lambda: node_identity(settings, roster)  # noqa: E731 - the passphrase only when signing
+    identity = loaded_once(lambda: node_identity(settings, roster))  # the passphrase only when needed
     return answer_check(envelope, state, roster, identity, settings.out_dir, lambda text: log(settings, text))

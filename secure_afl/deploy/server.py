@@ -53,7 +53,7 @@ from .study import (
     study_session_id,
 )
 from .sums import AccumulatedSums, chain_entry, is_additive
-from .verify import ServerCheck
+from .verify import ServerCheck, count_claims
 from .wire import Envelope
 
 
@@ -354,7 +354,12 @@ class FederationServer:
     def _verify_classifier(self, replies: Mapping[int, Envelope]) -> tuple[str, ...]:
         """The classifier check's relays (secure_afl.deploy.verify); who stored the classifier: a
         node that held it until verified counts once it verified it."""
-        verified = self.check.run(self.transport, self._node_of, replies, self.round_timeout, self.log)
+        # Global balance and DP (the additive layout): the count sums the solve divided by, relayed
+        # with the reveals; none kept (the nodes then refuse the check for want of them).
+        kept = self.accumulated
+        counts = {} if kept is None else count_claims(self.check.form, self.check.n_classes, kept.sums)
+        timeout = self.round_timeout
+        verified = self.check.run(self.transport, self._node_of, replies, timeout, self.log, counts)
         self.report.seconds["verify"] = self.check.seconds
         self.report.verified = verified
         for step, who, envelope in self.check.refusals:

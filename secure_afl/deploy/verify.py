@@ -16,11 +16,18 @@ advertisement reply carries ``verify-commit`` in its metadata; the classifier de
 masked terms (``verify-masked``); a ``verify`` envelope of round ``verify-sums`` relays every
 survivor's, and the node answers ``ack`` with ``verified`` (or refuses).
 
-Offered for one-round masking studies without DP, with client balance, not growing and without a
-difference plan (:func:`not_offered` says why otherwise).  A node's ``require-verified-classifier``:
-``when-offered`` (default: a classifier of a study the check covers is stored only once verified),
-``true`` (also refuses, in R0, every study the check does not cover), ``false`` (stores every
-classifier when received; a passing check adds the record).
+Offered for one-round masking studies (:func:`not_offered` says why otherwise: CKKS, round 2, growing
+chains, DP with ``--dp-dim`` or row centring).  Each class's right-hand side is the one the solve
+forms (:func:`rhs_parts`): client balance ``Σ b_k``; global balance ``pos/N⁺ − (feat − pos)/(N − N⁺)``;
+under DP the noisy sums over counts rounded and floored at 1, and ``γ`` plus the file's public ridge
+λ.  The coordinator relays the count sums it divided by with the reveals; each node forms its term
+with them and adds its own counts to its masked vector, and refuses unless the survivors' sums are
+exactly those relayed (the survivors learn the federation's counts per class).  A Gram sent by
+difference is the node's one ``G_k`` in every class it labels.  A DP solve that floored the noisy
+Gram's eigenvalues is no ridge solve: the node refuses it as unverified.  A node's
+``require-verified-classifier``: ``when-offered`` (default: a classifier of a study the check
+covers is stored only once verified), ``true`` (also refuses, in R0, every study the check does not
+cover), ``false`` (stores every classifier when received; a passing check adds the record).
 """
 
 from __future__ import annotations
@@ -35,7 +42,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from secure_afl.core.randomness import OsRandomSource, RandomSource
 from secure_afl.protocol import verify as pv
 
 from .errors import ConfigurationError, DeploymentError
@@ -80,21 +86,88 @@ def require_setting(value: object) -> str:
 
 def not_offered(study: Study, roster_ids: Collection[str]) -> str | None:
     """Why the check does not cover ``study`` (None: it does)."""
-    from .study import round1_plan
-
     if study.protection != "mask":
         return "CKKS studies are not checked (the key holder could decrypt a single survivor's term)"
-    if study.dp is not None:
-        return "DP studies are not checked (the solve's ridge and counts come from the noisy sums)"
     if study.method.rounds != 1:
-        return "two-round studies are not checked (round 2's refinement is not one linear system)"
-    if study.method.balance != "client":
-        return "balance=global is not checked (the right-hand side needs the federation's counts)"
+        return (
+            "two-round studies are not checked (round 2 runs only under a coordinator the nodes declared "
+            "honest-but-curious, and its right-hand side, pseudo-label sums over thresholds, is not modelled)"
+        )
     if study.extends:
-        return "growing studies are not checked (earlier sessions' survivors are not all present)"
-    if round1_plan(study, roster_ids)[1] is not None:
-        return "studies whose round 1 sends Grams by difference are not checked"
+        return (
+            "growing studies are not checked (the sums include earlier runs' uploads, which a node does "
+            "not keep past its run, so it cannot form its term)"
+        )
+    if study.dp is not None and (study.dp.projection_dim is not None or study.dp.row_centre):
+        return (
+            "DP studies with --dp-dim or row centring are not checked (the file holds the lifted weights "
+            "W = P W_K, not the solve's W_K)"
+        )
     return None
+
+
+# --- the linear system the solve fitted ------------------------------------------------------
+
+
+def rhs_form(study: Study) -> str:
+    """How the solve forms each class's right-hand side from the sums (:func:`rhs_parts`):
+    ``client`` (Σ b_k), ``global`` (counts over S_c, analytic.py), ``dp-split`` / ``dp-positives``
+    (the noisy sums, privacy/dp_solve.py's ``analytic_sums``)."""
+    if study.dp is not None:
+        return "dp-positives" if study.dp.class_sums == "positives" else "dp-split"
+    return study.method.balance
+
+
+def count_keys(form: str, n_classes: int) -> list[str]:
+    """The count tensors (``group|tensor``) whose sums the right-hand sides divide by."""
+    from secure_afl.privacy.dp import POSITIVE_COUNT, TOTAL_COUNT
+
+    if form == "global":
+        return [k for c in range(n_classes) for k in (f"class/{c}|n_pos/{c}", f"class/{c}|n")]
+    if form == "dp-split":
+        return [k for c in range(n_classes) for k in (f"class/{c}|n_pos/{c}", f"class/{c}|n_neg/{c}")]
+    if form == "dp-positives":
+        return [*(f"class/{c}|{POSITIVE_COUNT}/{c}" for c in range(n_classes)), f"all|{TOTAL_COUNT}"]
+    return []
+
+
+def count_claims(form: str, n_classes: int, sums: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
+    """The coordinator's side: the count sums it solved with (each node checks them in the sum)."""
+    out = {}
+    for key in count_keys(form, n_classes):
+        group, tensor = key.split("|", 1)
+        value = sums.get(group, {}).get(tensor)
+        out[key] = 0.0 if value is None else float(np.asarray(value, dtype=np.float64).ravel()[0])
+    return out
+
+
+def _noisy_count(value: float) -> int:
+    return max(1, round(value))  # as privacy/dp_solve.py: rounded, floored at one row
+
+
+def rhs_parts(form: str, c: int, counts: Mapping[str, float]) -> list[tuple[str, float]]:
+    """Class ``c``'s right-hand side as ``Σ coefficient · (the sum of a tensor)``, with the
+    coefficients the solve derives from the count sums ``counts``: ``(group|tensor, coefficient)``."""
+    from secure_afl.privacy.dp import POSITIVE_COUNT, POSITIVE_SUM, TOTAL_COUNT, TOTAL_SUM
+
+    group = f"class/{c}"
+    if form == "client":
+        return [(f"{group}|b/{c}", 1.0)]
+    if form == "global":  # analytic.balanced_projection: pos/N⁺ − (feat − pos)/(N − N⁺), an empty side 0
+        n_pos, n = round(counts[f"{group}|n_pos/{c}"]), round(counts[f"{group}|n"])
+        a = 1.0 / n_pos if n_pos else 0.0
+        b = 1.0 / (n - n_pos) if n - n_pos else 0.0
+        return [(f"{group}|pos_sum/{c}", a + b), (f"{group}|feat_sum", -b)]
+    if form == "dp-split":  # pos/N⁺ − neg/N⁻, each noisy count rounded and floored at 1
+        n_pos, n_neg = _noisy_count(counts[f"{group}|n_pos/{c}"]), _noisy_count(counts[f"{group}|n_neg/{c}"])
+        return [(f"{group}|pos_sum/{c}", 1.0 / n_pos), (f"{group}|neg_sum/{c}", -1.0 / n_neg)]
+    if form == "dp-positives":  # the positives' weighted mean minus the federation's mean
+        weighted = counts[f"{group}|{POSITIVE_COUNT}/{c}"]
+        n_pos = _noisy_count(weighted)
+        scale = n_pos / max(weighted, 1.0)
+        n_total = _noisy_count(counts[f"all|{TOTAL_COUNT}"])
+        return [(f"{group}|{POSITIVE_SUM}/{c}", scale / n_pos), (f"all|{TOTAL_SUM}", -1.0 / n_total)]
+    raise UnverifiedClassifierError(f"unknown right-hand side form {form!r}")
 
 
 # --- the Freivalds terms ---------------------------------------------------------------------
@@ -105,44 +178,69 @@ def _encoded(values: np.ndarray, frac_bits: int) -> np.ndarray:
     return np.rint(np.asarray(values, dtype=np.float64) * 2.0**frac_bits) * 2.0**-frac_bits
 
 
+def _gram_times(packed: np.ndarray, u: np.ndarray, block: int = 128) -> np.ndarray:
+    """``G u`` from the packed row-major upper triangle, ``block`` rows at a time (no d×d matrix, no
+    index arrays of the triangle's size): rows ``i0..i1``' parts ``G[i, i:]`` give ``(G u)_i`` and,
+    transposed, the mirrored entries' ``G[i, j] u_i`` for ``j ≥ i0`` (the diagonal counted once)."""
+    dim = u.shape[0]
+    out = np.zeros(dim)
+    start = 0
+    for i0 in range(0, dim, block):
+        i1 = min(i0 + block, dim)
+        rows = np.zeros((i1 - i0, dim - i0))
+        for i in range(i0, i1):
+            rows[i - i0, i - i0 :] = packed[start : start + dim - i]
+            start += dim - i
+        out[i0:i1] += rows @ u[i0:]
+        out[i0:] += rows.T @ u[i0:i1]
+        out[i0:i1] -= np.diagonal(rows[:, : i1 - i0]) * u[i0:i1]
+    return out
+
+
 def node_terms(
-    inputs: Mapping[str, np.ndarray], weights: np.ndarray, u: np.ndarray, *, gram: str, frac_bits: int
-) -> list[float]:
-    """This survivor's ``[t_0, ..., t_{C-1}, m_k]``: ``t_c = uᵀ G_k w_c − uᵀ b_{k,c}`` over the groups
-    it is in (``inputs``: ``"group|tensor"`` -> the flat values it uploaded), and its scale
-    ``m_k = max ‖G_k‖_F + max_c ‖b_{k,c}‖₂``."""
+    inputs: Mapping[str, np.ndarray], weights: np.ndarray, u: np.ndarray, *, gram: str, frac_bits: int,
+    form: str = "client", counts: Mapping[str, float] | None = None,
+) -> list[float]:  # fmt: skip
+    """This survivor's ``[t_0, ..., t_{C-1}, m_k, its counts...]``: ``t_c = uᵀ G_k w_c − uᵀ b_{k,c}``
+    (``inputs``: ``"group|tensor"`` -> the flat values it uploaded; ``G_k`` enters class ``c`` when
+    the Gram is global or ``k`` is in ``S_c``, whatever wire groups carried it; ``b_{k,c}`` is its
+    part of :func:`rhs_parts` under the relayed count sums ``counts``), its scale
+    ``m_k = ‖G_k‖_F + max_c Σ_parts |coefficient| ‖x‖₂``, then its own values of :func:`count_keys`."""
     n_classes, dim = weights.shape[1], weights.shape[0]
-    projected: dict[str, np.ndarray] = {}
+    counts = counts or {}
+    projected: np.ndarray | None = None
     fro = 0.0
-    rows = np.repeat(np.arange(dim), dim - np.arange(dim))  # each packed entry's row and column
-    starts = np.arange(dim) * dim - np.arange(dim) * (np.arange(dim) - 1) // 2  # row i's first: G[i, i]
-    columns = np.arange(rows.size) - starts[rows] + rows
-    for key, values in inputs.items():
-        group, tensor = key.split("|", 1)
-        if tensor == "gram":
-            packed = _encoded(values, frac_bits)  # the row-major upper triangle: BLAS's column-major lower
-            if packed.shape != (dim * (dim + 1) // 2,):
-                raise UnverifiedClassifierError(
-                    f"this node's {key} has {packed.size} values, not a {dim}-d Gram"
-                )
-            # G u from the packed triangle (no d×d matrix): the upper part by rows, its mirror by columns
-            upper = np.add.reduceat(packed * u[columns], starts)
-            lower = np.bincount(columns, weights=packed * u[rows], minlength=dim)
-            diagonal = packed[starts]
-            projected[group] = upper + lower - diagonal * u
-            fro = max(fro, float(np.sqrt(max(0.0, 2 * float(packed @ packed) - float(diagonal @ diagonal)))))
+    grams = [key for key in inputs if key.split("|", 1)[1] == "gram"]
+    if grams:  # one value G_k in every group that carries it (analytic.py's name space)
+        packed = _encoded(inputs[grams[0]], frac_bits)  # the row-major upper triangle
+        if packed.shape != (dim * (dim + 1) // 2,):
+            raise UnverifiedClassifierError(
+                f"this node's {grams[0]} has {packed.size} values, not a {dim}-d Gram"
+            )
+        if any(not np.array_equal(_encoded(inputs[key], frac_bits), packed) for key in grams[1:]):
+            raise UnverifiedClassifierError("this node's Gram differs between its groups")
+        projected = _gram_times(packed, u)
+        starts = np.arange(dim) * dim - np.arange(dim) * (np.arange(dim) - 1) // 2  # row i's first: G[i, i]
+        diagonal = packed[starts]
+        fro = float(np.sqrt(max(0.0, 2 * float(packed @ packed) - float(diagonal @ diagonal))))
+    groups = {key.split("|", 1)[0] for key in inputs}
     terms = np.zeros(n_classes)
     b_norm = 0.0
     for c in range(n_classes):
-        gram_group = "all" if gram == "global" else f"class/{c}"
-        if gram_group in projected:
-            terms[c] += float(projected[gram_group] @ weights[:, c])
-        b = inputs.get(f"class/{c}|b/{c}")
-        if b is not None:
-            encoded = _encoded(b, frac_bits)
-            terms[c] -= float(u @ encoded)
-            b_norm = max(b_norm, float(np.linalg.norm(encoded)))
-    return [*terms.tolist(), fro + b_norm]
+        if projected is not None and (gram == "global" or f"class/{c}" in groups):
+            terms[c] += float(projected @ weights[:, c])
+        norm = 0.0
+        for key, coefficient in rhs_parts(form, c, counts):
+            if key in inputs and coefficient != 0.0:
+                encoded = _encoded(inputs[key], frac_bits)
+                terms[c] -= coefficient * float(u @ encoded)
+                norm += abs(coefficient) * float(np.linalg.norm(encoded))
+        b_norm = max(b_norm, norm)
+    own_counts = [
+        float(_encoded(inputs[key], frac_bits).ravel()[0]) if key in inputs else 0.0
+        for key in count_keys(form, n_classes)
+    ]
+    return [*terms.tolist(), fro + b_norm, *own_counts]
 
 
 def rho(dim: int) -> float:
@@ -151,10 +249,22 @@ def rho(dim: int) -> float:
     return RHO_PER_DIM * dim
 
 
-def decide(sums: list[float], weights: np.ndarray, u: np.ndarray, gamma: float) -> tuple[bool, list[float]]:
-    """Accept iff every class's residual is within the bound; also each class's residual/bound."""
+def decide(
+    sums: list[float],
+    weights: np.ndarray,
+    u: np.ndarray,
+    gamma: float,
+    counts: Mapping[str, float] | None = None,
+) -> tuple[bool, list[float]]:
+    """Accept iff every class's residual is within the bound and the survivors' count sums (after
+    ``C + 1`` terms and scale) are the ``counts`` the coordinator relayed; also each class's
+    residual/bound."""
     n_classes = weights.shape[1]
     scale = sums[n_classes]
+    claimed = list((counts or {}).values())
+    if len(sums) != n_classes + 1 + len(claimed):
+        expected = n_classes + 1 + len(claimed)
+        raise pv.VerificationError(f"the summed check has {len(sums)} values, not {expected}")
     u_norm = float(np.linalg.norm(u))
     ratios = []
     for c in range(n_classes):
@@ -162,6 +272,12 @@ def decide(sums: list[float], weights: np.ndarray, u: np.ndarray, gamma: float) 
         residual = abs(sums[c] + gamma * float(u @ w))
         bound = rho(len(u)) * u_norm * ((scale + gamma) * float(np.linalg.norm(w)) + scale)
         ratios.append(residual / bound if bound > 0 else float("inf"))
+    counted = sums[n_classes + 1 :]
+    if any(a != b for a, b in zip(counted, claimed, strict=True)):
+        raise ClassifierCheckFailedError(
+            f"the counts the coordinator relayed ({claimed}) are not the survivors' sums ({counted}): the "
+            "classifier was not solved with the session's counts; it is not stored as verified"
+        )
     return all(r <= 1.0 for r in ratios) and scale >= 0, ratios
 
 
@@ -170,11 +286,12 @@ def decide(sums: list[float], weights: np.ndarray, u: np.ndarray, gamma: float) 
 
 def commit_meta(
     label: str, study: Study, roster_ids: Collection[str], client_id: str, identity: IdentityKey,
-    session_id: bytes, state: Any, require: str, random: RandomSource | None = None,
+    session_id: bytes, require: str,
 ) -> dict[str, str]:  # fmt: skip
     """At a session's R0: refuse a study the check does not cover when this node requires it; for
-    one it covers, draw the check's secret, keep it (the node's local state) and return the signed
-    commitment for the advertisement reply's metadata."""
+    one it covers, the signed commitment to the check's secret (derived from the identity key and
+    the session id: :meth:`~secure_afl.protocol.verify.VerifySecret.derive`, so the node keeps no
+    state for it until its session is done) for the advertisement reply's metadata."""
     if label != "1":
         return {}
     why = not_offered(study, roster_ids)
@@ -185,24 +302,27 @@ def commit_meta(
                 f'{REQUIRE_KEY}="when-offered" in the node config to take part without the check'
             )
         return {}  # no record: the classifier is stored unverified
-    secret = pv.VerifySecret.draw(random or OsRandomSource())
-    commitment = pv.commit(secret, client_id, session_id, identity.private_key)
-    state.save(
-        STATE_LABEL,
-        {"status": "committed", "session_id": session_id.hex(), "client_id": client_id, "nonce": secret.nonce,
-         "key": secret.key,
-         "commitment": commitment.to_text(), "gram": study.method.gram, "gamma": study.method.gamma,
-         "frac_bits": study.frac_bits},
-    )  # fmt: skip
-    return {"verify-commit": commitment.to_text()}
+    secret = pv.VerifySecret.derive(identity.private_key, client_id, session_id)
+    return {"verify-commit": pv.commit(secret, client_id, session_id, identity.private_key).to_text()}
 
 
 def keep_inputs(label: str, saved: Mapping[str, Any], state: Any) -> None:
-    """At the end of session 1: keep the values this node uploaded for its terms (until the check)."""
-    record = state.load(STATE_LABEL)
-    if label == "1" and record is not None and record.get("session_id") == saved.get("session_id"):
-        state.save(STATE_INPUTS, {"session_id": saved["session_id"], "inputs": dict(saved["inputs"])})
-        state.save(STATE_LABEL, {**record, "kept": True})
+    """At the end of session 1 of a study the check covers (its R0 reply carried the commitment):
+    keep the values this node uploaded for its terms (until the check), and what the terms need."""
+    from .study import Study
+
+    if label != "1":
+        return
+    study = Study.from_json(str(saved["study"]))
+    if not_offered(study, ()) is not None:
+        return
+    state.save(STATE_INPUTS, {"session_id": saved["session_id"], "inputs": dict(saved["inputs"])})
+    state.save(
+        STATE_LABEL,
+        {"status": "committed", "session_id": saved["session_id"], "client_id": saved["client_id"],
+         "gamma": study.method.gamma, "frac_bits": study.frac_bits, "form": rhs_form(study),
+         "gram": "global" if study.dp is not None else study.method.gram, "kept": True},
+    )  # fmt: skip
 
 
 @dataclass
@@ -225,13 +345,14 @@ def _commitments(meta: Mapping[str, Any], session_id: bytes) -> dict[str, pv.Com
 
 def begin_check(
     classifier: Classifier, payload: bytes, meta: Mapping[str, Any], state: Any, roster: Roster,
-    client_id: str, require: str,
+    client_id: str, require: str, identity_of: Callable[[], tuple[str, IdentityKey]],
 ) -> Held:  # fmt: skip
     """On the classifier's delivery: check every survivor's commitment (this node's own included,
     each signed by its roster key) and reveal this node's nonce; hold the classifier unless this
-    node stores every classifier (``false``: a classifier it cannot check is then stored unverified)."""
+    node stores every classifier (``false``: a classifier it cannot check is then stored unverified).
+    ``identity_of``: the node's roster id and identity key (the secret is derived from it)."""
     try:
-        return _begin_check(classifier, payload, meta, state, roster, client_id, require)
+        return _begin_check(classifier, payload, meta, state, roster, client_id, require, identity_of)
     except (pv.VerificationError, UnverifiedClassifierError) as exc:
         if require != "false":
             raise
@@ -240,7 +361,7 @@ def begin_check(
 
 def _begin_check(
     classifier: Classifier, payload: bytes, meta: Mapping[str, Any], state: Any, roster: Roster,
-    client_id: str, require: str,
+    client_id: str, require: str, identity_of: Callable[[], tuple[str, IdentityKey]],
 ) -> Held:  # fmt: skip
     record = state.load(STATE_LABEL)
     if record is None:  # the study is not checked (no commitment was made in R0)
@@ -259,7 +380,8 @@ def _begin_check(
         raise pv.VerificationError(
             f"the classifier's survivors {survivors} omit {client_id}, whose masked values the session summed"
         )
-    own = pv.Commitment.from_text(client_id, session_id, record["commitment"])
+    secret = _secret(identity_of, client_id, session_id)
+    own = pv.commit(secret, client_id, session_id, identity_of()[1].private_key)  # Ed25519: R0's bytes
     commitments = _commitments(meta, session_id)
     keys = {entry.client_id: entry.public_key for entry in roster}
     pv.check_commitments(commitments, survivors, keys, own)
@@ -269,7 +391,28 @@ def _begin_check(
         {**record, "status": "revealed", "classifier": payload, "held": hold,
          "commitments": json.dumps({c: x.to_text() for c, x in commitments.items()})},
     )  # fmt: skip
-    return Held(hold, {"verify-reveal": bytes(record["nonce"]).hex()})
+    return Held(hold, {"verify-reveal": secret.nonce.hex()})
+
+
+def loaded_once(load: Callable[[], tuple[str, IdentityKey]]) -> Callable[[], tuple[str, IdentityKey]]:
+    """``load`` (the node's identity: its passphrase, scrypt), called on first use only."""
+    loaded: list[tuple[str, IdentityKey]] = []
+
+    def identity() -> tuple[str, IdentityKey]:
+        if not loaded:
+            loaded.append(load())
+        return loaded[0]
+
+    return identity
+
+
+def _secret(
+    identity_of: Callable[[], tuple[str, IdentityKey]], client_id: str, session_id: bytes
+) -> pv.VerifySecret:
+    signer, identity = identity_of()
+    if signer != client_id:
+        raise UnverifiedClassifierError("the identity key changed since the session")
+    return pv.VerifySecret.derive(identity.private_key, client_id, session_id)
 
 
 def answer_check(
@@ -304,22 +447,27 @@ def answer_check(
         pv.check_reveals(commitments, reveals)
         seed = pv.transcript(context, commitments, reveals)
         u = pv.challenge(seed, classifier.weights.shape[0])
+        form = str(record.get("form", "client"))
+        counts = _relayed_counts(envelope, form, classifier.weights.shape[1])
+        gamma = _solve_gamma(float(record["gamma"]), classifier)
         kept = state.load(STATE_INPUTS) or {}
         if kept.get("session_id") != record["session_id"] or "inputs" not in kept:
             raise UnverifiedClassifierError("this node no longer holds its session-1 values to check with")
         inputs = {k: np.asarray(v, dtype=np.float64) for k, v in kept["inputs"].items()}
         terms = node_terms(
-            inputs, classifier.weights, u, gram=str(record["gram"]), frac_bits=int(record["frac_bits"])
-        )
-        secret = pv.VerifySecret(bytes(record["nonce"]), bytes(record["key"]))
+            inputs, classifier.weights, u, gram=str(record["gram"]), frac_bits=int(record["frac_bits"]),
+            form=form, counts=counts,
+        )  # fmt: skip
+        secret = _secret(identity_of, client_id, session_id)
         words = pv.mask(terms, client_id, secret, commitments, seed)
-        signer, identity = identity_of()
-        if signer != client_id:
-            raise UnverifiedClassifierError("the identity key changed since the session")
+        identity = identity_of()[1]
         masked = pv.sign_masked(client_id, words, seed, identity.private_key)
         state.save(STATE_INPUTS, {"session_id": record["session_id"]})  # the values are no longer needed
-        rest = {k: v for k, v in record.items() if k != "key"}  # the mask key neither
-        state.save(STATE_LABEL, {**rest, "status": "masked", "seed": seed, "masked": masked.to_text()})
+        state.save(
+            STATE_LABEL,
+            {**record, "status": "masked", "seed": seed, "masked": masked.to_text(), "solve_gamma": gamma,
+             "counts": json.dumps(counts)},
+        )  # fmt: skip
         return Envelope("reply", {"round": round_name, "verify-masked": masked.to_text()})
     if round_name != "verify-sums" or record.get("status") != "masked":
         raise pv.VerificationError(f"unexpected {round_name!r} message at this point of the check")
@@ -333,7 +481,8 @@ def answer_check(
     state.save(STATE_LABEL, {"status": "failed", "session_id": record["session_id"]})  # one decision
     sums = pv.unmask_sum(masked, commitments, keys, seed, own)
     u = pv.challenge(seed, classifier.weights.shape[0])
-    ok, ratios = decide(sums, classifier.weights, u, float(record["gamma"]))
+    counts = json.loads(str(record.get("counts", "{}")))
+    ok, ratios = decide(sums, classifier.weights, u, float(record["solve_gamma"]), counts)
     if not ok:
         bad = [c for c, r in enumerate(ratios) if not r <= 1.0]
         raise ClassifierCheckFailedError(
@@ -355,6 +504,40 @@ def answer_check(
         f"at most {max(ratios):.2g})"
     )
     return Envelope("ack", {"round": round_name, "verified": True, "sha256": document["classifier_sha256"]})
+
+
+def _relayed_counts(envelope: Envelope, form: str, n_classes: int) -> dict[str, float]:
+    """The count sums the coordinator says it solved with (checked against the survivors' sum)."""
+    keys = count_keys(form, n_classes)
+    if not keys:
+        return {}
+    try:
+        relayed = json.loads(envelope.text("counts"))
+        return {key: float(relayed[key]) for key in keys}
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise pv.VerificationError(
+            f"the check's challenge came without the count sums the solve used ({', '.join(keys)})"
+        ) from None
+
+
+def _solve_gamma(gamma: float, classifier: Classifier) -> float:
+    """γ, plus under DP the public ridge λ of the file's privacy record; a solve whose noisy Gram
+    had its eigenvalues floored is no ridge solve of the sums and cannot be checked."""
+    privacy = classifier.privacy
+    if privacy is None:
+        return gamma
+    if privacy.get("eigenvalue_floor"):
+        raise UnverifiedClassifierError(
+            "the DP solve floored the noisy Gram's eigenvalues (its ridge bound failed): the classifier is "
+            "not the ridge solve of the sums, so it cannot be checked; run the session again"
+        )
+    try:
+        ridge = float(privacy["ridge"])
+    except (KeyError, TypeError, ValueError):
+        raise UnverifiedClassifierError("the DP classifier's privacy record names no ridge") from None
+    if not np.isfinite(ridge) or ridge < 0:
+        raise ClassifierCheckFailedError(f"the DP classifier's ridge {ridge!r} is not a non-negative number")
+    return gamma + ridge
 
 
 def _store(out_dir: Path, payload: bytes, held: bool, log: Callable[[str], None]) -> list[Path]:
@@ -421,6 +604,7 @@ class ServerCheck:
 
     def __init__(self, study: Study, roster_ids: Collection[str]) -> None:
         self.offered = not_offered(study, roster_ids) is None
+        self.form, self.n_classes = rhs_form(study), study.n_classes
         self.commitments: dict[str, str] = {}
         self.verified: tuple[str, ...] = ()
         self.refusals: list[tuple[str, str, Envelope]] = []  # (step, client, its refusal)
@@ -441,24 +625,25 @@ class ServerCheck:
 
     def run(
         self, transport: Any, node_of: Mapping[str, int], replies: Mapping[int, Envelope], timeout: float,
-        log: Callable[[str], None],
+        log: Callable[[str], None], counts: Mapping[str, float] | None = None,
     ) -> tuple[str, ...]:  # fmt: skip
-        """The two relays after the delivery's ``replies``; returns who verified."""
+        """The two relays after the delivery's ``replies``; returns who verified.  ``counts``: the
+        count sums the solve divided by (:func:`count_claims`), relayed with the reveals."""
         import time
 
         if not self.offered:
             return ()
         started = time.perf_counter()
+        reveal_meta = {"counts": json.dumps(dict(counts))} if counts else {}
         client_of = {node: cid for cid, node in node_of.items()}
         reveals = {
             client_of[n]: str(e.meta["verify-reveal"])
             for n, e in replies.items()
             if e.kind == "ack" and "verify-reveal" in e.meta and n in client_of
         }
-        outgoing = {
-            node_of[c]: Envelope("verify", {"round": "verify-reveal", "reveals": json.dumps(reveals)})
-            for c in reveals
-        }
+        reveal_meta["reveals"] = json.dumps(reveals)
+        reveal_meta["round"] = "verify-reveal"
+        outgoing = {node_of[c]: Envelope("verify", dict(reveal_meta)) for c in reveals}
         answers = transport.exchange(outgoing, "verify-reveal", timeout)
         masked = {
             client_of[n]: str(e.meta["verify-masked"])

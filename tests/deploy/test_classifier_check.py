@@ -215,15 +215,13 @@ def test_a_node_that_stores_every_classifier_marks_it_verified_after_the_check(t
 def test_a_study_the_check_does_not_cover_is_stored_unverified_or_refused_where_required(
     tmp_path: Path,
 ) -> None:
-    every = {f"client-{k}": (0, 1, 2) for k in range(3)}  # global balance: each class group is everyone
-    federation = make_federation(
-        tmp_path / "default", n_clients=3, method=Method(balance="global"), active=every
-    )
+    two_rounds = Method(rounds=2, min_pos=1, min_neg=1, tau=0.5)  # round 2 is not checked
+    federation = make_federation(tmp_path / "default", n_clients=3, method=two_rounds)
     server, _, _ = run_server(federation)
     assert server.report.acknowledged == ("client-0", "client-1", "client-2") and server.report.verified == ()
     path = federation.nodes[1000].settings.out_dir / "classifier.json"
     assert verification_status(path).startswith("classifier check: NOT verified")
-    strict = make_federation(tmp_path / "strict", n_clients=3, method=Method(balance="global"), active=every)
+    strict = make_federation(tmp_path / "strict", n_clients=3, method=two_rounds)
     for node in strict.nodes.values():
         node.settings = dataclasses.replace(node.settings, require_verified="true")
     server = FederationServer(
