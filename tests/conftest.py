@@ -22,3 +22,24 @@ def fresh_python() -> Callable[..., subprocess.CompletedProcess[str]]:
         return done
 
     return run
+
+
+def _deploy_local_module(session: pytest.Session) -> object | None:
+    for item in session.items:
+        if item.path.name == "test_deploy_local.py" and item.path.parent.name == "deploy":
+            return getattr(item, "module", None)
+    return None
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """deploy local's federations (tests/deploy/test_deploy_local.py) start as the suite starts: they
+    take minutes, mostly waiting on Flower, and run beside the other tests instead of after them."""
+    module = _deploy_local_module(session)
+    if module is not None and not session.config.option.collectonly:
+        module.start_early(session)  # type: ignore[attr-defined]
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    module = _deploy_local_module(session)
+    if module is not None:
+        module.stop_early(session)  # type: ignore[attr-defined]

@@ -199,8 +199,9 @@ def test_split_pair_splits_at_the_metavars_separator() -> None:
 # command shows the name (it would then mean something else there).  Old names are hidden aliases.
 VOCABULARY = {
     "a party's own identity key directory (identity.key, identity.pub.json)": ("--key-dir", {
-        "deploy provision", "deploy collect", "deploy join", "deploy run", "deploy app", "keys init", "keys show",
-        "keys rotate", "keys roster show", "keys roster sign", "keys roster update", "keys roster verify"}),
+        "deploy provision", "deploy collect", "deploy join", "deploy run", "deploy app", "keys init",
+        "keys show", "keys rotate", "keys roster show", "keys roster sign", "keys roster update",
+        "keys roster verify"}),
     "the federation directory deploy provision writes": ("--federation-dir", {
         "deploy provision", "deploy collect"}),
     "the federation's name (FLWR_HOME/config.toml's [superlink.NAME])": ("--federation", {
@@ -219,8 +220,8 @@ VOCABULARY = {
         "audit show", "audit verify", "deploy node-metrics", "keys ledger reset", "keys ledger show",
         "keys roster update", "keys rotate"}),
     "the passphrase file": ("--passphrase-file", {
-        "deploy provision", "deploy collect", "deploy join", "deploy run", "deploy app", "keys init", "keys show",
-        "keys rotate", "keys roster sign"}),
+        "deploy provision", "deploy collect", "deploy join", "deploy run", "deploy app", "keys init",
+        "keys show", "keys rotate", "keys roster sign"}),
     "the directory deploy tls writes": ("--tls-dir", {"deploy superlink"}),
     "the Flower config directory": ("--flwr-home", {"deploy collect", "deploy run", "deploy app"}),
     "the frozen backbone": ("--backbone", {"sim", "deploy provision", "deploy app", "features extract"}),

@@ -895,7 +895,10 @@ def _start_session(envelope: Envelope, label: str, state: LocalState, settings: 
     request = backend.decode(envelope.payload, backend.client_policy.max_config_bytes)  # type: ignore[attr-defined]
     _check_protocol_parameters(request.config, study, len(roster))  # type: ignore[attr-defined]
     groups = {group.name for group in request.config.groups}  # type: ignore[attr-defined]
-    commitment = _verify_commitment(label, study, roster, client_id, identity, request, state, settings)
+    # The session's fresh randomness (drawn here, kept in its record): its keys, shares and masks, and
+    # the classifier check's secret (verify.py), which thus depends on no coordinator choice.
+    seed = os.urandom(32)
+    commitment = _verify_commitment(label, study, roster, client_id, identity, request, seed, settings)
     if study.dp is not None:
         _check_dp_session(
             study, data, client_id, roster, backend, request, str(envelope.meta.get("study-nonce", ""))
@@ -920,7 +923,6 @@ def _start_session(envelope: Envelope, label: str, state: LocalState, settings: 
     if spend:  # into the ledger with the release, at its release point (R3), signed
         release = replace(release, spend=spend)
     _settle_earlier_sessions(label, state)
-    seed = os.urandom(32)
     ledger, colluders = _ledger(settings), settings.colluders
     rows = committed_rows(study, inputs, release)
     session = _client_session(
@@ -941,6 +943,7 @@ def _start_session(envelope: Envelope, label: str, state: LocalState, settings: 
             "inputs": {f"{g}|{t}": v for g, tensors in inputs.items() for t, v in tensors.items()},
             "release": json.dumps(release.to_json()),
             "rows": json.dumps(rows),  # the committed counts (JSON: Flower's records hold no mappings)
+            **commitment,  # the classifier check's signed commitment (verify.keep_inputs keeps it)
         },
     )
     record_accepted(envelope, state, settings, client_id, identity, roster)  # or the session is refused
@@ -1149,11 +1152,9 @@ def _store_classifier(envelope: Envelope, state: LocalState, settings: NodeSetti
                 f"institution took part in {saved['session_id'][:16]}..."
             )
         mine[session["label"]] = saved["client_id"]
-    from .verify import loaded_once
-
-    identity = loaded_once(lambda: node_identity(settings, roster))  # the check's secret derives from it
-    meta, require = envelope.meta, settings.require_verified
-    held = begin_check(classifier, envelope.payload, meta, state, roster, mine["1"], require, identity)
+    held = begin_check(
+        classifier, envelope.payload, envelope.meta, state, roster, mine["1"], settings.require_verified
+    )
     if held.hold:  # stored only once every survivor verified it (verify.py)
         digest = _sha256(envelope.payload)
         log(settings, f"holding the classifier until every survivor checked it (sha256 {digest[:16]}...)")
@@ -1179,14 +1180,14 @@ def _sha256(data: bytes) -> str:
 
 def _verify_commitment(
     label: str, study: Study, roster: Roster, client_id: str, identity: IdentityKey, request: Any,
-    state: LocalState, settings: NodeSettings,
+    seed: bytes, settings: NodeSettings,
 ) -> dict[str, str]:  # fmt: skip
     """R0: the signed commitment of the classifier check (or a refusal where this node requires it)."""
     from .verify import commit_meta
 
     ids = [entry.client_id for entry in roster]
     session_id = request.config.session_id  # type: ignore[attr-defined]
-    return commit_meta(label, study, ids, client_id, identity, session_id, settings.require_verified)
+    return commit_meta(label, study, ids, client_id, identity, session_id, settings.require_verified, seed)
 
 
 def _check_classifier(envelope: Envelope, state: LocalState, settings: NodeSettings) -> Envelope:

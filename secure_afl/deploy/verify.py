@@ -286,12 +286,13 @@ def decide(
 
 def commit_meta(
     label: str, study: Study, roster_ids: Collection[str], client_id: str, identity: IdentityKey,
-    session_id: bytes, require: str,
+    session_id: bytes, require: str, seed: bytes,
 ) -> dict[str, str]:  # fmt: skip
     """At a session's R0: refuse a study the check does not cover when this node requires it; for
-    one it covers, the signed commitment to the check's secret (derived from the identity key and
-    the session id: :meth:`~secure_afl.protocol.verify.VerifySecret.derive`, so the node keeps no
-    state for it until its session is done) for the advertisement reply's metadata."""
+    one it covers, the signed commitment to the check's secret for the advertisement reply's
+    metadata.  The secret comes from ``seed``, the fresh randomness the node drew for this session
+    (:meth:`~secure_afl.protocol.verify.VerifySecret.from_seed`): the session's own record keeps it,
+    so a refused R0 leaves nothing, and no coordinator choice (a repeated session id) repeats it."""
     if label != "1":
         return {}
     why = not_offered(study, roster_ids)
@@ -302,7 +303,7 @@ def commit_meta(
                 f'{REQUIRE_KEY}="when-offered" in the node config to take part without the check'
             )
         return {}  # no record: the classifier is stored unverified
-    secret = pv.VerifySecret.derive(identity.private_key, client_id, session_id)
+    secret = pv.VerifySecret.from_seed(seed, client_id, session_id)
     return {"verify-commit": pv.commit(secret, client_id, session_id, identity.private_key).to_text()}
 
 
@@ -314,12 +315,15 @@ def keep_inputs(label: str, saved: Mapping[str, Any], state: Any) -> None:
     if label != "1":
         return
     study = Study.from_json(str(saved["study"]))
-    if not_offered(study, ()) is not None:
+    if not_offered(study, ()) is not None or "verify-commit" not in saved:
         return
+    session_id = bytes.fromhex(str(saved["session_id"]))
+    secret = pv.VerifySecret.from_seed(bytes(saved["seed"]), str(saved["client_id"]), session_id)
     state.save(STATE_INPUTS, {"session_id": saved["session_id"], "inputs": dict(saved["inputs"])})
     state.save(
         STATE_LABEL,
         {"status": "committed", "session_id": saved["session_id"], "client_id": saved["client_id"],
+         "nonce": secret.nonce, "key": secret.key, "commitment": str(saved["verify-commit"]),
          "gamma": study.method.gamma, "frac_bits": study.frac_bits, "form": rhs_form(study),
          "gram": "global" if study.dp is not None else study.method.gram, "kept": True},
     )  # fmt: skip
@@ -345,14 +349,13 @@ def _commitments(meta: Mapping[str, Any], session_id: bytes) -> dict[str, pv.Com
 
 def begin_check(
     classifier: Classifier, payload: bytes, meta: Mapping[str, Any], state: Any, roster: Roster,
-    client_id: str, require: str, identity_of: Callable[[], tuple[str, IdentityKey]],
+    client_id: str, require: str,
 ) -> Held:  # fmt: skip
     """On the classifier's delivery: check every survivor's commitment (this node's own included,
     each signed by its roster key) and reveal this node's nonce; hold the classifier unless this
-    node stores every classifier (``false``: a classifier it cannot check is then stored unverified).
-    ``identity_of``: the node's roster id and identity key (the secret is derived from it)."""
+    node stores every classifier (``false``: a classifier it cannot check is then stored unverified)."""
     try:
-        return _begin_check(classifier, payload, meta, state, roster, client_id, require, identity_of)
+        return _begin_check(classifier, payload, meta, state, roster, client_id, require)
     except (pv.VerificationError, UnverifiedClassifierError) as exc:
         if require != "false":
             raise
@@ -361,7 +364,7 @@ def begin_check(
 
 def _begin_check(
     classifier: Classifier, payload: bytes, meta: Mapping[str, Any], state: Any, roster: Roster,
-    client_id: str, require: str, identity_of: Callable[[], tuple[str, IdentityKey]],
+    client_id: str, require: str,
 ) -> Held:  # fmt: skip
     record = state.load(STATE_LABEL)
     if record is None:  # the study is not checked (no commitment was made in R0)
@@ -380,8 +383,8 @@ def _begin_check(
         raise pv.VerificationError(
             f"the classifier's survivors {survivors} omit {client_id}, whose masked values the session summed"
         )
-    secret = _secret(identity_of, client_id, session_id)
-    own = pv.commit(secret, client_id, session_id, identity_of()[1].private_key)  # Ed25519: R0's bytes
+    secret = _secret(record)
+    own = pv.Commitment.from_text(client_id, session_id, str(record["commitment"]))
     commitments = _commitments(meta, session_id)
     keys = {entry.client_id: entry.public_key for entry in roster}
     pv.check_commitments(commitments, survivors, keys, own)
@@ -406,13 +409,11 @@ def loaded_once(load: Callable[[], tuple[str, IdentityKey]]) -> Callable[[], tup
     return identity
 
 
-def _secret(
-    identity_of: Callable[[], tuple[str, IdentityKey]], client_id: str, session_id: bytes
-) -> pv.VerifySecret:
-    signer, identity = identity_of()
-    if signer != client_id:
-        raise UnverifiedClassifierError("the identity key changed since the session")
-    return pv.VerifySecret.derive(identity.private_key, client_id, session_id)
+def _secret(record: Mapping[str, Any]) -> pv.VerifySecret:
+    """The check's secret, kept from the session's seed when session 1 was done (:func:`keep_inputs`)."""
+    if "nonce" not in record or "key" not in record:
+        raise UnverifiedClassifierError("this node no longer holds the check's secret: run the session again")
+    return pv.VerifySecret(bytes(record["nonce"]), bytes(record["key"]))
 
 
 def answer_check(
@@ -458,14 +459,17 @@ def answer_check(
             inputs, classifier.weights, u, gram=str(record["gram"]), frac_bits=int(record["frac_bits"]),
             form=form, counts=counts,
         )  # fmt: skip
-        secret = _secret(identity_of, client_id, session_id)
+        secret = _secret(record)
         words = pv.mask(terms, client_id, secret, commitments, seed)
-        identity = identity_of()[1]
+        signer, identity = identity_of()
+        if signer != client_id:
+            raise UnverifiedClassifierError("the identity key changed since the session")
         masked = pv.sign_masked(client_id, words, seed, identity.private_key)
         state.save(STATE_INPUTS, {"session_id": record["session_id"]})  # the values are no longer needed
+        rest = {k: v for k, v in record.items() if k != "key"}  # the mask key is no longer needed
         state.save(
             STATE_LABEL,
-            {**record, "status": "masked", "seed": seed, "masked": masked.to_text(), "solve_gamma": gamma,
+            {**rest, "status": "masked", "seed": seed, "masked": masked.to_text(), "solve_gamma": gamma,
              "counts": json.dumps(counts)},
         )  # fmt: skip
         return Envelope("reply", {"round": round_name, "verify-masked": masked.to_text()})

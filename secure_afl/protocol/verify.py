@@ -2,8 +2,8 @@
 
 The deployment's classifier check (:mod:`secure_afl.deploy.verify`) uses it; this module knows
 nothing of what the scalars mean.  Each participant draws a :class:`VerifySecret` (a 32-byte nonce
-``r`` and a fresh X25519 key; the deployment derives it from its identity key and the session id,
-:meth:`VerifySecret.derive`) and, before the value to check exists, signs a :class:`Commitment` to
+``r`` and a fresh X25519 key; the deployment derives it from the fresh seed a node draws for its
+session, :meth:`VerifySecret.from_seed`) and, before the value to check exists, signs a :class:`Commitment` to
 ``H(r)`` and its X25519 public key with its identity key.  Once the value is fixed (its digest
 ``context``), every participant checks every commitment (:func:`check_commitments`), reveals ``r``;
 the challenge seed is :func:`transcript` over the context, every commitment and every ``r`` (roster
@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
@@ -62,15 +62,14 @@ class VerifySecret:
         return cls(random.token_bytes(32), random.token_bytes(crypto.KEY_BYTES))
 
     @classmethod
-    def derive(cls, identity: Ed25519PrivateKey, client_id: str, session_id: bytes) -> VerifySecret:
-        """The participant's secret for one session, from its identity key (HKDF-SHA256, info: the
-        domain, the session id and its id): unpredictable to anyone without that key, and derived
-        again when needed, so nothing secret is kept between a session's messages.  ``r`` is the same
-        whenever the session id is: the caller must reveal it for one session id only (the deployment:
-        a session completes once, R8, and its check is answered once)."""
-        seed = identity.private_bytes(
-            serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption()
-        )
+    def from_seed(cls, seed: bytes, client_id: str, session_id: bytes) -> VerifySecret:
+        """The participant's secret for one session, from the fresh secret randomness it drew for that
+        session (HKDF-SHA256, info: the domain, the session id and its id).  Never from a long-term key
+        and the session id alone: the session id is the coordinator's choice, and one it repeated
+        would then repeat ``r`` (revealed the first time), which the coordinator could know before it
+        fixes the value to check.  ``seed``: at least 32 bytes from a CSPRNG, used for one session."""
+        if len(seed) < 32:
+            raise VerificationError(f"the check's seed has {len(seed)} bytes; it needs 32 fresh random bytes")
         info = tagged_fields(SECRET_DOMAIN, session_id, client_id)
         kdf = HKDF(algorithm=hashes.SHA256(), length=32 + crypto.KEY_BYTES, salt=None, info=info)
         derived = kdf.derive(seed)

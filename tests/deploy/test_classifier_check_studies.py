@@ -15,8 +15,9 @@ import pytest
 from secure_afl.deploy.study import Method, StudyDp, round1_plan
 from secure_afl.deploy.verify import not_offered, verification_status
 from secure_afl.deploy.wire import Envelope
+from secure_afl.protocol.verify import Commitment
 
-from .helpers import Federation, make_federation, run_server
+from .helpers import Federation, InProcessTransport, make_federation, run_server
 from .test_classifier_check import _perturb, _refused_by_all, _run
 
 DP_ACTIVE = {"client-0": (1, 2), "client-1": (0, 2), "client-2": (0, 1, 2), "client-3": (0, 1, 2)}
@@ -123,18 +124,47 @@ def test_a_nodes_gram_times_u_from_its_packed_triangle_is_the_full_products(dim:
     assert np.abs(got - expected).max() <= 1e-13 * np.abs(gram).sum(axis=1).max()
 
 
-def test_the_checks_secret_is_derived_from_the_identity_key_for_each_session_and_node() -> None:
-    from secure_afl.keys import IdentityKey
-    from secure_afl.protocol.verify import VerifySecret
+def test_the_checks_secret_comes_from_the_nodes_fresh_seed_so_a_repeated_session_id_repeats_nothing() -> None:
+    """The session id is the coordinator's choice: the secret must not be a function of it and a
+    long-term key alone, or a repeated id would repeat r (revealed the first time) before the
+    classifier is fixed.  From the node's fresh seed, the same id gives another r and mask key."""
+    from secure_afl.protocol.verify import VerificationError, VerifySecret
 
-    key, other = IdentityKey.generate(), IdentityKey.generate()
-    one, two = bytes(32), bytes([1]) * 32
-    secret = VerifySecret.derive(key.private_key, "client-0", one)
-    assert secret == VerifySecret.derive(key.private_key, "client-0", one)  # derived again, never stored
+    session_id = bytes(32)
+    first, second = bytes([1]) * 32, bytes([2]) * 32  # two sessions' fresh seeds, one session id
+    secret = VerifySecret.from_seed(first, "client-0", session_id)
+    assert secret == VerifySecret.from_seed(first, "client-0", session_id)  # kept with its session
     others = {
-        VerifySecret.derive(key.private_key, "client-0", two),
-        VerifySecret.derive(key.private_key, "client-1", one),
-        VerifySecret.derive(other.private_key, "client-0", one),
+        VerifySecret.from_seed(second, "client-0", session_id),
+        VerifySecret.from_seed(first, "client-1", session_id),
+        VerifySecret.from_seed(first, "client-0", bytes([1]) * 32),
     }
-    assert len(others) == 3 and secret not in others
+    assert len(others) == 3 and all(o.nonce != secret.nonce and o.key != secret.key for o in others)
     assert all(len(s.nonce) == 32 and s.nonce != s.key for s in (secret, *others))
+    with pytest.raises(VerificationError, match="32 fresh random bytes"):
+        VerifySecret.from_seed(bytes(16), "client-0", session_id)
+
+
+def test_a_node_commits_to_the_secret_of_its_sessions_seed(tmp_path: Path) -> None:
+    """Every survivor's R0 commitment opens with the nonce kept from its own session seed (and the
+    commitments of two federations under one injected session id differ)."""
+    from secure_afl.deploy.server import FederationServer
+    from secure_afl.deploy.verify import STATE_LABEL
+    from secure_afl.protocol.verify import nonce_digest
+
+    session_id = bytes([7]) * 32
+    digests = []
+    for name in ("one", "two"):
+        federation = _federation(tmp_path / name, "global")
+        transport = InProcessTransport(federation)  # run_server's server, stopped before the delivery
+        FederationServer(
+            transport, federation.roster, federation.study, round_timeout=1, signer=federation.signer,
+            colluders=federation.colluders, log=lambda s: None, session_ids=[session_id],
+        ).run()  # fmt: skip
+        for node in federation.nodes.values():
+            record = node.state.load(STATE_LABEL)
+            assert record is not None and record["session_id"] == session_id.hex()
+            own = Commitment.from_text(node.client_id, session_id, str(record["commitment"]))
+            assert own.digest == nonce_digest(node.client_id, session_id, bytes(record["nonce"]))
+            digests.append(own.digest)
+    assert len(set(digests)) == len(digests)

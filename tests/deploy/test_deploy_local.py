@@ -197,18 +197,40 @@ class Federations:
             federation.groups.stop_all()
 
 
-@pytest.fixture(scope="module")
-def federations(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Federations]:
-    """Starts at once the federations whose tests are selected (``-k`` runs only what it needs)."""
-    here = [item for item in request.session.items if item.path == request.path]
-    selected = {getattr(item, "originalname", item.name) for item in here}
-    started = Federations(tmp_path_factory)
+EARLY = pytest.StashKey[Federations]()
+
+
+def start_early(session: pytest.Session) -> None:
+    """Start the federations whose tests are selected as the suite starts (tests/conftest.py calls it
+    once collection is done; ``-k`` starts only what it selects).  They run for minutes, mostly waiting
+    on Flower (heartbeats, round timeouts), so they run beside the rest of the suite, not after it."""
+    selected = {
+        getattr(item, "originalname", item.name) for item in session.items if item.path == Path(__file__)
+    }
+    factory: pytest.TempPathFactory = session.config._tmp_path_factory  # type: ignore[attr-defined]
+    started = session.stash.setdefault(EARLY, Federations(factory))
     try:
         for name, spec in FEDERATIONS.items():
             if spec.test in selected:
                 started.start(name)
+    except BaseException:
+        started.stop_all()
+        raise
+
+
+def stop_early(session: pytest.Session) -> None:
+    """Stop every federation :func:`start_early` started, finished or not (at the session's end)."""
+    if EARLY in session.stash:
+        session.stash[EARLY].stop_all()
+
+
+@pytest.fixture(scope="module")
+def federations(request: pytest.FixtureRequest) -> Iterator[Federations]:
+    """The federations started with the suite (:func:`start_early`); stopped with this module."""
+    if EARLY not in request.session.stash:  # a run that did not go through tests/conftest.py's hook
+        start_early(request.session)
+    started = request.session.stash[EARLY]
+    try:
         yield started
     finally:
         started.stop_all()
