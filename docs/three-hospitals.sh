@@ -9,8 +9,9 @@
 #   - the "agreed weight file" is a randomly initialised ResNet-18 saved here (no download),
 #   - each hospital's images are random PNGs with random labels: training images and held-out ones.
 # Files "sent" between parties are copied (cp) in the order of the page's table. Then each hospital
-# evaluates its received classifier on its held-out features, and, as a hospital, `flwr ls`, `flwr run`
-# and `flwr supernode register` against the hospitals' address must fail. Then the page's section 5:
+# evaluates its received classifier on its held-out features (its predict must say the node verified it
+# against the session's sums, SECURITY.md 5.1, after each classifier), and, as a hospital, `flwr ls`,
+# `flwr run` and `flwr supernode register` against the hospitals' address must fail. Then the page's section 5:
 # hospital-d joins (roster version 2, its kit from collect, its SuperNode) and takes part in the second
 # classifier, hospital-b rotates its key, hospital-c leaves, and every party's audit log must verify (an
 # edited copy must not). Any failing step exits non-zero.
@@ -193,11 +194,26 @@ for h in "${HOSPITALS[@]}"; do
   party "$h" 'secure-afl predict --model kit/state/out/classifier.json --roster kit/roster.json \
       --features held-out.npz --evaluate' > "$h/predict.out" 2>&1 \
       || { cat "$h/predict.out"; echo "FAILED: $h predict"; exit 1; }
-  grep -E "verified|metrics|BACC" "$h/predict.out"
+  grep -E "^verified|^classifier check|^metrics" "$h/predict.out"
   cmp -s "$h/kit/state/out/classifier.json" coordinator/fed/server/classifier.json \
       || { echo "FAILED: $h received another classifier than the coordinator's"; exit 1; }
 done
 echo "every hospital holds the coordinator's classifier, byte for byte"
+verified_by_every() {  # verified_by_every ID...: each node's predict says it verified its classifier against
+  # the session's sums (SECURITY.md 5.1: stored as verified), and the coordinator's report names the same nodes
+  for h in "$@"; do
+    grep -q "^classifier check: verified by this node" "$h/predict.out" \
+        || { cat "$h/predict.out"; echo "FAILED: $h did not store the classifier as verified"; exit 1; }
+  done
+  python3 - "$@" <<'PY' || { echo "FAILED: the coordinator's report.json does not list every node as verified"; exit 1; }
+import json, sys
+verified = json.load(open("coordinator/fed/server/report.json")).get("verified")
+print(f"report.json: verified by {verified}")
+sys.exit(sorted(verified or []) != sorted(sys.argv[1:]))
+PY
+}
+verified_by_every "${HOSPITALS[@]}"
+echo "every hospital stored the classifier as verified against the sums (predict: classifier check: verified)"
 sed 's/"decision_threshold": 0.5/"decision_threshold": 0.1/' hospital-a/kit/state/out/classifier.json \
     > hospital-a/tampered.json
 cmp -s hospital-a/tampered.json hospital-a/kit/state/out/classifier.json \
@@ -363,17 +379,18 @@ for h in hospital-a hospital-b hospital-c; do
       --weights resnet18-agreed.pth --out features.npz' > "$h/features.out" 2>&1 \
       || { cat "$h/features.out"; echo "FAILED: $h features extract (new images)"; exit 1; }
 done
-party coordinator 'secure-afl deploy run fed/app --federation federation --flwr-home fed/superlink/flwr \
+party coordinator 'secure-afl deploy run --app-dir fed/app --federation federation --flwr-home fed/superlink/flwr \
     --key-dir ~/.secure-afl --passphrase-file pass'
 for h in "${MEMBERS[@]}"; do
   cmp -s "$h/kit/state/out/classifier.json" coordinator/fed/server/classifier.json \
       || { echo "FAILED: $h does not hold the second classifier"; exit 1; }
+  party "$h" 'secure-afl predict --model kit/state/out/classifier.json --roster kit/roster.json \
+      --features held-out.npz --evaluate' > "$h/predict.out" 2>&1 \
+      || { cat "$h/predict.out"; echo "FAILED: $h predict (second classifier)"; exit 1; }
+  grep -E "^verified|^classifier check|^metrics" "$h/predict.out" | sed "s/^/$h: /"
 done
-party hospital-d 'secure-afl predict --model kit/state/out/classifier.json --roster kit/roster.json \
-    --features held-out.npz --evaluate' > hospital-d/predict.out 2>&1 \
-    || { cat hospital-d/predict.out; echo "FAILED: hospital-d predict"; exit 1; }
-grep -E "verified|BACC" hospital-d/predict.out | head -2
-echo "all four hospitals hold the second classifier, byte for byte"
+verified_by_every "${MEMBERS[@]}"
+echo "all four hospitals hold the second classifier, byte for byte, each stored as verified"
 
 echo "== R1. hospital-b rotates its key (its ledger moves to the new key); roster version 3 carries the statement"
 party hospital-b 'secure-afl keys rotate --passphrase-file pass --ledger-dir kit/state/ledger' > hospital-b/rotate.out
