@@ -326,6 +326,63 @@ def guarantee_lines(config: SimConfig) -> list[str]:
     return lines
 
 
+# The deployment's classifier check (SECURITY.md §5.1) as bench/bench_verify.py measured it in process
+# (the deployment's server and node handler, no Flower): 8 clients × 5,889 rows, 8 classes, masking,
+# one round, at 4b7bda0 on 2026-12-07, this process's CPU seconds; bench/README.md's bench_verify.py
+# section holds the runs (tests/test_sim_classifier_check.py keeps the two equal).  The simulator
+# does not run the check: secure_afl.sim may not import secure_afl.deploy (pyproject's layers), and
+# a run's Grams go as they are sent (bench_large.py's peak), so none is left once the classifier exists.
+CHECK_RUNS = {
+    1024: ((0.223, 5.638), (0.232, 6.139)),
+    2048: ((0.329, 11.216), (0.423, 12.510)),
+}  # (check, session)
+CHECK_COMMAND = "python bench/bench_verify.py --dims {dim} --clients 8 --classes 8 --rows 5889"
+# Through Flower at the paper's size (one run per d, 4b3ad89, 2026-12-07, this 2-core host): the check's
+# two message rounds and the session, wall seconds (report.json's "seconds": "verify", "federation").
+CHECK_FLOWER = {1024: (36.6, 86.7), 2048: (23.3, 82.5)}
+CHECK_FLOWER_COMMAND = "secure-afl deploy local --clients 8 --seed 2 --no-tls --fraction 1.0 --dim {dim}"
+
+
+def classifier_check(config: SimConfig) -> dict[str, object]:
+    """What the deployment's classifier check would cost beside the session of a run like this one
+    (results.json's ``classifier_check``; its ``line`` is report.md's), or why it is not offered."""
+    head = "Classifier check (SECURITY.md §5.1)"
+    protection = config.secure.split(",")[0]  # the protection whose sums fit the reported models
+    reason = None
+    if protection == "ckks":
+        reason = "not offered under CKKS (the key holder could decrypt a single survivor's term)"
+    elif protection == "none":
+        reason = "not offered without secure aggregation (--protection none; a deployment masks or encrypts)"
+    elif config.dp is not None and (config.dp.projection_dim is not None or config.dp.row_centre):
+        reason = (
+            "not offered for DP with --dp-dim or row centring (the released weights are lifted, W = P W_K)"
+        )
+    if reason is not None:
+        return {"offered": False, "reason": reason, "measured": None, "line": f"{head}: {reason}."}
+    dim = min(CHECK_RUNS, key=lambda d: (abs(d - config.dim), d))
+    runs = CHECK_RUNS[dim]
+    shares = sorted(100 * check / session for check, session in runs)
+    where = f"d = {dim}" if dim == config.dim else f"d = {dim} (this run's d = {config.dim} was not measured)"
+    if config.rounds == 2:
+        head = "Classifier check (SECURITY.md §5.1; AFL (1 round) only: a two-round study is not checked)"
+    command, flower = CHECK_COMMAND.format(dim=dim), CHECK_FLOWER_COMMAND.format(dim=dim)
+    line = (
+        f"{head}: not run by the simulator (it may not import the deployment, and its clients' "
+        f"Grams go as they are sent); measured in process at {where}, 8 clients × 5,889 rows, 8 classes: "
+        f"{shares[0]:.1f}–{shares[-1]:.1f} % of the session's CPU seconds (`{command}`); through Flower "
+        f"its two message rounds took {CHECK_FLOWER[dim][0]} s beside the session's {CHECK_FLOWER[dim][1]} s "
+        f"(`{flower}`)."
+    )
+    measured = {
+        "dim": dim,
+        "check_cpu_s": [check for check, _ in runs],
+        "session_cpu_s": [session for _, session in runs],
+        "command": command,
+        "flower": {"check_s": CHECK_FLOWER[dim][0], "session_s": CHECK_FLOWER[dim][1], "command": flower},
+    }
+    return {"offered": True, "reason": None, "measured": measured, "line": line}
+
+
 def client_refusal_rows(setting: SettingResult) -> tuple[list[str], list[list[str]]]:
     """Per method: whether clients under the deployment policy would take part, and if not why."""
     header = ["Method", "deployed clients", "why (first refusal)"]
@@ -869,6 +926,7 @@ def result_dict(result: ExperimentResult) -> dict[str, object]:
             "baseline": asdict(config.baseline),
         },
         "classes": list(CLASSES),
+        "classifier_check": classifier_check(config),
         "seconds_per_phase": dict(result.seconds),
         "settings": [
             {
@@ -938,6 +996,7 @@ def markdown_report(result: ExperimentResult) -> str:
         dataset["label_source"] = label_source_name(dataset["label_source"])
     parts += [f"Dataset: {json.dumps(dataset)}", "", threat_model_line(result.config), ""]
     parts += [line for text in guarantee_lines(result.config) for line in (text, "")]
+    parts += [str(classifier_check(result.config)["line"]), ""]
     header, rows = results_table_rows(result)
     parts += ["## Results (BACC and AUC in %, mAP as a fraction)", "", _md_table(header, rows), ""]
     parts += [chance_line(result), ""]
