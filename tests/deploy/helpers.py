@@ -267,3 +267,16 @@ def centralised_global_fit(
         b = hc[yc].mean(axis=0) - hc[~yc].mean(axis=0)
         weights[:, c] = np.linalg.solve(gram + gamma * np.eye(h.shape[1]), b)
     return weights
+
+
+class Clock:
+    """A clock and sleep for GridTransport (``clock=clock, sleep=clock.sleep``): sleeping moves it."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds

@@ -14,18 +14,7 @@ from secure_afl.deploy.apps import POLL_SECONDS, GridTransport
 from secure_afl.deploy.server import FederationServer, LiveTransport
 from secure_afl.deploy.wire import Envelope, to_record_dict
 
-from .helpers import InProcessTransport, make_federation, run_server
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.now += seconds
+from .helpers import Clock, InProcessTransport, make_federation, run_server
 
 
 def _reply(message_id: str, payload: bytes = b"x") -> SimpleNamespace:

@@ -23,18 +23,7 @@ from secure_afl.deploy.errors import ConfigurationError, FederationAbortedError
 from secure_afl.deploy.wire import Envelope, from_record_dict, to_record_dict
 from secure_afl.keys.auditlog import read_log
 
-from .helpers import InProcessTransport, check_study, make_federation, run_server
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.now += seconds
+from .helpers import Clock, InProcessTransport, check_study, make_federation, run_server
 
 
 @pytest.fixture
