@@ -37,6 +37,8 @@ def test_a_masked_runs_report_has_one_line_with_the_measured_share(tmp_path: Pat
     shares = [100 * c / s for c, s in zip(measured["check_cpu_s"], measured["session_cpu_s"], strict=True)]
     assert 0 < low <= high and (low, high) == (round(min(shares), 1), round(max(shares), 1))
     assert "--dims 1024 --clients 8 --classes 8 --rows 5889" in line and "--dim 1024" in line
+    # each quoted figure names its commit and date (docs/index.md's convention for figures)
+    assert len(re.findall(r"`, commit [0-9a-f]{7}, 20\d\d-\d\d-\d\d", line)) == 2, line
 
 
 @pytest.mark.parametrize(

@@ -337,10 +337,12 @@ CHECK_RUNS = {
     2048: ((0.329, 11.216), (0.423, 12.510)),
 }  # (check, session)
 CHECK_COMMAND = "python bench/bench_verify.py --dims {dim} --clients 8 --classes 8 --rows 5889"
+CHECK_STAMP = "commit 4b7bda0, 2026-12-07"
 # Through Flower at the paper's size (one run per d, 4b3ad89, 2026-12-07, this 2-core host): the check's
 # two message rounds and the session, wall seconds (report.json's "seconds": "verify", "federation").
 CHECK_FLOWER = {1024: (36.6, 86.7), 2048: (23.3, 82.5)}
 CHECK_FLOWER_COMMAND = "secure-afl deploy local --clients 8 --seed 2 --no-tls --fraction 1.0 --dim {dim}"
+CHECK_FLOWER_STAMP = "commit 4b3ad89, 2026-12-07, one run on a shared 2-core host"
 
 
 def classifier_check(config: SimConfig) -> dict[str, object]:
@@ -369,9 +371,9 @@ def classifier_check(config: SimConfig) -> dict[str, object]:
     line = (
         f"{head}: not run by the simulator (it may not import the deployment, and its clients' "
         f"Grams go as they are sent); measured in process at {where}, 8 clients × 5,889 rows, 8 classes: "
-        f"{shares[0]:.1f}–{shares[-1]:.1f} % of the session's CPU seconds (`{command}`); through Flower "
-        f"its two message rounds took {CHECK_FLOWER[dim][0]} s beside the session's {CHECK_FLOWER[dim][1]} s "
-        f"(`{flower}`)."
+        f"{shares[0]:.1f}–{shares[-1]:.1f} % of the session's CPU seconds (`{command}`, {CHECK_STAMP}); "
+        f"through Flower its two message rounds took {CHECK_FLOWER[dim][0]} s beside the session's "
+        f"{CHECK_FLOWER[dim][1]} s (`{flower}`, {CHECK_FLOWER_STAMP})."
     )
     measured = {
         "dim": dim,
