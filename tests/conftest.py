@@ -31,6 +31,20 @@ def _deploy_local_module(session: pytest.Session) -> object | None:
     return None
 
 
+def pytest_collection_modifyitems(
+    session: pytest.Session, config: pytest.Config, items: list[pytest.Item]
+) -> None:
+    """deploy local's tests go last: their federations run from the suite's start (below), mostly waiting on
+    Flower, so the other tests fill those waits instead of the suite waiting for them midway."""
+    late = [
+        item
+        for item in items
+        if item.path.name == "test_deploy_local.py" and item.path.parent.name == "deploy"
+    ]
+    if late:
+        items[:] = [item for item in items if item not in late] + late
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """deploy local's federations (tests/deploy/test_deploy_local.py) start as the suite starts: they
     take minutes, mostly waiting on Flower, and run beside the other tests instead of after them."""
