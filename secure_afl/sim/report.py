@@ -330,7 +330,7 @@ def guarantee_lines(config: SimConfig) -> list[str]:
 # (the deployment's server and node handler, no Flower): 8 clients × 5,889 rows, 8 classes, masking,
 # one round, at 4b7bda0 on 2026-12-07, this process's CPU seconds; bench/README.md's bench_verify.py
 # section holds the runs (tests/test_sim_classifier_check.py keeps the two equal).  The simulator
-# does not run the check: secure_afl.sim may not import secure_afl.deploy (pyproject's layers), and
+# does not run the check: the simulation sits below the deployment in pyproject's layers, and
 # a run's Grams go as they are sent (bench_large.py's peak), so none is left once the classifier exists.
 CHECK_RUNS = {
     1024: ((0.223, 5.638), (0.232, 6.139)),

@@ -280,3 +280,27 @@ class Clock:
 
     def sleep(self, seconds: float) -> None:
         self.now += seconds
+
+
+def flower_reply(message_id: str, envelope: Envelope) -> Any:
+    """A Flower reply as the Grid's pull returns it (``reply_to_message_id``, the record form)."""
+    from types import SimpleNamespace
+
+    from secure_afl.deploy.wire import to_record_dict
+
+    return SimpleNamespace(
+        metadata=SimpleNamespace(reply_to_message_id=message_id),
+        has_error=lambda: False,
+        content=to_record_dict(envelope),
+    )
+
+
+def flower_error(message_id: str, reason: str) -> Any:
+    """Flower's own error reply (code 5, e.g. the node unavailable or its ClientApp dead)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        metadata=SimpleNamespace(reply_to_message_id=message_id),
+        has_error=lambda: True,
+        error=SimpleNamespace(code=5, reason=reason),
+    )

@@ -12,25 +12,17 @@ import pytest
 
 from secure_afl.deploy.apps import POLL_SECONDS, GridTransport
 from secure_afl.deploy.server import FederationServer, LiveTransport
-from secure_afl.deploy.wire import Envelope, to_record_dict
+from secure_afl.deploy.wire import Envelope
 
-from .helpers import Clock, InProcessTransport, make_federation, run_server
+from .helpers import Clock, InProcessTransport, flower_error, flower_reply, make_federation, run_server
 
 
 def _reply(message_id: str, payload: bytes = b"x") -> SimpleNamespace:
-    return SimpleNamespace(
-        metadata=SimpleNamespace(reply_to_message_id=message_id),
-        has_error=lambda: False,
-        content=to_record_dict(Envelope("reply", {"round": "R1"}, payload)),
-    )
+    return flower_reply(message_id, Envelope("reply", {"round": "R1"}, payload))
 
 
 def _unavailable(message_id: str) -> SimpleNamespace:
-    return SimpleNamespace(
-        metadata=SimpleNamespace(reply_to_message_id=message_id),
-        has_error=lambda: True,
-        error=SimpleNamespace(code=5, reason="Error: Node Unavailable"),
-    )
+    return flower_error(message_id, "Error: Node Unavailable")
 
 
 class Grid:

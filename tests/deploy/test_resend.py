@@ -23,7 +23,15 @@ from secure_afl.deploy.errors import ConfigurationError, FederationAbortedError
 from secure_afl.deploy.wire import Envelope, from_record_dict, to_record_dict
 from secure_afl.keys.auditlog import read_log
 
-from .helpers import Clock, InProcessTransport, check_study, make_federation, run_server
+from .helpers import (
+    Clock,
+    InProcessTransport,
+    check_study,
+    flower_error,
+    flower_reply,
+    make_federation,
+    run_server,
+)
 
 
 @pytest.fixture
@@ -35,19 +43,11 @@ def plain_messages(monkeypatch):
 
 
 def _answer(message_id: str, envelope: Envelope) -> SimpleNamespace:
-    return SimpleNamespace(
-        metadata=SimpleNamespace(reply_to_message_id=message_id),
-        has_error=lambda: False,
-        content=to_record_dict(envelope),
-    )
+    return flower_reply(message_id, envelope)
 
 
 def _error(message_id: str) -> SimpleNamespace:
-    return SimpleNamespace(
-        metadata=SimpleNamespace(reply_to_message_id=message_id),
-        has_error=lambda: True,
-        error=SimpleNamespace(code=5, reason="Error: ClientApp process died"),
-    )
+    return flower_error(message_id, "Error: ClientApp process died")
 
 
 class FederationGrid:
