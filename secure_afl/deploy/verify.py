@@ -336,6 +336,17 @@ def keep_inputs(label: str, saved: Mapping[str, Any], state: Any) -> None:
     )  # fmt: skip
 
 
+def check_inputs(state: Any, record: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """The values this node's terms are computed over: for each ``group|tensor``, what the sums the
+    coordinator solved contain of this node's uploads, as the masking encoded them
+    (``decode(encode(x))``, :func:`_encoded`)."""
+    kept = state.load(STATE_INPUTS) or {}
+    if kept.get("session_id") != record["session_id"] or "inputs" not in kept:
+        raise UnverifiedClassifierError("this node no longer holds its session-1 values to check with")
+    frac_bits = int(record["frac_bits"])
+    return {k: _encoded(np.asarray(v, dtype=np.float64), frac_bits) for k, v in kept["inputs"].items()}
+
+
 @dataclass
 class Held:
     """What :func:`begin_check` decided for a classifier: hold it (store only once verified) or not."""
@@ -458,10 +469,7 @@ def answer_check(
         form = str(record.get("form", "client"))
         counts = _relayed_counts(envelope, form, classifier.weights.shape[1])
         gamma = _solve_gamma(float(record["gamma"]), classifier)
-        kept = state.load(STATE_INPUTS) or {}
-        if kept.get("session_id") != record["session_id"] or "inputs" not in kept:
-            raise UnverifiedClassifierError("this node no longer holds its session-1 values to check with")
-        inputs = {k: np.asarray(v, dtype=np.float64) for k, v in kept["inputs"].items()}
+        inputs = check_inputs(state, record)
         terms = node_terms(
             inputs, classifier.weights, u, gram=str(record["gram"]), frac_bits=int(record["frac_bits"]),
             form=form, counts=counts,
