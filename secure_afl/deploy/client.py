@@ -65,7 +65,7 @@ from .study import (
     session_context,
     statistics_dim,
 )
-from .verify import begin_check, keep_inputs
+from .verify import begin_check, keep_inputs, loaded_once
 from .wire import Envelope
 
 if TYPE_CHECKING:
@@ -995,7 +995,7 @@ def _continue_session(envelope: Envelope, label: str, state: LocalState, setting
     round_name = str(envelope.meta.get("round", ""))
     if getattr(session, "state", None) is not None and session.state.name == "DONE":  # type: ignore[attr-defined]
         # The session's secrets are no longer needed: keep only what the classifier check uses.
-        keep_inputs(label, saved, state)  # the values uploaded, for Freivalds' check (verify.py)
+        keep_inputs(label, saved, state)  # the values uploaded, for the classifier check (verify.py)
         state.save(label, {"status": "done", "client_id": client_id, "session_id": saved["session_id"]})
     else:
         # ``finished``: the session needs nothing more of this client for sure (CKKS after R2); its
@@ -1152,13 +1152,23 @@ def _store_classifier(envelope: Envelope, state: LocalState, settings: NodeSetti
                 f"institution took part in {saved['session_id'][:16]}..."
             )
         mine[session["label"]] = saved["client_id"]
+    identity = loaded_once(lambda: node_identity(settings, roster))  # the passphrase only when needed
+
+    def signed_survivors(session_id: str) -> tuple[str, ...] | None:
+        """The survivor set this node signed in the session's R3 (its ledger): the sum's members."""
+        from secure_afl.privacy.ledger import LedgerOwner
+
+        entry = _ledger(settings).load(LedgerOwner(*identity())).sessions.get(session_id)
+        return None if entry is None else entry.survivors
+
     held = begin_check(
-        classifier, envelope.payload, envelope.meta, state, roster, mine["1"], settings.require_verified
-    )
+        classifier, envelope.payload, envelope.meta, state, roster, mine["1"], settings.require_verified,
+        identity, signed_survivors,
+    )  # fmt: skip
     if held.hold:  # stored only once every survivor verified it (verify.py)
         digest = _sha256(envelope.payload)
         log(settings, f"holding the classifier until every survivor checked it (sha256 {digest[:16]}...)")
-        return Envelope("ack", {"sha256": digest, "kept": "", "held": True, **held.meta})
+        return Envelope("ack", {"sha256": digest, "kept": "", "held": True, **held.meta}, held.payload)
     settings.out_dir.mkdir(parents=True, exist_ok=True)
     stored = keep_classifier(settings.out_dir, envelope.payload)  # the signed bytes, as every party got them
     replaced = f"; the earlier classifier.json is kept as {stored.replaced}" if stored.replaced else ""
@@ -1169,7 +1179,7 @@ def _store_classifier(envelope: Envelope, state: LocalState, settings: NodeSetti
         f"{classifier.sessions[0]['session_id'][:16]}...){replaced}",
     )
     # No path in the acknowledgement: the coordinator learns only that the file was kept, and which.
-    return Envelope("ack", {"sha256": stored.sha256, "kept": stored.kept.name, **held.meta})
+    return Envelope("ack", {"sha256": stored.sha256, "kept": stored.kept.name, **held.meta}, held.payload)
 
 
 def _sha256(data: bytes) -> str:
@@ -1192,8 +1202,7 @@ def _verify_commitment(
 
 def _check_classifier(envelope: Envelope, state: LocalState, settings: NodeSettings) -> Envelope:
     """A ``verify`` message of the classifier check (secure_afl.deploy.verify)."""
-    from .verify import answer_check, loaded_once
+    from .verify import answer_check
 
     roster = node_roster(settings)
-    identity = loaded_once(lambda: node_identity(settings, roster))  # the passphrase only when needed
-    return answer_check(envelope, state, roster, identity, settings.out_dir, lambda text: log(settings, text))
+    return answer_check(envelope, state, roster, settings.out_dir, lambda text: log(settings, text))

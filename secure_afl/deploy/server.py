@@ -324,7 +324,11 @@ class FederationServer:
         stored it."""
         last = self.report.sessions[-1]
         data = self.sign(classifier) if data is None else data
-        meta = {"round": "classifier", **self.check.delivery_meta(last.survivors)}
+        # Global balance and DP (the additive layout): the count sums the solve divided by, sent with
+        # the classifier; none kept (the nodes then refuse the check for want of them).
+        kept = self.accumulated
+        counts = {} if kept is None else count_claims(self.check.form, self.check.n_classes, kept.sums)
+        meta = {"round": "classifier", **self.check.delivery_meta(last.survivors, counts)}
         outgoing = {self._node_of[cid]: Envelope("classifier", meta, data) for cid in last.completed}
         started = time.perf_counter()
         replies, silence = self._exchange(outgoing, "classifier", self.round_timeout)
@@ -352,14 +356,13 @@ class FederationServer:
         return self._verify_classifier(replies)
 
     def _verify_classifier(self, replies: Mapping[int, Envelope]) -> tuple[str, ...]:
-        """The classifier check's relays (secure_afl.deploy.verify); who stored the classifier: a
+        """The classifier check's relay (secure_afl.deploy.verify); who stored the classifier: a
         node that held it until verified counts once it verified it."""
-        # Global balance and DP (the additive layout): the count sums the solve divided by, relayed
-        # with the reveals; none kept (the nodes then refuse the check for want of them).
-        kept = self.accumulated
-        counts = {} if kept is None else count_claims(self.check.form, self.check.n_classes, kept.sums)
-        timeout = self.round_timeout
-        verified = self.check.run(self.transport, self._node_of, replies, timeout, self.log, counts)
+
+        def exchange(outgoing: Mapping[int, Envelope], group: str, timeout: float) -> dict[int, Envelope]:
+            return self._exchange(outgoing, group, timeout)[0]
+
+        verified = self.check.run(exchange, self._node_of, replies, self.round_timeout, self.log)
         self.report.seconds["verify"] = self.check.seconds
         self.report.verified = verified
         for step, who, envelope in self.check.refusals:

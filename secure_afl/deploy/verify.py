@@ -1,28 +1,30 @@
 """Every survivor checks the classifier it receives against the sums it helped form (SECURITY.md §5.1).
 
-Freivalds' check per class ``c``: for the challenge ``u`` (:func:`secure_afl.protocol.verify.challenge`)
-the published weights satisfy ``Σ_k (uᵀ G_{k,c} w_c − uᵀ b_{k,c}) + γ uᵀ w_c = 0`` up to the float
-arithmetic's rounding.  Each survivor ``k`` computes its own terms :func:`node_terms` from the values
-it uploaded, as the masking encoded them (``decode(encode(x))``: the sums the coordinator solved are
+Per class ``c`` the published weights satisfy ``Σ_k (G_{k,c} w_c − b_{k,c}) + γ w_c = 0`` up to the
+float arithmetic's rounding.  Each survivor ``k`` computes its own residual terms
+``v_{k,c} = G_{k,c} w_c − b_{k,c}`` (:func:`node_terms`, d values per class) from the values it
+uploaded, as the masking encoded them (:func:`check_inputs`: the sums the coordinator solved are
 exactly the sums of those), and the scale ``m_k`` of its statistics; the terms are summed by
-:mod:`secure_afl.protocol.verify` (commit, reveal, pairwise masks, signed relays), and each survivor
-accepts (:func:`decide`) iff every class's ``|S_c + γ uᵀ w_c| ≤ ρ ‖u‖ ((M + γ) ‖w_c‖ + M)`` with
-``M = Σ_k m_k`` and ρ = 16 d 2^-53 (:func:`rho`).
+:mod:`secure_afl.protocol.verify` (committed mask keys, pairwise masks, signed relay), and each
+survivor accepts (:func:`decide`) iff every class's ``‖Σ_k v_{k,c} + γ w_c‖₂ ≤ ρ ((M + γ) ‖w_c‖ + M)``
+with ``M = Σ_k m_k`` and ρ = 16 d 2^-53 (:func:`rho`).  Every coordinate is checked: no challenge,
+nothing to predict, no probability of a wrong pass.
 
 Messages (the deployment's envelopes; the protocol's own messages are unchanged): a node's session-1
-advertisement reply carries ``verify-commit`` in its metadata; the classifier delivery carries
-``verify-commitments`` (every survivor's, relayed); the node's ``ack`` carries ``verify-reveal``; a
-``verify`` envelope of round ``verify-reveal`` relays every reveal and the node answers its signed
-masked terms (``verify-masked``); a ``verify`` envelope of round ``verify-sums`` relays every
-survivor's, and the node answers ``ack`` with ``verified`` (or refuses).
+advertisement reply carries ``verify-commit`` (its signed mask key) in its metadata; the classifier
+delivery carries ``verify-commitments`` (every survivor's, relayed) and ``verify-counts``; the
+node's ``ack`` carries its signed masked terms as its payload (``verify-masked``); one ``verify``
+envelope of round ``verify-sums`` relays every survivor's, and the node answers ``ack`` with
+``verified`` (or refuses).  The check's members are the survivor set the node signed in R3 (its
+ledger), never a set the coordinator names.
 
 Offered for one-round masking studies (:func:`not_offered` says why otherwise: CKKS, round 2, growing
 chains, DP with ``--dp-dim`` or row centring).  Each class's right-hand side is the one the solve
 forms (:func:`rhs_parts`): client balance ``Σ b_k``; global balance ``pos/N⁺ − (feat − pos)/(N − N⁺)``;
 under DP the noisy sums over counts rounded and floored at 1, and ``γ`` plus the file's public ridge
-λ.  The coordinator relays the count sums it divided by with the reveals; each node forms its term
-with them and adds its own counts to its masked vector, and refuses unless the survivors' sums are
-exactly those relayed (the survivors learn the federation's counts per class).  A Gram sent by
+λ.  The coordinator sends the count sums it divided by with the classifier; each node forms its
+term with them and adds its own counts to its masked vector, and refuses unless the survivors' sums
+are exactly those relayed (the survivors learn the federation's counts per class).  A Gram sent by
 difference is the node's one ``G_k`` in every class it labels.  A DP solve that floored the noisy
 Gram's eigenvalues is no ridge solve: the node refuses it as unverified.  A node's
 ``require-verified-classifier``: ``when-offered`` (default: a classifier of a study the check
@@ -60,7 +62,8 @@ REQUIRE_VALUES = ("when-offered", "true", "false")
 STATE_LABEL = "verify"  # the node's record of the check, beside its sessions' records
 STATE_INPUTS = "verify-inputs"  # the values it uploaded in session 1, until it computed its terms
 RECORD_SUFFIX = ".verified.json"
-RECORD_FORMAT = "secure-afl-classifier-check/v1"
+RECORD_FORMAT = "secure-afl-classifier-check/v2"  # v2: every coordinate of the residual, one relay
+RECORD_FORMATS = (RECORD_FORMAT, "secure-afl-classifier-check/v1")  # v1: Freivalds' check, still a pass
 CHECKS_DIR = "checks"  # OUT_DIR/checks/: the records of the history's files
 
 
@@ -69,7 +72,7 @@ class UnverifiedClassifierError(DeploymentError):
 
 
 class ClassifierCheckFailedError(DeploymentError):
-    """The classifier is not the solution of the session's sums (Freivalds' check failed)."""
+    """The classifier is not the solution of the session's sums (its residual is above the rounding bound)."""
 
 
 def require_setting(value: object) -> str:
@@ -170,7 +173,7 @@ def rhs_parts(form: str, c: int, counts: Mapping[str, float]) -> list[tuple[str,
     raise UnverifiedClassifierError(f"unknown right-hand side form {form!r}")
 
 
-# --- the Freivalds terms ---------------------------------------------------------------------
+# --- the residual terms ----------------------------------------------------------------------
 
 
 def _encoded(values: np.ndarray, frac_bits: int) -> np.ndarray:
@@ -182,12 +185,13 @@ def _encoded(values: np.ndarray, frac_bits: int) -> np.ndarray:
     return out
 
 
-def _gram_times(packed: np.ndarray, u: np.ndarray, block: int = 128) -> np.ndarray:
-    """``G u`` from the packed row-major upper triangle, ``block`` rows at a time (no d×d matrix, no
-    index arrays of the triangle's size): rows ``i0..i1``' parts ``G[i, i:]`` give ``(G u)_i`` and,
-    transposed, the mirrored entries' ``G[i, j] u_i`` for ``j ≥ i0`` (the diagonal counted once)."""
-    dim = u.shape[0]
-    out = np.zeros(dim)
+def _gram_times(packed: np.ndarray, x: np.ndarray, block: int = 128) -> np.ndarray:
+    """``G x`` (``x``: a vector or a d×C matrix) from the packed row-major upper triangle, ``block``
+    rows at a time (no d×d matrix, no index arrays of the triangle's size): rows ``i0..i1``' parts
+    ``G[i, i:]`` give ``(G x)_i`` and, transposed, the mirrored entries' ``G[i, j] x_i`` for ``j ≥ i0``
+    (the diagonal counted once)."""
+    dim = x.shape[0]
+    out = np.zeros(x.shape)
     start = 0
     for i0 in range(0, dim, block):
         i1 = min(i0 + block, dim)
@@ -195,59 +199,60 @@ def _gram_times(packed: np.ndarray, u: np.ndarray, block: int = 128) -> np.ndarr
         for i in range(i0, i1):
             rows[i - i0, i - i0 :] = packed[start : start + dim - i]
             start += dim - i
-        out[i0:i1] += rows @ u[i0:]
-        out[i0:] += rows.T @ u[i0:i1]
-        out[i0:i1] -= np.diagonal(rows[:, : i1 - i0]) * u[i0:i1]
+        out[i0:i1] += rows @ x[i0:]
+        out[i0:] += rows.T @ x[i0:i1]
+        diagonal = np.diagonal(rows[:, : i1 - i0])
+        out[i0:i1] -= diagonal[:, None] * x[i0:i1] if x.ndim == 2 else diagonal * x[i0:i1]
     return out
 
 
 def node_terms(
-    inputs: Mapping[str, np.ndarray], weights: np.ndarray, u: np.ndarray, *, gram: str, frac_bits: int,
-    form: str = "client", counts: Mapping[str, float] | None = None,
-) -> list[float]:  # fmt: skip
-    """This survivor's ``[t_0, ..., t_{C-1}, m_k, its counts...]``: ``t_c = uᵀ G_k w_c − uᵀ b_{k,c}``
-    (``inputs``: ``"group|tensor"`` -> the flat values it uploaded; ``G_k`` enters class ``c`` when
-    the Gram is global or ``k`` is in ``S_c``, whatever wire groups carried it; ``b_{k,c}`` is its
-    part of :func:`rhs_parts` under the relayed count sums ``counts``), its scale
+    inputs: Mapping[str, np.ndarray], weights: np.ndarray, *, gram: str, form: str = "client",
+    counts: Mapping[str, float] | None = None,
+) -> np.ndarray:  # fmt: skip
+    """This survivor's ``[v_0, ..., v_{C-1}, m_k, its counts...]`` (one flat array): the residual
+    ``v_c = G_k w_c − b_{k,c}`` (d values per class; ``inputs``: ``"group|tensor"`` -> the values it
+    uploaded as the masking encoded them, :func:`check_inputs`; ``G_k`` enters class ``c`` when the
+    Gram is global or ``k`` is in ``S_c``, whatever wire groups carried it; ``b_{k,c}`` is its part of
+    :func:`rhs_parts` under the relayed count sums ``counts``), its scale
     ``m_k = ‖G_k‖_F + max_c Σ_parts |coefficient| ‖x‖₂``, then its own values of :func:`count_keys`."""
-    n_classes, dim = weights.shape[1], weights.shape[0]
+    dim, n_classes = weights.shape
     counts = counts or {}
-    projected: np.ndarray | None = None
+    residual = np.zeros((n_classes, dim))
     fro = 0.0
     grams = [key for key in inputs if key.split("|", 1)[1] == "gram"]
+    groups = {key.split("|", 1)[0] for key in inputs}
     if grams:  # one value G_k in every group that carries it (analytic.py's name space)
-        first = inputs[grams[0]]
-        packed = _encoded(first, frac_bits)  # the row-major upper triangle
+        packed = np.asarray(inputs[grams[0]], dtype=np.float64)  # the row-major upper triangle
         if packed.shape != (dim * (dim + 1) // 2,):
             raise UnverifiedClassifierError(
                 f"this node's {grams[0]} has {packed.size} values, not a {dim}-d Gram"
             )
-        for key in grams[1:]:  # equal values encode equally: encode only to compare unequal ones
-            same = inputs[key] is first or np.array_equal(inputs[key], first)
-            if not same and not np.array_equal(_encoded(inputs[key], frac_bits), packed):
+        for key in grams[1:]:
+            if not np.array_equal(np.asarray(inputs[key]), packed):
                 raise UnverifiedClassifierError("this node's Gram differs between its groups")
-        projected = _gram_times(packed, u)
+        labelled = [c for c in range(n_classes) if gram == "global" or f"class/{c}" in groups]
+        if labelled:
+            residual[labelled] = _gram_times(packed, weights[:, labelled]).T
         starts = np.arange(dim) * dim - np.arange(dim) * (np.arange(dim) - 1) // 2  # row i's first: G[i, i]
         diagonal = packed[starts]
         fro = float(np.sqrt(max(0.0, 2 * float(packed @ packed) - float(diagonal @ diagonal))))
-    groups = {key.split("|", 1)[0] for key in inputs}
-    terms = np.zeros(n_classes)
     b_norm = 0.0
     for c in range(n_classes):
-        if projected is not None and (gram == "global" or f"class/{c}" in groups):
-            terms[c] += float(projected @ weights[:, c])
         norm = 0.0
         for key, coefficient in rhs_parts(form, c, counts):
             if key in inputs and coefficient != 0.0:
-                encoded = _encoded(inputs[key], frac_bits)
-                terms[c] -= coefficient * float(u @ encoded)
-                norm += abs(coefficient) * float(np.linalg.norm(encoded))
+                values = np.asarray(inputs[key], dtype=np.float64)
+                if values.shape != (dim,):
+                    raise UnverifiedClassifierError(f"this node's {key} has {values.size} values, not {dim}")
+                residual[c] -= coefficient * values
+                norm += abs(coefficient) * float(np.linalg.norm(values))
         b_norm = max(b_norm, norm)
     own_counts = [
-        float(_encoded(inputs[key], frac_bits).ravel()[0]) if key in inputs else 0.0
+        float(np.asarray(inputs[key]).ravel()[0]) if key in inputs else 0.0
         for key in count_keys(form, n_classes)
     ]
-    return [*terms.tolist(), fro + b_norm, *own_counts]
+    return np.concatenate([residual.ravel(), [fro + b_norm], own_counts])
 
 
 def rho(dim: int) -> float:
@@ -257,29 +262,28 @@ def rho(dim: int) -> float:
 
 
 def decide(
-    sums: list[float],
+    sums: np.ndarray,
     weights: np.ndarray,
-    u: np.ndarray,
     gamma: float,
     counts: Mapping[str, float] | None = None,
 ) -> tuple[bool, list[float]]:
-    """Accept iff every class's residual is within the bound and the survivors' count sums (after
-    ``C + 1`` terms and scale) are the ``counts`` the coordinator relayed; also each class's
-    residual/bound."""
-    n_classes = weights.shape[1]
-    scale = sums[n_classes]
+    """Accept iff every class's residual ``r_c = Σ_k v_{k,c} + γ w_c`` has
+    ``‖r_c‖₂ ≤ τ_c = ρ ((M + γ) ‖w_c‖₂ + M) + 2^-120`` (``M``: the summed scale; the last term the
+    fixed point's truncation, 2^-128 per value and survivor) and the survivors' count sums are the
+    ``counts`` the coordinator relayed; also each class's ``‖r_c‖/τ_c``."""
+    dim, n_classes = weights.shape
     claimed = list((counts or {}).values())
-    if len(sums) != n_classes + 1 + len(claimed):
-        expected = n_classes + 1 + len(claimed)
-        raise pv.VerificationError(f"the summed check has {len(sums)} values, not {expected}")
-    u_norm = float(np.linalg.norm(u))
+    expected = n_classes * dim + 1 + len(claimed)
+    sums = np.asarray(sums, dtype=np.float64)
+    if sums.shape != (expected,):
+        raise pv.VerificationError(f"the summed check has {sums.size} values, not {expected}")
+    residual = sums[: n_classes * dim].reshape(n_classes, dim) + gamma * weights.T
+    scale = float(sums[n_classes * dim])
     ratios = []
     for c in range(n_classes):
-        w = weights[:, c]
-        residual = abs(sums[c] + gamma * float(u @ w))
-        bound = rho(len(u)) * u_norm * ((scale + gamma) * float(np.linalg.norm(w)) + scale)
-        ratios.append(residual / bound if bound > 0 else float("inf"))
-    counted = sums[n_classes + 1 :]
+        bound = rho(dim) * ((scale + gamma) * float(np.linalg.norm(weights[:, c])) + scale) + 2.0**-120
+        ratios.append(float(np.linalg.norm(residual[c])) / bound)
+    counted = sums[n_classes * dim + 1 :].tolist()
     if any(a != b for a, b in zip(counted, claimed, strict=True)):
         raise ClassifierCheckFailedError(
             f"the counts the coordinator relayed ({claimed}) are not the survivors' sums ({counted}): the "
@@ -330,7 +334,7 @@ def keep_inputs(label: str, saved: Mapping[str, Any], state: Any) -> None:
     state.save(
         STATE_LABEL,
         {"status": "committed", "session_id": saved["session_id"], "client_id": saved["client_id"],
-         "nonce": secret.nonce, "key": secret.key, "commitment": str(saved["verify-commit"]),
+         "key": secret.key, "commitment": str(saved["verify-commit"]),
          "gamma": study.method.gamma, "frac_bits": study.frac_bits, "form": rhs_form(study),
          "gram": "global" if study.dp is not None else study.method.gram, "kept": True},
     )  # fmt: skip
@@ -349,11 +353,13 @@ def check_inputs(state: Any, record: Mapping[str, Any]) -> dict[str, np.ndarray]
 
 @dataclass
 class Held:
-    """What :func:`begin_check` decided for a classifier: hold it (store only once verified) or not."""
+    """What :func:`begin_check` decided for a classifier: hold it (store only once verified) or not;
+    ``payload``: this node's signed masked terms, for the acknowledgement."""
 
     hold: bool
     meta: dict[str, Any] = field(default_factory=dict)
     why: str = ""
+    payload: bytes = b""
 
 
 def _commitments(meta: Mapping[str, Any], session_id: bytes) -> dict[str, pv.Commitment]:
@@ -367,13 +373,17 @@ def _commitments(meta: Mapping[str, Any], session_id: bytes) -> dict[str, pv.Com
 
 def begin_check(
     classifier: Classifier, payload: bytes, meta: Mapping[str, Any], state: Any, roster: Roster,
-    client_id: str, require: str,
+    client_id: str, require: str, identity_of: Callable[[], tuple[str, IdentityKey]],
+    signed_survivors: Callable[[str], Collection[str] | None],
 ) -> Held:  # fmt: skip
     """On the classifier's delivery: check every survivor's commitment (this node's own included,
-    each signed by its roster key) and reveal this node's nonce; hold the classifier unless this
-    node stores every classifier (``false``: a classifier it cannot check is then stored unverified)."""
+    each signed by its roster key), compute this node's residual terms and answer them masked and
+    signed; hold the classifier unless this node stores every classifier (``false``: a classifier
+    it cannot check is then stored unverified)."""
     try:
-        return _begin_check(classifier, payload, meta, state, roster, client_id, require)
+        return _begin_check(
+            classifier, payload, meta, state, roster, client_id, require, identity_of, signed_survivors
+        )
     except (pv.VerificationError, UnverifiedClassifierError) as exc:
         if require != "false":
             raise
@@ -382,7 +392,8 @@ def begin_check(
 
 def _begin_check(
     classifier: Classifier, payload: bytes, meta: Mapping[str, Any], state: Any, roster: Roster,
-    client_id: str, require: str,
+    client_id: str, require: str, identity_of: Callable[[], tuple[str, IdentityKey]],
+    signed_survivors: Callable[[str], Collection[str] | None],
 ) -> Held:  # fmt: skip
     record = state.load(STATE_LABEL)
     if record is None:  # the study is not checked (no commitment was made in R0)
@@ -401,18 +412,47 @@ def _begin_check(
         raise pv.VerificationError(
             f"the classifier's survivors {survivors} omit {client_id}, whose masked values the session summed"
         )
-    secret = _secret(record)
+    # The check's members are the survivor set this node signed in R3, whose values the sums hold:
+    # a set the coordinator names instead (two members, one its colluder) would let a colluder
+    # remove this node's only pad and read its residual for a classifier the coordinator chose.
+    signed = signed_survivors(record["session_id"])
+    if signed is None:
+        raise UnverifiedClassifierError(
+            "this node's ledger holds no survivor set it signed for the session: run the session again"
+        )
+    if sorted(signed) != sorted(survivors):
+        raise pv.VerificationError(
+            f"the classifier's survivors {survivors} are not the set this node signed in R3 "
+            f"{sorted(signed)}: the check runs over the sum's members only"
+        )
     own = pv.Commitment.from_text(client_id, session_id, str(record["commitment"]))
     commitments = _commitments(meta, session_id)
     keys = {entry.client_id: entry.public_key for entry in roster}
     pv.check_commitments(commitments, survivors, keys, own)
+    # The check's transcript binds the exact file: a node given another file masks with other pads,
+    # which cancel with nobody's (protocol/verify.py), so no sum over different files is formed.
+    seed = pv.transcript(hashlib.sha256(payload).digest(), commitments)
+    form = str(record.get("form", "client"))
+    counts = _relayed_counts(meta, form, classifier.weights.shape[1])
+    gamma = _solve_gamma(float(record["gamma"]), classifier)
+    terms = node_terms(
+        check_inputs(state, record), classifier.weights, gram=str(record["gram"]), form=form, counts=counts
+    )
+    words = pv.mask(terms, client_id, _secret(record), commitments, seed)
+    signer, identity = identity_of()
+    if signer != client_id:
+        raise UnverifiedClassifierError("the identity key changed since the session")
+    masked = pv.sign_masked(client_id, words, seed, identity.private_key)
     hold = require != "false"
+    state.save(STATE_INPUTS, {"session_id": record["session_id"]})  # the values are no longer needed
+    rest = {k: v for k, v in record.items() if k != "key"}  # nor is the mask key
     state.save(
         STATE_LABEL,
-        {**record, "status": "revealed", "classifier": payload, "held": hold,
+        {**rest, "status": "masked", "classifier": payload, "held": hold, "seed": seed,
+         "masked": masked.to_bytes(), "solve_gamma": gamma, "counts": json.dumps(counts),
          "commitments": json.dumps({c: x.to_text() for c, x in commitments.items()})},
     )  # fmt: skip
-    return Held(hold, {"verify-reveal": secret.nonce.hex()})
+    return Held(hold, {"verify-masked": True}, payload=masked.to_bytes())
 
 
 def loaded_once(load: Callable[[], tuple[str, IdentityKey]]) -> Callable[[], tuple[str, IdentityKey]]:
@@ -428,24 +468,25 @@ def loaded_once(load: Callable[[], tuple[str, IdentityKey]]) -> Callable[[], tup
 
 
 def _secret(record: Mapping[str, Any]) -> pv.VerifySecret:
-    """The check's secret, kept from the session's seed when session 1 was done (:func:`keep_inputs`)."""
-    if "nonce" not in record or "key" not in record:
+    """The check's mask key, kept from the session's seed when session 1 was done (:func:`keep_inputs`)."""
+    if "key" not in record:
         raise UnverifiedClassifierError("this node no longer holds the check's secret: run the session again")
-    return pv.VerifySecret(bytes(record["nonce"]), bytes(record["key"]))
+    return pv.VerifySecret(bytes(record["key"]))
 
 
 def answer_check(
-    envelope: Envelope, state: Any, roster: Roster, identity_of: Callable[[], tuple[str, IdentityKey]],
-    out_dir: Path, log: Callable[[str], None],
-) -> Envelope:  # fmt: skip
-    """The node's answer to a ``verify`` envelope: its signed masked terms (``verify-reveal``), or
-    the decision (``verify-sums``): on a pass the held classifier is stored with its record."""
+    envelope: Envelope, state: Any, roster: Roster, out_dir: Path, log: Callable[[str], None]
+) -> Envelope:
+    """The node's answer to the ``verify-sums`` relay (every survivor's signed masked terms): the
+    decision; on a pass the held classifier is stored with its record."""
     from .classifier import Classifier
 
     record = state.load(STATE_LABEL)
     round_name = str(envelope.meta.get("round", ""))
     if record is None or "classifier" not in record:
         raise pv.VerificationError(f"a {round_name} message, but this node holds no classifier to check")
+    if round_name != "verify-sums" or record.get("status") != "masked":
+        raise pv.VerificationError(f"unexpected {round_name!r} message at this point of the check")
     session_id, client_id = bytes.fromhex(record["session_id"]), str(record["client_id"])
     commitments = {
         c: pv.Commitment.from_text(c, session_id, t) for c, t in json.loads(record["commitments"]).items()
@@ -454,59 +495,23 @@ def answer_check(
     payload = bytes(record["classifier"])
     # Its signature was checked on delivery; the bytes held since are this node's own state.
     classifier = Classifier.from_json(payload, roster=None, source="the held classifier")
-    context = hashlib.sha256(payload).digest()
-    if round_name == "verify-reveal":
-        if record.get("status") != "revealed":
-            raise pv.VerificationError("this node answers one challenge per classifier")
-        try:
-            relayed = json.loads(envelope.text("reveals"))
-            reveals = {str(c): bytes.fromhex(str(r)) for c, r in relayed.items()}
-        except (ValueError, AttributeError):
-            raise pv.VerificationError("the relayed nonces are not a JSON object of hex strings") from None
-        pv.check_reveals(commitments, reveals)
-        seed = pv.transcript(context, commitments, reveals)
-        u = pv.challenge(seed, classifier.weights.shape[0])
-        form = str(record.get("form", "client"))
-        counts = _relayed_counts(envelope, form, classifier.weights.shape[1])
-        gamma = _solve_gamma(float(record["gamma"]), classifier)
-        inputs = check_inputs(state, record)
-        terms = node_terms(
-            inputs, classifier.weights, u, gram=str(record["gram"]), frac_bits=int(record["frac_bits"]),
-            form=form, counts=counts,
-        )  # fmt: skip
-        secret = _secret(record)
-        words = pv.mask(terms, client_id, secret, commitments, seed)
-        signer, identity = identity_of()
-        if signer != client_id:
-            raise UnverifiedClassifierError("the identity key changed since the session")
-        masked = pv.sign_masked(client_id, words, seed, identity.private_key)
-        state.save(STATE_INPUTS, {"session_id": record["session_id"]})  # the values are no longer needed
-        rest = {k: v for k, v in record.items() if k != "key"}  # the mask key is no longer needed
-        state.save(
-            STATE_LABEL,
-            {**rest, "status": "masked", "seed": seed, "masked": masked.to_text(), "solve_gamma": gamma,
-             "counts": json.dumps(counts)},
-        )  # fmt: skip
-        return Envelope("reply", {"round": round_name, "verify-masked": masked.to_text()})
-    if round_name != "verify-sums" or record.get("status") != "masked":
-        raise pv.VerificationError(f"unexpected {round_name!r} message at this point of the check")
     seed = bytes(record["seed"])
-    own = pv.MaskedValue.from_text(client_id, record["masked"])
+    own = pv.MaskedValue.from_bytes(client_id, bytes(record["masked"]))
     try:
-        relayed = json.loads(envelope.text("masked"))
-        masked = {str(c): pv.MaskedValue.from_text(str(c), t) for c, t in relayed.items()}
-    except (ValueError, AttributeError):
-        raise pv.VerificationError("the relayed masked values are not a JSON object") from None
+        ids = json.loads(envelope.text("masked-ids"))
+        assert isinstance(ids, list) and all(isinstance(c, str) for c in ids)
+    except (ValueError, AssertionError):
+        raise pv.VerificationError("the relay's masked-ids is not a JSON list of ids") from None
     state.save(STATE_LABEL, {"status": "failed", "session_id": record["session_id"]})  # one decision
+    masked = pv.unpack_relay(ids, envelope.payload, len(own.words))
     sums = pv.unmask_sum(masked, commitments, keys, seed, own)
-    u = pv.challenge(seed, classifier.weights.shape[0])
     counts = json.loads(str(record.get("counts", "{}")))
-    ok, ratios = decide(sums, classifier.weights, u, float(record["solve_gamma"]), counts)
+    ok, ratios = decide(sums, classifier.weights, float(record["solve_gamma"]), counts)
     if not ok:
         bad = [c for c, r in enumerate(ratios) if not r <= 1.0]
         raise ClassifierCheckFailedError(
-            f"the classifier is not the solution of the session's sums: classes {bad} fail Freivalds' check "
-            f"(residual/bound {max(ratios):.3g}); it is not stored as verified"
+            f"the classifier is not the solution of the session's sums: classes {bad} have residuals "
+            f"above the rounding bound (residual/bound {max(ratios):.3g}); it is not stored as verified"
         )
     stored_latest = _store(out_dir, payload, bool(record["held"]), log)
     document = {
@@ -519,23 +524,23 @@ def answer_check(
         _write_record(path, document)
     state.save(STATE_LABEL, {"status": "verified", "session_id": record["session_id"]})
     log(
-        f"{client_id}: verified the classifier (Freivalds, {len(commitments)} survivors, residual/bound "
-        f"at most {max(ratios):.2g})"
+        f"{client_id}: verified the classifier ({len(commitments)} survivors, every class's residual "
+        f"at most {max(ratios):.2g} of its rounding bound)"
     )
     return Envelope("ack", {"round": round_name, "verified": True, "sha256": document["classifier_sha256"]})
 
 
-def _relayed_counts(envelope: Envelope, form: str, n_classes: int) -> dict[str, float]:
+def _relayed_counts(meta: Mapping[str, Any], form: str, n_classes: int) -> dict[str, float]:
     """The count sums the coordinator says it solved with (checked against the survivors' sum)."""
     keys = count_keys(form, n_classes)
     if not keys:
         return {}
     try:
-        relayed = json.loads(envelope.text("counts"))
+        relayed = json.loads(str(meta["verify-counts"]))
         return {key: float(relayed[key]) for key in keys}
     except (ValueError, KeyError, TypeError, AttributeError):
         raise pv.VerificationError(
-            f"the check's challenge came without the count sums the solve used ({', '.join(keys)})"
+            f"the classifier came without the count sums the solve used ({', '.join(keys)})"
         ) from None
 
 
@@ -602,7 +607,7 @@ def verification_status(classifier_path: Path) -> str:
         return "classifier check: NOT verified (no check record beside the file: SECURITY.md §5.1)"
     if (
         not isinstance(document, dict)
-        or document.get("format") != RECORD_FORMAT
+        or document.get("format") not in RECORD_FORMATS
         or document.get("classifier_sha256") != hashlib.sha256(data).hexdigest()
         or document.get("verified") is not True
     ):
@@ -618,8 +623,9 @@ def verification_status(classifier_path: Path) -> str:
 
 
 class ServerCheck:
-    """The coordinator's part: keep the commitments, relay reveals and masked terms (it computes
-    nothing and can change nothing without every honest node refusing)."""
+    """The coordinator's part: keep the commitments, send them and the count sums with the
+    classifier, relay every survivor's masked terms once (it computes nothing and can change
+    nothing without every honest node refusing)."""
 
     def __init__(self, study: Study, roster_ids: Collection[str]) -> None:
         self.offered = not_offered(study, roster_ids) is None
@@ -633,54 +639,50 @@ class ServerCheck:
         if label == "1" and isinstance(meta.get("verify-commit"), str):
             self.commitments[client_id] = str(meta["verify-commit"])
 
-    def delivery_meta(self, survivors: Collection[str]) -> dict[str, str]:
+    def delivery_meta(
+        self, survivors: Collection[str], counts: Mapping[str, float] | None = None
+    ) -> dict[str, str]:
+        """The classifier's metadata: every survivor's commitment and (global balance, DP) the count
+        sums the solve divided by (:func:`count_claims`)."""
         if not self.offered:
             return {}
-        return {
+        meta = {
             "verify-commitments": json.dumps(
                 {c: self.commitments[c] for c in survivors if c in self.commitments}
             )
         }
+        if counts:
+            meta["verify-counts"] = json.dumps(dict(counts))
+        return meta
 
     def run(
-        self, transport: Any, node_of: Mapping[str, int], replies: Mapping[int, Envelope], timeout: float,
-        log: Callable[[str], None], counts: Mapping[str, float] | None = None,
+        self, exchange: Callable[[Mapping[int, Envelope], str, float], Mapping[int, Envelope]],
+        node_of: Mapping[str, int], replies: Mapping[int, Envelope], timeout: float,
+        log: Callable[[str], None],
     ) -> tuple[str, ...]:  # fmt: skip
-        """The two relays after the delivery's ``replies``; returns who verified.  ``counts``: the
-        count sums the solve divided by (:func:`count_claims`), relayed with the reveals."""
+        """The one relay after the delivery's ``replies`` (each survivor's masked terms in its
+        acknowledgement's payload), sent by ``exchange``; returns who verified."""
         import time
 
         if not self.offered:
             return ()
         started = time.perf_counter()
-        reveal_meta = {"counts": json.dumps(dict(counts))} if counts else {}
         client_of = {node: cid for cid, node in node_of.items()}
-        reveals = {
-            client_of[n]: str(e.meta["verify-reveal"])
-            for n, e in replies.items()
-            if e.kind == "ack" and "verify-reveal" in e.meta and n in client_of
-        }
-        reveal_meta["reveals"] = json.dumps(reveals)
-        reveal_meta["round"] = "verify-reveal"
-        outgoing = {node_of[c]: Envelope("verify", dict(reveal_meta)) for c in reveals}
-        answers = transport.exchange(outgoing, "verify-reveal", timeout)
         masked = {
-            client_of[n]: str(e.meta["verify-masked"])
-            for n, e in answers.items()
-            if e.kind == "reply" and "verify-masked" in e.meta
+            client_of[n]: e.payload
+            for n, e in replies.items()
+            if e.kind == "ack" and e.meta.get("verify-masked") and n in client_of
         }
-        outgoing = {
-            node_of[c]: Envelope("verify", {"round": "verify-sums", "masked": json.dumps(masked)})
-            for c in masked
-        }
-        decisions = transport.exchange(outgoing, "verify-sums", timeout)
+        ids, data = pv.pack_relay(masked)
+        meta = {"round": "verify-sums", "masked-ids": json.dumps(ids)}
+        outgoing = {node_of[c]: Envelope("verify", meta, data) for c in ids}
+        decisions = exchange(outgoing, "verify-sums", timeout)
         self.verified = tuple(
             sorted(client_of[n] for n, e in decisions.items() if e.kind == "ack" and e.meta.get("verified"))
         )
-        for step, replied in (("verify-reveal", answers), ("verify-sums", decisions)):
-            self.refusals += [
-                (step, client_of[n], e) for n, e in sorted(replied.items()) if e.kind == "refused"
-            ]
+        self.refusals += [
+            ("verify-sums", client_of[n], e) for n, e in sorted(decisions.items()) if e.kind == "refused"
+        ]
         self.seconds = time.perf_counter() - started
         log(f"classifier check: verified by {', '.join(self.verified) or 'no node'} in {self.seconds:.2f} s")
         return self.verified

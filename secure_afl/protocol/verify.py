@@ -1,24 +1,25 @@
-"""A checked sum of every survivor's few private scalars: commit, reveal, mask, sign, add (sans I/O).
+"""A checked sum of every survivor's private vector: commit a mask key, mask, sign, add (sans I/O).
 
 The deployment's classifier check (:mod:`secure_afl.deploy.verify`) uses it; this module knows
-nothing of what the scalars mean.  Each participant draws a :class:`VerifySecret` (a 32-byte nonce
-``r`` and a fresh X25519 key; the deployment derives it from the fresh seed a node draws for its
-session, :meth:`VerifySecret.from_seed`) and, before the value to check exists, signs a :class:`Commitment` to
-``H(r)`` and its X25519 public key with its identity key.  Once the value is fixed (its digest
-``context``), every participant checks every commitment (:func:`check_commitments`), reveals ``r``;
-the challenge seed is :func:`transcript` over the context, every commitment and every ``r`` (roster
-order): no single party chooses it, and none can predict it before the last ``r`` is revealed.
-Each participant then sends its scalars masked with pairwise masks (:func:`mask`: HKDF of the X25519
-secret with every other participant, added by the smaller id and subtracted by the larger, in fixed
-point with :data:`FRAC_BITS` fractional bits modulo :data:`MODULUS`), signed over the transcript
+nothing of what the values mean.  Each participant derives a :class:`VerifySecret` (a fresh X25519
+key; the deployment derives it from the fresh seed a node draws for its session,
+:meth:`VerifySecret.from_seed`) and, before the value to check exists, signs a :class:`Commitment`
+to its public key with its identity key.  Once the value is fixed (its digest ``context``), every
+participant checks every commitment (:func:`check_commitments`); the check's digest is
+:func:`transcript` over the context and every commitment.  Each participant then sends its vector
+masked with pairwise masks (:func:`mask`: HKDF of the X25519 secret with every other participant and
+the transcript, added by the smaller id and subtracted by the larger, in fixed point with
+:data:`FRAC_BITS` fractional bits modulo :data:`MODULUS`), signed over the transcript
 (:func:`sign_masked`).  :func:`unmask_sum` checks that every participant's signed vector is there
-and adds them: the masks cancel only in the full sum, so a vector alone (or any proper subset's sum)
-is uniformly distributed.  No randomness is drawn here except through the injected source.
+and adds them: the masks cancel only in the full sum over one transcript, so a vector alone, any
+proper subset's sum, or vectors masked for different contexts reveal nothing.  No randomness is
+drawn here except through the injected source.
 """
 
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -34,91 +35,83 @@ from secure_afl.core.randomness import RandomSource
 from . import crypto
 from .fields import sequence, tagged_fields
 
-COMMIT_DOMAIN = b"secure-afl/v1/verify-commit"
-COMMIT_HASH_DOMAIN = b"secure-afl/v1/verify-commit-hash"
-TRANSCRIPT_DOMAIN = b"secure-afl/v1/verify-transcript"
-CHALLENGE_DOMAIN = b"secure-afl/v1/verify-challenge"
-MASK_DOMAIN = b"secure-afl/v1/verify-mask"
-MASKED_DOMAIN = b"secure-afl/v1/verify-masked"
-SECRET_DOMAIN = b"secure-afl/v1/verify-secret"
+# v2: the check of one round (no nonce, no challenge: every coordinate of the residual is checked).
+COMMIT_DOMAIN = b"secure-afl/v2/verify-commit"
+TRANSCRIPT_DOMAIN = b"secure-afl/v2/verify-transcript"
+MASK_DOMAIN = b"secure-afl/v2/verify-mask"
+MASKED_DOMAIN = b"secure-afl/v2/verify-masked"
+SECRET_DOMAIN = b"secure-afl/v2/verify-secret"
 
-FRAC_BITS = 128  # a float64 scalar below 2^126 in magnitude is held exactly down to 2^-128
+FRAC_BITS = 128  # a float64 below 2^126 in magnitude is held exactly down to 2^-128
 MODULUS = 2**256
 WORD_BYTES = 32
-MAX_VALUES = 4096  # the scalars of one check (a classifier's classes and the bound's scale)
+MAX_VALUES = 1 << 20  # the values of one check: a classifier's d x C residual, the scale and counts
+_COUNT = struct.Struct(">I")
 
 
 class VerificationError(ServerProtocolError):
-    """The coordinator's relayed commitments, reveals or masked values do not form a checkable sum."""
+    """The coordinator's relayed commitments or masked values do not form a checkable sum."""
 
 
 @dataclass(frozen=True)
 class VerifySecret:
-    nonce: bytes  # r: revealed after the checked value is fixed
     key: bytes  # the X25519 private key of the pairwise masks (never leaves the participant)
 
     @classmethod
     def draw(cls, random: RandomSource) -> VerifySecret:
-        return cls(random.token_bytes(32), random.token_bytes(crypto.KEY_BYTES))
+        return cls(random.token_bytes(crypto.KEY_BYTES))
 
     @classmethod
     def from_seed(cls, seed: bytes, client_id: str, session_id: bytes) -> VerifySecret:
         """The participant's secret for one session, from the fresh secret randomness it drew for that
         session (HKDF-SHA256, info: the domain, the session id and its id).  Never from a long-term key
         and the session id alone: the session id is the coordinator's choice, and one it repeated
-        would then repeat ``r`` (revealed the first time), which the coordinator could know before it
-        fixes the value to check.  ``seed``: at least 32 bytes from a CSPRNG, used for one session."""
+        would then repeat the mask key of an earlier check.  ``seed``: at least 32 bytes from a CSPRNG,
+        used for one session."""
         if len(seed) < 32:
             raise VerificationError(f"the check's seed has {len(seed)} bytes; it needs 32 fresh random bytes")
         info = tagged_fields(SECRET_DOMAIN, session_id, client_id)
-        kdf = HKDF(algorithm=hashes.SHA256(), length=32 + crypto.KEY_BYTES, salt=None, info=info)
-        derived = kdf.derive(seed)
-        return cls(derived[:32], derived[32:])
+        kdf = HKDF(algorithm=hashes.SHA256(), length=crypto.KEY_BYTES, salt=None, info=info)
+        return cls(kdf.derive(seed))
 
     def public_key(self) -> bytes:
         return crypto.x25519_public_bytes(X25519PrivateKey.from_private_bytes(self.key))
-
-
-def nonce_digest(client_id: str, session_id: bytes, nonce: bytes) -> bytes:
-    return hashlib.sha256(tagged_fields(COMMIT_HASH_DOMAIN, session_id, client_id, nonce)).digest()
 
 
 @dataclass(frozen=True)
 class Commitment:
     client_id: str
     session_id: bytes
-    digest: bytes  # H(r)
     key: bytes  # the X25519 public key of the pairwise masks
     signature: bytes
 
-    def fields(self) -> tuple[bytes, str, bytes, bytes]:
-        return (self.session_id, self.client_id, self.digest, self.key)
+    def fields(self) -> tuple[bytes, str, bytes]:
+        return (self.session_id, self.client_id, self.key)
 
     def signed_by(self, public_key: bytes) -> bool:
         return crypto.verify(public_key, self.signature, COMMIT_DOMAIN, *self.fields())
 
     def to_text(self) -> str:
-        return ".".join(x.hex() for x in (self.digest, self.key, self.signature))
+        return ".".join(x.hex() for x in (self.key, self.signature))
 
     @classmethod
     def from_text(cls, client_id: str, session_id: bytes, text: object) -> Commitment:
         try:
-            digest, key, signature = (bytes.fromhex(part) for part in str(text).split("."))
+            key, signature = (bytes.fromhex(part) for part in str(text).split("."))
         except ValueError:
-            raise VerificationError(f"{client_id!r}'s commitment is not three hex fields") from None
-        if (len(digest), len(key), len(signature)) != (32, crypto.KEY_BYTES, crypto.SIGNATURE_BYTES):
+            raise VerificationError(f"{client_id!r}'s commitment is not two hex fields") from None
+        if (len(key), len(signature)) != (crypto.KEY_BYTES, crypto.SIGNATURE_BYTES):
             raise VerificationError(f"{client_id!r}'s commitment has fields of the wrong lengths")
-        return cls(client_id, session_id, digest, key, signature)
+        return cls(client_id, session_id, key, signature)
 
 
 def commit(
     secret: VerifySecret, client_id: str, session_id: bytes, identity: Ed25519PrivateKey
 ) -> Commitment:
-    """The signed commitment to ``secret`` (sent before the checked value exists)."""
-    digest = nonce_digest(client_id, session_id, secret.nonce)
+    """The signed commitment to ``secret``'s public key (sent before the checked value exists)."""
     key = secret.public_key()
-    signature = crypto.sign(identity, COMMIT_DOMAIN, session_id, client_id, digest, key)
-    return Commitment(client_id, session_id, digest, key, signature)
+    signature = crypto.sign(identity, COMMIT_DOMAIN, session_id, client_id, key)
+    return Commitment(client_id, session_id, key, signature)
 
 
 def check_commitments(
@@ -143,39 +136,19 @@ def check_commitments(
         raise VerificationError(f"the commitment relayed for {own.client_id!r} is not the one it sent")
 
 
-def check_reveals(commitments: Mapping[str, Commitment], reveals: Mapping[str, bytes]) -> None:
-    if sorted(reveals) != sorted(commitments):
-        raise VerificationError(
-            f"the nonces relayed are those of {sorted(reveals)}, the participants are {sorted(commitments)}"
-        )
-    for cid, nonce in reveals.items():
-        item = commitments[cid]
-        if nonce_digest(cid, item.session_id, nonce) != item.digest:
-            raise VerificationError(f"the nonce relayed for {cid!r} does not open its commitment")
-
-
-def transcript(context: bytes, commitments: Mapping[str, Commitment], reveals: Mapping[str, bytes]) -> bytes:
-    """The check's digest: the checked value's ``context``, every commitment and every nonce."""
+def transcript(context: bytes, commitments: Mapping[str, Commitment]) -> bytes:
+    """The check's digest: the checked value's ``context`` and every commitment (roster order)."""
     ids = sorted(commitments)
-    items = [tagged_fields(b"", *commitments[c].fields(), commitments[c].signature, reveals[c]) for c in ids]
+    items = [tagged_fields(b"", *commitments[c].fields(), commitments[c].signature) for c in ids]
     return hashlib.sha256(tagged_fields(TRANSCRIPT_DOMAIN, context, sequence(items))).digest()
 
 
-def challenge(seed: bytes, n: int) -> np.ndarray:
-    """``n`` values on the grid ``k · 2^-52 - 1`` (uniform over its 2^53 points in [-1, 1)), from
-    SHAKE-256 of the transcript: the same at every participant."""
-    words = np.frombuffer(hashlib.shake_256(tagged_fields(CHALLENGE_DOMAIN, seed)).digest(8 * n), dtype="<u8")
-    return (words >> np.uint64(11)).astype(np.float64) * 2.0**-52 - 1.0
-
-
-def to_fixed(values: Sequence[float]) -> list[int]:
-    out = []
-    for value in values:
-        v = float(value)
-        if not np.isfinite(v) or abs(v) >= 2.0**126:
-            raise VerificationError(f"a value to check is not finite or too large ({v!r})")
-        out.append(int(v * 2.0**FRAC_BITS) % MODULUS)
-    return out
+def to_fixed(values: Sequence[float] | np.ndarray) -> list[int]:
+    array = np.asarray(values, dtype=np.float64).ravel()
+    if not np.all(np.isfinite(array)) or np.any(np.abs(array) >= 2.0**126):
+        raise VerificationError("a value to check is not finite or too large (|x| >= 2^126)")
+    scale = 2.0**FRAC_BITS
+    return [int(v * scale) % MODULUS for v in array.tolist()]  # exact: v·2^128 is a float, int() of it exact
 
 
 def from_fixed(word: int) -> float:
@@ -189,27 +162,29 @@ def _pair_mask(secret: VerifySecret, peer: Commitment, own_id: str, seed: bytes,
     info = tagged_fields(MASK_DOMAIN, seed, low, high)
     key = HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=info).derive(shared)
     stream = hashlib.shake_256(key).digest(WORD_BYTES * n)
-    return [int.from_bytes(stream[i * WORD_BYTES : (i + 1) * WORD_BYTES], "big") for i in range(n)]
+    return [int.from_bytes(stream[i : i + WORD_BYTES], "big") for i in range(0, WORD_BYTES * n, WORD_BYTES)]
 
 
 def mask(
-    values: Sequence[float],
+    values: Sequence[float] | np.ndarray,
     own_id: str,
     secret: VerifySecret,
     commitments: Mapping[str, Commitment],
     seed: bytes,
 ) -> list[int]:
     """``values`` in fixed point plus the pairwise masks with every other participant (the
-    transcript ``seed`` is in every mask's key: another challenge gives other masks)."""
-    if not 0 < len(values) <= MAX_VALUES:
-        raise VerificationError(f"a check masks 1 to {MAX_VALUES} values, got {len(values)}")
+    transcript ``seed`` is in every mask's key: another context gives other masks)."""
+    if not 0 < np.size(values) <= MAX_VALUES:
+        raise VerificationError(f"a check masks 1 to {MAX_VALUES} values, got {np.size(values)}")
     words = to_fixed(values)
     for peer_id in sorted(commitments):
         if peer_id == own_id:
             continue
         pad = _pair_mask(secret, commitments[peer_id], own_id, seed, len(words))
-        sign = 1 if own_id < peer_id else -1
-        words = [(w + sign * p) % MODULUS for w, p in zip(words, pad, strict=True)]
+        if own_id < peer_id:
+            words = [(w + p) % MODULUS for w, p in zip(words, pad, strict=True)]
+        else:
+            words = [(w - p) % MODULUS for w, p in zip(words, pad, strict=True)]
     return words
 
 
@@ -219,24 +194,47 @@ class MaskedValue:
     words: tuple[int, ...]
     signature: bytes
 
-    def message(self, seed: bytes) -> bytes:
-        data = b"".join(w.to_bytes(WORD_BYTES, "big") for w in self.words)
-        return tagged_fields(MASKED_DOMAIN, seed, self.client_id, data)
+    def data(self) -> bytes:
+        return b"".join(w.to_bytes(WORD_BYTES, "big") for w in self.words)
 
-    def to_text(self) -> str:
-        return ".".join([*(format(w, "064x") for w in self.words), self.signature.hex()])
+    def message(self, seed: bytes) -> bytes:
+        return tagged_fields(MASKED_DOMAIN, seed, self.client_id, self.data())
+
+    def to_bytes(self) -> bytes:
+        """``count (4 bytes) ‖ words (32 bytes each, big-endian) ‖ signature (64 bytes)``."""
+        return _COUNT.pack(len(self.words)) + self.data() + self.signature
 
     @classmethod
-    def from_text(cls, client_id: str, text: object) -> MaskedValue:
-        parts = str(text).split(".")
-        try:
-            words = tuple(int(p, 16) for p in parts[:-1])
-            signature = bytes.fromhex(parts[-1])
-        except ValueError:
-            raise VerificationError(f"{client_id!r}'s masked value is not hex fields") from None
-        if not 0 < len(words) <= MAX_VALUES or any(not 0 <= w < MODULUS for w in words):
-            raise VerificationError(f"{client_id!r}'s masked value has malformed words")
-        return cls(client_id, words, signature)
+    def from_bytes(cls, client_id: str, data: bytes) -> MaskedValue:
+        if len(data) < _COUNT.size:
+            raise VerificationError(f"{client_id!r}'s masked value is truncated")
+        (n,) = _COUNT.unpack_from(data)
+        if not 0 < n <= MAX_VALUES or len(data) != _COUNT.size + n * WORD_BYTES + crypto.SIGNATURE_BYTES:
+            raise VerificationError(
+                f"{client_id!r}'s masked value has {len(data)} bytes, not a count of 1 to {MAX_VALUES} "
+                "words and a signature"
+            )
+        end = _COUNT.size + n * WORD_BYTES
+        words = tuple(
+            int.from_bytes(data[i : i + WORD_BYTES], "big") for i in range(_COUNT.size, end, WORD_BYTES)
+        )
+        return cls(client_id, words, bytes(data[end:]))
+
+
+def pack_relay(masked: Mapping[str, bytes]) -> tuple[list[str], bytes]:
+    """The coordinator's relay: the ids (sorted) and their masked values' bytes, one after another."""
+    ids = sorted(masked)
+    return ids, b"".join(masked[c] for c in ids)
+
+
+def unpack_relay(ids: Sequence[str], data: bytes, n_words: int) -> dict[str, MaskedValue]:
+    """The relayed values, each of ``n_words`` words (this participant's own count)."""
+    size = _COUNT.size + n_words * WORD_BYTES + crypto.SIGNATURE_BYTES
+    if len(set(ids)) != len(ids) or len(data) != size * len(ids):
+        raise VerificationError(
+            f"the relayed masked values have {len(data)} bytes, not {len(ids)} distinct values of {size}"
+        )
+    return {cid: MaskedValue.from_bytes(cid, data[i * size : (i + 1) * size]) for i, cid in enumerate(ids)}
 
 
 def sign_masked(
@@ -252,7 +250,7 @@ def unmask_sum(
     public_keys: Mapping[str, bytes],
     seed: bytes,
     own: MaskedValue,
-) -> list[float]:
+) -> np.ndarray:
     """The sum of every participant's values, after checking that every participant's masked
     vector is there, signed over this transcript, of one length, and this participant's own is the
     one it sent."""
@@ -271,5 +269,5 @@ def unmask_sum(
             )
     if masked[own.client_id] != own:
         raise VerificationError(f"the masked value relayed for {own.client_id!r} is not the one it sent")
-    totals = [sum(item.words[i] for item in masked.values()) % MODULUS for i in range(n)]
-    return [from_fixed(t) for t in totals]
+    totals = [sum(column) % MODULUS for column in zip(*(item.words for item in masked.values()), strict=True)]
+    return np.array([from_fixed(t) for t in totals], dtype=np.float64)

@@ -223,7 +223,6 @@ ORDER = [
     "s2-R3",
     "s2-R4",
     "classifier",
-    "verify-reveal",
     "verify-sums",
 ]
 

@@ -71,12 +71,13 @@ def test_an_honest_coordinators_classifier_is_verified_by_every_survivor_with_a_
         assert verification_status(path).startswith("classifier check: verified by this node")
         record = json.loads((node.settings.out_dir / "classifier.verified.json").read_text())
         assert record["survivors"] == list(survivors) and record["max_residual_over_bound"] < 1e-3
-    # Masking: each relayed vector alone is a uniform word, nowhere near the terms it hides.
-    relayed = next(json.loads(str(e.meta["masked"])) for _, g, e in transport.sent if g == "verify-sums")
-    for cid, text in relayed.items():
-        words = pv.MaskedValue.from_text(cid, text).words
-        assert len(words) == len(federation.study.classes) + 1
-        assert all(abs(pv.from_fixed(w)) > 2.0**90 for w in words)
+    # Masking: each relayed vector alone is uniform words, nowhere near the terms it hides.
+    relay = next(e for _, g, e in transport.sent if g == "verify-sums")
+    ids = json.loads(str(relay.meta["masked-ids"]))
+    n_words = len(federation.study.classes) * federation.study.dim + 1
+    assert ids == list(survivors)
+    for cid, item in pv.unpack_relay(ids, relay.payload, n_words).items():
+        assert all(abs(pv.from_fixed(w)) > 2.0**90 for w in item.words), cid
 
 
 def _perturb(classifier: Classifier) -> Classifier:
@@ -130,20 +131,39 @@ def test_a_different_survivor_set_is_refused(tmp_path: Path) -> None:
         return envelope
 
     server, _ = _run(federation, change=edit, tamper=tamper)
-    _refused_by_all(server, federation, {"client-0", "client-1", "client-2"}, "ClassifierCheckFailedError")
+    _refused_by_all(server, federation, {"client-0", "client-1", "client-2"}, "VerificationError")
 
 
-def test_a_node_left_out_of_the_survivors_refuses_the_classifier(tmp_path: Path) -> None:
+def test_a_survivor_set_narrowed_to_a_colluder_gets_no_masked_terms(tmp_path: Path) -> None:
+    """The coordinator names two survivors (client-0 and its colluder client-1): were client-0 to mask
+    its residual for that set, client-1 could remove its only pad.  It refuses before masking."""
     federation = make_federation(tmp_path, n_clients=4)
+    pair = ["client-0", "client-1"]
 
     def edit(classifier: Classifier) -> Classifier:
-        sessions = [
-            {**s, "survivors": [c for c in s["survivors"] if c != "client-3"]} for s in classifier.sessions
-        ]
-        return dataclasses.replace(classifier, sessions=tuple(sessions))
+        return dataclasses.replace(
+            classifier, sessions=tuple({**s, "survivors": pair} for s in classifier.sessions)
+        )
 
-    server, _ = _run(federation, change=edit)
-    _refused_by_all(server, federation, {f"client-{k}" for k in range(4)}, "VerificationError")
+    def tamper(node: int, group: str, envelope: Envelope) -> Envelope:
+        if group == "classifier":
+            return _edit_json(
+                envelope, "verify-commitments", lambda r: [r.pop(c) for c in set(r) - set(pair)]
+            )
+        return envelope
+
+    transport = InProcessTransport(federation, tamper=tamper)
+    server = FederationServer(
+        transport, federation.roster, federation.study, round_timeout=1, signer=federation.signer,
+        colluders=0, log=lambda s: None,
+    )  # fmt: skip
+    classifier = edit(server.run())
+    server.deliver(classifier, server.sign(classifier))
+    assert server.report.verified == () and not any(_stored(federation).values())
+    refused = [r for r in server.report.refusals if r["from"] == "client-0"]
+    assert refused and refused[0]["error"] == "VerificationError"
+    assert "not the set this node signed in R3" in refused[0]["message"]
+    assert not any(g == "verify-sums" for _, g, _ in transport.sent)  # no masked terms to relay
 
 
 def _edit_json(envelope: Envelope, key: str, edit) -> Envelope:
@@ -152,52 +172,90 @@ def _edit_json(envelope: Envelope, key: str, edit) -> Envelope:
     return Envelope(envelope.kind, {**envelope.meta, key: json.dumps(relayed)}, envelope.payload)
 
 
-def _forge(relayed: dict) -> None:
-    parts = relayed["client-1"].split(".")
-    parts[0] = format((int(parts[0], 16) + 1) % pv.MODULUS, "064x")
-    relayed["client-1"] = ".".join(parts)
+def _relayed(envelope: Envelope) -> dict[str, bytes]:
+    ids = json.loads(str(envelope.meta["masked-ids"]))
+    size = len(envelope.payload) // len(ids)
+    return {cid: envelope.payload[i * size : (i + 1) * size] for i, cid in enumerate(ids)}
 
 
-def _fix_u(relayed: dict) -> None:
-    relayed["client-0"] = "00" * 32  # a nonce of the coordinator's choosing
+def _relay(envelope: Envelope, masked: dict[str, bytes]) -> Envelope:
+    ids, data = pv.pack_relay(masked)
+    return Envelope(envelope.kind, {**envelope.meta, "masked-ids": json.dumps(ids)}, data)
 
 
-def _foreign_commitment(relayed: dict) -> None:
-    # A commitment the coordinator made itself (its key, not client-1's): it would choose r and the mask key.
-    secret = pv.VerifySecret(b"\x01" * 32, b"\x02" * 32)
-    session = bytes(32)
-    relayed["client-1"] = pv.commit(secret, "client-1", session, IdentityKey.generate().private_key).to_text()
+def _withhold(envelope: Envelope) -> Envelope:
+    masked = _relayed(envelope)
+    del masked["client-2"]
+    return _relay(envelope, masked)
+
+
+def _forge(envelope: Envelope) -> Envelope:
+    masked = _relayed(envelope)
+    item = bytearray(masked["client-1"])
+    item[4 + 31] ^= 1  # the first word's last bit: the sum moves by 2^-128
+    return _relay(envelope, {**masked, "client-1": bytes(item)})
+
+
+def _foreign_commitment(envelope: Envelope) -> Envelope:
+    # A commitment the coordinator made itself (its key, not client-1's): it would hold the mask key.
+    def edit(relayed: dict) -> None:
+        secret = pv.VerifySecret(b"\x02" * 32)
+        relayed["client-1"] = pv.commit(
+            secret, "client-1", bytes(32), IdentityKey.generate().private_key
+        ).to_text()
+
+    return _edit_json(envelope, "verify-commitments", edit)
 
 
 @pytest.mark.parametrize(
-    ("step", "edit", "refusers"),
-    [
-        ("verify-sums", lambda r: r.pop("client-2"), {"client-0", "client-1", "client-2", "client-3"}),
-        ("verify-sums", _forge, {"client-0", "client-1", "client-2", "client-3"}),
-        ("verify-reveal", _fix_u, {"client-0", "client-1", "client-2", "client-3"}),
-        ("classifier", _foreign_commitment, {"client-0", "client-1", "client-2", "client-3"}),
-    ],
-    ids=["withheld value", "forged value", "u fixed in advance", "foreign commitment"],
+    ("step", "edit"),
+    [("verify-sums", _withhold), ("verify-sums", _forge), ("classifier", _foreign_commitment)],
+    ids=["withheld value", "forged value", "foreign commitment"],
 )
-def test_a_tampered_relay_is_refused_by_every_survivor(
-    tmp_path: Path, step: str, edit, refusers: set[str]
-) -> None:
+def test_a_tampered_relay_is_refused_by_every_survivor(tmp_path: Path, step: str, edit) -> None:
     federation = make_federation(tmp_path, n_clients=4)
-    key = {"verify-sums": "masked", "verify-reveal": "reveals", "classifier": "verify-commitments"}[step]
 
     def tamper(node: int, group: str, envelope: Envelope) -> Envelope:
-        return _edit_json(envelope, key, edit) if group == step else envelope
+        return edit(envelope) if group == step else envelope
 
     server, _ = _run(federation, tamper=tamper)
-    _refused_by_all(server, federation, refusers, "VerificationError")
+    _refused_by_all(server, federation, {f"client-{k}" for k in range(4)}, "VerificationError")
+
+
+def test_a_node_given_another_file_makes_every_sum_fail(tmp_path: Path) -> None:
+    """The coordinator delivers one node another signed file: that node's pads are keyed to another
+    transcript, so they cancel with nobody's; every node refuses, none learns a sum over two files.
+    (There is no challenge to fix in advance: every coordinate of the residual is checked.)"""
+    federation = make_federation(tmp_path, n_clients=4)
+    swapped: list[bytes] = []
+
+    def tamper(node: int, group: str, envelope: Envelope) -> Envelope:
+        if group == "classifier" and node == 1000:
+            return Envelope(envelope.kind, envelope.meta, swapped[0])
+        return envelope
+
+    transport = InProcessTransport(federation, tamper=tamper)
+    server = FederationServer(
+        transport, federation.roster, federation.study, round_timeout=1, signer=federation.signer,
+        colluders=0, log=lambda s: None,
+    )  # fmt: skip
+    classifier = server.run()
+    swapped.append(server.sign(_perturb(classifier)))
+    server.deliver(classifier, server.sign(classifier))
+    _refused_by_all(server, federation, {f"client-{k}" for k in range(4)}, "VerificationError")
 
 
 def test_a_survivor_that_drops_during_the_check_leaves_the_classifier_unverified(tmp_path: Path) -> None:
-    federation = make_federation(tmp_path, n_clients=4)
-    federation.nodes[1001].dead_from = "verify-reveal"
+    federation = make_federation(tmp_path / "delivery", n_clients=4)
+    federation.nodes[1001].dead_from = "classifier"  # gone before its masked terms: no sum can be formed
     server, _, _ = run_server(federation)
     assert server.report.verified == () and server.report.acknowledged == ()
     assert not any(_stored(federation).values())  # held until verified: the session can be run again
+    later = make_federation(tmp_path / "relay", n_clients=4)
+    later.nodes[1001].dead_from = "verify-sums"  # gone after its terms: the others still form the sum
+    server, _, _ = run_server(later)
+    assert server.report.verified == ("client-0", "client-2", "client-3")
+    assert _stored(later) == {"client-0": True, "client-1": False, "client-2": True, "client-3": True}
 
 
 def test_a_node_that_stores_every_classifier_marks_it_verified_after_the_check(tmp_path: Path) -> None:

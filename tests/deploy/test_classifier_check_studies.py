@@ -83,11 +83,13 @@ def test_counts_other_than_the_solves_are_refused_by_every_node(tmp_path: Path, 
     federation = _federation(tmp_path, kind)
 
     def tamper(node: int, group: str, envelope: Envelope) -> Envelope:
-        if group != "verify-reveal":
+        if group != "classifier":
             return envelope
-        counts = json.loads(str(envelope.meta["counts"]))
+        counts = json.loads(str(envelope.meta["verify-counts"]))
         counts["class/1|n_pos/1"] += 1.0
-        return Envelope(envelope.kind, {**envelope.meta, "counts": json.dumps(counts)}, envelope.payload)
+        return Envelope(
+            envelope.kind, {**envelope.meta, "verify-counts": json.dumps(counts)}, envelope.payload
+        )
 
     server, _ = _run(federation, tamper=tamper)
     nodes = {n.client_id for n in federation.nodes.values()}
@@ -111,23 +113,24 @@ def test_the_studies_not_covered_say_why(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("dim", [1, 127, 128, 129, 300])
-def test_a_nodes_gram_times_u_from_its_packed_triangle_is_the_full_products(dim: int) -> None:
+def test_a_nodes_gram_times_x_from_its_packed_triangle_is_the_full_products(dim: int) -> None:
     import numpy as np
 
     from secure_afl.deploy.verify import _gram_times
 
     rng = np.random.default_rng(dim)
     rows = rng.random((20, dim))
-    gram, u = rows.T @ rows, rng.uniform(-1, 1, dim)
-    expected = gram @ u
-    got = _gram_times(gram[np.triu_indices(dim)], u)
-    assert np.abs(got - expected).max() <= 1e-13 * np.abs(gram).sum(axis=1).max()
+    gram, u = rows.T @ rows, rng.uniform(-1, 1, (dim, 3))
+    for x in (u, u[:, 0]):  # a d×C matrix and a vector
+        got = _gram_times(gram[np.triu_indices(dim)], x)
+        assert got.shape == x.shape
+        assert np.abs(got - gram @ x).max() <= 1e-13 * np.abs(gram).sum(axis=1).max()
 
 
 def test_the_checks_secret_comes_from_the_nodes_fresh_seed_so_a_repeated_session_id_repeats_nothing() -> None:
-    """The session id is the coordinator's choice: the secret must not be a function of it and a
-    long-term key alone, or a repeated id would repeat r (revealed the first time) before the
-    classifier is fixed.  From the node's fresh seed, the same id gives another r and mask key."""
+    """The session id is the coordinator's choice: the mask key must not be a function of it and a
+    long-term key alone, or a repeated id would repeat an earlier check's pads.  From the node's
+    fresh seed, the same id gives another key."""
     from secure_afl.protocol.verify import VerificationError, VerifySecret
 
     session_id = bytes(32)
@@ -139,21 +142,20 @@ def test_the_checks_secret_comes_from_the_nodes_fresh_seed_so_a_repeated_session
         VerifySecret.from_seed(first, "client-1", session_id),
         VerifySecret.from_seed(first, "client-0", bytes([1]) * 32),
     }
-    assert len(others) == 3 and all(o.nonce != secret.nonce and o.key != secret.key for o in others)
-    assert all(len(s.nonce) == 32 and s.nonce != s.key for s in (secret, *others))
+    assert len(others) == 3 and all(o.key != secret.key and len(o.key) == 32 for o in others)
     with pytest.raises(VerificationError, match="32 fresh random bytes"):
         VerifySecret.from_seed(bytes(16), "client-0", session_id)
 
 
-def test_a_node_commits_to_the_secret_of_its_sessions_seed(tmp_path: Path) -> None:
-    """Every survivor's R0 commitment opens with the nonce kept from its own session seed (and the
-    commitments of two federations under one injected session id differ)."""
+def test_a_node_commits_to_the_mask_key_of_its_sessions_seed(tmp_path: Path) -> None:
+    """Every survivor's R0 commitment names the public key of the mask key kept from its own session
+    seed (and the commitments of two federations under one injected session id differ)."""
     from secure_afl.deploy.server import FederationServer
     from secure_afl.deploy.verify import STATE_LABEL
-    from secure_afl.protocol.verify import nonce_digest
+    from secure_afl.protocol.verify import VerifySecret
 
     session_id = bytes([7]) * 32
-    digests = []
+    keys = []
     for name in ("one", "two"):
         federation = _federation(tmp_path / name, "global")
         transport = InProcessTransport(federation)  # run_server's server, stopped before the delivery
@@ -165,6 +167,6 @@ def test_a_node_commits_to_the_secret_of_its_sessions_seed(tmp_path: Path) -> No
             record = node.state.load(STATE_LABEL)
             assert record is not None and record["session_id"] == session_id.hex()
             own = Commitment.from_text(node.client_id, session_id, str(record["commitment"]))
-            assert own.digest == nonce_digest(node.client_id, session_id, bytes(record["nonce"]))
-            digests.append(own.digest)
-    assert len(set(digests)) == len(digests)
+            assert own.key == VerifySecret(bytes(record["key"])).public_key()
+            keys.append(own.key)
+    assert len(set(keys)) == len(keys)

@@ -156,7 +156,7 @@ def test_a_node_counts_its_messages_in_its_ledger_dir_and_node_metrics_writes_th
     assert value(samples, "secure_afl_party_info", role="node") == 1
     assert value(samples, "secure_afl_sessions_started_total") == 1
     assert value(samples, "secure_afl_sessions_finished_total") == 1  # the ledger's release
-    assert value(samples, "secure_afl_rounds_total") == 8  # R0..R4, classifier, the check's 2 relays
+    assert value(samples, "secure_afl_rounds_total") == 7  # R0..R4, classifier, the check's relay
     assert value(samples, "secure_afl_classifiers_total") == 1
     assert ("secure_afl_dropouts_total", ()) not in samples  # a node does not see dropouts
     state = json.loads((settings.ledger_dir / METRICS_NAME).read_text())

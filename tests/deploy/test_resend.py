@@ -181,25 +181,23 @@ def _flipped(envelope: Envelope) -> Envelope:
 
 def test_an_identical_repeat_of_every_kind_gets_the_recorded_reply_and_releases_once(tmp_path: Path) -> None:
     federation = make_federation(tmp_path, n_clients=4)
-    changes = {(1001, "s1-R4"): _flipped, (1002, "verify-reveal"): lambda e: _with_meta(e, reveals="{}")}
+    changes = {(1001, "s1-R4"): _flipped, (1002, "verify-sums"): lambda e: _with_meta(e, extra="x")}
     transport = Repeating(federation, changes)
     server, classifier, _ = run_server(federation, transport)
-    # advertise (R0), R1..R4 (the session is done after R4), the classifier, both verify steps
-    assert list(transport.pairs) == [
-        "s1-R0", "s1-R1", "s1-R2", "s1-R3", "s1-R4", "classifier", "verify-reveal", "verify-sums"
-    ]  # fmt: skip
+    # advertise (R0), R1..R4 (the session is done after R4), the classifier, the check's relay
+    assert list(transport.pairs) == ["s1-R0", "s1-R1", "s1-R2", "s1-R3", "s1-R4", "classifier", "verify-sums"]
     for group, pairs in transport.pairs.items():
         assert len(pairs) == 4, group
         for first, again in pairs:
             assert first == again, group  # byte for byte
             assert envelope_from_bytes(first).kind in ("reply", "ack"), group
-    assert len(transport.unchanged) == 32 and all(transport.unchanged)
+    assert len(transport.unchanged) == 28 and all(transport.unchanged)
     assert server.report.dropouts == [] and server.report.refusals == []
     assert sorted(server.check.verified) == sorted(federation.roster.client_ids)
     assert classifier.sessions[0]["survivors"] == sorted(federation.roster.client_ids)
     # A changed message for an answered round is refused as before: R4 once the session is over,
-    # the classifier check's challenge once it was answered; nothing more is released.
-    r4, reveal = transport.answers[1001, "s1-R4"], transport.answers[1002, "verify-reveal"]
+    # the classifier check's relay once it was answered; nothing more is released.
+    r4, reveal = transport.answers[1001, "s1-R4"], transport.answers[1002, "verify-sums"]
     assert r4.kind == "refused" and r4.meta["error"] == "SessionReplayError", r4.meta
     assert "is over (done)" in str(r4.meta["message"])
     assert reveal.kind == "refused" and reveal.meta["error"] == "VerificationError", reveal.meta

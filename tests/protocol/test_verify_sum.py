@@ -1,5 +1,5 @@
-"""The classifier check's sum (secure_afl/protocol/verify.py): masks cancel only in the full sum, the
-challenge is the transcript's, and nothing but a participant's own key signs its vector."""
+"""The classifier check's sum (secure_afl/protocol/verify.py): masks cancel only in the full sum over
+one transcript, and nothing but a participant's own key signs its commitment and its vector."""
 
 from __future__ import annotations
 
@@ -22,33 +22,41 @@ def _participants():
         cid: pv.VerifySecret.draw(DeterministicRandomSource(bytes([i + 9]) * 32)) for i, cid in enumerate(IDS)
     }
     commitments = {cid: pv.commit(secrets[cid], cid, SESSION, keys[cid].private_key) for cid in IDS}
-    reveals = {cid: secrets[cid].nonce for cid in IDS}
-    return keys, secrets, commitments, reveals
+    return keys, secrets, commitments
 
 
-def test_the_masked_values_add_to_the_values_and_no_proper_subset_does() -> None:
-    keys, secrets, commitments, reveals = _participants()
-    seed = pv.transcript(b"file digest", commitments, reveals)
-    values = {cid: [float(i) + 0.25, -3.5 * i] for i, cid in enumerate(IDS)}
-    masked = {
+def _masked(keys, secrets, commitments, seed, values):
+    return {
         cid: pv.sign_masked(
             cid, pv.mask(values[cid], cid, secrets[cid], commitments, seed), seed, keys[cid].private_key
         )
-        for cid in IDS
+        for cid in values
     }
+
+
+def test_the_masked_values_add_to_the_values_and_no_proper_subset_does() -> None:
+    keys, secrets, commitments = _participants()
+    seed = pv.transcript(b"file digest", commitments)
+    values = {cid: np.array([float(i) + 0.25, -3.5 * i, 2.0**-100 * i]) for i, cid in enumerate(IDS)}
+    masked = _masked(keys, secrets, commitments, seed, values)
     public = {cid: k.public_key for cid, k in keys.items()}
-    total = pv.unmask_sum(masked, commitments, public, seed, masked["a"])
-    assert total == [sum(v[0] for v in values.values()), sum(v[1] for v in values.values())]
+    ids, data = pv.pack_relay({cid: m.to_bytes() for cid, m in masked.items()})
+    relayed = pv.unpack_relay(ids, data, 3)
+    assert relayed == masked
+    total = pv.unmask_sum(relayed, commitments, public, seed, masked["a"])
+    assert total.tolist() == np.sum(list(values.values()), axis=0).tolist()  # exact: 128 fractional bits
     partial = sum(masked[c].words[0] for c in IDS[:3]) % pv.MODULUS  # without d's vector
     assert abs(pv.from_fixed(partial)) > 2.0**90
-    other = pv.transcript(b"another file", commitments, reveals)  # another transcript: other masks
-    assert pv.mask(values["a"], "a", secrets["a"], commitments, other) != masked["a"].words
-    assert not np.array_equal(pv.challenge(seed, 8), pv.challenge(other, 8))
-    assert np.all(np.abs(pv.challenge(seed, 1000)) <= 1.0)
+    other = pv.transcript(b"another file", commitments)  # another transcript: other masks
+    assert pv.mask(values["a"], "a", secrets["a"], commitments, other) != list(masked["a"].words)
+    # Vectors masked for two files: the pads of a pair over two transcripts cancel nowhere.
+    mixed = {**masked, "a": _masked(keys, secrets, commitments, other, {"a": values["a"]})["a"]}
+    mixed_sum = sum(mixed[c].words[0] for c in IDS) % pv.MODULUS
+    assert abs(pv.from_fixed(mixed_sum)) > 2.0**90
 
 
-def test_a_commitment_reveal_or_vector_the_relay_changed_is_refused() -> None:
-    keys, secrets, commitments, reveals = _participants()
+def test_a_commitment_or_vector_the_relay_changed_is_refused() -> None:
+    keys, secrets, commitments = _participants()
     public = {cid: k.public_key for cid, k in keys.items()}
     pv.check_commitments(commitments, IDS, public, commitments["a"])
     with pytest.raises(pv.VerificationError, match="participants are"):
@@ -58,5 +66,25 @@ def test_a_commitment_reveal_or_vector_the_relay_changed_is_refused() -> None:
     forged = pv.commit(secrets["b"], "b", SESSION, keys["c"].private_key)  # signed by another key
     with pytest.raises(pv.VerificationError, match="not signed by its roster key"):
         pv.check_commitments({**commitments, "b": forged}, IDS, public, commitments["a"])
-    with pytest.raises(pv.VerificationError, match="does not open its commitment"):
-        pv.check_reveals(commitments, {**reveals, "c": bytes(32)})
+    seed = pv.transcript(b"file digest", commitments)
+    masked = _masked(keys, secrets, commitments, seed, {cid: np.ones(2) for cid in IDS})
+    replayed = _masked(keys, secrets, commitments, pv.transcript(b"earlier", commitments), {"b": np.ones(2)})
+    with pytest.raises(pv.VerificationError, match="not signed by its roster key over this check"):
+        pv.unmask_sum({**masked, "b": replayed["b"]}, commitments, public, seed, masked["a"])
+    with pytest.raises(pv.VerificationError, match="cannot be formed without every one"):
+        pv.unmask_sum({c: m for c, m in masked.items() if c != "c"}, commitments, public, seed, masked["a"])
+    ids, data = pv.pack_relay({cid: m.to_bytes() for cid, m in masked.items()})
+    with pytest.raises(pv.VerificationError, match="not 4 distinct values"):
+        pv.unpack_relay(ids, data[:-1], 2)  # truncated
+    with pytest.raises(pv.VerificationError, match=r"wrong lengths|two hex fields"):
+        pv.Commitment.from_text("a", SESSION, "00.11")
+
+
+def test_the_mask_key_comes_from_the_seed_and_the_session() -> None:
+    seed = bytes(range(32))
+    one = pv.VerifySecret.from_seed(seed, "a", SESSION)
+    assert one == pv.VerifySecret.from_seed(seed, "a", SESSION)
+    assert one != pv.VerifySecret.from_seed(seed, "a", bytes(32))
+    assert one != pv.VerifySecret.from_seed(bytes(32), "a", SESSION)
+    with pytest.raises(pv.VerificationError, match="32 fresh random bytes"):
+        pv.VerifySecret.from_seed(seed[:16], "a", SESSION)
