@@ -90,7 +90,10 @@ def require_setting(value: object) -> str:
 def not_offered(study: Study, roster_ids: Collection[str]) -> str | None:
     """Why the check does not cover ``study`` (None: it does)."""
     if study.protection != "mask":
-        return "CKKS studies are not checked (the key holder could decrypt a single survivor's term)"
+        return (
+            "CKKS studies are not checked (CKKS sums are approximate: the solved sums differ from the "
+            "survivors' values by the scheme's noise, which the check's rounding tolerance does not cover)"
+        )
     if study.method.rounds != 1:
         return (
             "two-round studies are not checked (round 2 runs only under a coordinator the nodes declared "

@@ -352,7 +352,7 @@ def classifier_check(config: SimConfig) -> dict[str, object]:
     protection = config.secure.split(",")[0]  # the protection whose sums fit the reported models
     reason = None
     if protection == "ckks":
-        reason = "not offered under CKKS (the key holder could decrypt a single survivor's term)"
+        reason = "not offered under CKKS (its sums carry the scheme's noise, beyond the check's tolerance)"
     elif protection == "none":
         reason = "not offered without secure aggregation (--protection none; a deployment masks or encrypts)"
     elif config.dp is not None and (config.dp.projection_dim is not None or config.dp.row_centre):
