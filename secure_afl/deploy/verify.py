@@ -494,7 +494,8 @@ def chain_values(
     not end with this run after the study it extends, an earlier run's survivor absent from this
     session (its uploads are in the sums, its term would not be), a run that included this node
     whose values it did not keep (a chain started before nodes kept them, or a record lost), a run
-    this node kept whose study extends another than the run before it in the record.  A check that
+    this node kept whose study extends another than the run before it in the record, a run recorded
+    otherwise (session, survivors) than when this node checked its classifier.  A check that
     then passes means: W is the ridge solution of the sums of the runs the chain record lists."""
     chain = _recorded_chain(record, classifier)
     client_id, survivors = str(record["client_id"]), set(chain[-1][2])
@@ -511,9 +512,17 @@ def chain_values(
         )
     directory = Path(str(record["keep_dir"]))
     listed = [list(e) for e in chain]
+    by_study = {e[0]: e for e in chain}
     base: tuple[int, Path | None] = (0, None)  # the longest chain record that is a prefix of the chain
     for path, meta in _kept(directory, client_id, "chain"):
         prefix = [[str(e[0]), str(e[1]), tuple(str(s) for s in e[2])] for e in meta.get("chain", [])]
+        for study, session_id, included in prefix:  # a run this node checked before: recorded alike
+            if by_study.get(study, (study, session_id, included)) != (study, session_id, included):
+                raise UnverifiedClassifierError(
+                    f"the classifier's chain record of study {study[:16]}... (its session or survivors) "
+                    "differs from the one this node checked that run's classifier with: the chain is not "
+                    "the one this node took part in; the classifier is not verified"
+                )
         if base[0] < len(prefix) < len(chain) and listed[: len(prefix)] == prefix:
             base = (len(prefix), path)
     values = {} if base[1] is None else dict(_read_kept(base[1])[1])

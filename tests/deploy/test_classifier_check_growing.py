@@ -12,7 +12,6 @@ import stat
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from secure_afl.deploy.classifier import HISTORY_DIR, Classifier, history_name
@@ -167,25 +166,44 @@ def test_an_earlier_contributor_absent_from_this_session_leaves_the_classifier_u
     assert all("client-3" in r["message"] for r in second.report.refusals)
 
 
-@pytest.mark.parametrize("omitted", [0, 1])
+def test_a_node_that_joins_a_later_run_verifies_it_with_its_values_alone(tmp_path: Path) -> None:
+    """client-3 is gone after R0 of run 1 (not a survivor: nothing of it in the sums), then takes
+    part in run 2: its term is its run-2 values alone, the others' both runs', and all verify."""
+    federation, full = _federation(tmp_path, active={f"client-{k}": (0, 1, 2) for k in range(4)})
+    _arrive(federation, full, ARRIVALS[0])
+    federation.nodes[1003].dead_from = "s1-R1"
+    first = _run(federation, federation.study)
+    assert "client-3" not in first.classifier.sessions[0]["survivors"]
+    second = _next(federation, full, [first])
+    assert second.report.refusals == [], second.report.refusals
+    assert second.report.verified == ("client-0", "client-1", "client-2", "client-3")
+
+
+@pytest.mark.parametrize("omitted", ["run 1", "run 2", "a survivor of run 1"])
 def test_a_chain_record_that_omits_a_run_leaves_the_classifier_unverified(
-    tmp_path: Path, omitted: int
+    tmp_path: Path, omitted: str
 ) -> None:
-    """The third run's classifier records its chain without run 1 or run 2, each of which every node
-    took part in: without run 2 the chain does not end after the study the third extends; without
-    run 1 the nodes' record of runs 1-2 is not a prefix, and run 2's values were folded into it."""
+    """The third run's classifier records its chain without run 1, run 2 (every node took part in
+    both) or client-0 among run 1's survivors: without run 2 the chain does not end after the study
+    the third extends; without run 1 or with run 1's survivors changed it is not the chain the nodes
+    checked run 2's classifier with (their record of runs 1-2, into which run 2's values were folded)."""
     federation, full = _federation(tmp_path)
     servers = _chain(federation, full, 2)
 
     def omit(classifier: Classifier) -> Classifier:
         growth = dict(classifier.protocol["growth"])
-        growth["chain"] = [e for j, e in enumerate(growth["chain"]) if j != omitted]
+        chain = [dict(e) for e in growth["chain"]]
+        if omitted == "a survivor of run 1":
+            chain[0]["survivors"] = [s for s in chain[0]["survivors"] if s != "client-0"]
+        else:
+            del chain[int(omitted[-1]) - 1]
+        growth["chain"] = chain
         return dataclasses.replace(classifier, protocol={**classifier.protocol, "growth": growth})
 
     third = _next(federation, full, servers, change=omit)
     everyone = {n.client_id for n in federation.nodes.values()}
     assert third.report.verified == () and third.report.acknowledged == ()
     assert _errors(third) == {"UnverifiedClassifierError": everyone}, third.report.refusals
-    words = "does not match this node's run" if omitted == 1 else "keeps no values of that run"
-    assert all(words in r["message"] for r in third.report.refusals), third.report.refusals
-    assert np.all(np.isfinite(third.classifier.weights))
+    words = {"run 1": "keeps no values of that run", "run 2": "does not match this node's run"}
+    said = words.get(omitted, "differs from the one this node checked")
+    assert all(said in r["message"] for r in third.report.refusals), third.report.refusals
