@@ -16,18 +16,26 @@ advertisement reply carries ``verify-commit`` in its metadata; the classifier de
 masked terms (``verify-masked``); a ``verify`` envelope of round ``verify-sums`` relays every
 survivor's, and the node answers ``ack`` with ``verified`` (or refuses).
 
-Offered for one-round masking studies (:func:`not_offered` says why otherwise: CKKS, round 2, growing
-chains, DP with ``--dp-dim`` or row centring).  Each class's right-hand side is the one the solve
-forms (:func:`rhs_parts`): client balance ``Σ b_k``; global balance ``pos/N⁺ − (feat − pos)/(N − N⁺)``;
-under DP the noisy sums over counts rounded and floored at 1, and ``γ`` plus the file's public ridge
-λ.  The coordinator relays the count sums it divided by with the reveals; each node forms its term
-with them and adds its own counts to its masked vector, and refuses unless the survivors' sums are
-exactly those relayed (the survivors learn the federation's counts per class).  A Gram sent by
-difference is the node's one ``G_k`` in every class it labels.  A DP solve that floored the noisy
-Gram's eigenvalues is no ridge solve: the node refuses it as unverified.  A node's
-``require-verified-classifier``: ``when-offered`` (default: a classifier of a study the check
-covers is stored only once verified), ``true`` (also refuses, in R0, every study the check does not
-cover), ``false`` (stores every classifier when received; a passing check adds the record).
+Offered for one-round masking studies (:func:`not_offered` says why otherwise: CKKS, round 2, DP with
+``--dp-dim`` or row centring), growing chains included: a growing study's sums are its chain's runs'
+uploads summed, so each node keeps its own uploads as the masking encoded them
+(LEDGER_DIR/check-values/, 0600, one folded record per chain: :func:`keep_inputs`) and its terms are
+over its values summed over the runs the classifier's chain record lists it in (:func:`chain_values`); a
+pass means W is the ridge solution of the sums of the runs that record lists.  A node that lacks a
+listed run's values (a chain begun before nodes kept them), a chain whose earlier contributor is not a
+survivor now, or a record unlike the chain the node took part in leave the classifier unverified (as
+does, with ``gram="class"``, a node that started labelling a class mid-chain: its class Grams then
+differ).  Each class's right-hand side is the one the solve forms (:func:`rhs_parts`): client balance
+``Σ b_k``; global balance ``pos/N⁺ − (feat − pos)/(N − N⁺)``; under DP the noisy sums over counts
+rounded and floored at 1, and ``γ`` plus the file's public ridge λ.  The coordinator relays the count
+sums it divided by with the reveals; each node forms its term with them and adds its own counts to its
+masked vector, and refuses unless the survivors' sums are exactly those relayed (the survivors learn the
+federation's counts per class).  A Gram sent by difference is the node's one ``G_k`` in every class it
+labels.  A DP solve that floored the noisy Gram's eigenvalues is no ridge solve: the node refuses it as
+unverified.  A node's ``require-verified-classifier``: ``when-offered`` (default: a classifier of a
+study the check covers is stored only once verified), ``true`` (also refuses, in R0, every study the
+check does not cover), ``false`` (stores every classifier when received; a passing check adds the
+record).
 """
 
 from __future__ import annotations
