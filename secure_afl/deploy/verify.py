@@ -545,8 +545,7 @@ def chain_values(
                 f"the classifier's chain record lists session {session_id[:16]}... as study {study[:16]}... "
                 f"after {chain[j - 1][0][:16] if j else 'none'}..., but this node took part in it as study "
                 f"{str(run[1].get('study'))[:16]}... extending {str(run[1].get('extends'))[:16] or 'none'}"
-                "...: "
-                "the chain is not the one this node took part in; the classifier is not verified"
+                "...: the chain is not the one this node took part in; the classifier is not verified"
             )
         if client_id not in included:
             continue
