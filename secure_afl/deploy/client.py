@@ -65,7 +65,7 @@ from .study import (
     session_context,
     statistics_dim,
 )
-from .verify import begin_check, keep_inputs, loaded_once
+from .verify import KEPT_DIR, begin_check, keep_inputs, loaded_once
 from .wire import Envelope
 
 if TYPE_CHECKING:
@@ -995,7 +995,9 @@ def _continue_session(envelope: Envelope, label: str, state: LocalState, setting
     round_name = str(envelope.meta.get("round", ""))
     if getattr(session, "state", None) is not None and session.state.name == "DONE":  # type: ignore[attr-defined]
         # The session's secrets are no longer needed: keep only what the classifier check uses.
-        keep_inputs(label, saved, state)  # the values uploaded, for the classifier check (verify.py)
+        # The values uploaded, for the classifier check (verify.py); those a growing study may add to
+        # its sums also in the ledger dir, which outlives the run (the node's own values only, 0600).
+        keep_inputs(label, saved, state, settings.ledger_dir / KEPT_DIR)
         state.save(label, {"status": "done", "client_id": client_id, "session_id": saved["session_id"]})
     else:
         # ``finished``: the session needs nothing more of this client for sure (CKKS after R2); its

@@ -18,18 +18,26 @@ envelope of round ``verify-sums`` relays every survivor's, and the node answers 
 ``verified`` (or refuses).  The check's members are the survivor set the node signed in R3 (its
 ledger), never a set the coordinator names.
 
-Offered for one-round masking studies (:func:`not_offered` says why otherwise: CKKS, round 2, growing
-chains, DP with ``--dp-dim`` or row centring).  Each class's right-hand side is the one the solve
-forms (:func:`rhs_parts`): client balance ``Σ b_k``; global balance ``pos/N⁺ − (feat − pos)/(N − N⁺)``;
-under DP the noisy sums over counts rounded and floored at 1, and ``γ`` plus the file's public ridge
-λ.  The coordinator sends the count sums it divided by with the classifier; each node forms its
-term with them and adds its own counts to its masked vector, and refuses unless the survivors' sums
-are exactly those relayed (the survivors learn the federation's counts per class).  A Gram sent by
-difference is the node's one ``G_k`` in every class it labels.  A DP solve that floored the noisy
-Gram's eigenvalues is no ridge solve: the node refuses it as unverified.  A node's
-``require-verified-classifier``: ``when-offered`` (default: a classifier of a study the check
-covers is stored only once verified), ``true`` (also refuses, in R0, every study the check does not
-cover), ``false`` (stores every classifier when received; a passing check adds the record).
+Offered for one-round masking studies (:func:`not_offered` says why otherwise: CKKS, round 2, DP with
+``--dp-dim`` or row centring), growing chains included: a growing study's sums are its chain's runs'
+uploads summed, so each node keeps its own uploads as the masking encoded them
+(LEDGER_DIR/check-values/, 0600, one folded record per chain: :func:`keep_inputs`) and its terms are
+over its values summed over the runs the classifier's chain record lists it in (:func:`chain_values`); a
+pass means W is the ridge solution of the sums of the runs that record lists.  A node that lacks a
+listed run's values (a chain begun before nodes kept them), a chain whose earlier contributor is not a
+survivor now, or a record unlike the chain the node took part in leave the classifier unverified (as
+does, with ``gram="class"``, a node that started labelling a class mid-chain: its class Grams then
+differ).  Each class's right-hand side is the one the solve forms (:func:`rhs_parts`): client balance
+``Σ b_k``; global balance ``pos/N⁺ − (feat − pos)/(N − N⁺)``; under DP the noisy sums over counts
+rounded and floored at 1, and ``γ`` plus the file's public ridge λ.  The coordinator sends the count
+sums it divided by with the classifier; each node forms its term with them and adds its own counts to its
+masked vector, and refuses unless the survivors' sums are exactly those relayed (the survivors learn the
+federation's counts per class).  A Gram sent by difference is the node's one ``G_k`` in every class it
+labels.  A DP solve that floored the noisy Gram's eigenvalues is no ridge solve: the node refuses it as
+unverified.  A node's ``require-verified-classifier``: ``when-offered`` (default: a classifier of a
+study the check covers is stored only once verified), ``true`` (also refuses, in R0, every study the
+check does not cover), ``false`` (stores every classifier when received; a passing check adds the
+record).
 """
 
 from __future__ import annotations
@@ -99,11 +107,10 @@ def not_offered(study: Study, roster_ids: Collection[str]) -> str | None:
             "two-round studies are not checked (round 2 runs only under a coordinator the nodes declared "
             "honest-but-curious, and its right-hand side, pseudo-label sums over thresholds, is not modelled)"
         )
-    if study.extends:
-        return (
-            "growing studies are not checked (the sums include earlier runs' uploads, which a node does "
-            "not keep past its run, so it cannot form its term)"
-        )
+    if study.extends and (study.method.balance != "global" or study.method.rounds != 1):
+        # Covered: a growing study's sums are its chain's runs' uploads summed, and each node keeps
+        # its own (:func:`keep_inputs`); the study itself already refuses any other method.
+        return "growing studies are checked only with global balance and one round (the additive sums)"
     if study.dp is not None and (study.dp.projection_dim is not None or study.dp.row_centre):
         return (
             "DP studies with --dp-dim or row centring are not checked (the file holds the lifted weights "
@@ -321,10 +328,14 @@ def commit_meta(
     return {"verify-commit": pv.commit(secret, client_id, session_id, identity.private_key).to_text()}
 
 
-def keep_inputs(label: str, saved: Mapping[str, Any], state: Any) -> None:
+def keep_inputs(label: str, saved: Mapping[str, Any], state: Any, keep_dir: Path | None = None) -> None:
     """At the end of session 1 of a study the check covers (its R0 reply carried the commitment):
-    keep the values this node uploaded for its terms (until the check), and what the terms need."""
+    keep the values this node uploaded for its terms (until the check), and what the terms need.
+    A study whose sums a later study may extend (global balance, one round): also its uploads as
+    the masking encoded them, in ``keep_dir`` on this node's host (:func:`_keep_run`), for the
+    checks of the chain's later runs, whose sums contain them (this run's state is forgotten)."""
     from .study import Study
+    from .sums import is_additive
 
     if label != "1":
         return
@@ -334,24 +345,239 @@ def keep_inputs(label: str, saved: Mapping[str, Any], state: Any) -> None:
     session_id = bytes.fromhex(str(saved["session_id"]))
     secret = pv.VerifySecret.from_seed(bytes(saved["seed"]), str(saved["client_id"]), session_id)
     state.save(STATE_INPUTS, {"session_id": saved["session_id"], "inputs": dict(saved["inputs"])})
+    chain: dict[str, Any] = {"study_digest": study.digest(), "extends": study.extends}
+    if keep_dir is not None and is_additive(study):
+        encoded = {
+            k: _encoded(np.asarray(v, dtype=np.float64), study.frac_bits) for k, v in saved["inputs"].items()
+        }
+        _keep_run(Path(keep_dir), str(saved["client_id"]), study, str(saved["session_id"]), encoded)
+        chain["keep_dir"] = str(keep_dir)
     state.save(
         STATE_LABEL,
         {"status": "committed", "session_id": saved["session_id"], "client_id": saved["client_id"],
          "key": secret.key, "commitment": str(saved["verify-commit"]),
          "gamma": study.method.gamma, "frac_bits": study.frac_bits, "form": rhs_form(study),
-         "gram": "global" if study.dp is not None else study.method.gram, "kept": True},
+         "gram": "global" if study.dp is not None else study.method.gram, "kept": True, **chain},
     )  # fmt: skip
 
 
-def check_inputs(state: Any, record: Mapping[str, Any]) -> dict[str, np.ndarray]:
+def check_inputs(state: Any, record: Mapping[str, Any], classifier: Classifier) -> dict[str, np.ndarray]:
     """The values this node's terms are computed over: for each ``group|tensor``, what the sums the
     coordinator solved contain of this node's uploads, as the masking encoded them
-    (``decode(encode(x))``, :func:`_encoded`)."""
+    (``decode(encode(x))``, :func:`_encoded`).  A growing study's (:func:`chain_values`): this
+    node's values summed over the runs of the chain ``classifier`` records that included it."""
     kept = state.load(STATE_INPUTS) or {}
     if kept.get("session_id") != record["session_id"] or "inputs" not in kept:
         raise UnverifiedClassifierError("this node no longer holds its session-1 values to check with")
     frac_bits = int(record["frac_bits"])
-    return {k: _encoded(np.asarray(v, dtype=np.float64), frac_bits) for k, v in kept["inputs"].items()}
+    own = {k: _encoded(np.asarray(v, dtype=np.float64), frac_bits) for k, v in kept["inputs"].items()}
+    if record.get("extends"):
+        return chain_values(record, classifier, own)
+    if record.get("keep_dir"):  # a run a later study may extend: the chain's first record
+        first = (str(record["study_digest"]), str(record["session_id"]), _names(classifier.sessions[0]))
+        _fold(Path(record["keep_dir"]), str(record["client_id"]), [first], own)
+    return own
+
+
+# --- a growing chain's values ----------------------------------------------------------------
+#
+# A growing study's sums are the sums of the chain it extends plus this run's uploads, and a node
+# forms its term over its own part of them: its uploads of every run of the chain that included it.
+# Each node keeps, in LEDGER_DIR/check-values/ (0700; each file 0600, only this node's own values,
+# as the masking encoded them): a *run* record per run (``run-<session id>.npz``, written when its
+# session 1 is done) and a *chain* record (``chain-<session id>.npz``): the sum of its values over
+# the runs of a chain up to that run, with the chain's entries (study digest, session id, survivors)
+# as the classifier recorded them.  A check folds the chain record it extends and the run records
+# the chain resolves into a new chain record and deletes them: bounded, a chain costs one record of
+# the size of one upload whatever its length (a Gram present in several groups is written once),
+# plus the run records of runs not yet checked; at most KEPT_RECORDS records are kept, the oldest
+# dropped first.  A chain that lost its record (evicted, or a fork from a record already extended)
+# is then unverified, never wrongly verified.
+
+KEPT_DIR = "check-values"  # LEDGER_DIR/check-values/
+KEPT_FORMAT = "secure-afl-check-values/v1"
+KEPT_RECORDS = 8
+Entry = tuple[str, str, tuple[str, ...]]  # a chain entry: study digest, session id, survivors
+
+
+def _names(entry: Mapping[str, Any]) -> tuple[str, ...]:
+    return tuple(sorted(str(s) for s in entry["survivors"]))
+
+
+def _write_kept(
+    directory: Path, name: str, meta: Mapping[str, Any], values: Mapping[str, np.ndarray]
+) -> None:
+    """One record: ``meta`` and ``values`` (equal arrays stored once) in ``directory/name``, 0600;
+    then the oldest records past KEPT_RECORDS are deleted."""
+    import io
+
+    from .tls import write_with_mode
+
+    distinct: list[np.ndarray] = []
+    index: dict[str, int] = {}
+    for key, value in values.items():
+        same = (i for i, d in enumerate(distinct) if d.shape == value.shape and np.array_equal(d, value))
+        index[key] = next(same, len(distinct))
+        if index[key] == len(distinct):
+            distinct.append(np.asarray(value, dtype=np.float64))
+    buffer = io.BytesIO()
+    document = json.dumps({**meta, "format": KEPT_FORMAT, "index": index})
+    np.savez(buffer, meta=np.array(document), **{f"v{i}": d for i, d in enumerate(distinct)})
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    write_with_mode(directory / name, buffer.getvalue(), 0o600)
+    records = sorted(directory.glob("*.npz"), key=lambda p: (p.stat().st_mtime_ns, p.name))
+    for old in records[: max(0, len(records) - KEPT_RECORDS)]:
+        if old.name != name:
+            old.unlink(missing_ok=True)
+
+
+def _read_kept(path: Path, values: bool = True) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """A record's metadata, and (``values``) its values."""
+    with np.load(path, allow_pickle=False) as data:
+        meta = json.loads(str(data["meta"]))
+        if meta.get("format") != KEPT_FORMAT:
+            raise ValueError(f"{path.name} is not a {KEPT_FORMAT} record")
+        if not values:
+            return meta, {}
+        return meta, {key: np.array(data[f"v{i}"], dtype=np.float64) for key, i in meta["index"].items()}
+
+
+def _kept(directory: Path, client_id: str, kind: str) -> list[tuple[Path, dict[str, Any]]]:
+    """This node's readable records of ``kind`` (``run`` or ``chain``), with their metadata."""
+    found = []
+    for path in sorted(directory.glob(f"{kind}-*.npz")) if directory.is_dir() else []:
+        try:
+            meta, _ = _read_kept(path, values=False)
+        except (OSError, ValueError, KeyError):
+            continue  # unreadable: as if not kept (the check then says what is missing)
+        if meta.get("kind") == kind and meta.get("client_id") == client_id:
+            found.append((path, meta))
+    return found
+
+
+def _keep_run(
+    directory: Path, client_id: str, study: Study, session_id: str, values: Mapping[str, np.ndarray]
+) -> None:
+    meta = {"kind": "run", "client_id": client_id, "study": study.digest(), "extends": study.extends,
+            "session_id": session_id}  # fmt: skip
+    _write_kept(directory, f"run-{session_id}.npz", meta, values)
+
+
+def _fold(directory: Path, client_id: str, chain: list[Entry], values: Mapping[str, np.ndarray]) -> None:
+    """The chain record of ``chain`` (this run last) holding ``values``; the run records it resolves
+    (every run it lists) are deleted."""
+    meta = {"kind": "chain", "client_id": client_id, "chain": [[e[0], e[1], list(e[2])] for e in chain]}
+    _write_kept(directory, f"chain-{chain[-1][1]}.npz", meta, values)
+    listed = {e[1] for e in chain}
+    for path, run in _kept(directory, client_id, "run"):
+        if run.get("session_id") in listed:
+            path.unlink(missing_ok=True)
+
+
+def _recorded_chain(record: Mapping[str, Any], classifier: Classifier) -> list[Entry]:
+    """The chain the growing classifier records, checked against this node's own run: it ends with
+    this study's session and survivors, after the study this study extends."""
+    growth = classifier.protocol.get("growth")
+    try:
+        assert isinstance(growth, Mapping) and isinstance(growth["chain"], list)
+        chain = [(str(e["study"]), str(e["session_id"]), _names(e)) for e in growth["chain"]]
+    except (AssertionError, KeyError, TypeError):
+        raise UnverifiedClassifierError(
+            "the classifier of this growing study records no chain of the runs whose sums it solved: it "
+            "cannot be checked (the coordinator's secure-afl predates the chain record)"
+        ) from None
+    own: Entry = (str(record["study_digest"]), str(record["session_id"]), _names(classifier.sessions[0]))
+    extends = str(record["extends"])
+    if len(chain) < 2 or chain[-1] != own or chain[-2][0] != extends or growth.get("extends") != extends:
+        raise UnverifiedClassifierError(
+            f"the classifier's chain record does not match this node's run: it must end with this study "
+            f"({own[0][:16]}..., this session, its survivors) after the study it extends "
+            f"({extends[:16]}...); the classifier is not verified"
+        )
+    if len({e[0] for e in chain}) != len(chain) or len({e[1] for e in chain}) != len(chain):
+        raise UnverifiedClassifierError("the classifier's chain record lists a study or a session twice")
+    return chain
+
+
+def chain_values(
+    record: Mapping[str, Any], classifier: Classifier, own: Mapping[str, np.ndarray]
+) -> dict[str, np.ndarray]:
+    """This node's values in a growing study's sums: ``own`` (this run's) plus its kept values of
+    every earlier run of the chain the classifier records that lists it among the run's survivors.
+
+    Fails closed (:class:`UnverifiedClassifierError`, never a wrong term): a chain record that does
+    not end with this run after the study it extends, an earlier run's survivor absent from this
+    session (its uploads are in the sums, its term would not be), a run that included this node
+    whose values it did not keep (a chain started before nodes kept them, or a record lost), a run
+    this node kept whose study extends another than the run before it in the record, a run recorded
+    otherwise (session, survivors) than when this node checked its classifier.  A check that
+    then passes means: W is the ridge solution of the sums of the runs the chain record lists."""
+    chain = _recorded_chain(record, classifier)
+    client_id, survivors = str(record["client_id"]), set(chain[-1][2])
+    absent = sorted({c for entry in chain[:-1] for c in entry[2]} - survivors)
+    if absent:
+        raise UnverifiedClassifierError(
+            f"the chain's earlier runs included {', '.join(absent)}, not among this session's survivors: "
+            "their earlier uploads are in the sums, but their terms would be missing from the check; the "
+            "classifier is not verified (every earlier contributor must survive a later run of the chain)"
+        )
+    if not record.get("keep_dir"):
+        raise UnverifiedClassifierError(
+            "this node keeps no values across runs: it cannot check a growing study"
+        )
+    directory = Path(str(record["keep_dir"]))
+    listed = [list(e) for e in chain]
+    by_study = {e[0]: e for e in chain}
+    base: tuple[int, Path | None] = (0, None)  # the longest chain record that is a prefix of the chain
+    for path, meta in _kept(directory, client_id, "chain"):
+        prefix = [[str(e[0]), str(e[1]), tuple(str(s) for s in e[2])] for e in meta.get("chain", [])]
+        for study, session_id, included in prefix:  # a run this node checked before: recorded alike
+            if by_study.get(study, (study, session_id, included)) != (study, session_id, included):
+                raise UnverifiedClassifierError(
+                    f"the classifier's chain record of study {study[:16]}... (its session or survivors) "
+                    "differs from the one this node checked that run's classifier with: the chain is not "
+                    "the one this node took part in; the classifier is not verified"
+                )
+        if base[0] < len(prefix) < len(chain) and listed[: len(prefix)] == prefix:
+            base = (len(prefix), path)
+    values = {} if base[1] is None else dict(_read_kept(base[1])[1])
+    runs = {str(meta.get("session_id")): (path, meta) for path, meta in _kept(directory, client_id, "run")}
+    for j in range(base[0], len(chain) - 1):
+        study, session_id, included = chain[j]
+        run = runs.get(session_id)
+        if run is not None and (
+            run[1].get("study") != study or (j and run[1].get("extends") != chain[j - 1][0])
+        ):
+            raise UnverifiedClassifierError(
+                f"the classifier's chain record lists session {session_id[:16]}... as study {study[:16]}... "
+                f"after {chain[j - 1][0][:16] if j else 'none'}..., but this node took part in it as study "
+                f"{str(run[1].get('study'))[:16]}... extending {str(run[1].get('extends'))[:16] or 'none'}"
+                "...: the chain is not the one this node took part in; the classifier is not verified"
+            )
+        if client_id not in included:
+            continue
+        if run is None:
+            raise UnverifiedClassifierError(
+                f"the chain's run {j + 1} (study {study[:16]}..., session {session_id[:16]}...) included "
+                f"this node, but it keeps no values of that run in its ledger dir's {KEPT_DIR}/ (nodes keep "
+                "them from this version on; a chain started before, or a lost record): it cannot form its "
+                "term; start a new chain to get verified classifiers"
+            )
+        values = _added(values, _read_kept(run[0])[1])
+    values = _added(values, own)
+    _fold(directory, client_id, chain, values)
+    if base[1] is not None:  # superseded: one record per chain (a fork from it is then unverified)
+        base[1].unlink(missing_ok=True)
+    return values
+
+
+def _added(total: Mapping[str, np.ndarray], more: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    out = dict(total)
+    for key, value in more.items():
+        if key in out and out[key].shape != value.shape:
+            raise UnverifiedClassifierError(f"this node's kept {key} changed shape between the chain's runs")
+        out[key] = out[key] + value if key in out else np.asarray(value, dtype=np.float64)
+    return out
 
 
 @dataclass
@@ -439,7 +665,11 @@ def _begin_check(
     counts = _relayed_counts(meta, form, classifier.weights.shape[1])
     gamma = _solve_gamma(float(record["gamma"]), classifier)
     terms = node_terms(
-        check_inputs(state, record), classifier.weights, gram=str(record["gram"]), form=form, counts=counts
+        check_inputs(state, record, classifier),
+        classifier.weights,
+        gram=str(record["gram"]),
+        form=form,
+        counts=counts,
     )
     words = pv.mask(terms, client_id, _secret(record), commitments, seed)
     signer, identity = identity_of()

@@ -69,12 +69,13 @@ def _arrive(federation: Federation, full: dict, n: int, start: int = 0) -> None:
 
 
 def _ledger_dirs(federation: Federation) -> dict[str, dict[str, bytes]]:
-    """Every node's ledger directory but its audit log (which records the refusals too)."""
+    """Every node's ledger directory but its audit log (which records the refusals too) and the
+    classifier check's kept values (a directory: verify.KEPT_DIR)."""
     return {
         node.client_id: {
             p.name: p.read_bytes()
             for p in sorted(node.settings.ledger_dir.iterdir())
-            if p.name != "audit.log"
+            if p.name != "audit.log" and p.is_file()
         }
         for node in federation.nodes.values()
     }
