@@ -736,7 +736,7 @@ def answer_check(
     except (ValueError, AssertionError):
         raise pv.VerificationError("the relay's masked-ids is not a JSON list of ids") from None
     state.save(STATE_LABEL, {"status": "failed", "session_id": record["session_id"]})  # one decision
-    masked = pv.unpack_relay(ids, envelope.payload, len(own.words))
+    masked = pv.unpack_relay(ids, envelope.payload, len(own.data) // pv.WORD_BYTES)
     sums = pv.unmask_sum(masked, commitments, keys, seed, own)
     counts = json.loads(str(record.get("counts", "{}")))
     ok, ratios = decide(sums, classifier.weights, float(record["solve_gamma"]), counts)

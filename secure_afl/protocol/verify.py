@@ -143,12 +143,14 @@ def transcript(context: bytes, commitments: Mapping[str, Commitment]) -> bytes:
     return hashlib.sha256(tagged_fields(TRANSCRIPT_DOMAIN, context, sequence(items))).digest()
 
 
-def to_fixed(values: Sequence[float] | np.ndarray) -> list[int]:
+def to_fixed(values: Sequence[float] | np.ndarray) -> bytes:
+    """Each value times 2^FRAC_BITS, mod 2^256, as 32 big-endian bytes (exact: ``v·2^128`` is a float
+    and ``int()`` of a float is exact; a value below 2^-128 in magnitude truncates to 0)."""
     array = np.asarray(values, dtype=np.float64).ravel()
     if not np.all(np.isfinite(array)) or np.any(np.abs(array) >= 2.0**126):
         raise VerificationError("a value to check is not finite or too large (|x| >= 2^126)")
     scale = 2.0**FRAC_BITS
-    return [int(v * scale) % MODULUS for v in array.tolist()]  # exact: v·2^128 is a float, int() of it exact
+    return b"".join((int(v * scale) % MODULUS).to_bytes(WORD_BYTES, "big") for v in array.tolist())
 
 
 def from_fixed(word: int) -> float:
@@ -156,13 +158,39 @@ def from_fixed(word: int) -> float:
     return float(signed) / 2.0**FRAC_BITS
 
 
-def _pair_mask(secret: VerifySecret, peer: Commitment, own_id: str, seed: bytes, n: int) -> list[int]:
+# Words are added as one Python integer with a word per slot: each 32-byte word behind GUARD zero
+# bytes, so a word's carries stay in its own slot (up to 2^(8·GUARD) additions) and the slots are
+# reduced mod 2^256 at the end by dropping the guard bytes.  Exactly word-wise addition mod 2^256,
+# done by the integer arithmetic in C rather than a Python loop over words.
+GUARD = 2
+SLOT = GUARD + WORD_BYTES
+MAX_TERMS = 2 ** (8 * GUARD) - 1  # words one slot may add before its guard overflows
+
+
+def _slots(data: bytes, *, negate: bool = False) -> int:
+    words = np.frombuffer(data, dtype=np.uint8).reshape(-1, WORD_BYTES)
+    slots = np.zeros((len(words), SLOT), dtype=np.uint8)
+    slots[:, GUARD:] = np.bitwise_not(words) if negate else words
+    value = int.from_bytes(slots.tobytes(), "big")
+    if negate:  # 2^256 − p = (~p) + 1 in each slot (p = 0 gives 2^256, which the reduction drops)
+        ones = np.zeros((len(words), SLOT), dtype=np.uint8)
+        ones[:, -1] = 1
+        value += int.from_bytes(ones.tobytes(), "big")
+    return value
+
+
+def _words(value: int, n: int) -> bytes:
+    """The slots' sums reduced mod 2^256: ``n`` words of 32 bytes."""
+    slots = np.frombuffer(value.to_bytes(n * SLOT, "big"), dtype=np.uint8).reshape(n, SLOT)
+    return slots[:, GUARD:].tobytes()
+
+
+def _pair_mask(secret: VerifySecret, peer: Commitment, own_id: str, seed: bytes, n: int) -> bytes:
     shared = crypto.x25519_shared_secret(X25519PrivateKey.from_private_bytes(secret.key), peer.key)
     low, high = sorted((own_id, peer.client_id))
     info = tagged_fields(MASK_DOMAIN, seed, low, high)
     key = HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=info).derive(shared)
-    stream = hashlib.shake_256(key).digest(WORD_BYTES * n)
-    return [int.from_bytes(stream[i : i + WORD_BYTES], "big") for i in range(0, WORD_BYTES * n, WORD_BYTES)]
+    return hashlib.shake_256(key).digest(WORD_BYTES * n)
 
 
 def mask(
@@ -171,38 +199,40 @@ def mask(
     secret: VerifySecret,
     commitments: Mapping[str, Commitment],
     seed: bytes,
-) -> list[int]:
+) -> bytes:
     """``values`` in fixed point plus the pairwise masks with every other participant (the
-    transcript ``seed`` is in every mask's key: another context gives other masks)."""
-    if not 0 < np.size(values) <= MAX_VALUES:
-        raise VerificationError(f"a check masks 1 to {MAX_VALUES} values, got {np.size(values)}")
-    words = to_fixed(values)
+    transcript ``seed`` is in every mask's key: another context gives other masks), as words."""
+    n = int(np.size(values))
+    if not 0 < n <= MAX_VALUES:
+        raise VerificationError(f"a check masks 1 to {MAX_VALUES} values, got {n}")
+    if len(commitments) > MAX_TERMS:
+        raise VerificationError(f"a check has at most {MAX_TERMS} participants, got {len(commitments)}")
+    total = _slots(to_fixed(values))
     for peer_id in sorted(commitments):
-        if peer_id == own_id:
-            continue
-        pad = _pair_mask(secret, commitments[peer_id], own_id, seed, len(words))
-        if own_id < peer_id:
-            words = [(w + p) % MODULUS for w, p in zip(words, pad, strict=True)]
-        else:
-            words = [(w - p) % MODULUS for w, p in zip(words, pad, strict=True)]
-    return words
+        if peer_id != own_id:
+            pad = _pair_mask(secret, commitments[peer_id], own_id, seed, n)
+            total += _slots(pad, negate=own_id > peer_id)  # added by the smaller id, subtracted by the larger
+    return _words(total, n)
 
 
 @dataclass(frozen=True)
 class MaskedValue:
     client_id: str
-    words: tuple[int, ...]
+    data: bytes  # the words, 32 big-endian bytes each
     signature: bytes
 
-    def data(self) -> bytes:
-        return b"".join(w.to_bytes(WORD_BYTES, "big") for w in self.words)
+    @property
+    def words(self) -> tuple[int, ...]:
+        return tuple(
+            int.from_bytes(self.data[i : i + WORD_BYTES], "big") for i in range(0, len(self.data), WORD_BYTES)
+        )
 
     def message(self, seed: bytes) -> bytes:
-        return tagged_fields(MASKED_DOMAIN, seed, self.client_id, self.data())
+        return tagged_fields(MASKED_DOMAIN, seed, self.client_id, self.data)
 
     def to_bytes(self) -> bytes:
         """``count (4 bytes) ‖ words (32 bytes each, big-endian) ‖ signature (64 bytes)``."""
-        return _COUNT.pack(len(self.words)) + self.data() + self.signature
+        return _COUNT.pack(len(self.data) // WORD_BYTES) + self.data + self.signature
 
     @classmethod
     def from_bytes(cls, client_id: str, data: bytes) -> MaskedValue:
@@ -215,10 +245,7 @@ class MaskedValue:
                 "words and a signature"
             )
         end = _COUNT.size + n * WORD_BYTES
-        words = tuple(
-            int.from_bytes(data[i : i + WORD_BYTES], "big") for i in range(_COUNT.size, end, WORD_BYTES)
-        )
-        return cls(client_id, words, bytes(data[end:]))
+        return cls(client_id, bytes(data[_COUNT.size : end]), bytes(data[end:]))
 
 
 def pack_relay(masked: Mapping[str, bytes]) -> tuple[list[str], bytes]:
@@ -237,11 +264,9 @@ def unpack_relay(ids: Sequence[str], data: bytes, n_words: int) -> dict[str, Mas
     return {cid: MaskedValue.from_bytes(cid, data[i * size : (i + 1) * size]) for i, cid in enumerate(ids)}
 
 
-def sign_masked(
-    client_id: str, words: Sequence[int], seed: bytes, identity: Ed25519PrivateKey
-) -> MaskedValue:
-    unsigned = MaskedValue(client_id, tuple(words), b"")
-    return MaskedValue(client_id, tuple(words), identity.sign(unsigned.message(seed)))
+def sign_masked(client_id: str, data: bytes, seed: bytes, identity: Ed25519PrivateKey) -> MaskedValue:
+    unsigned = MaskedValue(client_id, bytes(data), b"")
+    return MaskedValue(client_id, bytes(data), identity.sign(unsigned.message(seed)))
 
 
 def unmask_sum(
@@ -259,9 +284,10 @@ def unmask_sum(
             f"the masked values relayed are those of {sorted(masked)}, the participants are "
             f"{sorted(commitments)}: the sum cannot be formed without every one"
         )
-    n = len(own.words)
+    if len(masked) > MAX_TERMS:
+        raise VerificationError(f"a check has at most {MAX_TERMS} participants, got {len(masked)}")
     for cid, item in masked.items():
-        if item.client_id != cid or len(item.words) != n:
+        if item.client_id != cid or len(item.data) != len(own.data):
             raise VerificationError(f"the masked value relayed for {cid!r} is malformed")
         if not crypto.verify_message(public_keys[cid], item.signature, item.message(seed)):
             raise VerificationError(
@@ -269,5 +295,6 @@ def unmask_sum(
             )
     if masked[own.client_id] != own:
         raise VerificationError(f"the masked value relayed for {own.client_id!r} is not the one it sent")
-    totals = [sum(column) % MODULUS for column in zip(*(item.words for item in masked.values()), strict=True)]
-    return np.array([from_fixed(t) for t in totals], dtype=np.float64)
+    n = len(own.data) // WORD_BYTES
+    total = _words(sum(_slots(item.data) for item in masked.values()), n)
+    return np.array([from_fixed(w) for w in MaskedValue("", total, b"").words], dtype=np.float64)

@@ -48,7 +48,7 @@ def test_the_masked_values_add_to_the_values_and_no_proper_subset_does() -> None
     partial = sum(masked[c].words[0] for c in IDS[:3]) % pv.MODULUS  # without d's vector
     assert abs(pv.from_fixed(partial)) > 2.0**90
     other = pv.transcript(b"another file", commitments)  # another transcript: other masks
-    assert pv.mask(values["a"], "a", secrets["a"], commitments, other) != list(masked["a"].words)
+    assert pv.mask(values["a"], "a", secrets["a"], commitments, other) != masked["a"].data
     # Vectors masked for two files: the pads of a pair over two transcripts cancel nowhere.
     mixed = {**masked, "a": _masked(keys, secrets, commitments, other, {"a": values["a"]})["a"]}
     mixed_sum = sum(mixed[c].words[0] for c in IDS) % pv.MODULUS
@@ -88,3 +88,21 @@ def test_the_mask_key_comes_from_the_seed_and_the_session() -> None:
     assert one != pv.VerifySecret.from_seed(bytes(32), "a", SESSION)
     with pytest.raises(pv.VerificationError, match="32 fresh random bytes"):
         pv.VerifySecret.from_seed(seed[:16], "a", SESSION)
+
+
+def test_the_slot_sums_are_word_wise_sums_mod_2_256() -> None:
+    """The masks are added as one integer with a word per slot: extreme words (0, 1, 2^256 − 1) and
+    negations carry into their own slot's guard only, never into the next word."""
+    edge = [0, 1, pv.MODULUS - 1, pv.MODULUS // 2, 12345]
+    rng = np.random.default_rng(3)
+    vectors = [edge, edge[::-1], [int.from_bytes(rng.bytes(32), "big") for _ in edge]]
+    data = [b"".join(w.to_bytes(32, "big") for w in v) for v in vectors]
+    total = (
+        pv._slots(data[0])
+        + pv._slots(data[1], negate=True)
+        + pv._slots(data[2])
+        + pv._slots(data[0], negate=True)
+    )
+    got = pv.MaskedValue("", pv._words(total, len(edge)), b"").words
+    expected = tuple((a - b + c - a) % pv.MODULUS for a, b, c in zip(*vectors, strict=True))
+    assert got == expected
