@@ -210,6 +210,8 @@ def check_node(
             f"{[data.classes[c] for c in data.active]}; matches the study (classes, {study.dim}-d, backbone "
             f"{study.backbone['name']}, weights id, preprocessing, policy, protection {study.protection})"
         )
+    if study is not None:
+        ok(step("classifier check", lambda: _classifier_check(study, roster, settings.require_verified)))
     state = step("ledger", lambda: _ledger_state(settings.ledger_dir, client_id, identity))
     ok(f"ledger {settings.ledger_dir}: {state}")
     if study is not None:
@@ -234,6 +236,22 @@ def check_node(
     else:
         say("note: no --study: no study recorded; the node refuses every study until `deploy check --study`")
     return CheckResult(client_id, tuple(lines))
+
+
+def _classifier_check(study: Study, roster: Any, require: str) -> str:
+    """Whether every survivor will verify this study's classifier (SECURITY.md §5.1), and what this
+    node does with it; a study the check does not cover is refused now where the node requires the
+    check (its R0 would refuse it)."""
+    from .verify import REQUIRE_KEY, coverage
+
+    why = coverage(study, [entry.client_id for entry in roster], require)
+    setting = f"{REQUIRE_KEY} = {require}"
+    if why is not None:
+        return f"classifier check: NOT offered: {why}; this node stores the classifier unverified ({setting})"
+    stores = "stores it only once verified" if require != "false" else "stores it on receipt"
+    return (
+        f"classifier check: every survivor verifies this study's classifier; this node {stores} ({setting})"
+    )
 
 
 def _unreleased(settings: Any, client_id: str, identity: Any, study: Any, data: Any) -> str:

@@ -119,6 +119,18 @@ def not_offered(study: Study, roster_ids: Collection[str]) -> str | None:
     return None
 
 
+def coverage(study: Study, roster_ids: Collection[str], require: str) -> str | None:
+    """Why the check does not cover ``study`` (None: it does), after refusing such a study where this
+    node requires the check (``require``: its ``require-verified-classifier``)."""
+    why = not_offered(study, roster_ids)
+    if why is not None and require == "true":
+        raise UnverifiedClassifierError(
+            f"this node stores only a verified classifier ({REQUIRE_KEY} = true), and {why}: set "
+            f'{REQUIRE_KEY}="when-offered" in the node config to take part without the check'
+        )
+    return why
+
+
 # --- the linear system the solve fitted ------------------------------------------------------
 
 
@@ -316,13 +328,7 @@ def commit_meta(
     so a refused R0 leaves nothing, and no coordinator choice (a repeated session id) repeats it."""
     if label != "1":
         return {}
-    why = not_offered(study, roster_ids)
-    if why is not None:
-        if require == "true":
-            raise UnverifiedClassifierError(
-                f"this node stores only a verified classifier ({REQUIRE_KEY} = true), and {why}: set "
-                f'{REQUIRE_KEY}="when-offered" in the node config to take part without the check'
-            )
+    if coverage(study, roster_ids, require) is not None:
         return {}  # no record: the classifier is stored unverified
     secret = pv.VerifySecret.from_seed(seed, client_id, session_id)
     return {"verify-commit": pv.commit(secret, client_id, session_id, identity.private_key).to_text()}

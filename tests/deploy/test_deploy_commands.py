@@ -83,6 +83,8 @@ def test_check_passes_a_good_node_and_names_every_check(tmp_path: Path) -> None:
     assert "client-0 (" in output and "matches the study" in output
     assert "client-0: every check passed" in output
     assert "study-pinned recorded, signed by client-0" in output
+    assert "ok  classifier check: every survivor verifies this study's classifier;" in output
+    assert "stores it only once verified (require-verified-classifier = when-offered)" in output
     # The same keys from a file: a TOML file and a file of key="value" pairs.
     toml = tmp_path / "node.toml"
     toml.write_text(_node_config(federation).replace('" ', '"\n') + "\n")
@@ -137,6 +139,15 @@ def test_check_fails_with_the_runs_own_error_naming_the_hospital(tmp_path: Path)
     code, output = _check("--node-config", _node_config(federation), "--study", str(_study_app(
         tmp_path / "ckks-app", protection="ckks")))  # fmt: skip
     assert code == 1 and "protection: StudyMismatchError:" in output and 'protection="mask"' in output
+    # A two-round study, which the classifier check does not cover: said, and refused where required.
+    two_rounds = str(_study_app(tmp_path / "two-rounds", rounds=2))
+    declared = {"coordinator": "honest-but-curious"}  # round 2 runs only where the node declared it
+    code, output = _check("--node-config", _node_config(federation, **declared), "--study", two_rounds)
+    assert code == 0 and "ok  classifier check: NOT offered: two-round studies are not checked" in output
+    strict = _node_config(federation, **declared, **{"require-verified-classifier": "true"})
+    code, output = _check("--node-config", strict, "--study", two_rounds)
+    assert code == 1 and "classifier check: UnverifiedClassifierError:" in output
+    assert 'require-verified-classifier="when-offered"' in output
     # Missing keys and a missing roster.
     code, output = _check("--node-config", 'identity-key="/nowhere"')
     assert code == 1 and "node config: ConfigurationError" in output and "passphrase-file" in output
