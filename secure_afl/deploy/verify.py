@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 from secure_afl.protocol import verify as pv
 
@@ -231,6 +232,16 @@ def _gram_times(packed: np.ndarray, x: np.ndarray, block: int = 128) -> np.ndarr
 def node_terms(
     inputs: Mapping[str, np.ndarray], weights: np.ndarray, *, gram: str, form: str = "client",
     counts: Mapping[str, float] | None = None,
+) -> np.ndarray:  # fmt: skip
+    """:func:`_node_terms` on one BLAS thread: its d×C products and dots gain nothing from more,
+    whose workers would only spin beside the node's other work."""
+    with threadpool_limits(1, user_api="blas"):
+        return _node_terms(inputs, weights, gram=gram, form=form, counts=counts)
+
+
+def _node_terms(
+    inputs: Mapping[str, np.ndarray], weights: np.ndarray, *, gram: str, form: str,
+    counts: Mapping[str, float] | None,
 ) -> np.ndarray:  # fmt: skip
     """This survivor's ``[v_0, ..., v_{C-1}, m_k, its counts...]`` (one flat array): the residual
     ``v_c = G_k w_c − b_{k,c}`` (d values per class; ``inputs``: ``"group|tensor"`` -> the values it
@@ -743,8 +754,9 @@ def answer_check(
         raise pv.VerificationError("the relay's masked-ids is not a JSON list of ids") from None
     state.save(STATE_LABEL, {"status": "failed", "session_id": record["session_id"]})  # one decision
     masked = pv.unpack_relay(ids, envelope.payload, len(own.data) // pv.WORD_BYTES)
-    sums = pv.unmask_sum(masked, commitments, keys, seed, own)
     counts = json.loads(str(record.get("counts", "{}")))
+    # The scale and the counts correctly rounded: the counts are compared for equality.
+    sums = pv.unmask_sum(masked, commitments, keys, seed, own, exact=1 + len(counts))
     ok, ratios = decide(sums, classifier.weights, float(record["solve_gamma"]), counts)
     if not ok:
         bad = [c for c, r in enumerate(ratios) if not r <= 1.0]

@@ -144,18 +144,58 @@ def transcript(context: bytes, commitments: Mapping[str, Commitment]) -> bytes:
 
 
 def to_fixed(values: Sequence[float] | np.ndarray) -> bytes:
-    """Each value times 2^FRAC_BITS, mod 2^256, as 32 big-endian bytes (exact: ``v·2^128`` is a float
-    and ``int()`` of a float is exact; a value below 2^-128 in magnitude truncates to 0)."""
+    """Each value times 2^FRAC_BITS, truncated toward zero (as ``int()``), mod 2^256, as 32 big-endian
+    bytes: exact, by numpy over four 64-bit limbs.  |v| = f·2^e (``frexp``) puts the 53-bit integer
+    ``f·2^53`` at bit ``e − 53 + 128`` (a value below 2^-128 in magnitude truncates to 0); a negative
+    value is the two's complement of its magnitude's words."""
     array = np.asarray(values, dtype=np.float64).ravel()
     if not np.all(np.isfinite(array)) or np.any(np.abs(array) >= 2.0**126):
         raise VerificationError("a value to check is not finite or too large (|x| >= 2^126)")
-    scale = 2.0**FRAC_BITS
-    return b"".join((int(v * scale) % MODULUS).to_bytes(WORD_BYTES, "big") for v in array.tolist())
+    fraction, exponent = np.frexp(np.abs(array))
+    mantissa = (fraction * 2.0**53).astype(np.uint64)  # exact: 53 bits
+    shift = exponent.astype(np.int64) - 53 + FRAC_BITS
+    right = np.clip(-shift, 0, 63).astype(np.uint64)
+    mantissa = np.where(shift <= -64, np.uint64(0), np.where(shift < 0, mantissa >> right, mantissa))
+    shift = np.maximum(shift, 0)  # at most 126 − 53 + 128 = 201: limb 3 holds the top
+    limb, offset = shift // 64, (shift % 64).astype(np.uint64)
+    rows = np.arange(array.size)
+    limbs = np.zeros((array.size, 4), dtype=np.uint64)  # little-endian 64-bit limbs
+    limbs[rows, limb] = mantissa << offset
+    spill = np.where(offset == 0, np.uint64(0), mantissa >> ((np.uint64(64) - offset) % np.uint64(64)))
+    upper = limb < 3
+    limbs[rows[upper], limb[upper] + 1] = spill[upper]
+    negative = array < 0
+    limbs[negative] = ~limbs[negative]
+    carry = negative.astype(np.uint64)  # + 1: the carry runs through limbs that were all ones
+    for i in range(4):
+        limbs[:, i] += carry
+        carry &= (limbs[:, i] == 0).astype(np.uint64)
+    return limbs[:, ::-1].astype(">u8").tobytes()
 
 
 def from_fixed(word: int) -> float:
     signed = word - MODULUS if word >= MODULUS // 2 else word
     return float(signed) / 2.0**FRAC_BITS
+
+
+def decode_words(data: bytes, exact: int = 0) -> np.ndarray:
+    """The words as floats (value / 2^FRAC_BITS): by numpy over 64-bit limbs, within a few units in
+    the last place; the last ``exact`` words by :func:`from_fixed`, correctly rounded (values to
+    compare for equality)."""
+    limbs = np.frombuffer(data, dtype=">u8").reshape(-1, 4)[:, ::-1].astype(np.uint64)  # little-endian
+    negative = limbs[:, 3] >> np.uint64(63) == 1
+    limbs[negative] = ~limbs[negative]
+    carry = negative.astype(np.uint64)
+    for i in range(4):
+        limbs[:, i] += carry
+        carry &= (limbs[:, i] == 0).astype(np.uint64)
+    scales = 2.0 ** (64.0 * np.arange(4) - FRAC_BITS)
+    values = (limbs.astype(np.float64) * scales)[:, ::-1].sum(axis=1)  # the largest limb first
+    values[negative] *= -1.0
+    n = len(values)
+    for i in range(max(0, n - exact), n):
+        values[i] = from_fixed(int.from_bytes(data[i * WORD_BYTES : (i + 1) * WORD_BYTES], "big"))
+    return values
 
 
 # Words are added as one Python integer with a word per slot: each 32-byte word behind GUARD zero
@@ -275,10 +315,11 @@ def unmask_sum(
     public_keys: Mapping[str, bytes],
     seed: bytes,
     own: MaskedValue,
+    exact: int = 0,
 ) -> np.ndarray:
     """The sum of every participant's values, after checking that every participant's masked
     vector is there, signed over this transcript, of one length, and this participant's own is the
-    one it sent."""
+    one it sent (:func:`decode_words`: the last ``exact`` correctly rounded)."""
     if sorted(masked) != sorted(commitments):
         raise VerificationError(
             f"the masked values relayed are those of {sorted(masked)}, the participants are "
@@ -296,5 +337,4 @@ def unmask_sum(
     if masked[own.client_id] != own:
         raise VerificationError(f"the masked value relayed for {own.client_id!r} is not the one it sent")
     n = len(own.data) // WORD_BYTES
-    total = _words(sum(_slots(item.data) for item in masked.values()), n)
-    return np.array([from_fixed(w) for w in MaskedValue("", total, b"").words], dtype=np.float64)
+    return decode_words(_words(sum(_slots(item.data) for item in masked.values()), n), exact)

@@ -106,3 +106,30 @@ def test_the_slot_sums_are_word_wise_sums_mod_2_256() -> None:
     got = pv.MaskedValue("", pv._words(total, len(edge)), b"").words
     expected = tuple((a - b + c - a) % pv.MODULUS for a, b, c in zip(*vectors, strict=True))
     assert got == expected
+
+
+def test_the_fixed_point_words_are_those_of_python_integers() -> None:
+    """to_fixed (numpy over 64-bit limbs) gives int(v·2^128) mod 2^256 bit for bit, truncation and
+    signs included; decode_words reads them back, its exact tail correctly rounded."""
+    rng = np.random.default_rng(0)
+    edges = [
+        0.0,
+        -0.0,
+        1e-40,
+        -1e-40,
+        2.0**-128,
+        -(2.0**-128),
+        2.0**-129,
+        2.0**125,
+        -(2.0**125),
+        -1.5,
+        2.0**-75,
+    ]
+    values = np.concatenate([rng.standard_normal(500) * 10.0 ** rng.integers(-45, 37, 500), edges])
+    reference = [int(v * 2.0**128) % pv.MODULUS for v in values.tolist()]
+    assert pv.to_fixed(values) == b"".join(w.to_bytes(32, "big") for w in reference)
+    exact = [pv.from_fixed(w) for w in reference]
+    assert pv.decode_words(pv.to_fixed(values), exact=len(values)).tolist() == exact
+    assert np.allclose(pv.decode_words(pv.to_fixed(values)), exact, rtol=2.0**-50, atol=0.0)
+    with pytest.raises(pv.VerificationError, match="not finite or too large"):
+        pv.to_fixed([2.0**126])
