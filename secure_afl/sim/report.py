@@ -328,21 +328,21 @@ def guarantee_lines(config: SimConfig) -> list[str]:
 
 # The deployment's classifier check (SECURITY.md §5.1) as bench/bench_verify.py measured it in process
 # (the deployment's server and node handler, no Flower): 8 clients × 5,889 rows, 8 classes, masking,
-# one round, at 4b7bda0 on 2026-12-07, this process's CPU seconds; bench/README.md's bench_verify.py
+# one round, at bc4b70b on 2026-12-07, this process's CPU seconds; bench/README.md's bench_verify.py
 # section holds the runs (tests/test_sim_classifier_check.py keeps the two equal).  The simulator
 # does not run the check: the simulation sits below the deployment in pyproject's layers, and
 # a run's Grams go as they are sent (bench_large.py's peak), so none is left once the classifier exists.
 CHECK_RUNS = {
-    1024: ((0.223, 5.638), (0.232, 6.139)),
-    2048: ((0.329, 11.216), (0.423, 12.510)),
+    1024: ((0.275, 4.616), (0.260, 4.273)),
+    2048: ((0.539, 10.019), (0.505, 9.346)),
 }  # (check, session)
 CHECK_COMMAND = "python bench/bench_verify.py --dims {dim} --clients 8 --classes 8 --rows 5889"
-CHECK_STAMP = "commit 4b7bda0, 2026-12-07"
-# Through Flower at the paper's size (one run per d, 4b3ad89, 2026-12-07, this 2-core host): the check's
-# two message rounds and the session, wall seconds (report.json's "seconds": "verify", "federation").
-CHECK_FLOWER = {1024: (36.6, 86.7), 2048: (23.3, 82.5)}
+CHECK_STAMP = "commit bc4b70b, 2026-12-07"
+# Through Flower at the paper's size (one run per d, bc4b70b, 2026-12-07, this 2-core host): the check's
+# one relay round and the session, wall seconds (report.json's "seconds": "verify", "federation").
+CHECK_FLOWER = {1024: (8.97, 57.3), 2048: (9.96, 73.7)}
 CHECK_FLOWER_COMMAND = "secure-afl deploy local --clients 8 --seed 2 --no-tls --fraction 1.0 --dim {dim}"
-CHECK_FLOWER_STAMP = "commit 4b3ad89, 2026-12-07, one run on a shared 2-core host"
+CHECK_FLOWER_STAMP = "commit bc4b70b, 2026-12-07, one run on a shared 2-core host"
 
 
 def classifier_check(config: SimConfig) -> dict[str, object]:
@@ -372,7 +372,7 @@ def classifier_check(config: SimConfig) -> dict[str, object]:
         f"{head}: not run by the simulator (it may not import the deployment, and its clients' "
         f"Grams go as they are sent); measured in process at {where}, 8 clients × 5,889 rows, 8 classes: "
         f"{shares[0]:.1f}–{shares[-1]:.1f} % of the session's CPU seconds (`{command}`, {CHECK_STAMP}); "
-        f"through Flower its two message rounds took {CHECK_FLOWER[dim][0]} s beside the session's "
+        f"through Flower its one relay round took {CHECK_FLOWER[dim][0]} s beside the session's "
         f"{CHECK_FLOWER[dim][1]} s (`{flower}`, {CHECK_FLOWER_STAMP})."
     )
     measured = {
