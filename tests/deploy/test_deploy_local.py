@@ -12,10 +12,11 @@ tested in process, tests/deploy/test_federation_ckks.py): the classifier must eq
 simulation's within CKKS precision (max |Δw| measured 1e-7 of max |w| at d = 32; the command checks
 1e-4) and every institution must hold the same classifier.
 
-The three federations (TLS with a dropout and an abort, CKKS, three growing sessions) mostly wait on
-Flower (its 3 s SuperNode poll, one process per message), so the module-scoped ``federations``
-fixture starts the commands of the selected ones at once, each in its own directory and its own
-process group (and picking its own free loopback ports); each test then waits on and checks its own.
+The four federations (TLS with a dropout and an abort, CKKS, three growing sessions, a tampering
+coordinator's ServerApp) mostly wait on Flower (its 3 s SuperNode poll, one process per message), so
+the module-scoped ``federations`` fixture starts the commands of the selected ones at once, each in its
+own directory and its own process group (and picking its own free loopback ports); each test then waits
+on and checks its own.
 Every group is stopped when its test times out and at the module's end, passed or failed.
 """
 
@@ -80,6 +81,11 @@ CKKS = ["deploy", "local", "--clients", "4", "--seed", "2", "--no-tls", "--prote
         "--fraction", "0.08", "--dim", "32", "--round-timeout", "10", "--fault-delay", "0.05",
         "--fault-reset", "R2", "--fault-pause", "client-1@R1:15"]  # fmt: skip
 
+# The test's ServerApp (tests/deploy/tampering_coordinator.py) changes one weight after the solve; three
+# institutions that label every class (every group of three, one assumed colluder).
+TAMPERING = ["deploy", "local", "--clients", "3", "--missing", "0", "--fraction", "0.08", "--dim", "32"]
+TAMPERING_CLI = [sys.executable, str(Path(__file__).with_name("tampering_coordinator.py"))]
+
 
 # A federation that writes nothing (output, logs) for this long is stuck; one that keeps writing is
 # waited for up to HARD_LIMIT times its expected time (a host loaded by other work is slow, not stuck).
@@ -93,6 +99,7 @@ class Spec:
     test: str  # the test that checks this federation
     args: list[str]  # the command's arguments but --out
     timeout: float  # its expected seconds on an idle host (HARD_LIMIT times this at most)
+    cli: tuple[str, ...] = ()  # the command (secure-afl's CLI when empty)
 
 
 FEDERATIONS = {
@@ -100,6 +107,12 @@ FEDERATIONS = {
     "ckks": Spec("test_deploy_local_with_ckks_equals_the_simulation_within_ckks_precision", CKKS, 420),
     "growing": Spec(
         "test_deploy_local_grows_over_three_sessions_to_the_centralised_fit", [*GROWING, "--keep"], 420
+    ),
+    "tampering": Spec(
+        "test_a_tampering_coordinators_classifier_is_refused_by_every_node_through_flower",
+        [*TAMPERING, "--keep"],
+        300,
+        tuple(TAMPERING_CLI),
     ),
 }
 
@@ -180,7 +193,7 @@ class Federations:
         stdout, stderr = directory / "deploy-local.stdout", directory / "deploy-local.stderr"
         with open(stdout, "wb") as out_file, open(stderr, "wb") as err_file:
             process = subprocess.Popen(
-                [*CLI, *FEDERATIONS[name].args, "--out", str(directory / "out")],
+                [*(FEDERATIONS[name].cli or CLI), *FEDERATIONS[name].args, "--out", str(directory / "out")],
                 stdout=out_file,
                 stderr=err_file,
                 stdin=subprocess.DEVNULL,
@@ -460,6 +473,31 @@ def test_deploy_local_grows_over_three_sessions_to_the_centralised_fit(federatio
     assert all(r["max_abs_w_vs_centralised"] <= 1e-9 for r in report["growth"])
     took = time.monotonic() - federation.started
     print(f"deploy local --sessions 3 took {took:.0f} s; max |Δw| per session {errors}")
+
+
+def test_a_tampering_coordinators_classifier_is_refused_by_every_node_through_flower(
+    federations: Federations,
+) -> None:
+    """The classifier check through Flower's processes (SECURITY.md §5.1): the coordinator's ServerApp
+    (the test's, tests/deploy/tampering_coordinator.py) changes one weight by a millionth of its column
+    after the solve and the coordinator signs it; every node's ClientApp (secure-afl's) refuses it as
+    failing the check, none stores it, and the command fails."""
+    federation = federations.start("tampering")
+    tmp_path = federation.directory
+    result = federation.wait()
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output[-4000:]
+    assert _processes_mentioning(str(tmp_path)) == []
+    (work,) = tmp_path.glob("secure-afl-deploy-*")
+    institutions = ["client-0", "client-1", "client-2"]
+    for cid in institutions:
+        assert not (work / "out" / cid / "classifier.json").exists(), cid
+        log = (federation.out / "logs" / f"supernode-{cid}.log").read_text(errors="replace")
+        assert (
+            "ClassifierCheckFailedError: the classifier is not the solution of the session's sums" in log
+        ), cid
+    assert "classifier check: verified by no node" in output, output[-4000:]
+    assert json.loads((federation.out / "report.json").read_text())["verified"] == []
 
 
 def test_deploy_local_refuses_up_front_a_growth_that_partial_labels_would_expose(tmp_path: Path) -> None:
