@@ -50,7 +50,17 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     take minutes, mostly waiting on Flower, and run beside the other tests instead of after them."""
     module = _deploy_local_module(session)
     if module is not None and not session.config.option.collectonly:
+        _EARLY[:] = [(session, module)]
         module.start_early(session)  # type: ignore[attr-defined]
+
+
+def pytest_runtest_logfinish(nodeid: str, location: tuple[str, int | None, str]) -> None:
+    """After each test, deploy local's next federations start as earlier ones finish (two at a time)."""
+    for session, module in _EARLY:
+        module.advance_early(session)  # type: ignore[attr-defined]
+
+
+_EARLY: list[tuple[pytest.Session, object]] = []  # the session and deploy local's module, once started
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

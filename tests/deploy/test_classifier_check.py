@@ -25,14 +25,20 @@ from secure_afl.protocol import verify as pv
 from .helpers import Federation, InProcessTransport, make_federation, run_server
 
 
-def _run(federation: Federation, *, change=None, tamper=None) -> tuple[FederationServer, bytes]:
-    """A coordinator that (``change``) alters the classifier before signing it, and (``tamper``) its
-    relays; returns the server and the signed bytes it delivered."""
+def _server(federation: Federation, tamper=None) -> tuple[FederationServer, InProcessTransport]:
+    """A coordinator over the in-process transport, ``tamper`` changing its messages."""
     transport = InProcessTransport(federation, tamper=tamper)
     server = FederationServer(
         transport, federation.roster, federation.study, round_timeout=1, signer=federation.signer,
         colluders=0, log=lambda s: None,
     )  # fmt: skip
+    return server, transport
+
+
+def _run(federation: Federation, *, change=None, tamper=None) -> tuple[FederationServer, bytes]:
+    """A coordinator that (``change``) alters the classifier before signing it, and (``tamper``) its
+    relays; returns the server and the signed bytes it delivered."""
+    server, _ = _server(federation, tamper)
     classifier = server.run()
     if change is not None:
         classifier = change(classifier)
@@ -152,11 +158,7 @@ def test_a_survivor_set_narrowed_to_a_colluder_gets_no_masked_terms(tmp_path: Pa
             )
         return envelope
 
-    transport = InProcessTransport(federation, tamper=tamper)
-    server = FederationServer(
-        transport, federation.roster, federation.study, round_timeout=1, signer=federation.signer,
-        colluders=0, log=lambda s: None,
-    )  # fmt: skip
+    server, transport = _server(federation, tamper)
     classifier = edit(server.run())
     server.deliver(classifier, server.sign(classifier))
     assert server.report.verified == () and not any(_stored(federation).values())
@@ -234,11 +236,7 @@ def test_a_node_given_another_file_makes_every_sum_fail(tmp_path: Path) -> None:
             return Envelope(envelope.kind, envelope.meta, swapped[0])
         return envelope
 
-    transport = InProcessTransport(federation, tamper=tamper)
-    server = FederationServer(
-        transport, federation.roster, federation.study, round_timeout=1, signer=federation.signer,
-        colluders=0, log=lambda s: None,
-    )  # fmt: skip
+    server, _ = _server(federation, tamper)
     classifier = server.run()
     swapped.append(server.sign(_perturb(classifier)))
     server.deliver(classifier, server.sign(classifier))

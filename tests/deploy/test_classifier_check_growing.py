@@ -21,6 +21,7 @@ from secure_afl.deploy.verify import KEPT_DIR, not_offered, verification_status
 
 from .helpers import Federation, InProcessTransport, check_study, make_federation
 from .test_classifier_check import _perturb
+from .test_growing import _arrive as arrive
 
 ROWS, ARRIVALS = 24, (8, 16, 24)  # each hospital's rows arrive in three batches
 
@@ -44,17 +45,8 @@ def _federation(tmp_path: Path, dp: bool = False, active: dict | None = None) ->
 
 def _arrive(federation: Federation, full: dict, n: int) -> None:
     """Each hospital's feature file now holds its first ``n`` rows; a new Flower run (state forgotten)."""
-    from secure_afl.features.file import save_feature_file
-
+    arrive(federation, full, {node.client_id: n for node in federation.nodes.values()})
     for node in federation.nodes.values():
-        file = full[node.client_id]
-        save_feature_file(
-            node.settings.features, file.features[:n], labels=file.labels[:n], active=file.active,
-            classes=file.classes, backbone=file.backbone, weights_id=file.weights_id,
-            preprocessing=file.preprocessing, image_sha256=file.image_sha256[:n],
-            pixel_sha256=file.pixel_sha256[:n],
-        )  # fmt: skip
-        node.state.records.clear()
         node.dead_from = None
 
 

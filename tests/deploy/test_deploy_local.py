@@ -14,9 +14,9 @@ simulation's within CKKS precision (max |Δw| measured 1e-7 of max |w| at d = 32
 
 The four federations (TLS with a dropout and an abort, CKKS, three growing sessions, a tampering
 coordinator's ServerApp) mostly wait on Flower (its 3 s SuperNode poll, one process per message), so
-the module-scoped ``federations`` fixture starts the commands of the selected ones at once, each in its
-own directory and its own process group (and picking its own free loopback ports); each test then waits
-on and checks its own.
+the selected ones run beside the rest of the suite from its start, two at a time (the longest first;
+tests/conftest.py starts the next as one ends), each in its own directory and its own process group
+(and picking its own free loopback ports); each test then waits on and checks its own.
 Every group is stopped when its test times out and at the module's end, passed or failed.
 """
 
@@ -182,10 +182,23 @@ class Federations:
     def __init__(self, tmp_path_factory: pytest.TempPathFactory) -> None:
         self.tmp_path_factory = tmp_path_factory
         self.running: dict[str, Federation] = {}
+        self.queued: list[str] = []  # selected, not yet started (:meth:`advance` starts them)
+
+    def advance(self) -> None:
+        """Start queued federations while fewer than AT_ONCE run (tests/conftest.py calls it after
+        each test): all at once they would crowd the suite's start on 2 cores and leave the second
+        core idle at its end."""
+        for _ in range(len(self.queued)):
+            alive = sum(f.child.process.poll() is None for f in self.running.values())
+            if alive >= AT_ONCE or not self.queued:
+                return
+            self.start(self.queued.pop(0))
 
     def start(self, name: str) -> Federation:
         if name in self.running:
             return self.running[name]
+        if name in self.queued:  # its test came first: it starts now
+            self.queued.remove(name)
         # deploy-local-tls-0, deploy-local-ckks-0, ...: no directory's path is a prefix of another's
         directory = self.tmp_path_factory.mktemp(f"deploy-local-{name}-")
         env = {**os.environ, "TMPDIR": str(directory)}  # the federation's work directory lands there
@@ -211,24 +224,31 @@ class Federations:
 
 
 EARLY = pytest.StashKey[Federations]()
+AT_ONCE = 2  # federations running together, the longest first (FEDERATIONS' order)
 
 
 def start_early(session: pytest.Session) -> None:
-    """Start the federations whose tests are selected as the suite starts (tests/conftest.py calls it
-    once collection is done; ``-k`` starts only what it selects).  They run for minutes, mostly waiting
-    on Flower (heartbeats, round timeouts), so they run beside the rest of the suite, not after it."""
+    """Queue the federations whose tests are selected and start the first AT_ONCE (tests/conftest.py
+    calls it once collection is done; ``-k`` starts only what it selects).  They run for minutes,
+    mostly waiting on Flower (heartbeats, round timeouts), so they run beside the rest of the suite,
+    not after it; all at once they would crowd its start and leave a core idle at its end."""
     selected = {
         getattr(item, "originalname", item.name) for item in session.items if item.path == Path(__file__)
     }
     factory: pytest.TempPathFactory = session.config._tmp_path_factory  # type: ignore[attr-defined]
     started = session.stash.setdefault(EARLY, Federations(factory))
     try:
-        for name, spec in FEDERATIONS.items():
-            if spec.test in selected:
-                started.start(name)
+        started.queued = [name for name, spec in FEDERATIONS.items() if spec.test in selected]
+        started.advance()
     except BaseException:
         started.stop_all()
         raise
+
+
+def advance_early(session: pytest.Session) -> None:
+    """Start the next queued federations if fewer than AT_ONCE still run (after each test)."""
+    if EARLY in session.stash:
+        session.stash[EARLY].advance()
 
 
 def stop_early(session: pytest.Session) -> None:
