@@ -46,7 +46,6 @@ def test_a_masked_runs_report_has_one_line_with_the_measured_share(tmp_path: Pat
     [
         (SimConfig(secure="ckks"), "not offered under CKKS"),
         (SimConfig(secure="none"), "not offered without secure aggregation"),
-        (SimConfig(dp=DpConfig(epsilon=1.0, projection_dim=64)), "not offered for DP with --dp-dim"),
     ],
 )
 def test_where_the_check_is_not_offered_the_line_says_why_and_gives_no_figure(
@@ -56,6 +55,13 @@ def test_where_the_check_is_not_offered_the_line_says_why_and_gives_no_figure(
     assert check["offered"] is False and check["measured"] is None
     assert reason in str(check["reason"]) and str(check["line"]).startswith("Classifier check")
     assert "%" not in str(check["line"]) and " s " not in str(check["line"])
+
+
+def test_a_dp_run_with_a_row_map_is_offered_the_check() -> None:
+    """--dp-dim and the row centring are checked (W_K, and the lift W = M W_K: SECURITY.md §5.1)."""
+    for dp in (DpConfig(epsilon=1.0, projection_dim=64), DpConfig(epsilon=1.0, row_centre=True)):
+        check = classifier_check(SimConfig(dp=dp))
+        assert check["offered"] is True and check["measured"] is not None
 
 
 def test_a_two_round_run_names_the_classifier_checked_and_the_measured_width() -> None:

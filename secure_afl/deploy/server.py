@@ -274,7 +274,7 @@ class FederationServer:
                 model = solver.refine(model, outcome2.sums, survivors2)
                 self.report.seconds["solve"] += time.perf_counter() - solve_started
         weights = solver.weights(model)  # under --dp-dim the classifier holds W = P W_K
-        self.privacy = solver.privacy_record()  # under DP: every session's ε, and a chain's
+        self.privacy = solver.privacy_record(model)  # under DP: every session's ε, and a chain's
         self.metrics.privacy(self.privacy)
         classifier = self._classifier(weights)
         self.report.seconds["federation"] = time.perf_counter() - started

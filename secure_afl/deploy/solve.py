@@ -19,6 +19,8 @@ import numpy as np
 
 from .study import Study, dp_projection
 
+STATISTICS_WEIGHTS = "statistics_weights"  # the privacy record's W_K under --dp-dim or the row centring
+
 if TYPE_CHECKING:  # torch: only a solve needs the estimator
     from secure_afl.analytic import AnalyticClassifier, Contributions
     from secure_afl.privacy.dp import NoisePlan
@@ -110,11 +112,19 @@ class StudySolver:
 
         return lift_weights(projection, weights)
 
-    def privacy_record(self) -> dict[str, Any] | None:
-        """Under DP the release's record (ε, noise, ridge; a growing chain's every session), else None."""
+    def privacy_record(self, model: AnalyticClassifier | None = None) -> dict[str, Any] | None:
+        """Under DP the release's record (ε, noise, ridge; a growing chain's every session), else None.
+        Under ``--dp-dim`` or the row centring it also holds ``model``'s weights before the lift,
+        ``statistics_weights`` (K × C: the solve's, which every node checks against the sums and
+        the released W = P W_K against, SECURITY.md §5.1)."""
         if self.plan is None:
             return None
         from secure_afl.privacy.dp_solve import privacy_record
 
         growing = self.chain if self.study.extends else None
-        return privacy_record(self.plan, self.solved, self.solved2, feature_dim=self.study.dim, chain=growing)
+        record = privacy_record(
+            self.plan, self.solved, self.solved2, feature_dim=self.study.dim, chain=growing
+        )
+        if model is not None and model.coef_ is not None and dp_projection(self.study) is not None:
+            record[STATISTICS_WEIGHTS] = np.asarray(model.coef_, dtype=np.float64).tolist()  # exact in JSON
+        return record

@@ -18,9 +18,10 @@ envelope of round ``verify-sums`` relays every survivor's, and the node answers 
 ``verified`` (or refuses).  The check's members are the survivor set the node signed in R3 (its
 ledger), never a set the coordinator names.
 
-Offered for one-round masking studies (:func:`not_offered` says why otherwise: CKKS, round 2, DP with
-``--dp-dim`` or row centring), growing chains included: a growing study's sums are its chain's runs'
-uploads summed, so each node keeps its own uploads as the masking encoded them
+Offered for one-round masking studies (:func:`not_offered` says why otherwise: CKKS, round 2); under
+``--dp-dim`` or the row centring the terms use the privacy record's W_K, once the file's W is checked
+to be its lift M W_K (:func:`solved_weights`); growing chains included: a growing study's sums are
+its chain's runs' uploads summed, so each node keeps its own uploads as the masking encoded them
 (LEDGER_DIR/check-values/, 0600, one folded record per chain: :func:`keep_inputs`) and its terms are
 over its values summed over the runs the classifier's chain record lists it in (:func:`chain_values`); a
 pass means W is the ridge solution of the sums of the runs that record lists.  A node that lacks a
@@ -112,11 +113,6 @@ def not_offered(study: Study, roster_ids: Collection[str]) -> str | None:
         # Covered: a growing study's sums are its chain's runs' uploads summed, and each node keeps
         # its own (:func:`keep_inputs`); the study itself already refuses any other method.
         return "growing studies are checked only with global balance and one round (the additive sums)"
-    if study.dp is not None and (study.dp.projection_dim is not None or study.dp.row_centre):
-        return (
-            "DP studies with --dp-dim or row centring are not checked (the file holds the lifted weights "
-            "W = P W_K, not the solve's W_K)"
-        )
     return None
 
 
@@ -351,7 +347,7 @@ def keep_inputs(label: str, saved: Mapping[str, Any], state: Any, keep_dir: Path
     A study whose sums a later study may extend (global balance, one round): also its uploads as
     the masking encoded them, in ``keep_dir`` on this node's host (:func:`_keep_run`), for the
     checks of the chain's later runs, whose sums contain them (this run's state is forgotten)."""
-    from .study import Study
+    from .study import Study, dp_projection
     from .sums import is_additive
 
     if label != "1":
@@ -374,7 +370,8 @@ def keep_inputs(label: str, saved: Mapping[str, Any], state: Any, keep_dir: Path
         {"status": "committed", "session_id": saved["session_id"], "client_id": saved["client_id"],
          "key": secret.key, "commitment": str(saved["verify-commit"]),
          "gamma": study.method.gamma, "frac_bits": study.frac_bits, "form": rhs_form(study),
-         "gram": "global" if study.dp is not None else study.method.gram, "kept": True, **chain},
+         "gram": "global" if study.dp is not None else study.method.gram, "kept": True, **chain,
+         **({"study": str(saved["study"])} if dp_projection(study) is not None else {})},
     )  # fmt: skip
 
 
@@ -681,12 +678,9 @@ def _begin_check(
     form = str(record.get("form", "client"))
     counts = _relayed_counts(meta, form, classifier.weights.shape[1])
     gamma = _solve_gamma(float(record["gamma"]), classifier)
+    weights = solved_weights(classifier, record)  # W, or W_K once W = M W_K is checked
     terms = node_terms(
-        check_inputs(state, record, classifier),
-        classifier.weights,
-        gram=str(record["gram"]),
-        form=form,
-        counts=counts,
+        check_inputs(state, record, classifier), weights, gram=str(record["gram"]), form=form, counts=counts
     )
     words = pv.mask(terms, client_id, _secret(record), commitments, seed)
     signer, identity = identity_of()
@@ -703,6 +697,43 @@ def _begin_check(
          "commitments": json.dumps({c: x.to_text() for c, x in commitments.items()})},
     )  # fmt: skip
     return Held(hold, {"verify-masked": True}, payload=masked.to_bytes())
+
+
+def solved_weights(classifier: Classifier, record: Mapping[str, Any]) -> np.ndarray:
+    """The weights the solve fitted: the file's W, or under ``--dp-dim`` or the row centring the
+    privacy record's ``W_K`` once the file's W is its lift ``M W_K`` (M: the study's public row map,
+    which this node derives itself) within the product's rounding: ``|W − M W_K| ≤ 2 K u |M| |W_K|``
+    entrywise (u = 2^-53; any summation order, BLAS or machine)."""
+    from .solve import STATISTICS_WEIGHTS
+    from .study import Study, dp_projection
+
+    if "study" not in record:
+        return classifier.weights
+    row_map = dp_projection(Study.from_json(str(record["study"])))
+    if row_map is None:
+        return classifier.weights
+    try:
+        solved = np.asarray((classifier.privacy or {})[STATISTICS_WEIGHTS], dtype=np.float64)
+    except (KeyError, TypeError, ValueError):
+        raise UnverifiedClassifierError(
+            f"the classifier's privacy record holds no {STATISTICS_WEIGHTS} (W_K before the lift W = M W_K): "
+            "it cannot be checked; run the session again with a coordinator that records them"
+        ) from None
+    d, k = row_map.shape
+    if solved.shape != (k, classifier.weights.shape[1]) or not np.all(np.isfinite(solved)):
+        raise ClassifierCheckFailedError(
+            f"the classifier's {STATISTICS_WEIGHTS} are not {k} × {classifier.weights.shape[1]} finite values"
+        )
+    lifted = row_map @ solved
+    bound = 2 * k * 2.0**-53 * (np.abs(row_map) @ np.abs(solved))
+    if classifier.weights.shape != (d, solved.shape[1]) or np.any(
+        np.abs(classifier.weights - lifted) > bound
+    ):
+        raise ClassifierCheckFailedError(
+            f"the released weights are not the lift M W_K of the classifier's {STATISTICS_WEIGHTS} (M: the "
+            "study's public row map): it is not stored as verified"
+        )
+    return solved
 
 
 def loaded_once(load: Callable[[], tuple[str, IdentityKey]]) -> Callable[[], tuple[str, IdentityKey]]:
@@ -757,7 +788,8 @@ def answer_check(
     counts = json.loads(str(record.get("counts", "{}")))
     # The scale and the counts correctly rounded: the counts are compared for equality.
     sums = pv.unmask_sum(masked, commitments, keys, seed, own, exact=1 + len(counts))
-    ok, ratios = decide(sums, classifier.weights, float(record["solve_gamma"]), counts)
+    solved = solved_weights(classifier, record)  # checked against the file's W on delivery
+    ok, ratios = decide(sums, solved, float(record["solve_gamma"]), counts)
     if not ok:
         bad = [c for c, r in enumerate(ratios) if not r <= 1.0]
         raise ClassifierCheckFailedError(
@@ -768,7 +800,7 @@ def answer_check(
     document = {
         "format": RECORD_FORMAT, "classifier_sha256": hashlib.sha256(payload).hexdigest(),
         "verified": True, "transcript_sha256": seed.hex(), "survivors": sorted(commitments),
-        "max_residual_over_bound": max(ratios), "rho": rho(classifier.weights.shape[0]),
+        "max_residual_over_bound": max(ratios), "rho": rho(solved.shape[0]),
         "checked": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }  # fmt: skip
     for path in stored_latest:

@@ -355,10 +355,6 @@ def classifier_check(config: SimConfig) -> dict[str, object]:
         reason = "not offered under CKKS (its sums carry the scheme's noise, beyond the check's tolerance)"
     elif protection == "none":
         reason = "not offered without secure aggregation (--protection none; a deployment masks or encrypts)"
-    elif config.dp is not None and (config.dp.projection_dim is not None or config.dp.row_centre):
-        reason = (
-            "not offered for DP with --dp-dim or row centring (the released weights are lifted, W = P W_K)"
-        )
     if reason is not None:
         return {"offered": False, "reason": reason, "measured": None, "line": f"{head}: {reason}."}
     dim = min(CHECK_RUNS, key=lambda d: (abs(d - config.dim), d))

@@ -10,6 +10,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from secure_afl.deploy.study import Method, StudyDp, round1_plan
@@ -36,7 +37,8 @@ def _federation(tmp_path: Path, kind: str) -> Federation:
         method = Method(balance="global", min_pos=1, min_neg=1, tau=0.5)
         federation = make_federation(tmp_path, n_clients=4, active=DP_ACTIVE, method=method)
         sums = "positives" if kind == "dp-positives" else "split"
-        dp = StudyDp(class_lists=dict(DP_ACTIVE), epsilon=1.0, clip=8.0, class_sums=sums)
+        mapped = {"dp-dim": {"projection_dim": 12}, "dp-centre": {"row_centre": True}}.get(kind, {})
+        dp = StudyDp(class_lists=dict(DP_ACTIVE), epsilon=1.0, clip=8.0, class_sums=sums, **mapped)
         federation.study = dataclasses.replace(federation.study, dp=dp)
         return federation
     method = Method(gram="class", balance="client", min_pos=1, min_neg=1)
@@ -48,7 +50,7 @@ def _federation(tmp_path: Path, kind: str) -> Federation:
     return federation
 
 
-KINDS = ["global", "dp-split", "dp-positives", "difference"]
+KINDS = ["global", "dp-split", "dp-positives", "dp-dim", "dp-centre", "difference"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -61,6 +63,12 @@ def test_an_honest_coordinators_classifier_is_verified_by_every_survivor(tmp_pat
     assert server.report.verified == survivors and server.report.acknowledged == survivors
     if kind.startswith("dp"):
         assert classifier.privacy is not None and classifier.privacy["ridge"] > 0  # λ entered beside γ
+    if kind in ("dp-dim", "dp-centre"):  # the file holds W = M W_K and W_K, which the nodes checked
+        solved = np.asarray(classifier.privacy["statistics_weights"])
+        assert solved.shape == (
+            12 if kind == "dp-dim" else federation.study.dim,
+            len(federation.study.classes),
+        )
     for node in federation.nodes.values():
         path = node.settings.out_dir / "classifier.json"
         assert verification_status(path).startswith("classifier check: verified by this node")
@@ -74,6 +82,27 @@ def test_one_changed_weight_is_refused_by_every_node(tmp_path: Path, kind: str) 
     server, _ = _run(federation, change=_perturb)
     nodes = {n.client_id for n in federation.nodes.values()}
     _refused_by_all(server, federation, nodes, "ClassifierCheckFailedError")
+
+
+@pytest.mark.parametrize("kind", ["dp-dim", "dp-centre"])
+def test_a_changed_solve_weight_or_a_wrong_lift_is_refused_by_every_node(tmp_path: Path, kind: str) -> None:
+    """Under a row map the file holds W = M W_K and W_K: one W_K weight changed, with W lifted from it,
+    fails the residual (a changed W beside the solved W_K fails the lift: the test above)."""
+    federation = _federation(tmp_path, kind)
+
+    def change(classifier):
+        from secure_afl.deploy.study import dp_projection
+
+        solved = np.asarray(classifier.privacy["statistics_weights"]).copy()
+        solved[3, 1] += 1e-6 * np.linalg.norm(solved[:, 1])
+        weights = dp_projection(federation.study) @ solved
+        privacy = {**classifier.privacy, "statistics_weights": solved.tolist()}
+        return dataclasses.replace(classifier, weights=weights, privacy=privacy)
+
+    server, _ = _run(federation, change=change)
+    nodes = {n.client_id for n in federation.nodes.values()}
+    _refused_by_all(server, federation, nodes, "ClassifierCheckFailedError")
+    assert all("residuals above the rounding bound" in r["message"] for r in server.report.refusals)
 
 
 @pytest.mark.parametrize("kind", ["global", "dp-split"])
@@ -100,15 +129,16 @@ def test_the_studies_not_covered_say_why(tmp_path: Path) -> None:
     federation = make_federation(tmp_path, n_clients=3)
     ids = [n.client_id for n in federation.nodes.values()]
     study = federation.study
-    lists = {cid: tuple(data[2]) for cid, data in federation.data.items()}
-    projected = StudyDp(class_lists=lists, epsilon=1.0, clip=8.0, projection_dim=8)
     cases = {
         "CKKS": dataclasses.replace(study, protection="ckks"),
         "two-round": dataclasses.replace(study, method=Method(rounds=2)),
-        "--dp-dim": dataclasses.replace(study, method=Method(balance="global"), dp=projected),
     }
     for words, case in cases.items():
         assert words in str(not_offered(case, ids))
+    # DP with --dp-dim or row centring is covered (the kinds above: W_K checked, and W = M W_K)
+    lists = {cid: tuple(data[2]) for cid, data in federation.data.items()}
+    projected = StudyDp(class_lists=lists, epsilon=1.0, clip=8.0, projection_dim=8, row_centre=True)
+    assert not_offered(dataclasses.replace(study, method=Method(balance="global"), dp=projected), ids) is None
     # a growing chain is covered (test_classifier_check_growing.py)
     growing = dataclasses.replace(study, method=Method(balance="global"), extends="0" * 64)
     assert not_offered(growing, ids) is None
