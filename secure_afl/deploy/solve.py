@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .study import Study, dp_projection
+from .study import Study, dp_projection, has_row_map
 
 STATISTICS_WEIGHTS = "statistics_weights"  # the privacy record's W_K under --dp-dim or the row centring
 
@@ -125,6 +125,6 @@ class StudySolver:
         record = privacy_record(
             self.plan, self.solved, self.solved2, feature_dim=self.study.dim, chain=growing
         )
-        if model is not None and model.coef_ is not None and dp_projection(self.study) is not None:
+        if model is not None and model.coef_ is not None and has_row_map(self.study):
             record[STATISTICS_WEIGHTS] = np.asarray(model.coef_, dtype=np.float64).tolist()  # exact in JSON
         return record

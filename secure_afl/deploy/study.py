@@ -534,10 +534,15 @@ def statistics_dim(study: Study) -> int:
     return study.dp.projection_dim
 
 
+def has_row_map(study: Study) -> bool:
+    """Whether DP maps the rows (``--dp-dim`` or the row centring) before the statistics."""
+    return study.dp is not None and (study.dp.projection_dim is not None or study.dp.row_centre)
+
+
 def dp_projection(study: Study) -> np.ndarray | None:
     """The study's public map of the rows (the row centring, then the projection to K: ``dim × K``,
     ``dim × dim`` for the centring alone), which every party derives alike; None without either."""
-    if study.dp is None or (study.dp.projection_dim is None and not study.dp.row_centre):
+    if not has_row_map(study) or study.dp is None:
         return None
     from secure_afl.privacy.projection import row_map
 

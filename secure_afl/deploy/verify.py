@@ -347,7 +347,7 @@ def keep_inputs(label: str, saved: Mapping[str, Any], state: Any, keep_dir: Path
     A study whose sums a later study may extend (global balance, one round): also its uploads as
     the masking encoded them, in ``keep_dir`` on this node's host (:func:`_keep_run`), for the
     checks of the chain's later runs, whose sums contain them (this run's state is forgotten)."""
-    from .study import Study, dp_projection
+    from .study import Study, has_row_map
     from .sums import is_additive
 
     if label != "1":
@@ -357,21 +357,22 @@ def keep_inputs(label: str, saved: Mapping[str, Any], state: Any, keep_dir: Path
         return
     session_id = bytes.fromhex(str(saved["session_id"]))
     secret = pv.VerifySecret.from_seed(bytes(saved["seed"]), str(saved["client_id"]), session_id)
-    state.save(STATE_INPUTS, {"session_id": saved["session_id"], "inputs": dict(saved["inputs"])})
+    # As the masking encoded them: the values the sums hold (encoded once, for every later use).
+    encoded = {
+        k: _encoded(np.asarray(v, dtype=np.float64), study.frac_bits) for k, v in saved["inputs"].items()
+    }
+    state.save(STATE_INPUTS, {"session_id": saved["session_id"], "inputs": encoded})
     chain: dict[str, Any] = {"study_digest": study.digest(), "extends": study.extends}
     if keep_dir is not None and is_additive(study):
-        encoded = {
-            k: _encoded(np.asarray(v, dtype=np.float64), study.frac_bits) for k, v in saved["inputs"].items()
-        }
         _keep_run(Path(keep_dir), str(saved["client_id"]), study, str(saved["session_id"]), encoded)
         chain["keep_dir"] = str(keep_dir)
     state.save(
         STATE_LABEL,
         {"status": "committed", "session_id": saved["session_id"], "client_id": saved["client_id"],
          "key": secret.key, "commitment": str(saved["verify-commit"]),
-         "gamma": study.method.gamma, "frac_bits": study.frac_bits, "form": rhs_form(study),
+         "gamma": study.method.gamma, "form": rhs_form(study),
          "gram": "global" if study.dp is not None else study.method.gram, "kept": True, **chain,
-         **({"study": str(saved["study"])} if dp_projection(study) is not None else {})},
+         **({"study": str(saved["study"])} if has_row_map(study) else {})},
     )  # fmt: skip
 
 
@@ -383,8 +384,7 @@ def check_inputs(state: Any, record: Mapping[str, Any], classifier: Classifier) 
     kept = state.load(STATE_INPUTS) or {}
     if kept.get("session_id") != record["session_id"] or "inputs" not in kept:
         raise UnverifiedClassifierError("this node no longer holds its session-1 values to check with")
-    frac_bits = int(record["frac_bits"])
-    own = {k: _encoded(np.asarray(v, dtype=np.float64), frac_bits) for k, v in kept["inputs"].items()}
+    own = {k: np.asarray(v, dtype=np.float64) for k, v in kept["inputs"].items()}  # encoded when kept
     if record.get("extends"):
         return chain_values(record, classifier, own)
     if record.get("keep_dir"):  # a run a later study may extend: the chain's first record
@@ -699,6 +699,19 @@ def _begin_check(
     return Held(hold, {"verify-masked": True}, payload=masked.to_bytes())
 
 
+def _statistics_weights(classifier: Classifier) -> np.ndarray:
+    """The privacy record's W_K (the weights before the lift W = M W_K)."""
+    from .solve import STATISTICS_WEIGHTS
+
+    try:
+        return np.asarray((classifier.privacy or {})[STATISTICS_WEIGHTS], dtype=np.float64)
+    except (KeyError, TypeError, ValueError):
+        raise UnverifiedClassifierError(
+            f"the classifier's privacy record holds no {STATISTICS_WEIGHTS} (W_K before the lift W = M W_K): "
+            "it cannot be checked; run the session again with a coordinator that records them"
+        ) from None
+
+
 def solved_weights(classifier: Classifier, record: Mapping[str, Any]) -> np.ndarray:
     """The weights the solve fitted: the file's W, or under ``--dp-dim`` or the row centring the
     privacy record's ``W_K`` once the file's W is its lift ``M W_K`` (M: the study's public row map,
@@ -712,13 +725,7 @@ def solved_weights(classifier: Classifier, record: Mapping[str, Any]) -> np.ndar
     row_map = dp_projection(Study.from_json(str(record["study"])))
     if row_map is None:
         return classifier.weights
-    try:
-        solved = np.asarray((classifier.privacy or {})[STATISTICS_WEIGHTS], dtype=np.float64)
-    except (KeyError, TypeError, ValueError):
-        raise UnverifiedClassifierError(
-            f"the classifier's privacy record holds no {STATISTICS_WEIGHTS} (W_K before the lift W = M W_K): "
-            "it cannot be checked; run the session again with a coordinator that records them"
-        ) from None
+    solved = _statistics_weights(classifier)
     d, k = row_map.shape
     if solved.shape != (k, classifier.weights.shape[1]) or not np.all(np.isfinite(solved)):
         raise ClassifierCheckFailedError(
@@ -788,7 +795,8 @@ def answer_check(
     counts = json.loads(str(record.get("counts", "{}")))
     # The scale and the counts correctly rounded: the counts are compared for equality.
     sums = pv.unmask_sum(masked, commitments, keys, seed, own, exact=1 + len(counts))
-    solved = solved_weights(classifier, record)  # checked against the file's W on delivery
+    # W_K was checked against the file's W on delivery (the held bytes are this node's own state).
+    solved = _statistics_weights(classifier) if "study" in record else classifier.weights
     ok, ratios = decide(sums, solved, float(record["solve_gamma"]), counts)
     if not ok:
         bad = [c for c, r in enumerate(ratios) if not r <= 1.0]
