@@ -69,7 +69,7 @@ from secure_afl.core.errors import (
 )
 from secure_afl.keys.identity import IdentityKey
 from secure_afl.keys.rotation import KeyRotation, KeyRotationError
-from secure_afl.privacy.release import split_digests
+from secure_afl.privacy.release import IMAGE_DIGEST_BYTES, split_digests
 
 FORMAT = "secure-afl-ledger/v2"
 _SIGNATURE_DOMAIN = b"secure-afl/v2/client-ledger\x00"
@@ -501,7 +501,8 @@ def _packed_digests(text: object) -> bytes:
     if not isinstance(text, str):
         raise ValueError("images must be base64 text")
     packed = base64.b64decode(text, validate=True)
-    split_digests(packed)  # a whole number of digests
+    if len(packed) % IMAGE_DIGEST_BYTES:  # a whole number of digests (split only where they are read)
+        raise ValueError(f"packed image digests must be a multiple of {IMAGE_DIGEST_BYTES} bytes")
     return packed
 
 

@@ -81,10 +81,14 @@ def pair_sign(own_id: str, peer_id: str) -> int:
     return 1 if own_id < peer_id else -1
 
 
+def keystream(key: bytes, n_bytes: int) -> bytes:
+    """The first ``n_bytes`` of ``key``'s AES-256-CTR keystream (counter block 0): every mask's PRG."""
+    return Cipher(algorithms.AES(key), modes.CTR(_ZERO_COUNTER)).encryptor().update(bytes(n_bytes))
+
+
 def mask_words(key: bytes, n_words: int) -> np.ndarray:
     """A read-only uint64 view of n_words of AES-256-CTR keystream."""
-    encryptor = Cipher(algorithms.AES(key), modes.CTR(_ZERO_COUNTER)).encryptor()
-    return np.frombuffer(encryptor.update(bytes(8 * n_words)), dtype="<u8")
+    return np.frombuffer(keystream(key, 8 * n_words), dtype="<u8")
 
 
 def add_mask(accumulator: np.ndarray, key: bytes, sign: int) -> None:

@@ -7,8 +7,9 @@ key; the deployment derives it from the fresh seed a node draws for its session,
 to its public key with its identity key.  Once the value is fixed (its digest ``context``), every
 participant checks every commitment (:func:`check_commitments`); the check's digest is
 :func:`transcript` over the context and every commitment.  Each participant then sends its vector
-masked with pairwise masks (:func:`mask`: HKDF of the X25519 secret with every other participant and
-the transcript, added by the smaller id and subtracted by the larger, in fixed point with
+masked with pairwise masks (:func:`mask`: the AES-256-CTR keystream of :mod:`.prg`, the session's
+masks' PRG, under an HKDF key of the X25519 secret with every other participant and the transcript,
+added by the smaller id and subtracted by the larger, in fixed point with
 :data:`FRAC_BITS` fractional bits modulo :data:`MODULUS`), signed over the transcript
 (:func:`sign_masked`).  :func:`unmask_sum` checks that every participant's signed vector is there
 and adds them: the masks cancel only in the full sum over one transcript, so a vector alone, any
@@ -32,15 +33,22 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from secure_afl.core.errors import ServerProtocolError
 from secure_afl.core.randomness import RandomSource
 
-from . import crypto
+from . import crypto, prg
 from .fields import sequence, tagged_fields
 
-# v2: the check of one round (no nonce, no challenge: every coordinate of the residual is checked).
-COMMIT_DOMAIN = b"secure-afl/v2/verify-commit"
-TRANSCRIPT_DOMAIN = b"secure-afl/v2/verify-transcript"
-MASK_DOMAIN = b"secure-afl/v2/verify-mask"
-MASKED_DOMAIN = b"secure-afl/v2/verify-masked"
-SECRET_DOMAIN = b"secure-afl/v2/verify-secret"
+# v3: the pads are the session's mask PRG (AES-256-CTR, .prg), no longer SHAKE-256.  Every domain
+# names the version, so a node of another version fails at the commitments (VERSION_HINT), not at
+# a sum that looks like a tampered classifier.  v2: one round, every coordinate (no challenge).
+VERSION = "v3"
+COMMIT_DOMAIN = b"secure-afl/v3/verify-commit"
+TRANSCRIPT_DOMAIN = b"secure-afl/v3/verify-transcript"
+MASK_DOMAIN = b"secure-afl/v3/verify-mask"
+MASKED_DOMAIN = b"secure-afl/v3/verify-masked"
+SECRET_DOMAIN = b"secure-afl/v3/verify-secret"
+VERSION_HINT = (
+    f"(a node signs its commitment for the check's protocol {VERSION}: one running another secure-afl "
+    "release fails here; every node of a federation runs one release)"
+)
 
 FRAC_BITS = 128  # a float64 below 2^126 in magnitude is held exactly down to 2^-128
 MODULUS = 2**256
@@ -131,7 +139,9 @@ def check_commitments(
         if cid not in public_keys or item.client_id != cid or item.session_id != own.session_id:
             raise VerificationError(f"the commitment of {cid!r} names another participant or session")
         if not item.signed_by(public_keys[cid]) or not crypto.valid_x25519_public_key(item.key):
-            raise VerificationError(f"the commitment relayed for {cid!r} is not signed by its roster key")
+            raise VerificationError(
+                f"the commitment relayed for {cid!r} is not signed by its roster key {VERSION_HINT}"
+            )
     if commitments.get(own.client_id) != own:
         raise VerificationError(f"the commitment relayed for {own.client_id!r} is not the one it sent")
 
@@ -230,7 +240,7 @@ def _pair_mask(secret: VerifySecret, peer: Commitment, own_id: str, seed: bytes,
     low, high = sorted((own_id, peer.client_id))
     info = tagged_fields(MASK_DOMAIN, seed, low, high)
     key = HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=info).derive(shared)
-    return hashlib.shake_256(key).digest(WORD_BYTES * n)
+    return prg.keystream(key, WORD_BYTES * n)  # one key per pad: a zero counter block is safe
 
 
 def mask(

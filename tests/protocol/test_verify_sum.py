@@ -133,3 +133,40 @@ def test_the_fixed_point_words_are_those_of_python_integers() -> None:
     assert np.allclose(pv.decode_words(pv.to_fixed(values)), exact, rtol=2.0**-50, atol=0.0)
     with pytest.raises(pv.VerificationError, match="not finite or too large"):
         pv.to_fixed([2.0**126])
+
+
+def test_a_commitment_of_another_check_version_is_refused_naming_the_version() -> None:
+    """A node of an earlier release signs its commitment under that release's domain: the check stops
+    at the commitments and says so, before any sum that would read as a tampered classifier."""
+    from secure_afl.protocol import crypto
+
+    keys, secrets, commitments = _participants()
+    public = {cid: k.public_key for cid, k in keys.items()}
+    key = secrets["b"].public_key()
+    old = crypto.sign(keys["b"].private_key, b"secure-afl/v2/verify-commit", SESSION, "b", key)
+    earlier = pv.Commitment("b", SESSION, key, old)
+    with pytest.raises(pv.VerificationError, match=f"the check's protocol {pv.VERSION}.*one release"):
+        pv.check_commitments({**commitments, "b": earlier}, IDS, public, commitments["a"])
+
+
+def test_the_pads_are_the_session_masks_prg_under_the_pair_key() -> None:
+    """One PRG for every mask (protocol/prg.py, AES-256-CTR): a pad is the keystream of its pair's key,
+    added by the lower id and subtracted by the higher; a word of 0 masked by a pair is that word."""
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+    from secure_afl.protocol import crypto, prg
+    from secure_afl.protocol.fields import tagged_fields
+
+    _keys, secrets, commitments = _participants()
+    pair = {c: commitments[c] for c in ("a", "b")}
+    seed = pv.transcript(b"file digest", pair)
+    shared = crypto.x25519_shared_secret(X25519PrivateKey.from_private_bytes(secrets["a"].key), pair["b"].key)
+    info = tagged_fields(pv.MASK_DOMAIN, seed, "a", "b")
+    key = HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=info).derive(shared)
+    pad = prg.keystream(key, 2 * pv.WORD_BYTES)
+    assert pv.mask(np.zeros(2), "a", secrets["a"], pair, seed) == pad
+    low = [int.from_bytes(pad[i : i + 32], "big") for i in (0, 32)]
+    high = pv.mask(np.zeros(2), "b", secrets["b"], pair, seed)
+    assert [int.from_bytes(high[i : i + 32], "big") for i in (0, 32)] == [(-w) % pv.MODULUS for w in low]
