@@ -135,7 +135,7 @@ def test_the_fixed_point_words_are_those_of_python_integers() -> None:
         pv.to_fixed([2.0**126])
 
 
-def test_a_commitment_of_another_check_version_is_refused_naming_the_version() -> None:
+def test_another_releases_commitment_is_refused() -> None:
     """A node of an earlier release signs its commitment under that release's domain: the check stops
     at the commitments and says so, before any sum that would read as a tampered classifier."""
     from secure_afl.protocol import crypto
