@@ -275,7 +275,9 @@ _DP_OPTIONS = [
         help="DP: the solve's ridge. bound: the Gram noise's high-probability bound (data-independent); "
         "adaptive: that bound less a lower bound on the Gram's smallest eigenvalue read off the noisy "
         "Gram (post-processing); adassp: the same from a separately noised release of the clients' "
-        "smallest eigenvalues (its own share of the budget). [default: adaptive with --dp-dim, else bound]",
+        "smallest eigenvalues (its own share of the budget). Every hospital derives bound and adassp "
+        "itself; adaptive no hospital can, so its classifier is not checked (SECURITY.md §5.1). "
+        "[default: adaptive with --dp-dim, else bound]",
     ),
 ]
 

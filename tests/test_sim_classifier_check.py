@@ -64,6 +64,18 @@ def test_a_dp_run_with_a_row_map_is_offered_the_check() -> None:
         assert check["offered"] is True and check["measured"] is not None
 
 
+def test_a_dp_run_whose_ridge_no_hospital_can_derive_is_not_offered_the_check() -> None:
+    """The adaptive ridge (--dp-dim's default) is sized from the noisy Gram's spectrum: a coordinator's
+    choice no node can check, so not offered; bound and adassp are derived from public facts."""
+    adaptive = DpConfig(epsilon=1.0, projection_dim=64, ridge="adaptive")
+    check = classifier_check(SimConfig(dp=adaptive))
+    assert check["offered"] is False and "--dp-ridge bound or adassp" in str(check["reason"])
+    for ridge in ("bound", "adassp"):
+        assert classifier_check(SimConfig(dp=DpConfig(epsilon=1.0, projection_dim=64, ridge=ridge)))[
+            "offered"
+        ]
+
+
 def test_a_two_round_run_names_the_classifier_checked_and_the_measured_width() -> None:
     line = str(classifier_check(SimConfig(dim=2048, rounds=2))["line"])
     assert "AFL (1 round) only: a two-round study is not checked" in line

@@ -18,7 +18,8 @@ envelope of round ``verify-sums`` relays every survivor's, and the node answers 
 ``verified`` (or refuses).  The check's members are the survivor set the node signed in R3 (its
 ledger), never a set the coordinator names.
 
-Offered for one-round masking studies (:func:`not_offered` says why otherwise: CKKS, round 2); under
+Offered for one-round masking studies (:func:`not_offered` says why otherwise: CKKS, round 2, a DP
+ridge no node can derive); under
 ``--dp-dim`` or the row centring the terms use the privacy record's W_K, once the file's W is checked
 to be its lift M W_K (:func:`solved_weights`); growing chains included: a growing study's sums are
 its chain's runs' uploads summed, so each node keeps its own uploads as the masking encoded them
@@ -30,7 +31,11 @@ survivor now, or a record unlike the chain the node took part in leave the class
 does, with ``gram="class"``, a node that started labelling a class mid-chain: its class Grams then
 differ).  Each class's right-hand side is the one the solve forms (:func:`rhs_parts`): client balance
 ``Σ b_k``; global balance ``pos/N⁺ − (feat − pos)/(N − N⁺)``; under DP the noisy sums over counts
-rounded and floored at 1, and ``γ`` plus the file's public ridge λ.  The coordinator sends the count
+rounded and floored at 1, and ``γ`` plus the DP ridge λ, which each node derives from the study and
+the survivors it signed (:func:`study_ridge`; "adassp" also from the noisy λ_min sum, one more value in
+the check's own sum), never the file's: a file naming another λ is refused.  The "adaptive" ridge (the
+noisy Gram's spectrum) and a growing DP chain's (every earlier session's noise) no node can derive: not
+offered.  The coordinator sends the count
 sums it divided by with the classifier; each node forms its term with them and adds its own counts to its
 masked vector, and refuses unless the survivors' sums are exactly those relayed (the survivors learn the
 federation's counts per class).  A Gram sent by difference is the node's one ``G_k`` in every class it
@@ -66,6 +71,7 @@ if TYPE_CHECKING:
     from .classifier import Classifier
     from .study import Study
 
+EIGEN_KEY = "all|gram_min_eig"  # the "adassp" ridge's noisy λ_min upload (study.EIGEN_TENSOR in ``all``)
 RHO_PER_DIM = 16 * 2.0**-53  # ρ = 16 d u: 16 times float64's rounding bound d·u of a d-term inner product
 REQUIRE_KEY = "require-verified-classifier"
 REQUIRE_VALUES = ("when-offered", "true", "false")
@@ -108,6 +114,17 @@ def not_offered(study: Study, roster_ids: Collection[str]) -> str | None:
         return (
             "two-round studies are not checked (round 2 runs only under a coordinator the nodes declared "
             "honest-but-curious, and its right-hand side, pseudo-label sums over thresholds, is not modelled)"
+        )
+    if study.dp is not None and study.dp.ridge not in ("bound", "adassp"):
+        return (
+            f"the DP ridge {study.dp.ridge!r} is sized from the noisy Gram's smallest eigenvalue, which no "
+            "node holds: no node can derive it, so a coordinator could choose it (--dp-ridge bound or adassp "
+            "are derived from public facts and checked)"
+        )
+    if study.dp is not None and study.extends:
+        return (
+            "growing DP studies are not checked (the chain's ridge is sized from every earlier session's "
+            "noise, which a node that was not in that session cannot derive)"
         )
     if study.extends and (study.method.balance != "global" or study.method.rounds != 1):
         # Covered: a growing study's sums are its chain's runs' uploads summed, and each node keeps
@@ -227,12 +244,20 @@ def _gram_times(packed: np.ndarray, x: np.ndarray, block: int = 128) -> np.ndarr
 
 def node_terms(
     inputs: Mapping[str, np.ndarray], weights: np.ndarray, *, gram: str, form: str = "client",
-    counts: Mapping[str, float] | None = None,
+    counts: Mapping[str, float] | None = None, eigen: bool = False,
 ) -> np.ndarray:  # fmt: skip
     """:func:`_node_terms` on one BLAS thread: its d×C products and dots gain nothing from more,
-    whose workers would only spin beside the node's other work."""
+    whose workers would only spin beside the node's other work.  ``eigen`` (the ``"adassp"`` DP
+    ridge): one more value at the end, this node's noisy λ_min upload, whose sum sizes the ridge."""
     with threadpool_limits(1, user_api="blas"):
-        return _node_terms(inputs, weights, gram=gram, form=form, counts=counts)
+        terms = _node_terms(inputs, weights, gram=gram, form=form, counts=counts)
+    if not eigen:
+        return terms
+    if EIGEN_KEY not in inputs:
+        raise UnverifiedClassifierError(
+            f"this node kept no {EIGEN_KEY} upload, which the adassp ridge is sized from"
+        )
+    return np.concatenate([terms, np.asarray(inputs[EIGEN_KEY], dtype=np.float64).ravel()[:1]])
 
 
 def _node_terms(
@@ -347,7 +372,7 @@ def keep_inputs(label: str, saved: Mapping[str, Any], state: Any, keep_dir: Path
     A study whose sums a later study may extend (global balance, one round): also its uploads as
     the masking encoded them, in ``keep_dir`` on this node's host (:func:`_keep_run`), for the
     checks of the chain's later runs, whose sums contain them (this run's state is forgotten)."""
-    from .study import Study, has_row_map
+    from .study import Study
     from .sums import is_additive
 
     if label != "1":
@@ -372,7 +397,7 @@ def keep_inputs(label: str, saved: Mapping[str, Any], state: Any, keep_dir: Path
          "key": secret.key, "commitment": str(saved["verify-commit"]),
          "gamma": study.method.gamma, "form": rhs_form(study),
          "gram": "global" if study.dp is not None else study.method.gram, "kept": True, **chain,
-         **({"study": str(saved["study"])} if has_row_map(study) else {})},
+         **({"study": str(saved["study"])} if study.dp is not None else {})},
     )  # fmt: skip
 
 
@@ -677,11 +702,13 @@ def _begin_check(
     seed = pv.transcript(hashlib.sha256(payload).digest(), commitments)
     form = str(record.get("form", "client"))
     counts = _relayed_counts(meta, form, classifier.weights.shape[1])
-    gamma = _solve_gamma(float(record["gamma"]), classifier)
+    ridge = study_ridge(record, classifier, len(survivors))
+    gamma = _solve_gamma(float(record["gamma"]), classifier, ridge)
     weights = solved_weights(classifier, record)  # W, or W_K once W = M W_K is checked
     terms = node_terms(
-        check_inputs(state, record, classifier), weights, gram=str(record["gram"]), form=form, counts=counts
-    )
+        check_inputs(state, record, classifier), weights, gram=str(record["gram"]), form=form, counts=counts,
+        eigen=ridge is not None and ridge["kind"] == "adassp",
+    )  # fmt: skip
     words = pv.mask(terms, client_id, _secret(record), commitments, seed)
     signer, identity = identity_of()
     if signer != client_id:
@@ -694,6 +721,7 @@ def _begin_check(
         STATE_LABEL,
         {**rest, "status": "masked", "classifier": payload, "held": hold, "seed": seed,
          "masked": masked.to_bytes(), "solve_gamma": gamma, "counts": json.dumps(counts),
+         "ridge": json.dumps(ridge),
          "commitments": json.dumps({c: x.to_text() for c, x in commitments.items()})},
     )  # fmt: skip
     return Held(hold, {"verify-masked": True}, payload=masked.to_bytes())
@@ -794,10 +822,15 @@ def answer_check(
     masked = pv.unpack_relay(ids, envelope.payload, len(own.data) // pv.WORD_BYTES)
     counts = json.loads(str(record.get("counts", "{}")))
     # The scale and the counts correctly rounded: the counts are compared for equality.
-    sums = pv.unmask_sum(masked, commitments, keys, seed, own, exact=1 + len(counts))
+    ridge = json.loads(str(record.get("ridge", "null")))
+    eigen = ridge is not None and ridge["kind"] == "adassp"
+    sums = pv.unmask_sum(masked, commitments, keys, seed, own, exact=1 + len(counts) + eigen)
+    gamma = float(record["solve_gamma"])
+    if eigen:  # the adassp ridge from the survivors' noisy λ_min sum, as the solve sized it
+        sums, gamma = sums[:-1], gamma + _checked_ridge(ridge, classifier, eigen_sum=float(sums[-1]))
     # W_K was checked against the file's W on delivery (the held bytes are this node's own state).
-    solved = _statistics_weights(classifier) if "study" in record else classifier.weights
-    ok, ratios = decide(sums, solved, float(record["solve_gamma"]), counts)
+    solved = _statistics_weights(classifier) if _maps_rows(record) else classifier.weights
+    ok, ratios = decide(sums, solved, gamma, counts)
     if not ok:
         bad = [c for c, r in enumerate(ratios) if not r <= 1.0]
         raise ClassifierCheckFailedError(
@@ -835,24 +868,81 @@ def _relayed_counts(meta: Mapping[str, Any], form: str, n_classes: int) -> dict[
         ) from None
 
 
-def _solve_gamma(gamma: float, classifier: Classifier) -> float:
-    """γ, plus under DP the public ridge λ of the file's privacy record; a solve whose noisy Gram
-    had its eigenvalues floored is no ridge solve of the sums and cannot be checked."""
+def study_ridge(record: Mapping[str, Any], classifier: Classifier, survivors: int) -> dict[str, Any] | None:
+    """Under DP, what sizes the solve's extra ridge λ, derived by this node from the study it pinned
+    and the survivors it signed (never the file's λ, which would be the coordinator's choice): the
+    ridge kind, the Gram's noise std at ``survivors``, the statistics' dimension, β, and for
+    ``"adassp"`` the λ_min release's noise std (its noisy sum comes from the check's own sum).
+    None without DP."""
+    if "study" not in record:
+        return None
+    from secure_afl.analytic import ALL_GROUP
+
+    from .study import Study, noise_plan, statistics_dim
+
+    study = Study.from_json(str(record["study"]))
+    assert study.dp is not None
+    plan = noise_plan(study, len(study.dp.class_lists))
+    eigen = plan.blocks.get((ALL_GROUP, "eigen"))
+    ridge = {
+        "kind": study.dp.ridge,
+        "gram_std": plan.blocks[(ALL_GROUP, "gram")].group_std(survivors),
+        "eigen_std": None if eigen is None else eigen.group_std(survivors),
+        "dim": statistics_dim(study),
+        "beta": plan.config.ridge_failure_probability,
+    }
+    if ridge["kind"] not in ("bound", "adassp"):  # not_offered refused it before the commitment
+        raise UnverifiedClassifierError(f"the DP ridge {ridge['kind']!r} cannot be derived by a node")
+    return ridge
+
+
+def _checked_ridge(ridge: Mapping[str, Any], classifier: Classifier, eigen_sum: float | None = None) -> float:
+    """λ as this node derives it (:func:`secure_afl.privacy.dp_solve.derived_ridge`), after checking
+    that the file's privacy record names that λ (to rounding: another libm may differ in an ulp)."""
+    from secure_afl.privacy.dp_solve import derived_ridge
+
+    derived = derived_ridge(
+        str(ridge["kind"]), float(ridge["gram_std"]), int(ridge["dim"]), float(ridge["beta"]),
+        eigen_sum=eigen_sum, eigen_std=ridge.get("eigen_std"),
+    )  # fmt: skip
+    assert derived is not None
+    try:
+        stated = float((classifier.privacy or {})["ridge"])
+    except (KeyError, TypeError, ValueError):
+        raise UnverifiedClassifierError("the DP classifier's privacy record names no ridge") from None
+    if not abs(stated - derived) <= 1e-12 * max(abs(derived), 1.0):
+        raise ClassifierCheckFailedError(
+            f"the classifier's DP ridge λ = {stated!r} is not the study's, {derived!r} (sized from the noise "
+            "at the session's survivors): the coordinator chose another ridge; it is not stored as verified"
+        )
+    return derived
+
+
+def _solve_gamma(gamma: float, classifier: Classifier, ridge: Mapping[str, Any] | None) -> float:
+    """γ, plus under DP the ridge λ this node derives (:func:`study_ridge`; ``"adassp"``'s is added
+    once the check's sum gives the noisy λ_min sum); a solve whose noisy Gram had its eigenvalues
+    floored is no ridge solve of the sums and cannot be checked."""
     privacy = classifier.privacy
-    if privacy is None:
+    if ridge is None:
+        if privacy is not None:
+            raise ClassifierCheckFailedError("a classifier with a DP record for a study without DP")
         return gamma
+    if privacy is None:
+        raise ClassifierCheckFailedError("the classifier of a DP study has no privacy record")
     if privacy.get("eigenvalue_floor"):
         raise UnverifiedClassifierError(
             "the DP solve floored the noisy Gram's eigenvalues (its ridge bound failed): the classifier is "
             "not the ridge solve of the sums, so it cannot be checked; run the session again"
         )
-    try:
-        ridge = float(privacy["ridge"])
-    except (KeyError, TypeError, ValueError):
-        raise UnverifiedClassifierError("the DP classifier's privacy record names no ridge") from None
-    if not np.isfinite(ridge) or ridge < 0:
-        raise ClassifierCheckFailedError(f"the DP classifier's ridge {ridge!r} is not a non-negative number")
-    return gamma + ridge
+    if ridge["kind"] == "adassp":
+        return gamma
+    return gamma + _checked_ridge(ridge, classifier)
+
+
+def _maps_rows(record: Mapping[str, Any]) -> bool:
+    from .study import Study, has_row_map
+
+    return "study" in record and has_row_map(Study.from_json(str(record["study"])))
 
 
 def _store(out_dir: Path, payload: bytes, held: bool, log: Callable[[str], None]) -> list[Path]:

@@ -163,6 +163,36 @@ def tail_multiple(failure_probability: float) -> float:
     return math.sqrt(2.0 * math.log(1.0 / failure_probability))
 
 
+def adassp_lower(eigen_sum: float, eigen_std: float, failure_probability: float) -> float:
+    """λ̃_min of the ``"adassp"`` ridge: the noisy sum ``S + Z`` of the clients' λ_min(G_k) less
+    ``√(2 ln(1/β))`` of its noise std, floored at 0 (module docstring)."""
+    return max(0.0, eigen_sum - eigen_std * tail_multiple(failure_probability))
+
+
+def derived_ridge(
+    kind: str,
+    gram_std: float,
+    dim: int,
+    failure_probability: float,
+    *,
+    eigen_sum: float | None = None,
+    eigen_std: float | None = None,
+) -> float | None:
+    """The ridge λ of a ``kind`` a party can size from public facts alone: ``"bound"`` from the
+    Gram's noise std (``gram_std``, at its survivors) and the statistics' dimension; ``"adassp"``
+    also from the noisy λ_min sum ``eigen_sum`` and its std.  None for ``"adaptive"``, which needs
+    the noisy Gram's smallest eigenvalue (only the party holding the Gram can size it).  The solve
+    (:func:`fit_private`) and the nodes' classifier check (deploy/verify.py) both size it here."""
+    bound = ridge_for_noise(gram_std, dim, failure_probability)
+    if kind == "bound":
+        return bound
+    if kind == "adassp":
+        if eigen_sum is None or eigen_std is None:
+            raise StatisticsError("the adassp ridge needs the noisy λ_min sum and its noise std")
+        return max(0.0, bound - adassp_lower(eigen_sum, eigen_std, failure_probability))
+    return None
+
+
 def min_eigenvalue_bound(
     sums: GroupSums,
     plan: NoisePlan,
@@ -186,7 +216,7 @@ def min_eigenvalue_bound(
                 f"ridge 'adassp' needs the sum of every client's {EIGEN_TENSOR} in the 'all' group"
             ) from None
         std = plan.blocks[(ALL_GROUP, "eigen")].group_std(survivors) if eigen_std is None else eigen_std
-        return max(0.0, noisy - std * tail_multiple(beta))
+        return adassp_lower(noisy, std, beta)
     values = np.linalg.eigvalsh((gram + gram.T) / 2)
     return max(0.0, float(values[0]) - bound)
 
@@ -214,7 +244,8 @@ def fit_private(
     block = plan.blocks[(ALL_GROUP, "gram")]
     std = block.group_std(gram_survivors) if chain is None else chain.gram_std
     dim = converted[ALL_GROUP]["gram"].shape[0]
-    bound = ridge_for_noise(std, dim, plan.config.ridge_failure_probability)
+    beta = plan.config.ridge_failure_probability
+    bound = ridge_for_noise(std, dim, beta)
     kind = plan.config.ridge
     lower = None
     ridge = bound
@@ -227,7 +258,7 @@ def fit_private(
             gram_survivors,
             eigen_std=None if chain is None else chain.eigen_std,
         )
-        ridge = max(0.0, bound - lower)
+        ridge = max(0.0, bound - lower)  # = derived_ridge's for "adassp" (the same λ̃_min)
     model = AnalyticClassifier(n_classes, gamma=gamma + ridge, balance="global", gram="global")
     floored = False
     try:

@@ -355,6 +355,12 @@ def classifier_check(config: SimConfig) -> dict[str, object]:
         reason = "not offered under CKKS (its sums carry the scheme's noise, beyond the check's tolerance)"
     elif protection == "none":
         reason = "not offered without secure aggregation (--protection none; a deployment masks or encrypts)"
+    elif config.dp is not None and config.dp.ridge not in ("bound", "adassp"):
+        reason = (
+            f"not offered with the {config.dp.ridge} DP ridge (sized from the noisy Gram's smallest "
+            "eigenvalue, which no hospital holds, so no hospital can derive it; --dp-ridge bound or adassp "
+            "are checked)"
+        )
     if reason is not None:
         return {"offered": False, "reason": reason, "measured": None, "line": f"{head}: {reason}."}
     dim = min(CHECK_RUNS, key=lambda d: (abs(d - config.dim), d))

@@ -96,9 +96,8 @@ def _errors(server: FederationServer) -> dict[str, set[str]]:
     return out
 
 
-@pytest.mark.parametrize("dp", [False, True], ids=["global", "dp"])
-def test_every_run_of_a_growing_chain_is_verified_by_every_survivor(tmp_path: Path, dp: bool) -> None:
-    federation, full = _federation(tmp_path, dp)
+def test_every_run_of_a_growing_chain_is_verified_by_every_survivor(tmp_path: Path) -> None:
+    federation, full = _federation(tmp_path)
     grown = dataclasses.replace(federation.study, extends="0" * 64)
     assert not_offered(grown, [n.client_id for n in federation.nodes.values()]) is None
     servers = _chain(federation, full, 3)
@@ -199,3 +198,18 @@ def test_a_chain_record_that_omits_a_run_leaves_the_classifier_unverified(
     words = {"run 1": "keeps no values of that run", "run 2": "does not match this node's run"}
     said = words.get(omitted, "differs from the one this node checked")
     assert all(said in r["message"] for r in third.report.refusals), third.report.refusals
+
+
+def test_a_growing_dp_chain_is_stored_unverified_and_says_why(tmp_path: Path) -> None:
+    """A growing DP study's ridge is sized from every earlier session's noise, which a node that was not
+    in that session cannot derive: no node commits to a check, the later run's classifier is stored
+    unverified (its first run, one DP session, is verified)."""
+    federation, full = _federation(tmp_path, dp=True)
+    servers = _chain(federation, full, 2)
+    everyone = tuple(sorted(n.client_id for n in federation.nodes.values()))
+    assert servers[0].report.verified == everyone
+    assert servers[1].report.verified == () and servers[1].report.acknowledged == everyone
+    assert "growing DP studies are not checked" in str(not_offered(servers[1].study, everyone))
+    for node in federation.nodes.values():
+        said = verification_status(node.settings.out_dir / "classifier.json")
+        assert said.startswith("classifier check: NOT verified"), said

@@ -142,6 +142,13 @@ def test_the_studies_not_covered_say_why(tmp_path: Path) -> None:
     # a growing chain is covered (test_classifier_check_growing.py)
     growing = dataclasses.replace(study, method=Method(balance="global"), extends="0" * 64)
     assert not_offered(growing, ids) is None
+    # a DP ridge no node can derive (the adaptive one: from the noisy Gram's spectrum), and a growing
+    # DP chain (its ridge from every earlier session's noise): a coordinator's choice, not checked
+    adaptive = dataclasses.replace(projected, ridge="adaptive")
+    why = not_offered(dataclasses.replace(study, method=Method(balance="global"), dp=adaptive), ids)
+    assert "'adaptive' is sized from the noisy Gram's smallest eigenvalue" in str(why)
+    why = not_offered(dataclasses.replace(growing, dp=projected), ids)
+    assert "growing DP studies are not checked" in str(why)
 
 
 @pytest.mark.parametrize("dim", [1, 127, 128, 129, 300])
@@ -202,3 +209,80 @@ def test_a_node_commits_to_the_mask_key_of_its_sessions_seed(tmp_path: Path) -> 
             assert own.key == VerifySecret(bytes(record["key"])).public_key()
             keys.append(own.key)
     assert len(set(keys)) == len(keys)
+
+
+def _dp_ridge_federation(tmp_path: Path, ridge: str) -> Federation:
+    federation = _federation(tmp_path, "dp-split")
+    dp = dataclasses.replace(federation.study.dp, ridge=ridge)
+    federation.study = dataclasses.replace(federation.study, dp=dp)
+    return federation
+
+
+@pytest.mark.parametrize("ridge", ["bound", "adassp"])
+def test_a_dp_ridge_the_coordinator_chose_is_refused_by_every_node(
+    tmp_path: Path, ridge: str, monkeypatch
+) -> None:
+    """Under DP the solve adds a ridge λ sized from public facts (the noise at the survivors; for
+    adassp also the noisy λ_min sum, which the check's own sum gives): each node derives it and
+    never takes the file's.  A coordinator that solves with four times λ and records that λ (W is
+    then exactly the ridge solve with it) is refused by every node; an honest one is verified."""
+    from secure_afl.analytic import AnalyticClassifier
+    from secure_afl.deploy.solve import StudySolver
+
+    honest = _dp_ridge_federation(tmp_path / "honest", ridge)
+    assert not_offered(honest.study, [n.client_id for n in honest.nodes.values()]) is None
+    server, classifier, _ = run_server(honest)
+    assert (
+        server.report.verified == tuple(classifier.sessions[0]["survivors"]) and server.report.refusals == []
+    )
+    assert classifier.privacy["ridge_kind"] == ridge and classifier.privacy["ridge"] > 0
+
+    fit = StudySolver.fit
+
+    def chosen_ridge(self, sums, gram_survivors=0):
+        fit(self, sums, gram_survivors)
+        lam = 4 * self.solved.ridge  # the coordinator's choice, stated in the file and solved with
+        self.solved = dataclasses.replace(self.solved, ridge=lam)
+        method = self.study.method
+        return AnalyticClassifier(
+            self.study.n_classes, gamma=method.gamma + lam, balance="global", gram="global"
+        ).fit(self.round1)
+
+    monkeypatch.setattr(StudySolver, "fit", chosen_ridge)  # the coordinator's solve only
+    federation = _dp_ridge_federation(tmp_path / "chosen", ridge)
+    server, data = _run(federation, change=None)
+    assert json.loads(data)["differential_privacy"]["ridge"] == pytest.approx(
+        4 * classifier.privacy["ridge"], rel=0.5
+    )
+    nodes = {n.client_id for n in federation.nodes.values()}
+    _refused_by_all(server, federation, nodes, "ClassifierCheckFailedError")
+    assert all(
+        "DP ridge" in r["message"] and "not the study's" in r["message"] for r in server.report.refusals
+    )
+
+
+def test_a_dp_record_on_a_study_without_dp_is_refused_by_every_node(tmp_path: Path, monkeypatch) -> None:
+    """A privacy record the coordinator adds to a study without DP (a real one, from a DP study)
+    would bring its ridge into the check: a W solved with γ + that ridge is refused by every node."""
+    from secure_afl.analytic import AnalyticClassifier
+    from secure_afl.deploy.solve import StudySolver
+
+    _, dp_classifier, _ = run_server(_dp_ridge_federation(tmp_path / "dp", "bound"))
+    record = dict(dp_classifier.privacy)
+
+    def ridged(self, sums, gram_survivors=0):
+        method = self.study.method
+        return AnalyticClassifier(
+            self.study.n_classes,
+            gamma=method.gamma + record["ridge"],
+            balance=method.balance,
+            gram=method.gram,
+        ).fit(sums)
+
+    monkeypatch.setattr(StudySolver, "fit", ridged)  # the coordinator's solve only
+    monkeypatch.setattr(StudySolver, "privacy_record", lambda self, model=None: record)
+    federation = make_federation(tmp_path / "plain", n_clients=4)
+    server, _ = _run(federation)
+    nodes = {n.client_id for n in federation.nodes.values()}
+    _refused_by_all(server, federation, nodes, "ClassifierCheckFailedError")
+    assert all("a DP record for a study without DP" in r["message"] for r in server.report.refusals)
