@@ -61,6 +61,7 @@ from secure_afl.keys.roster import Roster
 
 from .errors import (
     ClassifierFileError,
+    ClassifierNotOfStudyError,
     ClassifierSignatureError,
     ClassifierTamperedError,
     ConfigurationError,
@@ -207,6 +208,37 @@ class Classifier:
     decision_threshold: float = 0.5
     privacy: Mapping[str, Any] | None = None  # secure_afl.privacy.dp_solve.privacy_record, under DP
     signer: str | None = field(default=None, compare=False)  # who signed the file it was read from
+
+    def check_study_fields(self, expected: Mapping[str, Any], source: str = "the classifier") -> None:
+        """Refuse a file whose study-decided fields are not ``expected``
+        (:func:`~secure_afl.deploy.study.classifier_fields` of the study this node took part in):
+        its classes, dimension, backbone, method, decision threshold, the study's protocol
+        parameters, the plan-decided part of its DP record and its study digest."""
+        privacy = expected.get("privacy")
+        mine = self.privacy
+        stated = {
+            "study_digest": self.study_digest,
+            "classes": list(self.classes),
+            "dim": int(self.weights.shape[0]),
+            "backbone": dict(self.backbone),
+            "method": dict(self.method),
+            "decision_threshold": self.decision_threshold,
+            "protocol": {k: self.protocol.get(k) for k in expected["protocol"]},
+            "privacy": None if mine is None or privacy is None else {k: mine.get(k) for k in privacy},
+        }
+        if privacy is None and mine is not None:
+            stated["privacy"] = "a DP record"
+
+        def normal(value: Any) -> str:  # JSON's view: a tuple and a list, 1 and 1.0 read alike
+            return json.dumps(value, sort_keys=True, default=str)
+
+        differ = [key for key in expected if normal(stated[key]) != normal(expected[key])]
+        if differ:
+            raise ClassifierNotOfStudyError(
+                f"{source} states {', '.join(differ)} other than the study this institution took part in "
+                f"(study {expected['study_digest'][:16]}...): the coordinator changed what the study decides "
+                "(relabelled classes, another threshold, backbone or DP record); it is not stored"
+            )
 
     def privacy_lines(self) -> list[str]:
         """What ``predict`` prints about the release's differential privacy (nothing without DP)."""

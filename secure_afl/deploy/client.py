@@ -58,6 +58,7 @@ from .errors import (
 from .study import (
     PROTECTIONS,
     Study,
+    classifier_fields,
     recipe,
     round1_plan,
     round2_layout,
@@ -998,7 +999,7 @@ def _continue_session(envelope: Envelope, label: str, state: LocalState, setting
         # The values uploaded, for the classifier check (verify.py); those a growing study may add to
         # its sums also in the ledger dir, which outlives the run (the node's own values only, 0600).
         keep_inputs(label, saved, state, settings.ledger_dir / KEPT_DIR)
-        state.save(label, {"status": "done", "client_id": client_id, "session_id": saved["session_id"]})
+        state.save(label, _done(saved))
     else:
         # ``finished``: the session needs nothing more of this client for sure (CKKS after R2); its
         # secrets are kept only for a replacement decryption, and dropped when the session is over.
@@ -1122,10 +1123,19 @@ def _settle_earlier_sessions(label: str, state: LocalState) -> None:
         _settle(earlier, state)
 
 
+def _done(saved: Mapping[str, Any]) -> dict[str, Any]:
+    """A session's record once it is over: its ids, and its study (the classifier's delivery checks
+    the file states what that study decides, :func:`_store_classifier`); no secret."""
+    return {
+        "status": "done", "client_id": saved["client_id"], "session_id": saved["session_id"],
+        "study": saved["study"],
+    }  # fmt: skip
+
+
 def _settle(label: str, state: LocalState) -> dict[str, Any] | None:
     saved = state.load(label)
     if saved is not None and saved.get("status") == "active" and saved.get("finished"):
-        saved = {"status": "done", "client_id": saved["client_id"], "session_id": saved["session_id"]}
+        saved = _done(saved)
         state.save(label, saved)
     return saved
 
@@ -1154,6 +1164,14 @@ def _store_classifier(envelope: Envelope, state: LocalState, settings: NodeSetti
                 f"institution took part in {saved['session_id'][:16]}..."
             )
         mine[session["label"]] = saved["client_id"]
+        if "study" not in saved:
+            raise SessionReplayError(
+                f"this institution's record of session {session['label']} holds no study (written by an "
+                "earlier release): run the session again"
+            )
+        # Its classes, threshold, backbone, method and DP record are the study's, not the coordinator's.
+        study = Study.from_json(str(saved["study"]))
+        classifier.check_study_fields(classifier_fields(study, len(roster)), "the server's classifier")
     identity = loaded_once(lambda: node_identity(settings, roster))  # the passphrase only when needed
 
     def signed_survivors(session_id: str) -> tuple[str, ...] | None:

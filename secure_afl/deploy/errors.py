@@ -80,6 +80,11 @@ class ClassifierSignatureError(ClassifierFileError):
     """A classifier file signed by someone other than the roster's coordinator, or not verifying."""
 
 
+class ClassifierNotOfStudyError(ClassifierFileError):
+    """A signed classifier file whose study-decided fields (classes, threshold, backbone, method, DP
+    settings, study digest) are not those of the study the node took part in."""
+
+
 class LocalDeploymentError(DeploymentError):
     """``deploy local``: a child process failed to start or exited early (its log is named)."""
 

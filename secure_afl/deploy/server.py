@@ -43,6 +43,7 @@ from .solve import StudySolver
 from .study import (
     Study,
     class_group,
+    classifier_fields,
     noise_plan,
     pseudo_members,
     round1_plan,
@@ -50,6 +51,7 @@ from .study import (
     round2_layout,
     round2_min_group_size,
     session_context,
+    study_protocol,
     study_session_id,
 )
 from .sums import AccumulatedSums, chain_entry, is_additive
@@ -641,21 +643,11 @@ class FederationServer:
         return self._backend_protocol()
 
     def _backend_protocol(self) -> dict[str, Any]:
+        protocol = study_protocol(self.study, len(self.roster))
         if self.study.protection == "mask":
-            return {
-                "backend": self.backend.name,
-                "threshold": self.study.threshold_for(len(self.roster)),
-                "min_group_size": self.study.min_group_size,
-                "frac_bits": self.study.frac_bits,
-            }
-        parameters = self.study.ckks_parameters()
+            return protocol
         return {
-            "backend": self.backend.name,
-            "min_group_size": self.study.min_group_size,
-            "poly_modulus_degree": parameters.poly_modulus_degree,
-            "coeff_mod_bit_sizes": list(parameters.coeff_mod_bit_sizes),
-            "scale_bits": parameters.scale_bits,
-            "output_frac_bits": parameters.output_frac_bits,
+            **protocol,
             "key_holders": {s.label: s.key_holder for s in self.report.sessions},
             "trust_model": self.backend.trust_model,
         }
@@ -677,11 +669,13 @@ class FederationServer:
                 '"honest-but-curious"): an active coordinator could choose a teacher that reveals one '
                 "hospital's values exactly (SECURITY.md §3.6)"
             )
+        fields = classifier_fields(self.study, len(self.roster))  # what the study decides
         return Classifier(
             weights=np.array(coef, dtype=np.float64),
-            classes=self.study.classes,
-            backbone=dict(self.study.backbone),
-            method={**self.study.method.__dict__},
+            classes=tuple(fields["classes"]),
+            backbone=fields["backbone"],
+            method=fields["method"],
+            decision_threshold=fields["decision_threshold"],
             protocol=self._protocol(),
             sessions=tuple(
                 {
@@ -700,7 +694,7 @@ class FederationServer:
                 "rejections": self.report.rejections,
                 "dropouts": self.report.dropouts,
             },
-            study_digest=self.study.digest(),
+            study_digest=fields["study_digest"],
             created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             privacy=self.privacy,
         )

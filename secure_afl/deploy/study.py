@@ -507,6 +507,53 @@ def noise_plan(study: Study, roster_size: int) -> NoisePlan:
         raise ConfigurationError(str(exc)) from None
 
 
+DECISION_THRESHOLD = 0.5  # every study's classifier: positive when σ(h · w_c) > 0.5 (classifier.py)
+
+
+def study_protocol(study: Study, roster_size: int) -> dict[str, Any]:
+    """The protocol parameters a study's classifier file records that the study decides (the server
+    adds what a session decided: CKKS's key holders, a growing chain)."""
+    if study.protection == "mask":
+        return {
+            "backend": study.protection,
+            "threshold": study.threshold_for(roster_size),
+            "min_group_size": study.min_group_size,
+            "frac_bits": study.frac_bits,
+        }
+    parameters = study.ckks_parameters()
+    return {
+        "backend": study.protection,
+        "min_group_size": study.min_group_size,
+        "poly_modulus_degree": parameters.poly_modulus_degree,
+        "coeff_mod_bit_sizes": list(parameters.coeff_mod_bit_sizes),
+        "scale_bits": parameters.scale_bits,
+        "output_frac_bits": parameters.output_frac_bits,
+    }
+
+
+def classifier_fields(study: Study, roster_size: int) -> dict[str, Any]:
+    """Every field of a study's classifier file that the study decides, not the sums: the server
+    writes them (server.py) and every node checks the file it receives states them
+    (:meth:`~secure_afl.deploy.classifier.Classifier.check_study_fields`), so a coordinator cannot
+    relabel the classes, move the decision threshold, name another backbone or misstate the DP
+    settings and ε of a file the classifier check verified."""
+    fields: dict[str, Any] = {
+        "study_digest": study.digest(),
+        "classes": list(study.classes),
+        "dim": study.dim,
+        "backbone": dict(study.backbone),
+        "method": {**study.method.__dict__},
+        "decision_threshold": DECISION_THRESHOLD,
+        "protocol": study_protocol(study, roster_size),
+        "privacy": None,
+    }
+    if study.dp is not None:
+        from secure_afl.privacy.dp_solve import plan_record
+
+        fields["privacy"] = plan_record(noise_plan(study, len(study.dp.class_lists)), feature_dim=study.dim)
+    return fields
+
+
 def recipe(study: Study, roster_size: int, label: str) -> Recipe:
     """What session ``label`` of ``study`` asks of a node's upload (:mod:`secure_afl.stages`), from
     the study alone: its method, round 2's pseudo-label rule, and under DP the noise plan and the

@@ -922,13 +922,10 @@ def _solve_gamma(gamma: float, classifier: Classifier, ridge: Mapping[str, Any] 
     """γ, plus under DP the ridge λ this node derives (:func:`study_ridge`; ``"adassp"``'s is added
     once the check's sum gives the noisy λ_min sum); a solve whose noisy Gram had its eigenvalues
     floored is no ridge solve of the sums and cannot be checked."""
+    # Whether the file has a DP record is the study's (checked on delivery: classifier_fields).
     privacy = classifier.privacy
-    if ridge is None:
-        if privacy is not None:
-            raise ClassifierCheckFailedError("a classifier with a DP record for a study without DP")
+    if ridge is None or privacy is None:
         return gamma
-    if privacy is None:
-        raise ClassifierCheckFailedError("the classifier of a DP study has no privacy record")
     if privacy.get("eigenvalue_floor"):
         raise UnverifiedClassifierError(
             "the DP solve floored the noisy Gram's eigenvalues (its ridge bound failed): the classifier is "

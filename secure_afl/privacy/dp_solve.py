@@ -332,22 +332,10 @@ def pseudo_count_noise_std(plan: NoisePlan, survivors: Mapping[str, int]) -> dic
     return out
 
 
-def privacy_record(
-    plan: NoisePlan,
-    solve: PrivateSolve,
-    solve2: PrivateSolve | None,
-    *,
-    feature_dim: int | None = None,
-    chain: ChainNoise | None = None,
-) -> dict[str, object]:
-    """What every party may know about the DP of a release: the settings, ε spent per institution,
-    the noise per block, the solve (nothing computed from one institution's data alone).
-
-    ``feature_dim``: the features' dimension d, for the projection's record (under ``--dp-dim``).
-    ``chain``: a growing study's DP sessions (this one last): the record's ``growth`` part holds
-    every session's ε per institution and the chain's (:meth:`ChainNoise.record`);
-    ``epsilon_spent`` and ``blocks`` stay this session's.
-    """
+def plan_record(plan: NoisePlan, *, feature_dim: int | None = None) -> dict[str, object]:
+    """The part of a release's privacy record that the noise plan alone decides (the settings, ε spent
+    per institution, the noise per block, the ridge's kind): what every party derives from the study,
+    so a node can check that a classifier file states it (deploy/classifier.py), not the solve."""
     cfg = plan.config
     projection = None
     if cfg.projection_dim is not None:
@@ -389,9 +377,30 @@ def privacy_record(
         "epsilon_spent": plan.epsilons(),
         "mechanism": cfg.mechanism,
         "projection": projection,
-        "ridge_kind": solve.ridge_kind,
-        "eigen_share": cfg.eigen_share if solve.ridge_kind == "adassp" else None,
+        "ridge_kind": cfg.ridge,
+        "eigen_share": cfg.eigen_share if cfg.ridge == "adassp" else None,
         "blocks": blocks,
+    }
+
+
+def privacy_record(
+    plan: NoisePlan,
+    solve: PrivateSolve,
+    solve2: PrivateSolve | None,
+    *,
+    feature_dim: int | None = None,
+    chain: ChainNoise | None = None,
+) -> dict[str, object]:
+    """What every party may know about the DP of a release: the settings, ε spent per institution,
+    the noise per block, the solve (nothing computed from one institution's data alone).
+
+    ``feature_dim``: the features' dimension d, for the projection's record (under ``--dp-dim``).
+    ``chain``: a growing study's DP sessions (this one last): the record's ``growth`` part holds
+    every session's ε per institution and the chain's (:meth:`ChainNoise.record`);
+    ``epsilon_spent`` and ``blocks`` stay this session's.
+    """
+    return {
+        **plan_record(plan, feature_dim=feature_dim),
         "ridge": solve.ridge,
         "ridge_noise_bound": solve.noise_bound,
         "min_eigenvalue_lower_bound": solve.min_eigenvalue_bound,

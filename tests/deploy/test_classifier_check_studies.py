@@ -259,30 +259,3 @@ def test_a_dp_ridge_the_coordinator_chose_is_refused_by_every_node(
     assert all(
         "DP ridge" in r["message"] and "not the study's" in r["message"] for r in server.report.refusals
     )
-
-
-def test_a_dp_record_on_a_study_without_dp_is_refused_by_every_node(tmp_path: Path, monkeypatch) -> None:
-    """A privacy record the coordinator adds to a study without DP (a real one, from a DP study)
-    would bring its ridge into the check: a W solved with γ + that ridge is refused by every node."""
-    from secure_afl.analytic import AnalyticClassifier
-    from secure_afl.deploy.solve import StudySolver
-
-    _, dp_classifier, _ = run_server(_dp_ridge_federation(tmp_path / "dp", "bound"))
-    record = dict(dp_classifier.privacy)
-
-    def ridged(self, sums, gram_survivors=0):
-        method = self.study.method
-        return AnalyticClassifier(
-            self.study.n_classes,
-            gamma=method.gamma + record["ridge"],
-            balance=method.balance,
-            gram=method.gram,
-        ).fit(sums)
-
-    monkeypatch.setattr(StudySolver, "fit", ridged)  # the coordinator's solve only
-    monkeypatch.setattr(StudySolver, "privacy_record", lambda self, model=None: record)
-    federation = make_federation(tmp_path / "plain", n_clients=4)
-    server, _ = _run(federation)
-    nodes = {n.client_id for n in federation.nodes.values()}
-    _refused_by_all(server, federation, nodes, "ClassifierCheckFailedError")
-    assert all("a DP record for a study without DP" in r["message"] for r in server.report.refusals)
