@@ -32,10 +32,10 @@ does, with ``gram="class"``, a node that started labelling a class mid-chain: it
 differ).  Each class's right-hand side is the one the solve forms (:func:`rhs_parts`): client balance
 ``Σ b_k``; global balance ``pos/N⁺ − (feat − pos)/(N − N⁺)``; under DP the noisy sums over counts
 rounded and floored at 1, and ``γ`` plus the DP ridge λ, which each node derives from the study and
-the survivors it signed (:func:`study_ridge`; "adassp" also from the noisy λ_min sum, one more value in
-the check's own sum), never the file's: a file naming another λ is refused.  The "adaptive" ridge (the
-noisy Gram's spectrum) and a growing DP chain's (every earlier session's noise) no node can derive: not
-offered.  The coordinator sends the count
+the check's own sum (:func:`study_ridge`: every survivor adds its :func:`noise_share` of each run it was
+in, so the sum is the noise a growing chain's sums carry too; "adassp" also its noisy λ_min), never
+the file's: a file naming another λ is refused.  The "adaptive" ridge (the noisy Gram's spectrum) no
+node can derive: not offered.  The coordinator sends the count
 sums it divided by with the classifier; each node forms its term with them and adds its own counts to its
 masked vector, and refuses unless the survivors' sums are exactly those relayed (the survivors learn the
 federation's counts per class).  A Gram sent by difference is the node's one ``G_k`` in every class it
@@ -72,6 +72,10 @@ if TYPE_CHECKING:
     from .study import Study
 
 EIGEN_KEY = "all|gram_min_eig"  # the "adassp" ridge's noisy λ_min upload (study.EIGEN_TENSOR in ``all``)
+# Under DP, a node's share of the noise variances its runs' sums carry (the Gram's, the λ_min release's):
+# s_r²/m_r for each run r it was among the m_r survivors of, so the survivors' sum is Σ_r s_r², which
+# sizes the ridge, whatever runs each node was in (:func:`noise_share`).
+NOISE_KEYS = ("noise|gram_var", "noise|eigen_var")
 RHO_PER_DIM = 16 * 2.0**-53  # ρ = 16 d u: 16 times float64's rounding bound d·u of a d-term inner product
 REQUIRE_KEY = "require-verified-classifier"
 REQUIRE_VALUES = ("when-offered", "true", "false")
@@ -120,11 +124,6 @@ def not_offered(study: Study, roster_ids: Collection[str]) -> str | None:
             f"the DP ridge {study.dp.ridge!r} is sized from the noisy Gram's smallest eigenvalue, which no "
             "node holds: no node can derive it, so a coordinator could choose it (--dp-ridge bound or adassp "
             "are derived from public facts and checked)"
-        )
-    if study.dp is not None and study.extends:
-        return (
-            "growing DP studies are not checked (the chain's ridge is sized from every earlier session's "
-            "noise, which a node that was not in that session cannot derive)"
         )
     if study.extends and (study.method.balance != "global" or study.method.rounds != 1):
         # Covered: a growing study's sums are its chain's runs' uploads summed, and each node keeps
@@ -244,20 +243,23 @@ def _gram_times(packed: np.ndarray, x: np.ndarray, block: int = 128) -> np.ndarr
 
 def node_terms(
     inputs: Mapping[str, np.ndarray], weights: np.ndarray, *, gram: str, form: str = "client",
-    counts: Mapping[str, float] | None = None, eigen: bool = False,
+    counts: Mapping[str, float] | None = None, ridge: Mapping[str, Any] | None = None,
 ) -> np.ndarray:  # fmt: skip
     """:func:`_node_terms` on one BLAS thread: its d×C products and dots gain nothing from more,
-    whose workers would only spin beside the node's other work.  ``eigen`` (the ``"adassp"`` DP
-    ridge): one more value at the end, this node's noisy λ_min upload, whose sum sizes the ridge."""
+    whose workers would only spin beside the node's other work.  Under DP (``ridge``,
+    :func:`study_ridge`) the values the ridge is sized from follow: for ``"adassp"`` this node's
+    noisy λ_min upload, then its :data:`NOISE_KEYS` shares."""
     with threadpool_limits(1, user_api="blas"):
         terms = _node_terms(inputs, weights, gram=gram, form=form, counts=counts)
-    if not eigen:
+    if ridge is None:
         return terms
-    if EIGEN_KEY not in inputs:
+    keys = ([EIGEN_KEY] if ridge["kind"] == "adassp" else []) + list(NOISE_KEYS)
+    missing = [key for key in keys if key not in inputs]
+    if missing:
         raise UnverifiedClassifierError(
-            f"this node kept no {EIGEN_KEY} upload, which the adassp ridge is sized from"
+            f"this node holds no {', '.join(missing)} of its runs, which the DP ridge is sized from"
         )
-    return np.concatenate([terms, np.asarray(inputs[EIGEN_KEY], dtype=np.float64).ravel()[:1]])
+    return np.concatenate([terms, *(np.asarray(inputs[key], dtype=np.float64).ravel()[:1] for key in keys)])
 
 
 def _node_terms(
@@ -410,12 +412,37 @@ def check_inputs(state: Any, record: Mapping[str, Any], classifier: Classifier) 
     if kept.get("session_id") != record["session_id"] or "inputs" not in kept:
         raise UnverifiedClassifierError("this node no longer holds its session-1 values to check with")
     own = {k: np.asarray(v, dtype=np.float64) for k, v in kept["inputs"].items()}  # encoded when kept
+    if "study" in record:  # DP: this run's noise shares (the survivors: the set this node signed)
+        from .study import Study
+
+        own.update(
+            noise_share(Study.from_json(str(record["study"])), len(classifier.sessions[0]["survivors"]))
+        )
     if record.get("extends"):
         return chain_values(record, classifier, own)
     if record.get("keep_dir"):  # a run a later study may extend: the chain's first record
         first = (str(record["study_digest"]), str(record["session_id"]), _names(classifier.sessions[0]))
         _fold(Path(record["keep_dir"]), str(record["client_id"]), [first], own)
     return own
+
+
+def noise_share(study: Study, survivors: int) -> dict[str, np.ndarray]:
+    """This node's :data:`NOISE_KEYS` share of one DP run of ``study`` with ``survivors`` survivors:
+    ``s²/survivors`` for the noise std s of the run's Gram sum (and of its λ_min release, 0 without),
+    as the study's plan sizes it at those survivors (every party derives the plan alike)."""
+    from secure_afl.analytic import ALL_GROUP
+
+    from .study import noise_plan
+
+    assert study.dp is not None
+    plan = noise_plan(study, len(study.dp.class_lists))
+    eigen = plan.blocks.get((ALL_GROUP, "eigen"))
+    gram_std = plan.blocks[(ALL_GROUP, "gram")].group_std(survivors)
+    eigen_std = 0.0 if eigen is None else eigen.group_std(survivors)
+    return {
+        NOISE_KEYS[0]: np.array([gram_std**2 / survivors]),
+        NOISE_KEYS[1]: np.array([eigen_std**2 / survivors]),
+    }
 
 
 # --- a growing chain's values ----------------------------------------------------------------
@@ -498,14 +525,16 @@ def _keep_run(
     directory: Path, client_id: str, study: Study, session_id: str, values: Mapping[str, np.ndarray]
 ) -> None:
     meta = {"kind": "run", "client_id": client_id, "study": study.digest(), "extends": study.extends,
-            "session_id": session_id}  # fmt: skip
+            "session_id": session_id,
+            **({"study_json": study.to_json()} if study.dp is not None else {})}  # fmt: skip
     _write_kept(directory, f"run-{session_id}.npz", meta, values)
 
 
 def _fold(directory: Path, client_id: str, chain: list[Entry], values: Mapping[str, np.ndarray]) -> None:
     """The chain record of ``chain`` (this run last) holding ``values``; the run records it resolves
     (every run it lists) are deleted."""
-    meta = {"kind": "chain", "client_id": client_id, "chain": [[e[0], e[1], list(e[2])] for e in chain]}
+    meta = {"kind": "chain", "client_id": client_id, "chain": [[e[0], e[1], list(e[2])] for e in chain],
+            "noise": NOISE_KEYS[0] in values}  # fmt: skip
     _write_kept(directory, f"chain-{chain[-1][1]}.npz", meta, values)
     listed = {e[1] for e in chain}
     for path, run in _kept(directory, client_id, "run"):
@@ -579,6 +608,12 @@ def chain_values(
                 )
         if base[0] < len(prefix) < len(chain) and listed[: len(prefix)] == prefix:
             base = (len(prefix), path)
+    private = "study" in record  # DP: every run's noise share comes with its values
+    if private and base[1] is not None and not _read_kept(base[1], values=False)[0].get("noise"):
+        raise UnverifiedClassifierError(
+            "this node's record of the chain's earlier runs holds no DP noise shares (kept by an earlier "
+            "release): it cannot size the chain's ridge; start a new chain to get verified classifiers"
+        )
     values = {} if base[1] is None else dict(_read_kept(base[1])[1])
     runs = {str(meta.get("session_id")): (path, meta) for path, meta in _kept(directory, client_id, "run")}
     for j in range(base[0], len(chain) - 1):
@@ -602,7 +637,17 @@ def chain_values(
                 "them from this version on; a chain started before, or a lost record): it cannot form its "
                 "term; start a new chain to get verified classifiers"
             )
-        values = _added(values, _read_kept(run[0])[1])
+        more = _read_kept(run[0])[1]
+        if private:
+            if "study_json" not in run[1]:
+                raise UnverifiedClassifierError(
+                    f"this node's record of the chain's run {j + 1} holds no study (kept by an earlier "
+                    "release): it cannot size the chain's ridge; start a new chain for verified classifiers"
+                )
+            from .study import Study
+
+            more.update(noise_share(Study.from_json(str(run[1]["study_json"])), len(included)))
+        values = _added(values, more)
     values = _added(values, own)
     _fold(directory, client_id, chain, values)
     if base[1] is not None:  # superseded: one record per chain (a fork from it is then unverified)
@@ -702,12 +747,12 @@ def _begin_check(
     seed = pv.transcript(hashlib.sha256(payload).digest(), commitments)
     form = str(record.get("form", "client"))
     counts = _relayed_counts(meta, form, classifier.weights.shape[1])
-    ridge = study_ridge(record, classifier, len(survivors))
-    gamma = _solve_gamma(float(record["gamma"]), classifier, ridge)
+    ridge = study_ridge(record)
+    gamma = _solve_gamma(float(record["gamma"]), classifier)
     weights = solved_weights(classifier, record)  # W, or W_K once W = M W_K is checked
     terms = node_terms(
         check_inputs(state, record, classifier), weights, gram=str(record["gram"]), form=form, counts=counts,
-        eigen=ridge is not None and ridge["kind"] == "adassp",
+        ridge=ridge,
     )  # fmt: skip
     words = pv.mask(terms, client_id, _secret(record), commitments, seed)
     signer, identity = identity_of()
@@ -823,11 +868,12 @@ def answer_check(
     counts = json.loads(str(record.get("counts", "{}")))
     # The scale and the counts correctly rounded: the counts are compared for equality.
     ridge = json.loads(str(record.get("ridge", "null")))
-    eigen = ridge is not None and ridge["kind"] == "adassp"
-    sums = pv.unmask_sum(masked, commitments, keys, seed, own, exact=1 + len(counts) + eigen)
+    sized = 0 if ridge is None else 2 + (ridge["kind"] == "adassp")  # the values the ridge is sized from
+    sums = pv.unmask_sum(masked, commitments, keys, seed, own, exact=1 + len(counts) + sized)
     gamma = float(record["solve_gamma"])
-    if eigen:  # the adassp ridge from the survivors' noisy λ_min sum, as the solve sized it
-        sums, gamma = sums[:-1], gamma + _checked_ridge(ridge, classifier, eigen_sum=float(sums[-1]))
+    if ridge is not None:  # λ from the survivors' summed noise (and adassp's noisy λ_min), as the solve
+        sums, lam = _checked_ridge(ridge, classifier, sums)
+        gamma += lam
     # W_K was checked against the file's W on delivery (the held bytes are this node's own state).
     solved = _statistics_weights(classifier) if _maps_rows(record) else classifier.weights
     ok, ratios = decide(sums, solved, gamma, counts)
@@ -868,72 +914,67 @@ def _relayed_counts(meta: Mapping[str, Any], form: str, n_classes: int) -> dict[
         ) from None
 
 
-def study_ridge(record: Mapping[str, Any], classifier: Classifier, survivors: int) -> dict[str, Any] | None:
-    """Under DP, what sizes the solve's extra ridge λ, derived by this node from the study it pinned
-    and the survivors it signed (never the file's λ, which would be the coordinator's choice): the
-    ridge kind, the Gram's noise std at ``survivors``, the statistics' dimension, β, and for
-    ``"adassp"`` the λ_min release's noise std (its noisy sum comes from the check's own sum).
-    None without DP."""
+def study_ridge(record: Mapping[str, Any]) -> dict[str, Any] | None:
+    """Under DP, how the solve sizes its extra ridge λ, from the study this node pinned: its kind, the
+    statistics' dimension and β.  The noise it is sized from comes from the check's own sum (each
+    survivor's :func:`noise_share`; ``"adassp"``: also its noisy λ_min upload), never from the file:
+    the file's λ would be the coordinator's choice.  None without DP."""
     if "study" not in record:
         return None
-    from secure_afl.analytic import ALL_GROUP
-
     from .study import Study, noise_plan, statistics_dim
 
     study = Study.from_json(str(record["study"]))
     assert study.dp is not None
-    plan = noise_plan(study, len(study.dp.class_lists))
-    eigen = plan.blocks.get((ALL_GROUP, "eigen"))
-    ridge = {
-        "kind": study.dp.ridge,
-        "gram_std": plan.blocks[(ALL_GROUP, "gram")].group_std(survivors),
-        "eigen_std": None if eigen is None else eigen.group_std(survivors),
-        "dim": statistics_dim(study),
-        "beta": plan.config.ridge_failure_probability,
-    }
-    if ridge["kind"] not in ("bound", "adassp"):  # not_offered refused it before the commitment
-        raise UnverifiedClassifierError(f"the DP ridge {ridge['kind']!r} cannot be derived by a node")
-    return ridge
+    kind = study.dp.ridge
+    if kind not in ("bound", "adassp"):  # not_offered refused it before the commitment
+        raise UnverifiedClassifierError(f"the DP ridge {kind!r} cannot be derived by a node")
+    beta = noise_plan(study, len(study.dp.class_lists)).config.ridge_failure_probability
+    return {"kind": kind, "dim": statistics_dim(study), "beta": beta}
 
 
-def _checked_ridge(ridge: Mapping[str, Any], classifier: Classifier, eigen_sum: float | None = None) -> float:
-    """λ as this node derives it (:func:`secure_afl.privacy.dp_solve.derived_ridge`), after checking
-    that the file's privacy record names that λ (to rounding: another libm may differ in an ulp)."""
+def _checked_ridge(
+    ridge: Mapping[str, Any], classifier: Classifier, sums: np.ndarray
+) -> tuple[np.ndarray, float]:
+    """λ as this node derives it from the check's sum (:func:`secure_afl.privacy.dp_solve.derived_ridge`
+    over the summed noise variances and, for ``"adassp"``, the summed noisy λ_min), after checking
+    that the file's privacy record names that λ (to rounding: the variances are summed in another
+    order than the solve's); also ``sums`` without those values."""
     from secure_afl.privacy.dp_solve import derived_ridge
 
+    gram_var, eigen_var = float(sums[-2]), float(sums[-1])
+    sums = sums[:-2]
+    eigen_sum = None
+    if ridge["kind"] == "adassp":
+        eigen_sum, sums = float(sums[-1]), sums[:-1]
     derived = derived_ridge(
-        str(ridge["kind"]), float(ridge["gram_std"]), int(ridge["dim"]), float(ridge["beta"]),
-        eigen_sum=eigen_sum, eigen_std=ridge.get("eigen_std"),
+        str(ridge["kind"]), float(np.sqrt(max(gram_var, 0.0))), int(ridge["dim"]), float(ridge["beta"]),
+        eigen_sum=eigen_sum, eigen_std=float(np.sqrt(max(eigen_var, 0.0))),
     )  # fmt: skip
     assert derived is not None
     try:
         stated = float((classifier.privacy or {})["ridge"])
     except (KeyError, TypeError, ValueError):
         raise UnverifiedClassifierError("the DP classifier's privacy record names no ridge") from None
-    if not abs(stated - derived) <= 1e-12 * max(abs(derived), 1.0):
+    if not abs(stated - derived) <= 1e-9 * max(abs(derived), 1.0):
         raise ClassifierCheckFailedError(
             f"the classifier's DP ridge λ = {stated!r} is not the study's, {derived!r} (sized from the noise "
-            "at the session's survivors): the coordinator chose another ridge; it is not stored as verified"
+            "of the sums' runs at their survivors): the coordinator chose another ridge; it is not stored as "
+            "verified"
         )
-    return derived
+    return sums, derived
 
 
-def _solve_gamma(gamma: float, classifier: Classifier, ridge: Mapping[str, Any] | None) -> float:
-    """γ, plus under DP the ridge λ this node derives (:func:`study_ridge`; ``"adassp"``'s is added
-    once the check's sum gives the noisy λ_min sum); a solve whose noisy Gram had its eigenvalues
-    floored is no ridge solve of the sums and cannot be checked."""
+def _solve_gamma(gamma: float, classifier: Classifier) -> float:
+    """γ (under DP the ridge λ is added once the check's sum gives its noise: :func:`_checked_ridge`);
+    a DP solve whose noisy Gram had its eigenvalues floored is no ridge solve of the sums and cannot
+    be checked."""
     # Whether the file has a DP record is the study's (checked on delivery: classifier_fields).
-    privacy = classifier.privacy
-    if ridge is None or privacy is None:
-        return gamma
-    if privacy.get("eigenvalue_floor"):
+    if (classifier.privacy or {}).get("eigenvalue_floor"):
         raise UnverifiedClassifierError(
             "the DP solve floored the noisy Gram's eigenvalues (its ridge bound failed): the classifier is "
             "not the ridge solve of the sums, so it cannot be checked; run the session again"
         )
-    if ridge["kind"] == "adassp":
-        return gamma
-    return gamma + _checked_ridge(ridge, classifier)
+    return gamma
 
 
 def _maps_rows(record: Mapping[str, Any]) -> bool:

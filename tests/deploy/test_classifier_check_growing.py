@@ -96,8 +96,9 @@ def _errors(server: FederationServer) -> dict[str, set[str]]:
     return out
 
 
-def test_every_run_of_a_growing_chain_is_verified_by_every_survivor(tmp_path: Path) -> None:
-    federation, full = _federation(tmp_path)
+@pytest.mark.parametrize("dp", [False, True], ids=["global", "dp"])
+def test_every_run_of_a_growing_chain_is_verified_by_every_survivor(tmp_path: Path, dp: bool) -> None:
+    federation, full = _federation(tmp_path, dp)
     grown = dataclasses.replace(federation.study, extends="0" * 64)
     assert not_offered(grown, [n.client_id for n in federation.nodes.values()]) is None
     servers = _chain(federation, full, 3)
@@ -200,16 +201,31 @@ def test_a_chain_record_that_omits_a_run_leaves_the_classifier_unverified(
     assert all(said in r["message"] for r in third.report.refusals), third.report.refusals
 
 
-def test_a_growing_dp_chain_is_stored_unverified_and_says_why(tmp_path: Path) -> None:
-    """A growing DP study's ridge is sized from every earlier session's noise, which a node that was not
-    in that session cannot derive: no node commits to a check, the later run's classifier is stored
-    unverified (its first run, one DP session, is verified)."""
+def test_a_growing_dp_chains_ridge_the_coordinator_chose_is_refused_by_every_node(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """A growing DP chain's ridge is sized from every run's noise (√Σ_r s_r²): each node adds its share
+    s_r²/m_r of every run it was among the m_r survivors of, so the survivors' sum gives it, and no
+    node takes the file's λ.  A later run solved with half the chain's λ (and stating it) is refused
+    by every node."""
+    from secure_afl.analytic import AnalyticClassifier
+    from secure_afl.deploy.solve import StudySolver
+
     federation, full = _federation(tmp_path, dp=True)
     servers = _chain(federation, full, 2)
-    everyone = tuple(sorted(n.client_id for n in federation.nodes.values()))
-    assert servers[0].report.verified == everyone
-    assert servers[1].report.verified == () and servers[1].report.acknowledged == everyone
-    assert "growing DP studies are not checked" in str(not_offered(servers[1].study, everyone))
-    for node in federation.nodes.values():
-        said = verification_status(node.settings.out_dir / "classifier.json")
-        assert said.startswith("classifier check: NOT verified"), said
+    fit = StudySolver.fit
+
+    def halved_ridge(self, sums, gram_survivors=0):
+        fit(self, sums, gram_survivors)
+        lam = self.solved.ridge / 2  # as if the earlier runs had added no noise
+        self.solved = dataclasses.replace(self.solved, ridge=lam)
+        return AnalyticClassifier(
+            self.study.n_classes, gamma=self.study.method.gamma + lam, balance="global", gram="global"
+        ).fit(self.round1)
+
+    monkeypatch.setattr(StudySolver, "fit", halved_ridge)  # the coordinator's solve only
+    third = _next(federation, full, servers)
+    everyone = {n.client_id for n in federation.nodes.values()}
+    assert third.report.verified == () and third.report.acknowledged == ()
+    assert _errors(third) == {"ClassifierCheckFailedError": everyone}, third.report.refusals
+    assert all("DP ridge" in r["message"] for r in third.report.refusals)
