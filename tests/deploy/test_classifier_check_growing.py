@@ -158,10 +158,14 @@ def test_an_earlier_contributor_absent_from_this_session_leaves_the_classifier_u
     assert all("client-3" in r["message"] for r in second.report.refusals)
 
 
-def test_a_node_that_joins_a_later_run_verifies_it_with_its_values_alone(tmp_path: Path) -> None:
+@pytest.mark.parametrize("dp", [False, True], ids=["global", "dp"])
+def test_a_node_that_joins_a_later_run_verifies_it_with_its_values_alone(tmp_path: Path, dp: bool) -> None:
     """client-3 is gone after R0 of run 1 (not a survivor: nothing of it in the sums), then takes
-    part in run 2: its term is its run-2 values alone, the others' both runs', and all verify."""
-    federation, full = _federation(tmp_path, active={f"client-{k}": (0, 1, 2) for k in range(4)})
+    part in run 2: its term is its run-2 values alone, the others' both runs', and all verify.  Under
+    DP the ridge is sized from both runs' noise (run 1's at its three survivors), which client-3's
+    shares cover only for run 2: the sum still gives it."""
+    active = {f"client-{k}": (0, 1, 2) for k in range(4)}
+    federation, full = _federation(tmp_path, dp=dp, active=active)
     _arrive(federation, full, ARRIVALS[0])
     federation.nodes[1003].dead_from = "s1-R1"
     first = _run(federation, federation.study)
@@ -169,6 +173,9 @@ def test_a_node_that_joins_a_later_run_verifies_it_with_its_values_alone(tmp_pat
     second = _next(federation, full, [first])
     assert second.report.refusals == [], second.report.refusals
     assert second.report.verified == ("client-0", "client-1", "client-2", "client-3")
+    if dp:  # two runs' noise at different survivor counts: the chain's ridge is theirs, not one run's
+        sessions = second.classifier.privacy["growth"]["sessions"]
+        assert len(sessions) == 2 and sessions[0]["gram_noise_std"] != sessions[1]["gram_noise_std"]
 
 
 @pytest.mark.parametrize("omitted", ["run 1", "run 2", "a survivor of run 1"])
