@@ -731,7 +731,13 @@ def _render_rehearsal(report: Any, console: Any, say: Callable[[str], None], out
     say(f"killed: {result.killed or 'none'}; dropouts seen by the server: {report.dropouts or 'none'}")
     say(f"classifier stored by {sorted(report.copies)}; identical copies: {all(report.copies.values())}")
     checked = result.report.get("verified") or []  # each node's check against the sums (SECURITY.md §5.1)
-    say(f"classifier verified against the sums by {checked if checked else 'no node (not checked)'}")
+    if checked:
+        say(f"classifier verified against the sums by {checked}")
+    else:
+        from secure_afl.deploy.verify import not_offered
+
+        why = not_offered(study, ()) or "offered, but every node refused the classifier or dropped out"
+        say(f"classifier verified against the sums by no node: {why}")
     seconds = Table(title="Seconds per stage")
     seconds.add_column("stage")
     seconds.add_column("s", justify="right")

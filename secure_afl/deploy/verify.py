@@ -937,29 +937,51 @@ def _checked_ridge(
 ) -> tuple[np.ndarray, float]:
     """λ as this node derives it from the check's sum (:func:`secure_afl.privacy.dp_solve.derived_ridge`
     over the summed noise variances and, for ``"adassp"``, the summed noisy λ_min), after checking
-    that the file's privacy record names that λ (to rounding: the variances are summed in another
-    order than the solve's); also ``sums`` without those values."""
-    from secure_afl.privacy.dp_solve import derived_ridge
+    that the file's privacy record states that λ and what it was sized from (the Gram's noise std,
+    the bound, adassp's λ̃_min; a growing chain's noise), to rounding (the variances are summed in
+    another order than the solve's); also ``sums`` without those values."""
+    from secure_afl.privacy.dp_solve import adassp_lower, derived_ridge, ridge_for_noise
 
     gram_var, eigen_var = float(sums[-2]), float(sums[-1])
     sums = sums[:-2]
     eigen_sum = None
     if ridge["kind"] == "adassp":
         eigen_sum, sums = float(sums[-1]), sums[:-1]
-    derived = derived_ridge(
-        str(ridge["kind"]), float(np.sqrt(max(gram_var, 0.0))), int(ridge["dim"]), float(ridge["beta"]),
-        eigen_sum=eigen_sum, eigen_std=float(np.sqrt(max(eigen_var, 0.0))),
-    )  # fmt: skip
+    kind, dim, beta = str(ridge["kind"]), int(ridge["dim"]), float(ridge["beta"])
+    gram_std, eigen_std = float(np.sqrt(max(gram_var, 0.0))), float(np.sqrt(max(eigen_var, 0.0)))
+    derived = derived_ridge(kind, gram_std, dim, beta, eigen_sum=eigen_sum, eigen_std=eigen_std)
     assert derived is not None
-    try:
-        stated = float((classifier.privacy or {})["ridge"])
-    except (KeyError, TypeError, ValueError):
-        raise UnverifiedClassifierError("the DP classifier's privacy record names no ridge") from None
-    if not abs(stated - derived) <= 1e-9 * max(abs(derived), 1.0):
+    privacy = classifier.privacy or {}
+    growth = privacy.get("growth") if isinstance(privacy.get("growth"), Mapping) else {}
+    expected: dict[str, tuple[Any, float | None]] = {
+        "ridge": (privacy.get("ridge"), derived),
+        "gram_noise_std": (privacy.get("gram_noise_std"), gram_std),
+        "ridge_noise_bound": (privacy.get("ridge_noise_bound"), ridge_for_noise(gram_std, dim, beta)),
+        "min_eigenvalue_lower_bound": (
+            privacy.get("min_eigenvalue_lower_bound"),
+            None if eigen_sum is None else adassp_lower(eigen_sum, eigen_std, beta),
+        ),
+    }
+    if growth:
+        expected["growth.gram_noise_std_chain"] = (growth.get("gram_noise_std_chain"), gram_std)
+        expected["growth.eigen_noise_std_chain"] = (
+            growth.get("eigen_noise_std_chain"), None if eigen_sum is None else eigen_std,
+        )  # fmt: skip
+
+    def same(stated: Any, value: float | None) -> bool:
+        if value is None or stated is None:
+            return stated is None and value is None
+        try:
+            return abs(float(stated) - value) <= 1e-9 * max(abs(value), 1.0)
+        except (TypeError, ValueError):
+            return False
+
+    wrong = [key for key, (stated, value) in expected.items() if not same(stated, value)]
+    if wrong:
         raise ClassifierCheckFailedError(
-            f"the classifier's DP ridge λ = {stated!r} is not the study's, {derived!r} (sized from the noise "
-            "of the sums' runs at their survivors): the coordinator chose another ridge; it is not stored as "
-            "verified"
+            f"the classifier's DP record states {', '.join(wrong)} other than the study's (λ = {derived!r}, "
+            "sized from the noise of the sums' runs at their survivors): the coordinator chose another "
+            "ridge or misstated what it was sized from; it is not stored as verified"
         )
     return sums, derived
 

@@ -235,4 +235,4 @@ def test_a_growing_dp_chains_ridge_the_coordinator_chose_is_refused_by_every_nod
     everyone = {n.client_id for n in federation.nodes.values()}
     assert third.report.verified == () and third.report.acknowledged == ()
     assert _errors(third) == {"ClassifierCheckFailedError": everyone}, third.report.refusals
-    assert all("DP ridge" in r["message"] for r in third.report.refusals)
+    assert all("DP record states ridge" in r["message"] for r in third.report.refusals)

@@ -85,7 +85,7 @@ def test_one_changed_weight_is_refused_by_every_node(tmp_path: Path, kind: str) 
 
 
 @pytest.mark.parametrize("kind", ["dp-dim", "dp-centre"])
-def test_a_changed_solve_weight_or_a_wrong_lift_is_refused_by_every_node(tmp_path: Path, kind: str) -> None:
+def test_a_wrong_lift_is_refused_by_every_node(tmp_path: Path, kind: str) -> None:
     """Under a row map the file holds W = M W_K and W_K: one W_K weight changed, with W lifted from it,
     fails the residual (a changed W beside the solved W_K fails the lift: the test above)."""
     federation = _federation(tmp_path, kind)
@@ -256,5 +256,20 @@ def test_a_dp_ridge_the_coordinator_chose_is_refused_by_every_node(
     nodes = {n.client_id for n in federation.nodes.values()}
     _refused_by_all(server, federation, nodes, "ClassifierCheckFailedError")
     assert all(
-        "DP ridge" in r["message"] and "not the study's" in r["message"] for r in server.report.refusals
+        "DP record states ridge other than the study's" in r["message"] for r in server.report.refusals
     )
+
+
+@pytest.mark.parametrize("key", ["gram_noise_std", "ridge_noise_bound"])
+def test_a_misstated_dp_noise_is_refused_by_every_node(
+    tmp_path: Path, key: str
+) -> None:
+    """The record's noise std and bound are what the survivors' sum derives, not the coordinator's word."""
+    federation = _dp_ridge_federation(tmp_path, "bound")
+    server, _ = _run(
+        federation,
+        change=lambda c: dataclasses.replace(c, privacy={**c.privacy, key: c.privacy[key] / 2}),
+    )
+    nodes = {n.client_id for n in federation.nodes.values()}
+    _refused_by_all(server, federation, nodes, "ClassifierCheckFailedError")
+    assert all(f"DP record states {key} other than" in r["message"] for r in server.report.refusals)
