@@ -476,7 +476,12 @@ def study_session_id(study: Study, nonce: bytes) -> bytes:
 
 
 def noise_plan(study: Study, roster_size: int) -> NoisePlan:
-    """The DP noise plan every party derives from the study alone (server and clients alike)."""
+    """The DP noise plan every party derives from the study alone (server and clients alike).
+
+    A pure function of the study's document and the roster size, calibrated by the accountant (about
+    0.2 s), so it is computed once per document and size in a process (:data:`_PLANS`: a node's
+    delivery needs it for the file's DP record and its noise share; in-process federations share it
+    across nodes).  The plan is frozen and never changed by its readers."""
     from secure_afl.privacy.dp import FederationLayout, plan_noise
 
     if study.dp is None:
@@ -491,6 +496,9 @@ def noise_plan(study: Study, roster_size: int) -> NoisePlan:
             f"the study's class lists name {len(study.dp.class_lists)} institutions, the roster "
             f"{roster_size}: list every roster institution's classes"
         )
+    key = (study.to_json(), roster_size)
+    if key in _PLANS:
+        return _PLANS[key]
     layout = FederationLayout(
         active=dict(study.dp.class_lists),
         n_classes=study.n_classes,
@@ -502,9 +510,17 @@ def noise_plan(study: Study, roster_size: int) -> NoisePlan:
         frac_bits=study.frac_bits,
     )
     try:
-        return plan_noise(study.dp.config(), layout)
+        plan = plan_noise(study.dp.config(), layout)
     except DpError as exc:
         raise ConfigurationError(str(exc)) from None
+    while len(_PLANS) >= _MAX_PLANS:  # bounded: the oldest goes first
+        _PLANS.pop(next(iter(_PLANS)))
+    _PLANS[key] = plan
+    return plan
+
+
+_PLANS: dict[tuple[str, int], NoisePlan] = {}  # noise_plan's, by (study document, roster size)
+_MAX_PLANS = 16
 
 
 DECISION_THRESHOLD = 0.5  # every study's classifier: positive when σ(h · w_c) > 0.5 (classifier.py)
