@@ -261,9 +261,7 @@ def test_a_dp_ridge_the_coordinator_chose_is_refused_by_every_node(
 
 
 @pytest.mark.parametrize("key", ["gram_noise_std", "ridge_noise_bound"])
-def test_a_misstated_dp_noise_is_refused_by_every_node(
-    tmp_path: Path, key: str
-) -> None:
+def test_a_misstated_dp_noise_is_refused_by_every_node(tmp_path: Path, key: str) -> None:
     """The record's noise std and bound are what the survivors' sum derives, not the coordinator's word."""
     federation = _dp_ridge_federation(tmp_path, "bound")
     server, _ = _run(
@@ -273,3 +271,21 @@ def test_a_misstated_dp_noise_is_refused_by_every_node(
     nodes = {n.client_id for n in federation.nodes.values()}
     _refused_by_all(server, federation, nodes, "ClassifierCheckFailedError")
     assert all(f"DP record states {key} other than" in r["message"] for r in server.report.refusals)
+
+
+def test_an_adassp_ridge_lowered_by_the_noisy_eigenvalue_sum_is_verified_by_every_node(
+    tmp_path: Path,
+) -> None:
+    """With more rows and less noise the survivors' noisy λ_min sum gives λ̃_min > 0, which lowers the
+    adassp ridge below the bound: every node derives it from that sum (one more value in the check's
+    masked sum), so the honest classifier verifies only if the sum carries it right."""
+    method = Method(balance="global", min_pos=1, min_neg=1, tau=0.5)
+    federation = make_federation(tmp_path, n_clients=4, active=DP_ACTIVE, method=method, rows=400, dim=4)
+    dp = StudyDp(class_lists=dict(DP_ACTIVE), epsilon=50.0, clip=2.0, ridge="adassp")
+    federation.study = dataclasses.replace(federation.study, dp=dp)
+    server, classifier, _ = run_server(federation)
+    privacy = classifier.privacy
+    assert privacy["min_eigenvalue_lower_bound"] > 0 and privacy["ridge"] < privacy["ridge_noise_bound"]
+    assert server.report.refusals == [] and server.report.verified == tuple(
+        classifier.sessions[0]["survivors"]
+    )
