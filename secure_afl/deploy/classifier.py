@@ -224,10 +224,9 @@ class Classifier:
             "method": dict(self.method),
             "decision_threshold": self.decision_threshold,
             "protocol": {k: self.protocol.get(k) for k in expected["protocol"]},
-            "privacy": None if mine is None or privacy is None else {k: mine.get(k) for k in privacy},
+            # A record where the study has none states itself whole: it differs from None.
+            "privacy": None if mine is None else {k: mine.get(k) for k in (privacy or mine)},
         }
-        if privacy is None and mine is not None:
-            stated["privacy"] = "a DP record"
 
         def normal(value: Any) -> str:  # JSON's view: a tuple and a list, 1 and 1.0 read alike
             return json.dumps(value, sort_keys=True, default=str)

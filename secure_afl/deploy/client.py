@@ -1151,7 +1151,7 @@ def _store_classifier(envelope: Envelope, state: LocalState, settings: NodeSetti
     # Raises ClassifierTamperedError, UnsignedClassifierError, ClassifierSignatureError (also when the
     # pinned roster names no coordinator) or RosterMismatchError (made with another roster).
     classifier = Classifier.from_json(envelope.payload, roster=roster, source="the server's classifier")
-    mine = {}
+    mine, studied = {}, None
     for session in classifier.sessions:
         saved = _settle(str(session["label"]), state)  # the classifier ends every session
         if saved is None or saved.get("status") != "done":
@@ -1169,9 +1169,10 @@ def _store_classifier(envelope: Envelope, state: LocalState, settings: NodeSetti
                 f"this institution's record of session {session['label']} holds no study (written by an "
                 "earlier release): run the session again"
             )
-        # Its classes, threshold, backbone, method and DP record are the study's, not the coordinator's.
-        study = Study.from_json(str(saved["study"]))
-        classifier.check_study_fields(classifier_fields(study, len(roster)), "the server's classifier")
+        studied = str(saved["study"])  # every session of a run is of one study
+    if studied is not None:  # its classes, threshold, backbone, method, DP record: the study's
+        expected = classifier_fields(Study.from_json(studied), len(roster))
+        classifier.check_study_fields(expected, "the server's classifier")
     identity = loaded_once(lambda: node_identity(settings, roster))  # the passphrase only when needed
 
     def signed_survivors(session_id: str) -> tuple[str, ...] | None:

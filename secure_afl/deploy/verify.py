@@ -59,6 +59,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from threadpoolctl import threadpool_limits
 
+from secure_afl.privacy.dp_config import DERIVABLE_RIDGES
 from secure_afl.protocol import verify as pv
 
 from .errors import ConfigurationError, DeploymentError
@@ -119,7 +120,7 @@ def not_offered(study: Study, roster_ids: Collection[str]) -> str | None:
             "two-round studies are not checked (round 2 runs only under a coordinator the nodes declared "
             "honest-but-curious, and its right-hand side, pseudo-label sums over thresholds, is not modelled)"
         )
-    if study.dp is not None and study.dp.ridge not in ("bound", "adassp"):
+    if study.dp is not None and study.dp.ridge not in DERIVABLE_RIDGES:
         return (
             f"the DP ridge {study.dp.ridge!r} is sized from the noisy Gram's smallest eigenvalue, which no "
             "node holds: no node can derive it, so a coordinator could choose it (--dp-ridge bound or adassp "
@@ -251,15 +252,21 @@ def node_terms(
     noisy λ_min upload, then its :data:`NOISE_KEYS` shares."""
     with threadpool_limits(1, user_api="blas"):
         terms = _node_terms(inputs, weights, gram=gram, form=form, counts=counts)
-    if ridge is None:
-        return terms
-    keys = ([EIGEN_KEY] if ridge["kind"] == "adassp" else []) + list(NOISE_KEYS)
+    keys = ridge_keys(ridge)
     missing = [key for key in keys if key not in inputs]
     if missing:
         raise UnverifiedClassifierError(
             f"this node holds no {', '.join(missing)} of its runs, which the DP ridge is sized from"
         )
     return np.concatenate([terms, *(np.asarray(inputs[key], dtype=np.float64).ravel()[:1] for key in keys)])
+
+
+def ridge_keys(ridge: Mapping[str, Any] | None) -> list[str]:
+    """The values after the counts in a node's terms that the DP ridge is sized from, in order (none
+    without DP): ``"adassp"``'s noisy λ_min upload, then the :data:`NOISE_KEYS` shares."""
+    if ridge is None:
+        return []
+    return ([EIGEN_KEY] if ridge["kind"] == "adassp" else []) + list(NOISE_KEYS)
 
 
 def _node_terms(
@@ -412,12 +419,9 @@ def check_inputs(state: Any, record: Mapping[str, Any], classifier: Classifier) 
     if kept.get("session_id") != record["session_id"] or "inputs" not in kept:
         raise UnverifiedClassifierError("this node no longer holds its session-1 values to check with")
     own = {k: np.asarray(v, dtype=np.float64) for k, v in kept["inputs"].items()}  # encoded when kept
-    if "study" in record:  # DP: this run's noise shares (the survivors: the set this node signed)
-        from .study import Study
-
-        own.update(
-            noise_share(Study.from_json(str(record["study"])), len(classifier.sessions[0]["survivors"]))
-        )
+    study = _record_study(record)
+    if study is not None:  # DP: this run's noise shares (the survivors: the set this node signed)
+        own.update(noise_share(study, len(classifier.sessions[0]["survivors"])))
     if record.get("extends"):
         return chain_values(record, classifier, own)
     if record.get("keep_dir"):  # a run a later study may extend: the chain's first record
@@ -791,11 +795,12 @@ def solved_weights(classifier: Classifier, record: Mapping[str, Any]) -> np.ndar
     which this node derives itself) within the product's rounding: ``|W − M W_K| ≤ 2 K u |M| |W_K|``
     entrywise (u = 2^-53; any summation order, BLAS or machine)."""
     from .solve import STATISTICS_WEIGHTS
-    from .study import Study, dp_projection
+    from .study import dp_projection
 
-    if "study" not in record:
+    study = _record_study(record)
+    if study is None:
         return classifier.weights
-    row_map = dp_projection(Study.from_json(str(record["study"])))
+    row_map = dp_projection(study)
     if row_map is None:
         return classifier.weights
     solved = _statistics_weights(classifier)
@@ -868,8 +873,7 @@ def answer_check(
     counts = json.loads(str(record.get("counts", "{}")))
     # The scale and the counts correctly rounded: the counts are compared for equality.
     ridge = json.loads(str(record.get("ridge", "null")))
-    sized = 0 if ridge is None else 2 + (ridge["kind"] == "adassp")  # the values the ridge is sized from
-    sums = pv.unmask_sum(masked, commitments, keys, seed, own, exact=1 + len(counts) + sized)
+    sums = pv.unmask_sum(masked, commitments, keys, seed, own, exact=1 + len(counts) + len(ridge_keys(ridge)))
     gamma = float(record["solve_gamma"])
     if ridge is not None:  # λ from the survivors' summed noise (and adassp's noisy λ_min), as the solve
         sums, lam = _checked_ridge(ridge, classifier, sums)
@@ -919,17 +923,15 @@ def study_ridge(record: Mapping[str, Any]) -> dict[str, Any] | None:
     statistics' dimension and β.  The noise it is sized from comes from the check's own sum (each
     survivor's :func:`noise_share`; ``"adassp"``: also its noisy λ_min upload), never from the file:
     the file's λ would be the coordinator's choice.  None without DP."""
-    if "study" not in record:
-        return None
-    from .study import Study, noise_plan, statistics_dim
+    from .study import statistics_dim
 
-    study = Study.from_json(str(record["study"]))
-    assert study.dp is not None
-    kind = study.dp.ridge
-    if kind not in ("bound", "adassp"):  # not_offered refused it before the commitment
-        raise UnverifiedClassifierError(f"the DP ridge {kind!r} cannot be derived by a node")
-    beta = noise_plan(study, len(study.dp.class_lists)).config.ridge_failure_probability
-    return {"kind": kind, "dim": statistics_dim(study), "beta": beta}
+    study = _record_study(record)
+    if study is None or study.dp is None:
+        return None
+    config = study.dp.config()
+    if config.ridge not in DERIVABLE_RIDGES:  # not_offered refused it before the commitment
+        raise UnverifiedClassifierError(f"the DP ridge {config.ridge!r} cannot be derived by a node")
+    return {"kind": config.ridge, "dim": statistics_dim(study), "beta": config.ridge_failure_probability}
 
 
 def _checked_ridge(
@@ -942,11 +944,10 @@ def _checked_ridge(
     another order than the solve's); also ``sums`` without those values."""
     from secure_afl.privacy.dp_solve import adassp_lower, derived_ridge, ridge_for_noise
 
-    gram_var, eigen_var = float(sums[-2]), float(sums[-1])
-    sums = sums[:-2]
-    eigen_sum = None
-    if ridge["kind"] == "adassp":
-        eigen_sum, sums = float(sums[-1]), sums[:-1]
+    keys = ridge_keys(ridge)
+    summed = dict(zip(keys, (float(x) for x in sums[-len(keys) :]), strict=True))
+    sums = sums[: -len(keys)]
+    gram_var, eigen_var, eigen_sum = summed[NOISE_KEYS[0]], summed[NOISE_KEYS[1]], summed.get(EIGEN_KEY)
     kind, dim, beta = str(ridge["kind"]), int(ridge["dim"]), float(ridge["beta"])
     gram_std, eigen_std = float(np.sqrt(max(gram_var, 0.0))), float(np.sqrt(max(eigen_var, 0.0)))
     derived = derived_ridge(kind, gram_std, dim, beta, eigen_sum=eigen_sum, eigen_std=eigen_std)
@@ -1000,9 +1001,17 @@ def _solve_gamma(gamma: float, classifier: Classifier) -> float:
 
 
 def _maps_rows(record: Mapping[str, Any]) -> bool:
-    from .study import Study, has_row_map
+    from .study import has_row_map
 
-    return "study" in record and has_row_map(Study.from_json(str(record["study"])))
+    study = _record_study(record)
+    return study is not None and has_row_map(study)
+
+
+def _record_study(record: Mapping[str, Any]) -> Study | None:
+    """The study a DP check's record keeps (:func:`keep_inputs`); None without DP."""
+    from .study import Study
+
+    return Study.from_json(str(record["study"])) if "study" in record else None
 
 
 def _store(out_dir: Path, payload: bytes, held: bool, log: Callable[[str], None]) -> list[Path]:

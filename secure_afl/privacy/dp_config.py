@@ -18,6 +18,9 @@ DpUnit = Literal["image", "patient"]
 #   "adassp":   the same with λ̃_min from a separately noised release of Σ_k λ_min(G_k) (its own ρ share).
 DpRidge = Literal["bound", "adaptive", "adassp"]
 DP_RIDGES: tuple[str, ...] = ("bound", "adaptive", "adassp")
+# The ridges any party can size from public facts (dp_solve.derived_ridge): the ones the deployment's
+# classifier check covers ("adaptive" needs the noisy Gram's spectrum, which only its holder has).
+DERIVABLE_RIDGES: tuple[str, ...] = ("bound", "adassp")
 # The K that --dp-sweep compares with today's mechanism when --dp-dim is not given: the best mean AUC
 # of the K sweep on the embedded data (bench/history/dp.md, "DP: a projection before the statistics"),
 # where no K beats the unprojected statistics; --dp-dim itself has no default (off).

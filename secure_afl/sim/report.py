@@ -10,6 +10,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from secure_afl.privacy.dp_config import DERIVABLE_RIDGES
 from secure_afl.privacy.exposure import tensor_kind, value_family
 from secure_afl.privacy.guarantees import ROUND_TWO, guarantee
 from secure_afl.privacy.policy import active_threshold, majority_threshold, threat_model
@@ -355,7 +356,7 @@ def classifier_check(config: SimConfig) -> dict[str, object]:
         reason = "not offered under CKKS (its sums carry the scheme's noise, beyond the check's tolerance)"
     elif protection == "none":
         reason = "not offered without secure aggregation (--protection none; a deployment masks or encrypts)"
-    elif config.dp is not None and config.dp.ridge not in ("bound", "adassp"):
+    elif config.dp is not None and config.dp.ridge not in DERIVABLE_RIDGES:
         reason = (
             f"not offered with the {config.dp.ridge} DP ridge (sized from the noisy Gram's smallest "
             "eigenvalue, which no hospital holds, so no hospital can derive it; --dp-ridge bound or adassp "
