@@ -77,6 +77,10 @@ EIGEN_KEY = "all|gram_min_eig"  # the "adassp" ridge's noisy λ_min upload (stud
 # s_r²/m_r for each run r it was among the m_r survivors of, so the survivors' sum is Σ_r s_r², which
 # sizes the ridge, whatever runs each node was in (:func:`noise_share`).
 NOISE_KEYS = ("noise|gram_var", "noise|eigen_var")
+# A growing DP chain's file restates every run's noise record (ε per institution, noise stds), which
+# only that run's members can derive: each survivor adds 1 here if the record of a run it was in is
+# not the one it derives (:func:`misstated_runs`), so every node learns that none found one.
+MISSTATED_KEY = "noise|misstated_runs"
 RHO_PER_DIM = 16 * 2.0**-53  # ρ = 16 d u: 16 times float64's rounding bound d·u of a d-term inner product
 REQUIRE_KEY = "require-verified-classifier"
 REQUIRE_VALUES = ("when-offered", "true", "false")
@@ -263,10 +267,12 @@ def node_terms(
 
 def ridge_keys(ridge: Mapping[str, Any] | None) -> list[str]:
     """The values after the counts in a node's terms that the DP ridge is sized from, in order (none
-    without DP): ``"adassp"``'s noisy λ_min upload, then the :data:`NOISE_KEYS` shares."""
+    without DP): ``"adassp"``'s noisy λ_min upload, then the :data:`NOISE_KEYS` shares; a growing
+    chain's then :data:`MISSTATED_KEY`, this node's count of misstated run records."""
     if ridge is None:
         return []
-    return ([EIGEN_KEY] if ridge["kind"] == "adassp" else []) + list(NOISE_KEYS)
+    growing = [MISSTATED_KEY] if ridge.get("growing") else []
+    return ([EIGEN_KEY] if ridge["kind"] == "adassp" else []) + list(NOISE_KEYS) + growing
 
 
 def _node_terms(
@@ -420,33 +426,80 @@ def check_inputs(state: Any, record: Mapping[str, Any], classifier: Classifier) 
         raise UnverifiedClassifierError("this node no longer holds its session-1 values to check with")
     own = {k: np.asarray(v, dtype=np.float64) for k, v in kept["inputs"].items()}  # encoded when kept
     study = _record_study(record)
+    noise: dict[str, dict[str, Any]] = {}  # DP: this node's record of each run it was in, by session id
     if study is not None:  # DP: this run's noise shares (the survivors: the set this node signed)
-        own.update(noise_share(study, len(classifier.sessions[0]["survivors"])))
+        survivors = len(classifier.sessions[0]["survivors"])
+        noise[str(record["session_id"])] = run_noise(study, survivors)
+        own.update(noise_share(noise[str(record["session_id"])], survivors))
     if record.get("extends"):
-        return chain_values(record, classifier, own)
+        values, noise = chain_values(record, classifier, own, noise)
+        if study is not None:  # not folded: a statement about this file alone
+            values[MISSTATED_KEY] = np.array([float(misstated_runs(classifier, noise))])
+        return values
     if record.get("keep_dir"):  # a run a later study may extend: the chain's first record
         first = (str(record["study_digest"]), str(record["session_id"]), _names(classifier.sessions[0]))
-        _fold(Path(record["keep_dir"]), str(record["client_id"]), [first], own)
+        _fold(Path(record["keep_dir"]), str(record["client_id"]), [first], own, noise)
     return own
 
 
-def noise_share(study: Study, survivors: int) -> dict[str, np.ndarray]:
-    """This node's :data:`NOISE_KEYS` share of one DP run of ``study`` with ``survivors`` survivors:
-    ``s²/survivors`` for the noise std s of the run's Gram sum (and of its λ_min release, 0 without),
-    as the study's plan sizes it at those survivors (every party derives the plan alike)."""
-    from secure_afl.analytic import ALL_GROUP
+def run_noise(study: Study, survivors: int) -> dict[str, Any]:
+    """One DP run's noise record (:meth:`~secure_afl.privacy.dp_growth.SessionNoise.to_json`: ε and
+    events per institution, the noise stds at ``survivors`` survivors) as the study's plan gives it:
+    what the server's solve records for the run (``deploy/solve.py``), derived alike by every party."""
+    from secure_afl.privacy.dp_growth import SessionNoise
 
     from .study import noise_plan
 
     assert study.dp is not None
     plan = noise_plan(study, len(study.dp.class_lists))
-    eigen = plan.blocks.get((ALL_GROUP, "eigen"))
-    gram_std = plan.blocks[(ALL_GROUP, "gram")].group_std(survivors)
-    eigen_std = 0.0 if eigen is None else eigen.group_std(survivors)
+    return SessionNoise.of(plan, survivors, feature_dim=study.dim).to_json()
+
+
+def noise_share(run: Mapping[str, Any], survivors: int) -> dict[str, np.ndarray]:
+    """This node's :data:`NOISE_KEYS` share of one DP run (its :func:`run_noise` record at
+    ``survivors``): ``s²/m`` for the noise std s of the run's Gram sum at its m survivors (and of its
+    λ_min release, 0 without)."""
+    eigen_std = float(run["eigen_noise_std"] or 0.0)
     return {
-        NOISE_KEYS[0]: np.array([gram_std**2 / survivors]),
+        NOISE_KEYS[0]: np.array([float(run["gram_noise_std"]) ** 2 / survivors]),
         NOISE_KEYS[1]: np.array([eigen_std**2 / survivors]),
     }
+
+
+def misstated_runs(classifier: Classifier, noise: Mapping[str, Mapping[str, Any]]) -> int:
+    """1 if the growing classifier's chain record states, for a run this node was among the
+    survivors of (``noise``: its own :func:`run_noise` records by session id), another noise record
+    than the one this node derives, else 0.  Only a run's members can derive its record (its study);
+    every run of a chain has a member among this session's survivors (:func:`chain_values`), so the
+    survivors' sum of these counts is 0 only if no run's record is misstated."""
+    chain = classifier.protocol["growth"]["chain"]
+    for entry in chain:
+        mine = noise.get(str(entry.get("session_id")))
+        if mine is not None and not _same_record(entry.get("dp"), mine):
+            return 1
+    return 0
+
+
+def _same_record(stated: Any, derived: Any) -> bool:
+    """JSON documents equal, their numbers to 1e-9 relative (computed in another order elsewhere)."""
+    if isinstance(derived, Mapping):
+        return (
+            isinstance(stated, Mapping)
+            and set(stated) == set(derived)
+            and all(_same_record(stated[k], derived[k]) for k in derived)
+        )
+    if isinstance(derived, (list, tuple)):
+        return (
+            isinstance(stated, (list, tuple))
+            and len(stated) == len(derived)
+            and all(_same_record(a, b) for a, b in zip(stated, derived, strict=True))
+        )
+    if isinstance(derived, (int, float)) and not isinstance(derived, bool):
+        try:
+            return abs(float(stated) - float(derived)) <= 1e-9 * max(abs(float(derived)), 1.0)
+        except (TypeError, ValueError):
+            return False
+    return bool(stated == derived)
 
 
 # --- a growing chain's values ----------------------------------------------------------------
@@ -534,11 +587,15 @@ def _keep_run(
     _write_kept(directory, f"run-{session_id}.npz", meta, values)
 
 
-def _fold(directory: Path, client_id: str, chain: list[Entry], values: Mapping[str, np.ndarray]) -> None:
-    """The chain record of ``chain`` (this run last) holding ``values``; the run records it resolves
+def _fold(
+    directory: Path, client_id: str, chain: list[Entry], values: Mapping[str, np.ndarray],
+    noise: Mapping[str, Any],
+) -> None:  # fmt: skip
+    """The chain record of ``chain`` (this run last) holding ``values`` and, under DP, ``noise``: this
+    node's :func:`run_noise` record of each of its runs, by session id; the run records it resolves
     (every run it lists) are deleted."""
     meta = {"kind": "chain", "client_id": client_id, "chain": [[e[0], e[1], list(e[2])] for e in chain],
-            "noise": NOISE_KEYS[0] in values}  # fmt: skip
+            "noise_records": dict(noise)}  # fmt: skip
     _write_kept(directory, f"chain-{chain[-1][1]}.npz", meta, values)
     listed = {e[1] for e in chain}
     for path, run in _kept(directory, client_id, "run"):
@@ -572,10 +629,12 @@ def _recorded_chain(record: Mapping[str, Any], classifier: Classifier) -> list[E
 
 
 def chain_values(
-    record: Mapping[str, Any], classifier: Classifier, own: Mapping[str, np.ndarray]
-) -> dict[str, np.ndarray]:
+    record: Mapping[str, Any], classifier: Classifier, own: Mapping[str, np.ndarray],
+    noise: Mapping[str, Any],
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:  # fmt: skip
     """This node's values in a growing study's sums: ``own`` (this run's) plus its kept values of
-    every earlier run of the chain the classifier records that lists it among the run's survivors.
+    every earlier run of the chain the classifier records that lists it among the run's survivors;
+    under DP also its :func:`run_noise` records of those runs, with ``noise`` (this run's).
 
     Fails closed (:class:`UnverifiedClassifierError`, never a wrong term): a chain record that does
     not end with this run after the study it extends, an earlier run's survivor absent from this
@@ -612,13 +671,17 @@ def chain_values(
                 )
         if base[0] < len(prefix) < len(chain) and listed[: len(prefix)] == prefix:
             base = (len(prefix), path)
-    private = "study" in record  # DP: every run's noise share comes with its values
-    if private and base[1] is not None and not _read_kept(base[1], values=False)[0].get("noise"):
-        raise UnverifiedClassifierError(
-            "this node's record of the chain's earlier runs holds no DP noise shares (kept by an earlier "
-            "release): it cannot size the chain's ridge; start a new chain to get verified classifiers"
-        )
-    values = {} if base[1] is None else dict(_read_kept(base[1])[1])
+    private = "study" in record  # DP: every run's noise share and record come with its values
+    noise, values = dict(noise), {}
+    if base[1] is not None:
+        meta, values = _read_kept(base[1])
+        if private and not meta.get("noise_records"):
+            raise UnverifiedClassifierError(
+                "this node's record of the chain's earlier runs holds no DP noise records (kept by an "
+                "earlier release): it cannot size the chain's ridge or check its runs' ε; start a new "
+                "chain to get verified classifiers"
+            )
+        noise.update(meta.get("noise_records") or {})
     runs = {str(meta.get("session_id")): (path, meta) for path, meta in _kept(directory, client_id, "run")}
     for j in range(base[0], len(chain) - 1):
         study, session_id, included = chain[j]
@@ -650,13 +713,14 @@ def chain_values(
                 )
             from .study import Study
 
-            more.update(noise_share(Study.from_json(str(run[1]["study_json"])), len(included)))
+            noise[session_id] = run_noise(Study.from_json(str(run[1]["study_json"])), len(included))
+            more.update(noise_share(noise[session_id], len(included)))
         values = _added(values, more)
     values = _added(values, own)
-    _fold(directory, client_id, chain, values)
+    _fold(directory, client_id, chain, values, noise)
     if base[1] is not None:  # superseded: one record per chain (a fork from it is then unverified)
         base[1].unlink(missing_ok=True)
-    return values
+    return values, noise
 
 
 def _added(total: Mapping[str, np.ndarray], more: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -931,7 +995,8 @@ def study_ridge(record: Mapping[str, Any]) -> dict[str, Any] | None:
     config = study.dp.config()
     if config.ridge not in DERIVABLE_RIDGES:  # not_offered refused it before the commitment
         raise UnverifiedClassifierError(f"the DP ridge {config.ridge!r} cannot be derived by a node")
-    return {"kind": config.ridge, "dim": statistics_dim(study), "beta": config.ridge_failure_probability}
+    return {"kind": config.ridge, "dim": statistics_dim(study), "beta": config.ridge_failure_probability,
+            "growing": bool(study.extends)}  # fmt: skip
 
 
 def _checked_ridge(
@@ -968,16 +1033,17 @@ def _checked_ridge(
         expected["growth.eigen_noise_std_chain"] = (
             growth.get("eigen_noise_std_chain"), None if eigen_sum is None else eigen_std,
         )  # fmt: skip
-
-    def same(stated: Any, value: float | None) -> bool:
-        if value is None or stated is None:
-            return stated is None and value is None
-        try:
-            return abs(float(stated) - value) <= 1e-9 * max(abs(value), 1.0)
-        except (TypeError, ValueError):
-            return False
-
-    wrong = [key for key, (stated, value) in expected.items() if not same(stated, value)]
+    wrong = [key for key, (stated, value) in expected.items() if not _same_record(stated, value)]
+    if ridge.get("growing"):
+        misstated = summed[MISSTATED_KEY]
+        if misstated != 0:
+            raise ClassifierCheckFailedError(
+                f"{misstated:g} of the survivors found the file's noise record of a run they took part in "
+                "(its ε per institution, its noise stds) other than the one that run's study gives: the "
+                "coordinator misstated what the chain's runs spent; it is not stored as verified"
+            )
+        if not _same_record(growth, chain_record(classifier)):
+            wrong.append("growth (the chain's ε and noise, from its runs' records)")
     if wrong:
         raise ClassifierCheckFailedError(
             f"the classifier's DP record states {', '.join(wrong)} other than the study's (λ = {derived!r}, "
@@ -985,6 +1051,20 @@ def _checked_ridge(
             "ridge or misstated what it was sized from; it is not stored as verified"
         )
     return sums, derived
+
+
+def chain_record(classifier: Classifier) -> dict[str, Any] | None:
+    """The ``growth`` part of a growing DP classifier's privacy record as its chain record's run
+    records give it (:meth:`~secure_afl.privacy.dp_growth.ChainNoise.record`, the solve's own
+    function); None if they are not DP run records."""
+    from secure_afl.privacy.dp_config import DpError
+    from secure_afl.privacy.dp_growth import chain_of
+
+    try:
+        chain = chain_of([entry["dp"] for entry in classifier.protocol["growth"]["chain"]])
+    except (DpError, KeyError, TypeError):
+        return None
+    return None if chain is None else chain.record()
 
 
 def _solve_gamma(gamma: float, classifier: Classifier) -> float:

@@ -236,3 +236,62 @@ def test_a_growing_dp_chains_ridge_the_coordinator_chose_is_refused_by_every_nod
     assert third.report.verified == () and third.report.acknowledged == ()
     assert _errors(third) == {"ClassifierCheckFailedError": everyone}, third.report.refusals
     assert all("DP record states ridge" in r["message"] for r in third.report.refusals)
+
+
+def _restated(classifier: Classifier, run: int, institution: str) -> Classifier:
+    """The classifier with run ``run``'s ε at ``institution`` halved in its chain record, and the
+    chain's growth record restated from the changed runs (consistent: only run members can tell)."""
+    from secure_afl.deploy.verify import chain_record
+
+    growth = dict(classifier.protocol["growth"])
+    chain = [dict(e) for e in growth["chain"]]
+    dp = dict(chain[run]["dp"])
+    dp["epsilon_spent"] = {**dp["epsilon_spent"], institution: dp["epsilon_spent"][institution] / 2}
+    chain[run]["dp"] = dp
+    changed = dataclasses.replace(
+        classifier, protocol={**classifier.protocol, "growth": {**growth, "chain": chain}}
+    )
+    restated = chain_record(changed)
+    assert restated is not None and restated != classifier.privacy["growth"]
+    return dataclasses.replace(changed, privacy={**classifier.privacy, "growth": restated})
+
+
+def test_a_misstated_dp_run_is_refused_by_every_node(tmp_path: Path) -> None:
+    """Run 1's record in the second run's file states half the ε client-0 spent there, and the chain's
+    ε is restated from it: the noise, and so the ridge, are unchanged.  Only run 1's members (client-0,
+    -1, -2) can derive its record; client-3 joined in run 2, and refuses too, from the survivors' sum
+    of misstated-run counts."""
+    active = {f"client-{k}": (0, 1, 2) for k in range(4)}
+    federation, full = _federation(tmp_path, dp=True, active=active)
+    _arrive(federation, full, ARRIVALS[0])
+    federation.nodes[1003].dead_from = "s1-R1"
+    first = _run(federation, federation.study)
+    second = _next(federation, full, [first], change=lambda c: _restated(c, 0, "client-0"))
+    everyone = {n.client_id for n in federation.nodes.values()}
+    assert second.report.verified == () and second.report.acknowledged == ()
+    assert _errors(second) == {"ClassifierCheckFailedError": everyone}, second.report.refusals
+    assert all("3 of the survivors found" in r["message"] for r in second.report.refusals)
+
+
+@pytest.mark.parametrize("change", ["epsilon_chain", "omitted"])
+def test_a_misstated_chain_epsilon_is_refused_by_every_node(tmp_path: Path, change: str) -> None:
+    """The chain's ε per institution (what `predict` reports of a growing DP classifier) follows
+    from its runs' records, which the nodes check: a file stating another, or none, is refused."""
+    federation, full = _federation(tmp_path, dp=True)
+    servers = _chain(federation, full, 1)
+
+    def misstate(classifier: Classifier) -> Classifier:
+        privacy = dict(classifier.privacy)
+        if change == "omitted":
+            del privacy["growth"]
+        else:
+            growth = dict(privacy["growth"])
+            growth["epsilon_chain"] = {k: v / 2 for k, v in growth["epsilon_chain"].items()}
+            privacy["growth"] = growth
+        return dataclasses.replace(classifier, privacy=privacy)
+
+    second = _next(federation, full, servers, change=misstate)
+    everyone = {n.client_id for n in federation.nodes.values()}
+    assert second.report.verified == () and second.report.acknowledged == ()
+    assert _errors(second) == {"ClassifierCheckFailedError": everyone}, second.report.refusals
+    assert all("DP record states growth" in r["message"] for r in second.report.refusals)
