@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -93,6 +94,38 @@ class Layout:
         for (group, tensor), derivation in sorted(self.derived.items()):
             out.setdefault(group, {})[tensor] = derivation
         return out
+
+    def logical_tensors(self) -> dict[str, tuple[str, ...]]:
+        """Group -> the tensor names of the method's sums (:meth:`logical_words`'s, by name)."""
+        out = {group: set(tensors) for group, tensors in self.groups.items()}
+        for group, tensor in self.derived:
+            out.setdefault(group, set()).add(tensor)
+        for group, tensor in self.hidden:
+            out[group].discard(tensor)
+        return {group: tuple(sorted(tensors)) for group, tensors in out.items() if tensors}
+
+    def group_records(
+        self, members: Mapping[str, Sequence[str]], survivors: Mapping[str, Sequence[str]]
+    ) -> list[dict[str, Any]]:
+        """What the server learned of each group, as an audit states it: the method's groups and the
+        wire groups that only serve a derivation, each with its members and survivors (the
+        :meth:`logical_members` of the wire's), the tensors summed on the wire (a derived group:
+        its derived ones) and how a derived sum is formed.  Every party derives it alike, the
+        server from its sums' members, a client from the advertisements and the survivor set it
+        signed."""
+        logical, derived = self.logical_tensors(), self.derivations()
+        records = []
+        for name in sorted(set(logical) | {group for group, _ in self.hidden}):
+            entry: dict[str, Any] = {
+                "name": name,
+                "members": list(members[name]),
+                "survivors": list(survivors[name]),
+                "tensors": sorted(self.groups[name] if name in self.groups else logical[name]),
+            }
+            if name in derived:
+                entry["derived"] = {tensor: d.to_dict() for tensor, d in derived[name].items()}
+            records.append(entry)
+        return records
 
     def logical_members(self, wire: Mapping[str, Sequence[str]]) -> dict[str, tuple[str, ...]]:
         """Group -> clients (members or survivors) for the method's groups: the wire groups', and

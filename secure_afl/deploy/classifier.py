@@ -60,6 +60,7 @@ from secure_afl.keys.identity import IdentityKey
 from secure_afl.keys.roster import Roster
 
 from .errors import (
+    ClassifierAuditMisstatedError,
     ClassifierFileError,
     ClassifierNotOfStudyError,
     ClassifierSignatureError,
@@ -237,6 +238,34 @@ class Classifier:
                 f"{source} states {', '.join(differ)} other than the study this institution took part in "
                 f"(study {expected['study_digest'][:16]}...): the coordinator changed what the study decides "
                 "(relabelled classes, another threshold, backbone or DP record); it is not stored"
+            )
+
+    def check_session_view(self, label: str, view: Mapping[str, Any], source: str = "the classifier") -> None:
+        """Refuse a file whose record of session ``label`` states its participants, survivors or the
+        audit's groups other than ``view`` (as this node derived them from the advertisements and
+        the survivor set it signed; the groups by
+        :meth:`~secure_afl.aggregation.layout.Layout.group_records`): the audit is what the
+        coordinator learned, and a reader of the file relies on it."""
+        session = next((s for s in self.sessions if str(s.get("label")) == label), {})
+        stated = {
+            "participants": list(session.get("participants", [])),
+            "survivors": list(session.get("survivors", [])),
+            "groups": [
+                {k: v for k, v in entry.items() if k != "session"}
+                for entry in self.audit.get("groups", [])
+                if isinstance(entry, Mapping) and entry.get("session") == label
+            ],
+        }
+        differ = [
+            key
+            for key, value in stated.items()
+            if json.dumps(value, sort_keys=True) != json.dumps(view.get(key), sort_keys=True)
+        ]
+        if differ:
+            raise ClassifierAuditMisstatedError(
+                f"{source} states session {label}'s {', '.join(differ)} other than this institution took "
+                "part in it (its participants, survivors, groups' members, survivors and tensors): the "
+                "coordinator misstated what it learned; it is not stored"
             )
 
     def privacy_lines(self) -> list[str]:

@@ -999,7 +999,7 @@ def _continue_session(envelope: Envelope, label: str, state: LocalState, setting
         # The values uploaded, for the classifier check (verify.py); those a growing study may add to
         # its sums also in the ledger dir, which outlives the run (the node's own values only, 0600).
         keep_inputs(label, saved, state, settings.ledger_dir / KEPT_DIR)
-        state.save(label, _done(saved))
+        state.save(label, _done(saved, _session_view(session, study, label, roster)))
     else:
         # ``finished``: the session needs nothing more of this client for sure (CKKS after R2); its
         # secrets are kept only for a replacement decryption, and dropped when the session is over.
@@ -1123,13 +1123,37 @@ def _settle_earlier_sessions(label: str, state: LocalState) -> None:
         _settle(earlier, state)
 
 
-def _done(saved: Mapping[str, Any]) -> dict[str, Any]:
-    """A session's record once it is over: its ids, and its study (the classifier's delivery checks
-    the file states what that study decides, :func:`_store_classifier`); no secret."""
+def _done(saved: Mapping[str, Any], view: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A session's record once it is over: its ids, its study and (masking) this node's ``view`` of
+    what the server learned (:func:`_session_view`; the classifier's delivery checks the file
+    states what that study decides and that view, :func:`_store_classifier`); no secret."""
     return {
         "status": "done", "client_id": saved["client_id"], "session_id": saved["session_id"],
-        "study": saved["study"],
+        "study": saved["study"], **({} if view is None else {"view": view}),
     }  # fmt: skip
+
+
+def _session_view(session: Any, study: Study, label: str, roster: Roster) -> dict[str, Any] | None:
+    """What the classifier's record of session ``label`` must state, from what this node saw: its
+    ``participants`` (whose advertisements the session relayed), ``survivors`` (the set it signed
+    in R3) and the audit's ``groups`` (:meth:`Layout.group_records`: the members the advertisements
+    named, the survivors among them, in the session's layout: round 1's from the study and roster,
+    round 2's from its pseudo-label groups), as the server forms them from its sums.  None where
+    the backend keeps no such view (CKKS: its audit is not checked)."""
+    summed = getattr(session, "summed_groups", None)
+    if summed is None:
+        return None
+    members, survivors, participants = summed
+    if label == "1":
+        layout, _ = round1_plan(study, [entry.client_id for entry in roster])
+    else:
+        layout = round2_layout(study, [int(g.split("/")[1]) for g in members if g.startswith("pseudo/")])
+    alive = {group: tuple(c for c in ids if c in survivors) for group, ids in members.items()}
+    return {
+        "participants": sorted(participants),
+        "survivors": sorted(survivors),
+        "groups": layout.group_records(layout.logical_members(members), layout.logical_members(alive)),
+    }
 
 
 def _settle(label: str, state: LocalState) -> dict[str, Any] | None:
@@ -1170,6 +1194,8 @@ def _store_classifier(envelope: Envelope, state: LocalState, settings: NodeSetti
                 "earlier release): run the session again"
             )
         studied = str(saved["study"])  # every session of a run is of one study
+        if saved.get("view") is not None:  # what the server learned, as this node saw it
+            classifier.check_session_view(str(session["label"]), saved["view"], "the server's classifier")
     if studied is not None:  # its classes, threshold, backbone, method, DP record: the study's
         expected = classifier_fields(Study.from_json(studied), len(roster))
         classifier.check_study_fields(expected, "the server's classifier")

@@ -85,6 +85,11 @@ class ClassifierNotOfStudyError(ClassifierFileError):
     settings, study digest) are not those of the study the node took part in."""
 
 
+class ClassifierAuditMisstatedError(ClassifierFileError):
+    """A signed classifier file whose audit states a session's groups (members, survivors, tensors,
+    derivations) other than the node derived them from the session it took part in."""
+
+
 class LocalDeploymentError(DeploymentError):
     """``deploy local``: a child process failed to start or exited early (its log is named)."""
 

@@ -579,18 +579,9 @@ class FederationServer:
         # The audit names the groups as summed on the wire (what the server learned, as the
         # simulator's audit does): under a difference plan also the groups that only serve a
         # derivation, and each derived sum says which wire sums give it (added and subtracted).
-        derived = layout.derivations()
-        for name in sorted(set(outcome.sums) | {group for group, _ in layout.hidden}):
-            entry: dict[str, Any] = {
-                "session": label,
-                "name": name,
-                "members": list(outcome.members[name]),
-                "survivors": list(outcome.survivors[name]),
-                "tensors": sorted(layout.groups[name] if name in layout.groups else outcome.sums[name]),
-            }
-            if name in derived:
-                entry["derived"] = {tensor: d.to_dict() for tensor, d in derived[name].items()}
-            record.groups.append(entry)
+        # Every node derives the same records and refuses a classifier whose audit states others.
+        for entry in layout.group_records(outcome.members, outcome.survivors):
+            record.groups.append({"session": label, **entry})
         if "key_holder" in outcome.details:
             record.key_holder = str(outcome.details["key_holder"])
             record.replaced_key_holders = tuple(outcome.details.get("replaced_key_holders", ()))  # type: ignore[arg-type]

@@ -178,6 +178,7 @@ class ClientSession(SessionDriver):
     ) -> None:
         self._limits: dict[type, int] = {}
         self._context = binding.check_context(context)
+        self._summed: tuple[dict[str, tuple[str, ...]], frozenset[str], frozenset[str]] | None = None
         self._workers = workers
         super().__init__(
             client_id, identity_key, roster, inputs, policy=policy, min_group_size=min_group_size,
@@ -203,6 +204,15 @@ class ClientSession(SessionDriver):
         if expected is None:
             return max((self._limits[kind] for kind in _SERVER_MESSAGES if kind in self._limits), default=0)
         return self._limits[expected[0]]
+
+    @property
+    def summed_groups(self) -> tuple[dict[str, tuple[str, ...]], frozenset[str], frozenset[str]] | None:
+        """Once R3 is signed: each group's members (from the advertisements, one view), the
+        survivor set this client signed, whose inputs the group sums hold, and the clients whose
+        advertisements the session relayed (its participants, some perhaps in no group); None
+        before.  No secret: what every member knows of the sums the server learns (the
+        classifier's audit states it)."""
+        return self._summed
 
     @property
     def max_message_bytes(self) -> int:
@@ -567,6 +577,7 @@ class ClientSession(SessionDriver):
 
         def commit() -> None:
             self._survivors = frozenset(survivors)
+            self._summed = (dict(self._members), self._survivors, frozenset(self._adverts))
             self._gate.findings.extend(findings)
 
         return reply, commit

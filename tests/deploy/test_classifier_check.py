@@ -115,7 +115,8 @@ def test_a_changed_classifier_is_refused_by_every_survivor(tmp_path: Path, chang
 
 def test_a_different_survivor_set_is_refused(tmp_path: Path) -> None:
     """The coordinator leaves client-3's statistics in the sums but reports it as no survivor, does
-    not deliver to it, and relays the others' commitments only: the sum lacks client-3's terms."""
+    not deliver to it, and relays the others' commitments only: every other node refuses the file,
+    whose session record is not the survivor set it signed in R3."""
     federation = make_federation(tmp_path, n_clients=4)
     federation.nodes[1003].dead_from = "classifier"
 
@@ -137,12 +138,15 @@ def test_a_different_survivor_set_is_refused(tmp_path: Path) -> None:
         return envelope
 
     server, _ = _run(federation, change=edit, tamper=tamper)
-    _refused_by_all(server, federation, {"client-0", "client-1", "client-2"}, "VerificationError")
+    _refused_by_all(server, federation, {"client-0", "client-1", "client-2"}, "ClassifierAuditMisstatedError")
 
 
-def test_a_survivor_set_narrowed_to_a_colluder_gets_no_masked_terms(tmp_path: Path) -> None:
+@pytest.mark.parametrize("view", [True, False], ids=["session view", "ledger"])
+def test_a_survivor_set_narrowed_to_a_colluder_gets_no_masked_terms(tmp_path: Path, view: bool) -> None:
     """The coordinator names two survivors (client-0 and its colluder client-1): were client-0 to mask
-    its residual for that set, client-1 could remove its only pad.  It refuses before masking."""
+    its residual for that set, client-1 could remove its only pad.  It refuses before masking: on
+    delivery, where its session record holds what it saw of the session; else (a record without
+    it) when the check starts, from the survivor set its ledger says it signed in R3."""
     federation = make_federation(tmp_path, n_clients=4)
     pair = ["client-0", "client-1"]
 
@@ -160,11 +164,18 @@ def test_a_survivor_set_narrowed_to_a_colluder_gets_no_masked_terms(tmp_path: Pa
 
     server, transport = _server(federation, tamper)
     classifier = edit(server.run())
+    if not view:
+        state = federation.nodes[1000].state
+        state.save("1", {k: v for k, v in state.load("1").items() if k != "view"})
     server.deliver(classifier, server.sign(classifier))
     assert server.report.verified == () and not any(_stored(federation).values())
     refused = [r for r in server.report.refusals if r["from"] == "client-0"]
-    assert refused and refused[0]["error"] == "VerificationError"
-    assert "not the set this node signed in R3" in refused[0]["message"]
+    if view:
+        assert refused and refused[0]["error"] == "ClassifierAuditMisstatedError"
+        assert "states session 1's survivors other than" in refused[0]["message"]
+    else:
+        assert refused and refused[0]["error"] == "VerificationError"
+        assert "not the set this node signed in R3" in refused[0]["message"]
     assert not any(g == "verify-sums" for _, g, _ in transport.sent)  # no masked terms to relay
 
 
