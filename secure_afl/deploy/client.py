@@ -1125,11 +1125,12 @@ def _settle_earlier_sessions(label: str, state: LocalState) -> None:
 
 def _done(saved: Mapping[str, Any], view: dict[str, Any] | None = None) -> dict[str, Any]:
     """A session's record once it is over: its ids, its study and (masking) this node's ``view`` of
-    what the server learned (:func:`_session_view`; the classifier's delivery checks the file
-    states what that study decides and that view, :func:`_store_classifier`); no secret."""
+    what the server learned (:func:`_session_view`, as JSON text: Flower's state holds flat values;
+    the classifier's delivery checks the file states what that study decides and that view,
+    :func:`_store_classifier`); no secret."""
     return {
         "status": "done", "client_id": saved["client_id"], "session_id": saved["session_id"],
-        "study": saved["study"], **({} if view is None else {"view": view}),
+        "study": saved["study"], **({} if view is None else {"view": json.dumps(view, sort_keys=True)}),
     }  # fmt: skip
 
 
@@ -1195,7 +1196,8 @@ def _store_classifier(envelope: Envelope, state: LocalState, settings: NodeSetti
             )
         studied = str(saved["study"])  # every session of a run is of one study
         if saved.get("view") is not None:  # what the server learned, as this node saw it
-            classifier.check_session_view(str(session["label"]), saved["view"], "the server's classifier")
+            view = json.loads(str(saved["view"]))
+            classifier.check_session_view(str(session["label"]), view, "the server's classifier")
     if studied is not None:  # its classes, threshold, backbone, method, DP record: the study's
         expected = classifier_fields(Study.from_json(studied), len(roster))
         classifier.check_study_fields(expected, "the server's classifier")

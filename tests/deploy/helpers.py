@@ -37,6 +37,8 @@ def pixel_digests(file_digests: Collection[str]) -> list[str]:
 
 
 class DictState:
+    """A node's local state in process, holding what Flower's context.state holds (checked on save)."""
+
     def __init__(self) -> None:
         self.records: dict[str, dict[str, Any]] = {}
 
@@ -45,6 +47,10 @@ class DictState:
         return copy.deepcopy(record) if record is not None else None
 
     def save(self, label: str, record: Mapping[str, Any]) -> None:
+        from flwr.app import ConfigRecord
+
+        # What Flower's context.state takes (deploy/apps.py FlowerState): flat values, arrays apart.
+        ConfigRecord({k: v for k, v in record.items() if k != "inputs"})
         self.records[label] = copy.deepcopy(dict(record))
 
 

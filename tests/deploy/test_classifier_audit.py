@@ -8,6 +8,7 @@ whoever reads the file."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -70,7 +71,7 @@ def test_an_honest_files_audit_is_what_every_node_derived(tmp_path: Path) -> Non
             continue
         done = node.state.load("1")
         assert done["status"] == "done"
-        view = done["view"]
+        view = json.loads(done["view"])
         assert view["groups"] == [{k: v for k, v in g.items() if k != "session"} for g in stated]
         assert (
             view["participants"]
