@@ -244,8 +244,18 @@ class Classifier:
         """Refuse a file whose record of session ``label`` states its participants, survivors or the
         audit's groups other than ``view`` (as this node derived them from the advertisements and
         the survivor set it signed; the groups by
-        :meth:`~secure_afl.aggregation.layout.Layout.group_records`): the audit is what the
-        coordinator learned, and a reader of the file relies on it."""
+        :meth:`~secure_afl.aggregation.layout.Layout.group_records`), or whose audit states groups of
+        a session the file does not record: the audit is what the coordinator learned, and a reader
+        of the file relies on it."""
+        labels = {str(s.get("label")) for s in self.sessions}
+        strays = sorted(
+            {str(g.get("session")) for g in self.audit.get("groups", []) if isinstance(g, Mapping)} - labels
+        )
+        if strays or not all(isinstance(g, Mapping) for g in self.audit.get("groups", [])):
+            raise ClassifierAuditMisstatedError(
+                f"{source}'s audit states groups of sessions {strays} it does not record (or malformed "
+                "entries): the coordinator misstated what it learned; it is not stored"
+            )
         session = next((s for s in self.sessions if str(s.get("label")) == label), {})
         stated = {
             "participants": list(session.get("participants", [])),

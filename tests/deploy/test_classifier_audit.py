@@ -49,11 +49,16 @@ def _fewer_tensors(groups: list[dict]) -> list[dict]:  # a sum the server learne
     return groups
 
 
+def _stray_session(groups: list[dict]) -> list[dict]:  # groups of a session the file does not record
+    return [*groups, {**groups[0], "session": "3"}]
+
+
 CHANGES = {
     "survivors": _more_survivors,
     "members": _one_member_fewer,
     "a group": _one_group_fewer,
     "tensors": _fewer_tensors,
+    "a stray session": _stray_session,
 }
 
 
