@@ -71,6 +71,12 @@ from .errors import (
     UnsignedClassifierError,
 )
 
+
+def _canonical(value: Any) -> str:
+    """A JSON value as compared with another: keys sorted, a tuple and a list alike."""
+    return json.dumps(value, sort_keys=True, default=str)
+
+
 CLASSIFIER_FORMAT = "secure-afl-classifier/v2"
 UNSIGNED_FORMATS = ("secure-afl-classifier/v1",)
 MAX_CLASSIFIER_BYTES = 512 * 1024 * 1024
@@ -228,11 +234,7 @@ class Classifier:
             # A record where the study has none states itself whole: it differs from None.
             "privacy": None if mine is None else {k: mine.get(k) for k in (privacy or mine)},
         }
-
-        def normal(value: Any) -> str:  # JSON's view: a tuple and a list, 1 and 1.0 read alike
-            return json.dumps(value, sort_keys=True, default=str)
-
-        differ = [key for key in expected if normal(stated[key]) != normal(expected[key])]
+        differ = [key for key in expected if _canonical(stated[key]) != _canonical(expected[key])]
         if differ:
             raise ClassifierNotOfStudyError(
                 f"{source} states {', '.join(differ)} other than the study this institution took part in "
@@ -240,43 +242,42 @@ class Classifier:
                 "(relabelled classes, another threshold, backbone or DP record); it is not stored"
             )
 
-    def check_session_view(self, label: str, view: Mapping[str, Any], source: str = "the classifier") -> None:
-        """Refuse a file whose record of session ``label`` states its participants, survivors or the
-        audit's groups other than ``view`` (as this node derived them from the advertisements and
-        the survivor set it signed; the groups by
-        :meth:`~secure_afl.aggregation.layout.Layout.group_records`), or whose audit states groups of
-        a session the file does not record: the audit is what the coordinator learned, and a reader
-        of the file relies on it."""
+    def check_session_views(
+        self, views: Mapping[str, Mapping[str, Any]], source: str = "the classifier"
+    ) -> None:
+        """Refuse a file whose record of a session in ``views`` (label -> this node's view, derived
+        from the advertisements and the survivor set it signed; the groups by
+        :meth:`~secure_afl.aggregation.layout.Layout.group_records`) states its participants,
+        survivors or the audit's groups otherwise, or whose audit states groups of a session the
+        file does not record: the audit is what the coordinator learned, and a reader of the file
+        relies on it."""
+        groups = self.audit.get("groups", [])
         labels = {str(s.get("label")) for s in self.sessions}
-        strays = sorted(
-            {str(g.get("session")) for g in self.audit.get("groups", []) if isinstance(g, Mapping)} - labels
-        )
-        if strays or not all(isinstance(g, Mapping) for g in self.audit.get("groups", [])):
+        malformed = not all(isinstance(g, Mapping) for g in groups)
+        strays = [] if malformed else sorted({str(g.get("session")) for g in groups} - labels)
+        if malformed or strays:
             raise ClassifierAuditMisstatedError(
                 f"{source}'s audit states groups of sessions {strays} it does not record (or malformed "
                 "entries): the coordinator misstated what it learned; it is not stored"
             )
-        session = next((s for s in self.sessions if str(s.get("label")) == label), {})
-        stated = {
-            "participants": list(session.get("participants", [])),
-            "survivors": list(session.get("survivors", [])),
-            "groups": [
-                {k: v for k, v in entry.items() if k != "session"}
-                for entry in self.audit.get("groups", [])
-                if isinstance(entry, Mapping) and entry.get("session") == label
-            ],
-        }
-        differ = [
-            key
-            for key, value in stated.items()
-            if json.dumps(value, sort_keys=True) != json.dumps(view.get(key), sort_keys=True)
-        ]
-        if differ:
-            raise ClassifierAuditMisstatedError(
-                f"{source} states session {label}'s {', '.join(differ)} other than this institution took "
-                "part in it (its participants, survivors, groups' members, survivors and tensors): the "
-                "coordinator misstated what it learned; it is not stored"
-            )
+        for label, view in views.items():
+            session = next((s for s in self.sessions if str(s.get("label")) == label), {})
+            stated = {
+                "participants": list(session.get("participants", [])),
+                "survivors": list(session.get("survivors", [])),
+                "groups": [
+                    {k: v for k, v in g.items() if k != "session"}
+                    for g in groups
+                    if g.get("session") == label
+                ],
+            }
+            differ = [key for key, value in stated.items() if _canonical(value) != _canonical(view.get(key))]
+            if differ:
+                raise ClassifierAuditMisstatedError(
+                    f"{source} states session {label}'s {', '.join(differ)} other than this institution took "
+                    "part in it (its participants, survivors, groups' members, survivors and tensors): the "
+                    "coordinator misstated what it learned; it is not stored"
+                )
 
     def privacy_lines(self) -> list[str]:
         """What ``predict`` prints about the release's differential privacy (nothing without DP)."""

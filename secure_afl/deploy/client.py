@@ -1176,7 +1176,7 @@ def _store_classifier(envelope: Envelope, state: LocalState, settings: NodeSetti
     # Raises ClassifierTamperedError, UnsignedClassifierError, ClassifierSignatureError (also when the
     # pinned roster names no coordinator) or RosterMismatchError (made with another roster).
     classifier = Classifier.from_json(envelope.payload, roster=roster, source="the server's classifier")
-    mine, studied = {}, None
+    mine, studied, views = {}, None, {}
     for session in classifier.sessions:
         saved = _settle(str(session["label"]), state)  # the classifier ends every session
         if saved is None or saved.get("status") != "done":
@@ -1196,8 +1196,9 @@ def _store_classifier(envelope: Envelope, state: LocalState, settings: NodeSetti
             )
         studied = str(saved["study"])  # every session of a run is of one study
         if saved.get("view") is not None:  # what the server learned, as this node saw it
-            view = json.loads(str(saved["view"]))
-            classifier.check_session_view(str(session["label"]), view, "the server's classifier")
+            views[str(session["label"])] = json.loads(str(saved["view"]))
+    if views:
+        classifier.check_session_views(views, "the server's classifier")
     if studied is not None:  # its classes, threshold, backbone, method, DP record: the study's
         expected = classifier_fields(Study.from_json(studied), len(roster))
         classifier.check_study_fields(expected, "the server's classifier")

@@ -576,10 +576,8 @@ class FederationServer:
         outcome = self.backend.outcome(session, layout)
         record.survivors = tuple(sorted(outcome.clients))
         record.completed = tuple(sorted(set(outcome.clients) - failed))
-        # The audit names the groups as summed on the wire (what the server learned, as the
-        # simulator's audit does): under a difference plan also the groups that only serve a
-        # derivation, and each derived sum says which wire sums give it (added and subtracted).
-        # Every node derives the same records and refuses a classifier whose audit states others.
+        # The audit's groups (Layout.group_records): every node derives the same records and refuses
+        # a classifier whose audit states others.
         for entry in layout.group_records(outcome.members, outcome.survivors):
             record.groups.append({"session": label, **entry})
         if "key_holder" in outcome.details:
