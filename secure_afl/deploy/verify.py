@@ -810,11 +810,13 @@ def _begin_check(
     commitments = _commitments(meta, session_id)
     keys = {entry.client_id: entry.public_key for entry in roster}
     pv.check_commitments(commitments, survivors, keys, own)
-    # The check's transcript binds the exact file: a node given another file masks with other pads,
-    # which cancel with nobody's (protocol/verify.py), so no sum over different files is formed.
-    seed = pv.transcript(hashlib.sha256(payload).digest(), commitments)
     form = str(record.get("form", "client"))
     counts = _relayed_counts(meta, form, classifier.weights.shape[1])
+    # The transcript binds every value the coordinator sent that shapes this node's terms (the exact
+    # file, the count sums): a node given others masks with other pads, which cancel with nobody's
+    # (protocol/verify.py), so no sum is formed over values chosen per node, which would isolate one
+    # node's statistics (counts off by one at one node shift the sum by its class sum).
+    seed = pv.transcript(check_context(payload, counts), commitments)
     ridge = study_ridge(record)
     gamma = _solve_gamma(float(record["gamma"]), classifier)
     weights = solved_weights(classifier, record)  # W, or W_K once W = M W_K is checked
@@ -966,6 +968,13 @@ def answer_check(
         f"at most {max(ratios):.2g} of its rounding bound)"
     )
     return Envelope("ack", {"round": round_name, "verified": True, "sha256": document["classifier_sha256"]})
+
+
+def check_context(payload: bytes, counts: Mapping[str, float]) -> bytes:
+    """What the check's transcript binds besides the commitments: the file's SHA-256 and the count
+    sums the coordinator sent with it (each exactly, as float.hex, in key order)."""
+    relayed = json.dumps([[key, float(counts[key]).hex()] for key in sorted(counts)]).encode("ascii")
+    return hashlib.sha256(payload).digest() + hashlib.sha256(relayed).digest()
 
 
 def _relayed_counts(meta: Mapping[str, Any], form: str, n_classes: int) -> dict[str, float]:

@@ -36,16 +36,18 @@ from secure_afl.core.randomness import RandomSource
 from . import crypto, prg
 from .fields import sequence, tagged_fields
 
+# v5: the transcript's context binds every value the coordinator sends that shapes a node's terms
+# (deploy/verify.py: the file and the count sums), so nodes given different ones form no sum.
 # v4: a growing DP chain's terms end with each node's count of misstated run records (deploy/verify.py).
 # v3: the pads are the session's mask PRG (AES-256-CTR, .prg), no longer SHAKE-256.  Every domain
 # names the version, so a node of another version fails at the commitments (VERSION_HINT), not at
 # a sum that looks like a tampered classifier.  v2: one round, every coordinate (no challenge).
-VERSION = "v4"
-COMMIT_DOMAIN = b"secure-afl/v4/verify-commit"
-TRANSCRIPT_DOMAIN = b"secure-afl/v4/verify-transcript"
-MASK_DOMAIN = b"secure-afl/v4/verify-mask"
-MASKED_DOMAIN = b"secure-afl/v4/verify-masked"
-SECRET_DOMAIN = b"secure-afl/v4/verify-secret"
+VERSION = "v5"
+COMMIT_DOMAIN = b"secure-afl/v5/verify-commit"
+TRANSCRIPT_DOMAIN = b"secure-afl/v5/verify-transcript"
+MASK_DOMAIN = b"secure-afl/v5/verify-mask"
+MASKED_DOMAIN = b"secure-afl/v5/verify-masked"
+SECRET_DOMAIN = b"secure-afl/v5/verify-secret"
 VERSION_HINT = (
     f"(a node signs its commitment for the check's protocol {VERSION}: one running another secure-afl "
     "release fails here; every node of a federation runs one release)"

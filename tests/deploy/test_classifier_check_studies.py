@@ -16,10 +16,10 @@ import pytest
 from secure_afl.deploy.study import Method, StudyDp, round1_plan
 from secure_afl.deploy.verify import not_offered, verification_status
 from secure_afl.deploy.wire import Envelope
-from secure_afl.protocol.verify import Commitment
+from secure_afl.protocol.verify import Commitment, MaskedValue, decode_words
 
 from .helpers import Federation, InProcessTransport, make_federation, run_server
-from .test_classifier_check import _perturb, _refused_by_all, _run
+from .test_classifier_check import _perturb, _refused_by_all, _run, _server
 
 DP_ACTIVE = {"client-0": (1, 2), "client-1": (0, 2), "client-2": (0, 1, 2), "client-3": (0, 1, 2)}
 # Twelve institutions: five miss class 0, five class 1, two label all (test_deploy_difference.py's).
@@ -123,6 +123,62 @@ def test_counts_other_than_the_solves_are_refused_by_every_node(tmp_path: Path, 
     server, _ = _run(federation, tamper=tamper)
     nodes = {n.client_id for n in federation.nodes.values()}
     _refused_by_all(server, federation, nodes, "ClassifierCheckFailedError")
+
+
+def _summed_acks(transport: InProcessTransport) -> np.ndarray:
+    """What the coordinator gets by adding every survivor's masked terms (their acks) itself."""
+    total, words = 0, 0
+    for _, group, envelope in transport.received:
+        if group == "classifier" and envelope.kind == "ack" and envelope.meta.get("verify-masked"):
+            masked = MaskedValue.from_bytes("any", envelope.payload).data
+            words = len(masked) // 32
+            total += sum(
+                int.from_bytes(masked[i : i + 32], "big") << (256 * (words - 1 - i // 32))
+                for i in range(0, len(masked), 32)
+            )
+    total %= 2 ** (256 * words)
+    return decode_words(total.to_bytes(32 * words, "big"))
+
+
+def test_counts_changed_at_one_node_put_its_terms_in_no_sum(tmp_path: Path) -> None:
+    """The coordinator relays to client-0 alone class 1's positive count and total one higher (its
+    negatives unchanged): client-0's terms then shift by (1/(N⁺+1) − 1/N⁺) times its own class-1
+    positive sum, which the coordinator could read from the sum of every ack against the honest
+    one.  The counts are in the check's transcript: client-0 masks with pads no one cancels, and the
+    acks add up to noise, not to its class sum; every node refuses."""
+    c = 1
+    honest_federation = _federation(tmp_path / "honest", "global")
+    honest_server, honest_transport = _server(honest_federation)
+    honest_server.deliver(classifier := honest_server.run(), honest_server.sign(classifier))
+    honest = _summed_acks(honest_transport)
+    d = honest_federation.study.dim
+    gamma = honest_federation.study.method.gamma
+    # The procedure reads the sum: the honest acks add up to −γ w_c, to rounding.
+    assert np.max(np.abs(honest[c * d : (c + 1) * d] + gamma * classifier.weights[:, c])) < 1e-6
+    true: dict[str, float] = {}
+
+    def tamper(node: int, group: str, envelope: Envelope) -> Envelope:
+        if group != "classifier" or node != 1000:  # client-0
+            return envelope
+        counts = json.loads(str(envelope.meta["verify-counts"]))
+        true["n_pos"] = counts[f"class/{c}|n_pos/{c}"]
+        counts[f"class/{c}|n_pos/{c}"] += 1.0
+        counts[f"class/{c}|n"] += 1.0
+        meta = {**envelope.meta, "verify-counts": json.dumps(counts)}
+        return Envelope(envelope.kind, meta, envelope.payload)
+
+    federation = _federation(tmp_path / "tampered", "global")
+    server, transport = _server(federation, tamper)
+    server.deliver(tampered := server.run(), server.sign(tampered))
+    assert np.array_equal(tampered.weights, classifier.weights)  # the same data, the same classifier
+    nodes = {n.client_id for n in federation.nodes.values()}
+    assert server.report.verified == () and {r["from"] for r in server.report.refusals} == nodes
+    features, labels, _ = federation.data["client-0"]
+    positives = np.asarray(features, dtype=np.float64)[labels[:, c] == 1].sum(axis=0)
+    n_pos = round(true["n_pos"])
+    shift = 1.0 / (n_pos + 1) - 1.0 / n_pos
+    read = -(_summed_acks(transport) - honest)[c * d : (c + 1) * d] / shift
+    assert not np.allclose(read, positives, rtol=1e-3, atol=1e-3), "the sum gave client-0's class sum"
 
 
 def test_the_studies_not_covered_say_why(tmp_path: Path) -> None:
