@@ -1204,11 +1204,15 @@ def _store_classifier(envelope: Envelope, state: LocalState, settings: NodeSetti
         classifier.check_study_fields(expected, "the server's classifier")
     identity = loaded_once(lambda: node_identity(settings, roster))  # the passphrase only when needed
 
+    ledger: list[Any] = []  # loaded on first use, once: a growing chain asks for each of its runs
+
     def signed_survivors(session_id: str) -> tuple[str, ...] | None:
         """The survivor set this node signed in the session's R3 (its ledger): the sum's members."""
         from secure_afl.privacy.ledger import LedgerOwner
 
-        entry = _ledger(settings).load(LedgerOwner(*identity())).sessions.get(session_id)
+        if not ledger:
+            ledger.append(_ledger(settings).load(LedgerOwner(*identity())))
+        entry = ledger[0].sessions.get(session_id)
         return None if entry is None else entry.survivors
 
     held = begin_check(

@@ -416,11 +416,15 @@ def keep_inputs(label: str, saved: Mapping[str, Any], state: Any, keep_dir: Path
     )  # fmt: skip
 
 
-def check_inputs(state: Any, record: Mapping[str, Any], classifier: Classifier) -> dict[str, np.ndarray]:
+def check_inputs(
+    state: Any, record: Mapping[str, Any], classifier: Classifier,
+    signed_survivors: Callable[[str], Collection[str] | None],
+) -> dict[str, np.ndarray]:  # fmt: skip
     """The values this node's terms are computed over: for each ``group|tensor``, what the sums the
     coordinator solved contain of this node's uploads, as the masking encoded them
     (``decode(encode(x))``, :func:`_encoded`).  A growing study's (:func:`chain_values`): this
-    node's values summed over the runs of the chain ``classifier`` records that included it."""
+    node's values summed over the runs of the chain ``classifier`` records that included it, each
+    run's survivors being the set this node signed in its R3 (``signed_survivors``, its ledger)."""
     kept = state.load(STATE_INPUTS) or {}
     if kept.get("session_id") != record["session_id"] or "inputs" not in kept:
         raise UnverifiedClassifierError("this node no longer holds its session-1 values to check with")
@@ -432,7 +436,7 @@ def check_inputs(state: Any, record: Mapping[str, Any], classifier: Classifier) 
         noise[str(record["session_id"])] = run_noise(study, survivors)
         own.update(noise_share(noise[str(record["session_id"])], survivors))
     if record.get("extends"):
-        values, noise = chain_values(record, classifier, own, noise)
+        values, noise = chain_values(record, classifier, own, noise, signed_survivors)
         if study is not None:  # not folded: a statement about this file alone
             values[MISSTATED_KEY] = np.array([float(misstated_runs(classifier, noise))])
         return values
@@ -630,7 +634,7 @@ def _recorded_chain(record: Mapping[str, Any], classifier: Classifier) -> list[E
 
 def chain_values(
     record: Mapping[str, Any], classifier: Classifier, own: Mapping[str, np.ndarray],
-    noise: Mapping[str, Any],
+    noise: Mapping[str, Any], signed_survivors: Callable[[str], Collection[str] | None],
 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:  # fmt: skip
     """This node's values in a growing study's sums: ``own`` (this run's) plus its kept values of
     every earlier run of the chain the classifier records that lists it among the run's survivors;
@@ -642,7 +646,14 @@ def chain_values(
     whose values it did not keep (a chain started before nodes kept them, or a record lost), a run
     this node kept whose study extends another than the run before it in the record, a run recorded
     otherwise (session, survivors) than when this node checked its classifier.  A check that
-    then passes means: W is the ridge solution of the sums of the runs the chain record lists."""
+    then passes means: W is the ridge solution of the sums of the runs the chain record lists.
+
+    Which runs' values enter this node's terms is never the file's word alone: a run whose R3 this
+    node signed (``signed_survivors``, its ledger) must be recorded with the survivor set it
+    signed.  A record leaving it out of one of its runs
+    (withheld that run's classifier, then omitted it) would have it drop that run's values from its
+    terms while the sum holds them: the difference from the sum the coordinator knows would be this
+    node's values of that run."""
     chain = _recorded_chain(record, classifier)
     client_id, survivors = str(record["client_id"]), set(chain[-1][2])
     absent = sorted({c for entry in chain[:-1] for c in entry[2]} - survivors)
@@ -683,6 +694,14 @@ def chain_values(
             )
         noise.update(meta.get("noise_records") or {})
     runs = {str(meta.get("session_id")): (path, meta) for path, meta in _kept(directory, client_id, "run")}
+    for study, session_id, included in chain[:-1]:
+        signed = signed_survivors(session_id)
+        if signed is not None and sorted(signed) != sorted(included):
+            raise pv.VerificationError(
+                f"the classifier's chain record states the survivors of session {session_id[:16]}... (study "
+                f"{study[:16]}...) as {sorted(included)}, but this node signed {sorted(signed)} in its R3: "
+                "the coordinator misstated whose values that run's sums hold; this node sends no terms"
+            )
     for j in range(base[0], len(chain) - 1):
         study, session_id, included = chain[j]
         run = runs.get(session_id)
@@ -820,10 +839,8 @@ def _begin_check(
     ridge = study_ridge(record)
     gamma = _solve_gamma(float(record["gamma"]), classifier)
     weights = solved_weights(classifier, record)  # W, or W_K once W = M W_K is checked
-    terms = node_terms(
-        check_inputs(state, record, classifier), weights, gram=str(record["gram"]), form=form, counts=counts,
-        ridge=ridge,
-    )  # fmt: skip
+    inputs = check_inputs(state, record, classifier, signed_survivors)
+    terms = node_terms(inputs, weights, gram=str(record["gram"]), form=form, counts=counts, ridge=ridge)
     words = pv.mask(terms, client_id, _secret(record), commitments, seed)
     signer, identity = identity_of()
     if signer != client_id:

@@ -208,6 +208,42 @@ def test_a_chain_record_that_omits_a_run_leaves_the_classifier_unverified(
     assert all(said in r["message"] for r in third.report.refusals), third.report.refusals
 
 
+@pytest.mark.parametrize("dp", [False, True], ids=["global", "dp"])
+def test_a_withheld_runs_survivors_misstated_in_the_next_are_refused_before_any_term(
+    tmp_path: Path, dp: bool
+) -> None:
+    """The coordinator withholds run 1's classifier (no node folded run 1 into a chain record it
+    checked), then records run 1 in run 2's file without client-0.  Had client-0 believed it, it would
+    leave its run-1 values out of its terms while the sums hold them: the coordinator, who knows the
+    sum, would read client-0's run-1 residual and counts (under DP also the survivor count sizing the
+    noise shares would be its word).  Every node compares run 1's survivors with the set it signed in
+    R3 (its ledger) and refuses before sending anything; nothing is stored."""
+    federation, full = _federation(tmp_path, dp)
+    _arrive(federation, full, ARRIVALS[0])
+    first = FederationServer(
+        InProcessTransport(federation), federation.roster, federation.study, round_timeout=1,
+        log=lambda s: None, signer=federation.signer, colluders=0,
+    )  # fmt: skip
+    first.run()  # the sums kept; the classifier never delivered
+
+    def omit(classifier: Classifier) -> Classifier:
+        growth = dict(classifier.protocol["growth"])
+        chain = [dict(e) for e in growth["chain"]]
+        chain[0]["survivors"] = [s for s in chain[0]["survivors"] if s != "client-0"]
+        return dataclasses.replace(
+            classifier, protocol={**classifier.protocol, "growth": {**growth, "chain": chain}}
+        )
+
+    second = _next(federation, full, [first], change=omit)
+    everyone = {n.client_id for n in federation.nodes.values()}
+    assert second.report.verified == () and second.report.acknowledged == ()
+    assert _errors(second) == {"VerificationError": everyone}, second.report.refusals
+    # refused as the file arrived, in place of the ack that would have carried the masked terms
+    refusals = second.report.refusals
+    assert all(r["at"] == "classifier" and "in its R3" in r["message"] for r in refusals), refusals
+    assert not any((n.settings.out_dir / "classifier.json").exists() for n in federation.nodes.values())
+
+
 def test_a_growing_dp_chains_ridge_the_coordinator_chose_is_refused_by_every_node(
     tmp_path: Path, monkeypatch
 ) -> None:
