@@ -178,7 +178,7 @@ def record_accepted(
     label = str(envelope.meta.get("session", ""))
     saved = state.load(label) or {}
     body = {
-        "session": label, "round": str(envelope.meta.get("round", "R0")),
+        "session": label, "round": "R0",  # what this node answered, whatever the message was labelled
         "session_id": str(saved.get("session_id", "")),
         "study": Study.from_json(envelope.text("study")).digest(),
         "roster": roster.fingerprint if roster is not None else None,

@@ -168,3 +168,22 @@ def test_under_dp_a_release_records_the_epsilon_spent_and_left(tmp_path: Path) -
         assert release["epsilon"] == spend.epsilon and release["unit"] == "image"
         assert 0 < release["epsilon_total"] <= 2.0 and release["epsilon_limit"] == 2.0
         assert release["epsilon_left"] == pytest.approx(2.0 - release["epsilon_total"])
+
+
+def test_an_accepted_session_is_recorded_as_the_round_the_node_answered(tmp_path: Path) -> None:
+    """The coordinator labels its advertisement as another round: the node's signed record says what
+    the node answered (R0), not the coordinator's label."""
+    from secure_afl.deploy.wire import Envelope
+
+    from .helpers import InProcessTransport
+
+    def relabel(node: int, group: str, envelope: Envelope) -> Envelope:
+        if envelope.kind != "advertise":
+            return envelope
+        return Envelope(envelope.kind, {**envelope.meta, "round": "R4"}, envelope.payload, envelope.arrays)
+
+    federation = make_federation(tmp_path, n_clients=3, rows=30)
+    run_server(federation, transport=InProcessTransport(federation, tamper=relabel))
+    for node in federation.nodes.values():
+        accepted = [r.body for r in _records(node_audit_log(node.settings)) if r.kind == "session-accepted"]
+        assert [body["round"] for body in accepted] == ["R0"]
