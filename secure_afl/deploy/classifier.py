@@ -77,6 +77,8 @@ def _canonical(value: Any) -> str:
     return json.dumps(value, sort_keys=True, default=str)
 
 
+SESSION_FIELDS = ("label", "session_id", "participants", "survivors")  # a session's record in the file
+AUDIT_PARTS = ("groups", "warnings", "refusals", "rejections", "dropouts")  # the file's audit
 CLASSIFIER_FORMAT = "secure-afl-classifier/v2"
 UNSIGNED_FORMATS = ("secure-afl-classifier/v1",)
 MAX_CLASSIFIER_BYTES = 512 * 1024 * 1024
@@ -231,15 +233,36 @@ class Classifier:
             "method": dict(self.method),
             "decision_threshold": self.decision_threshold,
             "protocol": {k: self.protocol.get(k) for k in expected["protocol"]},
+            "keys": {"protocol": sorted(self.protocol), "privacy": None if mine is None else sorted(mine)},
             # A record where the study has none states itself whole: it differs from None.
             "privacy": None if mine is None else {k: mine.get(k) for k in (privacy or mine)},
         }
         differ = [key for key in expected if _canonical(stated[key]) != _canonical(expected[key])]
+        if "keys" in differ:
+            differ[differ.index("keys")] = "fields its protocol or DP record does not define"
         if differ:
             raise ClassifierNotOfStudyError(
                 f"{source} states {', '.join(differ)} other than the study this institution took part in "
                 f"(study {expected['study_digest'][:16]}...): the coordinator changed what the study decides "
                 "(relabelled classes, another threshold, backbone or DP record); it is not stored"
+            )
+
+    def check_layout(self, payload: bytes, source: str = "the classifier") -> None:
+        """Refuse a file (``payload``, this classifier's bytes) holding a field the format does not
+        define: a key beside the file's own, the backbone's or a session's, an audit part other than
+        :data:`AUDIT_PARTS`, a top-level ``preprocessing`` other than the backbone's.  The parsed
+        classifier, written again, must be the file: nothing in it is a statement no reader checks."""
+        document = json.loads(payload)
+        sessions_known = all(set(s) == set(SESSION_FIELDS) for s in self.sessions)
+        if (
+            canonical_content(document) != canonical_content(self._document())
+            or not sessions_known
+            or set(self.audit) != set(AUDIT_PARTS)
+        ):
+            raise ClassifierNotOfStudyError(
+                f"{source} holds fields the classifier format does not define (beside its own, its "
+                "backbone's, its sessions' or its audit's), or a preprocessing other than its backbone's: "
+                "a statement no institution checks; it is not stored"
             )
 
     def check_session_views(

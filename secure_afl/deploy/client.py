@@ -1197,6 +1197,7 @@ def _store_classifier(envelope: Envelope, state: LocalState, settings: NodeSetti
         studied = str(saved["study"])  # every session of a run is of one study
         if saved.get("view") is not None:  # what the server learned, as this node saw it
             views[str(session["label"])] = json.loads(str(saved["view"]))
+    classifier.check_layout(envelope.payload, "the server's classifier")
     if views:
         classifier.check_session_views(views, "the server's classifier")
     if studied is not None:  # its classes, threshold, backbone, method, DP record: the study's

@@ -563,10 +563,23 @@ def classifier_fields(study: Study, roster_size: int) -> dict[str, Any]:
         "protocol": study_protocol(study, roster_size),
         "privacy": None,
     }
+    # Which keys the file's protocol and DP records hold: the study's, and what the server adds
+    # (CKKS's key holders, a growing chain's record, the solve's values): a key beside them would be
+    # a statement no node checks in a file it stores as verified.
+    protocol = [*fields["protocol"], *(["growth"] if study.extends else [])]
+    if study.protection != "mask":
+        protocol += ["key_holders", "trust_model"]
+    fields["keys"] = {"protocol": sorted(protocol), "privacy": None}
     if study.dp is not None:
-        from secure_afl.privacy.dp_solve import plan_record
+        from secure_afl.privacy.dp_solve import SOLVE_RECORD_KEYS, plan_record
+
+        from .solve import STATISTICS_WEIGHTS
 
         fields["privacy"] = plan_record(noise_plan(study, len(study.dp.class_lists)), feature_dim=study.dim)
+        if study.method.rounds == 1:
+            fields["privacy"]["round2_qualified_classes"] = None
+        private = [*fields["privacy"], *SOLVE_RECORD_KEYS, *(["growth"] if study.extends else [])]
+        fields["keys"]["privacy"] = sorted({*private, *([STATISTICS_WEIGHTS] if has_row_map(study) else [])})
     return fields
 
 

@@ -383,6 +383,13 @@ def plan_record(plan: NoisePlan, *, feature_dim: int | None = None) -> dict[str,
     }
 
 
+# The keys privacy_record adds to plan_record's (a node refuses a file whose record holds others).
+SOLVE_RECORD_KEYS = (
+    "ridge", "ridge_noise_bound", "min_eigenvalue_lower_bound", "gram_noise_std", "eigenvalue_floor",
+    "round2_qualified_classes",
+)  # fmt: skip
+
+
 def privacy_record(
     plan: NoisePlan,
     solve: PrivateSolve,

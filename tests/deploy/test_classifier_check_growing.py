@@ -312,7 +312,8 @@ def test_a_misstated_dp_run_is_refused_by_every_node(tmp_path: Path) -> None:
 @pytest.mark.parametrize("change", ["epsilon_chain", "omitted"])
 def test_a_misstated_chain_epsilon_is_refused_by_every_node(tmp_path: Path, change: str) -> None:
     """The chain's ε per institution (what `predict` reports of a growing DP classifier) follows
-    from its runs' records, which the nodes check: a file stating another, or none, is refused."""
+    from its runs' records, which the nodes check: a file stating another, or none (a key the study's
+    file holds, missing), is refused."""
     federation, full = _federation(tmp_path, dp=True)
     servers = _chain(federation, full, 1)
 
@@ -329,5 +330,9 @@ def test_a_misstated_chain_epsilon_is_refused_by_every_node(tmp_path: Path, chan
     second = _next(federation, full, servers, change=misstate)
     everyone = {n.client_id for n in federation.nodes.values()}
     assert second.report.verified == () and second.report.acknowledged == ()
+    if change == "omitted":  # a record without the part a growing study's file holds: refused on arrival
+        assert _errors(second) == {"ClassifierNotOfStudyError": everyone}, second.report.refusals
+        assert all("does not define" in r["message"] for r in second.report.refusals)
+        return
     assert _errors(second) == {"ClassifierCheckFailedError": everyone}, second.report.refusals
     assert all("DP record states growth" in r["message"] for r in second.report.refusals)
