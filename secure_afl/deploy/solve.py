@@ -17,9 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .study import Study, dp_projection, has_row_map
-
-STATISTICS_WEIGHTS = "statistics_weights"  # the privacy record's W_K under --dp-dim or the row centring
+from .study import STATISTICS_WEIGHTS, Study, dp_projection, has_row_map
 
 if TYPE_CHECKING:  # torch: only a solve needs the estimator
     from secure_afl.analytic import AnalyticClassifier, Contributions

@@ -547,6 +547,9 @@ def study_protocol(study: Study, roster_size: int) -> dict[str, Any]:
     }
 
 
+STATISTICS_WEIGHTS = "statistics_weights"  # the privacy record's W_K under --dp-dim or the row centring
+
+
 def classifier_fields(study: Study, roster_size: int) -> dict[str, Any]:
     """Every field of a study's classifier file that the study decides, not the sums: the server
     writes them (server.py) and every node checks the file it receives states them
@@ -572,8 +575,6 @@ def classifier_fields(study: Study, roster_size: int) -> dict[str, Any]:
     fields["keys"] = {"protocol": sorted(protocol), "privacy": None}
     if study.dp is not None:
         from secure_afl.privacy.dp_solve import SOLVE_RECORD_KEYS, plan_record
-
-        from .solve import STATISTICS_WEIGHTS
 
         fields["privacy"] = plan_record(noise_plan(study, len(study.dp.class_lists)), feature_dim=study.dim)
         if study.method.rounds == 1:

@@ -861,7 +861,7 @@ def _begin_check(
 
 def _statistics_weights(classifier: Classifier) -> np.ndarray:
     """The privacy record's W_K (the weights before the lift W = M W_K)."""
-    from .solve import STATISTICS_WEIGHTS
+    from .study import STATISTICS_WEIGHTS
 
     try:
         return np.asarray((classifier.privacy or {})[STATISTICS_WEIGHTS], dtype=np.float64)
@@ -877,8 +877,7 @@ def solved_weights(classifier: Classifier, record: Mapping[str, Any]) -> np.ndar
     privacy record's ``W_K`` once the file's W is its lift ``M W_K`` (M: the study's public row map,
     which this node derives itself) within the product's rounding: ``|W − M W_K| ≤ 2 K u |M| |W_K|``
     entrywise (u = 2^-53; any summation order, BLAS or machine)."""
-    from .solve import STATISTICS_WEIGHTS
-    from .study import dp_projection
+    from .study import STATISTICS_WEIGHTS, dp_projection
 
     study = _record_study(record)
     if study is None:
