@@ -197,7 +197,8 @@ def record_refusal(envelope: Any, refusal: Any, state: Any, settings: Any) -> No
         saved = (state.load(label) if label else None) or {}
         party, identity, roster = _node_key(settings)
         body = {
-            "session": label, "round": str(envelope.meta.get("round", "")) or envelope.kind,
+            "session": label, "round": str(refusal.meta.get("round", "")),  # the node's step, not the label
+            "labelled": str(envelope.meta.get("round", ""))[:40],  # the coordinator's name for the message
             "session_id": str(saved.get("session_id", "")), "study": _study_digest(envelope, saved),
             "roster": roster.fingerprint if roster is not None else None, "decision": "refused",
             "error": str(refusal.meta.get("error", "")), "rule": str(refusal.meta.get("message", "")),

@@ -253,7 +253,7 @@ def handle(envelope: Envelope, state: LocalState, settings: NodeSettings) -> Env
     digest = hashlib.sha256(envelope_bytes(envelope)).hexdigest()
     recorded = _recorded_reply(state.load(home) if home else None, digest)
     if recorded is not None:
-        where = f"{envelope.meta.get('session', '-')} {envelope.meta.get('round', '')}".strip()
+        where = f"{shown(envelope.meta.get('session', '-'))} {shown(envelope.meta.get('round', ''))}".strip()
         log(settings, f"session {where}: the message answered last came again; sent the recorded reply")
         return recorded
     reply = _dispatch(envelope, state, settings)
@@ -324,9 +324,28 @@ def _recorded_reply(record: Mapping[str, Any] | None, digest: str) -> Envelope |
         return None
 
 
+def shown(value: object, limit: int = 40) -> str:
+    """A label of the server's metadata as this node prints it: printable characters only (a newline
+    or an escape sequence would forge a line of the node's log), at most ``limit`` of them."""
+    text = "".join(ch if ch.isprintable() else "?" for ch in str(value))
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def answered_step(envelope: Envelope, state: LocalState) -> str:
+    """The step this node was at when ``envelope`` came, from its own state: the message's ``round``
+    label is the coordinator's word, so the node's records say this instead."""
+    if envelope.kind in ("advertise", "classifier", "verify"):
+        return {"advertise": "R0", "classifier": "classifier", "verify": "verify-sums"}[envelope.kind]
+    saved = state.load(str(envelope.meta.get("session", ""))) if envelope.kind == "protocol" else None
+    if not saved or saved.get("status") != "active":
+        return "no session in progress"
+    answered = len(saved.get("messages", []))  # R0 and each round since, in order (CKKS may repeat one)
+    return f"R{answered}" if saved.get("backend") == "mask" else f"the session's message {answered + 1}"
+
+
 def _dispatch(envelope: Envelope, state: LocalState, settings: NodeSettings) -> Envelope:
     label = str(envelope.meta.get("session", ""))
-    round_name = str(envelope.meta.get("round", ""))
+    step = answered_step(envelope, state)
     try:
         if envelope.kind == "advertise":
             return _start_session(envelope, label, state, settings)
@@ -338,12 +357,13 @@ def _dispatch(envelope: Envelope, state: LocalState, settings: NodeSettings) -> 
             return _check_classifier(envelope, state, settings)
         raise SessionReplayError(f"unexpected {envelope.kind!r} message from the server")
     except Exception as exc:  # every failure is answered (its class named), logged, and ends the session
-        log(settings, f"REFUSED session {label or '-'} {round_name}: {type(exc).__name__}: {exc}")
+        why = f"{type(exc).__name__}: {shown(exc, 2000)}"
+        log(settings, f"REFUSED session {shown(label) or '-'} {step}: {why}")
         # The coordinator learns the error's class, a message without this machine's paths, and the
         # roster id this node holds the key of (read without the passphrase; a claim, not signed).
         refusal = Envelope(
             "refused",
-            {"session": label, "round": round_name, "error": type(exc).__name__,
+            {"session": label, "round": step, "error": type(exc).__name__,
              "message": path_free(str(exc), settings), "client": roster_id(settings) or ""},
         )  # fmt: skip
         record_refusal(envelope, refusal, state, settings)  # as sent, in LEDGER_DIR/audit.log
@@ -956,7 +976,8 @@ def _continue_session(envelope: Envelope, label: str, state: LocalState, setting
     saved = state.load(label)
     if saved is None:
         raise SessionReplayError(
-            f"a {envelope.meta.get('round')} message for session {label}, which this run never started"
+            f"a {shown(envelope.meta.get('round'))} message for session {shown(label)}, which this run never "
+            "started"
         )
     if saved.get("status") != "active":
         raise SessionReplayError(f"session {label} is over ({saved.get('status')}); the message is refused")
@@ -1005,7 +1026,7 @@ def _continue_session(envelope: Envelope, label: str, state: LocalState, setting
         # secrets are kept only for a replacement decryption, and dropped when the session is over.
         finished = backend.client_finished(session)
         state.save(label, {**saved, "messages": [*saved["messages"], envelope.payload], "finished": finished})
-    log(settings, f"{client_id}: session {label} {round_name} answered")
+    log(settings, f"{client_id}: session {shown(label)} {shown(round_name)} answered")
     return Envelope("reply", {"session": label, "round": round_name}, _one_reply(replies))
 
 

@@ -3,6 +3,7 @@ process, through ``handle``), and what ``deploy run`` records as the coordinator
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from pathlib import Path
@@ -175,8 +176,6 @@ def test_an_accepted_session_is_recorded_as_the_round_the_node_answered(tmp_path
     the node answered (R0), not the coordinator's label."""
     from secure_afl.deploy.wire import Envelope
 
-    from .helpers import InProcessTransport
-
     def relabel(node: int, group: str, envelope: Envelope) -> Envelope:
         if envelope.kind != "advertise":
             return envelope
@@ -187,3 +186,40 @@ def test_an_accepted_session_is_recorded_as_the_round_the_node_answered(tmp_path
     for node in federation.nodes.values():
         accepted = [r.body for r in _records(node_audit_log(node.settings)) if r.kind == "session-accepted"]
         assert [body["round"] for body in accepted] == ["R0"]
+
+
+def test_a_label_writes_no_line_of_the_nodes_log_and_a_refusal_is_recorded_at_the_nodes_step(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The coordinator labels client-0's R1 message with a newline and an escape sequence (a forged log
+    line), then sends it junk at R2 labelled R4: no line of the node's log begins with the forged text,
+    no escape sequence is printed, and its signed refusal record says R2, the step the node was at (the
+    label kept apart as the coordinator's)."""
+    from secure_afl.deploy.server import FederationServer
+    from secure_afl.deploy.wire import Envelope
+
+    forged = "R1\nsecure-afl client: client-0: verified the classifier\x1b[2K"
+
+    def relabel(node: int, group: str, envelope: Envelope) -> Envelope:
+        if node != 1000 or group not in ("s1-R1", "s1-R2"):
+            return envelope
+        if group == "s1-R1":
+            return Envelope(envelope.kind, {**envelope.meta, "round": forged}, envelope.payload)
+        return Envelope(envelope.kind, {**envelope.meta, "round": "R4"}, b"not a protocol message")
+
+    federation = make_federation(tmp_path, n_clients=4, rows=30)
+    transport = InProcessTransport(federation, tamper=relabel)
+    server = FederationServer(
+        transport, federation.roster, federation.study, round_timeout=1, signer=federation.signer,
+        colluders=0, log=lambda s: None,
+    )  # fmt: skip
+    capsys.readouterr()
+    with contextlib.suppress(FederationAbortedError):  # whether the others finish is not the point
+        server.run()
+    printed = capsys.readouterr().err
+    assert "answered" in printed and "REFUSED" in printed  # the node did print its lines
+    assert "\x1b" not in printed
+    assert not any(line.startswith("secure-afl client: client-0: verified") for line in printed.splitlines())
+    node = federation.nodes[1000]
+    (refused,) = [r.body for r in _records(node_audit_log(node.settings)) if r.kind == "session-refused"]
+    assert refused["round"] == "R2" and refused["labelled"] == "R4", refused
