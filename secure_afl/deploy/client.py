@@ -866,8 +866,17 @@ def _unreleased(
     from secure_afl.privacy.release import select_rows
 
     state = _ledger(settings).load(LedgerOwner(client_id, identity))
+    entry = state.sessions.get(session_id.hex())
+    if entry is not None and entry.survivors is not None:
+        # Its release point passed: a session id the coordinator reuses in a new run would otherwise
+        # count the images it released as this session's own (the exemption below).
+        raise SessionReplayError(
+            f"session {session_id.hex()[:16]}... was released by this institution (its ledger holds its "
+            "survivor set): a session is run once; the coordinator must start a new one"
+        )
     reuses = release_scope(study, "1", settings) if label == "2" and not study.extends else ""
-    # ``session_id``: this session's own release is not "another" one (Flower may deliver its R0 again)
+    # ``session_id``: this session's own release is not "another" one (Flower may deliver its R0 again
+    # before the release point)
     released = state.released_images(session_id, reuses=reuses)
     selection = select_rows(data.require_image_identities(), released)
     for line in selection.log_lines(data.image_ids, data.sop_instance_uids):

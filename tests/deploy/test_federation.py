@@ -228,3 +228,31 @@ def test_too_few_survivors_abort_with_a_specific_error(tmp_path: Path) -> None:
     federation.nodes[1002].dead_from = "s1-R2"
     with pytest.raises(FederationAbortedError, match="session 1 aborted after R2"):
         run_server(federation)
+
+
+def test_a_released_sessions_id_reused_in_a_new_run_is_refused_in_r0_by_every_node(tmp_path: Path) -> None:
+    """A coordinator that starts a new run under a session id whose release point every node passed
+    (its ledger holds the survivor set): the session's own images are exempt from the released-image
+    rule (Flower may deliver an R0 again before the release), so the nodes would have advertised rows
+    they released and signed a second commitment for the session.  Every node refuses in R0 instead,
+    and its ledger entry of the session is unchanged."""
+    federation = make_federation(tmp_path)
+    first, _, _ = run_server(federation)
+    session_id = first.report.sessions[0].session_id
+    entries = {
+        n.client_id: (n.settings.ledger_dir / f"{n.client_id}.ledger.json").read_bytes()
+        for n in federation.nodes.values()
+    }
+    _fresh_run(federation)
+    server = FederationServer(
+        InProcessTransport(federation), federation.roster, federation.study, round_timeout=1,
+        log=lambda s: None, session_ids=[session_id],
+    )  # fmt: skip
+    with pytest.raises(FederationAbortedError, match="aborted after R0"):
+        server.run()
+    nodes = {n.client_id for n in federation.nodes.values()}
+    refusals = {(r["at"], r["from"], r["error"]) for r in server.report.refusals}
+    assert refusals == {("session 1 R0", cid, "SessionReplayError") for cid in nodes}, server.report.refusals
+    for node in federation.nodes.values():
+        ledger = node.settings.ledger_dir / f"{node.client_id}.ledger.json"
+        assert ledger.read_bytes() == entries[node.client_id]
