@@ -329,21 +329,21 @@ def guarantee_lines(config: SimConfig) -> list[str]:
 
 # The deployment's classifier check (SECURITY.md §5.1) as bench/bench_verify.py measured it in process
 # (the deployment's server and node handler, no Flower): 8 clients × 5,889 rows, 8 classes, masking,
-# one round, at 8887d6c on 2026-12-07, this process's CPU seconds; bench/README.md's bench_verify.py
+# one round, at 968e87f on 2026-12-07, this process's CPU seconds; bench/README.md's bench_verify.py
 # section holds the runs (tests/test_sim_classifier_check.py keeps the two equal).  The simulator
 # does not run the check: the simulation sits below the deployment in pyproject's layers, and
 # a run's Grams go as they are sent (bench_large.py's peak), so none is left once the classifier exists.
 CHECK_RUNS = {
-    1024: ((0.237, 4.544), (0.245, 4.748)),
-    2048: ((0.375, 9.836), (0.386, 9.977)),
+    1024: ((0.271, 5.239), (0.269, 5.894)),
+    2048: ((0.423, 10.590), (0.489, 11.813)),
 }  # (check, session)
 CHECK_COMMAND = "python bench/bench_verify.py --dims {dim} --clients 8 --classes 8 --rows 5889"
-CHECK_STAMP = "commit 8887d6c, 2026-12-07"
-# Through Flower at the paper's size (one run per d, 8887d6c, 2026-12-07, this 2-core host): the check's
+CHECK_STAMP = "commit 968e87f, 2026-12-07"
+# Through Flower at the paper's size (one run per d, 968e87f, 2026-12-07, this 2-core host): the check's
 # one relay round and the session, wall seconds (report.json's "seconds": "verify", "federation").
-CHECK_FLOWER = {1024: (12.52, 63.4), 2048: (11.08, 80.6)}
+CHECK_FLOWER = {1024: (13.46, 63.3), 2048: (10.26, 84.4)}
 CHECK_FLOWER_COMMAND = "secure-afl deploy local --clients 8 --seed 2 --no-tls --fraction 1.0 --dim {dim}"
-CHECK_FLOWER_STAMP = "commit 8887d6c, 2026-12-07, one run on a shared 2-core host"
+CHECK_FLOWER_STAMP = "commit 968e87f, 2026-12-07, one run on a shared 2-core host"
 
 
 def classifier_check(config: SimConfig) -> dict[str, object]:
