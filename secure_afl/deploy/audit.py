@@ -188,7 +188,7 @@ def record_accepted(
     _node_append(settings, identity, party, "session-accepted", body)
 
 
-def record_refusal(envelope: Any, refusal: Any, state: Any, settings: Any) -> None:
+def record_refusal(envelope: Any, refusal: Any, state: Any, settings: Any, step: str) -> None:
     """``session-refused``: what this node answered (the error's class and its path-free message, as
     the coordinator received them).  Never raises: a refusal that cannot be recorded (no readable
     key) is said in the node's log."""
@@ -197,7 +197,7 @@ def record_refusal(envelope: Any, refusal: Any, state: Any, settings: Any) -> No
         saved = (state.load(label) if label else None) or {}
         party, identity, roster = _node_key(settings)
         body = {
-            "session": label, "round": str(refusal.meta.get("round", "")),  # the node's step, not the label
+            "session": label, "round": step,  # the node's own step (client.answered_step), not the label
             "labelled": str(envelope.meta.get("round", ""))[:40],  # the coordinator's name for the message
             "session_id": str(saved.get("session_id", "")), "study": _study_digest(envelope, saved),
             "roster": roster.fingerprint if roster is not None else None, "decision": "refused",

@@ -363,10 +363,10 @@ def _dispatch(envelope: Envelope, state: LocalState, settings: NodeSettings) -> 
         # roster id this node holds the key of (read without the passphrase; a claim, not signed).
         refusal = Envelope(
             "refused",
-            {"session": label, "round": step, "error": type(exc).__name__,
+            {"session": label, "round": str(envelope.meta.get("round", "")), "error": type(exc).__name__,
              "message": path_free(str(exc), settings), "client": roster_id(settings) or ""},
         )  # fmt: skip
-        record_refusal(envelope, refusal, state, settings)  # as sent, in LEDGER_DIR/audit.log
+        record_refusal(envelope, refusal, state, settings, step)  # as sent, in LEDGER_DIR/audit.log
         if label and envelope.kind in ("advertise", "protocol"):
             saved = state.load(label)
             if saved is None or saved.get("status") == "active":

@@ -145,6 +145,6 @@ def test_a_node_whose_key_is_revoked_records_no_refusal_with_it(tmp_path: Path, 
     )  # fmt: skip
     envelope = SimpleNamespace(meta={"session": "", "round": "R0"}, kind="advertise")
     refusal = SimpleNamespace(meta={"error": "KeyRevokedError", "message": "revoked"})
-    record_refusal(envelope, refusal, None, settings)
+    record_refusal(envelope, refusal, None, settings, "R0")
     assert not (tmp_path / "ledger" / "audit.log").exists()
     assert "did not record this refusal: AuditLogError" in capsys.readouterr().err

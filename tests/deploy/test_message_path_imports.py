@@ -4,7 +4,7 @@ Flower starts a fresh ClientApp process for every message, so whatever ``handle`
 message is paid on every one (torch alone: about 1.7 CPU-s).  R0 computes round 1's statistics on
 the CPU with numpy (``secure_afl.statistics``); every later round replays the session from the
 saved seed and messages, and the classifier message checks a signature.  Each message is handled
-here in a fresh interpreter, from the node's state just before it, and must answer without loading
+here in a fresh interpreter, from the node's state and ledger just before it, and must answer without loading
 torch (nor the simulator).  Round 2's pseudo-labels and a node asked for a GPU do import torch.
 """
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pickle  # of this test's own temporary files only: nothing from a network is unpickled
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +23,7 @@ import pytest
 from secure_afl.deploy.client import handle
 from secure_afl.deploy.wire import Envelope
 
-from .helpers import InProcessTransport, make_federation, run_server
+from .helpers import InProcessTransport, check_study, make_federation, run_server
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -53,14 +54,18 @@ class RecordingTransport(InProcessTransport):
         self.saved: dict[int, dict[str, Path]] = {}
 
     def exchange(self, outgoing, group, timeout):
+        check_study(self.federation)  # what the in-process exchange pins first: before the snapshots
         for node_id, envelope in outgoing.items():
             node = self.federation.nodes[node_id]
             path = self.directory / f"{node_id}-{group}.pickle"
+            # Its ledger as it was too: a replayed R0 of a session the ledger released is refused (R8).
+            ledger = self.directory / f"{node_id}-{group}-ledger"
+            shutil.copytree(node.settings.ledger_dir, ledger)
             with open(path, "wb") as handle_:
                 pickle.dump(
                     {
                         "records": node.state.records,
-                        "settings": node.settings,
+                        "settings": dataclasses.replace(node.settings, ledger_dir=ledger),
                         "envelope": {
                             "kind": envelope.kind,
                             "meta": dict(envelope.meta),
