@@ -217,6 +217,7 @@ class Classifier:
     decision_threshold: float = 0.5
     privacy: Mapping[str, Any] | None = None  # secure_afl.privacy.dp_solve.privacy_record, under DP
     signer: str | None = field(default=None, compare=False)  # who signed the file it was read from
+    content_sha256: str | None = field(default=None, compare=False)  # the digest of the file it was read from
 
     def check_study_fields(self, expected: Mapping[str, Any], source: str = "the classifier") -> None:
         """Refuse a file whose study-decided fields are not ``expected``
@@ -247,15 +248,15 @@ class Classifier:
                 "(relabelled classes, another threshold, backbone or DP record); it is not stored"
             )
 
-    def check_layout(self, payload: bytes, source: str = "the classifier") -> None:
-        """Refuse a file (``payload``, this classifier's bytes) holding a field the format does not
+    def check_layout(self, source: str = "the classifier") -> None:
+        """Refuse the file this classifier was read from if it holds a field the format does not
         define: a key beside the file's own, the backbone's or a session's, an audit part other than
         :data:`AUDIT_PARTS`, a top-level ``preprocessing`` other than the backbone's.  The parsed
-        classifier, written again, must be the file: nothing in it is a statement no reader checks."""
-        document = json.loads(payload)
+        classifier, written again, must be the file (its content digest, checked on reading, is the
+        one it gives): nothing in it is a statement no reader checks."""
         sessions_known = all(set(s) == set(SESSION_FIELDS) for s in self.sessions)
         if (
-            canonical_content(document) != canonical_content(self._document())
+            content_digest(self._document()) != self.content_sha256
             or not sessions_known
             or set(self.audit) != set(AUDIT_PARTS)
         ):
@@ -459,6 +460,7 @@ class Classifier:
                 decision_threshold=_threshold(document["decision_threshold"], source),
                 privacy=_privacy(document.get("differential_privacy"), source),
                 signer=signer,
+                content_sha256=document["content_sha256"],
             )
         except ClassifierFileError:
             raise

@@ -334,8 +334,9 @@ def shown(value: object, limit: int = 40) -> str:
 def answered_step(envelope: Envelope, state: LocalState) -> str:
     """The step this node was at when ``envelope`` came, from its own state: the message's ``round``
     label is the coordinator's word, so the node's records say this instead."""
-    if envelope.kind in ("advertise", "classifier", "verify"):
-        return {"advertise": "R0", "classifier": "classifier", "verify": "verify-sums"}[envelope.kind]
+    fixed = {"advertise": "R0", "classifier": "classifier", "verify": "verify-sums"}
+    if envelope.kind in fixed:
+        return fixed[envelope.kind]
     saved = state.load(str(envelope.meta.get("session", ""))) if envelope.kind == "protocol" else None
     if not saved or saved.get("status") != "active":
         return "no session in progress"
@@ -345,7 +346,6 @@ def answered_step(envelope: Envelope, state: LocalState) -> str:
 
 def _dispatch(envelope: Envelope, state: LocalState, settings: NodeSettings) -> Envelope:
     label = str(envelope.meta.get("session", ""))
-    step = answered_step(envelope, state)
     try:
         if envelope.kind == "advertise":
             return _start_session(envelope, label, state, settings)
@@ -357,6 +357,7 @@ def _dispatch(envelope: Envelope, state: LocalState, settings: NodeSettings) -> 
             return _check_classifier(envelope, state, settings)
         raise SessionReplayError(f"unexpected {envelope.kind!r} message from the server")
     except Exception as exc:  # every failure is answered (its class named), logged, and ends the session
+        step = answered_step(envelope, state)  # a failed step saved nothing: the state it came to
         why = f"{type(exc).__name__}: {shown(exc, 2000)}"
         log(settings, f"REFUSED session {shown(label) or '-'} {step}: {why}")
         # The coordinator learns the error's class, a message without this machine's paths, and the
@@ -1227,7 +1228,7 @@ def _store_classifier(envelope: Envelope, state: LocalState, settings: NodeSetti
         studied = str(saved["study"])  # every session of a run is of one study
         if saved.get("view") is not None:  # what the server learned, as this node saw it
             views[str(session["label"])] = json.loads(str(saved["view"]))
-    classifier.check_layout(envelope.payload, "the server's classifier")
+    classifier.check_layout("the server's classifier")
     if views:
         classifier.check_session_views(views, "the server's classifier")
     if studied is not None:  # its classes, threshold, backbone, method, DP record: the study's
@@ -1235,15 +1236,16 @@ def _store_classifier(envelope: Envelope, state: LocalState, settings: NodeSetti
         classifier.check_study_fields(expected, "the server's classifier")
     identity = loaded_once(lambda: node_identity(settings, roster))  # the passphrase only when needed
 
-    ledger: list[Any] = []  # loaded on first use, once: a growing chain asks for each of its runs
+    def ledger_state() -> Any:
+        from secure_afl.privacy.ledger import LedgerOwner
+
+        return _ledger(settings).load(LedgerOwner(*identity()))
+
+    ledger = loaded_once(ledger_state)  # once: a growing chain asks for each of its runs
 
     def signed_survivors(session_id: str) -> tuple[str, ...] | None:
         """The survivor set this node signed in the session's R3 (its ledger): the sum's members."""
-        from secure_afl.privacy.ledger import LedgerOwner
-
-        if not ledger:
-            ledger.append(_ledger(settings).load(LedgerOwner(*identity())))
-        entry = ledger[0].sessions.get(session_id)
+        entry = ledger().sessions.get(session_id)
         return None if entry is None else entry.survivors
 
     held = begin_check(

@@ -54,7 +54,7 @@ import json
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 from threadpoolctl import threadpool_limits
@@ -90,6 +90,9 @@ RECORD_SUFFIX = ".verified.json"
 RECORD_FORMAT = "secure-afl-classifier-check/v2"  # v2: every coordinate of the residual, one relay
 RECORD_FORMATS = (RECORD_FORMAT, "secure-afl-classifier-check/v1")  # v1: Freivalds' check, still a pass
 CHECKS_DIR = "checks"  # OUT_DIR/checks/: the records of the history's files
+
+
+Loaded = TypeVar("Loaded")
 
 
 class UnverifiedClassifierError(DeploymentError):
@@ -903,16 +906,16 @@ def solved_weights(classifier: Classifier, record: Mapping[str, Any]) -> np.ndar
     return solved
 
 
-def loaded_once(load: Callable[[], tuple[str, IdentityKey]]) -> Callable[[], tuple[str, IdentityKey]]:
-    """``load`` (the node's identity: its passphrase, scrypt), called on first use only."""
-    loaded: list[tuple[str, IdentityKey]] = []
+def loaded_once(load: Callable[[], Loaded]) -> Callable[[], Loaded]:
+    """``load`` (the node's identity: its passphrase, scrypt; its ledger), called on first use only."""
+    loaded: list[Loaded] = []
 
-    def identity() -> tuple[str, IdentityKey]:
+    def value() -> Loaded:
         if not loaded:
             loaded.append(load())
         return loaded[0]
 
-    return identity
+    return value
 
 
 def _secret(record: Mapping[str, Any]) -> pv.VerifySecret:
