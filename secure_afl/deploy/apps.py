@@ -50,15 +50,13 @@ only where statistics are computed or solved.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message
+from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
@@ -75,7 +73,8 @@ from .classifier import (
 )
 from .client import NodeSettings, handle, path_free
 from .errors import ConfigurationError, DeploymentError, FederationAbortedError
-from .metrics import METRICS_NAME, Metrics, locked, record_node_message
+from .metrics import METRICS_NAME, Metrics, record_node_message
+from .node_state import NodeStateFiles
 from .server import FederationServer
 from .study import Method, Study, StudyDp, parse_class_lists
 from .sums import load_sums, save_sums
@@ -109,14 +108,9 @@ class GridTransport:
     an envelope wins and later ones are ignored.  The node answers an identical repeat with its
     recorded reply (:func:`secure_afl.deploy.client.handle`), but a slow node still starts one
     ClientApp process per copy before its next round's message: hence the doubling waits.  A Flower
-    error or a malformed reply to one id decides the node only once every id it was sent is answered.
-
-    A node whose Flower state is behind its last answer (:class:`FlowerState`) replies ``retry``: it is
-    sent the same envelope again ``RETRY_SECONDS`` later, within the round's limit; one still asking
-    when the limit passes is a dropout whose reason says so."""
+    error or a malformed reply to one id decides the node only once every id it was sent is answered."""
 
     ONLINE_CHECK_SECONDS = 5.0
-    RETRY_SECONDS = 1.0  # Flower stores the last answer's context when that ClientApp process exits
     RESENDS = 3  # what the ServerApp asks for: re-sends per node and round
 
     def __init__(
@@ -147,7 +141,6 @@ class GridTransport:
     ) -> dict[int, Envelope]:
         limit = max(timeout, limit)
         node_of: dict[str, int] = {}  # every message id pushed this round -> its node
-        last_sent: dict[int, float] = {}
 
         def push(nodes: list[int]) -> None:
             messages = [
@@ -163,16 +156,12 @@ class GridTransport:
             for message_id, node in zip(self.grid.push_messages(messages), nodes, strict=True):
                 if message_id:  # Flower gives None for a message it could not push: sent again later
                     node_of[message_id] = node
-            for node in nodes:
-                last_sent[node] = self.clock()
 
         push(list(outgoing))
         pending = set(outgoing)  # nodes without an answer
         answered: set[str] = set()  # ids whose reply was pulled
         resent = dict.fromkeys(outgoing, 0)
         fallback: dict[int, Envelope] = {}  # a node's first Flower error or malformed reply
-        retry_at: dict[int, float] = {}  # a node that asked for the message again: when to send it
-        retried = dict.fromkeys(outgoing, 0)
         replies: dict[int, Envelope] = {}
         started = self.clock()
         next_check = started + timeout  # past the timeout: who is still online, every few seconds
@@ -188,9 +177,6 @@ class GridTransport:
                 if node not in pending:
                     continue
                 envelope, valid = _envelope_of(reply)
-                if valid and envelope.kind == "retry":
-                    retry_at[node] = self.clock() + self.RETRY_SECONDS
-                    continue
                 if not valid:
                     fallback.setdefault(node, envelope)
                     if any(m not in answered for m, n in node_of.items() if n == node):
@@ -200,12 +186,6 @@ class GridTransport:
             now = self.clock()
             if not pending or now >= started + limit:
                 break
-            again = sorted(n for n, at in retry_at.items() if n in pending and now >= at)
-            if again:
-                push(again)
-                for node in again:
-                    del retry_at[node]
-                    retried[node] += 1
             if now >= next_check:
                 online = set(self.node_ids())
                 for node in sorted(pending - online):
@@ -222,9 +202,8 @@ class GridTransport:
                     waiting_said = True
                 due = sorted(
                     n
-                    for n in pending - set(retry_at)  # a node that asked for it again gets it then
-                    if resent[n] < self.resends
-                    and now >= max(started + timeout * (2 ** (resent[n] + 1) - 1), last_sent[n] + timeout)
+                    for n in pending
+                    if resent[n] < self.resends and now >= started + timeout * (2 ** (resent[n] + 1) - 1)
                 )
                 if due:
                     push(due)
@@ -239,13 +218,6 @@ class GridTransport:
                 self.sleep(POLL_SECONDS)
         for node in sorted(pending & set(fallback)):  # Flower's error or a malformed reply, and no other
             replies[node] = fallback[node]
-        for node in sorted(pending - set(fallback)):
-            if node in retry_at or retried[node]:
-                replies[node] = Envelope(
-                    "dropped",
-                    {"error": "StateBehind", "message": f"its Flower state stayed behind its last answer "
-                     f"({retried[node]} time(s) sent again within {limit:.0f} s)"},
-                )  # fmt: skip
         return replies
 
 
@@ -473,122 +445,24 @@ def await_signature(
     )
 
 
-class FlowerState:
-    """The ClientApp's local state in Flower's ``context.state`` (stays on the SuperNode).
-
-    Flower 1.42 stores a ClientApp's context when its process exits, after the reply was pushed
-    (supernode/runtime/run_clientapp.py), so under load the next message's ClientApp may start from
-    the context before the last answer: a replay of the rounds it holds meets a later message and the
-    session fails.  Each save is therefore counted, in the context and in ``journal`` (the node's
-    own disk, written before the reply leaves); a context that counts fewer saves than the journal is
-    behind (:meth:`behind`), and the node asks for the message again instead of answering from it."""
-
-    PREFIX = "secure-afl"
-    SAVES = "secure-afl-saves"  # the context's count, apart from the records (a label can be any text)
-    JOURNAL = "flower-state.json"  # in the node's ledger-dir: {"runs": {run id: saves}}
-    RUNS_KEPT = 16
-
-    def __init__(self, context: Context, journal: Path | None = None) -> None:
-        self.state = context.state
-        self.run = str(context.run_id)
-        self.journal = journal
-        # Forget other runs' records: a finished or abandoned run keeps nothing here.
-        for key in list(self.state.keys()):
-            prefix, _, rest = key.partition("/")
-            if prefix in (self.PREFIX, self.SAVES) and rest.split("/")[0] != self.run:
-                del self.state[key]
-        counted = f"{self.SAVES}/{self.run}"
-        self.saves = int(self.state[counted]["n"]) if counted in self.state else 0
-
-    def _key(self, label: str) -> str:
-        return f"{self.PREFIX}/{self.run}/{label}"
-
-    def behind(self) -> int:
-        """How many saves the journal counts for this run beyond this context's (0: it is current)."""
-        return max(0, self._journal().get(self.run, 0) - self.saves) if self.journal is not None else 0
-
-    def _journal(self) -> dict[str, int]:
-        assert self.journal is not None
-        try:
-            document = json.loads(self.journal.read_text(encoding="utf-8"))
-            runs = {str(run): int(n) for run, n in document["runs"].items()}
-        except FileNotFoundError:
-            return {}
-        except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
-            raise ConfigurationError(
-                f"{self.journal}: the node's count of its Flower state (the ledger-dir's {self.JOURNAL}) is "
-                f"unreadable ({exc}); with no deploy run in progress, delete the file"
-            ) from None
-        return runs
-
-    def load(self, label: str) -> dict[str, Any] | None:
-        key = self._key(label)
-        if key not in self.state:
-            return None
-        record = dict(self.state[key])  # a ConfigRecord
-        inputs_key = key + "/inputs"
-        if inputs_key in self.state:
-            record["inputs"] = {name: array.numpy() for name, array in self.state[inputs_key].items()}
-        return record
-
-    def save(self, label: str, record: Mapping[str, Any]) -> None:
-        from flwr.app import Array
-
-        key = self._key(label)
-        plain = {k: v for k, v in record.items() if k != "inputs"}
-        self.state[key] = ConfigRecord(plain)
-        if "inputs" in record:
-            self.state[key + "/inputs"] = ArrayRecord(
-                {name: Array(np.ascontiguousarray(v)) for name, v in record["inputs"].items()}
-            )
-        elif key + "/inputs" in self.state:
-            del self.state[key + "/inputs"]
-        self.saves += 1
-        self.state[f"{self.SAVES}/{self.run}"] = ConfigRecord({"n": self.saves})
-        if self.journal is not None:
-            self._count_on_disk()
-
-    def _count_on_disk(self) -> None:
-        assert self.journal is not None
-        with locked(self.journal):
-            runs = self._journal()
-            runs.pop(self.run, None)
-            runs[self.run] = self.saves  # the newest last; the oldest forgotten
-            kept = dict(list(runs.items())[-self.RUNS_KEPT :])
-            temporary = self.journal.with_name(f".{self.journal.name}.{os.getpid()}.tmp")
-            temporary.write_text(json.dumps({"runs": kept}, sort_keys=False) + "\n", encoding="utf-8")
-            os.replace(temporary, self.journal)
-
-
 @client_app.query()
 def client_query(message: Message, context: Context) -> Message:
     return Message(to_record_dict(answer(message.content, context)), reply_to=message)
 
 
 def answer(content: Any, context: Context) -> Envelope:
-    """This node's answer to a message's content (its Flower record form), in the ClientApp's
-    ``context``: a refusal for a malformed message or node config, ``retry`` where the context is
-    behind the node's last answer (:class:`FlowerState`), else :func:`~secure_afl.deploy.client.handle`'s."""
+    """This node's answer to a message's content (its Flower record form): a refusal for a malformed
+    message, node config or session record, else :func:`~secure_afl.deploy.client.handle`'s.  The
+    session's records are the node's files (:class:`NodeStateFiles`), not ``context.state``, which
+    Flower stores after the reply has left."""
     try:
         envelope = from_record_dict(content)
         settings = NodeSettings.from_node_config(context.node_config)
-        state = FlowerState(context, settings.ledger_dir / FlowerState.JOURNAL)
-        behind = state.behind()
-    except (ValueError, DeploymentError) as exc:
+        started = time.perf_counter()
+        reply = handle(envelope, NodeStateFiles(settings.ledger_dir, context.run_id), settings)
+    except (ValueError, OSError, DeploymentError) as exc:  # the node's disk too: a full one is said
         print(f"secure-afl client: REFUSED: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         return Envelope("refused", {"error": type(exc).__name__, "message": path_free(str(exc), None)})
-    if behind:
-        # Nothing runs, nothing is saved: the coordinator sends the message again (GridTransport),
-        # by when Flower has stored the context of the last answer.
-        print(
-            f"secure-afl client: Flower's state for this run is {behind} save(s) behind this node's last "
-            "answer (Flower stores it after the reply); asked for the message again",
-            file=sys.stderr,
-            flush=True,
-        )
-        return Envelope("retry", {"behind": behind})
-    started = time.perf_counter()
-    reply = handle(envelope, state, settings)
     _count(settings, envelope, reply, time.perf_counter() - started)
     return reply
 

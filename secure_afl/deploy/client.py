@@ -6,8 +6,8 @@ message, so the protocol's client session cannot stay in memory: at a session's 
 client draws a 32-byte seed (``os.urandom``), and for every later message it rebuilds the session
 from that seed and the server messages received so far (the state machine is deterministic given
 its randomness), then feeds the new one.  The seed, the messages and the protocol inputs live in the
-SuperNode's local state (Flower's ``context.state``, which stays on the hospital's machine) and are
-deleted when the session ends or fails.
+node's session records (:mod:`secure_afl.deploy.node_state`, files in its ledger-dir, written before
+each reply) and the secrets are deleted when the session ends or fails.
 
 Before anything leaves it, the client checks, in this order: that every institution co-signed its
 pinned roster (``RosterNotCosignedError``, :mod:`secure_afl.keys.cosign`), the server's roster
@@ -74,7 +74,7 @@ if TYPE_CHECKING:
 
 
 class LocalState(Protocol):
-    """The SuperNode's local state for one run: named records of bytes, text and arrays."""
+    """The node's session records for one run: named records of bytes, text, numbers and arrays."""
 
     def load(self, label: str) -> dict[str, Any] | None: ...
 

@@ -106,7 +106,7 @@ def read_state(path: Path, role: str | None = None) -> MetricsState:
 
 
 @contextlib.contextmanager
-def locked(path: Path) -> Iterator[None]:
+def _locked(path: Path) -> Iterator[None]:
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # a ledger-dir is 0700 (FileLedger's)
     handle = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
     try:
@@ -138,7 +138,7 @@ class Metrics:
         if self.path is None:
             apply(self.state)
             return
-        with locked(self.path):
+        with _locked(self.path):
             self.state = read_state(self.path, self.state.role)
             apply(self.state)
             _write(self.path, self.state)

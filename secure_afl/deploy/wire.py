@@ -11,10 +11,8 @@ Kinds: server to client ``advertise`` (a session's first message; meta: session 
 study JSON, roster fingerprint), ``protocol`` (later rounds), ``classifier`` (the final file),
 ``verify`` (the classifier check's relays, :mod:`secure_afl.deploy.verify`); client to server
 ``reply``, ``refused`` (meta: error class, a message without the node's paths, and the roster id
-the node claims), ``ack`` and ``retry`` (its Flower state is behind its last answer: send the
-message again, :class:`~secure_afl.deploy.apps.FlowerState`); ``dropped`` is the transport's own
-(Flower's error for a node that is gone): the server counts it as a dropout, as it would a
-client's (which only drops out).
+the node claims) and ``ack``; ``dropped`` is the transport's own (Flower's error for a node that is
+gone): the server counts it as a dropout, as it would a client's (which only drops out).
 """
 
 from __future__ import annotations
@@ -27,9 +25,7 @@ from typing import Any
 import numpy as np
 
 MESSAGE_TYPE = "query"  # Flower's message category for a ClientApp function that answers
-KINDS = frozenset(
-    {"advertise", "protocol", "classifier", "verify", "reply", "refused", "ack", "retry", "dropped"}
-)
+KINDS = frozenset({"advertise", "protocol", "classifier", "verify", "reply", "refused", "ack", "dropped"})
 MetaValue = str | int | float | bool
 
 

@@ -37,7 +37,7 @@ def pixel_digests(file_digests: Collection[str]) -> list[str]:
 
 
 class DictState:
-    """A node's local state in process, holding what Flower's context.state holds (checked on save)."""
+    """A node's session records in process, holding what deploy/node_state.py keeps (checked on save)."""
 
     def __init__(self) -> None:
         self.records: dict[str, dict[str, Any]] = {}
@@ -49,7 +49,7 @@ class DictState:
     def save(self, label: str, record: Mapping[str, Any]) -> None:
         from flwr.app import ConfigRecord
 
-        # What Flower's context.state takes (deploy/apps.py FlowerState): flat values, arrays apart.
+        # What NodeStateFiles keeps (ConfigRecord's value types): flat values, arrays apart.
         ConfigRecord({k: v for k, v in record.items() if k != "inputs"})
         self.records[label] = copy.deepcopy(dict(record))
 
