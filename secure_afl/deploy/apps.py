@@ -459,7 +459,9 @@ def answer(content: Any, context: Context) -> Envelope:
         envelope = from_record_dict(content)
         settings = NodeSettings.from_node_config(context.node_config)
         started = time.perf_counter()
-        reply = handle(envelope, NodeStateFiles(settings.ledger_dir, context.run_id), settings)
+        records = NodeStateFiles(settings.ledger_dir, context.run_id)
+        with records.exclusive():
+            reply = handle(envelope, records, settings)
     except (ValueError, OSError, DeploymentError) as exc:  # the node's disk too: a full one is said
         print(f"secure-afl client: REFUSED: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         return Envelope("refused", {"error": type(exc).__name__, "message": path_free(str(exc), None)})

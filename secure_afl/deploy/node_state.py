@@ -7,24 +7,30 @@ after its reply left, and keeps whichever context arrives last
 (flwr/supernode/runtime/run_clientapp.py, ``push_task_output``): on a loaded host the next message's
 ClientApp may start from the state before the last answer, and a ClientApp that started from an
 older state may store it over the newer one.  Here each record is written, whole, before the reply
-is sent (a temporary file renamed into place), so every ClientApp reads the node's last answer.
+is sent (a temporary file renamed into place), and one message is answered at a time
+(:meth:`NodeStateFiles.exclusive`), so every ClientApp reads the node's last answer.
 
 A record holds what a session needs between messages, its secrets included (the session's seed, the
-check's key), in 0600 files of a 0700 directory; a session's secrets are dropped from its record when
-it ends or fails (deploy/client.py), and a run's records are deleted when the node's next run starts.
+check's key), in 0600 files of a 0700 directory.  A session's seed is dropped from its record when the
+session ends or fails (deploy/client.py), the check's key and values when the node verified the
+classifier; what an unfinished step left (a session the coordinator abandoned, a classifier refused
+or never delivered) stays until the node's next run starts, which deletes the run's records.
 Nothing here is unpickled: the fields are typed JSON, the arrays ``np.load(allow_pickle=False)``.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
+import fcntl
 import hashlib
 import io
 import json
+import os
 import re
 import shutil
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +61,20 @@ class NodeStateFiles:
             if other.name != run_id and other.is_dir() and not other.is_symlink():
                 shutil.rmtree(other)
 
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Held while one message is answered: a second ClientApp of this node (a re-sent copy, a
+        message the coordinator sent at the same time) waits, then reads the records the first wrote,
+        instead of writing its own older ones over them.  The OS releases it if the process dies."""
+        for directory in (self.ledger_dir, self.directory.parent, self.directory):
+            directory.mkdir(exist_ok=True, mode=0o700)
+        handle = os.open(self.directory / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(handle)
+
     def _path(self, label: str) -> Path:
         return self.directory / (hashlib.sha256(label.encode("utf-8")).hexdigest() + ".npz")
 
@@ -72,15 +92,7 @@ class NodeStateFiles:
                     }
         except FileNotFoundError:
             return None
-        except (
-            OSError,
-            ValueError,
-            KeyError,
-            TypeError,
-            AttributeError,
-            EOFError,
-            zipfile.BadZipFile,
-        ) as exc:
+        except _UNREADABLE as exc:
             raise ConfigurationError(
                 f"{path}: a session record of this node is unreadable ({exc}); delete {self.directory} "
                 "(the run's records) and run the session again"
