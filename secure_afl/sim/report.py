@@ -339,11 +339,11 @@ CHECK_RUNS = {
 }  # (check, session)
 CHECK_COMMAND = "python bench/bench_verify.py --dims {dim} --clients 8 --classes 8 --rows 5889"
 CHECK_STAMP = "commit 968e87f, 2026-12-07"
-# Through Flower at the paper's size (one run per d, 968e87f, 2026-12-07, this 2-core host): the check's
+# Through Flower at the paper's size (one run per d, 33534c6, 2026-12-07, this 2-core host): the check's
 # one relay round and the session, wall seconds (report.json's "seconds": "verify", "federation").
-CHECK_FLOWER = {1024: (13.46, 63.3), 2048: (10.26, 84.4)}
+CHECK_FLOWER = {1024: (11.98, 68.28), 2048: (12.35, 80.4)}
 CHECK_FLOWER_COMMAND = "secure-afl deploy local --clients 8 --seed 2 --no-tls --fraction 1.0 --dim {dim}"
-CHECK_FLOWER_STAMP = "commit 968e87f, 2026-12-07, one run on a shared 2-core host"
+CHECK_FLOWER_STAMP = "commit 33534c6, 2026-12-07, one run on a shared 2-core host"
 
 
 def classifier_check(config: SimConfig) -> dict[str, object]:
