@@ -56,6 +56,7 @@ class NodeStateFiles:
         self.ledger_dir = Path(ledger_dir)
         root = self.ledger_dir / STATE_DIR
         self.directory = root / run_id
+        self._held: dict[str, dict[str, Any]] | None = None  # while exclusive(): the records read or written
         # Forget other runs' records: a finished or abandoned run keeps nothing here.
         for other in sorted(root.iterdir()) if root.is_dir() else ():
             if other.name != run_id and other.is_dir() and not other.is_symlink():
@@ -66,19 +67,38 @@ class NodeStateFiles:
         """Held while one message is answered: a second ClientApp of this node (a re-sent copy, a
         message the coordinator sent at the same time) waits, then reads the records the first wrote,
         instead of writing its own older ones over them.  The OS releases it if the process dies."""
-        for directory in (self.ledger_dir, self.directory.parent, self.directory):
-            directory.mkdir(exist_ok=True, mode=0o700)
+        self._make_directory()
         handle = os.open(self.directory / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(handle, fcntl.LOCK_EX)
+            # Nobody else writes while it is held: a record read again (handle reads a message's
+            # record up to three times) comes from memory, not from a 33 MB file at d = 2048.
+            self._held = {}
             yield
         finally:
+            self._held = None
             os.close(handle)
+
+    def _make_directory(self) -> None:
+        for directory in (self.ledger_dir, self.directory.parent, self.directory):
+            directory.mkdir(exist_ok=True, mode=0o700)  # a ledger-dir is 0700 (FileLedger's)
+
+    def _hold(self, label: str, record: dict[str, Any]) -> dict[str, Any]:
+        """A copy of ``record`` to return, ``record`` kept while exclusive() is held; its arrays
+        read-only, shared by every copy (a caller that changed one in place would change them all)."""
+        if self._held is None:
+            return record
+        for array in (record.get("inputs") or {}).values():
+            array.flags.writeable = False
+        self._held[label] = record
+        return _copy(record)
 
     def _path(self, label: str) -> Path:
         return self.directory / (hashlib.sha256(label.encode("utf-8")).hexdigest() + ".npz")
 
     def load(self, label: str) -> dict[str, Any] | None:
+        if self._held is not None and label in self._held:
+            return _copy(self._held[label])
         path = self._path(label)
         try:
             with np.load(path, allow_pickle=False) as data:
@@ -97,7 +117,7 @@ class NodeStateFiles:
                 f"{path}: a session record of this node is unreadable ({exc}); delete {self.directory} "
                 "(the run's records) and run the session again"
             ) from None
-        return record
+        return self._hold(label, record)
 
     def save(self, label: str, record: Mapping[str, Any]) -> None:
         inputs = record.get("inputs")
@@ -116,9 +136,21 @@ class NodeStateFiles:
         }
         buffer = io.BytesIO()
         np.savez(buffer, record=np.array(json.dumps(document, allow_nan=True)), **arrays)
-        for directory in (self.ledger_dir, self.directory.parent, self.directory):
-            directory.mkdir(exist_ok=True, mode=0o700)  # a ledger-dir is 0700 (FileLedger's)
+        self._make_directory()
         write_with_mode(self._path(label), buffer.getvalue(), 0o600)
+        if self._held is not None:
+            held = {key: value for key, value in record.items() if key != "inputs"}
+            if names is not None:
+                # copies: the caller's arrays stay its own (writable); cheaper than reading the file
+                held["inputs"] = {name: np.array(arrays[f"a{i}"]) for i, name in enumerate(names)}
+            self._hold(label, held)
+
+
+def _copy(record: Mapping[str, Any]) -> dict[str, Any]:
+    copied = dict(record)
+    if copied.get("inputs") is not None:
+        copied["inputs"] = dict(copied["inputs"])
+    return copied
 
 
 def _encoded(value: Any, key: str) -> Any:
