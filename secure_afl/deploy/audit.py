@@ -194,7 +194,10 @@ def record_refusal(envelope: Any, refusal: Any, state: Any, settings: Any, step:
     key) is said in the node's log."""
     try:
         label = str(envelope.meta.get("session", ""))
-        saved = (state.load(label) if label else None) or {}
+        try:
+            saved = (state.load(label) if label else None) or {}
+        except Exception:  # an unreadable record: recorded without its session id and study
+            saved = {}
         party, identity, roster = _node_key(settings)
         body = {
             "session": label, "round": step,  # the node's own step (client.answered_step), not the label

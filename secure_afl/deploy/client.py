@@ -48,6 +48,7 @@ from .errors import (
     ChainBudgetExceededError,
     ConfigurationError,
     CoordinatorChoiceRefusedError,
+    DeploymentError,
     IdentityNotInRosterError,
     RosterMismatchError,
     RoundNotInStudyError,
@@ -251,7 +252,10 @@ def handle(envelope: Envelope, state: LocalState, settings: NodeSettings) -> Env
     different one for an answered round included, goes through the checks as before (R8)."""
     home = _home(envelope)
     digest = hashlib.sha256(envelope_bytes(envelope)).hexdigest()
-    recorded = _recorded_reply(state.load(home) if home else None, digest)
+    try:
+        recorded = _recorded_reply(state.load(home) if home else None, digest)
+    except DeploymentError:  # an unreadable record: _dispatch refuses the message, in the audit log too
+        recorded = None
     if recorded is not None:
         where = f"{shown(envelope.meta.get('session', '-'))} {shown(envelope.meta.get('round', ''))}".strip()
         log(settings, f"session {where}: the message answered last came again; sent the recorded reply")
@@ -357,7 +361,10 @@ def _dispatch(envelope: Envelope, state: LocalState, settings: NodeSettings) -> 
             return _check_classifier(envelope, state, settings)
         raise SessionReplayError(f"unexpected {envelope.kind!r} message from the server")
     except Exception as exc:  # every failure is answered (its class named), logged, and ends the session
-        step = answered_step(envelope, state)  # a failed step saved nothing: the state it came to
+        try:
+            step = answered_step(envelope, state)  # a failed step saved nothing: the state it came to
+        except DeploymentError:  # an unreadable record: the refusal still goes out, and into the log
+            step = "unknown (this node's session records are unreadable)"
         why = f"{type(exc).__name__}: {shown(exc, 2000)}"
         log(settings, f"REFUSED session {shown(label) or '-'} {step}: {why}")
         # The coordinator learns the error's class, a message without this machine's paths, and the
@@ -368,11 +375,24 @@ def _dispatch(envelope: Envelope, state: LocalState, settings: NodeSettings) -> 
              "message": path_free(str(exc), settings), "client": roster_id(settings) or ""},
         )  # fmt: skip
         record_refusal(envelope, refusal, state, settings, step)  # as sent, in LEDGER_DIR/audit.log
-        if label and envelope.kind in ("advertise", "protocol"):
-            saved = state.load(label)
-            if saved is None or saved.get("status") == "active":
-                state.save(label, {"status": f"failed: {type(exc).__name__}"})
+        try:
+            _end_refused(envelope, label, exc, state)
+        except (OSError, DeploymentError) as unwritable:  # the refusal goes out; the next run deletes them
+            log(settings, f"the session records were not updated after the refusal: {unwritable}")
         return refusal
+
+
+def _end_refused(envelope: Envelope, label: str, exc: Exception, state: LocalState) -> None:
+    """After a refusal: the session it ends drops its seed (its record says failed); a refused
+    classifier or check message ends the check, whose key and kept values are deleted."""
+    from .verify import forget_check
+
+    if label and envelope.kind in ("advertise", "protocol"):
+        saved = state.load(label)
+        if saved is None or saved.get("status") == "active":
+            state.save(label, {"status": f"failed: {type(exc).__name__}"})
+    elif envelope.kind in ("classifier", "verify"):
+        forget_check(state)
 
 
 _PATH = re.compile(r"(?<![\w.~-])(?:~|\.{1,2})?/[^\s'\"`,;:()\[\]]+")

@@ -12,9 +12,10 @@ is sent (a temporary file renamed into place), and one message is answered at a 
 
 A record holds what a session needs between messages, its secrets included (the session's seed, the
 check's key), in 0600 files of a 0700 directory.  A session's seed is dropped from its record when the
-session ends or fails (deploy/client.py), the check's key and values when the node verified the
-classifier; what an unfinished step left (a session the coordinator abandoned, a classifier refused
-or never delivered) stays until the node's next run starts, which deletes the run's records.
+session ends or fails (deploy/client.py), the check's key and values when the check ends: verified,
+refused, or the classifier stored unverified (deploy/verify.py ``forget_check``); what an unfinished
+step left (a session the coordinator abandoned, a classifier never delivered) stays until the node's
+next run starts, which deletes the run's records.
 Nothing here is unpickled: the fields are typed JSON, the arrays ``np.load(allow_pickle=False)``.
 """
 

@@ -789,8 +789,22 @@ def begin_check(
         )
     except (pv.VerificationError, UnverifiedClassifierError) as exc:
         if require != "false":
-            raise
+            raise  # the refusal (client.py) forgets the check's secrets too
+        forget_check(state)  # stored unverified: this node's check is over
         return Held(False, why=f"{type(exc).__name__}: {exc}")
+
+
+def forget_check(state: Any) -> None:
+    """End this node's check for the run: its mask key and the values it kept for its terms are
+    deleted from its records, and the record says ``failed`` (a later delivery or relay is refused).
+    Called when the node refuses the classifier or a message of its check, or stores the classifier
+    unverified: a check that cannot finish keeps no secret on the node's disk until the next run."""
+    record = state.load(STATE_LABEL)
+    if record is not None and record.get("status") not in ("failed", "verified"):
+        state.save(STATE_LABEL, {"status": "failed", "session_id": record.get("session_id", "")})
+    kept = state.load(STATE_INPUTS)
+    if kept is not None and "inputs" in kept:
+        state.save(STATE_INPUTS, {"session_id": kept.get("session_id", "")})
 
 
 def _begin_check(
