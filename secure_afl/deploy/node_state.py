@@ -17,6 +17,11 @@ refused, or the classifier stored unverified (deploy/verify.py ``forget_check``)
 step left (a session the coordinator abandoned, a classifier never delivered) stays until the node's
 next run starts, which deletes the run's records.
 Nothing here is unpickled: the fields are typed JSON, the arrays ``np.load(allow_pickle=False)``.
+
+A record's arrays (a session's inputs: its Gram, 33 MB at d = 2048) are a file of their own, which the
+record names; a save whose arrays are those it read (the same read-only objects) writes the record
+alone, so a message rewrites the Gram no more (each message saves its record twice).  A record's
+earlier arrays file is deleted once the record naming another, or none, is in place.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import io
 import json
 import os
 import re
+import secrets
 import shutil
 import zipfile
 from collections.abc import Iterator, Mapping
@@ -41,8 +47,9 @@ from .errors import ConfigurationError
 from .tls import write_with_mode
 
 STATE_DIR = "sessions"  # in the node's ledger-dir
-FORMAT = "secure-afl-node-state/1"
+FORMAT = "secure-afl-node-state/2"  # 2: the arrays in a file of their own
 _RUN = re.compile(r"[0-9]{1,20}")  # Flower's run id, an unsigned 64-bit integer
+_ARRAYS = re.compile(r"[0-9a-f]{64}-[0-9a-f]{16}\.npz")  # <record's name>-<token>.npz
 _UNREADABLE = (OSError, ValueError, KeyError, TypeError, AttributeError, EOFError, zipfile.BadZipFile)
 
 
@@ -58,6 +65,7 @@ class NodeStateFiles:
         root = self.ledger_dir / STATE_DIR
         self.directory = root / run_id
         self._held: dict[str, dict[str, Any]] | None = None  # while exclusive(): the records read or written
+        self._arrays: dict[str, str] = {}  # while exclusive(): each held record's arrays file
         # Forget other runs' records: a finished or abandoned run keeps nothing here.
         for other in sorted(root.iterdir()) if root.is_dir() else ():
             if other.name != run_id and other.is_dir() and not other.is_symlink():
@@ -77,14 +85,14 @@ class NodeStateFiles:
             self._held = {}
             yield
         finally:
-            self._held = None
+            self._held, self._arrays = None, {}
             os.close(handle)
 
     def _make_directory(self) -> None:
         for directory in (self.ledger_dir, self.directory.parent, self.directory):
             directory.mkdir(exist_ok=True, mode=0o700)  # a ledger-dir is 0700 (FileLedger's)
 
-    def _hold(self, label: str, record: dict[str, Any]) -> dict[str, Any]:
+    def _hold(self, label: str, record: dict[str, Any], arrays_file: str | None) -> dict[str, Any]:
         """A copy of ``record`` to return, ``record`` kept while exclusive() is held; its arrays
         read-only, shared by every copy (a caller that changed one in place would change them all)."""
         if self._held is None:
@@ -92,10 +100,16 @@ class NodeStateFiles:
         for array in (record.get("inputs") or {}).values():
             array.flags.writeable = False
         self._held[label] = record
+        self._arrays.pop(label, None)
+        if arrays_file is not None:
+            self._arrays[label] = arrays_file
         return _copy(record)
 
+    def _name(self, label: str) -> str:
+        return hashlib.sha256(label.encode("utf-8")).hexdigest()
+
     def _path(self, label: str) -> Path:
-        return self.directory / (hashlib.sha256(label.encode("utf-8")).hexdigest() + ".npz")
+        return self.directory / (self._name(label) + ".npz")
 
     def load(self, label: str) -> dict[str, Any] | None:
         if self._held is not None and label in self._held:
@@ -104,21 +118,33 @@ class NodeStateFiles:
         try:
             with np.load(path, allow_pickle=False) as data:
                 document = json.loads(str(data["record"]))
-                if document.get("format") != FORMAT or document.get("label") != label:
-                    raise ValueError(f"not a {FORMAT} record of {label[:40]!r}")
-                record = {key: _decoded(value) for key, value in document["fields"].items()}
-                if document["inputs"] is not None:
+            if document.get("format") != FORMAT or document.get("label") != label:
+                raise ValueError(f"not a {FORMAT} record of {label[:40]!r}")
+            record = {key: _decoded(value) for key, value in document["fields"].items()}
+            arrays_file = document["arrays"]
+            if document["inputs"] is not None:
+                own = isinstance(arrays_file, str) and _ARRAYS.fullmatch(arrays_file) is not None
+                if not own or not arrays_file.startswith(self._name(label) + "-"):
+                    raise ValueError(
+                        f"the record names no arrays file of its own ({str(arrays_file)[:80]!r})"
+                    )
+                with np.load(self.directory / arrays_file, allow_pickle=False) as data:
                     record["inputs"] = {
                         name: np.array(data[f"a{i}"]) for i, name in enumerate(document["inputs"])
                     }
-        except FileNotFoundError:
-            return None
+        except FileNotFoundError as exc:
+            if Path(str(exc.filename)) == path:
+                return None
+            raise self._unreadable(path, exc) from None
         except _UNREADABLE as exc:
-            raise ConfigurationError(
-                f"{path}: a session record of this node is unreadable ({exc}); delete {self.directory} "
-                "(the run's records) and run the session again"
-            ) from None
-        return self._hold(label, record)
+            raise self._unreadable(path, exc) from None
+        return self._hold(label, record, arrays_file if document["inputs"] is not None else None)
+
+    def _unreadable(self, path: Path, exc: BaseException) -> ConfigurationError:
+        return ConfigurationError(
+            f"{path}: a session record of this node is unreadable ({exc}); delete {self.directory} "
+            "(the run's records) and run the session again"
+        )
 
     def save(self, label: str, record: Mapping[str, Any]) -> None:
         inputs = record.get("inputs")
@@ -129,22 +155,50 @@ class NodeStateFiles:
             if array.dtype.hasobject:  # np.savez would pickle it, and load refuses a pickle
                 raise TypeError(f"the record's input {name!r} is not a numeric array")
             arrays[f"a{i}"] = array
+        fields = {key: _encoded(value, key) for key, value in record.items() if key != "inputs"}
+        self._make_directory()
+        arrays_file = self._unchanged_arrays(label, inputs)
+        if names is not None and arrays_file is None:
+            arrays_file = f"{self._name(label)}-{secrets.token_hex(8)}.npz"
+            buffer = io.BytesIO()
+            np.savez(buffer, **arrays)
+            write_with_mode(self.directory / arrays_file, buffer.getvalue(), 0o600)
         document = {
             "format": FORMAT,
             "label": label,
-            "fields": {key: _encoded(value, key) for key, value in record.items() if key != "inputs"},
+            "fields": fields,
             "inputs": names,
+            "arrays": arrays_file,
         }
         buffer = io.BytesIO()
-        np.savez(buffer, record=np.array(json.dumps(document, allow_nan=True)), **arrays)
-        self._make_directory()
+        np.savez(buffer, record=np.array(json.dumps(document, allow_nan=True)))
         write_with_mode(self._path(label), buffer.getvalue(), 0o600)
+        # The record names its arrays now: any other arrays file of it (the Gram it named before, one a
+        # crash left) goes, so a record saved without its arrays leaves none on the disk.
+        for other in self.directory.glob(self._name(label) + "-*.npz"):
+            if other.name != arrays_file:
+                other.unlink(missing_ok=True)
         if self._held is not None:
             held = {key: value for key, value in record.items() if key != "inputs"}
             if names is not None:
+                unchanged = arrays_file == self._arrays.get(label)
                 # copies: the caller's arrays stay its own (writable); cheaper than reading the file
-                held["inputs"] = {name: np.array(arrays[f"a{i}"]) for i, name in enumerate(names)}
-            self._hold(label, held)
+                held["inputs"] = (
+                    dict(inputs)
+                    if unchanged
+                    else {  # type: ignore[arg-type]
+                        name: np.array(arrays[f"a{i}"]) for i, name in enumerate(names)
+                    }
+                )
+            self._hold(label, held, arrays_file)
+
+    def _unchanged_arrays(self, label: str, inputs: Mapping[str, Any] | None) -> str | None:
+        """The arrays file of the record held for ``label`` when ``inputs`` are its very arrays
+        (read-only, so unchanged since they were read or written), else None."""
+        held = (self._held or {}).get(label, {}).get("inputs")
+        if inputs is None or held is None or label not in self._arrays or sorted(inputs) != sorted(held):
+            return None
+        return self._arrays[label] if all(inputs[name] is held[name] for name in held) else None
 
 
 def _copy(record: Mapping[str, Any]) -> dict[str, Any]:

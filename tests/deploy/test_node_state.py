@@ -185,7 +185,8 @@ def test_every_field_comes_back_as_saved_and_the_files_are_private(tmp_path: Pat
     # The label names the file by its digest: it stays in the run's directory, 0600 in 0700.
     run_dir = ledger / STATE_DIR / str(RUN)
     files = list(ledger.rglob("*"))
-    assert [p for p in files if p.is_file()] == list(run_dir.glob("*.npz")) and len(files) == 3
+    # The record and its arrays' file, both in the run's directory.
+    assert sorted(p for p in files if p.is_file()) == sorted(run_dir.glob("*.npz")) and len(files) == 4
     assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700
     assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in run_dir.iterdir())
     assert NodeStateFiles(ledger, RUN).load("another") is None
@@ -249,3 +250,43 @@ def test_one_message_is_answered_at_a_time(tmp_path: Path, monkeypatch) -> None:
     # Released when the answer is sent: the next message's ClientApp takes it.
     with NodeStateFiles(node.settings.ledger_dir, RUN).exclusive():
         pass
+
+
+def test_a_records_arrays_are_written_when_they_change_and_deleted_with_them(tmp_path: Path) -> None:
+    ledger = tmp_path / "ledger"
+    run_dir = ledger / STATE_DIR / str(RUN)
+    gram = np.arange(16.0).reshape(4, 4)
+
+    def arrays_files() -> list[Path]:
+        return sorted(p for p in run_dir.glob("*-*.npz"))
+
+    records = NodeStateFiles(ledger, RUN)
+    with records.exclusive():
+        records.save("1", {"status": "active", "messages": [b"R0"], "inputs": {"all|G": gram}})
+        (first,) = arrays_files()
+        written = first.stat().st_mtime_ns, first.stat().st_ino
+        # A message's saves of the record it read (the same read-only arrays) write the record alone.
+        saved = records.load("1")
+        records.save("1", {**saved, "messages": [b"R0", b"R1"]})
+        records.save("1", {**records.load("1"), "answered-sha256": "ab"})
+        assert arrays_files() == [first] and (first.stat().st_mtime_ns, first.stat().st_ino) == written
+    # The next message's ClientApp reads both files back, as saved.
+    again = NodeStateFiles(ledger, RUN)
+    with again.exclusive():
+        loaded = again.load("1")
+        assert loaded["messages"] == [b"R0", b"R1"] and loaded["answered-sha256"] == "ab"
+        assert loaded["inputs"]["all|G"].tobytes() == gram.tobytes()
+        # New arrays (equal values, other objects): a new file, the old one deleted.
+        again.save("1", {**loaded, "inputs": {"all|G": gram.copy()}})
+        (second,) = arrays_files()
+        assert second != first and not first.exists()
+        # A record saved without arrays (a session over: its secrets dropped) leaves none on the disk.
+        again.save("1", {"status": "done"})
+        assert arrays_files() == [] and again.load("1") == {"status": "done"}
+    assert NodeStateFiles(ledger, RUN).load("1") == {"status": "done"}
+    # A record naming an arrays file that is gone, or another record's, is refused as unreadable.
+    NodeStateFiles(ledger, RUN).save("2", {"inputs": {"g": gram}})
+    (orphaned,) = arrays_files()
+    orphaned.unlink()
+    with pytest.raises(ConfigurationError, match="unreadable"):
+        NodeStateFiles(ledger, RUN).load("2")
