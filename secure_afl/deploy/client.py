@@ -383,15 +383,15 @@ def _dispatch(envelope: Envelope, state: LocalState, settings: NodeSettings) -> 
 
 
 def _end_refused(envelope: Envelope, label: str, exc: Exception, state: LocalState) -> None:
-    """After a refusal: the session it ends drops its seed (its record says failed); a refused
-    classifier or check message ends the check, whose key and kept values are deleted."""
-    from .verify import forget_check
+    """After a refusal: the session it ends drops its seed (its record says failed); a classifier or
+    check message refused for what it holds ends the check, whose key and kept values are deleted."""
+    from .verify import ends_check, forget_check
 
     if label and envelope.kind in ("advertise", "protocol"):
         saved = state.load(label)
         if saved is None or saved.get("status") == "active":
             state.save(label, {"status": f"failed: {type(exc).__name__}"})
-    elif envelope.kind in ("classifier", "verify"):
+    elif envelope.kind in ("classifier", "verify") and ends_check(exc):
         forget_check(state)
 
 

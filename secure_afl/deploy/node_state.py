@@ -12,16 +12,19 @@ is sent (a temporary file renamed into place), and one message is answered at a 
 
 A record holds what a session needs between messages, its secrets included (the session's seed, the
 check's key), in 0600 files of a 0700 directory.  A session's seed is dropped from its record when the
-session ends or fails (deploy/client.py), the check's key and values when the check ends: verified,
-refused, or the classifier stored unverified (deploy/verify.py ``forget_check``); what an unfinished
-step left (a session the coordinator abandoned, a classifier never delivered) stays until the node's
-next run starts, which deletes the run's records.
+session ends or fails (deploy/client.py), the check's key and values once the node sent its masked
+terms, stored the classifier unverified, or refused a message of the check for what it holds
+(deploy/verify.py ``forget_check``, ``ends_check``); what an unfinished step left (a session the
+coordinator abandoned, a classifier or relay never sent, a refusal for the node's own trouble) stays
+until the node's next run starts, which deletes the run's records.
 Nothing here is unpickled: the fields are typed JSON, the arrays ``np.load(allow_pickle=False)``.
 
 A record's arrays (a session's inputs: its Gram, 33 MB at d = 2048) are a file of their own, which the
-record names; a save whose arrays are those it read (the same read-only objects) writes the record
-alone, so a message rewrites the Gram no more (each message saves its record twice).  A record's
-earlier arrays file is deleted once the record naming another, or none, is in place.
+record names.  Within one :meth:`NodeStateFiles.exclusive` (one message), a save whose arrays are
+those the record was read or saved with (the same read-only objects) writes the record alone, so a
+message, which saves its record twice, writes the Gram no more.  A record's earlier arrays file is
+deleted once the record naming another, or none, is in place.  ``load`` and ``save`` outside
+``exclusive()`` take it for themselves: no two processes write one run's records at once.
 """
 
 from __future__ import annotations
@@ -75,13 +78,18 @@ class NodeStateFiles:
     def exclusive(self) -> Iterator[None]:
         """Held while one message is answered: a second ClientApp of this node (a re-sent copy, a
         message the coordinator sent at the same time) waits, then reads the records the first wrote,
-        instead of writing its own older ones over them.  The OS releases it if the process dies."""
+        instead of writing its own older ones over them.  The OS releases it if the process dies.
+        One instance per process: flock locks per open file, so a second instance's lock (or load or
+        save, which take it when it is not held) waits for the first's, in the same process too."""
         self._make_directory()
         handle = os.open(self.directory / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(handle, fcntl.LOCK_EX)
             # Nobody else writes while it is held: a record read again (handle reads a message's
-            # record up to three times) comes from memory, not from a 33 MB file at d = 2048.
+            # record up to three times) comes from memory, not from a 33 MB file at d = 2048; and a
+            # temporary file here is one a process killed while writing left (write_with_mode's).
+            for left in self.directory.glob(".*.tmp"):
+                left.unlink(missing_ok=True)
             self._held = {}
             yield
         finally:
@@ -94,7 +102,8 @@ class NodeStateFiles:
 
     def _hold(self, label: str, record: dict[str, Any], arrays_file: str | None) -> dict[str, Any]:
         """A copy of ``record`` to return, ``record`` kept while exclusive() is held; its arrays
-        read-only, shared by every copy (a caller that changed one in place would change them all)."""
+        read-only, shared by every copy (a caller that changed one in place would change them all, and
+        a save of them would not be written: a caller must not set them writeable)."""
         if self._held is None:
             return record
         for array in (record.get("inputs") or {}).values():
@@ -112,7 +121,10 @@ class NodeStateFiles:
         return self.directory / (self._name(label) + ".npz")
 
     def load(self, label: str) -> dict[str, Any] | None:
-        if self._held is not None and label in self._held:
+        if self._held is None:
+            with self.exclusive():
+                return self.load(label)
+        if label in self._held:
             return _copy(self._held[label])
         path = self._path(label)
         try:
@@ -147,6 +159,9 @@ class NodeStateFiles:
         )
 
     def save(self, label: str, record: Mapping[str, Any]) -> None:
+        if self._held is None:
+            with self.exclusive():
+                return self.save(label, record)
         inputs = record.get("inputs")
         names = sorted(inputs) if inputs is not None else None
         arrays = {}
@@ -156,46 +171,43 @@ class NodeStateFiles:
                 raise TypeError(f"the record's input {name!r} is not a numeric array")
             arrays[f"a{i}"] = array
         fields = {key: _encoded(value, key) for key, value in record.items() if key != "inputs"}
-        self._make_directory()
         arrays_file = self._unchanged_arrays(label, inputs)
+        written = None
         if names is not None and arrays_file is None:
-            arrays_file = f"{self._name(label)}-{secrets.token_hex(8)}.npz"
+            arrays_file = written = f"{self._name(label)}-{secrets.token_hex(8)}.npz"
             buffer = io.BytesIO()
             np.savez(buffer, **arrays)
             write_with_mode(self.directory / arrays_file, buffer.getvalue(), 0o600)
-        document = {
-            "format": FORMAT,
-            "label": label,
-            "fields": fields,
-            "inputs": names,
-            "arrays": arrays_file,
-        }
+        document = {"format": FORMAT, "label": label, "fields": fields, "inputs": names}
+        document["arrays"] = arrays_file
         buffer = io.BytesIO()
         np.savez(buffer, record=np.array(json.dumps(document, allow_nan=True)))
-        write_with_mode(self._path(label), buffer.getvalue(), 0o600)
+        try:
+            write_with_mode(self._path(label), buffer.getvalue(), 0o600)
+        except BaseException:
+            if written is not None:  # no record names it: the arrays just written go again
+                (self.directory / written).unlink(missing_ok=True)
+            raise
         # The record names its arrays now: any other arrays file of it (the Gram it named before, one a
         # crash left) goes, so a record saved without its arrays leaves none on the disk.
         for other in self.directory.glob(self._name(label) + "-*.npz"):
             if other.name != arrays_file:
                 other.unlink(missing_ok=True)
-        if self._held is not None:
-            held = {key: value for key, value in record.items() if key != "inputs"}
-            if names is not None:
-                unchanged = arrays_file == self._arrays.get(label)
-                # copies: the caller's arrays stay its own (writable); cheaper than reading the file
-                held["inputs"] = (
-                    dict(inputs)
-                    if unchanged
-                    else {  # type: ignore[arg-type]
-                        name: np.array(arrays[f"a{i}"]) for i, name in enumerate(names)
-                    }
-                )
-            self._hold(label, held, arrays_file)
+        held = {key: value for key, value in record.items() if key != "inputs"}
+        if names is not None:
+            # New arrays are copied: the caller's stay its own (writable); cheaper than reading the file.
+            held["inputs"] = (
+                dict(inputs)  # type: ignore[arg-type]
+                if written is None
+                else {name: np.array(arrays[f"a{i}"]) for i, name in enumerate(names)}
+            )
+        self._hold(label, held, arrays_file)
+        return None
 
     def _unchanged_arrays(self, label: str, inputs: Mapping[str, Any] | None) -> str | None:
         """The arrays file of the record held for ``label`` when ``inputs`` are its very arrays
         (read-only, so unchanged since they were read or written), else None."""
-        held = (self._held or {}).get(label, {}).get("inputs")
+        held = (self._held or {}).get(label, {}).get("inputs")  # type: ignore[union-attr]
         if inputs is None or held is None or label not in self._arrays or sorted(inputs) != sorted(held):
             return None
         return self._arrays[label] if all(inputs[name] is held[name] for name in held) else None

@@ -48,6 +48,7 @@ record).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import json
@@ -790,21 +791,37 @@ def begin_check(
     except (pv.VerificationError, UnverifiedClassifierError) as exc:
         if require != "false":
             raise  # the refusal (client.py) forgets the check's secrets too
-        forget_check(state)  # stored unverified: this node's check is over
+        # Stored unverified: this node's check is over (a record it cannot write: the next run deletes it).
+        with contextlib.suppress(OSError, DeploymentError):
+            forget_check(state)
         return Held(False, why=f"{type(exc).__name__}: {exc}")
 
 
+def ends_check(exc: BaseException) -> bool:
+    """Whether refusing a classifier or check message for ``exc`` ends this node's check: a refusal
+    of what the coordinator sent does; one for the node's own trouble (its disk, its passphrase file,
+    its config) does not, so a copy the coordinator sends again can still be answered."""
+    from .errors import ClassifierFileError, RosterMismatchError, SessionReplayError
+
+    checks = (pv.VerificationError, UnverifiedClassifierError, ClassifierCheckFailedError)
+    return isinstance(exc, (*checks, ClassifierFileError, RosterMismatchError, SessionReplayError))
+
+
 def forget_check(state: Any) -> None:
-    """End this node's check for the run: its mask key and the values it kept for its terms are
-    deleted from its records, and the record says ``failed`` (a later delivery or relay is refused).
-    Called when the node refuses the classifier or a message of its check, or stores the classifier
-    unverified: a check that cannot finish keeps no secret on the node's disk until the next run."""
-    record = state.load(STATE_LABEL)
-    if record is not None and record.get("status") not in ("failed", "verified"):
-        state.save(STATE_LABEL, {"status": "failed", "session_id": record.get("session_id", "")})
-    kept = state.load(STATE_INPUTS)
-    if kept is not None and "inputs" in kept:
-        state.save(STATE_INPUTS, {"session_id": kept.get("session_id", "")})
+    """End this node's check for the run: the values it kept for its terms and its mask key are
+    deleted from its records, and a check not yet answered says ``failed`` (a later delivery is
+    refused).  Called when the node refuses the classifier or a message of its check for what the
+    coordinator sent (:func:`ends_check`), or stores the classifier unverified: a check that cannot
+    finish keeps no secret on the node's disk until the next run.  A check already answered (its
+    masked terms sent) holds no secret any more and is left as it is."""
+    try:  # the values first, whatever the check's own record says
+        kept = state.load(STATE_INPUTS)
+        if kept is not None and "inputs" in kept:
+            state.save(STATE_INPUTS, {"session_id": kept.get("session_id", "")})
+    finally:
+        record = state.load(STATE_LABEL)
+        if record is not None and record.get("status") == "committed":
+            state.save(STATE_LABEL, {"status": "failed", "session_id": record.get("session_id", "")})
 
 
 def _begin_check(

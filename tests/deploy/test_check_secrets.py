@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from secure_afl.deploy.audit import node_audit_log
+from secure_afl.deploy.client import handle
 from secure_afl.deploy.errors import ConfigurationError
 from secure_afl.deploy.verify import STATE_INPUTS, STATE_LABEL
 from secure_afl.deploy.wire import Envelope
@@ -103,3 +104,85 @@ def test_a_node_whose_records_are_unreadable_refuses_and_its_audit_log_says_so(t
     (refused,) = [r for r in records if r.kind == "session-refused"]
     assert refused.body["error"] == "ConfigurationError" and "unreadable" in refused.body["rule"]
     assert refused.body["round"].startswith("unknown")
+
+
+def test_a_delivery_refused_for_the_nodes_own_trouble_leaves_the_check_open(tmp_path: Path) -> None:
+    # The passphrase file is away while the classifier comes: the node refuses (it cannot sign), and
+    # the copy the coordinator sends again once it is back is answered, not refused as a check over.
+    federation = make_federation(tmp_path, n_clients=3)
+    node = federation.nodes[1000]
+    passfile = node.settings.passphrase_file
+    away = passfile.with_name("away")
+
+    def hide(node_id: int, group: str, envelope: Envelope) -> Envelope:
+        if node_id == 1000 and group == "classifier":
+            passfile.rename(away)
+        return envelope
+
+    server, transport = _server(federation, tamper=hide)
+    classifier = server.run()
+    server.deliver(classifier, server.sign(classifier))
+    (refusal,) = [e for n, g, e in transport.received if n == 1000 and g == "classifier"]
+    assert refusal.kind == "refused" and refusal.meta["error"] not in (
+        "VerificationError",
+        "SessionReplayError",
+    )
+    assert _secrets(node) == {"key": True, "values": True}
+    away.rename(passfile)
+    (delivery,) = [e for n, g, e in transport.sent if n == 1000 and g == "classifier"]
+    again = handle(delivery, node.state, node.settings)
+    assert again.kind == "ack" and again.meta["held"] is True, again.meta
+    assert _secrets(node) == {"key": False, "values": False}  # its terms computed: neither is needed
+
+
+def test_a_refused_second_delivery_leaves_an_answered_check_to_finish(tmp_path: Path) -> None:
+    # After its masked terms went, a node refuses another classifier message; the check it answered
+    # still decides on the relay (nothing secret was left to forget).
+    federation = make_federation(tmp_path, n_clients=3)
+    node = federation.nodes[1000]
+    delivered: list[Envelope] = []
+
+    def resend_before_relay(node_id: int, group: str, envelope: Envelope) -> Envelope:
+        if group == "classifier" and node_id == 1000:
+            delivered.append(envelope)
+        if group == "verify-sums" and node_id == 1000:
+            other = Envelope(
+                "classifier", {**delivered[0].meta, "round": "classifier again"}, delivered[0].payload
+            )
+            assert handle(other, node.state, node.settings).kind == "refused"
+        return envelope
+
+    server, _ = _server(federation, tamper=resend_before_relay)
+    classifier = server.run()
+    server.deliver(classifier, server.sign(classifier))
+    assert server.report.verified == ("client-0", "client-1", "client-2")
+
+
+class UnreadableCheckRecord(DictState):
+    """The check's record turns unreadable once the delivery has read it (armed by the test)."""
+
+    armed, reads = False, 0
+
+    def load(self, label: str) -> dict[str, Any] | None:
+        if label == STATE_LABEL and self.armed:
+            self.reads += 1
+            if self.reads > 1:
+                raise ConfigurationError("the check's record is unreadable")
+        return super().load(label)
+
+
+def test_the_kept_values_go_even_when_the_checks_own_record_turns_unreadable(tmp_path: Path) -> None:
+    federation = make_federation(tmp_path, n_clients=3)
+    node = federation.nodes[1000]
+    state = node.state = UnreadableCheckRecord()
+
+    def arm(node_id: int, group: str, envelope: Envelope) -> Envelope:
+        state.armed = state.armed or (node_id == 1000 and group == "classifier")
+        return _drop_commitment(node_id, group, envelope)
+
+    server, _ = _server(federation, tamper=arm)
+    classifier = server.run()
+    assert "inputs" in state.records[STATE_INPUTS]
+    server.deliver(classifier, server.sign(classifier))
+    assert ("client-0", "VerificationError") in [(r["from"], r["error"]) for r in server.report.refusals]
+    assert state.reads >= 2 and "inputs" not in state.records[STATE_INPUTS]

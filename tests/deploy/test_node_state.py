@@ -185,8 +185,9 @@ def test_every_field_comes_back_as_saved_and_the_files_are_private(tmp_path: Pat
     # The label names the file by its digest: it stays in the run's directory, 0600 in 0700.
     run_dir = ledger / STATE_DIR / str(RUN)
     files = list(ledger.rglob("*"))
-    # The record and its arrays' file, both in the run's directory.
-    assert sorted(p for p in files if p.is_file()) == sorted(run_dir.glob("*.npz")) and len(files) == 4
+    # The record and its arrays' file, both in the run's directory (beside the lock).
+    assert sorted(p for p in files if p.is_file()) == sorted([*run_dir.glob("*.npz"), run_dir / ".lock"])
+    assert len(files) == 5
     assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700
     assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in run_dir.iterdir())
     assert NodeStateFiles(ledger, RUN).load("another") is None
@@ -284,9 +285,75 @@ def test_a_records_arrays_are_written_when_they_change_and_deleted_with_them(tmp
         again.save("1", {"status": "done"})
         assert arrays_files() == [] and again.load("1") == {"status": "done"}
     assert NodeStateFiles(ledger, RUN).load("1") == {"status": "done"}
+    # Any other arrays, in the same message: one replaced, one added, another record's: each written.
+    records = NodeStateFiles(ledger, RUN)
+    records.save("2", {"inputs": {"g": gram, "h": -gram}})
+    for change in ("replace h", "add k", "drop h"):
+        with records.exclusive():  # one message: the arrays held are the ones it read
+            held = records.load("2")["inputs"]
+            inputs = {
+                "replace h": {"g": held["g"], "h": gram},
+                "add k": {**held, "k": gram},
+                "drop h": {"g": held["g"]},
+            }[change]
+            records.save("2", {"inputs": inputs})
+            records.save("1", {"inputs": inputs})  # another record's arrays
+        for label in ("1", "2"):  # the next message's ClientApp
+            loaded = NodeStateFiles(ledger, RUN).load(label)["inputs"]
+            assert sorted(loaded) == sorted(inputs), change
+            assert all(loaded[k].tobytes() == inputs[k].tobytes() for k in inputs), change
+    assert len(arrays_files()) == 2  # one per record, the older ones deleted
     # A record naming an arrays file that is gone, or another record's, is refused as unreadable.
-    NodeStateFiles(ledger, RUN).save("2", {"inputs": {"g": gram}})
-    (orphaned,) = arrays_files()
-    orphaned.unlink()
+    one, two = (records._path(label) for label in ("1", "2"))
+    one_bytes = one.read_bytes()
+    one.write_bytes(two.read_bytes().replace(records._name("2").encode(), records._name("1").encode(), 1))
     with pytest.raises(ConfigurationError, match="unreadable"):
-        NodeStateFiles(ledger, RUN).load("2")
+        NodeStateFiles(ledger, RUN).load("1")  # the label inside no longer matches its own file's
+    one.write_bytes(one_bytes)
+    named = next(p for p in arrays_files() if p.name.startswith(records._name("1")))
+    named.rename(named.with_name(records._name("1") + "-0000000000000000.npz.moved"))
+    with pytest.raises(ConfigurationError, match="unreadable"):
+        NodeStateFiles(ledger, RUN).load("1")
+    # A temporary file a killed writer left (its Gram, in the clear) goes at the next message.
+    left = run_dir / f".{named.name}.abcdef.tmp"
+    left.write_bytes(b"a half-written Gram")
+    with NodeStateFiles(ledger, RUN).exclusive():
+        assert not left.exists()
+
+
+def _save_many(ledger: Path, value: float, count: int) -> int:
+    records = NodeStateFiles(ledger, RUN)
+    for _ in range(count):
+        records.save("1", {"status": "active", "inputs": {"g": np.full((64, 64), value)}})
+    return count
+
+
+def _load_many(ledger: Path, count: int) -> set[float]:
+    records = NodeStateFiles(ledger, RUN)
+    seen = set()
+    for _ in range(count):
+        loaded = records.load("1")
+        if loaded is not None:
+            values = np.unique(loaded["inputs"]["g"])
+            assert len(values) == 1  # never a mix of two saves
+            seen.add(float(values[0]))
+    return seen
+
+
+def test_processes_saving_and_loading_one_record_at_once_never_see_a_broken_one(tmp_path: Path) -> None:
+    # Each load and save outside exclusive() takes the lock itself: two writers never leave the record
+    # naming an arrays file the other deleted, and a reader never finds one half-replaced.
+    import concurrent.futures
+    import multiprocessing
+
+    ledger = tmp_path / "ledger"
+    NodeStateFiles(ledger, RUN)
+    pool = concurrent.futures.ProcessPoolExecutor(3, mp_context=multiprocessing.get_context("fork"))
+    with pool:
+        writers = [pool.submit(_save_many, ledger, float(v), 40) for v in (1, 2)]
+        reader = pool.submit(_load_many, ledger, 80)
+        assert [w.result(timeout=120) for w in writers] == [40, 40]
+        assert reader.result(timeout=120) <= {1.0, 2.0}
+    last = NodeStateFiles(ledger, RUN).load("1")
+    assert last is not None and float(last["inputs"]["g"][0, 0]) in (1.0, 2.0)
+    assert len(list((ledger / STATE_DIR / str(RUN)).glob("*-*.npz"))) == 1
