@@ -339,11 +339,11 @@ CHECK_RUNS = {
 }  # (check, session)
 CHECK_COMMAND = "python bench/bench_verify.py --dims {dim} --clients 8 --classes 8 --rows 5889"
 CHECK_STAMP = "commit 968e87f, 2026-12-07"
-# Through Flower at the paper's size (one run per d, 33534c6, 2026-12-07, this 2-core host): the check's
-# one relay round and the session, wall seconds (report.json's "seconds": "verify", "federation").
-CHECK_FLOWER = {1024: (11.98, 68.28), 2048: (12.35, 80.4)}
+# Through Flower at the paper's size (the first of two runs per d, d5784a7, 2026-12-07, this 2-core host): the
+# check's one relay round and the session, wall seconds (report.json's "seconds": "verify", "federation").
+CHECK_FLOWER = {1024: (12.5, 77.98), 2048: (14.47, 75.88)}
 CHECK_FLOWER_COMMAND = "secure-afl deploy local --clients 8 --seed 2 --no-tls --fraction 1.0 --dim {dim}"
-CHECK_FLOWER_STAMP = "commit 33534c6, 2026-12-07, one run on a shared 2-core host"
+CHECK_FLOWER_STAMP = "commit d5784a7, 2026-12-07, one run on a shared 2-core host"
 
 
 def classifier_check(config: SimConfig) -> dict[str, object]:
