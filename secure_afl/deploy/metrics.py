@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fcntl
 import ipaddress
 import json
 import math
@@ -35,6 +34,8 @@ from prometheus_client import CollectorRegistry, start_http_server, write_to_tex
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
+
+from secure_afl.core.locking import exclusive_lock
 
 from .errors import ConfigurationError
 
@@ -108,12 +109,8 @@ def read_state(path: Path, role: str | None = None) -> MetricsState:
 @contextlib.contextmanager
 def _locked(path: Path) -> Iterator[None]:
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # a ledger-dir is 0700 (FileLedger's)
-    handle = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+    with exclusive_lock(path.with_name(path.name + ".lock")):
         yield
-    finally:
-        os.close(handle)
 
 
 def _write(path: Path, state: MetricsState) -> None:

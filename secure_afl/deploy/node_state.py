@@ -31,11 +31,9 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import fcntl
 import hashlib
 import io
 import json
-import os
 import re
 import secrets
 import shutil
@@ -45,6 +43,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from secure_afl.core.locking import exclusive_lock
 
 from .errors import ConfigurationError
 from .tls import write_with_mode
@@ -82,19 +82,17 @@ class NodeStateFiles:
         One instance per process: flock locks per open file, so a second instance's lock (or load or
         save, which take it when it is not held) waits for the first's, in the same process too."""
         self._make_directory()
-        handle = os.open(self.directory / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX)
+        with exclusive_lock(self.directory / ".lock"):
             # Nobody else writes while it is held: a record read again (handle reads a message's
             # record up to three times) comes from memory, not from a 33 MB file at d = 2048; and a
             # temporary file here is one a process killed while writing left (write_with_mode's).
             for left in self.directory.glob(".*.tmp"):
                 left.unlink(missing_ok=True)
             self._held = {}
-            yield
-        finally:
-            self._held, self._arrays = None, {}
-            os.close(handle)
+            try:
+                yield
+            finally:
+                self._held, self._arrays = None, {}
 
     def _make_directory(self) -> None:
         for directory in (self.ledger_dir, self.directory.parent, self.directory):
@@ -104,8 +102,7 @@ class NodeStateFiles:
         """A copy of ``record`` to return, ``record`` kept while exclusive() is held; its arrays
         read-only, shared by every copy (a caller that changed one in place would change them all, and
         a save of them would not be written: a caller must not set them writeable)."""
-        if self._held is None:
-            return record
+        assert self._held is not None  # load and save run within exclusive()
         for array in (record.get("inputs") or {}).values():
             array.flags.writeable = False
         self._held[label] = record
@@ -161,7 +158,8 @@ class NodeStateFiles:
     def save(self, label: str, record: Mapping[str, Any]) -> None:
         if self._held is None:
             with self.exclusive():
-                return self.save(label, record)
+                self.save(label, record)
+            return
         inputs = record.get("inputs")
         names = sorted(inputs) if inputs is not None else None
         arrays = {}
@@ -178,8 +176,7 @@ class NodeStateFiles:
             buffer = io.BytesIO()
             np.savez(buffer, **arrays)
             write_with_mode(self.directory / arrays_file, buffer.getvalue(), 0o600)
-        document = {"format": FORMAT, "label": label, "fields": fields, "inputs": names}
-        document["arrays"] = arrays_file
+        document = dict(format=FORMAT, label=label, fields=fields, inputs=names, arrays=arrays_file)
         buffer = io.BytesIO()
         np.savez(buffer, record=np.array(json.dumps(document, allow_nan=True)))
         try:
@@ -202,12 +199,11 @@ class NodeStateFiles:
                 else {name: np.array(arrays[f"a{i}"]) for i, name in enumerate(names)}
             )
         self._hold(label, held, arrays_file)
-        return None
 
     def _unchanged_arrays(self, label: str, inputs: Mapping[str, Any] | None) -> str | None:
         """The arrays file of the record held for ``label`` when ``inputs`` are its very arrays
         (read-only, so unchanged since they were read or written), else None."""
-        held = (self._held or {}).get(label, {}).get("inputs")  # type: ignore[union-attr]
+        held = self._held.get(label, {}).get("inputs") if self._held is not None else None
         if inputs is None or held is None or label not in self._arrays or sorted(inputs) != sorted(held):
             return None
         return self._arrays[label] if all(inputs[name] is held[name] for name in held) else None
